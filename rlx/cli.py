@@ -1,0 +1,38 @@
+"""The `rlx` command line: registers one command per stage. No torch import here, so --help is instant."""
+
+from __future__ import annotations
+
+import typer
+
+from rlx.commands.merge import merge
+from rlx.commands.ppo import ppo
+from rlx.commands.rollout import rollout
+from rlx.commands.score import score
+from rlx.commands.shard import shard
+from rlx.commands.train_step import train_step
+
+app = typer.Typer(
+    name="rlx",
+    help="RL post-training for language models (PPO, GRPO) as plain, composable commands.\n\n"
+    "Stages read and write files: prompts.jsonl -> rollout -> rollouts.jsonl -> score -> "
+    "batch.safetensors -> train-step -> checkpoint. `rlx ppo` runs the loop from a recipe.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.command("shard")(shard)
+app.command("rollout")(rollout)
+app.command("score")(score)
+app.command("train-step")(train_step)
+app.command("merge")(merge)
+app.command("ppo")(ppo)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""One thin module per command: options -> config -> one engine call -> artifacts."""

@@ -1,0 +1,37 @@
+"""What every command shares: user-error reporting, and small option helpers. No torch import."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import typer
+
+from rlx.errors import UserError
+
+
+@contextlib.contextmanager
+def reporting(command: str) -> Iterator[None]:
+    """Turn UserErrors into one line on stderr and exit code 1; Ctrl-C into exit code 130."""
+    try:
+        yield
+    except UserError as e:
+        print(f"rlx {command}: error: {e}", file=sys.stderr)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        print(f"rlx {command}: interrupted", file=sys.stderr)
+        raise typer.Exit(130) from None
+    except BrokenPipeError:  # `rlx rollout --out - | head`: the reader went away
+        sys.stderr.close()
+        raise typer.Exit(0) from None
+
+
+def build_config(cls, **values):
+    """Construct a config dataclass from CLI options, mapping validation errors to the option name."""
+    from rlx.config import ConfigError
+
+    try:
+        return cls(**values)
+    except ConfigError as e:
+        raise UserError(f"--{e.key.replace('_', '-')}: {e.message}") from None

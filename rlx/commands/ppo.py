@@ -1,0 +1,44 @@
+"""`rlx ppo`: the whole loop from a recipe, models resident in one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rlx.commands._common import reporting
+
+
+def ppo(
+    recipe: Annotated[Path, typer.Argument(help="Recipe TOML (see recipes/quickstart.toml).")],
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set", help="Override a recipe key, e.g. --set train.lr=1e-5 (repeatable; values are TOML literals)."
+        ),
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Run folder; default runs/<recipe name>.")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue the run in --out from its last complete checkpoint.")] = False,
+    print_config: Annotated[bool, typer.Option(help="Print the resolved recipe as JSON and exit.")] = False,
+) -> None:
+    """Run PPO/GRPO: rollout -> score -> train-step for `steps` iterations, writing the same artifacts
+    as the separate commands (step_NNNNNN/, checkpoints/, metrics.jsonl) to the run folder.
+
+    Unknown recipe keys are rejected with their path. --resume continues after the last complete
+    step and gives the same final weights as an uninterrupted run.
+    """
+    with reporting("ppo"):
+        from rlx.engine.ppo.config import load_recipe
+
+        cfg = load_recipe(recipe, set_ or [])
+        if print_config:
+            import json
+
+            from rlx.config import to_dict
+
+            print(json.dumps(to_dict(cfg), indent=2))
+            return
+        from rlx.engine.ppo.loop import run_ppo
+
+        run_ppo(cfg, out or Path("runs") / recipe.stem, resume=resume)

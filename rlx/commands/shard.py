@@ -1,0 +1,49 @@
+"""`rlx shard`: lay a Hugging Face model (or a GGUF file) out as an rlx training checkpoint."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from rlx.commands._common import reporting
+
+
+def shard(
+    model: Annotated[
+        str,
+        typer.Option(
+            metavar="PATH",
+            help="Source: a Hugging Face model dir, a .gguf file (dequantised), or a dir with config.json "
+            "and a tokenizer for --init random.",
+        ),
+    ],
+    out: Annotated[str, typer.Option(metavar="PATH", help="Checkpoint folder to create (written atomically).")],
+    layout: Annotated[
+        str, typer.Option(metavar="NAME", help="Weight layout: 'single' (one process holds the full weights).")
+    ] = "single",
+    init: Annotated[
+        str,
+        typer.Option(
+            metavar="pretrained|random",
+            help="'pretrained' copies the weights; 'random' initialises them from config.json with --seed.",
+        ),
+    ] = "pretrained",
+    seed: Annotated[int, typer.Option(help="Seed for --init random.")] = 0,
+    dtype: Annotated[
+        str, typer.Option(metavar="DTYPE", help="Store weights as keep | float32 | bfloat16 | float16.")
+    ] = "keep",
+    overwrite: Annotated[bool, typer.Option(help="Replace --out if it exists.")] = False,
+) -> None:
+    """Lay a model out for training: an rlx checkpoint at step 0 (weights, config, tokenizer, rlx.json).
+
+    With the default layout and dtype, `rlx shard` then `rlx merge` gives back bit-identical tensors.
+    """
+    with reporting("shard"):
+        if init not in ("pretrained", "random"):
+            from rlx.errors import UserError
+
+            raise UserError(f"--init {init!r}: expected 'pretrained' or 'random'")
+        from rlx.engine.layout import shard_model
+
+        shard_model(model, out, layout=layout, init=init, seed=seed, dtype=dtype, overwrite=overwrite)

@@ -1,0 +1,221 @@
+"""Typed configuration: dataclass trees built from TOML or dicts, unknown keys rejected by path.
+
+Every config class is a `@dataclass(kw_only=True)` that lives next to the code it configures and
+validates itself in `__post_init__` with `check()`. A recipe TOML maps 1:1 onto the tree, and
+`--set a.b=value` overrides use the same dotted paths. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from rlx.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+T = TypeVar("T")
+
+
+class ConfigError(UserError):
+    """A config value is invalid; `key` is the field name, prefixed with its section path on the way up."""
+
+    def __init__(self, key: str, message: str):
+        self.key, self.message = key, message
+        super().__init__(f"{key}: {message}")
+
+
+def check(condition: bool, key: str, message: str) -> None:
+    """Raise a ConfigError for `key` unless `condition` holds (use in `__post_init__`)."""
+    if not condition:
+        raise ConfigError(key, message)
+
+
+def check_choices(obj: Any) -> None:
+    """Check every Literal-typed field of dataclass `obj` (values set from the CLI skip `from_dict`)."""
+    for name, tp in get_type_hints(type(obj)).items():
+        if get_origin(tp) is typing.Literal:
+            value = getattr(obj, name)
+            check(value in get_args(tp), name, f"expected one of {_type_name(tp)}, got {value!r}")
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is typing.Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if get_origin(tp) in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+_SCALARS = {
+    bool: lambda v: isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+    Path: lambda v: isinstance(v, (str, Path)),
+}
+
+
+def _coerce_union(value: Any, tp: Any, key: str) -> Any:
+    args = get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(value, arg, key)
+        except ConfigError:
+            continue
+    raise ConfigError(key, f"expected {_type_name(tp)}, got {value!r}")
+
+
+def _coerce_sequence(value: Any, tp: Any, key: str) -> Any:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(key, f"expected a list, got {value!r}")
+    (item,) = get_args(tp)[:1] or (Any,)
+    items = [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    return items if get_origin(tp) is list else tuple(items)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`, converting where TOML's types are narrower."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        return _coerce_union(value, tp, key)
+    if origin is typing.Literal:
+        if value not in get_args(tp):
+            raise ConfigError(key, f"expected one of {_type_name(tp)}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        return _coerce_sequence(value, tp, key)
+    if origin is dict or dataclasses.is_dataclass(tp):
+        if dataclasses.is_dataclass(tp) and isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a table, got {value!r}")
+        return from_dict(tp, value, prefix=key) if dataclasses.is_dataclass(tp) else dict(value)
+    accepts = _SCALARS.get(tp, lambda v: isinstance(v, tp))
+    if not accepts(value):
+        raise ConfigError(key, f"expected {_type_name(tp)}, got {value!r}")
+    return Path(value) if tp is Path else float(value) if tp is float else value
+
+
+def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
+    """Build dataclass `cls` from a (possibly nested) dict; unknown keys and bad types name their path."""
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name not in fields:
+            valid = ", ".join(sorted(fields))
+            raise ConfigError(key, f"unknown key (valid keys here: {valid})")
+        kwargs[name] = _coerce(value, hints[name], key)
+    for name, f in fields.items():
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            key = f"{prefix}.{name}" if prefix else name
+            raise ConfigError(key, "missing required key")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        if prefix and not e.key.startswith(prefix + "."):
+            raise ConfigError(f"{prefix}.{e.key}", e.message) from None
+        raise
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass tree -> plain dict (Paths as strings), suitable for JSON or TOML."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse `a.b.c=value`: the value is read as a TOML literal, else taken as a plain string."""
+    if "=" not in text:
+        raise UserError(f"--set {text!r}: expected KEY=VALUE, e.g. --set train.lr=1e-5")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise UserError(f"--set {text!r}: bad key {key!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Return a copy of nested dict `data` with each `a.b=value` override applied (tables created)."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise UserError(f"--set {text!r}: {part!r} is a value, not a table")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load_toml(path: str | Path) -> dict:
+    """Read a TOML file, reporting syntax errors with the file name and position."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UserError(f"{p}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{p}: invalid TOML ({e})") from None
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The one-line docstrings written under each dataclass field (for help text and printed configs)."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(getattr(after, "value", None), ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def help_for(cls: type, name: str) -> str:
+    """Help text for a CLI option, taken from the field's docstring so CLI and recipe read the same."""
+    return field_docs(cls).get(name, "")

@@ -1,0 +1,1 @@
+"""The machinery behind the commands: I/O, rollout, scoring, training, checkpoints and the PPO loop."""

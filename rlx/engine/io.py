@@ -1,0 +1,138 @@
+"""File plumbing shared by every stage: atomic writes, JSONL with line-numbered errors, stdin/stdout.
+
+Outputs are written under a temporary name in the destination folder and renamed into place, so a
+failure (or a kill) never leaves a partial file that looks whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from rlx.errors import UserError
+
+STDIO = "-"
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; rename it onto `path` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, path)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder next to `path`; rename it onto `path` only if the block succeeds.
+
+    An existing `path` is an error unless `overwrite` is set, in which case it is replaced whole.
+    """
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise UserError(f"{path}: already exists (choose another output or pass --overwrite)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.replace(path, trash / "old")
+            os.replace(tmp, path)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def dumps_line(record: dict) -> str:
+    """One JSONL line, compact, keys in insertion order, non-finite floats refused."""
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def write_jsonl(path: str | Path, records: Iterable[dict]) -> None:
+    """Write records as JSONL to `path` atomically, or to stdout when `path` is '-'."""
+    if str(path) == STDIO:
+        for record in records:
+            sys.stdout.write(dumps_line(record) + "\n")
+        sys.stdout.flush()
+        return
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(dumps_line(record) + "\n")
+
+
+def append_jsonl(path: str | Path, record: dict) -> None:
+    """Append one line and flush it to disk (metrics logs): a kill leaves whole lines only."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(dumps_line(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
+    """Read JSONL from `path` (or stdin for '-') as (line number, object) pairs; blank lines skipped.
+
+    Raises UserError naming the file and line for unreadable files, bad JSON and non-object lines.
+    """
+    name = "<stdin>" if str(path) == STDIO else str(path)
+    if str(path) == STDIO:
+        lines = sys.stdin.read().splitlines()
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"{name}: no such file")
+        try:
+            lines = p.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise UserError(f"{name}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    out = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{name}:{number}: malformed JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise UserError(f"{name}:{number}: expected a JSON object, got {type(obj).__name__}")
+        out.append((number, obj))
+    return out
+
+
+def read_json(path: str | Path) -> dict:
+    """Read one JSON object from a file, with a UserError naming the file on failure."""
+    p = Path(path)
+    try:
+        obj = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{p}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{p}: expected a JSON object")
+    return obj
+
+
+def write_json(path: str | Path, obj: dict) -> None:
+    """Write one JSON object atomically, indented for people."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n")

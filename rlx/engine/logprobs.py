@@ -1,0 +1,84 @@
+"""Per-token logprobs and entropy of response tokens under a causal LM, for scoring and training.
+
+Both `rlx score` (old / ref logprobs) and `rlx train-step` (new logprobs) call `response_logprobs`,
+so the two sides compute the ratio's numerator and denominator the same way. Logits are upcast to
+float32 and divided by the rollout temperature before the softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlx.engine.device import autocast
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits: [..., V], targets: [...] -> (logprob of each target, entropy of each row), float32."""
+    scaled = logits.float() / temperature
+    log_probs = torch.log_softmax(scaled, dim=-1)
+    picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+    return picked, entropy
+
+
+def response_logprobs(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float,
+    dtype: torch.dtype,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs [B, R] (and entropy [B, R]) of the response tokens given the prompts.
+
+    prompt_ids/mask: [B, P] left-padded; response_ids/mask: [B, R] right-padded; all on the
+    model's device. Values at masked response positions are meaningless and must be masked by
+    the caller.
+    """
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # [B, P+R]
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    r = response_ids.shape[1]
+    with autocast(input_ids.device, dtype):
+        # logits for positions P-1 .. P+R-1 predict response tokens 0 .. R-1 (plus one spare at the end)
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=r + 1,
+        ).logits[:, :-1, :]
+    return logprobs_from_logits(logits, response_ids, temperature, with_entropy)
+
+
+@torch.no_grad()
+def batched_response_logprobs(
+    model,
+    tensors: dict[str, torch.Tensor],
+    temperature: float,
+    device: torch.device,
+    dtype: torch.dtype,
+    micro_batch_size: int,
+) -> torch.Tensor:
+    """Logprobs [B, R] (float32, CPU, zero at masked positions) computed in micro-batches without grad."""
+    was_training = model.training
+    model.eval()
+    try:
+        out = []
+        b = tensors["response_ids"].shape[0]
+        for lo in range(0, b, micro_batch_size):
+            part = {
+                k: tensors[k][lo : lo + micro_batch_size].to(device)
+                for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+            }
+            logp, _ = response_logprobs(model, **part, temperature=temperature, dtype=dtype)
+            out.append((logp * part["response_mask"]).cpu())
+        return torch.cat(out)
+    finally:
+        model.train(was_training)

@@ -1,0 +1,280 @@
+"""Typed, versioned records that cross stage boundaries: prompts, rollouts and scores (JSONL lines).
+
+Each record validates what it reads and names the file, line and field that is wrong. Fields a
+record does not know are kept in `extra` and written back, so user data rides through every stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlx.engine.io import read_jsonl, write_jsonl
+from rlx.errors import UserError
+
+FORMAT_VERSION = 1
+
+
+class _Fields:
+    """Reads typed fields from one JSON object, with errors that name file:line and the field."""
+
+    def __init__(self, obj: dict, where: str):
+        self.obj, self.where = obj, where
+
+    def fail(self, key: str, expected: str) -> UserError:
+        got = self.obj.get(key, "<missing>")
+        text = repr(got) if len(repr(got)) < 60 else repr(got)[:57] + "..."
+        return UserError(f"{self.where}: field '{key}': expected {expected}, got {text}")
+
+    def get(self, key: str, expected: str, ok, required: bool = True, default: Any = None) -> Any:
+        if key not in self.obj:
+            if required:
+                raise UserError(f"{self.where}: missing required field '{key}' ({expected})")
+            return default
+        value = self.obj[key]
+        if not ok(value):
+            raise self.fail(key, expected)
+        return value
+
+    def int_list(self, key: str) -> list[int]:
+        return self.get(
+            key,
+            "a list of integer token ids",
+            lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v),
+        )
+
+    def float_list(self, key: str) -> list[float]:
+        return self.get(
+            key,
+            "a list of numbers",
+            lambda v: isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v),
+        )
+
+    def check_version(self) -> None:
+        version = self.obj.get("format_version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise UserError(
+                f"{self.where}: format_version {version!r} is not supported (this rlx reads version {FORMAT_VERSION})"
+            )
+
+
+def _is_prompt(value: Any) -> bool:
+    if isinstance(value, str):
+        return bool(value)
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        )
+    )
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, (str, int)) and not isinstance(value, bool)
+
+
+_PROMPT_KEYS = ("id", "prompt", "data_source", "ground_truth", "format_version")
+
+
+@dataclass(kw_only=True)
+class PromptRecord:
+    """One line of prompts.jsonl: the question asked and what grading it needs."""
+
+    id: str
+    """Unique prompt id; defaults to the line's position in the file (0-based) when absent."""
+    prompt: str | list[dict]
+    """The text, or chat messages ([{"role": ..., "content": ...}, ...])."""
+    data_source: str | None = None
+    """Chooses the reward function when `rlx score --reward` is not given."""
+    ground_truth: Any = None
+    """The reference answer handed to the reward function."""
+    extra: dict = field(default_factory=dict)
+    """Any other fields of the line, kept through every stage."""
+
+    @classmethod
+    def from_json(cls, obj: dict, where: str, index: int) -> PromptRecord:
+        f = _Fields(obj, where)
+        f.check_version()
+        prompt = f.get("prompt", "a non-empty string or a list of chat messages {role, content}", _is_prompt)
+        pid = f.get("id", "a string or integer", _is_id, required=False, default=index)
+        source = f.get("data_source", "a string", lambda v: isinstance(v, str) or v is None, required=False)
+        extra = {k: v for k, v in obj.items() if k not in _PROMPT_KEYS}
+        return cls(id=str(pid), prompt=prompt, data_source=source, ground_truth=obj.get("ground_truth"), extra=extra)
+
+    def to_json(self) -> dict:
+        out = {"id": self.id, "prompt": self.prompt}
+        if self.data_source is not None:
+            out["data_source"] = self.data_source
+        if self.ground_truth is not None:
+            out["ground_truth"] = self.ground_truth
+        out.update(self.extra)
+        return out
+
+
+def read_prompts(path: str | Path) -> list[PromptRecord]:
+    """Read and validate prompts.jsonl: at least one record, unique ids."""
+    name = "<stdin>" if str(path) == "-" else str(path)
+    lines = read_jsonl(path)
+    if not lines:
+        raise UserError(f"{name}: no prompts (the file is empty)")
+    records, seen = [], {}
+    for index, (number, obj) in enumerate(lines):
+        record = PromptRecord.from_json(obj, f"{name}:{number}", index)
+        if record.id in seen:
+            raise UserError(
+                f"{name}:{number}: duplicate prompt id {record.id!r} (first seen on line {seen[record.id]})"
+            )
+        seen[record.id] = number
+        records.append(record)
+    return records
+
+
+_ROLLOUT_KEYS = (
+    "format_version",
+    "id",
+    "prompt_id",
+    "sample_index",
+    "prompt",
+    "response",
+    "prompt_ids",
+    "response_ids",
+    "rollout_logprobs",
+    "finish_reason",
+    "temperature",
+    "data_source",
+    "ground_truth",
+)
+
+
+@dataclass(kw_only=True)
+class RolloutRecord:
+    """One line of rollouts.jsonl: one sampled response to one prompt, with the sampler's logprobs."""
+
+    id: str
+    """Sample id, `<prompt_id>/<sample_index>`."""
+    prompt_id: str
+    """Id of the prompt this response answers (GRPO groups by it)."""
+    sample_index: int
+    """Which of the N samples of this prompt (0-based)."""
+    prompt: str | list[dict]
+    """The prompt as given in prompts.jsonl."""
+    response: str
+    """The decoded response text (special tokens removed)."""
+    prompt_ids: list[int]
+    """Token ids fed to the model, chat template applied."""
+    response_ids: list[int]
+    """Sampled token ids, including the final EOS when the response stopped."""
+    rollout_logprobs: list[float]
+    """The sampler's logprob of each response token: log_softmax(logits / temperature), before top-k/top-p."""
+    finish_reason: str
+    """'stop' (EOS sampled) or 'length' (max_new_tokens reached)."""
+    temperature: float
+    """Sampling temperature (0 = greedy); scoring and training divide logits by it (1 for greedy)."""
+    data_source: str | None = None
+    """Copied from the prompt."""
+    ground_truth: Any = None
+    """Copied from the prompt."""
+    extra: dict = field(default_factory=dict)
+    """The prompt's other fields."""
+
+    @classmethod
+    def from_json(cls, obj: dict, where: str) -> RolloutRecord:
+        f = _Fields(obj, where)
+        f.check_version()
+        rec = cls(
+            id=str(f.get("id", "a string", _is_id)),
+            prompt_id=str(f.get("prompt_id", "a string", _is_id)),
+            sample_index=f.get(
+                "sample_index",
+                "a non-negative integer",
+                lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+            ),
+            prompt=f.get("prompt", "a string or chat messages", _is_prompt),
+            response=f.get("response", "a string", lambda v: isinstance(v, str)),
+            prompt_ids=f.int_list("prompt_ids"),
+            response_ids=f.int_list("response_ids"),
+            rollout_logprobs=f.float_list("rollout_logprobs"),
+            finish_reason=f.get("finish_reason", "'stop' or 'length'", lambda v: v in ("stop", "length")),
+            temperature=float(
+                f.get(
+                    "temperature",
+                    "a number >= 0",
+                    lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+                )
+            ),
+            data_source=obj.get("data_source"),
+            ground_truth=obj.get("ground_truth"),
+            extra={k: v for k, v in obj.items() if k not in _ROLLOUT_KEYS},
+        )
+        if not rec.prompt_ids:
+            raise f.fail("prompt_ids", "at least one token")
+        if not rec.response_ids:
+            raise f.fail("response_ids", "at least one token")
+        if len(rec.rollout_logprobs) != len(rec.response_ids):
+            raise UserError(
+                f"{where}: 'rollout_logprobs' has {len(rec.rollout_logprobs)} entries but "
+                f"'response_ids' has {len(rec.response_ids)}; expected one logprob per token"
+            )
+        return rec
+
+    def to_json(self) -> dict:
+        out = {"format_version": FORMAT_VERSION}
+        for f in dataclasses.fields(self):
+            if f.name != "extra":
+                out[f.name] = getattr(self, f.name)
+        out.update(self.extra)
+        return out
+
+
+def read_rollouts(path: str | Path) -> list[RolloutRecord]:
+    """Read and validate rollouts.jsonl: at least one record, unique sample ids."""
+    name = "<stdin>" if str(path) == "-" else str(path)
+    lines = read_jsonl(path)
+    if not lines:
+        raise UserError(f"{name}: no rollouts (the file is empty)")
+    records, seen = [], {}
+    for number, obj in lines:
+        record = RolloutRecord.from_json(obj, f"{name}:{number}")
+        if record.id in seen:
+            raise UserError(
+                f"{name}:{number}: duplicate sample id {record.id!r} (first seen on line {seen[record.id]})"
+            )
+        seen[record.id] = number
+        records.append(record)
+    return records
+
+
+def write_records(path: str | Path, records: list) -> None:
+    """Write any list of records (each with `to_json`) as JSONL, atomically."""
+    write_jsonl(path, (r.to_json() for r in records))
+
+
+@dataclass(kw_only=True)
+class ScoreRecord:
+    """One line of scores.jsonl: the reward of one sample and how it was made."""
+
+    id: str
+    """Sample id, as in rollouts.jsonl."""
+    prompt_id: str
+    """Prompt id (the advantage group)."""
+    reward: float
+    """The scalar reward used for training (weighted sum of components, before any KL penalty)."""
+    rewards: dict
+    """Per-reward-function details: {name: {"score": float, ...extra numbers}}."""
+    advantage: float
+    """The sequence-level advantage assigned to every response token."""
+    response_length: int
+    """Number of response tokens."""
+    reward_error: str | None = None
+    """Why the reward function failed for this sample (only with --on-reward-error zero)."""
+
+    def to_json(self) -> dict:
+        out = {"format_version": FORMAT_VERSION}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "reward_error" or value is not None:
+                out[f.name] = value
+        return out

@@ -1,0 +1,52 @@
+"""Rollout settings shared by `rlx rollout` and the `[rollout]` table of a recipe (no torch import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rlx.config import check, check_choices
+
+ENGINES = ("hf",)
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """How responses are sampled."""
+
+    engine: Literal["hf"] = "hf"
+    """Generation engine: 'hf' (transformers forward with a KV cache; runs everywhere)."""
+    n: int = 1
+    """Responses sampled per prompt (the GRPO group size)."""
+    max_new_tokens: int = 256
+    """Longest response, in tokens; longer ones stop with finish_reason 'length'."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
+    top_k: int = 0
+    """Keep only the top_k most likely tokens (0 or -1 = off)."""
+    seed: int = 0
+    """Sampling seed; each sample draws from its own stream derived from (seed, prompt id, sample index)."""
+    chat_template: Literal["auto", "on", "off"] = "auto"
+    """Apply the tokenizer's chat template: 'auto' when it has one, 'on' to require it, 'off' for raw text."""
+    batch_size: int = 64
+    """Sequences generated together in one batch."""
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    """Where to run: auto picks cuda, then cpu."""
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute precision: auto is bfloat16 autocast on accelerators, float32 on CPU."""
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        check(self.max_new_tokens >= 1, "max_new_tokens", f"must be at least 1, got {self.max_new_tokens}")
+        check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= -1, "top_k", f"must be >= 0 (or -1 for off), got {self.top_k}")
+        check(self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}")
+
+    @property
+    def train_temperature(self) -> float:
+        """Temperature the training side divides logits by (1 for greedy rollouts)."""
+        return self.temperature if self.temperature > 0 else 1.0

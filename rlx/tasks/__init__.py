@@ -1,0 +1,1 @@
+"""Generated tasks with rule rewards (prompts.jsonl writers)."""

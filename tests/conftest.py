@@ -1,0 +1,104 @@
+"""Shared fixtures: a tiny Llama with a character tokenizer, prompts, and an in-process CLI runner."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from rlx.cli import app
+from rlx.models.tiny import build_char_tokenizer, tiny_llama_config, write_tiny_model_dir
+from rlx.tasks.arith import generate_arith
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+class Result:
+    """Exit code and captured streams of one in-process CLI call."""
+
+    def __init__(self, exit_code: int, stdout: str, stderr: str, exception):
+        self.exit_code, self.stdout, self.stderr, self.exception = exit_code, stdout, stderr, exception
+
+    def __repr__(self) -> str:
+        return f"<exit {self.exit_code}: stdout={self.stdout[-500:]!r} stderr={self.stderr[-2000:]!r}>"
+
+
+def cli(*args: str | Path, input: str | None = None) -> Result:
+    """Run `rlx ARGS` in this process (no interpreter start-up per call)."""
+    result = CliRunner().invoke(app, [str(a) for a in args], input=input)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return Result(result.exit_code, result.stdout, result.stderr, result.exception)
+
+
+def cli_ok(*args: str | Path, input: str | None = None) -> Result:
+    result = cli(*args, input=input)
+    assert result.exit_code == 0, result
+    return result
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in records))
+    return Path(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """config.json + character tokenizer, no weights (for --init random)."""
+    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tiny_dir, tmp_path_factory) -> Path:
+    """An rlx checkpoint at step 0 of the tiny model (random init, seed 0)."""
+    out = tmp_path_factory.mktemp("ckpt") / "step0"
+    cli_ok("shard", "--model", tiny_dir, "--init", "random", "--seed", "0", "--out", out)
+    return out
+
+
+def save_tiny_hf(out: Path, dtype=torch.float32, tie: bool = True, seed: int = 0) -> Path:
+    """A tiny Hugging Face model dir with weights (save_pretrained), for shard/merge tests."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_char_tokenizer()
+    config = tiny_llama_config(len(tokenizer))
+    config.tie_word_embeddings = tie
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    return write_jsonl(path, generate_arith(64, seed=0, max_value=4))
+
+
+def rollout_args(model: Path, prompts: Path, out: Path, *extra: str) -> list:
+    return [
+        "rollout",
+        "--model",
+        model,
+        "--prompts",
+        prompts,
+        "--out",
+        out,
+        "--n",
+        "4",
+        "--max-new-tokens",
+        "3",
+        "--num-prompts",
+        "4",
+        *extra,
+    ]

