@@ -6,6 +6,10 @@ import json
 import os
 from pathlib import Path
 
+# CPU tests stay on the CPU even on a GPU machine (exact float32 comparisons); GPU tests opt in.
+if not os.environ.get("RLX_TEST_GPU"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 import pytest
 import torch
 from typer.testing import CliRunner
