@@ -136,7 +136,7 @@ class PPORun:
         """One iteration; returns its metrics (also appended to metrics.jsonl)."""
         cfg, out = self.cfg, step_dir(self.run_dir, step)
         timings = {}
-        t0 = time.perf_counter()
+        t0 = step_start = time.perf_counter()
         prompts = take_prompts(
             self.prompts, self.data_position, cfg.data.prompts_per_step, cfg.seed if cfg.data.shuffle else None
         )
@@ -169,7 +169,7 @@ class PPORun:
             self._save(step)
         timings["timing/save_s"] = time.perf_counter() - t0
         metrics.update(timings)
-        metrics["timing/step_s"] = sum(v for k, v in metrics.items() if k in timings or k == "timing/train_s")
+        metrics["timing/step_s"] = time.perf_counter() - step_start
         log_metrics(self.run_dir / "metrics.jsonl", step, metrics)
         return metrics
 
