@@ -1,6 +1,6 @@
 """Print a per-step table of an `rlx ppo` run dir (reward, length, KL, timings) and a short summary.
 
-    python bench/summarize_run.py runs/smollm2 [--every 5]
+python bench/summarize_run.py runs/smollm2 [--every 5]
 """
 
 from __future__ import annotations
@@ -16,10 +16,30 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=1, help="print every k-th step (default 1)")
     args = parser.parse_args()
     lines = [json.loads(line) for line in (args.run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    cols = ["reward/mean", "response_length/mean", "actor/ref_kl", "actor/entropy", "actor/pg_clipfrac",
-            "timing/rollout_s", "timing/score_s", "timing/train_s", "timing/step_s", "perf/rollout_tokens_per_s"]
-    labels = ["reward", "resp_len", "ref_kl", "entropy", "clipfrac", "rollout_s", "score_s", "train_s", "step_s",
-              "rollout_tok/s"]
+    cols = [
+        "reward/mean",
+        "response_length/mean",
+        "actor/ref_kl",
+        "actor/entropy",
+        "actor/pg_clipfrac",
+        "timing/rollout_s",
+        "timing/score_s",
+        "timing/train_s",
+        "timing/step_s",
+        "perf/rollout_tokens_per_s",
+    ]
+    labels = [
+        "reward",
+        "resp_len",
+        "ref_kl",
+        "entropy",
+        "clipfrac",
+        "rollout_s",
+        "score_s",
+        "train_s",
+        "step_s",
+        "rollout_tok/s",
+    ]
     print("step  " + "  ".join(label.rjust(12) for label in labels))
     for m in lines:
         if m["step"] % args.every == 0 or m["step"] == 1:
@@ -27,8 +47,10 @@ def main() -> None:
     rewards = [m["reward/mean"] for m in lines]
     k = min(5, len(rewards))
     steps = [m["timing/step_s"] for m in lines[1:]] or [lines[0]["timing/step_s"]]
-    print(f"reward first {k} steps {sum(rewards[:k]) / k:.3f} -> last {k} steps {sum(rewards[-k:]) / k:.3f}; "
-          f"median step {sorted(steps)[len(steps) // 2]:.2f} s over {len(lines)} steps")
+    print(
+        f"reward first {k} steps {sum(rewards[:k]) / k:.3f} -> last {k} steps {sum(rewards[-k:]) / k:.3f}; "
+        f"median step {sorted(steps)[len(steps) // 2]:.2f} s over {len(lines)} steps"
+    )
 
 
 if __name__ == "__main__":

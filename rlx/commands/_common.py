@@ -12,7 +12,7 @@ from rlx.errors import UserError
 
 
 @contextlib.contextmanager
-def reporting(command: str) -> Iterator[None]:
+def reporting(command: str, on_interrupt: str = "") -> Iterator[None]:
     """Turn UserErrors into one line on stderr and exit code 1; Ctrl-C into exit code 130."""
     try:
         yield
@@ -20,7 +20,7 @@ def reporting(command: str) -> Iterator[None]:
         print(f"rlx {command}: error: {e}", file=sys.stderr)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        print(f"rlx {command}: interrupted", file=sys.stderr)
+        print(f"rlx {command}: interrupted{on_interrupt}", file=sys.stderr)
         raise typer.Exit(130) from None
     except BrokenPipeError:  # `rlx rollout --out - | head`: the reader went away
         sys.stderr.close()

@@ -28,7 +28,7 @@ def ppo(
     Unknown recipe keys are rejected with their path. --resume continues after the last complete
     step and gives the same final weights as an uninterrupted run.
     """
-    with reporting("ppo"):
+    with reporting("ppo", on_interrupt="; continue the run with --resume"):
         from rlx.engine.ppo.config import load_recipe
 
         cfg = load_recipe(recipe, set_ or [])

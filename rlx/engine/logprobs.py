@@ -8,6 +8,7 @@ float32 and divided by the rollout temperature before the softmax.
 from __future__ import annotations
 
 import torch
+from tqdm import tqdm
 
 from rlx.engine.device import autocast
 
@@ -65,6 +66,7 @@ def batched_response_logprobs(
     device: torch.device,
     dtype: torch.dtype,
     micro_batch_size: int,
+    desc: str = "logprobs",
 ) -> torch.Tensor:
     """Logprobs [B, R] (float32, CPU, zero at masked positions) computed in micro-batches without grad."""
     was_training = model.training
@@ -72,7 +74,7 @@ def batched_response_logprobs(
     try:
         out = []
         b = tensors["response_ids"].shape[0]
-        for lo in range(0, b, micro_batch_size):
+        for lo in tqdm(range(0, b, micro_batch_size), desc=desc, unit="batch", leave=False, disable=None):
             part = {
                 k: tensors[k][lo : lo + micro_batch_size].to(device)
                 for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")

@@ -128,9 +128,11 @@ class PPORun:
             console(step_line(step, cfg.steps, metrics))
         rewards = [m.get("reward/mean") for m in read_metrics(self.run_dir / "metrics.jsonl")]
         window = min(5, len(rewards))
-        console(f"done: reward {sum(rewards[:window]) / window:.3f} (first {window} steps) -> "
-                f"{sum(rewards[-window:]) / window:.3f} (last {window}); "
-                f"final checkpoint {checkpoint_dir(self.run_dir, cfg.steps)}")
+        console(
+            f"done: reward {sum(rewards[:window]) / window:.3f} (first {window} steps) -> "
+            f"{sum(rewards[-window:]) / window:.3f} (last {window}); "
+            f"final checkpoint {checkpoint_dir(self.run_dir, cfg.steps)}"
+        )
 
     def step(self, step: int) -> dict:
         """One iteration; returns its metrics (also appended to metrics.jsonl)."""

@@ -74,12 +74,12 @@ def score_rollouts(
     old = tensors["rollout_logprobs"].clone()
     if models.actor is not None:
         old = batched_response_logprobs(
-            models.actor, tensors, temperature, models.device, models.dtype, cfg.micro_batch_size
+            models.actor, tensors, temperature, models.device, models.dtype, cfg.micro_batch_size, "old logprobs"
         )
     ref = None
     if models.ref is not None:
         ref = batched_response_logprobs(
-            models.ref, tensors, temperature, models.device, models.dtype, cfg.micro_batch_size
+            models.ref, tensors, temperature, models.device, models.dtype, cfg.micro_batch_size, "ref logprobs"
         )
     token_rewards = torch.zeros_like(old)
     last = mask.sum(-1) - 1

@@ -11,6 +11,7 @@ import time
 from collections import defaultdict
 
 import torch
+from tqdm import tqdm
 
 from rlx.engine.algorithms.core import masked_sum
 from rlx.engine.algorithms.losses import kl_estimate, ppo_clip_loss
@@ -73,6 +74,7 @@ class ActorTrainer:
         grad_norms, num_updates, skipped = [], 0, 0
         b = batch.size
         mini = cfg.mini_batch_size or b
+        bar = tqdm(total=cfg.epochs * math.ceil(b / mini), desc="train", unit="update", leave=False, disable=None)
         for epoch in range(cfg.epochs):
             order = self._order(b, step, epoch)
             for lo in range(0, b, mini):
@@ -80,6 +82,8 @@ class ActorTrainer:
                 grad_norms.append(norm)
                 num_updates += 1
                 skipped += not math.isfinite(norm)
+                bar.update(1)
+        bar.close()
         seconds = time.perf_counter() - start
         tokens = sums.pop("tokens")
         trained_tokens = cfg.epochs * float(batch.prompt_mask.sum() + batch.response_mask.sum())
