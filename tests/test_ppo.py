@@ -60,7 +60,7 @@ def test_run_writes_the_artifacts_of_every_stage(tmp_path):
         "actor/pg_clipfrac",
         "timing/rollout_s",
         "timing/score_s",
-        "timing/train_s",
+        "timing/actor_train_s",
     ):
         assert key in lines[-1], key
     assert json.loads((run / "recipe.json").read_text())["steps"] == 3

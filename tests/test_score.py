@@ -97,7 +97,7 @@ def test_in_reward_kl_and_metrics(tmp_path, tiny_ckpt, rollouts, prompts_file):
         "reward/mean",
         "reward/std",
         "response_length/mean",
-        "rollout/logprob_abs_diff_mean",
+        "rollout_corr/logprob_abs_diff_mean",
         "reward/arith/has_answer",
         "timing/score_s",
     ):

@@ -138,7 +138,7 @@ def test_metrics_line(tmp_path, tiny_ckpt, batch_path):
         "actor/ppo_kl",
         "actor/entropy",
         "actor/grad_norm",
-        "perf/train_tokens_per_s",
+        "perf/actor_tokens_per_s",
     ):
         assert isinstance(line[key], float), key
     assert line["actor/entropy"] > 0 and line["actor/grad_norm"] > 0

@@ -30,6 +30,7 @@ def rollout(
     chat_template: Annotated[
         str, typer.Option(metavar="auto|on|off", help=help_for(C, "chat_template"))
     ] = C.chat_template,
+    remax_baseline: Annotated[bool, typer.Option(help=help_for(C, "remax_baseline"))] = C.remax_baseline,
     batch_size: Annotated[int, typer.Option(help=help_for(C, "batch_size"))] = C.batch_size,
     device: Annotated[str, typer.Option(metavar="auto|cpu|cuda|npu", help=help_for(C, "device"))] = C.device,
     precision: Annotated[
@@ -64,6 +65,7 @@ def rollout(
             engine=engine,
             chat_template=chat_template,
             batch_size=batch_size,
+            remax_baseline=remax_baseline,
             device=device,
             precision=precision,
         )

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from rlx.commands._common import reporting
+from rlx.errors import UserError
 
 
 def shard(
@@ -29,7 +30,15 @@ def shard(
             help="'pretrained' copies the weights; 'random' initialises them from config.json with --seed.",
         ),
     ] = "pretrained",
-    seed: Annotated[int, typer.Option(help="Seed for --init random.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed for --init random and for a new critic's value head.")] = 0,
+    role: Annotated[
+        str,
+        typer.Option(
+            metavar="actor|critic",
+            help="'critic' makes a value model: the source's backbone with a new scalar head (a value model "
+            "source is copied as is).",
+        ),
+    ] = "actor",
     dtype: Annotated[
         str, typer.Option(metavar="DTYPE", help="Store weights as keep | float32 | bfloat16 | float16.")
     ] = "keep",
@@ -41,9 +50,9 @@ def shard(
     """
     with reporting("shard"):
         if init not in ("pretrained", "random"):
-            from rlx.errors import UserError
-
             raise UserError(f"--init {init!r}: expected 'pretrained' or 'random'")
         from rlx.engine.layout import shard_model
 
-        shard_model(model, out, layout=layout, init=init, seed=seed, dtype=dtype, overwrite=overwrite)
+        if role not in ("actor", "critic"):
+            raise UserError(f"--role {role!r}: expected 'actor' or 'critic'")
+        shard_model(model, out, layout=layout, init=init, seed=seed, dtype=dtype, overwrite=overwrite, role=role)

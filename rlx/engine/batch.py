@@ -9,6 +9,7 @@ Tensors (B samples, P prompt columns left-padded, R response columns right-padde
     rollout_logprobs  [B, R] float32  the sampler's logprobs (train/rollout mismatch)
     old_logprobs      [B, R] float32  logprobs of the policy that sampled (PPO ratio denominator)
     ref_logprobs      [B, R] float32  reference-policy logprobs (only with --ref)
+    values            [B, R] float32  critic values V(s_t) (only with --critic)
     token_rewards     [B, R] float32  per-token rewards (score on the last token, minus any KL penalty)
     advantages        [B, R] float32
     returns           [B, R] float32
@@ -35,7 +36,16 @@ from rlx.errors import UserError
 
 FORMAT = "rlx-batch"
 FORMAT_VERSION = 1
-_TOKEN_TENSORS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "token_rewards", "advantages", "returns")
+_TOKEN_TENSORS = (
+    "rollout_logprobs",
+    "old_logprobs",
+    "ref_logprobs",
+    "values",
+    "token_rewards",
+    "advantages",
+    "returns",
+)
+_OPTIONAL = ("ref_logprobs", "values")
 
 
 @dataclass(kw_only=True)
@@ -72,6 +82,7 @@ class TrainBatch:
     rewards: torch.Tensor
     meta: BatchMeta
     ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -132,11 +143,11 @@ class TrainBatch:
             meta = BatchMeta(**json.loads(header["meta"]))
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise UserError(f"{path}: batch metadata is malformed ({e})") from None
-        required = [f.name for f in dataclasses.fields(cls) if f.name not in ("meta", "ref_logprobs")]
+        required = [f.name for f in dataclasses.fields(cls) if f.name != "meta" and f.name not in _OPTIONAL]
         missing = [k for k in required if k not in tensors]
         if missing:
             raise UserError(f"{path}: batch is missing tensor(s) {', '.join(missing)}")
-        batch = cls(meta=meta, **{k: v for k, v in tensors.items() if k in required or k == "ref_logprobs"})
+        batch = cls(meta=meta, **{k: v for k, v in tensors.items() if k in required or k in _OPTIONAL})
         batch.validate(str(path))
         return batch
 

@@ -48,6 +48,8 @@ class CheckpointMeta:
     """Prompts consumed so far by `rlx ppo` (None when unknown, e.g. after a hand-run train-step)."""
     optimizer: dict | None = None
     """Optimizer name and hyper-parameters of its param groups, when optimizer state is stored."""
+    kl_coef: float | None = None
+    """The in-reward KL coefficient after this step (`rlx ppo` with an adaptive controller)."""
     provenance: dict = field(default_factory=dict)
     """Which command wrote it, from what source, with which rlx version and when."""
 
@@ -128,6 +130,30 @@ def write_weights(folder: Path, state: dict[str, torch.Tensor], dtype: torch.dty
         assert list(split.filename_to_tensors) == [WEIGHTS_NAME]
 
 
+@dataclass
+class CheckpointContent:
+    """What one checkpoint dir holds."""
+
+    weights: dict[str, torch.Tensor]
+    aux: dict[str, bytes]
+    meta: CheckpointMeta
+    optimizer_state: dict[str, torch.Tensor] | None = None
+
+
+def write_checkpoint(folder: Path, content: CheckpointContent) -> None:
+    """Write a checkpoint's files into an existing (temporary) folder."""
+    for name, data in content.aux.items():
+        (folder / name).write_bytes(data)
+    write_weights(folder, content.weights)
+    if content.optimizer_state is not None:
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in content.optimizer_state.items()},
+            str(folder / OPTIMIZER_NAME),
+            metadata={"format": "rlx-optimizer"},
+        )
+    (folder / META_NAME).write_text(json.dumps(dataclasses.asdict(content.meta), indent=2) + "\n")
+
+
 def save_checkpoint(
     out: Path,
     *,
@@ -136,19 +162,17 @@ def save_checkpoint(
     meta: CheckpointMeta,
     optimizer_state: dict[str, torch.Tensor] | None = None,
     overwrite: bool = False,
+    nested: dict[str, CheckpointContent] | None = None,
 ) -> None:
-    """Write a complete checkpoint dir atomically (temporary folder, then rename)."""
+    """Write a complete checkpoint dir atomically (temporary folder, then rename).
+
+    `nested` checkpoints (e.g. the critic of `rlx ppo`) go into sub-folders, inside the same rename.
+    """
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        for name, data in aux.items():
-            (tmp / name).write_bytes(data)
-        write_weights(tmp, weights)
-        if optimizer_state is not None:
-            save_file(
-                {k: v.detach().cpu().contiguous() for k, v in optimizer_state.items()},
-                str(tmp / OPTIMIZER_NAME),
-                metadata={"format": "rlx-optimizer"},
-            )
-        (tmp / META_NAME).write_text(json.dumps(dataclasses.asdict(meta), indent=2) + "\n")
+        write_checkpoint(tmp, CheckpointContent(weights, aux, meta, optimizer_state))
+        for name, content in (nested or {}).items():
+            (tmp / name).mkdir()
+            write_checkpoint(tmp / name, content)
 
 
 def load_optimizer_state(folder: Path) -> dict[str, torch.Tensor] | None:

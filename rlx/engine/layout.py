@@ -16,7 +16,8 @@ from rlx.engine.io import atomic_dir
 from rlx.engine.tracking import console
 from rlx.errors import UserError
 from rlx.models.loading import build_empty_model, check_weights_match, load_config, read_weights, resolve_source
-from rlx.models.policy import load_initial_policy, model_weights
+from rlx.models.policy import build_critic_files, load_initial_policy, model_weights
+from rlx.models.value import is_value_config
 
 DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,21 +49,36 @@ def shard_model(
     seed: int = 0,
     dtype: str = "keep",
     overwrite: bool = False,
+    role: str = "actor",
 ) -> None:
-    """Lay a model out as a training checkpoint (step 0)."""
+    """Lay a model out as a training checkpoint (step 0).
+
+    role 'critic' makes a value model: a value model source is copied as is; a causal LM gives its
+    backbone to a new value model whose head is initialised with `seed`."""
     if layout != "single":
         raise UserError(f"--layout {layout!r} is not available yet (available: single)")
     source = resolve_source(path)
-    if init == "pretrained" and not source.is_gguf:
+    from_value_model = not source.is_gguf and is_value_config(load_config(source))
+    if role == "actor" and from_value_model:
+        raise UserError(f"{path}: this is a value model; shard it with --role critic")
+    if init == "pretrained" and not source.is_gguf and (role == "actor" or from_value_model):
         weights = read_weights(source.path)
         check_weights_match(build_empty_model(load_config(source)), weights, source.path)
         aux = aux_files(source.path)
     else:
-        model, _, aux = load_initial_policy(path, init, seed)
+        model, tokenizer, aux = load_initial_policy(path, init, seed)
+        if role == "critic":
+            model, aux = build_critic_files(model, tokenizer, seed)
         weights = model_weights(model)
     meta = CheckpointMeta(
         step=0,
-        provenance=provenance("rlx shard", source.path, init=init, **({"seed": seed} if init == "random" else {})),
+        provenance=provenance(
+            "rlx shard",
+            source.path,
+            init=init,
+            role=role,
+            **({"seed": seed} if init == "random" or role == "critic" else {}),
+        ),
     )
     save_checkpoint(
         Path(out), weights=_cast(weights, dtype), aux=_set_config_dtype(aux, dtype), meta=meta, overwrite=overwrite

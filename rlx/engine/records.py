@@ -144,6 +144,7 @@ _ROLLOUT_KEYS = (
     "rollout_logprobs",
     "finish_reason",
     "temperature",
+    "is_greedy_baseline",
     "data_source",
     "ground_truth",
 )
@@ -173,6 +174,8 @@ class RolloutRecord:
     """'stop' (EOS sampled) or 'length' (max_new_tokens reached)."""
     temperature: float
     """Sampling temperature (0 = greedy); scoring and training divide logits by it (1 for greedy)."""
+    is_greedy_baseline: bool = False
+    """A greedy response decoded as ReMax's baseline (scored, never trained on)."""
     data_source: str | None = None
     """Copied from the prompt."""
     ground_truth: Any = None
@@ -204,6 +207,9 @@ class RolloutRecord:
                     "a number >= 0",
                     lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
                 )
+            ),
+            is_greedy_baseline=f.get(
+                "is_greedy_baseline", "true or false", lambda v: isinstance(v, bool), required=False, default=False
             ),
             data_source=obj.get("data_source"),
             ground_truth=obj.get("ground_truth"),
@@ -270,11 +276,15 @@ class ScoreRecord:
     """Number of response tokens."""
     reward_error: str | None = None
     """Why the reward function failed for this sample (only with --on-reward-error zero)."""
+    is_greedy_baseline: bool = False
+    """A ReMax greedy baseline: scored for the baseline, not trained on."""
+    filtered: bool | None = None
+    """With dynamic sampling (filter_groups): true when the sample's group was left out of the batch."""
 
     def to_json(self) -> dict:
         out = {"format_version": FORMAT_VERSION}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name != "reward_error" or value is not None:
+            if value is not None and not (f.name == "is_greedy_baseline" and not value):
                 out[f.name] = value
         return out

@@ -75,7 +75,7 @@ def step_line(step: int, total: int, m: dict) -> str:
         f"len {get('response_length/mean', '{:.1f}')}  kl {get('actor/ref_kl', '{:.4f}')}  "
         f"entropy {get('actor/entropy')}  clip {get('actor/pg_clipfrac')}  | "
         f"rollout {get('timing/rollout_s', '{:.2f}')}s  score {get('timing/score_s', '{:.2f}')}s  "
-        f"train {get('timing/train_s', '{:.2f}')}s"
+        f"train {get('timing/actor_train_s', '{:.2f}')}s"
     )
 
 

@@ -204,10 +204,18 @@ def check_weights_match(model, state: dict[str, torch.Tensor], where: Path) -> N
 
 def build_empty_model(config):
     """The architecture of `config` on the meta device (no memory), for checking weight layouts."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
+    archs = getattr(config, "architectures", None) or []
+    auto = transformers.AutoModelForCausalLM
+    for suffix, cls in (
+        ("ForTokenClassification", transformers.AutoModelForTokenClassification),
+        ("ForSequenceClassification", transformers.AutoModelForSequenceClassification),
+    ):
+        if any(a.endswith(suffix) for a in archs):
+            auto = cls
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return auto.from_config(config)
 
 
 def init_random_model(config, seed: int):

@@ -72,6 +72,20 @@ def load_initial_policy(path: str | Path, init: str = "pretrained", seed: int = 
     return model, tokenizer, aux
 
 
-def load_trained_policy(source: ModelSource):
-    """(model float32 on CPU, tokenizer, aux files) of a checkpoint or HF dir to continue from."""
+def load_trained_policy(source: ModelSource, role: str = "actor"):
+    """(model float32 on CPU, tokenizer, aux files) of a checkpoint or HF dir to continue from.
+
+    role 'critic' loads a value model (see rlx.models.value)."""
+    if role == "critic":
+        from rlx.models.value import load_value_model
+
+        return load_value_model(source), load_tokenizer(source), aux_files(source.folder)
     return load_causal_lm(source), load_tokenizer(source), aux_files(source.folder)
+
+
+def build_critic_files(policy, tokenizer, seed: int) -> tuple[torch.nn.Module, dict[str, bytes]]:
+    """A value model from `policy` (backbone copied, head seeded) and its config/tokenizer files."""
+    from rlx.models.value import build_value_model
+
+    critic = build_value_model(policy, seed)
+    return critic, generated_aux(critic, tokenizer)

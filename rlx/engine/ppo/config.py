@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -37,9 +38,30 @@ class DataConfig:
     """Prompts per step; each gets rollout.n responses."""
     shuffle: bool = False
     """Visit prompts in a new seeded order every epoch (else file order)."""
+    max_gen_batches: int = 1
+    """With score.filter_groups (DAPO dynamic sampling): sample up to this many batches of prompts_per_step
+    prompts per step to collect prompts_per_step informative groups (0 = until filled)."""
 
     def __post_init__(self) -> None:
         check(self.prompts_per_step >= 1, "prompts_per_step", f"must be at least 1, got {self.prompts_per_step}")
+        check(self.max_gen_batches >= 0, "max_gen_batches", f"must be >= 0, got {self.max_gen_batches}")
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    """The value model for GAE: trained alongside the actor on the same batches."""
+
+    path: str | None = None
+    """A value model dir or checkpoint; unset = built from the policy's weights with a new head (run seed)."""
+    warmup_steps: int = 0
+    """Train only the critic for this many steps before the actor starts updating (verl's critic_warmup)."""
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(role="critic"))
+    """Critic update settings, as [train] (the role is always 'critic': clipped value loss)."""
+
+    def __post_init__(self) -> None:
+        if self.train.role != "critic":
+            self.train = dataclasses.replace(self.train, role="critic")
+        check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
 
 
 @dataclass(kw_only=True)
@@ -68,6 +90,8 @@ class PPOConfig:
     """Reward and advantage settings (as `rlx score`)."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Update settings (as `rlx train-step`)."""
+    critic: CriticConfig | None = None
+    """A critic (needed by score.estimator = 'gae')."""
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", f"must be at least 1, got {self.steps}")
@@ -75,6 +99,11 @@ class PPOConfig:
         check(self.keep_checkpoints >= 0, "keep_checkpoints", f"must be >= 0, got {self.keep_checkpoints}")
         check(self.rollout.seed == 0, "rollout.seed", "set the top-level 'seed' instead (step k samples with seed + k)")
         check(self.train.seed == 0, "train.seed", "set the top-level 'seed' instead")
+        check(self.train.role == "actor", "train.role", "must be 'actor' (the critic trains from [critic.train])")
+        check(
+            self.critic is not None or self.score.estimator != "gae", "critic", "estimator 'gae' needs a [critic] table"
+        )
+        check(self.critic is None or self.critic.train.seed == 0, "critic.train.seed", "set the top-level 'seed'")
         needs_ref = self.score.kl_coef > 0 or self.train.kl_loss_coef > 0
         check(self.use_ref or not needs_ref, "use_ref", "score.kl_coef or train.kl_loss_coef > 0 needs use_ref = true")
 

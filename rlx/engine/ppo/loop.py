@@ -1,10 +1,11 @@
 """The PPO loop with resident models: rollout -> score -> train-step, the same artifacts per step.
 
     RUN_DIR/
-      recipe.json                 the resolved recipe (a resumed run must match it)
-      metrics.jsonl               one line per step
-      step_000001/                rollouts.jsonl, scores.jsonl, batch.safetensors
-      checkpoints/step_000001/    an rlx checkpoint (HF dir + optimizer + rlx.json)
+      recipe.json                      the resolved recipe (a resumed run must match it)
+      metrics.jsonl                    one line per step
+      step_000001/                     rollouts.jsonl, scores.jsonl, batch.safetensors
+      checkpoints/step_000001/         an rlx checkpoint of the actor (HF dir + optimizer + rlx.json)
+      checkpoints/step_000001/critic/  the critic's checkpoint, when there is one
 
 Each stage calls the same engine function as its command, with the same seeds, so the loop and a
 shell pipeline of `rlx rollout | score | train-step` give identical weights and metrics.
@@ -19,23 +20,41 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+
 from rlx.config import to_dict
-from rlx.engine.checkpoint import CheckpointMeta, is_checkpoint, load_optimizer_state, provenance, save_checkpoint
+from rlx.engine.checkpoint import (
+    CheckpointContent,
+    CheckpointMeta,
+    is_checkpoint,
+    load_optimizer_state,
+    provenance,
+    save_checkpoint,
+)
 from rlx.engine.device import resolve_device, resolve_precision
 from rlx.engine.io import write_json
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.ppo.data import take_prompts
-from rlx.engine.records import read_prompts, write_records
+from rlx.engine.records import RolloutRecord, read_prompts, write_records
 from rlx.engine.rollout.hf import HFRolloutEngine
 from rlx.engine.rollout.prompts import pad_token_id
-from rlx.engine.scoring.score import ScoredModels, score_rollouts
+from rlx.engine.scoring.score import (
+    Rewards,
+    ScoreResult,
+    ScoringModels,
+    compute_rewards,
+    informative_groups,
+    score_rollouts,
+)
 from rlx.engine.tracking import console, log_metrics, read_metrics, step_line, truncate_metrics
 from rlx.engine.training.actor import ActorTrainer
+from rlx.engine.training.critic import CriticTrainer
 from rlx.errors import UserError
 from rlx.models.loading import resolve_source
-from rlx.models.policy import PolicyFiles, load_initial_policy, load_trained_policy, model_weights
+from rlx.models.policy import build_critic_files, load_initial_policy, load_trained_policy, model_weights
 
 RECIPE_NAME = "recipe.json"
+CRITIC_DIR = "critic"
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -56,35 +75,80 @@ def last_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
 
 
 class PPORun:
-    """One run directory: the resident actor/ref/rollout engine and the step loop."""
+    """One run directory: the resident actor, reference, critic and rollout engine, and the step loop."""
 
     def __init__(self, cfg: PPOConfig, run_dir: Path, resume: bool):
         self.cfg, self.run_dir = cfg, run_dir
         self.start_step, start_ckpt = self._prepare_dir(resume)
         self.device = resolve_device(cfg.train.device)
-        train_dtype = resolve_precision(cfg.train.precision, self.device)
-        rollout_device = resolve_device(cfg.rollout.device)
-        if rollout_device != self.device:
+        if resolve_device(cfg.rollout.device) != self.device:
             raise UserError(
                 "rollout.device and train.device must agree in `rlx ppo` (the rollout uses the trained model)"
             )
-        self.data_position, optimizer_state, ref = 0, None, None
+        meta = CheckpointMeta.read(start_ckpt) if start_ckpt else CheckpointMeta()
+        self.data_position = meta.data_position or 0
+        self.kl_coef = meta.kl_coef if meta.kl_coef is not None else cfg.score.kl_coef
         if start_ckpt is None:
             model, self.tokenizer, self.aux = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
             ref = copy.deepcopy(model) if cfg.use_ref else None
         else:
             model, self.tokenizer, self.aux = load_trained_policy(resolve_source(start_ckpt))
-            self.data_position = CheckpointMeta.read(start_ckpt).data_position or 0
-            optimizer_state = load_optimizer_state(start_ckpt)
-            if cfg.use_ref:
-                ref, _, _ = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
-        self.trainer = ActorTrainer(model, dataclasses.replace(cfg.train, seed=cfg.seed), self.device, train_dtype)
-        self.trainer.load_optimizer_state(optimizer_state, str(start_ckpt))
-        self.ref = ref.requires_grad_(False).to(self.device).eval() if ref is not None else None
+            ref = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)[0] if cfg.use_ref else None
+        self.trainer = ActorTrainer(
+            model,
+            dataclasses.replace(cfg.train, seed=cfg.seed),
+            self.device,
+            resolve_precision(cfg.train.precision, self.device),
+        )
+        self.trainer.load_optimizer_state(load_optimizer_state(start_ckpt) if start_ckpt else None, str(start_ckpt))
+        self.critic, self.critic_aux = self._load_critic(start_ckpt, model)
+        self.models = ScoringModels(
+            device=self.device,
+            dtype=resolve_precision(cfg.score.precision, self.device),
+            vocab_size=model.config.vocab_size,
+            pad_token_id=pad_token_id(self.tokenizer),
+            actor=self.trainer.model if cfg.score.old_logprobs == "actor" else None,
+            ref=ref.requires_grad_(False).to(self.device).eval() if ref is not None else None,
+            critic=self.critic.model if self.critic else None,
+            reward_model=self._load_reward_model(),
+        )
         self.engine = HFRolloutEngine(
             self.trainer.model, self.tokenizer, self.device, resolve_precision(cfg.rollout.precision, self.device)
         )
         self.prompts = read_prompts(cfg.data.prompts)
+        self.score_cfg = dataclasses.replace(
+            cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
+        )
+
+    def _load_critic(self, start_ckpt: Path | None, policy) -> tuple[CriticTrainer | None, dict]:
+        cfg = self.cfg
+        if cfg.critic is None:
+            return None, {}
+        if start_ckpt is not None:
+            model, _, aux = load_trained_policy(resolve_source(start_ckpt / CRITIC_DIR), role="critic")
+            state = load_optimizer_state(start_ckpt / CRITIC_DIR)
+        elif cfg.critic.path:
+            model, _, aux = load_trained_policy(resolve_source(cfg.critic.path, "critic"), role="critic")
+            state = None
+        else:
+            model, aux = build_critic_files(policy, self.tokenizer, cfg.seed)
+            state = None
+        trainer = CriticTrainer(
+            model,
+            dataclasses.replace(cfg.critic.train, seed=cfg.seed),
+            self.device,
+            resolve_precision(cfg.critic.train.precision, self.device),
+        )
+        trainer.load_optimizer_state(state, str(start_ckpt))
+        return trainer, aux
+
+    def _load_reward_model(self):
+        if not self.cfg.score.reward_model:
+            return None
+        from rlx.models.reward_model import RewardModel
+
+        source = resolve_source(self.cfg.score.reward_model, "reward model")
+        return RewardModel(source, self.device, resolve_precision(self.cfg.score.precision, self.device))
 
     def _prepare_dir(self, resume: bool) -> tuple[int, Path | None]:
         """Check the run dir against the recipe; return (last completed step, its checkpoint)."""
@@ -136,36 +200,20 @@ class PPORun:
 
     def step(self, step: int) -> dict:
         """One iteration; returns its metrics (also appended to metrics.jsonl)."""
-        cfg, out = self.cfg, step_dir(self.run_dir, step)
-        timings = {}
-        t0 = step_start = time.perf_counter()
-        prompts = take_prompts(
-            self.prompts, self.data_position, cfg.data.prompts_per_step, cfg.seed if cfg.data.shuffle else None
-        )
-        rollout_cfg = dataclasses.replace(cfg.rollout, seed=cfg.seed + step)
-        rollouts = self.engine.generate(prompts, rollout_cfg, progress=False)
-        metrics = dict(self.engine.last_stats)
-        timings["timing/rollout_s"] = time.perf_counter() - t0
-
+        cfg, out, step_start = self.cfg, step_dir(self.run_dir, step), time.perf_counter()
+        rollouts, rewards, metrics = self._sample(step)
+        timings = {"timing/rollout_s": time.perf_counter() - step_start}
         t0 = time.perf_counter()
-        models = ScoredModels(
-            actor=self.trainer.model if cfg.score.old_logprobs == "actor" else None,
-            ref=self.ref,
-            device=self.device,
-            dtype=resolve_precision(cfg.score.precision, self.device),
-            vocab_size=self.trainer.model.config.vocab_size,
-            pad_token_id=pad_token_id(self.tokenizer),
-        )
-        result = score_rollouts(rollouts, cfg.score, models, cfg.rollout.train_temperature)
+        score_cfg = dataclasses.replace(self.score_cfg, kl_coef=self.kl_coef, filter_groups=False)
+        result = score_rollouts(rollouts, score_cfg, self.models, cfg.rollout.train_temperature, rewards=rewards)
         metrics.update(result.metrics)
+        self.kl_coef = result.metrics.get("actor/kl_coef_next", self.kl_coef)
         timings["timing/score_s"] = time.perf_counter() - t0
         if cfg.keep_artifacts:
             write_records(out / "rollouts.jsonl", rollouts)
             write_records(out / "scores.jsonl", result.scores)
             result.batch.save(out / "batch.safetensors")
-
-        metrics.update(self.trainer.train_step(result.batch, step - 1))
-        self.data_position += len(prompts)
+        metrics.update(self._train(step, result))
         t0 = time.perf_counter()
         if step % cfg.save_every == 0 or step == cfg.steps:
             self._save(step)
@@ -175,21 +223,86 @@ class PPORun:
         log_metrics(self.run_dir / "metrics.jsonl", step, metrics)
         return metrics
 
+    def _sample(self, step: int) -> tuple[list[RolloutRecord], Rewards | None, dict]:
+        """Rollouts for the step.  With score.filter_groups (DAPO dynamic sampling), batches of prompts
+        are sampled until prompts_per_step informative groups are collected (or max_gen_batches)."""
+        cfg = self.cfg
+        rollout_cfg = dataclasses.replace(cfg.rollout, seed=cfg.seed + step)
+        want, kept, kept_rewards, batches = cfg.data.prompts_per_step, [], [], 0
+        stats: dict[str, float] = {}
+        while True:
+            prompts = take_prompts(self.prompts, self.data_position, want, cfg.seed if cfg.data.shuffle else None)
+            self.data_position += len(prompts)
+            rollouts = self.engine.generate(prompts, rollout_cfg, progress=False)
+            batches += 1
+            for key in ("rollout/tokens", "timing/generate_s"):
+                stats[key] = stats.get(key, 0.0) + self.engine.last_stats[key]
+            stats["perf/rollout_tokens_per_s"] = stats["rollout/tokens"] / max(stats["timing/generate_s"], 1e-9)
+            if not cfg.score.filter_groups:
+                return rollouts, None, stats
+            rewards = compute_rewards(rollouts, self.score_cfg, self.models.reward_model)
+            trained = [i for i, r in enumerate(rollouts) if not r.is_greedy_baseline]
+            good = {
+                rollouts[trained[i]].prompt_id
+                for i in informative_groups([rollouts[i].prompt_id for i in trained], rewards.task_scores[trained])
+            }
+            rows = [i for i, r in enumerate(rollouts) if r.prompt_id in good]
+            kept += [rollouts[i] for i in rows]
+            kept_rewards.append(rewards.select(rows))
+            groups = list(dict.fromkeys(r.prompt_id for r in kept))
+            if len(groups) >= want or (cfg.data.max_gen_batches and batches >= cfg.data.max_gen_batches):
+                break
+        keep_ids = set(groups[:want])
+        rows = [i for i, r in enumerate(kept) if r.prompt_id in keep_ids]
+        merged = Rewards(
+            torch.cat([r.scores for r in kept_rewards]),
+            [d for r in kept_rewards for d in r.details],
+            [e for r in kept_rewards for e in r.errors],
+            torch.cat([r.task_scores for r in kept_rewards]),
+        )
+        stats.update(
+            {"dynamic_sampling/gen_batches": float(batches), "dynamic_sampling/kept_groups": float(len(keep_ids))}
+        )
+        if not rows:
+            raise UserError(
+                f"step {step}: dynamic sampling found no prompt whose samples got different rewards "
+                f"in {batches} batch(es); raise data.max_gen_batches or rollout.n"
+            )
+        return [kept[i] for i in rows], merged.select(rows), stats
+
+    def _train(self, step: int, result: ScoreResult) -> dict:
+        metrics = {}
+        warmup = self.cfg.critic.warmup_steps if self.cfg.critic else 0
+        if self.critic is not None:
+            metrics.update(self.critic.train_step(result.batch, step - 1))
+        if step > warmup:
+            metrics.update(self.trainer.train_step(result.batch, step - 1 - warmup))
+        return metrics
+
     def _save(self, step: int) -> None:
-        files = PolicyFiles(model_weights(self.trainer.model), self.aux)
         meta = CheckpointMeta(
             step=step,
             data_position=self.data_position,
             optimizer=self.trainer.optimizer_meta(),
+            kl_coef=self.kl_coef,
             provenance=provenance("rlx ppo", self.cfg.model.path, run_dir=str(self.run_dir)),
         )
+        nested = {}
+        if self.critic is not None:
+            nested[CRITIC_DIR] = CheckpointContent(
+                model_weights(self.critic.model),
+                self.critic_aux,
+                dataclasses.replace(meta, optimizer=self.critic.optimizer_meta(), kl_coef=None),
+                self.critic.optimizer_state(),
+            )
         save_checkpoint(
             checkpoint_dir(self.run_dir, step),
-            weights=files.weights,
-            aux=files.aux,
+            weights=model_weights(self.trainer.model),
+            aux=self.aux,
             meta=meta,
             optimizer_state=self.trainer.optimizer_state(),
             overwrite=True,
+            nested=nested,
         )
         if self.cfg.keep_checkpoints:
             older = sorted((self.run_dir / "checkpoints").glob("step_*"))[: -self.cfg.keep_checkpoints]

@@ -30,6 +30,8 @@ class RolloutConfig:
     """Sampling seed; each sample draws from its own stream derived from (seed, prompt id, sample index)."""
     chat_template: Literal["auto", "on", "off"] = "auto"
     """Apply the tokenizer's chat template: 'auto' when it has one, 'on' to require it, 'off' for raw text."""
+    remax_baseline: bool = False
+    """Also decode one greedy response per prompt (marked is_greedy_baseline): ReMax's reward baseline."""
     batch_size: int = 64
     """Sequences generated together in one batch."""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"

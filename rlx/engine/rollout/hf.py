@@ -26,6 +26,7 @@ class _Request:
     prompt: PromptRecord
     sample_index: int
     prompt_ids: list[int]
+    greedy: bool = False
 
     @property
     def sample_id(self) -> str:
@@ -52,12 +53,12 @@ class HFRolloutEngine:
 
     def generate(self, prompts: list[PromptRecord], cfg: RolloutConfig, progress: bool = True) -> list[RolloutRecord]:
         """N responses per prompt, in prompt order then sample order."""
-        requests = [
-            _Request(p, i, ids)
-            for p in prompts
-            for ids in [encode_prompt(self.tokenizer, p, cfg.chat_template)]
-            for i in range(cfg.n)
-        ]
+        requests = []
+        for p in prompts:
+            ids = encode_prompt(self.tokenizer, p, cfg.chat_template)
+            requests += [_Request(p, i, ids) for i in range(cfg.n)]
+            if cfg.remax_baseline:  # ReMax: one greedy response per prompt, after its samples
+                requests.append(_Request(p, cfg.n, ids, greedy=True))
         uniforms = sample_uniforms(cfg.seed, [r.sample_id for r in requests], cfg.max_new_tokens)
         was_training = self.model.training
         self.model.eval()
@@ -67,7 +68,8 @@ class HFRolloutEngine:
         try:
             for lo in range(0, len(requests), cfg.batch_size):
                 batch = requests[lo : lo + cfg.batch_size]
-                out = self._generate_batch([r.prompt_ids for r in batch], uniforms[lo : lo + len(batch)], cfg)
+                greedy = torch.tensor([r.greedy or cfg.temperature == 0 for r in batch])
+                out = self._generate_batch([r.prompt_ids for r in batch], uniforms[lo : lo + len(batch)], greedy, cfg)
                 results.extend(out)
                 generated += sum(len(g.response_ids) for g in out)
                 bar.update(len(batch))
@@ -95,6 +97,7 @@ class HFRolloutEngine:
             rollout_logprobs=gen.logprobs,
             finish_reason=gen.finish_reason,
             temperature=temperature,
+            is_greedy_baseline=req.greedy,
             data_source=p.data_source,
             ground_truth=p.ground_truth,
             extra=dict(p.extra),
@@ -102,9 +105,9 @@ class HFRolloutEngine:
 
     @torch.inference_mode()
     def _generate_batch(
-        self, prompt_ids: list[list[int]], uniforms: torch.Tensor, cfg: RolloutConfig
+        self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, cfg: RolloutConfig
     ) -> list[_Generated]:
-        """Decode one batch.  uniforms: [b, max_new_tokens] float64 CPU."""
+        """Decode one batch.  uniforms: [b, max_new_tokens] float64 CPU; greedy: [b] bool (argmax rows)."""
         b, width = len(prompt_ids), max(len(ids) for ids in prompt_ids)
         input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((b, width), dtype=torch.long)
@@ -115,6 +118,7 @@ class HFRolloutEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         stop = torch.tensor(sorted(self.stop_ids), device=self.device)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        greedy = greedy.to(self.device)
         tokens, logprobs = [], []
         with autocast(self.device, self.dtype):
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
@@ -122,10 +126,10 @@ class HFRolloutEngine:
             logits = out.logits[:, -1, :].float()  # [b, V]
             scaled = logits / cfg.train_temperature
             token_logprobs = torch.log_softmax(scaled, dim=-1)
-            if cfg.temperature == 0:
-                token = logits.argmax(dim=-1)
-            else:
-                token = draw_tokens(filter_logits(scaled, cfg.top_k, cfg.top_p), uniforms[:, step])
+            token = logits.argmax(dim=-1)
+            if not bool(greedy.all()):
+                sampled = draw_tokens(filter_logits(scaled, cfg.top_k, cfg.top_p), uniforms[:, step])
+                token = torch.where(greedy, token, sampled)
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             tokens.append(token)
             logprobs.append(token_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1))

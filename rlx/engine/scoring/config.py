@@ -2,39 +2,82 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from rlx.config import check, check_choices
+
+Estimator = Literal[
+    "grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_passk"
+]
 
 
 @dataclass(kw_only=True)
 class ScoreConfig:
     """How rollouts become rewards, advantages and a training batch."""
 
-    reward: str | None = None
-    """Reward function: arith, gsm8k, math, module:function or file.py:function; unset = by data_source."""
-    estimator: Literal["grpo"] = "grpo"
-    """Advantage estimator: 'grpo' (group mean/std over the N samples of a prompt)."""
+    reward: list[str] | str = field(default_factory=list)
+    """Reward functions, each NAME or NAME=WEIGHT: arith, gsm8k, math, module:function, file.py:function.
+    Empty = the built-in named by each sample's data_source. The reward is the weighted sum."""
+    reward_model: str | None = None
+    """A sequence-classification reward model (HF dir or checkpoint), scored at the last token."""
+    reward_model_weight: float = 1.0
+    """Weight of the reward model's score in the sum."""
+    estimator: Estimator = "grpo"
+    """Advantage estimator: grpo, gae (needs a critic), rloo, reinforce_plus_plus, reinforce_plus_plus_baseline,
+    remax (needs rollout --remax-baseline), opo, gpg, grpo_passk."""
     norm_adv_by_std: bool = True
-    """GRPO: divide by the group std (false gives Dr.GRPO's mean-centred advantages)."""
+    """GRPO and pass@k: divide by the group std (false gives Dr.GRPO)."""
+    gamma: float = 1.0
+    """Discount factor (gae, reinforce_plus_plus)."""
+    lam: float = 1.0
+    """GAE lambda: trades bias for variance in the advantage (1 = Monte Carlo returns minus values)."""
+    whiten_advantages: bool = True
+    """GAE: whiten advantages over the batch (verl always does)."""
     kl_coef: float = 0.0
-    """In-reward KL penalty coefficient (needs a reference model): token reward -= kl_coef * KL."""
+    """In-reward KL penalty coefficient (needs --ref): token reward -= kl_coef * KL."""
+    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
+    """KL coefficient controller: fixed, or adaptive towards kl_target (Ziegler et al.)."""
+    kl_target: float = 0.1
+    """Adaptive controller: target KL per token."""
+    kl_horizon: int = 10000
+    """Adaptive controller: horizon in samples."""
     kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k1"
-    """KL estimator for the in-reward penalty and the reported actor/ref_kl metric."""
+    """KL estimator for the in-reward penalty and the actor/ref_kl metric."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling: leave out prompts whose samples all got the same reward (no learning signal)."""
+    overlong_buffer: int = 0
+    """DAPO overlong shaping: responses longer than max_response_length - overlong_buffer lose reward
+    linearly, up to overlong_penalty at max_response_length (0 = off)."""
+    overlong_penalty: float = 1.0
+    """DAPO overlong shaping: the largest penalty."""
+    max_response_length: int = 0
+    """The rollout's max_new_tokens (overlong shaping needs it; rlx ppo fills it in)."""
     on_reward_error: Literal["raise", "zero"] = "raise"
     """When a reward function raises or returns NaN: 'raise' stops naming the sample; 'zero' scores it 0
     and counts it in reward/num_errors."""
     old_logprobs: Literal["actor", "rollout"] = "actor"
     """PPO's old logprobs: recomputed by the actor ('actor', as verl) or the sampler's ('rollout', no forward)."""
     micro_batch_size: int = 16
-    """Sequences per forward pass when computing logprobs."""
+    """Sequences per forward pass when computing logprobs and values."""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
-    """Where to run the actor and reference models."""
+    """Where to run the actor, reference, critic and reward models."""
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Compute precision for the logprob forward passes."""
+    """Compute precision for the forward passes."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.reward, str):
+            self.reward = [self.reward]
         check_choices(self)
         check(self.kl_coef >= 0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
+        check(self.kl_target > 0, "kl_target", f"must be > 0, got {self.kl_target}")
+        check(self.kl_horizon > 0, "kl_horizon", f"must be > 0, got {self.kl_horizon}")
+        check(0 <= self.gamma <= 1, "gamma", f"must be in [0, 1], got {self.gamma}")
+        check(0 <= self.lam <= 1, "lam", f"must be in [0, 1], got {self.lam}")
+        check(self.overlong_buffer >= 0, "overlong_buffer", f"must be >= 0, got {self.overlong_buffer}")
+        check(
+            self.max_response_length == 0 or self.max_response_length > self.overlong_buffer,
+            "max_response_length",
+            "must be larger than overlong_buffer",
+        )
         check(self.micro_batch_size >= 1, "micro_batch_size", f"must be at least 1, got {self.micro_batch_size}")

@@ -1,7 +1,10 @@
-"""Reward functions by name: the built-in rules, any `module:function`, chosen per sample.
+"""Reward functions by name: the built-in rules, any `module:function`, weighted sums, chosen per sample.
 
-A reward spec is a built-in name (`arith`, `gsm8k`, `math`), `package.module:function`, or
-`path/to/file.py:function`. Without a spec, each sample's `data_source` picks a built-in.
+A reward spec is a built-in name (`arith`, `gsm8k`, `math`), `package.module:function` or
+`path/to/file.py:function`, optionally followed by `=WEIGHT`. Without specs, each sample's
+`data_source` picks a built-in. A function is called as verl calls it:
+`fn(data_source=, solution_str=, ground_truth=, extra_info=)` and returns a number or a dict
+with 'score' (its other numeric entries are kept in scores.jsonl).
 """
 
 from __future__ import annotations
@@ -52,9 +55,29 @@ def _load_callable(spec: str) -> Callable:
     return fn
 
 
+def parse_spec(text: str) -> tuple[str, float]:
+    """'name' or 'name=weight' -> (name, weight)."""
+    name, sep, weight = text.rpartition("=")
+    if not sep:
+        return text, 1.0
+    try:
+        return name, float(weight)
+    except ValueError:
+        raise UserError(f"--reward {text!r}: the weight after '=' must be a number") from None
+
+
+@dataclass
+class RewardFunction:
+    """One named, weighted reward function."""
+
+    name: str
+    fn: Callable
+    weight: float = 1.0
+
+
 @dataclass
 class RewardResult:
-    """The reward of one sample: the scalar, its named details, or why it failed."""
+    """The reward of one sample: the weighted scalar, each component's details, or why it failed."""
 
     score: float
     details: dict
@@ -62,29 +85,29 @@ class RewardResult:
 
 
 class RewardFunctions:
-    """Resolves and calls reward functions for samples (one spec for all, or by data_source)."""
+    """Resolves and calls reward functions for samples (given specs for all, or by data_source)."""
 
-    def __init__(self, spec: str | None):
-        self.spec = spec
-        self.fixed: tuple[str, Callable] | None = None
-        if spec:
-            self.fixed = (spec, BUILTIN[spec]) if spec in BUILTIN else (spec.rpartition(":")[2], _load_callable(spec))
+    def __init__(self, specs: list[str]):
+        self.fixed: list[RewardFunction] = []
+        for text in specs:
+            spec, weight = parse_spec(text)
+            fn = BUILTIN[spec] if spec in BUILTIN else _load_callable(spec)
+            self.fixed.append(RewardFunction(spec if spec in BUILTIN else spec.rpartition(":")[2], fn, weight))
 
-    def for_sample(self, rollout: RolloutRecord) -> tuple[str, Callable]:
+    def for_sample(self, rollout: RolloutRecord) -> list[RewardFunction]:
         if self.fixed:
             return self.fixed
         source = rollout.data_source
         name = DATA_SOURCE_ALIASES.get(source, source)
         if name in BUILTIN:
-            return name, BUILTIN[name]
+            return [RewardFunction(name, BUILTIN[name])]
         raise UserError(
             f"sample {rollout.id!r}: no reward function for data_source {source!r} "
             f"(pass --reward NAME|module:function; built-ins: {', '.join(BUILTIN)})"
         )
 
     def compute(self, rollout: RolloutRecord) -> RewardResult:
-        """Call the reward function; exceptions and non-finite scores come back as `error`."""
-        name, fn = self.for_sample(rollout)
+        """Weighted sum of the functions; an exception or non-finite score comes back as `error`."""
         extra_info = {
             "id": rollout.id,
             "prompt_id": rollout.prompt_id,
@@ -93,18 +116,23 @@ class RewardFunctions:
             "finish_reason": rollout.finish_reason,
             **rollout.extra,
         }
-        try:
-            value = fn(
-                data_source=rollout.data_source,
-                solution_str=rollout.response,
-                ground_truth=rollout.ground_truth,
-                extra_info=extra_info,
-            )
-        except Exception as e:  # the user's function: any failure is reported with the sample id
-            return RewardResult(0.0, {}, f"reward function {name!r} raised {type(e).__name__}: {e}")
-        details = value if isinstance(value, dict) else {"score": value}
-        score = details.get("score")
-        if not rules.is_finite_number(score):
-            return RewardResult(0.0, {}, f"reward function {name!r} returned {score!r}, expected a finite number")
-        clean = {k: float(v) for k, v in details.items() if rules.is_finite_number(v)}
-        return RewardResult(float(score), {name: clean})
+        total, details = 0.0, {}
+        for reward in self.for_sample(rollout):
+            try:
+                value = reward.fn(
+                    data_source=rollout.data_source,
+                    solution_str=rollout.response,
+                    ground_truth=rollout.ground_truth,
+                    extra_info=extra_info,
+                )
+            except Exception as e:  # the user's function: any failure is reported with the sample id
+                return RewardResult(0.0, {}, f"reward function {reward.name!r} raised {type(e).__name__}: {e}")
+            parts = value if isinstance(value, dict) else {"score": value}
+            score = parts.get("score")
+            if not rules.is_finite_number(score):
+                return RewardResult(
+                    0.0, {}, f"reward function {reward.name!r} returned {score!r}, expected a finite number"
+                )
+            details[reward.name] = {k: float(v) for k, v in parts.items() if rules.is_finite_number(v)}
+            total += reward.weight * float(score)
+        return RewardResult(total, details)

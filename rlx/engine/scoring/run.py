@@ -10,7 +10,7 @@ from rlx.engine.device import resolve_device, resolve_precision
 from rlx.engine.records import read_rollouts, write_records
 from rlx.engine.rollout.prompts import pad_token_id
 from rlx.engine.scoring.config import ScoreConfig
-from rlx.engine.scoring.score import ScoredModels, check_token_ids, score_rollouts
+from rlx.engine.scoring.score import ScoringModels, check_token_ids, score_rollouts
 from rlx.engine.tracking import console, log_metrics
 from rlx.errors import UserError
 from rlx.models.loading import load_causal_lm, load_config, load_tokenizer, resolve_source
@@ -32,43 +32,62 @@ def rollout_temperature(rollouts, override: float | None, where: str) -> float:
     return temp if temp > 0 else 1.0
 
 
+def load_scoring_models(cfg: ScoreConfig, actor: str, ref: str | None, critic: str | None) -> ScoringModels:
+    """The models `rlx score` needs, on the configured device."""
+    from rlx.models.reward_model import RewardModel
+    from rlx.models.value import load_value_model
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_precision(cfg.precision, device)
+    actor_source = resolve_source(actor, "actor model")
+    config = load_config(actor_source)
+    models = ScoringModels(
+        device=device,
+        dtype=dtype,
+        vocab_size=config.vocab_size,
+        pad_token_id=pad_token_id(load_tokenizer(actor_source)),
+    )
+    if cfg.old_logprobs == "actor":
+        models.actor = load_causal_lm(actor_source).to(device)
+    if ref:
+        models.ref = load_causal_lm(resolve_source(ref, "reference model")).to(device)
+        if models.ref.config.vocab_size != config.vocab_size:
+            raise UserError(
+                f"--ref {ref}: vocabulary of {models.ref.config.vocab_size} tokens, "
+                f"but the actor has {config.vocab_size}"
+            )
+    if critic:
+        models.critic = load_value_model(resolve_source(critic, "critic")).to(device)
+    if cfg.reward_model:
+        models.reward_model = RewardModel(resolve_source(cfg.reward_model, "reward model"), device, dtype)
+    return models
+
+
 def run_score(
     cfg: ScoreConfig,
     rollouts_path: str,
     out: str,
     actor: str,
-    ref: str | None,
+    ref: str | None = None,
+    critic: str | None = None,
     temperature: float | None = None,
     metrics_path: Path | None = None,
 ) -> None:
     start = time.perf_counter()
     rollouts = read_rollouts(rollouts_path)
-    device = resolve_device(cfg.device)
-    dtype = resolve_precision(cfg.precision, device)
-    actor_source = resolve_source(actor, "actor model")
-    config = load_config(actor_source)
-    tokenizer = load_tokenizer(actor_source)
-    check_token_ids(rollouts, config.vocab_size, rollouts_path)
-    actor_model = load_causal_lm(actor_source).to(device) if cfg.old_logprobs == "actor" else None
-    ref_model = load_causal_lm(resolve_source(ref, "reference model")).to(device) if ref else None
-    if ref_model is not None and ref_model.config.vocab_size != config.vocab_size:
-        raise UserError(
-            f"--ref {ref}: vocabulary of {ref_model.config.vocab_size} tokens, but the actor has {config.vocab_size}"
-        )
-    models = ScoredModels(
-        actor=actor_model,
-        ref=ref_model,
-        device=device,
-        dtype=dtype,
-        vocab_size=config.vocab_size,
-        pad_token_id=pad_token_id(tokenizer),
-    )
+    models = load_scoring_models(cfg, actor, ref, critic)
+    check_token_ids(rollouts, models.vocab_size, rollouts_path)
     result = score_rollouts(rollouts, cfg, models, rollout_temperature(rollouts, temperature, rollouts_path))
+    if result.batch is None:
+        raise UserError(
+            f"{rollouts_path}: every prompt's samples got the same reward, so --filter-groups left "
+            f"nothing to train on; sample more prompts or more responses per prompt"
+        )
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result.batch.save(out_dir / "batch.safetensors")
     write_records(out_dir / "scores.jsonl", result.scores)
-    step = read_meta_or_default(actor_source.path).step + 1
+    step = read_meta_or_default(resolve_source(actor).path).step + 1
     log_metrics(metrics_path, step, {**result.metrics, "timing/score_s": time.perf_counter() - start})
     console(
         f"rlx score: {len(rollouts)} samples, reward mean {result.metrics['reward/mean']:.3f} "

@@ -1,56 +1,106 @@
-"""The score stage: rewards, old/ref logprobs, KL, advantages -> scores.jsonl records + a TrainBatch."""
+"""The score stage: rewards, old/ref logprobs, values, KL, advantages -> scores.jsonl records + a TrainBatch."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from rlx.engine.algorithms.advantages import compute_grpo_advantages
-from rlx.engine.algorithms.core import masked_mean
-from rlx.engine.algorithms.losses import kl_estimate
+from rlx.engine.algorithms.advantages import AdvantageInputs, compute_advantages
+from rlx.engine.algorithms.core import group_rows, masked_mean
+from rlx.engine.algorithms.kl import adaptive_kl_coef, kl_estimate
+from rlx.engine.algorithms.rollout_correction import mismatch_metrics
 from rlx.engine.batch import BatchMeta, TrainBatch, collate
 from rlx.engine.logprobs import batched_response_logprobs
 from rlx.engine.records import RolloutRecord, ScoreRecord
 from rlx.engine.scoring.config import ScoreConfig
 from rlx.engine.scoring.rewards import RewardFunctions
+from rlx.engine.tracking import console
 from rlx.errors import UserError
 
 
 @dataclass
-class ScoredModels:
-    """The models scoring needs: the actor for old logprobs, optionally a frozen reference."""
+class ScoringModels:
+    """The models scoring may use; each is optional except for what the settings need."""
 
-    actor: object | None
-    ref: object | None
     device: torch.device
     dtype: torch.dtype
     vocab_size: int
     pad_token_id: int
+    actor: object | None = None
+    ref: object | None = None
+    critic: object | None = None
+    reward_model: object | None = None
+
+
+@dataclass
+class Rewards:
+    """Per-sample rewards: [B] weighted sums and each sample's component details / failure."""
+
+    scores: torch.Tensor
+    details: list[dict]
+    errors: list[str | None]
+    task_scores: torch.Tensor | None = None
+    """[B] the reward before overlong shaping: what dynamic sampling compares (verl's 'acc' metric)."""
+
+    def __post_init__(self) -> None:
+        if self.task_scores is None:
+            self.task_scores = self.scores.clone()
+
+    def select(self, rows: list[int]) -> Rewards:
+        return Rewards(
+            self.scores[rows], [self.details[i] for i in rows], [self.errors[i] for i in rows], self.task_scores[rows]
+        )
 
 
 @dataclass
 class ScoreResult:
     scores: list[ScoreRecord]
-    batch: TrainBatch
+    batch: TrainBatch | None
     metrics: dict[str, float]
 
 
-def compute_rewards(rollouts: list[RolloutRecord], cfg: ScoreConfig) -> tuple[torch.Tensor, list[dict], list]:
-    """Reward of every sample: ([B] scores, details, errors). Failures raise unless on_reward_error='zero'."""
-    functions = RewardFunctions(cfg.reward)
+def compute_rewards(rollouts: list[RolloutRecord], cfg: ScoreConfig, reward_model=None) -> Rewards:
+    """Weighted rule/custom rewards + reward model + DAPO overlong shaping, for every sample."""
+    functions = RewardFunctions(cfg.reward) if (cfg.reward or reward_model is None) else None
     scores, details, errors = [], [], []
     for rollout in rollouts:
+        if functions is None:
+            scores.append(0.0), details.append({}), errors.append(None)
+            continue
         result = functions.compute(rollout)
         if result.error and cfg.on_reward_error == "raise":
             raise UserError(
                 f"sample {rollout.id!r}: {result.error} "
                 f"(pass --on-reward-error zero to score such samples 0 and count them)"
             )
-        scores.append(result.score)
-        details.append(result.details)
-        errors.append(result.error)
-    return torch.tensor(scores, dtype=torch.float32), details, errors
+        scores.append(result.score), details.append(result.details), errors.append(result.error)
+    out = Rewards(torch.tensor(scores, dtype=torch.float32), details, errors)
+    if reward_model is not None:
+        rm = reward_model.score(rollouts, cfg.micro_batch_size)
+        out.scores = out.scores + cfg.reward_model_weight * rm
+        for d, value in zip(out.details, rm.tolist()):
+            d["reward_model"] = {"score": value}
+    out.task_scores = out.scores.clone()
+    if cfg.overlong_buffer > 0:
+        if cfg.max_response_length <= cfg.overlong_buffer:
+            raise UserError("overlong shaping needs --max-response-length (the rollout's max_new_tokens)")
+        expected = cfg.max_response_length - cfg.overlong_buffer
+        for i, rollout in enumerate(rollouts):  # verl DAPO: min(-(len - expected) / buffer * factor, 0)
+            penalty = min(-(len(rollout.response_ids) - expected) / cfg.overlong_buffer * cfg.overlong_penalty, 0.0)
+            out.scores[i] += penalty
+            out.details[i]["overlong"] = {"score": penalty}
+    return out
+
+
+def informative_groups(group_ids: list[str], scores: torch.Tensor) -> list[int]:
+    """Rows of groups whose rewards are not all equal (DAPO dynamic sampling keeps these)."""
+    keep = []
+    for rows in group_rows(group_ids):
+        if len(rows) > 1 and bool((scores[rows] != scores[rows[0]]).any()):
+            keep.extend(rows)
+    return sorted(keep)
 
 
 def check_token_ids(rollouts: list[RolloutRecord], vocab_size: int, where: str) -> None:
@@ -64,109 +114,216 @@ def check_token_ids(rollouts: list[RolloutRecord], vocab_size: int, where: str) 
             )
 
 
+def check_setup(rollouts: list[RolloutRecord], cfg: ScoreConfig, models: ScoringModels) -> None:
+    """Clear errors for settings the inputs cannot satisfy."""
+    if cfg.estimator == "gae" and models.critic is None:
+        raise UserError("estimator 'gae' needs a critic: pass --critic (make one with `rlx shard --role critic`)")
+    if cfg.kl_coef > 0 and models.ref is None:
+        raise UserError("--kl-coef needs a reference model (--ref)")
+    has_baseline = any(r.is_greedy_baseline for r in rollouts)
+    if cfg.estimator == "remax" and not has_baseline:
+        raise UserError("estimator 'remax' needs greedy baselines: sample with `rlx rollout --remax-baseline`")
+    if cfg.estimator != "remax" and has_baseline:
+        raise UserError(
+            f"the rollouts contain greedy baselines (--remax-baseline) but the estimator is "
+            f"{cfg.estimator!r}; use --estimator remax or sample without baselines"
+        )
+
+
 def score_rollouts(
-    rollouts: list[RolloutRecord], cfg: ScoreConfig, models: ScoredModels, temperature: float
+    rollouts: list[RolloutRecord],
+    cfg: ScoreConfig,
+    models: ScoringModels,
+    temperature: float,
+    rewards: Rewards | None = None,
 ) -> ScoreResult:
-    """Score rollouts and build the training batch."""
-    rewards, details, errors = compute_rewards(rollouts, cfg)
+    """Score rollouts and build the training batch (None when dynamic sampling leaves nothing)."""
+    check_setup(rollouts, cfg, models)
+    rewards = rewards or compute_rewards(rollouts, cfg, models.reward_model)
+    trained = [i for i, r in enumerate(rollouts) if not r.is_greedy_baseline]
+    baselines = {r.prompt_id: float(rewards.scores[i]) for i, r in enumerate(rollouts) if r.is_greedy_baseline}
+    metrics = reward_metrics(rollouts, rewards)
+    kept = trained
+    if cfg.filter_groups:
+        group_ids = [rollouts[i].prompt_id for i in trained]
+        kept = [trained[i] for i in informative_groups(group_ids, rewards.task_scores[trained])]
+        metrics["dynamic_sampling/kept_groups"] = float(len({rollouts[i].prompt_id for i in kept}))
+        metrics["dynamic_sampling/total_groups"] = float(len(set(group_ids)))
+    scores = _score_records(rollouts, rewards, set(kept) if cfg.filter_groups else None)
+    if not kept:
+        return ScoreResult(scores, None, metrics)
+    batch, batch_metrics = build_batch(
+        [rollouts[i] for i in kept], rewards.select(kept), cfg, models, temperature, baselines
+    )
+    metrics.update(batch_metrics)
+    seq_adv = batch.advantages.sum(-1) / batch.response_mask.sum(-1).clamp(min=1)
+    by_id = {sid: float(a) for sid, a in zip(batch.meta.sample_ids, seq_adv.tolist())}
+    scores = [dataclasses.replace(s, advantage=by_id.get(s.id, 0.0)) for s in scores]
+    return ScoreResult(scores, batch, metrics)
+
+
+def build_batch(
+    rollouts: list[RolloutRecord],
+    rewards: Rewards,
+    cfg: ScoreConfig,
+    models: ScoringModels,
+    temperature: float,
+    baselines: dict[str, float],
+) -> tuple[TrainBatch, dict]:
+    """Logprobs, values, KL-shaped token rewards and advantages for the rollouts that are trained on."""
     tensors = collate(rollouts, models.pad_token_id)
     mask = tensors["response_mask"]
+    forward = dict(
+        temperature=temperature, device=models.device, dtype=models.dtype, micro_batch_size=cfg.micro_batch_size
+    )
     old = tensors["rollout_logprobs"].clone()
     if models.actor is not None:
-        old = batched_response_logprobs(
-            models.actor, tensors, temperature, models.device, models.dtype, cfg.micro_batch_size, "old logprobs"
-        )
-    ref = None
-    if models.ref is not None:
-        ref = batched_response_logprobs(
-            models.ref, tensors, temperature, models.device, models.dtype, cfg.micro_batch_size, "ref logprobs"
-        )
+        old = batched_response_logprobs(models.actor, tensors, desc="old logprobs", **forward)
+    ref = batched_response_logprobs(models.ref, tensors, desc="ref logprobs", **forward) if models.ref else None
+    values = (
+        batched_values(models.critic, tensors, models.device, models.dtype, cfg.micro_batch_size)
+        if models.critic is not None
+        else None
+    )
     token_rewards = torch.zeros_like(old)
-    last = mask.sum(-1) - 1
-    token_rewards[torch.arange(len(rollouts)), last] = rewards
-    metrics: dict[str, float] = {}
+    token_rewards[torch.arange(len(rollouts)), mask.sum(-1) - 1] = rewards.scores
+    metrics = mismatch_metrics(old, tensors["rollout_logprobs"], mask)
     if ref is not None:
         kl = kl_estimate(old, ref, cfg.kl_estimator) * mask
-        metrics["actor/ref_kl"] = masked_mean(kl, mask).item()
+        current_kl = masked_mean(kl, mask).item()
+        metrics["actor/ref_kl"] = current_kl
         if cfg.kl_coef > 0:
             token_rewards = token_rewards - cfg.kl_coef * kl
-    elif cfg.kl_coef > 0:
-        raise UserError("--kl-coef needs a reference model (--ref)")
+            metrics["actor/kl_coef"] = cfg.kl_coef
+            metrics["actor/kl_coef_next"] = (
+                cfg.kl_coef
+                if cfg.kl_ctrl == "fixed"
+                else adaptive_kl_coef(cfg.kl_coef, current_kl, cfg.kl_target, cfg.kl_horizon, len(rollouts))
+            )
     group_ids = [r.prompt_id for r in rollouts]
-    advantages, returns = compute_grpo_advantages(token_rewards.sum(-1), group_ids, mask, cfg.norm_adv_by_std)
+    _warn_singletons(cfg, group_ids)
+    inputs = AdvantageInputs(
+        token_rewards=token_rewards,
+        response_mask=mask,
+        group_ids=group_ids,
+        values=values,
+        reward_baselines=torch.tensor([baselines.get(g, 0.0) for g in group_ids]),
+        gamma=cfg.gamma,
+        lam=cfg.lam,
+        norm_adv_by_std=cfg.norm_adv_by_std,
+        whiten=cfg.whiten_advantages,
+    )
+    try:
+        advantages, returns = compute_advantages(cfg.estimator, inputs)
+    except ValueError as e:
+        raise UserError(f"estimator {cfg.estimator!r}: {e}") from None
     meta = BatchMeta(
         sample_ids=[r.id for r in rollouts],
         group_ids=group_ids,
         vocab_size=models.vocab_size,
         pad_token_id=models.pad_token_id,
         temperature=temperature,
-        settings={
-            "estimator": cfg.estimator,
-            "norm_adv_by_std": cfg.norm_adv_by_std,
-            "kl_coef": cfg.kl_coef,
-            "kl_estimator": cfg.kl_estimator,
-            "reward": cfg.reward,
-        },
+        settings=_settings(cfg),
     )
     batch = TrainBatch(
         meta=meta,
         old_logprobs=old,
         ref_logprobs=ref,
+        values=values,
         token_rewards=token_rewards,
         advantages=advantages,
         returns=returns,
-        rewards=rewards,
+        rewards=rewards.scores,
         **tensors,
     )
-    seq_adv = advantages.sum(-1) / mask.sum(-1).clamp(min=1)
-    scores = [
+    metrics.update(batch_metrics(rollouts, batch))
+    return batch, metrics
+
+
+@torch.no_grad()
+def batched_values(critic, tensors: dict[str, torch.Tensor], device, dtype, micro_batch_size: int) -> torch.Tensor:
+    """Critic values [B, R] (float32, CPU, zero at masked positions) in micro-batches."""
+    from rlx.models.value import response_values
+
+    critic.eval()
+    out = []
+    keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+    for lo in range(0, tensors["response_ids"].shape[0], micro_batch_size):
+        part = {k: tensors[k][lo : lo + micro_batch_size].to(device) for k in keys}
+        out.append((response_values(critic, **part, dtype=dtype) * part["response_mask"]).cpu())
+    return torch.cat(out)
+
+
+def _warn_singletons(cfg: ScoreConfig, group_ids: list[str]) -> None:
+    singletons = sum(len(rows) == 1 for rows in group_rows(group_ids))
+    if singletons and cfg.estimator in ("grpo", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline"):
+        console(
+            f"warning: {singletons} prompt(s) have a single sample; {cfg.estimator} uses their raw reward "
+            f"as the advantage (baseline 0, verl's convention). Sample n >= 2 per prompt."
+        )
+
+
+def _settings(cfg: ScoreConfig) -> dict:
+    keys = ("estimator", "norm_adv_by_std", "gamma", "lam", "kl_coef", "kl_estimator", "reward", "reward_model")
+    return {k: getattr(cfg, k) for k in keys}
+
+
+def _score_records(rollouts: list[RolloutRecord], rewards: Rewards, kept: set[int] | None) -> list[ScoreRecord]:
+    return [
         ScoreRecord(
             id=r.id,
             prompt_id=r.prompt_id,
-            reward=float(rewards[i]),
-            rewards=details[i],
-            advantage=float(seq_adv[i]),
+            reward=float(rewards.scores[i]),
+            rewards=rewards.details[i],
+            advantage=0.0,
             response_length=len(r.response_ids),
-            reward_error=errors[i],
+            reward_error=rewards.errors[i],
+            is_greedy_baseline=r.is_greedy_baseline,
+            filtered=None if kept is None or r.is_greedy_baseline else i not in kept,
         )
         for i, r in enumerate(rollouts)
     ]
-    metrics.update(score_metrics(rollouts, rewards, batch, errors))
-    metrics.update(detail_metrics(details))
-    return ScoreResult(scores, batch, metrics)
 
 
-def score_metrics(rollouts: list[RolloutRecord], rewards: torch.Tensor, batch: TrainBatch, errors: list) -> dict:
-    """Reward, length, advantage and train/rollout mismatch summaries for metrics.jsonl."""
-    lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
-    prompt_lengths = torch.tensor([len(r.prompt_ids) for r in rollouts], dtype=torch.float32)
-    mask = batch.response_mask
+def reward_metrics(rollouts: list[RolloutRecord], rewards: Rewards) -> dict:
+    """Reward and length summaries over the sampled (non-baseline) responses."""
+    rows = [i for i, r in enumerate(rollouts) if not r.is_greedy_baseline]
+    scores = rewards.scores[rows]
+    lengths = torch.tensor([len(rollouts[i].response_ids) for i in rows], dtype=torch.float32)
     out = {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
-        "reward/max": rewards.max().item(),
-        "reward/min": rewards.min().item(),
-        "reward/num_errors": float(sum(e is not None for e in errors)),
+        "reward/mean": scores.mean().item(),
+        "reward/std": scores.std().item() if len(rows) > 1 else 0.0,
+        "reward/max": scores.max().item(),
+        "reward/min": scores.min().item(),
+        "reward/num_errors": float(sum(rewards.errors[i] is not None for i in rows)),
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
         "response_length/min": lengths.min().item(),
-        "response_length/clip_ratio": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
-        "prompt_length/mean": prompt_lengths.mean().item(),
-        "advantages/mean": masked_mean(batch.advantages, mask).item(),
-        "advantages/max": batch.advantages[mask].max().item(),
-        "advantages/min": batch.advantages[mask].min().item(),
+        "response_length/clip_ratio": sum(rollouts[i].finish_reason == "length" for i in rows) / len(rows),
+        "prompt_length/mean": sum(len(rollouts[i].prompt_ids) for i in rows) / len(rows),
     }
-    diff = (batch.old_logprobs - batch.rollout_logprobs).abs()
-    out["rollout/logprob_abs_diff_mean"] = masked_mean(diff, mask).item()
-    out["rollout/logprob_abs_diff_max"] = diff[mask].max().item()
+    if any(r.is_greedy_baseline for r in rollouts):
+        base = [float(rewards.scores[i]) for i, r in enumerate(rollouts) if r.is_greedy_baseline]
+        out["reward/greedy_baseline_mean"] = sum(base) / len(base)
+    sums: dict[str, list[float]] = {}
+    for i in rows:
+        for fn_name, values in rewards.details[i].items():
+            for key, value in values.items():
+                sums.setdefault(f"reward/{fn_name}/{key}", []).append(value)
+    out.update({k: sum(v) / len(v) for k, v in sorted(sums.items())})
     return out
 
 
-def detail_metrics(details: list[dict]) -> dict[str, float]:
-    """Mean of every named reward component over the samples that report it: reward/<fn>/<key>."""
-    sums: dict[str, list[float]] = {}
-    for per_sample in details:
-        for fn_name, values in per_sample.items():
-            for key, value in values.items():
-                sums.setdefault(f"reward/{fn_name}/{key}", []).append(value)
-    return {k: sum(v) / len(v) for k, v in sorted(sums.items())}
+def batch_metrics(rollouts: list[RolloutRecord], batch: TrainBatch) -> dict:
+    """Advantage and value summaries of the training batch."""
+    mask = batch.response_mask
+    out = {
+        "advantages/mean": masked_mean(batch.advantages, mask).item(),
+        "advantages/max": batch.advantages[mask].max().item(),
+        "advantages/min": batch.advantages[mask].min().item(),
+        "returns/mean": masked_mean(batch.returns, mask).item(),
+        "batch/num_samples": float(batch.size),
+    }
+    if batch.values is not None:
+        out["critic/values_mean"] = masked_mean(batch.values, mask).item()
+    return out

@@ -1,4 +1,4 @@
-"""Training settings shared by `rlx train-step` and the `[train]` table of a recipe (no torch import)."""
+"""Training settings shared by `rlx train-step` and the `[train]` / `[critic.train]` tables (no torch import)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,16 @@ from typing import Literal
 
 from rlx.config import check, check_choices
 
+PolicyLoss = Literal["ppo", "gspo", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean"]
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """One PPO update: optimizer, batching and loss settings."""
+    """One PPO update of the actor (or the critic): optimizer, batching and loss settings."""
 
-    role: Literal["actor"] = "actor"
-    """Which model is trained: 'actor' (the policy)."""
+    role: Literal["actor", "critic"] = "actor"
+    """Which model is trained: 'actor' (the policy) or 'critic' (a value model, clipped value loss)."""
     lr: float = 1e-6
     """AdamW learning rate (after warm-up)."""
     warmup_steps: int = 0
@@ -32,12 +35,33 @@ class TrainConfig:
     """Samples per forward/backward pass; gradients accumulate over a mini-batch."""
     shuffle: bool = False
     """Shuffle samples into mini-batches each epoch (seeded by seed, step and epoch)."""
+    policy_loss: PolicyLoss = "ppo"
+    """Policy loss: ppo (clip + dual-clip), gspo, cispo, sapo, gpg, clip_cov, kl_cov, geo_mean."""
+    loss_agg_mode: AggMode = "token-mean"
+    """How token losses become a scalar: token-mean, seq-mean-token-sum, seq-mean-token-mean,
+    seq-mean-token-sum-norm (normalisers are counted over the whole mini-batch)."""
+    loss_scale_factor: int = 0
+    """seq-mean-token-sum-norm's constant length (Dr.GRPO's MAX_TOKENS); 0 = the batch's response width."""
     clip_ratio_low: float = 0.2
-    """PPO clip: ratio is clipped below at 1 - clip_ratio_low."""
+    """PPO clip: ratio is clipped below at 1 - clip_ratio_low (also GSPO, CISPO, GMPO, clip-cov)."""
     clip_ratio_high: float = 0.2
-    """PPO clip: ratio is clipped above at 1 + clip_ratio_high (raise it for clip-higher)."""
+    """PPO clip: ratio is clipped above at 1 + clip_ratio_high (0.28 is DAPO's clip-higher)."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (loss capped at -A * c); 0 turns dual-clip off."""
+    tau_pos: float = 1.0
+    """SAPO gate temperature for positive advantages."""
+    tau_neg: float = 1.05
+    """SAPO gate temperature for negative advantages."""
+    clip_cov_ratio: float = 0.0002
+    """Clip-Cov: share of tokens whose gradient is removed."""
+    clip_cov_lb: float = 1.0
+    """Clip-Cov: lower covariance bound of the candidates."""
+    clip_cov_ub: float = 5.0
+    """Clip-Cov: upper covariance bound of the candidates."""
+    kl_cov_ratio: float = 0.0002
+    """KL-Cov: share of tokens with the |log ratio| penalty."""
+    ppo_kl_coef: float = 1.0
+    """KL-Cov: weight of the |log ratio| penalty."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 = no clipping."""
     kl_loss_coef: float = 0.0
@@ -45,9 +69,23 @@ class TrainConfig:
     kl_loss_type: Literal["k1", "k2", "k3", "abs"] = "k3"
     """KL estimator for the KL loss term ('k3' is verl's low_var_kl)."""
     entropy_coef: float = 0.0
-    """Entropy bonus weight (loss -= entropy_coef * mean token entropy)."""
+    """Entropy bonus weight (loss -= entropy_coef * aggregated token entropy)."""
+    cliprange_value: float = 0.5
+    """Critic: value predictions are clipped to old value +/- cliprange_value."""
+    rollout_is: Literal["none", "token", "sequence"] = "none"
+    """Rollout correction: truncated importance weights exp(old - rollout) per token or per sequence."""
+    rollout_is_threshold: float = 2.0
+    """Rollout correction: upper bound of the importance weights."""
+    rollout_rs: Literal["none", "token", "sequence", "geometric"] = "none"
+    """Rollout correction: reject tokens or sequences whose ratio (token, product, geometric mean) is out of bounds."""
+    rollout_rs_threshold: float = 0.0
+    """Rejection upper bound; 0 = rollout_is_threshold."""
+    rollout_rs_threshold_lower: float = 0.0
+    """Rejection lower bound; 0 = 1 / upper bound."""
+    rollout_veto_threshold: float = 0.0
+    """Reject a whole sequence when any token's ratio is below this (0 = off; e.g. 1e-4)."""
     seed: int = 0
-    """Seed for mini-batch shuffling and any dropout; combined with the step number."""
+    """Seed for mini-batch shuffling, dropout and clip-cov's random pick; combined with the step number."""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     """Where to train."""
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -72,8 +110,12 @@ class TrainConfig:
             "clip_ratio_c",
             f"must be > 1 (or 0 for off), got {self.clip_ratio_c}",
         )
+        check(self.tau_pos > 0 and self.tau_neg > 0, "tau_pos", "SAPO temperatures must be > 0")
         check(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
         check(self.kl_loss_coef >= 0, "kl_loss_coef", f"must be >= 0, got {self.kl_loss_coef}")
+        check(self.cliprange_value > 0, "cliprange_value", f"must be > 0, got {self.cliprange_value}")
+        check(self.rollout_is_threshold > 0, "rollout_is_threshold", f"must be > 0, got {self.rollout_is_threshold}")
+        check(self.loss_scale_factor >= 0, "loss_scale_factor", f"must be >= 0, got {self.loss_scale_factor}")
 
     def lr_at(self, step: int) -> float:
         """Learning rate for the update that follows `step` completed updates."""

@@ -16,6 +16,7 @@ from rlx.engine.device import resolve_device, resolve_precision
 from rlx.engine.tracking import console, log_metrics
 from rlx.engine.training.actor import ActorTrainer
 from rlx.engine.training.config import TrainConfig
+from rlx.engine.training.critic import CriticTrainer
 from rlx.errors import UserError
 from rlx.models.loading import resolve_source
 from rlx.models.policy import load_trained_policy, model_weights
@@ -39,8 +40,9 @@ def run_train_step(
     batch = TrainBatch.load(batch_path)
     meta = read_meta_or_default(source.path)
     device = resolve_device(cfg.device)
-    model, _, aux = load_trained_policy(source)
-    trainer = ActorTrainer(model, cfg, device, resolve_precision(cfg.precision, device))
+    model, _, aux = load_trained_policy(source, role=cfg.role)
+    trainer_cls = CriticTrainer if cfg.role == "critic" else ActorTrainer
+    trainer = trainer_cls(model, cfg, device, resolve_precision(cfg.precision, device))
     trainer.check_batch(batch, batch_path)
     trainer.load_optimizer_state(load_optimizer_state(source.path), checkpoint)
     metrics = trainer.train_step(batch, meta.step)
@@ -59,8 +61,10 @@ def run_train_step(
         overwrite=overwrite,
     )
     log_metrics(metrics_path, next_meta.step, metrics)
+    role = cfg.role
+    loss = metrics.get(f"{role}/loss", metrics.get(f"{role}/vf_loss", float("nan")))
     console(
-        f"rlx train-step: step {next_meta.step}, loss {metrics['actor/loss']:.4f}, "
-        f"grad norm {metrics['actor/grad_norm']:.3f}, clip {metrics['actor/pg_clipfrac']:.3f} -> {out}"
+        f"rlx train-step: {role} step {next_meta.step}, loss {loss:.4f}, "
+        f"grad norm {metrics[f'{role}/grad_norm']:.3f} -> {out}"
     )
     return metrics
