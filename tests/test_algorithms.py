@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlx.engine.algorithms import losses
-from rlx.engine.algorithms.advantages import ESTIMATORS, AdvantageInputs, compute_advantages, compute_grpo_advantages
+from rlx.engine.algorithms.advantages import ESTIMATORS, AdvantageInputs, compute_advantages
 from rlx.engine.algorithms.core import group_rows, masked_mean, masked_sum, masked_var, masked_whiten
 from rlx.engine.algorithms.kl import adaptive_kl_coef, kl_estimate
 from rlx.engine.algorithms.losses import AGG_MODES, LossNorm, PolicyLossParams, aggregate, compute_policy_loss
@@ -116,7 +116,8 @@ def test_grpo_by_hand_dr_grpo_and_group_of_one():
     assert seq_adv("grpo", x) == pytest.approx(expected, abs=1e-5)
     x.norm_adv_by_std = False
     assert seq_adv("grpo", x) == pytest.approx([1.0 - mean, -mean, 0.2 - mean, 3.0], abs=1e-6)
-    adv, returns = compute_grpo_advantages(torch.tensor([1.0, 0.0, 0.2, 3.0]), ["a", "a", "a", "b"], mask)
+    x.norm_adv_by_std = True
+    adv, returns = compute_advantages("grpo", x)
     close(adv[:, 0], expected, 1e-5)
     assert torch.equal(adv, returns) and (adv[~mask] == 0).all()
 

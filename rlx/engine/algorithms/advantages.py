@@ -204,23 +204,3 @@ def compute_advantages(name: str, inputs: AdvantageInputs) -> tuple[torch.Tensor
         raise ValueError(f"unknown advantage estimator {name!r} (valid: {', '.join(ESTIMATORS)})")
     return ESTIMATORS[name](inputs)
 
-
-def compute_grpo_advantages(
-    scores: torch.Tensor,
-    group_ids: list[str],
-    response_mask: torch.Tensor,
-    norm_by_std: bool = True,
-    epsilon: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO from sequence scores [B] (shorthand for `grpo` with the score on one token)."""
-    token_rewards = torch.zeros(response_mask.shape)
-    token_rewards[:, 0] = scores
-    return grpo(
-        AdvantageInputs(
-            token_rewards=token_rewards,
-            response_mask=response_mask,
-            group_ids=group_ids,
-            norm_adv_by_std=norm_by_std,
-            epsilon=epsilon,
-        )
-    )
