@@ -66,6 +66,7 @@ def train_step(
     rollout_rs_threshold: Annotated[float, _opt("rollout_rs_threshold")] = C.rollout_rs_threshold,
     rollout_rs_threshold_lower: Annotated[float, _opt("rollout_rs_threshold_lower")] = C.rollout_rs_threshold_lower,
     rollout_veto_threshold: Annotated[float, _opt("rollout_veto_threshold")] = C.rollout_veto_threshold,
+    logprob_impl: Annotated[str, _opt("logprob_impl")] = C.logprob_impl,
     seed: Annotated[int, _opt("seed")] = C.seed,
     device: Annotated[str, _opt("device")] = C.device,
     precision: Annotated[str, _opt("precision")] = C.precision,

@@ -3,6 +3,11 @@
 Both `rlx score` (old / ref logprobs) and `rlx train-step` (new logprobs) call `response_logprobs`,
 so the two sides compute the ratio's numerator and denominator the same way. Logits are upcast to
 float32 and divided by the rollout temperature before the softmax.
+
+`impl` picks how logits become logprobs: 'naive' runs the model's own head and softmax over
+[B, R, V]; 'chunked' and 'triton' run the backbone and then the fused kernels of rlx/kernels on the
+hidden states and the LM-head weight (tied or untied), never materialising [tokens, vocab] logits;
+'auto' is 'triton' on CUDA with Triton installed, else 'naive'.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from rlx.engine.device import autocast
+from rlx.kernels.logprob_entropy import IGNORE_INDEX, logprob_entropy, resolve_impl
 
 
 def logprobs_from_logits(
@@ -26,6 +32,17 @@ def logprobs_from_logits(
     return picked, entropy
 
 
+def lm_head_weight(model) -> torch.Tensor | None:
+    """The LM-head weight [V, H] when the head is a plain bias-free linear map (else None: use 'naive')."""
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None or not isinstance(head, torch.nn.Linear):
+        return None
+    config = model.config
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    return head.weight
+
+
 def response_logprobs(
     model,
     prompt_ids: torch.Tensor,
@@ -35,27 +52,47 @@ def response_logprobs(
     temperature: float,
     dtype: torch.dtype,
     with_entropy: bool = False,
+    impl: str = "naive",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs [B, R] (and entropy [B, R]) of the response tokens given the prompts.
 
     prompt_ids/mask: [B, P] left-padded; response_ids/mask: [B, R] right-padded; all on the
-    model's device. Values at masked response positions are meaningless and must be masked by
-    the caller.
+    model's device. Values at masked response positions are meaningless (0 on the fused paths)
+    and must be masked by the caller.
     """
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # [B, P+R]
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     r = response_ids.shape[1]
+    impl = resolve_impl(impl, input_ids.device)
+    weight = lm_head_weight(model) if impl != "naive" else None
+    if weight is None:
+        with autocast(input_ids.device, dtype):
+            # logits for positions P-1 .. P+R-1 predict response tokens 0 .. R-1 (plus one spare at the end)
+            logits = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=r + 1,
+            ).logits[:, :-1, :]
+        return logprobs_from_logits(logits, response_ids, temperature, with_entropy)
+    backbone = getattr(model, model.base_model_prefix)
     with autocast(input_ids.device, dtype):
-        # logits for positions P-1 .. P+R-1 predict response tokens 0 .. R-1 (plus one spare at the end)
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=r + 1,
-        ).logits[:, :-1, :]
-    return logprobs_from_logits(logits, response_ids, temperature, with_entropy)
+        hidden = backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state[:, -r - 1 : -1, :]  # [B, R, H]
+    compute = dtype if dtype != torch.float32 else hidden.dtype
+    targets = torch.where(response_mask.bool(), response_ids, torch.full_like(response_ids, IGNORE_INDEX))
+    logprob, entropy = logprob_entropy(
+        hidden.reshape(-1, hidden.shape[-1]).to(compute),
+        weight.to(compute),
+        targets.reshape(-1),
+        temperature,
+        impl=impl,
+    )
+    shape = response_ids.shape
+    return logprob.float().view(shape), entropy.float().view(shape) if with_entropy else None
 
 
 @torch.no_grad()
@@ -67,6 +104,7 @@ def batched_response_logprobs(
     dtype: torch.dtype,
     micro_batch_size: int,
     desc: str = "logprobs",
+    impl: str = "naive",
 ) -> torch.Tensor:
     """Logprobs [B, R] (float32, CPU, zero at masked positions) computed in micro-batches without grad."""
     was_training = model.training
@@ -79,7 +117,7 @@ def batched_response_logprobs(
                 k: tensors[k][lo : lo + micro_batch_size].to(device)
                 for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
             }
-            logp, _ = response_logprobs(model, **part, temperature=temperature, dtype=dtype)
+            logp, _ = response_logprobs(model, **part, temperature=temperature, dtype=dtype, impl=impl)
             out.append((logp * part["response_mask"]).cpu())
         return torch.cat(out)
     finally:

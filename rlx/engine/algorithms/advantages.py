@@ -203,4 +203,3 @@ def compute_advantages(name: str, inputs: AdvantageInputs) -> tuple[torch.Tensor
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r} (valid: {', '.join(ESTIMATORS)})")
     return ESTIMATORS[name](inputs)
-

@@ -58,6 +58,9 @@ class ScoreConfig:
     and counts it in reward/num_errors."""
     old_logprobs: Literal["actor", "rollout"] = "actor"
     """PPO's old logprobs: recomputed by the actor ('actor', as verl) or the sampler's ('rollout', no forward)."""
+    logprob_impl: Literal["auto", "naive", "chunked", "triton"] = "auto"
+    """Logprob/entropy computation: fused Triton kernels ('auto' picks them on CUDA with Triton), chunked
+    PyTorch (bounded memory anywhere), or naive full logits ('auto' on CPU)."""
     micro_batch_size: int = 16
     """Sequences per forward pass when computing logprobs and values."""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"

@@ -174,7 +174,11 @@ def build_batch(
     tensors = collate(rollouts, models.pad_token_id)
     mask = tensors["response_mask"]
     forward = dict(
-        temperature=temperature, device=models.device, dtype=models.dtype, micro_batch_size=cfg.micro_batch_size
+        temperature=temperature,
+        device=models.device,
+        dtype=models.dtype,
+        micro_batch_size=cfg.micro_batch_size,
+        impl=cfg.logprob_impl,
     )
     old = tensors["rollout_logprobs"].clone()
     if models.actor is not None:

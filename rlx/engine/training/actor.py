@@ -78,6 +78,7 @@ class ActorTrainer(Trainer):
                 temperature=mini.meta.temperature,
                 dtype=self.dtype,
                 with_entropy=True,
+                impl=cfg.logprob_impl,
             )
             pg_loss, pg_sums = compute_policy_loss(
                 cfg.policy_loss,

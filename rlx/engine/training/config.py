@@ -84,6 +84,9 @@ class TrainConfig:
     """Rejection lower bound; 0 = 1 / upper bound."""
     rollout_veto_threshold: float = 0.0
     """Reject a whole sequence when any token's ratio is below this (0 = off; e.g. 1e-4)."""
+    logprob_impl: Literal["auto", "naive", "chunked", "triton"] = "auto"
+    """Logprob/entropy computation: fused Triton kernels ('auto' picks them on CUDA with Triton), chunked
+    PyTorch (bounded memory anywhere), or naive full logits ('auto' on CPU)."""
     seed: int = 0
     """Seed for mini-batch shuffling, dropout and clip-cov's random pick; combined with the step number."""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"

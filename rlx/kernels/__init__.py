@@ -1,0 +1,1 @@
+"""Fused compute kernels (logprob + entropy from hidden states) in PyTorch and Triton."""

@@ -1,0 +1,289 @@
+"""Triton kernels for the fused logprob + entropy (see rlx/kernels/logprob_entropy.py for the math).
+
+Forward: one kernel computes logits tiles `hidden @ weight.T` (tl.dot, float32 accumulation) and
+reduces each tile at once to online-softmax statistics per row (max, sum of exp, sum of exp * logit)
+and the target's logit; a group of vocabulary tiles per program keeps the partial buffers small.
+No [N, V] tensor is written.
+
+Backward: over vocabulary chunks, one kernel recomputes the logits tile and writes the gradient
+of the logits (in the input dtype) for the chunk; cuBLAS then forms dhidden += dlogits @ W_chunk
+and dweight_chunk = dlogits.T @ hidden. Extra memory is one [N, chunk] buffer plus float32 dhidden.
+
+Programs are ordered with the row block fastest, so the programs that share a weight tile run
+together and each weight tile streams from HBM about once while `hidden` stays in L2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from rlx.kernels.logprob_entropy import acc_dtype, row_grads
+
+TILES_PER_PROGRAM = 8
+BWD_CHUNK_BYTES = 512 * 2**20
+
+
+@triton.jit
+def _tile_logits(
+    h_ptr,
+    w_ptr,
+    offs_n,
+    offs_v,
+    N,
+    V,
+    H: tl.constexpr,
+    stride_h,
+    stride_w,
+    inv_temp,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """logits tile [BLOCK_N, BLOCK_V] = hidden[offs_n] @ weight[offs_v].T * inv_temp, float32."""
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        a = tl.load(
+            h_ptr + offs_n[:, None] * stride_h + offs_k[None, :],
+            mask=(offs_n[:, None] < N) & (offs_k[None, :] < H),
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + offs_v[:, None] * stride_w + offs_k[None, :],
+            mask=(offs_v[:, None] < V) & (offs_k[None, :] < H),
+            other=0.0,
+        )
+        if IEEE:
+            acc += tl.dot(a, tl.trans(b), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(b))
+    return acc * inv_temp
+
+
+@triton.jit
+def _forward_stats_kernel(
+    h_ptr,
+    w_ptr,
+    tgt_ptr,
+    m_ptr,
+    s_ptr,
+    t_ptr,
+    zt_ptr,
+    N,
+    V,
+    H: tl.constexpr,
+    stride_h,
+    stride_w,
+    num_groups,
+    inv_temp,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TILES: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_n < N
+    tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-1)
+    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    t = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    zt = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for tile in range(TILES):
+        offs_v = (pid_g * TILES + tile) * BLOCK_V + tl.arange(0, BLOCK_V)
+        col_ok = offs_v[None, :] < V
+        z = _tile_logits(
+            h_ptr, w_ptr, offs_n, offs_v, N, V, H, stride_h, stride_w, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, IEEE
+        )
+        z_masked = tl.where(col_ok, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z_masked, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile past the vocabulary end
+        e = tl.where(col_ok, tl.exp(z_masked - m_safe[:, None]), 0.0)
+        scale = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_safe))
+        s = s * scale + tl.sum(e, axis=1)
+        t = t * scale + tl.sum(e * tl.where(col_ok, z, 0.0), axis=1)
+        m = m_new
+        zt += tl.sum(tl.where(tgt[:, None] == offs_v[None, :], z, 0.0), axis=1)
+    out = offs_n * num_groups + pid_g
+    tl.store(m_ptr + out, m, mask=row_ok)
+    tl.store(s_ptr + out, s, mask=row_ok)
+    tl.store(t_ptr + out, t, mask=row_ok)
+    tl.store(zt_ptr + out, zt, mask=row_ok)
+
+
+@triton.jit
+def _backward_dlogits_kernel(
+    h_ptr,
+    w_ptr,
+    tgt_ptr,
+    lse_ptr,
+    mean_ptr,
+    a_ptr,
+    b_ptr,
+    dz_ptr,
+    N,
+    V,
+    H: tl.constexpr,
+    v_start,
+    chunk,
+    stride_h,
+    stride_w,
+    stride_dz,
+    inv_temp,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # column inside the chunk
+    offs_v = v_start + offs_c
+    row_ok = offs_n < N
+    z = _tile_logits(
+        h_ptr, w_ptr, offs_n, offs_v, N, V, H, stride_h, stride_w, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, IEEE
+    )
+    lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
+    mean = tl.load(mean_ptr + offs_n, mask=row_ok, other=0.0)
+    a = tl.load(a_ptr + offs_n, mask=row_ok, other=0.0)
+    b = tl.load(b_ptr + offs_n, mask=row_ok, other=0.0)
+    tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-1)
+    p = tl.exp(z - lse[:, None])
+    dz = -p * (a[:, None] + b[:, None] * (z - mean[:, None]))
+    dz += tl.where(tgt[:, None] == offs_v[None, :], a[:, None], 0.0)
+    dz = dz * inv_temp
+    ok = row_ok[:, None] & (offs_c[None, :] < chunk) & (offs_v[None, :] < V)
+    tl.store(dz_ptr + offs_n[:, None] * stride_dz + offs_c[None, :], dz.to(dz_ptr.dtype.element_ty), mask=ok)
+
+
+DEFAULT_BLOCKS = (128, 128, 64, 8, 3)
+
+
+def _blocks(hidden: torch.Tensor) -> dict:
+    """Tile sizes: BLOCK_N x BLOCK_V logits tiles over BLOCK_K slices of H, plus launch warps/stages.
+    RLX_TRITON_BLOCKS="N,V,K,warps,stages" overrides them (for benchmark sweeps)."""
+    if hidden.device.type != "cuda":  # the interpreter (tests): small tiles
+        return {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "num_warps": 1}
+    text = os.environ.get("RLX_TRITON_BLOCKS")
+    n, v, k, warps, stages = (int(x) for x in text.split(",")) if text else DEFAULT_BLOCKS
+    return {"BLOCK_N": n, "BLOCK_V": v, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
+
+
+def _launch_kwargs(blocks: dict) -> dict:
+    return {k: v for k, v in blocks.items() if k in ("num_warps", "num_stages")}
+
+
+def _tile_args(blocks: dict) -> dict:
+    return {k: v for k, v in blocks.items() if k.startswith("BLOCK")}
+
+
+def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """(lse [N], mean logit [N], target logit [N]) in float32 (float64 inputs: float64 reduction)."""
+    n, h = hidden.shape
+    vocab = weight.shape[0]
+    blocks = _blocks(hidden)
+    block_n, block_v = blocks["BLOCK_N"], blocks["BLOCK_V"]
+    groups = triton.cdiv(vocab, block_v * TILES_PER_PROGRAM)
+    parts = torch.empty((4, n, groups), dtype=torch.float32, device=hidden.device)
+    grid = (triton.cdiv(n, block_n), groups)
+    _forward_stats_kernel[grid](
+        hidden,
+        weight,
+        targets,
+        parts[0],
+        parts[1],
+        parts[2],
+        parts[3],
+        n,
+        vocab,
+        h,
+        hidden.stride(0),
+        weight.stride(0),
+        groups,
+        1.0 / temperature,
+        TILES=TILES_PER_PROGRAM,
+        IEEE=hidden.dtype == torch.float32,
+        **_tile_args(blocks),
+        **_launch_kwargs(blocks),
+    )
+    m, s, t, zt = parts.to(acc_dtype(hidden))
+    big_m = m.max(dim=1, keepdim=True).values
+    scale = torch.exp(m - big_m)
+    total = (s * scale).sum(1)
+    lse = big_m.squeeze(1) + torch.log(total)
+    return lse, (t * scale).sum(1) / total, zt.sum(1)
+
+
+def backward_grads(hidden, weight, targets, lse, mean, a, b, temperature, need_weight_grad: bool):
+    """(dhidden, dweight) for upstream row gradients a (logprob) and b (entropy)."""
+    n, h = hidden.shape
+    vocab = weight.shape[0]
+    blocks = _blocks(hidden)
+    block_n, block_v = blocks["BLOCK_N"], blocks["BLOCK_V"]
+    chunk = max(block_v, (BWD_CHUNK_BYTES // max(n * hidden.element_size(), 1)) // block_v * block_v)
+    chunk = min(chunk, triton.cdiv(vocab, block_v) * block_v)
+    dz = torch.empty((n, chunk), dtype=hidden.dtype, device=hidden.device)
+    grad_hidden = torch.zeros((n, h), dtype=acc_dtype(hidden), device=hidden.device)
+    grad_weight = torch.empty_like(weight) if need_weight_grad else None
+    lse32, mean32 = lse.float().contiguous(), mean.float().contiguous()
+    a32, b32 = a.float().contiguous(), b.float().contiguous()
+    for v0 in range(0, vocab, chunk):
+        width = min(chunk, vocab - v0)
+        grid = (triton.cdiv(n, block_n), triton.cdiv(width, block_v))
+        _backward_dlogits_kernel[grid](
+            hidden,
+            weight,
+            targets,
+            lse32,
+            mean32,
+            a32,
+            b32,
+            dz,
+            n,
+            vocab,
+            h,
+            v0,
+            width,
+            hidden.stride(0),
+            weight.stride(0),
+            dz.stride(0),
+            1.0 / temperature,
+            IEEE=hidden.dtype == torch.float32,
+            **_tile_args(blocks),
+            **_launch_kwargs(blocks),
+        )
+        block = dz[:, :width]
+        grad_hidden += (block @ weight[v0 : v0 + width]).to(grad_hidden.dtype)
+        if grad_weight is not None:
+            torch.matmul(block.T, hidden, out=grad_weight[v0 : v0 + width])
+    return grad_hidden.to(hidden.dtype), grad_weight
+
+
+class TritonLogprobEntropy(torch.autograd.Function):
+    """Fused logprob + entropy with Triton kernels (CUDA; the interpreter for CPU tests)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, ignore_index, chunk):
+        hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
+        valid = targets != ignore_index
+        lse, mean, target_logit = forward_stats(hidden, weight, targets, temperature)
+        ctx.save_for_backward(hidden, weight, targets, lse, mean)
+        ctx.temperature, ctx.ignore_index = temperature, ignore_index
+        return (target_logit - lse) * valid, (lse - mean) * valid
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        hidden, weight, targets, lse, mean = ctx.saved_tensors
+        a, b = row_grads(grad_logprob, grad_entropy, targets, ctx.ignore_index, lse)
+        grad_hidden, grad_weight = backward_grads(
+            hidden, weight, targets, lse, mean, a, b, ctx.temperature, ctx.needs_input_grad[1]
+        )
+        return grad_hidden, grad_weight, None, None, None, None
