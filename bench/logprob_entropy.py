@@ -93,31 +93,52 @@ def peak_extra(fn, device, base_bytes) -> float:
     return (torch.cuda.max_memory_allocated() - before - base_bytes) / GIB
 
 
-def measure_shape(n, h, v, dtype, device, impls):
-    hidden, weight, targets, a, b = make(n, h, v, dtype, device)
-    grads_bytes = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
-    rows, outputs = {}, {}
-    for impl in impls:
-        try:
-            ms = timed(lambda: run_impl(impl, hidden, weight, targets, a, b), device)  # noqa: B023
-            hidden.grad = weight.grad = None
-            extra = peak_extra(lambda: run_impl(impl, hidden, weight, targets, a, b), device, grads_bytes)  # noqa: B023
-            outputs[impl] = (*run_impl(impl, hidden, weight, targets, a, b), hidden.grad.float(), weight.grad.float())
-            rows[impl] = {"ms": ms, "extra_gib": extra}
-        except torch.OutOfMemoryError:
-            rows[impl] = {"ms": float("nan"), "extra_gib": float("nan"), "error": "out of memory"}
+TRITON_VARIANTS = {"triton (cublas logits)": ("cublas", "cublas"), "triton (fused matmul)": ("fused", "fused")}
+
+
+def forward_only(impl, hidden, weight, targets):
+    with torch.no_grad():
+        logprob_entropy(hidden, weight, targets, 1.0, impl=impl)
+
+
+def measure_impl(label, impl, hidden, weight, targets, a, b, device, grads_bytes):
+    """Time (fwd+bwd and fwd only), peak extra memory and outputs of one implementation."""
+    fwd, bwd = TRITON_VARIANTS.get(label, ("cublas", "cublas"))
+    os.environ["RLX_LOGPROB_FWD"], os.environ["RLX_LOGPROB_BWD"] = fwd, bwd
+    try:
+        ms = timed(lambda: run_impl(impl, hidden, weight, targets, a, b), device)
+        fwd_ms = timed(lambda: forward_only(impl, hidden, weight, targets), device)
+        hidden.grad = weight.grad = None
+        extra = peak_extra(lambda: run_impl(impl, hidden, weight, targets, a, b), device, grads_bytes)
+        out = (*run_impl(impl, hidden, weight, targets, a, b), hidden.grad.float(), weight.grad.float())
+        return {"ms": ms, "fwd_ms": fwd_ms, "extra_gib": extra}, out
+    except torch.OutOfMemoryError:
+        return {"ms": float("nan"), "fwd_ms": float("nan"), "extra_gib": float("nan"), "error": "out of memory"}, None
+    finally:
         hidden.grad = weight.grad = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def measure_shape(n, h, v, dtype, device, impls):
+    hidden, weight, targets, a, b = make(n, h, v, dtype, device)
+    grads_bytes = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
+    labels = [(label, "triton") for label in TRITON_VARIANTS if "triton" in impls]
+    labels = [(i, i) for i in impls if i != "triton"] + labels
+    rows, outputs = {}, {}
+    for label, impl in labels:
+        rows[label], out = measure_impl(label, impl, hidden, weight, targets, a, b, device, grads_bytes)
+        if out is not None:
+            outputs[label] = out
     rows["floor (3 matmuls)"] = measure_floor(hidden, weight, dtype, device)
     ref = outputs.get("naive")
-    for impl, out in outputs.items():
-        if ref is not None and impl != "naive":
+    for label, out in outputs.items():
+        if ref is not None and label != "naive":
             names = ("logprob", "entropy", "dhidden", "dweight")
-            rows[impl]["max_abs_diff_vs_naive"] = {
+            rows[label]["max_abs_diff_vs_naive"] = {
                 name: float((x.float() - y.float()).abs().max()) for name, x, y in zip(names, out, ref)
             }
-            rows[impl]["rel_norm_diff_vs_naive"] = {
+            rows[label]["rel_norm_diff_vs_naive"] = {
                 name: float((x.float() - y.float()).norm() / y.float().norm().clamp(min=1e-30))
                 for name, x, y in zip(names, out, ref)
             }
@@ -153,15 +174,16 @@ def main() -> None:
     for shape, rows in results["shapes"].items():
         floor_ms = rows["floor (3 matmuls)"]["ms"]
         print(f"\n{shape}   floor {floor_ms:.2f} ms ({rows['floor (3 matmuls)']['tflop_per_s']:.0f} TFLOP/s)")
-        print(f"{'impl':>20} {'ms':>9} {'x floor':>8} {'extra GiB':>10}  max|diff| logprob/entropy/dh/dW vs naive")
+        print(f"{'impl':>28} {'ms':>8} {'fwd ms':>7} {'x floor':>8} {'extra GiB':>9}  rel. diff vs naive lp/ent/dh/dW")
         for impl, row in rows.items():
             if impl.startswith("floor"):
                 continue
-            diffs = row.get("max_abs_diff_vs_naive", {})
+            diffs = row.get("rel_norm_diff_vs_naive", {})
             diff_text = " ".join(f"{d:.1e}" for d in diffs.values())
+            error = "  " + row["error"] if "error" in row else ""
             print(
-                f"{impl:>20} {row['ms']:9.2f} {row['ms'] / floor_ms:8.2f} {row['extra_gib']:10.2f}  {diff_text}"
-                f"{'  ' + row['error'] if 'error' in row else ''}"
+                f"{impl:>28} {row['ms']:8.2f} {row['fwd_ms']:7.2f} {row['ms'] / floor_ms:8.2f} "
+                f"{row['extra_gib']:9.2f}  {diff_text}{error}"
             )
 
 

@@ -6,6 +6,7 @@ import typer
 
 from rlx.commands.merge import merge
 from rlx.commands.ppo import ppo
+from rlx.commands.report import report
 from rlx.commands.rollout import rollout
 from rlx.commands.score import score
 from rlx.commands.shard import shard
@@ -28,6 +29,7 @@ app.command("score")(score)
 app.command("train-step")(train_step)
 app.command("merge")(merge)
 app.command("ppo")(ppo)
+app.command("report")(report)
 
 
 def main() -> None:

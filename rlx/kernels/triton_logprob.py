@@ -1,16 +1,17 @@
 """Triton kernels for the fused logprob + entropy (see rlx/kernels/logprob_entropy.py for the math).
 
-Forward: one kernel computes logits tiles `hidden @ weight.T` (tl.dot, float32 accumulation) and
-reduces each tile at once to online-softmax statistics per row (max, sum of exp, sum of exp * logit)
-and the target's logit; a group of vocabulary tiles per program keeps the partial buffers small.
-No [N, V] tensor is written.
+Two variants, chosen per pass (RLX_LOGPROB_FWD / RLX_LOGPROB_BWD, default 'cublas'):
 
-Backward: over vocabulary chunks, one kernel recomputes the logits tile and writes the gradient
-of the logits (in the input dtype) for the chunk; cuBLAS then forms dhidden += dlogits @ W_chunk
-and dweight_chunk = dlogits.T @ hidden. Extra memory is one [N, chunk] buffer plus float32 dhidden.
+- 'cublas': the logits of a vocabulary chunk come from one cuBLAS matmul in the input dtype (the same
+  rounding as the model's own LM head); a Triton kernel reduces the chunk to online-softmax statistics
+  per row (max, sum of exp, sum of exp * logit, target logit) in the forward, or overwrites it with
+  dL/dlogits in the backward. The fastest on H200 (bench/RESULTS.md).
+- 'fused': a Triton matmul (tl.dot, float32 accumulation) with the statistics or dL/dlogits in its
+  epilogue, so no logits chunk is written; float32 logits, but slower than cuBLAS at large H.
 
-Programs are ordered with the row block fastest, so the programs that share a weight tile run
-together and each weight tile streams from HBM about once while `hidden` stays in L2.
+Either way the backward forms dhidden += dlogits @ W_chunk and dweight_chunk = dlogits.T @ hidden
+with cuBLAS. Extra memory: one [N, chunk] buffer (512 MiB), float32 dhidden and small partials; no
+[N, V] tensor. Programs run with the row block fastest so programs sharing a weight tile run together.
 """
 
 from __future__ import annotations
@@ -167,6 +168,105 @@ def _backward_dlogits_kernel(
 DEFAULT_BLOCKS = (128, 128, 64, 8, 3)
 
 
+@triton.jit
+def _stats_from_logits_kernel(
+    z_ptr,
+    tgt_ptr,
+    part_ptr,
+    N,
+    width,
+    v_start,
+    stride_z,
+    stride_part,
+    group_start,
+    inv_temp,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    GROUP_W: tl.constexpr,
+):
+    """Online statistics of a GROUP_W-column slice of one [N, width] logits chunk (cuBLAS variant).
+
+    Grid: (row blocks, column groups). Writes (max, sum exp, sum exp * z, target logit) to
+    part_ptr[k * stride_part + (group_start + group) * N + row], k = 0..3."""
+    pid_n = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_n < N
+    tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-1)
+    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    t = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    zt = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for c in range(0, GROUP_W, BLOCK_V):
+        offs_c = pid_g * GROUP_W + c + tl.arange(0, BLOCK_V)
+        ok = row_ok[:, None] & (offs_c[None, :] < width)
+        z = tl.load(z_ptr + offs_n[:, None] * stride_z + offs_c[None, :], mask=ok, other=0.0).to(tl.float32)
+        z = z * inv_temp
+        z_masked = tl.where(ok, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z_masked, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        e = tl.where(ok, tl.exp(z_masked - m_safe[:, None]), 0.0)
+        scale = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_safe))
+        s = s * scale + tl.sum(e, axis=1)
+        t = t * scale + tl.sum(e * tl.where(ok, z, 0.0), axis=1)
+        m = m_new
+        zt += tl.sum(tl.where(tgt[:, None] == (v_start + offs_c)[None, :], z, 0.0), axis=1)
+    out = part_ptr + (group_start + pid_g) * N + offs_n
+    tl.store(out, m, mask=row_ok)
+    tl.store(out + stride_part, s, mask=row_ok)
+    tl.store(out + 2 * stride_part, t, mask=row_ok)
+    tl.store(out + 3 * stride_part, zt, mask=row_ok)
+
+
+@triton.jit
+def _dlogits_from_logits_kernel(
+    z_ptr,
+    tgt_ptr,
+    lse_ptr,
+    mean_ptr,
+    a_ptr,
+    b_ptr,
+    N,
+    width,
+    v_start,
+    stride_z,
+    inv_temp,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Overwrite a [N, width] logits chunk with dL/dlogits (cuBLAS variant)."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = offs_n < N
+    ok = row_ok[:, None] & (offs_c[None, :] < width)
+    ptrs = z_ptr + offs_n[:, None] * stride_z + offs_c[None, :]
+    z = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32) * inv_temp
+    lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
+    mean = tl.load(mean_ptr + offs_n, mask=row_ok, other=0.0)
+    a = tl.load(a_ptr + offs_n, mask=row_ok, other=0.0)
+    b = tl.load(b_ptr + offs_n, mask=row_ok, other=0.0)
+    tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-1)
+    p = tl.exp(z - lse[:, None])
+    dz = -p * (a[:, None] + b[:, None] * (z - mean[:, None]))
+    dz += tl.where(tgt[:, None] == (v_start + offs_c)[None, :], a[:, None], 0.0)
+    tl.store(ptrs, (dz * inv_temp).to(z_ptr.dtype.element_ty), mask=ok)
+
+
+def _variant(name: str, hidden: torch.Tensor) -> str:
+    """'cublas' (default: cuBLAS bf16 logits chunks + Triton elementwise kernels; the same logits rounding
+    as the model's own head, and the fastest on H200) or 'fused' (Triton matmul with the statistics in
+    its epilogue: float32 logits, no logits chunk written, slower at large H). Env RLX_LOGPROB_FWD /
+    RLX_LOGPROB_BWD choose per pass."""
+    return os.environ.get(name, "cublas")
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_ELEMENTWISE_N, _ELEMENTWISE_V, _ELEMENTWISE_WARPS = (16, 16, 1) if _INTERPRET else (32, 256, 8)
+_STATS_GROUP = 64 if _INTERPRET else 2048  # columns per program of the statistics kernel
+
+
 def _blocks(hidden: torch.Tensor) -> dict:
     """Tile sizes: BLOCK_N x BLOCK_V logits tiles over BLOCK_K slices of H, plus launch warps/stages.
     RLX_TRITON_BLOCKS="N,V,K,warps,stages" overrides them (for benchmark sweeps)."""
@@ -191,6 +291,8 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     vocab = weight.shape[0]
     blocks = _blocks(hidden)
     block_n, block_v = blocks["BLOCK_N"], blocks["BLOCK_V"]
+    if _variant("RLX_LOGPROB_FWD", hidden) == "cublas":
+        return _forward_stats_cublas(hidden, weight, targets, temperature)
     groups = triton.cdiv(vocab, block_v * TILES_PER_PROGRAM)
     parts = torch.empty((4, n, groups), dtype=torch.float32, device=hidden.device)
     grid = (triton.cdiv(n, block_n), groups)
@@ -214,12 +316,82 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
         **_tile_args(blocks),
         **_launch_kwargs(blocks),
     )
-    m, s, t, zt = parts.to(acc_dtype(hidden))
+    return _combine(*parts, acc_dtype(hidden))
+
+
+def _chunk_width(n: int, vocab: int, element_size: int, block_v: int) -> int:
+    chunk = max(block_v, (BWD_CHUNK_BYTES // max(n * element_size, 1)) // block_v * block_v)
+    return min(chunk, triton.cdiv(vocab, block_v) * block_v)
+
+
+def _combine(m, s, t, zt, dtype):
+    """Merge per-group online statistics [N, G] into (lse, mean logit, target logit)."""
+    m, s, t, zt = (x.to(dtype) for x in (m, s, t, zt))
     big_m = m.max(dim=1, keepdim=True).values
     scale = torch.exp(m - big_m)
     total = (s * scale).sum(1)
-    lse = big_m.squeeze(1) + torch.log(total)
-    return lse, (t * scale).sum(1) / total, zt.sum(1)
+    return big_m.squeeze(1) + torch.log(total), (t * scale).sum(1) / total, zt.sum(1)
+
+
+def _forward_stats_cublas(hidden, weight, targets, temperature):
+    n, vocab = hidden.shape[0], weight.shape[0]
+    chunk = _chunk_width(n, vocab, hidden.element_size(), _STATS_GROUP)
+    total = sum(triton.cdiv(min(chunk, vocab - v0), _STATS_GROUP) for v0 in range(0, vocab, chunk))
+    parts = torch.empty((4, total, n), dtype=torch.float32, device=hidden.device)
+    z = torch.empty((n, chunk), dtype=hidden.dtype, device=hidden.device)
+    group_start = 0
+    for v0 in range(0, vocab, chunk):
+        width = min(chunk, vocab - v0)
+        torch.matmul(hidden, weight[v0 : v0 + width].T, out=z[:, :width])
+        groups = triton.cdiv(width, _STATS_GROUP)
+        _stats_from_logits_kernel[(triton.cdiv(n, _ELEMENTWISE_N), groups)](
+            z,
+            targets,
+            parts,
+            n,
+            width,
+            v0,
+            z.stride(0),
+            parts.stride(0),
+            group_start,
+            1.0 / temperature,
+            BLOCK_N=_ELEMENTWISE_N,
+            BLOCK_V=_ELEMENTWISE_V,
+            GROUP_W=_STATS_GROUP,
+            num_warps=_ELEMENTWISE_WARPS,
+        )
+        group_start += groups
+    return _combine(*parts.transpose(1, 2), acc_dtype(hidden))
+
+
+def _backward_cublas(hidden, weight, targets, lse32, mean32, a32, b32, temperature, grad_hidden, grad_weight):
+    n, vocab = hidden.shape[0], weight.shape[0]
+    chunk = _chunk_width(n, vocab, hidden.element_size(), 128)
+    z = torch.empty((n, chunk), dtype=hidden.dtype, device=hidden.device)
+    for v0 in range(0, vocab, chunk):
+        width = min(chunk, vocab - v0)
+        block = z[:, :width]
+        torch.matmul(hidden, weight[v0 : v0 + width].T, out=block)
+        grid = (triton.cdiv(n, 64), triton.cdiv(width, 128))
+        _dlogits_from_logits_kernel[grid](
+            z,
+            targets,
+            lse32,
+            mean32,
+            a32,
+            b32,
+            n,
+            width,
+            v0,
+            z.stride(0),
+            1.0 / temperature,
+            BLOCK_N=64,
+            BLOCK_V=128,
+            num_warps=8,
+        )
+        grad_hidden += (block @ weight[v0 : v0 + width]).to(grad_hidden.dtype)
+        if grad_weight is not None:
+            torch.matmul(block.T, hidden, out=grad_weight[v0 : v0 + width])
 
 
 def backward_grads(hidden, weight, targets, lse, mean, a, b, temperature, need_weight_grad: bool):
@@ -228,13 +400,15 @@ def backward_grads(hidden, weight, targets, lse, mean, a, b, temperature, need_w
     vocab = weight.shape[0]
     blocks = _blocks(hidden)
     block_n, block_v = blocks["BLOCK_N"], blocks["BLOCK_V"]
-    chunk = max(block_v, (BWD_CHUNK_BYTES // max(n * hidden.element_size(), 1)) // block_v * block_v)
-    chunk = min(chunk, triton.cdiv(vocab, block_v) * block_v)
-    dz = torch.empty((n, chunk), dtype=hidden.dtype, device=hidden.device)
+    chunk = _chunk_width(n, vocab, hidden.element_size(), block_v)
     grad_hidden = torch.zeros((n, h), dtype=acc_dtype(hidden), device=hidden.device)
     grad_weight = torch.empty_like(weight) if need_weight_grad else None
     lse32, mean32 = lse.float().contiguous(), mean.float().contiguous()
     a32, b32 = a.float().contiguous(), b.float().contiguous()
+    if _variant("RLX_LOGPROB_BWD", hidden) == "cublas":
+        _backward_cublas(hidden, weight, targets, lse32, mean32, a32, b32, temperature, grad_hidden, grad_weight)
+        return grad_hidden.to(hidden.dtype), grad_weight
+    dz = torch.empty((n, chunk), dtype=hidden.dtype, device=hidden.device)
     for v0 in range(0, vocab, chunk):
         width = min(chunk, vocab - v0)
         grid = (triton.cdiv(n, block_n), triton.cdiv(width, block_v))

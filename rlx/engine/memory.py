@@ -1,0 +1,104 @@
+"""Time and memory of one phase of a step (rollout, score, train): wall seconds, device peak, host RSS.
+
+    with measure_phase("rollout", device) as phase:
+        ...                                   # the work
+    metrics.update(phase)                     # timing/rollout_s, memory/rollout_device_peak_gb, ...
+
+Device peak memory is torch's `max_memory_allocated` since the phase began (the peak counter is
+reset on entry) for cuda and npu devices, and 0 on the CPU. Host RSS is the process's resident set
+at the end of the phase (psutil when installed, else /proc/self/status VmRSS, else the lifetime
+peak from getrusage). Sizes are GiB (2**30 bytes). torch is imported only for cuda/npu devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+GIB = float(2**30)
+
+
+def phase_metrics(name: str, seconds: float, device_peak_bytes: int, host_rss_bytes: int) -> dict[str, float]:
+    """The metric names of a phase: timing/{name}_s, memory/{name}_device_peak_gb, memory/{name}_host_rss_gb."""
+    return {
+        f"timing/{name}_s": float(seconds),
+        f"memory/{name}_device_peak_gb": device_peak_bytes / GIB,
+        f"memory/{name}_host_rss_gb": host_rss_bytes / GIB,
+    }
+
+
+def device_type(device: Any) -> str:
+    """'cuda', 'npu', 'cpu', ... from a torch.device or a string like 'cuda:1'."""
+    return getattr(device, "type", None) or str(device).split(":", 1)[0]
+
+
+def _accelerator(device: Any):
+    """The torch.cuda / torch.npu module for a device, or None for the CPU (and devices without stats)."""
+    kind = device_type(device)
+    if kind not in ("cuda", "npu"):
+        return None
+    import torch
+
+    return getattr(torch, kind, None)
+
+
+def reset_device_peak(device: Any) -> None:
+    """Start a new peak-memory window on cuda/npu (a no-op on the CPU)."""
+    module = _accelerator(device)
+    if module is not None:
+        module.init()  # the peak counters refuse a device that is not initialised yet
+        module.reset_peak_memory_stats(device)
+
+
+def device_peak_bytes(device: Any) -> int:
+    """Peak bytes allocated by torch on the device since the last reset; 0 on the CPU.
+
+    Synchronizes first, so the kernels of the phase have run (and their time is counted)."""
+    module = _accelerator(device)
+    if module is None:
+        return 0
+    module.synchronize(device)
+    return int(module.max_memory_allocated(device))
+
+
+def host_rss_bytes() -> int:
+    """Resident set size of this process now (psutil, else /proc/self/status; else getrusage's peak)."""
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        pass
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024  # kB
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, kB on Linux
+
+
+@contextlib.contextmanager
+def measure_phase(name: str, device: Any = "cpu") -> Iterator[dict[str, float]]:
+    """Measure the block as phase `name` on `device` (torch.device or 'cpu' / 'cuda:0' / 'npu:0').
+
+    Yields a dict that is filled when the block ends (also when it raises) with
+    {"timing/{name}_s", "memory/{name}_device_peak_gb", "memory/{name}_host_rss_gb"} (floats, GiB).
+    Resets the device's peak-memory counter on entry, so phases measured one after the other each
+    report their own peak.
+    """
+    metrics: dict[str, float] = {}
+    reset_device_peak(device)
+    start = time.perf_counter()
+    try:
+        yield metrics
+    finally:
+        peak = device_peak_bytes(device)
+        seconds = time.perf_counter() - start
+        metrics.update(phase_metrics(name, seconds, peak, host_rss_bytes()))

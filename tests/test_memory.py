@@ -1,0 +1,71 @@
+"""measure_phase: metric names, wall time, host RSS that sees an allocation, CPU needs no torch; a GPU
+test (skipped without CUDA) checks the device peak of each phase."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlx.engine.memory import host_rss_bytes, measure_phase
+
+MIB = 2**20
+
+
+def test_phase_metrics_are_named_after_the_phase():
+    with measure_phase("rollout", "cpu") as phase:
+        time.sleep(0.05)
+    assert sorted(phase) == ["memory/rollout_device_peak_gb", "memory/rollout_host_rss_gb", "timing/rollout_s"]
+    assert 0.05 <= phase["timing/rollout_s"] < 5
+    assert phase["memory/rollout_device_peak_gb"] == 0.0
+    assert 0.001 < phase["memory/rollout_host_rss_gb"] < 1024
+
+
+def test_host_rss_sees_an_allocation():
+    before = host_rss_bytes()
+    with measure_phase("score") as phase:
+        block = b"\x01" * (128 * MIB)  # written, so resident
+    grown = phase["memory/score_host_rss_gb"] * 2**30 - before
+    del block
+    assert grown > 100 * MIB
+
+
+def test_rss_fallback_without_psutil_agrees(monkeypatch):
+    pytest.importorskip("psutil")
+    with_psutil = host_rss_bytes()
+    monkeypatch.setitem(sys.modules, "psutil", None)  # import now raises: /proc/self/status is read
+    without = host_rss_bytes()
+    assert abs(without - with_psutil) < 32 * MIB
+
+
+def test_a_failing_phase_is_still_measured():
+    with pytest.raises(RuntimeError), measure_phase("train") as phase:
+        raise RuntimeError("boom")
+    assert phase["timing/train_s"] >= 0 and "memory/train_host_rss_gb" in phase
+
+
+def test_cpu_phases_do_not_import_torch():
+    code = (
+        "import sys; from rlx.engine.memory import measure_phase\n"
+        "with measure_phase('x', 'cpu') as m: pass\n"
+        "print('torch' in sys.modules, sorted(m))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("False ['memory/x_device_peak_gb'")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with RLX_TEST_GPU=1)")
+def test_cuda_peak_is_per_phase():
+    device = torch.device("cuda:0")
+    with measure_phase("big", device) as big:
+        x = torch.ones(256 * MIB // 4, device=device)  # 256 MiB of float32
+        del x
+    with measure_phase("small", device) as small:
+        y = torch.ones(16 * MIB // 4, device=device)
+        del y
+    assert 0.25 <= big["memory/big_device_peak_gb"] < 0.3
+    assert 16 / 1024 <= small["memory/small_device_peak_gb"] < 0.05
