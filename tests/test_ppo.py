@@ -120,3 +120,28 @@ def test_quickstart_learns_for_any_seed(tmp_path, seed):
     rewards = [m["reward/mean"] for m in read_jsonl(run / "metrics.jsonl")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last >= first + 0.3, (seed, first, last)
+
+
+def test_run_with_tracking_traces_and_mfu(tmp_path):
+    run = tmp_path / "run"
+    cli_ok(
+        "ppo",
+        QUICKSTART,
+        "--out",
+        run,
+        "--set",
+        "steps=2",
+        "--set",
+        'tracking.backends=["console", "tensorboard"]',
+        "--set",
+        "tracking.traces_per_step=3",
+        *SMALL,
+    )
+    traces = read_jsonl(run / "traces.jsonl")
+    assert [t["step"] for t in traces] == [1, 1, 1, 2, 2, 2]
+    assert {"id", "prompt", "response", "reward", "advantage"} <= set(traces[0])
+    assert any((run / "tensorboard").rglob("events.out.tfevents.*"))
+    line = read_jsonl(run / "metrics.jsonl")[-1]
+    for key in ("perf/mfu", "perf/mfu_train", "perf/flops", "memory/train_host_rss_gb", "timing/rollout_s"):
+        assert isinstance(line[key], float), key
+    assert 0 < line["perf/mfu"] < 1

@@ -22,7 +22,7 @@ from rlx.config import check
 from rlx.engine.io import append_jsonl, read_jsonl, write_jsonl
 
 # metrics that measure the machine, not the run: they differ between otherwise identical runs
-VOLATILE_PREFIXES = ("timing/", "perf/")
+VOLATILE_PREFIXES = ("timing/", "perf/", "memory/")
 
 
 def clean(metrics: dict) -> dict:

@@ -10,6 +10,7 @@ from typing import Literal
 from rlx.config import ConfigError, apply_overrides, check, check_choices, from_dict, load_toml
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.scoring.config import ScoreConfig
+from rlx.engine.tracking import TrackingConfig
 from rlx.engine.training.config import TrainConfig
 from rlx.errors import UserError
 
@@ -92,6 +93,8 @@ class PPOConfig:
     """Update settings (as `rlx train-step`)."""
     critic: CriticConfig | None = None
     """A critic (needed by score.estimator = 'gae')."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Where metrics go besides metrics.jsonl (console, tensorboard, wandb, mlflow) and rollout traces."""
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", f"must be at least 1, got {self.steps}")

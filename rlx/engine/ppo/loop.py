@@ -32,7 +32,9 @@ from rlx.engine.checkpoint import (
     save_checkpoint,
 )
 from rlx.engine.device import resolve_device, resolve_precision
+from rlx.engine.flops import count_flops, count_generate_flops, device_peak_flops, mfu
 from rlx.engine.io import write_json
+from rlx.engine.memory import measure_phase
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.ppo.data import take_prompts
 from rlx.engine.records import RolloutRecord, read_prompts, write_records
@@ -46,7 +48,7 @@ from rlx.engine.scoring.score import (
     informative_groups,
     score_rollouts,
 )
-from rlx.engine.tracking import console, log_metrics, read_metrics, step_line, truncate_metrics
+from rlx.engine.tracking import Tracker, console, read_metrics, select_traces, truncate_metrics
 from rlx.engine.training.actor import ActorTrainer
 from rlx.engine.training.critic import CriticTrainer
 from rlx.errors import UserError
@@ -161,6 +163,7 @@ class PPORun:
         if recipe_path.exists():
             saved = json.loads(recipe_path.read_text())
             saved["steps"] = recipe["steps"]  # a resumed run may be extended
+            saved["tracking"] = recipe["tracking"]  # and logged elsewhere
             if saved != recipe:
                 key = _first_difference(saved, recipe)
                 raise UserError(
@@ -187,9 +190,11 @@ class PPORun:
         if self.start_step >= cfg.steps:
             console(f"{self.run_dir}: all {cfg.steps} steps are done")
             return
-        for step in range(self.start_step + 1, cfg.steps + 1):
-            metrics = self.step(step)
-            console(step_line(step, cfg.steps, metrics))
+        with Tracker(cfg.tracking, self.run_dir, to_dict(cfg), start_step=self.start_step) as tracker:
+            for step in range(self.start_step + 1, cfg.steps + 1):
+                metrics, traces = self.step(step)
+                tracker.log_traces(step, traces)
+                tracker.log(step, metrics)
         rewards = [m.get("reward/mean") for m in read_metrics(self.run_dir / "metrics.jsonl")]
         window = min(5, len(rewards))
         console(
@@ -198,30 +203,57 @@ class PPORun:
             f"final checkpoint {checkpoint_dir(self.run_dir, cfg.steps)}"
         )
 
-    def step(self, step: int) -> dict:
-        """One iteration; returns its metrics (also appended to metrics.jsonl)."""
+    def step(self, step: int) -> tuple[dict, list[dict]]:
+        """One iteration: (metrics, rollout trace rows); the caller logs both."""
         cfg, out, step_start = self.cfg, step_dir(self.run_dir, step), time.perf_counter()
-        rollouts, rewards, metrics = self._sample(step)
-        timings = {"timing/rollout_s": time.perf_counter() - step_start}
-        t0 = time.perf_counter()
-        score_cfg = dataclasses.replace(self.score_cfg, kl_coef=self.kl_coef, filter_groups=False)
-        result = score_rollouts(rollouts, score_cfg, self.models, cfg.rollout.train_temperature, rewards=rewards)
+        with measure_phase("rollout", self.device) as phase:
+            rollouts, rewards, metrics = self._sample(step)
+        metrics.update(phase)
+        with measure_phase("score", self.device) as phase:
+            score_cfg = dataclasses.replace(self.score_cfg, kl_coef=self.kl_coef, filter_groups=False)
+            result = score_rollouts(rollouts, score_cfg, self.models, cfg.rollout.train_temperature, rewards=rewards)
         metrics.update(result.metrics)
+        metrics.update(phase)
         self.kl_coef = result.metrics.get("actor/kl_coef_next", self.kl_coef)
-        timings["timing/score_s"] = time.perf_counter() - t0
         if cfg.keep_artifacts:
             write_records(out / "rollouts.jsonl", rollouts)
             write_records(out / "scores.jsonl", result.scores)
             result.batch.save(out / "batch.safetensors")
-        metrics.update(self._train(step, result))
-        t0 = time.perf_counter()
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            self._save(step)
-        timings["timing/save_s"] = time.perf_counter() - t0
-        metrics.update(timings)
+        with measure_phase("train", self.device) as phase:
+            metrics.update(self._train(step, result))
+        metrics.update(phase)
+        with measure_phase("save", self.device) as phase:
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                self._save(step)
+        metrics.update(phase)
         metrics["timing/step_s"] = time.perf_counter() - step_start
-        log_metrics(self.run_dir / "metrics.jsonl", step, metrics)
-        return metrics
+        metrics.update(self._flops_metrics(rollouts, metrics))
+        traces = select_traces(rollouts, result.scores, cfg.tracking.traces_per_step, seed=cfg.seed + step)
+        return metrics, traces
+
+    def _flops_metrics(self, rollouts: list[RolloutRecord], metrics: dict) -> dict:
+        """Model FLOPs of the step (generation, scoring forwards, training) and MFU against the device peak."""
+        config = self.trainer.model.config
+        prompt_lens = [len(r.prompt_ids) for r in rollouts]
+        response_lens = [len(r.response_ids) for r in rollouts]
+        lengths = [p + r for p, r in zip(prompt_lens, response_lens)]
+        forwards = sum(m is not None for m in (self.models.actor, self.models.ref, self.models.critic))
+        train_passes = self.cfg.train.epochs + (self.cfg.critic.train.epochs if self.cfg.critic else 0)
+        phases = {
+            "rollout": count_generate_flops(config, prompt_lens, response_lens),
+            "score": forwards * count_flops(config, lengths, "forward"),
+            "train": train_passes * count_flops(config, lengths, "train"),
+        }
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
+        peak = device_peak_flops(name)
+        out = {"perf/flops": sum(phases.values())}
+        for phase, flops in phases.items():
+            seconds = metrics.get(f"timing/{phase}_s", 0.0)
+            if peak and seconds > 0:
+                out[f"perf/mfu_{phase}"] = mfu(flops, seconds, peak)
+        if peak:
+            out["perf/mfu"] = mfu(out["perf/flops"], metrics["timing/step_s"], peak)
+        return out
 
     def _sample(self, step: int) -> tuple[list[RolloutRecord], Rewards | None, dict]:
         """Rollouts for the step.  With score.filter_groups (DAPO dynamic sampling), batches of prompts
