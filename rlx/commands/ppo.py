@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from rlx.commands._common import reporting
+from rlx.errors import UserError
 
 
 def ppo(
@@ -18,7 +19,10 @@ def ppo(
             "--set", help="Override a recipe key, e.g. --set train.lr=1e-5 (repeatable; values are TOML literals)."
         ),
     ] = None,
-    out: Annotated[Path | None, typer.Option(help="Run folder; default runs/<recipe name>.")] = None,
+    out: Annotated[
+        str | None,
+        typer.Option(metavar="DIR", help="Run folder (local; model and data may be URLs); default runs/<recipe name>."),
+    ] = None,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out from its last complete checkpoint.")] = False,
     print_config: Annotated[bool, typer.Option(help="Print the resolved recipe as JSON and exit.")] = False,
 ) -> None:
@@ -39,6 +43,12 @@ def ppo(
 
             print(json.dumps(to_dict(cfg), indent=2))
             return
+        from rlx.engine.io import is_remote
         from rlx.engine.ppo.loop import run_ppo
 
-        run_ppo(cfg, out or Path("runs") / recipe.stem, resume=resume)
+        if out and is_remote(out):
+            raise UserError(
+                f"--out {out}: the run folder must be local (model.path and data.prompts may be URLs; "
+                f"copy checkpoints out with `rlx merge --out URL`)"
+            )
+        run_ppo(cfg, Path(out) if out else Path("runs") / recipe.stem, resume=resume)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -45,7 +44,7 @@ def rollout(
         typer.Option(help="Reshuffle the prompts every epoch with this seed (as `rlx ppo` with data.shuffle)."),
     ] = None,
     metrics: Annotated[
-        Path | None, typer.Option(metavar="FILE", help="Append a metrics line (throughput) to this JSONL file.")
+        str | None, typer.Option(metavar="FILE", help="Append a metrics line (throughput) to this JSONL file.")
     ] = None,
 ) -> None:
     """Sample N responses per prompt; write rollouts.jsonl with token ids and the sampler's logprobs.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -18,7 +17,9 @@ def _opt(name: str, metavar: str | None = None, **kw):
 
 def score(
     rollouts: Annotated[str, typer.Option(metavar="FILE", help="rollouts.jsonl to score ('-' reads stdin).")],
-    out: Annotated[Path, typer.Option(metavar="DIR", help="Folder for scores.jsonl and batch.safetensors.")],
+    out: Annotated[
+        str, typer.Option(metavar="DIR", help="Folder (or fsspec URL) for scores.jsonl and batch.safetensors.")
+    ],
     actor: Annotated[
         str,
         typer.Option(
@@ -65,7 +66,7 @@ def score(
     device: Annotated[str, _opt("device", "auto|cpu|cuda|npu")] = C.device,
     precision: Annotated[str, _opt("precision", "auto|float32|bfloat16")] = C.precision,
     metrics: Annotated[
-        Path | None,
+        str | None,
         typer.Option(metavar="FILE", help="Append a metrics line (rewards, lengths, KL, mismatch) to this JSONL file."),
     ] = None,
 ) -> None:
@@ -105,4 +106,4 @@ def score(
         )
         from rlx.engine.scoring.run import run_score
 
-        run_score(cfg, rollouts, str(out), actor, ref, critic, temperature=temperature, metrics_path=metrics)
+        run_score(cfg, rollouts, out, actor, ref, critic, temperature=temperature, metrics_path=metrics)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -72,7 +71,7 @@ def train_step(
     precision: Annotated[str, _opt("precision")] = C.precision,
     overwrite: Annotated[bool, typer.Option(help="Replace --out if it exists.")] = False,
     metrics: Annotated[
-        Path | None, typer.Option(metavar="FILE", help="Append the step's metrics line to this JSONL file.")
+        str | None, typer.Option(metavar="FILE", help="Append the step's metrics line to this JSONL file.")
     ] = None,
 ) -> None:
     """One PPO-family update of the actor (any policy loss, rollout correction, KL loss, entropy bonus)

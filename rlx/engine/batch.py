@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from rlx.engine.io import atomic_path
+from rlx.engine.io import atomic_path, is_remote
 from rlx.engine.records import RolloutRecord
 from rlx.errors import UserError
 
@@ -120,35 +120,47 @@ class TrainBatch:
     @classmethod
     def load(cls, path: str | Path) -> TrainBatch:
         """Read and validate a batch file; foreign or truncated files give a UserError naming the file."""
-        path = Path(path)
+        if is_remote(path):
+            import tempfile
+
+            from rlx.engine.storage import fetch_file, path_exists
+
+            if not path_exists(path):
+                raise UserError(f"{path}: no such file")
+            with tempfile.TemporaryDirectory() as folder:
+                return cls._load_local(fetch_file(path, folder), str(path))
+        return cls._load_local(Path(path), str(path))
+
+    @classmethod
+    def _load_local(cls, path: Path, name: str) -> TrainBatch:
         if not path.is_file():
-            raise UserError(f"{path}: no such file")
+            raise UserError(f"{name}: no such file")
         try:
             with safe_open(str(path), framework="pt") as f:
                 header = f.metadata() or {}
                 tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
         except (SafetensorError, OSError) as e:
-            raise UserError(f"{path}: not a readable safetensors file ({e}); is it truncated?") from None
+            raise UserError(f"{name}: not a readable safetensors file ({e}); is it truncated?") from None
         if header.get("format") != FORMAT:
             raise UserError(
-                f"{path}: not an rlx batch (safetensors header has no format={FORMAT!r}; "
+                f"{name}: not an rlx batch (safetensors header has no format={FORMAT!r}; "
                 f"write batches with `rlx score`)"
             )
         if header.get("format_version") != str(FORMAT_VERSION):
             raise UserError(
-                f"{path}: batch format_version {header.get('format_version')} is not supported "
+                f"{name}: batch format_version {header.get('format_version')} is not supported "
                 f"(this rlx reads {FORMAT_VERSION})"
             )
         try:
             meta = BatchMeta(**json.loads(header["meta"]))
         except (KeyError, TypeError, json.JSONDecodeError) as e:
-            raise UserError(f"{path}: batch metadata is malformed ({e})") from None
+            raise UserError(f"{name}: batch metadata is malformed ({e})") from None
         required = [f.name for f in dataclasses.fields(cls) if f.name != "meta" and f.name not in _OPTIONAL]
         missing = [k for k in required if k not in tensors]
         if missing:
-            raise UserError(f"{path}: batch is missing tensor(s) {', '.join(missing)}")
+            raise UserError(f"{name}: batch is missing tensor(s) {', '.join(missing)}")
         batch = cls(meta=meta, **{k: v for k, v in tensors.items() if k in required or k in _OPTIONAL})
-        batch.validate(str(path))
+        batch.validate(name)
         return batch
 
     def validate(self, where: str) -> None:

@@ -168,7 +168,7 @@ def save_checkpoint(
 
     `nested` checkpoints (e.g. the critic of `rlx ppo`) go into sub-folders, inside the same rename.
     """
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, marker=META_NAME) as tmp:
         write_checkpoint(tmp, CheckpointContent(weights, aux, meta, optimizer_state))
         for name, content in (nested or {}).items():
             (tmp / name).mkdir()

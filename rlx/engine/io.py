@@ -1,7 +1,10 @@
 """File plumbing shared by every stage: atomic writes, JSONL with line-numbered errors, stdin/stdout.
 
 Outputs are written under a temporary name in the destination folder and renamed into place, so a
-failure (or a kill) never leaves a partial file that looks whole.
+failure (or a kill) never leaves a partial file that looks whole. Any path may also be an fsspec
+URL (s3://, hdfs://, memory://, ...): remote outputs are written locally first and published by
+rlx.engine.storage (atomically where the store allows, else with the marker file last); remote
+inputs are read through it. Keep URLs as strings: pathlib.Path would fold their '//'.
 """
 
 from __future__ import annotations
@@ -18,12 +21,52 @@ from pathlib import Path
 from rlx.errors import UserError
 
 STDIO = "-"
+LOCAL_PROTOCOLS = ("file", "local")
+
+
+def is_remote(path: str | Path) -> bool:
+    """True for an fsspec URL other than file:// (s3://, hdfs://, memory://, ...); False for local paths."""
+    text = str(path)
+    return "://" in text and text.split("://", 1)[0].lower() not in LOCAL_PROTOCOLS
+
+
+def local(path: str | Path) -> Path:
+    """A local path from a plain path or a file:// URL."""
+    text = str(path)
+    for prefix in ("file://", "local://"):
+        if text.startswith(prefix):
+            return Path(text[len(prefix) :])
+    return Path(text)
+
+
+def join(base: str | Path, *names: str) -> str | Path:
+    """`base / name...` for local paths, `base/name...` for URLs (which Path would corrupt)."""
+    if is_remote(base):
+        return "/".join([str(base).rstrip("/"), *names])
+    return local(base).joinpath(*names)
+
+
+def exists(path: str | Path) -> bool:
+    if is_remote(path):
+        from rlx.engine.storage import path_exists
+
+        return path_exists(path)
+    return local(path).exists()
 
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; rename it onto `path` only if the block succeeds."""
-    path = Path(path)
+    """Yield a temporary path next to `path`; rename it onto `path` only if the block succeeds.
+    For a URL: a local temporary file, published with storage.write_bytes_atomic on success."""
+    if is_remote(path):
+        from rlx.engine.storage import write_bytes_atomic
+
+        with tempfile.TemporaryDirectory() as folder:
+            tmp = Path(folder) / "upload"
+            yield tmp
+            write_bytes_atomic(str(path), tmp.read_bytes())
+        return
+    path = local(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -37,12 +80,23 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(path: str | Path, overwrite: bool = False, marker: str | None = None) -> Iterator[Path]:
     """Yield a temporary folder next to `path`; rename it onto `path` only if the block succeeds.
 
     An existing `path` is an error unless `overwrite` is set, in which case it is replaced whole.
+    For a URL: a local temporary folder, uploaded by storage.put_dir on success (`marker` is the
+    file written last where the store cannot rename folders atomically).
     """
-    path = Path(path)
+    if is_remote(path):
+        from rlx.engine.storage import put_dir
+
+        if exists(path) and not overwrite:
+            raise UserError(f"{path}: already exists (choose another output or pass --overwrite)")
+        with tempfile.TemporaryDirectory() as folder:
+            yield Path(folder)
+            put_dir(folder, str(path), marker=marker, overwrite=overwrite)
+        return
+    path = local(path)
     if path.exists() and not overwrite:
         raise UserError(f"{path}: already exists (choose another output or pass --overwrite)")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +134,13 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> None:
 
 def append_jsonl(path: str | Path, record: dict) -> None:
     """Append one line and flush it to disk (metrics logs): a kill leaves whole lines only."""
-    path = Path(path)
+    if is_remote(path):  # object stores cannot append: rewrite the whole (small) file atomically
+        from rlx.engine.storage import path_exists, read_text, write_bytes_atomic
+
+        text = read_text(str(path)) if path_exists(path) else ""
+        write_bytes_atomic(str(path), (text + dumps_line(record) + "\n").encode())
+        return
+    path = local(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         f.write(dumps_line(record) + "\n")
@@ -96,8 +156,12 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
     name = "<stdin>" if str(path) == STDIO else str(path)
     if str(path) == STDIO:
         lines = sys.stdin.read().splitlines()
+    elif is_remote(path):
+        from rlx.engine.storage import read_text
+
+        lines = read_text(str(path)).splitlines()
     else:
-        p = Path(path)
+        p = local(path)
         if not p.is_file():
             raise UserError(f"{name}: no such file")
         try:
@@ -120,9 +184,14 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
 
 def read_json(path: str | Path) -> dict:
     """Read one JSON object from a file, with a UserError naming the file on failure."""
-    p = Path(path)
+    p = path if is_remote(path) else local(path)
     try:
-        obj = json.loads(p.read_text(encoding="utf-8"))
+        if is_remote(p):
+            from rlx.engine.storage import read_text
+
+            obj = json.loads(read_text(str(p)))
+        else:
+            obj = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"{p}: no such file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

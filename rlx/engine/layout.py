@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from rlx.engine.checkpoint import CheckpointMeta, aux_files, is_checkpoint, provenance, save_checkpoint, write_weights
-from rlx.engine.io import atomic_dir
+from rlx.engine.io import atomic_dir, is_remote
 from rlx.engine.tracking import console
 from rlx.errors import UserError
 from rlx.models.loading import build_empty_model, check_weights_match, load_config, read_weights, resolve_source
@@ -81,14 +81,14 @@ def shard_model(
         ),
     )
     save_checkpoint(
-        Path(out), weights=_cast(weights, dtype), aux=_set_config_dtype(aux, dtype), meta=meta, overwrite=overwrite
+        out, weights=_cast(weights, dtype), aux=_set_config_dtype(aux, dtype), meta=meta, overwrite=overwrite
     )
     console(f"rlx shard: {len(weights)} tensors, {_count(weights) / 1e6:.1f}M parameters -> {out}")
 
 
 def merge_checkpoint(checkpoint: str, out: str, dtype: str = "keep", overwrite: bool = False) -> None:
     """Gather a checkpoint back into a plain Hugging Face model dir."""
-    folder = Path(checkpoint)
+    folder = resolve_source(checkpoint, "checkpoint").path if is_remote(checkpoint) else Path(checkpoint)
     if not folder.is_dir():
         raise UserError(f"{folder}: checkpoint not found")
     if not is_checkpoint(folder):
@@ -96,7 +96,7 @@ def merge_checkpoint(checkpoint: str, out: str, dtype: str = "keep", overwrite: 
     CheckpointMeta.read(folder)  # validates format and layout
     weights = _cast(read_weights(folder), dtype)
     aux = _set_config_dtype(aux_files(folder), dtype)
-    with atomic_dir(Path(out), overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, marker="config.json") as tmp:
         for name, data in aux.items():
             (tmp / name).write_bytes(data)
         write_weights(tmp, weights)

@@ -28,20 +28,11 @@ from pathlib import Path
 
 import fsspec
 
-from rlx.engine.io import atomic_dir, atomic_path
+from rlx.engine.io import atomic_dir, atomic_path, is_remote, local
 from rlx.errors import UserError
 
-LOCAL_PROTOCOLS = ("file", "local")
 # file systems whose folder rename is one atomic operation
 ATOMIC_RENAME_PROTOCOLS = ("file", "local", "hdfs", "arrow_hdfs", "webhdfs")
-
-
-def is_remote(path: str | Path) -> bool:
-    """True for an fsspec URL other than file:// (s3://, hdfs://, memory://, ...); False for local paths."""
-    text = str(path)
-    if "://" not in text:
-        return False
-    return text.split("://", 1)[0].lower() not in LOCAL_PROTOCOLS
 
 
 def _fs(url: str):
@@ -118,12 +109,7 @@ def write_bytes_atomic(url: str | Path, data: bytes) -> None:
             fs.rm(tmp)
 
 
-def _local(path: str | Path) -> Path:
-    text = str(path)
-    for prefix in ("file://", "local://"):
-        if text.startswith(prefix):
-            return Path(text[len(prefix) :])
-    return Path(text)
+_local = local
 
 
 def _local_files(local_dir: Path) -> list[Path]:
@@ -260,3 +246,36 @@ def ensure_cache(cache: str | Path | None = None) -> Path:
     folder = Path(cache or os.environ.get("RLX_CACHE") or Path.home() / ".cache" / "rlx" / "remote")
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def path_exists(url: str | Path) -> bool:
+    """Whether a URL (or local path) names an existing file or folder."""
+    fs, path = _fs(str(url))
+    return fs.exists(path.rstrip("/"))
+
+
+def fetch_model(url: str | Path, cache: str | Path | None = None) -> Path:
+    """A local copy of a remote model or checkpoint (folder or single file such as .gguf).
+
+    Folders are cached by URL and downloaded again when the remote rlx.json (a checkpoint's identity:
+    step and provenance) differs from the cached one, so an overwritten checkpoint is never stale."""
+    cache = ensure_cache(cache)
+    fs, path = _fs(str(url))
+    path = path.rstrip("/")
+    if not fs.exists(path):
+        raise UserError(f"{url}: not found")
+    if not fs.isdir(path):
+        return local_path(str(url), cache)
+    dest = Path(cache) / cache_key(str(url))
+    meta = _join(path, "rlx.json")
+    stale = fs.exists(meta) and (
+        not (dest / "rlx.json").is_file() or (dest / "rlx.json").read_bytes() != fs.cat_file(meta)
+    )
+    return get_dir(str(url), cache, refresh=stale)
+
+
+def fetch_file(url: str | Path, folder: str | Path) -> Path:
+    """Download one remote file into `folder` (always fresh) and return its local path."""
+    dest = Path(folder) / _name(_fs(str(url))[1])
+    dest.write_bytes(read_bytes(str(url)))
+    return dest

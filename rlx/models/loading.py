@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from rlx.engine.io import is_remote, local
 from rlx.errors import UserError
 
 WEIGHTS_NAME = "model.safetensors"
@@ -61,7 +62,11 @@ def resolve_source(path: str | Path, what: str = "model") -> ModelSource:
     """Classify `path` as an HF/checkpoint dir or a GGUF file, or fail with a message naming it."""
     if isinstance(path, str) and path.startswith(PACKAGE_SCHEME):
         path = resolve_package_path(path)
-    p = Path(path)
+    if is_remote(path):  # s3://, hdfs://, ...: read from a local copy in the download cache
+        from rlx.engine.storage import fetch_model
+
+        path = fetch_model(path)
+    p = local(path)
     if p.is_file() and p.suffix == ".gguf":
         return ModelSource(p, is_gguf=True)
     if not p.exists():

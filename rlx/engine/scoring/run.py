@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rlx.engine.checkpoint import read_meta_or_default
 from rlx.engine.device import resolve_device, resolve_precision
+from rlx.engine.io import join
 from rlx.engine.records import read_rollouts, write_records
 from rlx.engine.rollout.prompts import pad_token_id
 from rlx.engine.scoring.config import ScoreConfig
@@ -83,13 +84,11 @@ def run_score(
             f"{rollouts_path}: every prompt's samples got the same reward, so --filter-groups left "
             f"nothing to train on; sample more prompts or more responses per prompt"
         )
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result.batch.save(out_dir / "batch.safetensors")
-    write_records(out_dir / "scores.jsonl", result.scores)
+    result.batch.save(join(out, "batch.safetensors"))
+    write_records(join(out, "scores.jsonl"), result.scores)
     step = read_meta_or_default(resolve_source(actor).path).step + 1
     log_metrics(metrics_path, step, {**result.metrics, "timing/score_s": time.perf_counter() - start})
     console(
         f"rlx score: {len(rollouts)} samples, reward mean {result.metrics['reward/mean']:.3f} "
-        f"-> {out_dir / 'scores.jsonl'}, {out_dir / 'batch.safetensors'}"
+        f"-> {join(out, 'scores.jsonl')}, {join(out, 'batch.safetensors')}"
     )

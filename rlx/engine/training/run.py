@@ -13,6 +13,7 @@ from rlx.engine.checkpoint import (
     save_checkpoint,
 )
 from rlx.engine.device import resolve_device, resolve_precision
+from rlx.engine.io import exists
 from rlx.engine.tracking import console, log_metrics
 from rlx.engine.training.actor import ActorTrainer
 from rlx.engine.training.config import TrainConfig
@@ -35,7 +36,7 @@ def run_train_step(
         raise UserError(
             f"{checkpoint}: train-step needs a checkpoint dir; convert the GGUF file with `rlx shard` first"
         )
-    if Path(out).exists() and not overwrite:
+    if exists(out) and not overwrite:
         raise UserError(f"{out}: already exists (choose another --out or pass --overwrite)")
     batch = TrainBatch.load(batch_path)
     meta = read_meta_or_default(source.path)
@@ -53,7 +54,7 @@ def run_train_step(
         provenance=provenance("rlx train-step", checkpoint, batch=str(batch_path)),
     )
     save_checkpoint(
-        Path(out),
+        out,
         weights=model_weights(trainer.model),
         aux=aux,
         meta=next_meta,
