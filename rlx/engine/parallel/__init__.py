@@ -1,0 +1,1 @@
+"""Parallelism: process groups and devices, FSDP2, sequence parallelism, batching across ranks, DCP."""
