@@ -66,6 +66,12 @@ def train_step(
     rollout_rs_threshold_lower: Annotated[float, _opt("rollout_rs_threshold_lower")] = C.rollout_rs_threshold_lower,
     rollout_veto_threshold: Annotated[float, _opt("rollout_veto_threshold")] = C.rollout_veto_threshold,
     logprob_impl: Annotated[str, _opt("logprob_impl")] = C.logprob_impl,
+    use_packing: Annotated[bool, _opt("use_packing")] = C.use_packing,
+    max_tokens_per_micro_batch: Annotated[int, _opt("max_tokens_per_micro_batch")] = C.max_tokens_per_micro_batch,
+    gradient_checkpointing: Annotated[bool, _opt("gradient_checkpointing")] = C.gradient_checkpointing,
+    param_offload: Annotated[bool, _opt("param_offload")] = C.param_offload,
+    activation_offload: Annotated[bool, _opt("activation_offload")] = C.activation_offload,
+    sp_degree: Annotated[int, _opt("sp_degree")] = C.sp_degree,
     seed: Annotated[int, _opt("seed")] = C.seed,
     device: Annotated[str, _opt("device")] = C.device,
     precision: Annotated[str, _opt("precision")] = C.precision,
@@ -79,7 +85,8 @@ def train_step(
 
     Losses are normalised by each mini-batch's token (or sequence) count, so micro-batching does
     not change the gradient. The optimizer state travels in the checkpoint; the learning rate
-    follows the checkpoint's step count.
+    follows the checkpoint's step count. Under torchrun (or srun) the model is FSDP-sharded and
+    each mini-batch is split across ranks by work; the result equals a single-process step.
     """
     with reporting("train-step"):
         values = dict(locals())

@@ -95,6 +95,69 @@ def response_logprobs(
     return logprob.float().view(shape), entropy.float().view(shape) if with_entropy else None
 
 
+def packed_inputs(prompt_ids, prompt_mask, response_ids, response_mask):
+    """One packed row from a padded micro-batch: (input_ids [1, T], position_ids [1, T], rows [n], cols [n],
+    predictor positions [n]) where response token (rows[k], cols[k]) is predicted at packed position pred[k]."""
+    device = prompt_ids.device
+    pieces, positions, rows, cols, pred = [], [], [], [], []
+    offset = 0
+    for i in range(prompt_ids.shape[0]):
+        prompt = prompt_ids[i][prompt_mask[i].bool()]
+        response = response_ids[i][response_mask[i].bool()]
+        n_p, n_r = prompt.shape[0], response.shape[0]
+        pieces += [prompt, response]
+        positions.append(torch.arange(n_p + n_r, device=device))
+        rows.append(torch.full((n_r,), i, device=device))
+        cols.append(torch.arange(n_r, device=device))
+        pred.append(torch.arange(offset + n_p - 1, offset + n_p + n_r - 1, device=device))
+        offset += n_p + n_r
+    return (
+        torch.cat(pieces).unsqueeze(0),
+        torch.cat(positions).unsqueeze(0),
+        torch.cat(rows),
+        torch.cat(cols),
+        torch.cat(pred),
+    )
+
+
+def packed_response_logprobs(
+    model,
+    prompt_ids,
+    prompt_mask,
+    response_ids,
+    response_mask,
+    temperature: float,
+    dtype: torch.dtype,
+    with_entropy: bool = False,
+    impl: str = "naive",
+):
+    """As `response_logprobs`, but the micro-batch runs as one packed row without padding: samples are
+    concatenated, positions restart per sample, and attention stays within each sample (transformers
+    reads the packing from the restarting position_ids; the KV cache stays off so nothing leaks)."""
+    input_ids, position_ids, rows, cols, pred = packed_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    targets = response_ids[rows, cols]
+    impl = resolve_impl(impl, input_ids.device)
+    weight = lm_head_weight(model) if impl != "naive" else None
+    with autocast(input_ids.device, dtype):
+        if weight is None:
+            logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0, pred]
+        else:
+            backbone = getattr(model, model.base_model_prefix)
+            hidden = backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    if weight is None:
+        logp, entropy = logprobs_from_logits(logits, targets, temperature, with_entropy)
+    else:
+        hidden = hidden[0, pred]
+        compute = dtype if dtype != torch.float32 else hidden.dtype
+        logp, entropy = logprob_entropy(hidden.to(compute), weight.to(compute), targets, temperature, impl=impl)
+    shape = response_ids.shape
+    out_lp = torch.zeros(shape, dtype=torch.float32, device=input_ids.device).index_put((rows, cols), logp.float())
+    if not with_entropy:
+        return out_lp, None
+    out_ent = torch.zeros(shape, dtype=torch.float32, device=input_ids.device).index_put((rows, cols), entropy.float())
+    return out_lp, out_ent
+
+
 @torch.no_grad()
 def batched_response_logprobs(
     model,

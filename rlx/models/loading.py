@@ -175,11 +175,8 @@ def tied_keys(model) -> set[str]:
     """State-dict keys that alias another parameter (tied embeddings) and are not stored on disk."""
     seen, tied = {}, set()
     for name, tensor in model.state_dict(keep_vars=True).items():
-        key = (
-            (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-            if tensor.device.type != "meta"
-            else None
-        )
+        plain = tensor.device.type != "meta" and type(tensor).__name__ != "DTensor"
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)) if plain else None
         if key is not None and key in seen:
             tied.add(name)
         elif key is not None:

@@ -37,9 +37,12 @@ class PolicyFiles:
 
 
 def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict without tied duplicates (as Hugging Face saves it)."""
+    """The model's full state dict without tied duplicates (as Hugging Face saves it); for an
+    FSDP-sharded model the gathered weights on rank 0 ({} on other ranks)."""
+    from rlx.engine.training.optim import full_model_state
+
     skip = tied_keys(model)
-    return {k: v for k, v in model.state_dict().items() if k not in skip}
+    return {k: v for k, v in full_model_state(model).items() if k not in skip}
 
 
 def generated_aux(model, tokenizer) -> dict[str, bytes]:

@@ -10,7 +10,7 @@ from rlx.engine.algorithms.kl import kl_estimate
 from rlx.engine.algorithms.losses import LossNorm, PolicyLossParams, aggregate, compute_policy_loss
 from rlx.engine.algorithms.rollout_correction import RolloutCorrection, correct
 from rlx.engine.batch import TrainBatch
-from rlx.engine.logprobs import response_logprobs
+from rlx.engine.logprobs import packed_response_logprobs, response_logprobs
 from rlx.engine.training.trainer import MODEL_INPUTS, Trainer
 from rlx.errors import UserError
 
@@ -60,53 +60,57 @@ class ActorTrainer(Trainer):
             metrics.update(correct(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, self.correction)[2])
         return metrics
 
-    def accumulate_gradients(self, mini: TrainBatch, sums: dict[str, float]) -> None:
-        cfg = self.cfg
-        weights, keep, _ = correct(mini.old_logprobs, mini.rollout_logprobs, mini.response_mask, self.correction)
-        norm = LossNorm(
+    def loss_norm(self, mini: TrainBatch) -> LossNorm:
+        """Normalisers over the tokens the rollout correction keeps (rejection removes tokens)."""
+        _, keep, _ = correct(mini.old_logprobs, mini.rollout_logprobs, mini.response_mask, self.correction)
+        return LossNorm(
             num_tokens=float(keep.sum().clamp(min=1)),
             num_seqs=float((keep.sum(-1) > 0).sum().clamp(min=1)),
-            scale_factor=float(cfg.loss_scale_factor or mini.response_ids.shape[1]),
+            scale_factor=float(self.cfg.loss_scale_factor or mini.response_ids.shape[1]),
         )
-        step = cfg.micro_batch_size
-        for lo, part in zip(range(0, mini.size, step), self.micro_batches(mini)):
-            mask = keep[lo : lo + step].to(self.device)
-            w = weights[lo : lo + step].to(self.device) if weights is not None else None
-            logp, entropy = response_logprobs(
-                self.model,
-                **{k: part[k] for k in MODEL_INPUTS},
-                temperature=mini.meta.temperature,
-                dtype=self.dtype,
-                with_entropy=True,
-                impl=cfg.logprob_impl,
-            )
-            pg_loss, pg_sums = compute_policy_loss(
-                cfg.policy_loss,
-                logp,
-                part["old_logprobs"],
-                part["advantages"],
-                mask,
-                norm,
-                cfg.loss_agg_mode,
-                self.loss_params,
-                w,
-            )
-            loss = pg_loss
-            if cfg.entropy_coef > 0:
-                entropy_loss = aggregate(entropy, mask, cfg.loss_agg_mode, norm)
-                loss = loss - cfg.entropy_coef * entropy_loss
-                sums["entropy_loss"] += entropy_loss.item()
-            if cfg.kl_loss_coef > 0:
-                kl_loss = aggregate(
-                    kl_estimate(logp, part["ref_logprobs"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, norm
-                )
-                loss = loss + cfg.kl_loss_coef * kl_loss
-                sums["kl_loss"] += kl_loss.item()
-            loss.backward()
-            sums["pg_loss"] += pg_loss.item()
-            sums["loss"] += loss.item()
-            with torch.no_grad():
-                sums["entropy"] += masked_sum(entropy, mask).item()
-                sums["tokens"] += mask.sum().item()
-            for key, value in pg_sums.items():
-                sums[key] += value.item()
+
+    def logprobs(self, t: dict[str, torch.Tensor], temperature: float):
+        forward = packed_response_logprobs if self.cfg.use_packing else response_logprobs
+        return forward(
+            self.model,
+            **{k: t[k] for k in MODEL_INPUTS},
+            temperature=temperature,
+            dtype=self.dtype,
+            with_entropy=True,
+            impl=self.cfg.logprob_impl,
+        )
+
+    def micro_step(
+        self, t: dict[str, torch.Tensor], part: TrainBatch, norm: LossNorm, sums: dict[str, float], weight: float
+    ) -> None:
+        cfg = self.cfg
+        weights, mask, _ = correct(t["old_logprobs"], t["rollout_logprobs"], t["response_mask"], self.correction)
+        logp, entropy = self.logprobs(t, part.meta.temperature)
+        pg_loss, pg_sums = compute_policy_loss(
+            cfg.policy_loss,
+            logp,
+            t["old_logprobs"],
+            t["advantages"],
+            mask,
+            norm,
+            cfg.loss_agg_mode,
+            self.loss_params,
+            weights,
+        )
+        loss = pg_loss
+        if cfg.entropy_coef > 0:
+            entropy_loss = aggregate(entropy, mask, cfg.loss_agg_mode, norm)
+            loss = loss - cfg.entropy_coef * entropy_loss
+            sums["entropy_loss"] += entropy_loss.item()
+        if cfg.kl_loss_coef > 0:
+            kl_loss = aggregate(kl_estimate(logp, t["ref_logprobs"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, norm)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            sums["kl_loss"] += kl_loss.item()
+        (loss * weight).backward()
+        sums["pg_loss"] += pg_loss.item()
+        sums["loss"] += loss.item()
+        with torch.no_grad():
+            sums["entropy"] += masked_sum(entropy, mask).item()
+            sums["tokens"] += mask.sum().item()
+        for key, value in pg_sums.items():
+            sums[key] += value.item()

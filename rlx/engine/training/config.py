@@ -84,6 +84,18 @@ class TrainConfig:
     """Rejection lower bound; 0 = 1 / upper bound."""
     rollout_veto_threshold: float = 0.0
     """Reject a whole sequence when any token's ratio is below this (0 = off; e.g. 1e-4)."""
+    use_packing: bool = False
+    """Concatenate each micro-batch's samples into one row (no padding, attention kept per sample)."""
+    max_tokens_per_micro_batch: int = 0
+    """Micro-batches by token budget (prompt + response tokens) instead of micro_batch_size (0 = off)."""
+    gradient_checkpointing: bool = False
+    """Recompute decoder-layer activations in the backward pass instead of storing them."""
+    param_offload: bool = False
+    """FSDP: keep parameter shards, gradients and AdamW state on the CPU (needs a launcher, e.g. torchrun)."""
+    activation_offload: bool = False
+    """Keep the activations saved for backward on the CPU."""
+    sp_degree: int = 1
+    """Ulysses sequence-parallel degree: ranks per group sharing each sequence (heads must divide by it)."""
     logprob_impl: Literal["auto", "naive", "chunked", "triton"] = "auto"
     """Logprob/entropy computation: fused Triton kernels ('auto' picks them on CUDA with Triton), chunked
     PyTorch (bounded memory anywhere), or naive full logits ('auto' on CPU)."""
@@ -119,6 +131,13 @@ class TrainConfig:
         check(self.cliprange_value > 0, "cliprange_value", f"must be > 0, got {self.cliprange_value}")
         check(self.rollout_is_threshold > 0, "rollout_is_threshold", f"must be > 0, got {self.rollout_is_threshold}")
         check(self.loss_scale_factor >= 0, "loss_scale_factor", f"must be >= 0, got {self.loss_scale_factor}")
+        check(
+            self.max_tokens_per_micro_batch >= 0,
+            "max_tokens_per_micro_batch",
+            f"must be >= 0, got {self.max_tokens_per_micro_batch}",
+        )
+        check(self.sp_degree >= 1, "sp_degree", f"must be at least 1, got {self.sp_degree}")
+        check(self.sp_degree == 1 or self.use_packing, "sp_degree", "sequence parallelism needs use_packing = true")
 
     def lr_at(self, step: int) -> float:
         """Learning rate for the update that follows `step` completed updates."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from rlx.engine.algorithms.core import masked_sum
 from rlx.engine.algorithms.losses import LossNorm, value_loss
 from rlx.engine.batch import TrainBatch
@@ -21,28 +23,22 @@ class CriticTrainer(Trainer):
         if batch.values is None:
             raise UserError(f"{where}: the batch has no critic values; score it with --critic to train the critic")
 
-    def accumulate_gradients(self, mini: TrainBatch, sums: dict[str, float]) -> None:
-        cfg = self.cfg
-        mask = mini.response_mask
-        norm = LossNorm(
-            num_tokens=float(mask.sum().clamp(min=1)),
-            num_seqs=float((mask.sum(-1) > 0).sum().clamp(min=1)),
-            scale_factor=float(cfg.loss_scale_factor or mini.response_ids.shape[1]),
+    def micro_step(
+        self, t: dict[str, torch.Tensor], part: TrainBatch, norm: LossNorm, sums: dict[str, float], weight: float
+    ) -> None:
+        values = response_values(self.model, **{k: t[k] for k in MODEL_INPUTS}, dtype=self.dtype)
+        loss, loss_sums = value_loss(
+            values,
+            t["values"],
+            t["returns"],
+            t["response_mask"],
+            norm,
+            self.cfg.cliprange_value,
+            self.cfg.loss_agg_mode,
         )
-        for part in self.micro_batches(mini):
-            values = response_values(self.model, **{k: part[k] for k in MODEL_INPUTS}, dtype=self.dtype)
-            loss, loss_sums = value_loss(
-                values,
-                part["values"],
-                part["returns"],
-                part["response_mask"],
-                norm,
-                cfg.cliprange_value,
-                cfg.loss_agg_mode,
-            )
-            loss.backward()
-            sums["vf_loss"] += loss.item()
-            sums["vpred_mean"] += masked_sum(values.detach(), part["response_mask"]).item()
-            sums["tokens"] += part["response_mask"].sum().item()
-            for key, value in loss_sums.items():
-                sums[key] += value.item()
+        (loss * weight).backward()
+        sums["vf_loss"] += loss.item()
+        sums["vpred_mean"] += masked_sum(values.detach(), t["response_mask"]).item()
+        sums["tokens"] += t["response_mask"].sum().item()
+        for key, value in loss_sums.items():
+            sums[key] += value.item()

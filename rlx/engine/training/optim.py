@@ -1,13 +1,22 @@
-"""AdamW for the actor, and its state as named tensors so checkpoints survive parameter reordering."""
+"""AdamW for the trained models, and its state as named tensors so checkpoints survive parameter
+reordering and any sharding: the full (unsharded) state is gathered and restored through
+torch.distributed.checkpoint.state_dict, which handles plain and FSDP2 modules alike."""
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from rlx.engine.training.config import TrainConfig
 from rlx.errors import UserError
 
 _SEP = "::"
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def build_adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -16,13 +25,19 @@ def build_adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded model state on CPU (on rank 0 only when sharded; other ranks get {})."""
+    return get_model_state_dict(model, options=_FULL)
+
+
 def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Optimizer state keyed '<param name>::<state key>' (e.g. 'model.norm.weight::exp_avg')."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    """Optimizer state keyed '<param name>::<state key>' (e.g. 'model.norm.weight::exp_avg'), unsharded
+    (on rank 0 only when sharded)."""
+    state = get_optimizer_state_dict(model, optimizer, options=_FULL).get("state", {})
     out = {}
-    for index, state in optimizer.state_dict()["state"].items():
-        for key, value in state.items():
-            out[f"{names[index]}{_SEP}{key}"] = (
+    for name, entries in state.items():
+        for key, value in entries.items():
+            out[f"{name}{_SEP}{key}"] = (
                 value.detach().cpu() if torch.is_tensor(value) else torch.tensor(value, dtype=torch.float32)
             )
     return out
@@ -31,13 +46,17 @@ def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 def load_optimizer_tensors(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], where: str
 ) -> None:
-    """Restore state written by `optimizer_tensors`; unknown parameter names are an error."""
-    index = {n: i for i, n in enumerate(n for n, p in model.named_parameters() if p.requires_grad)}
-    state: dict[int, dict] = {}
+    """Restore state written by `optimizer_tensors` (every rank passes the full tensors); unknown
+    parameter names are an error."""
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    state: dict[str, dict] = {}
     for key, value in tensors.items():
         name, _, field = key.rpartition(_SEP)
-        if name not in index:
+        if name not in names:
             raise UserError(f"{where}: optimizer state for unknown parameter {name!r}")
-        state.setdefault(index[name], {})[field] = value
-    current = optimizer.state_dict()
-    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+        state.setdefault(name, {})[field] = value
+    params = [n for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}, "params": params}]
+    set_optimizer_state_dict(
+        model, optimizer, {"state": state, "param_groups": groups}, options=StateDictOptions(full_state_dict=True)
+    )

@@ -12,8 +12,9 @@ from rlx.engine.checkpoint import (
     read_meta_or_default,
     save_checkpoint,
 )
-from rlx.engine.device import resolve_device, resolve_precision
+from rlx.engine.device import resolve_precision
 from rlx.engine.io import exists
+from rlx.engine.parallel.dist import barrier, setup
 from rlx.engine.tracking import console, log_metrics
 from rlx.engine.training.actor import ActorTrainer
 from rlx.engine.training.config import TrainConfig
@@ -40,10 +41,10 @@ def run_train_step(
         raise UserError(f"{out}: already exists (choose another --out or pass --overwrite)")
     batch = TrainBatch.load(batch_path)
     meta = read_meta_or_default(source.path)
-    device = resolve_device(cfg.device)
+    ctx = setup(cfg.device, cfg.sp_degree)
     model, _, aux = load_trained_policy(source, role=cfg.role)
     trainer_cls = CriticTrainer if cfg.role == "critic" else ActorTrainer
-    trainer = trainer_cls(model, cfg, device, resolve_precision(cfg.precision, device))
+    trainer = trainer_cls(model, cfg, ctx.device, resolve_precision(cfg.precision, ctx.device), ctx)
     trainer.check_batch(batch, batch_path)
     trainer.load_optimizer_state(load_optimizer_state(source.path), checkpoint)
     metrics = trainer.train_step(batch, meta.step)
@@ -53,19 +54,18 @@ def run_train_step(
         optimizer=trainer.optimizer_meta(),
         provenance=provenance("rlx train-step", checkpoint, batch=str(batch_path)),
     )
-    save_checkpoint(
-        out,
-        weights=model_weights(trainer.model),
-        aux=aux,
-        meta=next_meta,
-        optimizer_state=trainer.optimizer_state(),
-        overwrite=overwrite,
-    )
-    log_metrics(metrics_path, next_meta.step, metrics)
-    role = cfg.role
-    loss = metrics.get(f"{role}/loss", metrics.get(f"{role}/vf_loss", float("nan")))
-    console(
-        f"rlx train-step: {role} step {next_meta.step}, loss {loss:.4f}, "
-        f"grad norm {metrics[f'{role}/grad_norm']:.3f} -> {out}"
-    )
+    weights, optimizer_state = model_weights(trainer.model), trainer.optimizer_state()  # gathered on rank 0
+    if ctx.is_main:
+        save_checkpoint(
+            out, weights=weights, aux=aux, meta=next_meta, optimizer_state=optimizer_state, overwrite=overwrite
+        )
+        log_metrics(metrics_path, next_meta.step, metrics)
+        role = cfg.role
+        loss = metrics.get(f"{role}/loss", metrics.get(f"{role}/vf_loss", float("nan")))
+        console(
+            f"rlx train-step: {role} step {next_meta.step}, loss {loss:.4f}, "
+            f"grad norm {metrics[f'{role}/grad_norm']:.3f} -> {out}"
+            + (f" ({ctx.world} processes)" if ctx.distributed else "")
+        )
+    barrier()
     return metrics

@@ -1,7 +1,12 @@
-"""The update loop both trainers share: epochs x mini-batches x micro-batches, AdamW, clipping, metrics.
+"""The update loop both trainers share: epochs x mini-batches x micro-batches, AdamW, clipping, metrics,
+on one process or data-parallel over ranks (FSDP2).
 
-Each micro-batch's loss is divided by normalisers counted over its whole mini-batch (`LossNorm`),
-so the gradient accumulated over micro-batches equals one pass over the mini-batch.
+Each rank holds the whole scored batch. A mini-batch's rows are split across data-parallel ranks by
+work (Karmarkar-Karp over token counts), each rank cuts its rows into micro-batches (by count or by
+token budget), and ranks agree on the number of micro-batches (a rank with fewer runs zero-weight
+ones, so FSDP's collectives line up). Every micro-batch loss is divided by normalisers counted over
+the whole mini-batch (`LossNorm`) and FSDP sums the gradients over ranks, so the update equals one
+pass over the mini-batch on one process.
 """
 
 from __future__ import annotations
@@ -11,10 +16,15 @@ import time
 from collections import defaultdict
 
 import torch
+import torch.distributed as torch_dist
 from tqdm import tqdm
 
+from rlx.engine.algorithms.losses import LossNorm
 from rlx.engine.batch import TrainBatch
 from rlx.engine.device import derive_seed
+from rlx.engine.parallel.batching import balanced_partition, count_micro_batches, token_budget_micro_batches
+from rlx.engine.parallel.dist import DistContext, all_reduce
+from rlx.engine.parallel.fsdp import activation_offload, apply_fsdp, full_tensor
 from rlx.engine.training.config import TrainConfig
 from rlx.engine.training.optim import build_adamw, load_optimizer_tensors, optimizer_tensors
 from rlx.errors import UserError
@@ -22,16 +32,40 @@ from rlx.errors import UserError
 MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
+def row_tokens(batch: TrainBatch) -> list[int]:
+    """Prompt + response tokens of each row (the work measure for balancing and token budgets)."""
+    return (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()
+
+
 class Trainer:
-    """A model on `device` with its AdamW optimizer; subclasses define the micro-batch loss."""
+    """A model on its device (FSDP-sharded under a launcher) with AdamW; subclasses define the loss."""
 
     role = "model"
     loss_keys: tuple[str, ...] = ()
     """Metric sums averaged per optimizer step (the others are token sums, averaged per token)."""
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: TrainConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        ctx: DistContext | None = None,
+    ):
+        self.cfg, self.device = cfg, device
+        self.ctx = ctx or DistContext(device=device)
+        if cfg.param_offload and not self.ctx.distributed:
+            raise UserError("param_offload needs FSDP: launch with torchrun (--nproc_per_node 1 is fine)")
         self.model = model.to(device)
-        self.cfg, self.device, self.dtype = cfg, device, dtype
+        if self.ctx.distributed:
+            apply_fsdp(self.model, self.ctx, dtype, cfg.param_offload, cfg.gradient_checkpointing)
+            self.dtype = torch.float32  # FSDP's mixed precision casts the parameters; no autocast on top
+            self.gradient_scale = float(self.ctx.world)  # FSDP averages over ranks; the losses are global sums
+        else:
+            if cfg.gradient_checkpointing:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.dtype = dtype
+            self.gradient_scale = 1.0
         self.optimizer = build_adamw(self.model, cfg)
 
     def load_optimizer_state(self, tensors: dict[str, torch.Tensor] | None, where: str) -> None:
@@ -68,7 +102,7 @@ class Trainer:
         lr = cfg.lr_at(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        torch.manual_seed(derive_seed("train", self.role, cfg.seed, step))
+        torch.manual_seed(derive_seed("train", self.role, cfg.seed, step, self.ctx.rank))
         self.model.train()
         sums: dict[str, float] = defaultdict(float)
         grad_norms, skipped = [], 0
@@ -78,7 +112,7 @@ class Trainer:
             desc=f"train {self.role}",
             unit="update",
             leave=False,
-            disable=None,
+            disable=None if self.ctx.is_main else True,
         )
         for epoch in range(cfg.epochs):
             order = self._order(batch.size, step, epoch)
@@ -88,7 +122,16 @@ class Trainer:
                 skipped += not math.isfinite(norm)
                 bar.update(1)
         bar.close()
-        return self._metrics(sums, grad_norms, skipped, lr, batch, time.perf_counter() - start)
+        return self._metrics(self._reduce_sums(sums), grad_norms, skipped, lr, batch, time.perf_counter() - start)
+
+    def _reduce_sums(self, sums: dict[str, float]) -> dict[str, float]:
+        """Metric sums over data-parallel ranks (sequence-parallel ranks hold the same sums)."""
+        if not self.ctx.distributed or self.ctx.dp_size == 1:
+            return dict(sums)
+        keys = sorted(sums)
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.ctx.device)
+        torch_dist.all_reduce(values, group=self.ctx.dp_group)
+        return dict(zip(keys, values.tolist()))
 
     def _metrics(
         self, sums: dict, grad_norms: list[float], skipped: int, lr: float, batch: TrainBatch, seconds: float
@@ -116,22 +159,62 @@ class Trainer:
         gen = torch.Generator().manual_seed(derive_seed("shuffle", self.cfg.seed, step, epoch))
         return torch.randperm(b, generator=gen)
 
+    def local_rows(self, mini: TrainBatch) -> list[int]:
+        """This rank's rows of the mini-batch: a work-balanced share per data-parallel rank."""
+        if self.ctx.dp_size == 1:
+            return list(range(mini.size))
+        if mini.size < self.ctx.dp_size:
+            raise UserError(f"a mini-batch of {mini.size} samples cannot feed {self.ctx.dp_size} data-parallel ranks")
+        return balanced_partition(row_tokens(mini), self.ctx.dp_size)[self.ctx.dp_rank]
+
+    def micro_batches(self, local: TrainBatch) -> list[list[int]]:
+        if self.cfg.max_tokens_per_micro_batch:
+            return token_budget_micro_batches(row_tokens(local), self.cfg.max_tokens_per_micro_batch)
+        return count_micro_batches(local.size, self.cfg.micro_batch_size)
+
     def _update(self, mini: TrainBatch, sums: dict[str, float]) -> float:
         """Accumulate the mini-batch's gradient, then one optimizer step.  Returns the grad norm."""
         self.accumulate_gradients(mini, sums)
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        if math.isfinite(norm):
+        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        if math.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return grad_norm
 
     def accumulate_gradients(self, mini: TrainBatch, sums: dict[str, float]) -> None:
-        raise NotImplementedError
+        """Forward/backward of this rank's micro-batches of `mini`, normalised over the whole mini-batch."""
+        norm = self.loss_norm(mini)
+        local = mini.select(self.local_rows(mini))
+        parts = self.micro_batches(local)
+        count = len(parts)
+        if self.ctx.distributed:
+            count = int(all_reduce(count, "max", group=self.ctx.dp_group, device=self.ctx.device))
+        for i in range(count):
+            dummy = i >= len(parts)  # keeps FSDP's collectives in step with busier ranks; contributes nothing
+            part = local.select(parts[0] if dummy else parts[i])
+            with activation_offload(self.cfg.activation_offload, self.device):
+                self.micro_step(
+                    {k: v.to(self.device) for k, v in part.tensors().items()},
+                    part,
+                    norm,
+                    defaultdict(float) if dummy else sums,
+                    0.0 if dummy else self.gradient_scale,
+                )
 
-    def micro_batches(self, mini: TrainBatch):
-        """The mini-batch's tensors in micro-batches of `micro_batch_size` rows, on the device."""
-        step = self.cfg.micro_batch_size
-        for lo in range(0, mini.size, step):
-            yield {k: v[lo : lo + step].to(self.device) for k, v in mini.tensors().items()}
+    def loss_norm(self, mini: TrainBatch) -> LossNorm:
+        """Normalisers counted over the whole mini-batch (every rank computes the same)."""
+        mask = mini.response_mask
+        return LossNorm(
+            num_tokens=float(mask.sum().clamp(min=1)),
+            num_seqs=float((mask.sum(-1) > 0).sum().clamp(min=1)),
+            scale_factor=float(self.cfg.loss_scale_factor or mini.response_ids.shape[1]),
+        )
+
+    def micro_step(
+        self, tensors: dict[str, torch.Tensor], part: TrainBatch, norm: LossNorm, sums: dict[str, float], weight: float
+    ) -> None:
+        """Forward and backward of `weight` * loss for one micro-batch (weight 0 for padding micro-batches,
+        the world size under FSDP, else 1)."""
+        raise NotImplementedError

@@ -1,0 +1,196 @@
+"""Process groups and devices for multi-process runs (torchrun, SLURM srun) and the single-process default.
+
+One process per device. `setup()` reads the launcher's environment: torchrun's RANK / WORLD_SIZE /
+LOCAL_RANK / MASTER_ADDR, or SLURM's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID when srun starts
+the processes itself (MASTER_ADDR must then be exported, e.g. by recipes/slurm/ppo.sbatch). Without
+either, the process is alone and nothing is initialised. The backend follows the device: nccl on
+CUDA, hccl on Ascend NPUs (torch_npu is imported only then), gloo on CPU. A collective that waits
+longer than `timeout_s` raises instead of hanging; commands turn that into a one-line error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from rlx.engine.device import resolve_device
+from rlx.errors import UserError
+
+BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+
+
+@dataclass
+class DistContext:
+    """Where this process stands: global rank and size, its device, and the data/sequence-parallel groups.
+
+    Ranks form a (dp, sp) grid, sequence-parallel neighbours adjacent: rank = dp_rank * sp + sp_rank.
+    """
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+    sp_size: int = 1
+    dp_group: object = None
+    sp_group: object = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True under a launcher (torchrun / srun), even with one process: models are then FSDP-sharded."""
+        return self.backend is not None
+
+    @property
+    def dp_size(self) -> int:
+        return self.world // self.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.sp_size
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp_size
+
+
+def launcher_env() -> tuple[int, int, int] | None:
+    """(rank, world, local_rank) from torchrun or srun variables, or None for a lone process."""
+    env = os.environ
+    if "WORLD_SIZE" in env and "RANK" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and int(env["SLURM_NTASKS"]) > 1:
+        if "MASTER_ADDR" not in env:
+            raise UserError(
+                "running under srun with several tasks but MASTER_ADDR is not set "
+                "(export it, or launch with torchrun; see recipes/slurm/ppo.sbatch)"
+            )
+        env.setdefault("MASTER_PORT", "29500")
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    return None
+
+
+_CONTEXT: DistContext | None = None
+
+
+def setup(device_name: str = "auto", sp_degree: int = 1, timeout_s: float = 1800.0) -> DistContext:
+    """Initialise the default process group (once) and the dp/sp groups; return this process's context."""
+    global _CONTEXT
+    if _CONTEXT is not None:
+        if _CONTEXT.sp_size != sp_degree:
+            raise UserError(f"sequence parallel degree {sp_degree} differs from the running {_CONTEXT.sp_size}")
+        return _CONTEXT
+    found = launcher_env()
+    if found is None:
+        if sp_degree != 1:
+            raise UserError(f"sp_degree {sp_degree} needs {sp_degree} processes (launch with torchrun)")
+        _CONTEXT = DistContext(device=resolve_device(device_name))
+        return _CONTEXT
+    rank, world, local_rank = found
+    if world % sp_degree:
+        raise UserError(f"{world} processes cannot be split into sequence-parallel groups of {sp_degree}")
+    device = _rank_device(device_name, local_rank)
+    backend = BACKENDS[device.type]
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    _CONTEXT = DistContext(
+        rank=rank,
+        world=world,
+        local_rank=local_rank,
+        device=device,
+        backend=backend,
+        sp_size=sp_degree,
+        **_groups(world, sp_degree, rank),
+    )
+    return _CONTEXT
+
+
+def _rank_device(device_name: str, local_rank: int) -> torch.device:
+    device = resolve_device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if device.type == "npu":
+        torch.npu.set_device(local_rank)
+        return torch.device("npu", local_rank)
+    return device
+
+
+def _groups(world: int, sp: int, rank: int) -> dict:
+    """Every rank creates every group (a torch.distributed rule); keep the two this rank belongs to."""
+    out = {"dp_group": None, "sp_group": None}
+    for start in range(0, world, sp):
+        group = dist.new_group(list(range(start, start + sp)))
+        if start <= rank < start + sp:
+            out["sp_group"] = group
+    for offset in range(sp):
+        group = dist.new_group(list(range(offset, world, sp)))
+        if rank % sp == offset:
+            out["dp_group"] = group
+    return out
+
+
+def context() -> DistContext:
+    """The current context (a lone CPU/auto process when setup() was never called)."""
+    return _CONTEXT if _CONTEXT is not None else DistContext(device=resolve_device("auto"))
+
+
+def teardown() -> None:
+    global _CONTEXT
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    _CONTEXT = None
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_gather_objects(obj, group=None) -> list:
+    """Every rank's `obj`, in rank order (a list of one object when alone)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj, src: int = 0):
+    """`obj` of rank `src` on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce(value: float | int, op: str = "sum", group=None, device: torch.device | None = None) -> float:
+    """A number reduced over ranks ('sum', 'max', 'min')."""
+    if not dist.is_initialized():
+        return value
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device or context().device)
+    dist.all_reduce(tensor, op=ops[op], group=group)
+    return float(tensor.item())
+
+
+def shard_range(count: int, rank: int, world: int) -> range:
+    """The contiguous slice of `count` items rank `rank` of `world` handles (sizes differ by at most one)."""
+    base, extra = divmod(count, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))

@@ -1,0 +1,68 @@
+"""FSDP2 for the trained models: `fully_shard` per decoder layer and on the root, applied after the model is
+built (models stay single-device code), in this order: gradient checkpointing, layer sharding, root.
+
+Mixed precision: parameters are gathered in the compute dtype (bf16 on accelerators), gradients are
+reduce-scattered in float32, and the sharded master weights and optimizer state stay float32. CPU
+offload keeps the shards and their gradients on the CPU, so AdamW's state and step run there too.
+FSDP averages gradients over ranks; rlx's losses are already normalised by the global token count,
+so trainers multiply each rank's loss by the world size (`GRADIENT_SCALE`) and the average becomes
+the gradient of the whole mini-batch. (A divide factor of 1 would say the same, but FSDP then uses
+PREMUL_SUM reductions, which gloo lacks.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from rlx.engine.parallel.dist import DistContext
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder blocks of an HF causal LM (or value model): the base model's `layers` list."""
+    base = getattr(model, model.base_model_prefix, model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: no decoder layer list found at {model.base_model_prefix}.layers")
+    return layers
+
+
+def apply_fsdp(
+    model: torch.nn.Module,
+    ctx: DistContext,
+    param_dtype: torch.dtype,
+    offload: bool = False,
+    gradient_checkpointing: bool = False,
+) -> torch.nn.Module:
+    """Shard `model` over all ranks of `ctx` (in place) and return it."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        "offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if offload else OffloadPolicy(),
+    }
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+@contextlib.contextmanager
+def activation_offload(enabled: bool, device: torch.device) -> Iterator[None]:
+    """Keep the tensors saved for backward on the CPU during the block (pinned when on CUDA)."""
+    if not enabled:
+        yield
+        return
+    with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+        yield
+
+
+def full_tensor(value) -> torch.Tensor:
+    """A DTensor's full value (e.g. FSDP's gradient norm), or the tensor itself."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value

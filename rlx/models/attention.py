@@ -1,0 +1,332 @@
+"""Packed ("remove padding") attention for Hugging Face causal LMs, plugged into transformers' registries.
+
+Several samples are concatenated into one row `[1, T]` whose `position_ids` restart at 0 per sample.
+transformers already reads that packing from the position ids, but with `sdpa` it then builds a dense
+`[T, T]` block-diagonal mask. `enable_packed_attention(model)` instead switches the model to the
+attention function "rlx_varlen" (registered with `transformers.AttentionInterface`, plus a mask
+function in `AttentionMaskInterface` that never builds a mask), which attends within each sample
+using cumulative sequence lengths (`cu_seqlens`), on the first available backend:
+
+1. flash-attn's `flash_attn_varlen_func` (CUDA, fp16/bf16, when the package is installed),
+2. torch's `torch.nn.attention.varlen.varlen_attn` (CUDA, fp16/bf16, no dropout, when torch has it),
+3. `scaled_dot_product_attention` per sample in a Python loop (exact; any device and dtype).
+
+`RLX_PACKED_ATTENTION_BACKEND=flash_attn|torch_varlen|sdpa` forces one (for tests and benchmarks).
+
+Sample boundaries come from, in order: a 2D padding mask (each row's unmasked tokens are one
+sample: the padded-batch path), `cu_seq_lens_q` / `max_length_q` passed as model kwargs (flat over
+all B*T tokens, as transformers' flash path reads them), or restarts of `position_ids`. Keep
+`use_cache=False` for packed rows: a KV cache is not supported by this function.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlx.errors import UserError
+
+PACKED_ATTENTION = "rlx_varlen"
+BACKEND_ENV = "RLX_PACKED_ATTENTION_BACKEND"
+BACKENDS = ("flash_attn", "torch_varlen", "sdpa")
+
+try:  # optional CUDA kernel package
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # pragma: no cover - depends on the environment
+    flash_attn_varlen_func = None
+
+try:  # torch >= 2.9 (the signature changed between releases: see _torch_varlen)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - depends on the torch version
+    varlen_attn = None
+_VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else frozenset()
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Sequences concatenated into one row without padding."""
+
+    input_ids: torch.Tensor
+    """[1, T] int64: the sequences one after another."""
+    position_ids: torch.Tensor
+    """[1, T] int64: 0 .. len-1 within each sequence."""
+    cu_seqlens: torch.Tensor
+    """[n+1] int32: start offset of each sequence, then T."""
+    max_len: int
+    """Length of the longest sequence."""
+    lengths: list[int]
+    """Length of each sequence, in order."""
+
+    @property
+    def total_len(self) -> int:
+        """T, the number of tokens in the row."""
+        return self.input_ids.shape[1]
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """The same batch with its tensors on `device`."""
+        return PackedBatch(
+            self.input_ids.to(device), self.position_ids.to(device), self.cu_seqlens.to(device), self.max_len,
+            self.lengths,
+        )  # fmt: skip
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments for `model(**...)`: ids, positions, the cache off and the sequence lengths
+        (so the attention function reads them instead of deriving them from the positions per layer)."""
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "use_cache": False,
+            "cu_seq_lens_q": self.cu_seqlens,
+            "cu_seq_lens_k": self.cu_seqlens,
+            "max_length_q": self.max_len,
+            "max_length_k": self.max_len,
+        }
+
+
+def pack(sequences: list[list[int]]) -> PackedBatch:
+    """Token-id sequences (each non-empty) -> one packed row: input_ids/position_ids [1, T], cu_seqlens [n+1]."""
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("pack needs at least one sequence and no empty sequence")
+    lengths = [len(s) for s in sequences]
+    input_ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64).unsqueeze(0)
+    position_ids = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths]).unsqueeze(0)
+    cu_seqlens = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    return PackedBatch(input_ids, position_ids, cu_seqlens, max(lengths), lengths)
+
+
+def unpack(values: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """Per-token values of a packed row, [1, T, ...] or [T, ...] -> one [len_i, ...] tensor per sequence."""
+    total = sum(lengths)
+    if values.dim() >= 2 and values.shape[0] == 1 and (total != 1 or values.shape[1] == 1):
+        values = values[0]  # the [1, T, ...] row form
+    if values.shape[0] != total:
+        raise ValueError(f"unpack: {values.shape[0]} tokens but the lengths add up to {total}")
+    return list(values.split(lengths, dim=0))
+
+
+def next_token_targets(packed: PackedBatch, fill_value: int = -100) -> torch.Tensor:
+    """[1, T] int64: the token each position predicts (the next one in the same sequence), `fill_value`
+    at each sequence's last position, so logits/hidden states of the packed row line up with targets."""
+    ids = packed.input_ids[0]
+    targets = torch.full_like(ids, fill_value)
+    targets[:-1] = ids[1:]
+    last = packed.cu_seqlens[1:].long() - 1  # each sequence's last token predicts nothing in it
+    targets[last] = fill_value
+    return targets.unsqueeze(0)
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """position_ids [B, T] -> (cu_seqlens [n+1] int32 over the B*T flattened tokens, max length).
+
+    A sequence starts at each row start and wherever a position is not its predecessor + 1.
+    """
+    batch, length = position_ids.shape
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    offsets = starts.reshape(-1).nonzero().squeeze(1).to(torch.int32)
+    cu_seqlens = torch.cat([offsets, offsets.new_tensor([batch * length])])
+    return cu_seqlens, int(cu_seqlens.diff().max())
+
+
+def select_backend(query: torch.Tensor, dropout: float) -> str:
+    """The backend `varlen_attention` uses for this query: the environment's choice, else the first that fits."""
+    forced = os.environ.get(BACKEND_ENV, "auto")
+    if forced != "auto":
+        if forced not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={forced!r}: expected auto or one of {', '.join(BACKENDS)}")
+        return forced
+    is_half = query.dtype in (torch.float16, torch.bfloat16)
+    if flash_attn_varlen_func is not None and query.is_cuda and is_half:
+        return "flash_attn"
+    if varlen_attn is not None and query.is_cuda and is_half and dropout == 0.0:
+        return "torch_varlen"
+    return "sdpa"
+
+
+def repeat_kv_heads(x: torch.Tensor, num_heads: int, dim: int) -> torch.Tensor:
+    """Repeat each key/value head (along `dim`) so there are `num_heads` of them (GQA -> MHA)."""
+    repeats = num_heads // x.shape[dim]
+    return x if repeats == 1 else x.repeat_interleave(repeats, dim=dim)
+
+
+def _window(sliding_window: int | None, is_causal: bool) -> tuple[int, int]:
+    """(left, right) window in flash-attn's convention: a token sees `sliding_window` tokens including itself."""
+    left = sliding_window - 1 if sliding_window else -1
+    return (left, 0 if is_causal else -1)
+
+
+def _sdpa_loop(query, key, value, cu_seqlens, scale, dropout, is_causal, sliding_window) -> torch.Tensor:
+    """The exact fallback: one scaled_dot_product_attention call per sequence. [N, H, D] -> [N, H, D]."""
+    key = repeat_kv_heads(key, query.shape[1], dim=1)
+    value = repeat_kv_heads(value, query.shape[1], dim=1)
+    out = torch.empty_like(query)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [H, L, D]
+        mask = None
+        if sliding_window:
+            pos = torch.arange(end - start, device=query.device)
+            distance = pos[:, None] - pos[None, :]
+            mask = distance < sliding_window
+            if is_causal:
+                mask &= distance >= 0
+        causal = is_causal and mask is None
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def _torch_varlen(query, key, value, cu_seqlens, max_len, scale, is_causal, sliding_window) -> torch.Tensor:
+    """torch's varlen_attn; torch 2.9/2.10 take `is_causal`, later releases `window_size` and `enable_gqa`."""
+    if "enable_gqa" in _VARLEN_PARAMS:
+        extra = {"enable_gqa": key.shape[1] != query.shape[1]}
+    else:
+        key = repeat_kv_heads(key, query.shape[1], dim=1)
+        value = repeat_kv_heads(value, query.shape[1], dim=1)
+        extra = {}
+    if "window_size" in _VARLEN_PARAMS:
+        extra["window_size"] = _window(sliding_window, is_causal)
+    elif sliding_window:
+        raise ValueError("this torch's varlen_attn has no sliding window: set RLX_PACKED_ATTENTION_BACKEND=sdpa")
+    else:
+        extra["is_causal"] = is_causal
+    return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, **extra)
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    *,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    is_causal: bool = True,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Attention within each sequence of a packed token list.
+
+    query [N, H, D], key/value [N, Hkv, D] with H a multiple of Hkv (GQA), cu_seqlens [n+1] int32
+    (0, ..., N) -> [N, H, D]. No token attends across a boundary of `cu_seqlens`.
+    """
+    backend = select_backend(query, dropout)
+    cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
+    if backend == "flash_attn":
+        return flash_attn_varlen_func(
+            query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, dropout_p=dropout, softmax_scale=scale,
+            causal=is_causal, window_size=_window(sliding_window, is_causal),
+        )  # fmt: skip
+    if backend == "torch_varlen":
+        if dropout:
+            raise ValueError("torch's varlen_attn has no dropout: use flash_attn or sdpa")
+        return _torch_varlen(query, key, value, cu_seqlens, max_len, scale, is_causal, sliding_window)
+    return _sdpa_loop(query, key, value, cu_seqlens, scale, dropout, is_causal, sliding_window)
+
+
+def _segments(attention_mask, position_ids, cu_seq_lens_q, max_length_q, batch, length, device):
+    """(kept token indices [N] or None for all, cu_seqlens [n+1] over the kept tokens, max length)."""
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(f"{PACKED_ATTENTION} takes a 2D padding mask, got shape {tuple(attention_mask.shape)}")
+        mask = attention_mask[:, -length:].bool()
+        lengths = mask.sum(1, dtype=torch.int32)
+        cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        return mask.reshape(-1).nonzero().squeeze(1), cu_seqlens, int(lengths.max())
+    if cu_seq_lens_q is not None:
+        if max_length_q is None:
+            max_length_q = cu_seq_lens_q.diff().max()
+        return None, cu_seq_lens_q, int(max_length_q)
+    if position_ids is None:
+        position_ids = torch.arange(length, device=device).unsqueeze(0)
+    cu_seqlens, max_len = cu_seqlens_from_position_ids(position_ids.expand(batch, length))
+    return None, cu_seqlens, max_len
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The "rlx_varlen" attention function (transformers' signature).
+
+    query [B, H, T, D], key/value [B, Hkv, T, D], attention_mask None or [B, T] bool ->
+    (attn_output [B, T, H, D], None); outputs at padded positions are 0.
+    """
+    batch, num_heads, length, head_dim = query.shape
+    if key.shape[2] != length:
+        raise ValueError(
+            f"{PACKED_ATTENTION} attention needs as many keys as queries: call the model with use_cache=False"
+        )
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    kept, cu_seqlens, max_len = _segments(
+        attention_mask, position_ids, cu_seq_lens_q, max_length_q, batch, length, query.device
+    )
+    q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (query, key, value))
+    if kept is not None:
+        q, k, v = q[kept], k[kept], v[kept]
+    out = varlen_attention(
+        q, k, v, cu_seqlens, max_len, scale=scaling, dropout=dropout, is_causal=is_causal,
+        sliding_window=sliding_window,
+    )  # fmt: skip
+    if kept is not None:
+        out = out.new_zeros(batch * length, num_heads, head_dim).index_copy(0, kept, out)
+    return out.view(batch, length, num_heads, head_dim), None
+
+
+def packed_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """The mask function paired with "rlx_varlen": never a [T, T] mask; the 2D padding mask [B, T] when
+    some token is padding, else None (packing is read from positions or cu_seq_lens in attention)."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    return None if bool(attention_mask.all()) else attention_mask
+
+
+def register_attention(name: str, attention_function, mask_function=packed_attention_mask) -> None:
+    """Register an attention function and its mask function with transformers (idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(name, attention_function)
+    AttentionMaskInterface.register(name, mask_function)
+
+
+def set_attention(model, name: str) -> None:
+    """Switch `model` (and its sub-models) to the registered attention function `name`."""
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise UserError(
+            f"{type(model).__name__} does not use transformers' attention interface, so it cannot run {name} attention"
+        )
+
+
+def enable_packed_attention(model) -> None:
+    """Register "rlx_varlen" and switch `model` to it; then call it with packed rows (`PackedBatch.model_inputs()`),
+    padded batches with an attention mask, or anything in between, always with use_cache=False."""
+    register_attention(PACKED_ATTENTION, packed_attention_forward)
+    set_attention(model, PACKED_ATTENTION)

@@ -1,0 +1,152 @@
+"""Data-parallel commands under torchrun (gloo, CPU): FSDP2 train steps equal one process; packing,
+token budgets, offload and checkpointing change nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlx.models.loading import read_weights
+from tests.conftest import cli_ok, rollout_args
+
+TRAIN = ["--lr", "1e-4", "--mini-batch-size", "12", "--micro-batch-size", "3", "--epochs", "2"]
+
+
+def torchrun(n: int, *args, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`rlx ARGS` in n processes (gloo on CPU); fails the test with the output tail on error."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={n}",
+        "--rdzv-endpoint=localhost:0",
+        "--rdzv-backend=c10d",
+        "-m",
+        "rlx",
+        *[str(a) for a in args],
+    ]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
+    return out
+
+
+def max_diff(a: Path, b: Path) -> float:
+    wa, wb = read_weights(a), read_weights(b)
+    assert wa.keys() == wb.keys()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory, tiny_ckpt, prompts_file):
+    d = tmp_path_factory.mktemp("dist")
+    reward = d / "rw.py"
+    reward.write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(solution_str)) + 0.1 * extra_info['sample_index']\n"
+    )
+    cli_ok(*rollout_args(tiny_ckpt, prompts_file, d / "r.jsonl", "--max-new-tokens", "5", "--num-prompts", "6"))
+    cli_ok(
+        "score",
+        "--rollouts",
+        d / "r.jsonl",
+        "--actor",
+        tiny_ckpt,
+        "--ref",
+        tiny_ckpt,
+        "--reward",
+        f"{reward}:score",
+        "--out",
+        d,
+    )
+    return d / "batch.safetensors"
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, tiny_ckpt, batch):
+    out = tmp_path_factory.mktemp("single") / "c1"
+    cli_ok("train-step", "--checkpoint", tiny_ckpt, "--batch", batch, "--out", out, "--kl-loss-coef", "0.1", *TRAIN)
+    return out
+
+
+def test_two_ranks_equal_one(tmp_path, tiny_ckpt, batch, single):
+    torchrun(
+        2,
+        "train-step",
+        "--checkpoint",
+        tiny_ckpt,
+        "--batch",
+        batch,
+        "--out",
+        tmp_path / "c",
+        "--kl-loss-coef",
+        "0.1",
+        *TRAIN,
+        "--metrics",
+        tmp_path / "m.jsonl",
+    )
+    assert max_diff(single, tmp_path / "c") < 1e-6
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 1  # rank 0 alone writes
+
+
+def test_packing_and_token_budget_equal_padded_micro_batches(tmp_path, tiny_ckpt, batch, single):
+    cli_ok(
+        "train-step",
+        "--checkpoint",
+        tiny_ckpt,
+        "--batch",
+        batch,
+        "--out",
+        tmp_path / "c",
+        "--kl-loss-coef",
+        "0.1",
+        *TRAIN,
+        "--use-packing",
+        "--max-tokens-per-micro-batch",
+        "30",
+    )
+    assert max_diff(single, tmp_path / "c") < 1e-6
+
+
+def test_offload_and_checkpointing_equal_plain_under_fsdp(tmp_path, tiny_ckpt, batch, single):
+    torchrun(
+        2,
+        "train-step",
+        "--checkpoint",
+        tiny_ckpt,
+        "--batch",
+        batch,
+        "--out",
+        tmp_path / "c",
+        "--kl-loss-coef",
+        "0.1",
+        *TRAIN,
+        "--param-offload",
+        "--activation-offload",
+        "--gradient-checkpointing",
+        "--use-packing",
+    )
+    assert max_diff(single, tmp_path / "c") < 1e-6
+
+
+def test_four_ranks_with_token_budget(tmp_path, tiny_ckpt, batch, single):
+    torchrun(
+        4,
+        "train-step",
+        "--checkpoint",
+        tiny_ckpt,
+        "--batch",
+        batch,
+        "--out",
+        tmp_path / "c",
+        "--kl-loss-coef",
+        "0.1",
+        *TRAIN,
+        "--max-tokens-per-micro-batch",
+        "25",
+    )
+    assert max_diff(single, tmp_path / "c") < 1e-6
