@@ -25,6 +25,20 @@ def reporting(command: str, on_interrupt: str = "") -> Iterator[None]:
     except BrokenPipeError:  # `rlx rollout --out - | head`: the reader went away
         sys.stderr.close()
         raise typer.Exit(0) from None
+    except RuntimeError as e:
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            print(
+                f"rlx {command}: error: a collective operation timed out ({str(e).splitlines()[0][:200]}); "
+                f"another process probably failed or stalled: check its log",
+                file=sys.stderr,
+            )
+            raise typer.Exit(1) from None
+        raise
+    finally:
+        if "torch.distributed" in sys.modules:  # only when a command used it: keeps --help free of torch
+            from rlx.engine.parallel.dist import teardown
+
+            teardown()
 
 
 def build_config(cls, **values):

@@ -19,7 +19,12 @@ def rollout(
     out: Annotated[
         str, typer.Option(metavar="PATH", help="Where to write rollouts.jsonl ('-' writes stdout).")
     ] = "rollouts.jsonl",
-    n: Annotated[int, typer.Option(help=help_for(C, "n"))] = C.n,
+    n: Annotated[
+        int,
+        typer.Option(
+            "--n", "--num-samples", help=help_for(C, "n") + " (--num-samples under torchrun, whose parser takes --n)"
+        ),
+    ] = C.n,
     max_new_tokens: Annotated[int, typer.Option(help=help_for(C, "max_new_tokens"))] = C.max_new_tokens,
     temperature: Annotated[float, typer.Option(help=help_for(C, "temperature"))] = C.temperature,
     top_p: Annotated[float, typer.Option(help=help_for(C, "top_p"))] = C.top_p,

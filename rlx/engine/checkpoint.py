@@ -29,7 +29,7 @@ from rlx.models.loading import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, read_safetensor
 META_NAME = "rlx.json"
 OPTIMIZER_NAME = "optimizer.safetensors"
 FORMAT_VERSION = 1
-LAYOUTS = ("single",)
+LAYOUTS = ("single", "fsdp")
 MAX_SHARD_SIZE = "5GB"
 _NOT_AUX = {META_NAME, OPTIMIZER_NAME, WEIGHTS_INDEX_NAME}
 
@@ -41,7 +41,7 @@ class CheckpointMeta:
     format_version: int = FORMAT_VERSION
     """Version of the checkpoint format."""
     layout: str = "single"
-    """Weight layout: 'single' (one process holds full weights)."""
+    """Weight layout: 'single' (full weights in safetensors) or 'fsdp' (a sharded torch.distributed.checkpoint)."""
     step: int = 0
     """Number of training steps applied since `rlx shard` (0 for a fresh shard)."""
     data_position: int | None = None
@@ -176,6 +176,10 @@ def save_checkpoint(
 
 
 def load_optimizer_state(folder: Path) -> dict[str, torch.Tensor] | None:
-    """The stored optimizer tensors of a checkpoint, or None when it has none (fresh shard)."""
+    """The stored optimizer tensors of a checkpoint (either layout, unsharded), or None when it has none."""
+    from rlx.engine.parallel.dcp import is_dcp_checkpoint, read_full_optimizer
+
+    if is_dcp_checkpoint(folder):
+        return read_full_optimizer(folder)
     path = Path(folder) / OPTIMIZER_NAME
     return read_safetensors(path) if path.is_file() else None

@@ -13,6 +13,8 @@ import torch
 
 from rlx.engine.checkpoint import CheckpointMeta, aux_files, is_checkpoint, provenance, save_checkpoint, write_weights
 from rlx.engine.io import atomic_dir, is_remote
+from rlx.engine.parallel.dcp import is_dcp_checkpoint, read_full_weights, save_dcp_checkpoint
+from rlx.engine.parallel.dist import DistContext
 from rlx.engine.tracking import console
 from rlx.errors import UserError
 from rlx.models.loading import build_empty_model, check_weights_match, load_config, read_weights, resolve_source
@@ -55,8 +57,12 @@ def shard_model(
 
     role 'critic' makes a value model: a value model source is copied as is; a causal LM gives its
     backbone to a new value model whose head is initialised with `seed`."""
-    if layout != "single":
-        raise UserError(f"--layout {layout!r} is not available yet (available: single)")
+    if layout not in ("single", "fsdp"):
+        raise UserError(
+            f"--layout {layout!r} is not available (available: single, fsdp; megatron comes with the Megatron backend)"
+        )
+    if layout == "fsdp" and is_remote(out):
+        raise UserError(f"--out {out}: the fsdp layout is written to local (or mounted) storage only")
     source = resolve_source(path)
     from_value_model = not source.is_gguf and is_value_config(load_config(source))
     if role == "actor" and from_value_model:
@@ -72,6 +78,7 @@ def shard_model(
         weights = model_weights(model)
     meta = CheckpointMeta(
         step=0,
+        layout=layout,
         provenance=provenance(
             "rlx shard",
             source.path,
@@ -80,9 +87,11 @@ def shard_model(
             **({"seed": seed} if init == "random" or role == "critic" else {}),
         ),
     )
-    save_checkpoint(
-        out, weights=_cast(weights, dtype), aux=_set_config_dtype(aux, dtype), meta=meta, overwrite=overwrite
-    )
+    weights, aux = _cast(weights, dtype), _set_config_dtype(aux, dtype)
+    if layout == "fsdp":
+        save_dcp_checkpoint(out, weights, aux, meta, DistContext(), overwrite=overwrite)
+    else:
+        save_checkpoint(out, weights=weights, aux=aux, meta=meta, overwrite=overwrite)
     console(f"rlx shard: {len(weights)} tensors, {_count(weights) / 1e6:.1f}M parameters -> {out}")
 
 
@@ -94,7 +103,7 @@ def merge_checkpoint(checkpoint: str, out: str, dtype: str = "keep", overwrite: 
     if not is_checkpoint(folder):
         raise UserError(f"{folder}: not an rlx checkpoint (no rlx.json); make one with `rlx shard`")
     CheckpointMeta.read(folder)  # validates format and layout
-    weights = _cast(read_weights(folder), dtype)
+    weights = _cast(read_full_weights(folder) if is_dcp_checkpoint(folder) else read_weights(folder), dtype)
     aux = _set_config_dtype(aux_files(folder), dtype)
     with atomic_dir(out, overwrite=overwrite, marker="config.json") as tmp:
         for name, data in aux.items():

@@ -158,6 +158,38 @@ def packed_response_logprobs(
     return out_lp, out_ent
 
 
+def sharded_forward(
+    fn, tensors: dict[str, torch.Tensor], micro_batch_size: int, ctx=None, desc: str = "forward"
+) -> torch.Tensor:
+    """Apply `fn(part) -> [b, ...] CPU tensor` to micro-batches of the rows of `tensors`; under a launcher
+    each rank takes a contiguous share of the rows and the results are gathered back in row order.
+
+    Ranks run the same number of micro-batches (repeating their first when they have fewer), so a
+    sharded (FSDP) model's collectives stay in step."""
+    from rlx.engine.parallel.dist import all_gather_objects, all_reduce, shard_range
+
+    b = next(iter(tensors.values())).shape[0]
+    rows = shard_range(b, ctx.rank, ctx.world) if ctx is not None and ctx.distributed else range(b)
+    starts = list(range(rows.start, rows.stop, micro_batch_size))
+    count = len(starts)
+    if ctx is not None and ctx.distributed:
+        count = int(all_reduce(count, "max", device=ctx.device))
+    out = []
+    bar = tqdm(total=count, desc=desc, unit="batch", leave=False, disable=None if ctx is None or ctx.is_main else True)
+    for i in range(count):
+        lo = starts[i] if i < len(starts) else (starts[0] if starts else 0)
+        hi = min(lo + micro_batch_size, rows.stop) if i < len(starts) else min(lo + 1, b)
+        result = fn({k: v[lo:hi] for k, v in tensors.items()})
+        if i < len(starts):
+            out.append(result)
+        bar.update(1)
+    bar.close()
+    local = torch.cat(out) if out else None
+    if ctx is None or not ctx.distributed:
+        return local
+    return torch.cat([part for part in all_gather_objects(local) if part is not None])
+
+
 @torch.no_grad()
 def batched_response_logprobs(
     model,
@@ -168,20 +200,20 @@ def batched_response_logprobs(
     micro_batch_size: int,
     desc: str = "logprobs",
     impl: str = "naive",
+    ctx=None,
 ) -> torch.Tensor:
-    """Logprobs [B, R] (float32, CPU, zero at masked positions) computed in micro-batches without grad."""
+    """Logprobs [B, R] (float32, CPU, zero at masked positions) computed in micro-batches without grad,
+    split across ranks under a launcher (see `sharded_forward`)."""
+    keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+
+    def forward(part):
+        part = {k: part[k].to(device) for k in keys}
+        logp, _ = response_logprobs(model, **part, temperature=temperature, dtype=dtype, impl=impl)
+        return (logp * part["response_mask"]).cpu()
+
     was_training = model.training
     model.eval()
     try:
-        out = []
-        b = tensors["response_ids"].shape[0]
-        for lo in tqdm(range(0, b, micro_batch_size), desc=desc, unit="batch", leave=False, disable=None):
-            part = {
-                k: tensors[k][lo : lo + micro_batch_size].to(device)
-                for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
-            }
-            logp, _ = response_logprobs(model, **part, temperature=temperature, dtype=dtype, impl=impl)
-            out.append((logp * part["response_mask"]).cpu())
-        return torch.cat(out)
+        return sharded_forward(forward, {k: tensors[k] for k in keys}, micro_batch_size, ctx, desc)
     finally:
         model.train(was_training)

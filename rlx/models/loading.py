@@ -231,11 +231,27 @@ def init_random_model(config, seed: int):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+def load_from_dcp(auto_cls, source: ModelSource, dtype: torch.dtype | None = torch.float32):
+    """A model of an 'fsdp'-layout checkpoint: built from config.json, then the unsharded DCP weights."""
+    from rlx.engine.parallel.dcp import read_full_weights
+
+    model = auto_cls.from_config(load_config(source), dtype=torch.float32)
+    weights = read_full_weights(source.path)
+    check_weights_match(model, weights, source.path)
+    model.load_state_dict(weights, strict=False)
+    model.tie_weights()
+    return model.to(dtype) if dtype is not None else model
+
+
 def load_causal_lm(source: ModelSource, dtype: torch.dtype | None = torch.float32):
-    """Load a causal LM from an HF dir, an rlx checkpoint or a GGUF file (CPU, `dtype`)."""
+    """Load a causal LM from an HF dir, an rlx checkpoint (either layout) or a GGUF file (CPU, `dtype`)."""
     from transformers import AutoModelForCausalLM
 
+    from rlx.engine.parallel.dcp import is_dcp_checkpoint
+
     quiet_transformers()
+    if not source.is_gguf and is_dcp_checkpoint(source.path):
+        return load_from_dcp(AutoModelForCausalLM, source, dtype)
     if not source.is_gguf:
         for path in weight_files(source.path):
             _check_safetensors_header(path)

@@ -13,6 +13,7 @@ shell pipeline of `rlx rollout | score | train-step` give identical weights and 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -35,6 +36,7 @@ from rlx.engine.device import resolve_device, resolve_precision
 from rlx.engine.flops import count_flops, count_generate_flops, device_peak_flops, mfu
 from rlx.engine.io import write_json
 from rlx.engine.memory import measure_phase
+from rlx.engine.parallel.dist import barrier, setup
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.ppo.data import take_prompts
 from rlx.engine.records import RolloutRecord, read_prompts, write_records
@@ -81,12 +83,13 @@ class PPORun:
 
     def __init__(self, cfg: PPOConfig, run_dir: Path, resume: bool):
         self.cfg, self.run_dir = cfg, run_dir
-        self.start_step, start_ckpt = self._prepare_dir(resume)
-        self.device = resolve_device(cfg.train.device)
-        if resolve_device(cfg.rollout.device) != self.device:
+        self.ctx = setup(cfg.train.device, cfg.train.sp_degree)
+        self.device = self.ctx.device
+        if resolve_device(cfg.rollout.device).type != self.device.type:
             raise UserError(
                 "rollout.device and train.device must agree in `rlx ppo` (the rollout uses the trained model)"
             )
+        self.start_step, start_ckpt = self._prepare_dir(resume)
         meta = CheckpointMeta.read(start_ckpt) if start_ckpt else CheckpointMeta()
         self.data_position = meta.data_position or 0
         self.kl_coef = meta.kl_coef if meta.kl_coef is not None else cfg.score.kl_coef
@@ -96,14 +99,15 @@ class PPORun:
         else:
             model, self.tokenizer, self.aux = load_trained_policy(resolve_source(start_ckpt))
             ref = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)[0] if cfg.use_ref else None
+        self.critic, self.critic_aux = self._load_critic(start_ckpt, model)  # before the actor is sharded
         self.trainer = ActorTrainer(
             model,
             dataclasses.replace(cfg.train, seed=cfg.seed),
             self.device,
             resolve_precision(cfg.train.precision, self.device),
+            self.ctx,
         )
         self.trainer.load_optimizer_state(load_optimizer_state(start_ckpt) if start_ckpt else None, str(start_ckpt))
-        self.critic, self.critic_aux = self._load_critic(start_ckpt, model)
         self.models = ScoringModels(
             device=self.device,
             dtype=resolve_precision(cfg.score.precision, self.device),
@@ -113,9 +117,14 @@ class PPORun:
             ref=ref.requires_grad_(False).to(self.device).eval() if ref is not None else None,
             critic=self.critic.model if self.critic else None,
             reward_model=self._load_reward_model(),
+            ctx=self.ctx,
         )
         self.engine = HFRolloutEngine(
-            self.trainer.model, self.tokenizer, self.device, resolve_precision(cfg.rollout.precision, self.device)
+            self.trainer.model,
+            self.tokenizer,
+            self.device,
+            resolve_precision(cfg.rollout.precision, self.device),
+            self.ctx,
         )
         self.prompts = read_prompts(cfg.data.prompts)
         self.score_cfg = dataclasses.replace(
@@ -140,6 +149,7 @@ class PPORun:
             dataclasses.replace(cfg.critic.train, seed=cfg.seed),
             self.device,
             resolve_precision(cfg.critic.train.precision, self.device),
+            self.ctx,
         )
         trainer.load_optimizer_state(state, str(start_ckpt))
         return trainer, aux
@@ -170,14 +180,17 @@ class PPORun:
                     f"{self.run_dir}: the recipe differs from the run's at '{key}'; "
                     f"resume with the same recipe or start a new --out"
                 )
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(recipe_path, recipe)
-        for stale in (self.run_dir / "checkpoints").glob(".step_*"):  # temporaries of a killed save
-            shutil.rmtree(stale, ignore_errors=True)
         found = last_checkpoint(self.run_dir) if resume else None
         last = found[0] if found else 0
-        truncate_metrics(self.run_dir / "metrics.jsonl", last)
-        if resume:
+        barrier()  # every rank has read the run dir before rank 0 changes it
+        if self.ctx.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_json(recipe_path, recipe)
+            for stale in (self.run_dir / "checkpoints").glob(".step_*"):  # temporaries of a killed save
+                shutil.rmtree(stale, ignore_errors=True)
+            truncate_metrics(self.run_dir / "metrics.jsonl", last)
+        barrier()
+        if resume and self.ctx.is_main:
             console(
                 f"resuming {self.run_dir} after step {last}"
                 if found
@@ -188,20 +201,28 @@ class PPORun:
     def run(self) -> None:
         cfg = self.cfg
         if self.start_step >= cfg.steps:
-            console(f"{self.run_dir}: all {cfg.steps} steps are done")
+            if self.ctx.is_main:
+                console(f"{self.run_dir}: all {cfg.steps} steps are done")
             return
-        with Tracker(cfg.tracking, self.run_dir, to_dict(cfg), start_step=self.start_step) as tracker:
+        tracker = (
+            Tracker(cfg.tracking, self.run_dir, to_dict(cfg), start_step=self.start_step)
+            if self.ctx.is_main
+            else contextlib.nullcontext()
+        )
+        with tracker:
             for step in range(self.start_step + 1, cfg.steps + 1):
                 metrics, traces = self.step(step)
-                tracker.log_traces(step, traces)
-                tracker.log(step, metrics)
-        rewards = [m.get("reward/mean") for m in read_metrics(self.run_dir / "metrics.jsonl")]
-        window = min(5, len(rewards))
-        console(
-            f"done: reward {sum(rewards[:window]) / window:.3f} (first {window} steps) -> "
-            f"{sum(rewards[-window:]) / window:.3f} (last {window}); "
-            f"final checkpoint {checkpoint_dir(self.run_dir, cfg.steps)}"
-        )
+                if self.ctx.is_main:
+                    tracker.log_traces(step, traces)
+                    tracker.log(step, metrics)
+        if self.ctx.is_main:
+            rewards = [m.get("reward/mean") for m in read_metrics(self.run_dir / "metrics.jsonl")]
+            window = min(5, len(rewards))
+            console(
+                f"done: reward {sum(rewards[:window]) / window:.3f} (first {window} steps) -> "
+                f"{sum(rewards[-window:]) / window:.3f} (last {window}); "
+                f"final checkpoint {checkpoint_dir(self.run_dir, cfg.steps)}"
+            )
 
     def step(self, step: int) -> tuple[dict, list[dict]]:
         """One iteration: (metrics, rollout trace rows); the caller logs both."""
@@ -215,7 +236,7 @@ class PPORun:
         metrics.update(result.metrics)
         metrics.update(phase)
         self.kl_coef = result.metrics.get("actor/kl_coef_next", self.kl_coef)
-        if cfg.keep_artifacts:
+        if cfg.keep_artifacts and self.ctx.is_main:
             write_records(out / "rollouts.jsonl", rollouts)
             write_records(out / "scores.jsonl", result.scores)
             result.batch.save(out / "batch.safetensors")
@@ -312,6 +333,7 @@ class PPORun:
         return metrics
 
     def _save(self, step: int) -> None:
+        """Gather the weights and optimizer states (all ranks take part) and write them on rank 0."""
         meta = CheckpointMeta(
             step=step,
             data_position=self.data_position,
@@ -319,6 +341,7 @@ class PPORun:
             kl_coef=self.kl_coef,
             provenance=provenance("rlx ppo", self.cfg.model.path, run_dir=str(self.run_dir)),
         )
+        weights, optimizer_state = model_weights(self.trainer.model), self.trainer.optimizer_state()
         nested = {}
         if self.critic is not None:
             nested[CRITIC_DIR] = CheckpointContent(
@@ -327,19 +350,21 @@ class PPORun:
                 dataclasses.replace(meta, optimizer=self.critic.optimizer_meta(), kl_coef=None),
                 self.critic.optimizer_state(),
             )
-        save_checkpoint(
-            checkpoint_dir(self.run_dir, step),
-            weights=model_weights(self.trainer.model),
-            aux=self.aux,
-            meta=meta,
-            optimizer_state=self.trainer.optimizer_state(),
-            overwrite=True,
-            nested=nested,
-        )
-        if self.cfg.keep_checkpoints:
-            older = sorted((self.run_dir / "checkpoints").glob("step_*"))[: -self.cfg.keep_checkpoints]
-            for path in older:
-                shutil.rmtree(path, ignore_errors=True)
+        if self.ctx.is_main:
+            save_checkpoint(
+                checkpoint_dir(self.run_dir, step),
+                weights=weights,
+                aux=self.aux,
+                meta=meta,
+                optimizer_state=optimizer_state,
+                overwrite=True,
+                nested=nested,
+            )
+            if self.cfg.keep_checkpoints:
+                older = sorted((self.run_dir / "checkpoints").glob("step_*"))[: -self.cfg.keep_checkpoints]
+                for path in older:
+                    shutil.rmtree(path, ignore_errors=True)
+        barrier()
 
 
 def _first_difference(a, b, prefix: str = "") -> str:

@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from rlx.engine.device import autocast
+from rlx.engine.parallel.dist import all_gather_objects, all_reduce, shard_range
 from rlx.engine.records import PromptRecord, RolloutRecord
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.rollout.prompts import encode_prompt, pad_token_id, stop_token_ids
@@ -45,8 +46,9 @@ class _Generated:
 class HFRolloutEngine:
     """Samples responses with a causal LM held in this process (the trainer's own model in `rlx ppo`)."""
 
-    def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, ctx=None):
         self.model, self.tokenizer, self.device, self.dtype = model, tokenizer, device, dtype
+        self.ctx = ctx if ctx is not None and ctx.distributed else None
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.pad_id = pad_token_id(tokenizer)
         self.last_stats: dict[str, float] = {}
@@ -59,23 +61,34 @@ class HFRolloutEngine:
             requests += [_Request(p, i, ids) for i in range(cfg.n)]
             if cfg.remax_baseline:  # ReMax: one greedy response per prompt, after its samples
                 requests.append(_Request(p, cfg.n, ids, greedy=True))
-        uniforms = sample_uniforms(cfg.seed, [r.sample_id for r in requests], cfg.max_new_tokens)
+        local = shard_range(len(requests), self.ctx.rank, self.ctx.world) if self.ctx else range(len(requests))
+        mine = [requests[i] for i in local]
+        uniforms = sample_uniforms(cfg.seed, [r.sample_id for r in mine], cfg.max_new_tokens)
+        starts = list(range(0, len(mine), cfg.batch_size))
+        count = int(all_reduce(len(starts), "max", device=self.device)) if self.ctx else len(starts)
         was_training = self.model.training
         self.model.eval()
         results: list[_Generated] = []
         start, generated = time.perf_counter(), 0
-        bar = tqdm(total=len(requests), desc="rollout", unit="seq", disable=None if progress else True, leave=False)
+        show = progress and (self.ctx is None or self.ctx.is_main)
+        bar = tqdm(total=len(mine), desc="rollout", unit="seq", disable=None if show else True, leave=False)
         try:
-            for lo in range(0, len(requests), cfg.batch_size):
-                batch = requests[lo : lo + cfg.batch_size]
+            for i in range(count):
+                lo = starts[i] if i < len(starts) else 0
+                batch = mine[lo : lo + cfg.batch_size] if i < len(starts) else requests[:1]  # lockstep filler
                 greedy = torch.tensor([r.greedy or cfg.temperature == 0 for r in batch])
-                out = self._generate_batch([r.prompt_ids for r in batch], uniforms[lo : lo + len(batch)], greedy, cfg)
-                results.extend(out)
-                generated += sum(len(g.response_ids) for g in out)
-                bar.update(len(batch))
+                draws = uniforms[lo : lo + len(batch)] if i < len(starts) else torch.zeros(1, cfg.max_new_tokens)
+                out = self._generate_batch([r.prompt_ids for r in batch], draws, greedy, cfg)
+                if i < len(starts):
+                    results.extend(out)
+                    generated += sum(len(g.response_ids) for g in out)
+                    bar.update(len(batch))
         finally:
             bar.close()
             self.model.train(was_training)
+        if self.ctx:
+            results = [g for part in all_gather_objects(results) for g in part]
+            generated = int(all_reduce(generated, device=self.device))
         seconds = time.perf_counter() - start
         self.last_stats = {
             "rollout/tokens": float(generated),
@@ -103,7 +116,7 @@ class HFRolloutEngine:
             extra=dict(p.extra),
         )
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: FSDP would keep inference tensors it must update later
     def _generate_batch(
         self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, cfg: RolloutConfig
     ) -> list[_Generated]:
@@ -134,7 +147,7 @@ class HFRolloutEngine:
             tokens.append(token)
             logprobs.append(token_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1))
             done = done | torch.isin(token, stop)
-            if bool(done.all()) or step == cfg.max_new_tokens - 1:
+            if self._all_done(done) or step == cfg.max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
             positions = positions[:, -1:] + 1
@@ -147,6 +160,11 @@ class HFRolloutEngine:
                     use_cache=True,
                 )
         return self._unpack(torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).float().cpu())
+
+    def _all_done(self, done: torch.Tensor) -> bool:
+        """Whether every row has stopped, on every rank (ranks decode in lockstep under a launcher)."""
+        finished = bool(done.all())
+        return bool(all_reduce(float(finished), "min", device=self.device)) if self.ctx else finished
 
     def _unpack(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> list[_Generated]:
         """Cut each row after its first stop token.  tokens, logprobs: [b, steps]."""

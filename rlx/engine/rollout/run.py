@@ -6,6 +6,7 @@ from pathlib import Path
 
 from rlx.engine.checkpoint import read_meta_or_default
 from rlx.engine.device import resolve_device, resolve_precision
+from rlx.engine.parallel.dist import setup
 from rlx.engine.ppo.data import take_prompts
 from rlx.engine.records import read_prompts, write_records
 from rlx.engine.rollout.config import RolloutConfig
@@ -14,13 +15,14 @@ from rlx.errors import UserError
 from rlx.models.loading import load_causal_lm, load_tokenizer, resolve_source
 
 
-def build_engine(cfg: RolloutConfig, model, tokenizer):
-    """The engine named by `cfg.engine`, around a model held in this process."""
-    device = resolve_device(cfg.device)
+def build_engine(cfg: RolloutConfig, model, tokenizer, ctx=None):
+    """The engine named by `cfg.engine`, around a model held in this process (split across ranks under a
+    launcher: each rank samples its share of the requests)."""
+    device = ctx.device if ctx is not None else resolve_device(cfg.device)
     if cfg.engine == "hf":
         from rlx.engine.rollout.hf import HFRolloutEngine
 
-        return HFRolloutEngine(model.to(device), tokenizer, device, resolve_precision(cfg.precision, device))
+        return HFRolloutEngine(model.to(device), tokenizer, device, resolve_precision(cfg.precision, device), ctx)
     raise UserError(f"unknown rollout engine {cfg.engine!r}")
 
 
@@ -41,8 +43,11 @@ def run_rollout(
         records = take_prompts(records, data_position, num_prompts or len(records), shuffle_seed)
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
-    engine = build_engine(cfg, load_causal_lm(source), tokenizer)
+    ctx = setup(cfg.device)
+    engine = build_engine(cfg, load_causal_lm(source), tokenizer, ctx)
     rollouts = engine.generate(records, cfg)
+    if not ctx.is_main:
+        return
     write_records(out, rollouts)
     stats = engine.last_stats
     step = read_meta_or_default(source.path).step + 1

@@ -14,6 +14,8 @@ from rlx.engine.device import derive_seed
 
 def sample_uniforms(seed: int, sample_ids: list[str], num_steps: int) -> torch.Tensor:
     """Uniform draws in [0, 1) for each sample and decoding step: float64 [B, num_steps] on CPU."""
+    if not sample_ids:
+        return torch.zeros((0, num_steps), dtype=torch.float64)
     rows = []
     for sample_id in sample_ids:
         gen = torch.Generator(device="cpu").manual_seed(derive_seed("rollout", seed, sample_id))

@@ -6,8 +6,9 @@ import time
 from pathlib import Path
 
 from rlx.engine.checkpoint import read_meta_or_default
-from rlx.engine.device import resolve_device, resolve_precision
+from rlx.engine.device import resolve_precision
 from rlx.engine.io import join
+from rlx.engine.parallel.dist import setup
 from rlx.engine.records import read_rollouts, write_records
 from rlx.engine.rollout.prompts import pad_token_id
 from rlx.engine.scoring.config import ScoreConfig
@@ -38,7 +39,8 @@ def load_scoring_models(cfg: ScoreConfig, actor: str, ref: str | None, critic: s
     from rlx.models.reward_model import RewardModel
     from rlx.models.value import load_value_model
 
-    device = resolve_device(cfg.device)
+    ctx = setup(cfg.device)
+    device = ctx.device
     dtype = resolve_precision(cfg.precision, device)
     actor_source = resolve_source(actor, "actor model")
     config = load_config(actor_source)
@@ -47,6 +49,7 @@ def load_scoring_models(cfg: ScoreConfig, actor: str, ref: str | None, critic: s
         dtype=dtype,
         vocab_size=config.vocab_size,
         pad_token_id=pad_token_id(load_tokenizer(actor_source)),
+        ctx=ctx,
     )
     if cfg.old_logprobs == "actor":
         models.actor = load_causal_lm(actor_source).to(device)
@@ -84,6 +87,8 @@ def run_score(
             f"{rollouts_path}: every prompt's samples got the same reward, so --filter-groups left "
             f"nothing to train on; sample more prompts or more responses per prompt"
         )
+    if not models.ctx.is_main:
+        return
     result.batch.save(join(out, "batch.safetensors"))
     write_records(join(out, "scores.jsonl"), result.scores)
     step = read_meta_or_default(resolve_source(actor).path).step + 1

@@ -32,6 +32,8 @@ class ScoringModels:
     ref: object | None = None
     critic: object | None = None
     reward_model: object | None = None
+    ctx: object | None = None
+    """The process's DistContext under a launcher: forward passes are split across ranks."""
 
 
 @dataclass
@@ -179,13 +181,14 @@ def build_batch(
         dtype=models.dtype,
         micro_batch_size=cfg.micro_batch_size,
         impl=cfg.logprob_impl,
+        ctx=models.ctx,
     )
     old = tensors["rollout_logprobs"].clone()
     if models.actor is not None:
         old = batched_response_logprobs(models.actor, tensors, desc="old logprobs", **forward)
     ref = batched_response_logprobs(models.ref, tensors, desc="ref logprobs", **forward) if models.ref else None
     values = (
-        batched_values(models.critic, tensors, models.device, models.dtype, cfg.micro_batch_size)
+        batched_values(models.critic, tensors, models.device, models.dtype, cfg.micro_batch_size, models.ctx)
         if models.critic is not None
         else None
     )
@@ -245,17 +248,21 @@ def build_batch(
 
 
 @torch.no_grad()
-def batched_values(critic, tensors: dict[str, torch.Tensor], device, dtype, micro_batch_size: int) -> torch.Tensor:
-    """Critic values [B, R] (float32, CPU, zero at masked positions) in micro-batches."""
+def batched_values(
+    critic, tensors: dict[str, torch.Tensor], device, dtype, micro_batch_size: int, ctx=None
+) -> torch.Tensor:
+    """Critic values [B, R] (float32, CPU, zero at masked positions) in micro-batches (split across ranks)."""
+    from rlx.engine.logprobs import sharded_forward
     from rlx.models.value import response_values
 
-    critic.eval()
-    out = []
     keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
-    for lo in range(0, tensors["response_ids"].shape[0], micro_batch_size):
-        part = {k: tensors[k][lo : lo + micro_batch_size].to(device) for k in keys}
-        out.append((response_values(critic, **part, dtype=dtype) * part["response_mask"]).cpu())
-    return torch.cat(out)
+
+    def forward(part):
+        part = {k: part[k].to(device) for k in keys}
+        return (response_values(critic, **part, dtype=dtype) * part["response_mask"]).cpu()
+
+    critic.eval()
+    return sharded_forward(forward, {k: tensors[k] for k in keys}, micro_batch_size, ctx, "values")
 
 
 def _warn_singletons(cfg: ScoreConfig, group_ids: list[str]) -> None:

@@ -14,13 +14,14 @@ from rlx.engine.checkpoint import (
 )
 from rlx.engine.device import resolve_precision
 from rlx.engine.io import exists
+from rlx.engine.parallel.dcp import save_dcp_checkpoint, sharded_model_state, sharded_optimizer_state
 from rlx.engine.parallel.dist import barrier, setup
 from rlx.engine.tracking import console, log_metrics
 from rlx.engine.training.actor import ActorTrainer
 from rlx.engine.training.config import TrainConfig
 from rlx.engine.training.critic import CriticTrainer
 from rlx.errors import UserError
-from rlx.models.loading import resolve_source
+from rlx.models.loading import resolve_source, tied_keys
 from rlx.models.policy import load_trained_policy, model_weights
 
 
@@ -50,15 +51,28 @@ def run_train_step(
     metrics = trainer.train_step(batch, meta.step)
     next_meta = CheckpointMeta(
         step=meta.step + 1,
+        layout=meta.layout,
         data_position=meta.data_position,
         optimizer=trainer.optimizer_meta(),
         provenance=provenance("rlx train-step", checkpoint, batch=str(batch_path)),
     )
-    weights, optimizer_state = model_weights(trainer.model), trainer.optimizer_state()  # gathered on rank 0
-    if ctx.is_main:
-        save_checkpoint(
-            out, weights=weights, aux=aux, meta=next_meta, optimizer_state=optimizer_state, overwrite=overwrite
+    if meta.layout == "fsdp":  # each rank writes its own shards
+        save_dcp_checkpoint(
+            out,
+            sharded_model_state(trainer.model, tied_keys(trainer.model)),
+            aux,
+            next_meta,
+            ctx,
+            sharded_optimizer_state(trainer.model, trainer.optimizer),
+            overwrite=overwrite,
         )
+    else:
+        weights, optimizer_state = model_weights(trainer.model), trainer.optimizer_state()  # gathered on rank 0
+        if ctx.is_main:
+            save_checkpoint(
+                out, weights=weights, aux=aux, meta=next_meta, optimizer_state=optimizer_state, overwrite=overwrite
+            )
+    if ctx.is_main:
         log_metrics(metrics_path, next_meta.step, metrics)
         role = cfg.role
         loss = metrics.get(f"{role}/loss", metrics.get(f"{role}/vf_loss", float("nan")))
