@@ -191,3 +191,19 @@ def test_ppo_on_two_ranks_equals_one_and_resumes(tmp_path):
         for line in map(__import__("json").loads, (tmp_path / "two" / "metrics.jsonl").read_text().splitlines())
     ]
     assert one == two  # same samples, same rewards, step by step
+
+
+def test_fsdp_layout_writes_shards_per_rank_and_reloads_at_another_world_size(tmp_path, tiny_ckpt, batch, single):
+    """A 2-rank step on the 'fsdp' (DCP) layout writes the same weights as the 'single' layout; a
+    1-process step then resumes from those shards (weights and Adam state) as from the single copy."""
+    cli_ok("shard", "--model", tiny_ckpt, "--out", tmp_path / "s", "--layout", "fsdp")
+    step = ["--batch", batch, "--kl-loss-coef", "0.1", *TRAIN]
+    torchrun(2, "train-step", "--checkpoint", tmp_path / "s", "--out", tmp_path / "c", *step)
+    assert sorted(p.name for p in (tmp_path / "c" / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (tmp_path / "c" / "model.safetensors").exists()
+    cli_ok("merge", "--checkpoint", tmp_path / "c", "--out", tmp_path / "m")
+    assert max_diff(single, tmp_path / "m") < 1e-6
+    cli_ok("train-step", "--checkpoint", tmp_path / "c", "--out", tmp_path / "c2", *step)
+    cli_ok("train-step", "--checkpoint", single, "--out", tmp_path / "d2", *step)
+    cli_ok("merge", "--checkpoint", tmp_path / "c2", "--out", tmp_path / "m2")
+    assert max_diff(tmp_path / "d2", tmp_path / "m2") < 1e-6

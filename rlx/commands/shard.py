@@ -21,7 +21,12 @@ def shard(
     ],
     out: Annotated[str, typer.Option(metavar="PATH", help="Checkpoint folder to create (written atomically).")],
     layout: Annotated[
-        str, typer.Option(metavar="NAME", help="Weight layout: 'single' (one process holds the full weights).")
+        str,
+        typer.Option(
+            metavar="NAME",
+            help="Weight layout: 'single' (full weights in safetensors) or 'fsdp' (a sharded "
+            "torch.distributed.checkpoint that any number of ranks reads and writes in parallel).",
+        ),
     ] = "single",
     init: Annotated[
         str,

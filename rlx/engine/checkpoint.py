@@ -1,4 +1,5 @@
-"""rlx checkpoint dirs (single-process layout): an HF model dir plus optimizer state and `rlx.json`.
+"""rlx checkpoint dirs: an HF model dir plus optimizer state and `rlx.json` (the 'fsdp' layout keeps
+weights and optimizer state in a sharded DCP folder instead: see rlx/engine/parallel/dcp.py).
 
     CKPT/
       rlx.json                   layout, step, data position, optimizer hyper-parameters, provenance

@@ -1,4 +1,4 @@
-"""`rlx shard` / `rlx merge` for the single-process layout: HF dir or GGUF <-> rlx checkpoint dir.
+"""`rlx shard` / `rlx merge`: HF dir or GGUF <-> rlx checkpoint dir ('single' or 'fsdp' layout).
 
 Weights of an HF dir are copied tensor by tensor as stored (dtype kept), so shard followed by merge
 gives back bit-identical tensors and byte-identical config and tokenizer files.

@@ -17,6 +17,8 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,6 +29,14 @@ from rlx.errors import UserError
 
 DCP_DIR = "dcp"
 _SEP = "::"
+
+
+@contextmanager
+def _quiet():
+    """DCP warns that it runs 'in a single process' whenever no process group exists: that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def is_dcp_checkpoint(folder: str | Path) -> bool:
@@ -48,7 +58,8 @@ def _read_full(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
         if key.startswith(prefix) and hasattr(item, "properties"):
             targets[key[len(prefix) :]] = torch.empty(item.size, dtype=item.properties.dtype)
     if targets:
-        dcp.load({prefix.rstrip("."): targets}, checkpoint_id=str(folder / DCP_DIR), no_dist=True)
+        with _quiet():
+            dcp.load({prefix.rstrip("."): targets}, checkpoint_id=str(folder / DCP_DIR), no_dist=True)
     return targets
 
 
@@ -86,7 +97,8 @@ def save_dcp_checkpoint(
     tmp = Path(broadcast_object(tmp))
     try:
         state = {"model": model_state, **({"optim": optimizer_state} if optimizer_state else {})}
-        dcp.save(state, checkpoint_id=str(tmp / DCP_DIR), no_dist=not ctx.distributed)
+        with _quiet():
+            dcp.save(state, checkpoint_id=str(tmp / DCP_DIR), no_dist=not ctx.distributed)
         barrier()
         if ctx.is_main:
             for name, data in aux.items():
