@@ -14,8 +14,10 @@ from rlx.errors import UserError
 @contextlib.contextmanager
 def reporting(command: str, on_interrupt: str = "") -> Iterator[None]:
     """Turn UserErrors into one line on stderr and exit code 1; Ctrl-C into exit code 130."""
+    finished = False
     try:
         yield
+        finished = True
     except UserError as e:
         print(f"rlx {command}: error: {e}", file=sys.stderr)
         raise typer.Exit(1) from None
@@ -38,7 +40,7 @@ def reporting(command: str, on_interrupt: str = "") -> Iterator[None]:
         if "torch.distributed" in sys.modules:  # only when a command used it: keeps --help free of torch
             from rlx.engine.parallel.dist import teardown
 
-            teardown()
+            teardown(wait_for_others=finished)
 
 
 def build_config(cls, **values):

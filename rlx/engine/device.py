@@ -20,9 +20,13 @@ Precision = Literal["auto", "float32", "bfloat16"]
 
 
 def _npu_available() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
     try:
         import torch_npu  # noqa: F401
-    except ImportError:
+    except Exception:  # installed without the Ascend libraries
         return False
     return bool(getattr(torch, "npu", None) and torch.npu.is_available())
 
@@ -32,6 +36,8 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
+        if _npu_available():
+            return torch.device("npu", torch.npu.current_device())
         return torch.device("cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available")

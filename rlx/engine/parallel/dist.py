@@ -5,7 +5,8 @@ LOCAL_RANK / MASTER_ADDR, or SLURM's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID
 the processes itself (MASTER_ADDR must then be exported, e.g. by recipes/slurm/ppo.sbatch). Without
 either, the process is alone and nothing is initialised. The backend follows the device: nccl on
 CUDA, hccl on Ascend NPUs (torch_npu is imported only then), gloo on CPU. A collective that waits
-longer than `timeout_s` raises instead of hanging; commands turn that into a one-line error.
+longer than `timeout_s` ($RLX_COLLECTIVE_TIMEOUT_S, default 1800) raises instead of hanging;
+commands turn that into a one-line error.
 """
 
 from __future__ import annotations
@@ -80,9 +81,13 @@ def launcher_env() -> tuple[int, int, int] | None:
 _CONTEXT: DistContext | None = None
 
 
-def setup(device_name: str = "auto", sp_degree: int = 1, timeout_s: float = 1800.0) -> DistContext:
-    """Initialise the default process group (once) and the dp/sp groups; return this process's context."""
+def setup(device_name: str = "auto", sp_degree: int = 1, timeout_s: float | None = None) -> DistContext:
+    """Initialise the default process group (once) and the dp/sp groups; return this process's context.
+
+    `timeout_s` defaults to $RLX_COLLECTIVE_TIMEOUT_S, else 1800 s."""
     global _CONTEXT
+    if timeout_s is None:
+        timeout_s = _timeout_from_env()
     if _CONTEXT is not None:
         if _CONTEXT.sp_size != sp_degree:
             raise UserError(f"sequence parallel degree {sp_degree} differs from the running {_CONTEXT.sp_size}")
@@ -118,6 +123,17 @@ def setup(device_name: str = "auto", sp_degree: int = 1, timeout_s: float = 1800
     return _CONTEXT
 
 
+def _timeout_from_env() -> float:
+    raw = os.environ.get("RLX_COLLECTIVE_TIMEOUT_S", "1800")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise UserError(f"RLX_COLLECTIVE_TIMEOUT_S={raw!r}: expected a positive number of seconds")
+    return value
+
+
 def _rank_device(device_name: str, local_rank: int) -> torch.device:
     device = resolve_device(device_name)
     if device.type == "cuda":
@@ -148,10 +164,12 @@ def context() -> DistContext:
     return _CONTEXT if _CONTEXT is not None else DistContext(device=resolve_device("auto"))
 
 
-def teardown() -> None:
+def teardown(wait_for_others: bool = True) -> None:
+    """Leave the process group; after a failure, without a final barrier (the others may be gone)."""
     global _CONTEXT
     if dist.is_initialized():
-        dist.barrier()
+        if wait_for_others:
+            dist.barrier()
         dist.destroy_process_group()
     _CONTEXT = None
 

@@ -1,0 +1,134 @@
+"""Device and backend selection (cpu/gloo, npu/hccl through a fake torch_npu), and collective timeouts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A stand-in for torch_npu: registers the 'npu' device type the way the real package does and
+# exposes the torch.npu calls rlx makes, recording them.
+FAKE_TORCH_NPU = """
+import types
+import torch
+
+torch.utils.rename_privateuse1_backend("npu")
+calls = []
+torch.npu = types.SimpleNamespace(
+    is_available=lambda: True,
+    device_count=lambda: 8,
+    current_device=lambda: 0,
+    set_device=lambda index: calls.append(("set_device", index)),
+)
+"""
+
+
+def run_python(code: str, tmp_path: Path, env: dict | None = None, fake_npu: bool = False, timeout: int = 120):
+    path = [str(REPO)]
+    if fake_npu:
+        (tmp_path / "fake" / "torch_npu").mkdir(parents=True)
+        (tmp_path / "fake" / "torch_npu" / "__init__.py").write_text(FAKE_TORCH_NPU)
+        path.insert(0, str(tmp_path / "fake"))
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1", **(env or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS", "SLURM_PROCID"):
+        if env is None or key not in env:
+            full_env.pop(key, None)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=timeout
+    )
+
+
+def test_npu_is_found_lazily_and_gets_hccl(tmp_path):
+    """With torch_npu present (faked), 'auto' and 'npu' pick the NPU, each rank sets its local device,
+    and the process group uses hccl; torch_npu is not imported before a device is resolved."""
+    code = """
+        import sys
+        import torch.distributed as dist
+        import rlx.cli, rlx.engine.parallel.dist as rd
+        from rlx.engine.device import resolve_device
+        assert "torch_npu" not in sys.modules
+        seen = {}
+        dist.init_process_group = lambda backend, **kw: seen.update(backend=backend, **kw)
+        dist.is_initialized = lambda: "backend" in seen
+        dist.new_group = lambda ranks: tuple(ranks)
+        assert resolve_device("auto").type == "npu"
+        ctx = rd.setup("npu")
+        import torch_npu
+        print(seen["backend"], ctx.backend, ctx.device, ctx.rank, ctx.world, torch_npu.calls, seen["device_id"])
+    """
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "1"}
+    out = run_python(code, tmp_path, env=env, fake_npu=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["hccl", "hccl", "npu:1", "3", "4", "[('set_device',", "1)]", "None"]
+
+
+def test_without_torch_npu_npu_is_a_clear_error_and_cpu_gets_gloo(tmp_path):
+    code = """
+        from rlx.engine.device import resolve_device
+        from rlx.engine.parallel.dist import BACKENDS
+        from rlx.errors import UserError
+        assert resolve_device("auto").type == "cpu" and BACKENDS["cpu"] == "gloo" and BACKENDS["cuda"] == "nccl"
+        try:
+            resolve_device("npu")
+        except UserError as e:
+            print(e)
+    """
+    out = run_python(code, tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr
+    assert "torch_npu is not installed or no NPU is available" in out.stdout
+
+
+def test_collective_timeout_is_a_one_line_error(tmp_path):
+    """A rank that stalls makes the others fail after $RLX_COLLECTIVE_TIMEOUT_S with a clear message."""
+    script = tmp_path / "stall.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, time
+            import typer
+            from rlx.commands._common import reporting
+            from rlx.engine.parallel.dist import barrier, setup
+
+            try:
+                with reporting("test"):
+                    ctx = setup("cpu")
+                    if ctx.rank == 1:
+                        time.sleep(60)
+                    barrier()
+            except typer.Exit as e:
+                sys.exit(e.exit_code)
+            """
+        )
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "RLX_COLLECTIVE_TIMEOUT_S": "3",
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-endpoint=localhost:0"]
+    command += ["--rdzv-backend=c10d", str(script)]
+    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode != 0
+    assert "rlx test: error: a collective operation timed out" in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("value", ["0", "soon"])
+def test_bad_timeout_setting_is_named(tmp_path, value):
+    code = """
+        from rlx.engine.parallel.dist import setup
+        from rlx.errors import UserError
+        try:
+            setup("cpu")
+        except UserError as e:
+            print(e)
+    """
+    env = {"RANK": "0", "WORLD_SIZE": "1", "RLX_COLLECTIVE_TIMEOUT_S": value}
+    out = run_python(code, tmp_path, env=env)
+    assert f"RLX_COLLECTIVE_TIMEOUT_S={value!r}: expected a positive number of seconds" in out.stdout, out.stderr
