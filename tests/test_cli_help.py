@@ -66,5 +66,5 @@ def test_command_help_explains_every_option(name):
 )
 def test_help_shows_defaults(name, option, default):
     text = " ".join(cli(name, "--help").stdout.split("Options:")[1].split()).replace("- ", "-")
-    start = text.index(option + " ")
+    start = re.search(re.escape(option) + "[ ,]", text).start()
     assert f"[default: {default}]" in text[start : start + 400]

@@ -46,7 +46,7 @@ def tiny_model(family: str, seed: int = 0, **overrides):
 def per_sequence_logits(model, sequences) -> list[torch.Tensor]:
     """Reference: each sequence alone, no padding, transformers' sdpa attention."""
     model.set_attn_implementation("sdpa")
-    return [model(input_ids=torch.tensor([s])).logits[0] for s in sequences]
+    return [model(input_ids=torch.tensor([s], device=model.device)).logits[0] for s in sequences]
 
 
 def padded_logits(model, sequences, left: bool = False) -> list[torch.Tensor]:
@@ -192,7 +192,7 @@ def test_cuda_kernels_match_the_loop(backend, monkeypatch):
     cu_seqlens = torch.tensor([0, 100, 164, 400, 401], dtype=torch.int32, device="cuda")
     shapes = [(401, 8, 64), (401, 2, 64), (401, 2, 64)]
     inputs = [torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16) for s in shapes]
-    for window in (None, 32):
+    for window in (None, 4):  # a small window: an off-by-one in its convention would show
         results = {}
         for name in (backend, "sdpa"):
             monkeypatch.setenv(attention.BACKEND_ENV, name)
@@ -203,3 +203,17 @@ def test_cuda_kernels_match_the_loop(backend, monkeypatch):
         for got, want in zip(results[backend], results["sdpa"]):
             error = ((got - want).norm() / want.norm()).item()
             assert error < 2e-2, (backend, window, error)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_model_packed_matches_per_sequence():
+    """A bfloat16 model on CUDA through the auto-selected backend: packed logits ~ per-sequence sdpa logits."""
+    model = tiny_model("qwen3").to("cuda", torch.bfloat16)
+    sequences = [[(7 * i + j) % 16 + 3 for j in range(n)] for i, n in enumerate([70, 5, 130, 33])]
+    want = [w.float() for w in per_sequence_logits(model, sequences)]
+    enable_packed_attention(model)
+    packed = pack(sequences).to("cuda")
+    got = [g.float() for g in unpack(model(**packed.model_inputs()).logits, packed.lengths)]
+    for g, w in zip(got, want):
+        assert ((g - w).norm() / w.norm()).item() < 2e-2

@@ -68,7 +68,8 @@ SEQUENCE_PARALLEL = textwrap.dedent("""
         # the trainer's way: local logits -> local logprobs of local targets -> gather only the logprobs
         local = sequence_parallel_forward(model, packed, group, gather=False)
         logprob = local_logprob(local, slice_sequence(targets, rank, world, -100))
-        check(case + " logprobs", {{"lp": gather_sequence(logprob, group)[:, : packed.total_len]}}, {{"lp": want_logprob}})
+        gathered = gather_sequence(logprob, group)[:, : packed.total_len]
+        check(case + " logprobs", {{"lp": gathered}}, {{"lp": want_logprob}})
         logprob.sum().backward()
         got = grads(model)
         for g in got.values():

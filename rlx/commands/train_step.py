@@ -71,6 +71,7 @@ def train_step(
     gradient_checkpointing: Annotated[bool, _opt("gradient_checkpointing")] = C.gradient_checkpointing,
     param_offload: Annotated[bool, _opt("param_offload")] = C.param_offload,
     activation_offload: Annotated[bool, _opt("activation_offload")] = C.activation_offload,
+    compile: Annotated[bool, _opt("compile")] = C.compile,
     sp_degree: Annotated[int, _opt("sp_degree")] = C.sp_degree,
     seed: Annotated[int, _opt("seed")] = C.seed,
     device: Annotated[str, _opt("device")] = C.device,

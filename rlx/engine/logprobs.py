@@ -12,11 +12,16 @@ hidden states and the LM-head weight (tied or untied), never materialising [toke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as torch_dist
 from tqdm import tqdm
 
 from rlx.engine.device import autocast
+from rlx.engine.parallel.ulysses import gather_sequence, shard_packed, slice_sequence
 from rlx.kernels.logprob_entropy import IGNORE_INDEX, logprob_entropy, resolve_impl
+from rlx.models.attention import PackedBatch
 
 
 def logprobs_from_logits(
@@ -77,11 +82,16 @@ def response_logprobs(
                 logits_to_keep=r + 1,
             ).logits[:, :-1, :]
         return logprobs_from_logits(logits, response_ids, temperature, with_entropy)
-    backbone = getattr(model, model.base_model_prefix)
     with autocast(input_ids.device, dtype):
-        hidden = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state[:, -r - 1 : -1, :]  # [B, R, H]
+        hidden, _ = hidden_states(
+            model,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        )
+    hidden = hidden[:, -r - 1 : -1, :]  # [B, R, H]
+    weight = lm_head_weight(model)  # after the forward: FSDP's root keeps it unsharded until the backward
     compute = dtype if dtype != torch.float32 else hidden.dtype
     targets = torch.where(response_mask.bool(), response_ids, torch.full_like(response_ids, IGNORE_INDEX))
     logprob, entropy = logprob_entropy(
@@ -95,29 +105,103 @@ def response_logprobs(
     return logprob.float().view(shape), entropy.float().view(shape) if with_entropy else None
 
 
-def packed_inputs(prompt_ids, prompt_mask, response_ids, response_mask):
-    """One packed row from a padded micro-batch: (input_ids [1, T], position_ids [1, T], rows [n], cols [n],
-    predictor positions [n]) where response token (rows[k], cols[k]) is predicted at packed position pred[k]."""
-    device = prompt_ids.device
-    pieces, positions, rows, cols, pred = [], [], [], [], []
-    offset = 0
-    for i in range(prompt_ids.shape[0]):
-        prompt = prompt_ids[i][prompt_mask[i].bool()]
-        response = response_ids[i][response_mask[i].bool()]
-        n_p, n_r = prompt.shape[0], response.shape[0]
-        pieces += [prompt, response]
-        positions.append(torch.arange(n_p + n_r, device=device))
-        rows.append(torch.full((n_r,), i, device=device))
-        cols.append(torch.arange(n_r, device=device))
-        pred.append(torch.arange(offset + n_p - 1, offset + n_p + n_r - 1, device=device))
-        offset += n_p + n_r
-    return (
-        torch.cat(pieces).unsqueeze(0),
-        torch.cat(positions).unsqueeze(0),
-        torch.cat(rows),
-        torch.cat(cols),
-        torch.cat(pred),
-    )
+def hidden_states(model, keep: torch.Tensor | None = None, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the backbone's last hidden states [B, T, H], logits at positions `keep` [B, len(keep), V]).
+
+    The whole model runs, not its backbone alone, so that FSDP's root hooks gather the root's parameters
+    (embeddings, final norm, LM head) and reduce their gradients; the head runs on `keep` only (none by
+    default: the fused kernels then take the hidden states and the head's weight)."""
+    captured = []
+    backbone = getattr(model, model.base_model_prefix)
+    handle = backbone.register_forward_hook(lambda module, args, out: captured.append(out[0]))
+    try:
+        empty = torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device)
+        logits = model(**inputs, logits_to_keep=empty if keep is None else keep).logits
+    finally:
+        handle.remove()
+    return captured[0], logits
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """A padded micro-batch (left-padded prompts, right-padded responses) as one packed row, with the
+    index bookkeeping done once (on the CPU, before the tensors go to the device: no GPU syncs)."""
+
+    packed: PackedBatch
+    """input_ids / position_ids [1, T], cu_seqlens, lengths: prompt + response tokens of each row."""
+    rows: torch.Tensor
+    """[n] row of each response token."""
+    cols: torch.Tensor
+    """[n] column of each response token in response_ids."""
+    pred: torch.Tensor
+    """[n] packed position whose output predicts (or values) that response token."""
+    local_targets: torch.Tensor
+    """[T_pad / sp] the response token each position of this rank's slice predicts, IGNORE_INDEX elsewhere."""
+    keep: torch.Tensor
+    """[k] positions of the slice that predict a response token."""
+
+    @classmethod
+    def build(cls, prompt_ids, prompt_mask, response_ids, response_mask, sp_rank: int = 0, sp_size: int = 1):
+        ids = torch.cat([prompt_ids, response_ids], dim=1)
+        mask = torch.cat([prompt_mask, response_mask], dim=1).bool()
+        index = mask.reshape(-1).cumsum(0).view(mask.shape) - 1  # packed position of each kept token
+        lengths = mask.sum(-1)
+        rows, cols = response_mask.bool().nonzero(as_tuple=True)
+        packed = PackedBatch(
+            input_ids=ids[mask].unsqueeze(0),
+            position_ids=(mask.cumsum(-1) - 1)[mask].unsqueeze(0),
+            cu_seqlens=torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0)),
+            max_len=int(lengths.max()),
+            lengths=lengths.tolist(),
+        )
+        pred = index[rows, prompt_ids.shape[1] + cols] - 1
+        targets = torch.full((1, packed.total_len), IGNORE_INDEX, dtype=torch.long, device=ids.device)
+        targets[0, pred] = response_ids[rows, cols]
+        local = slice_sequence(targets, sp_rank, sp_size, IGNORE_INDEX)[0]
+        return cls(packed, rows, cols, pred, local, (local != IGNORE_INDEX).nonzero().squeeze(1))
+
+    def to(self, device: torch.device) -> PackedRows:
+        move = {"non_blocking": True}
+        return PackedRows(
+            self.packed.to(device),
+            *(t.to(device, **move) for t in (self.rows, self.cols, self.pred, self.local_targets, self.keep)),
+        )
+
+
+def sp_rank_size(sp_group) -> tuple[int, int]:
+    """(rank, size) within a sequence-parallel group (0, 1 without one)."""
+    if sp_group is None:
+        return 0, 1
+    return torch_dist.get_rank(sp_group), torch_dist.get_world_size(sp_group)
+
+
+def packed_model_inputs(rows: PackedRows, sp_group=None) -> dict:
+    """Model kwargs for a packed row; under sequence parallelism (`sp_group`), for this rank's slice
+    [1, T_pad/sp] (see rlx/engine/parallel/ulysses.py) with the full row's sequence lengths."""
+    rank, size = sp_rank_size(sp_group)
+    shard = shard_packed(rows.packed, rank, size)
+    max_len = max(rows.packed.max_len, shard.total_len - rows.packed.total_len)
+    inputs = {
+        "input_ids": shard.input_ids,
+        "position_ids": shard.position_ids,
+        "use_cache": False,
+        "cu_seq_lens_q": shard.cu_seqlens,
+        "cu_seq_lens_k": shard.cu_seqlens,
+        "max_length_q": max_len,
+        "max_length_k": max_len,
+    }
+    if size > 1:
+        inputs["sp_group"] = sp_group
+    return inputs
+
+
+def unpack_responses(values: torch.Tensor, rows: PackedRows, shape: torch.Size, sp_group=None) -> torch.Tensor:
+    """Per-position values of a packed row's slice [T_pad/sp] -> [B, R] float32 at the response tokens
+    (gathered over the sequence-parallel group; the backward keeps each rank's own positions)."""
+    if sp_group is not None and torch_dist.get_world_size(sp_group) > 1:
+        values = gather_sequence(values.float()[None], sp_group)[0]
+    full = torch.zeros(shape, dtype=torch.float32, device=values.device)
+    return full.index_put((rows.rows, rows.cols), values.float()[rows.pred])
 
 
 def packed_response_logprobs(
@@ -130,32 +214,36 @@ def packed_response_logprobs(
     dtype: torch.dtype,
     with_entropy: bool = False,
     impl: str = "naive",
+    sp_group=None,
+    rows: PackedRows | None = None,
 ):
     """As `response_logprobs`, but the micro-batch runs as one packed row without padding: samples are
-    concatenated, positions restart per sample, and attention stays within each sample (transformers
-    reads the packing from the restarting position_ids; the KV cache stays off so nothing leaks)."""
-    input_ids, position_ids, rows, cols, pred = packed_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-    targets = response_ids[rows, cols]
-    impl = resolve_impl(impl, input_ids.device)
-    weight = lm_head_weight(model) if impl != "naive" else None
-    with autocast(input_ids.device, dtype):
-        if weight is None:
-            logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0, pred]
-        else:
-            backbone = getattr(model, model.base_model_prefix)
-            hidden = backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-    if weight is None:
-        logp, entropy = logprobs_from_logits(logits, targets, temperature, with_entropy)
-    else:
-        hidden = hidden[0, pred]
+    concatenated, positions restart per sample, and attention stays within each sample (the model runs
+    "rlx_varlen" / "rlx_ulysses" attention: see `enable_packed_training`). With `sp_group`, each rank
+    runs a slice of the row; logprobs are computed on the slice and gathered (the backward sends each
+    rank the gradient of its own tokens). `rows`: the micro-batch's PackedRows, when built beforehand
+    on the CPU (the index work then costs no device syncs)."""
+    device = response_ids.device
+    if rows is None:
+        rows = PackedRows.build(prompt_ids, prompt_mask, response_ids, response_mask, *sp_rank_size(sp_group))
+    local, keep = rows.local_targets, rows.keep
+    impl = resolve_impl(impl, device)
+    fused = impl != "naive" and lm_head_weight(model) is not None
+    with autocast(device, dtype):
+        hidden, logits = hidden_states(model, None if fused else keep, **packed_model_inputs(rows, sp_group))
+    if fused:  # the head and softmax only at `keep`, without [tokens, vocab] logits
         compute = dtype if dtype != torch.float32 else hidden.dtype
-        logp, entropy = logprob_entropy(hidden.to(compute), weight.to(compute), targets, temperature, impl=impl)
-    shape = response_ids.shape
-    out_lp = torch.zeros(shape, dtype=torch.float32, device=input_ids.device).index_put((rows, cols), logp.float())
-    if not with_entropy:
-        return out_lp, None
-    out_ent = torch.zeros(shape, dtype=torch.float32, device=input_ids.device).index_put((rows, cols), entropy.float())
-    return out_lp, out_ent
+        weight = lm_head_weight(model)  # after the forward: FSDP's root keeps it unsharded until the backward
+        picked, picked_entropy = logprob_entropy(
+            hidden[0, keep].to(compute), weight.to(compute), local[keep], temperature, impl=impl
+        )
+    else:
+        picked, picked_entropy = logprobs_from_logits(logits[0], local[keep], temperature, with_entropy)
+    logp = picked.float().new_zeros(local.shape).index_put((keep,), picked.float())
+    if with_entropy:
+        entropy = picked_entropy.float().new_zeros(local.shape).index_put((keep,), picked_entropy.float())
+    logp_out = unpack_responses(logp, rows, response_ids.shape, sp_group)
+    return logp_out, unpack_responses(entropy, rows, response_ids.shape, sp_group) if with_entropy else None
 
 
 def sharded_forward(

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -68,9 +70,9 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """The same batch with its tensors on `device`."""
-        return PackedBatch(
-            self.input_ids.to(device), self.position_ids.to(device), self.cu_seqlens.to(device), self.max_len,
-            self.lengths,
+        return replace(
+            self, input_ids=self.input_ids.to(device), position_ids=self.position_ids.to(device),
+            cu_seqlens=self.cu_seqlens.to(device),
         )  # fmt: skip
 
     def model_inputs(self) -> dict:
@@ -216,6 +218,9 @@ def varlen_attention(
     query [N, H, D], key/value [N, Hkv, D] with H a multiple of Hkv (GQA), cu_seqlens [n+1] int32
     (0, ..., N) -> [N, H, D]. No token attends across a boundary of `cu_seqlens`.
     """
+    if torch.is_autocast_enabled(query.device.type):  # as autocast treats SDPA: rotary may have upcast q, k
+        compute = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(compute) for t in (query, key, value))
     backend = select_backend(query, dropout)
     cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
     if backend == "flash_attn":
@@ -249,6 +254,7 @@ def _segments(attention_mask, position_ids, cu_seq_lens_q, max_length_q, batch, 
     return None, cu_seqlens, max_len
 
 
+@torch.compiler.disable  # data-dependent sample boundaries: a graph break, not a traced graph
 def packed_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -323,6 +329,21 @@ def set_attention(model, name: str) -> None:
         raise UserError(
             f"{type(model).__name__} does not use transformers' attention interface, so it cannot run {name} attention"
         )
+
+
+@contextmanager
+def attention_implementation(model, name: str) -> Iterator[None]:
+    """Run `model` with attention `name` inside the block, then switch back. Only for work without a
+    backward (e.g. generating with a KV cache): recomputed activations would see the old function."""
+    previous = model.config._attn_implementation
+    if previous == name:
+        yield
+        return
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def enable_packed_attention(model) -> None:

@@ -91,3 +91,24 @@ def response_values(
     with autocast(input_ids.device, dtype):
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     return logits[:, -r - 1 : -1, 0].float()
+
+
+def packed_response_values(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    dtype: torch.dtype,
+    sp_group=None,
+    rows=None,
+) -> torch.Tensor:
+    """As `response_values`, with the micro-batch run as one packed row (sliced over `sp_group`; `rows`:
+    its PackedRows built beforehand)."""
+    from rlx.engine.logprobs import PackedRows, packed_model_inputs, sp_rank_size, unpack_responses
+
+    if rows is None:
+        rows = PackedRows.build(prompt_ids, prompt_mask, response_ids, response_mask, *sp_rank_size(sp_group))
+    with autocast(prompt_ids.device, dtype):
+        logits = model(**packed_model_inputs(rows, sp_group)).logits  # [1, T_pad/sp, 1]
+    return unpack_responses(logits[0, :, 0], rows, response_ids.shape, sp_group)

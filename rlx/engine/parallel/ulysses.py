@@ -112,6 +112,7 @@ def gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
     return _GatherSequence.apply(local, group)
 
 
+@torch.compiler.disable  # data-dependent sample boundaries: a graph break, not a traced graph
 def ulysses_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

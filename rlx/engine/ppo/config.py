@@ -107,6 +107,11 @@ class PPOConfig:
             self.critic is not None or self.score.estimator != "gae", "critic", "estimator 'gae' needs a [critic] table"
         )
         check(self.critic is None or self.critic.train.seed == 0, "critic.train.seed", "set the top-level 'seed'")
+        check(
+            self.critic is None or self.critic.train.sp_degree == self.train.sp_degree,
+            "critic.train.sp_degree",
+            f"must equal train.sp_degree ({self.train.sp_degree}): the processes form one grid",
+        )
         needs_ref = self.score.kl_coef > 0 or self.train.kl_loss_coef > 0
         check(self.use_ref or not needs_ref, "use_ref", "score.kl_coef or train.kl_loss_coef > 0 needs use_ref = true")
 

@@ -6,6 +6,7 @@ samples from its own seeded stream (see sampling.py), so outputs are reproducibl
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -14,10 +15,12 @@ from tqdm import tqdm
 
 from rlx.engine.device import autocast
 from rlx.engine.parallel.dist import all_gather_objects, all_reduce, shard_range
+from rlx.engine.parallel.ulysses import ULYSSES_ATTENTION
 from rlx.engine.records import PromptRecord, RolloutRecord
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.rollout.prompts import encode_prompt, pad_token_id, stop_token_ids
 from rlx.engine.rollout.sampling import draw_tokens, filter_logits, sample_uniforms
+from rlx.models.attention import PACKED_ATTENTION, attention_implementation
 
 
 @dataclass
@@ -72,20 +75,21 @@ class HFRolloutEngine:
         start, generated = time.perf_counter(), 0
         show = progress and (self.ctx is None or self.ctx.is_main)
         bar = tqdm(total=len(mine), desc="rollout", unit="seq", disable=None if show else True, leave=False)
-        try:
-            for i in range(count):
-                lo = starts[i] if i < len(starts) else 0
-                batch = mine[lo : lo + cfg.batch_size] if i < len(starts) else requests[:1]  # lockstep filler
-                greedy = torch.tensor([r.greedy or cfg.temperature == 0 for r in batch])
-                draws = uniforms[lo : lo + len(batch)] if i < len(starts) else torch.zeros(1, cfg.max_new_tokens)
-                out = self._generate_batch([r.prompt_ids for r in batch], draws, greedy, cfg)
-                if i < len(starts):
-                    results.extend(out)
-                    generated += sum(len(g.response_ids) for g in out)
-                    bar.update(len(batch))
-        finally:
-            bar.close()
-            self.model.train(was_training)
+        with self._decoding_attention():
+            try:
+                for i in range(count):
+                    lo = starts[i] if i < len(starts) else 0
+                    batch = mine[lo : lo + cfg.batch_size] if i < len(starts) else requests[:1]  # lockstep filler
+                    greedy = torch.tensor([r.greedy or cfg.temperature == 0 for r in batch])
+                    draws = uniforms[lo : lo + len(batch)] if i < len(starts) else torch.zeros(1, cfg.max_new_tokens)
+                    out = self._generate_batch([r.prompt_ids for r in batch], draws, greedy, cfg)
+                    if i < len(starts):
+                        results.extend(out)
+                        generated += sum(len(g.response_ids) for g in out)
+                        bar.update(len(batch))
+            finally:
+                bar.close()
+                self.model.train(was_training)
         if self.ctx:
             results = [g for part in all_gather_objects(results) for g in part]
             generated = int(all_reduce(generated, device=self.device))
@@ -96,6 +100,13 @@ class HFRolloutEngine:
             "perf/rollout_tokens_per_s": generated / max(seconds, 1e-9),
         }
         return [self._record(r, g, cfg.temperature) for r, g in zip(requests, results)]
+
+    def _decoding_attention(self):
+        """The trainer's packed attention functions take no KV cache: decode with SDPA meanwhile (no backward
+        runs in between, so switching back and forth is safe)."""
+        if self.model.config._attn_implementation in (PACKED_ATTENTION, ULYSSES_ATTENTION):
+            return attention_implementation(self.model, "sdpa")
+        return contextlib.nullcontext()
 
     def _record(self, req: _Request, gen: _Generated, temperature: float) -> RolloutRecord:
         p = req.prompt

@@ -69,23 +69,22 @@ class ActorTrainer(Trainer):
             scale_factor=float(self.cfg.loss_scale_factor or mini.response_ids.shape[1]),
         )
 
-    def logprobs(self, t: dict[str, torch.Tensor], temperature: float):
-        forward = packed_response_logprobs if self.cfg.use_packing else response_logprobs
-        return forward(
-            self.model,
-            **{k: t[k] for k in MODEL_INPUTS},
-            temperature=temperature,
-            dtype=self.dtype,
-            with_entropy=True,
-            impl=self.cfg.logprob_impl,
-        )
+    def logprobs(self, t: dict[str, torch.Tensor], part: TrainBatch):
+        inputs = {k: t[k] for k in MODEL_INPUTS}
+        common = {"temperature": part.meta.temperature, "dtype": self.dtype, "with_entropy": True}
+        if self.cfg.use_packing:
+            rows = self.packed_rows(part)
+            return packed_response_logprobs(
+                self.model, **inputs, **common, impl=self.cfg.logprob_impl, sp_group=self.sp_group, rows=rows
+            )
+        return response_logprobs(self.model, **inputs, **common, impl=self.cfg.logprob_impl)
 
     def micro_step(
         self, t: dict[str, torch.Tensor], part: TrainBatch, norm: LossNorm, sums: dict[str, float], weight: float
     ) -> None:
         cfg = self.cfg
         weights, mask, _ = correct(t["old_logprobs"], t["rollout_logprobs"], t["response_mask"], self.correction)
-        logp, entropy = self.logprobs(t, part.meta.temperature)
+        logp, entropy = self.logprobs(t, part)
         pg_loss, pg_sums = compute_policy_loss(
             cfg.policy_loss,
             logp,
@@ -101,16 +100,16 @@ class ActorTrainer(Trainer):
         if cfg.entropy_coef > 0:
             entropy_loss = aggregate(entropy, mask, cfg.loss_agg_mode, norm)
             loss = loss - cfg.entropy_coef * entropy_loss
-            sums["entropy_loss"] += entropy_loss.item()
+            sums["entropy_loss"] += entropy_loss.detach()
         if cfg.kl_loss_coef > 0:
             kl_loss = aggregate(kl_estimate(logp, t["ref_logprobs"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, norm)
             loss = loss + cfg.kl_loss_coef * kl_loss
-            sums["kl_loss"] += kl_loss.item()
+            sums["kl_loss"] += kl_loss.detach()
         (loss * weight).backward()
-        sums["pg_loss"] += pg_loss.item()
-        sums["loss"] += loss.item()
+        sums["pg_loss"] += pg_loss.detach()
+        sums["loss"] += loss.detach()
         with torch.no_grad():
-            sums["entropy"] += masked_sum(entropy, mask).item()
-            sums["tokens"] += mask.sum().item()
+            sums["entropy"] += masked_sum(entropy, mask).detach()
+            sums["tokens"] += mask.sum().detach()
         for key, value in pg_sums.items():
-            sums[key] += value.item()
+            sums[key] += value.detach()

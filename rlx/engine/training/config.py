@@ -94,6 +94,8 @@ class TrainConfig:
     """FSDP: keep parameter shards, gradients and AdamW state on the CPU (needs a launcher, e.g. torchrun)."""
     activation_offload: bool = False
     """Keep the activations saved for backward on the CPU."""
+    compile: bool = False
+    """torch.compile each decoder layer's forward (fuses norms, rotary and activations; the first steps compile)."""
     sp_degree: int = 1
     """Ulysses sequence-parallel degree: ranks per group sharing each sequence (heads must divide by it)."""
     logprob_impl: Literal["auto", "naive", "chunked", "triton"] = "auto"

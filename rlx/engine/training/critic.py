@@ -9,7 +9,7 @@ from rlx.engine.algorithms.losses import LossNorm, value_loss
 from rlx.engine.batch import TrainBatch
 from rlx.engine.training.trainer import MODEL_INPUTS, Trainer
 from rlx.errors import UserError
-from rlx.models.value import response_values
+from rlx.models.value import packed_response_values, response_values
 
 
 class CriticTrainer(Trainer):
@@ -26,7 +26,12 @@ class CriticTrainer(Trainer):
     def micro_step(
         self, t: dict[str, torch.Tensor], part: TrainBatch, norm: LossNorm, sums: dict[str, float], weight: float
     ) -> None:
-        values = response_values(self.model, **{k: t[k] for k in MODEL_INPUTS}, dtype=self.dtype)
+        inputs = {k: t[k] for k in MODEL_INPUTS}
+        if self.cfg.use_packing:
+            rows = self.packed_rows(part)
+            values = packed_response_values(self.model, **inputs, dtype=self.dtype, sp_group=self.sp_group, rows=rows)
+        else:
+            values = response_values(self.model, **inputs, dtype=self.dtype)
         loss, loss_sums = value_loss(
             values,
             t["values"],
@@ -37,8 +42,8 @@ class CriticTrainer(Trainer):
             self.cfg.loss_agg_mode,
         )
         (loss * weight).backward()
-        sums["vf_loss"] += loss.item()
-        sums["vpred_mean"] += masked_sum(values.detach(), t["response_mask"]).item()
-        sums["tokens"] += t["response_mask"].sum().item()
+        sums["vf_loss"] += loss.detach()
+        sums["vpred_mean"] += masked_sum(values.detach(), t["response_mask"]).detach()
+        sums["tokens"] += t["response_mask"].sum().detach()
         for key, value in loss_sums.items():
-            sums[key] += value.item()
+            sums[key] += value.detach()

@@ -22,9 +22,11 @@ from tqdm import tqdm
 from rlx.engine.algorithms.losses import LossNorm
 from rlx.engine.batch import TrainBatch
 from rlx.engine.device import derive_seed
+from rlx.engine.logprobs import PackedRows
 from rlx.engine.parallel.batching import balanced_partition, count_micro_batches, token_budget_micro_batches
 from rlx.engine.parallel.dist import DistContext, all_reduce
-from rlx.engine.parallel.fsdp import activation_offload, apply_fsdp, full_tensor
+from rlx.engine.parallel.fsdp import activation_offload, apply_fsdp, decoder_layers, full_tensor
+from rlx.engine.parallel.ulysses import enable_ulysses_attention, validate_sp
 from rlx.engine.training.config import TrainConfig
 from rlx.engine.training.optim import build_adamw, load_optimizer_tensors, optimizer_tensors
 from rlx.errors import UserError
@@ -57,6 +59,15 @@ class Trainer:
         if cfg.param_offload and not self.ctx.distributed:
             raise UserError("param_offload needs FSDP: launch with torchrun (--nproc_per_node 1 is fine)")
         self.model = model.to(device)
+        if self.ctx.sp_size > 1 and not cfg.use_packing:
+            raise UserError(f"sequence parallelism (sp_degree {self.ctx.sp_size}) needs use_packing ({self.role})")
+        if cfg.use_packing:  # packed rows attend per sample; under sequence parallelism, around all-to-alls
+            validate_sp(model.config, self.ctx.sp_size)
+            enable_ulysses_attention(self.model)
+        self.sp_group = self.ctx.sp_group if self.ctx.sp_size > 1 else None
+        if cfg.compile:  # the forward only: FSDP's and checkpointing's hooks stay outside the compiled code
+            for layer in decoder_layers(self.model):
+                layer.forward = torch.compile(layer.forward, dynamic=True)
         if self.ctx.distributed:
             apply_fsdp(self.model, self.ctx, dtype, cfg.param_offload, cfg.gradient_checkpointing)
             self.dtype = torch.float32  # FSDP's mixed precision casts the parameters; no autocast on top
@@ -124,13 +135,17 @@ class Trainer:
         bar.close()
         return self._metrics(self._reduce_sums(sums), grad_norms, skipped, lr, batch, time.perf_counter() - start)
 
-    def _reduce_sums(self, sums: dict[str, float]) -> dict[str, float]:
-        """Metric sums over data-parallel ranks (sequence-parallel ranks hold the same sums)."""
-        if not self.ctx.distributed or self.ctx.dp_size == 1:
-            return dict(sums)
+    def _reduce_sums(self, sums: dict) -> dict[str, float]:
+        """Metric sums (device tensors, kept there so micro-steps never wait for the GPU) as floats, summed
+        over data-parallel ranks (sequence-parallel ranks hold the same sums)."""
         keys = sorted(sums)
-        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.ctx.device)
-        torch_dist.all_reduce(values, group=self.ctx.dp_group)
+        if not keys:
+            return {}
+        values = torch.stack(
+            [torch.as_tensor(sums[k], device=self.ctx.device).to(torch.float64).reshape(()) for k in keys]
+        )
+        if self.ctx.distributed and self.ctx.dp_size > 1:
+            torch_dist.all_reduce(values, group=self.ctx.dp_group)
         return dict(zip(keys, values.tolist()))
 
     def _metrics(
@@ -193,6 +208,8 @@ class Trainer:
             count = int(all_reduce(count, "max", group=self.ctx.dp_group, device=self.ctx.device))
         for i in range(count):
             dummy = i >= len(parts)  # keeps FSDP's collectives in step with busier ranks; contributes nothing
+            if self.ctx.distributed:  # FSDP accumulates unsharded float32 gradients, reduces after the last
+                self.model.set_requires_gradient_sync(i == count - 1)
             part = local.select(parts[0] if dummy else parts[i])
             with activation_offload(self.cfg.activation_offload, self.device):
                 self.micro_step(
@@ -211,6 +228,12 @@ class Trainer:
             num_seqs=float((mask.sum(-1) > 0).sum().clamp(min=1)),
             scale_factor=float(self.cfg.loss_scale_factor or mini.response_ids.shape[1]),
         )
+
+    def packed_rows(self, part: TrainBatch) -> PackedRows:
+        """The micro-batch as one packed row (this rank's sequence slice), indexed on the CPU, then moved."""
+        rank, size = (self.ctx.sp_rank, self.ctx.sp_size) if self.sp_group is not None else (0, 1)
+        rows = PackedRows.build(part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask, rank, size)
+        return rows.to(self.device)
 
     def micro_step(
         self, tensors: dict[str, torch.Tensor], part: TrainBatch, norm: LossNorm, sums: dict[str, float], weight: float
