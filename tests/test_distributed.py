@@ -244,3 +244,32 @@ def test_compiled_decoder_layers_equal_eager(tmp_path, tiny_ckpt, batch, single)
     step = ["--batch", batch, "--kl-loss-coef", "0.1", *TRAIN, "--use-packing", "--compile"]
     cli_ok("train-step", "--checkpoint", tiny_ckpt, "--out", tmp_path / "c", *step)
     assert max_diff(single, tmp_path / "c") < 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "apertus"])
+def test_other_families_train_under_fsdp_and_sp(tmp_path, family, prompts_file):
+    """Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Apertus (xIELU MLP, untied head): a 2-rank packed
+    step with SP=2 equals one process."""
+    import transformers
+
+    from rlx.models.tiny import build_char_tokenizer
+
+    if not hasattr(transformers, "ApertusConfig") and family == "apertus":
+        pytest.skip("this transformers has no Apertus")
+    tokenizer = build_char_tokenizer()
+    classes = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "apertus": "ApertusConfig"}
+    config = getattr(transformers, classes[family])(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        tie_word_embeddings=family != "apertus", pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    cli_ok("shard", "--model", tmp_path / "src", "--init", "random", "--out", tmp_path / "ck")
+    cli_ok(*rollout_args(tmp_path / "ck", prompts_file, tmp_path / "r.jsonl", "--num-prompts", "4"))
+    score = ["--rollouts", tmp_path / "r.jsonl", "--actor", tmp_path / "ck", "--reward", "arith"]
+    cli_ok("score", *score, "--out", tmp_path)
+    step = ["--checkpoint", tmp_path / "ck", "--batch", tmp_path / "batch.safetensors", *TRAIN, "--use-packing"]
+    cli_ok("train-step", *step, "--out", tmp_path / "one")
+    torchrun(2, "train-step", *step, "--out", tmp_path / "two", "--sp-degree", "2")
+    assert max_diff(tmp_path / "one", tmp_path / "two") < 1e-6
