@@ -19,7 +19,7 @@ import torch.distributed as torch_dist
 from tqdm import tqdm
 
 from rlx.engine.device import autocast
-from rlx.engine.parallel.ulysses import gather_sequence, shard_packed, slice_sequence
+from rlx.engine.parallel.ulysses import gather_sequence, group_rank_size, sequence_parallel_inputs, slice_sequence
 from rlx.kernels.logprob_entropy import IGNORE_INDEX, logprob_entropy, resolve_impl
 from rlx.models.attention import PackedBatch
 
@@ -168,31 +168,9 @@ class PackedRows:
         )
 
 
-def sp_rank_size(sp_group) -> tuple[int, int]:
-    """(rank, size) within a sequence-parallel group (0, 1 without one)."""
-    if sp_group is None:
-        return 0, 1
-    return torch_dist.get_rank(sp_group), torch_dist.get_world_size(sp_group)
-
-
 def packed_model_inputs(rows: PackedRows, sp_group=None) -> dict:
-    """Model kwargs for a packed row; under sequence parallelism (`sp_group`), for this rank's slice
-    [1, T_pad/sp] (see rlx/engine/parallel/ulysses.py) with the full row's sequence lengths."""
-    rank, size = sp_rank_size(sp_group)
-    shard = shard_packed(rows.packed, rank, size)
-    max_len = max(rows.packed.max_len, shard.total_len - rows.packed.total_len)
-    inputs = {
-        "input_ids": shard.input_ids,
-        "position_ids": shard.position_ids,
-        "use_cache": False,
-        "cu_seq_lens_q": shard.cu_seqlens,
-        "cu_seq_lens_k": shard.cu_seqlens,
-        "max_length_q": max_len,
-        "max_length_k": max_len,
-    }
-    if size > 1:
-        inputs["sp_group"] = sp_group
-    return inputs
+    """Model kwargs for a packed row (this rank's slice of it under sequence parallelism)."""
+    return sequence_parallel_inputs(rows.packed, sp_group)
 
 
 def unpack_responses(values: torch.Tensor, rows: PackedRows, shape: torch.Size, sp_group=None) -> torch.Tensor:
@@ -225,7 +203,7 @@ def packed_response_logprobs(
     on the CPU (the index work then costs no device syncs)."""
     device = response_ids.device
     if rows is None:
-        rows = PackedRows.build(prompt_ids, prompt_mask, response_ids, response_mask, *sp_rank_size(sp_group))
+        rows = PackedRows.build(prompt_ids, prompt_mask, response_ids, response_mask, *group_rank_size(sp_group))
     local, keep = rows.local_targets, rows.keep
     impl = resolve_impl(impl, device)
     fused = impl != "naive" and lm_head_weight(model) is not None

@@ -105,10 +105,11 @@ def packed_response_values(
 ) -> torch.Tensor:
     """As `response_values`, with the micro-batch run as one packed row (sliced over `sp_group`; `rows`:
     its PackedRows built beforehand)."""
-    from rlx.engine.logprobs import PackedRows, packed_model_inputs, sp_rank_size, unpack_responses
+    from rlx.engine.logprobs import PackedRows, packed_model_inputs, unpack_responses
+    from rlx.engine.parallel.ulysses import group_rank_size
 
     if rows is None:
-        rows = PackedRows.build(prompt_ids, prompt_mask, response_ids, response_mask, *sp_rank_size(sp_group))
+        rows = PackedRows.build(prompt_ids, prompt_mask, response_ids, response_mask, *group_rank_size(sp_group))
     with autocast(prompt_ids.device, dtype):
         logits = model(**packed_model_inputs(rows, sp_group)).logits  # [1, T_pad/sp, 1]
     return unpack_responses(logits[0, :, 0], rows, response_ids.shape, sp_group)

@@ -12,18 +12,16 @@ into one temporary folder that rank 0 renames after all ranks are done.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-import os
-import shutil
-import tempfile
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
+from rlx.engine.io import atomic_dir
 from rlx.engine.parallel.dist import DistContext, barrier, broadcast_object
 from rlx.errors import UserError
 
@@ -31,7 +29,7 @@ DCP_DIR = "dcp"
 _SEP = "::"
 
 
-@contextmanager
+@contextlib.contextmanager
 def _quiet():
     """DCP warns that it runs 'in a single process' whenever no process group exists: that is intended here."""
     with warnings.catch_warnings():
@@ -87,15 +85,9 @@ def save_dcp_checkpoint(
 ) -> None:
     """Write an 'fsdp' checkpoint. Collective under a launcher: every rank passes its shards (DTensors
     from get_model_state_dict / get_optimizer_state_dict, flattened to '<param>::<key>')."""
-    out = Path(out)
-    if ctx.is_main and out.exists() and not overwrite:
-        raise UserError(f"{out}: already exists (choose another output or pass --overwrite)")
-    tmp = None
-    if ctx.is_main:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    tmp = Path(broadcast_object(tmp))
-    try:
+    publish = atomic_dir(out, overwrite=overwrite) if ctx.is_main else contextlib.nullcontext()
+    with publish as tmp:  # rank 0 renames the folder into place after every rank has written
+        tmp = Path(broadcast_object(str(tmp) if ctx.is_main else None))
         state = {"model": model_state, **({"optim": optimizer_state} if optimizer_state else {})}
         with _quiet():
             dcp.save(state, checkpoint_id=str(tmp / DCP_DIR), no_dist=not ctx.distributed)
@@ -104,17 +96,7 @@ def save_dcp_checkpoint(
             for name, data in aux.items():
                 (tmp / name).write_bytes(data)
             (tmp / "rlx.json").write_text(json.dumps(dataclasses.asdict(meta), indent=2) + "\n")
-            if out.exists():
-                trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-                os.replace(out, trash / "old")
-                os.replace(tmp, out)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.replace(tmp, out)
-    finally:
-        barrier()
-        if ctx.is_main and tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    barrier()  # published before any rank goes on
 
 
 def sharded_model_state(model: torch.nn.Module, tied: set[str]) -> dict[str, torch.Tensor]:

@@ -209,20 +209,19 @@ def shard_packed(packed: PackedBatch, sp_rank: int, sp_size: int, pad_id: int = 
     )
 
 
-def sequence_parallel_forward(
-    model, packed: PackedBatch, group=None, *, return_hidden: bool = False, gather: bool = True
-) -> torch.Tensor:
-    """Run `model` (switched by `enable_ulysses_attention`) on a packed row split over the ranks of `group`.
+def group_rank_size(group) -> tuple[int, int]:
+    """(rank, size) within a sequence-parallel group ((0, 1) for None: the whole row on this rank)."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
 
-    Returns logits [1, T, V] (or the backbone's last hidden states [1, T, H] with `return_hidden`) of the
-    whole row on every rank; with `gather=False`, this rank's slice [1, T_pad/sp, ...] (see `slice_sequence`
-    for slicing targets alike). `group=None` runs the whole row on this rank. `packed` is on the model's device.
-    """
-    size = dist.get_world_size(group) if group is not None else 1
-    rank = dist.get_rank(group) if group is not None else 0
-    validate_sp(model.config, size)
+
+def sequence_parallel_inputs(packed: PackedBatch, group=None) -> dict:
+    """Model kwargs for this rank's slice [1, T_pad/sp] of a packed row, with the full row's sequence
+    lengths (and the group, which switches "rlx_ulysses" attention to its all-to-all form)."""
+    rank, size = group_rank_size(group)
     shard = shard_packed(packed, rank, size)
-    max_len = max(packed.max_len, shard.total_len - packed.total_len)
+    max_len = max(packed.max_len, shard.total_len - packed.total_len)  # the padding forms its own sample
     inputs = {
         "input_ids": shard.input_ids,
         "position_ids": shard.position_ids,
@@ -234,12 +233,26 @@ def sequence_parallel_forward(
     }
     if size > 1:
         inputs["sp_group"] = group
+    return inputs
+
+
+def sequence_parallel_forward(
+    model, packed: PackedBatch, group=None, *, return_hidden: bool = False, gather: bool = True
+) -> torch.Tensor:
+    """Run `model` (switched by `enable_ulysses_attention`) on a packed row split over the ranks of `group`.
+
+    Returns logits [1, T, V] (or the backbone's last hidden states [1, T, H] with `return_hidden`) of the
+    whole row on every rank; with `gather=False`, this rank's slice [1, T_pad/sp, ...] (see `slice_sequence`
+    for slicing targets alike). `group=None` runs the whole row on this rank. `packed` is on the model's device.
+    """
+    validate_sp(model.config, group_rank_size(group)[1])
+    inputs = sequence_parallel_inputs(packed, group)
     if return_hidden:
         out = getattr(model, model.base_model_prefix)(**inputs).last_hidden_state
     else:
         out = model(**inputs).logits
     if not gather:
         return out
-    if size > 1:
+    if group_rank_size(group)[1] > 1:
         out = gather_sequence(out, group)
     return out[:, : packed.total_len]
