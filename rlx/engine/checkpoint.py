@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,16 +165,21 @@ def save_checkpoint(
     optimizer_state: dict[str, torch.Tensor] | None = None,
     overwrite: bool = False,
     nested: dict[str, CheckpointContent] | None = None,
+    before_publish: Callable[[], None] | None = None,
 ) -> None:
     """Write a complete checkpoint dir atomically (temporary folder, then rename).
 
     `nested` checkpoints (e.g. the critic of `rlx ppo`) go into sub-folders, inside the same rename.
+    `before_publish()` runs once everything is written, just before the rename (if it raises, nothing is
+    published).
     """
     with atomic_dir(out, overwrite=overwrite, marker=META_NAME) as tmp:
         write_checkpoint(tmp, CheckpointContent(weights, aux, meta, optimizer_state))
         for name, content in (nested or {}).items():
             (tmp / name).mkdir()
             write_checkpoint(tmp / name, content)
+        if before_publish is not None:
+            before_publish()
 
 
 def load_optimizer_state(folder: Path) -> dict[str, torch.Tensor] | None:

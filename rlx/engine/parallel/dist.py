@@ -165,9 +165,10 @@ def context() -> DistContext:
 
 
 def teardown(wait_for_others: bool = True) -> None:
-    """Leave the process group; after a failure, without a final barrier (the others may be gone)."""
+    """Leave the process group rlx joined (not one a library made for itself, e.g. vLLM in one process);
+    after a failure, without a final barrier (the others may be gone)."""
     global _CONTEXT
-    if dist.is_initialized():
+    if _CONTEXT is not None and _CONTEXT.distributed and dist.is_initialized():
         if wait_for_others:
             dist.barrier()
         dist.destroy_process_group()

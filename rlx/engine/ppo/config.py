@@ -112,6 +112,11 @@ class PPOConfig:
             "critic.train.sp_degree",
             f"must equal train.sp_degree ({self.train.sp_degree}): the processes form one grid",
         )
+        check(
+            self.rollout.engine != "vllm" or self.rollout.weight_sync != "disk" or self.save_every == 1,
+            "save_every",
+            "must be 1 with rollout.weight_sync = 'disk' (the engine reloads each step's checkpoint)",
+        )
         needs_ref = self.score.kl_coef > 0 or self.train.kl_loss_coef > 0
         check(self.use_ref or not needs_ref, "use_ref", "score.kl_coef or train.kl_loss_coef > 0 needs use_ref = true")
 

@@ -35,13 +35,13 @@ from rlx.engine.checkpoint import (
 from rlx.engine.device import resolve_device, resolve_precision
 from rlx.engine.flops import count_flops, count_generate_flops, device_peak_flops, mfu
 from rlx.engine.io import write_json
-from rlx.engine.memory import measure_phase
+from rlx.engine.memory import device_peak_bytes, host_rss_bytes, measure_phase, phase_metrics, reset_device_peak
 from rlx.engine.parallel.dist import barrier, setup
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.ppo.data import take_prompts
 from rlx.engine.records import RolloutRecord, read_prompts, write_records
-from rlx.engine.rollout.hf import HFRolloutEngine
 from rlx.engine.rollout.prompts import pad_token_id
+from rlx.engine.rollout.run import build_engine
 from rlx.engine.scoring.score import (
     Rewards,
     ScoreResult,
@@ -119,13 +119,8 @@ class PPORun:
             reward_model=self._load_reward_model(),
             ctx=self.ctx,
         )
-        self.engine = HFRolloutEngine(
-            self.trainer.model,
-            self.tokenizer,
-            self.device,
-            resolve_precision(cfg.rollout.precision, self.device),
-            self.ctx,
-        )
+        self.engine = build_engine(cfg.rollout, self.trainer.model, self.tokenizer, self.ctx)
+        self.engine_stale = False  # whether the trainer changed the weights since the engine last got them
         self.prompts = read_prompts(cfg.data.prompts)
         self.score_cfg = dataclasses.replace(
             cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
@@ -210,11 +205,18 @@ class PPORun:
             else contextlib.nullcontext()
         )
         with tracker:
-            for step in range(self.start_step + 1, cfg.steps + 1):
-                metrics, traces = self.step(step)
-                if self.ctx.is_main:
-                    tracker.log_traces(step, traces)
-                    tracker.log(step, metrics)
+            try:
+                for step in range(self.start_step + 1, cfg.steps + 1):
+
+                    def log(step: int, metrics: dict, traces: list[dict]) -> None:
+                        if self.ctx.is_main:
+                            tracker.log_traces(step, traces)
+                            tracker.log(step, metrics)
+
+                    self.step(step, log)
+            finally:
+                barrier()  # every rank is done with collectives: vllm's shutdown leaves the process group
+                self.engine.close()
         if self.ctx.is_main:
             rewards = [m.get("reward/mean") for m in read_metrics(self.run_dir / "metrics.jsonl")]
             window = min(5, len(rewards))
@@ -224,12 +226,19 @@ class PPORun:
                 f"final checkpoint {checkpoint_dir(self.run_dir, cfg.steps)}"
             )
 
-    def step(self, step: int) -> tuple[dict, list[dict]]:
-        """One iteration: (metrics, rollout trace rows); the caller logs both."""
+    def step(self, step: int, log) -> None:
+        """One iteration.  `log(step, metrics, trace rows)` is called once, before the step's checkpoint is
+        published: a run killed in between resumes from the step before and writes the line again."""
         cfg, out, step_start = self.cfg, step_dir(self.run_dir, step), time.perf_counter()
+        with measure_phase("weight_sync", self.device) as sync:
+            self._refresh_engine(step)
         with measure_phase("rollout", self.device) as phase:
             rollouts, rewards, metrics = self._sample(step)
         metrics.update(phase)
+        metrics.update(sync)
+        released = self.engine.sleep()  # the trainer gets the memory until the next rollout
+        if cfg.rollout.engine == "vllm":
+            metrics["memory/rollout_engine_released_gb"] = released / 2**30
         with measure_phase("score", self.device) as phase:
             score_cfg = dataclasses.replace(self.score_cfg, kl_coef=self.kl_coef, filter_groups=False)
             result = score_rollouts(rollouts, score_cfg, self.models, cfg.rollout.train_temperature, rewards=rewards)
@@ -243,14 +252,22 @@ class PPORun:
         with measure_phase("train", self.device) as phase:
             metrics.update(self._train(step, result))
         metrics.update(phase)
-        with measure_phase("save", self.device) as phase:
-            if step % cfg.save_every == 0 or step == cfg.steps:
-                self._save(step)
-        metrics.update(phase)
-        metrics["timing/step_s"] = time.perf_counter() - step_start
-        metrics.update(self._flops_metrics(rollouts, metrics))
-        traces = select_traces(rollouts, result.scores, cfg.tracking.traces_per_step, seed=cfg.seed + step)
-        return metrics, traces
+        reset_device_peak(self.device)
+        save_start = time.perf_counter()
+
+        def finish() -> None:
+            now = time.perf_counter()
+            metrics.update(phase_metrics("save", now - save_start, device_peak_bytes(self.device), host_rss_bytes()))
+            metrics["timing/step_s"] = now - step_start
+            metrics.update(self._flops_metrics(rollouts, metrics))
+            traces = select_traces(rollouts, result.scores, cfg.tracking.traces_per_step, seed=cfg.seed + step)
+            log(step, metrics, traces)
+
+        saving = step % cfg.save_every == 0 or step == cfg.steps
+        if saving:
+            self._save(step, before_publish=finish)  # rank 0 logs from inside the save
+        if not saving or not self.ctx.is_main:
+            finish()
 
     def _flops_metrics(self, rollouts: list[RolloutRecord], metrics: dict) -> dict:
         """Model FLOPs of the step (generation, scoring forwards, training) and MFU against the device peak."""
@@ -275,6 +292,16 @@ class PPORun:
         if peak:
             out["perf/mfu"] = mfu(out["perf/flops"], metrics["timing/step_s"], peak)
         return out
+
+    def _refresh_engine(self, step: int) -> None:
+        """Wake the rollout engine and give it the weights the last train step wrote (vllm; a no-op for hf)."""
+        if not self.engine_stale:
+            return
+        path = None
+        if self.cfg.rollout.engine == "vllm" and self.cfg.rollout.weight_sync == "disk":
+            path = checkpoint_dir(self.run_dir, step - 1)
+        self.engine.wake(model=self.trainer.model if path is None else None, path=path)
+        self.engine_stale = False
 
     def _sample(self, step: int) -> tuple[list[RolloutRecord], Rewards | None, dict]:
         """Rollouts for the step.  With score.filter_groups (DAPO dynamic sampling), batches of prompts
@@ -330,10 +357,12 @@ class PPORun:
             metrics.update(self.critic.train_step(result.batch, step - 1))
         if step > warmup:
             metrics.update(self.trainer.train_step(result.batch, step - 1 - warmup))
+            self.engine_stale = True
         return metrics
 
-    def _save(self, step: int) -> None:
-        """Gather the weights and optimizer states (all ranks take part) and write them on rank 0."""
+    def _save(self, step: int, before_publish=None) -> None:
+        """Gather the weights and optimizer states (all ranks take part) and write them on rank 0, calling
+        `before_publish()` there once the files are written, before the folder is renamed into place."""
         meta = CheckpointMeta(
             step=step,
             data_position=self.data_position,
@@ -359,6 +388,7 @@ class PPORun:
                 optimizer_state=optimizer_state,
                 overwrite=True,
                 nested=nested,
+                before_publish=before_publish,
             )
             if self.cfg.keep_checkpoints:
                 older = sorted((self.run_dir / "checkpoints").glob("step_*"))[: -self.cfg.keep_checkpoints]

