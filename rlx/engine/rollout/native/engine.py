@@ -1,0 +1,177 @@
+"""The `native` rollout engine: continuous batching over a paged KV cache with the model rlx holds.
+
+The same contract and the same random draws as the hf engine (per-sample streams from sampling.py,
+indexed by token position), so for a seed both engines sample the same tokens up to floating-point
+differences in the logits; greedy decoding gives the same tokens. Sequences are scheduled
+continuously (scheduler.py): a finished sequence's slot is refilled by the next prefill, the N samples
+of a prompt share the cache blocks of its prefix (blocks.py), and the KV cache is sized from free
+device memory (that fraction of it: `rollout.gpu_memory_utilization`; `rollout.kv_cache_gib` on the
+CPU or to fix it). The cache and the decode CUDA graphs are kept from one `generate` call to the next
+until `sleep()`, which `rlx ppo` calls after each rollout so the trainer has the memory.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm import tqdm
+
+from rlx.engine.parallel.dist import all_gather_objects, shard_range
+from rlx.engine.records import PromptRecord, RolloutRecord
+from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.native.blocks import BlockManager, Sequence
+from rlx.engine.rollout.native.runner import ModelRunner
+from rlx.engine.rollout.native.scheduler import Scheduler
+from rlx.engine.rollout.prompts import stop_token_ids
+from rlx.engine.rollout.requests import Generated, build_requests, to_record
+from rlx.engine.rollout.sampling import draw_tokens, filter_logits, sample_uniforms
+from rlx.errors import UserError
+
+_GIB = 1 << 30
+
+
+class NativeRolloutEngine:
+    """Generates with `model` itself (no copy of its weights) through a paged KV cache."""
+
+    def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, cfg: RolloutConfig, ctx=None):
+        if ctx is not None and ctx.distributed and type(model).__name__.startswith("FSDP"):
+            raise UserError("rollout engine 'native' does not run FSDP-sharded models yet: use engine 'hf' or 'vllm'")
+        self.model, self.tokenizer, self.device, self.dtype, self.cfg = model, tokenizer, device, dtype, cfg
+        self.ctx = ctx if ctx is not None and ctx.distributed else None
+        self.stop_ids = stop_token_ids(model, tokenizer)
+        self.block_size = cfg.block_size
+        self.last_stats: dict[str, float] = {}
+        self._runner: ModelRunner | None = None
+
+    def sleep(self) -> float:
+        """Free the KV cache and CUDA graphs kept from the last `generate` (the trainer gets the memory);
+        returns the bytes released."""
+        if self._runner is None:
+            return 0.0
+        freed = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in self._runner.kv)
+        self._runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return float(freed)
+
+    def wake(self, model=None, path=None) -> float:
+        """Nothing to refresh: the engine generates with the trainer's own module."""
+        return 0.0
+
+    def close(self) -> None:
+        """Nothing to shut down."""
+
+    def _num_blocks(self, seqs: list[Sequence]) -> int:
+        """On CUDA, what the memory budget allows (kept across calls); elsewhere blocks for every sequence
+        at its longest, or what the budget allows if fewer."""
+        if self.device.type == "cuda" and not self.cfg.kv_cache_gib:
+            return self._budget_blocks()
+        return min(self._needed(seqs), self._budget_blocks())
+
+    def _needed(self, seqs: list[Sequence]) -> int:
+        return 1 + sum(-(-(len(s.prompt_ids) + s.max_tokens) // self.block_size) for s in seqs)
+
+    def _budget_blocks(self) -> int:
+        per_block = ModelRunner.bytes_per_block(self.model.config, self.block_size, self.dtype)
+        if self.cfg.kv_cache_gib:
+            budget = self.cfg.kv_cache_gib * _GIB
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * self.cfg.gpu_memory_utilization
+        else:
+            budget = 1 * _GIB
+        if budget < 2 * per_block:
+            raise UserError(
+                f"no room for a KV cache ({budget / _GIB:.2f} GiB): raise rollout.gpu_memory_utilization or "
+                f"set rollout.kv_cache_gib"
+            )
+        return int(budget // per_block)
+
+    def generate(self, prompts: list[PromptRecord], cfg: RolloutConfig, progress: bool = True) -> list[RolloutRecord]:
+        """N responses per prompt, in prompt order then sample order."""
+        requests = build_requests(prompts, self.tokenizer, cfg)
+        local = shard_range(len(requests), self.ctx.rank, self.ctx.world) if self.ctx else range(len(requests))
+        mine = [requests[i] for i in local]
+        uniforms = sample_uniforms(cfg.seed, [r.sample_id for r in mine], cfg.max_new_tokens)
+        seqs = [
+            Sequence(i, r.prompt_ids, cfg.max_new_tokens, greedy=r.greedy or cfg.temperature == 0)
+            for i, r in enumerate(mine)
+        ]
+        was_training = self.model.training
+        self.model.eval()
+        start = time.perf_counter()
+        runner = self._runner_for(seqs, cfg)
+        blocks = runner.blocks
+        scheduler = Scheduler(blocks, cfg.max_num_seqs, cfg.max_prefill_tokens)
+        for seq in seqs:
+            try:
+                scheduler.add(seq)
+            except ValueError as e:
+                raise UserError(f"request {mine[seq.index].sample_id}: {e}; raise rollout.kv_cache_gib") from None
+        show = progress and (self.ctx is None or self.ctx.is_main)
+        bar = tqdm(total=len(seqs), desc="rollout", unit="seq", disable=None if show else True, leave=False)
+        try:
+            while not scheduler.done:
+                step = scheduler.schedule()
+                logits = runner.forward(step.seqs, decode=step.kind == "decode")
+                finished = self._advance(step.seqs, logits, uniforms, cfg, scheduler)
+                bar.update(finished)
+        finally:
+            bar.close()
+            self.model.train(was_training)
+        results = [Generated(s.output_ids, s.logprobs, s.finish_reason) for s in seqs]
+        generated = sum(len(s.output_ids) for s in seqs)
+        if self.ctx:
+            results = [g for part in all_gather_objects(results) for g in part]
+            generated = sum(len(g.response_ids) for g in results)
+        seconds = time.perf_counter() - start
+        self.last_stats = {
+            "rollout/tokens": float(generated),
+            "timing/generate_s": seconds,
+            "perf/rollout_tokens_per_s": generated / max(seconds, 1e-9),
+            "rollout/preemptions": float(scheduler.preemptions),
+        }
+        return [to_record(r, g, self.tokenizer, cfg.temperature) for r, g in zip(requests, results)]
+
+    def _runner_for(self, seqs: list[Sequence], cfg: RolloutConfig) -> ModelRunner:
+        """The KV cache (and decode graphs) of the last call when they fit these sequences, else new ones;
+        the block manager always starts empty."""
+        longest = max((len(s.prompt_ids) + s.max_tokens for s in seqs), default=1)
+        width = -(-longest // self.block_size)
+        graphs = cfg.max_num_seqs if cfg.cuda_graphs else 0
+        old = self._runner
+        budget_sized = self.device.type == "cuda" and not self.cfg.kv_cache_gib
+        if (
+            old is not None
+            and old.max_blocks >= width
+            and old.max_batch == graphs
+            and (budget_sized or old.blocks.num_blocks >= self._needed(seqs))
+        ):
+            old.blocks = BlockManager(old.blocks.num_blocks, self.block_size)
+            return old
+        self.sleep()  # free the old cache before measuring the memory for the new one
+        blocks = BlockManager(self._num_blocks(seqs), self.block_size)
+        self._runner = ModelRunner(self.model, self.device, self.dtype, blocks, width, graphs)
+        return self._runner
+
+    def _advance(self, seqs: list[Sequence], logits: torch.Tensor, uniforms, cfg: RolloutConfig, scheduler) -> int:
+        """Sample each sequence's next token (as the hf engine does), append it, finish stopped sequences."""
+        scaled = logits / cfg.train_temperature
+        token_logprobs = torch.log_softmax(scaled, dim=-1)
+        tokens = logits.argmax(dim=-1)
+        greedy = torch.tensor([s.greedy for s in seqs], device=logits.device)
+        if not bool(greedy.all()):
+            draws = uniforms[[s.index for s in seqs], [len(s.output_ids) for s in seqs]]
+            sampled = draw_tokens(filter_logits(scaled, cfg.top_k, cfg.top_p), draws)
+            tokens = torch.where(greedy, tokens, sampled)
+        chosen = token_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        finished = 0
+        for seq, token, logprob in zip(seqs, tokens.tolist(), chosen.tolist()):
+            seq.num_computed = len(seq)
+            seq.output_ids.append(token)
+            seq.logprobs.append(logprob)
+            if token in self.stop_ids or len(seq.output_ids) >= seq.max_tokens:
+                scheduler.finish(seq, "stop" if token in self.stop_ids else "length")
+                finished += 1
+        return finished

@@ -1,0 +1,276 @@
+"""Decode-step attention over a paged KV cache (one query token per sequence).
+
+Layout, per layer: `k_cache` and `v_cache` are [num_blocks, block_size, num_kv_heads, head_dim]; token t of
+sequence b lives in block `block_tables[b, t // block_size]` at offset `t % block_size` (flat slot
+`block_id * block_size + offset`, the index `write_kv` takes). `paged_decode_attention*` computes, for each
+sequence and query head, softmax(q . K[:context_len] * scale) @ V[:context_len] with grouped-query heads
+(query head h reads kv head h // (num_heads // num_kv_heads)), softmax in float32. The Triton kernel (online
+softmax, one program per (sequence, kv head) covering that kv head's query heads) runs on CUDA; the pure
+PyTorch reference runs anywhere. `paged_decode_attention` picks one (RLX_PAGED_ATTENTION=torch|triton forces).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import os
+from typing import Any
+
+import torch
+
+IMPLS = ("auto", "torch", "triton")
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Write new keys/values into the caches in place.
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+    slot_mapping: [T] integer flat slots (block_id * block_size + offset), each valid (no -1 padding) and distinct.
+    k, v: [T, num_kv_heads, head_dim] (cast to the cache dtype).
+    """
+    _, _, kv_heads, head_dim = k_cache.shape
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor) -> int:
+    """Validate shapes (no device sync); return the GQA group size num_heads // num_kv_heads."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected q [B, H, D] and caches [blocks, block_size, kv_heads, D]; got {tuple(q.shape)}, "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    batch, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or heads % kv_heads:
+        raise ValueError(f"head_dim {head_dim} vs {k_cache.shape[3]}, or {heads} heads not a multiple of {kv_heads}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [B={batch}, max_blocks]; got {tuple(block_tables.shape)}")
+    return heads // kv_heads
+
+
+def paged_decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Reference: gather each sequence's blocks, mask positions >= context_len, float32 softmax, weighted sum.
+
+    q: [B, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+    block_tables: [B, max_blocks] int (entries past a sequence's last block are ignored);
+    context_lens: [B] int, tokens in the cache per sequence including the current one.
+    Returns [B, num_heads, head_dim] in q's dtype (zeros for a sequence with context_len 0).
+    """
+    group = _check_shapes(q, k_cache, v_cache, block_tables)
+    batch, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    ctx = context_lens.to(device=q.device, dtype=torch.long)
+    max_ctx = int(ctx.max()) if batch else 0
+    n_blocks = max(1, -(-max_ctx // block_size))
+    if n_blocks > block_tables.shape[1]:
+        raise ValueError(f"context length {max_ctx} needs {n_blocks} blocks; block_tables has {block_tables.shape[1]}")
+    pages = block_tables[:, :n_blocks].to(device=q.device, dtype=torch.long)
+    # entries past a sequence's length may be anything (-1, stale ids): point them at block 0, masked below
+    pages = torch.where(torch.arange(n_blocks, device=q.device)[None] * block_size < ctx[:, None], pages, 0)
+    keys = k_cache[pages].reshape(batch, n_blocks * block_size, kv_heads, head_dim).float()
+    values = v_cache[pages].reshape(batch, n_blocks * block_size, kv_heads, head_dim).float()
+    valid = torch.arange(n_blocks * block_size, device=q.device)[None] < ctx[:, None]  # [B, T]
+    scores = torch.einsum("bkgd,btkd->bkgt", q.float().view(batch, kv_heads, group, head_dim), keys) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty context gives NaN rows: zeros instead
+    out = torch.einsum("bkgt,btkd->bkgd", probs, values)
+    return out.reshape(batch, heads, head_dim).to(q.dtype)
+
+
+def triton_available() -> bool:
+    """Whether triton can be imported (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> Any:
+    """Define the Triton kernel on first use, so importing this module needs no triton and TRITON_INTERPRET
+    (read when the kernel is defined) may be set until the first call."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        bt_ptr,
+        ctx_ptr,
+        out_ptr,
+        scale_log2,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        stride_btb,
+        stride_ob,
+        stride_oh,
+        BLOCK_SIZE: tl.constexpr,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        DIM_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        INTERPRET_TOKENS: tl.constexpr,
+    ):
+        """One program per (sequence, kv head): its GROUP query heads against the sequence's cached tokens,
+        BLOCK_N tokens per step (each token finds its block through the block table), online softmax in
+        base 2, float32 accumulators. Padded heads / dims load zeros and are not stored. Under the interpreter,
+        the constexpr INTERPRET_TOKENS (max_blocks * block_size) bounds the loop instead of the loaded context
+        length (the interpreter's loaded scalars are 1-element arrays, which NumPy >= 2.5 refuses as an index);
+        the extra steps are fully masked. 0 on the GPU."""
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        ctx = tl.load(ctx_ptr + seq)
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, DIM_PAD)
+        offs_n = tl.arange(0, BLOCK_N)
+        g_mask = offs_g < GROUP
+        d_mask = offs_d < HEAD_DIM
+        heads = kvh * GROUP + offs_g
+        q = tl.load(
+            q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(k_ptr.dtype.element_ty)
+        m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
+        # (the bound stays inline: the interpreter turns every assigned value into a tensor, a constexpr too)
+        for start in range(0, INTERPRET_TOKENS if INTERPRET_TOKENS > 0 else ctx, BLOCK_N):
+            pos = start + offs_n
+            n_mask = pos < ctx
+            block = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            within = pos % BLOCK_SIZE
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(
+                k_ptr + (block * stride_kb + within * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            v = tl.load(
+                v_ptr + (block * stride_vb + within * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") if IEEE else tl.dot(q, tl.trans(k))
+            s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no step has seen a token yet: no NaN
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee") if IEEE else tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # context_len 0: zeros
+        tl.store(
+            out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+
+    return _paged_decode_kernel
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Triton kernel; same arguments, result and masking as `paged_decode_attention_torch`, without a device sync.
+
+    The caller guarantees what is not checked here: block_tables has ceil(context_len / block_size) valid block
+    ids per sequence, and every context_len <= max_blocks * block_size. q, the caches and the output may be any
+    float dtype; the last dim of q and the caches must be contiguous. block_n (tokens per step, a power of 2
+    >= 16) and num_warps override the defaults (tuning). Runs on CUDA, or on the CPU under TRITON_INTERPRET=1.
+    """
+    group = _check_shapes(q, k_cache, v_cache, block_tables)
+    batch, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    block_tables = block_tables.to(torch.int32).contiguous()  # no-ops for int32 contiguous inputs
+    context_lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if batch == 0:
+        return out
+    block_n = block_n or (16 if q.device.type != "cuda" else 64)
+    _kernel()[(batch, kv_heads)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        GROUP_PAD=max(16, _next_pow2(group)),  # tl.dot needs every dim >= 16
+        DIM_PAD=max(16, _next_pow2(head_dim)),
+        BLOCK_N=block_n,
+        IEEE=k_cache.dtype == torch.float32,  # float32 caches: exact fp32 dots, not TF32
+        INTERPRET_TOKENS=block_tables.shape[1] * block_size if os.environ.get("TRITON_INTERPRET") == "1" else 0,
+        num_warps=num_warps or 4,
+    )
+    return out
+
+
+def resolve_impl(device: torch.device, impl: str | None = None) -> str:
+    """'torch' or 'triton' for `device`: RLX_PAGED_ATTENTION (or `impl`) = auto|torch|triton; auto picks Triton
+    on CUDA when triton imports."""
+    impl = (impl or os.environ.get("RLX_PAGED_ATTENTION") or "auto").strip().lower()
+    if impl not in IMPLS:
+        raise ValueError(f"RLX_PAGED_ATTENTION={impl!r}; valid: {', '.join(IMPLS)}")
+    if impl == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    return impl
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention over the paged cache: Triton on CUDA (when triton imports), else the PyTorch reference;
+    RLX_PAGED_ATTENTION=torch|triton forces one. Shapes as in `paged_decode_attention_torch`."""
+    fn = paged_decode_attention_triton if resolve_impl(q.device) == "triton" else paged_decode_attention_torch
+    return fn(q, k_cache, v_cache, block_tables, context_lens, scale)
