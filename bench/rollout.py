@@ -33,22 +33,12 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.train_step import QWEN2_05B  # noqa: E402 (the same Qwen2-0.5B shape as the train-step benchmark)
 from rlx.engine.records import PromptRecord  # noqa: E402
 from rlx.engine.rollout.config import RolloutConfig  # noqa: E402
 from rlx.engine.rollout.run import build_engine  # noqa: E402
 from rlx.models.tiny import build_char_tokenizer  # noqa: E402
 
-QWEN2_05B = dict(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    tie_word_embeddings=True,
-)
 SMOLLM2_SHAPE = dict(
     hidden_size=576,
     intermediate_size=1536,
