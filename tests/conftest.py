@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 # CPU tests stay on the CPU even on a GPU machine (exact float32 comparisons); GPU tests opt in.
@@ -44,6 +46,22 @@ def cli_ok(*args: str | Path, input: str | None = None) -> Result:
     result = cli(*args, input=input)
     assert result.exit_code == 0, result
     return result
+
+
+def run_torchrun(n: int, *args: str | Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node n ARGS` (a script, or '-m', 'rlx', ...) with gloo on CPU, one thread per rank;
+    fails the test with the output tail on error."""
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--rdzv-endpoint=localhost:0"]
+    command += ["--rdzv-backend=c10d", *[str(a) for a in args]]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
+    return out
 
 
 def read_jsonl(path: Path) -> list[dict]:

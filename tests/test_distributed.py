@@ -3,36 +3,20 @@ token budgets, offload and checkpointing change nothing."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rlx.models.loading import read_weights
-from tests.conftest import cli_ok, rollout_args
+from tests.conftest import cli_ok, rollout_args, run_torchrun
 
 TRAIN = ["--lr", "1e-4", "--mini-batch-size", "12", "--micro-batch-size", "3", "--epochs", "2"]
 
 
 def torchrun(n: int, *args, timeout: int = 600) -> subprocess.CompletedProcess:
     """`rlx ARGS` in n processes (gloo on CPU); fails the test with the output tail on error."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={n}",
-        "--rdzv-endpoint=localhost:0",
-        "--rdzv-backend=c10d",
-        "-m",
-        "rlx",
-        *[str(a) for a in args],
-    ]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
-    return out
+    return run_torchrun(n, "-m", "rlx", *args, timeout=timeout)
 
 
 def max_diff(a: Path, b: Path) -> float:

