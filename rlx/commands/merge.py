@@ -11,7 +11,10 @@ from rlx.commands._common import reporting
 
 def merge(
     checkpoint: Annotated[
-        str, typer.Option(metavar="DIR", help="rlx checkpoint folder (from `rlx shard`, `train-step` or `ppo`).")
+        str,
+        typer.Option(
+            metavar="DIR", help="rlx checkpoint folder of any layout (from `rlx shard`, `train-step` or `ppo`)."
+        ),
     ],
     out: Annotated[str, typer.Option(metavar="PATH", help="Hugging Face model folder to create (written atomically).")],
     dtype: Annotated[

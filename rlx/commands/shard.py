@@ -24,10 +24,28 @@ def shard(
         str,
         typer.Option(
             metavar="NAME",
-            help="Weight layout: 'single' (full weights in safetensors) or 'fsdp' (a sharded "
-            "torch.distributed.checkpoint that any number of ranks reads and writes in parallel).",
+            help="Weight layout: 'single' (full weights in safetensors), 'fsdp' (a sharded "
+            "torch.distributed.checkpoint that any number of ranks reads and writes in parallel) or 'megatron' "
+            "(one megatron-core state per tensor x pipeline rank, mp_rank_TT_PPP/; Llama and Qwen2 models).",
         ),
     ] = "single",
+    tp: Annotated[
+        int | None,
+        typer.Option(
+            metavar="N",
+            help="Tensor-parallel degree of --layout megatron (default 1): each layer's attention heads, MLP "
+            "width and vocabulary are split over N ranks; N must divide the attention heads, key/value heads "
+            "and MLP width.",
+        ),
+    ] = None,
+    pp: Annotated[
+        int | None,
+        typer.Option(
+            metavar="M",
+            help="Pipeline-parallel degree of --layout megatron (default 1): the layers are cut into M stages "
+            "of equal size; M must divide the number of layers.",
+        ),
+    ] = None,
     init: Annotated[
         str,
         typer.Option(
@@ -51,7 +69,7 @@ def shard(
 ) -> None:
     """Lay a model out for training: an rlx checkpoint at step 0 (weights, config, tokenizer, rlx.json).
 
-    With the default layout and dtype, `rlx shard` then `rlx merge` gives back bit-identical tensors.
+    With the default dtype, `rlx shard` then `rlx merge` gives back bit-identical tensors (any layout).
     """
     with reporting("shard"):
         if init not in ("pretrained", "random"):
@@ -60,4 +78,15 @@ def shard(
 
         if role not in ("actor", "critic"):
             raise UserError(f"--role {role!r}: expected 'actor' or 'critic'")
-        shard_model(model, out, layout=layout, init=init, seed=seed, dtype=dtype, overwrite=overwrite, role=role)
+        shard_model(
+            model,
+            out,
+            layout=layout,
+            init=init,
+            seed=seed,
+            dtype=dtype,
+            overwrite=overwrite,
+            role=role,
+            tp_degree=tp,
+            pp_degree=pp,
+        )

@@ -1,5 +1,6 @@
 """rlx checkpoint dirs: an HF model dir plus optimizer state and `rlx.json` (the 'fsdp' layout keeps
-weights and optimizer state in a sharded DCP folder instead: see rlx/engine/parallel/dcp.py).
+weights and optimizer state in a sharded DCP folder instead: see rlx/engine/parallel/dcp.py; the
+'megatron' layout one folder per tensor x pipeline rank: see rlx/engine/megatron/checkpoint.py).
 
     CKPT/
       rlx.json                   layout, step, data position, optimizer hyper-parameters, provenance
@@ -8,7 +9,8 @@ weights and optimizer state in a sharded DCP folder instead: see rlx/engine/para
       optimizer.safetensors      optimizer state per parameter name (after a train step)
 
 Because the folder is also a valid Hugging Face model dir, every command that reads a model accepts
-a checkpoint. Checkpoints are written under a temporary name and renamed into place.
+a checkpoint; for the sharded layouts, `read_full_checkpoint_weights` gathers the full Hugging Face
+weights first. Checkpoints are written under a temporary name and renamed into place.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from safetensors.torch import save_file
 from rlx import __version__
 from rlx.engine.io import atomic_dir, read_json
 from rlx.errors import UserError
-from rlx.models.loading import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, read_safetensors
+from rlx.models.loading import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, read_safetensors, read_weights
 
 META_NAME = "rlx.json"
 OPTIMIZER_NAME = "optimizer.safetensors"
 FORMAT_VERSION = 1
-LAYOUTS = ("single", "fsdp")
+LAYOUTS = ("single", "fsdp", "megatron")
 MAX_SHARD_SIZE = "5GB"
 _NOT_AUX = {META_NAME, OPTIMIZER_NAME, WEIGHTS_INDEX_NAME}
 
@@ -43,7 +45,12 @@ class CheckpointMeta:
     format_version: int = FORMAT_VERSION
     """Version of the checkpoint format."""
     layout: str = "single"
-    """Weight layout: 'single' (full weights in safetensors) or 'fsdp' (a sharded torch.distributed.checkpoint)."""
+    """Weight layout: 'single' (full weights in safetensors), 'fsdp' (a sharded torch.distributed.checkpoint) or
+    'megatron' (one megatron-core state per tensor x pipeline rank)."""
+    tp_degree: int | None = None
+    """Tensor-parallel degree the 'megatron' layout was written with (None for the other layouts)."""
+    pp_degree: int | None = None
+    """Pipeline-parallel degree the 'megatron' layout was written with (None for the other layouts)."""
     step: int = 0
     """Number of training steps applied since `rlx shard` (0 for a fresh shard)."""
     data_position: int | None = None
@@ -71,6 +78,11 @@ class CheckpointMeta:
             )
         if meta.layout not in LAYOUTS:
             raise UserError(f"{path}: layout {meta.layout!r} is not supported here (known: {', '.join(LAYOUTS)})")
+        if meta.layout == "megatron":
+            for name in ("tp_degree", "pp_degree"):
+                value = getattr(meta, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise UserError(f"{path}: layout 'megatron' needs '{name}' (a positive integer), got {value!r}")
         return meta
 
 
@@ -142,18 +154,33 @@ class CheckpointContent:
     optimizer_state: dict[str, torch.Tensor] | None = None
 
 
+def write_aux(folder: Path, aux: dict[str, bytes]) -> None:
+    """Write config, tokenizer and other non-weight files byte for byte."""
+    for name, data in aux.items():
+        (folder / name).write_bytes(data)
+
+
+def write_optimizer_state(folder: Path, state: dict[str, torch.Tensor]) -> None:
+    """Write optimizer tensors keyed '<param>::<state key>' to OPTIMIZER_NAME."""
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in state.items()},
+        str(folder / OPTIMIZER_NAME),
+        metadata={"format": "rlx-optimizer"},
+    )
+
+
+def write_meta(folder: Path, meta: CheckpointMeta) -> None:
+    """Write rlx.json (the marker that the checkpoint is complete: written last)."""
+    (folder / META_NAME).write_text(json.dumps(dataclasses.asdict(meta), indent=2) + "\n")
+
+
 def write_checkpoint(folder: Path, content: CheckpointContent) -> None:
     """Write a checkpoint's files into an existing (temporary) folder."""
-    for name, data in content.aux.items():
-        (folder / name).write_bytes(data)
+    write_aux(folder, content.aux)
     write_weights(folder, content.weights)
     if content.optimizer_state is not None:
-        save_file(
-            {k: v.detach().cpu().contiguous() for k, v in content.optimizer_state.items()},
-            str(folder / OPTIMIZER_NAME),
-            metadata={"format": "rlx-optimizer"},
-        )
-    (folder / META_NAME).write_text(json.dumps(dataclasses.asdict(content.meta), indent=2) + "\n")
+        write_optimizer_state(folder, content.optimizer_state)
+    write_meta(folder, content.meta)
 
 
 def save_checkpoint(
@@ -183,10 +210,37 @@ def save_checkpoint(
 
 
 def load_optimizer_state(folder: Path) -> dict[str, torch.Tensor] | None:
-    """The stored optimizer tensors of a checkpoint (either layout, unsharded), or None when it has none."""
+    """The stored optimizer tensors of a 'single' or 'fsdp' checkpoint (unsharded), or None when it has none.
+
+    A 'megatron' checkpoint keeps its optimizer state per tensor x pipeline rank, keyed by megatron
+    parameter names: only the megatron trainer reads it (rlx.engine.megatron.checkpoint.read_rank_optimizer),
+    so this returns None there and a Hugging Face trainer starting from it starts a fresh optimizer."""
+    from rlx.engine.megatron.checkpoint import is_megatron_checkpoint
     from rlx.engine.parallel.dcp import is_dcp_checkpoint, read_full_optimizer
 
     if is_dcp_checkpoint(folder):
         return read_full_optimizer(folder)
+    if is_megatron_checkpoint(folder):
+        return None
     path = Path(folder) / OPTIMIZER_NAME
     return read_safetensors(path) if path.is_file() else None
+
+
+def is_sharded_checkpoint(folder: Path) -> bool:
+    """True for a checkpoint whose weights are not Hugging Face files ('fsdp' or 'megatron' layout)."""
+    from rlx.engine.megatron.checkpoint import is_megatron_checkpoint
+    from rlx.engine.parallel.dcp import is_dcp_checkpoint
+
+    return is_dcp_checkpoint(folder) or is_megatron_checkpoint(folder)
+
+
+def read_full_checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Full weights with Hugging Face names (stored dtypes) of a model dir or checkpoint of any layout."""
+    from rlx.engine.megatron import checkpoint as megatron
+    from rlx.engine.parallel import dcp
+
+    if dcp.is_dcp_checkpoint(folder):
+        return dcp.read_full_weights(folder)
+    if megatron.is_megatron_checkpoint(folder):
+        return megatron.read_full_weights(folder)
+    return read_weights(Path(folder))

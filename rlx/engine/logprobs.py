@@ -271,6 +271,8 @@ def batched_response_logprobs(
     """Logprobs [B, R] (float32, CPU, zero at masked positions) computed in micro-batches without grad,
     split across ranks under a launcher (see `sharded_forward`)."""
     keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+    if getattr(model, "is_megatron", False):  # a MegatronScoringModel: its own pipelines and data parallel
+        return model.batched(tensors, temperature, dtype, micro_batch_size, impl)
 
     def forward(part):
         part = {k: part[k].to(device) for k in keys}

@@ -1,5 +1,9 @@
 """Find and load models: Hugging Face dirs, rlx checkpoint dirs (which are HF dirs too) and GGUF files.
 
+Checkpoints of the sharded layouts ('fsdp', 'megatron') are loaded by gathering their full Hugging
+Face weights first (rlx.engine.checkpoint.read_full_checkpoint_weights), so every command that reads
+a model accepts them.
+
 Every failure a user can cause (missing dir, no config, truncated or foreign weights, missing keys)
 becomes a UserError that names the path and what was expected.
 """
@@ -231,12 +235,12 @@ def init_random_model(config, seed: int):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def load_from_dcp(auto_cls, source: ModelSource, dtype: torch.dtype | None = torch.float32):
-    """A model of an 'fsdp'-layout checkpoint: built from config.json, then the unsharded DCP weights."""
-    from rlx.engine.parallel.dcp import read_full_weights
+def load_from_sharded_checkpoint(auto_cls, source: ModelSource, dtype: torch.dtype | None = torch.float32):
+    """A model of an 'fsdp' or 'megatron' checkpoint: built from config.json, then its full weights."""
+    from rlx.engine.checkpoint import read_full_checkpoint_weights
 
     model = auto_cls.from_config(load_config(source), dtype=torch.float32)
-    weights = read_full_weights(source.path)
+    weights = read_full_checkpoint_weights(source.path)
     check_weights_match(model, weights, source.path)
     model.load_state_dict(weights, strict=False)
     model.tie_weights()
@@ -244,14 +248,14 @@ def load_from_dcp(auto_cls, source: ModelSource, dtype: torch.dtype | None = tor
 
 
 def load_causal_lm(source: ModelSource, dtype: torch.dtype | None = torch.float32):
-    """Load a causal LM from an HF dir, an rlx checkpoint (either layout) or a GGUF file (CPU, `dtype`)."""
+    """Load a causal LM from an HF dir, an rlx checkpoint (any layout) or a GGUF file (CPU, `dtype`)."""
     from transformers import AutoModelForCausalLM
 
-    from rlx.engine.parallel.dcp import is_dcp_checkpoint
+    from rlx.engine.checkpoint import is_sharded_checkpoint
 
     quiet_transformers()
-    if not source.is_gguf and is_dcp_checkpoint(source.path):
-        return load_from_dcp(AutoModelForCausalLM, source, dtype)
+    if not source.is_gguf and is_sharded_checkpoint(source.path):
+        return load_from_sharded_checkpoint(AutoModelForCausalLM, source, dtype)
     if not source.is_gguf:
         for path in weight_files(source.path):
             _check_safetensors_header(path)

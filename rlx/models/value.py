@@ -61,11 +61,11 @@ def load_value_model(source: ModelSource, dtype: torch.dtype = torch.float32):
             f"{source.path}: not a value model (expected a *ForTokenClassification config with "
             f"num_labels = 1); make one with `rlx shard --role critic --model POLICY`"
         )
-    from rlx.engine.parallel.dcp import is_dcp_checkpoint
-    from rlx.models.loading import load_from_dcp
+    from rlx.engine.checkpoint import is_sharded_checkpoint
+    from rlx.models.loading import load_from_sharded_checkpoint
 
-    if is_dcp_checkpoint(source.path):
-        return load_from_dcp(AutoModelForTokenClassification, source, dtype)
+    if is_sharded_checkpoint(source.path):  # 'fsdp' or 'megatron' layout
+        return load_from_sharded_checkpoint(AutoModelForTokenClassification, source, dtype)
     try:
         return AutoModelForTokenClassification.from_pretrained(source.folder, dtype=dtype)
     except (OSError, ValueError, RuntimeError) as e:

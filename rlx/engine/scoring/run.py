@@ -52,19 +52,27 @@ def load_scoring_models(cfg: ScoreConfig, actor: str, ref: str | None, critic: s
         ctx=ctx,
     )
     if cfg.old_logprobs == "actor":
-        models.actor = load_causal_lm(actor_source).to(device)
+        models.actor = _load(load_causal_lm, actor_source, cfg).to(device)
     if ref:
-        models.ref = load_causal_lm(resolve_source(ref, "reference model")).to(device)
+        models.ref = _load(load_causal_lm, resolve_source(ref, "reference model"), cfg).to(device)
         if models.ref.config.vocab_size != config.vocab_size:
             raise UserError(
                 f"--ref {ref}: vocabulary of {models.ref.config.vocab_size} tokens, "
                 f"but the actor has {config.vocab_size}"
             )
     if critic:
-        models.critic = load_value_model(resolve_source(critic, "critic")).to(device)
+        models.critic = _load(load_value_model, resolve_source(critic, "critic"), cfg, critic=True).to(device)
     if cfg.reward_model:
         models.reward_model = RewardModel(resolve_source(cfg.reward_model, "reward model"), device, dtype)
     return models
+
+
+def _load(loader, source, cfg: ScoreConfig, critic: bool = False):
+    """A megatron-layout checkpoint runs on megatron-core (its tp x pp; data parallel over the other
+    processes) where installed; everything else loads as a Hugging Face model."""
+    from rlx.engine.megatron.stage import load_scoring_model
+
+    return load_scoring_model(source, cfg.device, critic) or loader(source)
 
 
 def run_score(

@@ -261,6 +261,8 @@ def batched_values(
         part = {k: part[k].to(device) for k in keys}
         return (response_values(critic, **part, dtype=dtype) * part["response_mask"]).cpu()
 
+    if getattr(critic, "is_megatron", False):
+        return critic.batched(tensors, 1.0, dtype, micro_batch_size)
     critic.eval()
     return sharded_forward(forward, {k: tensors[k] for k in keys}, micro_batch_size, ctx, "values")
 

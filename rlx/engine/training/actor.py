@@ -82,9 +82,15 @@ class ActorTrainer(Trainer):
     def micro_step(
         self, t: dict[str, torch.Tensor], part: TrainBatch, norm: LossNorm, sums: dict[str, float], weight: float
     ) -> None:
+        logp, entropy = self.logprobs(t, part)
+        (self.micro_loss(t, logp, entropy, norm, sums) * weight).backward()
+
+    def micro_loss(
+        self, t: dict[str, torch.Tensor], logp: torch.Tensor, entropy: torch.Tensor, norm: LossNorm, sums: dict
+    ) -> torch.Tensor:
+        """The micro-batch's loss from its logprobs and entropy [B, R] (metric sums added to `sums`)."""
         cfg = self.cfg
         weights, mask, _ = correct(t["old_logprobs"], t["rollout_logprobs"], t["response_mask"], self.correction)
-        logp, entropy = self.logprobs(t, part)
         pg_loss, pg_sums = compute_policy_loss(
             cfg.policy_loss,
             logp,
@@ -105,7 +111,6 @@ class ActorTrainer(Trainer):
             kl_loss = aggregate(kl_estimate(logp, t["ref_logprobs"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, norm)
             loss = loss + cfg.kl_loss_coef * kl_loss
             sums["kl_loss"] += kl_loss.detach()
-        (loss * weight).backward()
         sums["pg_loss"] += pg_loss.detach()
         sums["loss"] += loss.detach()
         with torch.no_grad():
@@ -113,3 +118,4 @@ class ActorTrainer(Trainer):
             sums["tokens"] += mask.sum().detach()
         for key, value in pg_sums.items():
             sums[key] += value.detach()
+        return loss

@@ -32,6 +32,10 @@ class CriticTrainer(Trainer):
             values = packed_response_values(self.model, **inputs, dtype=self.dtype, sp_group=self.sp_group, rows=rows)
         else:
             values = response_values(self.model, **inputs, dtype=self.dtype)
+        (self.micro_loss(t, values, norm, sums) * weight).backward()
+
+    def micro_loss(self, t: dict[str, torch.Tensor], values: torch.Tensor, norm: LossNorm, sums: dict) -> torch.Tensor:
+        """The micro-batch's clipped value loss from its predicted values [B, R] (metric sums added to `sums`)."""
         loss, loss_sums = value_loss(
             values,
             t["values"],
@@ -41,9 +45,9 @@ class CriticTrainer(Trainer):
             self.cfg.cliprange_value,
             self.cfg.loss_agg_mode,
         )
-        (loss * weight).backward()
         sums["vf_loss"] += loss.detach()
         sums["vpred_mean"] += masked_sum(values.detach(), t["response_mask"]).detach()
         sums["tokens"] += t["response_mask"].sum().detach()
         for key, value in loss_sums.items():
             sums[key] += value.detach()
+        return loss

@@ -42,6 +42,12 @@ def run_train_step(
         raise UserError(f"{out}: already exists (choose another --out or pass --overwrite)")
     batch = TrainBatch.load(batch_path)
     meta = read_meta_or_default(source.path)
+    if meta.layout == "megatron":
+        from rlx.engine.megatron.run import megatron_train_step
+
+        metrics, next_meta, ctx = megatron_train_step(cfg, source, meta, batch, batch_path, out, overwrite)
+        _report(cfg, ctx, metrics, next_meta, metrics_path, out)
+        return metrics
     ctx = setup(cfg.device, cfg.sp_degree)
     model, _, aux = load_trained_policy(source, role=cfg.role)
     trainer_cls = CriticTrainer if cfg.role == "critic" else ActorTrainer
@@ -72,6 +78,12 @@ def run_train_step(
             save_checkpoint(
                 out, weights=weights, aux=aux, meta=next_meta, optimizer_state=optimizer_state, overwrite=overwrite
             )
+    _report(cfg, ctx, metrics, next_meta, metrics_path, out)
+    return metrics
+
+
+def _report(cfg: TrainConfig, ctx, metrics: dict, next_meta: CheckpointMeta, metrics_path, out: str) -> None:
+    """The metrics line and the console summary (rank 0), then wait for every rank."""
     if ctx.is_main:
         log_metrics(metrics_path, next_meta.step, metrics)
         role = cfg.role
@@ -82,4 +94,3 @@ def run_train_step(
             + (f" ({ctx.world} processes)" if ctx.distributed else "")
         )
     barrier()
-    return metrics

@@ -95,9 +95,13 @@ class Trainer:
         }
         return {"name": "adamw", "param_groups": [jsonable]}
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
     def check_batch(self, batch: TrainBatch, where: str) -> None:
         """The batch must come from a model with this vocabulary."""
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab_size
         if batch.meta.vocab_size != vocab:
             raise UserError(
                 f"{where}: batch was scored with a vocabulary of {batch.meta.vocab_size} "

@@ -1,0 +1,136 @@
+"""A model's pipeline stage on this rank: built from the HF config, loaded from a rank state, run over
+a batch's micro-batches for logprobs / values (scoring) with results on every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlx.engine.logprobs import PackedRows
+from rlx.engine.megatron.forward import head_logprobs, head_values
+from rlx.engine.megatron.parallel import MegatronContext
+from rlx.engine.megatron.schedule import MicroBatch, run_pipeline
+from rlx.errors import UserError
+from rlx.models.megatron.model import build_stage, is_critic_config, move_stage
+
+MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+
+
+def load_stage(hf_config, state: dict[str, torch.Tensor], ctx: MegatronContext, where: str):
+    """Build this rank's stage and load its megatron state (float32 parameters on ctx.device)."""
+    model = build_stage(hf_config, ctx.tp_degree, ctx.pp_degree, ctx.pp_rank)
+    expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        what = f"is missing {missing[0]}" if missing else f"has an unexpected tensor {unexpected[0]}"
+        raise UserError(f"{where}: the megatron shard of rank (tp {ctx.tp_rank}, pp {ctx.pp_rank}) {what}")
+    for name, tensor in model.state_dict().items():
+        if name in state and tuple(state[name].shape) != tuple(tensor.shape):
+            raise UserError(
+                f"{where}: {name} has shape {tuple(state[name].shape)}, expected {tuple(tensor.shape)} "
+                f"for tp {ctx.tp_degree} x pp {ctx.pp_degree}"
+            )
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    return move_stage(model, ctx.device)
+
+
+def micro_batches(tensors: dict[str, torch.Tensor], parts: list[list[int]], device: torch.device, extra=None):
+    """MicroBatch per list of row indices (packed on the CPU, then moved)."""
+    out = []
+    for index in parts:
+        rows = PackedRows.build(*(tensors[k][index] for k in MODEL_INPUTS)).to(device)
+        out.append(MicroBatch(rows=rows, extra=index if extra is None else extra(index)))
+    return out
+
+
+def stage_forward_outputs(
+    model,
+    hf_config,
+    ctx: MegatronContext,
+    tensors: dict[str, torch.Tensor],
+    micro_batch_size: int,
+    temperature: float,
+    dtype: torch.dtype,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Logprobs [B, R] (a causal LM) or values [B, R] (a critic) of every row of `tensors`, float32 on
+    the CPU on every rank (computed by this rank's pipeline; the last stage broadcasts them)."""
+    shape = tensors["response_ids"].shape
+    result = torch.zeros(shape, dtype=torch.float32)
+    size = shape[0]
+    parts = [list(range(lo, min(lo + micro_batch_size, size))) for lo in range(0, size, micro_batch_size)]
+    critic = is_critic_config(hf_config)
+
+    def head(hidden, mb):
+        part_shape = torch.Size((len(mb.extra), shape[1]))
+        if critic:
+            values = head_values(model, hidden, mb.rows, part_shape)
+        else:
+            values = head_logprobs(
+                model, ctx, hidden, mb.rows, part_shape, hf_config.vocab_size, temperature, dtype, impl
+            )[0]
+        result[mb.extra] = values.float().cpu()
+
+    model.eval()
+    run_pipeline(model, ctx, micro_batches(tensors, parts, ctx.device), head, dtype, forward_only=True)
+    if ctx.pp_degree > 1:
+        moved = result.to(ctx.device)
+        dist.broadcast(moved, src=ctx.groups["last"], group=ctx.pp_group)
+        result = moved.cpu()
+    return result
+
+
+class MegatronScoringModel:
+    """A megatron-layout checkpoint as `rlx score` uses it: this rank's stage, with logprobs (causal LM)
+    or values (critic) for every row computed by the pipelines, rows split over data-parallel ranks."""
+
+    is_megatron = True
+
+    def __init__(self, folder, hf_config, tp_degree: int, pp_degree: int, device_name: str):
+        from rlx.engine.megatron.checkpoint import read_rank_state
+        from rlx.engine.megatron.parallel import setup_megatron
+
+        self.ctx = setup_megatron(device_name, tp_degree, pp_degree)
+        self.config = hf_config
+        state = read_rank_state(folder, self.ctx.tp_rank, self.ctx.pp_rank)
+        self.model = load_stage(hf_config, state, self.ctx, str(folder))
+
+    def to(self, device: torch.device) -> MegatronScoringModel:
+        return self  # loaded on the context's device
+
+    def batched(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype, micro_batch_size: int,
+                impl: str = "auto") -> torch.Tensor:  # fmt: skip
+        """[B, R] float32 on the CPU (zero at masked positions), identical on every rank."""
+        from rlx.engine.parallel.dist import shard_range
+
+        ctx, size = self.ctx, tensors["response_ids"].shape[0]
+        mine = list(shard_range(size, ctx.dp_rank, ctx.dp_size))
+        local = {k: tensors[k][mine] for k in MODEL_INPUTS}
+        out = stage_forward_outputs(self.model, self.config, ctx, local, micro_batch_size, temperature, dtype, impl)
+        if ctx.dp_size > 1:
+            parts = [None] * ctx.dp_size
+            dist.all_gather_object(parts, (mine, out), group=ctx.dp_group)
+            full = torch.zeros(tensors["response_ids"].shape, dtype=torch.float32)
+            for rows, values in parts:
+                full[rows] = values
+            out = full
+        return out * tensors["response_mask"]
+
+
+def load_scoring_model(source, device_name: str, critic: bool):
+    """A MegatronScoringModel for a megatron-layout checkpoint when megatron-core is installed, else None
+    (the caller then loads the merged Hugging Face model). `critic`: a value model is expected."""
+    from rlx.engine.checkpoint import CheckpointMeta, is_checkpoint
+    from rlx.models.loading import load_config
+    from rlx.models.megatron.compat import megatron_version
+
+    if source.is_gguf or not is_checkpoint(source.path) or megatron_version() is None:
+        return None
+    meta = CheckpointMeta.read(source.path)
+    if meta.layout != "megatron":
+        return None
+    config = load_config(source)
+    if is_critic_config(config) != critic:
+        expected = "a value model (make one with `rlx shard --role critic`)" if critic else "a causal LM"
+        raise UserError(f"{source.path}: expected {expected}")
+    return MegatronScoringModel(source.path, config, meta.tp_degree, meta.pp_degree, device_name)

@@ -1,0 +1,161 @@
+"""Hugging Face <-> megatron-core weight maps for Llama-family models, per (tp_rank, pp_rank) shard.
+
+Megatron names are those of `GPTModel` built by rlx/models/megatron/model.py; layer indices are local
+to the pipeline stage. Per tensor-parallel rank:
+
+    embedding.word_embeddings.weight      [V_pad/tp, H]   vocabulary rows (zero rows pad V to V_pad)
+    decoder.layers.i.self_attention.linear_qkv.{weight,bias}
+                                          [G/tp * (q+2) * D, H]  per key/value group g: its q query
+                                          heads, then its key head, then its value head
+    decoder.layers.i.self_attention.linear_proj.weight   [H, Hq*D/tp]   input columns split
+    decoder.layers.i.mlp.linear_fc1.weight               [2*F/tp, H]    this rank's gate rows, then up rows
+    decoder.layers.i.mlp.linear_fc2.weight               [H, F/tp]      input columns split
+    decoder.layers.i.{input_layernorm,pre_mlp_layernorm}.weight, decoder.final_layernorm.weight: replicated
+    output_layer.weight                   [V_pad/tp, H]   last stage (also when tied and pp > 1: a copy)
+    value_head.score.{weight,bias}        [1, H], [1]     a critic's head, replicated
+
+Every map copies slices of the stored tensors (dtype kept), so HF -> megatron -> HF is bit-exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlx.errors import UserError
+from rlx.models.megatron.model import check_supported, head_dim, is_critic_config, padded_vocab_size
+
+HF_LAYER = "model.layers.{i}."
+MG_LAYER = "decoder.layers.{i}."
+REPLICATED_LAYER = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+}
+
+
+def stage_layers(num_layers: int, pp_degree: int, pp_rank: int) -> range:
+    """Global indices of the layers held by pipeline stage `pp_rank`."""
+    per = num_layers // pp_degree
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config) -> torch.Tensor:
+    """HF q/k/v projections ([Hq*D, ...], [G*D, ...]) -> megatron's grouped layout [G*(q+2)*D, ...]."""
+    groups, d = config.num_key_value_heads, head_dim(config)
+    per = config.num_attention_heads // groups
+    rest = q.shape[1:]
+    qg = q.reshape(groups, per * d, *rest)
+    return torch.cat([qg, k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)], dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(fused: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, d = config.num_key_value_heads, head_dim(config)
+    per = config.num_attention_heads // groups
+    rest = fused.shape[1:]
+    g = fused.reshape(groups, (per + 2) * d, *rest)
+    q, k, v = g.split([per * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
+    if weight.shape[0] == padded:
+        return weight
+    return torch.cat([weight, weight.new_zeros(padded - weight.shape[0], *weight.shape[1:])])
+
+
+def _get(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in weights:
+        raise UserError(f"weights are missing {name}")
+    return weights[name]
+
+
+def hf_to_megatron_shard(
+    weights: dict[str, torch.Tensor], config, tp_degree: int, pp_degree: int, tp_rank: int, pp_rank: int
+) -> dict[str, torch.Tensor]:
+    """The megatron state of rank (tp_rank, pp_rank) from full Hugging Face weights (contiguous copies)."""
+    check_supported(config, tp_degree, pp_degree)
+    tp, r = tp_degree, tp_rank
+    critic, tied = is_critic_config(config), bool(getattr(config, "tie_word_embeddings", False))
+    first, last = pp_rank == 0, pp_rank == pp_degree - 1
+    padded = padded_vocab_size(config.vocab_size, tp)
+    out: dict[str, torch.Tensor] = {}
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(tp, dim=0)[r]
+
+    def cols(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(tp, dim=1)[r]
+
+    embed = _get(weights, "model.embed_tokens.weight")
+    if first:
+        out["embedding.word_embeddings.weight"] = rows(_pad_vocab(embed, padded))
+    for local, i in enumerate(stage_layers(config.num_hidden_layers, pp_degree, pp_rank)):
+        hf, mg = HF_LAYER.format(i=i), MG_LAYER.format(i=local)
+        for src, dst in REPLICATED_LAYER.items():
+            out[mg + dst] = _get(weights, hf + src)
+        attn = hf + "self_attn."
+        qkv = [_get(weights, f"{attn}{p}_proj.weight") for p in "qkv"]
+        out[mg + "self_attention.linear_qkv.weight"] = rows(_qkv(*qkv, config))
+        if f"{attn}q_proj.bias" in weights:
+            bias = [_get(weights, f"{attn}{p}_proj.bias") for p in "qkv"]
+            out[mg + "self_attention.linear_qkv.bias"] = rows(_qkv(*bias, config))
+        out[mg + "self_attention.linear_proj.weight"] = cols(_get(weights, attn + "o_proj.weight"))
+        gate, up = _get(weights, hf + "mlp.gate_proj.weight"), _get(weights, hf + "mlp.up_proj.weight")
+        out[mg + "mlp.linear_fc1.weight"] = torch.cat([rows(gate), rows(up)])
+        out[mg + "mlp.linear_fc2.weight"] = cols(_get(weights, hf + "mlp.down_proj.weight"))
+    if last:
+        out["decoder.final_layernorm.weight"] = _get(weights, "model.norm.weight")
+        if critic:
+            out["value_head.score.weight"] = _get(weights, "score.weight")
+            out["value_head.score.bias"] = _get(weights, "score.bias")
+        elif not tied:
+            out["output_layer.weight"] = rows(_pad_vocab(_get(weights, "lm_head.weight"), padded))
+        elif pp_degree > 1:  # the last stage keeps its own copy of the tied embedding
+            out["output_layer.weight"] = rows(_pad_vocab(embed, padded))
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def hf_to_megatron(weights: dict[str, torch.Tensor], config, tp_degree: int, pp_degree: int) -> dict:
+    """{(tp_rank, pp_rank): megatron state} for every rank."""
+    return {
+        (t, p): hf_to_megatron_shard(weights, config, tp_degree, pp_degree, t, p)
+        for p in range(pp_degree)
+        for t in range(tp_degree)
+    }
+
+
+def megatron_to_hf(shards: dict, config, tp_degree: int, pp_degree: int) -> dict[str, torch.Tensor]:
+    """Full Hugging Face weights from every rank's megatron state ({(tp_rank, pp_rank): state})."""
+    check_supported(config, tp_degree, pp_degree)
+    missing = [key for key in ((t, p) for p in range(pp_degree) for t in range(tp_degree)) if key not in shards]
+    if missing:
+        raise UserError(f"megatron shards are missing rank (tp {missing[0][0]}, pp {missing[0][1]})")
+    critic, tied = is_critic_config(config), bool(getattr(config, "tie_word_embeddings", False))
+    vocab = config.vocab_size
+
+    def cat(p: int, name: str, dim: int) -> torch.Tensor:
+        return torch.cat([_get(shards[(t, p)], name) for t in range(tp_degree)], dim=dim)
+
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": cat(0, "embedding.word_embeddings.weight", 0)[:vocab]}
+    for p in range(pp_degree):
+        for local, i in enumerate(stage_layers(config.num_hidden_layers, pp_degree, p)):
+            hf, mg = HF_LAYER.format(i=i), MG_LAYER.format(i=local)
+            for dst, src in REPLICATED_LAYER.items():
+                out[hf + dst] = _get(shards[(0, p)], mg + src)
+            names = ["weight"] + (["bias"] if mg + "self_attention.linear_qkv.bias" in shards[(0, p)] else [])
+            for kind in names:
+                q, k, v = _split_qkv(cat(p, f"{mg}self_attention.linear_qkv.{kind}", 0), config)
+                for proj, tensor in zip("qkv", (q, k, v)):
+                    out[f"{hf}self_attn.{proj}_proj.{kind}"] = tensor
+            out[hf + "self_attn.o_proj.weight"] = cat(p, mg + "self_attention.linear_proj.weight", 1)
+            halves = [_get(shards[(t, p)], mg + "mlp.linear_fc1.weight").chunk(2) for t in range(tp_degree)]
+            out[hf + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
+            out[hf + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])
+            out[hf + "mlp.down_proj.weight"] = cat(p, mg + "mlp.linear_fc2.weight", 1)
+    last = shards[(0, pp_degree - 1)]
+    out["model.norm.weight"] = _get(last, "decoder.final_layernorm.weight")
+    if critic:
+        out["score.weight"] = _get(last, "value_head.score.weight")
+        out["score.bias"] = _get(last, "value_head.score.bias")
+    elif not tied:
+        out["lm_head.weight"] = cat(pp_degree - 1, "output_layer.weight", 0)[:vocab]
+    return {k: v.contiguous().clone() for k, v in out.items()}

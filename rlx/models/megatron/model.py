@@ -1,0 +1,220 @@
+"""Build a Llama-family model (Llama, Qwen2 with QKV bias) as a megatron-core `GPTModel` stage.
+
+Each rank builds its own pipeline stage (`pre_process` on the first: embedding; `post_process` on
+the last: final norm and the LM head or a critic's scalar value head) with its tensor-parallel slice
+of every linear layer. Attention inside the layers is rlx's: `CoreAttention` attends within each
+packed sequence (megatron's THD format, `cu_seqlens`) with the kernels of rlx/models/attention.py
+(flash-attn varlen when installed, torch's varlen, or exact SDPA per sequence).
+
+Only packed inputs are used: a micro-batch is one row of concatenated samples whose rotary positions
+restart per sample, so there is no padding to mask. The vocabulary is padded to a multiple of the
+tensor-parallel degree; `vocab_size` says how many rows are real (rlx never reads the rest).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from rlx.errors import UserError
+from rlx.models.attention import varlen_attention
+from rlx.models.megatron import compat
+
+FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "LlamaForTokenClassification", "Qwen2ForTokenClassification")
+
+
+def padded_vocab_size(vocab_size: int, tp_degree: int) -> int:
+    """Rows of the (vocab-parallel) embedding and LM head: the vocabulary rounded up to split evenly."""
+    return math.ceil(vocab_size / tp_degree) * tp_degree
+
+
+def rope_theta(hf_config) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    scaling = params.get("rope_type", "default") if isinstance(params, dict) else "default"
+    if scaling not in (None, "default"):
+        raise UserError(f"rope scaling {scaling!r} is not supported by the megatron backend (only plain RoPE)")
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta if theta is not None else getattr(hf_config, "rope_theta", 10000.0))
+
+
+def check_supported(hf_config, tp_degree: int, pp_degree: int, where: str = "model") -> None:
+    """Raise a UserError naming what does not fit the megatron backend."""
+    arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
+    if arch not in FAMILIES:
+        raise UserError(f"{where}: {arch} is not supported by the megatron backend (supported: Llama, Qwen2)")
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    if tp_degree < 1 or pp_degree < 1:
+        raise UserError(f"{where}: tp and pp degrees must be at least 1 (got tp {tp_degree}, pp {pp_degree})")
+    if heads % tp_degree:
+        raise UserError(f"{where}: --tp {tp_degree} does not divide the {heads} attention heads")
+    if kv_heads % tp_degree:
+        raise UserError(f"{where}: --tp {tp_degree} does not divide the {kv_heads} key/value heads")
+    if hf_config.intermediate_size % tp_degree:
+        raise UserError(f"{where}: --tp {tp_degree} does not divide the MLP width {hf_config.intermediate_size}")
+    if hf_config.num_hidden_layers % pp_degree:
+        raise UserError(f"{where}: --pp {pp_degree} does not divide the {hf_config.num_hidden_layers} layers")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise UserError(f"{where}: activation {hf_config.hidden_act!r} is not supported (SwiGLU/silu only)")
+    if getattr(hf_config, "mlp_bias", False) or (
+        arch.startswith("Llama") and getattr(hf_config, "attention_bias", False)
+    ):
+        raise UserError(f"{where}: biases on the MLP or attention output are not supported by the megatron backend")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise UserError(f"{where}: sliding-window attention is not supported by the megatron backend")
+    rope_theta(hf_config)
+
+
+def has_qkv_bias(hf_config) -> bool:
+    arch = (getattr(hf_config, "architectures", None) or [""])[0]
+    return arch.startswith("Qwen2") or bool(getattr(hf_config, "attention_bias", False))
+
+
+def head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def transformer_config(hf_config, tp_degree: int, pp_degree: int):
+    """megatron-core's TransformerConfig for an HF Llama/Qwen2 config (float32 parameters: rlx autocasts)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=head_dim(hf_config),
+        ffn_hidden_size=hf_config.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=has_qkv_bias(hf_config),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp_degree,
+        pipeline_model_parallel_size=pp_degree,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # weights always come from a checkpoint
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        pipeline_dtype=torch.float32,  # activations cross stages in float32 (rlx's schedule)
+    )
+
+
+class CoreAttention(torch.nn.Module):
+    """megatron's core-attention slot filled with rlx's packed attention: query [T, H, D], key/value
+    [T, Hkv, D] (this rank's heads) and the packing's `cu_seqlens` -> [T, H * D]."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, **_):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            raise ValueError("rlx's megatron models take packed (THD) inputs only")
+        out = varlen_attention(
+            query, key, value, packed_seq_params.cu_seqlens_q, int(packed_seq_params.max_seqlen_q), scale=self.scale
+        )
+        return out.reshape(out.shape[0], -1)
+
+
+def layer_spec():
+    """megatron-core's local (no Transformer Engine) GPT layer with RMSNorm and rlx's core attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec.submodules.self_attention.submodules.core_attention = CoreAttention
+    return spec
+
+
+class ValueHead(torch.nn.Module):
+    """A critic's scalar head on the last stage (replicated on every tensor-parallel rank)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.score = torch.nn.Linear(hidden_size, 1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.score(hidden).squeeze(-1)
+
+
+def is_critic_config(hf_config) -> bool:
+    return (getattr(hf_config, "architectures", None) or [""])[0].endswith("ForTokenClassification")
+
+
+def build_stage(hf_config, tp_degree: int, pp_degree: int, pp_rank: int):
+    """This rank's stage of the model (megatron's parallel state must already be initialised).
+
+    A critic config (`*ForTokenClassification`) gets `value_head` in place of the LM head."""
+    compat.apply()
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    check_supported(hf_config, tp_degree, pp_degree)
+    critic = is_critic_config(hf_config)
+    first, last = pp_rank == 0, pp_rank == pp_degree - 1
+    model = GPTModel(
+        config=transformer_config(hf_config, tp_degree, pp_degree),
+        transformer_layer_spec=layer_spec(),
+        vocab_size=padded_vocab_size(hf_config.vocab_size, tp_degree),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=first,
+        post_process=last,
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)) and not critic,
+        position_embedding_type="rope",
+        rotary_base=rope_theta(hf_config),
+    )
+    if critic and last:
+        model.output_layer = None
+        model.value_head = ValueHead(hf_config.hidden_size)
+    mark_tensor_parallel(model)
+    # HF's Llama/Qwen2 embeddings take padding_idx = pad_token_id: that row gets no gradient from the
+    # lookup (e.g. a sampled pad token in a response); kept so that both backends train alike
+    model.padding_idx = getattr(hf_config, "pad_token_id", None)
+    return model
+
+
+def mark_tensor_parallel(model) -> None:
+    """Tag the split parameters as megatron's initialisation would (it is skipped: weights come from a
+    checkpoint), so that norms count replicated parameters once."""
+    from megatron.core import tensor_parallel as mtp
+
+    for module in model.modules():
+        dim = {mtp.ColumnParallelLinear: 0, mtp.RowParallelLinear: 1, mtp.VocabParallelEmbedding: 0}.get(type(module))
+        if dim is None:
+            continue
+        for name in ("weight", "bias"):
+            param = getattr(module, name, None)
+            if param is None or (name == "bias" and dim == 1):  # a row-parallel bias is replicated
+                continue
+            param.tensor_model_parallel = True
+            param.partition_dim = dim if name == "weight" else 0
+            param.partition_stride = 1
+
+
+def move_stage(model, device: torch.device):
+    """`.to(device)`, and the rotary inverse frequencies (a plain attribute) along with it."""
+    model.to(device)
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is not None:
+        rotary.inv_freq = rotary.inv_freq.to(device)
+        rotary.forward.cache_clear()
+    return model
+
+
+def output_weight(model) -> torch.Tensor:
+    """This rank's LM-head rows [V_pad / tp, H] (the embedding's when tied and on one stage)."""
+    return (
+        model.shared_embedding_or_output_weight()
+        if model.share_embeddings_and_output_weights
+        else model.output_layer.weight
+    )

@@ -1,0 +1,194 @@
+"""The megatron-core backend on CPU (gloo, 1-4 processes): logprobs, entropy and values equal the
+Hugging Face model's for tp and pp in {1, 2}; train steps equal FSDP's; scoring equals the HF path;
+bad degrees and missing shards are clear errors."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+pytest.importorskip("megatron.core")
+
+from rlx.models.loading import read_weights  # noqa: E402
+from tests.conftest import REPO, cli, cli_ok, rollout_args, run_torchrun  # noqa: E402
+
+TRAIN = ["--lr", "1e-4", "--mini-batch-size", "6", "--micro-batch-size", "2", "--epochs", "2", "--kl-loss-coef", "0.1"]
+
+WORKER = textwrap.dedent("""
+    import os, sys, torch
+    sys.path.insert(0, {repo!r})
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, LlamaConfig, Qwen2Config
+    from rlx.engine.logprobs import PackedRows, packed_model_inputs, packed_response_logprobs, unpack_responses
+    from rlx.engine.megatron.forward import head_logprobs, head_values
+    from rlx.engine.megatron.parallel import setup_megatron
+    from rlx.engine.megatron.schedule import MicroBatch, run_pipeline
+    from rlx.engine.megatron.stage import load_stage
+    from rlx.models.attention import enable_packed_attention
+    from rlx.models.megatron.convert import hf_to_megatron_shard
+    from rlx.models.value import value_config
+
+    tp, pp = int(sys.argv[1]), int(sys.argv[2])
+    ctx = setup_megatron("cpu", tp, pp)
+    common = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                  num_hidden_layers=4, max_position_embeddings=64)
+    configs = [  # Qwen2: QKV bias, tied, a vocabulary tp does not divide; Llama: untied, 8 heads
+        Qwen2Config(vocab_size=67, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"], **common),
+        LlamaConfig(vocab_size=64, tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+                    **{{**common, "num_attention_heads": 8, "num_key_value_heads": 4}}),
+    ]
+    g = torch.Generator().manual_seed(1)
+    B, P, R = 5, 7, 6
+    prompt_mask = torch.ones(B, P, dtype=torch.long); prompt_mask[0, :3] = 0; prompt_mask[2, :1] = 0
+    response_mask = torch.ones(B, R, dtype=torch.long); response_mask[1, 4:] = 0; response_mask[3, 2:] = 0
+    for config in configs:
+        ids = dict(prompt_ids=torch.randint(0, config.vocab_size, (B, P), generator=g), prompt_mask=prompt_mask,
+                   response_ids=torch.randint(0, config.vocab_size, (B, R), generator=g), response_mask=response_mask)
+        rows = PackedRows.build(**ids)
+        for critic in (False, True):
+            torch.manual_seed(0)
+            cfg = value_config(config) if critic else config
+            hf = (AutoModelForTokenClassification if critic else AutoModelForCausalLM).from_config(cfg).float()
+            enable_packed_attention(hf)
+            tied = config.tie_word_embeddings
+            weights = {{k: v for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}}
+            stage = load_stage(cfg, hf_to_megatron_shard(weights, cfg, tp, pp, ctx.tp_rank, ctx.pp_rank), ctx, "test")
+            got = []
+            def head(hidden, mb):
+                if critic:
+                    got.append((head_values(stage, hidden, mb.rows, (B, R)),))
+                else:
+                    got.append(head_logprobs(stage, ctx, hidden, mb.rows, (B, R), cfg.vocab_size, 0.7, torch.float32))
+            run_pipeline(stage, ctx, [MicroBatch(rows=rows)], head, torch.float32, forward_only=True)
+            if not ctx.is_last_stage:
+                continue
+            if critic:
+                logits = hf(**packed_model_inputs(rows)).logits
+                want = (unpack_responses(logits[0, :, 0], rows, (B, R)),)
+            else:
+                want = packed_response_logprobs(hf, **ids, temperature=0.7, dtype=torch.float32, with_entropy=True, rows=rows)
+            for a, b in zip(got[0], want):
+                err = ((a - b) * response_mask).abs().max().item()
+                assert err < 2e-5, (type(config).__name__, critic, tp, pp, err)
+    print("rank", ctx.rank, "ok")
+""")
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_logprobs_entropy_and_values_equal_hf(tmp_path, tp, pp):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(repo=str(REPO)))
+    out = run_torchrun(tp * pp, script, str(tp), str(pp), timeout=300)
+    assert out.stdout.count("ok") == tp * pp
+
+
+def test_compat_layer_targets_the_upstream_code():
+    """The replaced megatron-core methods still have the CUDA-only lines the compat layer removes."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    from rlx.models.megatron import compat
+
+    compat.apply()
+    assert "torch.cuda.current_device()" in inspect.getsource(compat.ORIGINALS["get_emb"])
+    assert ".cuda()" in inspect.getsource(compat.ORIGINALS["setup_embeddings_and_output_layer"])
+    assert RotaryEmbedding.get_emb is compat._get_emb
+    assert LanguageModule.setup_embeddings_and_output_layer.rlx_compat
+    assert compat.megatron_version() == compat.TARGET_VERSION
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tiny_ckpt, prompts_file):
+    """A scored batch (actor, ref and critic), the HF checkpoints and their megatron shards."""
+    d = tmp_path_factory.mktemp("megatron")
+    reward = d / "rw.py"
+    reward.write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(solution_str)) + 0.1 * extra_info['sample_index']\n"
+    )
+    cli_ok("shard", "--model", tiny_ckpt, "--role", "critic", "--seed", "3", "--out", d / "critic")
+    cli_ok(*rollout_args(tiny_ckpt, prompts_file, d / "r.jsonl", "--max-new-tokens", "5", "--num-prompts", "6"))
+    score = ["--rollouts", d / "r.jsonl", "--reward", f"{reward}:score", "--estimator", "gae"]
+    cli_ok("score", *score, "--actor", tiny_ckpt, "--ref", tiny_ckpt, "--critic", d / "critic", "--out", d / "hf")
+    for tp, pp in ((2, 1), (1, 2), (2, 2)):
+        layout = ["--layout", "megatron", "--tp", str(tp), "--pp", str(pp)]
+        cli_ok("shard", "--model", tiny_ckpt, "--out", d / f"actor_{tp}{pp}", *layout)
+        cli_ok("shard", "--model", d / "critic", "--role", "critic", "--out", d / f"critic_{tp}{pp}", *layout)
+    return {"dir": d, "score": score, "batch": d / "hf" / "batch.safetensors"}
+
+
+def max_diff(a: Path, b: Path) -> float:
+    wa, wb = read_weights(a), read_weights(b)
+    assert wa.keys() == wb.keys()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+def torchrun(n: int, *args) -> None:
+    run_torchrun(n, "-m", "rlx", *args, timeout=600)
+
+
+@pytest.mark.parametrize("tp,pp,world", [(2, 1, 4), (2, 2, 4)])
+def test_score_equals_the_hf_path(models, tp, pp, world):
+    """old/ref logprobs, values and advantages of `rlx score` on megatron shards (dp = world / (tp pp))."""
+    d = models["dir"]
+    shards = ["--actor", d / f"actor_{tp}{pp}", "--ref", d / f"actor_{tp}{pp}", "--critic", d / f"critic_{tp}{pp}"]
+    torchrun(world, "score", *models["score"], *shards, "--micro-batch-size", "3", "--out", d / f"mg_{tp}{pp}")
+    want, got = load_file(models["batch"]), load_file(d / f"mg_{tp}{pp}" / "batch.safetensors")
+    for key in ("old_logprobs", "ref_logprobs", "values", "advantages", "returns"):
+        assert (want[key] - got[key]).abs().max().item() < 1e-5, key
+
+
+def test_actor_train_step_with_tp2_equals_fsdp(models, tiny_ckpt, tmp_path):
+    d, batch = models["dir"], models["batch"]
+    torchrun(2, "train-step", "--checkpoint", tiny_ckpt, "--batch", batch, "--out", tmp_path / "fsdp", *TRAIN)
+    torchrun(2, "train-step", "--checkpoint", d / "actor_21", "--batch", batch, "--out", tmp_path / "tp", *TRAIN,
+             "--metrics", tmp_path / "m.jsonl")  # fmt: skip
+    meta = json.loads((tmp_path / "tp" / "rlx.json").read_text())
+    assert (meta["layout"], meta["tp_degree"], meta["pp_degree"], meta["step"]) == ("megatron", 2, 1, 1)
+    assert sorted(p.name for p in (tmp_path / "tp").glob("mp_rank_*")) == ["mp_rank_00_000", "mp_rank_01_000"]
+    assert (tmp_path / "tp" / "mp_rank_01_000" / "optimizer.safetensors").is_file()
+    cli_ok("merge", "--checkpoint", tmp_path / "tp", "--out", tmp_path / "merged")
+    assert max_diff(tmp_path / "fsdp", tmp_path / "merged") < 1e-6
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 1
+
+
+def test_pipeline_and_data_parallel_train_steps_equal_one_process(models, tiny_ckpt, tmp_path):
+    """tp 2 x pp 2 for two steps (the second resumes each rank's optimizer state), and pp 2 x dp 2 for
+    one, equal one process."""
+    d, batch = models["dir"], models["batch"]
+    cli_ok("train-step", "--checkpoint", tiny_ckpt, "--batch", batch, "--out", tmp_path / "s1", *TRAIN)
+    cli_ok("train-step", "--checkpoint", tmp_path / "s1", "--batch", batch, "--out", tmp_path / "s2", *TRAIN)
+    torchrun(4, "train-step", "--checkpoint", d / "actor_22", "--batch", batch, "--out", tmp_path / "a1", *TRAIN)
+    torchrun(4, "train-step", "--checkpoint", tmp_path / "a1", "--batch", batch, "--out", tmp_path / "a2", *TRAIN)
+    torchrun(4, "train-step", "--checkpoint", d / "actor_12", "--batch", batch, "--out", tmp_path / "b1", *TRAIN)
+    for name, want in (("a2", "s2"), ("b1", "s1")):
+        cli_ok("merge", "--checkpoint", tmp_path / name, "--out", tmp_path / f"{name}_m")
+        assert max_diff(tmp_path / want, tmp_path / f"{name}_m") < 1e-6, name
+
+
+def test_critic_train_step_with_tp2_equals_one_process(models, tmp_path):
+    d, batch = models["dir"], models["batch"]
+    args = ["--batch", batch, "--role", "critic", "--lr", "1e-4", "--micro-batch-size", "4"]
+    cli_ok("train-step", "--checkpoint", d / "critic", "--out", tmp_path / "one", *args)
+    torchrun(2, "train-step", "--checkpoint", d / "critic_21", "--out", tmp_path / "tp", *args)
+    cli_ok("merge", "--checkpoint", tmp_path / "tp", "--out", tmp_path / "merged")
+    assert max_diff(tmp_path / "one", tmp_path / "merged") < 1e-6
+
+
+def test_bad_degrees_and_missing_shards_are_clear_errors(models, tmp_path):
+    d, batch = models["dir"], models["batch"]
+    result = cli("train-step", "--checkpoint", d / "actor_21", "--batch", batch, "--out", tmp_path / "x")
+    assert result.exit_code == 1
+    assert "cannot hold tensor parallel 2 x pipeline parallel 1" in result.stderr
+    result = cli("train-step", "--checkpoint", d / "critic_21", "--batch", batch, "--out", tmp_path / "x")
+    assert result.exit_code == 1 and "--role actor but the checkpoint holds a value model" in result.stderr
+    broken = tmp_path / "broken"
+    cli_ok("shard", "--model", d / "actor_21", "--out", broken, "--layout", "megatron")  # tp 1: one process
+    (broken / "mp_rank_00_000" / "model.safetensors").unlink()
+    result = cli("train-step", "--checkpoint", broken, "--batch", batch, "--out", tmp_path / "y")
+    assert result.exit_code == 1 and "mp_rank_00_000/model.safetensors: missing" in result.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
