@@ -70,7 +70,9 @@ WORKER = textwrap.dedent("""
                 logits = hf(**packed_model_inputs(rows)).logits
                 want = (unpack_responses(logits[0, :, 0], rows, (B, R)),)
             else:
-                want = packed_response_logprobs(hf, **ids, temperature=0.7, dtype=torch.float32, with_entropy=True, rows=rows)
+                want = packed_response_logprobs(
+                    hf, **ids, temperature=0.7, dtype=torch.float32, with_entropy=True, rows=rows
+                )
             for a, b in zip(got[0], want):
                 err = ((a - b) * response_mask).abs().max().item()
                 assert err < 2e-5, (type(config).__name__, critic, tp, pp, err)
