@@ -194,3 +194,27 @@ def test_bad_degrees_and_missing_shards_are_clear_errors(models, tmp_path):
     result = cli("train-step", "--checkpoint", broken, "--batch", batch, "--out", tmp_path / "y")
     assert result.exit_code == 1 and "mp_rank_00_000/model.safetensors: missing" in result.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_ppo_with_critic_on_megatron_equals_one_process_and_resumes(tmp_path):
+    """`rlx ppo` with [megatron] tp 2 (actor and critic as megatron stages, rollouts on the synced HF
+    replica), killed after step 2 and resumed from its megatron checkpoint, equals the one-process run."""
+    recipe = REPO / "recipes" / "quickstart_gae.toml"
+    sets = ["data.prompts_per_step=4", "rollout.n=4", "train.mini_batch_size=8", "critic.train.mini_batch_size=8"]
+    sets += ["train.use_packing=true", "critic.train.use_packing=true"]  # megatron stages always run packed
+    args = [a for s in sets for a in ("--set", s)]
+    cli_ok("ppo", recipe, "--out", tmp_path / "one", "--set", "steps=3", *args)
+    megatron = ["--set", "megatron.tp_degree=2", *args]
+    torchrun(2, "ppo", recipe, "--out", tmp_path / "two", "--set", "steps=2", *megatron)
+    torchrun(2, "ppo", recipe, "--out", tmp_path / "two", "--set", "steps=3", *megatron, "--resume")
+    final = Path("checkpoints") / "step_000003"
+    meta = json.loads((tmp_path / "two" / final / "critic" / "rlx.json").read_text())
+    assert (meta["layout"], meta["tp_degree"]) == ("megatron", 2)
+    for sub in ("", "critic"):
+        cli_ok("merge", "--checkpoint", tmp_path / "two" / final / sub, "--out", tmp_path / f"merged{sub}")
+        assert max_diff(tmp_path / "one" / final / sub, tmp_path / f"merged{sub}") < 1e-5, sub
+    rewards = [
+        [json.loads(line)["reward/mean"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("one", "two")
+    ]
+    assert rewards[0] == rewards[1]

@@ -19,6 +19,8 @@ need no megatron-core. Saving is atomic: a temporary folder that rank 0 renames 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -227,6 +229,16 @@ def save_megatron_checkpoint(
         write_meta(tmp, meta)
 
 
+@dataclass
+class RankContent:
+    """What one rank writes into a megatron checkpoint (and rank 0 the shared files)."""
+
+    state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, torch.Tensor] | None
+    aux: dict[str, bytes]
+    meta: CheckpointMeta
+
+
 def save_megatron_rank_checkpoint(
     out: str | Path,
     state: dict[str, torch.Tensor],
@@ -238,12 +250,19 @@ def save_megatron_rank_checkpoint(
     pp_rank: int,
     dp_rank: int,
     overwrite: bool = False,
+    nested: dict[str, RankContent] | None = None,
+    before_publish: Callable[[], None] | None = None,
 ) -> None:
     """Write a 'megatron' checkpoint, collectively: every rank of the launch calls this with its own
     state; data-parallel rank 0 of each (tp, pp) writes it, rank 0 writes `aux` and rlx.json and
-    publishes the folder once every rank is done. Alone (no launcher), it just writes."""
-    _check_meta(meta)
-    _check_rank(tp_rank, pp_rank, meta.tp_degree, meta.pp_degree)
+    publishes the folder once every rank is done. Alone (no launcher), it just writes.
+
+    `nested`: sub-checkpoints (e.g. 'critic') of the same degrees, written the same way inside the
+    folder; `before_publish()` runs on rank 0 after every file is written, before the rename."""
+    contents = {"": RankContent(state, optimizer_state, aux, meta), **(nested or {})}
+    for content in contents.values():
+        _check_meta(content.meta)
+        _check_rank(tp_rank, pp_rank, content.meta.tp_degree, content.meta.pp_degree)
     if ctx.world > 1 and is_remote(out):
         raise UserError(f"{out}: several processes write the megatron layout to local (or mounted) storage only")
     if exists(out) and not overwrite:  # every rank fails alike, before any collective
@@ -251,10 +270,18 @@ def save_megatron_rank_checkpoint(
     publish = atomic_dir(out, overwrite=overwrite, marker=META_NAME) if ctx.is_main else contextlib.nullcontext()
     with publish as tmp:  # rank 0 renames the folder into place after every rank has written
         tmp = Path(broadcast_object(str(tmp) if ctx.is_main else None))
+        if ctx.is_main:
+            for name in contents:
+                (tmp / name).mkdir(exist_ok=True)
+        barrier()
         if dp_rank == 0:
-            write_rank(tmp, tp_rank, pp_rank, state, optimizer_state)
+            for name, content in contents.items():
+                write_rank(tmp / name, tp_rank, pp_rank, content.state, content.optimizer_state)
         barrier()
         if ctx.is_main:
-            write_aux(tmp, aux)
-            write_meta(tmp, meta)
+            for name, content in contents.items():
+                write_aux(tmp / name, content.aux)
+                write_meta(tmp / name, content.meta)
+            if before_publish is not None:
+                before_publish()
     barrier()  # published before any rank goes on

@@ -95,6 +95,13 @@ class MegatronScoringModel:
         state = read_rank_state(folder, self.ctx.tp_rank, self.ctx.pp_rank)
         self.model = load_stage(hf_config, state, self.ctx, str(folder))
 
+    @classmethod
+    def from_stage(cls, model, hf_config, ctx: MegatronContext) -> MegatronScoringModel:
+        """Wrap a resident stage (e.g. the trainer's) without loading anything."""
+        out = cls.__new__(cls)
+        out.model, out.config, out.ctx = model, hf_config, ctx
+        return out
+
     def to(self, device: torch.device) -> MegatronScoringModel:
         return self  # loaded on the context's device
 
@@ -106,7 +113,9 @@ class MegatronScoringModel:
         ctx, size = self.ctx, tensors["response_ids"].shape[0]
         mine = list(shard_range(size, ctx.dp_rank, ctx.dp_size))
         local = {k: tensors[k][mine] for k in MODEL_INPUTS}
+        was_training = self.model.training
         out = stage_forward_outputs(self.model, self.config, ctx, local, micro_batch_size, temperature, dtype, impl)
+        self.model.train(was_training)
         if ctx.dp_size > 1:
             parts = [None] * ctx.dp_size
             dist.all_gather_object(parts, (mine, out), group=ctx.dp_group)

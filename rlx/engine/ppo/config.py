@@ -66,6 +66,21 @@ class CriticConfig:
 
 
 @dataclass(kw_only=True)
+class MegatronConfig:
+    """Train the actor (and critic) on megatron-core stages instead of FSDP: tensor x pipeline parallel per
+    model replica, data parallel over the remaining processes (needs megatron-core: pip install 'rlx[megatron]')."""
+
+    tp_degree: int = 1
+    """Tensor-parallel degree (divides the attention heads, key/value heads and MLP width)."""
+    pp_degree: int = 1
+    """Pipeline-parallel degree (divides the layers)."""
+
+    def __post_init__(self) -> None:
+        check(self.tp_degree >= 1, "tp_degree", f"must be at least 1, got {self.tp_degree}")
+        check(self.pp_degree >= 1, "pp_degree", f"must be at least 1, got {self.pp_degree}")
+
+
+@dataclass(kw_only=True)
 class PPOConfig:
     """A whole run: model, data, and the settings of each stage."""
 
@@ -93,6 +108,8 @@ class PPOConfig:
     """Update settings (as `rlx train-step`)."""
     critic: CriticConfig | None = None
     """A critic (needed by score.estimator = 'gae')."""
+    megatron: MegatronConfig | None = None
+    """With this table, the actor and critic train on megatron-core (checkpoints in the 'megatron' layout)."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Where metrics go besides metrics.jsonl (console, tensorboard, wandb, mlflow) and rollout traces."""
 
@@ -116,6 +133,16 @@ class PPOConfig:
             self.rollout.engine != "vllm" or self.rollout.weight_sync != "disk" or self.save_every == 1,
             "save_every",
             "must be 1 with rollout.weight_sync = 'disk' (the engine reloads each step's checkpoint)",
+        )
+        check(
+            self.megatron is None or self.train.sp_degree == 1,
+            "train.sp_degree",
+            "must be 1 with [megatron] (tensor parallelism splits the model instead)",
+        )
+        check(
+            self.megatron is None or self.rollout.weight_sync != "disk",
+            "rollout.weight_sync",
+            "must be 'memory' with [megatron] (the replica is synced from the stages in memory)",
         )
         needs_ref = self.score.kl_coef > 0 or self.train.kl_loss_coef > 0
         check(self.use_ref or not needs_ref, "use_ref", "score.kl_coef or train.kl_loss_coef > 0 needs use_ref = true")

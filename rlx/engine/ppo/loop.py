@@ -89,6 +89,11 @@ class PPORun:
             raise UserError(
                 "rollout.device and train.device must agree in `rlx ppo` (the rollout uses the trained model)"
             )
+        self.megatron = None  # megatron's context when [megatron] trains the models on megatron-core
+        if cfg.megatron is not None:
+            from rlx.engine.megatron import ppo as megatron_ppo
+
+            self.megatron = megatron_ppo.setup(cfg.train.device, cfg.megatron.tp_degree, cfg.megatron.pp_degree)
         self.start_step, start_ckpt = self._prepare_dir(resume)
         meta = CheckpointMeta.read(start_ckpt) if start_ckpt else CheckpointMeta()
         self.data_position = meta.data_position or 0
@@ -100,31 +105,41 @@ class PPORun:
             model, self.tokenizer, self.aux = load_trained_policy(resolve_source(start_ckpt))
             ref = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)[0] if cfg.use_ref else None
         self.critic, self.critic_aux = self._load_critic(start_ckpt, model)  # before the actor is sharded
-        self.trainer = ActorTrainer(
-            model,
-            dataclasses.replace(cfg.train, seed=cfg.seed),
-            self.device,
-            resolve_precision(cfg.train.precision, self.device),
-            self.ctx,
-        )
-        self.trainer.load_optimizer_state(load_optimizer_state(start_ckpt) if start_ckpt else None, str(start_ckpt))
+        train_cfg = dataclasses.replace(cfg.train, seed=cfg.seed)
+        if self.megatron is not None:
+            self.trainer = megatron_ppo.build_trainer(model, train_cfg, self.megatron, start_ckpt)
+            self.rollout_model = model.to(self.device)  # the replica rollouts run on, synced after updates
+        else:
+            dtype = resolve_precision(cfg.train.precision, self.device)
+            self.trainer = ActorTrainer(model, train_cfg, self.device, dtype, self.ctx)
+            start_state = load_optimizer_state(start_ckpt) if start_ckpt else None
+            self.trainer.load_optimizer_state(start_state, str(start_ckpt))
+            self.rollout_model = self.trainer.model
         self.models = ScoringModels(
             device=self.device,
             dtype=resolve_precision(cfg.score.precision, self.device),
             vocab_size=model.config.vocab_size,
             pad_token_id=pad_token_id(self.tokenizer),
-            actor=self.trainer.model if cfg.score.old_logprobs == "actor" else None,
+            actor=self._scoring_model(self.trainer) if cfg.score.old_logprobs == "actor" else None,
             ref=ref.requires_grad_(False).to(self.device).eval() if ref is not None else None,
-            critic=self.critic.model if self.critic else None,
+            critic=self._scoring_model(self.critic) if self.critic else None,
             reward_model=self._load_reward_model(),
             ctx=self.ctx,
         )
-        self.engine = build_engine(cfg.rollout, self.trainer.model, self.tokenizer, self.ctx)
+        self.engine = build_engine(cfg.rollout, self.rollout_model, self.tokenizer, self.ctx)
         self.engine_stale = False  # whether the trainer changed the weights since the engine last got them
         self.prompts = read_prompts(cfg.data.prompts)
         self.score_cfg = dataclasses.replace(
             cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
         )
+
+    def _scoring_model(self, trainer):
+        """What scoring runs for a trained model: its module, or its megatron stage."""
+        if self.megatron is None:
+            return trainer.model
+        from rlx.engine.megatron.ppo import scoring_model
+
+        return scoring_model(trainer)
 
     def _load_critic(self, start_ckpt: Path | None, policy) -> tuple[CriticTrainer | None, dict]:
         cfg = self.cfg
@@ -139,13 +154,14 @@ class PPORun:
         else:
             model, aux = build_critic_files(policy, self.tokenizer, cfg.seed)
             state = None
-        trainer = CriticTrainer(
-            model,
-            dataclasses.replace(cfg.critic.train, seed=cfg.seed),
-            self.device,
-            resolve_precision(cfg.critic.train.precision, self.device),
-            self.ctx,
-        )
+        train_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed)
+        if self.megatron is not None:
+            from rlx.engine.megatron.ppo import build_trainer
+
+            checkpoint = start_ckpt / CRITIC_DIR if start_ckpt is not None else None
+            return build_trainer(model, train_cfg, self.megatron, checkpoint), aux
+        dtype = resolve_precision(cfg.critic.train.precision, self.device)
+        trainer = CriticTrainer(model, train_cfg, self.device, dtype, self.ctx)
         trainer.load_optimizer_state(state, str(start_ckpt))
         return trainer, aux
 
@@ -271,7 +287,7 @@ class PPORun:
 
     def _flops_metrics(self, rollouts: list[RolloutRecord], metrics: dict) -> dict:
         """Model FLOPs of the step (generation, scoring forwards, training) and MFU against the device peak."""
-        config = self.trainer.model.config
+        config = self.rollout_model.config
         prompt_lens = [len(r.prompt_ids) for r in rollouts]
         response_lens = [len(r.response_ids) for r in rollouts]
         lengths = [p + r for p, r in zip(prompt_lens, response_lens)]
@@ -297,10 +313,14 @@ class PPORun:
         """Wake the rollout engine and give it the weights the last train step wrote (vllm; a no-op for hf)."""
         if not self.engine_stale:
             return
+        if self.megatron is not None:  # the replica gets the stages' weights
+            from rlx.engine.megatron.ppo import sync_replica
+
+            sync_replica(self.rollout_model, self.trainer)
         path = None
         if self.cfg.rollout.engine == "vllm" and self.cfg.rollout.weight_sync == "disk":
             path = checkpoint_dir(self.run_dir, step - 1)
-        self.engine.wake(model=self.trainer.model if path is None else None, path=path)
+        self.engine.wake(model=self.rollout_model if path is None else None, path=path)
         self.engine_stale = False
 
     def _sample(self, step: int) -> tuple[list[RolloutRecord], Rewards | None, dict]:
@@ -370,6 +390,16 @@ class PPORun:
             kl_coef=self.kl_coef,
             provenance=provenance("rlx ppo", self.cfg.model.path, run_dir=str(self.run_dir)),
         )
+        if self.megatron is not None:
+            from rlx.engine.megatron.ppo import save
+
+            critic_meta = (
+                dataclasses.replace(meta, optimizer=self.critic.optimizer_meta(), kl_coef=None) if self.critic else None
+            )
+            save(checkpoint_dir(self.run_dir, step), self.trainer, self.critic, self.aux, self.critic_aux, meta,
+                 critic_meta, before_publish)  # fmt: skip
+            self._drop_old_checkpoints()
+            return
         weights, optimizer_state = model_weights(self.trainer.model), self.trainer.optimizer_state()
         nested = {}
         if self.critic is not None:
@@ -390,10 +420,13 @@ class PPORun:
                 nested=nested,
                 before_publish=before_publish,
             )
-            if self.cfg.keep_checkpoints:
-                older = sorted((self.run_dir / "checkpoints").glob("step_*"))[: -self.cfg.keep_checkpoints]
-                for path in older:
-                    shutil.rmtree(path, ignore_errors=True)
+        self._drop_old_checkpoints()
+
+    def _drop_old_checkpoints(self) -> None:
+        if self.ctx.is_main and self.cfg.keep_checkpoints:
+            older = sorted((self.run_dir / "checkpoints").glob("step_*"))[: -self.cfg.keep_checkpoints]
+            for path in older:
+                shutil.rmtree(path, ignore_errors=True)
         barrier()
 
 

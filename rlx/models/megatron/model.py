@@ -22,7 +22,8 @@ from rlx.errors import UserError
 from rlx.models.attention import varlen_attention
 from rlx.models.megatron import compat
 
-FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "LlamaForTokenClassification", "Qwen2ForTokenClassification")
+FAMILIES = ("llama", "qwen2")
+"""Hugging Face model types the megatron backend builds (as causal LMs, or value models)."""
 
 
 def padded_vocab_size(vocab_size: int, tp_degree: int) -> int:
@@ -41,9 +42,9 @@ def rope_theta(hf_config) -> float:
 
 def check_supported(hf_config, tp_degree: int, pp_degree: int, where: str = "model") -> None:
     """Raise a UserError naming what does not fit the megatron backend."""
-    arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
-    if arch not in FAMILIES:
-        raise UserError(f"{where}: {arch} is not supported by the megatron backend (supported: Llama, Qwen2)")
+    family = getattr(hf_config, "model_type", None)
+    if family not in FAMILIES:
+        raise UserError(f"{where}: model type {family!r} is not supported by the megatron backend (llama, qwen2)")
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     if tp_degree < 1 or pp_degree < 1:
         raise UserError(f"{where}: tp and pp degrees must be at least 1 (got tp {tp_degree}, pp {pp_degree})")
@@ -58,7 +59,7 @@ def check_supported(hf_config, tp_degree: int, pp_degree: int, where: str = "mod
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise UserError(f"{where}: activation {hf_config.hidden_act!r} is not supported (SwiGLU/silu only)")
     if getattr(hf_config, "mlp_bias", False) or (
-        arch.startswith("Llama") and getattr(hf_config, "attention_bias", False)
+        family == "llama" and getattr(hf_config, "attention_bias", False)
     ):
         raise UserError(f"{where}: biases on the MLP or attention output are not supported by the megatron backend")
     if getattr(hf_config, "use_sliding_window", False):
@@ -67,8 +68,7 @@ def check_supported(hf_config, tp_degree: int, pp_degree: int, where: str = "mod
 
 
 def has_qkv_bias(hf_config) -> bool:
-    arch = (getattr(hf_config, "architectures", None) or [""])[0]
-    return arch.startswith("Qwen2") or bool(getattr(hf_config, "attention_bias", False))
+    return hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
 
 
 def head_dim(hf_config) -> int:

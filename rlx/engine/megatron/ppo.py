@@ -1,0 +1,96 @@
+"""`rlx ppo` on the megatron backend: the actor (and critic) train as megatron stages; rollouts run on a
+Hugging Face replica of the policy whose weights are gathered from the stages after each update.
+
+    megatron stages (tp x pp, dp on top)  --train-->  gather over the model-parallel group  -->  HF replica
+                                                                                                   | rollout
+Old logprobs and values are computed by the stages (the same forward the update uses); the frozen
+reference stays a Hugging Face model. Checkpoints use the 'megatron' layout, critic nested inside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from rlx.engine.checkpoint import CheckpointMeta
+from rlx.engine.device import resolve_precision
+from rlx.engine.megatron.checkpoint import (
+    RankContent,
+    read_rank_optimizer,
+    read_rank_state,
+    save_megatron_rank_checkpoint,
+)
+from rlx.engine.megatron.parallel import MegatronContext, setup_megatron
+from rlx.engine.megatron.stage import MegatronScoringModel, load_stage
+from rlx.engine.megatron.trainer import MegatronActorTrainer, MegatronCriticTrainer
+from rlx.models.megatron.convert import hf_to_megatron_shard, megatron_to_hf
+from rlx.models.loading import tied_keys
+
+
+def build_trainer(model, train_cfg, ctx: MegatronContext, checkpoint=None):
+    """A megatron trainer for `model` (an HF policy or value model): its stage cut from the HF weights, or
+    read from `checkpoint` (a megatron-layout dir, with this rank's optimizer state) when resuming."""
+    config = model.config
+    if checkpoint is not None:
+        state = read_rank_state(checkpoint, ctx.tp_rank, ctx.pp_rank)
+    else:
+        weights = {k: v for k, v in model.state_dict().items() if k not in tied_keys(model)}  # on every rank
+        state = hf_to_megatron_shard(
+            weights, config, ctx.tp_degree, ctx.pp_degree, ctx.tp_rank, ctx.pp_rank
+        )
+    stage = load_stage(config, state, ctx, str(checkpoint or "policy"))
+    trainer_cls = MegatronCriticTrainer if train_cfg.role == "critic" else MegatronActorTrainer
+    trainer = trainer_cls(stage, config, train_cfg, ctx, resolve_precision(train_cfg.precision, ctx.device))
+    if checkpoint is not None:
+        trainer.load_optimizer_state(read_rank_optimizer(checkpoint, ctx.tp_rank, ctx.pp_rank), str(checkpoint))
+    return trainer
+
+
+def scoring_model(trainer) -> MegatronScoringModel:
+    """The trainer's stage as `rlx score` uses megatron models (no copy)."""
+    return MegatronScoringModel.from_stage(trainer.model, trainer.hf_config, trainer.ctx)
+
+
+@torch.no_grad()
+def gather_hf_weights(trainer) -> dict[str, torch.Tensor]:
+    """Every rank's slices gathered over the model-parallel group -> full HF weights (CPU, float32)."""
+    ctx: MegatronContext = trainer.ctx
+    mine = (ctx.tp_rank, ctx.pp_rank, trainer.model_state())
+    parts = [None] * (ctx.tp_degree * ctx.pp_degree)
+    if len(parts) > 1:
+        dist.all_gather_object(parts, mine, group=ctx.mp_group)
+    else:
+        parts = [mine]
+    shards = {(t, p): state for t, p, state in parts}
+    return megatron_to_hf(shards, trainer.hf_config, ctx.tp_degree, ctx.pp_degree)
+
+
+@torch.no_grad()
+def sync_replica(replica: torch.nn.Module, trainer) -> None:
+    """Copy the trained weights into the rollout replica in place (its dtype and device kept)."""
+    weights = gather_hf_weights(trainer)
+    params = dict(replica.named_parameters())
+    for name, tensor in weights.items():
+        params[name].copy_(tensor)
+    replica.tie_weights()
+
+
+def save(out, actor, critic, aux: dict, critic_aux: dict, meta: CheckpointMeta, critic_meta, before_publish) -> None:
+    """A 'megatron' checkpoint of the actor (critic nested as 'critic/'), written by every rank."""
+    ctx: MegatronContext = actor.ctx
+    degrees = {"layout": "megatron", "tp_degree": ctx.tp_degree, "pp_degree": ctx.pp_degree}
+    nested = {}
+    if critic is not None:
+        nested["critic"] = RankContent(
+            critic.model_state(), critic.optimizer_state(), critic_aux, replace(critic_meta, **degrees)
+        )
+    save_megatron_rank_checkpoint(
+        out, actor.model_state(), actor.optimizer_state(), aux, replace(meta, **degrees), ctx,
+        ctx.tp_rank, ctx.pp_rank, ctx.dp_rank, overwrite=True, nested=nested, before_publish=before_publish,
+    )  # fmt: skip
+
+
+def setup(device_name: str, tp_degree: int, pp_degree: int) -> MegatronContext:
+    return setup_megatron(device_name, tp_degree, pp_degree)
