@@ -25,8 +25,8 @@ from rlx.engine.megatron.checkpoint import (
 from rlx.engine.megatron.parallel import MegatronContext, setup_megatron
 from rlx.engine.megatron.stage import MegatronScoringModel, load_stage
 from rlx.engine.megatron.trainer import MegatronActorTrainer, MegatronCriticTrainer
-from rlx.models.megatron.convert import hf_to_megatron_shard, megatron_to_hf
 from rlx.models.loading import tied_keys
+from rlx.models.megatron.convert import hf_to_megatron_shard, megatron_to_hf
 
 
 def build_trainer(model, train_cfg, ctx: MegatronContext, checkpoint=None):
@@ -37,9 +37,7 @@ def build_trainer(model, train_cfg, ctx: MegatronContext, checkpoint=None):
         state = read_rank_state(checkpoint, ctx.tp_rank, ctx.pp_rank)
     else:
         weights = {k: v for k, v in model.state_dict().items() if k not in tied_keys(model)}  # on every rank
-        state = hf_to_megatron_shard(
-            weights, config, ctx.tp_degree, ctx.pp_degree, ctx.tp_rank, ctx.pp_rank
-        )
+        state = hf_to_megatron_shard(weights, config, ctx.tp_degree, ctx.pp_degree, ctx.tp_rank, ctx.pp_rank)
     stage = load_stage(config, state, ctx, str(checkpoint or "policy"))
     trainer_cls = MegatronCriticTrainer if train_cfg.role == "critic" else MegatronActorTrainer
     trainer = trainer_cls(stage, config, train_cfg, ctx, resolve_precision(train_cfg.precision, ctx.device))

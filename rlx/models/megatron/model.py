@@ -58,9 +58,7 @@ def check_supported(hf_config, tp_degree: int, pp_degree: int, where: str = "mod
         raise UserError(f"{where}: --pp {pp_degree} does not divide the {hf_config.num_hidden_layers} layers")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise UserError(f"{where}: activation {hf_config.hidden_act!r} is not supported (SwiGLU/silu only)")
-    if getattr(hf_config, "mlp_bias", False) or (
-        family == "llama" and getattr(hf_config, "attention_bias", False)
-    ):
+    if getattr(hf_config, "mlp_bias", False) or (family == "llama" and getattr(hf_config, "attention_bias", False)):
         raise UserError(f"{where}: biases on the MLP or attention output are not supported by the megatron backend")
     if getattr(hf_config, "use_sliding_window", False):
         raise UserError(f"{where}: sliding-window attention is not supported by the megatron backend")
