@@ -109,6 +109,24 @@ def run_hf_static(model, tokenizer, prompts, args) -> dict:
             "setup_s": setup_s}  # fmt: skip
 
 
+def profile_call(engine, prompts, cfg, path: Path) -> None:
+    """One more `generate` under torch.profiler: kernels by device time, then the engine's named regions."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, cfg, progress=False)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+    regions = "\n".join(
+        f"{e.key:<24} calls {e.count:>6}  cpu total {e.cpu_time_total / 1e3:9.1f} ms"
+        for e in events
+        if e.key.startswith("rlx/")
+    )
+    path.write_text(kernels + "\n\n" + regions + "\n")
+    print(kernels[-6000:], regions, sep="\n", flush=True)
+
+
 def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
     if name == "hf-static":
         return run_hf_static(model, tokenizer, prompts, args)
@@ -134,6 +152,8 @@ def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    if name == "native" and args.profile:
+        profile_call(engine, prompts, cfg, args.profile)
     engine.close()
     tokens = sum(len(r.response_ids) for r in records)
     return {"engine": name, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "setup_s": setup_s}
@@ -153,6 +173,7 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is present")
     parser.add_argument("--small", action="store_true", help="a 2-layer model and short sequences (a quick check)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--profile", type=Path, help="profile one more native call; write the tables here")
     args = parser.parse_args()
     if args.small:
         args.prompts, args.prompt_len, args.response_len = 8, 16, 16
@@ -177,7 +198,7 @@ def main() -> None:
         )
     summary = {"device": device, "model": args.model, "args": vars(args) | {"json": None}, "results": results}
     if args.json:
-        args.json.write_text(json.dumps(summary, indent=2))
+        args.json.write_text(json.dumps(summary, indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 from rlx.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_torch,
+    paged_decode_attention_triton,
     resolve_impl,
     write_kv,
 )
@@ -144,7 +145,8 @@ def test_dispatch(monkeypatch):
 TRITON_CHECK = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
-    from rlx.kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton
+    import torch
+    from rlx.kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton, write_kv
     from tests.test_paged_attention import make_problem
     worst = 0.0
     for lens, heads, kv_heads, head_dim, block_size, block_n in [
@@ -155,6 +157,22 @@ TRITON_CHECK = textwrap.dedent("""
         q, kc, vc, tables, ctx = make_problem(lens, heads, kv_heads, head_dim, block_size)
         want = paged_decode_attention_torch(q, kc, vc, tables, ctx, head_dim**-0.5)
         got = paged_decode_attention_triton(q, kc, vc, tables, ctx, head_dim**-0.5, block_n=block_n)
+        worst = max(worst, (got - want).abs().max().item())
+    # the kernel writes each sequence's new key and value at its last position first (new_kv), as write_kv does
+    q, kc, vc, tables, ctx = make_problem([5, 12, 1], 4, 2, 32, 4)
+    slots = torch.stack([tables[b, (n - 1) // 4].long() * 4 + (n - 1) % 4 for b, n in enumerate(ctx.tolist())])
+    new_k, new_v = torch.randn(2, 3, 2, 32).unbind(0)
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = paged_decode_attention_triton(q, kc, vc, tables, ctx, 0.2, block_n=16, new_kv=(new_k, new_v, slots))
+    write_kv(kc2, vc2, slots, new_k, new_v)
+    want = paged_decode_attention_torch(q, kc2, vc2, tables, ctx, 0.2)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    worst = max(worst, (got - want).abs().max().item())
+    # flash-decoding: contexts split in 2 and 3 parts (a part may be empty), combined by the reduce kernel
+    q, kc, vc, tables, ctx = make_problem([5, 40, 1, 33, 0], 4, 2, 32, 4)
+    want = paged_decode_attention_torch(q, kc, vc, tables, ctx, 0.2)
+    for splits in (2, 3):
+        got = paged_decode_attention_triton(q, kc, vc, tables, ctx, 0.2, block_n=16, num_splits=splits)
         worst = max(worst, (got - want).abs().max().item())
     print(worst)
 """)
@@ -187,3 +205,18 @@ def test_triton_on_gpu(dtype):
     got = paged_decode_attention(q, kc, vc, tables, ctx, 0.125)
     assert got.dtype == dtype and got.is_cuda
     assert (got.float() - want.float()).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-4)
+    for splits in (1, 4, 7):  # one pass, and flash-decoding with a reduce kernel
+        got = paged_decode_attention_triton(q, kc, vc, tables, ctx, 0.125, num_splits=splits)
+        assert (got.float() - want.float()).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-4)
+    # the fused write of each sequence's new key and value (its last position), split or not
+    slots = torch.stack([tables[b, (n - 1) // 16].long() * 16 + (n - 1) % 16 for b, n in enumerate(ctx.tolist())])
+    new_k, new_v = torch.randn(2, len(lens), 2, 64, device="cuda").to(dtype).unbind(0)
+    kc2, vc2 = kc.clone(), vc.clone()
+    write_kv(kc2, vc2, slots, new_k, new_v)
+    want = paged_decode_attention_torch(q, kc2, vc2, tables, ctx, 0.125)
+    for splits in (1, 4):
+        kc3, vc3 = kc.clone(), vc.clone()
+        new_kv = (new_k, new_v, slots)
+        got = paged_decode_attention_triton(q, kc3, vc3, tables, ctx, 0.125, new_kv=new_kv, num_splits=splits)
+        assert torch.equal(kc3, kc2) and torch.equal(vc3, vc2)
+        assert (got.float() - want.float()).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-4)

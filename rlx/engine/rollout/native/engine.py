@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.profiler import record_function
 from tqdm import tqdm
 
 from rlx.engine.parallel.dist import all_gather_objects, shard_range
@@ -25,7 +26,7 @@ from rlx.engine.rollout.native.runner import ModelRunner
 from rlx.engine.rollout.native.scheduler import Scheduler
 from rlx.engine.rollout.prompts import stop_token_ids
 from rlx.engine.rollout.requests import Generated, build_requests, to_record
-from rlx.engine.rollout.sampling import draw_tokens, filter_logits, sample_uniforms
+from rlx.engine.rollout.sampling import sample_next, sample_uniforms
 from rlx.errors import UserError
 
 _GIB = 1 << 30
@@ -113,9 +114,12 @@ class NativeRolloutEngine:
         bar = tqdm(total=len(seqs), desc="rollout", unit="seq", disable=None if show else True, leave=False)
         try:
             while not scheduler.done:
-                step = scheduler.schedule()
-                logits = runner.forward(step.seqs, decode=step.kind == "decode")
-                finished = self._advance(step.seqs, logits, uniforms, cfg, scheduler)
+                with record_function("rlx/schedule"):
+                    step = scheduler.schedule()
+                with record_function(f"rlx/{step.kind}"):
+                    logits = runner.forward(step.seqs, decode=step.kind == "decode")
+                with record_function("rlx/sample"):
+                    finished = self._advance(step.seqs, logits, uniforms, cfg, scheduler)
                 bar.update(finished)
         finally:
             bar.close()
@@ -157,17 +161,17 @@ class NativeRolloutEngine:
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor, uniforms, cfg: RolloutConfig, scheduler) -> int:
         """Sample each sequence's next token (as the hf engine does), append it, finish stopped sequences."""
-        scaled = logits / cfg.train_temperature
-        token_logprobs = torch.log_softmax(scaled, dim=-1)
-        tokens = logits.argmax(dim=-1)
-        greedy = torch.tensor([s.greedy for s in seqs], device=logits.device)
-        if not bool(greedy.all()):
+        greedy = [s.greedy for s in seqs]
+        draws, mask = None, None
+        if not all(greedy):
             draws = uniforms[[s.index for s in seqs], [len(s.output_ids) for s in seqs]]
-            sampled = draw_tokens(filter_logits(scaled, cfg.top_k, cfg.top_p), draws)
-            tokens = torch.where(greedy, tokens, sampled)
-        chosen = token_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            if any(greedy):
+                mask = torch.tensor(greedy).to(logits.device, non_blocking=True)
+        tokens, chosen = sample_next(logits, draws, mask, cfg.train_temperature, cfg.top_k, cfg.top_p)
+        # one transfer for both (token ids are exact in float64)
+        host = torch.stack([tokens.double(), chosen.double()]).cpu()
         finished = 0
-        for seq, token, logprob in zip(seqs, tokens.tolist(), chosen.tolist()):
+        for seq, token, logprob in zip(seqs, host[0].long().tolist(), host[1].tolist()):
             seq.num_computed = len(seq)
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)

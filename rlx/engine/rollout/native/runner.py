@@ -4,12 +4,18 @@ Every step feeds the model one flat row of tokens (`[1, T]`: the uncomputed toke
 sequence, or the last token of each decoding one) with their positions. The attention function,
 registered with transformers' attention interface, writes the step's keys and values into the cache
 slots of their sequences and attends over each sequence's blocks: a padded batch with a causal mask
-for prefill (the new tokens after any cached prefix), the paged decode kernel for decode. The model's
-own modules and weights do everything else, so the trainer's module can generate directly.
+for prefill (the new tokens after any cached prefix), the paged decode kernel for decode (with the cache
+write, as the custom op `rlx::paged_decode`). The model's own modules and weights do everything else, so
+the trainer's module can generate directly; on CUDA its decoder layers run under torch.compile inside the
+decode CUDA graphs (RLX_NATIVE_COMPILE=0: eager), and each step's inputs go in one pinned-buffer copy.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +27,7 @@ from rlx.kernels.paged_attention import paged_decode_attention, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
 
 PAGED_ATTENTION = "rlx_paged"
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,6 +50,28 @@ class PagedContext:
     max_query_len: int = 1
     mask: torch.Tensor | None = None
     """Prefill: [B, 1, max_query_len, max_blocks * block_size] bool, True where a query may attend."""
+    k_cache: torch.Tensor | None = None
+    """This layer's key cache (set by `for_layer`: a compiled layer then sees tensors, not a layer index)."""
+    v_cache: torch.Tensor | None = None
+
+    def for_layer(self, index: int) -> PagedContext:
+        return dataclasses.replace(self, k_cache=self.kv[index][0], v_cache=self.kv[index][1])
+
+
+@torch.library.custom_op(
+    "rlx::paged_decode",
+    mutates_args=("k_cache", "v_cache"),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+    "Tensor block_tables, Tensor context_lens, float scale) -> Tensor",
+)
+def paged_decode(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale):
+    """Write the step's keys/values, then decode attention: one opaque op, so torch.compile fuses around it."""
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, (k, v, slot_mapping))
+
+
+@paged_decode.register_fake
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 def paged_attention_forward(
@@ -58,13 +87,23 @@ def paged_attention_forward(
     """The "rlx_paged" attention function.  query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None)."""
     if paged is None:
         raise ValueError(f"{PAGED_ATTENTION} attention runs inside the native rollout engine only")
-    k_cache, v_cache = paged.kv[module.layer_idx]
+    k_cache, v_cache = paged.kv[module.layer_idx] if paged.k_cache is None else (paged.k_cache, paged.v_cache)
     q = query[0].transpose(0, 1).to(k_cache.dtype)
     k, v = (t[0].transpose(0, 1).to(k_cache.dtype) for t in (key, value))
-    write_kv(k_cache, v_cache, paged.slot_mapping, k, v)
     if paged.decode:
-        out = paged_decode_attention(q, k_cache, v_cache, paged.block_tables, paged.context_lens, scaling)
+        out = paged_decode(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            paged.slot_mapping,
+            paged.block_tables,
+            paged.context_lens,
+            float(scaling if scaling is not None else q.shape[-1] ** -0.5),
+        )
     else:
+        write_kv(k_cache, v_cache, paged.slot_mapping, k, v)
         out = _prefill_attention(q, k_cache, v_cache, paged, scaling)
     return out.unsqueeze(0), None
 
@@ -92,12 +131,34 @@ def _decoder_parts(model):
     return None if backbone is None or head is None or any(p is None for p in parts) else (*parts, head)
 
 
+def _layer_step(layer, hidden: torch.Tensor, position_ids: torch.Tensor, rope, paged: PagedContext) -> torch.Tensor:
+    """One decoder layer: hidden [1, T, hidden] -> [1, T, hidden]."""
+    out = layer(hidden, attention_mask=None, position_ids=position_ids, position_embeddings=rope, paged=paged)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _head_step(norm, head, hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Final norm and LM head of the kept positions: hidden [1, T, hidden] -> logits [len(keep), V]."""
+    return head(norm(hidden[:, keep]))[0]
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled():
+    """`_layer_step` and `_head_step` under torch.compile (dynamic batch), made once per process: the decoder
+    layers share one compiled graph (weights and caches are inputs), which fuses the norms, rotary and MLP
+    elementwise work around the opaque paged_decode op; the decode CUDA graphs then capture it."""
+    from torch._dynamo import config as dynamo_config
+
+    dynamo_config.recompile_limit = max(getattr(dynamo_config, "recompile_limit", 8), 64)
+    return torch.compile(_layer_step, dynamic=True), torch.compile(_head_step, dynamic=True)
+
+
 class ModelRunner:
     """The KV cache of one model and the forward of one scheduled step.
 
     For Llama-family models (embed_tokens, rotary_emb, layers, norm, lm_head) the runner calls the decoder
     layers itself, skipping the mask set-up of the model's forward (which synchronises with the device);
-    on CUDA, decode steps replay CUDA graphs captured for a ladder of batch sizes."""
+    on CUDA, decode steps replay CUDA graphs captured for a ladder of batch sizes (compiled layers inside)."""
 
     def __init__(
         self, model, device: torch.device, dtype: torch.dtype, blocks: BlockManager, max_blocks_per_seq: int,
@@ -117,6 +178,8 @@ class ModelRunner:
         register_attention(PAGED_ATTENTION, paged_attention_forward, packed_attention_mask)
         self.parts = _decoder_parts(model)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.sizes: list[int] = []
+        self.compiled = False
         if max_batch and device.type == "cuda" and self.parts is not None:
             self._capture(max_batch)
 
@@ -136,43 +199,63 @@ class ModelRunner:
                 )
                 return out.logits[0]
             embed, rotary, layers, norm, head = self.parts
+            layer_step, head_step = _compiled() if ctx.decode and self.compiled else (_layer_step, _head_step)
             hidden = embed(input_ids)
             rope = rotary(hidden, position_ids=position_ids)
-            for layer in layers[: self.model.config.num_hidden_layers]:
-                hidden = layer(
-                    hidden, attention_mask=None, position_ids=position_ids, position_embeddings=rope, paged=ctx
-                )
-                hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-            return head(norm(hidden[:, keep]))[0]
+            for i, layer in enumerate(layers[: self.model.config.num_hidden_layers]):
+                hidden = layer_step(layer, hidden, position_ids, rope, ctx.for_layer(i))
+            return head_step(norm, head, hidden, keep)
 
+    def _graph_args(self, b: int):
+        """The decode inputs of batch size b as views of the graph's buffers (the int32 copy is captured)."""
+        meta = self.g_meta
+        ctx = PagedContext(self.kv, meta[2, :b], self.g_tables[:b], meta[3, :b].to(torch.int32), decode=True)
+        return meta[0:1, :b], meta[1:2, :b], ctx, self.g_keep[:b]
+
+    @torch.no_grad()
     def _capture(self, max_batch: int) -> None:
         ladder = (1, 2, 4, 8, 16, *range(32, max_batch + 32, 32))
-        sizes = sorted({min(b, max_batch) for b in ladder})
-        top, dev = sizes[-1], self.device
-        self.g_ids = torch.zeros(1, top, dtype=torch.long, device=dev)
-        self.g_pos = torch.zeros(1, top, dtype=torch.long, device=dev)
-        self.g_slots = torch.zeros(top, dtype=torch.long, device=dev)  # padded entries write slot 0 (scratch)
+        self.sizes = sorted({min(b, max_batch) for b in ladder})
+        top, dev = self.sizes[-1], self.device
+        # one pinned host buffer and its device copy per step: rows token ids, positions, slots, context lengths
+        self.h_meta = torch.zeros(4, top, dtype=torch.long, pin_memory=True)
+        self.h_tables = torch.zeros(top, self.max_blocks, dtype=torch.int32, pin_memory=True)
+        self.h_meta_np, self.h_tables_np = self.h_meta.numpy(), self.h_tables.numpy()
+        self.row_tables: list[tuple[list, int] | None] = [None] * top  # (block table, length) of each host row
+        self.g_meta = torch.zeros(4, top, dtype=torch.long, device=dev)
+        self.g_meta[3].fill_(1)  # padded entries: token 0 at position 0, written to slot 0 (scratch)
         self.g_tables = torch.zeros(top, self.max_blocks, dtype=torch.int32, device=dev)
-        self.g_ctx = torch.ones(top, dtype=torch.int32, device=dev)
         self.g_keep = torch.arange(top, device=dev)
+        self.compiled = os.environ.get("RLX_NATIVE_COMPILE", "1") != "0"
         pool = None
-        for b in reversed(sizes):
-            ctx = PagedContext(self.kv, self.g_slots[:b], self.g_tables[:b], self.g_ctx[:b], decode=True)
-            args = (self.g_ids[:, :b], self.g_pos[:, :b], ctx, self.g_keep[:b])
-            stream = torch.cuda.Stream(dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream):
-                self._run(*args)  # warm-up outside the graph (kernel selection, lazy inits)
-            torch.cuda.current_stream(dev).wait_stream(stream)
+        for b in reversed(self.sizes):
+            self._warm_up(b)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._run(*args)
+                logits = self._run(*self._graph_args(b))
             pool = graph.pool()
             self.graphs[b] = (graph, logits)
 
+    def _warm_up(self, b: int) -> None:
+        """Run batch size b once outside the graph (compilation, kernel selection, lazy inits); where
+        torch.compile fails, go on with the eager layers."""
+        dev = self.device
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            try:
+                self._run(*self._graph_args(b))
+            except Exception as e:  # noqa: BLE001 (any compiler failure: the eager layers still work)
+                if not self.compiled:
+                    raise
+                _log.warning("native rollout: torch.compile failed (%s: %s); decoding eagerly", type(e).__name__, e)
+                self.compiled = False
+                self._run(*self._graph_args(b))
+        torch.cuda.current_stream(dev).wait_stream(stream)
+
     @torch.no_grad()
     def forward(self, seqs: list[Sequence], decode: bool) -> torch.Tensor:
-        """Logits [B, V] float32 of each sequence's last token after running its uncomputed tokens."""
+        """Logits [B, V] (model dtype) of each sequence's last token after running its uncomputed tokens."""
         if decode:
             return self._decode(seqs)
         tokens, positions, slots, keep, q_rows, q_cols = [], [], [], [], [], []
@@ -205,36 +288,51 @@ class ModelRunner:
         ctx.mask = mask.unsqueeze(1).to(self.device)
         input_ids = torch.tensor([tokens], dtype=torch.long).to(self.device)
         position_ids = torch.tensor([positions], dtype=torch.long).to(self.device)
-        return self._run(input_ids, position_ids, ctx, torch.tensor(keep, device=self.device)).float()
+        return self._run(input_ids, position_ids, ctx, torch.tensor(keep, device=self.device))
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        size = self.blocks.block_size
-        tokens = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
-        positions = [len(s) - 1 for s in seqs]
-        slots = [s.block_table[p // size] * size + p % size for s, p in zip(seqs, positions)]
         b = len(seqs)
-        graph_size = next((g for g in sorted(self.graphs) if g >= b), None)
-        width = self.max_blocks if graph_size is not None else max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
-        context = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
+        graph_size = next((g for g in self.sizes if g >= b), None) if self.graphs else None
         if graph_size is None:
-            ctx = PagedContext(
-                self.kv, torch.tensor(slots).to(self.device), tables.to(self.device), context.to(self.device), True
-            )
-            ids = torch.tensor([tokens]).to(self.device)
-            pos = torch.tensor([positions]).to(self.device)
-            return self._run(ids, pos, ctx, torch.arange(b, device=self.device)).float()
-        self.g_ids[0, :b].copy_(torch.tensor(tokens), non_blocking=True)
-        self.g_pos[0, :b].copy_(torch.tensor(positions), non_blocking=True)
-        self.g_slots[:b].copy_(torch.tensor(slots), non_blocking=True)
-        self.g_tables[:b].copy_(tables, non_blocking=True)
-        self.g_ctx[:b].copy_(context, non_blocking=True)
-        if graph_size > b:  # padded entries: token 0 at position 0, written to the scratch slot
-            self.g_ids[0, b:graph_size].zero_()
-            self.g_pos[0, b:graph_size].zero_()
-            self.g_slots[b:graph_size].zero_()
-            self.g_tables[b:graph_size].zero_()
-            self.g_ctx[b:graph_size].fill_(1)
+            return self._decode_eager(seqs)
+        size, meta, tables = self.blocks.block_size, self.h_meta_np, self.h_tables_np
+        positions = [len(s) - 1 for s in seqs]
+        meta[0, :b] = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
+        meta[1, :b] = positions
+        meta[2, :b] = [s.block_table[p // size] * size + p % size for s, p in zip(seqs, positions)]
+        meta[3, :b] = positions
+        meta[3, :b] += 1
+        meta[:, b:graph_size] = 0
+        meta[3, b:graph_size] = 1
+        rows = self.row_tables
+        for row, seq in enumerate(seqs):  # a host row is rewritten only when its block table changed
+            held = rows[row]
+            # block tables only grow in place or are replaced (release); holding the list keeps its id unique
+            if held is None or held[0] is not seq.block_table or held[1] != len(seq.block_table):
+                tables[row, : len(seq.block_table)] = seq.block_table
+                rows[row] = (seq.block_table, len(seq.block_table))
+        for row in range(b, graph_size):
+            if rows[row] is not None:
+                tables[row] = 0
+                rows[row] = None
+        self.g_meta[:, :graph_size].copy_(self.h_meta[:, :graph_size], non_blocking=True)
+        self.g_tables[:graph_size].copy_(self.h_tables[:graph_size], non_blocking=True)
         graph, logits = self.graphs[graph_size]
         graph.replay()
-        return logits[:b].float()
+        return logits[:b]
+
+    def _decode_eager(self, seqs: list[Sequence]) -> torch.Tensor:
+        size = self.blocks.block_size
+        positions = [len(s) - 1 for s in seqs]
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
+        ctx = PagedContext(
+            self.kv,
+            torch.tensor([s.block_table[p // size] * size + p % size for s, p in zip(seqs, positions)]).to(self.device),
+            tables.to(self.device),
+            torch.tensor([p + 1 for p in positions], dtype=torch.int32).to(self.device),
+            decode=True,
+        )
+        ids = torch.tensor([[s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]]).to(self.device)
+        pos = torch.tensor([positions]).to(self.device)
+        return self._run(ids, pos, ctx, torch.arange(len(seqs), device=self.device))
