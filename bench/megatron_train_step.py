@@ -29,7 +29,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_step import build_batch, timed_steps, useful_flops  # noqa: E402
+from train_step import build_batch, profile, timed_steps, useful_flops  # noqa: E402
 
 from rlx.engine import flops as F  # noqa: E402
 from rlx.engine.parallel.dist import setup, teardown  # noqa: E402
@@ -72,18 +72,23 @@ def train_config(args, batch) -> TrainConfig:
     )
 
 
-def measure(trainer, batch, device, args) -> dict:
+def measure(trainer, batch, device, args, name: str) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = timed_steps(lambda i: trainer.train_step(batch, i), device, args.steps, args.warmup)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    if args.profile:  # every rank runs the step (collectives); rank 0 writes the table
+        if trainer.ctx.rank == 0:
+            profile(lambda: trainer.train_step(batch, 100), device, f"{args.profile}.{name}.txt")
+        else:
+            trainer.train_step(batch, 100)
     return {"times_s": times, "peak_gib": peak}
 
 
 def run_fsdp(args, shape, batch, ctx, dtype) -> dict:
     model = build_model(shape, ctx.device)
     trainer = ActorTrainer(model, train_config(args, batch), ctx.device, dtype, ctx)
-    return measure(trainer, batch, ctx.device, args)
+    return measure(trainer, batch, ctx.device, args, "fsdp")
 
 
 def run_megatron(args, shape, batch, ctx, dtype) -> dict:
@@ -101,7 +106,7 @@ def run_megatron(args, shape, batch, ctx, dtype) -> dict:
     del model, weights
     stage = load_stage(config, {k: v.cpu() for k, v in state.items()}, mctx, "bench")
     trainer = MegatronActorTrainer(stage, config, train_config(args, batch), mctx, dtype)
-    return measure(trainer, batch, ctx.device, args)
+    return measure(trainer, batch, ctx.device, args, "megatron")
 
 
 def summarize(name, result, flops, tokens, peak_flops, gpus) -> dict:
@@ -129,6 +134,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a tiny model and batch (checks the script)")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--json", help="write the results here (rank 0)")
+    parser.add_argument("--profile", help="profile one more step per backend; top kernels to PATH.<backend>.txt")
     args = parser.parse_args()
     if args.small:
         args.samples, args.max_prompt, args.max_response, args.tokens_per_micro_batch = 8, 32, 64, 256
