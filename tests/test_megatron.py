@@ -218,3 +218,18 @@ def test_ppo_with_critic_on_megatron_equals_one_process_and_resumes(tmp_path):
         for run in ("one", "two")
     ]
     assert rewards[0] == rewards[1]
+
+
+def test_four_pipeline_stages_equal_one_process(models, tmp_path):
+    """pp 4 on a 4-layer model: the middle stages' 1F1B traffic (activations forward, gradients back)."""
+    from rlx.models.tiny import write_tiny_model_dir
+
+    batch = models["batch"]
+    write_tiny_model_dir(tmp_path / "tiny", num_layers=4)
+    cli_ok("shard", "--model", tmp_path / "tiny", "--init", "random", "--seed", "1", "--out", tmp_path / "ck")
+    cli_ok("shard", "--model", tmp_path / "ck", "--out", tmp_path / "mg", "--layout", "megatron", "--pp", "4")
+    train = ["--batch", batch, "--use-packing", *TRAIN]
+    cli_ok("train-step", "--checkpoint", tmp_path / "ck", "--out", tmp_path / "one", *train)
+    torchrun(4, "train-step", "--checkpoint", tmp_path / "mg", "--out", tmp_path / "pp4", *train)
+    cli_ok("merge", "--checkpoint", tmp_path / "pp4", "--out", tmp_path / "merged")
+    assert max_diff(tmp_path / "one", tmp_path / "merged") < 1e-6

@@ -275,3 +275,17 @@ def test_missing_rank_file_or_degrees_are_named(tmp_path, prompts_file):
     del meta["pp_degree"]
     (ckpt / "rlx.json").write_text(json.dumps(meta))
     assert_error(cli("merge", "--checkpoint", ckpt, "--out", tmp_path / "back"), "rlx.json", "pp_degree")
+
+
+@pytest.mark.parametrize("layout", ["megatron", "fsdp"])
+def test_vllm_disk_reload_reads_sharded_checkpoints(tmp_path, layout):
+    """The vllm engine's reload-from-checkpoint stream gathers a sharded checkpoint whole (tied head added)."""
+    from rlx.engine.rollout.vllm import checkpoint_weights
+
+    source = save_tiny_hf(tmp_path / "hf", tie=True)
+    extra = ["--tp", "2", "--pp", "2"] if layout == "megatron" else []
+    cli_ok("shard", "--model", source, "--out", tmp_path / "ck", "--layout", layout, *extra)
+    got = dict(checkpoint_weights(tmp_path / "ck", tied=True))
+    want = read_weights(source)
+    assert got.pop("lm_head.weight") is got["model.embed_tokens.weight"]
+    assert_bit_equal(got, want)

@@ -91,12 +91,21 @@ def _gathered(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.T
 
 
 def checkpoint_weights(folder: Path, tied: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs read one at a time from an HF-layout folder's safetensors files.  With `tied`
-    embeddings the file has no lm_head; it is given as the embedding (vLLM's reload expects every weight)."""
+    """(name, tensor) pairs read one at a time from an HF-layout folder's safetensors files (a sharded
+    'fsdp' or 'megatron' checkpoint is gathered whole first).  With `tied` embeddings the file has no
+    lm_head; it is given as the embedding (vLLM's reload expects every weight)."""
     from safetensors import safe_open
 
+    from rlx.engine.checkpoint import is_sharded_checkpoint, read_full_checkpoint_weights
     from rlx.models.loading import weight_files
 
+    if is_sharded_checkpoint(folder):
+        weights = read_full_checkpoint_weights(folder)
+        for name, tensor in weights.items():
+            yield name, tensor
+            if tied and name == "model.embed_tokens.weight" and "lm_head.weight" not in weights:
+                yield "lm_head.weight", tensor
+        return
     files = weight_files(folder)
     if not files:
         raise UserError(f"{folder}: no safetensors weights to reload the vllm engine from")
