@@ -177,7 +177,10 @@ def test_model_path_equals_the_naive_head(tie):
 
 
 VOCAB_PARALLEL = textwrap.dedent("""
-    import os, sys, torch, torch.distributed as dist
+    import os, sys
+    if {impl!r} == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"  # the Triton kernels on the CPU
+    import torch, torch.distributed as dist
     sys.path.insert(0, {repo!r})
     from rlx.kernels.logprob_entropy import naive_logprob_entropy, vocab_parallel_logprob_entropy
     from tests.test_kernels import problem, run
@@ -189,8 +192,8 @@ VOCAB_PARALLEL = textwrap.dedent("""
     lo, hi = bounds[rank], bounds[rank + 1]
     shard = weight.detach()[lo:hi].clone().requires_grad_()
     h = hidden.detach().clone().requires_grad_()
-    got = run(lambda h_, w_, t: vocab_parallel_logprob_entropy(h_, w_, t, lo, temperature=0.8, chunk=17),
-              h, shard, targets, up)
+    got = run(lambda h_, w_, t: vocab_parallel_logprob_entropy(h_, w_, t, lo, temperature=0.8, chunk=17,
+                                                               impl={impl!r}), h, shard, targets, up)
     err = max((got[i] - want[i]).abs().max().item() for i in range(3))
     err = max(err, (got[3] - want[3][lo:hi]).abs().max().item())
     assert err < 1e-5, (rank, err)
@@ -198,8 +201,8 @@ VOCAB_PARALLEL = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_vocab_parallel_equals_the_full_vocabulary(tmp_path, world):
+@pytest.mark.parametrize("world,impl", [(2, "chunked"), (4, "chunked"), (2, "triton")])
+def test_vocab_parallel_equals_the_full_vocabulary(tmp_path, world, impl):
     script = tmp_path / "vp.py"
-    script.write_text(VOCAB_PARALLEL.format(repo=str(REPO)))
+    script.write_text(VOCAB_PARALLEL.format(repo=str(REPO), impl=impl))
     run_torchrun(world, script, timeout=300)

@@ -190,9 +190,18 @@ def vocab_parallel_logprob_entropy(
     temperature: float = 1.0,
     ignore_index: int = IGNORE_INDEX,
     chunk: int | None = None,
+    impl: str = "chunked",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob [N], entropy [N]) with this rank's vocabulary rows `weight_shard` starting at `vocab_start`;
-    `targets` are global token ids. Identical on every rank of `group`."""
+    `targets` are global token ids. Identical on every rank of `group`. `impl`: 'chunked' (PyTorch) or
+    'triton' (the fused kernels on the shard; 'auto' picks it on CUDA)."""
+    impl = resolve_impl(impl, hidden.device)
+    if impl == "triton":
+        from rlx.kernels.triton_logprob import TritonVocabParallelLogprobEntropy
+
+        return TritonVocabParallelLogprobEntropy.apply(
+            hidden, weight_shard, targets, temperature, ignore_index, vocab_start, group
+        )
     return VocabParallelLogprobEntropy.apply(
         hidden, weight_shard, targets, temperature, ignore_index, vocab_start, group, chunk
     )

@@ -461,3 +461,41 @@ class TritonLogprobEntropy(torch.autograd.Function):
             hidden, weight, targets, lse, mean, a, b, ctx.temperature, ctx.needs_input_grad[1]
         )
         return grad_hidden, grad_weight, None, None, None, None
+
+
+class TritonVocabParallelLogprobEntropy(torch.autograd.Function):
+    """The Triton kernels on this rank's vocabulary rows [vocab_start, vocab_start + V_local): per-shard
+    (lse, mean logit, target logit) merged over `group` (only [N]-sized statistics cross ranks), and the
+    backward run on the shard with the merged statistics (the hidden gradient summed over `group`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight_shard, targets, temperature, ignore_index, vocab_start, group):
+        import torch.distributed as dist
+
+        hidden, weight_shard = hidden.contiguous(), weight_shard.contiguous()
+        local = (targets - vocab_start).contiguous()  # out-of-shard targets match no row here
+        with torch.no_grad():
+            lse, mean, target_logit = forward_stats(hidden, weight_shard, local, temperature)
+            big = lse.clone()
+            dist.all_reduce(big, op=dist.ReduceOp.MAX, group=group)
+            weight = torch.exp(lse - big)
+            sums = torch.stack([weight, weight * mean, target_logit])
+            dist.all_reduce(sums, group=group)
+            lse, mean = big + torch.log(sums[0]), sums[1] / sums[0]
+        valid = targets != ignore_index
+        ctx.save_for_backward(hidden, weight_shard, local, lse, mean, targets)
+        ctx.temperature, ctx.ignore_index, ctx.group = temperature, ignore_index, group
+        return (sums[2] - lse) * valid, (lse - mean) * valid
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        import torch.distributed as dist
+
+        hidden, weight, local, lse, mean, targets = ctx.saved_tensors
+        a, b = row_grads(grad_logprob, grad_entropy, targets, ctx.ignore_index, lse)
+        grad_hidden, grad_weight = backward_grads(
+            hidden, weight, local, lse, mean, a, b, ctx.temperature, ctx.needs_input_grad[1]
+        )
+        grad_hidden = grad_hidden.float() if grad_hidden.dtype != torch.float64 else grad_hidden
+        dist.all_reduce(grad_hidden, group=ctx.group)
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None

@@ -3,7 +3,8 @@
 The LM head stays sharded over the tensor-parallel group: each rank scores its rows of the vocabulary
 against the hidden states and only per-token statistics are all-reduced (rlx/kernels, the same fused
 computation the FSDP path runs), so [tokens, vocab] logits never exist. Padding rows of the vocabulary
-are left out. On one tensor-parallel rank the ordinary fused kernels run (Triton on CUDA).
+are left out. The Triton kernels run on CUDA ('auto'; per shard when tensor parallel), chunked PyTorch
+elsewhere.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def head_logprobs(
         )
     else:
         logp, entropy = vocab_parallel_logprob_entropy(
-            picked_hidden.to(compute), weight.to(compute), targets, start, ctx.tp_group, temperature
+            picked_hidden.to(compute), weight.to(compute), targets, start, ctx.tp_group, temperature, impl=impl
         )
     width = rows.local_targets.shape
     full_logp = logp.float().new_zeros(width).index_put((keep,), logp.float())

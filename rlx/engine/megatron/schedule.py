@@ -19,6 +19,7 @@ import torch.distributed as dist
 from rlx.engine.device import autocast
 from rlx.engine.logprobs import PackedRows
 from rlx.engine.megatron.parallel import MegatronContext
+from rlx.models.megatron.model import packed_params, packed_rotary
 
 
 @dataclass
@@ -29,19 +30,6 @@ class MicroBatch:
     """Packing of the micro-batch's rows (on the model's device)."""
     extra: object = None
     """What the last stage's head needs besides the hidden states (tensors, the batch part, weights)."""
-
-
-def packed_seq_params(rows: PackedRows):
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = rows.packed.cu_seqlens.to(torch.int32)
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        max_seqlen_q=rows.packed.max_len,
-        max_seqlen_kv=rows.packed.max_len,
-    )
 
 
 def stage_forward(model, rows: PackedRows, input_tensor: torch.Tensor | None) -> torch.Tensor:
@@ -55,10 +43,9 @@ def stage_forward(model, rows: PackedRows, input_tensor: torch.Tensor | None) ->
     else:
         model.set_input_tensor(input_tensor)
         hidden = None
-    rotary = model.rotary_pos_emb(packed.max_len, packed_seq=True)  # [max_len, 1, 1, D]
-    return model.decoder(
-        hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary, packed_seq_params=packed_seq_params(rows)
-    )
+    rotary = packed_rotary(model, packed.position_ids, packed.max_len)  # applied by rlx's core attention
+    params = packed_params(packed.cu_seqlens.to(torch.int32), packed.max_len, rotary)
+    return model.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=None, packed_seq_params=params)
 
 
 def _activation(rows: PackedRows, hidden_size: int, device: torch.device) -> torch.Tensor:

@@ -107,9 +107,35 @@ def transformer_config(hf_config, tp_degree: int, pp_degree: int):
     )
 
 
+def packed_rotary(model, position_ids: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, 1, D] float32 of each packed token's position, from the model's rotary embedding."""
+    freqs = model.rotary_pos_emb(max_len)[position_ids.reshape(-1), 0]  # [T, 1, D]
+    return torch.cos(freqs), torch.sin(freqs)
+
+
+def packed_params(cu_seqlens: torch.Tensor, max_len: int, rotary: tuple[torch.Tensor, torch.Tensor]):
+    """megatron's PackedSeqParams for one packed row (THD), carrying the per-token rotary cos/sin."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=max_len, max_seqlen_kv=max_len
+    )
+    params.rlx_rotary = rotary
+    return params
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by per-token cos/sin [T, 1, D] (rotate-half form, as HF and megatron)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin.to(x.dtype)
+
+
 class CoreAttention(torch.nn.Module):
     """megatron's core-attention slot filled with rlx's packed attention: query [T, H, D], key/value
-    [T, Hkv, D] (this rank's heads) and the packing's `cu_seqlens` -> [T, H * D]."""
+    [T, Hkv, D] (this rank's heads) and the packing's `cu_seqlens` -> [T, H * D].
+
+    Rotary embedding is applied here, per token from the packed positions (the decoder gets no
+    `rotary_pos_emb`): megatron's own THD path splits the row per sample and syncs with the host."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, **_):
         super().__init__()
@@ -120,6 +146,8 @@ class CoreAttention(torch.nn.Module):
     ):
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             raise ValueError("rlx's megatron models take packed (THD) inputs only")
+        cos, sin = packed_seq_params.rlx_rotary
+        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         out = varlen_attention(
             query, key, value, packed_seq_params.cu_seqlens_q, int(packed_seq_params.max_seqlen_q), scale=self.scale
         )
