@@ -127,9 +127,12 @@ class MegatronScoringModel:
 
 
 def load_scoring_model(source, device_name: str, critic: bool):
-    """A MegatronScoringModel for a megatron-layout checkpoint when megatron-core is installed, else None
-    (the caller then loads the merged Hugging Face model). `critic`: a value model is expected."""
+    """A MegatronScoringModel for a megatron-layout checkpoint when megatron-core is installed and the
+    launch holds its tp x pp, else None (the caller then loads the merged Hugging Face model: same
+    numbers, one process per replica). `critic`: a value model is expected."""
     from rlx.engine.checkpoint import CheckpointMeta, is_checkpoint
+    from rlx.engine.parallel.dist import context
+    from rlx.engine.tracking import console
     from rlx.models.loading import load_config
     from rlx.models.megatron.compat import megatron_version
 
@@ -137,6 +140,13 @@ def load_scoring_model(source, device_name: str, critic: bool):
         return None
     meta = CheckpointMeta.read(source.path)
     if meta.layout != "megatron":
+        return None
+    world = context().world
+    if world % (meta.tp_degree * meta.pp_degree):
+        console(
+            f"{source.path}: tp {meta.tp_degree} x pp {meta.pp_degree} does not fit {world} process(es); "
+            "scoring the merged Hugging Face model instead"
+        )
         return None
     config = load_config(source)
     if is_critic_config(config) != critic:
