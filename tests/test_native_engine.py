@@ -86,6 +86,31 @@ def test_scheduler_preempts_the_newest_when_blocks_run_out_and_recomputes_it():
     assert all(s.output_ids == [7, 7, 7, 7] for s in seqs) and blocks.num_free == 4
 
 
+def test_schedule_ahead_plans_the_next_decode_from_lengths_or_leaves_it_to_the_synchronous_path():
+    blocks = BlockManager(num_blocks=6, block_size=2)  # 5 usable blocks
+    scheduler = Scheduler(blocks, max_num_seqs=2, max_prefill_tokens=100)
+    a, b, c = Sequence(0, [1, 2, 3], 4), Sequence(1, [4, 5], 2), Sequence(2, [6], 4)
+    for s in (a, b, c):
+        scheduler.add(s)
+    assert scheduler.schedule().seqs == [a, b]  # prefill; c waits for a free place
+    for s in (a, b):  # the host has read the prefill's tokens
+        s.num_computed = len(s)
+        s.output_ids.append(7)
+    step = scheduler.schedule()
+    assert step.kind == "decode" and [len(s.block_table) for s in (a, b)] == [2, 2]
+    # while that decode's tokens are on the device: b is at its last token and a needs a third block
+    ahead = scheduler.schedule_ahead(step.seqs)
+    assert ahead.kind == "decode" and ahead.seqs == [a] and len(a.block_table) == 3 and blocks.num_free == 0
+    scheduler.finish(b, "length")  # a place is free and c fits: a prefill is due, the synchronous path decides
+    assert scheduler.schedule_ahead([a]) is None and len(a.block_table) == 3
+    d = Sequence(3, [1] * 7, 4)  # needs 4 blocks: no prefill possible, but a's next block is missing
+    scheduler.waiting[0] = d
+    a.output_ids.append(7)
+    a.output_ids.append(7)  # 6 tokens, the pending one at position 6 needs a fourth block
+    blocks.free.clear()
+    assert scheduler.schedule_ahead([a]) is None
+
+
 def test_a_sequence_larger_than_the_cache_is_refused():
     scheduler = Scheduler(BlockManager(num_blocks=3, block_size=2), max_num_seqs=8, max_prefill_tokens=100)
     with pytest.raises(ValueError, match="does not fit"):
@@ -131,6 +156,30 @@ def test_native_equals_the_hf_engine(tiny, settings):
         assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
 
 
+def test_decoding_ahead_of_the_host_changes_no_token(tiny, monkeypatch):
+    """Steps queued before the host reads the previous step's tokens (EOS stops, refills, preemption) give the
+    synchronous path's tokens; logprobs may differ by float32 rounding (discarded rows change the batch)."""
+    from rlx.engine.rollout.native.engine import NativeRolloutEngine
+
+    model, tokenizer = tiny
+    cfg = RolloutConfig(
+        engine="native", chat_template="off", n=8, max_new_tokens=40, temperature=1.5, seed=1, max_num_seqs=5,
+        block_size=2, kv_cache_gib=4e-5,
+    )  # fmt: skip
+    runs = {}
+    for overlap in ("0", "1"):
+        monkeypatch.setenv("RLX_NATIVE_OVERLAP", overlap)
+        engine = NativeRolloutEngine(model, tokenizer, CPU, torch.float32, cfg)
+        runs[overlap] = (engine.generate(PROMPTS, cfg, progress=False), engine.last_stats)
+    (sync, sync_stats), (ahead, ahead_stats) = runs["0"], runs["1"]
+    assert sync_stats["rollout/steps_ahead"] == 0 and ahead_stats["rollout/steps_ahead"] > 50
+    assert ahead_stats["rollout/preemptions"] > 0 and {r.finish_reason for r in ahead} == {"stop", "length"}
+    assert [r.response_ids for r in ahead] == [r.response_ids for r in sync]
+    assert [r.finish_reason for r in ahead] == [r.finish_reason for r in sync]
+    for a, b in zip(ahead, sync):
+        assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
+
+
 def test_rollout_command_with_the_native_engine(tmp_path, tiny_ckpt, prompts_file):
     cli_ok(*rollout_args(tiny_ckpt, prompts_file, tmp_path / "hf.jsonl", "--seed", "3"))
     cli_ok(*rollout_args(tiny_ckpt, prompts_file, tmp_path / "native.jsonl", "--seed", "3", "--engine", "native"))
@@ -150,9 +199,11 @@ def test_native_equals_the_hf_engine_on_cuda(tiny, graphs):
     model = model.to(cuda)
     cfg = RolloutConfig(engine="native", chat_template="off", n=4, max_new_tokens=20, seed=3, cuda_graphs=graphs)
     cfg.max_num_seqs = 8  # fewer sequences than requests: graphs of several sizes replay, slots refill
-    ours = NativeRolloutEngine(model, tokenizer, cuda, torch.float32, cfg).generate(PROMPTS, cfg, progress=False)
+    engine = NativeRolloutEngine(model, tokenizer, cuda, torch.float32, cfg)
+    ours = engine.generate(PROMPTS, cfg, progress=False)
     theirs = HFRolloutEngine(model, tokenizer, cuda, torch.float32).generate(PROMPTS, cfg, progress=False)
     model.to(CPU)
+    assert engine.last_stats["rollout/steps_ahead"] > 0  # decode steps overlapped with the host's bookkeeping
     same = sum(a.response_ids == b.response_ids for a, b in zip(ours, theirs))
     assert same >= len(ours) - 1  # TF32-free fp32, but kernels differ: allow one near-tie to flip
     for a, b in zip(ours, theirs):

@@ -89,9 +89,10 @@ class BlockManager:
                 block = self._take()
             seq.block_table.append(block)
 
-    def ensure_slot(self, seq: Sequence) -> bool:
-        """Make room for the sequence's next token; False when no block is free."""
-        if len(seq) <= len(seq.block_table) * self.block_size:
+    def ensure_slot(self, seq: Sequence, lookahead: int = 0) -> bool:
+        """Make room for the sequence's next token (with `lookahead` 1: for the one after it, whose input token
+        is still on the device); False when no block is free."""
+        if len(seq) + lookahead <= len(seq.block_table) * self.block_size:
             return True
         if not self.free:
             return False

@@ -8,10 +8,17 @@ of a prompt share the cache blocks of its prefix (blocks.py), and the KV cache i
 device memory (that fraction of it: `rollout.gpu_memory_utilization`; `rollout.kv_cache_gib` on the
 CPU or to fix it). The cache and the decode CUDA graphs are kept from one `generate` call to the next
 until `sleep()`, which `rlx ppo` calls after each rollout so the trainer has the memory.
+
+Host and device overlap (as vLLM's async scheduling): after a decode step is queued, the next decode step
+is planned from lengths alone and queued before the host reads the first one's tokens (its input tokens are
+gathered on the device), so the device computes step t+1 while the host does step t's bookkeeping. A
+sequence that stopped at step t (EOS) then has one extra token computed at t+1, which is discarded. Prefill
+steps, preemption and a due prefill go through the synchronous path. RLX_NATIVE_OVERLAP=0 turns it off.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -21,12 +28,13 @@ from tqdm import tqdm
 from rlx.engine.parallel.dist import all_gather_objects, shard_range
 from rlx.engine.records import PromptRecord, RolloutRecord
 from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.native.blocks import BlockManager, Sequence
+from rlx.engine.rollout.native.blocks import BlockManager, Sequence, Status
 from rlx.engine.rollout.native.runner import ModelRunner
+from rlx.engine.rollout.native.sampler import Launched, StepSampler
 from rlx.engine.rollout.native.scheduler import Scheduler
 from rlx.engine.rollout.prompts import stop_token_ids
 from rlx.engine.rollout.requests import Generated, build_requests, to_record
-from rlx.engine.rollout.sampling import sample_next, sample_uniforms
+from rlx.engine.rollout.sampling import sample_uniforms
 from rlx.errors import UserError
 
 _GIB = 1 << 30
@@ -44,6 +52,7 @@ class NativeRolloutEngine:
         self.block_size = cfg.block_size
         self.last_stats: dict[str, float] = {}
         self._runner: ModelRunner | None = None
+        self._num_ahead = 0
 
     def sleep(self) -> float:
         """Free the KV cache and CUDA graphs kept from the last `generate` (the trainer gets the memory);
@@ -112,15 +121,9 @@ class NativeRolloutEngine:
                 raise UserError(f"request {mine[seq.index].sample_id}: {e}; raise rollout.kv_cache_gib") from None
         show = progress and (self.ctx is None or self.ctx.is_main)
         bar = tqdm(total=len(seqs), desc="rollout", unit="seq", disable=None if show else True, leave=False)
+        self._num_ahead = 0
         try:
-            while not scheduler.done:
-                with record_function("rlx/schedule"):
-                    step = scheduler.schedule()
-                with record_function(f"rlx/{step.kind}"):
-                    logits = runner.forward(step.seqs, decode=step.kind == "decode")
-                with record_function("rlx/sample"):
-                    finished = self._advance(step.seqs, logits, uniforms, cfg, scheduler)
-                bar.update(finished)
+            self._run_steps(runner, scheduler, StepSampler(uniforms, cfg, self.device), bar)
         finally:
             bar.close()
             self.model.train(was_training)
@@ -135,6 +138,7 @@ class NativeRolloutEngine:
             "timing/generate_s": seconds,
             "perf/rollout_tokens_per_s": generated / max(seconds, 1e-9),
             "rollout/preemptions": float(scheduler.preemptions),
+            "rollout/steps_ahead": float(self._num_ahead),
         }
         return [to_record(r, g, self.tokenizer, cfg.temperature) for r, g in zip(requests, results)]
 
@@ -159,19 +163,44 @@ class NativeRolloutEngine:
         self._runner = ModelRunner(self.model, self.device, self.dtype, blocks, width, graphs)
         return self._runner
 
-    def _advance(self, seqs: list[Sequence], logits: torch.Tensor, uniforms, cfg: RolloutConfig, scheduler) -> int:
-        """Sample each sequence's next token (as the hf engine does), append it, finish stopped sequences."""
-        greedy = [s.greedy for s in seqs]
-        draws, mask = None, None
-        if not all(greedy):
-            draws = uniforms[[s.index for s in seqs], [len(s.output_ids) for s in seqs]]
-            if any(greedy):
-                mask = torch.tensor(greedy).to(logits.device, non_blocking=True)
-        tokens, chosen = sample_next(logits, draws, mask, cfg.train_temperature, cfg.top_k, cfg.top_p)
-        # one transfer for both (token ids are exact in float64)
-        host = torch.stack([tokens.double(), chosen.double()]).cpu()
+    def _run_steps(self, runner: ModelRunner, scheduler: Scheduler, sampler: StepSampler, bar) -> None:
+        """Run steps until every sequence finished; a decode step's successor is queued before its tokens are
+        read where the scheduler can plan it from lengths alone."""
+        overlap = os.environ.get("RLX_NATIVE_OVERLAP", "1") != "0"
+        inflight: Launched | None = None
+        while inflight is not None or not scheduler.done:
+            launched = None
+            if inflight is not None and inflight.decode and overlap:
+                with record_function("rlx/schedule"):
+                    ahead = scheduler.schedule_ahead(inflight.seqs)
+                if ahead is not None:
+                    self._num_ahead += 1
+                    row_of = {seq: row for row, seq in enumerate(inflight.seqs)}
+                    prev = (inflight.tokens, [row_of[seq] for seq in ahead.seqs])
+                    launched = self._launch(runner, sampler, ahead.seqs, True, prev)
+            elif inflight is None:
+                with record_function("rlx/schedule"):
+                    step = scheduler.schedule()
+                launched = self._launch(runner, sampler, step.seqs, step.kind == "decode", None)
+            if inflight is not None:
+                with record_function("rlx/finish"):
+                    bar.update(self._finish(inflight, sampler, scheduler))
+            inflight = launched
+
+    @staticmethod
+    def _launch(runner: ModelRunner, sampler: StepSampler, seqs: list[Sequence], decode: bool, prev) -> Launched:
+        with record_function("rlx/decode" if decode else "rlx/prefill"):
+            logits = runner.forward(seqs, decode=decode, prev=prev)
+        with record_function("rlx/sample"):
+            return sampler.launch(seqs, logits, decode, ahead=prev is not None)
+
+    def _finish(self, step: Launched, sampler: StepSampler, scheduler: Scheduler) -> int:
+        """Append each sequence's sampled token, finish stopped sequences; returns how many finished."""
+        tokens, logprobs = sampler.collect(step)
         finished = 0
-        for seq, token, logprob in zip(seqs, host[0].long().tolist(), host[1].tolist()):
+        for seq, token, logprob in zip(step.seqs, tokens, logprobs):
+            if seq.status is not Status.RUNNING:
+                continue  # it stopped at the step before: this token was computed ahead and is discarded
             seq.num_computed = len(seq)
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)

@@ -8,6 +8,8 @@ for prefill (the new tokens after any cached prefix), the paged decode kernel fo
 write, as the custom op `rlx::paged_decode`). The model's own modules and weights do everything else, so
 the trainer's module can generate directly; on CUDA its decoder layers run under torch.compile inside the
 decode CUDA graphs (RLX_NATIVE_COMPILE=0: eager), and each step's inputs go in one pinned-buffer copy.
+A decode step can run one token ahead of the host (`prev`): each sequence's input token is then gathered on
+the device from the previous step's sampled tokens, which the host has not read yet.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 
 from rlx.engine.device import autocast
 from rlx.engine.rollout.native.blocks import BlockManager, Sequence
+from rlx.engine.rollout.native.inputs import DecodeStaging, last_token
 from rlx.kernels.paged_attention import paged_decode_attention, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
 
@@ -150,7 +153,7 @@ def _compiled():
     from torch._dynamo import config as dynamo_config
 
     dynamo_config.recompile_limit = max(getattr(dynamo_config, "recompile_limit", 8), 64)
-    return torch.compile(_layer_step, dynamic=True), torch.compile(_head_step, dynamic=True)
+    return tuple(torch.compile(f, dynamic=True) for f in (_layer_step, _head_step))
 
 
 class ModelRunner:
@@ -190,6 +193,9 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * itemsize
 
+    def _layers(self):
+        return self.parts[2][: self.model.config.num_hidden_layers]
+
     def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: PagedContext, keep: torch.Tensor):
         """Logits [len(keep), V] (model dtype) of the kept positions of the row."""
         with attention_implementation(self.model, PAGED_ATTENTION), autocast(self.device, self.dtype):
@@ -198,13 +204,13 @@ class ModelRunner:
                     input_ids=input_ids, position_ids=position_ids, use_cache=False, paged=ctx, logits_to_keep=keep
                 )
                 return out.logits[0]
-            embed, rotary, layers, norm, head = self.parts
-            layer_step, head_step = _compiled() if ctx.decode and self.compiled else (_layer_step, _head_step)
+            embed, rotary, _, norm, head = self.parts
+            steps = _compiled() if ctx.decode and self.compiled else (_layer_step, _head_step)
             hidden = embed(input_ids)
             rope = rotary(hidden, position_ids=position_ids)
-            for i, layer in enumerate(layers[: self.model.config.num_hidden_layers]):
-                hidden = layer_step(layer, hidden, position_ids, rope, ctx.for_layer(i))
-            return head_step(norm, head, hidden, keep)
+            for i, layer in enumerate(self._layers()):
+                hidden = steps[0](layer, hidden, position_ids, rope, ctx.for_layer(i))
+            return steps[1](norm, head, hidden, keep)
 
     def _graph_args(self, b: int):
         """The decode inputs of batch size b as views of the graph's buffers (the int32 copy is captured)."""
@@ -217,12 +223,10 @@ class ModelRunner:
         ladder = (1, 2, 4, 8, 16, *range(32, max_batch + 32, 32))
         self.sizes = sorted({min(b, max_batch) for b in ladder})
         top, dev = self.sizes[-1], self.device
-        # one pinned host buffer and its device copy per step: rows token ids, positions, slots, context lengths
-        self.h_meta = torch.zeros(4, top, dtype=torch.long, pin_memory=True)
-        self.h_tables = torch.zeros(top, self.max_blocks, dtype=torch.int32, pin_memory=True)
-        self.h_meta_np, self.h_tables_np = self.h_meta.numpy(), self.h_tables.numpy()
-        self.row_tables: list[tuple[list, int] | None] = [None] * top  # (block table, length) of each host row
-        self.g_meta = torch.zeros(4, top, dtype=torch.long, device=dev)
+        # pinned host buffers (two, used in turn) and their device copy: token ids, positions, slots, context
+        # lengths, source rows (inputs.py)
+        self.staging = [DecodeStaging(top, self.max_blocks) for _ in range(2)]
+        self.g_meta = torch.zeros(5, top, dtype=torch.long, device=dev)
         self.g_meta[3].fill_(1)  # padded entries: token 0 at position 0, written to slot 0 (scratch)
         self.g_tables = torch.zeros(top, self.max_blocks, dtype=torch.int32, device=dev)
         self.g_keep = torch.arange(top, device=dev)
@@ -254,10 +258,15 @@ class ModelRunner:
         torch.cuda.current_stream(dev).wait_stream(stream)
 
     @torch.no_grad()
-    def forward(self, seqs: list[Sequence], decode: bool) -> torch.Tensor:
-        """Logits [B, V] (model dtype) of each sequence's last token after running its uncomputed tokens."""
+    def forward(
+        self, seqs: list[Sequence], decode: bool, prev: tuple[torch.Tensor, list[int]] | None = None
+    ) -> torch.Tensor:
+        """Logits [B, V] (model dtype) of each sequence's last token after running its uncomputed tokens.
+
+        prev (decode only): (tokens [B'] on the device, row of each sequence in them): the step runs one token
+        ahead, each sequence's input being its token sampled by the previous step, not yet on the host."""
         if decode:
-            return self._decode(seqs)
+            return self._decode(seqs, prev)
         tokens, positions, slots, keep, q_rows, q_cols = [], [], [], [], [], []
         for row, seq in enumerate(seqs):
             ids = seq.token_ids
@@ -290,40 +299,25 @@ class ModelRunner:
         position_ids = torch.tensor([positions], dtype=torch.long).to(self.device)
         return self._run(input_ids, position_ids, ctx, torch.tensor(keep, device=self.device))
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _decode(self, seqs: list[Sequence], prev: tuple[torch.Tensor, list[int]] | None) -> torch.Tensor:
         b = len(seqs)
         graph_size = next((g for g in self.sizes if g >= b), None) if self.graphs else None
         if graph_size is None:
-            return self._decode_eager(seqs)
-        size, meta, tables = self.blocks.block_size, self.h_meta_np, self.h_tables_np
-        positions = [len(s) - 1 for s in seqs]
-        meta[0, :b] = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
-        meta[1, :b] = positions
-        meta[2, :b] = [s.block_table[p // size] * size + p % size for s, p in zip(seqs, positions)]
-        meta[3, :b] = positions
-        meta[3, :b] += 1
-        meta[:, b:graph_size] = 0
-        meta[3, b:graph_size] = 1
-        rows = self.row_tables
-        for row, seq in enumerate(seqs):  # a host row is rewritten only when its block table changed
-            held = rows[row]
-            # block tables only grow in place or are replaced (release); holding the list keeps its id unique
-            if held is None or held[0] is not seq.block_table or held[1] != len(seq.block_table):
-                tables[row, : len(seq.block_table)] = seq.block_table
-                rows[row] = (seq.block_table, len(seq.block_table))
-        for row in range(b, graph_size):
-            if rows[row] is not None:
-                tables[row] = 0
-                rows[row] = None
-        self.g_meta[:, :graph_size].copy_(self.h_meta[:, :graph_size], non_blocking=True)
-        self.g_tables[:graph_size].copy_(self.h_tables[:graph_size], non_blocking=True)
+            return self._decode_eager(seqs, prev)
+        self.staging.reverse()  # the other buffer: the device may still be copying from this one
+        staged = self.staging[0]
+        staged.fill(seqs, graph_size, self.blocks.block_size, None if prev is None else prev[1])
+        self.g_meta.copy_(staged.meta, non_blocking=True)
+        self.g_tables[:graph_size].copy_(staged.tables[:graph_size], non_blocking=True)
+        if prev is not None:  # [b] input tokens gathered from the previous step's, on the device
+            self.g_meta[0, :b] = prev[0][self.g_meta[4, :b]]
         graph, logits = self.graphs[graph_size]
         graph.replay()
         return logits[:b]
 
-    def _decode_eager(self, seqs: list[Sequence]) -> torch.Tensor:
-        size = self.blocks.block_size
-        positions = [len(s) - 1 for s in seqs]
+    def _decode_eager(self, seqs: list[Sequence], prev: tuple[torch.Tensor, list[int]] | None) -> torch.Tensor:
+        size, lag = self.blocks.block_size, 0 if prev is None else 1
+        positions = [len(s) - 1 + lag for s in seqs]
         width = max(len(s.block_table) for s in seqs)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
         ctx = PagedContext(
@@ -333,6 +327,9 @@ class ModelRunner:
             torch.tensor([p + 1 for p in positions], dtype=torch.int32).to(self.device),
             decode=True,
         )
-        ids = torch.tensor([[s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]]).to(self.device)
+        if prev is None:
+            ids = torch.tensor([[last_token(s) for s in seqs]]).to(self.device)
+        else:
+            ids = prev[0][torch.tensor(prev[1]).to(self.device)].unsqueeze(0)
         pos = torch.tensor([positions]).to(self.device)
         return self._run(ids, pos, ctx, torch.arange(len(seqs), device=self.device))

@@ -5,6 +5,8 @@ free blocks allow, oldest first) or a decode (one token for every running sequen
 first, so finished sequences are replaced at once. When a decode needs a block and none is free, the
 newest running sequence is preempted: its blocks are returned and it waits to be prefilled again with
 the tokens it has (recomputation; its samples stay the same, as draws are indexed by token position).
+`schedule_ahead` plans a decode step before the previous one's tokens are known (the engine's overlap
+of host and device) where that step is sure to be a decode that needs no preemption.
 """
 
 from __future__ import annotations
@@ -68,6 +70,20 @@ class Scheduler:
                     decode.remove(victim)
             decode.append(seq)
         return Step("decode", decode)
+
+    def schedule_ahead(self, seqs: list[Sequence]) -> Step | None:
+        """The decode step that follows a step over `seqs` whose tokens the host has not read yet, one token
+        ahead: its sequences that are still running and not at their last token, with a cache slot for the
+        token after the pending one. None where the synchronous path must decide: a prefill is due (one would
+        be scheduled now), nothing is left, or a block is missing (preemption)."""
+        waiting, blocks = self.waiting, self.blocks
+        if waiting and len(self.running) < self.max_num_seqs and blocks.blocks_needed(waiting[0]) <= blocks.num_free:
+            return None
+        # a sequence at its last token finishes at the pending step ('length'): nothing to run ahead for it
+        ahead = [s for s in seqs if s.status is Status.RUNNING and len(s.output_ids) + 1 < s.max_tokens]
+        if not ahead or not all(self.blocks.ensure_slot(s, lookahead=1) for s in ahead):
+            return None  # blocks taken for some sequences stay theirs: they need them one step later anyway
+        return Step("decode", ahead)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason
