@@ -18,7 +18,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_step import build_batch, profile, timed_steps, useful_flops  # noqa: E402
+from train_step import build_batch, profile, summarize, timed_steps, useful_flops  # noqa: E402
 
 from rlx.engine import flops as F  # noqa: E402
 from rlx.engine.parallel.dist import setup, teardown  # noqa: E402
@@ -107,19 +106,6 @@ def run_megatron(args, shape, batch, ctx, dtype) -> dict:
     stage = load_stage(config, {k: v.cpu() for k, v in state.items()}, mctx, "bench")
     trainer = MegatronActorTrainer(stage, config, train_config(args, batch), mctx, dtype)
     return measure(trainer, batch, ctx.device, args, "megatron")
-
-
-def summarize(name, result, flops, tokens, peak_flops, gpus) -> dict:
-    median = statistics.median(result["times_s"])
-    return {
-        "name": name,
-        "gpus": gpus,
-        "step_s": median,
-        "tokens_per_s": tokens / median,
-        "mfu": flops / median / (peak_flops * gpus) if peak_flops else float("nan"),
-        "peak_gib": result["peak_gib"],
-        "times_s": result["times_s"],
-    }
 
 
 def main() -> None:
