@@ -166,7 +166,7 @@ def _kernel() -> Any:
             new = seq.to(tl.int64) * stride_nb + kvh * stride_nh + offs_d
             dst_k = k_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kvh * stride_kh
             dst_v = v_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt + kvh * stride_vh
-            mine = d_mask & (split == (ctx - 1) // PARTITION)
+            mine = d_mask & ((offs_d * 0 + split) == (ctx - 1) // PARTITION)  # a vector mask (interpreter)
             tl.store(dst_k + offs_d, tl.load(kn_ptr + new, mask=mine).to(k_ptr.dtype.element_ty), mask=mine)
             tl.store(dst_v + offs_d, tl.load(vn_ptr + new, mask=mine).to(v_ptr.dtype.element_ty), mask=mine)
             tl.debug_barrier()  # the block's own writes are visible to its loads below
