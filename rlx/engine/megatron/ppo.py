@@ -15,16 +15,15 @@ import torch
 import torch.distributed as dist
 
 from rlx.engine.checkpoint import CheckpointMeta
-from rlx.engine.device import resolve_precision
 from rlx.engine.megatron.checkpoint import (
     RankContent,
     read_rank_optimizer,
     read_rank_state,
     save_megatron_rank_checkpoint,
 )
-from rlx.engine.megatron.parallel import MegatronContext, setup_megatron
-from rlx.engine.megatron.stage import MegatronScoringModel, load_stage
-from rlx.engine.megatron.trainer import MegatronActorTrainer, MegatronCriticTrainer
+from rlx.engine.megatron.parallel import MegatronContext
+from rlx.engine.megatron.stage import MegatronScoringModel
+from rlx.engine.megatron.trainer import build_megatron_trainer
 from rlx.models.loading import tied_keys
 from rlx.models.megatron.convert import hf_to_megatron_shard, megatron_to_hf
 
@@ -35,20 +34,16 @@ def build_trainer(model, train_cfg, ctx: MegatronContext, checkpoint=None):
     config = model.config
     if checkpoint is not None:
         state = read_rank_state(checkpoint, ctx.tp_rank, ctx.pp_rank)
-    else:
-        weights = {k: v for k, v in model.state_dict().items() if k not in tied_keys(model)}  # on every rank
-        state = hf_to_megatron_shard(weights, config, ctx.tp_degree, ctx.pp_degree, ctx.tp_rank, ctx.pp_rank)
-    stage = load_stage(config, state, ctx, str(checkpoint or "policy"))
-    trainer_cls = MegatronCriticTrainer if train_cfg.role == "critic" else MegatronActorTrainer
-    trainer = trainer_cls(stage, config, train_cfg, ctx, resolve_precision(train_cfg.precision, ctx.device))
-    if checkpoint is not None:
-        trainer.load_optimizer_state(read_rank_optimizer(checkpoint, ctx.tp_rank, ctx.pp_rank), str(checkpoint))
-    return trainer
+        optimizer_state = read_rank_optimizer(checkpoint, ctx.tp_rank, ctx.pp_rank)
+        return build_megatron_trainer(config, train_cfg, ctx, state, str(checkpoint), optimizer_state)
+    weights = {k: v for k, v in model.state_dict().items() if k not in tied_keys(model)}  # on every rank
+    state = hf_to_megatron_shard(weights, config, ctx.tp_degree, ctx.pp_degree, ctx.tp_rank, ctx.pp_rank)
+    return build_megatron_trainer(config, train_cfg, ctx, state, "the initial policy")
 
 
 def scoring_model(trainer) -> MegatronScoringModel:
     """The trainer's stage as `rlx score` uses megatron models (no copy)."""
-    return MegatronScoringModel.from_stage(trainer.model, trainer.hf_config, trainer.ctx)
+    return MegatronScoringModel(trainer.model, trainer.hf_config, trainer.ctx)
 
 
 @torch.no_grad()
@@ -88,7 +83,3 @@ def save(out, actor, critic, aux: dict, critic_aux: dict, meta: CheckpointMeta, 
         out, actor.model_state(), actor.optimizer_state(), aux, replace(meta, **degrees), ctx,
         ctx.tp_rank, ctx.pp_rank, ctx.dp_rank, overwrite=True, nested=nested, before_publish=before_publish,
     )  # fmt: skip
-
-
-def setup(device_name: str, tp_degree: int, pp_degree: int) -> MegatronContext:
-    return setup_megatron(device_name, tp_degree, pp_degree)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from rlx.engine.batch import TrainBatch
 from rlx.engine.checkpoint import CheckpointMeta, aux_files, provenance
-from rlx.engine.device import resolve_precision
 from rlx.engine.megatron.checkpoint import (
     check_complete,
     read_rank_optimizer,
@@ -13,8 +12,7 @@ from rlx.engine.megatron.checkpoint import (
     save_megatron_rank_checkpoint,
 )
 from rlx.engine.megatron.parallel import MegatronContext, setup_megatron
-from rlx.engine.megatron.stage import load_stage
-from rlx.engine.megatron.trainer import MegatronActorTrainer, MegatronCriticTrainer
+from rlx.engine.megatron.trainer import build_megatron_trainer
 from rlx.engine.training.config import TrainConfig
 from rlx.errors import UserError
 from rlx.models.loading import ModelSource, load_config
@@ -34,11 +32,8 @@ def load_megatron_trainer(cfg: TrainConfig, source: ModelSource, meta: Checkpoin
     check_complete(source.path)
     ctx: MegatronContext = setup_megatron(cfg.device, meta.tp_degree, meta.pp_degree)
     state = read_rank_state(source.path, ctx.tp_rank, ctx.pp_rank)
-    model = load_stage(hf_config, state, ctx, str(source.path))
-    trainer_cls = MegatronCriticTrainer if critic else MegatronActorTrainer
-    trainer = trainer_cls(model, hf_config, cfg, ctx, resolve_precision(cfg.precision, ctx.device))
-    trainer.load_optimizer_state(read_rank_optimizer(source.path, ctx.tp_rank, ctx.pp_rank), str(source.path))
-    return trainer, ctx
+    optimizer_state = read_rank_optimizer(source.path, ctx.tp_rank, ctx.pp_rank)
+    return build_megatron_trainer(hf_config, cfg, ctx, state, str(source.path), optimizer_state), ctx
 
 
 def megatron_train_step(

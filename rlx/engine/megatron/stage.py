@@ -10,10 +10,9 @@ from rlx.engine.logprobs import PackedRows
 from rlx.engine.megatron.forward import head_logprobs, head_values
 from rlx.engine.megatron.parallel import MegatronContext
 from rlx.engine.megatron.schedule import MicroBatch, run_pipeline
+from rlx.engine.training.trainer import MODEL_INPUTS
 from rlx.errors import UserError
 from rlx.models.megatron.model import build_stage, is_critic_config, move_stage
-
-MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
 def load_stage(hf_config, state: dict[str, torch.Tensor], ctx: MegatronContext, where: str):
@@ -35,7 +34,8 @@ def load_stage(hf_config, state: dict[str, torch.Tensor], ctx: MegatronContext, 
 
 
 def micro_batches(tensors: dict[str, torch.Tensor], parts: list[list[int]], device: torch.device, extra=None):
-    """MicroBatch per list of row indices (packed on the CPU, then moved)."""
+    """MicroBatch per list of row indices (packed on the CPU, then moved); its `extra` is `extra(index)`,
+    else the index list."""
     out = []
     for index in parts:
         rows = PackedRows.build(*(tensors[k][index] for k in MODEL_INPUTS)).to(device)
@@ -86,21 +86,19 @@ class MegatronScoringModel:
 
     is_megatron = True
 
-    def __init__(self, folder, hf_config, tp_degree: int, pp_degree: int, device_name: str):
+    def __init__(self, model, hf_config, ctx: MegatronContext):
+        """Wrap a resident stage (e.g. a trainer's; no copy)."""
+        self.model, self.config, self.ctx = model, hf_config, ctx
+
+    @classmethod
+    def load(cls, folder, hf_config, tp_degree: int, pp_degree: int, device_name: str) -> MegatronScoringModel:
+        """This rank's stage of a megatron checkpoint (megatron's groups set up for its degrees)."""
         from rlx.engine.megatron.checkpoint import read_rank_state
         from rlx.engine.megatron.parallel import setup_megatron
 
-        self.ctx = setup_megatron(device_name, tp_degree, pp_degree)
-        self.config = hf_config
-        state = read_rank_state(folder, self.ctx.tp_rank, self.ctx.pp_rank)
-        self.model = load_stage(hf_config, state, self.ctx, str(folder))
-
-    @classmethod
-    def from_stage(cls, model, hf_config, ctx: MegatronContext) -> MegatronScoringModel:
-        """Wrap a resident stage (e.g. the trainer's) without loading anything."""
-        out = cls.__new__(cls)
-        out.model, out.config, out.ctx = model, hf_config, ctx
-        return out
+        ctx = setup_megatron(device_name, tp_degree, pp_degree)
+        state = read_rank_state(folder, ctx.tp_rank, ctx.pp_rank)
+        return cls(load_stage(hf_config, state, ctx, str(folder)), hf_config, ctx)
 
     def to(self, device: torch.device) -> MegatronScoringModel:
         return self  # loaded on the context's device
@@ -152,4 +150,4 @@ def load_scoring_model(source, device_name: str, critic: bool):
     if is_critic_config(config) != critic:
         expected = "a value model (make one with `rlx shard --role critic`)" if critic else "a causal LM"
         raise UserError(f"{source.path}: expected {expected}")
-    return MegatronScoringModel(source.path, config, meta.tp_degree, meta.pp_degree, device_name)
+    return MegatronScoringModel.load(source.path, config, meta.tp_degree, meta.pp_degree, device_name)

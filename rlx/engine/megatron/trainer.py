@@ -18,16 +18,17 @@ import torch
 import torch.distributed as dist
 
 from rlx.engine.batch import TrainBatch
-from rlx.engine.logprobs import PackedRows
+from rlx.engine.device import resolve_precision
 from rlx.engine.megatron.forward import head_logprobs, head_values
 from rlx.engine.megatron.parallel import MegatronContext
-from rlx.engine.megatron.schedule import MicroBatch, run_pipeline
+from rlx.engine.megatron.schedule import run_pipeline
+from rlx.engine.megatron.stage import load_stage, micro_batches
 from rlx.engine.training.actor import ActorTrainer
 from rlx.engine.training.config import TrainConfig
 from rlx.engine.training.critic import CriticTrainer
 from rlx.engine.training.optim import build_adamw, load_optimizer_tensors
-from rlx.engine.training.trainer import MODEL_INPUTS
 from rlx.errors import UserError
+from rlx.models.megatron.model import is_critic_config
 
 _SEP = "::"
 UNSUPPORTED = ("param_offload", "activation_offload", "compile", "gradient_checkpointing")
@@ -53,12 +54,12 @@ class MegatronTraining:
     def accumulate_gradients(self, mini: TrainBatch, sums: dict[str, float]) -> None:
         norm = self.loss_norm(mini)
         local = mini.select(self.local_rows(mini))
-        micro = []
-        for index in self.micro_batches(local):
+
+        def batch_part(index: list[int]) -> tuple[dict[str, torch.Tensor], TrainBatch]:
             part = local.select(index)
-            tensors = {k: v.to(self.device) for k, v in part.tensors().items()}
-            rows = PackedRows.build(*(part.tensors()[k] for k in MODEL_INPUTS)).to(self.device)
-            micro.append(MicroBatch(rows=rows, extra=(tensors, part)))
+            return {k: v.to(self.device) for k, v in part.tensors().items()}, part
+
+        micro = micro_batches(local.tensors(), self.micro_batches(local), self.device, batch_part)
         self.model.train()
         run_pipeline(
             self.model,
@@ -171,3 +172,14 @@ class MegatronCriticTrainer(MegatronTraining, CriticTrainer):
     def head_loss(self, hidden, rows, t, part, norm, sums) -> torch.Tensor:
         values = head_values(self.model, hidden, rows, part.response_ids.shape)
         return self.micro_loss(t, values, norm, sums)
+
+
+def build_megatron_trainer(hf_config, train_cfg: TrainConfig, ctx: MegatronContext, state: dict, where: str,
+                           optimizer_state: dict | None = None):  # fmt: skip
+    """This rank's stage loaded from its megatron `state`, as the actor's or the critic's trainer (by the
+    config: a `*ForTokenClassification` config is a critic), with its AdamW state when given."""
+    stage = load_stage(hf_config, state, ctx, where)
+    trainer_cls = MegatronCriticTrainer if is_critic_config(hf_config) else MegatronActorTrainer
+    trainer = trainer_cls(stage, hf_config, train_cfg, ctx, resolve_precision(train_cfg.precision, ctx.device))
+    trainer.load_optimizer_state(optimizer_state, where)
+    return trainer

@@ -92,8 +92,9 @@ class PPORun:
         self.megatron = None  # megatron's context when [megatron] trains the models on megatron-core
         if cfg.megatron is not None:
             from rlx.engine.megatron import ppo as megatron_ppo
+            from rlx.engine.megatron.parallel import setup_megatron
 
-            self.megatron = megatron_ppo.setup(cfg.train.device, cfg.megatron.tp_degree, cfg.megatron.pp_degree)
+            self.megatron = setup_megatron(cfg.train.device, cfg.megatron.tp_degree, cfg.megatron.pp_degree)
         self.start_step, start_ckpt = self._prepare_dir(resume)
         meta = CheckpointMeta.read(start_ckpt) if start_ckpt else CheckpointMeta()
         self.data_position = meta.data_position or 0
