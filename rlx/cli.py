@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import typer
 
 from rlx.commands.merge import merge
@@ -33,7 +36,22 @@ app.command("report")(report)
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except SystemExit as e:
+        code = e.code
+    else:
+        code = 0
+    launched = "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ
+    if launched and "torch.distributed" in sys.modules:  # see exit_process: no finalization after gloo
+        from rlx.engine.parallel.dist import exit_process
+
+        if not isinstance(code, int):
+            if code is not None:
+                print(code, file=sys.stderr)
+            code = 0 if code is None else 1
+        exit_process(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -132,3 +132,29 @@ def test_bad_timeout_setting_is_named(tmp_path, value):
     env = {"RANK": "0", "WORLD_SIZE": "1", "RLX_COLLECTIVE_TIMEOUT_S": value}
     out = run_python(code, tmp_path, env=env)
     assert f"RLX_COLLECTIVE_TIMEOUT_S={value!r}: expected a positive number of seconds" in out.stdout, out.stderr
+
+
+def test_launched_processes_exit_with_the_commands_code_and_run_atexit(tmp_path):
+    """Under a launcher, `rlx` ends through exit_process (no interpreter finalization racing gloo's worker
+    threads): the command's exit code and its output survive, atexit handlers still run."""
+    code = f"""
+        import atexit, sys
+        import torch.distributed
+        from pathlib import Path
+        atexit.register(lambda: Path({str(tmp_path / "atexit")!r}).write_text("ran"))
+        class Finalized:  # a module global is released only when the interpreter finalizes
+            def __del__(self, write=Path({str(tmp_path / "finalized")!r}).write_text):
+                write("yes")
+        marker = Finalized()
+        sys.argv = ["rlx", "merge", "--checkpoint", {str(tmp_path / "missing")!r}, "--out", {str(tmp_path / "o")!r}]
+        from rlx.cli import main
+        print("before", end="")
+        main()
+        print("never printed")
+    """
+    out = run_python(code, tmp_path, env={"WORLD_SIZE": "1", "RANK": "0"})
+    assert out.returncode == 1, out
+    assert out.stdout == "before", out.stdout
+    assert "rlx merge: error:" in out.stderr and "missing" in out.stderr, out.stderr
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert not (tmp_path / "finalized").exists()

@@ -182,6 +182,7 @@ VOCAB_PARALLEL = textwrap.dedent("""
         os.environ["TRITON_INTERPRET"] = "1"  # the Triton kernels on the CPU
     import torch, torch.distributed as dist
     sys.path.insert(0, {repo!r})
+    from rlx.engine.parallel.dist import exit_process
     from rlx.kernels.logprob_entropy import naive_logprob_entropy, vocab_parallel_logprob_entropy
     from tests.test_kernels import problem, run
     dist.init_process_group("gloo")
@@ -197,7 +198,9 @@ VOCAB_PARALLEL = textwrap.dedent("""
     err = max((got[i] - want[i]).abs().max().item() for i in range(3))
     err = max(err, (got[3] - want[3][lo:hi]).abs().max().item())
     assert err < 1e-5, (rank, err)
+    dist.barrier()
     dist.destroy_process_group()
+    exit_process(0)
 """)
 
 

@@ -28,6 +28,7 @@ WORKER = textwrap.dedent("""
     from rlx.engine.megatron.parallel import setup_megatron
     from rlx.engine.megatron.schedule import MicroBatch, run_pipeline
     from rlx.engine.megatron.stage import load_stage
+    from rlx.engine.parallel.dist import exit_process
     from rlx.models.attention import enable_packed_attention
     from rlx.models.megatron.convert import hf_to_megatron_shard
     from rlx.models.value import value_config
@@ -77,6 +78,7 @@ WORKER = textwrap.dedent("""
                 err = ((a - b) * response_mask).abs().max().item()
                 assert err < 2e-5, (type(config).__name__, critic, tp, pp, err)
     print("rank", ctx.rank, "ok")
+    exit_process(0)
 """)
 
 

@@ -190,7 +190,7 @@ COLLECTIVE_WRITE = textwrap.dedent("""
     import torch.distributed as dist
     from rlx.engine.checkpoint import CheckpointMeta, aux_files
     from rlx.engine.megatron.checkpoint import read_rank_state, save_megatron_rank_checkpoint
-    from rlx.engine.parallel.dist import setup
+    from rlx.engine.parallel.dist import exit_process, setup
 
     ctx = setup("cpu")
     tp_rank, dp_rank = ctx.rank % 2, ctx.rank // 2  # tp 2 x dp 2, tensor-parallel neighbours adjacent
@@ -202,6 +202,7 @@ COLLECTIVE_WRITE = textwrap.dedent("""
     )
     dist.barrier()
     dist.destroy_process_group()
+    exit_process(0)
 """)
 
 

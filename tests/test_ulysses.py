@@ -18,6 +18,7 @@ SEQUENCE_PARALLEL = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     from rlx.engine.parallel.ulysses import (enable_ulysses_attention, gather_sequence, sequence_parallel_forward,
                                              slice_sequence)
+    from rlx.engine.parallel.dist import exit_process
     from rlx.models.attention import next_token_targets, pack
     from tests.test_packing import tiny_model
 
@@ -75,6 +76,7 @@ SEQUENCE_PARALLEL = textwrap.dedent("""
         check(case + " logprob grads", got, want_logprob_grads)
     dist.barrier()  # gloo: a rank that tears down while a peer still reads its last message aborts the peer
     dist.destroy_process_group()
+    exit_process(0)  # no interpreter finalization while gloo threads release tensors
 """)
 
 

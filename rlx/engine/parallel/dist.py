@@ -11,9 +11,13 @@ commands turn that into a one-line error.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import os
+import sys
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -173,6 +177,22 @@ def teardown(wait_for_others: bool = True) -> None:
             dist.barrier()
         dist.destroy_process_group()
     _CONTEXT = None
+
+
+def exit_process(code: int = 0) -> NoReturn:
+    """End a process launched by torchrun or srun without Python's interpreter finalization.
+
+    gloo's worker threads release the tensors of the last collectives a moment after the caller's wait
+    returns; a release that needs the GIL while the interpreter finalizes kills the process with SIGABRT
+    ("terminate called without an active exception") after all its work succeeded, and the launcher
+    reports a failed run. atexit handlers (log flushing, temporary files) still run; then the process
+    ends at once.
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed, or a reader that went away
+            stream.flush()
+    os._exit(code)
 
 
 def barrier() -> None:

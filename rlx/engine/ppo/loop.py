@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
-import shutil
 import time
 from pathlib import Path
 
@@ -27,18 +25,17 @@ from rlx.config import to_dict
 from rlx.engine.checkpoint import (
     CheckpointContent,
     CheckpointMeta,
-    is_checkpoint,
     load_optimizer_state,
     provenance,
     save_checkpoint,
 )
 from rlx.engine.device import resolve_device, resolve_precision
 from rlx.engine.flops import count_flops, count_generate_flops, device_peak_flops, mfu
-from rlx.engine.io import write_json
 from rlx.engine.memory import device_peak_bytes, host_rss_bytes, measure_phase, phase_metrics, reset_device_peak
 from rlx.engine.parallel.dist import barrier, setup
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.ppo.data import take_prompts
+from rlx.engine.ppo.rundir import checkpoint_dir, drop_old_checkpoints, prepare_run_dir, step_dir
 from rlx.engine.records import RolloutRecord, read_prompts, write_records
 from rlx.engine.rollout.prompts import pad_token_id
 from rlx.engine.rollout.run import build_engine
@@ -50,32 +47,14 @@ from rlx.engine.scoring.score import (
     informative_groups,
     score_rollouts,
 )
-from rlx.engine.tracking import Tracker, console, read_metrics, select_traces, truncate_metrics
+from rlx.engine.tracking import Tracker, console, read_metrics, select_traces
 from rlx.engine.training.actor import ActorTrainer
 from rlx.engine.training.critic import CriticTrainer
 from rlx.errors import UserError
 from rlx.models.loading import resolve_source
 from rlx.models.policy import build_critic_files, load_initial_policy, load_trained_policy, model_weights
 
-RECIPE_NAME = "recipe.json"
 CRITIC_DIR = "critic"
-
-
-def step_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / f"step_{step:06d}"
-
-
-def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"step_{step:06d}"
-
-
-def last_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    """The newest complete checkpoint of a run (complete = renamed into place with its rlx.json)."""
-    found = []
-    for path in (run_dir / "checkpoints").glob("step_*"):
-        if path.is_dir() and is_checkpoint(path) and path.name[5:].isdigit():
-            found.append((int(path.name[5:]), path))
-    return max(found) if found else None
 
 
 class PPORun:
@@ -95,7 +74,7 @@ class PPORun:
             from rlx.engine.megatron.parallel import setup_megatron
 
             self.megatron = setup_megatron(cfg.train.device, cfg.megatron.tp_degree, cfg.megatron.pp_degree)
-        self.start_step, start_ckpt = self._prepare_dir(resume)
+        self.start_step, start_ckpt = prepare_run_dir(self.run_dir, to_dict(cfg), resume, self.ctx.is_main)
         meta = CheckpointMeta.read(start_ckpt) if start_ckpt else CheckpointMeta()
         self.data_position = meta.data_position or 0
         self.kl_coef = meta.kl_coef if meta.kl_coef is not None else cfg.score.kl_coef
@@ -173,42 +152,6 @@ class PPORun:
 
         source = resolve_source(self.cfg.score.reward_model, "reward model")
         return RewardModel(source, self.device, resolve_precision(self.cfg.score.precision, self.device))
-
-    def _prepare_dir(self, resume: bool) -> tuple[int, Path | None]:
-        """Check the run dir against the recipe; return (last completed step, its checkpoint)."""
-        recipe = to_dict(self.cfg)
-        recipe_path = self.run_dir / RECIPE_NAME
-        if recipe_path.exists() and not resume:
-            raise UserError(
-                f"{self.run_dir}: already holds a run; pass --resume to continue it, or choose another --out"
-            )
-        if recipe_path.exists():
-            saved = json.loads(recipe_path.read_text())
-            saved["steps"] = recipe["steps"]  # a resumed run may be extended
-            saved["tracking"] = recipe["tracking"]  # and logged elsewhere
-            if saved != recipe:
-                key = _first_difference(saved, recipe)
-                raise UserError(
-                    f"{self.run_dir}: the recipe differs from the run's at '{key}'; "
-                    f"resume with the same recipe or start a new --out"
-                )
-        found = last_checkpoint(self.run_dir) if resume else None
-        last = found[0] if found else 0
-        barrier()  # every rank has read the run dir before rank 0 changes it
-        if self.ctx.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_json(recipe_path, recipe)
-            for stale in (self.run_dir / "checkpoints").glob(".step_*"):  # temporaries of a killed save
-                shutil.rmtree(stale, ignore_errors=True)
-            truncate_metrics(self.run_dir / "metrics.jsonl", last)
-        barrier()
-        if resume and self.ctx.is_main:
-            console(
-                f"resuming {self.run_dir} after step {last}"
-                if found
-                else f"no checkpoint in {self.run_dir}; starting at step 1"
-            )
-        return last, found[1] if found else None
 
     def run(self) -> None:
         cfg = self.cfg
@@ -399,7 +342,7 @@ class PPORun:
             )
             save(checkpoint_dir(self.run_dir, step), self.trainer, self.critic, self.aux, self.critic_aux, meta,
                  critic_meta, before_publish)  # fmt: skip
-            self._drop_old_checkpoints()
+            drop_old_checkpoints(self.run_dir, self.cfg.keep_checkpoints, self.ctx.is_main)
             return
         weights, optimizer_state = model_weights(self.trainer.model), self.trainer.optimizer_state()
         nested = {}
@@ -421,22 +364,7 @@ class PPORun:
                 nested=nested,
                 before_publish=before_publish,
             )
-        self._drop_old_checkpoints()
-
-    def _drop_old_checkpoints(self) -> None:
-        if self.ctx.is_main and self.cfg.keep_checkpoints:
-            older = sorted((self.run_dir / "checkpoints").glob("step_*"))[: -self.cfg.keep_checkpoints]
-            for path in older:
-                shutil.rmtree(path, ignore_errors=True)
-        barrier()
-
-
-def _first_difference(a, b, prefix: str = "") -> str:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b)):
-            if a.get(key) != b.get(key):
-                return _first_difference(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else key)
-    return prefix or "<root>"
+        drop_old_checkpoints(self.run_dir, self.cfg.keep_checkpoints, self.ctx.is_main)
 
 
 def run_ppo(cfg: PPOConfig, run_dir: Path, resume: bool = False) -> None:

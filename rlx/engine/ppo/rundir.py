@@ -1,0 +1,82 @@
+"""A PPO run's directory: step and checkpoint paths, the recipe check on resume, and checkpoint rotation.
+
+RUN_DIR/recipe.json, metrics.jsonl, step_NNNNNN/, checkpoints/step_NNNNNN/ (see rlx/engine/ppo/loop.py)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from rlx.engine.checkpoint import is_checkpoint
+from rlx.engine.io import write_json
+from rlx.engine.parallel.dist import barrier
+from rlx.engine.tracking import console, truncate_metrics
+from rlx.errors import UserError
+
+RECIPE_NAME = "recipe.json"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / f"step_{step:06d}"
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:06d}"
+
+
+def last_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    """The newest complete checkpoint of a run (complete = renamed into place with its rlx.json)."""
+    found = []
+    for path in (run_dir / "checkpoints").glob("step_*"):
+        if path.is_dir() and is_checkpoint(path) and path.name[5:].isdigit():
+            found.append((int(path.name[5:]), path))
+    return max(found) if found else None
+
+
+def prepare_run_dir(run_dir: Path, recipe: dict, resume: bool, is_main: bool) -> tuple[int, Path | None]:
+    """Check the run dir against the recipe (every rank), write it and clear a killed save's leftovers (rank 0);
+    return (last completed step, its checkpoint)."""
+    recipe_path = run_dir / RECIPE_NAME
+    if recipe_path.exists() and not resume:
+        raise UserError(f"{run_dir}: already holds a run; pass --resume to continue it, or choose another --out")
+    if recipe_path.exists():
+        saved = json.loads(recipe_path.read_text())
+        saved["steps"] = recipe["steps"]  # a resumed run may be extended
+        saved["tracking"] = recipe["tracking"]  # and logged elsewhere
+        if saved != recipe:
+            key = _first_difference(saved, recipe)
+            raise UserError(
+                f"{run_dir}: the recipe differs from the run's at '{key}'; "
+                "resume with the same recipe or start a new --out"
+            )
+    found = last_checkpoint(run_dir) if resume else None
+    last = found[0] if found else 0
+    barrier()  # every rank has read the run dir before rank 0 changes it
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json(recipe_path, recipe)
+        for stale in (run_dir / "checkpoints").glob(".step_*"):  # temporaries of a killed save
+            shutil.rmtree(stale, ignore_errors=True)
+        truncate_metrics(run_dir / "metrics.jsonl", last)
+    barrier()
+    if resume and is_main:
+        console(f"resuming {run_dir} after step {last}" if found else f"no checkpoint in {run_dir}; starting at step 1")
+    return last, found[1] if found else None
+
+
+def drop_old_checkpoints(run_dir: Path, keep: int, is_main: bool) -> None:
+    """Keep the newest `keep` checkpoints (0: all); every rank waits for rank 0."""
+    if is_main and keep:
+        for path in sorted((run_dir / "checkpoints").glob("step_*"))[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+    barrier()
+
+
+def _first_difference(a, b, prefix: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                return _first_difference(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else key)
+    return prefix or "<root>"
