@@ -64,6 +64,15 @@ def run_torchrun(n: int, *args: str | Path, timeout: int = 600) -> subprocess.Co
     return out
 
 
+def max_diff(a: Path, b: Path) -> float:
+    """The largest absolute difference between the weights of two checkpoints (any layout) with the same names."""
+    from rlx.models.loading import read_weights
+
+    wa, wb = read_weights(a), read_weights(b)
+    assert wa.keys() == wb.keys()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

@@ -3,13 +3,14 @@ token budgets, offload and checkpointing change nothing."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from rlx.models.loading import read_weights
-from tests.conftest import cli_ok, rollout_args, run_torchrun
+from tests.conftest import REPO, cli_ok, max_diff, rollout_args, run_torchrun
 
 TRAIN = ["--lr", "1e-4", "--mini-batch-size", "12", "--micro-batch-size", "3", "--epochs", "2"]
 
@@ -17,12 +18,6 @@ TRAIN = ["--lr", "1e-4", "--mini-batch-size", "12", "--micro-batch-size", "3", "
 def torchrun(n: int, *args, timeout: int = 600) -> subprocess.CompletedProcess:
     """`rlx ARGS` in n processes (gloo on CPU); fails the test with the output tail on error."""
     return run_torchrun(n, "-m", "rlx", *args, timeout=timeout)
-
-
-def max_diff(a: Path, b: Path) -> float:
-    wa, wb = read_weights(a), read_weights(b)
-    assert wa.keys() == wb.keys()
-    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +252,24 @@ def test_other_families_train_under_fsdp_and_sp(tmp_path, family, prompts_file):
     cli_ok("train-step", *step, "--out", tmp_path / "one")
     torchrun(2, "train-step", *step, "--out", tmp_path / "two", "--sp-degree", "2")
     assert max_diff(tmp_path / "one", tmp_path / "two") < 1e-6
+
+
+def test_ppo_stops_when_one_rank_fails(tmp_path):
+    """A rank that fails mid-run leaves at once (no final barrier the others never reach): the launcher stops
+    the others and the error is reported, instead of every rank waiting out the collective timeout."""
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
+    reward = tmp_path / "rw.py"
+    reward.write_text(
+        "import os\n"
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise ConnectionError('reward server unreachable')\n"
+        "    return 0.0\n"
+    )
+    args = ["--set", "steps=2", "--set", "data.prompts_per_step=4", "--set", f"score.reward={reward}:score"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-endpoint=localhost:0"]
+    command += ["--rdzv-backend=c10d", "-m", "rlx", "ppo", str(recipe), "--out", str(tmp_path / "run"), *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RLX_COLLECTIVE_TIMEOUT_S": "600"}
+    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert out.returncode != 0
+    assert "reward server unreachable" in out.stdout + out.stderr, out.stderr[-3000:]

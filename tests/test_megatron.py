@@ -14,8 +14,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core")
 
-from rlx.models.loading import read_weights  # noqa: E402
-from tests.conftest import REPO, cli, cli_ok, rollout_args, run_torchrun  # noqa: E402
+from tests.conftest import REPO, cli, cli_ok, max_diff, rollout_args, run_torchrun  # noqa: E402
 
 TRAIN = ["--lr", "1e-4", "--mini-batch-size", "6", "--micro-batch-size", "2", "--epochs", "2", "--kl-loss-coef", "0.1"]
 
@@ -123,12 +122,6 @@ def models(tmp_path_factory, tiny_ckpt, prompts_file):
         cli_ok("shard", "--model", tiny_ckpt, "--out", d / f"actor_{tp}{pp}", *layout)
         cli_ok("shard", "--model", d / "critic", "--role", "critic", "--out", d / f"critic_{tp}{pp}", *layout)
     return {"dir": d, "score": score, "batch": d / "hf" / "batch.safetensors"}
-
-
-def max_diff(a: Path, b: Path) -> float:
-    wa, wb = read_weights(a), read_weights(b)
-    assert wa.keys() == wb.keys()
-    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
 def torchrun(n: int, *args) -> None:

@@ -222,6 +222,26 @@ def test_ppo_with_the_native_engine_equals_hf(tmp_path):
     assert [m["response_length/mean"] for m in hf] == [m["response_length/mean"] for m in native]
 
 
+def test_ppo_on_two_fsdp_ranks_generates_with_a_gathered_replica(tmp_path):
+    """Under FSDP each rank generates its share with a replica gathered from the shards before every rollout:
+    the same samples, rewards and weights as one process with the hf engine (stale weights would change the
+    rollouts from step 2 on)."""
+    from tests.conftest import REPO, max_diff, run_torchrun
+
+    recipe = REPO / "recipes" / "quickstart.toml"
+    small = ["--set", "steps=3", "--set", "data.prompts_per_step=6", "--set", "rollout.n=4"]
+    cli_ok("ppo", recipe, "--out", tmp_path / "one", *small, "--set", "rollout.engine=hf")
+    run_torchrun(2, "-m", "rlx", "ppo", recipe, "--out", tmp_path / "two", *small, "--set", "rollout.engine=native")
+    one, two = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("one", "two"))
+    for key in ("reward/mean", "response_length/mean"):
+        assert [m[key] for m in one] == [m[key] for m in two], key
+    assert all(m["perf/rollout_tokens_per_s"] > 0 for m in two)
+    final = tmp_path / "one" / "checkpoints" / "step_000003", tmp_path / "two" / "checkpoints" / "step_000003"
+    assert max_diff(*final) < 1e-5
+    steps = [read_jsonl(tmp_path / d / "step_000003" / "rollouts.jsonl") for d in ("one", "two")]
+    assert [r["response_ids"] for r in steps[0]] == [r["response_ids"] for r in steps[1]]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with RLX_TEST_GPU=1)")
 def test_gpu_sampler_draws_what_the_float64_rule_draws():

@@ -165,6 +165,7 @@ class PPORun:
             else contextlib.nullcontext()
         )
         with tracker:
+            finished = False
             try:
                 for step in range(self.start_step + 1, cfg.steps + 1):
 
@@ -174,8 +175,10 @@ class PPORun:
                             tracker.log(step, metrics)
 
                     self.step(step, log)
+                finished = True
             finally:
-                barrier()  # every rank is done with collectives: vllm's shutdown leaves the process group
+                if finished:  # after a failure the others may be inside a collective: exit, and the launcher
+                    barrier()  # stops them; here every rank is done (vllm's shutdown leaves the process group)
                 self.engine.close()
         if self.ctx.is_main:
             rewards = [m.get("reward/mean") for m in read_metrics(self.run_dir / "metrics.jsonl")]

@@ -29,6 +29,7 @@ from rlx.engine.parallel.dist import all_gather_objects, shard_range
 from rlx.engine.records import PromptRecord, RolloutRecord
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.rollout.native.blocks import BlockManager, Sequence, Status
+from rlx.engine.rollout.native.replica import build_replica, fill_replica, is_sharded
 from rlx.engine.rollout.native.runner import ModelRunner
 from rlx.engine.rollout.native.sampler import Launched, StepSampler
 from rlx.engine.rollout.native.scheduler import Scheduler
@@ -41,12 +42,13 @@ _GIB = 1 << 30
 
 
 class NativeRolloutEngine:
-    """Generates with `model` itself (no copy of its weights) through a paged KV cache."""
+    """Generates with `model` itself (no copy of its weights; an FSDP-sharded model through a replica gathered
+    from its shards at each `generate`, see replica.py) through a paged KV cache."""
 
     def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, cfg: RolloutConfig, ctx=None):
-        if ctx is not None and ctx.distributed and type(model).__name__.startswith("FSDP"):
-            raise UserError("rollout engine 'native' does not run FSDP-sharded models yet: use engine 'hf' or 'vllm'")
         self.model, self.tokenizer, self.device, self.dtype, self.cfg = model, tokenizer, device, dtype, cfg
+        self.sharded = is_sharded(model)  # FSDP: generate with a replica gathered from the shards (replica.py)
+        self._replica: torch.nn.Module | None = None
         self.ctx = ctx if ctx is not None and ctx.distributed else None
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.block_size = cfg.block_size
@@ -55,18 +57,36 @@ class NativeRolloutEngine:
         self._num_ahead = 0
 
     def sleep(self) -> float:
-        """Free the KV cache and CUDA graphs kept from the last `generate` (the trainer gets the memory);
-        returns the bytes released."""
-        if self._runner is None:
-            return 0.0
-        freed = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in self._runner.kv)
-        self._runner = None
-        if self.device.type == "cuda":
+        """Free the KV cache and CUDA graphs kept from the last `generate`, and the gathered replica of a sharded
+        model (the trainer gets the memory); returns the bytes released."""
+        freed = 0
+        if self._runner is not None:
+            freed += sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in self._runner.kv)
+            self._runner = None
+        if self._replica is not None:
+            freed += sum(p.untyped_storage().nbytes() for p in self._replica.parameters())
+            self._replica = None
+        if freed and self.device.type == "cuda":
             torch.cuda.empty_cache()
         return float(freed)
 
+    def _free_runner(self) -> None:
+        if self._runner is not None:
+            self._runner = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _generating_module(self) -> torch.nn.Module:
+        """The model itself, or for an FSDP-sharded one its replica, filled with the current weights (all ranks)."""
+        if not self.sharded:
+            return self.model
+        if self._replica is None:
+            self._replica = build_replica(self.model, self.device, self.dtype)
+        fill_replica(self._replica, self.model)
+        return self._replica
+
     def wake(self, model=None, path=None) -> float:
-        """Nothing to refresh: the engine generates with the trainer's own module."""
+        """Nothing to refresh: the engine generates with the trainer's own module (or gathers its shards)."""
         return 0.0
 
     def close(self) -> None:
@@ -108,10 +128,11 @@ class NativeRolloutEngine:
             Sequence(i, r.prompt_ids, cfg.max_new_tokens, greedy=r.greedy or cfg.temperature == 0)
             for i, r in enumerate(mine)
         ]
-        was_training = self.model.training
-        self.model.eval()
         start = time.perf_counter()
-        runner = self._runner_for(seqs, cfg)
+        module = self._generating_module()  # before the cache is sized from the free memory
+        was_training = module.training
+        module.eval()
+        runner = self._runner_for(module, seqs, cfg)
         blocks = runner.blocks
         scheduler = Scheduler(blocks, cfg.max_num_seqs, cfg.max_prefill_tokens)
         for seq in seqs:
@@ -126,7 +147,7 @@ class NativeRolloutEngine:
             self._run_steps(runner, scheduler, StepSampler(uniforms, cfg, self.device), bar)
         finally:
             bar.close()
-            self.model.train(was_training)
+            module.train(was_training)
         results = [Generated(s.output_ids, s.logprobs, s.finish_reason) for s in seqs]
         generated = sum(len(s.output_ids) for s in seqs)
         if self.ctx:
@@ -142,7 +163,7 @@ class NativeRolloutEngine:
         }
         return [to_record(r, g, self.tokenizer, cfg.temperature) for r, g in zip(requests, results)]
 
-    def _runner_for(self, seqs: list[Sequence], cfg: RolloutConfig) -> ModelRunner:
+    def _runner_for(self, module: torch.nn.Module, seqs: list[Sequence], cfg: RolloutConfig) -> ModelRunner:
         """The KV cache (and decode graphs) of the last call when they fit these sequences, else new ones;
         the block manager always starts empty."""
         longest = max((len(s.prompt_ids) + s.max_tokens for s in seqs), default=1)
@@ -152,15 +173,16 @@ class NativeRolloutEngine:
         budget_sized = self.device.type == "cuda" and not self.cfg.kv_cache_gib
         if (
             old is not None
+            and old.model is module
             and old.max_blocks >= width
             and old.max_batch == graphs
             and (budget_sized or old.blocks.num_blocks >= self._needed(seqs))
         ):
             old.blocks = BlockManager(old.blocks.num_blocks, self.block_size)
             return old
-        self.sleep()  # free the old cache before measuring the memory for the new one
+        self._free_runner()  # free the old cache before measuring the memory for the new one
         blocks = BlockManager(self._num_blocks(seqs), self.block_size)
-        self._runner = ModelRunner(self.model, self.device, self.dtype, blocks, width, graphs)
+        self._runner = ModelRunner(module, self.device, self.dtype, blocks, width, graphs)
         return self._runner
 
     def _run_steps(self, runner: ModelRunner, scheduler: Scheduler, sampler: StepSampler, bar) -> None:
