@@ -3,8 +3,9 @@ Hugging Face replica of the policy whose weights are gathered from the stages af
 
     megatron stages (tp x pp, dp on top)  --train-->  gather over the model-parallel group  -->  HF replica
                                                                                                    | rollout
-Old logprobs and values are computed by the stages (the same forward the update uses); the frozen
-reference stays a Hugging Face model. Checkpoints use the 'megatron' layout, critic nested inside.
+Old logprobs and values are computed by the stages (the same forward the update uses), and so are the
+reference's logprobs (frozen stages cut from the initial policy). Checkpoints use the 'megatron' layout,
+critic nested inside.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from rlx.engine.megatron.checkpoint import (
     save_megatron_rank_checkpoint,
 )
 from rlx.engine.megatron.parallel import MegatronContext
-from rlx.engine.megatron.stage import MegatronScoringModel
+from rlx.engine.megatron.stage import MegatronScoringModel, load_stage
 from rlx.engine.megatron.trainer import build_megatron_trainer
 from rlx.models.loading import tied_keys
 from rlx.models.megatron.convert import hf_to_megatron_shard, megatron_to_hf
@@ -36,9 +37,20 @@ def build_trainer(model, train_cfg, ctx: MegatronContext, checkpoint=None):
         state = read_rank_state(checkpoint, ctx.tp_rank, ctx.pp_rank)
         optimizer_state = read_rank_optimizer(checkpoint, ctx.tp_rank, ctx.pp_rank)
         return build_megatron_trainer(config, train_cfg, ctx, state, str(checkpoint), optimizer_state)
+    return build_megatron_trainer(config, train_cfg, ctx, _rank_state(model, ctx), "the initial policy")
+
+
+def reference_model(model, ctx: MegatronContext) -> MegatronScoringModel:
+    """The frozen reference as megatron stages cut from `model` (the initial HF policy) at the actor's tp x pp,
+    so no rank keeps a whole reference model."""
+    stage = load_stage(model.config, _rank_state(model, ctx), ctx, "the reference policy")
+    return MegatronScoringModel(stage.requires_grad_(False).eval(), model.config, ctx)
+
+
+def _rank_state(model, ctx: MegatronContext) -> dict[str, torch.Tensor]:
+    """This rank's megatron slices of an HF model's weights."""
     weights = {k: v for k, v in model.state_dict().items() if k not in tied_keys(model)}  # on every rank
-    state = hf_to_megatron_shard(weights, config, ctx.tp_degree, ctx.pp_degree, ctx.tp_rank, ctx.pp_rank)
-    return build_megatron_trainer(config, train_cfg, ctx, state, "the initial policy")
+    return hf_to_megatron_shard(weights, model.config, ctx.tp_degree, ctx.pp_degree, ctx.tp_rank, ctx.pp_rank)
 
 
 def scoring_model(trainer) -> MegatronScoringModel:

@@ -101,7 +101,7 @@ class PPORun:
             vocab_size=model.config.vocab_size,
             pad_token_id=pad_token_id(self.tokenizer),
             actor=self._scoring_model(self.trainer) if cfg.score.old_logprobs == "actor" else None,
-            ref=ref.requires_grad_(False).to(self.device).eval() if ref is not None else None,
+            ref=self._reference_model(ref),
             critic=self._scoring_model(self.critic) if self.critic else None,
             reward_model=self._load_reward_model(),
             ctx=self.ctx,
@@ -112,6 +112,16 @@ class PPORun:
         self.score_cfg = dataclasses.replace(
             cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
         )
+
+    def _reference_model(self, ref):
+        """The frozen reference: the HF model on the device, or megatron stages cut from it."""
+        if ref is None:
+            return None
+        if self.megatron is not None:
+            from rlx.engine.megatron.ppo import reference_model
+
+            return reference_model(ref, self.megatron)
+        return ref.requires_grad_(False).to(self.device).eval()
 
     def _scoring_model(self, trainer):
         """What scoring runs for a trained model: its module, or its megatron stage."""
