@@ -154,3 +154,18 @@ def test_unknown_recipe_key(tmp_path):
     assert_user_error(cli("ppo", recipe, "--out", tmp_path / "run"), "r.toml", "rollout.num_samples", "unknown key")
     assert not (tmp_path / "run").exists()
     assert_user_error(cli("ppo", recipe, "--set", "train.lrr=1", "--out", tmp_path / "run"), "rollout.num_samples")
+
+
+def test_non_finite_numbers_are_named_and_nothing_is_written(tmp_path):
+    """A NaN logprob (a model with non-finite logits) names the record and field; no half-written file."""
+    from rlx.engine.io import write_jsonl
+    from rlx.errors import UserError
+
+    out = tmp_path / "rollouts.jsonl"
+    good = {"id": "p0-0", "rollout_logprobs": [-0.5, -1.0]}
+    bad = {"id": "p0-1", "response_ids": [3, 4], "rollout_logprobs": [-0.5, float("nan")]}
+    with pytest.raises(UserError, match=r"record 'p0-1': 'rollout_logprobs' holds NaN or infinity"):
+        write_jsonl(out, [good, bad])
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    with pytest.raises(UserError, match=r"'rewards' holds NaN"):
+        write_jsonl(out, [{"id": "s", "reward": 1.0, "rewards": {"judge": {"score": float("inf")}}}])

@@ -116,8 +116,27 @@ def atomic_dir(path: str | Path, overwrite: bool = False, marker: str | None = N
 
 
 def dumps_line(record: dict) -> str:
-    """One JSONL line, compact, keys in insertion order, non-finite floats refused."""
-    return json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    """One JSONL line, compact, keys in insertion order, non-finite floats refused (naming the record and field)."""
+    try:
+        return json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError as e:
+        if "Out of range float" not in str(e):
+            raise
+        field = next((k for k, v in record.items() if not _is_finite(v)), "?")
+        raise UserError(
+            f"record {record.get('id', '?')!r}: '{field}' holds NaN or infinity, which JSON cannot store "
+            f"(non-finite logits or rewards upstream)"
+        ) from None
+
+
+def _is_finite(value) -> bool:
+    if isinstance(value, float):
+        return value == value and abs(value) != float("inf")
+    if isinstance(value, dict):
+        return all(_is_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_is_finite(v) for v in value)
+    return True
 
 
 def write_jsonl(path: str | Path, records: Iterable[dict]) -> None:
