@@ -20,11 +20,13 @@ TRAIN = ["--lr", "1e-4", "--mini-batch-size", "6", "--micro-batch-size", "2", "-
 
 WORKER = textwrap.dedent("""
     import os, sys, torch
+    from types import SimpleNamespace
     sys.path.insert(0, {repo!r})
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, LlamaConfig, Qwen2Config
     from rlx.engine.logprobs import PackedRows, packed_model_inputs, packed_response_logprobs, unpack_responses
     from rlx.engine.megatron.forward import head_logprobs, head_values
     from rlx.engine.megatron.parallel import setup_megatron
+    from rlx.engine.megatron.ppo import gather_hf_weights
     from rlx.engine.megatron.schedule import MicroBatch, run_pipeline
     from rlx.engine.megatron.stage import load_stage
     from rlx.engine.parallel.dist import exit_process
@@ -64,6 +66,10 @@ WORKER = textwrap.dedent("""
                 else:
                     got.append(head_logprobs(stage, ctx, hidden, mb.rows, (B, R), cfg.vocab_size, 0.7, torch.float32))
             run_pipeline(stage, ctx, [MicroBatch(rows=rows)], head, torch.float32, forward_only=True)
+            # every rank's slices broadcast over the model-parallel group give back the HF weights exactly
+            gathered = gather_hf_weights(SimpleNamespace(model=stage, ctx=ctx, hf_config=cfg))
+            assert gathered.keys() == weights.keys(), sorted(set(gathered) ^ set(weights))
+            assert all(torch.equal(gathered[k], weights[k]) for k in weights)
             if not ctx.is_last_stage:
                 continue
             if critic:

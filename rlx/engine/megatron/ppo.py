@@ -1,8 +1,8 @@
 """`rlx ppo` on the megatron backend: the actor (and critic) train as megatron stages; rollouts run on a
 Hugging Face replica of the policy whose weights are gathered from the stages after each update.
 
-    megatron stages (tp x pp, dp on top)  --train-->  gather over the model-parallel group  -->  HF replica
-                                                                                                   | rollout
+    megatron stages (tp x pp, dp on top)  --train-->  broadcast over the model-parallel group  -->  HF replica
+                                                                                                      | rollout
 Old logprobs and values are computed by the stages (the same forward the update uses), and so are the
 reference's logprobs (frozen stages cut from the initial policy). Checkpoints use the 'megatron' layout,
 critic nested inside.
@@ -10,6 +10,7 @@ critic nested inside.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -62,14 +63,32 @@ def scoring_model(trainer) -> MegatronScoringModel:
 def gather_hf_weights(trainer) -> dict[str, torch.Tensor]:
     """Every rank's slices gathered over the model-parallel group -> full HF weights (CPU, float32)."""
     ctx: MegatronContext = trainer.ctx
-    mine = (ctx.tp_rank, ctx.pp_rank, trainer.model_state())
-    parts = [None] * (ctx.tp_degree * ctx.pp_degree)
-    if len(parts) > 1:
-        dist.all_gather_object(parts, mine, group=ctx.mp_group)
+    state = {k: v.detach() for k, v in trainer.model.state_dict().items() if not k.endswith("_extra_state")}
+    if ctx.tp_degree * ctx.pp_degree == 1:
+        shards = {(ctx.tp_rank, ctx.pp_rank): {k: v.float().cpu() for k, v in state.items()}}
     else:
-        parts = [mine]
-    shards = {(t, p): state for t, p, state in parts}
+        shards = _broadcast_stages(state, ctx)
     return megatron_to_hf(shards, trainer.hf_config, ctx.tp_degree, ctx.pp_degree)
+
+
+def _broadcast_stages(state: dict[str, torch.Tensor], ctx: MegatronContext) -> dict:
+    """{(tp_rank, pp_rank): state} of every model-parallel rank, on the CPU. Each rank's state travels as one
+    flat float32 buffer broadcast from it on the device (NCCL on GPUs) and moves to the CPU on arrival, so a
+    rank holds one other rank's slices on the device at a time; only names and shapes travel as objects."""
+    layouts = [None] * dist.get_world_size(ctx.mp_group)
+    dist.all_gather_object(layouts, (ctx.tp_rank, ctx.pp_rank, [(k, tuple(v.shape)) for k, v in state.items()]),
+                           group=ctx.mp_group)  # fmt: skip
+    me, shards = dist.get_rank(ctx.mp_group), {}
+    for index, (tp_rank, pp_rank, entries) in enumerate(layouts):
+        sizes = [math.prod(shape) for _, shape in entries]
+        if index == me:
+            flat = torch.cat([state[name].reshape(-1).float() for name, _ in entries])
+        else:
+            flat = torch.empty(sum(sizes), dtype=torch.float32, device=ctx.device)
+        dist.broadcast(flat, src=dist.get_global_rank(ctx.mp_group, index), group=ctx.mp_group)
+        parts = flat.cpu().split(sizes)
+        shards[(tp_rank, pp_rank)] = {name: part.view(shape) for (name, shape), part in zip(entries, parts)}
+    return shards
 
 
 @torch.no_grad()
