@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import datetime
 import os
 import sys
@@ -185,13 +186,18 @@ def exit_process(code: int = 0) -> NoReturn:
     gloo's worker threads release the tensors of the last collectives a moment after the caller's wait
     returns; a release that needs the GIL while the interpreter finalizes kills the process with SIGABRT
     ("terminate called without an active exception") after all its work succeeded, and the launcher
-    reports a failed run. atexit handlers (log flushing, temporary files) still run; then the process
-    ends at once.
+    reports a failed run. So: Python's atexit handlers (log flushing, temporary files) run, then C's
+    `exit()`, which runs the C atexit handlers and C++ static destructors (vLLM's CPU backend unlinks
+    its shared-memory segments there; without them the next tensor-parallel run on the machine fails)
+    but not the interpreter's finalization. It is called with the GIL held, so no Python thread runs
+    while the process ends.
     """
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # closed, or a reader that went away
             stream.flush()
+    with contextlib.suppress(OSError, AttributeError):  # no C library to call: end at once
+        ctypes.PyDLL(None).exit(code)
     os._exit(code)
 
 
