@@ -48,20 +48,40 @@ def cli_ok(*args: str | Path, input: str | None = None) -> Result:
     return result
 
 
-def run_torchrun(n: int, *args: str | Path, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_torchrun(
+    n: int, *args: str | Path, timeout: int = 600, env: dict | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node n ARGS` (a script, or '-m', 'rlx', ...) with gloo on CPU, one thread per rank;
-    fails the test with the output tail on error."""
+    with `check`, fails the test with the output tail on error. `env`: extra environment variables."""
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",
+        **(env or {}),
     }
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--rdzv-endpoint=localhost:0"]
     command += ["--rdzv-backend=c10d", *[str(a) for a in args]]
     out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
+    if check:
+        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
     return out
+
+
+def torchrun(n: int, *args, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`rlx ARGS` in n processes (gloo on CPU); fails the test with the output tail on error."""
+    return run_torchrun(n, "-m", "rlx", *args, timeout=timeout)
+
+
+def write_length_reward(folder: Path) -> Path:
+    """A dense custom reward (response length + 0.1 x sample index: every group has non-zero advantages);
+    returns the file (pass `--reward FILE:score`)."""
+    path = folder / "length_reward.py"
+    path.write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(solution_str)) + 0.1 * extra_info['sample_index']\n"
+    )
+    return path
 
 
 def max_diff(a: Path, b: Path) -> float:

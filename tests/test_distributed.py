@@ -3,31 +3,19 @@ token budgets, offload and checkpointing change nothing."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cli_ok, max_diff, rollout_args, run_torchrun
+from tests.conftest import cli_ok, max_diff, rollout_args, run_torchrun, torchrun, write_length_reward
 
 TRAIN = ["--lr", "1e-4", "--mini-batch-size", "12", "--micro-batch-size", "3", "--epochs", "2"]
-
-
-def torchrun(n: int, *args, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`rlx ARGS` in n processes (gloo on CPU); fails the test with the output tail on error."""
-    return run_torchrun(n, "-m", "rlx", *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory, tiny_ckpt, prompts_file):
     d = tmp_path_factory.mktemp("dist")
-    reward = d / "rw.py"
-    reward.write_text(
-        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return float(len(solution_str)) + 0.1 * extra_info['sample_index']\n"
-    )
+    reward = write_length_reward(d)
     cli_ok(*rollout_args(tiny_ckpt, prompts_file, d / "r.jsonl", "--max-new-tokens", "5", "--num-prompts", "6"))
     cli_ok(
         "score",
@@ -267,9 +255,7 @@ def test_ppo_stops_when_one_rank_fails(tmp_path):
         "    return 0.0\n"
     )
     args = ["--set", "steps=2", "--set", "data.prompts_per_step=4", "--set", f"score.reward={reward}:score"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-endpoint=localhost:0"]
-    command += ["--rdzv-backend=c10d", "-m", "rlx", "ppo", str(recipe), "--out", str(tmp_path / "run"), *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RLX_COLLECTIVE_TIMEOUT_S": "600"}
-    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    out = run_torchrun(2, "-m", "rlx", "ppo", recipe, "--out", tmp_path / "run", *args, timeout=300, check=False,
+                       env={"RLX_COLLECTIVE_TIMEOUT_S": "600"})  # fmt: skip
     assert out.returncode != 0
     assert "reward server unreachable" in out.stdout + out.stderr, out.stderr[-3000:]

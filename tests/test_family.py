@@ -13,7 +13,7 @@ from rlx.engine.ppo.config import load_recipe
 from rlx.engine.ppo.loop import run_ppo
 from rlx.models.loading import read_weights
 from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
-from tests.conftest import REPO, cli, cli_ok, read_jsonl, rollout_args
+from tests.conftest import REPO, cli, cli_ok, read_jsonl, rollout_args, write_length_reward
 
 POLICY_LOSSES = ["ppo", "gspo", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean"]
 
@@ -284,11 +284,7 @@ def test_adaptive_kl_controller(tmp_path, tiny_ckpt, rollouts):
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory, tiny_ckpt, rollouts):
     d = tmp_path_factory.mktemp("s")
-    reward = d / "rw.py"
-    reward.write_text(
-        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return float(len(solution_str)) + 0.1 * extra_info['sample_index']\n"
-    )
+    reward = write_length_reward(d)
     cli_ok(
         "score",
         "--rollouts",

@@ -14,7 +14,17 @@ from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core")
 
-from tests.conftest import REPO, cli, cli_ok, max_diff, read_jsonl, rollout_args, run_torchrun  # noqa: E402
+from tests.conftest import (  # noqa: E402
+    REPO,
+    cli,
+    cli_ok,
+    max_diff,
+    read_jsonl,
+    rollout_args,
+    run_torchrun,
+    torchrun,
+    write_length_reward,
+)
 
 TRAIN = ["--lr", "1e-4", "--mini-batch-size", "6", "--micro-batch-size", "2", "--epochs", "2", "--kl-loss-coef", "0.1"]
 
@@ -114,11 +124,7 @@ def test_compat_layer_targets_the_upstream_code():
 def models(tmp_path_factory, tiny_ckpt, prompts_file):
     """A scored batch (actor, ref and critic), the HF checkpoints and their megatron shards."""
     d = tmp_path_factory.mktemp("megatron")
-    reward = d / "rw.py"
-    reward.write_text(
-        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return float(len(solution_str)) + 0.1 * extra_info['sample_index']\n"
-    )
+    reward = write_length_reward(d)
     cli_ok("shard", "--model", tiny_ckpt, "--role", "critic", "--seed", "3", "--out", d / "critic")
     cli_ok(*rollout_args(tiny_ckpt, prompts_file, d / "r.jsonl", "--max-new-tokens", "5", "--num-prompts", "6"))
     score = ["--rollouts", d / "r.jsonl", "--reward", f"{reward}:score", "--estimator", "gae"]
@@ -128,10 +134,6 @@ def models(tmp_path_factory, tiny_ckpt, prompts_file):
         cli_ok("shard", "--model", tiny_ckpt, "--out", d / f"actor_{tp}{pp}", *layout)
         cli_ok("shard", "--model", d / "critic", "--role", "critic", "--out", d / f"critic_{tp}{pp}", *layout)
     return {"dir": d, "score": score, "batch": d / "hf" / "batch.safetensors"}
-
-
-def torchrun(n: int, *args) -> None:
-    run_torchrun(n, "-m", "rlx", *args, timeout=600)
 
 
 @pytest.mark.parametrize("tp,pp,world", [(2, 1, 4), (2, 2, 4)])

@@ -13,17 +13,13 @@ from rlx.engine.batch import TrainBatch
 from rlx.engine.training.actor import ActorTrainer
 from rlx.engine.training.config import TrainConfig
 from rlx.models.loading import load_causal_lm, read_weights, resolve_source
-from tests.conftest import cli, cli_ok, rollout_args
+from tests.conftest import cli, cli_ok, rollout_args, write_length_reward
 
 
 @pytest.fixture(scope="module")
 def batch_path(tmp_path_factory, tiny_ckpt, prompts_file):
     d = tmp_path_factory.mktemp("b")
-    reward = d / "length_reward.py"  # a dense reward so every group has non-zero advantages
-    reward.write_text(
-        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return float(len(solution_str)) + 0.1 * extra_info['sample_index']\n"
-    )
+    reward = write_length_reward(d)
     cli_ok(*rollout_args(tiny_ckpt, prompts_file, d / "r.jsonl", "--max-new-tokens", "5", "--num-prompts", "2"))
     cli_ok(
         "score",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 
@@ -24,13 +25,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
 def _unsharded_class(model: torch.nn.Module) -> type:
     """FSDP2 swaps a module's class for a subclass named 'FSDP<Class>'; the model class it wraps."""
     name = type(model).__name__.removeprefix("FSDP")
-    return next(c for c in type(model).__mro__ if c.__name__ == name and not issubclass(c, _fsdp_module()))
-
-
-def _fsdp_module() -> type:
-    from torch.distributed.fsdp import FSDPModule
-
-    return FSDPModule
+    return next(c for c in type(model).__mro__ if c.__name__ == name and not issubclass(c, FSDPModule))
 
 
 def build_replica(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
