@@ -73,6 +73,19 @@ def torchrun(n: int, *args, timeout: int = 600) -> subprocess.CompletedProcess:
     return run_torchrun(n, "-m", "rlx", *args, timeout=timeout)
 
 
+def make_engine(model, tokenizer, cfg, device: torch.device | str = "cpu"):
+    """The rollout engine `cfg.engine` around `model` in this process (no process group)."""
+    from rlx.engine.parallel.dist import DistContext
+    from rlx.engine.rollout.base import build_engine
+
+    return build_engine(cfg, model, tokenizer, DistContext(device=torch.device(device)))
+
+
+def generate(engine, prompts, cfg):
+    """The records of `engine.generate` with `cfg`'s sampling settings."""
+    return engine.generate(prompts, cfg.sampling(), progress=False).records
+
+
 def write_length_reward(folder: Path) -> Path:
     """A dense custom reward (response length + 0.1 x sample index: every group has non-zero advantages);
     returns the file (pass `--reward FILE:score`)."""

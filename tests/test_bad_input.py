@@ -158,8 +158,8 @@ def test_unknown_recipe_key(tmp_path):
 
 def test_non_finite_numbers_are_named_and_nothing_is_written(tmp_path):
     """A NaN logprob (a model with non-finite logits) names the record and field; no half-written file."""
-    from rlx.engine.io import write_jsonl
     from rlx.errors import UserError
+    from rlx.utils.io import write_jsonl
 
     out = tmp_path / "rollouts.jsonl"
     good = {"id": "p0-0", "rollout_logprobs": [-0.5, -1.0]}

@@ -51,7 +51,7 @@ def test_npu_is_found_lazily_and_gets_hccl(tmp_path):
         import sys
         import torch.distributed as dist
         import rlx.cli, rlx.engine.parallel.dist as rd
-        from rlx.engine.device import resolve_device
+        from rlx.utils.device import resolve_device
         assert "torch_npu" not in sys.modules
         seen = {}
         dist.init_process_group = lambda backend, **kw: seen.update(backend=backend, **kw)
@@ -70,7 +70,7 @@ def test_npu_is_found_lazily_and_gets_hccl(tmp_path):
 
 def test_without_torch_npu_npu_is_a_clear_error_and_cpu_gets_gloo(tmp_path):
     code = """
-        from rlx.engine.device import resolve_device
+        from rlx.utils.device import resolve_device
         from rlx.engine.parallel.dist import BACKENDS
         from rlx.errors import UserError
         assert resolve_device("auto").type == "cpu" and BACKENDS["cpu"] == "gloo" and BACKENDS["cuda"] == "nccl"

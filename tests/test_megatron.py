@@ -36,7 +36,7 @@ WORKER = textwrap.dedent("""
     from rlx.engine.logprobs import PackedRows, packed_model_inputs, packed_response_logprobs, unpack_responses
     from rlx.engine.megatron.forward import head_logprobs, head_values
     from rlx.engine.megatron.parallel import setup_megatron
-    from rlx.engine.megatron.ppo import gather_hf_weights
+    from rlx.engine.megatron.weights import gather_hf_weights
     from rlx.engine.megatron.schedule import MicroBatch, run_pipeline
     from rlx.engine.megatron.stage import load_stage
     from rlx.engine.parallel.dist import exit_process
@@ -77,7 +77,7 @@ WORKER = textwrap.dedent("""
                     got.append(head_logprobs(stage, ctx, hidden, mb.rows, (B, R), cfg.vocab_size, 0.7, torch.float32))
             run_pipeline(stage, ctx, [MicroBatch(rows=rows)], head, torch.float32, forward_only=True)
             # every rank's slices broadcast over the model-parallel group give back the HF weights exactly
-            gathered = gather_hf_weights(SimpleNamespace(model=stage, ctx=ctx, hf_config=cfg))
+            gathered = gather_hf_weights(stage, cfg, ctx)
             assert gathered.keys() == weights.keys(), sorted(set(gathered) ^ set(weights))
             assert all(torch.equal(gathered[k], weights[k]) for k in weights)
             if not ctx.is_last_stage:

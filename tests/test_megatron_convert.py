@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.engine.checkpoint import CheckpointMeta, load_optimizer_state
-from rlx.engine.megatron.checkpoint import (
+from rlx.engine.checkpoints.megatron import (
     rank_dir,
     read_full_weights,
     read_rank_optimizer,
     read_rank_state,
     save_megatron_checkpoint,
 )
+from rlx.engine.checkpoints.meta import CheckpointMeta
+from rlx.engine.checkpoints.registry import read_full_optimizer
 from rlx.models.loading import read_weights
 from rlx.models.tiny import build_char_tokenizer
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, rollout_args, run_torchrun, save_tiny_hf
@@ -178,7 +179,7 @@ def test_read_rank_state_and_optimizer_reshard(tmp_path):
         )
         assert {k for k in got if k.endswith("::step")} == {f"{n}::step" for n in want[(0, p)]}
         assert all(float(v) == 7.0 for k, v in got.items() if k.endswith("::step"))
-    assert load_optimizer_state(ckpt) is None  # per rank: only the megatron trainer reads it
+    assert read_full_optimizer(ckpt) is None  # per rank: only the megatron trainer reads it
     shard_megatron(hf, tmp_path / "fresh", 1, 1)
     assert read_rank_optimizer(tmp_path / "fresh", 0, 0) is None
 
@@ -188,8 +189,9 @@ COLLECTIVE_WRITE = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import torch
     import torch.distributed as dist
-    from rlx.engine.checkpoint import CheckpointMeta, aux_files
-    from rlx.engine.megatron.checkpoint import read_rank_state, save_megatron_rank_checkpoint
+    from rlx.engine.checkpoints.files import aux_files
+    from rlx.engine.checkpoints.megatron import read_rank_state, save_megatron_rank_checkpoint
+    from rlx.engine.checkpoints.meta import CheckpointMeta
     from rlx.engine.parallel.dist import exit_process, setup
 
     ctx = setup("cpu")
@@ -281,7 +283,7 @@ def test_missing_rank_file_or_degrees_are_named(tmp_path, prompts_file):
 @pytest.mark.parametrize("layout", ["megatron", "fsdp"])
 def test_vllm_disk_reload_reads_sharded_checkpoints(tmp_path, layout):
     """The vllm engine's reload-from-checkpoint stream gathers a sharded checkpoint whole (tied head added)."""
-    from rlx.engine.rollout.vllm import checkpoint_weights
+    from rlx.engine.checkpoints.loading import checkpoint_weights
 
     source = save_tiny_hf(tmp_path / "hf", tie=True)
     extra = ["--tp", "2", "--pp", "2"] if layout == "megatron" else []

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from rlx.engine.records import PromptRecord
 from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.hf import HFRolloutEngine
 from rlx.engine.rollout.native.blocks import BlockManager, Sequence, Status
 from rlx.engine.rollout.native.scheduler import Scheduler
-from tests.conftest import cli_ok, read_jsonl, rollout_args
+from tests.conftest import cli_ok, generate, make_engine, read_jsonl, rollout_args
 
 CPU = torch.device("cpu")
 
@@ -36,7 +37,25 @@ def test_blocks_share_full_prompt_blocks_and_return_when_unused():
     assert d.num_computed == 0 and not set(d.block_table) & set(b.block_table)
     for s in (b, c, d):
         blocks.release(s)
-    assert blocks.num_free == 9 and not blocks.by_hash
+    assert blocks.num_free == 9 and not blocks.cached
+
+
+def test_a_hash_collision_never_shares_another_prompts_block():
+    """Token ids 0 and 2**61 - 1 hash alike in CPython (ints hash modulo 2**61 - 1), so blocks of them collide in
+    any hash of the token ids; the cache compares the ids themselves and keeps the two prompts apart."""
+    other = 2**61 - 1
+    assert hash((0, 0, 0, 0)) == hash((other, other, other, other))
+    blocks = BlockManager(num_blocks=10, block_size=4)
+    a, b = Sequence(0, [0, 0, 0, 0, 5], 4), Sequence(1, [other] * 4 + [5], 4)
+    blocks.allocate(a)
+    blocks.allocate(b)
+    assert a.block_table[0] != b.block_table[0] and b.num_computed == 0
+    c = Sequence(2, [0, 0, 0, 0, 6], 4)  # the same first block as a: shared
+    blocks.allocate(c)
+    assert c.block_table[0] == a.block_table[0] and c.num_computed == 4
+    d = Sequence(3, [other] * 4 + [0, 0, 0, 0, 7], 4)  # a block after b's: keyed by its predecessor, not a's chain
+    blocks.allocate(d)
+    assert d.block_table[0] == b.block_table[0] and d.block_table[1] not in a.block_table + c.block_table
 
 
 def test_block_aligned_prompt_leaves_its_last_token_to_compute():
@@ -143,12 +162,10 @@ def tiny(tmp_path_factory):
     ],
 )
 def test_native_equals_the_hf_engine(tiny, settings):
-    from rlx.engine.rollout.native.engine import NativeRolloutEngine
-
     model, tokenizer = tiny
     cfg = RolloutConfig(engine="native", chat_template="off", **settings)
-    ours = NativeRolloutEngine(model, tokenizer, CPU, torch.float32, cfg).generate(PROMPTS, cfg, progress=False)
-    theirs = HFRolloutEngine(model, tokenizer, CPU, torch.float32).generate(PROMPTS, cfg, progress=False)
+    ours = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
+    theirs = generate(make_engine(model, tokenizer, dataclasses.replace(cfg, engine="hf")), PROMPTS, cfg)
     assert [r.id for r in ours] == [r.id for r in theirs]
     assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
     assert [r.finish_reason for r in ours] == [r.finish_reason for r in theirs]
@@ -156,24 +173,21 @@ def test_native_equals_the_hf_engine(tiny, settings):
         assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
 
 
-def test_decoding_ahead_of_the_host_changes_no_token(tiny, monkeypatch):
+def test_decoding_ahead_of_the_host_changes_no_token(tiny):
     """Steps queued before the host reads the previous step's tokens (EOS stops, refills, preemption) give the
     synchronous path's tokens; logprobs may differ by float32 rounding (discarded rows change the batch)."""
-    from rlx.engine.rollout.native.engine import NativeRolloutEngine
-
     model, tokenizer = tiny
-    cfg = RolloutConfig(
-        engine="native", chat_template="off", n=8, max_new_tokens=40, temperature=1.5, seed=1, max_num_seqs=5,
-        block_size=2, kv_cache_gib=4e-5,
-    )  # fmt: skip
     runs = {}
-    for overlap in ("0", "1"):
-        monkeypatch.setenv("RLX_NATIVE_OVERLAP", overlap)
-        engine = NativeRolloutEngine(model, tokenizer, CPU, torch.float32, cfg)
-        runs[overlap] = (engine.generate(PROMPTS, cfg, progress=False), engine.last_stats)
-    (sync, sync_stats), (ahead, ahead_stats) = runs["0"], runs["1"]
-    assert sync_stats["rollout/steps_ahead"] == 0 and ahead_stats["rollout/steps_ahead"] > 50
-    assert ahead_stats["rollout/preemptions"] > 0 and {r.finish_reason for r in ahead} == {"stop", "length"}
+    for overlap in (False, True):
+        cfg = RolloutConfig(
+            engine="native", chat_template="off", n=8, max_new_tokens=40, temperature=1.5, seed=1, max_num_seqs=5,
+            block_size=2, kv_cache_gib=4e-5, overlap=overlap,
+        )  # fmt: skip
+        result = make_engine(model, tokenizer, cfg).generate(PROMPTS, cfg.sampling(), progress=False)
+        runs[overlap] = (result.records, result.stats)
+    (sync, sync_stats), (ahead, ahead_stats) = runs[False], runs[True]
+    assert sync_stats.steps_ahead == 0 and ahead_stats.steps_ahead > 50
+    assert ahead_stats.preemptions > 0 and {r.finish_reason for r in ahead} == {"stop", "length"}
     assert [r.response_ids for r in ahead] == [r.response_ids for r in sync]
     assert [r.finish_reason for r in ahead] == [r.finish_reason for r in sync]
     for a, b in zip(ahead, sync):
@@ -192,18 +206,18 @@ def test_rollout_command_with_the_native_engine(tmp_path, tiny_ckpt, prompts_fil
 @pytest.mark.parametrize("graphs", [True, False])
 def test_native_equals_the_hf_engine_on_cuda(tiny, graphs):
     """fp32 on the GPU, with and without CUDA graphs for decode (the Triton paged kernel)."""
-    from rlx.engine.rollout.native.engine import NativeRolloutEngine
-
     model, tokenizer = tiny
     cuda = torch.device("cuda")
     model = model.to(cuda)
-    cfg = RolloutConfig(engine="native", chat_template="off", n=4, max_new_tokens=20, seed=3, cuda_graphs=graphs)
+    cfg = RolloutConfig(
+        engine="native", chat_template="off", n=4, max_new_tokens=20, seed=3, cuda_graphs=graphs, precision="float32"
+    )
     cfg.max_num_seqs = 8  # fewer sequences than requests: graphs of several sizes replay, slots refill
-    engine = NativeRolloutEngine(model, tokenizer, cuda, torch.float32, cfg)
-    ours = engine.generate(PROMPTS, cfg, progress=False)
-    theirs = HFRolloutEngine(model, tokenizer, cuda, torch.float32).generate(PROMPTS, cfg, progress=False)
+    result = make_engine(model, tokenizer, cfg, cuda).generate(PROMPTS, cfg.sampling(), progress=False)
+    ours = result.records
+    theirs = generate(make_engine(model, tokenizer, dataclasses.replace(cfg, engine="hf"), cuda), PROMPTS, cfg)
     model.to(CPU)
-    assert engine.last_stats["rollout/steps_ahead"] > 0  # decode steps overlapped with the host's bookkeeping
+    assert result.stats.steps_ahead > 0  # decode steps overlapped with the host's bookkeeping
     same = sum(a.response_ids == b.response_ids for a, b in zip(ours, theirs))
     assert same >= len(ours) - 1  # TF32-free fp32, but kernels differ: allow one near-tie to flip
     for a, b in zip(ours, theirs):

@@ -123,19 +123,14 @@ def test_write_kv_places_tokens_where_the_table_reads_them():
     assert (got.double() - dense_attention(q, k_cache, v_cache, tables, ctx, 0.5)).abs().max() < 1e-5
 
 
-def test_dispatch(monkeypatch):
-    monkeypatch.delenv("RLX_PAGED_ATTENTION", raising=False)
+def test_dispatch():
     assert resolve_impl(torch.device("cpu")) == "torch"
     if HAS_TRITON:
         assert resolve_impl(torch.device("cuda")) == "triton"
-    monkeypatch.setenv("RLX_PAGED_ATTENTION", "torch")
-    assert resolve_impl(torch.device("cuda")) == "torch"
-    monkeypatch.setenv("RLX_PAGED_ATTENTION", "triton")
-    assert resolve_impl(torch.device("cpu")) == "triton"
-    monkeypatch.setenv("RLX_PAGED_ATTENTION", "flash")
+    assert resolve_impl(torch.device("cuda"), "torch") == "torch"
+    assert resolve_impl(torch.device("cpu"), "triton") == "triton"
     with pytest.raises(ValueError, match="valid: auto, torch, triton"):
-        resolve_impl(torch.device("cpu"))
-    monkeypatch.delenv("RLX_PAGED_ATTENTION")
+        resolve_impl(torch.device("cpu"), "flash")
     q, kc, vc, tables, ctx = make_problem([2, 7])
     assert torch.equal(
         paged_decode_attention(q, kc, vc, tables, ctx, 0.3), paged_decode_attention_torch(q, kc, vc, tables, ctx, 0.3)

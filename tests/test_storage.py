@@ -12,7 +12,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from rlx.engine.storage import (
+from rlx.errors import UserError
+from rlx.utils.storage import (
     get_dir,
     has_atomic_rename,
     is_remote,
@@ -22,7 +23,6 @@ from rlx.engine.storage import (
     read_text,
     write_bytes_atomic,
 )
-from rlx.errors import UserError
 
 
 @pytest.fixture

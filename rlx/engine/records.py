@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlx.engine.io import read_jsonl, write_jsonl
 from rlx.errors import UserError
+from rlx.utils.io import read_jsonl, write_jsonl
 
 FORMAT_VERSION = 1
 

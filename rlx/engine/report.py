@@ -12,9 +12,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlx.engine.io import atomic_path
 from rlx.engine.tracking import METRICS_FILE, metrics_by_step, read_metrics_tolerant
 from rlx.errors import UserError
+from rlx.utils.io import atomic_path
 
 REPORT_DIR = "report"
 SUMMARY_NAME = "summary.md"

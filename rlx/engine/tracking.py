@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlx.config import check
-from rlx.engine.io import append_jsonl, read_jsonl, write_jsonl
+from rlx.utils.io import append_jsonl, read_jsonl, write_jsonl
 
 # metrics that measure the machine, not the run: they differ between otherwise identical runs
 VOLATILE_PREFIXES = ("timing/", "perf/", "memory/")

@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import torch
 
+from rlx.kernels.logprob_math import acc_dtype, row_grads
+
 IGNORE_INDEX = -100
 IMPLS = ("auto", "naive", "chunked", "triton")
 DEFAULT_CHUNK_BYTES = 512 * 2**20
-
-
-def acc_dtype(t: torch.Tensor) -> torch.dtype:
-    """Accumulation dtype: float64 for float64 inputs (exact tests), else float32."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _chunk_size(n: int, vocab: int, chunk: int | None) -> int:
@@ -96,13 +93,6 @@ def chunked_grads(
         if grad_weight is not None:
             grad_weight[lo : lo + chunk] = (dz.T @ hidden).to(weight.dtype)
     return grad_hidden, grad_weight
-
-
-def row_grads(grad_logprob, grad_entropy, targets, ignore_index, like):
-    valid = (targets != ignore_index).to(like.dtype)
-    a = (grad_logprob.to(like.dtype) if grad_logprob is not None else torch.zeros_like(like)) * valid
-    b = (grad_entropy.to(like.dtype) if grad_entropy is not None else torch.zeros_like(like)) * valid
-    return a, b
 
 
 class ChunkedLogprobEntropy(torch.autograd.Function):

@@ -6,12 +6,11 @@ sequence b lives in block `block_tables[b, t // block_size]` at offset `t % bloc
 sequence and query head, softmax(q . K[:context_len] * scale) @ V[:context_len] with grouped-query heads
 (query head h reads kv head h // (num_heads // num_kv_heads)), softmax in float32. The Triton kernel (online
 softmax, one program per (sequence, kv head) covering that kv head's query heads) runs on CUDA; the pure
-PyTorch reference runs anywhere. `paged_decode_attention` picks one (RLX_PAGED_ATTENTION=torch|triton forces).
+PyTorch reference runs anywhere. `paged_decode_attention` picks one (its `impl`: auto, torch or triton).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
 import os
@@ -94,164 +93,9 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-@functools.lru_cache(maxsize=1)
 def _kernel() -> Any:
-    """Define the Triton kernel on first use, so importing this module needs no triton and TRITON_INTERPRET
-    (read when the kernel is defined) may be set until the first call."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _paged_decode_kernel(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        bt_ptr,
-        ctx_ptr,
-        out_ptr,
-        scale_log2,
-        stride_qb,
-        stride_qh,
-        stride_kb,
-        stride_kt,
-        stride_kh,
-        stride_vb,
-        stride_vt,
-        stride_vh,
-        stride_btb,
-        stride_ob,
-        stride_oh,
-        kn_ptr,
-        vn_ptr,
-        slot_ptr,
-        stride_nb,
-        stride_nh,
-        part_m_ptr,
-        part_l_ptr,
-        part_acc_ptr,
-        BLOCK_SIZE: tl.constexpr,
-        GROUP: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        GROUP_PAD: tl.constexpr,
-        DIM_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr,
-        INTERPRET_TOKENS: tl.constexpr,
-        WRITE_KV: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
-        PARTITION: tl.constexpr,
-    ):
-        """One program per (sequence, kv head): its GROUP query heads against the sequence's cached tokens,
-        BLOCK_N tokens per step (each token finds its block through the block table), online softmax in
-        base 2, float32 accumulators. Padded heads / dims load zeros and are not stored. Under the interpreter,
-        the constexpr INTERPRET_TOKENS (max_blocks * block_size) bounds the loop instead of the loaded context
-        length (the interpreter's loaded scalars are 1-element arrays, which NumPy >= 2.5 refuses as an index);
-        the extra steps are fully masked. 0 on the GPU. With WRITE_KV the program first stores its sequence's
-        new key and value (kn, vn [B, kv_heads, D]) at the sequence's slot (write_kv, fused). With NUM_SPLITS > 1
-        (flash-decoding) program (seq, kvh, split) covers tokens [split * PARTITION, (split + 1) * PARTITION) and
-        stores its unnormalised partial result for `_reduce_kernel`; the split holding the last token writes it."""
-        seq = tl.program_id(0)
-        kvh = tl.program_id(1)
-        split = tl.program_id(2)
-        ctx = tl.load(ctx_ptr + seq)
-        lo = split * PARTITION
-        hi = tl.minimum(lo + PARTITION, ctx)
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, DIM_PAD)
-        offs_n = tl.arange(0, BLOCK_N)
-        g_mask = offs_g < GROUP
-        d_mask = offs_d < HEAD_DIM
-        if WRITE_KV:
-            slot = tl.load(slot_ptr + seq).to(tl.int64)
-            new = seq.to(tl.int64) * stride_nb + kvh * stride_nh + offs_d
-            dst_k = k_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kvh * stride_kh
-            dst_v = v_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt + kvh * stride_vh
-            mine = d_mask & ((offs_d * 0 + split) == (ctx - 1) // PARTITION)  # a vector mask (interpreter)
-            tl.store(dst_k + offs_d, tl.load(kn_ptr + new, mask=mine).to(k_ptr.dtype.element_ty), mask=mine)
-            tl.store(dst_v + offs_d, tl.load(vn_ptr + new, mask=mine).to(v_ptr.dtype.element_ty), mask=mine)
-            tl.debug_barrier()  # the block's own writes are visible to its loads below
-        heads = kvh * GROUP + offs_g
-        q = tl.load(
-            q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=g_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        ).to(k_ptr.dtype.element_ty)
-        m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
-        bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
-        # (the bound stays inline: the interpreter turns every assigned value into a tensor, a constexpr too)
-        for start in range(
-            0 if INTERPRET_TOKENS > 0 else lo, INTERPRET_TOKENS if INTERPRET_TOKENS > 0 else hi, BLOCK_N
-        ):
-            pos = start + offs_n
-            n_mask = (pos >= lo) & (pos < hi)
-            block = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-            within = pos % BLOCK_SIZE
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(
-                k_ptr + (block * stride_kb + within * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            v = tl.load(
-                v_ptr + (block * stride_vb + within * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") if IEEE else tl.dot(q, tl.trans(k))
-            s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no step has seen a token yet: no NaN
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee") if IEEE else tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        if NUM_SPLITS == 1:
-            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # context_len 0: zeros
-            tl.store(
-                out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                out.to(out_ptr.dtype.element_ty),
-                mask=g_mask[:, None] & d_mask[None, :],
-            )
-        else:
-            part = (seq.to(tl.int64) * tl.num_programs(1) + kvh) * NUM_SPLITS + split
-            tl.store(part_m_ptr + part * GROUP_PAD + offs_g, m_i)
-            tl.store(part_l_ptr + part * GROUP_PAD + offs_g, l_i)
-            tl.store(part_acc_ptr + (part * GROUP_PAD + offs_g[:, None]) * DIM_PAD + offs_d[None, :], acc)
-
-    @triton.jit
-    def _reduce_kernel(
-        part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
-    ):  # fmt: skip
-        """Combine the NUM_SPLITS partial results of (sequence, kv head) (log-sum-exp rescaling, base 2)."""
-        seq = tl.program_id(0)
-        kvh = tl.program_id(1)
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, DIM_PAD)
-        first = (seq.to(tl.int64) * tl.num_programs(1) + kvh) * NUM_SPLITS
-        m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-        for i in tl.static_range(NUM_SPLITS):
-            m = tl.maximum(m, tl.load(part_m_ptr + (first + i) * GROUP_PAD + offs_g))
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        l_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
-        for i in tl.static_range(NUM_SPLITS):
-            weight = tl.exp2(tl.load(part_m_ptr + (first + i) * GROUP_PAD + offs_g) - m_safe)
-            l_sum += weight * tl.load(part_l_ptr + (first + i) * GROUP_PAD + offs_g)
-            part = tl.load(part_acc_ptr + ((first + i) * GROUP_PAD + offs_g[:, None]) * DIM_PAD + offs_d[None, :])
-            acc += weight[:, None] * part
-        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-        heads = kvh * GROUP + offs_g
-        tl.store(
-            out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=(offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :],
-        )
+    """(paged decode kernel, split-K reduce kernel), defined on first use."""
+    from rlx.kernels.paged_attention_kernels import _paged_decode_kernel, _reduce_kernel
 
     return _paged_decode_kernel, _reduce_kernel
 
@@ -337,12 +181,11 @@ def _default_splits(programs: int, capacity: int, block_n: int) -> int:
     return max(1, min(wanted, capacity // (4 * block_n), 16))
 
 
-def resolve_impl(device: torch.device, impl: str | None = None) -> str:
-    """'torch' or 'triton' for `device`: RLX_PAGED_ATTENTION (or `impl`) = auto|torch|triton; auto picks Triton
-    on CUDA when triton imports."""
-    impl = (impl or os.environ.get("RLX_PAGED_ATTENTION") or "auto").strip().lower()
+def resolve_impl(device: torch.device, impl: str = "auto") -> str:
+    """'torch' or 'triton' for `device` and `impl` = auto|torch|triton; auto picks Triton on CUDA when triton
+    imports."""
     if impl not in IMPLS:
-        raise ValueError(f"RLX_PAGED_ATTENTION={impl!r}; valid: {', '.join(IMPLS)}")
+        raise ValueError(f"paged attention {impl!r}; valid: {', '.join(IMPLS)}")
     if impl == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     return impl
@@ -356,11 +199,12 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Decode attention over the paged cache: Triton on CUDA (when triton imports), else the PyTorch reference;
-    RLX_PAGED_ATTENTION=torch|triton forces one. Shapes as in `paged_decode_attention_torch`; new_kv = (k, v
+    `impl` = torch|triton forces one. Shapes as in `paged_decode_attention_torch`; new_kv = (k, v
     [B, kv_heads, D], slot_mapping [B]) is written into the caches first (inside the Triton kernel)."""
-    if resolve_impl(q.device) == "triton":
+    if resolve_impl(q.device, impl) == "triton":
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=new_kv)
     if new_kv is not None:
         write_kv(k_cache, v_cache, new_kv[2], new_kv[0], new_kv[1])

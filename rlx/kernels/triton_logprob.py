@@ -21,7 +21,7 @@ import os
 import torch
 import triton
 
-from rlx.kernels.logprob_entropy import acc_dtype, row_grads
+from rlx.kernels.logprob_math import acc_dtype, row_grads
 from rlx.kernels.triton_logprob_kernels import (
     backward_dlogits_kernel,
     dlogits_from_logits_kernel,

@@ -1,8 +1,8 @@
-"""Find and load models: Hugging Face dirs, rlx checkpoint dirs (which are HF dirs too) and GGUF files.
+"""Find and load Hugging Face models: model dirs (an rlx checkpoint in the 'single' layout is one too) and GGUF
+files, plus the safetensors and weight-layout checks every loader shares.
 
-Checkpoints of the sharded layouts ('fsdp', 'megatron') are loaded by gathering their full Hugging
-Face weights first (rlx.engine.checkpoint.read_full_checkpoint_weights), so every command that reads
-a model accepts them.
+Checkpoints whose weights are not Hugging Face files are loaded one floor up
+(rlx/engine/checkpoints/loading.py), which builds the model from config.json and gives it the full weights.
 
 Every failure a user can cause (missing dir, no config, truncated or foreign weights, missing keys)
 becomes a UserError that names the path and what was expected.
@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from rlx.engine.io import is_remote, local
 from rlx.errors import UserError
+from rlx.utils import storage
+from rlx.utils.io import is_remote, local
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -67,9 +68,7 @@ def resolve_source(path: str | Path, what: str = "model") -> ModelSource:
     if isinstance(path, str) and path.startswith(PACKAGE_SCHEME):
         path = resolve_package_path(path)
     if is_remote(path):  # s3://, hdfs://, ...: read from a local copy in the download cache
-        from rlx.engine.storage import fetch_model
-
-        path = fetch_model(path)
+        path = storage.fetch_model(path)
     p = local(path)
     if p.is_file() and p.suffix == ".gguf":
         return ModelSource(p, is_gguf=True)
@@ -235,27 +234,11 @@ def init_random_model(config, seed: int):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def load_from_sharded_checkpoint(auto_cls, source: ModelSource, dtype: torch.dtype | None = torch.float32):
-    """A model of an 'fsdp' or 'megatron' checkpoint: built from config.json, then its full weights."""
-    from rlx.engine.checkpoint import read_full_checkpoint_weights
-
-    model = auto_cls.from_config(load_config(source), dtype=torch.float32)
-    weights = read_full_checkpoint_weights(source.path)
-    check_weights_match(model, weights, source.path)
-    model.load_state_dict(weights, strict=False)
-    model.tie_weights()
-    return model.to(dtype) if dtype is not None else model
-
-
 def load_causal_lm(source: ModelSource, dtype: torch.dtype | None = torch.float32):
-    """Load a causal LM from an HF dir, an rlx checkpoint (any layout) or a GGUF file (CPU, `dtype`)."""
+    """Load a causal LM from a Hugging Face dir or a GGUF file (CPU, `dtype`)."""
     from transformers import AutoModelForCausalLM
 
-    from rlx.engine.checkpoint import is_sharded_checkpoint
-
     quiet_transformers()
-    if not source.is_gguf and is_sharded_checkpoint(source.path):
-        return load_from_sharded_checkpoint(AutoModelForCausalLM, source, dtype)
     if not source.is_gguf:
         for path in weight_files(source.path):
             _check_safetensors_header(path)

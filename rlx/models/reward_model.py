@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from rlx.engine.device import autocast
-from rlx.engine.records import RolloutRecord
 from rlx.errors import UserError
 from rlx.models.loading import ModelSource, load_config, load_tokenizer, quiet_transformers
+from rlx.utils.device import autocast
 
 
 class RewardModel:
@@ -40,22 +39,22 @@ class RewardModel:
         self.tokenizer = load_tokenizer(source)
         self.device, self.dtype = device, dtype
 
-    def encode(self, rollout: RolloutRecord) -> list[int]:
-        prompt = rollout.prompt
+    def encode(self, prompt: str | list[dict], response: str) -> list[int]:
+        """Token ids of a prompt (text or chat messages) and its response, in this model's own format."""
         if getattr(self.tokenizer, "chat_template", None):
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            messages = [*messages, {"role": "assistant", "content": rollout.response}]
+            messages = [*messages, {"role": "assistant", "content": response}]
             return list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
         if isinstance(prompt, list):
             prompt = "\n".join(m["content"] for m in prompt)
-        return list(self.tokenizer(prompt + rollout.response)["input_ids"])
+        return list(self.tokenizer(prompt + response)["input_ids"])
 
     @torch.no_grad()
-    def score(self, rollouts: list[RolloutRecord], micro_batch_size: int) -> torch.Tensor:
-        """The head's output at each conversation's last token: [B] float32."""
+    def score(self, conversations: list[tuple[str | list[dict], str]], micro_batch_size: int) -> torch.Tensor:
+        """The head's output at each (prompt, response)'s last token: [B] float32."""
         out = []
-        for lo in range(0, len(rollouts), micro_batch_size):
-            encoded = [self.encode(r) for r in rollouts[lo : lo + micro_batch_size]]
+        for lo in range(0, len(conversations), micro_batch_size):
+            encoded = [self.encode(*c) for c in conversations[lo : lo + micro_batch_size]]
             width = max(len(ids) for ids in encoded)
             ids = torch.zeros((len(encoded), width), dtype=torch.long)
             mask = torch.zeros((len(encoded), width), dtype=torch.long)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from rlx.engine.io import write_jsonl
+from rlx.utils.io import write_jsonl
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 CHAT_TEMPLATE = "What is {a} {op} {b}? Reply with only the final number."

@@ -194,8 +194,6 @@ ESTIMATORS: dict[str, Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tens
     "gpg": gpg,
     "grpo_passk": grpo_passk,
 }
-NEEDS_CRITIC = ("gae",)
-NEEDS_GROUPS = ("grpo", "rloo", "opo", "grpo_passk", "reinforce_plus_plus_baseline", "gpg")
 
 
 def compute_advantages(name: str, inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:

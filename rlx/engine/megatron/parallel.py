@@ -109,10 +109,3 @@ def setup_megatron(device_name: str, tp_degree: int, pp_degree: int) -> Megatron
             "embedding": ps.get_embedding_group() if ps.is_rank_in_embedding_group() else None,
         },
     )
-
-
-def teardown_megatron() -> None:
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlx.engine.device import autocast
 from rlx.engine.logprobs import PackedRows
 from rlx.engine.megatron.parallel import MegatronContext
 from rlx.models.megatron.model import packed_params, packed_rotary
+from rlx.utils.device import autocast
 
 
 @dataclass

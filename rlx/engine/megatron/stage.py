@@ -6,11 +6,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlx.engine.logprobs import PackedRows
+from rlx.engine.logprobs import MODEL_INPUTS, PackedRows
 from rlx.engine.megatron.forward import head_logprobs, head_values
 from rlx.engine.megatron.parallel import MegatronContext
 from rlx.engine.megatron.schedule import MicroBatch, run_pipeline
-from rlx.engine.training.trainer import MODEL_INPUTS
 from rlx.errors import UserError
 from rlx.models.megatron.model import build_stage, is_critic_config, move_stage
 
@@ -84,27 +83,21 @@ class MegatronScoringModel:
     """A megatron-layout checkpoint as `rlx score` uses it: this rank's stage, with logprobs (causal LM)
     or values (critic) for every row computed by the pipelines, rows split over data-parallel ranks."""
 
-    is_megatron = True
-
     def __init__(self, model, hf_config, ctx: MegatronContext):
         """Wrap a resident stage (e.g. a trainer's; no copy)."""
         self.model, self.config, self.ctx = model, hf_config, ctx
 
-    @classmethod
-    def load(cls, folder, hf_config, tp_degree: int, pp_degree: int, device_name: str) -> MegatronScoringModel:
-        """This rank's stage of a megatron checkpoint (megatron's groups set up for its degrees)."""
-        from rlx.engine.megatron.checkpoint import read_rank_state
-        from rlx.engine.megatron.parallel import setup_megatron
+    def logprobs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype,
+                 micro_batch_size: int, impl: str = "auto", desc: str = "logprobs") -> torch.Tensor:  # fmt: skip
+        """[B, R] float32 on the CPU (zero at masked positions), identical on every rank."""
+        return self._outputs(tensors, temperature, dtype, micro_batch_size, impl)
 
-        ctx = setup_megatron(device_name, tp_degree, pp_degree)
-        state = read_rank_state(folder, ctx.tp_rank, ctx.pp_rank)
-        return cls(load_stage(hf_config, state, ctx, str(folder)), hf_config, ctx)
+    def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int) -> torch.Tensor:
+        """[B, R] float32 on the CPU (zero at masked positions), identical on every rank."""
+        return self._outputs(tensors, 1.0, dtype, micro_batch_size)
 
-    def to(self, device: torch.device) -> MegatronScoringModel:
-        return self  # loaded on the context's device
-
-    def batched(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype, micro_batch_size: int,
-                impl: str = "auto") -> torch.Tensor:  # fmt: skip
+    def _outputs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype, micro_batch_size: int,
+                 impl: str = "auto") -> torch.Tensor:  # fmt: skip
         """[B, R] float32 on the CPU (zero at masked positions), identical on every rank."""
         from rlx.engine.parallel.dist import shard_range
 
@@ -122,32 +115,3 @@ class MegatronScoringModel:
                 full[rows] = values
             out = full
         return out * tensors["response_mask"]
-
-
-def load_scoring_model(source, device_name: str, critic: bool):
-    """A MegatronScoringModel for a megatron-layout checkpoint when megatron-core is installed and the
-    launch holds its tp x pp, else None (the caller then loads the merged Hugging Face model: same
-    numbers, one process per replica). `critic`: a value model is expected."""
-    from rlx.engine.checkpoint import CheckpointMeta, is_checkpoint
-    from rlx.engine.parallel.dist import context
-    from rlx.engine.tracking import console
-    from rlx.models.loading import load_config
-    from rlx.models.megatron.compat import megatron_version
-
-    if source.is_gguf or not is_checkpoint(source.path) or megatron_version() is None:
-        return None
-    meta = CheckpointMeta.read(source.path)
-    if meta.layout != "megatron":
-        return None
-    world = context().world
-    if world % (meta.tp_degree * meta.pp_degree):
-        console(
-            f"{source.path}: tp {meta.tp_degree} x pp {meta.pp_degree} does not fit {world} process(es); "
-            "scoring the merged Hugging Face model instead"
-        )
-        return None
-    config = load_config(source)
-    if is_critic_config(config) != critic:
-        expected = "a value model (make one with `rlx shard --role critic`)" if critic else "a causal LM"
-        raise UserError(f"{source.path}: expected {expected}")
-    return MegatronScoringModel.load(source.path, config, meta.tp_degree, meta.pp_degree, device_name)

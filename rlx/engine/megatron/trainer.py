@@ -13,22 +13,25 @@ rank's own slices: elementwise, so the result equals the unsharded update.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from rlx.engine.batch import TrainBatch
-from rlx.engine.device import resolve_precision
+from rlx.engine.checkpoints.base import LocalState
 from rlx.engine.megatron.forward import head_logprobs, head_values
 from rlx.engine.megatron.parallel import MegatronContext
 from rlx.engine.megatron.schedule import run_pipeline
-from rlx.engine.megatron.stage import load_stage, micro_batches
+from rlx.engine.megatron.stage import MegatronScoringModel, load_stage, micro_batches
+from rlx.engine.megatron.weights import gather_hf_weights
 from rlx.engine.training.actor import ActorTrainer
 from rlx.engine.training.config import TrainConfig
 from rlx.engine.training.critic import CriticTrainer
 from rlx.engine.training.optim import build_adamw, load_optimizer_tensors
 from rlx.errors import UserError
 from rlx.models.megatron.model import is_critic_config
+from rlx.utils.device import resolve_precision
 
 _SEP = "::"
 UNSUPPORTED = ("param_offload", "activation_offload", "compile", "gradient_checkpointing")
@@ -146,6 +149,42 @@ class MegatronTraining:
     def model_state(self) -> dict[str, torch.Tensor]:
         """This rank's weights with megatron names (float32, on the CPU)."""
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+
+    # --- what checkpoints, scoring and rollouts take from a trainer (see rlx/engine/backends/base.py) ---------
+
+    module = None  # no Hugging Face module here: rollout engines get the weights copied
+
+    @property
+    def config(self):
+        return self.hf_config
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.is_main
+
+    @property
+    def world(self) -> int:
+        return self.ctx.world
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return gather_hf_weights(self.model, self.hf_config, self.ctx)
+
+    def full_optimizer_state(self):
+        raise UserError("the megatron backend keeps its optimizer state per stage: save in the 'megatron' layout")
+
+    def local_state(self) -> LocalState:
+        ctx = self.ctx
+        coords = {"tp_degree": ctx.tp_degree, "pp_degree": ctx.pp_degree, "tp_rank": ctx.tp_rank,
+                  "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank}  # fmt: skip
+        return LocalState("megatron", self.model_state(), self.optimizer_state(), coords)
+
+    def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full Hugging Face weights gathered over the model-parallel group (on the CPU, float32)."""
+        yield from self.full_weights().items()
+
+    def scoring_model(self) -> MegatronScoringModel:
+        """The trainer's stage as scoring uses megatron models (no copy)."""
+        return MegatronScoringModel(self.model, self.hf_config, self.ctx)
 
 
 def _all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:

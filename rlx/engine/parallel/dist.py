@@ -23,8 +23,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from rlx.engine.device import resolve_device
 from rlx.errors import UserError
+from rlx.utils.device import resolve_device
 
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
@@ -41,7 +41,7 @@ class DistContext:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None
-    sp_size: int = 1
+    sp_degree: int = 1
     dp_group: object = None
     sp_group: object = None
 
@@ -56,15 +56,15 @@ class DistContext:
 
     @property
     def dp_size(self) -> int:
-        return self.world // self.sp_size
+        return self.world // self.sp_degree
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.sp_size
+        return self.rank // self.sp_degree
 
     @property
     def sp_rank(self) -> int:
-        return self.rank % self.sp_size
+        return self.rank % self.sp_degree
 
 
 def launcher_env() -> tuple[int, int, int] | None:
@@ -94,8 +94,8 @@ def setup(device_name: str = "auto", sp_degree: int = 1, timeout_s: float | None
     if timeout_s is None:
         timeout_s = _timeout_from_env()
     if _CONTEXT is not None:
-        if _CONTEXT.sp_size != sp_degree:
-            raise UserError(f"sequence parallel degree {sp_degree} differs from the running {_CONTEXT.sp_size}")
+        if _CONTEXT.sp_degree != sp_degree:
+            raise UserError(f"sequence parallel degree {sp_degree} differs from the running {_CONTEXT.sp_degree}")
         return _CONTEXT
     found = launcher_env()
     if found is None:
@@ -122,7 +122,7 @@ def setup(device_name: str = "auto", sp_degree: int = 1, timeout_s: float | None
         local_rank=local_rank,
         device=device,
         backend=backend,
-        sp_size=sp_degree,
+        sp_degree=sp_degree,
         **_groups(world, sp_degree, rank),
     )
     return _CONTEXT

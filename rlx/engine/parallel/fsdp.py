@@ -1,5 +1,5 @@
-"""FSDP2 for the trained models: `fully_shard` per decoder layer and on the root, applied after the model is
-built (models stay single-device code), in this order: gradient checkpointing, layer sharding, root.
+"""FSDP2 for the trained models: `fully_shard` per decoder layer and on the root (the last step of
+rlx/engine/parallel/apply.py), and the full (unsharded) weights of a plain or sharded module.
 
 Mixed precision: parameters are gathered in the compute dtype (bf16 on accelerators), gradients are
 reduce-scattered in float32, and the sharded master weights and optimizer state stay float32. CPU
@@ -31,16 +31,8 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def apply_fsdp(
-    model: torch.nn.Module,
-    ctx: DistContext,
-    param_dtype: torch.dtype,
-    offload: bool = False,
-    gradient_checkpointing: bool = False,
-) -> torch.nn.Module:
+def apply_fsdp(model: torch.nn.Module, ctx: DistContext, param_dtype: torch.dtype, offload: bool = False):
     """Shard `model` over all ranks of `ctx` (in place) and return it."""
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     kwargs = {
         "mesh": mesh,
@@ -66,3 +58,33 @@ def activation_offload(enabled: bool, device: torch.device) -> Iterator[None]:
 def full_tensor(value) -> torch.Tensor:
     """A DTensor's full value (e.g. FSDP's gradient norm), or the tensor itself."""
     return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full state dict on the CPU without tied duplicates (as Hugging Face saves it); for an
+    FSDP-sharded model the gathered weights on rank 0 ({} on other ranks): every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from rlx.models.loading import tied_keys
+
+    skip = tied_keys(model)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v for k, v in state.items() if k not in skip}
+
+
+def gathered_weights(model: torch.nn.Module, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's full (name, tensor) pairs on its device, sharded ones all-gathered a bucket of about
+    `bucket_bytes` at a time (every rank must drain the iterator in step); tied names appear under each name."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in model.state_dict().items():
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield from _gathered(bucket)
+            bucket, size = [], 0
+    yield from _gathered(bucket)
+
+
+def _gathered(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t.full_tensor() if hasattr(t, "full_tensor") else t.detach()) for n, t in bucket]

@@ -176,25 +176,25 @@ class SequenceShard(NamedTuple):
     """T_pad: T rounded up to a multiple of sp."""
 
 
-def padded_length(length: int, sp_size: int) -> int:
-    """`length` rounded up to a multiple of `sp_size`."""
-    return -(-length // sp_size) * sp_size
+def padded_length(length: int, sp_degree: int) -> int:
+    """`length` rounded up to a multiple of `sp_degree`."""
+    return -(-length // sp_degree) * sp_degree
 
 
-def slice_sequence(values: torch.Tensor, sp_rank: int, sp_size: int, pad_value=0) -> torch.Tensor:
+def slice_sequence(values: torch.Tensor, sp_rank: int, sp_degree: int, pad_value=0) -> torch.Tensor:
     """[1, T, ...] per-token values of a packed row -> this rank's [1, T_pad/sp, ...] (padded with `pad_value`),
     the same slicing `shard_packed` applies to the ids: use it for targets, masks, advantages."""
     length = values.shape[1]
-    pad = padded_length(length, sp_size) - length
+    pad = padded_length(length, sp_degree) - length
     if pad:
         filler = values.new_full((1, pad, *values.shape[2:]), pad_value)
         values = torch.cat([values, filler], dim=1)
-    return values.chunk(sp_size, dim=1)[sp_rank]
+    return values.chunk(sp_degree, dim=1)[sp_rank]
 
 
-def shard_packed(packed: PackedBatch, sp_rank: int, sp_size: int, pad_id: int = 0) -> SequenceShard:
+def shard_packed(packed: PackedBatch, sp_rank: int, sp_degree: int, pad_id: int = 0) -> SequenceShard:
     """A packed row -> this rank's SequenceShard (local ids/positions [1, T_pad/sp], full cu_seqlens, T_pad)."""
-    total = padded_length(packed.total_len, sp_size)
+    total = padded_length(packed.total_len, sp_degree)
     pad = total - packed.total_len
     cu_seqlens = packed.cu_seqlens
     positions = packed.position_ids
@@ -202,8 +202,8 @@ def shard_packed(packed: PackedBatch, sp_rank: int, sp_size: int, pad_id: int = 
         cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([total])])
         positions = torch.cat([positions, torch.arange(pad, device=positions.device).unsqueeze(0)], dim=1)
     return SequenceShard(
-        slice_sequence(packed.input_ids, sp_rank, sp_size, pad_id),
-        positions.chunk(sp_size, dim=1)[sp_rank],
+        slice_sequence(packed.input_ids, sp_rank, sp_degree, pad_id),
+        positions.chunk(sp_degree, dim=1)[sp_rank],
         cu_seqlens,
         total,
     )

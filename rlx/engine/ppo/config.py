@@ -86,6 +86,9 @@ class PPOConfig:
 
     seed: int = 0
     """Run seed: random init, step k's rollout seed (seed + k), data order and train seed all derive from it."""
+    backend: str = "auto"
+    """Training backend: 'fsdp' (Hugging Face modules, FSDP2 under a launcher), 'megatron' (megatron-core stages,
+    degrees in [megatron]) or another registered one; 'auto' is 'megatron' with a [megatron] table, else 'fsdp'."""
     steps: int = 10
     """Number of rollout -> score -> train-step iterations."""
     use_ref: bool = True
@@ -144,8 +147,21 @@ class PPOConfig:
             "rollout.weight_sync",
             "must be 'memory' with [megatron] (the replica is synced from the stages in memory)",
         )
+        check(
+            self.megatron is None or self.backend in ("auto", "megatron"),
+            "backend",
+            f"a [megatron] table sets the megatron backend's degrees; backend {self.backend!r} does not use it",
+        )
         needs_ref = self.score.kl_coef > 0 or self.train.kl_loss_coef > 0
         check(self.use_ref or not needs_ref, "use_ref", "score.kl_coef or train.kl_loss_coef > 0 needs use_ref = true")
+
+
+    @property
+    def backend_name(self) -> str:
+        """The training backend the run uses ('auto' resolved)."""
+        if self.backend != "auto":
+            return self.backend
+        return "megatron" if self.megatron is not None else "fsdp"
 
 
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> PPOConfig:

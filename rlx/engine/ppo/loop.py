@@ -14,7 +14,6 @@ shell pipeline of `rlx rollout | score | train-step` give identical weights and 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import time
 from pathlib import Path
@@ -22,39 +21,25 @@ from pathlib import Path
 import torch
 
 from rlx.config import to_dict
-from rlx.engine.checkpoint import (
-    CheckpointContent,
-    CheckpointMeta,
-    load_optimizer_state,
-    provenance,
-    save_checkpoint,
-)
-from rlx.engine.device import resolve_device, resolve_precision
+from rlx.engine.backends.base import Degrees
+from rlx.engine.backends.registry import backend_class
+from rlx.engine.checkpoints.base import CheckpointPart
+from rlx.engine.checkpoints.loading import CheckpointWeights
+from rlx.engine.checkpoints.meta import CheckpointMeta, provenance
+from rlx.engine.checkpoints.registry import layout_for_backend, read_meta, save
+from rlx.engine.data import take_prompts
 from rlx.engine.flops import count_flops, count_generate_flops, device_peak_flops, mfu
 from rlx.engine.memory import device_peak_bytes, host_rss_bytes, measure_phase, phase_metrics, reset_device_peak
-from rlx.engine.parallel.dist import barrier, setup
+from rlx.engine.parallel.dist import barrier
 from rlx.engine.ppo.config import PPOConfig
-from rlx.engine.ppo.data import take_prompts
+from rlx.engine.ppo.models import CRITIC_DIR, build_run_models
 from rlx.engine.ppo.rundir import checkpoint_dir, drop_old_checkpoints, prepare_run_dir, step_dir
 from rlx.engine.records import RolloutRecord, read_prompts, write_records
-from rlx.engine.rollout.prompts import pad_token_id
-from rlx.engine.rollout.run import build_engine
-from rlx.engine.scoring.score import (
-    Rewards,
-    ScoreResult,
-    ScoringModels,
-    compute_rewards,
-    informative_groups,
-    score_rollouts,
-)
+from rlx.engine.rollout.base import RolloutStats, build_engine
+from rlx.engine.scoring.score import Rewards, ScoreResult, compute_rewards, informative_groups, score_rollouts
 from rlx.engine.tracking import Tracker, console, read_metrics, select_traces
-from rlx.engine.training.actor import ActorTrainer
-from rlx.engine.training.critic import CriticTrainer
 from rlx.errors import UserError
-from rlx.models.loading import resolve_source
-from rlx.models.policy import build_critic_files, load_initial_policy, load_trained_policy, model_weights
-
-CRITIC_DIR = "critic"
+from rlx.utils.device import resolve_device
 
 
 class PPORun:
@@ -62,106 +47,27 @@ class PPORun:
 
     def __init__(self, cfg: PPOConfig, run_dir: Path, resume: bool):
         self.cfg, self.run_dir = cfg, run_dir
-        self.ctx = setup(cfg.train.device, cfg.train.sp_degree)
+        grid = cfg.megatron or Degrees()  # [megatron] holds tp_degree and pp_degree
+        degrees = Degrees(sp_degree=cfg.train.sp_degree, tp_degree=grid.tp_degree, pp_degree=grid.pp_degree)
+        self.backend = backend_class(cfg.backend_name).setup(cfg.train.device, degrees)
+        self.ctx = self.backend.ctx
         self.device = self.ctx.device
         if resolve_device(cfg.rollout.device).type != self.device.type:
             raise UserError(
                 "rollout.device and train.device must agree in `rlx ppo` (the rollout uses the trained model)"
             )
-        self.megatron = None  # megatron's context when [megatron] trains the models on megatron-core
-        if cfg.megatron is not None:
-            from rlx.engine.megatron import ppo as megatron_ppo
-            from rlx.engine.megatron.parallel import setup_megatron
-
-            self.megatron = setup_megatron(cfg.train.device, cfg.megatron.tp_degree, cfg.megatron.pp_degree)
         self.start_step, start_ckpt = prepare_run_dir(self.run_dir, to_dict(cfg), resume, self.ctx.is_main)
-        meta = CheckpointMeta.read(start_ckpt) if start_ckpt else CheckpointMeta()
+        meta = read_meta(start_ckpt) if start_ckpt else CheckpointMeta()
         self.data_position = meta.data_position or 0
         self.kl_coef = meta.kl_coef if meta.kl_coef is not None else cfg.score.kl_coef
-        if start_ckpt is None:
-            model, self.tokenizer, self.aux = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
-            ref = copy.deepcopy(model) if cfg.use_ref else None
-        else:
-            model, self.tokenizer, self.aux = load_trained_policy(resolve_source(start_ckpt))
-            ref = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)[0] if cfg.use_ref else None
-        self.critic, self.critic_aux = self._load_critic(start_ckpt, model)  # before the actor is sharded
-        train_cfg = dataclasses.replace(cfg.train, seed=cfg.seed)
-        if self.megatron is not None:
-            self.trainer = megatron_ppo.build_trainer(model, train_cfg, self.megatron, start_ckpt)
-            self.rollout_model = model.to(self.device)  # the replica rollouts run on, synced after updates
-        else:
-            dtype = resolve_precision(cfg.train.precision, self.device)
-            self.trainer = ActorTrainer(model, train_cfg, self.device, dtype, self.ctx)
-            start_state = load_optimizer_state(start_ckpt) if start_ckpt else None
-            self.trainer.load_optimizer_state(start_state, str(start_ckpt))
-            self.rollout_model = self.trainer.model
-        self.models = ScoringModels(
-            device=self.device,
-            dtype=resolve_precision(cfg.score.precision, self.device),
-            vocab_size=model.config.vocab_size,
-            pad_token_id=pad_token_id(self.tokenizer),
-            actor=self._scoring_model(self.trainer) if cfg.score.old_logprobs == "actor" else None,
-            ref=self._reference_model(ref),
-            critic=self._scoring_model(self.critic) if self.critic else None,
-            reward_model=self._load_reward_model(),
-            ctx=self.ctx,
-        )
-        self.engine = build_engine(cfg.rollout, self.rollout_model, self.tokenizer, self.ctx)
+        self.models = build_run_models(cfg, self.backend, start_ckpt)
+        self.trainer, self.critic = self.models.actor, self.models.critic
+        self.engine = build_engine(cfg.rollout, self.models.rollout_model, self.models.tokenizer, self.ctx)
         self.engine_stale = False  # whether the trainer changed the weights since the engine last got them
         self.prompts = read_prompts(cfg.data.prompts)
         self.score_cfg = dataclasses.replace(
             cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
         )
-
-    def _reference_model(self, ref):
-        """The frozen reference: the HF model on the device, or megatron stages cut from it."""
-        if ref is None:
-            return None
-        if self.megatron is not None:
-            from rlx.engine.megatron.ppo import reference_model
-
-            return reference_model(ref, self.megatron)
-        return ref.requires_grad_(False).to(self.device).eval()
-
-    def _scoring_model(self, trainer):
-        """What scoring runs for a trained model: its module, or its megatron stage."""
-        if self.megatron is None:
-            return trainer.model
-        from rlx.engine.megatron.ppo import scoring_model
-
-        return scoring_model(trainer)
-
-    def _load_critic(self, start_ckpt: Path | None, policy) -> tuple[CriticTrainer | None, dict]:
-        cfg = self.cfg
-        if cfg.critic is None:
-            return None, {}
-        if start_ckpt is not None:
-            model, _, aux = load_trained_policy(resolve_source(start_ckpt / CRITIC_DIR), role="critic")
-            state = load_optimizer_state(start_ckpt / CRITIC_DIR)
-        elif cfg.critic.path:
-            model, _, aux = load_trained_policy(resolve_source(cfg.critic.path, "critic"), role="critic")
-            state = None
-        else:
-            model, aux = build_critic_files(policy, self.tokenizer, cfg.seed)
-            state = None
-        train_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed)
-        if self.megatron is not None:
-            from rlx.engine.megatron.ppo import build_trainer
-
-            checkpoint = start_ckpt / CRITIC_DIR if start_ckpt is not None else None
-            return build_trainer(model, train_cfg, self.megatron, checkpoint), aux
-        dtype = resolve_precision(cfg.critic.train.precision, self.device)
-        trainer = CriticTrainer(model, train_cfg, self.device, dtype, self.ctx)
-        trainer.load_optimizer_state(state, str(start_ckpt))
-        return trainer, aux
-
-    def _load_reward_model(self):
-        if not self.cfg.score.reward_model:
-            return None
-        from rlx.models.reward_model import RewardModel
-
-        source = resolve_source(self.cfg.score.reward_model, "reward model")
-        return RewardModel(source, self.device, resolve_precision(self.cfg.score.precision, self.device))
 
     def run(self) -> None:
         cfg = self.cfg
@@ -210,14 +116,15 @@ class PPORun:
         metrics.update(phase)
         metrics.update(sync)
         released = self.engine.sleep()  # the trainer gets the memory until the next rollout
-        if cfg.rollout.engine == "vllm":
-            metrics["memory/rollout_engine_released_gb"] = released / 2**30
+        metrics["memory/rollout_engine_released_gb"] = released / 2**30
         with measure_phase("score", self.device) as phase:
             score_cfg = dataclasses.replace(self.score_cfg, kl_coef=self.kl_coef, filter_groups=False)
-            result = score_rollouts(rollouts, score_cfg, self.models, cfg.rollout.train_temperature, rewards=rewards)
+            models = self.models.scoring
+            result = score_rollouts(rollouts, score_cfg, models, cfg.rollout.train_temperature, rewards=rewards)
         metrics.update(result.metrics)
         metrics.update(phase)
-        self.kl_coef = result.metrics.get("actor/kl_coef_next", self.kl_coef)
+        if result.next_kl_coef is not None:
+            self.kl_coef = result.next_kl_coef
         if cfg.keep_artifacts and self.ctx.is_main:
             write_records(out / "rollouts.jsonl", rollouts)
             write_records(out / "scores.jsonl", result.scores)
@@ -244,11 +151,12 @@ class PPORun:
 
     def _flops_metrics(self, rollouts: list[RolloutRecord], metrics: dict) -> dict:
         """Model FLOPs of the step (generation, scoring forwards, training) and MFU against the device peak."""
-        config = self.rollout_model.config
+        config = self.trainer.config
         prompt_lens = [len(r.prompt_ids) for r in rollouts]
         response_lens = [len(r.response_ids) for r in rollouts]
         lengths = [p + r for p, r in zip(prompt_lens, response_lens)]
-        forwards = sum(m is not None for m in (self.models.actor, self.models.ref, self.models.critic))
+        scoring = self.models.scoring
+        forwards = sum(m is not None for m in (scoring.actor, scoring.ref, scoring.critic))
         train_passes = self.cfg.train.epochs + (self.cfg.critic.train.epochs if self.cfg.critic else 0)
         phases = {
             "rollout": count_generate_flops(config, prompt_lens, response_lens),
@@ -267,37 +175,32 @@ class PPORun:
         return out
 
     def _refresh_engine(self, step: int) -> None:
-        """Wake the rollout engine and give it the weights the last train step wrote (vllm; a no-op for hf)."""
+        """Wake the rollout engine and give it the weights the last train step wrote (from the trainer in memory, or
+        with rollout.weight_sync = 'disk' from the step's checkpoint)."""
         if not self.engine_stale:
             return
-        if self.megatron is not None:  # the replica gets the stages' weights
-            from rlx.engine.megatron.ppo import sync_replica
-
-            sync_replica(self.rollout_model, self.trainer)
-        path = None
-        if self.cfg.rollout.engine == "vllm" and self.cfg.rollout.weight_sync == "disk":
-            path = checkpoint_dir(self.run_dir, step - 1)
-        self.engine.wake(model=self.rollout_model if path is None else None, path=path)
+        self.engine.wake()
+        source = self.trainer
+        if self.cfg.rollout.weight_sync == "disk":
+            source = CheckpointWeights(checkpoint_dir(self.run_dir, step - 1))
+        self.engine.update_weights(source)
         self.engine_stale = False
 
     def _sample(self, step: int) -> tuple[list[RolloutRecord], Rewards | None, dict]:
         """Rollouts for the step.  With score.filter_groups (DAPO dynamic sampling), batches of prompts
         are sampled until prompts_per_step informative groups are collected (or max_gen_batches)."""
         cfg = self.cfg
-        rollout_cfg = dataclasses.replace(cfg.rollout, seed=cfg.seed + step)
+        sampling = cfg.rollout.sampling(seed=cfg.seed + step)
         want, kept, kept_rewards, batches = cfg.data.prompts_per_step, [], [], 0
-        stats: dict[str, float] = {}
+        stats = RolloutStats(0, 0.0)
         while True:
             prompts = take_prompts(self.prompts, self.data_position, want, cfg.seed if cfg.data.shuffle else None)
             self.data_position += len(prompts)
-            rollouts = self.engine.generate(prompts, rollout_cfg, progress=False)
-            batches += 1
-            for key in ("rollout/tokens", "timing/generate_s"):
-                stats[key] = stats.get(key, 0.0) + self.engine.last_stats[key]
-            stats["perf/rollout_tokens_per_s"] = stats["rollout/tokens"] / max(stats["timing/generate_s"], 1e-9)
+            result = self.engine.generate(prompts, sampling, progress=False)
+            rollouts, stats, batches = result.records, stats + result.stats, batches + 1
             if not cfg.score.filter_groups:
-                return rollouts, None, stats
-            rewards = compute_rewards(rollouts, self.score_cfg, self.models.reward_model)
+                return rollouts, None, stats.metrics()
+            rewards = compute_rewards(rollouts, self.score_cfg, self.models.scoring.reward_model)
             trained = [i for i, r in enumerate(rollouts) if not r.is_greedy_baseline]
             good = {
                 rollouts[trained[i]].prompt_id
@@ -317,6 +220,7 @@ class PPORun:
             [e for r in kept_rewards for e in r.errors],
             torch.cat([r.task_scores for r in kept_rewards]),
         )
+        stats = stats.metrics()
         stats.update(
             {"dynamic_sampling/gen_batches": float(batches), "dynamic_sampling/kept_groups": float(len(keep_ids))}
         )
@@ -338,45 +242,22 @@ class PPORun:
         return metrics
 
     def _save(self, step: int, before_publish=None) -> None:
-        """Gather the weights and optimizer states (all ranks take part) and write them on rank 0, calling
-        `before_publish()` there once the files are written, before the folder is renamed into place."""
+        """Write the actor (critic nested) in the backend's layout; every rank takes part, and rank 0 calls
+        `before_publish()` once the files are written, before the folder is renamed into place."""
         meta = CheckpointMeta(
             step=step,
+            layout=layout_for_backend(self.backend.name).name,
             data_position=self.data_position,
             optimizer=self.trainer.optimizer_meta(),
             kl_coef=self.kl_coef,
             provenance=provenance("rlx ppo", self.cfg.model.path, run_dir=str(self.run_dir)),
         )
-        if self.megatron is not None:
-            from rlx.engine.megatron.ppo import save
-
-            critic_meta = (
-                dataclasses.replace(meta, optimizer=self.critic.optimizer_meta(), kl_coef=None) if self.critic else None
-            )
-            save(checkpoint_dir(self.run_dir, step), self.trainer, self.critic, self.aux, self.critic_aux, meta,
-                 critic_meta, before_publish)  # fmt: skip
-            drop_old_checkpoints(self.run_dir, self.cfg.keep_checkpoints, self.ctx.is_main)
-            return
-        weights, optimizer_state = model_weights(self.trainer.model), self.trainer.optimizer_state()
         nested = {}
         if self.critic is not None:
-            nested[CRITIC_DIR] = CheckpointContent(
-                model_weights(self.critic.model),
-                self.critic_aux,
-                dataclasses.replace(meta, optimizer=self.critic.optimizer_meta(), kl_coef=None),
-                self.critic.optimizer_state(),
-            )
-        if self.ctx.is_main:
-            save_checkpoint(
-                checkpoint_dir(self.run_dir, step),
-                weights=weights,
-                aux=self.aux,
-                meta=meta,
-                optimizer_state=optimizer_state,
-                overwrite=True,
-                nested=nested,
-                before_publish=before_publish,
-            )
+            critic_meta = dataclasses.replace(meta, optimizer=self.critic.optimizer_meta(), kl_coef=None)
+            nested[CRITIC_DIR] = CheckpointPart(self.critic, self.models.critic_aux, critic_meta)
+        out = checkpoint_dir(self.run_dir, step)
+        save(out, self.trainer, self.models.aux, meta, overwrite=True, nested=nested, before_publish=before_publish)
         drop_old_checkpoints(self.run_dir, self.cfg.keep_checkpoints, self.ctx.is_main)
 
 

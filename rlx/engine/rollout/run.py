@@ -4,35 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlx.engine.checkpoint import read_meta_or_default
-from rlx.engine.device import resolve_device, resolve_precision
+from rlx.engine.checkpoints.loading import load_model
+from rlx.engine.checkpoints.registry import read_meta_or_default
+from rlx.engine.data import take_prompts
 from rlx.engine.parallel.dist import setup
-from rlx.engine.ppo.data import take_prompts
 from rlx.engine.records import read_prompts, write_records
+from rlx.engine.rollout.base import build_engine
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.tracking import console, log_metrics
 from rlx.errors import UserError
-from rlx.models.loading import load_causal_lm, load_tokenizer, resolve_source
-
-
-def build_engine(cfg: RolloutConfig, model, tokenizer, ctx=None):
-    """The engine named by `cfg.engine`, around a model held in this process (split across ranks under a
-    launcher: each rank samples its share of the requests)."""
-    device = ctx.device if ctx is not None else resolve_device(cfg.device)
-    if cfg.engine == "hf":
-        from rlx.engine.rollout.hf import HFRolloutEngine
-
-        return HFRolloutEngine(model.to(device), tokenizer, device, resolve_precision(cfg.precision, device), ctx)
-    if cfg.engine == "vllm":
-        from rlx.engine.rollout.vllm import VLLMRolloutEngine
-
-        return VLLMRolloutEngine(model, tokenizer, device, resolve_precision(cfg.precision, device), cfg, ctx)
-    if cfg.engine == "native":
-        from rlx.engine.rollout.native.engine import NativeRolloutEngine
-
-        model = model.to(device)
-        return NativeRolloutEngine(model, tokenizer, device, resolve_precision(cfg.precision, device), cfg, ctx)
-    raise UserError(f"unknown rollout engine {cfg.engine!r}")
+from rlx.models.loading import load_tokenizer, resolve_source
 
 
 def run_rollout(
@@ -53,19 +34,19 @@ def run_rollout(
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
     ctx = setup(cfg.device)
-    engine = build_engine(cfg, load_causal_lm(source), tokenizer, ctx)
+    engine = build_engine(cfg, load_model(source), tokenizer, ctx)
     try:
-        rollouts = engine.generate(records, cfg)
+        result = engine.generate(records, cfg.sampling())
     finally:
         engine.close()
     if not ctx.is_main:
         return
-    write_records(out, rollouts)
-    stats = engine.last_stats
+    write_records(out, result.records)
+    stats = result.stats
     step = read_meta_or_default(source.path).step + 1
-    log_metrics(metrics_path, step, {**stats, "timing/rollout_s": stats["timing/generate_s"]})
+    log_metrics(metrics_path, step, {**stats.metrics(), "timing/rollout_s": stats.seconds})
     where = "stdout" if out == "-" else out
     console(
-        f"rlx rollout: {len(rollouts)} responses to {len(records)} prompts -> {where} "
-        f"({stats['rollout/tokens']:.0f} tokens, {stats['perf/rollout_tokens_per_s']:.0f} tok/s)"
+        f"rlx rollout: {len(result.records)} responses to {len(records)} prompts -> {where} "
+        f"({stats.tokens:.0f} tokens, {stats.tokens_per_s:.0f} tok/s)"
     )

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from rlx.engine.device import derive_seed
 from rlx.kernels.paged_attention import triton_available
 from rlx.kernels.sampling import draw_tokens_triton
+from rlx.utils.device import derive_seed
 
 
 def sample_uniforms(seed: int, sample_ids: list[str], num_steps: int) -> torch.Tensor:

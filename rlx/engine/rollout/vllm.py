@@ -35,13 +35,11 @@ from pathlib import Path
 
 import torch
 
-from rlx.engine.device import derive_seed
-from rlx.engine.parallel.dist import all_gather_objects
-from rlx.engine.records import PromptRecord, RolloutRecord
-from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.prompts import stop_token_ids
-from rlx.engine.rollout.requests import Generated, Request, build_requests, to_record
+from rlx.engine.rollout.base import LocalGeneration, ModuleWeights, RolloutEngine, WeightSource
+from rlx.engine.rollout.config import SamplingParams
+from rlx.engine.rollout.requests import Generated, Request
 from rlx.errors import UserError
+from rlx.utils.device import derive_seed
 
 INSTALL_HINT = (
     "engine 'vllm' needs vLLM, which is not installed here: `pip install 'rlx[vllm]'` on a CUDA machine; "
@@ -71,63 +69,16 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def bucketed_weights(model: torch.nn.Module, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's full (name, tensor) pairs, gathered a bucket of about `bucket_bytes` at a time.
-
-    FSDP-sharded parameters are all-gathered here, so every rank must drain the iterator in step."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in model.state_dict().items():
-        bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
-            yield from _gathered(bucket)
-            bucket, size = [], 0
-    yield from _gathered(bucket)
-
-
-def _gathered(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    return [(n, t.full_tensor() if hasattr(t, "full_tensor") else t.detach()) for n, t in bucket]
-
-
-def checkpoint_weights(folder: Path, tied: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs read one at a time from an HF-layout folder's safetensors files (a sharded
-    'fsdp' or 'megatron' checkpoint is gathered whole first).  With `tied` embeddings the file has no
-    lm_head; it is given as the embedding (vLLM's reload expects every weight)."""
-    from safetensors import safe_open
-
-    from rlx.engine.checkpoint import is_sharded_checkpoint, read_full_checkpoint_weights
-    from rlx.models.loading import weight_files
-
-    if is_sharded_checkpoint(folder):
-        weights = read_full_checkpoint_weights(folder)
-        for name, tensor in weights.items():
-            yield name, tensor
-            if tied and name == "model.embed_tokens.weight" and "lm_head.weight" not in weights:
-                yield "lm_head.weight", tensor
-        return
-    files = weight_files(folder)
-    if not files:
-        raise UserError(f"{folder}: no safetensors weights to reload the vllm engine from")
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            names = list(f.keys())  # safe_open is not a mapping
-            for name in names:
-                tensor = f.get_tensor(name)
-                yield name, tensor
-                if tied and name == "model.embed_tokens.weight" and "lm_head.weight" not in names:
-                    yield "lm_head.weight", tensor
-
-
-class VLLMRolloutEngine:
+class VLLMRolloutEngine(RolloutEngine):
     """vLLM in this process; under a launcher, ranks form groups of `cfg.tp` that share one engine."""
 
-    def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, cfg: RolloutConfig, ctx=None):
+    name = "vllm"
+
+    def __init__(self, model, tokenizer, cfg, ctx):
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
-        self.tokenizer, self.device, self.cfg = tokenizer, device, cfg
-        self.ctx = ctx if ctx is not None and ctx.distributed else None
+        super().__init__(model, tokenizer, cfg, ctx)
         world = self.ctx.world if self.ctx else 1
         if world % cfg.tp:
             raise UserError(f"rollout tp {cfg.tp} does not divide the {world} processes")
@@ -135,14 +86,11 @@ class VLLMRolloutEngine:
             raise UserError(f"rollout tp {cfg.tp}: launch {cfg.tp} processes with torchrun (one per device)")
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        if device.type == "cpu" and head_dim < 32:
+        if self.device.type == "cpu" and head_dim < 32:
             raise UserError(f"vLLM's CPU attention needs head_dim >= 32; this model's is {head_dim} (use engine 'hf')")
-        self.stop_ids = sorted(stop_token_ids(model, tokenizer))
-        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.max_model_len = cfg.max_model_len or int(model.config.max_position_embeddings)
         self.native_sleep = current_platform.is_sleep_mode_available()
-        self.last_stats: dict[str, float] = {}
-        self.asleep = False
+        self.asleep, self.kv_asleep = False, False
         self._released: list[tuple[torch.UntypedStorage, int]] = []
         self._config_dir = tempfile.TemporaryDirectory(prefix="rlx-vllm-")
         model.config.save_pretrained(self._config_dir.name)
@@ -153,13 +101,14 @@ class VLLMRolloutEngine:
         kwargs = {}
         if self.ctx is not None:  # each rank runs its own engine; tp ranks form one
             kwargs = {"distributed_executor_backend": "external_launcher", "data_parallel_size": world // cfg.tp}
-        kv_gib = cfg.kv_cache_gib or (1.0 if device.type == "cpu" else 0.0)
+        kv_gib = cfg.kv_cache_gib or (1.0 if self.device.type == "cpu" else 0.0)
         if kv_gib:
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * _GIB)
         self.llm = None
         with _quiet():
-            self.llm = self._start(vllm, dtype, kwargs)
-        self.update_weights(model)
+            self.llm = self._start(vllm, self.dtype, kwargs)
+        self.update_weights(ModuleWeights(model))
+        self.model = None  # vLLM holds its own copy of the weights
 
     def _start(self, vllm, dtype: torch.dtype, kwargs: dict):
         cfg = self.cfg
@@ -181,14 +130,16 @@ class VLLMRolloutEngine:
 
     # --- weights, sleep and wake ---------------------------------------------------------------
 
-    def update_weights(self, model=None, path: Path | None = None) -> float:
-        """Replace the engine's weights with `model`'s tensors (every rank calls this together) or with
-        the safetensors files of folder `path`; returns the seconds it took."""
+    def update_weights(self, source: WeightSource) -> float:
+        """Replace the engine's weights with `source`'s tensors, a bucket at a time (every rank calls this
+        together); returns the seconds it took. After `wake`, this also takes the KV cache back."""
         start = time.perf_counter()
-        bucket = self.cfg.sync_bucket_mib << 20
-        weights = checkpoint_weights(path, self.tied) if path is not None else bucketed_weights(model, bucket)
+        weights = source.named_weights(self.cfg.sync_bucket_mib << 20)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # cached prompt KV belongs to the old weights
+        if self.kv_asleep:  # weights first, then the cache: the peak stays the weights plus one bucket
+            self.llm.wake_up(tags=["kv_cache"])
+            self.kv_asleep = False
         return time.perf_counter() - start
 
     def sleep(self) -> float:
@@ -206,20 +157,16 @@ class VLLMRolloutEngine:
         self.asleep = True
         return float(max(freed, 0))
 
-    def wake(self, model=None, path: Path | None = None) -> float:
-        """Take the memory back and load the weights of `model` (or folder `path`); returns the seconds
-        the weight update took.  Without sleep, only the weights are updated."""
+    def wake(self) -> None:
+        """Take the memory back (vLLM's sleep mode: the weights now, the KV cache after `update_weights`)."""
         if self.asleep and self.native_sleep:
             self.llm.wake_up(tags=["weights"])
+            self.kv_asleep = True
         elif self.asleep:
             for storage, nbytes in self._released:
                 storage.resize_(nbytes)
             self._released = []
-        seconds = self.update_weights(model, path)
-        if self.asleep and self.native_sleep:
-            self.llm.wake_up(tags=["kv_cache"])
         self.asleep = False
-        return seconds
 
     def _engine_tensors(self) -> list[torch.Tensor]:
         def collect(worker):
@@ -238,55 +185,45 @@ class VLLMRolloutEngine:
 
     # --- generation ------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[PromptRecord], cfg: RolloutConfig, progress: bool = True) -> list[RolloutRecord]:
-        """N responses per prompt, in prompt order then sample order."""
-        from vllm.inputs import TokensPrompt
-
-        if self.asleep:
-            raise RuntimeError("the vllm engine is asleep: wake it (with the current weights) before generating")
-        requests = build_requests(prompts, self.tokenizer, cfg)
+    def check_requests(self, requests: list[Request], sampling: SamplingParams) -> None:
         for r in requests:
-            if len(r.prompt_ids) + cfg.max_new_tokens > self.max_model_len:
+            if len(r.prompt_ids) + sampling.max_new_tokens > self.max_model_len:
                 raise UserError(
-                    f"prompt {r.prompt.id!r}: {len(r.prompt_ids)} tokens + max_new_tokens {cfg.max_new_tokens} "
+                    f"prompt {r.prompt.id!r}: {len(r.prompt_ids)} tokens + max_new_tokens {sampling.max_new_tokens} "
                     f"exceed the vllm engine's max_model_len {self.max_model_len}"
                 )
-        group, groups = (self.ctx.rank // cfg.tp, self.ctx.world // cfg.tp) if self.ctx else (0, 1)
-        mine = requests[group::groups]  # an interleaved share: prompts of similar length spread over groups
+
+    def local_share(self, count: int) -> list[int]:
+        """An interleaved share per tensor-parallel group (prompts of similar length spread over groups); the
+        ranks of a group share one engine and the same requests."""
+        group, groups = (self.ctx.rank // self.cfg.tp, self.ctx.world // self.cfg.tp) if self.ctx else (0, 1)
+        return list(range(group, count, groups))
+
+    def generate_local(self, requests: list[Request], sampling: SamplingParams, progress: bool) -> LocalGeneration:
+        from vllm.inputs import TokensPrompt
+
+        if self.asleep or self.kv_asleep:
+            raise RuntimeError("the vllm engine is asleep: wake it and update its weights before generating")
         show = progress and (self.ctx is None or self.ctx.is_main) and sys.stderr.isatty()
-        start = time.perf_counter()
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in mine],
-            [self._params(r, cfg) for r in mine],
+            [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests],
+            [self._params(r, sampling) for r in requests],
             use_tqdm=show,
         )
-        results = [_generated(o.outputs[0]) for o in outputs]
-        if self.ctx:
-            parts = all_gather_objects(results)[:: cfg.tp]  # one copy per tensor-parallel group
-            results = [None] * len(requests)
-            for g, part in enumerate(parts):
-                results[g::groups] = part
-        seconds = time.perf_counter() - start
-        generated = sum(len(g.response_ids) for g in results)
-        self.last_stats = {
-            "rollout/tokens": float(generated),
-            "timing/generate_s": seconds,
-            "perf/rollout_tokens_per_s": generated / max(seconds, 1e-9),
-        }
-        return [to_record(r, g, self.tokenizer, cfg.temperature) for r, g in zip(requests, results)]
+        return LocalGeneration([_generated(o.outputs[0]) for o in outputs])
 
-    def _params(self, req: Request, cfg: RolloutConfig):
-        from vllm import SamplingParams
+    def _params(self, req: Request, cfg: SamplingParams):
+        import vllm
 
         greedy = req.greedy or cfg.temperature == 0
-        return SamplingParams(
+        return vllm.SamplingParams(
             n=1,
             temperature=0.0 if greedy else cfg.temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k if cfg.top_k > 0 else -1,
             seed=derive_seed("rollout", cfg.seed, req.sample_id),
             max_tokens=cfg.max_new_tokens,
-            stop_token_ids=self.stop_ids,
+            stop_token_ids=sorted(self.stop_ids),
             logprobs=0,
             detokenize=False,
         )

@@ -5,17 +5,19 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rlx.engine.checkpoint import read_meta_or_default
-from rlx.engine.device import resolve_precision
-from rlx.engine.io import join
-from rlx.engine.parallel.dist import setup
+from rlx.engine.backends.registry import scoring_backend
+from rlx.engine.checkpoints.meta import CheckpointMeta
+from rlx.engine.checkpoints.registry import read_meta_or_default
+from rlx.engine.parallel.dist import context, setup
 from rlx.engine.records import read_rollouts, write_records
 from rlx.engine.rollout.prompts import pad_token_id
 from rlx.engine.scoring.config import ScoreConfig
 from rlx.engine.scoring.score import ScoringModels, check_token_ids, score_rollouts
 from rlx.engine.tracking import console, log_metrics
 from rlx.errors import UserError
-from rlx.models.loading import load_causal_lm, load_config, load_tokenizer, resolve_source
+from rlx.models.loading import load_config, load_tokenizer, resolve_source
+from rlx.utils.device import resolve_precision
+from rlx.utils.io import join
 
 
 def rollout_temperature(rollouts, override: float | None, where: str) -> float:
@@ -35,44 +37,38 @@ def rollout_temperature(rollouts, override: float | None, where: str) -> float:
 
 
 def load_scoring_models(cfg: ScoreConfig, actor: str, ref: str | None, critic: str | None) -> ScoringModels:
-    """The models `rlx score` needs, on the configured device."""
+    """The models `rlx score` needs; each runs on the backend that holds its checkpoint's layout (falling back to
+    the merged Hugging Face model where that backend cannot run here)."""
     from rlx.models.reward_model import RewardModel
-    from rlx.models.value import load_value_model
 
     ctx = setup(cfg.device)
-    device = ctx.device
-    dtype = resolve_precision(cfg.precision, device)
     actor_source = resolve_source(actor, "actor model")
     config = load_config(actor_source)
     models = ScoringModels(
-        device=device,
-        dtype=dtype,
+        dtype=resolve_precision(cfg.precision, ctx.device),
         vocab_size=config.vocab_size,
         pad_token_id=pad_token_id(load_tokenizer(actor_source)),
-        ctx=ctx,
     )
     if cfg.old_logprobs == "actor":
-        models.actor = _load(load_causal_lm, actor_source, cfg).to(device)
+        models.actor = _load(actor_source, "actor", cfg, ctx.world)
     if ref:
-        models.ref = _load(load_causal_lm, resolve_source(ref, "reference model"), cfg).to(device)
-        if models.ref.config.vocab_size != config.vocab_size:
-            raise UserError(
-                f"--ref {ref}: vocabulary of {models.ref.config.vocab_size} tokens, "
-                f"but the actor has {config.vocab_size}"
-            )
+        ref_source = resolve_source(ref, "reference model")
+        vocab = load_config(ref_source).vocab_size
+        if vocab != config.vocab_size:
+            raise UserError(f"--ref {ref}: vocabulary of {vocab} tokens, but the actor has {config.vocab_size}")
+        models.ref = _load(ref_source, "actor", cfg, ctx.world)
     if critic:
-        models.critic = _load(load_value_model, resolve_source(critic, "critic"), cfg, critic=True).to(device)
+        models.critic = _load(resolve_source(critic, "critic"), "critic", cfg, ctx.world)
     if cfg.reward_model:
-        models.reward_model = RewardModel(resolve_source(cfg.reward_model, "reward model"), device, dtype)
+        models.reward_model = RewardModel(resolve_source(cfg.reward_model, "reward model"), ctx.device, models.dtype)
     return models
 
 
-def _load(loader, source, cfg: ScoreConfig, critic: bool = False):
-    """A megatron-layout checkpoint runs on megatron-core (its tp x pp; data parallel over the other
-    processes) where installed; everything else loads as a Hugging Face model."""
-    from rlx.engine.megatron.stage import load_scoring_model
-
-    return load_scoring_model(source, cfg.device, critic) or loader(source)
+def _load(source, role: str, cfg: ScoreConfig, world: int):
+    """A scoring model of `source` on the backend that runs its layout here."""
+    meta = CheckpointMeta() if source.is_gguf else read_meta_or_default(source.path)
+    backend_cls, degrees = scoring_backend(meta, world, str(source.path))
+    return backend_cls.setup(cfg.device, degrees).load_scoring_model(source, role)
 
 
 def run_score(
@@ -95,7 +91,7 @@ def run_score(
             f"{rollouts_path}: every prompt's samples got the same reward, so --filter-groups left "
             f"nothing to train on; sample more prompts or more responses per prompt"
         )
-    if not models.ctx.is_main:
+    if not context().is_main:
         return
     result.batch.save(join(out, "batch.safetensors"))
     write_records(join(out, "scores.jsonl"), result.scores)

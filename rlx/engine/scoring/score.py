@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -12,7 +13,6 @@ from rlx.engine.algorithms.core import group_rows, masked_mean
 from rlx.engine.algorithms.kl import adaptive_kl_coef, kl_estimate
 from rlx.engine.algorithms.rollout_correction import mismatch_metrics
 from rlx.engine.batch import BatchMeta, TrainBatch, collate
-from rlx.engine.logprobs import batched_response_logprobs
 from rlx.engine.records import RolloutRecord, ScoreRecord
 from rlx.engine.scoring.config import ScoreConfig
 from rlx.engine.scoring.rewards import RewardFunctions
@@ -20,20 +20,30 @@ from rlx.engine.tracking import console
 from rlx.errors import UserError
 
 
+class Scorer(Protocol):
+    """A model as scoring uses it, whatever backend holds it (rlx.engine.logprobs.ModuleScorer, megatron stages)."""
+
+    def logprobs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype,
+                 micro_batch_size: int, impl: str = "auto", desc: str = "logprobs") -> torch.Tensor:  # fmt: skip
+        """Logprobs [B, R] float32 on the CPU, zero at masked positions, on every rank."""
+
+    def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int) -> torch.Tensor:
+        """Values [B, R] float32 on the CPU, zero at masked positions, on every rank."""
+
+
 @dataclass
 class ScoringModels:
     """The models scoring may use; each is optional except for what the settings need."""
 
-    device: torch.device
     dtype: torch.dtype
+    """Compute precision of the forward passes."""
     vocab_size: int
     pad_token_id: int
-    actor: object | None = None
-    ref: object | None = None
-    critic: object | None = None
+    actor: Scorer | None = None
+    """The policy that sampled (old logprobs); None takes the rollout's own logprobs."""
+    ref: Scorer | None = None
+    critic: Scorer | None = None
     reward_model: object | None = None
-    ctx: object | None = None
-    """The process's DistContext under a launcher: forward passes are split across ranks."""
 
 
 @dataclass
@@ -60,7 +70,10 @@ class Rewards:
 class ScoreResult:
     scores: list[ScoreRecord]
     batch: TrainBatch | None
+    """None when dynamic sampling left nothing to train on."""
     metrics: dict[str, float]
+    next_kl_coef: float | None = None
+    """The in-reward KL coefficient for the next step (fixed or adaptive control); None without the penalty."""
 
 
 def compute_rewards(rollouts: list[RolloutRecord], cfg: ScoreConfig, reward_model=None) -> Rewards:
@@ -80,7 +93,7 @@ def compute_rewards(rollouts: list[RolloutRecord], cfg: ScoreConfig, reward_mode
         scores.append(result.score), details.append(result.details), errors.append(result.error)
     out = Rewards(torch.tensor(scores, dtype=torch.float32), details, errors)
     if reward_model is not None:
-        rm = reward_model.score(rollouts, cfg.micro_batch_size)
+        rm = reward_model.score([(r.prompt, r.response) for r in rollouts], cfg.micro_batch_size)
         out.scores = out.scores + cfg.reward_model_weight * rm
         for d, value in zip(out.details, rm.tolist()):
             d["reward_model"] = {"score": value}
@@ -154,14 +167,14 @@ def score_rollouts(
     scores = _score_records(rollouts, rewards, set(kept) if cfg.filter_groups else None)
     if not kept:
         return ScoreResult(scores, None, metrics)
-    batch, batch_metrics = build_batch(
+    batch, batch_metrics, next_kl_coef = build_batch(
         [rollouts[i] for i in kept], rewards.select(kept), cfg, models, temperature, baselines
     )
     metrics.update(batch_metrics)
     seq_adv = batch.advantages.sum(-1) / batch.response_mask.sum(-1).clamp(min=1)
     by_id = {sid: float(a) for sid, a in zip(batch.meta.sample_ids, seq_adv.tolist())}
     scores = [dataclasses.replace(s, advantage=by_id.get(s.id, 0.0)) for s in scores]
-    return ScoreResult(scores, batch, metrics)
+    return ScoreResult(scores, batch, metrics, next_kl_coef)
 
 
 def build_batch(
@@ -171,42 +184,35 @@ def build_batch(
     models: ScoringModels,
     temperature: float,
     baselines: dict[str, float],
-) -> tuple[TrainBatch, dict]:
-    """Logprobs, values, KL-shaped token rewards and advantages for the rollouts that are trained on."""
+) -> tuple[TrainBatch, dict, float | None]:
+    """Logprobs, values, KL-shaped token rewards and advantages for the rollouts that are trained on; with an
+    in-reward KL penalty also the coefficient the next step uses (the controller's update)."""
     tensors = collate(rollouts, models.pad_token_id)
     mask = tensors["response_mask"]
-    forward = dict(
-        temperature=temperature,
-        device=models.device,
-        dtype=models.dtype,
-        micro_batch_size=cfg.micro_batch_size,
-        impl=cfg.logprob_impl,
-        ctx=models.ctx,
-    )
+    forward = dict(temperature=temperature, dtype=models.dtype, micro_batch_size=cfg.micro_batch_size,
+                   impl=cfg.logprob_impl)  # fmt: skip
     old = tensors["rollout_logprobs"].clone()
     if models.actor is not None:
-        old = batched_response_logprobs(models.actor, tensors, desc="old logprobs", **forward)
-    ref = batched_response_logprobs(models.ref, tensors, desc="ref logprobs", **forward) if models.ref else None
-    values = (
-        batched_values(models.critic, tensors, models.device, models.dtype, cfg.micro_batch_size, models.ctx)
-        if models.critic is not None
-        else None
-    )
+        old = models.actor.logprobs(tensors, desc="old logprobs", **forward)
+    ref = models.ref.logprobs(tensors, desc="ref logprobs", **forward) if models.ref else None
+    critic = models.critic
+    values = critic.values(tensors, models.dtype, cfg.micro_batch_size) if critic is not None else None
     token_rewards = torch.zeros_like(old)
     token_rewards[torch.arange(len(rollouts)), mask.sum(-1) - 1] = rewards.scores
     metrics = mismatch_metrics(old, tensors["rollout_logprobs"], mask)
+    next_kl_coef = None
     if ref is not None:
         kl = kl_estimate(old, ref, cfg.kl_estimator) * mask
         current_kl = masked_mean(kl, mask).item()
         metrics["actor/ref_kl"] = current_kl
         if cfg.kl_coef > 0:
             token_rewards = token_rewards - cfg.kl_coef * kl
-            metrics["actor/kl_coef"] = cfg.kl_coef
-            metrics["actor/kl_coef_next"] = (
+            next_kl_coef = (
                 cfg.kl_coef
                 if cfg.kl_ctrl == "fixed"
                 else adaptive_kl_coef(cfg.kl_coef, current_kl, cfg.kl_target, cfg.kl_horizon, len(rollouts))
             )
+            metrics.update({"actor/kl_coef": cfg.kl_coef, "actor/kl_coef_next": next_kl_coef})
     group_ids = [r.prompt_id for r in rollouts]
     _warn_singletons(cfg, group_ids)
     inputs = AdvantageInputs(
@@ -244,27 +250,7 @@ def build_batch(
         **tensors,
     )
     metrics.update(batch_metrics(rollouts, batch))
-    return batch, metrics
-
-
-@torch.no_grad()
-def batched_values(
-    critic, tensors: dict[str, torch.Tensor], device, dtype, micro_batch_size: int, ctx=None
-) -> torch.Tensor:
-    """Critic values [B, R] (float32, CPU, zero at masked positions) in micro-batches (split across ranks)."""
-    from rlx.engine.logprobs import sharded_forward
-    from rlx.models.value import response_values
-
-    keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
-
-    def forward(part):
-        part = {k: part[k].to(device) for k in keys}
-        return (response_values(critic, **part, dtype=dtype) * part["response_mask"]).cpu()
-
-    if getattr(critic, "is_megatron", False):
-        return critic.batched(tensors, 1.0, dtype, micro_batch_size)
-    critic.eval()
-    return sharded_forward(forward, {k: tensors[k] for k in keys}, micro_batch_size, ctx, "values")
+    return batch, metrics, next_kl_coef
 
 
 def _warn_singletons(cfg: ScoreConfig, group_ids: list[str]) -> None:

@@ -10,8 +10,8 @@ from rlx.engine.algorithms.kl import kl_estimate
 from rlx.engine.algorithms.losses import LossNorm, PolicyLossParams, aggregate, compute_policy_loss
 from rlx.engine.algorithms.rollout_correction import RolloutCorrection, correct
 from rlx.engine.batch import TrainBatch
-from rlx.engine.logprobs import packed_response_logprobs, response_logprobs
-from rlx.engine.training.trainer import MODEL_INPUTS, Trainer
+from rlx.engine.logprobs import MODEL_INPUTS, packed_response_logprobs, response_logprobs
+from rlx.engine.training.trainer import Trainer
 from rlx.errors import UserError
 
 

@@ -26,7 +26,7 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW (beta1, beta2)."""
     eps: float = 1e-8
-    """AdamW epsilon."""
+    """AdamW epsilon, added to the denominator for numerical stability."""
     epochs: int = 1
     """Passes over the batch per train step (PPO epochs)."""
     mini_batch_size: int = 0

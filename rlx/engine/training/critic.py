@@ -7,9 +7,9 @@ import torch
 from rlx.engine.algorithms.core import masked_sum
 from rlx.engine.algorithms.losses import LossNorm, value_loss
 from rlx.engine.batch import TrainBatch
-from rlx.engine.training.trainer import MODEL_INPUTS, Trainer
+from rlx.engine.logprobs import MODEL_INPUTS, packed_response_values, response_values
+from rlx.engine.training.trainer import Trainer
 from rlx.errors import UserError
-from rlx.models.value import packed_response_values, response_values
 
 
 class CriticTrainer(Trainer):

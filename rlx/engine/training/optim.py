@@ -25,11 +25,6 @@ def build_adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
-def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded model state on CPU (on rank 0 only when sharded; other ranks get {})."""
-    return get_model_state_dict(model, options=_FULL)
-
-
 def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Optimizer state keyed '<param name>::<state key>' (e.g. 'model.norm.weight::exp_avg'), unsharded
     (on rank 0 only when sharded)."""
@@ -60,3 +55,17 @@ def load_optimizer_tensors(
     set_optimizer_state_dict(
         model, optimizer, {"state": state, "param_groups": groups}, options=StateDictOptions(full_state_dict=True)
     )
+
+
+def sharded_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's shards of the model state (DTensors under FSDP, plain tensors otherwise)."""
+    return dict(get_model_state_dict(model))
+
+
+def sharded_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's shards of the optimizer state, flattened to '<param>::<state key>'."""
+    out = {}
+    for name, entries in get_optimizer_state_dict(model, optimizer).get("state", {}).items():
+        for key, value in entries.items():
+            out[f"{name}{_SEP}{key}"] = value if torch.is_tensor(value) else torch.tensor(value, dtype=torch.float32)
+    return out

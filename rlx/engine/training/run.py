@@ -1,28 +1,24 @@
-"""The train-step stage as `rlx train-step` runs it: checkpoint + batch -> next checkpoint + metrics."""
+"""The train-step stage as `rlx train-step` runs it: checkpoint + batch -> next checkpoint + metrics.
+
+The checkpoint's layout names the backend that trains it in place (checkpoints/registry.py, backends/registry.py);
+the next checkpoint is written in the same layout.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from rlx.engine.backends.registry import backend_for_checkpoint, checkpoint_degrees
 from rlx.engine.batch import TrainBatch
-from rlx.engine.checkpoint import (
-    CheckpointMeta,
-    load_optimizer_state,
-    provenance,
-    read_meta_or_default,
-    save_checkpoint,
-)
-from rlx.engine.device import resolve_precision
-from rlx.engine.io import exists
-from rlx.engine.parallel.dcp import save_dcp_checkpoint, sharded_model_state, sharded_optimizer_state
-from rlx.engine.parallel.dist import barrier, setup
+from rlx.engine.checkpoints.files import aux_files
+from rlx.engine.checkpoints.meta import CheckpointMeta, is_checkpoint, provenance
+from rlx.engine.checkpoints.registry import check_complete, save
+from rlx.engine.parallel.dist import barrier
 from rlx.engine.tracking import console, log_metrics
-from rlx.engine.training.actor import ActorTrainer
 from rlx.engine.training.config import TrainConfig
-from rlx.engine.training.critic import CriticTrainer
 from rlx.errors import UserError
-from rlx.models.loading import resolve_source, tied_keys
-from rlx.models.policy import load_trained_policy, model_weights
+from rlx.models.loading import resolve_source
+from rlx.utils.io import exists
 
 
 def run_train_step(
@@ -41,56 +37,28 @@ def run_train_step(
     if exists(out) and not overwrite:
         raise UserError(f"{out}: already exists (choose another --out or pass --overwrite)")
     batch = TrainBatch.load(batch_path)
-    meta = read_meta_or_default(source.path)
-    if meta.layout == "megatron":
-        from rlx.engine.megatron.run import megatron_train_step
-
-        metrics, next_meta, ctx = megatron_train_step(cfg, source, meta, batch, batch_path, out, overwrite)
-        _report(cfg, ctx, metrics, next_meta, metrics_path, out)
-        return metrics
-    ctx = setup(cfg.device, cfg.sp_degree)
-    model, _, aux = load_trained_policy(source, role=cfg.role)
-    trainer_cls = CriticTrainer if cfg.role == "critic" else ActorTrainer
-    trainer = trainer_cls(model, cfg, ctx.device, resolve_precision(cfg.precision, ctx.device), ctx)
+    meta = check_complete(source.path) if is_checkpoint(source.path) else CheckpointMeta()
+    backend = backend_for_checkpoint(meta).setup(cfg.device, checkpoint_degrees(meta, cfg.sp_degree))
+    trainer = backend.load_trainer(cfg, source)
     trainer.check_batch(batch, batch_path)
-    trainer.load_optimizer_state(load_optimizer_state(source.path), checkpoint)
     metrics = trainer.train_step(batch, meta.step)
     next_meta = CheckpointMeta(
         step=meta.step + 1,
         layout=meta.layout,
+        tp_degree=meta.tp_degree,
+        pp_degree=meta.pp_degree,
         data_position=meta.data_position,
         optimizer=trainer.optimizer_meta(),
         provenance=provenance("rlx train-step", checkpoint, batch=str(batch_path)),
     )
-    if meta.layout == "fsdp":  # each rank writes its own shards
-        save_dcp_checkpoint(
-            out,
-            sharded_model_state(trainer.model, tied_keys(trainer.model)),
-            aux,
-            next_meta,
-            ctx,
-            sharded_optimizer_state(trainer.model, trainer.optimizer),
-            overwrite=overwrite,
-        )
-    else:
-        weights, optimizer_state = model_weights(trainer.model), trainer.optimizer_state()  # gathered on rank 0
-        if ctx.is_main:
-            save_checkpoint(
-                out, weights=weights, aux=aux, meta=next_meta, optimizer_state=optimizer_state, overwrite=overwrite
-            )
-    _report(cfg, ctx, metrics, next_meta, metrics_path, out)
-    return metrics
-
-
-def _report(cfg: TrainConfig, ctx, metrics: dict, next_meta: CheckpointMeta, metrics_path, out: str) -> None:
-    """The metrics line and the console summary (rank 0), then wait for every rank."""
-    if ctx.is_main:
+    save(out, trainer, aux_files(source.path), next_meta, overwrite=overwrite)
+    if trainer.is_main:
         log_metrics(metrics_path, next_meta.step, metrics)
-        role = cfg.role
-        loss = metrics.get(f"{role}/loss", metrics.get(f"{role}/vf_loss", float("nan")))
+        loss = metrics.get(f"{cfg.role}/loss", metrics.get(f"{cfg.role}/vf_loss", float("nan")))
         console(
-            f"rlx train-step: {role} step {next_meta.step}, loss {loss:.4f}, "
-            f"grad norm {metrics[f'{role}/grad_norm']:.3f} -> {out}"
-            + (f" ({ctx.world} processes)" if ctx.distributed else "")
+            f"rlx train-step: {cfg.role} step {next_meta.step}, loss {loss:.4f}, "
+            f"grad norm {metrics[f'{cfg.role}/grad_norm']:.3f} -> {out}"
+            + (f" ({trainer.world} processes)" if backend.ctx.distributed else "")
         )
     barrier()
+    return metrics

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as torch_dist
@@ -21,17 +22,23 @@ from tqdm import tqdm
 
 from rlx.engine.algorithms.losses import LossNorm
 from rlx.engine.batch import TrainBatch
-from rlx.engine.device import derive_seed
-from rlx.engine.logprobs import PackedRows
+from rlx.engine.checkpoints.base import LocalState
+from rlx.engine.logprobs import ModuleScorer, PackedRows
+from rlx.engine.parallel.apply import ParallelPlan, apply_parallelism
 from rlx.engine.parallel.batching import balanced_partition, count_micro_batches, token_budget_micro_batches
 from rlx.engine.parallel.dist import DistContext, all_reduce
-from rlx.engine.parallel.fsdp import activation_offload, apply_fsdp, decoder_layers, full_tensor
-from rlx.engine.parallel.ulysses import enable_ulysses_attention, validate_sp
+from rlx.engine.parallel.fsdp import activation_offload, full_tensor, gathered_weights, model_weights
 from rlx.engine.training.config import TrainConfig
-from rlx.engine.training.optim import build_adamw, load_optimizer_tensors, optimizer_tensors
+from rlx.engine.training.optim import (
+    build_adamw,
+    load_optimizer_tensors,
+    optimizer_tensors,
+    sharded_model_state,
+    sharded_optimizer_state,
+)
 from rlx.errors import UserError
-
-MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+from rlx.models.loading import tied_keys
+from rlx.utils.device import derive_seed
 
 
 def row_tokens(batch: TrainBatch) -> list[int]:
@@ -56,28 +63,59 @@ class Trainer:
     ):
         self.cfg, self.device = cfg, device
         self.ctx = ctx or DistContext(device=device)
-        if cfg.param_offload and not self.ctx.distributed:
-            raise UserError("param_offload needs FSDP: launch with torchrun (--nproc_per_node 1 is fine)")
-        self.model = model.to(device)
-        if self.ctx.sp_size > 1 and not cfg.use_packing:
-            raise UserError(f"sequence parallelism (sp_degree {self.ctx.sp_size}) needs use_packing ({self.role})")
-        if cfg.use_packing:  # packed rows attend per sample; under sequence parallelism, around all-to-alls
-            validate_sp(model.config, self.ctx.sp_size)
-            enable_ulysses_attention(self.model)
-        self.sp_group = self.ctx.sp_group if self.ctx.sp_size > 1 else None
-        if cfg.compile:  # the forward only: FSDP's and checkpointing's hooks stay outside the compiled code
-            for layer in decoder_layers(self.model):
-                layer.forward = torch.compile(layer.forward, dynamic=True)
-        if self.ctx.distributed:
-            apply_fsdp(self.model, self.ctx, dtype, cfg.param_offload, cfg.gradient_checkpointing)
-            self.dtype = torch.float32  # FSDP's mixed precision casts the parameters; no autocast on top
-            self.gradient_scale = float(self.ctx.world)  # FSDP averages over ranks; the losses are global sums
-        else:
-            if cfg.gradient_checkpointing:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.dtype = dtype
-            self.gradient_scale = 1.0
+        plan = ParallelPlan(
+            packed_attention=cfg.use_packing,
+            compile=cfg.compile,
+            activation_checkpointing=cfg.gradient_checkpointing,
+            param_dtype=dtype,
+            offload=cfg.param_offload,
+        )
+        self.model = apply_parallelism(model, self.ctx, plan, self.role)
+        self.sp_group = self.ctx.sp_group if self.ctx.sp_degree > 1 else None
+        # FSDP's mixed precision casts the parameters (no autocast on top) and averages gradients over ranks
+        # while the losses are global sums: each rank's loss is scaled by the world size
+        self.dtype = torch.float32 if self.ctx.distributed else dtype
+        self.gradient_scale = float(self.ctx.world) if self.ctx.distributed else 1.0
         self.optimizer = build_adamw(self.model, cfg)
+
+    # --- what checkpoints, scoring and rollouts take from a trainer -----------------------------------
+
+    @property
+    def config(self):
+        """The model's Hugging Face config."""
+        return self.model.config
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.is_main
+
+    @property
+    def world(self) -> int:
+        return self.ctx.world
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The live (possibly FSDP-sharded) module: rollout engines may generate with it directly."""
+        return self.model
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return model_weights(self.model)
+
+    def full_optimizer_state(self) -> dict[str, torch.Tensor]:
+        return self.optimizer_state()
+
+    def local_state(self) -> LocalState:
+        """This rank's shards: DTensors under FSDP (whole tensors in a lone process)."""
+        tied = tied_keys(self.model)
+        weights = {k: v for k, v in sharded_model_state(self.model).items() if k not in tied}
+        return LocalState("dtensor", weights, sharded_optimizer_state(self.model, self.optimizer))
+
+    def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        return gathered_weights(self.model, bucket_bytes)
+
+    def scoring_model(self) -> ModuleScorer:
+        """The trained module as scoring uses it (old logprobs or values; no copy)."""
+        return ModuleScorer(self.model, self.ctx)
 
     def load_optimizer_state(self, tensors: dict[str, torch.Tensor] | None, where: str) -> None:
         if tensors:
@@ -235,7 +273,7 @@ class Trainer:
 
     def packed_rows(self, part: TrainBatch) -> PackedRows:
         """The micro-batch as one packed row (this rank's sequence slice), indexed on the CPU, then moved."""
-        rank, size = (self.ctx.sp_rank, self.ctx.sp_size) if self.sp_group is not None else (0, 1)
+        rank, size = (self.ctx.sp_rank, self.ctx.sp_degree) if self.sp_group is not None else (0, 1)
         rows = PackedRows.build(part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask, rank, size)
         return rows.to(self.device)
 

@@ -3,8 +3,9 @@
 The cache is `num_blocks` blocks of `block_size` token slots per layer. A sequence holds a list of
 block ids (its block table); slot `i` of the sequence is `table[i // block_size] * block_size +
 i % block_size`. Full blocks of prompt tokens are shared between sequences with the same prefix (the N
-samples of one prompt): a block is found by a hash chained over the token ids of every block up to it,
-and reference-counted. Block 0 is never handed out: padded entries of a batch write there.
+samples of one prompt): a cached block is found by its key (the block before it, its own token ids), which a
+dict compares exactly on every hit (a hash collision can never share another prompt's keys and values), and
+blocks are reference-counted. Block 0 is never handed out: padded entries of a batch write there.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free: deque[int] = deque(range(1, num_blocks))  # block 0: scratch for padded batch entries
         self.refs = [0] * num_blocks
-        self.by_hash: dict[int, int] = {}
-        self.hash_of: dict[int, int] = {}
+        self.cached: dict[tuple[int, tuple[int, ...]], int] = {}
+        """(previous block id or -1, this block's token ids) -> block id, for full prompt blocks."""
+        self.key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
 
     @property
     def num_free(self) -> int:
@@ -71,20 +73,21 @@ class BlockManager:
         assert not seq.block_table, "sequence already holds blocks"
         tokens, size = seq.token_ids, self.block_size
         shareable = (len(tokens) - 1) // size  # full blocks before the last token
-        prefix_hash, sharing = 0, True
+        previous, sharing = -1, True
         for b in range(-(-len(tokens) // size)):
-            block_tokens = tuple(tokens[b * size : (b + 1) * size])
             if b < shareable:
-                prefix_hash = hash((prefix_hash, block_tokens))
-                found = self.by_hash.get(prefix_hash) if sharing else None
+                key = (previous, tuple(tokens[b * size : (b + 1) * size]))  # a chain: equal keys, equal prefixes
+                found = self.cached.get(key) if sharing else None
                 if found is not None:
                     self.refs[found] += 1
                     seq.block_table.append(found)
                     seq.num_computed += size
+                    previous = found
                     continue
                 sharing = False
                 block = self._take()
-                self.by_hash[prefix_hash], self.hash_of[block] = block, prefix_hash
+                self.cached[key], self.key_of[block] = block, key
+                previous = block
             else:
                 block = self._take()
             seq.block_table.append(block)
@@ -104,9 +107,9 @@ class BlockManager:
         for block in seq.block_table:
             self.refs[block] -= 1
             if self.refs[block] == 0:
-                digest = self.hash_of.pop(block, None)
-                if digest is not None and self.by_hash.get(digest) == block:
-                    del self.by_hash[digest]
+                key = self.key_of.pop(block, None)
+                if key is not None and self.cached.get(key) == block:
+                    del self.cached[key]
                 self.free.append(block)
         seq.block_table = []
         seq.num_computed = 0

@@ -13,46 +13,40 @@ Host and device overlap (as vLLM's async scheduling): after a decode step is que
 is planned from lengths alone and queued before the host reads the first one's tokens (its input tokens are
 gathered on the device), so the device computes step t+1 while the host does step t's bookkeeping. A
 sequence that stopped at step t (EOS) then has one extra token computed at t+1, which is discarded. Prefill
-steps, preemption and a due prefill go through the synchronous path. RLX_NATIVE_OVERLAP=0 turns it off.
+steps, preemption and a due prefill go through the synchronous path. rollout.overlap = false turns it off.
 """
 
 from __future__ import annotations
-
-import os
-import time
 
 import torch
 from torch.profiler import record_function
 from tqdm import tqdm
 
-from rlx.engine.parallel.dist import all_gather_objects, shard_range
-from rlx.engine.records import PromptRecord, RolloutRecord
-from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.base import LocalGeneration, RolloutEngine, WeightSource
+from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.native.blocks import BlockManager, Sequence, Status
 from rlx.engine.rollout.native.replica import build_replica, fill_replica, is_sharded
 from rlx.engine.rollout.native.runner import ModelRunner
 from rlx.engine.rollout.native.sampler import Launched, StepSampler
 from rlx.engine.rollout.native.scheduler import Scheduler
-from rlx.engine.rollout.prompts import stop_token_ids
-from rlx.engine.rollout.requests import Generated, build_requests, to_record
+from rlx.engine.rollout.requests import Generated, Request
 from rlx.engine.rollout.sampling import sample_uniforms
 from rlx.errors import UserError
 
 _GIB = 1 << 30
 
 
-class NativeRolloutEngine:
+class NativeRolloutEngine(RolloutEngine):
     """Generates with `model` itself (no copy of its weights; an FSDP-sharded model through a replica gathered
-    from its shards at each `generate`, see replica.py) through a paged KV cache."""
+    from its shards, see replica.py) through a paged KV cache."""
 
-    def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, cfg: RolloutConfig, ctx=None):
-        self.model, self.tokenizer, self.device, self.dtype, self.cfg = model, tokenizer, device, dtype, cfg
-        self.sharded = is_sharded(model)  # FSDP: generate with a replica gathered from the shards (replica.py)
+    name = "native"
+
+    def __init__(self, model, tokenizer, cfg, ctx):
+        super().__init__(model.to(ctx.device), tokenizer, cfg, ctx)
+        self.sharded = is_sharded(self.model)  # FSDP: generate with a replica gathered from the shards
         self._replica: torch.nn.Module | None = None
-        self.ctx = ctx if ctx is not None and ctx.distributed else None
-        self.stop_ids = stop_token_ids(model, tokenizer)
         self.block_size = cfg.block_size
-        self.last_stats: dict[str, float] = {}
         self._runner: ModelRunner | None = None
         self._num_ahead = 0
 
@@ -70,6 +64,13 @@ class NativeRolloutEngine:
             torch.cuda.empty_cache()
         return float(freed)
 
+    def update_weights(self, source: WeightSource) -> float:
+        """The live module needs nothing (a sharded one is gathered into the replica before the next rollout);
+        other weights are copied into the engine's model in place."""
+        if source.module is self.model:
+            return 0.0
+        return super().update_weights(source)
+
     def _free_runner(self) -> None:
         if self._runner is not None:
             self._runner = None
@@ -84,13 +85,6 @@ class NativeRolloutEngine:
             self._replica = build_replica(self.model, self.device, self.dtype)
         fill_replica(self._replica, self.model)
         return self._replica
-
-    def wake(self, model=None, path=None) -> float:
-        """Nothing to refresh: the engine generates with the trainer's own module (or gathers its shards)."""
-        return 0.0
-
-    def close(self) -> None:
-        """Nothing to shut down."""
 
     def _num_blocks(self, seqs: list[Sequence]) -> int:
         """On CUDA, what the memory budget allows (kept across calls); elsewhere blocks for every sequence
@@ -118,56 +112,41 @@ class NativeRolloutEngine:
             )
         return int(budget // per_block)
 
-    def generate(self, prompts: list[PromptRecord], cfg: RolloutConfig, progress: bool = True) -> list[RolloutRecord]:
-        """N responses per prompt, in prompt order then sample order."""
-        requests = build_requests(prompts, self.tokenizer, cfg)
-        local = shard_range(len(requests), self.ctx.rank, self.ctx.world) if self.ctx else range(len(requests))
-        mine = [requests[i] for i in local]
-        uniforms = sample_uniforms(cfg.seed, [r.sample_id for r in mine], cfg.max_new_tokens)
+    def generate_local(self, requests: list[Request], sampling: SamplingParams, progress: bool) -> LocalGeneration:
+        """This process's requests, continuously batched through the paged cache at the process's own pace."""
+        uniforms = sample_uniforms(sampling.seed, [r.sample_id for r in requests], sampling.max_new_tokens)
         seqs = [
-            Sequence(i, r.prompt_ids, cfg.max_new_tokens, greedy=r.greedy or cfg.temperature == 0)
-            for i, r in enumerate(mine)
+            Sequence(i, r.prompt_ids, sampling.max_new_tokens, greedy=r.greedy or sampling.temperature == 0)
+            for i, r in enumerate(requests)
         ]
-        start = time.perf_counter()
         module = self._generating_module()  # before the cache is sized from the free memory
         was_training = module.training
         module.eval()
-        runner = self._runner_for(module, seqs, cfg)
-        blocks = runner.blocks
-        scheduler = Scheduler(blocks, cfg.max_num_seqs, cfg.max_prefill_tokens)
+        runner = self._runner_for(module, seqs)
+        scheduler = Scheduler(runner.blocks, self.cfg.max_num_seqs, self.cfg.max_prefill_tokens)
         for seq in seqs:
             try:
                 scheduler.add(seq)
             except ValueError as e:
-                raise UserError(f"request {mine[seq.index].sample_id}: {e}; raise rollout.kv_cache_gib") from None
+                raise UserError(f"request {requests[seq.index].sample_id}: {e}; raise rollout.kv_cache_gib") from None
         show = progress and (self.ctx is None or self.ctx.is_main)
         bar = tqdm(total=len(seqs), desc="rollout", unit="seq", disable=None if show else True, leave=False)
         self._num_ahead = 0
         try:
-            self._run_steps(runner, scheduler, StepSampler(uniforms, cfg, self.device), bar)
+            sampler = StepSampler(uniforms, sampling, self.cfg.max_num_seqs, self.device)
+            self._run_steps(runner, scheduler, sampler, bar)
         finally:
             bar.close()
             module.train(was_training)
-        results = [Generated(s.output_ids, s.logprobs, s.finish_reason) for s in seqs]
-        generated = sum(len(s.output_ids) for s in seqs)
-        if self.ctx:
-            results = [g for part in all_gather_objects(results) for g in part]
-            generated = sum(len(g.response_ids) for g in results)
-        seconds = time.perf_counter() - start
-        self.last_stats = {
-            "rollout/tokens": float(generated),
-            "timing/generate_s": seconds,
-            "perf/rollout_tokens_per_s": generated / max(seconds, 1e-9),
-            "rollout/preemptions": float(scheduler.preemptions),
-            "rollout/steps_ahead": float(self._num_ahead),
-        }
-        return [to_record(r, g, self.tokenizer, cfg.temperature) for r, g in zip(requests, results)]
+        generated = [Generated(s.output_ids, s.logprobs, s.finish_reason) for s in seqs]
+        return LocalGeneration(generated, preemptions=scheduler.preemptions, steps_ahead=self._num_ahead)
 
-    def _runner_for(self, module: torch.nn.Module, seqs: list[Sequence], cfg: RolloutConfig) -> ModelRunner:
+    def _runner_for(self, module: torch.nn.Module, seqs: list[Sequence]) -> ModelRunner:
         """The KV cache (and decode graphs) of the last call when they fit these sequences, else new ones;
         the block manager always starts empty."""
         longest = max((len(s.prompt_ids) + s.max_tokens for s in seqs), default=1)
         width = -(-longest // self.block_size)
+        cfg = self.cfg
         graphs = cfg.max_num_seqs if cfg.cuda_graphs else 0
         old = self._runner
         budget_sized = self.device.type == "cuda" and not self.cfg.kv_cache_gib
@@ -182,13 +161,15 @@ class NativeRolloutEngine:
             return old
         self._free_runner()  # free the old cache before measuring the memory for the new one
         blocks = BlockManager(self._num_blocks(seqs), self.block_size)
-        self._runner = ModelRunner(module, self.device, self.dtype, blocks, width, graphs)
+        self._runner = ModelRunner(
+            module, self.device, self.dtype, blocks, width, graphs, cfg.compile, cfg.paged_attention
+        )
         return self._runner
 
     def _run_steps(self, runner: ModelRunner, scheduler: Scheduler, sampler: StepSampler, bar) -> None:
         """Run steps until every sequence finished; a decode step's successor is queued before its tokens are
         read where the scheduler can plan it from lengths alone."""
-        overlap = os.environ.get("RLX_NATIVE_OVERLAP", "1") != "0"
+        overlap = self.cfg.overlap
         inflight: Launched | None = None
         while inflight is not None or not scheduler.done:
             launched = None

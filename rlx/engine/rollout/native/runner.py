@@ -7,7 +7,7 @@ slots of their sequences and attends over each sequence's blocks: a padded batch
 for prefill (the new tokens after any cached prefix), the paged decode kernel for decode (with the cache
 write, as the custom op `rlx::paged_decode`). The model's own modules and weights do everything else, so
 the trainer's module can generate directly; on CUDA its decoder layers run under torch.compile inside the
-decode CUDA graphs (RLX_NATIVE_COMPILE=0: eager), and each step's inputs go in one pinned-buffer copy.
+decode CUDA graphs (rollout.compile = false: eager), and each step's inputs go in one pinned-buffer copy.
 A decode step can run one token ahead of the host (`prev`): each sequence's input token is then gathered on
 the device from the previous step's sampled tokens, which the host has not read yet.
 """
@@ -17,17 +17,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from rlx.engine.device import autocast
 from rlx.engine.rollout.native.blocks import BlockManager, Sequence
 from rlx.engine.rollout.native.inputs import DecodeStaging, last_token
 from rlx.kernels.paged_attention import paged_decode_attention, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
+from rlx.utils.device import autocast
 
 PAGED_ATTENTION = "rlx_paged"
 _log = logging.getLogger(__name__)
@@ -56,6 +55,8 @@ class PagedContext:
     k_cache: torch.Tensor | None = None
     """This layer's key cache (set by `for_layer`: a compiled layer then sees tensors, not a layer index)."""
     v_cache: torch.Tensor | None = None
+    impl: str = "auto"
+    """The paged decode kernel: 'auto' (Triton on CUDA), 'torch' or 'triton'."""
 
     def for_layer(self, index: int) -> PagedContext:
         return dataclasses.replace(self, k_cache=self.kv[index][0], v_cache=self.kv[index][1])
@@ -65,15 +66,17 @@ class PagedContext:
     "rlx::paged_decode",
     mutates_args=("k_cache", "v_cache"),
     schema="(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-    "Tensor block_tables, Tensor context_lens, float scale) -> Tensor",
+    "Tensor block_tables, Tensor context_lens, float scale, str impl) -> Tensor",
 )
-def paged_decode(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale):
+def paged_decode(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale, impl):
     """Write the step's keys/values, then decode attention: one opaque op, so torch.compile fuses around it."""
-    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, (k, v, slot_mapping))
+    return paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, scale, (k, v, slot_mapping), impl=impl
+    )
 
 
 @paged_decode.register_fake
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale):
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale, impl):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -104,6 +107,7 @@ def paged_attention_forward(
             paged.block_tables,
             paged.context_lens,
             float(scaling if scaling is not None else q.shape[-1] ** -0.5),
+            paged.impl,
         )
     else:
         write_kv(k_cache, v_cache, paged.slot_mapping, k, v)
@@ -165,10 +169,13 @@ class ModelRunner:
 
     def __init__(
         self, model, device: torch.device, dtype: torch.dtype, blocks: BlockManager, max_blocks_per_seq: int,
-        max_batch: int = 0,
+        max_batch: int = 0, compile: bool = True, attention: str = "auto",
     ):  # fmt: skip
+        """`max_batch`: capture decode CUDA graphs up to this batch size (0: none); `compile`: torch.compile the
+        layers inside them; `attention`: the paged decode kernel ('auto', 'torch', 'triton')."""
         config = model.config
         self.model, self.device, self.dtype, self.blocks = model, device, dtype, blocks
+        self.attention, self.use_compile = attention, compile
         self.max_blocks, self.max_batch = max_blocks_per_seq, max_batch
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -215,7 +222,9 @@ class ModelRunner:
     def _graph_args(self, b: int):
         """The decode inputs of batch size b as views of the graph's buffers (the int32 copy is captured)."""
         meta = self.g_meta
-        ctx = PagedContext(self.kv, meta[2, :b], self.g_tables[:b], meta[3, :b].to(torch.int32), decode=True)
+        ctx = PagedContext(
+            self.kv, meta[2, :b], self.g_tables[:b], meta[3, :b].to(torch.int32), decode=True, impl=self.attention
+        )
         return meta[0:1, :b], meta[1:2, :b], ctx, self.g_keep[:b]
 
     @torch.no_grad()
@@ -230,7 +239,7 @@ class ModelRunner:
         self.g_meta[3].fill_(1)  # padded entries: token 0 at position 0, written to slot 0 (scratch)
         self.g_tables = torch.zeros(top, self.max_blocks, dtype=torch.int32, device=dev)
         self.g_keep = torch.arange(top, device=dev)
-        self.compiled = os.environ.get("RLX_NATIVE_COMPILE", "1") != "0"
+        self.compiled = self.use_compile
         pool = None
         for b in reversed(self.sizes):
             self._warm_up(b)
@@ -290,6 +299,7 @@ class ModelRunner:
             q_rows=torch.tensor(q_rows).to(self.device),
             q_cols=torch.tensor(q_cols).to(self.device),
             max_query_len=int(query_lens.max()),
+            impl=self.attention,
         )
         key_pos = torch.arange(width * self.blocks.block_size)
         query_pos = (context - query_lens).unsqueeze(1) + torch.arange(ctx.max_query_len)  # [B, Qmax]
@@ -326,6 +336,7 @@ class ModelRunner:
             tables.to(self.device),
             torch.tensor([p + 1 for p in positions], dtype=torch.int32).to(self.device),
             decode=True,
+            impl=self.attention,
         )
         if prev is None:
             ids = torch.tensor([[last_token(s) for s in seqs]]).to(self.device)

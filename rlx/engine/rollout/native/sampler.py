@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.native.blocks import Sequence
 from rlx.engine.rollout.native.inputs import PinnedPair
 from rlx.engine.rollout.sampling import sample_next
@@ -36,10 +36,10 @@ class Launched:
 class StepSampler:
     """Launches the sampling of steps and collects their results, for one `generate` call."""
 
-    def __init__(self, uniforms: torch.Tensor, cfg: RolloutConfig, device: torch.device):
+    def __init__(self, uniforms: torch.Tensor, sampling: SamplingParams, max_num_seqs: int, device: torch.device):
         self.uniforms = uniforms.to(device)  # [num_seqs, max_new_tokens] float64
-        self.cfg, self.device = cfg, device
-        rows = max(cfg.max_num_seqs, 1)
+        self.cfg, self.device = sampling, device
+        rows = max(max_num_seqs, 1)
         self.inputs = PinnedPair(3 * rows, torch.long, device)
         self.outputs = PinnedPair(2 * rows, torch.float64, device)
 

@@ -9,14 +9,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
-from typing import Literal
 
 import torch
 
 from rlx.errors import UserError
-
-DeviceName = Literal["auto", "cpu", "cuda", "npu"]
-Precision = Literal["auto", "float32", "bfloat16"]
 
 
 def _npu_available() -> bool:

@@ -1,42 +1,28 @@
-"""`rlx shard` / `rlx merge`: HF dir or GGUF <-> rlx checkpoint dir ('single', 'fsdp' or 'megatron' layout).
+"""`rlx shard` / `rlx merge`: HF dir or GGUF <-> rlx checkpoint dir, in any registered layout.
 
-Weights of an HF dir are copied tensor by tensor as stored (dtype kept; the 'megatron' layout slices
-them per tensor x pipeline rank), so shard followed by merge gives back bit-identical tensors and
-byte-identical config and tokenizer files.
+Weights of an HF dir are copied tensor by tensor as stored (dtype kept; a sharded layout cuts them into its
+shards), so shard followed by merge gives back bit-identical tensors and byte-identical config and tokenizer
+files.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import torch
 
-from rlx.engine.checkpoint import (
-    LAYOUTS,
-    CheckpointMeta,
-    aux_files,
-    is_checkpoint,
-    provenance,
-    read_full_checkpoint_weights,
-    save_checkpoint,
-    write_weights,
-)
-from rlx.engine.io import atomic_dir, is_remote
-from rlx.engine.parallel.dcp import save_dcp_checkpoint
-from rlx.engine.parallel.dist import DistContext
+from rlx.engine.checkpoints.base import ShardOptions
+from rlx.engine.checkpoints.files import aux_files, write_aux, write_weights
+from rlx.engine.checkpoints.loading import build_critic_files, load_initial_policy
+from rlx.engine.checkpoints.meta import CheckpointMeta, is_checkpoint, provenance
+from rlx.engine.checkpoints.registry import get_layout, read_full_weights, read_meta
+from rlx.engine.parallel.fsdp import model_weights
 from rlx.engine.tracking import console
 from rlx.errors import UserError
-from rlx.models.loading import (
-    ModelSource,
-    build_empty_model,
-    check_weights_match,
-    load_config,
-    resolve_source,
-)
-from rlx.models.policy import build_critic_files, load_initial_policy, model_weights
+from rlx.models.loading import ModelSource, build_empty_model, check_weights_match, load_config, resolve_source
 from rlx.models.value import is_value_config
+from rlx.utils.io import atomic_dir, is_remote
 
 DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,37 +54,13 @@ def _source_files(source: ModelSource, init: str, seed: int, role: str):
     if role == "actor" and from_value_model:
         raise UserError(f"{source.path}: this is a value model; shard it with --role critic")
     if init == "pretrained" and not source.is_gguf and (role == "actor" or from_value_model):
-        weights = read_full_checkpoint_weights(source.path)
+        weights = read_full_weights(source.path)
         check_weights_match(build_empty_model(config), weights, source.path)
         return weights, aux_files(source.path), config
     model, tokenizer, aux = load_initial_policy(source.path, init, seed)
     if role == "critic":
         model, aux = build_critic_files(model, tokenizer, seed)
     return model_weights(model), aux, model.config
-
-
-def _name_architecture(config, aux: dict[str, bytes]):
-    """(config, aux) with `architectures` set: GGUF configs name none, and the megatron layout needs it
-    (it picks the model family when the checkpoint is read back)."""
-    if getattr(config, "architectures", None):
-        return config, aux
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    config = copy.deepcopy(config)
-    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, type(config).__name__)]
-    if "config.json" in aux:
-        data = {**json.loads(aux["config.json"]), "architectures": config.architectures}
-        aux = {**aux, "config.json": (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()}
-    return config, aux
-
-
-def _check_layout(layout: str, out: str, tp_degree: int | None, pp_degree: int | None) -> None:
-    if layout not in LAYOUTS:
-        raise UserError(f"--layout {layout!r} is not available (available: {', '.join(LAYOUTS)})")
-    if layout == "fsdp" and is_remote(out):
-        raise UserError(f"--out {out}: the fsdp layout is written to local (or mounted) storage only")
-    if layout != "megatron" and (tp_degree is not None or pp_degree is not None):
-        raise UserError(f"--tp and --pp apply to --layout megatron only (got --layout {layout})")
 
 
 def shard_model(
@@ -118,20 +80,17 @@ def shard_model(
     role 'critic' makes a value model: a value model source is copied as is; a causal LM gives its
     backbone to a new value model whose head is initialised with `seed`. The 'megatron' layout cuts
     the weights into `tp_degree` x `pp_degree` rank states (1 x 1 by default)."""
-    _check_layout(layout, out, tp_degree, pp_degree)
-    tp, pp = 1 if tp_degree is None else tp_degree, 1 if pp_degree is None else pp_degree
+    target = get_layout(layout)
+    target.check_output(out)
+    fields = target.shard_fields(ShardOptions(tp_degree, pp_degree))
     source = resolve_source(path)
-    if layout == "megatron":
-        from rlx.models.megatron.model import check_supported
-
-        check_supported(_name_architecture(load_config(source), {})[0], tp, pp, where=str(path))  # fail early
+    target.check_model(lambda: load_config(source), fields, str(path))  # fail before the weights are read
     weights, aux, config = _source_files(source, init, seed, role)
-    if layout == "megatron":
-        config, aux = _name_architecture(config, aux)
+    config, aux = target.prepare_files(config, aux)
     meta = CheckpointMeta(
         step=0,
         layout=layout,
-        **({"tp_degree": tp, "pp_degree": pp} if layout == "megatron" else {}),
+        **fields,
         provenance=provenance(
             "rlx shard",
             source.path,
@@ -141,25 +100,9 @@ def shard_model(
         ),
     )
     weights, aux = _cast(weights, dtype), _set_config_dtype(aux, dtype)
-    _save(out, weights, aux, meta, config, overwrite)
-    grid = f", tp {tp} x pp {pp}" if layout == "megatron" else ""
+    target.write_full(out, weights, aux, meta, config, overwrite)
+    grid = "".join(f", {k.removesuffix('_degree')} {v}" for k, v in fields.items())
     console(f"rlx shard: {len(weights)} tensors, {_count(weights) / 1e6:.1f}M parameters{grid} -> {out}")
-
-
-def _save(
-    out: str, weights: dict[str, torch.Tensor], aux: dict[str, bytes], meta: CheckpointMeta, config, overwrite: bool
-):
-    """Write a step-0 checkpoint in `meta.layout` from one process."""
-    if meta.layout == "megatron":
-        from rlx.engine.megatron.checkpoint import save_megatron_checkpoint
-        from rlx.models.megatron.convert import hf_to_megatron
-
-        shards = hf_to_megatron(weights, config, meta.tp_degree, meta.pp_degree)
-        save_megatron_checkpoint(out, shards, aux, meta, overwrite=overwrite)
-    elif meta.layout == "fsdp":
-        save_dcp_checkpoint(out, weights, aux, meta, DistContext(), overwrite=overwrite)
-    else:
-        save_checkpoint(out, weights=weights, aux=aux, meta=meta, overwrite=overwrite)
 
 
 def merge_checkpoint(checkpoint: str, out: str, dtype: str = "keep", overwrite: bool = False) -> None:
@@ -169,12 +112,11 @@ def merge_checkpoint(checkpoint: str, out: str, dtype: str = "keep", overwrite: 
         raise UserError(f"{folder}: checkpoint not found")
     if not is_checkpoint(folder):
         raise UserError(f"{folder}: not an rlx checkpoint (no rlx.json); make one with `rlx shard`")
-    CheckpointMeta.read(folder)  # validates format and layout
-    weights = _cast(read_full_checkpoint_weights(folder), dtype)
+    read_meta(folder)  # validates format and layout
+    weights = _cast(read_full_weights(folder), dtype)
     aux = _set_config_dtype(aux_files(folder), dtype)
     with atomic_dir(out, overwrite=overwrite, marker="config.json") as tmp:
-        for name, data in aux.items():
-            (tmp / name).write_bytes(data)
+        write_aux(tmp, aux)
         write_weights(tmp, weights)
     console(f"rlx merge: {len(weights)} tensors, {_count(weights) / 1e6:.1f}M parameters -> {out}")
 

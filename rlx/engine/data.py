@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from rlx.engine.device import derive_seed
 from rlx.engine.records import PromptRecord
+from rlx.utils.device import derive_seed
 
 
 def take_prompts(

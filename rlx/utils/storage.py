@@ -28,8 +28,8 @@ from pathlib import Path
 
 import fsspec
 
-from rlx.engine.io import atomic_dir, atomic_path, is_remote, local
 from rlx.errors import UserError
+from rlx.utils.files import atomic_local_dir, atomic_local_path, is_remote, local
 
 # file systems whose folder rename is one atomic operation
 ATOMIC_RENAME_PROTOCOLS = ("file", "local", "hdfs", "arrow_hdfs", "webhdfs")
@@ -89,11 +89,11 @@ def read_text(url: str | Path, encoding: str = "utf-8") -> str:
 def write_bytes_atomic(url: str | Path, data: bytes) -> None:
     """Write `data` to `url` (local path or URL) so that readers see the old content or all of the new.
 
-    Local paths use rlx.engine.io.atomic_path; URLs write `.NAME.tmp-<hex>` beside the target and
+    Local paths use rlx.utils.files.atomic_local_path; URLs write `.NAME.tmp-<hex>` beside the target and
     move it onto the target (see the module docstring for what atomic means on object stores).
     """
     if not is_remote(url):
-        with atomic_path(_local(url)) as tmp:
+        with atomic_local_path(_local(url)) as tmp:
             tmp.write_bytes(data)
         return
     fs, path = _fs(url)
@@ -215,7 +215,7 @@ def get_dir(url: str | Path, local_cache: str | Path, *, marker: str | None = No
     if marker is not None and not fs.exists(_join(path, marker)):
         raise UserError(f"{url}: has no {marker}: the upload is unfinished (or this is not an rlx folder)")
     remote_files = fs.find(path)  # files only, subfolders included
-    with atomic_dir(dest, overwrite=True) as tmp:
+    with atomic_local_dir(dest, overwrite=True) as tmp:
         for remote in remote_files:
             rel = remote[len(path) :].lstrip("/")
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -236,7 +236,7 @@ def local_path(path: str | Path, cache: str | Path) -> Path:
         raise UserError(f"{path}: no such file or folder")
     dest = Path(cache) / cache_key(str(path)) / _name(remote)
     if not dest.is_file():
-        with atomic_path(dest) as tmp:
+        with atomic_local_path(dest) as tmp:
             fs.get_file(remote, str(tmp))
     return dest
 

@@ -1,4 +1,4 @@
-"""The 'megatron' checkpoint layout: one megatron-core state per tensor x pipeline rank.
+"""The 'megatron' layout: one megatron-core state per tensor x pipeline rank.
 
     CKPT/
       rlx.json                              layout "megatron", tp_degree, pp_degree, step, ... (CheckpointMeta)
@@ -19,23 +19,17 @@ need no megatron-core. Saving is atomic: a temporary folder that rank 0 renames 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from rlx.engine.checkpoint import (
-    META_NAME,
-    OPTIMIZER_NAME,
-    CheckpointMeta,
-    write_aux,
-    write_meta,
-    write_optimizer_state,
-    write_weights,
-)
-from rlx.engine.io import atomic_dir, exists, is_remote, read_json
-from rlx.engine.parallel.dist import DistContext, barrier, broadcast_object
+from rlx.engine.checkpoints.base import CheckpointPart, Layout, LocalState, ShardOptions
+from rlx.engine.checkpoints.files import OPTIMIZER_NAME, write_aux, write_optimizer_state, write_weights
+from rlx.engine.checkpoints.meta import META_NAME, CheckpointMeta
+from rlx.engine.parallel.dist import barrier, broadcast_object
 from rlx.errors import UserError
 from rlx.models.loading import (
     WEIGHTS_INDEX_NAME,
@@ -47,8 +41,9 @@ from rlx.models.loading import (
     read_safetensors,
     read_weights,
 )
-from rlx.models.megatron.convert import hf_to_megatron_shard, megatron_to_hf
+from rlx.models.megatron.convert import hf_to_megatron, hf_to_megatron_shard, megatron_to_hf
 from rlx.models.megatron.model import check_supported
+from rlx.utils.io import atomic_dir, exists, is_remote
 
 RANK_DIR = "mp_rank_{tp:02d}_{pp:03d}"
 _SEP = "::"
@@ -59,16 +54,11 @@ def rank_dir(tp_rank: int, pp_rank: int) -> str:
     return RANK_DIR.format(tp=tp_rank, pp=pp_rank)
 
 
-def is_megatron_checkpoint(folder: str | Path) -> bool:
-    """True for a checkpoint dir whose rlx.json says layout 'megatron'."""
-    path = Path(folder) / META_NAME
-    return path.is_file() and read_json(path).get("layout") == "megatron"
-
-
 def _read_meta(folder: Path) -> CheckpointMeta:
     meta = CheckpointMeta.read(folder)
     if meta.layout != "megatron":
         raise UserError(f"{folder / META_NAME}: layout {meta.layout!r}, expected a 'megatron' checkpoint")
+    MegatronLayout().check_meta(meta, folder / META_NAME)
     return meta
 
 
@@ -226,7 +216,7 @@ def save_megatron_checkpoint(
         for (t, p), state in sorted(rank_states.items()):
             write_rank(tmp, t, p, state, (optimizer_states or {}).get((t, p)))
         write_aux(tmp, aux)
-        write_meta(tmp, meta)
+        meta.write(tmp)
 
 
 @dataclass
@@ -245,7 +235,7 @@ def save_megatron_rank_checkpoint(
     optimizer_state: dict[str, torch.Tensor] | None,
     aux: dict[str, bytes],
     meta: CheckpointMeta,
-    ctx: DistContext,
+    ctx,
     tp_rank: int,
     pp_rank: int,
     dp_rank: int,
@@ -281,7 +271,87 @@ def save_megatron_rank_checkpoint(
         if ctx.is_main:
             for name, content in contents.items():
                 write_aux(tmp / name, content.aux)
-                write_meta(tmp / name, content.meta)
+                content.meta.write(tmp / name)
             if before_publish is not None:
                 before_publish()
     barrier()  # published before any rank goes on
+
+
+def name_architecture(config, aux: dict[str, bytes]):
+    """(config, aux) with `architectures` set: GGUF configs name none, and this layout needs it (it picks the
+    model family when the checkpoint is read back)."""
+    if getattr(config, "architectures", None):
+        return config, aux
+    import copy
+    import json
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = copy.deepcopy(config)
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, type(config).__name__)]
+    if "config.json" in aux:
+        data = {**json.loads(aux["config.json"]), "architectures": config.architectures}
+        aux = {**aux, "config.json": (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()}
+    return config, aux
+
+
+class MegatronLayout(Layout):
+    name = "megatron"
+    backend = "megatron"
+
+    def shard_fields(self, options: ShardOptions) -> dict:
+        return {"tp_degree": options.tp_degree or 1, "pp_degree": options.pp_degree or 1}
+
+    def check_meta(self, meta: CheckpointMeta, path: Path) -> None:
+        for name in ("tp_degree", "pp_degree"):
+            value = getattr(meta, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"{path}: layout 'megatron' needs '{name}' (a positive integer), got {value!r}")
+
+    def check_model(self, load_config, fields: dict, where: str) -> None:
+        config = name_architecture(load_config(), {})[0]
+        check_supported(config, fields["tp_degree"], fields["pp_degree"], where=where)
+
+    def prepare_files(self, config, aux: dict[str, bytes]):
+        return name_architecture(config, aux)
+
+    def check_complete(self, folder: Path) -> None:
+        check_complete(folder)
+
+    def read_full_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+        return read_full_weights(folder)
+
+    def read_local_state(self, folder: Path, kind: str, coords: dict[str, int]) -> LocalState:
+        if kind != "megatron":
+            return super().read_local_state(folder, kind, coords)
+        grid = {"tp_degree": coords.get("tp_degree"), "pp_degree": coords.get("pp_degree")}
+        tp_rank, pp_rank = coords["tp_rank"], coords["pp_rank"]
+        return LocalState(
+            kind,
+            read_rank_state(folder, tp_rank, pp_rank, **grid),
+            read_rank_optimizer(folder, tp_rank, pp_rank, **grid),
+            coords,
+        )
+
+    def write_full(self, out, weights, aux, meta, config, overwrite) -> None:
+        check_supported(config, meta.tp_degree, meta.pp_degree, where=str(out))
+        shards = hf_to_megatron(weights, config, meta.tp_degree, meta.pp_degree)
+        save_megatron_checkpoint(out, shards, aux, meta, overwrite=overwrite)
+
+    def write(
+        self, out: str, parts: dict[str, CheckpointPart], overwrite: bool, before_publish: Callable | None = None
+    ) -> None:
+        contents, coords, state = {}, None, parts[""].state
+        for name, part in parts.items():
+            local = part.state.local_state()
+            if local.kind != "megatron":
+                raise UserError(f"{out}: the megatron layout stores megatron-core stages, not '{local.kind}' state")
+            coords = local.coords
+            degrees = {"layout": self.name, "tp_degree": coords["tp_degree"], "pp_degree": coords["pp_degree"]}
+            meta = dataclasses.replace(part.meta, **degrees)
+            contents[name] = RankContent(local.weights, local.optimizer, part.aux, meta)
+        main = contents.pop("")
+        save_megatron_rank_checkpoint(
+            out, main.state, main.optimizer_state, main.aux, main.meta, state, coords["tp_rank"], coords["pp_rank"],
+            coords["dp_rank"], overwrite=overwrite, nested=contents, before_publish=before_publish,
+        )  # fmt: skip

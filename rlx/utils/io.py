@@ -3,7 +3,7 @@
 Outputs are written under a temporary name in the destination folder and renamed into place, so a
 failure (or a kill) never leaves a partial file that looks whole. Any path may also be an fsspec
 URL (s3://, hdfs://, memory://, ...): remote outputs are written locally first and published by
-rlx.engine.storage (atomically where the store allows, else with the marker file last); remote
+rlx.utils.storage (atomically where the store allows, else with the marker file last); remote
 inputs are read through it. Keep URLs as strings: pathlib.Path would fold their '//'.
 """
 
@@ -12,71 +12,36 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from rlx.errors import UserError
+from rlx.utils import storage
+from rlx.utils.files import atomic_local_dir, atomic_local_path, is_remote, join, local
+
+__all__ = ["is_remote", "join", "local"]  # path helpers re-exported: callers need one import for file plumbing
 
 STDIO = "-"
-LOCAL_PROTOCOLS = ("file", "local")
-
-
-def is_remote(path: str | Path) -> bool:
-    """True for an fsspec URL other than file:// (s3://, hdfs://, memory://, ...); False for local paths."""
-    text = str(path)
-    return "://" in text and text.split("://", 1)[0].lower() not in LOCAL_PROTOCOLS
-
-
-def local(path: str | Path) -> Path:
-    """A local path from a plain path or a file:// URL."""
-    text = str(path)
-    for prefix in ("file://", "local://"):
-        if text.startswith(prefix):
-            return Path(text[len(prefix) :])
-    return Path(text)
-
-
-def join(base: str | Path, *names: str) -> str | Path:
-    """`base / name...` for local paths, `base/name...` for URLs (which Path would corrupt)."""
-    if is_remote(base):
-        return "/".join([str(base).rstrip("/"), *names])
-    return local(base).joinpath(*names)
 
 
 def exists(path: str | Path) -> bool:
-    if is_remote(path):
-        from rlx.engine.storage import path_exists
-
-        return path_exists(path)
-    return local(path).exists()
+    return storage.path_exists(path) if is_remote(path) else local(path).exists()
 
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path next to `path`; rename it onto `path` only if the block succeeds.
     For a URL: a local temporary file, published with storage.write_bytes_atomic on success."""
-    if is_remote(path):
-        from rlx.engine.storage import write_bytes_atomic
-
-        with tempfile.TemporaryDirectory() as folder:
-            tmp = Path(folder) / "upload"
+    if not is_remote(path):
+        with atomic_local_path(path) as tmp:
             yield tmp
-            write_bytes_atomic(str(path), tmp.read_bytes())
         return
-    path = local(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        yield tmp_path
-        os.replace(tmp_path, path)
-    finally:
-        if tmp_path.exists():
-            tmp_path.unlink()
+    with tempfile.TemporaryDirectory() as folder:
+        tmp = Path(folder) / "upload"
+        yield tmp
+        storage.write_bytes_atomic(str(path), tmp.read_bytes())
 
 
 @contextlib.contextmanager
@@ -87,32 +52,15 @@ def atomic_dir(path: str | Path, overwrite: bool = False, marker: str | None = N
     For a URL: a local temporary folder, uploaded by storage.put_dir on success (`marker` is the
     file written last where the store cannot rename folders atomically).
     """
-    if is_remote(path):
-        from rlx.engine.storage import put_dir
-
-        if exists(path) and not overwrite:
-            raise UserError(f"{path}: already exists (choose another output or pass --overwrite)")
-        with tempfile.TemporaryDirectory() as folder:
-            yield Path(folder)
-            put_dir(folder, str(path), marker=marker, overwrite=overwrite)
+    if not is_remote(path):
+        with atomic_local_dir(path, overwrite) as tmp:
+            yield tmp
         return
-    path = local(path)
-    if path.exists() and not overwrite:
+    if exists(path) and not overwrite:
         raise UserError(f"{path}: already exists (choose another output or pass --overwrite)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    try:
-        yield tmp
-        if path.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
-            os.replace(path, trash / "old")
-            os.replace(tmp, path)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with tempfile.TemporaryDirectory() as folder:
+        yield Path(folder)
+        storage.put_dir(folder, str(path), marker=marker, overwrite=overwrite)
 
 
 def dumps_line(record: dict) -> str:
@@ -154,10 +102,8 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> None:
 def append_jsonl(path: str | Path, record: dict) -> None:
     """Append one line and flush it to disk (metrics logs): a kill leaves whole lines only."""
     if is_remote(path):  # object stores cannot append: rewrite the whole (small) file atomically
-        from rlx.engine.storage import path_exists, read_text, write_bytes_atomic
-
-        text = read_text(str(path)) if path_exists(path) else ""
-        write_bytes_atomic(str(path), (text + dumps_line(record) + "\n").encode())
+        text = storage.read_text(str(path)) if storage.path_exists(path) else ""
+        storage.write_bytes_atomic(str(path), (text + dumps_line(record) + "\n").encode())
         return
     path = local(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -176,9 +122,7 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
     if str(path) == STDIO:
         lines = sys.stdin.read().splitlines()
     elif is_remote(path):
-        from rlx.engine.storage import read_text
-
-        lines = read_text(str(path)).splitlines()
+        lines = storage.read_text(str(path)).splitlines()
     else:
         p = local(path)
         if not p.is_file():
@@ -205,12 +149,7 @@ def read_json(path: str | Path) -> dict:
     """Read one JSON object from a file, with a UserError naming the file on failure."""
     p = path if is_remote(path) else local(path)
     try:
-        if is_remote(p):
-            from rlx.engine.storage import read_text
-
-            obj = json.loads(read_text(str(p)))
-        else:
-            obj = json.loads(p.read_text(encoding="utf-8"))
+        obj = json.loads(storage.read_text(str(p)) if is_remote(p) else p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"{p}: no such file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -1,0 +1,119 @@
+"""Models from any source a command accepts: a Hugging Face dir, a GGUF file, or an rlx checkpoint of any layout.
+
+A folder that is a Hugging Face model dir loads with transformers' `from_pretrained`; a checkpoint of another
+layout is built from its config.json and given the full weights its layout reads. `rlx shard`, `rlx train-step`,
+`rlx score`, `rlx rollout` and `rlx ppo` all load through here, so the driver and the separate commands start
+from bit-identical weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from rlx.engine.checkpoints.files import aux_files, generated_aux
+from rlx.engine.checkpoints.registry import is_hf_dir, read_full_weights
+from rlx.errors import UserError
+from rlx.models.loading import (
+    ModelSource,
+    check_weights_match,
+    init_random_model,
+    load_causal_lm,
+    load_config,
+    load_tokenizer,
+    quiet_transformers,
+    resolve_source,
+    weight_files,
+)
+from rlx.models.value import build_value_model, check_value_config, load_value_model
+
+
+def _auto_class(role: str):
+    import transformers
+
+    return transformers.AutoModelForTokenClassification if role == "critic" else transformers.AutoModelForCausalLM
+
+
+def load_model(source: ModelSource, role: str = "actor", dtype: torch.dtype | None = torch.float32):
+    """The causal LM (role 'actor') or value model (role 'critic') of `source`, on the CPU in `dtype`."""
+    if role == "critic":
+        check_value_config(load_config(source), source.path)
+    if source.is_gguf or is_hf_dir(source.path):
+        return load_value_model(source, dtype) if role == "critic" else load_causal_lm(source, dtype)
+    quiet_transformers()
+    model = _auto_class(role).from_config(load_config(source), dtype=torch.float32)
+    weights = read_full_weights(source.path)
+    check_weights_match(model, weights, source.path)
+    model.load_state_dict(weights, strict=False)
+    model.tie_weights()
+    return model.to(dtype) if dtype is not None else model
+
+
+def load_initial_policy(path: str | Path, init: str = "pretrained", seed: int = 0):
+    """(model float32 on CPU, tokenizer, aux files) for a training start point.
+
+    init='pretrained' loads the weights of an HF dir, checkpoint or GGUF file; init='random'
+    initialises from the folder's config.json with `seed` (weights in the folder are ignored).
+    """
+    source = resolve_source(path)
+    tokenizer = load_tokenizer(source)
+    if init == "random":
+        if source.is_gguf:
+            raise UserError(f"{path}: init 'random' needs a folder with config.json, not a GGUF file")
+        model = init_random_model(load_config(source), seed)
+        return model, tokenizer, aux_files(source.folder)
+    if init != "pretrained":
+        raise UserError(f"unknown init {init!r} (expected 'pretrained' or 'random')")
+    model = load_model(source)
+    aux = generated_aux(model, tokenizer) if source.is_gguf else aux_files(source.folder)
+    return model, tokenizer, aux
+
+
+def load_trained_policy(source: ModelSource, role: str = "actor"):
+    """(model float32 on CPU, tokenizer, aux files) of a checkpoint or HF dir to continue from; role 'critic'
+    loads a value model (see rlx.models.value)."""
+    return load_model(source, role), load_tokenizer(source), aux_files(source.folder)
+
+
+def build_critic_files(policy, tokenizer, seed: int) -> tuple[torch.nn.Module, dict[str, bytes]]:
+    """A value model from `policy` (backbone copied, head seeded) and its config/tokenizer files."""
+    critic = build_value_model(policy, seed)
+    return critic, generated_aux(critic, tokenizer)
+
+
+def checkpoint_weights(folder: Path, tied: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a model dir or checkpoint, read one file at a time from a Hugging Face dir (a
+    checkpoint of another layout is gathered whole first). With `tied` embeddings the files hold no lm_head;
+    it is given as the embedding (a consumer that expects every weight, e.g. vLLM's reload, needs it)."""
+    from safetensors import safe_open
+
+    if not is_hf_dir(folder):
+        weights = read_full_weights(folder)
+        for name, tensor in weights.items():
+            yield name, tensor
+            if tied and name == "model.embed_tokens.weight" and "lm_head.weight" not in weights:
+                yield "lm_head.weight", tensor
+        return
+    for path in weight_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())  # safe_open is not a mapping
+            for name in names:
+                tensor = f.get_tensor(name)
+                yield name, tensor
+                if tied and name == "model.embed_tokens.weight" and "lm_head.weight" not in names:
+                    yield "lm_head.weight", tensor
+
+
+class CheckpointWeights:
+    """A rollout engine's WeightSource reading a model dir or checkpoint from disk (rollout.weight_sync = 'disk')."""
+
+    module = None
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        tied = bool(getattr(load_config(ModelSource(self.folder)), "tie_word_embeddings", False))
+        return checkpoint_weights(self.folder, tied)

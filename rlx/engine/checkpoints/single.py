@@ -1,0 +1,62 @@
+"""The 'single' layout: a Hugging Face model dir plus rlx.json and optimizer.safetensors.
+
+    CKPT/
+      rlx.json, config.json, tokenizer...   (see rlx/engine/checkpoints/files.py)
+      model.safetensors                     full weights with Hugging Face names
+      optimizer.safetensors                 AdamW state per parameter name (after a train step)
+
+Because the folder is a valid Hugging Face model dir, any tool loads it. A training backend's state is
+gathered onto the main process, which writes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from rlx.engine.checkpoints.base import CheckpointPart, Layout
+from rlx.engine.checkpoints.files import read_optimizer_state, write_aux, write_optimizer_state, write_weights
+from rlx.engine.checkpoints.meta import META_NAME, CheckpointMeta
+from rlx.models.loading import read_weights
+from rlx.utils.io import atomic_dir
+
+
+def write_files(folder: Path, weights: dict, aux: dict[str, bytes], meta: CheckpointMeta, optimizer=None) -> None:
+    """A 'single' checkpoint's files into an existing (temporary) folder, rlx.json last."""
+    write_aux(folder, aux)
+    write_weights(folder, weights)
+    if optimizer is not None:
+        write_optimizer_state(folder, optimizer)
+    meta.write(folder)
+
+
+class SingleLayout(Layout):
+    name = "single"
+    is_hf_dir = True
+
+    def read_full_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+        return read_weights(Path(folder))
+
+    def read_full_optimizer(self, folder: Path) -> dict[str, torch.Tensor] | None:
+        return read_optimizer_state(folder)
+
+    def write_full(self, out, weights, aux, meta, config, overwrite) -> None:
+        with atomic_dir(out, overwrite=overwrite, marker=META_NAME) as tmp:
+            write_files(tmp, weights, aux, meta)
+
+    def write(
+        self, out: str, parts: dict[str, CheckpointPart], overwrite: bool, before_publish: Callable | None = None
+    ) -> None:
+        gathered = {name: (p.state.full_weights(), p.state.full_optimizer_state()) for name, p in parts.items()}
+        if not parts[""].state.is_main:
+            return
+        with atomic_dir(out, overwrite=overwrite, marker=META_NAME) as tmp:
+            for name, part in parts.items():
+                folder = tmp / name if name else tmp
+                folder.mkdir(exist_ok=True)
+                weights, optimizer = gathered[name]
+                write_files(folder, weights, part.aux, part.meta, optimizer)
+            if before_publish is not None:
+                before_publish()

@@ -1,0 +1,97 @@
+"""The models of a `rlx ppo` run, built through the training backend: the actor and critic trainers (from the
+recipe's model or the run's last checkpoint), the frozen reference, the reward model, and the module the rollout
+engine generates with. Nothing here names a backend or a checkpoint layout."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlx.engine.backends.base import Trainer, TrainingBackend
+from rlx.engine.checkpoints.files import aux_files
+from rlx.engine.checkpoints.loading import build_critic_files, load_initial_policy, load_model
+from rlx.engine.ppo.config import PPOConfig
+from rlx.engine.rollout.prompts import pad_token_id
+from rlx.engine.scoring.score import ScoringModels
+from rlx.models.loading import load_tokenizer, resolve_source
+from rlx.utils.device import resolve_precision
+
+CRITIC_DIR = "critic"
+
+
+@dataclass
+class RunModels:
+    """Everything a run holds resident."""
+
+    actor: Trainer
+    critic: Trainer | None
+    tokenizer: object
+    aux: dict[str, bytes]
+    """The policy's config/tokenizer files, written into every checkpoint."""
+    critic_aux: dict[str, bytes]
+    scoring: ScoringModels
+    rollout_model: torch.nn.Module
+    """What the rollout engine generates with: the actor's own module where the backend has one, else a Hugging
+    Face replica the engine refreshes from the trainer after each update."""
+
+
+def build_run_models(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None) -> RunModels:
+    """The run's models at its start (`start_ckpt` None) or when resuming from `start_ckpt`."""
+    train_cfg = dataclasses.replace(cfg.train, seed=cfg.seed)
+    if start_ckpt is None:
+        model, tokenizer, aux = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
+        ref = copy.deepcopy(model) if cfg.use_ref else None
+        critic, critic_aux = _critic(cfg, backend, None, model, tokenizer)  # before the actor shards the model
+        actor = backend.build_trainer(model, train_cfg, "the initial policy")
+    else:
+        source = resolve_source(start_ckpt)
+        tokenizer, aux = load_tokenizer(source), aux_files(source.folder)
+        ref = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)[0] if cfg.use_ref else None
+        critic, critic_aux = _critic(cfg, backend, start_ckpt, None, tokenizer)
+        actor = backend.load_trainer(train_cfg, source)
+        model = None
+    rollout_model = actor.module
+    if rollout_model is None:  # a replica for the engine: the initial policy, or the checkpoint's weights
+        rollout_model = model if model is not None else load_model(resolve_source(start_ckpt))
+        rollout_model = rollout_model.to(backend.ctx.device)
+    device = backend.ctx.device
+    scoring = ScoringModels(
+        dtype=resolve_precision(cfg.score.precision, device),
+        vocab_size=actor.config.vocab_size,
+        pad_token_id=pad_token_id(tokenizer),
+        actor=actor.scoring_model() if cfg.score.old_logprobs == "actor" else None,
+        ref=backend.build_reference(ref) if ref is not None else None,
+        critic=critic.scoring_model() if critic is not None else None,
+        reward_model=_reward_model(cfg, device),
+    )
+    return RunModels(actor, critic, tokenizer, aux, critic_aux, scoring, rollout_model)
+
+
+def _critic(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None, policy, tokenizer):
+    """(critic trainer, its config/tokenizer files): from the run's checkpoint, the recipe's critic.path, or built
+    from the policy's backbone with a seeded head."""
+    if cfg.critic is None:
+        return None, {}
+    train_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed)
+    if start_ckpt is not None:
+        source = resolve_source(start_ckpt / CRITIC_DIR)
+        return backend.load_trainer(train_cfg, source), aux_files(source.folder)
+    if cfg.critic.path:
+        source = resolve_source(cfg.critic.path, "critic")
+        model = load_model(source, "critic")
+        return backend.build_trainer(model, train_cfg, str(source.path)), aux_files(source.folder)
+    model, aux = build_critic_files(policy, tokenizer, cfg.seed)
+    return backend.build_trainer(model, train_cfg, "the new critic"), aux
+
+
+def _reward_model(cfg: PPOConfig, device: torch.device):
+    if not cfg.score.reward_model:
+        return None
+    from rlx.models.reward_model import RewardModel
+
+    source = resolve_source(cfg.score.reward_model, "reward model")
+    return RewardModel(source, device, resolve_precision(cfg.score.precision, device))

@@ -1,0 +1,200 @@
+"""The rollout-engine interface: settings at construction, sampling settings per call, a typed result.
+
+    engine = build_engine(rollout_cfg, model, tokenizer, ctx)      # RolloutConfig: the engine's settings
+    result = engine.generate(prompts, sampling)                     # SamplingParams: this call's draws
+    result.records, result.stats                                    # RolloutRecord list + RolloutStats
+    engine.sleep(); ...train...; engine.wake(); engine.update_weights(trainer)
+
+`generate` is the one outline every engine shares: encode the prompts into requests (N per prompt, plus
+ReMax's greedy one), give this process its share, let the engine generate token ids for it
+(`generate_local`, the only part engines write), gather every process's results back in request order, and
+turn them into records. Engines differ in how they decode and in how they take new weights.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+from rlx.engine.parallel.dist import all_gather_objects, shard_range
+from rlx.engine.parallel.fsdp import gathered_weights
+from rlx.engine.records import PromptRecord, RolloutRecord
+from rlx.engine.rollout.config import RolloutConfig, SamplingParams
+from rlx.engine.rollout.prompts import stop_token_ids
+from rlx.engine.rollout.requests import Generated, Request, build_requests, to_record
+from rlx.utils.device import resolve_precision
+
+
+@dataclass
+class RolloutStats:
+    """What one `generate` call did (over every process)."""
+
+    tokens: int
+    """Response tokens generated."""
+    seconds: float
+    """Wall time of the call."""
+    preemptions: int | None = None
+    """Sequences evicted from the KV cache and recomputed (engines that preempt; this process's count)."""
+    steps_ahead: int | None = None
+    """Decode steps queued before the previous one's tokens were read (engines that overlap host and device)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    def metrics(self) -> dict[str, float]:
+        """The metrics-line entries of the call."""
+        out = {
+            "rollout/tokens": float(self.tokens),
+            "timing/generate_s": self.seconds,
+            "perf/rollout_tokens_per_s": self.tokens_per_s,
+        }
+        if self.preemptions is not None:
+            out["rollout/preemptions"] = float(self.preemptions)
+        if self.steps_ahead is not None:
+            out["rollout/steps_ahead"] = float(self.steps_ahead)
+        return out
+
+    def __add__(self, other: RolloutStats) -> RolloutStats:
+        """Two calls together (e.g. the batches of one dynamic-sampling step)."""
+
+        def add(a, b):
+            return None if a is None and b is None else (a or 0) + (b or 0)
+
+        return RolloutStats(
+            self.tokens + other.tokens,
+            self.seconds + other.seconds,
+            add(self.preemptions, other.preemptions),
+            add(self.steps_ahead, other.steps_ahead),
+        )
+
+
+@dataclass
+class RolloutResult:
+    """The records of a `generate` call, in prompt order then sample order, and its statistics."""
+
+    records: list[RolloutRecord]
+    stats: RolloutStats
+
+
+@dataclass
+class LocalGeneration:
+    """What `generate_local` returns: one Generated per request of this process's share, in order."""
+
+    generated: list[Generated]
+    preemptions: int | None = None
+    steps_ahead: int | None = None
+
+
+class WeightSource(Protocol):
+    """Where new policy weights come from (a trainer, or a checkpoint folder)."""
+
+    module: torch.nn.Module | None
+    """The live policy module in this process, when there is one an engine may generate with directly."""
+
+    def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors with Hugging Face names (sharded ones gathered about `bucket_bytes` at a time: every
+        process of the launch drains the iterator together)."""
+
+
+class ModuleWeights:
+    """A WeightSource over a module held in this process (plain, or FSDP-sharded: its shards are all-gathered a
+    bucket at a time, so every rank must drain `named_weights` in step)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        return gathered_weights(self.module, bucket_bytes)
+
+
+class RolloutEngine(ABC):
+    """Samples responses with a causal LM held in this process; subclasses implement `generate_local`."""
+
+    name: ClassVar[str]
+
+    def __init__(self, model, tokenizer, cfg: RolloutConfig, ctx):
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.device = ctx.device
+        self.dtype = resolve_precision(cfg.precision, self.device)
+        self.ctx = ctx if ctx.distributed else None
+        self.stop_ids = stop_token_ids(model, tokenizer)
+
+    # --- the shared outline ----------------------------------------------------------------------
+
+    def generate(self, prompts: list[PromptRecord], sampling: SamplingParams, progress: bool = True) -> RolloutResult:
+        """N responses per prompt (in prompt order, then sample order), from every process's share."""
+        requests = build_requests(prompts, self.tokenizer, sampling, self.cfg.chat_template)
+        self.check_requests(requests, sampling)
+        mine = self.local_share(len(requests))
+        start = time.perf_counter()
+        local = self.generate_local([requests[i] for i in mine], sampling, progress)
+        results: list[Generated | None] = [None] * len(requests)
+        for indices, generated in (
+            all_gather_objects((mine, local.generated)) if self.ctx else [(mine, local.generated)]
+        ):
+            for i, g in zip(indices, generated):
+                results[i] = g
+        stats = RolloutStats(
+            sum(len(g.response_ids) for g in results), time.perf_counter() - start, local.preemptions, local.steps_ahead
+        )
+        records = [to_record(r, g, self.tokenizer, sampling.temperature) for r, g in zip(requests, results)]
+        return RolloutResult(records, stats)
+
+    def local_share(self, count: int) -> list[int]:
+        """The indices of the requests this process generates: a contiguous slice per rank."""
+        return list(shard_range(count, self.ctx.rank, self.ctx.world) if self.ctx else range(count))
+
+    def check_requests(self, requests: list[Request], sampling: SamplingParams) -> None:
+        """Raise a UserError for requests this engine cannot serve (before any generation)."""
+        return None  # every request fits by default
+
+    @abstractmethod
+    def generate_local(self, requests: list[Request], sampling: SamplingParams, progress: bool) -> LocalGeneration:
+        """Token ids and logprobs for this process's requests (every process calls it together)."""
+
+    # --- memory and weights ------------------------------------------------------------------------
+
+    def sleep(self) -> float:
+        """Release what the engine keeps between calls so the trainer has the memory; returns the bytes freed."""
+        return 0.0
+
+    def wake(self) -> None:
+        """Take back what `sleep` released (weights must then be refreshed with `update_weights`)."""
+        return None
+
+    def update_weights(self, source: WeightSource) -> float:
+        """Generate with `source`'s weights from now on; returns the seconds it took. The default: an engine that
+        generates with the live module has nothing to do, else the weights are copied into its own model in
+        place (every process calls it together)."""
+        start = time.perf_counter()
+        if source.module is not self.model:
+            copy_weights(self.model, source.named_weights(self.cfg.sync_bucket_mib << 20))
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Shut the engine down (after every collective of the command)."""
+        return None
+
+
+@torch.no_grad()
+def copy_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy (name, tensor) pairs into `model`'s parameters in place (its dtype and device kept)."""
+    params = dict(model.named_parameters())
+    for name, tensor in weights:
+        if name in params:
+            params[name].copy_(tensor)
+    model.tie_weights()
+
+
+def build_engine(cfg: RolloutConfig, model, tokenizer, ctx) -> RolloutEngine:
+    """The engine named by `cfg.engine` (registry.py) around a model held in this process; under a launcher each
+    process generates its share of the requests."""
+    from rlx.engine.rollout.registry import engine_class
+
+    return engine_class(cfg.engine)(model, tokenizer, cfg, ctx)
