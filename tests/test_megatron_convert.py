@@ -116,8 +116,8 @@ def test_qwen2_with_qkv_bias_round_trips(tmp_path):
 
 
 def test_critic_round_trip_matches_the_single_layout(tmp_path):
+    from rlx.engine.checkpoints.loading import load_model
     from rlx.models.loading import resolve_source
-    from rlx.models.value import load_value_model
 
     hf = save_tiny_hf(tmp_path / "hf", tie=True)
     cli_ok("shard", "--model", hf, "--role", "critic", "--seed", "3", "--out", tmp_path / "single")
@@ -127,8 +127,8 @@ def test_critic_round_trip_matches_the_single_layout(tmp_path):
     cli_ok("merge", "--checkpoint", ckpt, "--out", tmp_path / "back")
     assert_bit_equal(read_weights(tmp_path / "single"), read_weights(tmp_path / "back"))
     assert (tmp_path / "single" / "config.json").read_bytes() == (ckpt / "config.json").read_bytes()
-    critic = load_value_model(resolve_source(ckpt)).state_dict()  # what `rlx score --critic` loads
-    reference = load_value_model(resolve_source(tmp_path / "single")).state_dict()
+    critic = load_model(resolve_source(ckpt), "critic").state_dict()  # what `rlx score --critic` loads
+    reference = load_model(resolve_source(tmp_path / "single"), "critic").state_dict()
     assert all(torch.equal(critic[k], reference[k]) for k in reference)
 
 

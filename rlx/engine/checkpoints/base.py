@@ -82,16 +82,15 @@ class Layout(ABC):
     """The name in rlx.json and `rlx shard --layout`."""
     backend: ClassVar[str] = "fsdp"
     """The training backend that trains a checkpoint of this layout in place."""
+    shard_options: ClassVar[tuple[str, ...]] = ()
+    """The `rlx shard` options (ShardOptions fields) this layout takes."""
     is_hf_dir: ClassVar[bool] = False
     """Whether the folder is also a loadable Hugging Face model dir (weights in model.safetensors)."""
 
     # --- metadata and options ---------------------------------------------------------------------
 
     def shard_fields(self, options: ShardOptions) -> dict:
-        """Extra rlx.json fields for `rlx shard` options; layouts without options refuse them."""
-        given = [f"--{k.removesuffix('_degree')}" for k, v in vars(options).items() if v is not None]
-        if given:
-            raise UserError(f"{' and '.join(given)} apply to other layouts, not --layout {self.name}")
+        """Extra rlx.json fields for `rlx shard` options (only those in `shard_options` are ever given)."""
         return {}
 
     def check_meta(self, meta: CheckpointMeta, path: Path) -> None:

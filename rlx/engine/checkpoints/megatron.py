@@ -299,8 +299,13 @@ class MegatronLayout(Layout):
     name = "megatron"
     backend = "megatron"
 
+    shard_options = ("tp_degree", "pp_degree")
+
     def shard_fields(self, options: ShardOptions) -> dict:
-        return {"tp_degree": options.tp_degree or 1, "pp_degree": options.pp_degree or 1}
+        def given(value):
+            return 1 if value is None else value
+
+        return {"tp_degree": given(options.tp_degree), "pp_degree": given(options.pp_degree)}
 
     def check_meta(self, meta: CheckpointMeta, path: Path) -> None:
         for name in ("tp_degree", "pp_degree"):

@@ -16,7 +16,7 @@ from rlx.engine.checkpoints.base import ShardOptions
 from rlx.engine.checkpoints.files import aux_files, write_aux, write_weights
 from rlx.engine.checkpoints.loading import build_critic_files, load_initial_policy
 from rlx.engine.checkpoints.meta import CheckpointMeta, is_checkpoint, provenance
-from rlx.engine.checkpoints.registry import get_layout, read_full_weights, read_meta
+from rlx.engine.checkpoints.registry import get_layout, layout_names, read_full_weights, read_meta
 from rlx.engine.parallel.fsdp import model_weights
 from rlx.engine.tracking import console
 from rlx.errors import UserError
@@ -82,7 +82,9 @@ def shard_model(
     the weights into `tp_degree` x `pp_degree` rank states (1 x 1 by default)."""
     target = get_layout(layout)
     target.check_output(out)
-    fields = target.shard_fields(ShardOptions(tp_degree, pp_degree))
+    options = ShardOptions(tp_degree, pp_degree)
+    _check_options(options, target)
+    fields = target.shard_fields(options)
     source = resolve_source(path)
     target.check_model(lambda: load_config(source), fields, str(path))  # fail before the weights are read
     weights, aux, config = _source_files(source, init, seed, role)
@@ -101,8 +103,18 @@ def shard_model(
     )
     weights, aux = _cast(weights, dtype), _set_config_dtype(aux, dtype)
     target.write_full(out, weights, aux, meta, config, overwrite)
-    grid = "".join(f", {k.removesuffix('_degree')} {v}" for k, v in fields.items())
+    grid = " x ".join(f"{k.removesuffix('_degree')} {v}" for k, v in fields.items())
+    grid = f", {grid}" if grid else ""
     console(f"rlx shard: {len(weights)} tensors, {_count(weights) / 1e6:.1f}M parameters{grid} -> {out}")
+
+
+def _check_options(options: ShardOptions, target) -> None:
+    """Options the target layout does not take name the layouts that do."""
+    given = [name for name, value in vars(options).items() if value is not None and name not in target.shard_options]
+    if given:
+        takers = [name for name in layout_names() if set(given) <= set(get_layout(name).shard_options)]
+        flags = " and ".join(f"--{name.removesuffix('_degree')}" for name in given)
+        raise UserError(f"{flags} apply to --layout {' / '.join(takers)} only (got --layout {target.name})")
 
 
 def merge_checkpoint(checkpoint: str, out: str, dtype: str = "keep", overwrite: bool = False) -> None:

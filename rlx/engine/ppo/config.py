@@ -155,7 +155,6 @@ class PPOConfig:
         needs_ref = self.score.kl_coef > 0 or self.train.kl_loss_coef > 0
         check(self.use_ref or not needs_ref, "use_ref", "score.kl_coef or train.kl_loss_coef > 0 needs use_ref = true")
 
-
     @property
     def backend_name(self) -> str:
         """The training backend the run uses ('auto' resolved)."""

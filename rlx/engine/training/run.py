@@ -17,7 +17,8 @@ from rlx.engine.parallel.dist import barrier
 from rlx.engine.tracking import console, log_metrics
 from rlx.engine.training.config import TrainConfig
 from rlx.errors import UserError
-from rlx.models.loading import resolve_source
+from rlx.models.loading import load_config, resolve_source
+from rlx.models.value import check_value_config, is_value_config
 from rlx.utils.io import exists
 
 
@@ -38,6 +39,11 @@ def run_train_step(
         raise UserError(f"{out}: already exists (choose another --out or pass --overwrite)")
     batch = TrainBatch.load(batch_path)
     meta = check_complete(source.path) if is_checkpoint(source.path) else CheckpointMeta()
+    config = load_config(source)  # the role is checked before any process group is set up
+    if cfg.role == "critic":
+        check_value_config(config, source.path)
+    elif is_value_config(config):
+        raise UserError(f"{source.path}: --role actor but the checkpoint holds a value model")
     backend = backend_for_checkpoint(meta).setup(cfg.device, checkpoint_degrees(meta, cfg.sp_degree))
     trainer = backend.load_trainer(cfg, source)
     trainer.check_batch(batch, batch_path)
