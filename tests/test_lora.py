@@ -222,8 +222,7 @@ def test_adapter_state_round_trip_with_stable_names():
 
 def test_base_identity_survives_save_load_and_casts_and_names_differences(tmp_path):
     base = plain()
-    identity = base_identity(base)
-    json.dumps(identity)  # goes into rlx.json
+    identity = json.loads(json.dumps(base_identity(base)))  # as rlx.json gives it back
     base.save_pretrained(tmp_path / "hf")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     assert base_identity(reloaded) == identity
@@ -341,11 +340,14 @@ def make_batch(model, seed: int = 0) -> TrainBatch:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("use_packing", [False, True])
-def test_actor_train_step_changes_only_the_adapters(use_packing):
+@pytest.mark.parametrize(("use_packing", "gradient_checkpointing"), [(False, False), (True, True)])
+def test_actor_train_step_changes_only_the_adapters(use_packing, gradient_checkpointing):
     model = with_lora(plain(), dropout=0.1)  # default init: B = 0, the policy starts as the base
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cfg = TrainConfig(lr=1e-2, micro_batch_size=2, kl_loss_coef=0.1, use_packing=use_packing)
+    cfg = TrainConfig(
+        lr=1e-2, micro_batch_size=2, kl_loss_coef=0.1, use_packing=use_packing,
+        gradient_checkpointing=gradient_checkpointing,
+    )  # fmt: skip
     trainer = ActorTrainer(model, cfg, torch.device("cpu"), torch.float32)
     batch = make_batch(model)
     for step in range(2):  # B moves first, A once B is non-zero
@@ -372,39 +374,69 @@ def test_critic_train_step_changes_adapters_and_head_only():
 FSDP_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {repo!r})
+    from rlx.engine.logprobs import packed_response_logprobs
     from rlx.engine.parallel.dist import exit_process, setup
     from rlx.engine.training.actor import ActorTrainer
     from rlx.engine.training.config import TrainConfig
+    from rlx.engine.training.critic import CriticTrainer
+    from rlx.models.lora import adapters_disabled
+    from rlx.models.lora_merge import merged_weights
     from rlx.models.lora_state import adapter_state
-    from tests.test_lora import make_batch, plain, with_lora
+    from rlx.models.value import build_value_model
+    from tests.test_lora import inputs, make_batch, plain, with_lora
 
     ctx = setup("cpu")
-    cfg = TrainConfig(lr=1e-2, micro_batch_size=1, kl_loss_coef=0.1, use_packing=True)
+    cpu, targets = torch.device("cpu"), ["q_proj", "v_proj", "down_proj"]
+    batch = make_batch(with_lora(plain()))
 
-    def trained(dtype, distributed):
-        model = with_lora(plain(), dtype=dtype, target_modules=["q_proj", "v_proj", "down_proj"])
-        base = {{n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}}
-        trainer = ActorTrainer(model, cfg, torch.device("cpu"), dtype, ctx if distributed else None)
-        batch = make_batch(with_lora(plain()))
-        for step in range(2):
-            trainer.train_step(batch, step)
-        for name, param in model.named_parameters():  # frozen shards stay as they were, in their dtype
+    def frozen(model):
+        \"\"\"name -> (dtype of this rank's storage, full value) of each frozen parameter.\"\"\"
+        out = {{}}
+        for name, param in model.named_parameters():
             if not param.requires_grad:
                 local = param.to_local() if hasattr(param, "to_local") else param
-                assert local.dtype == dtype, (name, local.dtype)
-                full = param.full_tensor() if hasattr(param, "full_tensor") else param
-                assert torch.equal(full.detach(), base[name]), name
-        return adapter_state(model)
+                value = param.full_tensor() if hasattr(param, "full_tensor") else param
+                out[name] = (local.dtype, value.detach().clone())
+        return out
 
-    sharded = trained(torch.float32, True)
-    single = trained(torch.float32, False)
-    assert sharded.keys() == single.keys() and len(sharded) == 12
-    diff = max((sharded[k] - single[k]).abs().max().item() for k in sharded)
-    moved = min((sharded[k] - with_lora(plain()).get_parameter(k.replace(".weight", ".default.weight")).detach())
-                .abs().max().item() for k in sharded)
-    assert diff <= 1e-6 and moved > 0, (diff, moved)
-    bf16 = trained(torch.bfloat16, True)  # frozen bf16 shards beside float32 adapter shards
+    def check_frozen(model, before, dtype):
+        after = frozen(model)
+        assert after.keys() == before.keys()
+        for name, (stored, value) in after.items():
+            assert stored == dtype and torch.equal(value, before[name][1]), name
+
+    def train_actor(dtype, distributed):
+        model = with_lora(plain(), dtype=dtype, target_modules=targets)
+        before = frozen(model)
+        cfg = TrainConfig(lr=1e-2, micro_batch_size=1, kl_loss_coef=0.1, use_packing=True)
+        trainer = ActorTrainer(model, cfg, cpu, dtype, ctx if distributed else None)
+        with torch.no_grad(), adapters_disabled(model):  # the sharded model's first forward: the reference
+            ref, _ = packed_response_logprobs(model, **inputs(), temperature=1.0, dtype=trainer.dtype)
+        for step in range(2):
+            trainer.train_step(batch, step)
+        check_frozen(model, before, dtype)
+        return ref * inputs()["response_mask"], adapter_state(model), merged_weights(model)
+
+    def max_diff(a, b):
+        assert a.keys() == b.keys()
+        return max((a[k] - b[k]).abs().max().item() for k in a)
+
+    ref, sharded, merged = train_actor(torch.float32, True)
+    ref1, single, merged1 = train_actor(torch.float32, False)
+    initial = adapter_state(with_lora(plain(), target_modules=targets))
+    assert len(sharded) == 12 and all(not torch.equal(sharded[k], initial[k]) for k in sharded)  # all trained
+    diff = max(max_diff(sharded, single), max_diff(merged, merged1), (ref - ref1).abs().max().item())
+    assert diff <= 1e-6, diff
+    _, bf16, _ = train_actor(torch.bfloat16, True)  # frozen bf16 shards beside float32 adapter shards
     assert all(torch.isfinite(t).all() and t.dtype == torch.float32 for t in bf16.values())
+
+    critic = with_lora(build_value_model(plain(), seed=0), dtype=torch.bfloat16, target_modules=targets)
+    before = frozen(critic)
+    CriticTrainer(critic, TrainConfig(role="critic", lr=1e-2, micro_batch_size=1), cpu, torch.bfloat16, ctx).train_step(
+        batch, 0
+    )
+    check_frozen(critic, before, torch.bfloat16)
+    assert all(torch.isfinite(t).all() for t in adapter_state(critic).values())
     print(f"rank {{ctx.rank}}: 2 ranks == 1 rank within {{diff:.2e}}", flush=True)
     exit_process(0)
 """)

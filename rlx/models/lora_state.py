@@ -15,6 +15,7 @@ the sample keeps it cheap on any device (a base that differs only at unsampled p
 from __future__ import annotations
 
 import hashlib
+import json
 
 import torch
 
@@ -43,6 +44,8 @@ def load_adapter_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor],
     """Copy `tensors` (from `adapter_state`) into a model with the same adapters, before any sharding; names
     missing on either side and shape mismatches (another rank or target set) are UserErrors."""
     params = {hf_name(n): p for n, p in trained_parameters(model).items()}
+    if any(hasattr(p, "full_tensor") for p in params.values()):
+        raise ValueError("load the adapter state before sharding the model (FSDP)")
     missing = [n for n in params if n not in tensors]
     unknown = [n for n in tensors if n not in params]
     if unknown:
@@ -72,7 +75,9 @@ def base_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _config_dict(config) -> dict:
-    return {k: v for k, v in sorted(config.to_dict().items()) if not k.startswith("_") and k not in _BOOKKEEPING}
+    """The config as JSON reads it back (tuples as lists), bookkeeping keys left out."""
+    kept = {k: v for k, v in sorted(config.to_dict().items()) if not k.startswith("_") and k not in _BOOKKEEPING}
+    return json.loads(json.dumps(kept, default=str))
 
 
 def _sample(tensor: torch.Tensor) -> bytes:
