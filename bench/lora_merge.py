@@ -3,7 +3,7 @@
     python bench/lora_merge.py                   # tiny and ~100M Llama shapes, rank 16 all-linear, CPU float32
     python bench/lora_merge.py --device cuda --dtype bfloat16
 
-For each shape it times (medians): one in-place refresh of a plain replica from the LoRA model
+For each shape it times (best of 7): one in-place refresh of a plain replica from the LoRA model
 (`refresh_merged_weights`, adapted weights only, as after each update), and one decode step (a batch of
 single tokens on a KV cache of --context tokens) and one prefill (--batch x --context tokens) of the plain
 model and of the model with unmerged adapters. The break-even is the number of decode steps after which
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import time
 
 import torch
@@ -39,7 +38,8 @@ def sync(device: torch.device) -> None:
 
 
 def timed(fn, device: torch.device, warmup: int = 2, iters: int = 7) -> float:
-    """Median milliseconds of fn()."""
+    """Fastest of `iters` calls of fn(), in milliseconds (the minimum: other work on a shared machine only ever
+    adds time)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -49,7 +49,7 @@ def timed(fn, device: torch.device, warmup: int = 2, iters: int = 7) -> float:
         fn()
         sync(device)
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return min(times)
 
 
 def forward_costs(model, batch: int, context: int, device: torch.device) -> tuple[float, float]:

@@ -192,6 +192,8 @@ def test_packed_equals_padded_and_only_adapters_get_gradients(family):
         if not packed:
             padded = logp.detach()
     assert (logprobs(model, True) - padded).abs().max() < 1e-5
+    for packed in (False, True):  # the fused path reads the (untouched) LM head's weight
+        assert (logprobs(model, packed, impl="chunked") - padded).abs().max() < 1e-5
     assert set(grads[0]) == set(grads[1]) == {n for n in dict(model.named_parameters()) if ".lora_" in n}
     for name, grad in grads[0].items():
         assert grad.abs().max() > 0, name

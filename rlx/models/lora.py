@@ -94,7 +94,7 @@ def linear_module_names(model: torch.nn.Module) -> list[str]:
     return [
         f"{prefix}.{name}" if name else prefix
         for name, module in backbone(model).named_modules()
-        if type(module) is torch.nn.Linear
+        if isinstance(module, torch.nn.Linear)
     ]
 
 
@@ -174,10 +174,10 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Inside the block `model` computes exactly what its base model computes (each adapted layer calls its
     base layer alone); a no-op for a plain model.
 
-    PEFT's own switch (`enable_adapters(False)`) also clears the adapters' requires_grad and sets it again
-    afterwards; FSDP2 copies requires_grad into its unsharded parameters once, at the first all-gather, so a
-    first forward inside such a block would freeze the adapters for good. This switch only sets the layers'
-    disabled flag and restores it."""
+    PEFT's own switch (`enable_adapters(False)`) also clears the adapters' requires_grad for the block. FSDP2
+    reads requires_grad when it initialises lazily at the first forward (the trainable parameters fix its
+    gradient dtypes), and the reference pass is often that first forward; so this switch leaves requires_grad
+    alone: it only sets the layers' disabled flag, and restores it."""
     layers = list(lora_layers(model).values())
     previous = [layer._disable_adapters for layer in layers]
     for layer in layers:
