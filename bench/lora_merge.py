@@ -1,0 +1,109 @@
+"""LoRA for rollouts: merging the adapters into a plain replica in place vs running them unmerged.
+
+    python bench/lora_merge.py                   # tiny and ~100M Llama shapes, rank 16 all-linear, CPU float32
+    python bench/lora_merge.py --device cuda --dtype bfloat16
+
+For each shape it times (best of 7): one in-place refresh of a plain replica from the LoRA model
+(`refresh_merged_weights`, adapted weights only, as after each update), and one decode step (a batch of
+single tokens on a KV cache of --context tokens) and one prefill (--batch x --context tokens) of the plain
+model and of the model with unmerged adapters. The break-even is the number of decode steps after which
+the unmerged adapters have cost more than one merge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from rlx.models.lora import apply_lora
+from rlx.models.lora_config import LoraConfig
+from rlx.models.lora_merge import refresh_merged_weights
+
+SHAPES = {
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 19},
+    "100M": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
+             "num_key_value_heads": 4, "vocab_size": 32000},
+}  # fmt: skip
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: torch.device, warmup: int = 2, iters: int = 7) -> float:
+    """Fastest of `iters` calls of fn(), in milliseconds (the minimum: other work on a shared machine only ever
+    adds time)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return min(times)
+
+
+def forward_costs(model, batch: int, context: int, device: torch.device) -> tuple[float, float]:
+    """(decode step ms, prefill ms) of `model`."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, model.config.vocab_size, (batch, context), generator=gen).to(device)
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+        token = ids[:, -1:]
+
+        def decode():
+            model(input_ids=token, past_key_values=cache, use_cache=True)
+            cache.crop(-1)  # drop the step's token: the same context length every time
+
+        return timed(decode, device), timed(lambda: model(input_ids=ids, use_cache=False), device)
+
+
+def measure(name: str, args, device: torch.device, dtype: torch.dtype) -> dict:
+    config = LlamaConfig(**SHAPES[name], tie_word_embeddings=True, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    lora = apply_lora(copy.deepcopy(plain), LoraConfig(rank=args.rank, init="random"), dtype).to(device).eval()
+    replica = plain.to(device, dtype)
+    refresh_merged_weights(replica, lora)  # the first refresh copies everything once
+    merge_ms = timed(lambda: refresh_merged_weights(replica, lora, include_frozen=False), device)
+    plain_decode, plain_prefill = forward_costs(replica, args.batch, args.context, device)
+    lora_decode, lora_prefill = forward_costs(lora, args.batch, args.context, device)
+    extra = lora_decode - plain_decode
+    return {
+        "shape": name,
+        "params_m": round(sum(p.numel() for p in plain.parameters()) / 1e6, 1),
+        "merge_in_place_ms": round(merge_ms, 2),
+        "decode_step_ms": {"merged": round(plain_decode, 2), "unmerged_lora": round(lora_decode, 2)},
+        "prefill_ms": {"merged": round(plain_prefill, 2), "unmerged_lora": round(lora_prefill, 2)},
+        "break_even_decode_steps": round(merge_ms / extra, 1) if extra > 0 else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=16, help="sequences per decode step / prefill")
+    parser.add_argument("--context", type=int, default=128, help="tokens in the KV cache / in each prefill row")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (a shared machine: 1 is steadiest)")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    torch.set_num_threads(args.threads)
+    print(f"device {device}, {dtype}, torch threads {torch.get_num_threads()}, rank {args.rank} all-linear")
+    for name in args.shapes:
+        print(json.dumps(measure(name, args, device, dtype)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

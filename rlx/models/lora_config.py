@@ -1,0 +1,54 @@
+"""LoraConfig: the settings of low-rank adapters on a policy or value model (no torch import, so recipes and
+`--help` stay fast; the adapters themselves are built by rlx.models.lora)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlx.config import check, check_choices
+
+ALL_LINEAR = "all-linear"
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, PEFT's layers): W x + (alpha / rank) B A x on each targeted linear layer, with
+    the base weights frozen and only A [rank, in] and B [out, rank] trained."""
+
+    rank: int = 16
+    """Rank of each adapter (the inner size of B A); must be > 0."""
+    alpha: float = 32.0
+    """Scale numerator: the adapter's output is multiplied by alpha / rank; must be > 0."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training, in [0, 1)."""
+    target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
+    """Linear layers to adapt, each name matching module paths that end with it ('q_proj', 'mlp.down_proj',
+    'layers.0.self_attn.q_proj'), or ['all-linear']: every linear layer of the backbone (not the LM head, not
+    a value head)."""
+    init: Literal["default", "gaussian", "random"] = "default"
+    """Adapter initialisation: 'default' (A Kaiming-uniform, B zero: the model starts as the base model),
+    'gaussian' (A normal with std 1/rank, B zero), 'random' (A and B both random: the adapters change the
+    model from the start; for tests and experiments)."""
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        check(self.rank > 0, "rank", f"must be > 0, got {self.rank}")
+        check(self.alpha > 0, "alpha", f"must be > 0, got {self.alpha}")
+        check(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
+        check(len(self.target_modules) > 0, "target_modules", "expected at least one module name or 'all-linear'")
+        check(
+            all(isinstance(t, str) and t.strip() for t in self.target_modules),
+            "target_modules",
+            f"expected non-empty module names, got {self.target_modules}",
+        )
+        check(
+            ALL_LINEAR not in self.target_modules or len(self.target_modules) == 1,
+            "target_modules",
+            f"'{ALL_LINEAR}' already covers every linear layer: give it alone, got {self.target_modules}",
+        )
+
+    @property
+    def scaling(self) -> float:
+        """alpha / rank: the factor on the adapter's output."""
+        return self.alpha / self.rank
