@@ -44,7 +44,8 @@ _SYSTEM_AND_TOOLS = (
 _TOOL_CALLS = (
     "{%- for call in (message.tool_calls or []) %}"
     "{%- set fn = call.function if call.function is defined else call %}"
-    "{{- ('\\n' if (body or not loop.first) else '') + '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{{- ('\\n' if (body or not loop.first) else '') + '<tool_call>\\n{\"name\": \"' + fn.name }}"
+    '{{- \'", "arguments": \' }}'
     "{%- if fn.arguments is string %}{{- fn.arguments }}{%- else %}{{- fn.arguments | tojson }}{%- endif %}"
     "{{- '}\\n</tool_call>' }}"
     "{%- endfor %}"

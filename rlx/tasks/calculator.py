@@ -38,7 +38,9 @@ _MAX_DIGITS = 60
 _INTEGER = re.compile(r"-?\d+")
 
 
-def generate_calculator(num: int, seed: int = 0, digits: int = 3, ops: str = "*", id_prefix: str = "calc") -> list[dict]:
+def generate_calculator(
+    num: int, seed: int = 0, digits: int = 3, ops: str = "*", id_prefix: str = "calc"
+) -> list[dict]:
     """`num` prompt records {id, prompt: "123*456", data_source: 'calculator', ground_truth}, deterministic."""
     unknown = set(ops) - set(OPS)
     if unknown or not ops:

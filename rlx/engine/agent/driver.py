@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from rlx.engine.agent.config import AgentConfig
-from rlx.engine.agent.environment import Environment, EnvironmentFactory, CallPool
+from rlx.engine.agent.environment import CallPool, Environment, EnvironmentFactory
 from rlx.engine.agent.protocol import Generated, TokenEngine, TokenRequest
 from rlx.engine.agent.records import FINISH_REASONS, trajectory_record
 from rlx.engine.agent.tool_calls import ParsedTurn, get_tool_call_parser, tool_error_messages
@@ -87,7 +87,8 @@ class EnvRollout:
             return env, *env.reset()
 
         began = time.perf_counter()
-        calls = [(lambda ep=ep: start(ep), f"environment {self.envs.spec} for sample {ep.sample_id!r}") for ep in episodes]
+        where = f"environment {self.envs.spec} for sample"
+        calls = [(lambda ep=ep: start(ep), f"{where} {ep.sample_id!r}") for ep in episodes]
         outcomes = pool.run(calls)
         self._seconds["env"] += time.perf_counter() - began
         for ep, outcome in zip(episodes, outcomes):

@@ -71,8 +71,9 @@ def check_messages(value: Any, where: str, allow_empty: bool) -> list[dict]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise EnvError(f"{where} returned message {i} = {_describe(message)}, expected a dict with a 'role' string")
         if not isinstance(message.get("content"), str):
-            raise EnvError(f"{where} returned message {i} with content {_describe(message.get('content'))}, "
-                           "expected a string")
+            raise EnvError(
+                f"{where} returned message {i} with content {_describe(message.get('content'))}, expected a string"
+            )
     return [dict(m) for m in value]
 
 
@@ -131,8 +132,9 @@ class EnvironmentFactory:
         obj = self.factory(record)
         for method in ("reset", "step"):
             if not callable(getattr(obj, method, None)):
-                raise EnvError(f"{env.where(f'{self.spec}(record)')} returned {_describe(obj)}, "
-                               f"which has no {method}() method")
+                raise EnvError(
+                    f"{env.where(f'{self.spec}(record)')} returned {_describe(obj)}, which has no {method}() method"
+                )
         env.obj = obj
         return env
 
@@ -173,7 +175,8 @@ class CallPool:
         outcomes = [Outcome() for _ in calls]
         pending = set(futures)
         while pending:
-            done, pending = wait(pending, timeout=self._next_deadline(wrapped, pending, futures), return_when=FIRST_COMPLETED)
+            timeout = self._next_deadline(wrapped, pending, futures)
+            done, pending = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
             for future in done:
                 outcomes[futures[future]] = self._outcome(future, wrapped[futures[future]])
             now = time.monotonic()

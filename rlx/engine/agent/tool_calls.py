@@ -8,6 +8,7 @@ crash: its problem goes back to the model as a tool message (`tool_error_message
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Callable
@@ -43,10 +44,8 @@ def _read_call(body: str, number: int) -> tuple[dict | None, str | None]:
         return None, f'tool call {number} must be a JSON object with a "name" string'
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
     if not isinstance(arguments, dict):
         return None, f'tool call {number} ("{call["name"]}"): "arguments" must be a JSON object'
     return {"name": call["name"], "arguments": arguments}, None
@@ -66,7 +65,8 @@ def parse_qwen(text: str, turn: int) -> ParsedTurn:
     if "<tool_call>" in rest:
         errors.append("a <tool_call> block is not closed with </tool_call>")
         rest = rest[: rest.index("<tool_call>")]
-    message = {"role": "assistant", "content": rest.strip()}
+    # without tool calls the text is the content as generated; around calls, the template re-adds the spacing
+    message = {"role": "assistant", "content": rest.strip() if calls or errors else text}
     if calls:
         message["tool_calls"] = calls
     return ParsedTurn(message, errors)

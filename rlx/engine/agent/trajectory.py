@@ -54,7 +54,8 @@ class ChatRenderer:
             )
         except Exception as e:  # jinja errors, raise_exception() in templates
             roles = ",".join(str(m.get("role")) for m in messages)
-            raise UserError(f"the chat template failed on messages with roles [{roles}]: {type(e).__name__}: {e}")
+            problem = f"{type(e).__name__}: {e}"
+            raise UserError(f"the chat template failed on messages with roles [{roles}]: {problem}") from None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
