@@ -143,7 +143,8 @@ def test_qwen_parser_reports_malformed_calls_instead_of_raising():
 
 def test_parser_registry():
     assert get_tool_call_parser("hermes") is parse_qwen
-    assert get_tool_call_parser("none")("<tool_call>{}</tool_call>", 0).message["content"] == "<tool_call>{}</tool_call>"
+    plain = "<tool_call>{}</tool_call>"
+    assert get_tool_call_parser("none")(plain, 0).message["content"] == plain
     with pytest.raises(UserError, match="unknown tool parser 'xml'"):
         get_tool_call_parser("xml")
     with pytest.raises(ConfigError, match="tool_parser"):
@@ -200,7 +201,8 @@ CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}
 def test_trajectory_decodes_to_the_conversation_qwen25():
     tokenizer, renderer, traj, rewards = calculator_episode("qwen2.5", "I will use it.\n" + CALL, "It is 408.")
     assert rewards == [0.0, 1.0]
-    assert traj.messages[1]["tool_calls"][0]["function"] == {"name": "calculator", "arguments": '{"expression": "12*34"}'}
+    function = {"name": "calculator", "arguments": '{"expression": "12*34"}'}
+    assert traj.messages[1]["tool_calls"][0]["function"] == function
     assert traj.messages[2] == {"role": "tool", "tool_call_id": "call_0_0", "content": "408"}
     text = tokenizer.decode(traj.token_ids())
     assert text + "\n" == renderer.render_text(traj.messages, add_generation_prompt=False)
@@ -269,7 +271,7 @@ def test_env_rollout_is_token_exact(envs_file, style):
         assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(again.logprobs, logprobs))
     for rec in records:
         ids, mask = rec["response_ids"], rec["loss_mask"]
-        for n, (lo, hi, value) in enumerate(s for s in spans(mask) if not s[2]):
+        for n, (lo, hi, _) in enumerate(s for s in spans(mask) if not s[2]):
             assert tokenizer.decode(ids[lo:hi]) == (
                 f"\n<|im_start|>user\n<tool_response>\n{n + 1}\n</tool_response><|im_end|>\n"
                 f"<|im_start|>user\nagain<|im_end|>\n{gen_prompt}"
