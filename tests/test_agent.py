@@ -7,79 +7,21 @@ import json
 import math
 
 import pytest
-from agent_models import bigram_chat_model, random_chat_model, token_engine
+from agent_helpers import ENVS, QUESTIONS, bigram_chat_model, random_chat_model, spans, token_engine
 
 from rlx.config import ConfigError, from_dict
 from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.driver import EnvRollout
 from rlx.engine.agent.environment import EnvironmentFactory
 from rlx.engine.agent.protocol import TokenRequest
+from rlx.engine.agent.run import run_multi_turn_rollout
 from rlx.engine.agent.tool_calls import get_tool_call_parser, parse_qwen, tool_error_messages
 from rlx.engine.agent.trajectory import ChatRenderer, Trajectory
-from rlx.engine.records import PromptRecord
 from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.scoring.rewards import RewardFunctions
 from rlx.errors import UserError
 from rlx.models.tiny_chat import build_chat_tokenizer
 from rlx.tasks import calculator
-
-ENVS = '''
-import time
-
-class Echo:
-    """A tool result and 'again' after each turn; the episode ends at the third assistant turn."""
-
-    def __init__(self, record):
-        self.question, self.turns = record["prompt"], 0
-
-    def reset(self):
-        return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": self.question}]
-
-    def step(self, message):
-        assert message["role"] == "assistant" and isinstance(message["content"], str)
-        self.turns += 1
-        if self.turns == 3:
-            return [], 1.0, True
-        return [{"role": "tool", "content": str(self.turns)}, {"role": "user", "content": "again"}], 0.25, False
-
-
-class NeverStepped(Echo):
-    def step(self, message):
-        raise AssertionError("step() must not run")
-
-
-class Raises(Echo):
-    def step(self, message):
-        raise ValueError("boom")
-
-
-class Slow(Echo):
-    def step(self, message):
-        time.sleep(1.0)
-        return [], 0.0, True
-
-
-class BadReward(Echo):
-    def step(self, message):
-        return [], "1", False
-
-
-class BadReset(Echo):
-    def reset(self):
-        return "hello"
-
-
-class NoStep:
-    def __init__(self, record):
-        pass
-
-    def reset(self):
-        return [{"role": "user", "content": "hi"}]
-
-
-NOT_CALLABLE = 3
-'''
-
-QUESTIONS = [PromptRecord(id=f"q{i}", prompt=f"say {i}") for i in range(2)]
 
 
 @pytest.fixture
@@ -94,16 +36,6 @@ def rollout(model_and_tokenizer, env: str, sampling: RolloutConfig | None = None
     engine, stop_ids = token_engine(model, tokenizer)
     sampling = sampling or RolloutConfig(n=2, max_new_tokens=12, temperature=1.0, seed=3)
     return EnvRollout(engine, tokenizer, stop_ids, sampling, AgentConfig(env=env, **agent))
-
-
-def spans(mask: list[int]) -> list[tuple[int, int, int]]:
-    """(start, end, value) of each run of equal values in a loss mask."""
-    out, start = [], 0
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            out.append((start, i, mask[start]))
-            start = i
-    return out
 
 
 # ----------------------------------------------------------------------------------------------- tool calls
@@ -293,13 +225,15 @@ def test_limits_end_episodes(envs_file):
         assert rec.finish_reason in ("max_turns", "length") and rec.extra["num_turns"] <= 2
         if rec.finish_reason == "max_turns":  # the last reply is in the messages, not in the tokens
             assert rec.extra["messages"][-1] == {"role": "user", "content": "again"}
-            assert rec.extra["loss_mask"][-1] == 1
+            assert rec.extra["loss_mask"][-1] == 1 and rec.extra["env_reward"] == 0.5  # both turns were stepped
     short = rollout(model, f"{envs_file}:Echo", max_total_tokens=60).generate(QUESTIONS)
     assert {r.finish_reason for r in short} == {"length"}
     assert all(len(r.prompt_ids) + len(r.response_ids) <= 60 for r in short)
     one_token = RolloutConfig(n=1, max_new_tokens=1, temperature=1.0, seed=0)
     cut = rollout(random_chat_model(stop_bias=-10.0), f"{envs_file}:Echo", one_token).generate(QUESTIONS)
     assert [(r.finish_reason, len(r.response_ids)) for r in cut] == [("length", 1), ("length", 1)]
+    reward = RewardFunctions(["rlx.engine.agent.records:env_reward"]).compute(capped[0])
+    assert reward.error is None and reward.score == capped[0].extra["env_reward"] > 0
     with pytest.raises(UserError, match="opening prompt has .* not below max_total_tokens = 10"):
         rollout(model, f"{envs_file}:Echo", max_total_tokens=10).generate(QUESTIONS)
 
@@ -393,3 +327,29 @@ def test_calculator_tool_reward_and_prompts(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["calculator", "--out", str(out), "--num", "3"])
     calculator.main()
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["calc-0", "calc-1", "calc-2"]
+
+
+def test_stage_writes_multi_turn_records(tmp_path):
+    model, tokenizer = random_chat_model()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in calculator.generate_calculator(3, digits=2)))
+    sampling = RolloutConfig(n=2, max_new_tokens=6, temperature=1.0, seed=5)
+    env = AgentConfig(env="rlx.tasks.calculator:CalculatorEnv", max_turns=2)
+    out, metrics = tmp_path / "rollouts.jsonl", tmp_path / "metrics.jsonl"
+    stats = run_multi_turn_rollout(
+        sampling, env, str(tmp_path / "model"), str(prompts), str(out), num_prompts=2, metrics_path=metrics
+    )
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in lines] == ["calc-0/0", "calc-0/1", "calc-1/0", "calc-1/1"]
+    for r in lines:
+        assert {"loss_mask", "messages", "num_turns", "env_reward", "finish_reason", "rollout_logprobs"} <= r.keys()
+        assert r["messages"][0] == {"role": "user", "content": r["prompt"]} and r["data_source"] == "calculator"
+        assert r["finish_reason"] in ("env_done", "length", "max_turns") and r["num_turns"] <= 2
+        assert tokenizer.decode(r["prompt_ids"]).startswith(
+            "<|im_start|>system\nTools:\n<tools>\ncalculator(expression)"
+        )
+    assert json.loads(metrics.read_text())["env/reward_mean"] == stats["env/reward_mean"]
+    with pytest.raises(UserError, match="exactly one of --env and --agent"):
+        run_multi_turn_rollout(sampling, env, str(tmp_path / "model"), str(prompts), str(out), agent="a.py:f")

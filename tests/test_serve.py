@@ -11,8 +11,7 @@ import urllib.request
 
 import openai
 import pytest
-from agent_models import random_chat_model, token_engine
-from test_agent import ENVS, QUESTIONS, spans
+from agent_helpers import ENVS, QUESTIONS, random_chat_model, spans, token_engine
 
 from rlx.engine.agent.agents import AgentRollout
 from rlx.engine.agent.backend import BatchingBackend

@@ -62,12 +62,12 @@ class EnvRollout:
         self.envs = envs or EnvironmentFactory(cfg.env)
         self.parse = get_tool_call_parser(cfg.tool_parser)
         self.last_stats: dict[str, float] = {}
-        self._seconds = {"generate": 0.0, "env": 0.0}
+        self._seconds = {"generate": 0.0, "env": 0.0, "render": 0.0}
 
     def generate(self, prompts: list[PromptRecord]) -> list[RolloutRecord]:
         """`sampling.n` episodes per prompt, in prompt order then sample order."""
         episodes = [Episode(p, i) for p in prompts for i in range(self.sampling.n)]
-        self._seconds = {"generate": 0.0, "env": 0.0}
+        self._seconds = {"generate": 0.0, "env": 0.0, "render": 0.0}
         pool = CallPool(self.cfg.env_workers, self.cfg.env_timeout_s)
         try:
             self._start(episodes, pool)
@@ -95,8 +95,10 @@ class EnvRollout:
             if outcome.error:  # no opening messages: nothing to score, whatever on_env_error says
                 raise UserError(outcome.error)
             ep.env, messages, tools = outcome.value
+            began = time.perf_counter()
             ep.renderer = ChatRenderer(self.tokenizer, self.stop_ids, tools, self.cfg.chat_template_kwargs)
             ep.trajectory = Trajectory(ep.renderer.opening_ids(messages), copy.deepcopy(messages))
+            self._seconds["render"] += time.perf_counter() - began
             if ep.trajectory.num_tokens >= self.cfg.max_total_tokens:
                 raise UserError(
                     f"sample {ep.sample_id!r}: the opening prompt has {ep.trajectory.num_tokens} tokens, "
@@ -168,7 +170,9 @@ class EnvRollout:
             traj.messages += copy.deepcopy(replies)
             ep.finish_reason = "env_done" if done else "max_turns" if replies else "stop"
             return
+        began = time.perf_counter()
         ids = ep.renderer.turn_end_ids(ep.last_turn_ids) + ep.renderer.message_ids(replies)
+        self._seconds["render"] += time.perf_counter() - began
         traj.messages += copy.deepcopy(replies)
         if traj.num_tokens + len(ids) >= self.cfg.max_total_tokens:  # no room left for a model token
             ep.finish_reason = "length"
@@ -199,6 +203,7 @@ class EnvRollout:
             "env/errors": float(sum(ep.env_error is not None for ep in episodes)),
             "timing/generate_s": self._seconds["generate"],
             "timing/env_s": self._seconds["env"],
+            "timing/render_s": self._seconds["render"],
             "perf/rollout_tokens_per_s": model_tokens / max(self._seconds["generate"], 1e-9),
         }
         for reason in FINISH_REASONS:

@@ -50,3 +50,11 @@ def trajectory_record(
         ground_truth=prompt.ground_truth,
         extra={**prompt.extra, **fields},
     )
+
+
+def env_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """The episode's environment reward as a reward function (`--reward rlx.engine.agent.records:env_reward`):
+    rlx score hands a rollout's extra fields, `env_reward` among them, to reward functions in `extra_info`."""
+    if not extra_info or "env_reward" not in extra_info:
+        raise ValueError("the rollout has no env_reward (it is not a multi-turn environment rollout)")
+    return float(extra_info["env_reward"])

@@ -6,7 +6,9 @@ Routes (POST bodies as the OpenAI API takes them; non-streaming, one choice):
     /s/<sample_id>/v1/models             GET: the served model
     /v1/...                              the same for the sample 'default'
 `base_url(sample_id)` is what an agent gives its OpenAI client. Handler threads plan the request in
-the sample's session (sessions.py), wait for the batching backend, and record the result. Sampling
+the sample's session (sessions.py), wait for the batching backend, and record the result; requests of
+one sample are handled one at a time, in arrival order, and an agent's turn count is its own (no
+max_turns here). Sampling
 settings are the server's (the trainer must know the temperature); a request's `max_tokens` may
 only lower the per-turn limit. The whole context of a sample is capped at `max_total_tokens`: a
 request past it gets HTTP 400 with code 'context_length_exceeded', as OpenAI answers.
@@ -72,6 +74,8 @@ class AgentServer:
         self.sampling, self.cfg, self.model_name = sampling, cfg, model_name
         self.sessions: dict[str, SampleSession] = {}
         self._sessions_lock = threading.Lock()
+        # a fast tokenizer's Rust core may refuse calls from two threads at once ("Already borrowed")
+        self._tokenizer_lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
         self._httpd.daemon_threads = True
         self._httpd.app = self
@@ -159,11 +163,13 @@ class AgentServer:
             raise RequestError(400, "'tools' must be a list of function schemas")
         with session.lock:
             try:
-                plan = session.plan_chat(messages, tools)
+                with self._tokenizer_lock:
+                    plan = session.plan_chat(messages, tools)
             except (KeyError, TypeError, ValueError) as e:
                 raise RequestError(400, f"a message could not be read: {type(e).__name__}: {e}") from None
             gen = self._generate(session, plan.context_ids, request)
-            message, _ = session.commit(plan, gen)
+            with self._tokenizer_lock:
+                message, _ = session.commit(plan, gen)
         reason = "length" if gen.finish_reason == "length" else "tool_calls" if message.get("tool_calls") else "stop"
         choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
         return self._reply("chat.completion", choice, len(plan.context_ids), len(gen.response_ids))
@@ -176,9 +182,11 @@ class AgentServer:
         if not (isinstance(prompt, str) and prompt) and not (is_ids and prompt):
             raise RequestError(400, "'prompt' must be a non-empty string or a list of token ids")
         with session.lock:
-            plan = session.plan_completion(prompt)
+            with self._tokenizer_lock:
+                plan = session.plan_completion(prompt)
             gen = self._generate(session, plan.context_ids, request)
-            text, _ = session.commit(plan, gen)
+            with self._tokenizer_lock:
+                text, _ = session.commit(plan, gen)
         choice = {"index": 0, "text": text, "finish_reason": gen.finish_reason, "logprobs": None}
         return self._reply("text_completion", choice, len(plan.context_ids), len(gen.response_ids))
 

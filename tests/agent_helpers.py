@@ -1,4 +1,4 @@
-"""Tiny chat models for the multi-turn tests, with weights set so their turns end (no training needed).
+"""Shared by the multi-turn tests: tiny chat models whose turns end (no training), toy environments, mask spans.
 
 - `random_chat_model`: random weights, untied output head; one embedding dimension is constant, and
   the head reads it to forbid the special and markup tokens and to make <|im_end|> likely, so sampled
@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlx.engine.agent.hf_tokens import HFTokenEngine
+from rlx.engine.records import PromptRecord
 from rlx.engine.rollout.hf import HFRolloutEngine
 from rlx.models.tiny import SPECIAL_TOKENS
 from rlx.models.tiny_chat import MARKUP_TOKENS, build_chat_tokenizer, tiny_chat_config
@@ -67,3 +68,73 @@ def token_engine(model, tokenizer) -> tuple[HFTokenEngine, set[int]]:
     """The token-level engine over today's hf engine, and the stop ids."""
     engine = HFRolloutEngine(model, tokenizer, torch.device("cpu"), torch.float32)
     return HFTokenEngine(engine), engine.stop_ids
+
+
+ENVS = '''
+import time
+
+class Echo:
+    """A tool result and 'again' after each turn; the episode ends at the third assistant turn."""
+
+    def __init__(self, record):
+        self.question, self.turns = record["prompt"], 0
+
+    def reset(self):
+        return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": self.question}]
+
+    def step(self, message):
+        assert message["role"] == "assistant" and isinstance(message["content"], str)
+        self.turns += 1
+        if self.turns == 3:
+            return [], 1.0, True
+        return [{"role": "tool", "content": str(self.turns)}, {"role": "user", "content": "again"}], 0.25, False
+
+
+class NeverStepped(Echo):
+    def step(self, message):
+        raise AssertionError("step() must not run")
+
+
+class Raises(Echo):
+    def step(self, message):
+        raise ValueError("boom")
+
+
+class Slow(Echo):
+    def step(self, message):
+        time.sleep(1.0)
+        return [], 0.0, True
+
+
+class BadReward(Echo):
+    def step(self, message):
+        return [], "1", False
+
+
+class BadReset(Echo):
+    def reset(self):
+        return "hello"
+
+
+class NoStep:
+    def __init__(self, record):
+        pass
+
+    def reset(self):
+        return [{"role": "user", "content": "hi"}]
+
+
+NOT_CALLABLE = 3
+'''
+
+QUESTIONS = [PromptRecord(id=f"q{i}", prompt=f"say {i}") for i in range(2)]
+
+
+def spans(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(start, end, value) of each run of equal values in a loss mask."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((start, i, mask[start]))
+            start = i
+    return out
