@@ -167,6 +167,26 @@ def test_trajectory_keeps_the_think_blocks_a_qwen3_template_drops():
     assert tokenizer.decode(appended) == "\n<|im_start|>user\nand 2*3?<|im_end|>\n<|im_start|>assistant\n"
 
 
+STRICT_TEMPLATE = (  # no system role, roles must alternate (as some model families' templates insist)
+    "{%- for m in messages %}{%- if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{%- endif %}{%- if (m.role == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('roles must alternate') }}"
+    "{%- endif %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_new_message_tokens_under_other_templates():
+    tokenizer = build_chat_tokenizer("qwen2.5")
+    tokenizer.chat_template = STRICT_TEMPLATE
+    renderer = ChatRenderer(tokenizer, {tokenizer.eos_token_id})
+    more = renderer.message_ids([{"role": "user", "content": "more"}])
+    assert tokenizer.decode(more) == "<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(renderer.closing_ids) == "<|im_end|>\n"
+    tokenizer.chat_template = "{%- for m in messages | reverse %}{{- m.role + ':' + m.content + '\\n' }}{%- endfor %}"
+    with pytest.raises(UserError, match=r"cannot add messages with roles \[user\] token-exactly: they do not extend"):
+        ChatRenderer(tokenizer, {tokenizer.eos_token_id}).message_ids([{"role": "user", "content": "more"}])
+
+
 def test_tokenizer_without_chat_template_is_a_clear_error(envs_file):
     tokenizer = build_chat_tokenizer(None)
     with pytest.raises(UserError, match="need a tokenizer with a chat template"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import urllib.error
 import urllib.request
 
@@ -229,5 +230,12 @@ def test_agent_errors_name_the_sample():
     assert [r.extra["env_reward"] for r in records] == [0.5, 0.0]
     assert "env_error" not in records[0].extra and "returned 'high'" in records[1].extra["env_error"]
     assert records[1].finish_reason == "env_done"
+
+    def sleepy(record, base_url):
+        chat_once(record, base_url)
+        time.sleep(2.0)
+
+    with pytest.raises(UserError, match="agent sleepy for sample q0/0 timed out after 0.3 s"):
+        run(sleepy, agent_timeout_s=0.3)
     with pytest.raises(UserError, match="--agent 'nowhere.py:agent': no such file"):
         run("nowhere.py:agent")

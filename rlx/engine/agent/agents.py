@@ -62,7 +62,8 @@ class AgentRollout:
             if session is None or not session.segments:
                 raise UserError(f"agent {self.name} for sample {prompt.id}/{index}: it never called its base_url")
             errors += outcome.error is not None
-            records.append(self._record(prompt, index, session, outcome.value, outcome.error))
+            with session.lock:  # a timed-out agent's last request may still be finishing
+                records.append(self._record(prompt, index, session, outcome.value, outcome.error))
         self.last_stats = _stats(records, errors, backend)
         return records
 

@@ -42,8 +42,16 @@ class BatchingBackend:
         return self.submit(request).result()
 
     def close(self) -> None:
+        """Finish the batch in progress, then fail whatever is still queued (its callers get an error)."""
         self._queue.put(None)
         self._thread.join()
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].set_exception(RuntimeError("the server is shutting down"))
 
     def _take_batch(self, first) -> tuple[list, bool]:
         """`first` and what else is queued (waiting up to gather_s); whether close() was asked for."""

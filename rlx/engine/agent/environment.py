@@ -12,10 +12,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,19 +161,38 @@ class _Call:
 
 
 class CallPool:
-    """Runs calls concurrently in threads; each must finish within `timeout_s` of starting.
+    """Runs calls concurrently in daemon threads; each must finish within `timeout_s` of starting.
 
     Python cannot stop a thread: a call past its timeout is abandoned (reported as an error) and keeps
-    its worker until it returns, so a pool full of hung calls waits for free workers."""
+    its worker until it returns, so a pool full of hung calls waits for free workers. The workers are
+    daemon threads, so a hung call never keeps the process from exiting."""
 
     def __init__(self, workers: int, timeout_s: float):
         self.timeout_s = timeout_s
-        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rlx-env")
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._work, name="rlx-env", daemon=True) for _ in range(workers)]
+        for worker in self._workers:
+            worker.start()
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            call, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as e:  # handed to the waiting side, which reports it
+                future.set_exception(e)
+
+    def submit(self, call: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        self._queue.put((call, future))
+        return future
 
     def run(self, calls: list[tuple[Callable[[], Any], str]]) -> list[Outcome]:
         """Outcomes of `(fn, where)` calls in order; `where` names the sample and method in errors."""
         wrapped = [_Call(fn, where) for fn, where in calls]
-        futures: dict[Future, int] = {self.executor.submit(c): i for i, c in enumerate(wrapped)}
+        futures: dict[Future, int] = {self.submit(c): i for i, c in enumerate(wrapped)}
         outcomes = [Outcome() for _ in calls]
         pending = set(futures)
         while pending:
@@ -205,5 +226,13 @@ class CallPool:
             return Outcome(error=f"{call.where} raised {type(e).__name__}: {e}")
 
     def close(self) -> None:
-        """Stop taking calls; abandoned (timed-out) calls are not waited for."""
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        """Cancel calls not started yet and let the workers end; abandoned (timed-out) calls are not waited for."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].cancel()
+        for _ in self._workers:
+            self._queue.put(None)

@@ -28,6 +28,7 @@ from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.protocol import TokenRequest
 from rlx.engine.agent.sessions import SampleSession
 from rlx.engine.rollout.config import RolloutConfig
+from rlx.errors import UserError
 
 _ROUTE = re.compile(r"^(?:/s/(?P<sample>[^/]+))?/v1/(?P<endpoint>chat/completions|completions|models)/?$")
 DEFAULT_SAMPLE = "default"
@@ -134,6 +135,8 @@ class AgentServer:
             return 200, self._completion(self.session(sample), request)
         except RequestError as e:
             return e.status, _error(str(e), e.code)
+        except UserError as e:  # e.g. a template that cannot render the messages, or no chat template
+            return 400, _error(str(e), "invalid_request")
         except Exception as e:  # the template, the engine: reported to the client, the server keeps serving
             return 500, _error(f"{type(e).__name__}: {e}", "server_error")
 

@@ -23,10 +23,10 @@ from rlx.errors import UserError
 _SYSTEM = {"role": "system", "content": "rlx"}
 _USER = {"role": "user", "content": "rlx"}
 _ASSISTANT = {"role": "assistant", "content": "rlx"}
-# Fixed conversations the new messages are rendered after: first one ending with a user turn (nothing
-# in it depends on what follows in the templates we know), then one ending with an assistant turn (for
-# templates that insist on alternating roles).
-_ANCHORS = ([_SYSTEM, _USER], [_SYSTEM, _USER, _ASSISTANT])
+# Fixed conversations the new messages are rendered after, tried in order: ending with a user turn
+# (nothing in it depends on what follows in the templates we know), without a system turn (templates
+# that refuse one), then ending with an assistant turn (templates that insist on alternating roles).
+_ANCHORS = ([_SYSTEM, _USER], [_USER], [_SYSTEM, _USER, _ASSISTANT], [_USER, _ASSISTANT])
 _CONTENT_MARK = "rlx-content-mark"
 
 
@@ -72,23 +72,32 @@ class ChatRenderer:
 
     def message_ids(self, messages: list[dict]) -> list[int]:
         """The template tokens of `messages` followed by the next assistant turn's generation prompt."""
+        problem = "they do not extend the conversation before them"
         for i, anchor in enumerate(_ANCHORS):
-            if i not in self._anchor_cache:
-                self._anchor_cache[i] = self.render_ids(anchor, add_generation_prompt=False)
-            base = self._anchor_cache[i]
-            full = self.render_ids([*anchor, *messages], add_generation_prompt=True)
+            try:
+                if i not in self._anchor_cache:
+                    self._anchor_cache[i] = self.render_ids(anchor, add_generation_prompt=False)
+                base = self._anchor_cache[i]
+                full = self.render_ids([*anchor, *messages], add_generation_prompt=True)
+            except UserError as e:  # this template refuses this anchor: try the next
+                problem = str(e)
+                continue
             if full[: len(base)] == base:
                 return full[len(base) :]
         roles = ",".join(str(m.get("role")) for m in messages)
-        raise UserError(
-            f"the chat template does not render new messages (roles [{roles}]) as an extension of the "
-            "conversation before them; they cannot be added token-exactly"
-        )
+        raise UserError(f"cannot add messages with roles [{roles}] token-exactly: {problem}")
 
     @functools.cached_property
     def closing_ids(self) -> list[int]:
         """The template tokens after an assistant message's content (e.g. `<|im_end|>` and a newline)."""
-        text = self.render_text([*_ANCHORS[0], {"role": "assistant", "content": _CONTENT_MARK}], False)
+        mark = {"role": "assistant", "content": _CONTENT_MARK}
+        text = ""
+        for anchor in (a for a in _ANCHORS if a[-1] is _USER):
+            try:
+                text = self.render_text([*anchor, mark], add_generation_prompt=False)
+                break
+            except UserError:
+                continue
         at = text.rfind(_CONTENT_MARK)
         if at < 0:
             raise UserError("the chat template does not write an assistant message's content; cannot end turns")
