@@ -41,13 +41,16 @@ def random_chat_model(style: str | None = "qwen2.5", seed: int = 0, stop_bias: f
     return model, tokenizer
 
 
-def bigram_chat_model(script: str, style: str | None = "qwen2.5"):
+def bigram_chat_model(script: str, style: str | None = "qwen2.5", extra_tokens: tuple[str, ...] = ()):
     """(model, tokenizer) that continues every token of `script` (whose tokens must each occur once, but
-    for the first) with the next one, and any other token with <|im_end|>."""
+    for the first) with the next one, and any other token with <|im_end|>. `extra_tokens` are added to
+    the tokenizer first (multi-character tokens let a script repeat characters)."""
     tokenizer = build_chat_tokenizer(style)
+    tokenizer.add_tokens(list(extra_tokens))
     vocab = len(tokenizer)
     model = _build(tokenizer, 0, hidden_size=-(-(vocab + 1) // 8) * 8, num_layers=1, intermediate_size=16)
     ids = tokenizer(script, add_special_tokens=False)["input_ids"]
+    assert len(set(ids[1:])) == len(ids) - 1, f"a token repeats in the script {script!r}"
     following = dict(zip(ids[:-1], ids[1:]))
     with torch.no_grad():
         for layer in model.model.layers:
@@ -138,3 +141,8 @@ def spans(mask: list[int]) -> list[tuple[int, int, int]]:
             out.append((start, i, mask[start]))
             start = i
     return out
+
+
+# A turn calling the calculator: each piece one token, so a bigram model can write it.
+CALC_PIECES = ('{"name": ', '"calculator"', ', "arguments": ', '{"expression": ', '"12*34"', "}}")
+CALC_SCRIPT = "\n<tool_call>" + "".join(CALC_PIECES) + "</tool_call><|im_end|>"

@@ -7,7 +7,16 @@ import json
 import math
 
 import pytest
-from agent_helpers import ENVS, QUESTIONS, bigram_chat_model, random_chat_model, spans, token_engine
+from agent_helpers import (
+    CALC_PIECES,
+    CALC_SCRIPT,
+    ENVS,
+    QUESTIONS,
+    bigram_chat_model,
+    random_chat_model,
+    spans,
+    token_engine,
+)
 
 from rlx.config import ConfigError, from_dict
 from rlx.engine.agent.config import AgentConfig
@@ -17,6 +26,7 @@ from rlx.engine.agent.protocol import TokenRequest
 from rlx.engine.agent.run import run_multi_turn_rollout
 from rlx.engine.agent.tool_calls import get_tool_call_parser, parse_qwen, tool_error_messages
 from rlx.engine.agent.trajectory import ChatRenderer, Trajectory
+from rlx.engine.records import PromptRecord
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.scoring.rewards import RewardFunctions
 from rlx.errors import UserError
@@ -273,6 +283,28 @@ def test_malformed_tool_call_goes_back_to_the_model(envs_file):
     assert tokenizer.decode(inserted[0]) == (
         f"\n<|im_start|>user\n<tool_response>\n{error}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_tool_calls_reach_the_environment():
+    """A model whose every turn calls the calculator: the calls are parsed, run by CalculatorEnv, and its
+    results enter the trajectory as inserted tokens; the model's own tokens stay as it wrote them."""
+    model, tokenizer = bigram_chat_model(CALC_SCRIPT, extra_tokens=CALC_PIECES)
+    sampling = RolloutConfig(n=1, max_new_tokens=16, temperature=1.0)
+    question = PromptRecord(id="c", prompt="12*34", ground_truth="408")
+    runner = rollout((model, tokenizer), "rlx.tasks.calculator:CalculatorEnv", sampling, max_turns=2)
+    [rec] = runner.generate([question])
+    assert (rec.finish_reason, rec.extra["num_turns"], rec.extra["env_reward"]) == ("max_turns", 2, 0.0)
+    call = {"name": "calculator", "arguments": '{"expression": "12*34"}'}
+    assert rec.extra["messages"][1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0_0", "type": "function", "function": call}]},
+        {"role": "tool", "tool_call_id": "call_0_0", "content": "408"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1_0", "type": "function", "function": call}]},
+        {"role": "tool", "tool_call_id": "call_1_0", "content": "408"},  # the reply after the last turn
+    ]
+    written = "<tool_call>" + "".join(CALC_PIECES) + "</tool_call><|im_end|>"  # no newlines: not the template's
+    tool_turn = "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(rec.response_ids) == written + tool_turn + written
+    assert [value for _, _, value in spans(rec.extra["loss_mask"])] == [1, 0, 1]
 
 
 # ---------------------------------------------------------------------------------- environment errors

@@ -12,7 +12,16 @@ import urllib.request
 
 import openai
 import pytest
-from agent_helpers import ENVS, QUESTIONS, random_chat_model, spans, token_engine
+from agent_helpers import (
+    CALC_PIECES,
+    CALC_SCRIPT,
+    ENVS,
+    QUESTIONS,
+    bigram_chat_model,
+    random_chat_model,
+    spans,
+    token_engine,
+)
 
 from rlx.engine.agent.agents import AgentRollout
 from rlx.engine.agent.backend import BatchingBackend
@@ -21,8 +30,10 @@ from rlx.engine.agent.driver import EnvRollout
 from rlx.engine.agent.protocol import TokenRequest
 from rlx.engine.agent.server import AgentServer
 from rlx.engine.agent.sessions import normalize_message
+from rlx.engine.records import PromptRecord
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.errors import UserError
+from rlx.tasks.calculator import CALCULATOR_TOOL, evaluate
 
 AGENT = '''
 from openai import OpenAI
@@ -90,6 +101,36 @@ def test_openai_agent_matches_the_python_environment(files, style):
         assert tokenizer.decode(rec.prompt_ids + rec.response_ids).count("<think>") == rec.extra["num_turns"] > 1
         assert rerendered.count("<think>") == 1  # only the last assistant turn keeps it
     assert runner.last_stats["serve/largest_batch"] > 1  # 4 agents at once: their requests were batched
+
+
+def calculator_agent(record, base_url):
+    """The calculator task as an OpenAI-client agent: runs the tool calls it gets back, for two turns."""
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": record["prompt"]}]
+    for _ in range(2):
+        choice = client.chat.completions.create(model="rlx", messages=messages, tools=[CALCULATOR_TOOL]).choices[0]
+        messages.append(choice.message.model_dump(exclude_none=True))
+        if choice.finish_reason != "tool_calls":
+            return float(choice.message.content == record["ground_truth"])
+        for call in choice.message.tool_calls:
+            value = evaluate(json.loads(call.function.arguments)["expression"])
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(value)})
+    return 0.0
+
+
+def test_tool_calls_in_replies_match_the_python_environment():
+    model, tokenizer = bigram_chat_model(CALC_SCRIPT, extra_tokens=CALC_PIECES)
+    engine, stop_ids = token_engine(model, tokenizer)
+    sampling = RolloutConfig(n=1, max_new_tokens=16, temperature=1.0)
+    cfg = AgentConfig(env="rlx.tasks.calculator:CalculatorEnv", max_turns=2)
+    question = [PromptRecord(id="c", prompt="12*34", ground_truth="408")]
+    [from_env] = EnvRollout(engine, tokenizer, stop_ids, sampling, cfg).generate(question)
+    [from_agent] = AgentRollout(engine, tokenizer, stop_ids, sampling, cfg, calculator_agent).generate(question)
+    assert from_agent.extra["num_turns"] == 2  # both replies came back with finish_reason 'tool_calls'
+    assert from_agent.prompt_ids == from_env.prompt_ids and from_agent.response_ids == from_env.response_ids
+    assert from_agent.extra["loss_mask"] == from_env.extra["loss_mask"]
+    assert from_agent.extra["messages"] == from_env.extra["messages"][:-1]  # the env's last reply is not sent
+    assert from_agent.extra["messages"][2] == {"role": "tool", "tool_call_id": "call_0_0", "content": "408"}
 
 
 def test_rewritten_history_starts_a_new_segment():
