@@ -70,16 +70,20 @@ def serve(model_and_tokenizer, sampling: RolloutConfig = SAMPLING, **agent) -> t
     return AgentServer(backend, tokenizer, stop_ids, sampling, AgentConfig(**agent)).start(), backend
 
 
-@pytest.mark.parametrize("style", ["qwen2.5", "qwen3"])
-def test_openai_agent_matches_the_python_environment(files, style):
-    """Same tokens, mask, logprobs, messages and reward; with the Qwen3-style template the history the
-    agent sends back re-renders without the generation prompt's think block, and rlx must not care."""
-    model, tokenizer = random_chat_model(style)
+@pytest.mark.parametrize(
+    ("style", "temperature", "stop_bias"), [("qwen2.5", 1.0, 0.3), ("qwen3", 1.0, 0.3), ("qwen2.5", 0.0, 0.05)]
+)
+def test_openai_agent_matches_the_python_environment(files, style, temperature, stop_bias):
+    """Same tokens, mask, logprobs, messages and reward, sampled (each turn's random stream is keyed by
+    sample and turn) or greedy; with the Qwen3-style template the history the agent sends back
+    re-renders without the generation prompt's think block, and rlx must not care."""
+    model, tokenizer = random_chat_model(style, stop_bias=stop_bias)
     engine, stop_ids = token_engine(model, tokenizer)
+    sampling = RolloutConfig(n=2, max_new_tokens=12, temperature=temperature, seed=3)
     kwargs = {"chat_template_kwargs": {"enable_thinking": False}} if style == "qwen3" else {}
     cfg = AgentConfig(env=f"{files}/envs.py:Echo", max_total_tokens=400, **kwargs)
-    from_env = EnvRollout(engine, tokenizer, stop_ids, SAMPLING, cfg).generate(QUESTIONS)
-    runner = AgentRollout(engine, tokenizer, stop_ids, SAMPLING, cfg, f"{files}/agent.py:echo_agent")
+    from_env = EnvRollout(engine, tokenizer, stop_ids, sampling, cfg).generate(QUESTIONS)
+    runner = AgentRollout(engine, tokenizer, stop_ids, sampling, cfg, f"{files}/agent.py:echo_agent")
     from_agent = runner.generate(QUESTIONS)
     assert [r.id for r in from_agent] == [r.id for r in from_env]
     for env_rec, agent_rec in zip(from_env, from_agent):
