@@ -1,0 +1,47 @@
+"""AgentConfig: the limits and options of multi-turn rollouts (environments and served agents); no torch import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlx.config import check, check_choices
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    """How multi-turn episodes run (the per-turn token limit is the rollout's max_new_tokens)."""
+
+    env: str = ""
+    """The environment, `path/file.py:NAME` or `package.module:NAME`; NAME(record) is called once per sample."""
+    max_turns: int = 8
+    """Most assistant turns in one episode; the episode then ends with finish_reason 'max_turns'."""
+    max_total_tokens: int = 4096
+    """Most tokens in an episode's whole context (opening prompt + every turn); past it, finish_reason 'length'."""
+    on_env_error: Literal["raise", "zero"] = "raise"
+    """An environment (or agent) that raises, times out or returns the wrong types: 'raise' stops with the
+    sample id; 'zero' ends that episode with reward 0, records the error and counts it in env/errors."""
+    env_timeout_s: float = 60.0
+    """Longest one environment call (constructor, reset, step) may take, in seconds."""
+    env_workers: int = 32
+    """Threads running environment calls (and agents) concurrently."""
+    agent_timeout_s: float = 600.0
+    """Served agents: longest one agent call NAME(record, base_url) may take, in seconds."""
+    tool_parser: Literal["qwen", "hermes", "none"] = "qwen"
+    """How tool calls are read from assistant text: 'qwen' (= 'hermes') for <tool_call>{json}</tool_call>
+    blocks as Qwen2.5/Qwen3 templates write them, 'none' for plain text."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Extra variables for the chat template, e.g. {enable_thinking = false} for Qwen3 templates."""
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        check(self.max_turns >= 1, "max_turns", f"must be at least 1, got {self.max_turns}")
+        check(self.max_total_tokens >= 2, "max_total_tokens", f"must be at least 2, got {self.max_total_tokens}")
+        check(self.env_timeout_s > 0, "env_timeout_s", f"must be > 0, got {self.env_timeout_s}")
+        check(self.env_workers >= 1, "env_workers", f"must be at least 1, got {self.env_workers}")
+        check(self.agent_timeout_s > 0, "agent_timeout_s", f"must be > 0, got {self.agent_timeout_s}")
+        check(
+            self.env == "" or ":" in self.env,
+            "env",
+            f"expected path/file.py:NAME or package.module:NAME, got {self.env!r}",
+        )

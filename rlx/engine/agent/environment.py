@@ -1,0 +1,238 @@
+"""Python environments: loaded by name, made once per sample, their calls run in threads with a timeout.
+
+An environment is `NAME(record) -> env` where `record` is the prompt record as a dict and `env` has
+`reset() -> list[dict]` (the opening chat messages), `step(message) -> (list[dict], float, bool)` (the
+reply messages to an assistant message, this step's reward, whether the episode is over) and
+optionally `tools` (OpenAI function schemas handed to the chat template). Every call's result is
+checked here, and a failure names the sample and the method.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlx.errors import UserError
+
+
+def load_object(spec: str, option: str) -> Any:
+    """The object `NAME` of `path/file.py:NAME` or `package.module:NAME`; errors start with `option spec`."""
+    module_name, _, attr = spec.rpartition(":")
+    where = f"{option} {spec!r}"
+    if not module_name or not attr:
+        raise UserError(f"{where}: expected path/file.py:NAME or package.module:NAME")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise UserError(f"{where}: no such file {path}")
+        mod_spec = importlib.util.spec_from_file_location(f"rlx_user_env_{path.stem}", path)
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[mod_spec.name] = module
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as e:
+            raise UserError(f"{where}: importing {path} failed: {type(e).__name__}: {e}") from None
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise UserError(f"{where}: cannot import module {module_name!r} ({e})") from None
+    if not hasattr(module, attr):
+        raise UserError(f"{where}: {module_name} has no attribute {attr!r}")
+    value = getattr(module, attr)
+    if not callable(value):
+        raise UserError(f"{where}: {module_name}.{attr} is not callable")
+    return value
+
+
+class EnvError(Exception):
+    """An environment call that failed: raised, timed out, or returned the wrong types (message names the sample)."""
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_messages(value: Any, where: str, allow_empty: bool) -> list[dict]:
+    """A list of chat messages, each a dict with a string `role` and a string `content`."""
+    if not isinstance(value, list) or (not value and not allow_empty):
+        need = "a list of chat messages" if allow_empty else "a non-empty list of chat messages"
+        raise EnvError(f"{where} returned {_describe(value)}, expected {need}")
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise EnvError(f"{where} returned message {i} = {_describe(message)}, expected a dict with a 'role' string")
+        if not isinstance(message.get("content"), str):
+            raise EnvError(
+                f"{where} returned message {i} with content {_describe(message.get('content'))}, expected a string"
+            )
+    return [dict(m) for m in value]
+
+
+def check_step(value: Any, where: str) -> tuple[list[dict], float, bool]:
+    """step()'s (messages, reward, done)."""
+    if not isinstance(value, (tuple, list)) or len(value) != 3:
+        raise EnvError(f"{where} returned {_describe(value)}, expected (messages, reward, done)")
+    messages, reward, done = value
+    messages = check_messages(messages, where, allow_empty=True)
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise EnvError(f"{where} returned reward {_describe(reward)}, expected a finite number")
+    if not isinstance(done, bool):
+        raise EnvError(f"{where} returned done = {_describe(done)}, expected True or False")
+    return messages, float(reward), done
+
+
+def check_tools(env: Any, where: str) -> list[dict] | None:
+    """The env's optional `tools`: None or a list of OpenAI function schemas (dicts)."""
+    tools = getattr(env, "tools", None)
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+        raise EnvError(f"{where}.tools is {_describe(tools)}, expected a list of function schemas (dicts)")
+    return list(tools) or None
+
+
+@dataclass
+class Environment:
+    """One sample's environment object, checked to have the interface."""
+
+    sample_id: str
+    obj: Any
+    name: str
+
+    def where(self, method: str) -> str:
+        return f"environment {self.name} for sample {self.sample_id!r}: {method}"
+
+    def reset(self) -> tuple[list[dict], list[dict] | None]:
+        """The opening messages and the tools (read after reset: an environment may set them there)."""
+        messages = check_messages(self.obj.reset(), self.where("reset()"), allow_empty=False)
+        return messages, check_tools(self.obj, self.where("tools"))
+
+    def step(self, message: dict) -> tuple[list[dict], float, bool]:
+        return check_step(self.obj.step(message), self.where("step()"))
+
+
+class EnvironmentFactory:
+    """`NAME(record)` from an environment spec, checked to give objects with reset() and step()."""
+
+    def __init__(self, spec: str, option: str = "--env"):
+        self.spec = spec
+        self.factory: Callable = load_object(spec, option)
+
+    def make(self, sample_id: str, record: dict) -> Environment:
+        env = Environment(sample_id, None, self.spec)
+        obj = self.factory(record)
+        for method in ("reset", "step"):
+            if not callable(getattr(obj, method, None)):
+                raise EnvError(
+                    f"{env.where(f'{self.spec}(record)')} returned {_describe(obj)}, which has no {method}() method"
+                )
+        env.obj = obj
+        return env
+
+
+@dataclass
+class Outcome:
+    """What one call gave: its value, or the error (one line naming the sample and method)."""
+
+    value: Any = None
+    error: str | None = None
+
+
+class _Call:
+    """A call that notes when a worker thread starts it (its timeout counts from then)."""
+
+    def __init__(self, fn: Callable[[], Any], where: str):
+        self.fn, self.where, self.started = fn, where, None
+
+    def __call__(self) -> Any:
+        self.started = time.monotonic()
+        return self.fn()
+
+
+class CallPool:
+    """Runs calls concurrently in daemon threads; each must finish within `timeout_s` of starting.
+
+    Python cannot stop a thread: a call past its timeout is abandoned (reported as an error) and keeps
+    its worker until it returns, so a pool full of hung calls waits for free workers. The workers are
+    daemon threads, so a hung call never keeps the process from exiting."""
+
+    def __init__(self, workers: int, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._work, name="rlx-env", daemon=True) for _ in range(workers)]
+        for worker in self._workers:
+            worker.start()
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            call, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as e:  # handed to the waiting side, which reports it
+                future.set_exception(e)
+
+    def submit(self, call: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        self._queue.put((call, future))
+        return future
+
+    def run(self, calls: list[tuple[Callable[[], Any], str]]) -> list[Outcome]:
+        """Outcomes of `(fn, where)` calls in order; `where` names the sample and method in errors."""
+        wrapped = [_Call(fn, where) for fn, where in calls]
+        futures: dict[Future, int] = {self.submit(c): i for i, c in enumerate(wrapped)}
+        outcomes = [Outcome() for _ in calls]
+        pending = set(futures)
+        while pending:
+            timeout = self._next_deadline(wrapped, pending, futures)
+            done, pending = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+            for future in done:
+                outcomes[futures[future]] = self._outcome(future, wrapped[futures[future]])
+            now = time.monotonic()
+            for future in list(pending):
+                call = wrapped[futures[future]]
+                if call.started is not None and now - call.started > self.timeout_s:
+                    pending.discard(future)
+                    outcomes[futures[future]] = Outcome(error=f"{call.where} timed out after {self.timeout_s:g} s")
+        return outcomes
+
+    def _next_deadline(self, wrapped: list[_Call], pending: set[Future], futures: dict[Future, int]) -> float:
+        """Seconds until the earliest running call times out (a short poll while some have not started)."""
+        now, wait_s = time.monotonic(), self.timeout_s
+        for future in pending:
+            started = wrapped[futures[future]].started
+            wait_s = min(wait_s, 0.05 if started is None else max(started + self.timeout_s - now, 0.0) + 1e-3)
+        return wait_s
+
+    @staticmethod
+    def _outcome(future: Future, call: _Call) -> Outcome:
+        try:
+            return Outcome(value=future.result())
+        except EnvError as e:
+            return Outcome(error=str(e))
+        except Exception as e:  # the user's code: any failure is reported with the sample and method
+            return Outcome(error=f"{call.where} raised {type(e).__name__}: {e}")
+
+    def close(self) -> None:
+        """Cancel calls not started yet and let the workers end; abandoned (timed-out) calls are not waited for."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].cancel()
+        for _ in self._workers:
+            self._queue.put(None)

@@ -1,0 +1,99 @@
+"""Tool calls read from assistant text, in the form the model's chat template writes them; parsers by name.
+
+A parser turns one assistant turn's decoded text into the assistant message (OpenAI format: `role`,
+`content` without the tool-call blocks, `tool_calls` as `{id, type: "function", function: {name,
+arguments}}` with `arguments` a JSON string) plus the problems it found. A malformed call is not a
+crash: its problem goes back to the model as a tool message (`tool_error_messages`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rlx.errors import UserError
+
+_QWEN_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@dataclass
+class ParsedTurn:
+    """One assistant turn as a chat message, and why any of its tool calls could not be read."""
+
+    message: dict
+    """{"role": "assistant", "content": str, "tool_calls": [...] (only when there are any)}."""
+    errors: list[str] = field(default_factory=list)
+    """One line per malformed tool call (empty when every call was read)."""
+
+
+def call_id(turn: int, index: int) -> str:
+    """The id of a turn's index-th tool call: the same in an environment rollout and behind `rlx serve`."""
+    return f"call_{turn}_{index}"
+
+
+def _read_call(body: str, number: int) -> tuple[dict | None, str | None]:
+    """(name and arguments, None) for one block's text, or (None, why it is not a tool call)."""
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as e:
+        return None, f"tool call {number} is not valid JSON ({e.msg} at character {e.pos})"
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return None, f'tool call {number} must be a JSON object with a "name" string'
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        with contextlib.suppress(json.JSONDecodeError):
+            arguments = json.loads(arguments)
+    if not isinstance(arguments, dict):
+        return None, f'tool call {number} ("{call["name"]}"): "arguments" must be a JSON object'
+    return {"name": call["name"], "arguments": arguments}, None
+
+
+def parse_qwen(text: str, turn: int) -> ParsedTurn:
+    """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks (Qwen2.5/Qwen3, Hermes)."""
+    calls, errors = [], []
+    for number, match in enumerate(_QWEN_BLOCK.finditer(text), start=1):
+        call, error = _read_call(match.group(1).strip(), number)
+        if error:
+            errors.append(error)
+            continue
+        function = {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}
+        calls.append({"id": call_id(turn, len(calls)), "type": "function", "function": function})
+    rest = _QWEN_BLOCK.sub("", text)
+    if "<tool_call>" in rest:
+        errors.append("a <tool_call> block is not closed with </tool_call>")
+        rest = rest[: rest.index("<tool_call>")]
+    # without tool calls the text is the content as generated; around calls, the template re-adds the spacing
+    message = {"role": "assistant", "content": rest.strip() if calls or errors else text}
+    if calls:
+        message["tool_calls"] = calls
+    return ParsedTurn(message, errors)
+
+
+def parse_plain(text: str, turn: int) -> ParsedTurn:
+    """No tool calls: the whole text is the content."""
+    return ParsedTurn({"role": "assistant", "content": text})
+
+
+TOOL_CALL_PARSERS: dict[str, Callable[[str, int], ParsedTurn]] = {
+    "qwen": parse_qwen,
+    "hermes": parse_qwen,
+    "none": parse_plain,
+}
+
+
+def get_tool_call_parser(name: str) -> Callable[[str, int], ParsedTurn]:
+    """The parser registered under `name`."""
+    if name not in TOOL_CALL_PARSERS:
+        raise UserError(f"unknown tool parser {name!r} (known: {', '.join(TOOL_CALL_PARSERS)})")
+    return TOOL_CALL_PARSERS[name]
+
+
+def tool_error_messages(errors: list[str]) -> list[dict]:
+    """The reply to a turn with malformed tool calls: one tool message per problem; no call of that turn ran."""
+    return [
+        {"role": "tool", "content": f"Error: {error}. No tool call of this message was run; fix it and try again."}
+        for error in errors
+    ]

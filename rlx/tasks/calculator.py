@@ -1,0 +1,146 @@
+"""A task that needs a tool: products and sums of multi-digit numbers, with a calculator the model may call.
+
+    python -m rlx.tasks.calculator --out prompts.jsonl --num 1000 --digits 3 --ops '*'
+
+A tiny model cannot multiply 3-digit numbers in its head, but it can learn to call the calculator
+and copy the result. `CalculatorEnv` is the environment (`--env rlx.tasks.calculator:CalculatorEnv`):
+it offers one tool, `calculator(expression)`, answers each call with the value, and ends the episode
+at the first assistant message without a tool call, rewarding 1 when its last integer is the answer.
+`score` is the same check as a rule reward (`--reward rlx.tasks.calculator:score`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import operator
+import random
+import re
+
+from rlx.engine.io import write_jsonl
+
+CALCULATOR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+_MAX_DIGITS = 60
+_INTEGER = re.compile(r"-?\d+")
+
+
+def generate_calculator(
+    num: int, seed: int = 0, digits: int = 3, ops: str = "*", id_prefix: str = "calc"
+) -> list[dict]:
+    """`num` prompt records {id, prompt: "123*456", data_source: 'calculator', ground_truth}, deterministic."""
+    unknown = set(ops) - set(OPS)
+    if unknown or not ops:
+        raise ValueError(f"ops must be made of {''.join(OPS)}, got {ops!r}")
+    if digits < 1:
+        raise ValueError(f"digits must be at least 1, got {digits}")
+    rng = random.Random(seed)
+    low, high = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
+    width = len(str(num - 1))
+    records = []
+    for i in range(num):
+        a, b, op = rng.randint(low, high), rng.randint(low, high), rng.choice(ops)
+        records.append(
+            {
+                "id": f"{id_prefix}-{i:0{width}d}",
+                "prompt": f"{a}{op}{b}",
+                "data_source": "calculator",
+                "ground_truth": str(OPS[op](a, b)),
+            }
+        )
+    return records
+
+
+def evaluate(expression: str) -> int:
+    """The integer value of + - * // and parentheses over integers; ValueError for anything else."""
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"cannot read {expression!r} as arithmetic") from None
+    return _evaluate(tree.body)
+
+
+def _evaluate(node: ast.AST) -> int:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _evaluate(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.FloorDiv) and right == 0:
+            raise ValueError("division by zero")
+        value = _BINARY[type(node.op)](left, right)
+        if len(str(abs(value))) > _MAX_DIGITS:
+            raise ValueError("the result is too large")
+        return value
+    raise ValueError("only integers, + - * // and parentheses are allowed")
+
+
+def last_integer(text: str) -> str | None:
+    found = _INTEGER.findall(text or "")
+    return found[-1] if found else None
+
+
+def score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """1.0 when the last integer of the answer is the ground truth, else 0.0 (verl's reward signature)."""
+    return 1.0 if last_integer(solution_str) == str(ground_truth) else 0.0
+
+
+class CalculatorEnv:
+    """One question; the calculator tool answers each call; the first reply without a call is graded."""
+
+    tools = [CALCULATOR_TOOL]
+
+    def __init__(self, record: dict):
+        self.question = record["prompt"] if isinstance(record["prompt"], str) else record["prompt"][-1]["content"]
+        self.answer = str(record["ground_truth"])
+
+    def reset(self) -> list[dict]:
+        return [{"role": "user", "content": self.question}]
+
+    def step(self, message: dict) -> tuple[list[dict], float, bool]:
+        calls = message.get("tool_calls") or []
+        if not calls:
+            return [], score("calculator", message.get("content", ""), self.answer), True
+        return [{"role": "tool", "tool_call_id": call["id"], "content": self.call(call)} for call in calls], 0.0, False
+
+    @staticmethod
+    def call(call: dict) -> str:
+        """The tool's reply to one OpenAI-format call: the value, or an error the model can read."""
+        function = call.get("function", {})
+        if function.get("name") != "calculator":
+            return f"error: unknown tool {function.get('name')!r}"
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+            return str(evaluate(str(arguments["expression"])))
+        except (ValueError, KeyError, TypeError) as e:
+            return f"error: {e}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Write calculator-task prompts as prompts.jsonl.")
+    parser.add_argument("--out", required=True, help="prompts.jsonl to write ('-' for stdout)")
+    parser.add_argument("--num", type=int, default=1000, help="number of questions (default 1000)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--digits", type=int, default=3, help="digits per operand (default 3)")
+    parser.add_argument("--ops", default="*", help="operators to draw from, e.g. '*+' (default '*')")
+    args = parser.parse_args()
+    write_jsonl(args.out, generate_calculator(args.num, args.seed, args.digits, args.ops))
+
+
+if __name__ == "__main__":
+    main()
