@@ -125,7 +125,7 @@ def vision_forward(model: torch.nn.Module, row: VisionRow, sp_rank: int = 0, sp_
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None or ids.shape != (1, local_len):
             shape = None if ids is None else tuple(ids.shape)
-            raise ValueError(f"vision_forward: the call's input_ids {shape} are not a slice of the row (1, {local_len})")
+            raise ValueError(f"vision_forward: input_ids {shape} are not this rank's slice of the row (1, {local_len})")
         held.clear()
         held.update({k: kwargs.pop(k) for k in DECODER_KWARGS if k in kwargs})
         kwargs.update(input_ids=row.input_ids, position_ids=row.position_ids, **row.vision.model_kwargs())

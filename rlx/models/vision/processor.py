@@ -59,9 +59,11 @@ class VisionProcessor:
         if not min_pixels and not max_pixels:
             return self
         settings = self.image_processor.to_dict()
-        size = {"shortest_edge": self.image_processor.size.shortest_edge, "longest_edge": self.image_processor.size.longest_edge}
-        size.update({k: v for k, v in (("shortest_edge", min_pixels), ("longest_edge", max_pixels)) if v})
-        settings["size"] = size
+        current = self.image_processor.size
+        settings["size"] = {
+            "shortest_edge": min_pixels or current.shortest_edge,
+            "longest_edge": max_pixels or current.longest_edge,
+        }
         return VisionProcessor(self.family, type(self.image_processor).from_dict(settings), self.tokenizer)
 
     def load(self, ref: str, *, prompt_id=None, base: str | Path | None = None):
