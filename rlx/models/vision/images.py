@@ -25,8 +25,8 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def _short(ref: str, limit: int = 60) -> str:
-    """A reference as error messages show it (long data: URIs cut)."""
-    return ref if len(ref) <= limit else ref[: limit - 3] + "..."
+    """A reference as error messages show it (long data: URIs cut, paths and URLs whole)."""
+    return ref if len(ref) <= limit or not ref.startswith("data:") else ref[: limit - 3] + "..."
 
 
 def is_url(ref: str) -> bool:
@@ -108,7 +108,9 @@ def load_image(ref: str, *, prompt_id=None, base: str | Path | None = None):
     try:
         image = Image.open(io.BytesIO(data))
         image.load()
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+    except UnidentifiedImageError:
+        raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} is not an image format Pillow reads") from None
+    except (OSError, SyntaxError, ValueError) as e:
         raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} is not a readable image ({e})") from None
     return image.convert("RGB")
 

@@ -1,0 +1,372 @@
+"""Vision-language models: families, processors built in code, images, mRoPE positions, packed forwards with
+images (== transformers per sample), a frozen vision tower, Ulysses SP 2 == SP 1, the compact batch form."""
+
+from __future__ import annotations
+
+import copy
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from rlx.engine.logprobs import logprobs_from_logits, packed_response_logprobs
+from rlx.errors import UserError
+from rlx.models.attention import enable_packed_attention
+from rlx.models.vision.config import VisionConfig
+from rlx.models.vision.families import FAMILIES, family_of, freeze_vision_tower
+from rlx.models.vision.images import data_uri, image_refs, load_image, resolve_ref
+from rlx.models.vision.inputs import VisionInputs, from_tensors, to_tensors
+from rlx.models.vision.packing import VisionRow, vision_forward
+from rlx.models.vision.positions import mrope_positions
+from rlx.models.vision.processor import load_vision_processor
+from rlx.models.vision.tiny import (
+    build_tiny_vision_model,
+    tiny_vision_config,
+    tiny_vision_processor,
+    write_tiny_vision_model_dir,
+)
+from tests.conftest import REPO, run_torchrun
+
+FAMILY_NAMES = [f.name for f in FAMILIES.values()]
+
+
+def random_image(height: int, width: int, seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def image_part(height: int, width: int, seed: int) -> dict:
+    return {"type": "image", "image": data_uri(random_image(height, width, seed))}
+
+
+def chat(*parts) -> list[dict]:
+    return [{"role": "user", "content": [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]}]
+
+
+# 0, 1 and 2 images of different sizes (grids 4x4, 4x6 and 6x8 patches: 4, 6 and 12 image tokens)
+PROMPTS = [
+    [{"role": "user", "content": "no image here"}],
+    chat(image_part(16, 16, 1), "count them"),
+    chat("a", image_part(16, 24, 2), image_part(24, 32, 3)),
+]
+RESPONSE_LENGTHS = (5, 3, 7)
+
+
+def micro_batch(processor, prompts=PROMPTS, response_lengths=RESPONSE_LENGTHS, seed: int = 1) -> dict:
+    """Encoded prompts with random responses as a padded micro-batch (left-padded prompts, right-padded
+    responses) plus the samples' vision inputs and, per sample, its unpadded tokens."""
+    encoded = [processor.encode(p, prompt_id=i) for i, p in enumerate(prompts)]
+    generator = torch.Generator().manual_seed(seed)
+    responses = [torch.randint(5, 60, (n,), generator=generator).tolist() for n in response_lengths]
+    num, longest_prompt, longest_response = len(encoded), max(len(e.input_ids) for e in encoded), max(response_lengths)
+    batch = {k: torch.zeros(num, longest_prompt, dtype=torch.long) for k in ("prompt_ids", "prompt_mask")}
+    batch.update({k: torch.zeros(num, longest_response, dtype=torch.long) for k in ("response_ids", "response_mask")})
+    for i, (e, r) in enumerate(zip(encoded, responses)):
+        batch["prompt_ids"][i, longest_prompt - len(e.input_ids) :] = torch.tensor(e.input_ids)
+        batch["prompt_mask"][i, longest_prompt - len(e.input_ids) :] = 1
+        batch["response_ids"][i, : len(r)] = torch.tensor(r)
+        batch["response_mask"][i, : len(r)] = 1
+    return {"tensors": batch, "vision": VisionInputs.concat([e.vision for e in encoded]), "encoded": encoded,
+            "responses": responses}  # fmt: skip
+
+
+def straddling_micro_batch(processor, world: int) -> dict:
+    """`micro_batch` with the first response's length chosen so that an image's tokens straddle the boundary
+    between the first two of `world` sequence-parallel ranks."""
+    for first in range(1, 64):
+        batch = micro_batch(processor, response_lengths=(first, *RESPONSE_LENGTHS[1:]))
+        row = [t for e, r in zip(batch["encoded"], batch["responses"]) for t in e.input_ids + r]
+        half = -(-len(row) // world)
+        if row[half - 1] == row[half] == processor.image_token_id:
+            return batch
+    raise AssertionError("no response length puts an image across the ranks' boundary")
+
+
+def per_sample_reference(model, processor, batch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(logprobs, entropy) of each sample's response from transformers' own forward of that sample alone
+    (its own processor outputs, its own 3-D positions from get_rope_index, sdpa attention)."""
+    out = []
+    for e, response in zip(batch["encoded"], batch["responses"]):
+        ids = torch.tensor([e.input_ids + response])
+        token_types = (ids == processor.image_token_id).int()
+        logits = model(input_ids=ids, mm_token_type_ids=token_types, **e.vision.model_kwargs()).logits
+        out.append(logprobs_from_logits(logits[0, len(e.input_ids) - 1 : -1], torch.tensor(response), 1.0, True))
+    return out
+
+
+def packed_logprobs(model, batch, impl: str = "naive"):
+    """Packed logprobs and entropy [B, R] of the micro-batch through rlx's packed path with its images."""
+    row = VisionRow.from_padded(**batch["tensors"], vision=batch["vision"], config=model.config)
+    with vision_forward(model, row):
+        return packed_response_logprobs(
+            model, **batch["tensors"], temperature=1.0, dtype=torch.float32, with_entropy=True, impl=impl
+        )
+
+
+# --- families --------------------------------------------------------------------------------------------
+
+
+def test_family_of_supported_and_unsupported_models():
+    for name in FAMILY_NAMES:
+        family = family_of(tiny_vision_config(name))
+        assert family.name == name and family.model_type == tiny_vision_config(name).model_type
+    with pytest.raises(UserError, match=r"Kimi-VL .*remote code only"):
+        family_of(type("KimiVLConfig", (), {"model_type": "kimi_vl"})())
+    from transformers import LlamaConfig, LlavaConfig
+
+    with pytest.raises(UserError, match=r"'llama' is a text-only model: it cannot take image parts"):
+        family_of(LlamaConfig())
+    with pytest.raises(UserError, match=r"vision-language model type 'llava' is not supported by rlx yet"):
+        family_of(LlavaConfig())
+
+
+def test_vision_config_validates():
+    assert VisionConfig().freeze_vision_tower
+    with pytest.raises(UserError, match="max_pixels: must be >= 0"):
+        VisionConfig(max_pixels=-1)
+    with pytest.raises(UserError, match="min_pixels: must not exceed max_pixels"):
+        VisionConfig(min_pixels=100, max_pixels=10)
+
+
+# --- images ----------------------------------------------------------------------------------------------
+
+
+def test_images_load_from_paths_urls_and_data_uris(tmp_path):
+    import fsspec
+
+    image = random_image(10, 12, 0)
+    image.save(tmp_path / "a.png")
+    with fsspec.open("memory://vision-test/b.png", "wb") as f:
+        image.save(f, format="PNG")
+    want = np.asarray(image)
+    for ref, base in [
+        ("a.png", tmp_path),  # relative to the prompts file's folder
+        (str(tmp_path / "a.png"), None),
+        (f"file://{tmp_path}/a.png", None),
+        ("memory://vision-test/b.png", None),
+        ("b.png", "memory://vision-test"),
+        (data_uri(image), None),
+    ]:
+        assert np.array_equal(np.asarray(load_image(ref, prompt_id="p", base=base)), want), ref
+    assert resolve_ref("x.png", "memory://d/") == "memory://d/x.png"
+    assert image_refs(chat("hi", {"type": "image", "image": "a.png"}), "p") == ["a.png"]
+
+
+def test_bad_images_name_the_prompt_and_the_path(tmp_path):
+    (tmp_path / "notes.png").write_text("not an image")
+    cases = [
+        ("missing.png", r"prompt 'q7': image '.*missing.png' does not exist"),
+        ("memory://vision-test/absent.png", r"prompt 'q7': image 'memory://vision-test/absent.png' does not exist"),
+        ("notes.png", r"prompt 'q7': image '.*notes.png' is not an image format Pillow reads"),
+        ("data:image/png;base64,@@@", r"prompt 'q7': image 'data:image/png;base64,@@@' has bad base64 data"),
+        ("data:image/png,abc", r"prompt 'q7': image 'data:image/png,abc' is a data: URI without ';base64,'"),
+    ]
+    for ref, message in cases:
+        with pytest.raises(UserError, match=message):
+            load_image(ref, prompt_id="q7", base=tmp_path)
+    with pytest.raises(UserError, match=r"prompt 'q7': an image part needs 'image'"):
+        image_refs(chat({"type": "image"}), "q7")
+
+
+# --- processor -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_processor_expands_placeholders_per_image(name):
+    processor = tiny_vision_processor(name)
+    encoded = processor.encode(PROMPTS[2], prompt_id=2)
+    assert encoded.vision.image_grid_thw.tolist() == [[1, 4, 6], [1, 6, 8]]
+    assert encoded.vision.pixel_values.shape == (24 + 48, 3 * 2 * 4 * 4)
+    ids = encoded.input_ids
+    assert ids.count(processor.image_token_id) == 6 + 12
+    text = processor.tokenizer.decode(ids)
+    family = processor.family
+    one = family.image_start + family.image_token * 6 + family.image_end
+    two = family.image_start + family.image_token * 12 + family.image_end
+    assert f"a{one}{two}" in text
+
+
+def test_processor_resizes_large_images_and_limits_prompts():
+    processor = tiny_vision_processor("qwen2_vl")  # at most 64 x 64 pixels per image
+    big = chat(image_part(200, 400, 0), "size?")
+    grid = processor.encode(big, prompt_id="big").vision.image_grid_thw[0].tolist()
+    assert grid == [1, 10, 22] and (grid[1] * 4) * (grid[2] * 4) <= 64 * 64  # 40 x 88 pixels: aspect kept, in budget
+    smaller = processor.with_pixels(max_pixels=32 * 32).encode(big, prompt_id="big").vision.image_grid_thw
+    assert smaller[0].tolist() == [1, 4, 10]
+    with pytest.raises(UserError, match=r"prompt 'big': \d+ tokens with its images \(image tokens \[55\]\) exceed"):
+        processor.encode(big, prompt_id="big", max_tokens=20)
+
+
+def test_processor_rejects_mismatched_placeholders():
+    processor = tiny_vision_processor("qwen3_vl")
+    literal = chat("look <|image_pad|>", image_part(16, 16, 0))
+    with pytest.raises(UserError, match=r"prompt 'x': 1 image parts but 2 '<\|image_pad\|>' placeholders"):
+        processor.encode(literal, prompt_id="x")
+
+
+def test_processor_round_trips_through_a_model_dir(tmp_path):
+    write_tiny_vision_model_dir(tmp_path / "m", "glm4v")
+    loaded = load_vision_processor(tmp_path / "m")
+    want = tiny_vision_processor("glm4v").encode(PROMPTS[1], prompt_id=1)
+    got = loaded.encode(PROMPTS[1], prompt_id=1)
+    assert got.input_ids == want.input_ids and torch.equal(got.vision.pixel_values, want.vision.pixel_values)
+    (tmp_path / "m" / "preprocessor_config.json").unlink()
+    with pytest.raises(UserError, match=r"no preprocessor_config.json: the GLM-4.1V image processor is missing"):
+        load_vision_processor(tmp_path / "m")
+
+
+# --- positions and packed forwards -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_mrope_positions_equal_get_rope_index(name):
+    model, processor = build_tiny_vision_model(name)
+    for prompt in PROMPTS:
+        encoded = processor.encode(prompt, prompt_id=0)
+        ids = torch.tensor([encoded.input_ids + [7, 8, 9]])
+        grids = encoded.vision.image_grid_thw
+        want, _ = model.model.get_rope_index(
+            ids, (ids == processor.image_token_id).int(), grids if len(grids) else None
+        )
+        got = mrope_positions(ids[0], processor.image_token_id, grids, processor.merge_size)
+        assert torch.equal(got, want[:, 0])
+    with pytest.raises(ValueError, match="needs 4 placeholders"):
+        mrope_positions([processor.image_token_id] * 3, processor.image_token_id, torch.tensor([[1, 4, 4]]), 2)
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_packed_logprobs_with_images_equal_transformers_per_sample(name):
+    model, processor = build_tiny_vision_model(name)
+    reference = copy.deepcopy(model)
+    batch = micro_batch(processor)
+    want = per_sample_reference(reference, processor, batch)
+    enable_packed_attention(model)
+    for impl in ("naive", "chunked"):
+        logprob, entropy = packed_logprobs(model, batch, impl)
+        for i, (want_logprob, want_entropy) in enumerate(want):
+            n = len(want_logprob)
+            torch.testing.assert_close(logprob[i, :n], want_logprob, atol=1e-5, rtol=0)
+            torch.testing.assert_close(entropy[i, :n], want_entropy, atol=1e-5, rtol=0)
+    # the images matter: the same row without them (placeholders embedded as text) is far off
+    text_only, _ = packed_response_logprobs(model, **batch["tensors"], temperature=1.0, dtype=torch.float32)
+    assert (text_only[1, :3] - want[1][0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl"])
+def test_frozen_vision_tower_gets_no_gradient(name):
+    model, processor = build_tiny_vision_model(name)
+    enable_packed_attention(model)
+    batch = micro_batch(processor)
+    tower = {id(p) for m in family_of(model.config).vision_tower(model) for p in m.parameters()}
+    for frozen in (True, False):
+        model.zero_grad(set_to_none=True)
+        assert freeze_vision_tower(model, frozen) == len(tower)
+        logprob, _ = packed_logprobs(model, batch)
+        (logprob * batch["tensors"]["response_mask"]).sum().backward()
+        for param in model.parameters():
+            if id(param) in tower and frozen:
+                assert param.grad is None
+        tower_grads = [p.grad for p in model.parameters() if id(p) in tower and p.grad is not None]
+        decoder_grads = [p.grad for p in model.parameters() if id(p) not in tower and p.grad is not None]
+        assert decoder_grads and all(torch.isfinite(g).all() for g in decoder_grads)
+        assert sum(g.abs().sum() for g in decoder_grads) > 0
+        if not frozen:
+            assert len(tower_grads) == len(tower) and sum(g.abs().sum() for g in tower_grads) > 0
+
+
+# --- the compact batch form ------------------------------------------------------------------------------
+
+
+def test_vision_inputs_select_micro_batches():
+    processor = tiny_vision_processor("qwen2_vl")
+    vision = micro_batch(processor)["vision"]
+    assert vision.images_per_sample == (0, 1, 2) and vision.num_images == 3
+    part = vision.select([2, 0])
+    assert part.images_per_sample == (2, 0) and part.image_grid_thw.tolist() == [[1, 4, 6], [1, 6, 8]]
+    assert torch.equal(part.pixel_values, vision.pixel_values[16:])
+    assert vision.select([0]).pixel_values is None and vision.sample(1).pixel_values.shape[0] == 16
+
+
+def test_vision_inputs_round_trip_through_safetensors(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    processor = tiny_vision_processor("qwen2_5_vl")
+    paths = []
+    for i, (h, w) in enumerate([(16, 16), (24, 40)]):
+        random_image(h, w, i).save(tmp_path / f"img{i}.png")
+        paths.append(str(tmp_path / f"img{i}.png"))
+    prompts = [chat("none"), chat({"type": "image", "image": "img0.png"}, {"type": "image", "image": "img1.png"})]
+    encoded = [processor.encode(p, prompt_id=i, base=tmp_path) for i, p in enumerate(prompts)]
+    assert encoded[1].image_refs == paths
+    vision = VisionInputs.concat([e.vision for e in encoded])
+    for store_pixels in (False, True):
+        tensors, metadata = to_tensors(vision, [e.image_refs for e in encoded], store_pixels=store_pixels)
+        save_file(tensors, tmp_path / "batch.safetensors", metadata=metadata)
+        with safe_open(tmp_path / "batch.safetensors", "pt") as f:
+            loaded = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
+            header = f.metadata()
+        assert ("vision/pixel_values" in loaded) == store_pixels
+        got, refs = from_tensors(loaded, header, processor, source="batch.safetensors")
+        assert refs == [[], paths] and got.images_per_sample == (0, 2)
+        assert torch.equal(got.pixel_values, vision.pixel_values)
+    random_image(40, 40, 9).save(tmp_path / "img1.png")  # the file changed since the batch was written
+    references_only = {k: v for k, v in loaded.items() if k != "vision/pixel_values"}
+    with pytest.raises(UserError, match=r"batch.safetensors: image '.*img1.png' now gives patch grid \[1, 10, 10\]"):
+        from_tensors(references_only, header, processor, source="batch.safetensors")
+
+
+# --- Ulysses sequence parallelism ------------------------------------------------------------------------
+
+SEQUENCE_PARALLEL = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    sys.path.insert(0, {repo!r})
+    from rlx.engine.logprobs import PackedRows, packed_response_logprobs
+    from rlx.engine.parallel.dist import exit_process
+    from rlx.engine.parallel.ulysses import enable_ulysses_attention
+    from rlx.models.vision.packing import VisionRow, vision_forward
+    from rlx.models.vision.tiny import build_tiny_vision_model
+    from tests.test_vision import straddling_micro_batch
+
+    dist.init_process_group("gloo")
+    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+
+    def run(model, batch, sp_group):
+        t = batch["tensors"]
+        row = VisionRow.from_padded(**t, vision=batch["vision"], config=model.config)
+        sp_rank, sp_size = (rank, world) if sp_group is not None else (0, 1)
+        rows = PackedRows.build(t["prompt_ids"], t["prompt_mask"], t["response_ids"], t["response_mask"],
+                                sp_rank, sp_size)
+        with vision_forward(model, row, sp_rank, sp_size):
+            logprob, entropy = packed_response_logprobs(model, **t, temperature=1.0, dtype=torch.float32,
+                                                        with_entropy=True, sp_group=sp_group, rows=rows)
+        ((logprob + 0.1 * entropy) * t["response_mask"]).sum().backward()
+        grads = {{n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+        model.zero_grad(set_to_none=True)
+        return logprob, entropy, grads, row
+
+    for name in {families!r}:
+        model, processor = build_tiny_vision_model(name)
+        enable_ulysses_attention(model)
+        batch = straddling_micro_batch(processor, world)  # an image's tokens straddle the ranks' boundary
+        want_logprob, want_entropy, want_grads, row = run(model, batch, None)
+        logprob, entropy, grads, _ = run(model, batch, group)
+        torch.testing.assert_close(logprob, want_logprob, atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, want_entropy, atol=1e-5, rtol=0)
+        assert grads.keys() == want_grads.keys() and any(k.startswith("model.visual") for k in grads)
+        for key, grad in grads.items():
+            dist.all_reduce(grad)  # each rank's gradient covers its own tokens: the sum is the one-rank gradient
+            where = f"{{name}} {{key}}"
+            torch.testing.assert_close(grad, want_grads[key], atol=1e-5, rtol=1e-4, msg=lambda m: f"{{where}}: {{m}}")
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_process(0)
+""")
+
+
+def test_sequence_parallel_with_straddling_images_equals_one_rank(tmp_path):
+    script = tmp_path / "sp.py"
+    script.write_text(SEQUENCE_PARALLEL.format(repo=str(REPO), families=FAMILY_NAMES))
+    run_torchrun(2, script, timeout=300)
