@@ -370,3 +370,91 @@ def test_sequence_parallel_with_straddling_images_equals_one_rank(tmp_path):
     script = tmp_path / "sp.py"
     script.write_text(SEQUENCE_PARALLEL.format(repo=str(REPO), families=FAMILY_NAMES))
     run_torchrun(2, script, timeout=300)
+
+
+# --- the shapes task and its reward ----------------------------------------------------------------------
+
+
+def shapes_in(image: Image.Image) -> list[tuple[str, str]]:
+    """(shape, colour) of each shape drawn in `image`, read back from its pixels: connected regions of one
+    colour, told apart by how much of their bounding box they fill (square 1, circle ~0.78, triangle ~0.5)."""
+    from rlx.tasks.shapes import COLOURS
+
+    pixels = np.asarray(image)
+    found = []
+    for colour, rgb in COLOURS.items():
+        mask = (pixels == np.array(rgb)).all(-1)
+        seen = np.zeros_like(mask)
+        for y, x in zip(*np.nonzero(mask)):
+            if seen[y, x]:
+                continue
+            stack, region = [(y, x)], []
+            seen[y, x] = True
+            while stack:
+                a, b = stack.pop()
+                region.append((a, b))
+                for c, d in ((a + 1, b), (a - 1, b), (a, b + 1), (a, b - 1)):
+                    if 0 <= c < mask.shape[0] and 0 <= d < mask.shape[1] and mask[c, d] and not seen[c, d]:
+                        seen[c, d] = True
+                        stack.append((c, d))
+            ys, xs = [p[0] for p in region], [p[1] for p in region]
+            fill = len(region) / ((max(ys) - min(ys) + 1) * (max(xs) - min(xs) + 1))
+            found.append(("triangle" if fill < 0.65 else "circle" if fill < 0.92 else "square", colour))
+    return found
+
+
+def test_shapes_answers_match_the_images():
+    from rlx.tasks.shapes import COLOURS, generate_shapes
+
+    pairs = generate_shapes(200, seed=3, max_count=4)
+    assert {r["kind"] for r, _ in pairs} == {"count", "compare"}
+    for record, image in pairs:
+        question = record["prompt"][0]["content"][1]["text"]
+        drawn = shapes_in(image)
+        if record["kind"] == "count":
+            target = question.split()[2]  # "How many red shapes ..." / "How many circles ..."
+            count = sum(1 for s, c in drawn if (c == target if target in COLOURS else s + "s" == target))
+            assert record["ground_truth"] == str(count), (record, drawn)
+        else:
+            first, second = record["choices"]
+            counts = {c: sum(1 for _, d in drawn if d == c) for c in (first, second)}
+            assert counts[first] != counts[second] and record["ground_truth"] == max(counts, key=counts.get)
+    again = generate_shapes(200, seed=3, max_count=4)
+    assert [r for r, _ in again] == [r for r, _ in pairs]
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for (_, a), (_, b) in zip(again, pairs))
+
+
+def test_shapes_files_next_to_the_prompts_or_data_uris(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "data" / "shapes.jsonl"
+    command = [sys.executable, "-m", "rlx.tasks.shapes", "--num", "6", "--seed", "1", "--size", "32", "--grid", "4"]
+    subprocess.run([*command, "--out", str(out)], check=True, cwd=REPO)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    refs = [image_refs(r["prompt"], r["id"])[0] for r in records]
+    assert refs == [f"shapes_images/{r['id']}.png" for r in records] and (out.parent / refs[0]).is_file()
+    processor = tiny_vision_processor("qwen2_vl")
+    encoded = processor.encode(records[0]["prompt"], prompt_id=records[0]["id"], base=out.parent)
+    assert encoded.vision.image_grid_thw.tolist() == [[1, 8, 8]] and encoded.image_refs == [str(out.parent / refs[0])]
+    embedded = subprocess.run([*command, "--out", "-", "--data-uri"], check=True, cwd=REPO, capture_output=True)
+    inline = [json.loads(line) for line in embedded.stdout.decode().splitlines()]
+    assert [r["ground_truth"] for r in inline] == [r["ground_truth"] for r in records]
+    for record, ref in zip(inline, refs):
+        image = load_image(image_refs(record["prompt"])[0], prompt_id=record["id"])
+        assert np.array_equal(np.asarray(image), np.asarray(load_image(ref, base=out.parent)))
+
+
+def test_shapes_reward():
+    from rlx.engine.scoring.rewards import BUILTIN
+
+    reward = BUILTIN["shapes"]
+    assert reward("shapes", "I see 3 of them. 4", "4")["score"] == 1.0
+    assert reward("shapes", "there are 3", "4") == {"score": 0.0, "has_answer": 1.0}
+    assert reward("shapes", "no idea", "2") == {"score": 0.0, "has_answer": 0.0}
+    compare = {"choices": ["red", "blue"]}
+    assert reward("shapes", "Not red: Blue.", "blue", compare)["score"] == 1.0
+    assert reward("shapes", "blue? no, red", "blue", compare)["score"] == 0.0
+    assert reward("shapes", "green", "blue", compare) == {"score": 0.0, "has_answer": 0.0}
+    assert reward("shapes", "it is blue", "blue")["score"] == 1.0  # no choices: the last word
