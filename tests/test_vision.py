@@ -360,6 +360,18 @@ SEQUENCE_PARALLEL = textwrap.dedent("""
             dist.all_reduce(grad)  # each rank's gradient covers its own tokens: the sum is the one-rank gradient
             where = f"{{name}} {{key}}"
             torch.testing.assert_close(grad, want_grads[key], atol=1e-5, rtol=1e-4, msg=lambda m: f"{{where}}: {{m}}")
+
+    # MLA (Kimi's decoder): Ulysses all-to-alls carry values narrower than queries and keys
+    from rlx.engine.parallel.ulysses import sequence_parallel_forward
+    from rlx.models.attention import pack
+    from tests.test_vision import tiny_mla_model
+
+    model = tiny_mla_model()
+    enable_ulysses_attention(model)
+    packed = pack([[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15]])
+    want = sequence_parallel_forward(model, packed)
+    got = sequence_parallel_forward(model, packed, group)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     dist.barrier()
     dist.destroy_process_group()
     exit_process(0)
@@ -370,6 +382,61 @@ def test_sequence_parallel_with_straddling_images_equals_one_rank(tmp_path):
     script = tmp_path / "sp.py"
     script.write_text(SEQUENCE_PARALLEL.format(repo=str(REPO), families=FAMILY_NAMES))
     run_torchrun(2, script, timeout=300)
+
+
+# --- MLA (the decoder of Kimi's models): value heads narrower than query/key heads ------------------------
+
+
+def tiny_mla_model(seed: int = 0):
+    """A tiny DeepSeek-V3 (multi-head latent attention: q/k heads 24 wide, values 12; MoE after layer 0)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=50, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+        n_group=1, topk_group=1, max_position_embeddings=128,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return DeepseekV3ForCausalLM(config).float().eval()
+
+
+def test_packed_attention_takes_mla_value_heads():
+    from rlx.models.attention import pack
+
+    model = tiny_mla_model()
+    sequences = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]
+    want = torch.cat([model(input_ids=torch.tensor([s])).logits[0] for s in sequences])
+    enable_packed_attention(model)
+    got = model(**pack(sequences).model_inputs()).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_varlen_kernels_take_mla_value_heads(monkeypatch):
+    """bfloat16 on CUDA: values 128 wide with queries/keys 192 wide (DeepSeek-V3 / Kimi) through a varlen
+    kernel (values zero-padded) against the per-sample loop, forward and backward."""
+    from rlx.models import attention
+
+    kernels = {"torch_varlen": attention.varlen_attn, "flash_attn": attention.flash_attn_varlen_func}
+    backends = [name for name, kernel in kernels.items() if kernel is not None]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cu_seqlens = torch.tensor([0, 100, 164, 301], dtype=torch.int32, device="cuda")
+    shapes = [(301, 4, 192), (301, 4, 192), (301, 4, 128)]
+    inputs = [torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16) for s in shapes]
+    results = {}
+    for name in [*backends, "sdpa"]:
+        monkeypatch.setenv(attention.BACKEND_ENV, name)
+        q, k, v = (t.detach().requires_grad_() for t in inputs)
+        out = attention.varlen_attention(q, k, v, cu_seqlens, 137, scale=192**-0.5)
+        out.float().square().sum().backward()
+        results[name] = [out.float(), q.grad.float(), k.grad.float(), v.grad.float()]
+    assert results["sdpa"][0].shape == (301, 4, 128)
+    for name in backends:
+        for got, want in zip(results[name], results["sdpa"]):
+            assert ((got - want).norm() / want.norm()).item() < 2e-2, name
 
 
 # --- the shapes task and its reward ----------------------------------------------------------------------
