@@ -13,12 +13,12 @@ from PIL import Image
 
 from rlx.engine.logprobs import logprobs_from_logits, packed_response_logprobs
 from rlx.errors import UserError
-from rlx.models.attention import enable_packed_attention
+from rlx.models.attention import PACKED_ATTENTION, enable_packed_attention
 from rlx.models.vision.config import VisionConfig
 from rlx.models.vision.families import FAMILIES, family_of, freeze_vision_tower
 from rlx.models.vision.images import data_uri, image_refs, load_image, resolve_ref
 from rlx.models.vision.inputs import VisionInputs, from_tensors, to_tensors
-from rlx.models.vision.packing import VisionRow, vision_forward
+from rlx.models.vision.packing import VisionRow, set_decoder_attention, vision_forward
 from rlx.models.vision.positions import mrope_positions
 from rlx.models.vision.processor import load_vision_processor
 from rlx.models.vision.tiny import (
@@ -239,12 +239,13 @@ def test_mrope_positions_equal_get_rope_index(name):
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_packed_logprobs_with_images_equal_transformers_per_sample(name):
     model, processor = build_tiny_vision_model(name)
-    reference = copy.deepcopy(model)
     batch = micro_batch(processor)
-    want = per_sample_reference(reference, processor, batch)
-    enable_packed_attention(model)
-    for impl in ("naive", "chunked"):
-        logprob, entropy = packed_logprobs(model, batch, impl)
+    want = per_sample_reference(model, processor, batch)
+    decoder_only = copy.deepcopy(model)
+    enable_packed_attention(model)  # the whole model: the vision tower calls "rlx_varlen" once per image
+    set_decoder_attention(decoder_only, PACKED_ATTENTION)  # the tower stays on sdpa
+    for packed_model, impl in [(model, "naive"), (model, "chunked"), (decoder_only, "naive")]:
+        logprob, entropy = packed_logprobs(packed_model, batch, impl)
         for i, (want_logprob, want_entropy) in enumerate(want):
             n = len(want_logprob)
             torch.testing.assert_close(logprob[i, :n], want_logprob, atol=1e-5, rtol=0)
@@ -289,6 +290,22 @@ def test_vision_inputs_select_micro_batches():
     assert vision.select([0]).pixel_values is None and vision.sample(1).pixel_values.shape[0] == 16
 
 
+def test_vision_inputs_from_image_refs_of_rollouts(tmp_path):
+    processor = tiny_vision_processor("glm4v")
+    for i, (h, w) in enumerate([(16, 16), (24, 40)]):
+        random_image(h, w, i).save(tmp_path / f"img{i}.png")
+    a, b = str(tmp_path / "img0.png"), str(tmp_path / "img1.png")
+    refs = [[a], [a], [], [b, a]]  # two responses of one prompt share its image
+    got = processor.vision_inputs(refs, ["p/0", "p/1", "q/0", "r/0"])
+    want = VisionInputs.concat(
+        [processor.encode(chat(*[{"type": "image", "image": r} for r in s])).vision for s in refs]
+    )
+    assert got.images_per_sample == (1, 1, 0, 2) and torch.equal(got.image_grid_thw, want.image_grid_thw)
+    assert torch.equal(got.pixel_values, want.pixel_values)
+    with pytest.raises(UserError, match=r"prompt 'r/0': image '.*gone.png' does not exist"):
+        processor.vision_inputs([[str(tmp_path / "gone.png")]], ["r/0"])
+
+
 def test_vision_inputs_round_trip_through_safetensors(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -326,7 +343,7 @@ SEQUENCE_PARALLEL = textwrap.dedent("""
     from rlx.engine.logprobs import PackedRows, packed_response_logprobs
     from rlx.engine.parallel.dist import exit_process
     from rlx.engine.parallel.ulysses import enable_ulysses_attention
-    from rlx.models.vision.packing import VisionRow, vision_forward
+    from rlx.models.vision.packing import VisionRow, set_decoder_attention, vision_forward
     from rlx.models.vision.tiny import build_tiny_vision_model
     from tests.test_vision import straddling_micro_batch
 

@@ -146,7 +146,8 @@ def from_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], pro
     if processor is None:
         raise ValueError("the batch stores image references only: pass the model's processor to reload them")
     flat = [ref for sample in refs for ref in sample]
-    pixels, new_grids = processor.process_images([processor.load(ref, prompt_id=source) for ref in flat])
+    reloaded = processor.vision_inputs(refs, [source] * len(refs))
+    pixels, new_grids = reloaded.pixel_values, reloaded.image_grid_thw
     if not torch.equal(new_grids, grids):
         bad = next(i for i in range(len(flat)) if not torch.equal(new_grids[i], grids[i]))
         raise UserError(

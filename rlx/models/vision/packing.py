@@ -111,6 +111,17 @@ def _local_decoder_inputs(kwargs: dict, row: VisionRow, rank: int, size: int) ->
     return kwargs
 
 
+def set_decoder_attention(model: torch.nn.Module, name: str) -> None:
+    """Switch only the decoder of a vision-language `model` to the registered attention function `name` (e.g.
+    "rlx_varlen", "rlx_ulysses"); the vision tower keeps its own (sdpa or flash attention per image), which is
+    what it needs on GPUs. Switching the whole model works too: the tower then calls `name` once per image."""
+    from rlx.errors import UserError
+
+    model.set_attn_implementation({"text_config": name})
+    if family_of(model.config).decoder(model).config._attn_implementation != name:
+        raise UserError(f"{type(model).__name__}: its decoder does not take the attention function {name!r}")
+
+
 @contextmanager
 def vision_forward(model: torch.nn.Module, row: VisionRow, sp_rank: int = 0, sp_size: int = 1):
     """While open, packed forwards of `model` (text rows as rlx's packed path builds them, this rank's

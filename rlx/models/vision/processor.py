@@ -77,6 +77,25 @@ class VisionProcessor:
         out = self.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"].float(), out["image_grid_thw"].long()
 
+    def vision_inputs(self, refs_per_sample: list[list[str]], sample_ids: list | None = None) -> VisionInputs:
+        """The vision inputs of samples given their (resolved) image references, as rollout records keep them;
+        an image shared by several samples (the n responses of a prompt) is loaded and processed once."""
+        ids = sample_ids if sample_ids is not None else list(range(len(refs_per_sample)))
+        cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for refs, sample_id in zip(refs_per_sample, ids):
+            for ref in refs:
+                if ref not in cache:
+                    pixels, grid = self.process_images([self.load(ref, prompt_id=sample_id)])
+                    cache[ref] = (pixels, grid)
+        flat = [ref for refs in refs_per_sample for ref in refs]
+        if not flat:
+            return VisionInputs.empty(len(refs_per_sample))
+        return VisionInputs(
+            torch.cat([cache[ref][0] for ref in flat]),
+            torch.cat([cache[ref][1] for ref in flat]),
+            tuple(len(refs) for refs in refs_per_sample),
+        )
+
     def render(self, prompt, prompt_id=None) -> str:
         """The prompt as text through the chat template (a plain string becomes one user message)."""
         if not getattr(self.tokenizer, "chat_template", None):
