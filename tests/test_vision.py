@@ -15,7 +15,7 @@ from rlx.engine.logprobs import logprobs_from_logits, packed_response_logprobs
 from rlx.errors import UserError
 from rlx.models.attention import PACKED_ATTENTION, enable_packed_attention
 from rlx.models.vision.config import VisionConfig
-from rlx.models.vision.families import FAMILIES, family_of, freeze_vision_tower
+from rlx.models.vision.families import FAMILIES, family_for_prompt, family_of, freeze_vision_tower
 from rlx.models.vision.images import data_uri, image_refs, load_image, resolve_ref
 from rlx.models.vision.inputs import VisionInputs, from_tensors, to_tensors
 from rlx.models.vision.packing import VisionRow, set_decoder_attention, vision_forward
@@ -120,6 +120,15 @@ def test_family_of_supported_and_unsupported_models():
         family_of(LlamaConfig())
     with pytest.raises(UserError, match=r"vision-language model type 'llava' is not supported by rlx yet"):
         family_of(LlavaConfig())
+
+
+def test_image_parts_need_a_vision_model():
+    from transformers import LlamaConfig
+
+    assert family_for_prompt(LlamaConfig(), PROMPTS[0], "t") is None  # text on a text model
+    assert family_for_prompt(tiny_vision_config("glm4v"), PROMPTS[0], "t").name == "glm4v"
+    with pytest.raises(UserError, match=r"prompt 'p3' has image parts, but model type 'llama' is a text-only model"):
+        family_for_prompt(LlamaConfig(), PROMPTS[1], "p3")
 
 
 def test_vision_config_validates():
@@ -395,6 +404,7 @@ SEQUENCE_PARALLEL = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # one torchrun of 2 ranks over the six families and MLA: about 30 s on 2 CPU cores
 def test_sequence_parallel_with_straddling_images_equals_one_rank(tmp_path):
     script = tmp_path / "sp.py"
     script.write_text(SEQUENCE_PARALLEL.format(repo=str(REPO), families=FAMILY_NAMES))

@@ -2,11 +2,11 @@
 
 `family_of(config)` maps a model config to its `VisionFamily`; everything else in `rlx.models.vision`
 asks the bundle instead of branching on the model type. Supported (transformers 5.17): Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL and GLM-4.1V/4.5V ('glm4v'). Families transformers lacks (Kimi-VL is remote code
-only) or that rlx does not handle yet are a UserError naming the family; a text-only config given
-images is a UserError too: nothing falls back to a text-only forward.
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4.1V ('glm4v') and GLM-4.5V ('glm4v_moe'). Families transformers
+lacks (Kimi-VL is remote code only) or that rlx does not handle yet are a UserError naming the family; a
+text-only config given images is a UserError too: nothing falls back to a text-only forward.
 
-All four supported families share one layout: `model.model.visual` (the vision tower, its patch merger
+All supported families share one layout: `model.model.visual` (the vision tower, its patch merger
 included), `model.model.language_model` (the decoder, which takes 3-D mRoPE position ids), image
 placeholders `<start><image>*N<end>` with N = t*h*w / merge^2 of the image's grid, and the same mRoPE
 position rule for still images (see `rlx.models.vision.positions`).
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from rlx.errors import UserError
+from rlx.models.vision.images import image_refs
 
 # model types transformers does not ship (remote code only) that users may reasonably try
 KNOWN_UNSUPPORTED = {
@@ -112,6 +113,15 @@ _QWEN_TOKENS = dict(
     end_token_key="vision_end_token_id",
 )
 _QWEN_PIL = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl:Qwen2VLImageProcessorPil"
+_GLM_TOKENS = dict(
+    image_token="<|image|>",
+    image_start="<|begin_of_image|>",
+    image_end="<|end_of_image|>",
+    extra_tokens=("<|video|>", "<|begin_of_video|>", "<|end_of_video|>", "<|user|>", "<|assistant|>"),
+    start_token_key="image_start_token_id",
+    end_token_key="image_end_token_id",
+)
+_GLM_PIL = "transformers.models.glm4v.image_processing_pil_glm4v:Glm4vImageProcessorPil"
 
 FAMILIES: dict[str, VisionFamily] = {
     f.model_type: f
@@ -130,12 +140,17 @@ FAMILIES: dict[str, VisionFamily] = {
             config_class="Qwen3VLConfig", image_processor_class=_QWEN_PIL, deepstack=True, **_QWEN_TOKENS,
         ),
         VisionFamily(
+            name="qwen3_vl_moe", title="Qwen3-VL-MoE", model_type="qwen3_vl_moe",
+            model_class="Qwen3VLMoeForConditionalGeneration", config_class="Qwen3VLMoeConfig",
+            image_processor_class=_QWEN_PIL, deepstack=True, **_QWEN_TOKENS,
+        ),
+        VisionFamily(
             name="glm4v", title="GLM-4.1V", model_type="glm4v", model_class="Glm4vForConditionalGeneration",
-            config_class="Glm4vConfig",
-            image_processor_class="transformers.models.glm4v.image_processing_pil_glm4v:Glm4vImageProcessorPil",
-            image_token="<|image|>", image_start="<|begin_of_image|>", image_end="<|end_of_image|>",
-            extra_tokens=("<|video|>", "<|begin_of_video|>", "<|end_of_video|>", "<|user|>", "<|assistant|>"),
-            start_token_key="image_start_token_id", end_token_key="image_end_token_id",
+            config_class="Glm4vConfig", image_processor_class=_GLM_PIL, **_GLM_TOKENS,
+        ),
+        VisionFamily(
+            name="glm4v_moe", title="GLM-4.5V", model_type="glm4v_moe", model_class="Glm4vMoeForConditionalGeneration",
+            config_class="Glm4vMoeConfig", image_processor_class=_GLM_PIL, **_GLM_TOKENS,
         ),
     )
 }  # fmt: skip
@@ -160,6 +175,17 @@ def family_of(config) -> VisionFamily:
             f"(vision-language families: {supported})"
         )
     raise UserError(f"vision-language model type {model_type!r} is not supported by rlx yet; supported: {supported}")
+
+
+def family_for_prompt(config, prompt, prompt_id=None) -> VisionFamily | None:
+    """The family that will read `prompt` (None for a text-only model and a prompt without images); image parts
+    given to a text-only model are a UserError naming the prompt."""
+    if is_vision_config(config) or getattr(config, "model_type", None) in KNOWN_UNSUPPORTED:
+        return family_of(config)
+    if image_refs(prompt, prompt_id):
+        model_type = getattr(config, "model_type", None) or type(config).__name__
+        raise UserError(f"prompt {prompt_id!r} has image parts, but model type {model_type!r} is a text-only model")
+    return None
 
 
 def freeze_vision_tower(model: torch.nn.Module, frozen: bool = True) -> int:

@@ -46,7 +46,7 @@ _GLM_TEMPLATE = (
 
 
 def family_by_name(name: str) -> VisionFamily:
-    """A supported family by its short name (qwen2_vl, qwen2_5_vl, qwen3_vl, glm4v)."""
+    """A supported family by its short name (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, glm4v, glm4v_moe)."""
     for family in FAMILIES.values():
         if family.name == name:
             return family
@@ -55,7 +55,7 @@ def family_by_name(name: str) -> VisionFamily:
 
 def chat_template(family: VisionFamily) -> str:
     """A chat template in the family's style that renders image parts as its placeholders."""
-    template = _GLM_TEMPLATE if family.name == "glm4v" else _QWEN_TEMPLATE
+    template = _GLM_TEMPLATE if family.name.startswith("glm4v") else _QWEN_TEMPLATE
     return template.replace("@IMAGE@", family.image_start + family.image_token + family.image_end)
 
 
@@ -86,16 +86,22 @@ def tiny_vision_processor(family_name: str, **pixel_limits) -> VisionProcessor:
 def _text_config(tokenizer, family: VisionFamily, num_layers: int, hidden_size: int) -> dict:
     """Decoder settings: GQA 4/2 heads of 16, mRoPE sections over the rotary half-dims."""
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-    if family.name == "glm4v":  # GLM rotates half of each head: 4 frequencies in all
+    if family.name.startswith("glm4v"):  # GLM rotates half of each head: 4 frequencies in all
         rope.update(mrope_section=[1, 1, 2], partial_rotary_factor=0.5)
-    if family.name == "qwen3_vl":
+    if family.name.startswith("qwen3_vl"):
         rope["mrope_interleaved"] = True
-    return dict(
+    text = dict(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
         max_position_embeddings=1024, rope_parameters=rope, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
+    if family.name == "qwen3_vl_moe":  # 4 experts of 32, 2 per token, in every layer
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    if family.name == "glm4v_moe":  # a dense first layer, then 4 routed experts (2 per token) + 1 shared
+        text.update(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                    first_k_dense_replace=1, n_group=1, topk_group=1)  # fmt: skip
+    return text
 
 
 def _vision_config(family: VisionFamily, hidden_size: int) -> dict:
@@ -109,7 +115,7 @@ def _vision_config(family: VisionFamily, hidden_size: int) -> dict:
     tower = dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size)
     if family.name == "qwen2_5_vl":  # windows of 2 x 2 merged patches, the last block attends fully
         return dict(tower, window_size=PATCH_SIZE * MERGE_SIZE * 2, fullatt_block_indexes=[1])
-    if family.name == "qwen3_vl":  # a 4 x 4 learned position grid, DeepStack features from block 0
+    if family.name.startswith("qwen3_vl"):  # a 4 x 4 learned position grid, DeepStack features from block 0
         return dict(tower, num_position_embeddings=16, deepstack_visual_indexes=[0])
     return dict(tower, image_size=16)  # glm4v: its position table covers 16 x 16 pixels (4 x 4 patches)
 
@@ -128,7 +134,7 @@ def tiny_vision_config(family_name: str, tokenizer=None, num_layers: int = 2, hi
         **{family.start_token_key: ids[family.image_start], family.end_token_key: ids[family.image_end]},
         tie_word_embeddings=True,
     )
-    if family.name == "glm4v":
+    if family.name.startswith("glm4v"):
         config.video_start_token_id = ids["<|begin_of_video|>"]
         config.video_end_token_id = ids["<|end_of_video|>"]
     config.architectures = [family.model_class]
