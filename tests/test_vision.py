@@ -340,8 +340,9 @@ def test_vision_inputs_round_trip_through_safetensors(tmp_path):
         assert torch.equal(got.pixel_values, vision.pixel_values)
     random_image(40, 40, 9).save(tmp_path / "img1.png")  # the file changed since the batch was written
     references_only = {k: v for k, v in loaded.items() if k != "vision/pixel_values"}
-    with pytest.raises(UserError, match=r"batch.safetensors: image '.*img1.png' now gives patch grid \[1, 10, 10\]"):
-        from_tensors(references_only, header, processor, source="batch.safetensors")
+    message = r"batch.safetensors: sample 's1': image '.*img1.png' now gives patch grid \[1, 10, 10\]"
+    with pytest.raises(UserError, match=message):
+        from_tensors(references_only, header, processor, source="batch.safetensors", sample_ids=["s0", "s1"])
 
 
 # --- Ulysses sequence parallelism ------------------------------------------------------------------------

@@ -128,9 +128,12 @@ def to_tensors(
     return tensors, metadata
 
 
-def from_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], processor=None, source: str = "batch"):
+def from_tensors(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], processor=None, source: str = "batch", sample_ids=None
+):
     """(VisionInputs, image refs per sample) back from `to_tensors`' output. Without stored pixels the images
-    are reloaded through `processor` (a `VisionProcessor`) and their grids checked against the stored ones."""
+    are reloaded through `processor` (a `VisionProcessor`) and their grids checked against the stored ones;
+    errors name `source` (the batch file) and, when given, the sample's id."""
     if GRID_KEY not in tensors or COUNT_KEY not in tensors or REFS_KEY not in metadata:
         raise UserError(f"{source}: no vision inputs (expected {GRID_KEY}, {COUNT_KEY} and header {REFS_KEY})")
     if metadata.get(FORMAT_KEY) != FORMAT_VERSION:
@@ -145,13 +148,14 @@ def from_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], pro
         return VisionInputs.empty(len(counts)), refs
     if processor is None:
         raise ValueError("the batch stores image references only: pass the model's processor to reload them")
-    flat = [ref for sample in refs for ref in sample]
-    reloaded = processor.vision_inputs(refs, [source] * len(refs))
+    ids = list(sample_ids) if sample_ids is not None else [f"{source} row {i}" for i in range(len(refs))]
+    flat = [(ref, sample_id) for sample, sample_id in zip(refs, ids) for ref in sample]
+    reloaded = processor.vision_inputs(refs, ids)
     pixels, new_grids = reloaded.pixel_values, reloaded.image_grid_thw
     if not torch.equal(new_grids, grids):
         bad = next(i for i in range(len(flat)) if not torch.equal(new_grids[i], grids[i]))
         raise UserError(
-            f"{source}: image {flat[bad]!r} now gives patch grid {new_grids[bad].tolist()}, the batch recorded "
-            f"{grids[bad].tolist()} (the image or the processor settings changed)"
+            f"{source}: sample {flat[bad][1]!r}: image {flat[bad][0]!r} now gives patch grid "
+            f"{new_grids[bad].tolist()}, the batch recorded {grids[bad].tolist()} (the image or the processor changed)"
         )
     return VisionInputs(pixels, grids, counts), refs

@@ -125,10 +125,11 @@ def set_decoder_attention(model: torch.nn.Module, name: str) -> None:
 @contextmanager
 def vision_forward(model: torch.nn.Module, row: VisionRow, sp_rank: int = 0, sp_size: int = 1):
     """While open, packed forwards of `model` (text rows as rlx's packed path builds them, this rank's
-    slice under sequence parallelism `sp_rank` of `sp_size`) run as the vision-language forward of `row`.
-    `row` must be on the model's device and hold the same samples as the text row."""
+    slice under sequence parallelism `sp_rank` of `sp_size`) run as the vision-language forward of `row`,
+    which must hold the same samples as the text row (it is moved to the model's device)."""
     family: VisionFamily = family_of(model.config)
     backbone = getattr(model, model.base_model_prefix)
+    row = row.to(next(model.parameters()).device)  # a no-op when it is there already
     held: dict = {}
     local_len = -(-row.total_len // sp_size)
 
