@@ -20,7 +20,7 @@ from rlx.models.vision.images import data_uri, image_refs, load_image, resolve_r
 from rlx.models.vision.inputs import VisionInputs, from_tensors, to_tensors
 from rlx.models.vision.packing import VisionRow, set_decoder_attention, vision_forward
 from rlx.models.vision.positions import mrope_positions
-from rlx.models.vision.processor import load_vision_processor
+from rlx.models.vision.processor import load_vision_processor, vision_processor_for
 from rlx.models.vision.tiny import (
     build_tiny_vision_model,
     tiny_vision_config,
@@ -221,6 +221,8 @@ def test_processor_round_trips_through_a_model_dir(tmp_path):
     want = tiny_vision_processor("glm4v").encode(PROMPTS[1], prompt_id=1)
     got = loaded.encode(PROMPTS[1], prompt_id=1)
     assert got.input_ids == want.input_ids and torch.equal(got.vision.pixel_values, want.vision.pixel_values)
+    limited = vision_processor_for(tmp_path / "m", options=VisionConfig(max_pixels=8 * 16))
+    assert limited.encode(PROMPTS[1], prompt_id=1).vision.image_grid_thw.tolist() == [[1, 2, 2]]  # 16x16 -> 8x8
     (tmp_path / "m" / "preprocessor_config.json").unlink()
     with pytest.raises(UserError, match=r"no preprocessor_config.json: the GLM-4.1V image processor is missing"):
         load_vision_processor(tmp_path / "m")

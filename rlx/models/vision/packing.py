@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlx.errors import UserError
 from rlx.models.vision.families import VisionFamily, family_of
 from rlx.models.vision.inputs import VisionInputs
 from rlx.models.vision.positions import mrope_positions
@@ -115,8 +116,6 @@ def set_decoder_attention(model: torch.nn.Module, name: str) -> None:
     """Switch only the decoder of a vision-language `model` to the registered attention function `name` (e.g.
     "rlx_varlen", "rlx_ulysses"); the vision tower keeps its own (sdpa or flash attention per image), which is
     what it needs on GPUs. Switching the whole model works too: the tower then calls `name` once per image."""
-    from rlx.errors import UserError
-
     model.set_attn_implementation({"text_config": name})
     if family_of(model.config).decoder(model).config._attn_implementation != name:
         raise UserError(f"{type(model).__name__}: its decoder does not take the attention function {name!r}")
