@@ -25,8 +25,8 @@ from rlx.models.vision.images import image_refs
 # model types transformers does not ship (remote code only) that users may reasonably try
 KNOWN_UNSUPPORTED = {
     "kimi_vl": "Kimi-VL (model_type 'kimi_vl') is remote code only, not part of transformers 5.17",
-    "kimi_k25": "Kimi-K2.5 ('kimi_k25') is in transformers, but its image processor needs torchvision and its "
-    "MoE decoder is not wired into rlx's packed forward yet",
+    "kimi_k25": "Kimi-K2.5 ('kimi_k25') is in transformers 5.17, but its image processor needs torchvision (there is "
+    "no PIL version) and rlx has no bundle for its layout (MoonViT tower + projector, 1-D positions) yet",
 }
 
 
