@@ -165,7 +165,7 @@ def _sdpa_loop(query, key, value, cu_seqlens, scale, dropout, is_causal, sliding
     """The exact fallback: one scaled_dot_product_attention call per sequence. [N, H, D] -> [N, H, D]."""
     key = repeat_kv_heads(key, query.shape[1], dim=1)
     value = repeat_kv_heads(value, query.shape[1], dim=1)
-    out = torch.empty_like(query)
+    out = query.new_empty(*query.shape[:-1], value.shape[-1])
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
@@ -215,14 +215,23 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Attention within each sequence of a packed token list.
 
-    query [N, H, D], key/value [N, Hkv, D] with H a multiple of Hkv (GQA), cu_seqlens [n+1] int32
-    (0, ..., N) -> [N, H, D]. No token attends across a boundary of `cu_seqlens`.
+    query/key [N, H, D] / [N, Hkv, D], value [N, Hkv, Dv] with H a multiple of Hkv (GQA), cu_seqlens [n+1]
+    int32 (0, ..., N) -> [N, H, Dv]. No token attends across a boundary of `cu_seqlens`. Dv may be smaller
+    than D (MLA); the varlen kernels then get values zero-padded to D and their output is cut back.
     """
     if torch.is_autocast_enabled(query.device.type):  # as autocast treats SDPA: rotary may have upcast q, k
         compute = torch.get_autocast_dtype(query.device.type)
         query, key, value = (t.to(compute) for t in (query, key, value))
     backend = select_backend(query, dropout)
     cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
+    value_dim = value.shape[-1]
+    if backend != "sdpa" and value_dim < query.shape[-1]:  # the varlen kernels take one head size
+        value = F.pad(value, (0, query.shape[-1] - value_dim))
+        out = varlen_attention(
+            query, key, value, cu_seqlens, max_len, scale=scale, dropout=dropout, is_causal=is_causal,
+            sliding_window=sliding_window,
+        )  # fmt: skip
+        return out[..., :value_dim]
     if backend == "flash_attn":
         return flash_attn_varlen_func(
             query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, dropout_p=dropout, softmax_scale=scale,
@@ -275,7 +284,8 @@ def packed_attention_forward(
     query [B, H, T, D], key/value [B, Hkv, T, D], attention_mask None or [B, T] bool ->
     (attn_output [B, T, H, D], None); outputs at padded positions are 0.
     """
-    batch, num_heads, length, head_dim = query.shape
+    batch, num_heads, length, _ = query.shape
+    head_dim = value.shape[-1]  # of the output: MLA (DeepSeek-V3, Kimi) has values narrower than queries/keys
     if key.shape[2] != length:
         raise ValueError(
             f"{PACKED_ATTENTION} attention needs as many keys as queries: call the model with use_cache=False"
@@ -284,7 +294,7 @@ def packed_attention_forward(
     kept, cu_seqlens, max_len = _segments(
         attention_mask, position_ids, cu_seq_lens_q, max_length_q, batch, length, query.device
     )
-    q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (query, key, value))
+    q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[-1]) for t in (query, key, value))
     if kept is not None:
         q, k, v = q[kept], k[kept], v[kept]
     out = varlen_attention(

@@ -1,6 +1,6 @@
 """Reward functions by name: the built-in rules, any `module:function`, weighted sums, chosen per sample.
 
-A reward spec is a built-in name (`arith`, `gsm8k`, `math`), `package.module:function` or
+A reward spec is a built-in name (`arith`, `gsm8k`, `math`, `shapes`), `package.module:function` or
 `path/to/file.py:function`, optionally followed by `=WEIGHT`. Without specs, each sample's
 `data_source` picks a built-in. A function is called as verl calls it:
 `fn(data_source=, solution_str=, ground_truth=, extra_info=)` and returns a number or a dict
@@ -20,7 +20,7 @@ from rlx.engine.records import RolloutRecord
 from rlx.engine.scoring import rules
 from rlx.errors import UserError
 
-BUILTIN: dict[str, Callable] = {"arith": rules.arith, "gsm8k": rules.gsm8k, "math": rules.math}
+BUILTIN: dict[str, Callable] = {"arith": rules.arith, "gsm8k": rules.gsm8k, "math": rules.math, "shapes": rules.shapes}
 DATA_SOURCE_ALIASES = {
     "openai/gsm8k": "gsm8k",
     "lighteval/MATH": "math",

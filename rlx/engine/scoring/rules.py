@@ -1,4 +1,4 @@
-"""Rule rewards: exact-answer checks for arithmetic, GSM8K and MATH-style problems.
+"""Rule rewards: exact-answer checks for arithmetic, GSM8K and MATH-style problems and shape questions.
 
 Each function follows the reward-function signature rlx calls for every sample,
 `fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`, the same one verl uses,
@@ -174,6 +174,22 @@ def math(data_source, solution_str: str, ground_truth, extra_info=None) -> dict:
     if verified is None:
         verified = normalize_math(answer) == normalize_math(truth)
     return {"score": 1.0 if verified else 0.0, "has_answer": 1.0}
+
+
+def shapes(data_source, solution_str: str, ground_truth, extra_info=None) -> dict:
+    """Questions about an image (rlx.tasks.shapes): a numeric ground truth must equal the response's last
+    number; a word ground truth (a colour) must be the last of the record's `choices` named in the response
+    (any whole word when the record lists none), compared case-insensitively.
+    """
+    truth = str(ground_truth).strip()
+    if _to_number(truth) is not None:
+        return arith(data_source, solution_str, truth)
+    choices = (extra_info or {}).get("choices") or []
+    pattern = r"\b(" + "|".join(re.escape(c) for c in choices) + r")\b" if choices else r"[A-Za-z]+"
+    found = re.findall(pattern, solution_str, flags=re.IGNORECASE)
+    if not found:
+        return {"score": 0.0, "has_answer": 0.0}
+    return {"score": 1.0 if found[-1].lower() == truth.lower() else 0.0, "has_answer": 1.0}
 
 
 def is_finite_number(value) -> bool:

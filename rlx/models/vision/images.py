@@ -1,0 +1,122 @@
+"""Image parts of chat prompts: finding them, resolving their references and loading them with Pillow.
+
+An image part is `{"type": "image", "image": REF}` inside a message's content list, where REF is
+
+- a local path, absolute or relative to the prompts file's folder (`base` below),
+- an fsspec URL (`memory://`, `file://`, `s3://` with s3fs, `http(s)://` with aiohttp, ...),
+- a `data:image/...;base64,...` URI holding the encoded image itself.
+
+Records keep the reference, never pixels. Every error is a UserError naming the prompt id and the
+reference (data URIs shortened).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+from pathlib import Path
+
+from rlx.errors import UserError
+
+IMAGE_PART = "image"
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _short(ref: str, limit: int = 60) -> str:
+    """A reference as error messages show it (long data: URIs cut, paths and URLs whole)."""
+    return ref if len(ref) <= limit or not ref.startswith("data:") else ref[: limit - 3] + "..."
+
+
+def is_url(ref: str) -> bool:
+    """Whether `ref` names a file system by protocol (`memory://x`, `s3://b/k`, `file:///p`)."""
+    return _URL.match(ref) is not None
+
+
+def image_refs(prompt, prompt_id=None) -> list[str]:
+    """The image references of a prompt (text or chat messages), in the order the template renders them."""
+    if isinstance(prompt, str):
+        return []
+    refs = []
+    for message in prompt:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == IMAGE_PART:
+                ref = part.get(IMAGE_PART)
+                if not isinstance(ref, str) or not ref:
+                    raise UserError(
+                        f"prompt {prompt_id!r}: an image part needs 'image': a path, URL or data: URI, got {ref!r}"
+                    )
+                refs.append(ref)
+    return refs
+
+
+def resolve_ref(ref: str, base: str | Path | None) -> str:
+    """`ref` made independent of the current folder: relative local paths are joined to `base` (a folder
+    or folder URL, normally the prompts file's); URLs, data: URIs and absolute paths are kept."""
+    if ref.startswith("data:") or is_url(ref) or Path(ref).is_absolute() or base is None:
+        return ref
+    base = str(base)
+    if is_url(base):
+        return base.rstrip("/") + "/" + ref
+    return str(Path(base) / ref)
+
+
+def _decode_data_uri(ref: str, prompt_id) -> bytes:
+    header, comma, payload = ref.partition(",")
+    if not comma or not header.endswith(";base64"):
+        raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} is a data: URI without ';base64,' data")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} has bad base64 data ({e})") from None
+
+
+def _read_bytes(ref: str, prompt_id) -> bytes:
+    """The bytes behind a reference (data: URI, fsspec URL or local path)."""
+    if ref.startswith("data:"):
+        return _decode_data_uri(ref, prompt_id)
+    if not is_url(ref):
+        try:
+            return Path(ref).read_bytes()
+        except FileNotFoundError:
+            raise UserError(f"prompt {prompt_id!r}: image {ref!r} does not exist") from None
+        except OSError as e:
+            raise UserError(f"prompt {prompt_id!r}: image {ref!r} cannot be read ({e.strerror or e})") from None
+    import fsspec
+
+    try:
+        with fsspec.open(ref, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise UserError(f"prompt {prompt_id!r}: image {ref!r} does not exist") from None
+    except ImportError as e:
+        raise UserError(f"prompt {prompt_id!r}: image {ref!r}: its protocol needs an extra package ({e})") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"prompt {prompt_id!r}: image {ref!r} cannot be read ({e})") from None
+
+
+def load_image(ref: str, *, prompt_id=None, base: str | Path | None = None):
+    """The image behind `ref` as an RGB `PIL.Image` (decoded now, so a broken file fails here)."""
+    from PIL import Image, UnidentifiedImageError
+
+    ref = resolve_ref(ref, base)
+    data = _read_bytes(ref, prompt_id)
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except UnidentifiedImageError:
+        raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} is not an image format Pillow reads") from None
+    except (OSError, SyntaxError, ValueError) as e:
+        raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} is not a readable image ({e})") from None
+    return image.convert("RGB")
+
+
+def data_uri(image, fmt: str = "PNG") -> str:
+    """A `PIL.Image` encoded as a `data:image/...;base64,` URI."""
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
