@@ -13,6 +13,7 @@ from rlx.engine.training.config import TrainConfig as C
 
 _METAVARS = {
     "role": "actor|critic",
+    "lr_schedule": "constant|linear|cosine",
     "policy_loss": "NAME",
     "loss_agg_mode": "MODE",
     "kl_loss_type": "k1|k2|k3|abs",
@@ -36,6 +37,9 @@ def train_step(
     role: Annotated[str, _opt("role")] = C.role,
     lr: Annotated[float, _opt("lr")] = C.lr,
     warmup_steps: Annotated[int, _opt("warmup_steps")] = C.warmup_steps,
+    lr_schedule: Annotated[str, _opt("lr_schedule")] = C.lr_schedule,
+    lr_decay_steps: Annotated[int, _opt("lr_decay_steps")] = C.lr_decay_steps,
+    min_lr_ratio: Annotated[float, _opt("min_lr_ratio")] = C.min_lr_ratio,
     weight_decay: Annotated[float, _opt("weight_decay")] = C.weight_decay,
     epochs: Annotated[int, _opt("epochs")] = C.epochs,
     mini_batch_size: Annotated[int, _opt("mini_batch_size")] = C.mini_batch_size,

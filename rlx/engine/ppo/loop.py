@@ -85,7 +85,7 @@ class PPORun:
             model, self.tokenizer, self.aux = load_trained_policy(resolve_source(start_ckpt))
             ref = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)[0] if cfg.use_ref else None
         self.critic, self.critic_aux = self._load_critic(start_ckpt, model)  # before the actor is sharded
-        train_cfg = dataclasses.replace(cfg.train, seed=cfg.seed)
+        train_cfg = dataclasses.replace(cfg.train, seed=cfg.seed).with_decay_length(cfg.steps)
         if self.megatron is not None:
             self.trainer = megatron_ppo.build_trainer(model, train_cfg, self.megatron, start_ckpt)
             self.rollout_model = model.to(self.device)  # the replica rollouts run on, synced after updates
@@ -144,7 +144,7 @@ class PPORun:
         else:
             model, aux = build_critic_files(policy, self.tokenizer, cfg.seed)
             state = None
-        train_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed)
+        train_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed).with_decay_length(cfg.steps)
         if self.megatron is not None:
             from rlx.engine.megatron.ppo import build_trainer
 
