@@ -27,6 +27,15 @@ def test_top_level_help_lists_every_command():
         assert re.search(rf"^\s+{name}\s", result.stdout, re.M), name
 
 
+def test_version():
+    from rlx import __version__
+
+    result = cli("--version")
+    assert result.exit_code == 0 and result.stdout == f"rlx {__version__}\n"
+    out = subprocess.run([sys.executable, "-m", "rlx", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"rlx {__version__}" and "--version" in cli("--help").stdout
+
+
 def test_cli_import_does_not_import_torch():
     """--help must be instant: the CLI module and all command modules stay torch-free at import."""
     code = "import sys, rlx.cli; print([m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules])"
