@@ -165,7 +165,9 @@ def chat_ckpt(tiny_dir, tmp_path_factory) -> Path:
     chat_dir = tmp_path_factory.mktemp("chat") / "model"
     shutil.copytree(tiny_dir, chat_dir)
     tok = load_tokenizer(ModelSource(chat_dir))
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}{% if add_generation_prompt %} {% endif %}"
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}={% endfor %}{% if add_generation_prompt %} {% endif %}"
+    )
     tok.save_pretrained(chat_dir)
     out = tmp_path_factory.mktemp("chat_ckpt") / "step0"
     cli_ok("shard", "--model", chat_dir, "--init", "random", "--seed", "0", "--out", out)

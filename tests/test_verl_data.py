@@ -67,7 +67,8 @@ def test_parquet_prompts_through_rollout_and_score(tmp_path, chat_ckpt):
     assert [s["reward"] for s in scores] == [1.0, 1.0, 2.0, 2.0]
     details = scores[2]["rewards"]["score"]
     assert details == {"score": 2.0, "pred": records[2]["response"][:3], "is_exact": True, "tags": [], "acc": 0.25}
-    assert scores[0]["rewards"]["score"]["tags"] == ["easy", "add"] and scores[0]["rewards"]["score"]["is_exact"] is False
+    first = scores[0]["rewards"]["score"]
+    assert first["tags"] == ["easy", "add"] and first["is_exact"] is False
     line = json.loads(metrics.read_text())
     assert line["reward/score/acc"] == 0.25 and line["reward/score/is_exact"] == 0.5  # booleans count as 0/1
     assert "reward/score/pred" not in line and "reward/score/tags" not in line
@@ -91,7 +92,8 @@ def test_jsonl_extra_info_is_not_nested(tmp_path, chat_ckpt):
     rollouts = tmp_path / "r.jsonl"
     cli_ok("rollout", "--model", chat_ckpt, "--prompts", prompts, "--out", rollouts, "--n", "2",
            "--max-new-tokens", "2")  # fmt: skip
-    cli_ok("score", "--rollouts", rollouts, "--actor", chat_ckpt, "--reward", f"{reward}:score", "--out", tmp_path / "s")
+    out = tmp_path / "s"
+    cli_ok("score", "--rollouts", rollouts, "--actor", chat_ckpt, "--reward", f"{reward}:score", "--out", out)
 
 
 def test_parquet_bad_input(tmp_path, chat_ckpt, monkeypatch):
