@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from rlx.engine.io import atomic_path, is_remote
+from rlx.engine.io import apply_umask, atomic_path, is_remote
 from rlx.engine.records import RolloutRecord
 from rlx.errors import UserError
 
@@ -116,6 +116,7 @@ class TrainBatch:
         }
         with atomic_path(path) as tmp:
             save_file({k: v.contiguous() for k, v in self.tensors().items()}, str(tmp), metadata=header)
+            apply_umask(tmp)  # safetensors makes its files 0600
 
     @classmethod
     def load(cls, path: str | Path) -> TrainBatch:

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from rlx import __version__
-from rlx.engine.io import atomic_dir, read_json
+from rlx.engine.io import apply_umask, atomic_dir, read_json
 from rlx.errors import UserError
 from rlx.models.loading import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, read_safetensors, read_weights
 
@@ -134,6 +134,7 @@ def write_weights(folder: Path, state: dict[str, torch.Tensor], dtype: torch.dty
     )
     for filename, keys in split.filename_to_tensors.items():
         save_file({k: tensors[k] for k in keys}, str(folder / filename), metadata={"format": "pt"})
+        apply_umask(folder / filename)  # safetensors makes its files 0600
     if split.is_sharded:
         index = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
@@ -167,6 +168,7 @@ def write_optimizer_state(folder: Path, state: dict[str, torch.Tensor]) -> None:
         str(folder / OPTIMIZER_NAME),
         metadata={"format": "rlx-optimizer"},
     )
+    apply_umask(folder / OPTIMIZER_NAME)
 
 
 def write_meta(folder: Path, meta: CheckpointMeta) -> None:

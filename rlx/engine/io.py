@@ -1,10 +1,11 @@
 """File plumbing shared by every stage: atomic writes, JSONL with line-numbered errors, stdin/stdout.
 
 Outputs are written under a temporary name in the destination folder and renamed into place, so a
-failure (or a kill) never leaves a partial file that looks whole. Any path may also be an fsspec
-URL (s3://, hdfs://, memory://, ...): remote outputs are written locally first and published by
-rlx.engine.storage (atomically where the store allows, else with the marker file last); remote
-inputs are read through it. Keep URLs as strings: pathlib.Path would fold their '//'.
+failure (or a kill) never leaves a partial file that looks whole; the temporaries get the permissions
+the umask gives new files and folders (mkstemp/mkdtemp alone would make every output owner-only).
+Any path may also be an fsspec URL (s3://, hdfs://, memory://, ...): remote outputs are written
+locally first and published by rlx.engine.storage (atomically where the store allows, else with the
+marker file last); remote inputs are read through it. Keep URLs as strings: pathlib.Path would fold their '//'.
 """
 
 from __future__ import annotations
@@ -54,6 +55,26 @@ def exists(path: str | Path) -> bool:
     return local(path).exists()
 
 
+def current_umask() -> int:
+    """The process's umask (read from /proc where it can be, else by setting and restoring it)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str | Path) -> None:
+    """Give a file the permissions open() would under the umask (for writers that make it 0600 themselves,
+    e.g. safetensors' save_file, which writes a temporary file and renames it)."""
+    os.chmod(path, 0o666 & ~current_umask())
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path next to `path`; rename it onto `path` only if the block succeeds.
@@ -69,6 +90,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     path = local(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600: give it what open() would
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -101,6 +123,7 @@ def atomic_dir(path: str | Path, overwrite: bool = False, marker: str | None = N
         raise UserError(f"{path}: already exists (choose another output or pass --overwrite)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes 0700: give it what mkdir() would
     try:
         yield tmp
         if path.exists():
