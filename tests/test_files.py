@@ -38,7 +38,20 @@ def test_shipped_heldout_set_matches_the_generator_and_is_held_out(tmp_path):
             and record["ground_truth"] == str(int(a) + int(b) if op == "+" else int(a) - int(b))
         )
     assert sum(max(int(a), int(b)) > 20 for a, _, b in (template.fullmatch(q).groups() for q in questions)) > 400
-    command = "--style chat --ops +- --max-value 99 --num 500 --seed 1 --id-prefix arith-heldout".split()
+    command = [
+        "--style",
+        "chat",
+        "--ops",
+        "+-",
+        "--max-value",
+        "99",
+        "--num",
+        "500",
+        "--seed",
+        "1",
+        "--id-prefix",
+        "arith-heldout",
+    ]
     command += ["--exclude", str(REPO / "recipes/data/arith_chat.jsonl"), "--out", str(tmp_path / "h.jsonl")]
     subprocess.run([sys.executable, "-m", "rlx.tasks.arith", *command], check=True, cwd=REPO)
     assert (tmp_path / "h.jsonl").read_bytes() == (REPO / "recipes/data/arith_chat_heldout.jsonl").read_bytes()
