@@ -1,8 +1,8 @@
 """Reward functions by name: the built-in rules, any `module:function`, weighted sums, chosen per sample.
 
-A reward spec is a built-in name (`arith`, `gsm8k`, `math`), `package.module:function` or
+A reward spec is a built-in name (`arith`, `gsm8k`, `math`, `reasoning_gym`), `package.module:function` or
 `path/to/file.py:function`, optionally followed by `=WEIGHT`. Without specs, each sample's
-`data_source` picks a built-in. A function is called as verl calls it:
+`data_source` picks a built-in (`reasoning_gym/NAME` picks `reasoning_gym`). A function is called as verl calls it:
 `fn(data_source=, solution_str=, ground_truth=, extra_info=)` and returns a number or a dict
 with 'score' (its other entries are kept in scores.jsonl; metrics average the numeric ones). A prompt's
 `extra_info` dict (verl's column) reaches the function as it is, merged over rlx's own keys.
@@ -18,10 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlx.engine.records import RolloutRecord
-from rlx.engine.scoring import rules
+from rlx.engine.scoring import reasoning_gym, rules
 from rlx.errors import UserError
 
-BUILTIN: dict[str, Callable] = {"arith": rules.arith, "gsm8k": rules.gsm8k, "math": rules.math}
+BUILTIN: dict[str, Callable] = {
+    "arith": rules.arith,
+    "gsm8k": rules.gsm8k,
+    "math": rules.math,
+    "reasoning_gym": reasoning_gym.reasoning_gym,
+}
 DATA_SOURCE_ALIASES = {
     "openai/gsm8k": "gsm8k",
     "lighteval/MATH": "math",
@@ -100,6 +105,8 @@ class RewardFunctions:
             return self.fixed
         source = rollout.data_source
         name = DATA_SOURCE_ALIASES.get(source, source)
+        if source and source.startswith(reasoning_gym.DATA_SOURCE_PREFIX):
+            name = "reasoning_gym"
         if name in BUILTIN:
             return [RewardFunction(name, BUILTIN[name])]
         raise UserError(
