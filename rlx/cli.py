@@ -7,6 +7,7 @@ import sys
 
 import typer
 
+from rlx.commands.eval import eval_
 from rlx.commands.merge import merge
 from rlx.commands.ppo import ppo
 from rlx.commands.report import report
@@ -50,6 +51,7 @@ app.command("rollout")(rollout)
 app.command("score")(score)
 app.command("train-step")(train_step)
 app.command("merge")(merge)
+app.command("eval")(eval_)
 app.command("ppo")(ppo)
 app.command("report")(report)
 
