@@ -93,8 +93,8 @@ def test_sampled_eval_pass_at_k_from_the_file(tmp_path, tiny_ckpt, prompts_file)
     reward = tmp_path / "parity.py"
     reward.write_text(REWARD)
     out, metrics = tmp_path / "eval", tmp_path / "m.jsonl"
-    args = ["eval", "--model", tiny_ckpt, "--prompts", prompts, "--reward", f"{reward}:score", "--out", out,
-            "--n", "4", "--temperature", "1.0", "--max-new-tokens", "4", "--seed", "3", "--metrics", metrics]  # fmt: skip
+    args = ["eval", "--model", tiny_ckpt, "--prompts", prompts, "--reward", f"{reward}:score", "--out", out]
+    args += ["--n", "4", "--temperature", "1.0", "--max-new-tokens", "4", "--seed", "3", "--metrics", metrics]
     cli_ok(*args)
     samples = read_jsonl(out / "eval.jsonl")
     assert len(samples) == 24 and all(s["rewards"]["score"]["seen"] == s["response"] for s in samples)

@@ -84,5 +84,6 @@ def main() -> None:
     except UserError as e:
         parser.exit(1, f"rlx.tasks.reasoning_gym: error: {e}\n")
 
+
 if __name__ == "__main__":
     main()
