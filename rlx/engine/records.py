@@ -128,8 +128,8 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
     for index, (where, obj) in enumerate(rows):
         record = PromptRecord.from_json(obj, where, index)
         if record.id in seen:
-            raise UserError(f"{where}: duplicate prompt id {record.id!r} (first seen at {seen[record.id]})")
-        seen[record.id] = where
+            raise UserError(f"{where}: duplicate prompt id {record.id!r} (first seen on {seen[record.id]})")
+        seen[record.id] = where.rsplit(":", 1)[1] if is_parquet(path) else f"line {where.rsplit(':', 1)[1]}"
         records.append(record)
     return records
 
