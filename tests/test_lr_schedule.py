@@ -64,6 +64,18 @@ def test_schedule_settings_are_checked():
         TrainConfig(lr_schedule="cosine").lr_at(0)  # no length: `rlx ppo` fills it, train-step refuses
 
 
+def test_recipe_checks_the_run_is_longer_than_the_warm_up():
+    from rlx.engine.ppo.config import load_recipe
+    from rlx.errors import UserError
+
+    recipe = REPO / "recipes" / "quickstart.toml"
+    with pytest.raises(UserError, match="train.lr_decay_steps: decay over the run's 2 steps needs steps > warmup"):
+        load_recipe(recipe, ["steps=2", "train.lr_schedule=cosine", "train.warmup_steps=3"])
+    cfg = load_recipe(recipe, ["steps=2", "train.lr_schedule=cosine", "train.warmup_steps=3", "train.lr_decay_steps=9"])
+    assert cfg.train.with_decay_length(cfg.steps).lr_decay_steps == 9  # given lengths are kept
+    assert load_recipe(recipe, ["train.lr_schedule=linear"]).train.with_decay_length(150).lr_decay_steps == 150
+
+
 def test_ppo_decays_over_the_run_steps(tmp_path):
     run = tmp_path / "run"
     sets = ["steps=4", "data.prompts_per_step=4", "rollout.n=2", "train.lr_schedule=linear", "train.warmup_steps=1",
