@@ -48,7 +48,8 @@ class TrainConfig:
     """Policy loss: ppo (clip + dual-clip), gspo, cispo, sapo, gpg, clip_cov, kl_cov, geo_mean."""
     loss_agg_mode: AggMode = "token-mean"
     """How token losses become a scalar: token-mean, seq-mean-token-sum, seq-mean-token-mean,
-    seq-mean-token-sum-norm (normalisers are counted over the whole mini-batch)."""
+    seq-mean-token-sum-norm (normalisers are counted over the whole mini-batch; GSPO's paper objective is
+    seq-mean-token-mean, SAPO always uses it)."""
     loss_scale_factor: int = 0
     """seq-mean-token-sum-norm's constant length (Dr.GRPO's MAX_TOKENS); 0 = the batch's response width."""
     clip_ratio_low: float = 0.2
