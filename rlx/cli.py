@@ -7,6 +7,7 @@ import sys
 
 import typer
 
+from rlx.commands.eval import eval_
 from rlx.commands.merge import merge
 from rlx.commands.ppo import ppo
 from rlx.commands.report import report
@@ -26,11 +27,31 @@ app = typer.Typer(
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from rlx import __version__
+
+        print(f"rlx {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="Print `rlx VERSION` and exit."
+    ),
+) -> None:
+    pass
+
+
 app.command("shard")(shard)
 app.command("rollout")(rollout)
 app.command("score")(score)
 app.command("train-step")(train_step)
 app.command("merge")(merge)
+app.command("eval")(eval_)
 app.command("ppo")(ppo)
 app.command("report")(report)
 

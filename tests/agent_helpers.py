@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM
 
 from rlx.engine.agent.hf_tokens import HFTokenEngine
 from rlx.engine.records import PromptRecord
-from rlx.engine.rollout.hf import HFRolloutEngine
 from rlx.models.tiny import SPECIAL_TOKENS
 from rlx.models.tiny_chat import MARKUP_TOKENS, build_chat_tokenizer, tiny_chat_config
 
@@ -69,7 +68,10 @@ def bigram_chat_model(script: str, style: str | None = "qwen2.5", extra_tokens: 
 
 def token_engine(model, tokenizer) -> tuple[HFTokenEngine, set[int]]:
     """The token-level engine over today's hf engine, and the stop ids."""
-    engine = HFRolloutEngine(model, tokenizer, torch.device("cpu"), torch.float32)
+    from rlx.engine.rollout.config import RolloutConfig
+    from tests.conftest import make_engine
+
+    engine = make_engine(model, tokenizer, RolloutConfig())
     return HFTokenEngine(engine), engine.stop_ids
 
 

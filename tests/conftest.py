@@ -166,3 +166,22 @@ def rollout_args(model: Path, prompts: Path, out: Path, *extra: str) -> list:
         "4",
         *extra,
     ]
+
+
+@pytest.fixture(scope="session")
+def chat_ckpt(tiny_dir, tmp_path_factory) -> Path:
+    """The tiny model with a chat template (each message's content then '=', a space to answer), random init."""
+    import shutil
+
+    from rlx.models.loading import ModelSource, load_tokenizer
+
+    chat_dir = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(tiny_dir, chat_dir)
+    tok = load_tokenizer(ModelSource(chat_dir))
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}={% endfor %}{% if add_generation_prompt %} {% endif %}"
+    )
+    tok.save_pretrained(chat_dir)
+    out = tmp_path_factory.mktemp("chat_ckpt") / "step0"
+    cli_ok("shard", "--model", chat_dir, "--init", "random", "--seed", "0", "--out", out)
+    return out

@@ -303,16 +303,23 @@ def test_cispo_gradient_flows_through_clipped_tokens_unlike_ppo():
 
 
 def test_gspo_sequence_ratio_by_hand():
-    """s = exp(mean_t log r) per sequence, clipped like PPO, seq-mean-token-mean whatever mode is passed;
-    d loss / d logp_t = -A s / (len * num_seqs) for unclipped sequences, 0 for clipped ones."""
+    """s = exp(mean_t log r) per sequence, clipped like PPO, aggregated with the mode passed (verl 0.9.1);
+    under seq-mean-token-mean d loss / d logp_t = -A s / (len * num_seqs) for unclipped sequences, 0 for
+    clipped ones."""
     log_r = t([0.1, -0.3, 0.5, 6.0], [0.6, 0.2, 0.4, 0.4], [-0.4, -0.4, 3.0, 3.0])
     old, mask = torch.randn(3, 4, dtype=F64), m([1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0])
     logp, adv = (old + log_r).requires_grad_(), t([1.0] * 4, [1.0] * 4, [-1.0] * 4)
     # s0 = e^0.1 inside; s1 = e^0.4 > 1.2 clipped (A > 0); s2 = e^-0.4 < 0.8 clipped (A < 0): loss 0.8
-    expected = (-math.exp(0.1) - 1.2 + 0.8) / 3
-    for mode in AGG_MODES:
-        close(loss_of("gspo", logp, old, adv, mask, mode), expected)
-    grad = torch.autograd.grad(loss_of("gspo", logp, old, adv, mask), logp)[0]
+    seq_mean = (-math.exp(0.1) - 1.2 + 0.8) / 3
+    close(loss_of("gspo", logp, old, adv, mask, "seq-mean-token-mean"), seq_mean)
+    grad = torch.autograd.grad(loss_of("gspo", logp, old, adv, mask, "seq-mean-token-mean"), logp)[0]
+    close(grad, [[-math.exp(0.1) / 9] * 3 + [0.0], [0.0] * 4, [0.0] * 4])
+    # the same token losses (3, 4 and 2 tokens) under the other modes
+    token_mean = (3 * -math.exp(0.1) + 4 * -1.2 + 2 * 0.8) / 9
+    close(loss_of("gspo", logp, old, adv, mask, "token-mean"), token_mean)
+    close(loss_of("gspo", logp, old, adv, mask, "seq-mean-token-sum"), (3 * -math.exp(0.1) + 4 * -1.2 + 2 * 0.8) / 3)
+    assert abs(token_mean - seq_mean) > 0.05  # unequal lengths: the configured mode matters
+    grad = torch.autograd.grad(loss_of("gspo", logp, old, adv, mask, "token-mean"), logp)[0]
     close(grad, [[-math.exp(0.1) / 9] * 3 + [0.0], [0.0] * 4, [0.0] * 4])
 
 

@@ -13,7 +13,7 @@ import typer
 from rlx.cli import app
 from tests.conftest import cli
 
-COMMANDS = ["shard", "rollout", "score", "train-step", "merge", "ppo", "report"]
+COMMANDS = ["shard", "rollout", "score", "train-step", "merge", "eval", "ppo", "report"]
 
 
 def click_command(name: str) -> click.Command:
@@ -25,6 +25,15 @@ def test_top_level_help_lists_every_command():
     assert result.exit_code == 0
     for name in COMMANDS:
         assert re.search(rf"^\s+{name}\s", result.stdout, re.M), name
+
+
+def test_version():
+    from rlx import __version__
+
+    result = cli("--version")
+    assert result.exit_code == 0 and result.stdout == f"rlx {__version__}\n"
+    out = subprocess.run([sys.executable, "-m", "rlx", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"rlx {__version__}" and "--version" in cli("--help").stdout
 
 
 def test_cli_import_does_not_import_torch():

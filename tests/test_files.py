@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
+
+import pytest
 
 from rlx.models.tiny import write_tiny_model_dir
 from rlx.tasks.arith import generate_arith
@@ -16,6 +19,44 @@ def test_shipped_task_data_matches_the_generator():
     assert read_jsonl(REPO / "recipes/data/arith_chat.jsonl") == generate_arith(
         4000, seed=0, max_value=20, ops="+-", style="chat"
     )
+
+
+def test_shipped_heldout_set_matches_the_generator_and_is_held_out(tmp_path):
+    train = read_jsonl(REPO / "recipes/data/arith_chat.jsonl")
+    heldout = read_jsonl(REPO / "recipes/data/arith_chat_heldout.jsonl")
+    assert heldout == generate_arith(
+        500, seed=1, max_value=99, ops="+-", style="chat", id_prefix="arith-heldout", exclude=train
+    )
+    questions = [r["prompt"][0]["content"] for r in heldout]
+    assert len(set(questions)) == 500 and not set(questions) & {r["prompt"][0]["content"] for r in train}
+    template = re.compile(r"What is (\d+) ([+-]) (\d+)\? Reply with only the final number\.")
+    for record, question in zip(heldout, questions):  # phrased as the recipe's prompts, operands up to 99
+        a, op, b = template.fullmatch(question).groups()
+        assert (
+            int(a) <= 99
+            and int(b) <= 99
+            and record["ground_truth"] == str(int(a) + int(b) if op == "+" else int(a) - int(b))
+        )
+    assert sum(max(int(a), int(b)) > 20 for a, _, b in (template.fullmatch(q).groups() for q in questions)) > 400
+    command = [
+        "--style",
+        "chat",
+        "--ops",
+        "+-",
+        "--max-value",
+        "99",
+        "--num",
+        "500",
+        "--seed",
+        "1",
+        "--id-prefix",
+        "arith-heldout",
+    ]
+    command += ["--exclude", str(REPO / "recipes/data/arith_chat.jsonl"), "--out", str(tmp_path / "h.jsonl")]
+    subprocess.run([sys.executable, "-m", "rlx.tasks.arith", *command], check=True, cwd=REPO)
+    assert (tmp_path / "h.jsonl").read_bytes() == (REPO / "recipes/data/arith_chat_heldout.jsonl").read_bytes()
+    with pytest.raises(ValueError, match="cannot hold out"):
+        generate_arith(4, max_value=1, exclude=generate_arith(1, max_value=0))  # 4 questions exist, 1 excluded
 
 
 def test_shipped_tiny_model_matches_the_builder(tmp_path):

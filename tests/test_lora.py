@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from rlx.config import from_dict
 from rlx.engine.batch import BatchMeta, TrainBatch
-from rlx.engine.logprobs import packed_response_logprobs, response_logprobs
+from rlx.engine.logprobs import packed_response_logprobs, packed_response_values, response_logprobs, response_values
 from rlx.engine.parallel.fsdp import decoder_layers
 from rlx.engine.training.actor import ActorTrainer
 from rlx.engine.training.config import TrainConfig
@@ -27,7 +27,7 @@ from rlx.models.lora_config import LoraConfig
 from rlx.models.lora_merge import merged_weights, refresh_merged_weights, save_peft_adapter
 from rlx.models.lora_state import adapter_state, base_identity, check_base_identity, load_adapter_state
 from rlx.models.tiny import tiny_llama_config
-from rlx.models.value import build_value_model, packed_response_values, response_values
+from rlx.models.value import build_value_model
 from tests.conftest import REPO, run_torchrun
 from tests.test_packing import tiny_config
 

@@ -176,3 +176,18 @@ def test_a_step_improves_the_rewarded_sequences(tmp_path, tiny_ckpt, batch_path)
     gain = ((after - batch.old_logprobs) * batch.response_mask).sum(-1)
     seq_adv = batch.advantages[:, 0]
     assert gain[seq_adv > 0].mean() > gain[seq_adv < 0].mean()
+
+
+def test_lr_schedule_options(tmp_path, tiny_ckpt, batch_path):
+    """--lr-schedule linear|cosine needs --lr-decay-steps by hand; the step's lr follows the checkpoint's step."""
+    args = ["train-step", "--batch", batch_path, "--lr", "1e-2", "--lr-schedule", "cosine"]
+    result = cli(*args, "--checkpoint", tiny_ckpt, "--out", tmp_path / "c1")
+    assert result.exit_code == 1 and "--lr-decay-steps: lr schedule 'cosine' needs the decay length" in result.stderr
+    assert not (tmp_path / "c1").exists()
+    metrics = tmp_path / "m.jsonl"
+    args += ["--lr-decay-steps", "2", "--min-lr-ratio", "0.1", "--metrics", metrics]
+    cli_ok(*args, "--checkpoint", tiny_ckpt, "--out", tmp_path / "c1")
+    cli_ok(*args, "--checkpoint", tmp_path / "c1", "--out", tmp_path / "c2")
+    cli_ok(*args, "--checkpoint", tmp_path / "c2", "--out", tmp_path / "c3")
+    lrs = [json.loads(line)["actor/lr"] for line in metrics.read_text().splitlines()]
+    assert lrs == pytest.approx([1e-2, 1e-2 * (0.1 + 0.9 * 0.5), 1e-3])  # cos(pi / 2) half-way, the floor at 2

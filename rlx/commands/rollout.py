@@ -25,7 +25,9 @@ def rollout(
     model: Annotated[
         str, typer.Option(metavar="PATH", help="Model: a Hugging Face dir, an rlx checkpoint dir or a .gguf file.")
     ],
-    prompts: Annotated[str, typer.Option(metavar="FILE", help="prompts.jsonl to answer ('-' reads stdin).")],
+    prompts: Annotated[
+        str, typer.Option(metavar="FILE", help="prompts.jsonl to answer ('-' reads stdin), or verl's .parquet.")
+    ],
     out: Annotated[
         str, typer.Option(metavar="PATH", help="Where to write rollouts.jsonl ('-' writes stdout).")
     ] = "rollouts.jsonl",

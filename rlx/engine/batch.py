@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from rlx.engine.records import RolloutRecord
 from rlx.errors import UserError
+from rlx.utils.files import apply_umask
 from rlx.utils.io import atomic_path, is_remote
 
 FORMAT = "rlx-batch"
@@ -116,6 +117,7 @@ class TrainBatch:
         }
         with atomic_path(path) as tmp:
             save_file({k: v.contiguous() for k, v in self.tensors().items()}, str(tmp), metadata=header)
+            apply_umask(tmp)  # safetensors makes its files 0600
 
     @classmethod
     def load(cls, path: str | Path) -> TrainBatch:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlx.engine.parquet import is_parquet, read_parquet_rows
 from rlx.errors import UserError
 from rlx.utils.io import read_jsonl, write_jsonl
 
@@ -115,19 +116,20 @@ class PromptRecord:
 
 
 def read_prompts(path: str | Path) -> list[PromptRecord]:
-    """Read and validate prompts.jsonl: at least one record, unique ids."""
+    """Read and validate prompts.jsonl, or a verl-style .parquet file: at least one record, unique ids."""
     name = "<stdin>" if str(path) == "-" else str(path)
-    lines = read_jsonl(path)
-    if not lines:
+    if is_parquet(path):
+        rows = read_parquet_rows(path)
+    else:
+        rows = [(f"{name}:{number}", obj) for number, obj in read_jsonl(path)]
+    if not rows:
         raise UserError(f"{name}: no prompts (the file is empty)")
     records, seen = [], {}
-    for index, (number, obj) in enumerate(lines):
-        record = PromptRecord.from_json(obj, f"{name}:{number}", index)
+    for index, (where, obj) in enumerate(rows):
+        record = PromptRecord.from_json(obj, where, index)
         if record.id in seen:
-            raise UserError(
-                f"{name}:{number}: duplicate prompt id {record.id!r} (first seen on line {seen[record.id]})"
-            )
-        seen[record.id] = number
+            raise UserError(f"{where}: duplicate prompt id {record.id!r} (first seen on {seen[record.id]})")
+        seen[record.id] = where.rsplit(":", 1)[1] if is_parquet(path) else f"line {where.rsplit(':', 1)[1]}"
         records.append(record)
     return records
 
@@ -269,7 +271,7 @@ class ScoreRecord:
     reward: float
     """The scalar reward used for training (weighted sum of components, before any KL penalty)."""
     rewards: dict
-    """Per-reward-function details: {name: {"score": float, ...extra numbers}}."""
+    """Per-reward-function details: {name: {"score": float, ...the function's other entries}}."""
     advantage: float
     """The sequence-level advantage assigned to every response token."""
     response_length: int

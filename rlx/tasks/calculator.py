@@ -18,7 +18,7 @@ import operator
 import random
 import re
 
-from rlx.engine.io import write_jsonl
+from rlx.utils.io import write_jsonl
 
 CALCULATOR_TOOL = {
     "type": "function",

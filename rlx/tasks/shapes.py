@@ -24,8 +24,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from rlx.engine.io import write_jsonl
 from rlx.models.vision.images import data_uri
+from rlx.utils.io import write_jsonl
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (30, 60, 220), "yellow": (230, 200, 20)}
 SHAPES = ("circle", "square", "triangle")

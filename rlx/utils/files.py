@@ -1,8 +1,9 @@
 """Local file plumbing below everything else: URL/path helpers and atomic local writes.
 
 Outputs are written under a temporary name in the destination folder and renamed into place, so a
-failure (or a kill) never leaves a partial file that looks whole. fsspec URLs are handled one floor up
-(rlx.utils.storage, rlx.utils.io); keep URLs as strings: pathlib.Path would fold their '//'.
+failure (or a kill) never leaves a partial file that looks whole; the temporaries get the permissions the
+umask gives new files and folders (mkstemp/mkdtemp alone would make every output owner-only). fsspec URLs
+are handled one floor up (rlx.utils.storage, rlx.utils.io); keep URLs as strings: pathlib.Path would fold their '//'.
 """
 
 from __future__ import annotations
@@ -41,12 +42,33 @@ def join(base: str | Path, *names: str) -> str | Path:
     return local(base).joinpath(*names)
 
 
+def current_umask() -> int:
+    """The process's umask (read from /proc where it can be, else by setting and restoring it)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str | Path) -> None:
+    """Give a file the permissions open() would under the umask (for writers that make it 0600 themselves,
+    e.g. safetensors' save_file, which writes a temporary file and renames it)."""
+    os.chmod(path, 0o666 & ~current_umask())
+
+
 @contextlib.contextmanager
 def atomic_local_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path next to local `path`; rename it onto `path` only if the block succeeds."""
     path = local(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600: give it what open() would
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -66,6 +88,7 @@ def atomic_local_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path
         raise UserError(f"{path}: already exists (choose another output or pass --overwrite)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes 0700: give it what mkdir() would
     try:
         yield tmp
         if path.exists():

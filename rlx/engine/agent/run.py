@@ -12,13 +12,15 @@ from rlx.engine.agent.agents import AgentRollout
 from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.driver import EnvRollout
 from rlx.engine.agent.hf_tokens import as_token_engine
-from rlx.engine.checkpoint import read_meta_or_default
+from rlx.engine.checkpoints.loading import load_model
+from rlx.engine.checkpoints.registry import read_meta_or_default
+from rlx.engine.parallel.dist import setup
 from rlx.engine.records import read_prompts, write_records
+from rlx.engine.rollout.base import build_engine
 from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.run import build_engine
 from rlx.engine.tracking import console, log_metrics
 from rlx.errors import UserError
-from rlx.models.loading import load_causal_lm, load_tokenizer, resolve_source
+from rlx.models.loading import load_tokenizer, resolve_source
 
 
 def run_multi_turn_rollout(
@@ -42,7 +44,7 @@ def run_multi_turn_rollout(
     records = records[:num_prompts] if num_prompts else records
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
-    engine = build_engine(cfg, load_causal_lm(source), tokenizer)
+    engine = build_engine(cfg, load_model(source), tokenizer, setup(cfg.device))
     tokens = as_token_engine(engine)
     if agent:
         runner = AgentRollout(tokens, tokenizer, engine.stop_ids, cfg, agent_cfg, agent)

@@ -54,7 +54,7 @@ class PolicyLossOutput:
     token_loss: torch.Tensor | None = None
     seq_loss: torch.Tensor | None = None
     agg_mode: str | None = None
-    """Aggregation this loss requires (overrides the configured mode), e.g. GSPO's seq-mean-token-mean."""
+    """Aggregation this loss requires (overrides the configured mode), e.g. SAPO's seq-mean-token-mean."""
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -112,7 +112,8 @@ def ppo(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
 
 def gspo(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
     """GSPO (verl 'gspo'): sequence ratio s = exp(mean_t(logp - old)), applied per token as
-    sg[s] * pi / sg[pi] (log clamped at 10), clipped like PPO; always seq-mean-token-mean."""
+    sg[s] * pi / sg[pi] (log clamped at 10), clipped like PPO. Aggregated with the configured loss_agg_mode
+    as verl 0.9.1 does; the GSPO paper's sequence-level objective is seq-mean-token-mean."""
     log_ratio = logp - old
     seq_log_ratio = masked_sum(log_ratio, mask, dim=-1) / mask.sum(dim=-1).clamp(min=1)
     token_log = torch.clamp(logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
@@ -120,9 +121,7 @@ def gspo(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1 - p.clip_ratio_low, 1 + p.clip_ratio_high)
     loss = torch.maximum(unclipped, clipped)
-    return PolicyLossOutput(
-        token_loss=loss, agg_mode="seq-mean-token-mean", sums=_sums(mask, log_ratio, clipped > unclipped)
-    )
+    return PolicyLossOutput(token_loss=loss, sums=_sums(mask, log_ratio, clipped > unclipped))
 
 
 def cispo(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from rlx.engine.checkpoints.meta import META_NAME
 from rlx.models.loading import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, read_safetensors
+from rlx.utils.files import apply_umask
 
 OPTIMIZER_NAME = "optimizer.safetensors"
 MAX_SHARD_SIZE = "5GB"
@@ -68,6 +69,7 @@ def write_weights(folder: Path, state: dict[str, torch.Tensor], dtype: torch.dty
     )
     for filename, keys in split.filename_to_tensors.items():
         save_file({k: tensors[k] for k in keys}, str(folder / filename), metadata={"format": "pt"})
+        apply_umask(folder / filename)  # safetensors makes its files 0600
     if split.is_sharded:
         index = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
@@ -85,6 +87,7 @@ def write_optimizer_state(folder: Path, state: dict[str, torch.Tensor]) -> None:
         str(folder / OPTIMIZER_NAME),
         metadata={"format": "rlx-optimizer"},
     )
+    apply_umask(folder / OPTIMIZER_NAME)
 
 
 def read_optimizer_state(folder: Path) -> dict[str, torch.Tensor] | None:

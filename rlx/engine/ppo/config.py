@@ -34,7 +34,7 @@ class DataConfig:
     """Where prompts come from and how many each step uses."""
 
     prompts: str
-    """prompts.jsonl (relative paths are resolved against the recipe's folder)."""
+    """prompts.jsonl, or verl's .parquet (relative paths are resolved against the recipe's folder)."""
     prompts_per_step: int = 8
     """Prompts per step; each gets rollout.n responses."""
     shuffle: bool = False
@@ -152,6 +152,13 @@ class PPOConfig:
             "backend",
             f"a [megatron] table sets the megatron backend's degrees; backend {self.backend!r} does not use it",
         )
+        for key, train in (("train", self.train), ("critic.train", self.critic.train if self.critic else None)):
+            decays_over_run = train is not None and train.lr_schedule != "constant" and not train.lr_decay_steps
+            check(
+                not decays_over_run or self.steps > train.warmup_steps,
+                f"{key}.lr_decay_steps",
+                f"decay over the run's {self.steps} steps needs steps > warmup_steps (or set lr_decay_steps)",
+            )
         needs_ref = self.score.kl_coef > 0 or self.train.kl_loss_coef > 0
         check(self.use_ref or not needs_ref, "use_ref", "score.kl_coef or train.kl_loss_coef > 0 needs use_ref = true")
 

@@ -41,7 +41,7 @@ class RunModels:
 
 def build_run_models(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None) -> RunModels:
     """The run's models at its start (`start_ckpt` None) or when resuming from `start_ckpt`."""
-    train_cfg = dataclasses.replace(cfg.train, seed=cfg.seed)
+    train_cfg = dataclasses.replace(cfg.train, seed=cfg.seed).with_decay_length(cfg.steps)
     if start_ckpt is None:
         model, tokenizer, aux = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
         ref = copy.deepcopy(model) if cfg.use_ref else None
@@ -76,7 +76,7 @@ def _critic(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None, p
     from the policy's backbone with a seeded head."""
     if cfg.critic is None:
         return None, {}
-    train_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed)
+    train_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed).with_decay_length(cfg.steps)
     if start_ckpt is not None:
         source = resolve_source(start_ckpt / CRITIC_DIR)
         return backend.load_trainer(train_cfg, source), aux_files(source.folder)

@@ -1,10 +1,11 @@
 """Reward functions by name: the built-in rules, any `module:function`, weighted sums, chosen per sample.
 
-A reward spec is a built-in name (`arith`, `gsm8k`, `math`, `shapes`), `package.module:function` or
+A reward spec is a built-in name (`arith`, `gsm8k`, `math`, `shapes`, `reasoning_gym`), `package.module:function` or
 `path/to/file.py:function`, optionally followed by `=WEIGHT`. Without specs, each sample's
-`data_source` picks a built-in. A function is called as verl calls it:
+`data_source` picks a built-in (`reasoning_gym/NAME` picks `reasoning_gym`). A function is called as verl calls it:
 `fn(data_source=, solution_str=, ground_truth=, extra_info=)` and returns a number or a dict
-with 'score' (its other numeric entries are kept in scores.jsonl).
+with 'score' (its other entries are kept in scores.jsonl; metrics average the numeric ones). A prompt's
+`extra_info` dict (verl's column) reaches the function as it is, merged over rlx's own keys.
 """
 
 from __future__ import annotations
@@ -17,10 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlx.engine.records import RolloutRecord
-from rlx.engine.scoring import rules
+from rlx.engine.scoring import reasoning_gym, rules
 from rlx.errors import UserError
 
-BUILTIN: dict[str, Callable] = {"arith": rules.arith, "gsm8k": rules.gsm8k, "math": rules.math, "shapes": rules.shapes}
+BUILTIN: dict[str, Callable] = {
+    "arith": rules.arith,
+    "gsm8k": rules.gsm8k,
+    "math": rules.math,
+    "shapes": rules.shapes,
+    "reasoning_gym": reasoning_gym.reasoning_gym,
+}
 DATA_SOURCE_ALIASES = {
     "openai/gsm8k": "gsm8k",
     "lighteval/MATH": "math",
@@ -99,6 +106,8 @@ class RewardFunctions:
             return self.fixed
         source = rollout.data_source
         name = DATA_SOURCE_ALIASES.get(source, source)
+        if source and source.startswith(reasoning_gym.DATA_SOURCE_PREFIX):
+            name = "reasoning_gym"
         if name in BUILTIN:
             return [RewardFunction(name, BUILTIN[name])]
         raise UserError(
@@ -108,14 +117,7 @@ class RewardFunctions:
 
     def compute(self, rollout: RolloutRecord) -> RewardResult:
         """Weighted sum of the functions; an exception or non-finite score comes back as `error`."""
-        extra_info = {
-            "id": rollout.id,
-            "prompt_id": rollout.prompt_id,
-            "sample_index": rollout.sample_index,
-            "prompt": rollout.prompt,
-            "finish_reason": rollout.finish_reason,
-            **rollout.extra,
-        }
+        extra_info = reward_extra_info(rollout)
         total, details = 0.0, {}
         for reward in self.for_sample(rollout):
             try:
@@ -133,6 +135,49 @@ class RewardFunctions:
                 return RewardResult(
                     0.0, {}, f"reward function {reward.name!r} returned {score!r}, expected a finite number"
                 )
-            details[reward.name] = {k: float(v) for k, v in parts.items() if rules.is_finite_number(v)}
+            details[reward.name] = reward_details(parts)
             total += reward.weight * float(score)
         return RewardResult(total, details)
+
+
+def reward_extra_info(rollout: RolloutRecord) -> dict:
+    """What a reward function gets as `extra_info`: the sample's id, prompt_id, sample_index, prompt and
+    finish_reason, the prompt's other fields, and the entries of its own `extra_info` dict (verl's column)
+    as they are, on top (not nested under 'extra_info')."""
+    fields = dict(rollout.extra)
+    own = fields.pop("extra_info", None)
+    info = {
+        "id": rollout.id,
+        "prompt_id": rollout.prompt_id,
+        "sample_index": rollout.sample_index,
+        "prompt": rollout.prompt,
+        "finish_reason": rollout.finish_reason,
+        **fields,
+    }
+    if isinstance(own, dict):
+        info.update(own)
+    elif own is not None:
+        info["extra_info"] = own
+    return info
+
+
+def reward_details(parts: dict) -> dict:
+    """A reward's dict as scores.jsonl keeps it: numbers as floats, other JSON values (strings, booleans,
+    lists, null) unchanged; non-finite numbers and values JSON cannot hold are dropped."""
+    out = {}
+    for key, value in parts.items():
+        if rules.is_finite_number(value):
+            out[str(key)] = float(value)
+        elif isinstance(value, (str, bool, type(None))) or _is_json(value):
+            out[str(key)] = value
+    return out
+
+
+def _is_json(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_is_json(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_json(v) for k, v in value.items())
+    if isinstance(value, float):
+        return rules.is_finite_number(value)
+    return value is None or isinstance(value, (str, bool, int))

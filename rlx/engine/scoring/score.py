@@ -308,7 +308,8 @@ def reward_metrics(rollouts: list[RolloutRecord], rewards: Rewards) -> dict:
     for i in rows:
         for fn_name, values in rewards.details[i].items():
             for key, value in values.items():
-                sums.setdefault(f"reward/{fn_name}/{key}", []).append(value)
+                if isinstance(value, (int, float)):  # numbers and booleans; strings etc. stay in scores.jsonl
+                    sums.setdefault(f"reward/{fn_name}/{key}", []).append(float(value))
     out.update({k: sum(v) / len(v) for k, v in sorted(sums.items())})
     return out
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -20,7 +22,14 @@ class TrainConfig:
     lr: float = 1e-6
     """AdamW learning rate (after warm-up)."""
     warmup_steps: int = 0
-    """Linear learning-rate warm-up over this many train steps (0 = constant)."""
+    """Linear learning-rate warm-up over this many train steps (0 = none)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning rate after warm-up: constant, or decayed linearly / by a half cosine to lr * min_lr_ratio."""
+    lr_decay_steps: int = 0
+    """Train steps (warm-up included) after which linear/cosine decay reaches its floor; 0 = in `rlx ppo` the
+    run's steps (a hand-run train-step must give it)."""
+    min_lr_ratio: float = 0.0
+    """Floor of the linear/cosine decay as a fraction of lr."""
     weight_decay: float = 0.01
     """AdamW decoupled weight decay, applied to every parameter."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -39,7 +48,8 @@ class TrainConfig:
     """Policy loss: ppo (clip + dual-clip), gspo, cispo, sapo, gpg, clip_cov, kl_cov, geo_mean."""
     loss_agg_mode: AggMode = "token-mean"
     """How token losses become a scalar: token-mean, seq-mean-token-sum, seq-mean-token-mean,
-    seq-mean-token-sum-norm (normalisers are counted over the whole mini-batch)."""
+    seq-mean-token-sum-norm (normalisers are counted over the whole mini-batch; GSPO's paper objective is
+    seq-mean-token-mean, SAPO always uses it)."""
     loss_scale_factor: int = 0
     """seq-mean-token-sum-norm's constant length (Dr.GRPO's MAX_TOKENS); 0 = the batch's response width."""
     clip_ratio_low: float = 0.2
@@ -112,6 +122,13 @@ class TrainConfig:
         check_choices(self)
         check(self.lr >= 0, "lr", f"must be >= 0, got {self.lr}")
         check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        check(self.lr_decay_steps >= 0, "lr_decay_steps", f"must be >= 0, got {self.lr_decay_steps}")
+        check(
+            self.lr_decay_steps == 0 or self.lr_decay_steps > self.warmup_steps,
+            "lr_decay_steps",
+            f"must be larger than warmup_steps ({self.warmup_steps}), got {self.lr_decay_steps}",
+        )
+        check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         check(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
             "betas",
@@ -142,7 +159,25 @@ class TrainConfig:
         check(self.sp_degree == 1 or self.use_packing, "sp_degree", "sequence parallelism needs use_packing = true")
 
     def lr_at(self, step: int) -> float:
-        """Learning rate for the update that follows `step` completed updates."""
-        if self.warmup_steps > 0:
-            return self.lr * min(1.0, (step + 1) / self.warmup_steps)
-        return self.lr
+        """Learning rate for the update that follows `step` completed updates.
+
+        Warm-up: lr * (step + 1) / warmup_steps for the first warmup_steps updates. Then 'constant' keeps lr;
+        'linear' and 'cosine' go from lr at step warmup_steps to lr * min_lr_ratio at step lr_decay_steps
+        (progress p = (step - warmup) / (decay - warmup): factor 1 - p, or (1 + cos(pi p)) / 2, scaled into
+        [min_lr_ratio, 1]) and stay at the floor after it.
+        """
+        if self.lr_schedule == "constant" or step < self.warmup_steps:
+            if self.warmup_steps > 0:
+                return self.lr * min(1.0, (step + 1) / self.warmup_steps)
+            return self.lr
+        if self.lr_decay_steps <= self.warmup_steps:
+            raise ValueError(f"lr_schedule {self.lr_schedule!r} needs lr_decay_steps > warmup_steps")
+        progress = min(1.0, (step - self.warmup_steps) / (self.lr_decay_steps - self.warmup_steps))
+        shape = 1.0 - progress if self.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape)
+
+    def with_decay_length(self, steps: int) -> TrainConfig:
+        """This config with lr_decay_steps = `steps` where it is 0 (`rlx ppo`: the decay spans the run)."""
+        if self.lr_decay_steps or self.lr_schedule == "constant":
+            return self
+        return dataclasses.replace(self, lr_decay_steps=steps)

@@ -30,6 +30,11 @@ def run_train_step(
     overwrite: bool = False,
     metrics_path: Path | None = None,
 ) -> dict:
+    if cfg.lr_schedule != "constant" and not cfg.lr_decay_steps:
+        raise UserError(
+            f"--lr-decay-steps: lr schedule {cfg.lr_schedule!r} needs the decay length in train steps "
+            f"(`rlx ppo` uses the run's steps; a hand-run train-step must give it)"
+        )
     source = resolve_source(checkpoint, "checkpoint")
     if source.is_gguf:
         raise UserError(
