@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 import torch
+from rlx.engine.agent.hf_tokens import HFTokenEngine
 from transformers import AutoModelForCausalLM
 
 from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.driver import EnvRollout
-from rlx.engine.agent.hf_tokens import HFTokenEngine
 from rlx.engine.parallel.dist import DistContext
 from rlx.engine.records import PromptRecord
 from rlx.engine.rollout.base import build_engine

@@ -193,17 +193,21 @@ def load_toml(path: str | Path) -> dict:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The one-line docstrings written under each dataclass field (for help text and printed configs)."""
+    """The one-line docstrings written under each dataclass field (for help text and printed configs), those of
+    the dataclasses it extends included."""
     import ast
     import inspect
     import textwrap
 
+    docs = {}
+    for base in cls.__mro__[1:]:
+        if dataclasses.is_dataclass(base):
+            docs.update(field_docs(base))
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):
-        return {}
+        return docs
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    docs = {}
     for node, after in zip(body, body[1:]):
         if (
             isinstance(node, ast.AnnAssign)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlx.engine.agent.hf_tokens import HFTokenEngine
 from rlx.engine.records import PromptRecord
 from rlx.models.tiny import SPECIAL_TOKENS
 from rlx.models.tiny_chat import MARKUP_TOKENS, build_chat_tokenizer, tiny_chat_config
@@ -66,13 +65,12 @@ def bigram_chat_model(script: str, style: str | None = "qwen2.5", extra_tokens: 
     return model, tokenizer
 
 
-def token_engine(model, tokenizer) -> tuple[HFTokenEngine, set[int]]:
-    """The token-level engine over today's hf engine, and the stop ids."""
+def token_engine(model, tokenizer, engine: str = "hf", **settings):
+    """A rollout engine (`engine`: hf, native) around the model in this process: its token-level call."""
     from rlx.engine.rollout.config import RolloutConfig
     from tests.conftest import make_engine
 
-    engine = make_engine(model, tokenizer, RolloutConfig())
-    return HFTokenEngine(engine), engine.stop_ids
+    return make_engine(model, tokenizer, RolloutConfig(engine=engine, **settings))
 
 
 ENVS = '''

@@ -22,16 +22,16 @@ from rlx.config import ConfigError, from_dict
 from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.driver import EnvRollout
 from rlx.engine.agent.environment import EnvironmentFactory
-from rlx.engine.agent.protocol import TokenRequest
-from rlx.engine.agent.run import run_multi_turn_rollout
 from rlx.engine.agent.tool_calls import get_tool_call_parser, parse_qwen, tool_error_messages
 from rlx.engine.agent.trajectory import ChatRenderer, Trajectory
 from rlx.engine.records import PromptRecord
 from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.requests import TokenRequest
 from rlx.engine.scoring.rewards import RewardFunctions
 from rlx.errors import UserError
 from rlx.models.tiny_chat import build_chat_tokenizer
 from rlx.tasks import calculator
+from tests.conftest import cli, cli_ok
 
 
 @pytest.fixture
@@ -41,11 +41,14 @@ def envs_file(tmp_path):
     return path
 
 
-def rollout(model_and_tokenizer, env: str, sampling: RolloutConfig | None = None, **agent) -> EnvRollout:
+def rollout(
+    model_and_tokenizer, env: str, sampling: RolloutConfig | None = None, engine: str = "hf", **agent
+) -> EnvRollout:
     model, tokenizer = model_and_tokenizer
-    engine, stop_ids = token_engine(model, tokenizer)
     sampling = sampling or RolloutConfig(n=2, max_new_tokens=12, temperature=1.0, seed=3)
-    return EnvRollout(engine, tokenizer, stop_ids, sampling, AgentConfig(env=env, **agent))
+    return EnvRollout(
+        token_engine(model, tokenizer, engine), tokenizer, sampling.sampling(), AgentConfig(env=env, **agent)
+    )
 
 
 # ----------------------------------------------------------------------------------------------- tool calls
@@ -252,18 +255,18 @@ def test_limits_end_episodes(envs_file):
     model = random_chat_model()
     capped = rollout(model, f"{envs_file}:Echo", max_turns=2).generate(QUESTIONS)
     for rec in capped:
-        assert rec.finish_reason in ("max_turns", "length") and rec.extra["num_turns"] <= 2
+        assert rec.finish_reason in ("max_turns", "length") and rec.num_turns <= 2
         if rec.finish_reason == "max_turns":  # the last reply is in the messages, not in the tokens
-            assert rec.extra["messages"][-1] == {"role": "user", "content": "again"}
-            assert rec.extra["loss_mask"][-1] == 1 and rec.extra["env_reward"] == 0.5  # both turns were stepped
+            assert rec.messages[-1] == {"role": "user", "content": "again"}
+            assert rec.loss_mask[-1] == 1 and rec.env_reward == 0.5  # both turns were stepped
     short = rollout(model, f"{envs_file}:Echo", max_total_tokens=60).generate(QUESTIONS)
     assert {r.finish_reason for r in short} == {"length"}
     assert all(len(r.prompt_ids) + len(r.response_ids) <= 60 for r in short)
     one_token = RolloutConfig(n=1, max_new_tokens=1, temperature=1.0, seed=0)
     cut = rollout(random_chat_model(stop_bias=-10.0), f"{envs_file}:Echo", one_token).generate(QUESTIONS)
     assert [(r.finish_reason, len(r.response_ids)) for r in cut] == [("length", 1), ("length", 1)]
-    reward = RewardFunctions(["rlx.engine.agent.records:env_reward"]).compute(capped[0])
-    assert reward.error is None and reward.score == capped[0].extra["env_reward"] > 0
+    reward = RewardFunctions(["env"]).compute(capped[0])
+    assert reward.error is None and reward.score == capped[0].env_reward > 0
     with pytest.raises(UserError, match="opening prompt has .* not below max_total_tokens = 10"):
         rollout(model, f"{envs_file}:Echo", max_total_tokens=10).generate(QUESTIONS)
 
@@ -274,12 +277,12 @@ def test_malformed_tool_call_goes_back_to_the_model(envs_file):
     model, tokenizer = bigram_chat_model("\n<tool_call>x</tool_call><|im_end|>")
     sampling = RolloutConfig(n=1, max_new_tokens=8, temperature=0.0)
     [rec] = rollout((model, tokenizer), f"{envs_file}:NeverStepped", sampling, max_turns=2).generate(QUESTIONS[:1])
-    assert rec.finish_reason == "max_turns" and rec.extra["num_turns"] == 2 and rec.extra["env_reward"] == 0
-    roles = [m["role"] for m in rec.extra["messages"]]
+    assert rec.finish_reason == "max_turns" and rec.num_turns == 2 and rec.env_reward == 0
+    roles = [m["role"] for m in rec.messages]
     assert roles == ["system", "user", "assistant", "tool", "assistant", "tool"]
-    error = rec.extra["messages"][3]["content"]
+    error = rec.messages[3]["content"]
     assert error.startswith("Error: tool call 1 is not valid JSON")
-    inserted = [rec.response_ids[lo:hi] for lo, hi, value in spans(rec.extra["loss_mask"]) if not value]
+    inserted = [rec.response_ids[lo:hi] for lo, hi, value in spans(rec.loss_mask) if not value]
     assert tokenizer.decode(inserted[0]) == (
         f"\n<|im_start|>user\n<tool_response>\n{error}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
@@ -293,9 +296,9 @@ def test_tool_calls_reach_the_environment():
     question = PromptRecord(id="c", prompt="12*34", ground_truth="408")
     runner = rollout((model, tokenizer), "rlx.tasks.calculator:CalculatorEnv", sampling, max_turns=2)
     [rec] = runner.generate([question])
-    assert (rec.finish_reason, rec.extra["num_turns"], rec.extra["env_reward"]) == ("max_turns", 2, 0.0)
+    assert (rec.finish_reason, rec.num_turns, rec.env_reward) == ("max_turns", 2, 0.0)
     call = {"name": "calculator", "arguments": '{"expression": "12*34"}'}
-    assert rec.extra["messages"][1:] == [
+    assert rec.messages[1:] == [
         {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0_0", "type": "function", "function": call}]},
         {"role": "tool", "tool_call_id": "call_0_0", "content": "408"},
         {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1_0", "type": "function", "function": call}]},
@@ -304,7 +307,7 @@ def test_tool_calls_reach_the_environment():
     written = "<tool_call>" + "".join(CALC_PIECES) + "</tool_call><|im_end|>"  # no newlines: not the template's
     tool_turn = "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.decode(rec.response_ids) == written + tool_turn + written
-    assert [value for _, _, value in spans(rec.extra["loss_mask"])] == [1, 0, 1]
+    assert [value for _, _, value in spans(rec.loss_mask)] == [1, 0, 1]
 
 
 # ---------------------------------------------------------------------------------- environment errors
@@ -326,7 +329,7 @@ def test_failing_environment_steps(envs_file, name, message):
     runner = rollout(model, f"{envs_file}:{name}", sampling, env_timeout_s=0.2, on_env_error="zero")
     records = runner.generate(QUESTIONS)
     stepped = [r for r in records if r.finish_reason != "length"]  # a turn cut by max_new_tokens is not stepped
-    assert stepped and all(r.finish_reason == "env_done" and r.extra["env_reward"] == 0 for r in stepped)
+    assert stepped and all(r.finish_reason == "env_done" and r.env_reward == 0 for r in stepped)
     assert all(r.extra["env_error"].startswith(f"environment {envs_file}:{name} for sample") for r in stepped)
     assert runner.last_stats["env/errors"] == len(stepped)
 
@@ -387,12 +390,10 @@ def test_stage_writes_multi_turn_records(tmp_path):
     tokenizer.save_pretrained(tmp_path / "model")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in calculator.generate_calculator(3, digits=2)))
-    sampling = RolloutConfig(n=2, max_new_tokens=6, temperature=1.0, seed=5)
-    env = AgentConfig(env="rlx.tasks.calculator:CalculatorEnv", max_turns=2)
     out, metrics = tmp_path / "rollouts.jsonl", tmp_path / "metrics.jsonl"
-    stats = run_multi_turn_rollout(
-        sampling, env, str(tmp_path / "model"), str(prompts), str(out), num_prompts=2, metrics_path=metrics
-    )
+    args = ["rollout", "--model", tmp_path / "model", "--prompts", prompts, "--out", out, "--num-prompts", "2"]
+    args += ["--n", "2", "--max-new-tokens", "6", "--temperature", "1.0", "--seed", "5", "--max-turns", "2"]
+    cli_ok(*args, "--env", "rlx.tasks.calculator:CalculatorEnv", "--metrics", metrics)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in lines] == ["calc-0/0", "calc-0/1", "calc-1/0", "calc-1/1"]
     for r in lines:
@@ -402,6 +403,8 @@ def test_stage_writes_multi_turn_records(tmp_path):
         assert tokenizer.decode(r["prompt_ids"]).startswith(
             "<|im_start|>system\nTools:\n<tools>\ncalculator(expression)"
         )
-    assert json.loads(metrics.read_text())["env/reward_mean"] == stats["env/reward_mean"]
-    with pytest.raises(UserError, match="exactly one of --env and --agent"):
-        run_multi_turn_rollout(sampling, env, str(tmp_path / "model"), str(prompts), str(out), agent="a.py:f")
+    line = json.loads(metrics.read_text())
+    assert line["env/reward_mean"] == sum(r["env_reward"] for r in lines) / 4
+    assert line["rollout/tokens"] == sum(sum(r["loss_mask"]) for r in lines)
+    both = cli(*args, "--env", "rlx.tasks.calculator:CalculatorEnv", "--agent", "a.py:f")
+    assert both.exit_code == 1 and "an environment (env) or an agent, not both" in both.stderr

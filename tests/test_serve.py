@@ -24,14 +24,14 @@ from agent_helpers import (
 )
 
 from rlx.engine.agent.agents import AgentRollout
-from rlx.engine.agent.backend import BatchingBackend
+from rlx.engine.agent.backend import StreamBackend
 from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.driver import EnvRollout
-from rlx.engine.agent.protocol import TokenRequest
 from rlx.engine.agent.server import AgentServer
 from rlx.engine.agent.sessions import normalize_message
 from rlx.engine.records import PromptRecord
 from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.requests import TokenRequest
 from rlx.errors import UserError
 from rlx.tasks.calculator import CALCULATOR_TOOL, evaluate
 
@@ -63,11 +63,11 @@ def files(tmp_path):
     return tmp_path
 
 
-def serve(model_and_tokenizer, sampling: RolloutConfig = SAMPLING, **agent) -> tuple[AgentServer, BatchingBackend]:
+def serve(model_and_tokenizer, sampling: RolloutConfig = SAMPLING, **agent) -> tuple[AgentServer, StreamBackend]:
     model, tokenizer = model_and_tokenizer
-    engine, stop_ids = token_engine(model, tokenizer)
-    backend = BatchingBackend(engine, sampling)
-    return AgentServer(backend, tokenizer, stop_ids, sampling, AgentConfig(**agent)).start(), backend
+    engine, cfg = token_engine(model, tokenizer), AgentConfig(**agent)
+    backend = StreamBackend(engine, sampling.sampling(), cfg.max_total_tokens)
+    return AgentServer(backend, tokenizer, engine.stop_ids, sampling.sampling(), cfg).start(), backend
 
 
 @pytest.mark.parametrize(
@@ -78,31 +78,31 @@ def test_openai_agent_matches_the_python_environment(files, style, temperature, 
     sample and turn) or greedy; with the Qwen3-style template the history the agent sends back
     re-renders without the generation prompt's think block, and rlx must not care."""
     model, tokenizer = random_chat_model(style, stop_bias=stop_bias)
-    engine, stop_ids = token_engine(model, tokenizer)
-    sampling = RolloutConfig(n=2, max_new_tokens=12, temperature=temperature, seed=3)
+    engine = token_engine(model, tokenizer)
+    sampling = RolloutConfig(n=2, max_new_tokens=12, temperature=temperature, seed=3).sampling()
     kwargs = {"chat_template_kwargs": {"enable_thinking": False}} if style == "qwen3" else {}
     cfg = AgentConfig(env=f"{files}/envs.py:Echo", max_total_tokens=400, **kwargs)
-    from_env = EnvRollout(engine, tokenizer, stop_ids, sampling, cfg).generate(QUESTIONS)
-    runner = AgentRollout(engine, tokenizer, stop_ids, sampling, cfg, f"{files}/agent.py:echo_agent")
+    from_env = EnvRollout(engine, tokenizer, sampling, cfg).generate(QUESTIONS)
+    runner = AgentRollout(engine, tokenizer, sampling, cfg, f"{files}/agent.py:echo_agent")
     from_agent = runner.generate(QUESTIONS)
     assert [r.id for r in from_agent] == [r.id for r in from_env]
     for env_rec, agent_rec in zip(from_env, from_agent):
         assert agent_rec.prompt_ids == env_rec.prompt_ids
         assert agent_rec.response_ids == env_rec.response_ids
-        assert agent_rec.extra["loss_mask"] == env_rec.extra["loss_mask"]
+        assert agent_rec.loss_mask == env_rec.loss_mask
         assert all(
             math.isclose(a, b, abs_tol=1e-5) for a, b in zip(agent_rec.rollout_logprobs, env_rec.rollout_logprobs)
         )
-        assert agent_rec.extra["messages"] == [normalize_message(m) for m in env_rec.extra["messages"]]
-        assert agent_rec.extra["num_turns"] == env_rec.extra["num_turns"]
-        assert agent_rec.extra["env_reward"] == env_rec.extra["env_reward"]
+        assert agent_rec.messages == [normalize_message(m) for m in env_rec.messages]
+        assert agent_rec.num_turns == env_rec.num_turns
+        assert agent_rec.env_reward == env_rec.env_reward
         assert agent_rec.response == env_rec.response
         assert {"env_done": "stop"}.get(env_rec.finish_reason, env_rec.finish_reason) == agent_rec.finish_reason
         assert agent_rec.extra["num_segments"] == 1 and agent_rec.extra["segment_reason"] == "first request"
     if style == "qwen3":  # the drift the server sidesteps: a re-render of the history is not what was sampled
-        rec = max(from_agent, key=lambda r: r.extra["num_turns"])
-        rerendered = tokenizer.apply_chat_template(rec.extra["messages"], tokenize=False)
-        assert tokenizer.decode(rec.prompt_ids + rec.response_ids).count("<think>") == rec.extra["num_turns"] > 1
+        rec = max(from_agent, key=lambda r: r.num_turns)
+        rerendered = tokenizer.apply_chat_template(rec.messages, tokenize=False)
+        assert tokenizer.decode(rec.prompt_ids + rec.response_ids).count("<think>") == rec.num_turns > 1
         assert rerendered.count("<think>") == 1  # only the last assistant turn keeps it
     assert runner.last_stats["serve/largest_batch"] > 1  # 4 agents at once: their requests were batched
 
@@ -124,17 +124,17 @@ def calculator_agent(record, base_url):
 
 def test_tool_calls_in_replies_match_the_python_environment():
     model, tokenizer = bigram_chat_model(CALC_SCRIPT, extra_tokens=CALC_PIECES)
-    engine, stop_ids = token_engine(model, tokenizer)
-    sampling = RolloutConfig(n=1, max_new_tokens=16, temperature=1.0)
+    engine = token_engine(model, tokenizer)
+    sampling = RolloutConfig(n=1, max_new_tokens=16, temperature=1.0).sampling()
     cfg = AgentConfig(env="rlx.tasks.calculator:CalculatorEnv", max_turns=2)
     question = [PromptRecord(id="c", prompt="12*34", ground_truth="408")]
-    [from_env] = EnvRollout(engine, tokenizer, stop_ids, sampling, cfg).generate(question)
-    [from_agent] = AgentRollout(engine, tokenizer, stop_ids, sampling, cfg, calculator_agent).generate(question)
-    assert from_agent.extra["num_turns"] == 2  # both replies came back with finish_reason 'tool_calls'
+    [from_env] = EnvRollout(engine, tokenizer, sampling, cfg).generate(question)
+    [from_agent] = AgentRollout(engine, tokenizer, sampling, cfg, calculator_agent).generate(question)
+    assert from_agent.num_turns == 2  # both replies came back with finish_reason 'tool_calls'
     assert from_agent.prompt_ids == from_env.prompt_ids and from_agent.response_ids == from_env.response_ids
-    assert from_agent.extra["loss_mask"] == from_env.extra["loss_mask"]
-    assert from_agent.extra["messages"] == from_env.extra["messages"][:-1]  # the env's last reply is not sent
-    assert from_agent.extra["messages"][2] == {"role": "tool", "tool_call_id": "call_0_0", "content": "408"}
+    assert from_agent.loss_mask == from_env.loss_mask
+    assert from_agent.messages == from_env.messages[:-1]  # the env's last reply is not sent
+    assert from_agent.messages[2] == {"role": "tool", "tool_call_id": "call_0_0", "content": "408"}
 
 
 def test_rewritten_history_starts_a_new_segment():
@@ -204,17 +204,17 @@ def test_completions_extend_token_exactly():
 
 def test_backend_batches_concurrent_requests():
     model, tokenizer = random_chat_model()
-    engine, _ = token_engine(model, tokenizer)
+    engine = token_engine(model, tokenizer)
     prompts = [tokenizer(f"{i}+{i}=", add_special_tokens=False)["input_ids"] for i in range(6)]
     requests = [TokenRequest(f"r{i}", ids, 8) for i, ids in enumerate(prompts)]
-    backend = BatchingBackend(engine, SAMPLING, gather_s=1.0)
+    backend = StreamBackend(engine, SAMPLING.sampling(), 64, gather_s=1.0)
     try:
         futures = [backend.submit(r) for r in requests]
         together = [f.result() for f in futures]
     finally:
         backend.close()
-    assert backend.num_batches == 1 and backend.largest_batch == 6
-    alone = [engine.generate_tokens([r], SAMPLING)[0] for r in requests]
+    assert backend.num_steps == 1 and backend.largest_batch == 6  # the hf engine: one batch
+    alone = [engine.generate_tokens([r], SAMPLING.sampling())[0] for r in requests]
     assert [g.response_ids for g in together] == [g.response_ids for g in alone]
 
 
@@ -253,11 +253,11 @@ def test_bad_requests_get_openai_style_errors():
 
 def test_agent_errors_name_the_sample():
     model = random_chat_model()
-    engine, stop_ids = token_engine(*model)
-    sampling = RolloutConfig(n=1, max_new_tokens=4, temperature=1.0)
+    engine = token_engine(*model)
+    sampling = RolloutConfig(n=1, max_new_tokens=4, temperature=1.0).sampling()
 
     def run(agent, **cfg):
-        return AgentRollout(engine, model[1], stop_ids, sampling, AgentConfig(**cfg), agent).generate(QUESTIONS)
+        return AgentRollout(engine, model[1], sampling, AgentConfig(**cfg), agent).generate(QUESTIONS)
 
     def silent(record, base_url):
         return 1.0
@@ -272,7 +272,7 @@ def test_agent_errors_name_the_sample():
     with pytest.raises(UserError, match="agent chat_once for sample q1/0 returned 'high', expected a finite number"):
         run(chat_once)
     records = run(chat_once, on_env_error="zero")
-    assert [r.extra["env_reward"] for r in records] == [0.5, 0.0]
+    assert [r.env_reward for r in records] == [0.5, 0.0]
     assert "env_error" not in records[0].extra and "returned 'high'" in records[1].extra["env_error"]
     assert records[1].finish_reason == "env_done"
 

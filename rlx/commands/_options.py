@@ -53,7 +53,8 @@ def field_options(cls: type, exclude=(), metavars: dict | None = None, decls: di
     """One keyword-only typer parameter per CLI-able field of dataclass `cls`, in field order."""
     hints, out = get_type_hints(cls), []
     metavars, decls, help_extra = metavars or {}, decls or {}, help_extra or {}
-    for f in dataclasses.fields(cls):
+    own = cls.__dict__.get("__annotations__", {})
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):  # the class's own fields first
         found = None if f.name in exclude else _option_type(hints[f.name])
         if found is None:
             continue

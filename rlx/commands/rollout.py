@@ -16,7 +16,7 @@ from rlx.engine.rollout.config import RolloutConfig
     RolloutConfig,
     "rollout",
     exclude=("weight_sync", "sync_bucket_mib", "sleep"),  # `rlx ppo` only: how a resident engine follows training
-    metavars={"engine": "NAME"},
+    metavars={"engine": "NAME", "env": "FILE.py:NAME", "agent": "FILE.py:NAME"},
     decls={"n": ("--n", "--num-samples")},
     help_extra={"n": " (--num-samples under torchrun, whose parser takes --n)"},
 )
@@ -46,7 +46,8 @@ def rollout(
     """Sample N responses per prompt; write rollouts.jsonl with token ids and the sampler's logprobs.
 
     Same seed, same file: every sample draws from its own random stream, derived from the seed,
-    the prompt id and the sample index.
+    the prompt id and the sample index. With --env or --agent each sample is a multi-turn episode
+    (tool calls, environment replies) recorded token-exactly, with a loss_mask over its tokens.
     """
     with reporting("rollout"):
         from rlx.engine.rollout.run import run_rollout

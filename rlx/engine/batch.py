@@ -5,7 +5,9 @@ Tensors (B samples, P prompt columns left-padded, R response columns right-padde
     prompt_ids        [B, P] int64    prompt tokens, padding on the left
     prompt_mask       [B, P] bool     True on real prompt tokens
     response_ids      [B, R] int64    response tokens, padding on the right
-    response_mask     [B, R] bool     True on response tokens that are trained
+    response_mask     [B, R] bool     True on response tokens (what the model reads; attention)
+    loss_mask         [B, R] bool     True on the tokens that are trained: the model's own; a multi-turn sample's
+                                      environment tokens are False (absent from older batches: = response_mask)
     rollout_logprobs  [B, R] float32  the sampler's logprobs (train/rollout mismatch)
     old_logprobs      [B, R] float32  logprobs of the policy that sampled (PPO ratio denominator)
     ref_logprobs      [B, R] float32  reference-policy logprobs (only with --ref)
@@ -17,6 +19,9 @@ Tensors (B samples, P prompt columns left-padded, R response columns right-padde
 
 The header metadata holds the format version, sample ids, prompt ids, vocabulary size, pad id,
 temperature and the scoring settings, as JSON.
+
+Every loss, normaliser, KL/entropy metric and train/rollout mismatch metric reads `loss_mask`; `response_mask`
+only says which columns hold tokens (the forward pass reads them all).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from rlx.utils.io import atomic_path, is_remote
 FORMAT = "rlx-batch"
 FORMAT_VERSION = 1
 _TOKEN_TENSORS = (
+    "loss_mask",
     "rollout_logprobs",
     "old_logprobs",
     "ref_logprobs",
@@ -46,7 +52,7 @@ _TOKEN_TENSORS = (
     "advantages",
     "returns",
 )
-_OPTIONAL = ("ref_logprobs", "values")
+_OPTIONAL = ("ref_logprobs", "values", "loss_mask")
 
 
 @dataclass(kw_only=True)
@@ -84,6 +90,12 @@ class TrainBatch:
     meta: BatchMeta
     ref_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
+    """[B, R] bool: the trained tokens (None given: the response tokens, as single-turn batches have it)."""
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.response_mask.clone()
 
     @property
     def size(self) -> int:
@@ -174,6 +186,8 @@ class TrainBatch:
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (b, r):
                 raise UserError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {(b, r)}")
+        if bool((self.loss_mask.bool() & ~self.response_mask.bool()).any()):
+            raise UserError(f"{where}: tensor loss_mask marks positions that hold no response token")
         if tuple(self.rewards.shape) != (b,):
             raise UserError(f"{where}: tensor rewards has shape {tuple(self.rewards.shape)}, expected {(b,)}")
         if len(self.meta.sample_ids) != b or len(self.meta.group_ids) != b:
@@ -181,7 +195,8 @@ class TrainBatch:
 
 
 def collate(rollouts: list[RolloutRecord], pad_id: int) -> dict[str, torch.Tensor]:
-    """Pad rollouts into the batch layout: prompts on the left, responses on the right."""
+    """Pad rollouts into the batch layout: prompts on the left, responses on the right (a multi-turn sample's
+    environment tokens in the response, out of its loss_mask)."""
     b = len(rollouts)
     p = max(len(r.prompt_ids) for r in rollouts)
     r_len = max(len(r.response_ids) for r in rollouts)
@@ -190,6 +205,7 @@ def collate(rollouts: list[RolloutRecord], pad_id: int) -> dict[str, torch.Tenso
         "prompt_mask": torch.zeros((b, p), dtype=torch.bool),
         "response_ids": torch.full((b, r_len), pad_id, dtype=torch.long),
         "response_mask": torch.zeros((b, r_len), dtype=torch.bool),
+        "loss_mask": torch.zeros((b, r_len), dtype=torch.bool),
         "rollout_logprobs": torch.zeros((b, r_len), dtype=torch.float32),
     }
     for row, rec in enumerate(rollouts):
@@ -198,5 +214,6 @@ def collate(rollouts: list[RolloutRecord], pad_id: int) -> dict[str, torch.Tenso
         out["prompt_mask"][row, p - n_p :] = True
         out["response_ids"][row, :n_r] = torch.tensor(rec.response_ids)
         out["response_mask"][row, :n_r] = True
+        out["loss_mask"][row, :n_r] = torch.tensor(rec.trained_mask, dtype=torch.bool)
         out["rollout_logprobs"][row, :n_r] = torch.tensor(rec.rollout_logprobs, dtype=torch.float32)
     return out

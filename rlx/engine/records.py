@@ -7,6 +7,7 @@ record does not know are kept in `extra` and written back, so user data rides th
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,9 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
     return records
 
 
+SINGLE_TURN_FINISH = ("stop", "length")
+MULTI_TURN_FINISH = ("stop", "length", "max_turns", "env_done")
+
 _ROLLOUT_KEYS = (
     "format_version",
     "id",
@@ -149,7 +153,16 @@ _ROLLOUT_KEYS = (
     "is_greedy_baseline",
     "data_source",
     "ground_truth",
+    "loss_mask",
+    "messages",
+    "num_turns",
+    "env_reward",
 )
+_MULTI_TURN_KEYS = ("loss_mask", "messages", "num_turns", "env_reward")
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value)
 
 
 @dataclass(kw_only=True)
@@ -173,7 +186,8 @@ class RolloutRecord:
     rollout_logprobs: list[float]
     """The sampler's logprob of each response token: log_softmax(logits / temperature), before top-k/top-p."""
     finish_reason: str
-    """'stop' (EOS sampled) or 'length' (max_new_tokens reached)."""
+    """'stop' (EOS sampled) or 'length' (max_new_tokens reached); multi-turn also 'max_turns' (the turn limit
+    ended the episode) or 'env_done' (the environment ended it)."""
     temperature: float
     """Sampling temperature (0 = greedy); scoring and training divide logits by it (1 for greedy)."""
     is_greedy_baseline: bool = False
@@ -184,6 +198,24 @@ class RolloutRecord:
     """Copied from the prompt."""
     extra: dict = field(default_factory=dict)
     """The prompt's other fields."""
+    loss_mask: list[int] | None = None
+    """Multi-turn: 1 on response tokens the model generated, 0 on tokens the environment or a tool inserted
+    (same length as response_ids); None for a single-turn sample (all ones)."""
+    messages: list[dict] | None = None
+    """Multi-turn: the whole conversation (role, content, tool_calls)."""
+    num_turns: int | None = None
+    """Multi-turn: assistant turns generated."""
+    env_reward: float | None = None
+    """Multi-turn: the sum of the environment's step rewards (an agent's return value)."""
+
+    @property
+    def is_multi_turn(self) -> bool:
+        return self.loss_mask is not None
+
+    @property
+    def trained_mask(self) -> list[int]:
+        """1 on the response tokens a loss may see (the model's own), 0 elsewhere."""
+        return self.loss_mask if self.loss_mask is not None else [1] * len(self.response_ids)
 
     @classmethod
     def from_json(cls, obj: dict, where: str) -> RolloutRecord:
@@ -202,7 +234,11 @@ class RolloutRecord:
             prompt_ids=f.int_list("prompt_ids"),
             response_ids=f.int_list("response_ids"),
             rollout_logprobs=f.float_list("rollout_logprobs"),
-            finish_reason=f.get("finish_reason", "'stop' or 'length'", lambda v: v in ("stop", "length")),
+            finish_reason=f.get(
+                "finish_reason",
+                "one of " + ", ".join(MULTI_TURN_FINISH if "loss_mask" in obj else SINGLE_TURN_FINISH),
+                lambda v: v in (MULTI_TURN_FINISH if "loss_mask" in obj else SINGLE_TURN_FINISH),
+            ),
             temperature=float(
                 f.get(
                     "temperature",
@@ -216,6 +252,7 @@ class RolloutRecord:
             data_source=obj.get("data_source"),
             ground_truth=obj.get("ground_truth"),
             extra={k: v for k, v in obj.items() if k not in _ROLLOUT_KEYS},
+            **_multi_turn_fields(f),
         )
         if not rec.prompt_ids:
             raise f.fail("prompt_ids", "at least one token")
@@ -226,15 +263,39 @@ class RolloutRecord:
                 f"{where}: 'rollout_logprobs' has {len(rec.rollout_logprobs)} entries but "
                 f"'response_ids' has {len(rec.response_ids)}; expected one logprob per token"
             )
+        if rec.loss_mask is not None and len(rec.loss_mask) != len(rec.response_ids):
+            raise UserError(
+                f"{where}: 'loss_mask' has {len(rec.loss_mask)} entries but 'response_ids' has "
+                f"{len(rec.response_ids)}; expected one per token"
+            )
+        if rec.loss_mask is not None and not any(rec.loss_mask):
+            raise f.fail("loss_mask", "at least one 1 (a model token)")
         return rec
 
     def to_json(self) -> dict:
         out = {"format_version": FORMAT_VERSION}
         for f in dataclasses.fields(self):
-            if f.name != "extra":
+            if f.name != "extra" and not (f.name in _MULTI_TURN_KEYS and getattr(self, f.name) is None):
                 out[f.name] = getattr(self, f.name)
         out.update(self.extra)
         return out
+
+
+def _multi_turn_fields(f: _Fields) -> dict:
+    """loss_mask, messages, num_turns, env_reward where the line has them (a multi-turn sample)."""
+    is_count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+    return {
+        "loss_mask": f.get(
+            "loss_mask", "a list of 0 and 1", lambda v: isinstance(v, list) and all(x in (0, 1) for x in v)
+            and not any(isinstance(x, bool) for x in v), required=False,
+        ),
+        "messages": f.get("messages", "a list of chat messages {role, ...}", _is_messages, required=False),
+        "num_turns": f.get("num_turns", "a non-negative integer", is_count, required=False),
+        "env_reward": f.get(
+            "env_reward", "a finite number",
+            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), required=False,
+        ),
+    }  # fmt: skip
 
 
 def read_rollouts(path: str | Path) -> list[RolloutRecord]:

@@ -9,17 +9,18 @@ are kept in `segments` with the reason each began.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
-from rlx.engine.agent.backend import BatchingBackend
+from rlx.engine.agent.backend import StreamBackend
 from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.environment import CallPool, EnvError, load_object
-from rlx.engine.agent.protocol import TokenEngine
 from rlx.engine.agent.records import trajectory_record
 from rlx.engine.agent.server import AgentServer
 from rlx.engine.agent.sessions import SampleSession
 from rlx.engine.records import PromptRecord, RolloutRecord
-from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.base import RolloutEngine
+from rlx.engine.rollout.config import SamplingParams
 from rlx.errors import UserError
 
 
@@ -27,15 +28,9 @@ class AgentRollout:
     """Runs an agent per sample against an in-process server and returns the samples' rollout records."""
 
     def __init__(
-        self,
-        engine: TokenEngine,
-        tokenizer,
-        stop_ids: set[int],
-        sampling: RolloutConfig,
-        cfg: AgentConfig,
-        agent: str | Callable,
+        self, engine: RolloutEngine, tokenizer, sampling: SamplingParams, cfg: AgentConfig, agent: str | Callable
     ):
-        self.engine, self.tokenizer, self.stop_ids = engine, tokenizer, set(stop_ids)
+        self.engine, self.tokenizer, self.stop_ids = engine, tokenizer, set(engine.stop_ids)
         self.sampling, self.cfg = sampling, cfg
         self.name = agent if isinstance(agent, str) else getattr(agent, "__name__", repr(agent))
         self.agent = load_object(agent, "--agent") if isinstance(agent, str) else agent
@@ -43,8 +38,9 @@ class AgentRollout:
 
     def generate(self, prompts: list[PromptRecord]) -> list[RolloutRecord]:
         """`sampling.n` agent runs per prompt, in prompt order then sample order."""
+        began = time.perf_counter()
         samples = [(p, i) for p in prompts for i in range(self.sampling.n)]
-        backend = BatchingBackend(self.engine, self.sampling)
+        backend = StreamBackend(self.engine, self.sampling, self.cfg.max_total_tokens, max(len(samples), 1))
         server = AgentServer(backend, self.tokenizer, self.stop_ids, self.sampling, self.cfg).start()
         pool = CallPool(self.cfg.env_workers, self.cfg.agent_timeout_s)
         try:
@@ -64,7 +60,7 @@ class AgentRollout:
             errors += outcome.error is not None
             with session.lock:  # a timed-out agent's last request may still be finishing
                 records.append(self._record(prompt, index, session, outcome.value, outcome.error))
-        self.last_stats = _stats(records, errors, backend)
+        self.last_stats = {**_stats(records, errors, backend), "timing/generate_s": time.perf_counter() - began}
         return records
 
     def _call(self, server: AgentServer, prompt: PromptRecord, index: int) -> Callable[[], float]:
@@ -102,14 +98,14 @@ class AgentRollout:
         )
 
 
-def _stats(records: list[RolloutRecord], errors: int, backend: BatchingBackend) -> dict[str, float]:
+def _stats(records: list[RolloutRecord], errors: int, backend: StreamBackend) -> dict[str, float]:
     count = max(len(records), 1)
     return {
-        "rollout/tokens": float(sum(sum(r.extra["loss_mask"]) for r in records)),
-        "rollout/turns_mean": sum(r.extra["num_turns"] for r in records) / count,
+        "rollout/tokens": float(sum(sum(r.loss_mask) for r in records)),
+        "rollout/turns_mean": sum(r.num_turns for r in records) / count,
         "rollout/segments_mean": sum(r.extra["num_segments"] for r in records) / count,
-        "env/reward_mean": sum(r.extra["env_reward"] for r in records) / count,
+        "env/reward_mean": sum(r.env_reward for r in records) / count,
         "env/errors": float(errors),
-        "serve/batches": float(backend.num_batches),
+        "serve/engine_steps": float(backend.num_steps),
         "serve/largest_batch": float(backend.largest_batch),
     }

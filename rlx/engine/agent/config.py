@@ -1,4 +1,8 @@
-"""AgentConfig: the limits and options of multi-turn rollouts (environments and served agents); no torch import."""
+"""AgentConfig: the limits and options of multi-turn rollouts (environments and served agents); no torch import.
+
+RolloutConfig extends it, so these are `rlx rollout` options (--env, --agent, --max-turns, ...) and keys of a
+recipe's [rollout] table; the agent package reads them from whichever of the two it is given.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +17,16 @@ class AgentConfig:
     """How multi-turn episodes run (the per-turn token limit is the rollout's max_new_tokens)."""
 
     env: str = ""
-    """The environment, `path/file.py:NAME` or `package.module:NAME`; NAME(record) is called once per sample."""
+    """Multi-turn: the environment, `path/file.py:NAME` or `package.module:NAME`; NAME(record) is called once per
+    sample and gives an object with reset() -> messages and step(message) -> (messages, reward, done)."""
+    agent: str = ""
+    """Multi-turn: an agent, `path/file.py:NAME` or `package.module:NAME`; NAME(record, base_url) -> reward runs
+    once per sample against an OpenAI-compatible endpoint rlx serves in-process."""
     max_turns: int = 8
-    """Most assistant turns in one episode; the episode then ends with finish_reason 'max_turns'."""
+    """Multi-turn: most assistant turns in one episode; the episode then ends with finish_reason 'max_turns'."""
     max_total_tokens: int = 4096
-    """Most tokens in an episode's whole context (opening prompt + every turn); past it, finish_reason 'length'."""
+    """Multi-turn: most tokens in an episode's whole context (opening prompt + every turn; a turn gets at most
+    max_new_tokens); past it, finish_reason 'length'."""
     on_env_error: Literal["raise", "zero"] = "raise"
     """An environment (or agent) that raises, times out or returns the wrong types: 'raise' stops with the
     sample id; 'zero' ends that episode with reward 0, records the error and counts it in env/errors."""
@@ -31,7 +40,7 @@ class AgentConfig:
     """How tool calls are read from assistant text: 'qwen' (= 'hermes') for <tool_call>{json}</tool_call>
     blocks as Qwen2.5/Qwen3 templates write them, 'none' for plain text."""
     chat_template_kwargs: dict = field(default_factory=dict)
-    """Extra variables for the chat template, e.g. {enable_thinking = false} for Qwen3 templates."""
+    """Multi-turn: extra variables for the chat template, e.g. {enable_thinking = false} for Qwen3 templates."""
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -40,8 +49,12 @@ class AgentConfig:
         check(self.env_timeout_s > 0, "env_timeout_s", f"must be > 0, got {self.env_timeout_s}")
         check(self.env_workers >= 1, "env_workers", f"must be at least 1, got {self.env_workers}")
         check(self.agent_timeout_s > 0, "agent_timeout_s", f"must be > 0, got {self.agent_timeout_s}")
-        check(
-            self.env == "" or ":" in self.env,
-            "env",
-            f"expected path/file.py:NAME or package.module:NAME, got {self.env!r}",
-        )
+        for key in ("env", "agent"):
+            value = getattr(self, key)
+            check(value == "" or ":" in value, key, f"expected path/file.py:NAME or package.module:NAME, got {value!r}")
+        check(not (self.env and self.agent), "agent", "give an environment (env) or an agent, not both")
+
+    @property
+    def is_multi_turn(self) -> bool:
+        """Whether rollouts are episodes of an environment or runs of an agent."""
+        return bool(self.env or self.agent)

@@ -1,29 +1,41 @@
-"""Multi-turn rollouts with Python environments over the token-level engine call.
+"""Multi-turn rollouts with Python environments over the engine's token-level stream.
 
-Every active episode of the batch generates its next turn in one `generate_tokens` call; the
-environment steps of the turn then run concurrently in threads (with a timeout); episodes that end
-leave the batch. Each turn draws from its own random stream keyed `<sample_id>/<turn>`, so a sample's
-tokens do not depend on which other samples share its batch.
+Every episode's turn is a token request on one stream of the rollout engine (`RolloutEngine.open_stream`):
+when a turn finishes, its environment step runs in a thread (with a timeout) while the engine keeps
+generating the other episodes' turns, and the episode's next turn joins the stream once the environment has
+answered. So one slow environment never stalls the batch. Each turn draws from its own random stream keyed
+`<sample_id>/<turn>`, so a sample's tokens do not depend on which other samples run with it, on the engine
+(hf and native draw alike), or on when its environment answered.
+
+Timings (seconds, this process): `timing/generate_s` the whole rollout, `timing/engine_s` inside engine steps,
+`timing/env_wait_s` blocked on environments with nothing to generate (the engine idles; `perf/env_wait_share`
+of the whole), `timing/env_s` summed over environment calls (they overlap generation and each other),
+`timing/render_s` building turns' tokens from the chat template.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from rlx.engine.agent.config import AgentConfig
-from rlx.engine.agent.environment import CallPool, Environment, EnvironmentFactory
-from rlx.engine.agent.protocol import Generated, TokenEngine, TokenRequest
+from rlx.engine.agent.environment import CallPool, Environment, EnvironmentFactory, Outcome
 from rlx.engine.agent.records import FINISH_REASONS, trajectory_record
 from rlx.engine.agent.tool_calls import ParsedTurn, get_tool_call_parser, tool_error_messages
 from rlx.engine.agent.trajectory import ChatRenderer, Trajectory
 from rlx.engine.records import PromptRecord, RolloutRecord
-from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.base import RolloutEngine, TokenStream
+from rlx.engine.rollout.config import SamplingParams
+from rlx.engine.rollout.requests import Generated, TokenRequest
 from rlx.errors import UserError
 
+LOCKSTEP_POLL_S = 0.01
+"""Engines that step in lockstep over processes go back to the collective this often while waiting."""
 
-@dataclass
+
+@dataclass(eq=False)
 class Episode:
     """One sample's episode in progress."""
 
@@ -48,36 +60,62 @@ class EnvRollout:
 
     def __init__(
         self,
-        engine: TokenEngine,
+        engine: RolloutEngine,
         tokenizer,
-        stop_ids: set[int],
-        sampling: RolloutConfig,
+        sampling: SamplingParams,
         cfg: AgentConfig,
         envs: EnvironmentFactory | None = None,
     ):
         if not cfg.env and envs is None:
             raise UserError("multi-turn rollouts need an environment (--env path/file.py:NAME or module:NAME)")
-        self.engine, self.tokenizer, self.stop_ids = engine, tokenizer, set(stop_ids)
+        self.engine, self.tokenizer, self.stop_ids = engine, tokenizer, set(engine.stop_ids)
         self.sampling, self.cfg = sampling, cfg
         self.envs = envs or EnvironmentFactory(cfg.env)
         self.parse = get_tool_call_parser(cfg.tool_parser)
         self.last_stats: dict[str, float] = {}
-        self._seconds = {"generate": 0.0, "env": 0.0, "render": 0.0}
+        self._seconds: dict[str, float] = {}
 
     def generate(self, prompts: list[PromptRecord]) -> list[RolloutRecord]:
-        """`sampling.n` episodes per prompt, in prompt order then sample order."""
-        episodes = [Episode(p, i) for p in prompts for i in range(self.sampling.n)]
-        self._seconds = {"generate": 0.0, "env": 0.0, "render": 0.0}
+        """`sampling.n` episodes per prompt, in prompt order then sample order (this process's prompts)."""
+        return self.run_episodes([Episode(p, i) for p in prompts for i in range(self.sampling.n)])
+
+    def run_episodes(self, episodes: list[Episode]) -> list[RolloutRecord]:
+        self._seconds = {"generate": 0.0, "env": 0.0, "env_wait": 0.0, "render": 0.0, "total": 0.0}
+        began = time.perf_counter()
         pool = CallPool(self.cfg.env_workers, self.cfg.env_timeout_s)
+        stream = self.engine.open_stream(self.sampling, self.cfg.max_total_tokens, max(len(episodes), 1))
         try:
             self._start(episodes, pool)
-            while active := [ep for ep in episodes if ep.finish_reason is None]:
-                to_step = self._generate_turn(active)
-                self._step(to_step, pool)
+            for ep in episodes:
+                self._submit_turn(stream, ep)
+            self._loop(stream, pool, episodes)
         finally:
+            stream.close()
             pool.close()
-        self.last_stats = self._stats(episodes)
+        self._seconds["total"] = time.perf_counter() - began
+        self.last_stats = self._stats(episodes, stream.stats())
         return [self._record(ep) for ep in episodes]
+
+    def _loop(self, stream: TokenStream, pool: CallPool, episodes: list[Episode]) -> None:
+        """Step the engine; hand finished turns to their environments; submit the turns of answered episodes.
+        With nothing to generate, wait for an environment (briefly, where the engine steps in lockstep)."""
+        stepping: dict[Future, Episode] = {}
+        while stream.keep_going(any(ep.finish_reason is None for ep in episodes)):
+            began = time.perf_counter()
+            finished = stream.step()
+            self._seconds["generate"] += time.perf_counter() - began
+            for ep, generated in finished:
+                self._after_turn(stream, pool, stepping, ep, generated)
+            if not stepping:
+                continue
+            idle = not stream.has_work
+            timeout = (LOCKSTEP_POLL_S if stream.lockstep else None) if idle else 0.0
+            began = time.perf_counter()
+            answered = pool.finished(set(stepping), timeout)
+            if idle:
+                self._seconds["env_wait"] += time.perf_counter() - began
+            for future, outcome in answered:
+                self._after_step(stream, stepping.pop(future), outcome)
 
     def _start(self, episodes: list[Episode], pool: CallPool) -> None:
         """Make every sample's environment and reset it (concurrently); render the opening prompts."""
@@ -86,12 +124,10 @@ class EnvRollout:
             env = self.envs.make(ep.sample_id, ep.prompt.to_json())
             return env, *env.reset()
 
-        began = time.perf_counter()
         where = f"environment {self.envs.spec} for sample"
-        calls = [(lambda ep=ep: start(ep), f"{where} {ep.sample_id!r}") for ep in episodes]
-        outcomes = pool.run(calls)
-        self._seconds["env"] += time.perf_counter() - began
+        outcomes = pool.run([(lambda ep=ep: start(ep), f"{where} {ep.sample_id!r}") for ep in episodes])
         for ep, outcome in zip(episodes, outcomes):
+            self._seconds["env"] += outcome.seconds
             if outcome.error:  # no opening messages: nothing to score, whatever on_env_error says
                 raise UserError(outcome.error)
             ep.env, messages, tools = outcome.value
@@ -105,30 +141,29 @@ class EnvRollout:
                     f"not below max_total_tokens = {self.cfg.max_total_tokens}"
                 )
 
-    def _generate_turn(self, active: list[Episode]) -> list[Episode]:
-        """One model turn for every active episode; returns those whose environment steps next."""
-        requests = [
-            TokenRequest(
-                key=f"{ep.sample_id}/{ep.trajectory.num_turns}",
-                prompt_ids=ep.trajectory.token_ids(),
-                max_new_tokens=min(self.sampling.max_new_tokens, self.cfg.max_total_tokens - ep.trajectory.num_tokens),
-                greedy=self.sampling.temperature == 0,
-            )
-            for ep in active
-        ]
-        began = time.perf_counter()
-        generated = self.engine.generate_tokens(requests, self.sampling)
-        self._seconds["generate"] += time.perf_counter() - began
-        to_step = []
-        for ep, gen in zip(active, generated):
-            parsed = self._add_turn(ep, gen)
-            if gen.finish_reason != "stop":  # cut by a token limit: the turn has no end to reply to
-                ep.finish_reason = "length"
-            elif parsed.errors:  # malformed tool calls: the model hears why; the environment is not stepped
-                self._continue(ep, tool_error_messages(parsed.errors), done=False)
-            else:
-                to_step.append(ep)
-        return to_step
+    def _submit_turn(self, stream: TokenStream, ep: Episode) -> None:
+        traj = ep.trajectory
+        room = self.cfg.max_total_tokens - traj.num_tokens
+        request = TokenRequest(
+            key=f"{ep.sample_id}/{traj.num_turns}",
+            prompt_ids=traj.token_ids(),
+            max_new_tokens=min(self.sampling.max_new_tokens, room),
+            greedy=self.sampling.temperature == 0,
+        )
+        stream.submit(ep, request)
+
+    def _after_turn(
+        self, stream: TokenStream, pool: CallPool, stepping: dict[Future, Episode], ep: Episode, gen: Generated
+    ) -> None:
+        """A model turn came back: end the episode, answer malformed tool calls, or step the environment."""
+        parsed = self._add_turn(ep, gen)
+        if gen.finish_reason != "stop":  # cut by a token limit: the turn has no end to reply to
+            ep.finish_reason = "length"
+        elif parsed.errors:  # malformed tool calls: the model hears why; the environment is not stepped
+            self._continue(stream, ep, tool_error_messages(parsed.errors), done=False)
+        else:
+            message = copy.deepcopy(ep.trajectory.messages[-1])
+            stepping[pool.start(lambda: ep.env.step(message), ep.env.where("step()"))] = ep
 
     def _add_turn(self, ep: Episode, gen: Generated) -> ParsedTurn:
         ep.trajectory.add_model_turn(gen.response_ids, gen.logprobs)
@@ -138,33 +173,20 @@ class EnvRollout:
         ep.trajectory.messages.append(parsed.message)
         return parsed
 
-    def _step(self, episodes: list[Episode], pool: CallPool) -> None:
-        """Step the environments of `episodes` with their last assistant message, concurrently."""
-        if not episodes:
+    def _after_step(self, stream: TokenStream, ep: Episode, outcome: Outcome) -> None:
+        self._seconds["env"] += outcome.seconds
+        if outcome.error:
+            if self.cfg.on_env_error == "raise":
+                raise UserError(f"{outcome.error} (--on-env-error zero scores such episodes 0 instead)")
+            ep.env_error, ep.env_reward, ep.finish_reason = outcome.error, 0.0, "env_done"
             return
-        calls = [
-            (lambda ep=ep: ep.env.step(copy.deepcopy(ep.trajectory.messages[-1])), ep.env.where("step()"))
-            for ep in episodes
-        ]
-        began = time.perf_counter()
-        outcomes = pool.run(calls)
-        self._seconds["env"] += time.perf_counter() - began
-        for ep, outcome in zip(episodes, outcomes):
-            if outcome.error:
-                self._fail(ep, outcome.error)
-                continue
-            replies, reward, done = outcome.value
-            ep.env_reward += reward
-            self._continue(ep, replies, done)
+        replies, reward, done = outcome.value
+        ep.env_reward += reward
+        self._continue(stream, ep, replies, done)
 
-    def _fail(self, ep: Episode, error: str) -> None:
-        if self.cfg.on_env_error == "raise":
-            raise UserError(f"{error} (--on-env-error zero scores such episodes 0 instead)")
-        ep.env_error, ep.env_reward, ep.finish_reason = error, 0.0, "env_done"
-
-    def _continue(self, ep: Episode, replies: list[dict], done: bool) -> None:
-        """Append the environment's reply, or end the episode. A reply that ends the episode is kept in
-        `messages` only: no model turn follows it, so its tokens would train nothing."""
+    def _continue(self, stream: TokenStream, ep: Episode, replies: list[dict], done: bool) -> None:
+        """Append the environment's reply and submit the next turn, or end the episode. A reply that ends the
+        episode is kept in `messages` only: no model turn follows it, so its tokens would train nothing."""
         traj = ep.trajectory
         if done or traj.num_turns >= self.cfg.max_turns or not replies:
             traj.messages += copy.deepcopy(replies)
@@ -178,6 +200,7 @@ class EnvRollout:
             ep.finish_reason = "length"
             return
         traj.add_inserted(ids)
+        self._submit_turn(stream, ep)
 
     def _record(self, ep: Episode) -> RolloutRecord:
         return trajectory_record(
@@ -191,21 +214,25 @@ class EnvRollout:
             extra={"env_error": ep.env_error} if ep.env_error else None,
         )
 
-    def _stats(self, episodes: list[Episode]) -> dict[str, float]:
+    def _stats(self, episodes: list[Episode], engine_stats: dict) -> dict[str, float]:
         model_tokens = sum(sum(ep.trajectory.loss_mask) for ep in episodes)
         inserted = sum(len(ep.trajectory.loss_mask) for ep in episodes) - model_tokens
-        count = max(len(episodes), 1)
+        count, seconds = max(len(episodes), 1), self._seconds
         stats = {
             "rollout/tokens": float(model_tokens),
             "rollout/inserted_tokens": float(inserted),
             "rollout/turns_mean": sum(ep.trajectory.num_turns for ep in episodes) / count,
             "env/reward_mean": sum(ep.env_reward for ep in episodes) / count,
             "env/errors": float(sum(ep.env_error is not None for ep in episodes)),
-            "timing/generate_s": self._seconds["generate"],
-            "timing/env_s": self._seconds["env"],
-            "timing/render_s": self._seconds["render"],
-            "perf/rollout_tokens_per_s": model_tokens / max(self._seconds["generate"], 1e-9),
+            "timing/generate_s": seconds["total"],
+            "timing/engine_s": seconds["generate"],
+            "timing/env_s": seconds["env"],
+            "timing/env_wait_s": seconds["env_wait"],
+            "timing/render_s": seconds["render"],
+            "perf/rollout_tokens_per_s": model_tokens / max(seconds["total"], 1e-9),
+            "perf/env_wait_share": seconds["env_wait"] / max(seconds["total"], 1e-9),
         }
+        stats.update({f"rollout/{k}": float(v) for k, v in engine_stats.items()})
         for reason in FINISH_REASONS:
             stats[f"rollout/finish_{reason}"] = float(sum(ep.finish_reason == reason for ep in episodes))
         return stats

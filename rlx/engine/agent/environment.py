@@ -147,17 +147,22 @@ class Outcome:
 
     value: Any = None
     error: str | None = None
+    seconds: float = 0.0
+    """How long the call ran (to its timeout, for one abandoned)."""
 
 
 class _Call:
     """A call that notes when a worker thread starts it (its timeout counts from then)."""
 
     def __init__(self, fn: Callable[[], Any], where: str):
-        self.fn, self.where, self.started = fn, where, None
+        self.fn, self.where, self.started, self.seconds = fn, where, None, 0.0
 
     def __call__(self) -> Any:
         self.started = time.monotonic()
-        return self.fn()
+        try:
+            return self.fn()
+        finally:
+            self.seconds = time.monotonic() - self.started
 
 
 class CallPool:
@@ -169,6 +174,7 @@ class CallPool:
 
     def __init__(self, workers: int, timeout_s: float):
         self.timeout_s = timeout_s
+        self._calls: dict[Future, _Call] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._workers = [threading.Thread(target=self._work, name="rlx-env", daemon=True) for _ in range(workers)]
         for worker in self._workers:
@@ -189,41 +195,60 @@ class CallPool:
         self._queue.put((call, future))
         return future
 
+    def start(self, fn: Callable[[], Any], where: str) -> Future:
+        """Queue one call (`where` names the sample and method in its error); collect it with `finished`."""
+        call = _Call(fn, where)
+        future = self.submit(call)
+        self._calls[future] = call
+        return future
+
+    def finished(self, futures: set[Future], timeout: float | None) -> list[tuple[Future, Outcome]]:
+        """Wait up to `timeout` seconds (None: until one is due) for calls of `futures`; the ones that returned,
+        raised or ran past their own timeout (abandoned), with their outcomes (none when `timeout` passed first)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait_s = self._next_deadline(futures)
+            if deadline is not None:
+                wait_s = min(wait_s, max(deadline - time.monotonic(), 0.0))
+            done, _ = wait(futures, timeout=wait_s, return_when=FIRST_COMPLETED)
+            out = [(f, self._outcome(f, self._calls.pop(f))) for f in done]
+            now = time.monotonic()
+            for future in futures - done:
+                call = self._calls[future]
+                if call.started is not None and now - call.started > self.timeout_s:
+                    del self._calls[future]
+                    error = f"{call.where} timed out after {self.timeout_s:g} s"
+                    out.append((future, Outcome(error=error, seconds=self.timeout_s)))
+            if out or (deadline is not None and now >= deadline):
+                return out
+
     def run(self, calls: list[tuple[Callable[[], Any], str]]) -> list[Outcome]:
         """Outcomes of `(fn, where)` calls in order; `where` names the sample and method in errors."""
-        wrapped = [_Call(fn, where) for fn, where in calls]
-        futures: dict[Future, int] = {self.submit(c): i for i, c in enumerate(wrapped)}
+        futures = {self.start(fn, where): i for i, (fn, where) in enumerate(calls)}
         outcomes = [Outcome() for _ in calls]
         pending = set(futures)
         while pending:
-            timeout = self._next_deadline(wrapped, pending, futures)
-            done, pending = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
-            for future in done:
-                outcomes[futures[future]] = self._outcome(future, wrapped[futures[future]])
-            now = time.monotonic()
-            for future in list(pending):
-                call = wrapped[futures[future]]
-                if call.started is not None and now - call.started > self.timeout_s:
-                    pending.discard(future)
-                    outcomes[futures[future]] = Outcome(error=f"{call.where} timed out after {self.timeout_s:g} s")
+            for future, outcome in self.finished(pending, None):
+                outcomes[futures[future]] = outcome
+                pending.discard(future)
         return outcomes
 
-    def _next_deadline(self, wrapped: list[_Call], pending: set[Future], futures: dict[Future, int]) -> float:
+    def _next_deadline(self, futures: set[Future]) -> float:
         """Seconds until the earliest running call times out (a short poll while some have not started)."""
         now, wait_s = time.monotonic(), self.timeout_s
-        for future in pending:
-            started = wrapped[futures[future]].started
+        for future in futures:
+            started = self._calls[future].started
             wait_s = min(wait_s, 0.05 if started is None else max(started + self.timeout_s - now, 0.0) + 1e-3)
         return wait_s
 
     @staticmethod
     def _outcome(future: Future, call: _Call) -> Outcome:
         try:
-            return Outcome(value=future.result())
+            return Outcome(value=future.result(), seconds=call.seconds)
         except EnvError as e:
-            return Outcome(error=str(e))
+            return Outcome(error=str(e), seconds=call.seconds)
         except Exception as e:  # the user's code: any failure is reported with the sample and method
-            return Outcome(error=f"{call.where} raised {type(e).__name__}: {e}")
+            return Outcome(error=f"{call.where} raised {type(e).__name__}: {e}", seconds=call.seconds)
 
     def close(self) -> None:
         """Cancel calls not started yet and let the workers end; abandoned (timed-out) calls are not waited for."""

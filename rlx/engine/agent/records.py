@@ -9,9 +9,9 @@ rule rewards grade). `finish_reason` is one of stop | length | max_turns | env_d
 from __future__ import annotations
 
 from rlx.engine.agent.trajectory import Trajectory
-from rlx.engine.records import PromptRecord, RolloutRecord
+from rlx.engine.records import MULTI_TURN_FINISH, PromptRecord, RolloutRecord
 
-FINISH_REASONS = ("stop", "length", "max_turns", "env_done")
+FINISH_REASONS = MULTI_TURN_FINISH
 
 
 def trajectory_record(
@@ -28,13 +28,6 @@ def trajectory_record(
     """The record of one multi-turn sample (`extra`: more fields, e.g. env_error or segments)."""
     if finish_reason not in FINISH_REASONS:
         raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {finish_reason!r}")
-    fields = {
-        "loss_mask": trajectory.loss_mask,
-        "messages": trajectory.messages,
-        "num_turns": trajectory.num_turns,
-        "env_reward": env_reward,
-        **(extra or {}),
-    }
     return RolloutRecord(
         id=f"{prompt.id}/{sample_index}",
         prompt_id=prompt.id,
@@ -48,13 +41,9 @@ def trajectory_record(
         temperature=temperature,
         data_source=prompt.data_source,
         ground_truth=prompt.ground_truth,
-        extra={**prompt.extra, **fields},
+        extra={**prompt.extra, **(extra or {})},
+        loss_mask=trajectory.loss_mask,
+        messages=trajectory.messages,
+        num_turns=trajectory.num_turns,
+        env_reward=float(env_reward),
     )
-
-
-def env_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """The episode's environment reward as a reward function (`--reward rlx.engine.agent.records:env_reward`):
-    rlx score hands a rollout's extra fields, `env_reward` among them, to reward functions in `extra_info`."""
-    if not extra_info or "env_reward" not in extra_info:
-        raise ValueError("the rollout has no env_reward (it is not a multi-turn environment rollout)")
-    return float(extra_info["env_reward"])

@@ -23,11 +23,11 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import quote, unquote, urlsplit
 
-from rlx.engine.agent.backend import BatchingBackend
+from rlx.engine.agent.backend import StreamBackend
 from rlx.engine.agent.config import AgentConfig
-from rlx.engine.agent.protocol import TokenRequest
 from rlx.engine.agent.sessions import SampleSession
-from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.config import SamplingParams
+from rlx.engine.rollout.requests import TokenRequest
 from rlx.errors import UserError
 
 _ROUTE = re.compile(r"^(?:/s/(?P<sample>[^/]+))?/v1/(?P<endpoint>chat/completions|completions|models)/?$")
@@ -63,10 +63,10 @@ class AgentServer:
 
     def __init__(
         self,
-        backend: BatchingBackend,
+        backend: StreamBackend,
         tokenizer,
         stop_ids: set[int],
-        sampling: RolloutConfig,
+        sampling: SamplingParams,
         cfg: AgentConfig,
         model_name: str = "rlx",
         port: int = 0,

@@ -17,9 +17,9 @@ import threading
 from dataclasses import dataclass, field
 
 from rlx.engine.agent.config import AgentConfig
-from rlx.engine.agent.protocol import Generated
 from rlx.engine.agent.tool_calls import get_tool_call_parser
 from rlx.engine.agent.trajectory import ChatRenderer, Trajectory
+from rlx.engine.rollout.requests import Generated
 
 
 def message_text(content) -> str:

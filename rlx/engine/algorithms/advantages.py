@@ -127,14 +127,17 @@ def gpg(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reinforce_plus_plus(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (verl `compute_reinforce_plus_plus_outcome_advantage`): discounted returns of the
-    token rewards (reset after the response ends), whitened over all response tokens of the batch."""
+    token rewards, whitened over all response tokens of the batch. Masked tokens are skipped (the return
+    carries across a multi-turn sample's environment tokens, discounted per model token), where verl resets
+    the return at them; on single-turn rows, whose only masked tokens are the padding after the response,
+    the two agree."""
     mask = x.response_mask.float()
     returns = torch.zeros_like(x.token_rewards, dtype=torch.float32)
     running = torch.zeros(x.token_rewards.shape[0])
     for t in reversed(range(x.token_rewards.shape[1])):
-        running = x.token_rewards[:, t].float() + x.gamma * running
+        step = x.token_rewards[:, t].float() + x.gamma * running
+        running = step * mask[:, t] + running * (1 - mask[:, t])
         returns[:, t] = running
-        running = running * mask[:, t]
     return masked_whiten(returns, x.response_mask) * mask, returns * mask
 
 

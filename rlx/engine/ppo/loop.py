@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from rlx.config import to_dict
+from rlx.engine.agent.generate import generate_multi_turn
 from rlx.engine.backends.base import Degrees
 from rlx.engine.backends.registry import backend_class
 from rlx.engine.checkpoints.base import CheckpointPart
@@ -196,7 +197,10 @@ class PPORun:
         while True:
             prompts = take_prompts(self.prompts, self.data_position, want, cfg.seed if cfg.data.shuffle else None)
             self.data_position += len(prompts)
-            result = self.engine.generate(prompts, sampling, progress=False)
+            if cfg.rollout.is_multi_turn:  # episodes of an environment or runs of an agent, on the same engine
+                result = generate_multi_turn(self.engine, self.models.tokenizer, prompts, cfg.rollout, sampling)
+            else:
+                result = self.engine.generate(prompts, sampling, progress=False)
             rollouts, stats, batches = result.records, stats + result.stats, batches + 1
             if not cfg.score.filter_groups:
                 return rollouts, None, stats.metrics()

@@ -7,8 +7,19 @@
 
 `generate` is the one outline every engine shares: encode the prompts into requests (N per prompt, plus
 ReMax's greedy one), give this process its share, let the engine generate token ids for it
-(`generate_local`, the only part engines write), gather every process's results back in request order, and
-turn them into records. Engines differ in how they decode and in how they take new weights.
+(`generate_local`), gather every process's results back in request order, and turn them into records.
+
+The token-level call (multi-turn episodes, served agents) comes in two forms, over this process's requests:
+
+    generated = engine.generate_tokens(token_requests, sampling)         # a batch, in order
+    stream = engine.open_stream(sampling, max_context, num_seqs)          # the interleaving form:
+    stream.submit(tag, token_request)                                     #   requests join at any time
+    while stream.keep_going(busy): finished = stream.step()              #   results as they finish
+
+Each request draws from the random stream keyed by `TokenRequest.key`, so its tokens do not depend on what
+else runs with it; a prompt request's key is its sample id, so `generate_local` is the token-level call over
+the prompt requests (engines implement `open_stream`, and may replace `generate_local`). Engines differ in how
+they decode and in how they take new weights.
 """
 
 from __future__ import annotations
@@ -16,17 +27,19 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
 
 import torch
+from tqdm import tqdm
 
-from rlx.engine.parallel.dist import all_gather_objects, shard_range
+from rlx.engine.parallel.dist import all_gather_objects, all_reduce, shard_range
 from rlx.engine.parallel.fsdp import gathered_weights
 from rlx.engine.records import PromptRecord, RolloutRecord
 from rlx.engine.rollout.config import RolloutConfig, SamplingParams
 from rlx.engine.rollout.prompts import stop_token_ids
-from rlx.engine.rollout.requests import Generated, Request, build_requests, to_record
+from rlx.engine.rollout.requests import Generated, Request, TokenRequest, build_requests, to_record, token_requests
+from rlx.errors import UserError
 from rlx.utils.device import resolve_precision
 
 
@@ -42,6 +55,8 @@ class RolloutStats:
     """Sequences evicted from the KV cache and recomputed (engines that preempt; this process's count)."""
     steps_ahead: int | None = None
     """Decode steps queued before the previous one's tokens were read (engines that overlap host and device)."""
+    extra: dict[str, float] = field(default_factory=dict)
+    """More metrics of the call (multi-turn: turns, environment reward and time, ...), named as in metrics.jsonl."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -58,19 +73,25 @@ class RolloutStats:
             out["rollout/preemptions"] = float(self.preemptions)
         if self.steps_ahead is not None:
             out["rollout/steps_ahead"] = float(self.steps_ahead)
-        return out
+        return {**self.extra, **out}
 
     def __add__(self, other: RolloutStats) -> RolloutStats:
-        """Two calls together (e.g. the batches of one dynamic-sampling step)."""
+        """Two calls together (e.g. the batches of one dynamic-sampling step); extra timings add up, other extra
+        metrics are the later call's."""
 
         def add(a, b):
             return None if a is None and b is None else (a or 0) + (b or 0)
 
+        extra = {**self.extra, **other.extra}
+        for key in set(self.extra) & set(other.extra):
+            if key.startswith("timing/"):
+                extra[key] = self.extra[key] + other.extra[key]
         return RolloutStats(
             self.tokens + other.tokens,
             self.seconds + other.seconds,
             add(self.preemptions, other.preemptions),
             add(self.steps_ahead, other.steps_ahead),
+            extra,
         )
 
 
@@ -89,6 +110,57 @@ class LocalGeneration:
     generated: list[Generated]
     preemptions: int | None = None
     steps_ahead: int | None = None
+
+
+class TokenStream(ABC):
+    """The interleaving form of the token-level call, for one sampling setting (one `open_stream`).
+
+    Requests are submitted with a tag at any time (between steps); `step` advances the engine a little (one
+    model step, or one batch) and returns the (tag, Generated) pairs that finished. A caller whose requests wait
+    on something else (an environment) keeps stepping the others meanwhile. Where the engine decodes in
+    lockstep over processes (a sharded model's forward is a collective), `keep_going` and `step` are collectives:
+    every process calls them the same number of times, and `keep_going` is true while any process is busy."""
+
+    lockstep: bool = False
+
+    def __init__(self, sampling: SamplingParams, device: torch.device | None = None):
+        self.sampling, self.device = sampling, device
+
+    def check(self, request: TokenRequest) -> None:
+        """Requests must ask for 1 to sampling.max_new_tokens tokens (the draws are made that wide)."""
+        if not 1 <= request.max_new_tokens <= self.sampling.max_new_tokens:
+            raise ValueError(
+                f"token request {request.key!r}: max_new_tokens {request.max_new_tokens} is not in "
+                f"[1, {self.sampling.max_new_tokens}]"
+            )
+
+    @abstractmethod
+    def submit(self, tag: Any, request: TokenRequest) -> None:
+        """Queue `request`; its result comes back from a later `step` with `tag`."""
+
+    @abstractmethod
+    def step(self) -> list[tuple[Any, Generated]]:
+        """Advance the engine; the requests that finished, with their tags."""
+
+    @property
+    @abstractmethod
+    def has_work(self) -> bool:
+        """Whether requests of this process are queued or being generated."""
+
+    def keep_going(self, busy: bool) -> bool:
+        """Whether to step again: `busy` (this process has work or will submit more), over every process in
+        lockstep engines."""
+        if self.lockstep:
+            return bool(all_reduce(float(busy), "max", device=self.device))
+        return busy
+
+    def stats(self) -> dict[str, int]:
+        """Engine counters of the stream: 'preemptions', 'steps_ahead' (where the engine has them)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the stream holds (its KV blocks); the engine keeps its caches for the next call."""
+        return None
 
 
 class WeightSource(Protocol):
@@ -154,9 +226,41 @@ class RolloutEngine(ABC):
         """Raise a UserError for requests this engine cannot serve (before any generation)."""
         return None  # every request fits by default
 
-    @abstractmethod
     def generate_local(self, requests: list[Request], sampling: SamplingParams, progress: bool) -> LocalGeneration:
-        """Token ids and logprobs for this process's requests (every process calls it together)."""
+        """Token ids and logprobs for this process's requests (every process calls it together): the token-level
+        call over them, keyed by sample id."""
+        show = progress and (self.ctx is None or self.ctx.is_main)
+        with tqdm(total=len(requests), desc="rollout", unit="seq", disable=None if show else True, leave=False) as bar:
+            return self.run_stream(token_requests(requests, sampling), sampling, bar.update)
+
+    def generate_tokens(self, requests: list[TokenRequest], sampling: SamplingParams) -> list[Generated]:
+        """One continuation per request of this process, in order (every process calls it together)."""
+        return self.run_stream(requests, sampling).generated
+
+    def run_stream(self, requests: list[TokenRequest], sampling: SamplingParams, on_finished=None) -> LocalGeneration:
+        """Every request through one stream, in order; `on_finished(count)` after each step that finished some."""
+        longest = max((len(r.prompt_ids) + r.max_new_tokens for r in requests), default=1)
+        stream = self.open_stream(sampling, longest, len(requests))
+        out: list[Generated | None] = [None] * len(requests)
+        try:
+            for i, request in enumerate(requests):
+                stream.submit(i, request)
+            while stream.keep_going(stream.has_work):
+                finished = stream.step()
+                for i, generated in finished:
+                    out[i] = generated
+                if finished and on_finished is not None:
+                    on_finished(len(finished))
+        finally:
+            stream.close()
+        stats = stream.stats()
+        return LocalGeneration(out, stats.get("preemptions"), stats.get("steps_ahead"))
+
+    def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> TokenStream:
+        """A stream for token requests of this process (every process opens it together); `max_context` bounds
+        any request's prompt + new tokens and `num_seqs` how many run at once (what a KV cache is sized for).
+        An engine implements this, or only `generate_local` (it then serves single-turn rollouts only)."""
+        raise UserError(f"rollout engine {self.name!r} has no token-level call: it cannot run multi-turn rollouts")
 
     # --- memory and weights ------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Rollout settings shared by `rlx rollout` and the `[rollout]` table of a recipe (no torch import).
 
 `RolloutConfig` holds everything; an engine is built with it (its engine settings) and each `generate` call
-takes `SamplingParams` (what and how to sample), derived with `RolloutConfig.sampling()`.
+takes `SamplingParams` (what and how to sample), derived with `RolloutConfig.sampling()`. It extends AgentConfig:
+with `env` or `agent` set, rollouts are multi-turn episodes (rlx/engine/agent/).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from rlx.config import check, check_choices
+from rlx.config import check
+from rlx.engine.agent.config import AgentConfig
 from rlx.engine.rollout.registry import engine_names
 
 
@@ -40,8 +42,8 @@ class SamplingParams:
 
 
 @dataclass(kw_only=True)
-class RolloutConfig:
-    """How responses are sampled."""
+class RolloutConfig(AgentConfig):
+    """How responses are sampled (and, with env or agent set, how multi-turn episodes run: AgentConfig)."""
 
     engine: str = "hf"
     """Generation engine: 'hf' (transformers forward with a KV cache; runs everywhere), 'vllm' (needs vllm,
@@ -49,7 +51,8 @@ class RolloutConfig:
     n: int = 1
     """Responses sampled per prompt (the GRPO group size)."""
     max_new_tokens: int = 256
-    """Longest response, in tokens; longer ones stop with finish_reason 'length'."""
+    """Longest response (each turn's, in multi-turn rollouts), in tokens; longer ones stop with finish_reason
+    'length'."""
     temperature: float = 1.0
     """Sampling temperature; 0 means greedy decoding."""
     top_p: float = 1.0
@@ -104,7 +107,7 @@ class RolloutConfig:
     """native: the paged decode attention kernel: Triton on CUDA ('auto'), or the PyTorch reference."""
 
     def __post_init__(self) -> None:
-        check_choices(self)
+        super().__post_init__()
         check(
             self.engine in engine_names(),
             "engine",

@@ -1,22 +1,25 @@
 """The `hf` rollout engine: batched sampling with a transformers model and its KV cache.
 
-Runs anywhere transformers runs. Prompts are left-padded, responses grow on the right; each row
-samples from its own seeded stream (see sampling.py), so outputs are reproducible for a seed.
+Runs anywhere transformers runs. Requests are decoded in batches of `batch_size`, in the order they were
+submitted (a stream's step decodes one batch to its end); prompts are left-padded, responses grow on the
+right; each row samples from its own seeded stream (see sampling.py), so outputs are reproducible for a seed
+whatever the batching. Under a launcher every rank decodes the same number of batches in lockstep (a sharded
+model's forward is a collective), a rank with fewer repeating a filler batch.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 
 import torch
-from tqdm import tqdm
 
 from rlx.engine.parallel.dist import all_reduce
 from rlx.engine.parallel.ulysses import ULYSSES_ATTENTION
-from rlx.engine.rollout.base import LocalGeneration, RolloutEngine
+from rlx.engine.rollout.base import RolloutEngine, TokenStream
 from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.prompts import pad_token_id
-from rlx.engine.rollout.requests import Generated, Request
+from rlx.engine.rollout.requests import Generated, TokenRequest
 from rlx.engine.rollout.sampling import draw_tokens, filter_logits, sample_uniforms
 from rlx.models.attention import PACKED_ATTENTION, attention_implementation
 from rlx.utils.device import autocast
@@ -31,47 +34,36 @@ class HFRolloutEngine(RolloutEngine):
         super().__init__(model.to(ctx.device), tokenizer, cfg, ctx)
         self.pad_id = pad_token_id(tokenizer)
 
-    def generate_local(self, requests: list[Request], sampling: SamplingParams, progress: bool) -> LocalGeneration:
-        """Batches of `batch_size` requests; under a launcher every rank decodes the same number of batches in
-        lockstep (a sharded model's forward is a collective), a rank with fewer repeating a filler batch."""
-        batch_size = self.cfg.batch_size
-        uniforms = sample_uniforms(sampling.seed, [r.sample_id for r in requests], sampling.max_new_tokens)
-        starts = list(range(0, len(requests), batch_size))
-        count = int(all_reduce(len(starts), "max", device=self.device)) if self.ctx else len(starts)
+    def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> TokenStream:
+        return HFStream(self, sampling)
+
+    def decoding(self):
+        """Eval mode and a KV-cache attention for the stream's lifetime. The trainer's packed attention functions
+        take no KV cache: decode with SDPA meanwhile (no backward runs in between, so switching is safe)."""
+        stack = contextlib.ExitStack()
         was_training = self.model.training
         self.model.eval()
-        results: list[Generated] = []
-        show = progress and (self.ctx is None or self.ctx.is_main)
-        bar = tqdm(total=len(requests), desc="rollout", unit="seq", disable=None if show else True, leave=False)
-        with self._decoding_attention():
-            try:
-                for i in range(count):
-                    if i < len(starts):
-                        batch = requests[starts[i] : starts[i] + batch_size]
-                        greedy = torch.tensor([r.greedy or sampling.temperature == 0 for r in batch])
-                        draws = uniforms[starts[i] : starts[i] + len(batch)]
-                        results += self._generate_batch([r.prompt_ids for r in batch], draws, greedy, sampling)
-                        bar.update(len(batch))
-                    else:  # lockstep filler: one pad-token prompt, its output discarded
-                        draws = torch.zeros(1, sampling.max_new_tokens)
-                        self._generate_batch([[self.pad_id]], draws, torch.tensor([True]), sampling)
-            finally:
-                bar.close()
-                self.model.train(was_training)
-        return LocalGeneration(results)
-
-    def _decoding_attention(self):
-        """The trainer's packed attention functions take no KV cache: decode with SDPA meanwhile (no backward
-        runs in between, so switching back and forth is safe)."""
+        stack.callback(self.model.train, was_training)
         if self.model.config._attn_implementation in (PACKED_ATTENTION, ULYSSES_ATTENTION):
-            return attention_implementation(self.model, "sdpa")
-        return contextlib.nullcontext()
+            stack.enter_context(attention_implementation(self.model, "sdpa"))
+        return stack
 
     @torch.no_grad()  # not inference_mode: FSDP would keep inference tensors it must update later
-    def _generate_batch(
-        self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, cfg: SamplingParams
-    ) -> list[Generated]:
-        """Decode one batch.  uniforms: [b, max_new_tokens] float64 CPU; greedy: [b] bool (argmax rows)."""
+    def generate_batch(self, requests: list[TokenRequest], cfg: SamplingParams) -> list[Generated]:
+        """Decode one batch to its end (each row to its own max_new_tokens or first stop token). Draws are made for
+        the call's max_new_tokens, so ranks in lockstep run the same number of steps whatever their requests."""
+        uniforms = sample_uniforms(cfg.seed, [r.key for r in requests], cfg.max_new_tokens)  # [b, W] float64 CPU
+        greedy = torch.tensor([r.greedy or cfg.temperature == 0 for r in requests])
+        limits = torch.tensor([r.max_new_tokens for r in requests])
+        tokens, logprobs = self._decode([r.prompt_ids for r in requests], uniforms, greedy, limits, cfg)
+        return self._unpack(tokens, logprobs, limits.tolist())
+
+    def _decode(
+        self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, limits: torch.Tensor,
+        cfg: SamplingParams,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Tokens and logprobs [b, steps] (CPU).  uniforms: [b, width]; greedy: [b] bool rows that take the argmax;
+        limits: [b] each row's max_new_tokens (a row past its limit is done)."""
         b, width = len(prompt_ids), max(len(ids) for ids in prompt_ids)
         input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((b, width), dtype=torch.long)
@@ -82,11 +74,11 @@ class HFRolloutEngine(RolloutEngine):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         stop = torch.tensor(sorted(self.stop_ids), device=self.device)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
-        greedy = greedy.to(self.device)
+        greedy, limits = greedy.to(self.device), limits.to(self.device)
         tokens, logprobs = [], []
         with autocast(self.device, self.dtype):
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        for step in range(cfg.max_new_tokens):
+        for step in range(uniforms.shape[1]):
             logits = out.logits[:, -1, :].float()  # [b, V]
             scaled = logits / cfg.train_temperature
             token_logprobs = torch.log_softmax(scaled, dim=-1)
@@ -97,8 +89,8 @@ class HFRolloutEngine(RolloutEngine):
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             tokens.append(token)
             logprobs.append(token_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1))
-            done = done | torch.isin(token, stop)
-            if self._all_done(done) or step == cfg.max_new_tokens - 1:
+            done = done | torch.isin(token, stop) | (limits <= step + 1)
+            if self._all_done(done) or step == uniforms.shape[1] - 1:
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
             positions = positions[:, -1:] + 1
@@ -110,19 +102,53 @@ class HFRolloutEngine(RolloutEngine):
                     past_key_values=out.past_key_values,
                     use_cache=True,
                 )
-        return self._unpack(torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).float().cpu())
+        return torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).float().cpu()
 
     def _all_done(self, done: torch.Tensor) -> bool:
         """Whether every row has stopped, on every rank (ranks decode in lockstep under a launcher)."""
         finished = bool(done.all())
         return bool(all_reduce(float(finished), "min", device=self.device)) if self.ctx else finished
 
-    def _unpack(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Generated]:
-        """Cut each row after its first stop token.  tokens, logprobs: [b, steps]."""
+    def _unpack(self, tokens: torch.Tensor, logprobs: torch.Tensor, limits: list[int]) -> list[Generated]:
+        """Cut each row at its limit, then after its first stop token.  tokens, logprobs: [b, steps]."""
         out = []
-        for row_tokens, row_logprobs in zip(tokens.tolist(), logprobs.tolist()):
+        for row_tokens, row_logprobs, limit in zip(tokens.tolist(), logprobs.tolist(), limits):
+            row_tokens = row_tokens[:limit]
             end = next((i + 1 for i, t in enumerate(row_tokens) if t in self.stop_ids), None)
             reason = "stop" if end is not None else "length"
             end = end or len(row_tokens)
             out.append(Generated(row_tokens[:end], row_logprobs[:end], reason))
         return out
+
+
+class HFStream(TokenStream):
+    """Submitted requests decoded a batch at a time, oldest first (a step decodes one batch to its end)."""
+
+    def __init__(self, engine: HFRolloutEngine, sampling: SamplingParams):
+        super().__init__(sampling, engine.device)
+        self.engine = engine
+        self.lockstep = engine.ctx is not None
+        self.queue: deque[tuple[object, TokenRequest]] = deque()
+        self._decoding = engine.decoding()
+
+    def submit(self, tag, request: TokenRequest) -> None:
+        self.check(request)
+        self.queue.append((tag, request))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.queue)
+
+    def step(self) -> list[tuple[object, Generated]]:
+        size = min(len(self.queue), self.engine.cfg.batch_size)
+        batch = [self.queue.popleft() for _ in range(size)]
+        if self.lockstep and not int(all_reduce(len(batch), "max", device=self.device)):
+            return []  # nobody has a batch: no forward
+        if not batch:  # lockstep filler: one pad-token prompt, its output discarded
+            self.engine.generate_batch([TokenRequest("filler", [self.engine.pad_id], 1, greedy=True)], self.sampling)
+            return []
+        generated = self.engine.generate_batch([r for _, r in batch], self.sampling)
+        return [(tag, g) for (tag, _), g in zip(batch, generated)]
+
+    def close(self) -> None:
+        self._decoding.close()

@@ -1,4 +1,5 @@
-"""What every rollout engine shares: the list of sequences to generate, and how each becomes a record."""
+"""What every rollout engine shares: the sequences to generate (prompt requests, and token requests of the
+token-level call), what comes back for each, and how a prompt request becomes a record."""
 
 from __future__ import annotations
 
@@ -25,6 +26,21 @@ class Request:
 
 
 @dataclass
+class TokenRequest:
+    """One continuation to generate from exact token ids (the token-level call: multi-turn episodes, served agents)."""
+
+    key: str
+    """Seeds the request's random stream, whatever its batch: a prompt request's is its sample id, a multi-turn
+    turn's `<sample_id>/<turn>`."""
+    prompt_ids: list[int]
+    """The whole context so far, token ids fed to the model as they are."""
+    max_new_tokens: int
+    """Longest continuation (at most the call's SamplingParams.max_new_tokens); longer ones stop with 'length'."""
+    greedy: bool = False
+    """Take the argmax at every step (whatever the temperature)."""
+
+
+@dataclass
 class Generated:
     """What came back for one request."""
 
@@ -45,6 +61,11 @@ def build_requests(
         if sampling.remax_baseline:  # ReMax: one greedy response per prompt, after its samples
             requests.append(Request(p, sampling.n, ids, greedy=True))
     return requests
+
+
+def token_requests(requests: list[Request], sampling: SamplingParams) -> list[TokenRequest]:
+    """Prompt requests as token requests: keyed by sample id, so their draws are the single-turn streams."""
+    return [TokenRequest(r.sample_id, r.prompt_ids, sampling.max_new_tokens, r.greedy) for r in requests]
 
 
 def to_record(req: Request, gen: Generated, tokenizer, temperature: float) -> RolloutRecord:

@@ -1,4 +1,4 @@
-"""The rollout stage as `rlx rollout` runs it: load, pick prompts, generate, write."""
+"""The rollout stage as `rlx rollout` runs it: load, pick prompts, generate, write (multi-turn: agent/run.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ def run_rollout(
         raise UserError("--num-prompts and --data-position must be >= 0")
     if num_prompts or data_position or shuffle_seed is not None:
         records = take_prompts(records, data_position, num_prompts or len(records), shuffle_seed)
+    if cfg.is_multi_turn:  # episodes of an environment or runs of an agent
+        from rlx.engine.agent.run import run_multi_turn_rollout
+
+        run_multi_turn_rollout(cfg, model_path, records, out, metrics_path)
+        return
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
     ctx = setup(cfg.device)

@@ -13,6 +13,12 @@ sampled tokens. Logprobs are vLLM's "processed" ones: log-softmax of logits / te
 what the training side computes; with top-k or top-p on, vLLM renormalises them over the kept
 tokens, which the training side does not (the train/rollout mismatch metrics show it).
 
+The token-level call (multi-turn episodes, served agents) runs through vLLM's engine loop: each request is added
+as it comes (`add_request`) and the engine steps over everything added, so a request that waits on its
+environment never holds up the others; vLLM's prefix cache (on by default) keeps the blocks of a sample's
+earlier turns, so a turn prefills only its new tokens. Each request's seed is derived from its key, as the
+single-turn samples' are from their sample ids.
+
 Colocated with training (`rlx ppo`), the engine sleeps while the trainer works: vLLM's own sleep
 mode where the platform has it (CUDA), otherwise rlx frees the storage of vLLM's weights and KV
 cache itself and allocates it again on wake (vLLM's CPU worker ignores sleep). Either way the
@@ -35,9 +41,10 @@ from pathlib import Path
 
 import torch
 
-from rlx.engine.rollout.base import LocalGeneration, ModuleWeights, RolloutEngine, WeightSource
+from rlx.engine.parallel.dist import all_reduce
+from rlx.engine.rollout.base import LocalGeneration, ModuleWeights, RolloutEngine, TokenStream, WeightSource
 from rlx.engine.rollout.config import SamplingParams
-from rlx.engine.rollout.requests import Generated, Request
+from rlx.engine.rollout.requests import Generated, Request, TokenRequest
 from rlx.errors import UserError
 from rlx.utils.device import derive_seed
 
@@ -207,26 +214,85 @@ class VLLMRolloutEngine(RolloutEngine):
         show = progress and (self.ctx is None or self.ctx.is_main) and sys.stderr.isatty()
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests],
-            [self._params(r, sampling) for r in requests],
+            [self.params(r.sample_id, sampling.max_new_tokens, r.greedy, sampling) for r in requests],
             use_tqdm=show,
         )
         return LocalGeneration([_generated(o.outputs[0]) for o in outputs])
 
-    def _params(self, req: Request, cfg: SamplingParams):
+    def params(self, key: str, max_tokens: int, greedy: bool, cfg: SamplingParams):
+        """vLLM's sampling parameters of one request (its seed derived from `key`)."""
         import vllm
 
-        greedy = req.greedy or cfg.temperature == 0
+        greedy = greedy or cfg.temperature == 0
         return vllm.SamplingParams(
             n=1,
             temperature=0.0 if greedy else cfg.temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k if cfg.top_k > 0 else -1,
-            seed=derive_seed("rollout", cfg.seed, req.sample_id),
-            max_tokens=cfg.max_new_tokens,
+            seed=derive_seed("rollout", cfg.seed, key),
+            max_tokens=max_tokens,
             stop_token_ids=sorted(self.stop_ids),
             logprobs=0,
             detokenize=False,
         )
+
+    def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> VLLMStream:
+        if self.cfg.tp > 1:
+            raise UserError("multi-turn rollouts on the vllm engine need rollout tp = 1 (the tp ranks of one engine "
+                            "would have to submit the same turns at the same moments)")  # fmt: skip
+        if self.asleep or self.kv_asleep:
+            raise RuntimeError("the vllm engine is asleep: wake it and update its weights before generating")
+        return VLLMStream(self, sampling)
+
+
+class VLLMStream(TokenStream):
+    """Token requests added to vLLM's engine as they come; each step is one engine step. Under a launcher the
+    engines of the ranks are vLLM's data-parallel group, which steps together: `keep_going` is a collective, and a
+    rank without requests runs vLLM's dummy batch."""
+
+    def __init__(self, engine: VLLMRolloutEngine, sampling: SamplingParams):
+        super().__init__(sampling, engine.device)
+        self.engine, self.core = engine, engine.llm.llm_engine
+        self.lockstep = engine.ctx is not None
+        self.tags: dict[str, object] = {}
+        self.count = 0
+        self.step_all = False
+
+    def submit(self, tag, request: TokenRequest) -> None:
+        from vllm.inputs import TokensPrompt
+
+        self.check(request)
+        longest = len(request.prompt_ids) + request.max_new_tokens
+        if longest > self.engine.max_model_len:
+            raise UserError(
+                f"request {request.key}: {len(request.prompt_ids)} tokens + {request.max_new_tokens} new ones exceed "
+                f"the vllm engine's max_model_len {self.engine.max_model_len}"
+            )
+        request_id = f"rlx-{self.count}"
+        self.count += 1
+        params = self.engine.params(request.key, request.max_new_tokens, request.greedy, self.sampling)
+        self.core.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params)
+        self.tags[request_id] = tag
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.tags)
+
+    def keep_going(self, busy: bool) -> bool:
+        if not self.lockstep:
+            return busy
+        # vLLM's data-parallel bookkeeping (a rank without requests runs a dummy batch), then rlx's own
+        self.step_all = self.core.has_unfinished_requests_dp(bool(self.tags))
+        return bool(all_reduce(float(busy), "max", device=self.device))
+
+    def step(self) -> list[tuple[object, Generated]]:
+        if not self.tags and not (self.lockstep and self.step_all):
+            return []
+        finished = []
+        for output in self.core.step():
+            if output.finished:
+                finished.append((self.tags.pop(output.request_id), _generated(output.outputs[0])))
+        return finished
 
 
 def _generated(output) -> Generated:

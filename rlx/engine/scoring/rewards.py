@@ -1,6 +1,7 @@
 """Reward functions by name: the built-in rules, any `module:function`, weighted sums, chosen per sample.
 
-A reward spec is a built-in name (`arith`, `gsm8k`, `math`, `shapes`, `reasoning_gym`), `package.module:function` or
+A reward spec is a built-in name (`arith`, `gsm8k`, `math`, `shapes`, `reasoning_gym`, `env`: a multi-turn sample's
+environment reward), `package.module:function` or
 `path/to/file.py:function`, optionally followed by `=WEIGHT`. Without specs, each sample's
 `data_source` picks a built-in (`reasoning_gym/NAME` picks `reasoning_gym`). A function is called as verl calls it:
 `fn(data_source=, solution_str=, ground_truth=, extra_info=)` and returns a number or a dict
@@ -27,6 +28,7 @@ BUILTIN: dict[str, Callable] = {
     "math": rules.math,
     "shapes": rules.shapes,
     "reasoning_gym": reasoning_gym.reasoning_gym,
+    "env": rules.env,
 }
 DATA_SOURCE_ALIASES = {
     "openai/gsm8k": "gsm8k",
@@ -142,8 +144,8 @@ class RewardFunctions:
 
 def reward_extra_info(rollout: RolloutRecord) -> dict:
     """What a reward function gets as `extra_info`: the sample's id, prompt_id, sample_index, prompt and
-    finish_reason, the prompt's other fields, and the entries of its own `extra_info` dict (verl's column)
-    as they are, on top (not nested under 'extra_info')."""
+    finish_reason, a multi-turn sample's messages, num_turns and env_reward, the prompt's other fields, and the
+    entries of its own `extra_info` dict (verl's column) as they are, on top (not nested under 'extra_info')."""
     fields = dict(rollout.extra)
     own = fields.pop("extra_info", None)
     info = {
@@ -154,6 +156,8 @@ def reward_extra_info(rollout: RolloutRecord) -> dict:
         "finish_reason": rollout.finish_reason,
         **fields,
     }
+    if rollout.is_multi_turn:
+        info.update(messages=rollout.messages, num_turns=rollout.num_turns, env_reward=rollout.env_reward)
     if isinstance(own, dict):
         info.update(own)
     elif own is not None:

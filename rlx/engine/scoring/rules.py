@@ -1,4 +1,5 @@
-"""Rule rewards: exact-answer checks for arithmetic, GSM8K and MATH-style problems and shape questions.
+"""Rule rewards: exact-answer checks for arithmetic, GSM8K and MATH-style problems and shape questions, and the
+environment reward of multi-turn samples.
 
 Each function follows the reward-function signature rlx calls for every sample,
 `fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`, the same one verl uses,
@@ -190,6 +191,14 @@ def shapes(data_source, solution_str: str, ground_truth, extra_info=None) -> dic
     if not found:
         return {"score": 0.0, "has_answer": 0.0}
     return {"score": 1.0 if found[-1].lower() == truth.lower() else 0.0, "has_answer": 1.0}
+
+
+def env(data_source, solution_str: str, ground_truth, extra_info=None) -> float:
+    """The episode's environment reward (`--reward env`): the sum of a Python environment's step rewards, or a
+    served agent's return value, which rlx rollout stores as `env_reward` and hands over in `extra_info`."""
+    if not extra_info or extra_info.get("env_reward") is None:
+        raise ValueError("the rollout has no env_reward (it is not a multi-turn --env/--agent rollout)")
+    return float(extra_info["env_reward"])
 
 
 def is_finite_number(value) -> bool:

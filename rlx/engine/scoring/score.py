@@ -103,7 +103,8 @@ def compute_rewards(rollouts: list[RolloutRecord], cfg: ScoreConfig, reward_mode
             raise UserError("overlong shaping needs --max-response-length (the rollout's max_new_tokens)")
         expected = cfg.max_response_length - cfg.overlong_buffer
         for i, rollout in enumerate(rollouts):  # verl DAPO: min(-(len - expected) / buffer * factor, 0)
-            penalty = min(-(len(rollout.response_ids) - expected) / cfg.overlong_buffer * cfg.overlong_penalty, 0.0)
+            length = sum(rollout.trained_mask)  # the model's tokens (a multi-turn sample's inserted ones are not)
+            penalty = min(-(length - expected) / cfg.overlong_buffer * cfg.overlong_penalty, 0.0)
             out.scores[i] += penalty
             out.details[i]["overlong"] = {"score": penalty}
     return out
@@ -171,7 +172,7 @@ def score_rollouts(
         [rollouts[i] for i in kept], rewards.select(kept), cfg, models, temperature, baselines
     )
     metrics.update(batch_metrics)
-    seq_adv = batch.advantages.sum(-1) / batch.response_mask.sum(-1).clamp(min=1)
+    seq_adv = batch.advantages.sum(-1) / batch.loss_mask.sum(-1).clamp(min=1)
     by_id = {sid: float(a) for sid, a in zip(batch.meta.sample_ids, seq_adv.tolist())}
     scores = [dataclasses.replace(s, advantage=by_id.get(s.id, 0.0)) for s in scores]
     return ScoreResult(scores, batch, metrics, next_kl_coef)
@@ -186,9 +187,11 @@ def build_batch(
     baselines: dict[str, float],
 ) -> tuple[TrainBatch, dict, float | None]:
     """Logprobs, values, KL-shaped token rewards and advantages for the rollouts that are trained on; with an
-    in-reward KL penalty also the coefficient the next step uses (the controller's update)."""
+    in-reward KL penalty also the coefficient the next step uses (the controller's update). Everything per token
+    is over the model's own tokens (`loss_mask`): a multi-turn sample's reward sits on its last model token, and
+    its environment tokens get no KL, no advantage and no place in any mean."""
     tensors = collate(rollouts, models.pad_token_id)
-    mask = tensors["response_mask"]
+    mask = tensors["loss_mask"]
     forward = dict(temperature=temperature, dtype=models.dtype, micro_batch_size=cfg.micro_batch_size,
                    impl=cfg.logprob_impl)  # fmt: skip
     old = tensors["rollout_logprobs"].clone()
@@ -198,7 +201,8 @@ def build_batch(
     critic = models.critic
     values = critic.values(tensors, models.dtype, cfg.micro_batch_size) if critic is not None else None
     token_rewards = torch.zeros_like(old)
-    token_rewards[torch.arange(len(rollouts)), mask.sum(-1) - 1] = rewards.scores
+    last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)  # [B] each row's last trained token
+    token_rewards[torch.arange(len(rollouts)), last] = rewards.scores
     metrics = mismatch_metrics(old, tensors["rollout_logprobs"], mask)
     next_kl_coef = None
     if ref is not None:
@@ -301,6 +305,7 @@ def reward_metrics(rollouts: list[RolloutRecord], rewards: Rewards) -> dict:
         "response_length/clip_ratio": sum(rollouts[i].finish_reason == "length" for i in rows) / len(rows),
         "prompt_length/mean": sum(len(rollouts[i].prompt_ids) for i in rows) / len(rows),
     }
+    out.update(multi_turn_metrics([rollouts[i] for i in rows]))
     if any(r.is_greedy_baseline for r in rollouts):
         base = [float(rewards.scores[i]) for i, r in enumerate(rollouts) if r.is_greedy_baseline]
         out["reward/greedy_baseline_mean"] = sum(base) / len(base)
@@ -314,9 +319,32 @@ def reward_metrics(rollouts: list[RolloutRecord], rewards: Rewards) -> dict:
     return out
 
 
+def multi_turn_metrics(rollouts: list[RolloutRecord]) -> dict:
+    """Turns per sample, the environment reward and the split of response tokens (model / inserted), when the
+    samples are multi-turn (nothing otherwise)."""
+    multi = [r for r in rollouts if r.is_multi_turn]
+    if not multi:
+        return {}
+    turns = [float(r.num_turns or 0) for r in multi]
+    model_tokens = [float(sum(r.loss_mask)) for r in multi]
+    out = {
+        "multi_turn/turns_mean": sum(turns) / len(multi),
+        "multi_turn/turns_max": max(turns),
+        "multi_turn/model_tokens_mean": sum(model_tokens) / len(multi),
+        "multi_turn/env_tokens_mean": sum(len(r.response_ids) for r in multi) / len(multi)
+        - sum(model_tokens) / len(multi),
+    }
+    env_rewards = [r.env_reward for r in multi if r.env_reward is not None]
+    if env_rewards:
+        out["env/reward_mean"] = sum(env_rewards) / len(env_rewards)
+    for reason in ("stop", "length", "max_turns", "env_done"):
+        out[f"multi_turn/finish_{reason}"] = sum(r.finish_reason == reason for r in multi) / len(multi)
+    return out
+
+
 def batch_metrics(rollouts: list[RolloutRecord], batch: TrainBatch) -> dict:
-    """Advantage and value summaries of the training batch."""
-    mask = batch.response_mask
+    """Advantage and value summaries of the training batch (over the trained tokens)."""
+    mask = batch.loss_mask
     out = {
         "advantages/mean": masked_mean(batch.advantages, mask).item(),
         "advantages/max": batch.advantages[mask].max().item(),

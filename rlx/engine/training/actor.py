@@ -1,5 +1,6 @@
 """The actor's update: a policy loss (PPO clip and its family) with rollout correction, KL loss and
-entropy bonus, aggregated with mini-batch normalisers."""
+entropy bonus, aggregated with mini-batch normalisers. Every term and metric is over the batch's `loss_mask`
+(a multi-turn sample's environment tokens get no loss and count in no normaliser)."""
 
 from __future__ import annotations
 
@@ -57,12 +58,12 @@ class ActorTrainer(Trainer):
     def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
         metrics = super().train_step(batch, step)
         if self.correction.active:  # what the correction did, over the whole batch
-            metrics.update(correct(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, self.correction)[2])
+            metrics.update(correct(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, self.correction)[2])
         return metrics
 
     def loss_norm(self, mini: TrainBatch) -> LossNorm:
         """Normalisers over the tokens the rollout correction keeps (rejection removes tokens)."""
-        _, keep, _ = correct(mini.old_logprobs, mini.rollout_logprobs, mini.response_mask, self.correction)
+        _, keep, _ = correct(mini.old_logprobs, mini.rollout_logprobs, mini.loss_mask, self.correction)
         return LossNorm(
             num_tokens=float(keep.sum().clamp(min=1)),
             num_seqs=float((keep.sum(-1) > 0).sum().clamp(min=1)),
@@ -90,7 +91,7 @@ class ActorTrainer(Trainer):
     ) -> torch.Tensor:
         """The micro-batch's loss from its logprobs and entropy [B, R] (metric sums added to `sums`)."""
         cfg = self.cfg
-        weights, mask, _ = correct(t["old_logprobs"], t["rollout_logprobs"], t["response_mask"], self.correction)
+        weights, mask, _ = correct(t["old_logprobs"], t["rollout_logprobs"], t["loss_mask"], self.correction)
         pg_loss, pg_sums = compute_policy_loss(
             cfg.policy_loss,
             logp,

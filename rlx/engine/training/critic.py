@@ -1,4 +1,5 @@
-"""The critic's update: the clipped value loss on the batch's returns (verl `compute_value_loss`)."""
+"""The critic's update: the clipped value loss on the batch's returns (verl `compute_value_loss`), over the
+batch's `loss_mask` (no value target on a multi-turn sample's environment tokens)."""
 
 from __future__ import annotations
 
@@ -40,14 +41,14 @@ class CriticTrainer(Trainer):
             values,
             t["values"],
             t["returns"],
-            t["response_mask"],
+            t["loss_mask"],
             norm,
             self.cfg.cliprange_value,
             self.cfg.loss_agg_mode,
         )
         sums["vf_loss"] += loss.detach()
-        sums["vpred_mean"] += masked_sum(values.detach(), t["response_mask"]).detach()
-        sums["tokens"] += t["response_mask"].sum().detach()
+        sums["vpred_mean"] += masked_sum(values.detach(), t["loss_mask"]).detach()
+        sums["tokens"] += t["loss_mask"].sum().detach()
         for key, value in loss_sums.items():
             sums[key] += value.detach()
         return loss

@@ -263,8 +263,8 @@ class Trainer:
                 )
 
     def loss_norm(self, mini: TrainBatch) -> LossNorm:
-        """Normalisers counted over the whole mini-batch (every rank computes the same)."""
-        mask = mini.response_mask
+        """Normalisers counted over the whole mini-batch (every rank computes the same), over the trained tokens."""
+        mask = mini.loss_mask
         return LossNorm(
             num_tokens=float(mask.sum().clamp(min=1)),
             num_seqs=float((mask.sum(-1) > 0).sum().clamp(min=1)),

@@ -2,16 +2,20 @@
 
 The cache is `num_blocks` blocks of `block_size` token slots per layer. A sequence holds a list of
 block ids (its block table); slot `i` of the sequence is `table[i // block_size] * block_size +
-i % block_size`. Full blocks of prompt tokens are shared between sequences with the same prefix (the N
-samples of one prompt): a cached block is found by its key (the block before it, its own token ids), which a
-dict compares exactly on every hit (a hash collision can never share another prompt's keys and values), and
-blocks are reference-counted. Block 0 is never handed out: padded entries of a batch write there.
+i % block_size`. Full blocks are shared between sequences with the same prefix: the N samples of one prompt
+share its prompt blocks, and a multi-turn sample's next turn (its whole context as the prompt) finds the blocks
+of its earlier turns. A cached block is found by its key (the block before it, its own token ids), which a dict
+compares exactly on every hit (a hash collision can never share another prompt's keys and values), and blocks
+are reference-counted. A finished sequence's full computed blocks stay cached while nobody holds them
+(`evictable`, least recently released first) until a new block is needed and none is free; evicting a block
+uncaches the blocks chained after it, so a key never names a block whose predecessor changed. Block 0 is never
+handed out: padded entries of a batch write there.
 """
 
 from __future__ import annotations
 
 import enum
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 
@@ -56,12 +60,17 @@ class BlockManager:
         self.free: deque[int] = deque(range(1, num_blocks))  # block 0: scratch for padded batch entries
         self.refs = [0] * num_blocks
         self.cached: dict[tuple[int, tuple[int, ...]], int] = {}
-        """(previous block id or -1, this block's token ids) -> block id, for full prompt blocks."""
+        """(previous block id or -1, this block's token ids) -> block id, for full blocks."""
         self.key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.children: dict[int, set[int]] = {}
+        """Cached blocks keyed after each block (uncached with it)."""
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        """Cached blocks nobody holds, least recently released first: found again by a hit, or taken when no block
+        is free."""
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.evictable)
 
     def blocks_needed(self, seq: Sequence) -> int:
         """New blocks `allocate(seq)` would take at most (shared blocks may make it fewer)."""
@@ -79,6 +88,7 @@ class BlockManager:
                 key = (previous, tuple(tokens[b * size : (b + 1) * size]))  # a chain: equal keys, equal prefixes
                 found = self.cached.get(key) if sharing else None
                 if found is not None:
+                    self.evictable.pop(found, None)
                     self.refs[found] += 1
                     seq.block_table.append(found)
                     seq.num_computed += size
@@ -86,7 +96,7 @@ class BlockManager:
                     continue
                 sharing = False
                 block = self._take()
-                self.cached[key], self.key_of[block] = block, key
+                self._cache(block, key)
                 previous = block
             else:
                 block = self._take()
@@ -97,27 +107,60 @@ class BlockManager:
         is still on the device); False when no block is free."""
         if len(seq) + lookahead <= len(seq.block_table) * self.block_size:
             return True
-        if not self.free:
+        if not self.num_free:
             return False
         seq.block_table.append(self._take())
         return True
 
     def release(self, seq: Sequence) -> None:
-        """Return the sequence's blocks (shared ones once nobody else holds them)."""
-        for block in seq.block_table:
+        """Return the sequence's blocks (shared ones once nobody else holds them). Its full computed blocks are
+        cached first; cached blocks nobody holds become evictable, the newest chain position last released."""
+        self._cache_computed(seq)
+        for block in reversed(seq.block_table):  # a chain's later blocks are evicted before its earlier ones
             self.refs[block] -= 1
             if self.refs[block] == 0:
-                key = self.key_of.pop(block, None)
-                if key is not None and self.cached.get(key) == block:
-                    del self.cached[key]
-                self.free.append(block)
+                if block in self.key_of:
+                    self.evictable[block] = None
+                else:
+                    self.free.append(block)
         seq.block_table = []
         seq.num_computed = 0
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
+    def _cache_computed(self, seq: Sequence) -> None:
+        """Key the sequence's full blocks whose keys and values are all computed, continuing its chain."""
+        tokens, size, previous = seq.token_ids, self.block_size, -1
+        for b, block in enumerate(seq.block_table[: seq.num_computed // size]):
+            key = (previous, tuple(tokens[b * size : (b + 1) * size]))
+            if self.key_of.get(block) != key:
+                if block in self.key_of or key in self.cached:  # another block holds these tokens: stop here
+                    return
+                self._cache(block, key)
+            previous = block
+
+    def _cache(self, block: int, key: tuple[int, tuple[int, ...]]) -> None:
+        self.cached[key], self.key_of[block] = block, key
+        self.children.setdefault(key[0], set()).add(block)
+
+    def _uncache(self, block: int) -> None:
+        """Forget `block`'s key and those of the blocks chained after it (an evictable one becomes free)."""
+        key = self.key_of.pop(block)
+        if self.cached.get(key) == block:
+            del self.cached[key]
+        self.children.get(key[0], set()).discard(block)
+        for child in self.children.pop(block, set()):
+            self._uncache(child)
+            if child in self.evictable:
+                del self.evictable[child]
+                self.free.append(child)
+
     def _take(self) -> int:
-        block = self.free.popleft()
+        if self.free:
+            block = self.free.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            self._uncache(block)
         self.refs[block] = 1
         return block

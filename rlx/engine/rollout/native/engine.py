@@ -14,22 +14,26 @@ is planned from lengths alone and queued before the host reads the first one's t
 gathered on the device), so the device computes step t+1 while the host does step t's bookkeeping. A
 sequence that stopped at step t (EOS) then has one extra token computed at t+1, which is discarded. Prefill
 steps, preemption and a due prefill go through the synchronous path. rollout.overlap = false turns it off.
+
+Everything runs through a stream (`open_stream`): `generate` submits its requests at once, multi-turn episodes
+and served agents submit each turn when its context is ready, and it joins the running batch at the next
+prefill while the others keep decoding. A turn's context begins with the sample's earlier turns, whose full
+blocks stay cached after they finish (blocks.py), so only the new tokens are prefilled.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.profiler import record_function
-from tqdm import tqdm
 
-from rlx.engine.rollout.base import LocalGeneration, RolloutEngine, WeightSource
+from rlx.engine.rollout.base import RolloutEngine, TokenStream, WeightSource
 from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.native.blocks import BlockManager, Sequence, Status
 from rlx.engine.rollout.native.replica import build_replica, fill_replica, is_sharded
 from rlx.engine.rollout.native.runner import ModelRunner
 from rlx.engine.rollout.native.sampler import Launched, StepSampler
 from rlx.engine.rollout.native.scheduler import Scheduler
-from rlx.engine.rollout.requests import Generated, Request
+from rlx.engine.rollout.requests import Generated, TokenRequest
 from rlx.engine.rollout.sampling import sample_uniforms
 from rlx.errors import UserError
 
@@ -48,7 +52,6 @@ class NativeRolloutEngine(RolloutEngine):
         self._replica: torch.nn.Module | None = None
         self.block_size = cfg.block_size
         self._runner: ModelRunner | None = None
-        self._num_ahead = 0
 
     def sleep(self) -> float:
         """Free the KV cache and CUDA graphs kept from the last `generate`, and the gathered replica of a sharded
@@ -86,15 +89,15 @@ class NativeRolloutEngine(RolloutEngine):
         fill_replica(self._replica, self.model)
         return self._replica
 
-    def _num_blocks(self, seqs: list[Sequence]) -> int:
-        """On CUDA, what the memory budget allows (kept across calls); elsewhere blocks for every sequence
-        at its longest, or what the budget allows if fewer."""
+    def _num_blocks(self, max_context: int, num_seqs: int) -> int:
+        """On CUDA, what the memory budget allows (kept across calls); elsewhere blocks for every sequence at its
+        longest, or what the budget allows if fewer."""
         if self.device.type == "cuda" and not self.cfg.kv_cache_gib:
             return self._budget_blocks()
-        return min(self._needed(seqs), self._budget_blocks())
+        return min(self._needed(max_context, num_seqs), self._budget_blocks())
 
-    def _needed(self, seqs: list[Sequence]) -> int:
-        return 1 + sum(-(-(len(s.prompt_ids) + s.max_tokens) // self.block_size) for s in seqs)
+    def _needed(self, max_context: int, num_seqs: int) -> int:
+        return 1 + max(num_seqs, 1) * -(-max(max_context, 1) // self.block_size)
 
     def _budget_blocks(self) -> int:
         per_block = ModelRunner.bytes_per_block(self.model.config, self.block_size, self.dtype)
@@ -112,40 +115,16 @@ class NativeRolloutEngine(RolloutEngine):
             )
         return int(budget // per_block)
 
-    def generate_local(self, requests: list[Request], sampling: SamplingParams, progress: bool) -> LocalGeneration:
-        """This process's requests, continuously batched through the paged cache at the process's own pace."""
-        uniforms = sample_uniforms(sampling.seed, [r.sample_id for r in requests], sampling.max_new_tokens)
-        seqs = [
-            Sequence(i, r.prompt_ids, sampling.max_new_tokens, greedy=r.greedy or sampling.temperature == 0)
-            for i, r in enumerate(requests)
-        ]
+    def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> NativeStream:
+        """A stream over the paged cache: the module (a sharded model's replica, gathered now on every rank) and
+        the cache sized for `num_seqs` sequences of `max_context` tokens (or what the budget allows)."""
         module = self._generating_module()  # before the cache is sized from the free memory
-        was_training = module.training
-        module.eval()
-        runner = self._runner_for(module, seqs)
-        scheduler = Scheduler(runner.blocks, self.cfg.max_num_seqs, self.cfg.max_prefill_tokens)
-        for seq in seqs:
-            try:
-                scheduler.add(seq)
-            except ValueError as e:
-                raise UserError(f"request {requests[seq.index].sample_id}: {e}; raise rollout.kv_cache_gib") from None
-        show = progress and (self.ctx is None or self.ctx.is_main)
-        bar = tqdm(total=len(seqs), desc="rollout", unit="seq", disable=None if show else True, leave=False)
-        self._num_ahead = 0
-        try:
-            sampler = StepSampler(uniforms, sampling, self.cfg.max_num_seqs, self.device)
-            self._run_steps(runner, scheduler, sampler, bar)
-        finally:
-            bar.close()
-            module.train(was_training)
-        generated = [Generated(s.output_ids, s.logprobs, s.finish_reason) for s in seqs]
-        return LocalGeneration(generated, preemptions=scheduler.preemptions, steps_ahead=self._num_ahead)
+        return NativeStream(self, self._runner_for(module, max_context, num_seqs), sampling)
 
-    def _runner_for(self, module: torch.nn.Module, seqs: list[Sequence]) -> ModelRunner:
-        """The KV cache (and decode graphs) of the last call when they fit these sequences, else new ones;
-        the block manager always starts empty."""
-        longest = max((len(s.prompt_ids) + s.max_tokens for s in seqs), default=1)
-        width = -(-longest // self.block_size)
+    def _runner_for(self, module: torch.nn.Module, max_context: int, num_seqs: int) -> ModelRunner:
+        """The KV cache (and decode graphs) of the last call when they fit, else new ones; the block manager
+        always starts empty (cached keys and values belong to the weights of their call)."""
+        width = -(-max(max_context, 1) // self.block_size)
         cfg = self.cfg
         graphs = cfg.max_num_seqs if cfg.cuda_graphs else 0
         old = self._runner
@@ -155,59 +134,99 @@ class NativeRolloutEngine(RolloutEngine):
             and old.model is module
             and old.max_blocks >= width
             and old.max_batch == graphs
-            and (budget_sized or old.blocks.num_blocks >= self._needed(seqs))
+            and (budget_sized or old.blocks.num_blocks >= self._needed(max_context, num_seqs))
         ):
             old.blocks = BlockManager(old.blocks.num_blocks, self.block_size)
             return old
         self._free_runner()  # free the old cache before measuring the memory for the new one
-        blocks = BlockManager(self._num_blocks(seqs), self.block_size)
+        blocks = BlockManager(self._num_blocks(max_context, num_seqs), self.block_size)
         self._runner = ModelRunner(
             module, self.device, self.dtype, blocks, width, graphs, cfg.compile, cfg.paged_attention
         )
         return self._runner
 
-    def _run_steps(self, runner: ModelRunner, scheduler: Scheduler, sampler: StepSampler, bar) -> None:
-        """Run steps until every sequence finished; a decode step's successor is queued before its tokens are
-        read where the scheduler can plan it from lengths alone."""
-        overlap = self.cfg.overlap
-        inflight: Launched | None = None
-        while inflight is not None or not scheduler.done:
-            launched = None
-            if inflight is not None and inflight.decode and overlap:
-                with record_function("rlx/schedule"):
-                    ahead = scheduler.schedule_ahead(inflight.seqs)
-                if ahead is not None:
-                    self._num_ahead += 1
-                    row_of = {seq: row for row, seq in enumerate(inflight.seqs)}
-                    prev = (inflight.tokens, [row_of[seq] for seq in ahead.seqs])
-                    launched = self._launch(runner, sampler, ahead.seqs, True, prev)
-            elif inflight is None:
-                with record_function("rlx/schedule"):
-                    step = scheduler.schedule()
-                launched = self._launch(runner, sampler, step.seqs, step.kind == "decode", None)
-            if inflight is not None:
-                with record_function("rlx/finish"):
-                    bar.update(self._finish(inflight, sampler, scheduler))
-            inflight = launched
 
-    @staticmethod
-    def _launch(runner: ModelRunner, sampler: StepSampler, seqs: list[Sequence], decode: bool, prev) -> Launched:
+class NativeStream(TokenStream):
+    """Sequences continuously batched through the paged cache: submitted ones join at the next prefill, finished
+    ones leave at once (their full blocks stay cached for a later turn of the same sample)."""
+
+    def __init__(self, engine: NativeRolloutEngine, runner: ModelRunner, sampling: SamplingParams):
+        super().__init__(sampling, engine.device)
+        self.engine, self.runner = engine, runner
+        cfg = engine.cfg
+        self.scheduler = Scheduler(runner.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens)
+        self.sampler = StepSampler(sampling, cfg.max_num_seqs, engine.device)
+        self.module = runner.model
+        self.was_training = self.module.training
+        self.module.eval()
+        self.tags: dict[Sequence, object] = {}
+        self.inflight: Launched | None = None
+        self.num_ahead = 0
+
+    def submit(self, tag, request: TokenRequest) -> None:
+        self.check(request)
+        draws = sample_uniforms(self.sampling.seed, [request.key], self.sampling.max_new_tokens)
+        greedy = request.greedy or self.sampling.temperature == 0
+        seq = Sequence(self.sampler.add_rows(draws), list(request.prompt_ids), request.max_new_tokens, greedy=greedy)
+        try:
+            self.scheduler.add(seq)
+        except ValueError as e:
+            raise UserError(f"request {request.key}: {e}; raise rollout.kv_cache_gib") from None
+        self.tags[seq] = tag
+
+    @property
+    def has_work(self) -> bool:
+        return self.inflight is not None or not self.scheduler.done
+
+    def step(self) -> list[tuple[object, Generated]]:
+        """Launch the next model step (a decode step's successor is queued before its tokens are read where the
+        scheduler can plan it from lengths alone), then finish the step launched before; the finished requests."""
+        scheduler, inflight, launched = self.scheduler, self.inflight, None
+        if inflight is not None and inflight.decode and self.engine.cfg.overlap:
+            with record_function("rlx/schedule"):
+                ahead = scheduler.schedule_ahead(inflight.seqs)
+            if ahead is not None:
+                self.num_ahead += 1
+                row_of = {seq: row for row, seq in enumerate(inflight.seqs)}
+                launched = self._launch(ahead.seqs, True, (inflight.tokens, [row_of[seq] for seq in ahead.seqs]))
+        elif inflight is None and not scheduler.done:
+            with record_function("rlx/schedule"):
+                step = scheduler.schedule()
+            launched = self._launch(step.seqs, step.kind == "decode", None)
+        finished = []
+        if inflight is not None:
+            with record_function("rlx/finish"):
+                finished = self._finish(inflight)
+        self.inflight = launched
+        return [(self.tags.pop(s), Generated(s.output_ids, s.logprobs, s.finish_reason)) for s in finished]
+
+    def _launch(self, seqs: list[Sequence], decode: bool, prev) -> Launched:
         with record_function("rlx/decode" if decode else "rlx/prefill"):
-            logits = runner.forward(seqs, decode=decode, prev=prev)
+            logits = self.runner.forward(seqs, decode=decode, prev=prev)
         with record_function("rlx/sample"):
-            return sampler.launch(seqs, logits, decode, ahead=prev is not None)
+            return self.sampler.launch(seqs, logits, decode, ahead=prev is not None)
 
-    def _finish(self, step: Launched, sampler: StepSampler, scheduler: Scheduler) -> int:
-        """Append each sequence's sampled token, finish stopped sequences; returns how many finished."""
-        tokens, logprobs = sampler.collect(step)
-        finished = 0
+    def _finish(self, step: Launched) -> list[Sequence]:
+        """Append each sequence's sampled token; finish stopped sequences and return them."""
+        tokens, logprobs = self.sampler.collect(step)
+        stop_ids, finished = self.engine.stop_ids, []
         for seq, token, logprob in zip(step.seqs, tokens, logprobs):
             if seq.status is not Status.RUNNING:
                 continue  # it stopped at the step before: this token was computed ahead and is discarded
             seq.num_computed = len(seq)
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
-            if token in self.stop_ids or len(seq.output_ids) >= seq.max_tokens:
-                scheduler.finish(seq, "stop" if token in self.stop_ids else "length")
-                finished += 1
+            if token in stop_ids or len(seq.output_ids) >= seq.max_tokens:
+                self.scheduler.finish(seq, "stop" if token in stop_ids else "length")
+                finished.append(seq)
         return finished
+
+    def stats(self) -> dict[str, int]:
+        return {"preemptions": self.scheduler.preemptions, "steps_ahead": self.num_ahead}
+
+    def close(self) -> None:
+        """Wait for a step still in flight (its results are dropped) and restore the module's mode."""
+        if self.inflight is not None:
+            self.sampler.collect(self.inflight)
+            self.inflight = None
+        self.module.train(self.was_training)

@@ -4,8 +4,8 @@
 engine does) and starts a non-blocking copy of the tokens and their logprobs to the host; `collect` waits for
 that copy. In between, the engine can launch the next decode step, whose input tokens it gathers on the
 device from the launched step's `tokens`. The per-sample uniforms live on the device for the whole call and
-are indexed there (row: the sample, column: the token's index in its response), so no step's inputs depend
-on the host having read the step before.
+are indexed there (row: the sequence, column: the token's index in its response), so no step's inputs depend
+on the host having read the step before; sequences submitted later (a stream's next turns) add their rows.
 """
 
 from __future__ import annotations
@@ -36,12 +36,25 @@ class Launched:
 class StepSampler:
     """Launches the sampling of steps and collects their results, for one `generate` call."""
 
-    def __init__(self, uniforms: torch.Tensor, sampling: SamplingParams, max_num_seqs: int, device: torch.device):
-        self.uniforms = uniforms.to(device)  # [num_seqs, max_new_tokens] float64
+    def __init__(self, sampling: SamplingParams, max_num_seqs: int, device: torch.device):
         self.cfg, self.device = sampling, device
+        self.uniforms = torch.zeros(0, sampling.max_new_tokens, dtype=torch.float64, device=device)
+        self.num_rows = 0
         rows = max(max_num_seqs, 1)
         self.inputs = PinnedPair(3 * rows, torch.long, device)
         self.outputs = PinnedPair(2 * rows, torch.float64, device)
+
+    def add_rows(self, uniforms: torch.Tensor) -> int:
+        """Append draws [k, max_new_tokens] (float64, CPU) for k new sequences; returns the first one's row."""
+        first, needed = self.num_rows, self.num_rows + uniforms.shape[0]
+        if needed > self.uniforms.shape[0]:  # grow by doubling: queued steps keep reading the old buffer
+            grown = torch.zeros(max(needed, 2 * self.uniforms.shape[0]), *self.uniforms.shape[1:],
+                                dtype=torch.float64, device=self.device)  # fmt: skip
+            grown[:first] = self.uniforms[:first]
+            self.uniforms = grown
+        self.uniforms[first:needed] = uniforms.to(self.device)
+        self.num_rows = needed
+        return first
 
     def launch(self, seqs: list[Sequence], logits: torch.Tensor, decode: bool, ahead: bool) -> Launched:
         """Queue the draw of each sequence's next token (`ahead`: the token after one still on the device)."""
