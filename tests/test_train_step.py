@@ -69,6 +69,7 @@ def test_padding_does_not_change_the_gradient(tiny_ckpt, batch_path):
             for k in (
                 "response_ids",
                 "response_mask",
+                "loss_mask",
                 "rollout_logprobs",
                 "old_logprobs",
                 "ref_logprobs",

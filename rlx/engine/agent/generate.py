@@ -15,7 +15,15 @@ from rlx.engine.records import PromptRecord, RolloutRecord
 from rlx.engine.rollout.base import RolloutEngine, RolloutResult, RolloutStats
 from rlx.engine.rollout.config import RolloutConfig, SamplingParams
 
-_SUMMED = ("rollout/tokens", "rollout/inserted_tokens", "env/errors", "rollout/preemptions", "rollout/steps_ahead")
+_SUMMED = (
+    "rollout/tokens",
+    "rollout/inserted_tokens",
+    "env/errors",
+    "rollout/preemptions",
+    "rollout/steps_ahead",
+    "rollout/prefill_tokens",
+    "rollout/cached_prefix_tokens",
+)
 
 
 def generate_multi_turn(

@@ -67,6 +67,8 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         """Cached blocks nobody holds, least recently released first: found again by a hit, or taken when no block
         is free."""
+        self.num_hit_tokens = 0
+        """Tokens whose keys and values a sequence found cached (not computed again)."""
 
     @property
     def num_free(self) -> int:
@@ -92,6 +94,7 @@ class BlockManager:
                     self.refs[found] += 1
                     seq.block_table.append(found)
                     seq.num_computed += size
+                    self.num_hit_tokens += size
                     previous = found
                     continue
                 sharing = False

@@ -222,7 +222,12 @@ class NativeStream(TokenStream):
         return finished
 
     def stats(self) -> dict[str, int]:
-        return {"preemptions": self.scheduler.preemptions, "steps_ahead": self.num_ahead}
+        return {
+            "preemptions": self.scheduler.preemptions,
+            "steps_ahead": self.num_ahead,
+            "prefill_tokens": self.scheduler.num_prefilled,
+            "cached_prefix_tokens": self.runner.blocks.num_hit_tokens,
+        }
 
     def close(self) -> None:
         """Wait for a step still in flight (its results are dropped) and restore the module's mode."""

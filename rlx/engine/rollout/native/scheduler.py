@@ -30,6 +30,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.num_prefilled = 0
+        """Tokens computed by prefill steps (cached prefixes excluded)."""
 
     def add(self, seq: Sequence) -> None:
         longest = len(seq.prompt_ids) + seq.max_tokens
@@ -55,6 +57,7 @@ class Scheduler:
             prefill.append(seq)
             tokens += len(seq) - seq.num_computed
         if prefill:
+            self.num_prefilled += tokens
             self.running += prefill
             return Step("prefill", prefill)
         decode = []
