@@ -49,14 +49,25 @@ class SingleLayout(Layout):
     def write(
         self, out: str, parts: dict[str, CheckpointPart], overwrite: bool, before_publish: Callable | None = None
     ) -> None:
+        self.prepare_write(out, parts, overwrite, before_publish)()
+
+    def prepare_write(
+        self, out: str, parts: dict[str, CheckpointPart], overwrite: bool, before_publish: Callable | None = None
+    ) -> Callable[[], None]:
+        """Gather every part's weights and optimizer state onto the main process's CPU now (a collective); the
+        returned function writes the files and publishes the folder (nothing to do on other processes)."""
         gathered = {name: (p.state.full_weights(), p.state.full_optimizer_state()) for name, p in parts.items()}
         if not parts[""].state.is_main:
-            return
-        with atomic_dir(out, overwrite=overwrite, marker=META_NAME) as tmp:
-            for name, part in parts.items():
-                folder = tmp / name if name else tmp
-                folder.mkdir(exist_ok=True)
-                weights, optimizer = gathered[name]
-                write_files(folder, weights, part.aux, part.meta, optimizer)
-            if before_publish is not None:
-                before_publish()
+            return lambda: None
+
+        def commit() -> None:
+            with atomic_dir(out, overwrite=overwrite, marker=META_NAME) as tmp:
+                for name, part in parts.items():
+                    folder = tmp / name if name else tmp
+                    folder.mkdir(exist_ok=True)
+                    weights, optimizer = gathered[name]
+                    write_files(folder, weights, part.aux, part.meta, optimizer)
+                if before_publish is not None:
+                    before_publish()
+
+        return commit

@@ -125,6 +125,12 @@ class RolloutEngine(ABC):
         self.ctx = ctx if ctx.distributed else None
         self.stop_ids = stop_token_ids(model, tokenizer)
 
+    @classmethod
+    def model_dtype(cls, cfg: RolloutConfig, device: torch.device) -> torch.dtype:
+        """The dtype a model this engine owns alone (`rlx rollout`) is best loaded in: float32 by default (the
+        engine computes under autocast, as the trainer does)."""
+        return torch.float32
+
     # --- the shared outline ----------------------------------------------------------------------
 
     def generate(self, prompts: list[PromptRecord], sampling: SamplingParams, progress: bool = True) -> RolloutResult:
