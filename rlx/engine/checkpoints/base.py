@@ -37,7 +37,10 @@ class LocalState:
 
 
 class TrainedState(Protocol):
-    """What a training backend hands a layout to write (every process of the launch calls `write` together)."""
+    """What a training backend hands a layout to write (every process of the launch calls `write` together).
+    A state may also offer `snapshot_state() -> (weights, optimizer)`: the same tensors as host copies that the
+    next updates leave alone, possibly still copying off the device (rlx.utils.host_copy); layouts that write in
+    the background use it."""
 
     @property
     def is_main(self) -> bool:

@@ -29,7 +29,14 @@ from rlx.engine.checkpoints.meta import CheckpointMeta, provenance
 from rlx.engine.checkpoints.registry import layout_for_backend, prepare_save, read_meta
 from rlx.engine.data import take_prompts
 from rlx.engine.flops import count_flops, count_generate_flops, device_peak_flops, mfu
-from rlx.engine.memory import device_peak_bytes, host_rss_bytes, measure_phase, phase_metrics, reset_device_peak
+from rlx.engine.memory import (
+    device_peak_bytes,
+    host_rss_bytes,
+    measure_phase,
+    phase_metrics,
+    process_age_s,
+    reset_device_peak,
+)
 from rlx.engine.parallel.dist import barrier
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.ppo.models import CRITIC_DIR, build_run_models
@@ -61,9 +68,17 @@ class PPORun:
         meta = read_meta(start_ckpt) if start_ckpt else CheckpointMeta()
         self.data_position = meta.data_position or 0
         self.kl_coef = meta.kl_coef if meta.kl_coef is not None else cfg.score.kl_coef
+        started = time.perf_counter()
         self.models = build_run_models(cfg, self.backend, start_ckpt)
         self.trainer, self.critic = self.models.actor, self.models.critic
+        models_built = time.perf_counter()
         self.engine = build_engine(cfg.rollout, self.models.rollout_model, self.models.tokenizer, self.ctx)
+        # where a start's time goes, reported with the first step: models (load or init, parallelism), engine
+        self.setup_metrics = {
+            "timing/setup_models_s": models_built - started,
+            "timing/setup_engine_s": time.perf_counter() - models_built,
+            "timing/since_process_start_s": process_age_s(),
+        }
         self.engine_stale = False  # whether the trainer changed the weights since the engine last got them
         self.writer = BackgroundWriter(enabled=cfg.background_writes)
         self.prompts = read_prompts(cfg.data.prompts)
@@ -143,6 +158,8 @@ class PPORun:
         now = time.perf_counter()
         metrics.update(phase_metrics("save", now - save_start, device_peak_bytes(self.device), host_rss_bytes()))
         metrics["timing/step_s"] = now - step_start
+        metrics.update(self.setup_metrics)  # the first step of this process only
+        self.setup_metrics = {}
         metrics.update(self._flops_metrics(rollouts, metrics))
         traces = select_traces(rollouts, result.scores, cfg.tracking.traces_per_step, seed=cfg.seed + step)
         log(step, metrics, traces)  # before the checkpoint is published: a kill in between resumes from an earlier one
