@@ -23,8 +23,8 @@ from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.driver import EnvRollout
 from rlx.engine.agent.environment import load_object
 from rlx.engine.records import PromptRecord, RolloutRecord, read_prompts, write_records
-from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.base import TokenStream
+from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.requests import Generated, TokenRequest
 from rlx.errors import UserError
 
