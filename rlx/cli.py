@@ -13,6 +13,7 @@ from rlx.commands.ppo import ppo
 from rlx.commands.report import report
 from rlx.commands.rollout import rollout
 from rlx.commands.score import score
+from rlx.commands.serve import serve
 from rlx.commands.shard import shard
 from rlx.commands.train_step import train_step
 from rlx.utils.cache import configure_compile_caches
@@ -55,6 +56,7 @@ app.command("merge")(merge)
 app.command("eval")(eval_)
 app.command("ppo")(ppo)
 app.command("report")(report)
+app.command("serve")(serve)
 
 
 def main() -> None:

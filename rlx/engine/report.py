@@ -42,7 +42,11 @@ PLOTS = (
     PlotSpec("entropy", "policy entropy (actor/entropy)", ("actor/entropy",)),
     PlotSpec("clip_frac", "clipped fraction (actor/pg_clipfrac)", ("actor/pg_clipfrac",)),
     PlotSpec("mfu", "model FLOPs utilisation (perf/mfu)", ("perf/mfu",)),
+    PlotSpec("turns", "assistant turns per sample (multi-turn)", ("rollout/turns_mean",)),
+    PlotSpec("env_reward", "environment reward (multi-turn, env/reward_mean)", ("env/reward_mean",)),
 )
+MULTI_TURN = (("rollout/turns_mean", "turns per sample"), ("env/reward_mean", "environment reward"))
+"""Multi-turn metrics the summary shows as first -> last window, when the run has them."""
 
 
 @dataclass(kw_only=True)
@@ -150,6 +154,11 @@ def summary_markdown(run_dir: Path, steps: dict[int, dict], total: int | None, p
         )
         best = max(range(len(rewards)), key=lambda i: rewards[i])  # the first of equal bests
         lines.append(f"- best reward/mean: {rewards[best]:.4f} at step {xs[best]}")
+    for key, label in MULTI_TURN:
+        _, values = series(steps, key)
+        if values:
+            window = min(WINDOW, len(values))
+            lines.append(f"- {label} ({key}): {_mean(values[:window]):.4f} -> {_mean(values[-window:]):.4f}")
     _, times = series(steps, "timing/step_s")
     if times:
         lines.append(f"- mean step time: {_mean(times):.3f} s over {len(times)} steps")

@@ -6,8 +6,7 @@ A tiny model cannot multiply 3-digit numbers in its head, but it can learn to ca
 and copy the result. `CalculatorEnv` is the environment (`--env rlx.tasks.calculator:CalculatorEnv`):
 it offers one tool, `calculator(expression)`, answers each call with the value, and ends the episode
 at the first assistant message without a tool call, rewarding 1 when its last integer is the answer.
-`score` is the same check as a rule reward (`--reward rlx.tasks.calculator:score`). `teacher` writes the
-ideal assistant turns (call the calculator, then copy its result) for demonstrations (rlx.engine.agent.demos).
+`score` is the same check as a rule reward (`--reward rlx.tasks.calculator:score`).
 """
 
 from __future__ import annotations
@@ -37,8 +36,6 @@ OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 _MAX_DIGITS = 60
 _INTEGER = re.compile(r"-?\d+")
-_TOOL_RESULT = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)
-_USER_TURN = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.DOTALL)
 
 
 def generate_calculator(
@@ -132,19 +129,6 @@ class CalculatorEnv:
             return str(evaluate(str(arguments["expression"])))
         except (ValueError, KeyError, TypeError) as e:
             return f"error: {e}"
-
-
-def teacher(context: str) -> str:
-    """The ideal next assistant turn of a calculator episode rendered by a ChatML (Qwen-style) template: with a
-    tool result in the context, that result; else a calculator call on the last user message."""
-    results = _TOOL_RESULT.findall(context)
-    if results:
-        return results[-1]
-    questions = _USER_TURN.findall(context)
-    if not questions:
-        raise ValueError("the context has no user turn (<|im_start|>user ... <|im_end|>)")
-    call = {"name": "calculator", "arguments": {"expression": questions[-1].strip()}}
-    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
 def main() -> None:

@@ -265,6 +265,7 @@ class NativeStream(TokenStream):
             self.inflight = None
         self.module.train(self.was_training)
 
+
 def _param_dtype(model: torch.nn.Module) -> torch.dtype:
     """The dtype of the model's floating-point parameters."""
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

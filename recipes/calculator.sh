@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The multi-turn calculator recipe (recipes/calculator.toml) as a shell pipeline of the separate commands.
+# For the same seed it produces the same weights and metrics as `rlx ppo recipes/calculator.toml`.
+#
+#   bash recipes/calculator.sh [RUN_DIR]          (env: SEED=0 STEPS=40)
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+RUN="${1:-runs/calculator-sh}"
+SEED="${SEED:-0}"
+STEPS="${STEPS:-40}"
+PROMPTS="$HERE/data/calculator.jsonl"
+PROMPTS_PER_STEP=16                     # [data] prompts_per_step
+
+ckpt() { printf '%s/checkpoints/step_%06d' "$RUN" "$1"; }
+
+if [ -e "$RUN" ]; then echo "calculator.sh: $RUN exists; remove it or pass another folder" >&2; exit 1; fi
+mkdir -p "$RUN"
+
+# step 0: a tiny chat Llama initialised from config.json with the run seed ([model] init = "random")
+rlx shard --model "$HERE/tiny-chat" --init random --seed "$SEED" --out "$(ckpt 0)"
+
+for ((step = 1; step <= STEPS; step++)); do
+  dir="$(printf '%s/step_%06d' "$RUN" "$step")"
+  prev="$(ckpt $((step - 1)))"
+  # [rollout]: episodes of the calculator environment, per-turn token limit, whole-episode limit
+  rlx rollout --model "$prev" --prompts "$PROMPTS" --out "$dir/rollouts.jsonl" \
+    --num-prompts "$PROMPTS_PER_STEP" --data-position $(((step - 1) * PROMPTS_PER_STEP)) \
+    --env rlx.tasks.calculator:CalculatorEnv --max-turns 3 --max-total-tokens 320 \
+    --n 8 --max-new-tokens 48 --temperature 1.0 --batch-size 128 --seed $((SEED + step)) \
+    --metrics "$RUN/metrics.jsonl"
+  # [score]: the environment's reward; the step-0 weights are the reference model
+  rlx score --rollouts "$dir/rollouts.jsonl" --actor "$prev" --ref "$(ckpt 0)" --reward env \
+    --micro-batch-size 128 --out "$dir" --metrics "$RUN/metrics.jsonl"
+  # [train]
+  rlx train-step --checkpoint "$prev" --batch "$dir/batch.safetensors" --out "$(ckpt "$step")" \
+    --lr 1e-3 --mini-batch-size 128 --micro-batch-size 128 --weight-decay 0 --seed "$SEED" \
+    --metrics "$RUN/metrics.jsonl"
+done
+echo "calculator.sh: done; final checkpoint $(ckpt "$STEPS")" >&2
