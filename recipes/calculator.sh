@@ -2,7 +2,8 @@
 # The multi-turn calculator recipe (recipes/calculator.toml) as a shell pipeline of the separate commands.
 # For the same seed it produces the same weights and metrics as `rlx ppo recipes/calculator.toml`.
 #
-#   bash recipes/calculator.sh [RUN_DIR]          (env: SEED=0 STEPS=40)
+#   bash recipes/calculator.sh [RUN_DIR]          (env: SEED=0 STEPS=40 PROMPTS_PER_STEP=16 N=8)
+# (PROMPTS_PER_STEP and N stand for [data] prompts_per_step and [rollout] n: `rlx ppo --set` them alike.)
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -10,7 +11,8 @@ RUN="${1:-runs/calculator-sh}"
 SEED="${SEED:-0}"
 STEPS="${STEPS:-40}"
 PROMPTS="$HERE/data/calculator.jsonl"
-PROMPTS_PER_STEP=16                     # [data] prompts_per_step
+PROMPTS_PER_STEP="${PROMPTS_PER_STEP:-16}"   # [data] prompts_per_step
+N="${N:-8}"                                  # [rollout] n
 
 ckpt() { printf '%s/checkpoints/step_%06d' "$RUN" "$1"; }
 
@@ -27,7 +29,7 @@ for ((step = 1; step <= STEPS; step++)); do
   rlx rollout --model "$prev" --prompts "$PROMPTS" --out "$dir/rollouts.jsonl" \
     --num-prompts "$PROMPTS_PER_STEP" --data-position $(((step - 1) * PROMPTS_PER_STEP)) \
     --env rlx.tasks.calculator:CalculatorEnv --max-turns 3 --max-total-tokens 320 \
-    --n 8 --max-new-tokens 48 --temperature 1.0 --batch-size 128 --seed $((SEED + step)) \
+    --n "$N" --max-new-tokens 48 --temperature 1.0 --batch-size 128 --seed $((SEED + step)) \
     --metrics "$RUN/metrics.jsonl"
   # [score]: the environment's reward; the step-0 weights are the reference model
   rlx score --rollouts "$dir/rollouts.jsonl" --actor "$prev" --ref "$(ckpt 0)" --reward env \
