@@ -205,3 +205,20 @@ def test_calculator_shell_pipeline_equals_ppo(tmp_path):
     summary = cli_ok("report", ppo).stdout
     text = Path(summary.strip().splitlines()[-1]).read_text()
     assert "turns per sample" in text and "environment reward" in text
+
+
+def test_calculator_recipes_load_and_chat_prompts_keep_the_system_message(tmp_path):
+    from rlx.engine.ppo.config import load_recipe
+    from rlx.tasks.calculator import SYSTEM, CalculatorEnv
+
+    for name in ("calculator.toml", "smollm2_calculator.toml"):
+        recipe = load_recipe(REPO / "recipes" / name)
+        assert recipe.rollout.env == "rlx.tasks.calculator:CalculatorEnv" and recipe.score.reward == ["env"]
+    record = read_jsonl(REPO / "recipes" / "data" / "calculator_chat.jsonl")[0]
+    env = CalculatorEnv(record)
+    assert env.reset() == record["prompt"] and record["prompt"][0] == {"role": "system", "content": SYSTEM}
+    a, b = record["prompt"][-1]["content"].split("*")
+    call = {"id": "c", "function": {"name": "calculator", "arguments": json.dumps({"expression": f"{a}*{b}"})}}
+    (reply,), reward, done = env.step({"role": "assistant", "content": "", "tool_calls": [call]})
+    assert reply["content"] == record["ground_truth"] == str(int(a) * int(b)) and not done
+    assert env.step({"role": "assistant", "content": f"It is {reply['content']}."})[1:] == (1.0, True)

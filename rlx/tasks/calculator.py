@@ -106,11 +106,14 @@ class CalculatorEnv:
     tools = [CALCULATOR_TOOL]
 
     def __init__(self, record: dict):
-        self.question = record["prompt"] if isinstance(record["prompt"], str) else record["prompt"][-1]["content"]
+        prompt = record["prompt"]
+        self.opening = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        self.question = self.opening[-1]["content"]
         self.answer = str(record["ground_truth"])
 
     def reset(self) -> list[dict]:
-        return [{"role": "user", "content": self.question}]
+        """The prompt's messages (a system message explaining the tool is kept), or the question as a user turn."""
+        return [dict(m) for m in self.opening]
 
     def step(self, message: dict) -> tuple[list[dict], float, bool]:
         calls = message.get("tool_calls") or []
@@ -131,6 +134,15 @@ class CalculatorEnv:
             return f"error: {e}"
 
 
+SYSTEM = (
+    "You have a calculator tool. To use it, reply with only "
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call> '
+    "(your expression in place of 12*34); its result comes back to you. Then reply with the final answer, "
+    "a single number."
+)
+"""The system message of --style chat prompts (for models whose chat template does not list tools)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Write calculator-task prompts as prompts.jsonl.")
     parser.add_argument("--out", required=True, help="prompts.jsonl to write ('-' for stdout)")
@@ -138,8 +150,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--digits", type=int, default=3, help="digits per operand (default 3)")
     parser.add_argument("--ops", default="*", help="operators to draw from, e.g. '*+' (default '*')")
+    parser.add_argument("--style", default="text", choices=("text", "chat"), help="chat: a system message on how to "
+                        "call the tool, then the question as a user message (default text)")  # fmt: skip
     args = parser.parse_args()
-    write_jsonl(args.out, generate_calculator(args.num, args.seed, args.digits, args.ops))
+    records = generate_calculator(args.num, args.seed, args.digits, args.ops)
+    if args.style == "chat":
+        for r in records:
+            r["prompt"] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["prompt"]}]
+    write_jsonl(args.out, records)
 
 
 if __name__ == "__main__":
