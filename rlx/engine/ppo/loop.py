@@ -159,8 +159,6 @@ class PPORun:
         save_start = time.perf_counter()
         saving = step % cfg.save_every == 0 or step == cfg.steps
         commit = self._prepare_save(step) if saving else None  # the collective part: gathered weights on the CPU
-        if self.setup_metrics:  # the first step of this process: what is alive now lives for the whole run
-            self.gc_pauses.freeze()
         now = time.perf_counter()
         metrics.update(phase_metrics("save", now - save_start, device_peak_bytes(self.device), host_rss_bytes()))
         metrics["timing/step_s"] = now - step_start
