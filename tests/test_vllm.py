@@ -209,3 +209,48 @@ def test_head_dim_too_small_for_the_cpu_backend(tmp_path, tiny_ckpt):
     out = tmp_path / "r.jsonl"
     result = cli("rollout", "--model", tiny_ckpt, "--prompts", prompts, "--out", out, "--engine", "vllm")
     assert result.exit_code == 1 and "head_dim >= 32" in result.stderr and not out.exists()
+
+
+@pytest.mark.slow
+def test_multi_turn_episodes_through_the_token_stream(tmp_path):
+    """~30 s (a vLLM engine start). Sampled episodes of a Python environment through vLLM's token-level stream:
+    several turns, environment tokens out of the mask, and every model token's logprob equal to the training
+    forward over the whole trajectory (the context of each turn is the earlier tokens verbatim)."""
+    from agent_helpers import ENVS
+    from transformers import AutoModelForCausalLM
+
+    from rlx.engine.agent.config import AgentConfig
+    from rlx.engine.agent.driver import EnvRollout
+    from rlx.models.tiny import SPECIAL_TOKENS
+    from rlx.models.tiny_chat import MARKUP_TOKENS, build_chat_tokenizer, tiny_chat_config
+
+    tokenizer = build_chat_tokenizer("qwen2.5")
+    config = tiny_chat_config(tokenizer, num_heads=2, num_kv_heads=1, max_positions=512)  # head_dim 32 for vLLM
+    config.tie_word_embeddings = False
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    banned = tokenizer.convert_tokens_to_ids([*SPECIAL_TOKENS, "<|im_start|>", *MARKUP_TOKENS])
+    with torch.no_grad():  # turns end after a few tokens, with no stray markup
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[banned, 0] = -10.0
+        model.lm_head.weight[tokenizer.eos_token_id, 0] = 0.3
+    (tmp_path / "envs.py").write_text(ENVS)
+    sampling = RolloutConfig(n=2, max_new_tokens=16, temperature=1.0, seed=3).sampling()
+    agent = AgentConfig(env=f"{tmp_path}/envs.py:Echo", max_total_tokens=300)
+    prompts = [PromptRecord(id=f"q{i}", prompt=f"say {i}") for i in range(3)]
+    engine = make_engine(model, tokenizer, RolloutConfig(engine="vllm", kv_cache_gib=0.25))
+    try:
+        records = EnvRollout(engine, tokenizer, sampling, agent).generate(prompts)
+    finally:
+        engine.close()
+    assert len(records) == 6 and sum(r.num_turns for r in records) > len(records)
+    for r in records:
+        assert 0 in r.loss_mask and len(r.loss_mask) == len(r.response_ids) == len(r.rollout_logprobs)
+        ids = torch.tensor([r.prompt_ids + r.response_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(r.prompt_ids) - 1 : -1].float()
+        forward = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.response_ids)[:, None]).squeeze(-1)
+        mask = torch.tensor(r.loss_mask, dtype=torch.bool)
+        assert torch.allclose(forward[mask], torch.tensor(r.rollout_logprobs)[mask], atol=1e-4)
+        assert not torch.tensor(r.rollout_logprobs)[~mask].any()
