@@ -222,3 +222,18 @@ def test_calculator_recipes_load_and_chat_prompts_keep_the_system_message(tmp_pa
     (reply,), reward, done = env.step({"role": "assistant", "content": "", "tool_calls": [call]})
     assert reply["content"] == record["ground_truth"] == str(int(a) * int(b)) and not done
     assert env.step({"role": "assistant", "content": f"It is {reply['content']}."})[1:] == (1.0, True)
+
+
+def test_ppo_with_a_critic_on_the_calculator_environment(tmp_path):
+    """`rlx ppo` multi-turn with GAE and a critic: two steps, the turns and environment reward on the metrics line,
+    the critic's values read over the model's tokens only."""
+    recipe = REPO / "recipes" / "calculator.toml"
+    small = ["--set", "data.prompts_per_step=2", "--set", "rollout.n=2", "--set", "rollout.max_new_tokens=12"]
+    gae = ["--set", "score.estimator=gae", "--set", "critic.train.lr=1e-3"]
+    cli_ok("ppo", recipe, "--out", tmp_path / "run", "--set", "steps=2", *small, *gae)
+    lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    merged = stable(lines)
+    assert sorted(merged) == [1, 2]
+    for step in merged.values():
+        assert step["rollout/turns_mean"] >= 1 and "env/reward_mean" in step and "critic/vf_loss" in step
+    assert (tmp_path / "run" / "checkpoints" / "step_000002" / "critic").is_dir()
