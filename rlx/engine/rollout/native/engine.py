@@ -31,6 +31,7 @@ from rlx.engine.rollout.native.sampler import Launched, StepSampler
 from rlx.engine.rollout.native.scheduler import Scheduler
 from rlx.engine.rollout.requests import Generated, Request
 from rlx.engine.rollout.sampling import sample_uniforms
+from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
 
 _GIB = 1 << 30
@@ -132,6 +133,7 @@ class NativeRolloutEngine(RolloutEngine):
         show = progress and (self.ctx is None or self.ctx.is_main)
         bar = tqdm(total=len(seqs), desc="rollout", unit="seq", disable=None if show else True, leave=False)
         self._num_ahead = 0
+        self._stops = StopStrings(self.tokenizer, sampling.stop) if sampling.stop else None
         try:
             sampler = StepSampler(uniforms, sampling, self.cfg.max_num_seqs, self.device)
             self._run_steps(runner, scheduler, sampler, bar)
@@ -207,7 +209,8 @@ class NativeRolloutEngine(RolloutEngine):
             seq.num_computed = len(seq)
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
-            if token in self.stop_ids or len(seq.output_ids) >= seq.max_tokens:
-                scheduler.finish(seq, "stop" if token in self.stop_ids else "length")
+            stopped = token in self.stop_ids or (self._stops is not None and self._stops.hit(seq.output_ids))
+            if stopped or len(seq.output_ids) >= seq.max_tokens:
+                scheduler.finish(seq, "stop" if stopped else "length")
                 finished += 1
         return finished
