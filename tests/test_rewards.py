@@ -136,6 +136,8 @@ def test_failing_reward_names_the_sample(tmp_path, tiny_ckpt, rollouts, body, me
         out,
         "--on-reward-error",
         "zero",
+        "--max-reward-error-fraction",
+        "1",
         "--metrics",
         metrics,
     )

@@ -52,4 +52,3 @@ class StopStrings:
                 lo = mid + 1
         stop = self.first(self._text(ids[:lo]))
         return Generated(ids[:lo], gen.logprobs[:lo], "stop", stop_string=stop)
-
