@@ -100,9 +100,7 @@ time.sleep(120)
 
 def test_a_second_run_on_a_locked_folder_names_the_holder(tmp_path):
     out = tmp_path / "run"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_LOCK, str(out)], stdout=subprocess.PIPE, text=True, cwd=REPO
-    )
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         assert holder.stdout.readline().strip() == "locked"
         busy = ppo(out, "--resume")
@@ -128,7 +126,9 @@ def test_random_init_from_a_trained_checkpoint_is_refused(tmp_path, tiny_ckpt):
     assert result.exit_code == 1 and "trained checkpoint (step 7)" in result.stderr and not out.exists()
     shard = cli("shard", "--model", trained, "--init", "random", "--out", tmp_path / "s")
     assert shard.exit_code == 1 and "trained checkpoint" in shard.stderr
-    cli_ok("ppo", QUICKSTART, "--out", out, *TINY, "--set", f"model.path='{trained}'", "--set", "model.init='pretrained'")
+    cli_ok(
+        "ppo", QUICKSTART, "--out", out, *TINY, "--set", f"model.path='{trained}'", "--set", "model.init='pretrained'"
+    )
 
 
 def test_reward_errors_are_counted_and_stop_the_run(tmp_path):

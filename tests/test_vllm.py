@@ -209,3 +209,14 @@ def test_head_dim_too_small_for_the_cpu_backend(tmp_path, tiny_ckpt):
     out = tmp_path / "r.jsonl"
     result = cli("rollout", "--model", tiny_ckpt, "--prompts", prompts, "--out", out, "--engine", "vllm")
     assert result.exit_code == 1 and "head_dim >= 32" in result.stderr and not out.exists()
+
+
+def test_stop_strings_cut_as_the_hf_engine_does(engine, hf_model):
+    """vLLM stops on the strings itself; the shared outline then cuts at the same token as the hf engine."""
+    model, tokenizer = hf_model
+    cfg = RolloutConfig(n=2, max_new_tokens=10, seed=4, stop=["1", "+"], chat_template="off")
+    ours = generate(engine, PROMPTS, cfg)
+    theirs = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
+    assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
+    assert [(r.response, r.finish_reason) for r in ours] == [(r.response, r.finish_reason) for r in theirs]
+    assert all("1" not in r.response and "+" not in r.response for r in ours)
