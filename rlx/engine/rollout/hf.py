@@ -114,7 +114,8 @@ class HFRolloutEngine(RolloutEngine):
                     past_key_values=out.past_key_values,
                     use_cache=True,
                 )
-        return self._unpack(torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).float().cpu())
+        generated = self._unpack(torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).float().cpu())
+        return [stops.cut(g) for g in generated] if stops is not None else generated  # drop the padding after
 
     def _stop_string_hits(self, stops: StopStrings, tokens: list[torch.Tensor], done: torch.Tensor) -> torch.Tensor:
         """[b] bool: rows not yet done whose response so far contains a stop string."""
