@@ -124,6 +124,8 @@ def run_rlx(args, work: Path) -> dict:
     out = summarize("rlx", arrivals[0], steps, tokens)
     median_step = sorted(range(1, len(steps)), key=lambda i: steps[i])[(len(steps) - 1) // 2] if len(steps) > 1 else 0
     out["phases_of_median_step"] = {k: v[median_step] for k, v in phases.items()}
+    first = ("since_process_start", "setup_models", "setup_engine", "rollout", "score", "train", "save")
+    out["first_step_phases"] = {k: metrics[0].get(f"timing/{k}_s") for k in first}
     peaks = [v for m in metrics for k, v in m.items() if k.startswith("memory/") and k.endswith("_device_peak_gb")]
     out["peak_memory_gb"] = max(peaks, default=0.0)
     out["rollout_tokens_per_s_median"] = statistics.median(
@@ -154,7 +156,7 @@ class Timer(TrainerCallback):
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0
         log.write(json.dumps({"step": state.global_step, "t": time.time() - T0, "peak_gb": peak}) + "\n")
         log.flush()
-micro = min(16, args["num_prompts"] * args["num_generations"])
+micro = min(args["trl_micro_batch"], args["num_prompts"] * args["num_generations"])
 cfg = GRPOConfig(
     output_dir=work + "/trl_out", num_generations=args["num_generations"], max_completion_length=args["response_len"],
     per_device_train_batch_size=micro,
@@ -173,7 +175,8 @@ def run_trl(args, work: Path) -> dict:
         write_rlx_recipe(work, args)  # the same model dir and prompts
     script = work / "trl_run.py"
     script.write_text(TRL_SCRIPT)
-    settings = {k: getattr(args, k) for k in ("num_prompts", "num_generations", "response_len", "steps", "cpu")}
+    keys = ("num_prompts", "num_generations", "response_len", "steps", "cpu", "trl_micro_batch")
+    settings = {k: getattr(args, k) for k in keys}
     start = time.time()
     with open(work / "trl.log", "w") as log:
         done = subprocess.run([sys.executable, str(script), str(start), str(work), json.dumps(settings)],
@@ -232,6 +235,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--response-len", type=int, default=256)
     parser.add_argument("--save-every", type=int, default=5, help="rlx checkpoint interval (steps)")
+    parser.add_argument("--trl-micro-batch", type=int, default=64, help="TRL's per_device_train_batch_size")
     parser.add_argument("--set", action="append", default=[], help="extra `rlx ppo --set` overrides")
     parser.add_argument("--small", action="store_true", help="a tiny model (a check of the script)")
     parser.add_argument("--cpu", action="store_true")
@@ -257,6 +261,7 @@ def main() -> None:
         print(f"rlx / trl tokens/s: {by['rlx']['tokens_per_s'] / by['trl']['tokens_per_s']:.2f}x")
     if "rlx" in by:
         print("rlx median step phases:", {k: round(v, 3) for k, v in by["rlx"]["phases_of_median_step"].items()})
+        print("rlx first step phases:", {k: v and round(v, 2) for k, v in by["rlx"]["first_step_phases"].items()})
 
 
 if __name__ == "__main__":

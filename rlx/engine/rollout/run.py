@@ -12,6 +12,7 @@ from rlx.engine.records import read_prompts, write_records
 from rlx.engine.rollout.base import build_engine
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.rollout.lengths import limit_prompts, model_context
+from rlx.engine.rollout.registry import engine_class
 from rlx.engine.tracking import console, log_metrics
 from rlx.errors import UserError
 from rlx.models.loading import load_config, load_tokenizer, resolve_source
@@ -53,7 +54,8 @@ def run_rollout(
         check_window(num_prompts, len(records), prompts_path, "--num-prompts")
         records = take_prompts(records, data_position, num_prompts or len(records), shuffle_seed)
     ctx = setup(cfg.device)
-    engine = build_engine(cfg, load_model(source), tokenizer, ctx)
+    dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
+    engine = build_engine(cfg, load_model(source, dtype=dtype), tokenizer, ctx)
     try:
         result = engine.generate(records, cfg.sampling())
     finally:
