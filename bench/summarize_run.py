@@ -56,8 +56,12 @@ def main() -> None:
         for m in evals:
             keys = ("val/pass@1", "reward/mean", "actor/entropy", "response_length/mean", "actor/ref_kl")
             print(f"{m['step']:4d}  " + "  ".join(f"{m[c]:12.4f}" if c in m else " " * 11 + "-" for c in keys))
-        total = sum(m.get("timing/step_s", 0.0) for m in lines) + sum(m.get("timing/eval_s", 0.0) for m in evals)
-        print(f"steps + evaluations: {total:.0f} s")
+        # a step's timing/step_s includes its evaluation; only the one before training (step 0) is extra
+        total = sum(m.get("timing/step_s", 0.0) for m in lines) + sum(
+            m.get("timing/eval_s", 0.0) for m in evals if "reward/mean" not in m
+        )
+        evaluating = sum(m.get("timing/eval_s", 0.0) for m in evals)
+        print(f"steps + evaluations: {total:.0f} s (of which evaluations {evaluating:.0f} s)")
     rewards = [m["reward/mean"] for m in lines]
     k = min(5, len(rewards))
     steps = [m["timing/step_s"] for m in lines[1:]] or [lines[0]["timing/step_s"]]
