@@ -166,8 +166,10 @@ class RolloutEngine(ABC):
     def check_requests(self, requests: list[Request], sampling: SamplingParams) -> None:
         """Raise a UserError for requests this engine cannot serve (before any generation): by default, a prompt
         whose length + max_new_tokens passes the model's context (commands filter or refuse such prompts up
-        front with rollout.on_long_prompt; this catches direct callers)."""
-        context = model_context(self.model.config)
+        front with rollout.on_long_prompt; this catches direct callers). An engine holding no HF model (vllm
+        built from a folder) checks its own limit."""
+        config = getattr(self.model, "config", None)
+        context = model_context(config) if config is not None else None
         for r in requests:
             reason = limit_reason(len(r.prompt_ids), self.cfg, sampling.max_new_tokens, context)
             if reason is not None:
