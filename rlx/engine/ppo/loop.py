@@ -32,6 +32,7 @@ from rlx.engine.data import take_prompts
 from rlx.engine.evaluation import EVAL_FILE, evaluate
 from rlx.engine.flops import count_flops, count_generate_flops, device_peak_flops, mfu
 from rlx.engine.memory import (
+    GcPauses,
     device_peak_bytes,
     host_rss_bytes,
     measure_phase,
@@ -97,6 +98,7 @@ class PPORun:
         }
         self.engine_stale = False  # whether the trainer changed the weights since the engine last got them
         self.writer = BackgroundWriter(enabled=cfg.background_writes)
+        self.gc_pauses = GcPauses()
         self.prompts, self.eval_prompts = inputs.prompts, inputs.eval_prompts
         self.score_cfg = dataclasses.replace(
             cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
@@ -137,6 +139,7 @@ class PPORun:
                     if finished:  # after a failure the others may be inside a collective: exit, and the launcher
                         barrier()  # stops them; here every rank is done (vllm's shutdown leaves the process group)
                     self.engine.close()
+                    self.gc_pauses.close()
         if self.ctx.is_main:
             rewards = [m["reward/mean"] for m in read_metrics(self.run_dir / "metrics.jsonl") if "reward/mean" in m]
             window = min(5, len(rewards))
@@ -210,6 +213,7 @@ class PPORun:
         now = time.perf_counter()
         metrics.update(phase_metrics("save", now - save_start, device_peak_bytes(self.device), host_rss_bytes()))
         metrics["timing/step_s"] = now - step_start
+        metrics.update(self.gc_pauses.take())
         metrics.update(self.setup_metrics)  # the first step of this process only
         self.setup_metrics = {}
         metrics.update(self._flops_metrics(rollouts, metrics))
