@@ -11,6 +11,7 @@ from rlx.engine.parallel.dist import setup
 from rlx.engine.records import PromptRecord, write_records
 from rlx.engine.rollout.base import build_engine
 from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.registry import engine_class
 from rlx.engine.tracking import console, log_metrics
 from rlx.models.loading import load_tokenizer, resolve_source
 
@@ -23,7 +24,8 @@ def run_multi_turn_rollout(
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
     ctx = setup(cfg.device)
-    engine = build_engine(cfg, load_model(source), tokenizer, ctx)
+    dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
+    engine = build_engine(cfg, load_model(source, dtype=dtype), tokenizer, ctx)
     try:
         result = generate_multi_turn(engine, tokenizer, records, cfg, cfg.sampling())
     finally:

@@ -20,6 +20,7 @@ from rlx.engine.parallel.dist import setup
 from rlx.engine.records import PromptRecord, RolloutRecord, write_records
 from rlx.engine.rollout.base import build_engine
 from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.registry import engine_class
 from rlx.engine.tracking import console
 from rlx.errors import UserError
 from rlx.models.loading import load_tokenizer, resolve_source
@@ -39,7 +40,8 @@ def run_serve(
     ctx = setup(cfg.device)
     if ctx.world > 1:
         raise UserError("rlx serve runs in one process: start it without torchrun")
-    engine = build_engine(cfg, load_model(source), tokenizer, ctx)
+    dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
+    engine = build_engine(cfg, load_model(source, dtype=dtype), tokenizer, ctx)
     sampling = cfg.sampling()
     backend = StreamBackend(engine, sampling, cfg.max_total_tokens, cfg.max_num_seqs)
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from rlx.engine.checkpoints.files import aux_files, generated_aux
-from rlx.engine.checkpoints.registry import is_hf_dir, read_full_weights
+from rlx.engine.checkpoints.registry import is_hf_dir, read_full_weights, read_meta_or_default
 from rlx.errors import UserError
 from rlx.models.loading import (
     ModelSource,
@@ -58,10 +58,9 @@ def load_initial_policy(path: str | Path, init: str = "pretrained", seed: int = 
     initialises from the folder's config.json with `seed` (weights in the folder are ignored).
     """
     source = resolve_source(path)
+    check_init(source, init)
     tokenizer = load_tokenizer(source)
     if init == "random":
-        if source.is_gguf:
-            raise UserError(f"{path}: init 'random' needs a folder with config.json, not a GGUF file")
         model = init_random_model(load_config(source), seed)
         return model, tokenizer, aux_files(source.folder)
     if init != "pretrained":
@@ -69,6 +68,22 @@ def load_initial_policy(path: str | Path, init: str = "pretrained", seed: int = 
     model = load_model(source)
     aux = generated_aux(model, tokenizer) if source.is_gguf else aux_files(source.folder)
     return model, tokenizer, aux
+
+
+def check_init(source: ModelSource, init: str) -> None:
+    """Refuse init 'random' where it would silently throw trained weights away: a GGUF file (no config.json
+    folder) or an rlx checkpoint that training wrote (step >= 1)."""
+    if init != "random":
+        return
+    if source.is_gguf:
+        raise UserError(f"{source.path}: init 'random' needs a folder with config.json, not a GGUF file")
+    step = read_meta_or_default(source.path).step
+    if step >= 1:
+        raise UserError(
+            f"{source.path}: a trained checkpoint (step {step}), but init 'random' would start from new random "
+            f"weights; use init 'pretrained' to start from its weights, or give the folder with only config.json "
+            f"and the tokenizer"
+        )
 
 
 def load_trained_policy(source: ModelSource, role: str = "actor"):

@@ -22,7 +22,16 @@ from rlx.engine.tracking import console
 from rlx.errors import UserError
 from rlx.models.loading import ModelSource, build_empty_model, check_weights_match, load_config, resolve_source
 from rlx.models.value import is_value_config
-from rlx.utils.io import atomic_dir, is_remote
+from rlx.utils.files import check_writable
+from rlx.utils.io import atomic_dir, exists, is_remote
+
+
+def check_new_output(out: str, overwrite: bool) -> None:
+    """Refuse an existing output folder (without --overwrite) or one that cannot be written, before any work."""
+    if exists(out) and not overwrite:
+        raise UserError(f"{out}: already exists (choose another --out or pass --overwrite)")
+    check_writable(out)
+
 
 DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,6 +90,7 @@ def shard_model(
     backbone to a new value model whose head is initialised with `seed`. The 'megatron' layout cuts
     the weights into `tp_degree` x `pp_degree` rank states (1 x 1 by default)."""
     target = get_layout(layout)
+    check_new_output(out, overwrite)
     target.check_output(out)
     options = ShardOptions(tp_degree, pp_degree)
     _check_options(options, target)
@@ -125,6 +135,7 @@ def merge_checkpoint(checkpoint: str, out: str, dtype: str = "keep", overwrite: 
     if not is_checkpoint(folder):
         raise UserError(f"{folder}: not an rlx checkpoint (no rlx.json); make one with `rlx shard`")
     read_meta(folder)  # validates format and layout
+    check_new_output(out, overwrite)
     weights = _cast(read_full_weights(folder), dtype)
     aux = _set_config_dtype(aux_files(folder), dtype)
     with atomic_dir(out, overwrite=overwrite, marker="config.json") as tmp:

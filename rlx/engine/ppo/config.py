@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from rlx.config import ConfigError, apply_overrides, check, check_choices, from_dict, load_toml
+from rlx.engine.evaluation import EvalConfig
 from rlx.engine.ppo.defaults import apply_defaults, fast_path_defaults
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.scoring.config import ScoreConfig
@@ -119,6 +120,8 @@ class PPOConfig:
     """With this table, the actor and critic train on megatron-core (checkpoints in the 'megatron' layout)."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Where metrics go besides metrics.jsonl (console, tensorboard, wandb, mlflow) and rollout traces."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation during training: val/* metrics in the step's metrics line, step_NNNNNN/eval.jsonl."""
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", f"must be at least 1, got {self.steps}")
@@ -179,11 +182,12 @@ def load_recipe(path: str | Path, overrides: list[str] = (), device_type: str | 
     `device_type`, fill the keys the recipe leaves out with that device's fast path (rlx/engine/ppo/defaults.py)."""
     path = Path(path)
     data = load_toml(path)
-    original = {"model": dict(data.get("model", {})), "data": dict(data.get("data", {}))}
+    tables = ("model", "data", "eval")
+    original = {name: dict(data[name]) for name in tables if isinstance(data.get(name), dict)}
     data = apply_overrides(data, list(overrides))
     if device_type is not None:
         data = apply_defaults(data, fast_path_defaults(device_type, data))
-    for section, key in (("model", "path"), ("data", "prompts")):
+    for section, key in (("model", "path"), ("data", "prompts"), ("eval", "prompts")):
         value = data.get(section, {}).get(key) if isinstance(data.get(section), dict) else None
         from_recipe = value is not None and original.get(section, {}).get(key) == value
         if isinstance(value, str) and from_recipe and not Path(value).is_absolute() and ":" not in value:

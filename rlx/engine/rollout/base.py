@@ -37,8 +37,10 @@ from rlx.engine.parallel.dist import all_gather_objects, all_reduce, shard_range
 from rlx.engine.parallel.fsdp import gathered_weights
 from rlx.engine.records import PromptRecord, RolloutRecord
 from rlx.engine.rollout.config import RolloutConfig, SamplingParams
+from rlx.engine.rollout.lengths import limit_reason, model_context
 from rlx.engine.rollout.prompts import stop_token_ids
 from rlx.engine.rollout.requests import Generated, Request, TokenRequest, build_requests, to_record, token_requests
+from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
 from rlx.utils.device import resolve_precision
 
@@ -221,6 +223,10 @@ class RolloutEngine(ABC):
         stats = RolloutStats(
             sum(len(g.response_ids) for g in results), time.perf_counter() - start, local.preemptions, local.steps_ahead
         )
+        if sampling.stop:
+            stops = StopStrings(self.tokenizer, sampling.stop)
+            results = [stops.cut(g) for g in results]
+            stats.tokens = sum(len(g.response_ids) for g in results)
         records = [to_record(r, g, self.tokenizer, sampling.temperature) for r, g in zip(requests, results)]
         return RolloutResult(records, stats)
 
@@ -229,8 +235,16 @@ class RolloutEngine(ABC):
         return list(shard_range(count, self.ctx.rank, self.ctx.world) if self.ctx else range(count))
 
     def check_requests(self, requests: list[Request], sampling: SamplingParams) -> None:
-        """Raise a UserError for requests this engine cannot serve (before any generation)."""
-        return None  # every request fits by default
+        """Raise a UserError for requests this engine cannot serve (before any generation): by default, a prompt
+        whose length + max_new_tokens passes the model's context (commands filter or refuse such prompts up
+        front with rollout.on_long_prompt; this catches direct callers). An engine holding no HF model (vllm
+        built from a folder) checks its own limit."""
+        config = getattr(self.model, "config", None)
+        context = model_context(config) if config is not None else None
+        for r in requests:
+            reason = limit_reason(len(r.prompt_ids), self.cfg, sampling.max_new_tokens, context)
+            if reason is not None:
+                raise UserError(f"prompt {r.prompt.id!r}: {reason}")
 
     def generate_local(self, requests: list[Request], sampling: SamplingParams, progress: bool) -> LocalGeneration:
         """Token ids and logprobs for this process's requests (every process calls it together): the token-level

@@ -21,6 +21,7 @@ from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.prompts import pad_token_id
 from rlx.engine.rollout.requests import Generated, TokenRequest
 from rlx.engine.rollout.sampling import draw_tokens, filter_logits, sample_uniforms
+from rlx.engine.rollout.stops import StopStrings
 from rlx.models.attention import PACKED_ATTENTION, attention_implementation
 from rlx.utils.device import autocast
 
@@ -56,7 +57,11 @@ class HFRolloutEngine(RolloutEngine):
         greedy = torch.tensor([r.greedy or cfg.temperature == 0 for r in requests])
         limits = torch.tensor([r.max_new_tokens for r in requests])
         tokens, logprobs = self._decode([r.prompt_ids for r in requests], uniforms, greedy, limits, cfg)
-        return self._unpack(tokens, logprobs, limits.tolist())
+        generated = self._unpack(tokens, logprobs, limits.tolist())
+        if cfg.stop:  # drop the tokens after a stop string
+            stops = StopStrings(self.tokenizer, cfg.stop)
+            generated = [stops.cut(g) for g in generated]
+        return generated
 
     def _decode(
         self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, limits: torch.Tensor,
@@ -76,6 +81,7 @@ class HFRolloutEngine(RolloutEngine):
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         greedy, limits = greedy.to(self.device), limits.to(self.device)
         tokens, logprobs = [], []
+        stops = StopStrings(self.tokenizer, cfg.stop) if cfg.stop else None
         with autocast(self.device, self.dtype):
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
         for step in range(uniforms.shape[1]):
@@ -90,6 +96,8 @@ class HFRolloutEngine(RolloutEngine):
             tokens.append(token)
             logprobs.append(token_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1))
             done = done | torch.isin(token, stop) | (limits <= step + 1)
+            if stops is not None:  # stop strings: decode each running row's tail (the text needs the host)
+                done = done | self._stop_string_hits(stops, tokens, done)
             if self._all_done(done) or step == uniforms.shape[1] - 1:
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
@@ -103,6 +111,12 @@ class HFRolloutEngine(RolloutEngine):
                     use_cache=True,
                 )
         return torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).float().cpu()
+
+    def _stop_string_hits(self, stops: StopStrings, tokens: list[torch.Tensor], done: torch.Tensor) -> torch.Tensor:
+        """[b] bool: rows not yet done whose response so far contains a stop string."""
+        recent = torch.stack(tokens[-stops.window :], 1).tolist()
+        hits = [not was_done and stops.hit(row) for row, was_done in zip(recent, done.tolist())]
+        return torch.tensor(hits, device=self.device)
 
     def _all_done(self, done: torch.Tensor) -> bool:
         """Whether every row has stopped, on every rank (ranks decode in lockstep under a launcher)."""

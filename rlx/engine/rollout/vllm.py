@@ -193,6 +193,7 @@ class VLLMRolloutEngine(RolloutEngine):
     # --- generation ------------------------------------------------------------------------------
 
     def check_requests(self, requests: list[Request], sampling: SamplingParams) -> None:
+        super().check_requests(requests, sampling)
         for r in requests:
             if len(r.prompt_ids) + sampling.max_new_tokens > self.max_model_len:
                 raise UserError(
@@ -233,7 +234,9 @@ class VLLMRolloutEngine(RolloutEngine):
             max_tokens=max_tokens,
             stop_token_ids=sorted(self.stop_ids),
             logprobs=0,
-            detokenize=False,
+            # stop strings need the text; the shared outline then cuts at the same token as every engine
+            detokenize=bool(cfg.stop),
+            **({"stop": list(cfg.stop), "include_stop_str_in_output": True} if cfg.stop else {}),
         )
 
     def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> VLLMStream:

@@ -17,7 +17,19 @@ from rlx.engine.tracking import console, log_metrics
 from rlx.errors import UserError
 from rlx.models.loading import load_config, load_tokenizer, resolve_source
 from rlx.utils.device import resolve_precision
-from rlx.utils.io import join
+from rlx.utils.files import check_writable
+from rlx.utils.io import exists, is_remote, join, local
+
+
+def check_output_folder(out: str, names: tuple[str, ...], overwrite: bool) -> None:
+    """Refuse, before any work, an output folder that is a file, already holds one of `names` (without
+    --overwrite), or cannot be written."""
+    if not is_remote(out) and local(out).exists() and not local(out).is_dir():
+        raise UserError(f"--out {out}: is a file; expected a folder for {' and '.join(names)}")
+    taken = [str(join(out, n)) for n in names if exists(join(out, n))]
+    if taken and not overwrite:
+        raise UserError(f"{taken[0]}: already exists (choose another --out or pass --overwrite)")
+    check_writable(join(out, names[0]))
 
 
 def rollout_temperature(rollouts, override: float | None, where: str) -> float:
@@ -80,8 +92,10 @@ def run_score(
     critic: str | None = None,
     temperature: float | None = None,
     metrics_path: Path | None = None,
+    overwrite: bool = False,
 ) -> None:
     start = time.perf_counter()
+    check_output_folder(out, ("scores.jsonl", "batch.safetensors"), overwrite)
     rollouts = read_rollouts(rollouts_path)
     models = load_scoring_models(cfg, actor, ref, critic)
     check_token_ids(rollouts, models.vocab_size, rollouts_path)
@@ -97,7 +111,9 @@ def run_score(
     write_records(join(out, "scores.jsonl"), result.scores)
     step = read_meta_or_default(resolve_source(actor).path).step + 1
     log_metrics(metrics_path, step, {**result.metrics, "timing/score_s": time.perf_counter() - start})
+    errors = int(result.metrics.get("reward/num_errors", 0))
     console(
         f"rlx score: {len(rollouts)} samples, reward mean {result.metrics['reward/mean']:.3f} "
-        f"-> {join(out, 'scores.jsonl')}, {join(out, 'batch.safetensors')}"
+        + (f"({errors} reward errors, scored 0) " if errors else "")
+        + f"-> {join(out, 'scores.jsonl')}, {join(out, 'batch.safetensors')}"
     )

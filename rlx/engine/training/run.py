@@ -19,6 +19,7 @@ from rlx.engine.training.config import TrainConfig
 from rlx.errors import UserError
 from rlx.models.loading import load_config, resolve_source
 from rlx.models.value import check_value_config, is_value_config
+from rlx.utils.files import check_writable
 from rlx.utils.io import exists
 
 
@@ -42,6 +43,7 @@ def run_train_step(
         )
     if exists(out) and not overwrite:
         raise UserError(f"{out}: already exists (choose another --out or pass --overwrite)")
+    check_writable(out)
     batch = TrainBatch.load(batch_path)
     meta = check_complete(source.path) if is_checkpoint(source.path) else CheckpointMeta()
     config = load_config(source)  # the role is checked before any process group is set up

@@ -37,6 +37,7 @@ from rlx.engine.rollout.native.sampler import Launched, StepSampler
 from rlx.engine.rollout.native.scheduler import Scheduler
 from rlx.engine.rollout.requests import Generated, TokenRequest
 from rlx.engine.rollout.sampling import sample_uniforms
+from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
 from rlx.utils.device import resolve_precision
 
@@ -191,6 +192,7 @@ class NativeStream(TokenStream):
         self.tags: dict[Sequence, object] = {}
         self.inflight: Launched | None = None
         self.num_ahead = 0
+        self.stops = StopStrings(engine.tokenizer, sampling.stop) if sampling.stop else None
 
     def submit(self, tag, request: TokenRequest) -> None:
         self.check(request)
@@ -245,8 +247,9 @@ class NativeStream(TokenStream):
             seq.num_computed = len(seq)
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
-            if token in stop_ids or len(seq.output_ids) >= seq.max_tokens:
-                self.scheduler.finish(seq, "stop" if token in stop_ids else "length")
+            stopped = token in stop_ids or (self.stops is not None and self.stops.hit(seq.output_ids))
+            if stopped or len(seq.output_ids) >= seq.max_tokens:
+                self.scheduler.finish(seq, "stop" if stopped else "length")
                 finished.append(seq)
         return finished
 
