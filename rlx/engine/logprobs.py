@@ -13,6 +13,7 @@ hidden states and the LM-head weight (tied or untied), never materialising [toke
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from tqdm import tqdm
 from rlx.engine.parallel.ulysses import gather_sequence, group_rank_size, sequence_parallel_inputs, slice_sequence
 from rlx.kernels.logprob_entropy import IGNORE_INDEX, logprob_entropy, resolve_impl
 from rlx.models.attention import PackedBatch
+from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.utils.device import autocast
 
 
@@ -59,38 +61,40 @@ def response_logprobs(
     dtype: torch.dtype,
     with_entropy: bool = False,
     impl: str = "naive",
+    vision=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs [B, R] (and entropy [B, R]) of the response tokens given the prompts.
 
     prompt_ids/mask: [B, P] left-padded; response_ids/mask: [B, R] right-padded; all on the
     model's device. Values at masked response positions are meaningless (0 on the fused paths)
-    and must be masked by the caller.
+    and must be masked by the caller. `vision`: the rows' VisionInputs (a vision-language model: its
+    images and 3-D positions go into the forward).
     """
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # [B, P+R]
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    images = contextlib.nullcontext()
+    if vision is not None:  # the images and 3-D positions, hooked into the model's forward
+        row = VisionRow.padded(prompt_ids, prompt_mask, response_ids, response_mask, vision, model.config)
+        images = vision_forward(model, row)
+    with images:
+        return _padded_logprobs(model, inputs, response_ids, response_mask, temperature, dtype, with_entropy, impl)
+
+
+def _padded_logprobs(model, inputs: dict, response_ids, response_mask, temperature, dtype, with_entropy, impl):
+    """`response_logprobs` of the model inputs of a padded micro-batch."""
+    input_ids = inputs["input_ids"]
     r = response_ids.shape[1]
     impl = resolve_impl(impl, input_ids.device)
     weight = lm_head_weight(model) if impl != "naive" else None
     if weight is None:
         with autocast(input_ids.device, dtype):
             # logits for positions P-1 .. P+R-1 predict response tokens 0 .. R-1 (plus one spare at the end)
-            logits = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=r + 1,
-            ).logits[:, :-1, :]
+            logits = model(**inputs, use_cache=False, logits_to_keep=r + 1).logits[:, :-1, :]
         return logprobs_from_logits(logits, response_ids, temperature, with_entropy)
     with autocast(input_ids.device, dtype):
-        hidden, _ = hidden_states(
-            model,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        )
+        hidden, _ = hidden_states(model, **inputs, use_cache=False)
     hidden = hidden[:, -r - 1 : -1, :]  # [B, R, H]
     weight = lm_head_weight(model)  # after the forward: FSDP's root keeps it unsharded until the backward
     compute = dtype if dtype != torch.float32 else hidden.dtype
@@ -298,6 +302,7 @@ def sharded_forward(
 
 
 MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+_ROW = "row_index"  # a micro-batch's row numbers in the whole batch (picks its images)
 
 
 @torch.no_grad()
@@ -311,16 +316,22 @@ def batched_response_logprobs(
     desc: str = "logprobs",
     impl: str = "naive",
     ctx=None,
+    vision=None,
 ) -> torch.Tensor:
     """Logprobs [B, R] (float32, CPU, zero at masked positions) computed in micro-batches without grad,
-    split across ranks under a launcher (see `sharded_forward`)."""
+    split across ranks under a launcher (see `sharded_forward`); `vision`: the rows' VisionInputs."""
 
     def forward(part):
+        rows = part.pop(_ROW, None)
         part = {k: part[k].to(device) for k in MODEL_INPUTS}
-        logp, _ = response_logprobs(model, **part, temperature=temperature, dtype=dtype, impl=impl)
+        images = vision.select(rows.tolist()) if vision is not None else None
+        logp, _ = response_logprobs(model, **part, temperature=temperature, dtype=dtype, impl=impl, vision=images)
         return (logp * part["response_mask"]).cpu()
 
-    return _eval_forward(model, forward, tensors, micro_batch_size, ctx, desc)
+    inputs = {k: tensors[k] for k in MODEL_INPUTS}
+    if vision is not None:  # which rows a micro-batch holds, to pick their images
+        inputs[_ROW] = torch.arange(len(inputs["response_ids"]))
+    return _eval_forward(model, forward, inputs, micro_batch_size, ctx, desc)
 
 
 @torch.no_grad()
@@ -340,7 +351,8 @@ def _eval_forward(model, forward, tensors, micro_batch_size: int, ctx, desc: str
     was_training = model.training
     model.eval()
     try:
-        return sharded_forward(forward, {k: tensors[k] for k in MODEL_INPUTS}, micro_batch_size, ctx, desc)
+        return sharded_forward(forward, {k: tensors[k] for k in (*MODEL_INPUTS, _ROW) if k in tensors},
+                               micro_batch_size, ctx, desc)  # fmt: skip
     finally:
         model.train(was_training)
 
@@ -358,10 +370,11 @@ class ModuleScorer:
         return self.module.config
 
     def logprobs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype,
-                 micro_batch_size: int, impl: str = "auto", desc: str = "logprobs") -> torch.Tensor:  # fmt: skip
-        """[B, R] float32 on the CPU, zero at masked positions, on every rank."""
+                 micro_batch_size: int, impl: str = "auto", desc: str = "logprobs",
+                 vision=None) -> torch.Tensor:  # fmt: skip
+        """[B, R] float32 on the CPU, zero at masked positions, on every rank (`vision`: the rows' VisionInputs)."""
         return batched_response_logprobs(
-            self.module, tensors, temperature, self.ctx.device, dtype, micro_batch_size, desc, impl, self.ctx
+            self.module, tensors, temperature, self.ctx.device, dtype, micro_batch_size, desc, impl, self.ctx, vision
         )
 
     def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int) -> torch.Tensor:

@@ -62,7 +62,8 @@ class PPORun:
         self.kl_coef = meta.kl_coef if meta.kl_coef is not None else cfg.score.kl_coef
         self.models = build_run_models(cfg, self.backend, start_ckpt)
         self.trainer, self.critic = self.models.actor, self.models.critic
-        self.engine = build_engine(cfg.rollout, self.models.rollout_model, self.models.tokenizer, self.ctx)
+        models = self.models
+        self.engine = build_engine(cfg.rollout, models.rollout_model, models.tokenizer, self.ctx, models.processor)
         self.engine_stale = False  # whether the trainer changed the weights since the engine last got them
         self.prompts = read_prompts(cfg.data.prompts)
         self.score_cfg = dataclasses.replace(
@@ -128,7 +129,7 @@ class PPORun:
         if cfg.keep_artifacts and self.ctx.is_main:
             write_records(out / "rollouts.jsonl", rollouts)
             write_records(out / "scores.jsonl", result.scores)
-            result.batch.save(out / "batch.safetensors")
+            result.batch.save(out / "batch.safetensors", store_pixels=cfg.vision.store_pixels)
         with measure_phase("train", self.device) as phase:
             metrics.update(self._train(step, result))
         metrics.update(phase)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlx.engine.checkpoints.loading import load_model
+from rlx.engine.checkpoints.loading import load_model, load_processor
 from rlx.engine.checkpoints.registry import read_meta_or_default
 from rlx.engine.data import take_prompts
 from rlx.engine.parallel.dist import setup
@@ -33,8 +33,9 @@ def run_rollout(
         records = take_prompts(records, data_position, num_prompts or len(records), shuffle_seed)
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
+    processor = load_processor(source, cfg.vision)  # a vision-language model's images (None for text models)
     ctx = setup(cfg.device)
-    engine = build_engine(cfg, load_model(source), tokenizer, ctx)
+    engine = build_engine(cfg, load_model(source), tokenizer, ctx, processor)
     try:
         result = engine.generate(records, cfg.sampling())
     finally:

@@ -17,6 +17,7 @@ from rlx.engine.records import RolloutRecord, ScoreRecord
 from rlx.engine.scoring.config import ScoreConfig
 from rlx.engine.scoring.rewards import RewardFunctions
 from rlx.engine.tracking import console
+from rlx.engine.vision import rollout_images
 from rlx.errors import UserError
 
 
@@ -24,8 +25,10 @@ class Scorer(Protocol):
     """A model as scoring uses it, whatever backend holds it (rlx.engine.logprobs.ModuleScorer, megatron stages)."""
 
     def logprobs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype,
-                 micro_batch_size: int, impl: str = "auto", desc: str = "logprobs") -> torch.Tensor:  # fmt: skip
-        """Logprobs [B, R] float32 on the CPU, zero at masked positions, on every rank."""
+                 micro_batch_size: int, impl: str = "auto", desc: str = "logprobs",
+                 vision=None) -> torch.Tensor:  # fmt: skip
+        """Logprobs [B, R] float32 on the CPU, zero at masked positions, on every rank (`vision`: the rows'
+        VisionInputs, for a vision-language model)."""
 
     def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int) -> torch.Tensor:
         """Values [B, R] float32 on the CPU, zero at masked positions, on every rank."""
@@ -44,6 +47,10 @@ class ScoringModels:
     ref: Scorer | None = None
     critic: Scorer | None = None
     reward_model: object | None = None
+    processor: object | None = None
+    """The policy's VisionProcessor (vision-language models): the rollouts' images become the forwards' inputs."""
+    model_config: object | None = None
+    """The policy's config (image parts given to a text-only model are an error naming the sample)."""
 
 
 @dataclass
@@ -189,8 +196,13 @@ def build_batch(
     in-reward KL penalty also the coefficient the next step uses (the controller's update)."""
     tensors = collate(rollouts, models.pad_token_id)
     mask = tensors["response_mask"]
+    images = rollout_images(rollouts, models.processor, models.model_config)
     forward = dict(temperature=temperature, dtype=models.dtype, micro_batch_size=cfg.micro_batch_size,
                    impl=cfg.logprob_impl)  # fmt: skip
+    if images is not None:
+        if models.critic is not None:
+            raise UserError("a critic (values) of a vision-language model is not supported yet")
+        forward["vision"] = images.vision
     old = tensors["rollout_logprobs"].clone()
     if models.actor is not None:
         old = models.actor.logprobs(tensors, desc="old logprobs", **forward)
@@ -247,6 +259,7 @@ def build_batch(
         advantages=advantages,
         returns=returns,
         rewards=rewards.scores,
+        images=images,
         **tensors,
     )
     metrics.update(batch_metrics(rollouts, batch))
