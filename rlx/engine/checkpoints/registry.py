@@ -114,7 +114,21 @@ def save(
     before_publish: Callable[[], None] | None = None,
 ) -> None:
     """Write a trained model (and nested ones) in `meta.layout`; every process of the launch calls this."""
+    prepare_save(out, state, aux, meta, overwrite, nested, before_publish)()
+
+
+def prepare_save(
+    out: str | Path,
+    state: TrainedState,
+    aux: dict[str, bytes],
+    meta: CheckpointMeta,
+    overwrite: bool = False,
+    nested: dict[str, CheckpointPart] | None = None,
+    before_publish: Callable[[], None] | None = None,
+) -> Callable[[], None]:
+    """`save`'s collective part now (every process); returns the part that only writes files (run it, possibly in a
+    background thread, on every process: it is a no-op where there is nothing to write)."""
     layout = get_layout(meta.layout, "layout")
     layout.check_output(str(out))
     parts = {"": CheckpointPart(state, aux, meta), **(nested or {})}
-    layout.write(str(out), parts, overwrite, before_publish)
+    return layout.prepare_write(str(out), parts, overwrite, before_publish)

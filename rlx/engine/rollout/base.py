@@ -132,6 +132,12 @@ class RolloutEngine(ABC):
         limit = context_limit(model.config, cfg.vision.max_prompt_tokens) if processor is not None else 0
         self.encoder = PromptEncoder(tokenizer, cfg.chat_template, processor, model.config, limit)
 
+    @classmethod
+    def model_dtype(cls, cfg: RolloutConfig, device: torch.device) -> torch.dtype:
+        """The dtype a model this engine owns alone (`rlx rollout`) is best loaded in: float32 by default (the
+        engine computes under autocast, as the trainer does)."""
+        return torch.float32
+
     # --- the shared outline ----------------------------------------------------------------------
 
     def generate(self, prompts: list[PromptRecord], sampling: SamplingParams, progress: bool = True) -> RolloutResult:

@@ -11,6 +11,7 @@ from rlx.engine.parallel.dist import setup
 from rlx.engine.records import read_prompts, write_records
 from rlx.engine.rollout.base import build_engine
 from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.registry import engine_class
 from rlx.engine.tracking import console, log_metrics
 from rlx.errors import UserError
 from rlx.models.loading import load_tokenizer, resolve_source
@@ -35,7 +36,8 @@ def run_rollout(
     tokenizer = load_tokenizer(source)
     processor = load_processor(source, cfg.vision)  # a vision-language model's images (None for text models)
     ctx = setup(cfg.device)
-    engine = build_engine(cfg, load_model(source), tokenizer, ctx, processor)
+    dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
+    engine = build_engine(cfg, load_model(source, dtype=dtype), tokenizer, ctx, processor)
     try:
         result = engine.generate(records, cfg.sampling())
     finally:

@@ -26,11 +26,13 @@ class Scorer(Protocol):
 
     def logprobs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype,
                  micro_batch_size: int, impl: str = "auto", desc: str = "logprobs",
-                 vision=None) -> torch.Tensor:  # fmt: skip
-        """Logprobs [B, R] float32 on the CPU, zero at masked positions, on every rank (`vision`: the rows'
-        VisionInputs, for a vision-language model)."""
+                 max_tokens: int = 0, vision=None) -> torch.Tensor:  # fmt: skip
+        """Logprobs [B, R] float32 on the CPU, zero at masked positions, on every rank (`max_tokens`: packed
+        micro-batches of at most that many tokens, where the model can run them; `vision`: the rows' VisionInputs,
+        for a vision-language model)."""
 
-    def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int) -> torch.Tensor:
+    def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int,
+               max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
         """Values [B, R] float32 on the CPU, zero at masked positions, on every rank."""
 
 
@@ -197,9 +199,10 @@ def build_batch(
     tensors = collate(rollouts, models.pad_token_id)
     mask = tensors["response_mask"]
     images = rollout_images(rollouts, models.processor, models.model_config)
+    max_tokens = cfg.max_tokens_per_micro_batch if cfg.use_packing and images is None else 0
     forward = dict(temperature=temperature, dtype=models.dtype, micro_batch_size=cfg.micro_batch_size,
-                   impl=cfg.logprob_impl)  # fmt: skip
-    if images is not None:
+                   impl=cfg.logprob_impl, max_tokens=max_tokens)  # fmt: skip
+    if images is not None:  # images go into padded micro-batches (the token-budget packing does not carry them)
         if models.critic is not None:
             raise UserError("a critic (values) of a vision-language model is not supported yet")
         forward["vision"] = images.vision
@@ -208,7 +211,7 @@ def build_batch(
         old = models.actor.logprobs(tensors, desc="old logprobs", **forward)
     ref = models.ref.logprobs(tensors, desc="ref logprobs", **forward) if models.ref else None
     critic = models.critic
-    values = critic.values(tensors, models.dtype, cfg.micro_batch_size) if critic is not None else None
+    values = critic.values(tensors, models.dtype, cfg.micro_batch_size, max_tokens) if critic is not None else None
     token_rewards = torch.zeros_like(old)
     token_rewards[torch.arange(len(rollouts)), mask.sum(-1) - 1] = rewards.scores
     metrics = mismatch_metrics(old, tensors["rollout_logprobs"], mask)
