@@ -67,7 +67,8 @@ def vlm(tmp_path_factory) -> dict:
     write_shapes(prompts, pairs, embed=False)
     records = read_jsonl(prompts)
     random_image(24, 40, 7).save(root / "data" / "wide.png")
-    two = chat("compare", {"type": "image", "image": "wide.png"}, {"type": "image", "image": records[0]["prompt"][0]["content"][0]["image"]})  # fmt: skip
+    first = records[0]["prompt"][0]["content"][0]["image"]
+    two = chat("compare", {"type": "image", "image": "wide.png"}, {"type": "image", "image": first})
     records += [{"id": "two", "prompt": two}, {"id": "text", "prompt": "no image here"}]
     write_jsonl(prompts, records)
     reward = write_length_reward(root)
@@ -192,6 +193,7 @@ def test_shard_merge_carries_the_processor_files(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
 
 
+@pytest.mark.slow  # 7 fresh processes of the shell pipeline: ~60-170 s on 2 shared CPU cores
 def test_ppo_equals_the_shell_pipeline(tmp_path):
     """recipes/tiny_vlm_shapes.sh, stage by stage, gives the rollouts and weights of `rlx ppo` on its recipe."""
     env = {**os.environ, "STEPS": "2", "SEED": "3", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
@@ -215,12 +217,14 @@ def error_of(*args) -> str:
 
 def test_bad_images_and_image_settings(vlm, tmp_path, tiny_ckpt):
     rollout = ["rollout", "--model", vlm["ckpt"], "--n", "1", "--max-new-tokens", "2"]
-    missing = write_jsonl(tmp_path / "missing.jsonl", [{"id": "q1", "prompt": chat({"type": "image", "image": "gone.png"}, "x")}])  # fmt: skip
+    gone = chat({"type": "image", "image": "gone.png"}, "x")
+    missing = write_jsonl(tmp_path / "missing.jsonl", [{"id": "q1", "prompt": gone}])
     message = error_of(*rollout, "--prompts", missing, "--out", tmp_path / "r.jsonl")
     assert f"prompt 'q1': image '{tmp_path / 'gone.png'}' does not exist" in message
     assert not (tmp_path / "r.jsonl").exists()
     (tmp_path / "bad.png").write_text("not a picture")
-    broken = write_jsonl(tmp_path / "broken.jsonl", [{"id": "q2", "prompt": chat({"type": "image", "image": "bad.png"})}])  # fmt: skip
+    bad = chat({"type": "image", "image": "bad.png"})
+    broken = write_jsonl(tmp_path / "broken.jsonl", [{"id": "q2", "prompt": bad}])
     assert "prompt 'q2': image" in error_of(*rollout, "--prompts", broken, "--out", tmp_path / "r.jsonl")
     no_path = write_jsonl(tmp_path / "nopath.jsonl", [{"prompt": chat({"type": "image"})}])
     assert f"{no_path}:1: field 'prompt'" in error_of(*rollout, "--prompts", no_path, "--out", tmp_path / "r.jsonl")
@@ -247,8 +251,10 @@ def test_missing_processor_kimi_and_changed_images(vlm, tmp_path):
     assert f"{no_processor}: no preprocessor_config.json: the Qwen2-VL image processor is missing" in message
     kimi = tmp_path / "kimi"
     kimi.mkdir()
-    (kimi / "config.json").write_text(json.dumps({"model_type": "kimi_vl", "architectures": ["KimiVLForConditionalGeneration"]}))  # fmt: skip
-    assert "Kimi-VL (model_type 'kimi_vl') is remote code only" in error_of("shard", "--model", kimi, "--out", tmp_path / "k")  # fmt: skip
+    config = {"model_type": "kimi_vl", "architectures": ["KimiVLForConditionalGeneration"]}
+    (kimi / "config.json").write_text(json.dumps(config))
+    message = error_of("shard", "--model", kimi, "--out", tmp_path / "k")
+    assert "Kimi-VL (model_type 'kimi_vl') is remote code only" in message
     # a batch stored without pixels reloads its images: a file replaced since scoring is an error naming it
     data = tmp_path / "data"
     shutil.copytree(vlm["prompts"].parent, data)
@@ -287,7 +293,7 @@ def test_fsdp_and_sequence_parallel_train_steps_equal_one_process(vlm, tmp_path)
     assert_same_weights(tmp_path / "one", tmp_path / "sp", atol=1e-4)
 
 
-@pytest.mark.slow  # ~2 minutes on 2 CPU cores
+@pytest.mark.slow  # 40 steps: ~60 s on 2 CPU cores
 def test_tiny_vlm_recipe_learns(tmp_path):
     from rlx.engine.ppo.config import load_recipe
     from rlx.engine.ppo.loop import run_ppo
