@@ -186,6 +186,19 @@ def score_rollouts(
     return ScoreResult(scores, batch, metrics, next_kl_coef)
 
 
+def _forward_options(cfg, models: ScoringModels, temperature: float, images) -> dict:
+    """The keyword arguments of the scorers' `logprobs`: a vision-language batch's images go into padded
+    micro-batches (the token-budget packing does not carry them)."""
+    max_tokens = cfg.max_tokens_per_micro_batch if cfg.use_packing and images is None else 0
+    forward = dict(temperature=temperature, dtype=models.dtype, micro_batch_size=cfg.micro_batch_size,
+                   impl=cfg.logprob_impl, max_tokens=max_tokens)  # fmt: skip
+    if images is not None:
+        if models.critic is not None:
+            raise UserError("a critic (values) of a vision-language model is not supported yet")
+        forward["vision"] = images.vision
+    return forward
+
+
 def build_batch(
     rollouts: list[RolloutRecord],
     rewards: Rewards,
@@ -199,19 +212,17 @@ def build_batch(
     tensors = collate(rollouts, models.pad_token_id)
     mask = tensors["response_mask"]
     images = rollout_images(rollouts, models.processor, models.model_config)
-    max_tokens = cfg.max_tokens_per_micro_batch if cfg.use_packing and images is None else 0
-    forward = dict(temperature=temperature, dtype=models.dtype, micro_batch_size=cfg.micro_batch_size,
-                   impl=cfg.logprob_impl, max_tokens=max_tokens)  # fmt: skip
-    if images is not None:  # images go into padded micro-batches (the token-budget packing does not carry them)
-        if models.critic is not None:
-            raise UserError("a critic (values) of a vision-language model is not supported yet")
-        forward["vision"] = images.vision
+    forward = _forward_options(cfg, models, temperature, images)
     old = tensors["rollout_logprobs"].clone()
     if models.actor is not None:
         old = models.actor.logprobs(tensors, desc="old logprobs", **forward)
     ref = models.ref.logprobs(tensors, desc="ref logprobs", **forward) if models.ref else None
     critic = models.critic
-    values = critic.values(tensors, models.dtype, cfg.micro_batch_size, max_tokens) if critic is not None else None
+    values = (
+        critic.values(tensors, models.dtype, cfg.micro_batch_size, forward["max_tokens"])
+        if critic is not None
+        else None
+    )
     token_rewards = torch.zeros_like(old)
     token_rewards[torch.arange(len(rollouts)), mask.sum(-1) - 1] = rewards.scores
     metrics = mismatch_metrics(old, tensors["rollout_logprobs"], mask)
