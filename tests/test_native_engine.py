@@ -302,3 +302,17 @@ def test_a_persistent_engine_follows_weight_updates_and_keeps_its_cache(tiny):
         assert [r.rollout_logprobs for r in ours] == [r.rollout_logprobs for r in fresh], step
     assert engine.cache_builds == 1 and engine.replica_fills == 3
     assert generate(engine, PROMPTS, cfg) == ours and engine.replica_fills == 3  # no update since: no refill
+
+
+def test_a_kept_cache_takes_the_next_steps_slightly_longer_prompts(tiny):
+    """Prompt lengths vary from step to step: the cache is built with headroom, so a next call whose prompts are
+    a few tokens longer reuses it (and its decode graphs) instead of building a bigger one."""
+    model, tokenizer = tiny
+    cfg = RolloutConfig(engine="native", chat_template="off", n=4, max_new_tokens=30, seed=2, block_size=4)
+    engine = make_engine(model, tokenizer, cfg)
+    generate(engine, PROMPTS, cfg)
+    longer = [dataclasses.replace(p, prompt=p.prompt + "1+1") for p in PROMPTS]
+    out = generate(engine, longer, cfg)
+    assert engine.cache_builds == 1
+    assert [r.response_ids for r in out] == [r.response_ids for r in generate(make_engine(model, tokenizer, cfg),
+                                                                               longer, cfg)]  # fmt: skip

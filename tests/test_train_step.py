@@ -215,24 +215,3 @@ def test_a_checkpoint_prepared_before_an_update_holds_the_weights_of_before(tmp_
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     optimizer = read_full_optimizer(tmp_path / "ckpt")
     assert optimizer.keys() == moments.keys() and all(torch.equal(optimizer[k], moments[k]) for k in moments)
-
-
-def test_safetensors_written_without_the_library_writer_load_with_it(tmp_path):
-    from safetensors.torch import load_file
-
-    from rlx.utils.tensor_files import save_safetensors
-
-    tensors = {
-        "w": torch.randn(3, 5),
-        "half": torch.randn(7).bfloat16(),
-        "step": torch.tensor(3),
-        "empty": torch.zeros(0, 4),
-        "mask": torch.tensor([True, False]),
-        "strided": torch.randn(4, 4)[:, :2],
-        "small": torch.randint(0, 9, (5,), dtype=torch.int8),
-    }
-    save_safetensors(tensors, tmp_path / "x.safetensors", {"format": "pt"})
-    loaded = load_file(tmp_path / "x.safetensors")
-    assert loaded.keys() == tensors.keys()
-    for name, value in tensors.items():
-        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value), name

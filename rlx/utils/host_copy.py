@@ -40,6 +40,7 @@ def snapshot(tensors: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Tens
             for key, value in items:
                 buffer = _buffer(f"{tag}/{key}", value)
                 buffer.copy_(value, non_blocking=True)
+                value.record_stream(stream)  # a temporary source is not reused before the copy has read it
                 out[key] = buffer
         event = torch.cuda.Event()
         event.record(stream)

@@ -15,11 +15,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from rlx.engine.checkpoints.meta import META_NAME
 from rlx.models.loading import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, read_safetensors
 from rlx.utils.files import apply_umask
-from rlx.utils.tensor_files import save_safetensors
 
 OPTIMIZER_NAME = "optimizer.safetensors"
 MAX_SHARD_SIZE = "5GB"
@@ -68,7 +68,7 @@ def write_weights(folder: Path, state: dict[str, torch.Tensor], dtype: torch.dty
         tensors, filename_pattern="model{suffix}.safetensors", max_shard_size=MAX_SHARD_SIZE
     )
     for filename, keys in split.filename_to_tensors.items():
-        save_safetensors({k: tensors[k] for k in keys}, str(folder / filename), metadata={"format": "pt"})
+        save_file({k: tensors[k] for k in keys}, str(folder / filename), metadata={"format": "pt"})
         apply_umask(folder / filename)  # safetensors makes its files 0600
     if split.is_sharded:
         index = {
@@ -82,7 +82,7 @@ def write_weights(folder: Path, state: dict[str, torch.Tensor], dtype: torch.dty
 
 def write_optimizer_state(folder: Path, state: dict[str, torch.Tensor]) -> None:
     """Write optimizer tensors keyed '<param>::<state key>' to OPTIMIZER_NAME."""
-    save_safetensors(
+    save_file(
         {k: v.detach().cpu().contiguous() for k, v in state.items()},
         str(folder / OPTIMIZER_NAME),
         metadata={"format": "rlx-optimizer"},

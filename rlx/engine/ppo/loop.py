@@ -136,6 +136,7 @@ class PPORun:
             rollouts, rewards, metrics = self._sample(step)
         metrics.update(phase)
         metrics.update(sync)
+        metrics.update({f"rollout/{k}": float(v) for k, v in self.engine.counters().items()})
         released = self.engine.sleep()  # the trainer gets the memory until the next rollout
         metrics["memory/rollout_engine_released_gb"] = released / 2**30
         with measure_phase("score", self.device) as phase:

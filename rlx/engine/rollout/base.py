@@ -182,6 +182,10 @@ class RolloutEngine(ABC):
 
     # --- memory and weights ------------------------------------------------------------------------
 
+    def counters(self) -> dict[str, float]:
+        """The engine's own running counts (e.g. KV caches built), logged as `rollout/<name>` each step."""
+        return {}
+
     def sleep(self) -> float:
         """Release what the engine keeps between calls so the trainer has the memory; returns the bytes freed."""
         return 0.0

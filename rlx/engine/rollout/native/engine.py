@@ -43,6 +43,7 @@ from rlx.models.vision.families import is_vision_config
 from rlx.utils.device import resolve_precision
 
 _GIB = 1 << 30
+_HEADROOM = 8  # a new KV cache gets 1/8 more blocks than the call needs (prompt lengths vary per step)
 
 
 class NativeRolloutEngine(RolloutEngine):
@@ -71,6 +72,9 @@ class NativeRolloutEngine(RolloutEngine):
     def model_dtype(cls, cfg, device: torch.device) -> torch.dtype:
         """The rollout dtype itself: a model the engine owns needs no replica."""
         return resolve_precision(cfg.precision, device)
+
+    def counters(self) -> dict[str, float]:
+        return {"cache_builds": self.cache_builds, "replica_fills": self.replica_fills, "cache_capped": self._capped}
 
     def sleep(self) -> float:
         """With rollout.sleep (off by default for this engine: its cache is sized by what the rollouts need), free
@@ -118,10 +122,11 @@ class NativeRolloutEngine(RolloutEngine):
         return self._replica
 
     def _num_blocks(self, seqs: list[Sequence]) -> int:
-        """Blocks for every sequence at its longest (no preemption), or what the memory budget allows if fewer."""
-        budget = self._budget_blocks()
-        self._capped = budget < self._needed(seqs)
-        return min(self._needed(seqs), budget)
+        """Blocks for every sequence at its longest (no preemption) with headroom, so that the next call's slightly
+        longer prompts still fit, or what the memory budget allows if fewer."""
+        budget, needed = self._budget_blocks(), self._needed(seqs)
+        self._capped = budget < needed
+        return min(needed + needed // _HEADROOM, budget)
 
     def _needed(self, seqs: list[Sequence]) -> int:
         return 1 + sum(-(-(len(s.prompt_ids) + s.max_tokens) // self.block_size) for s in seqs)
@@ -193,6 +198,7 @@ class NativeRolloutEngine(RolloutEngine):
         self._free_runner()  # free the old cache before measuring the memory for the new one
         blocks = BlockManager(self._num_blocks(seqs), self.block_size)
         self.cache_builds += 1
+        width += 1 + width // _HEADROOM  # block-table room for longer prompts next time
         self._runner = ModelRunner(
             module, self.device, self.dtype, blocks, width, graphs, cfg.compile, cfg.paged_attention
         )
