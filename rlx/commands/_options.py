@@ -1,6 +1,8 @@
 """Command options derived from config dataclasses: each field of a stage's config (`RolloutConfig`,
 `ScoreConfig`, `TrainConfig`) is one typer option, with the field's name, type, default and docstring (as the
-help), so a field added to a config appears in its command and `--help` with no second edit.
+help), so a field added to a config appears in its command and `--help` with no second edit. A field that is
+itself a config table (e.g. `vision: VisionConfig`) contributes its own fields as options (`--max-pixels`), from
+which the wrapper builds the table.
 
     @config_command(ScoreConfig, "score", metavars={"reward": "NAME[=W]"})
     def score(cfg: ScoreConfig, rollouts: Annotated[str, typer.Option(...)], ...) -> None:
@@ -48,12 +50,22 @@ def _option_type(tp: Any) -> tuple[Any, str | None] | None:
     return None
 
 
+def _tables(cls: type) -> dict[str, type]:
+    """Fields of `cls` that are config tables themselves (dataclasses): their fields become options."""
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
+
+
 def field_options(cls: type, exclude=(), metavars: dict | None = None, decls: dict | None = None,
                   help_extra: dict | None = None) -> list[inspect.Parameter]:  # fmt: skip
-    """One keyword-only typer parameter per CLI-able field of dataclass `cls`, in field order."""
-    hints, out = get_type_hints(cls), []
+    """One keyword-only typer parameter per CLI-able field of dataclass `cls`, in field order (a table field's
+    own fields in its place; `exclude` names fields at either level)."""
+    hints, out, tables = get_type_hints(cls), [], _tables(cls)
     metavars, decls, help_extra = metavars or {}, decls or {}, help_extra or {}
     for f in dataclasses.fields(cls):
+        if f.name in tables and f.name not in exclude:
+            out += field_options(tables[f.name], exclude, metavars, decls, help_extra)
+            continue
         found = None if f.name in exclude else _option_type(hints[f.name])
         if found is None:
             continue
@@ -68,6 +80,15 @@ def field_options(cls: type, exclude=(), metavars: dict | None = None, decls: di
     return out
 
 
+def _build(cls: type, values: dict):
+    """`cls` from option values (a table field built from its own options first)."""
+    for name, table in _tables(cls).items():
+        own = {f.name for f in dataclasses.fields(table)}
+        values[name] = _build(table, {k: values.pop(k) for k in list(values) if k in own})
+    values = {k: v for k, v in values.items() if v is not None or not _has_factory(cls, k)}
+    return build_config(cls, **values)
+
+
 def config_command(cls: type, name: str, **options) -> Callable:
     """Decorator for a stage command whose first parameter is the config `cls` (see the module docstring);
     `options` go to `field_options` (exclude, metavars, decls, help_extra)."""
@@ -76,6 +97,8 @@ def config_command(cls: type, name: str, **options) -> Callable:
         own = list(inspect.signature(fn, eval_str=True).parameters.values())[1:]
         fields = field_options(cls, **options)
         names = {p.name for p in fields}
+        if len(names) != len(fields):
+            raise TypeError(f"{cls.__name__}: a table's field has the name of another option")
         clash = names & {p.name for p in own}
         if clash:
             raise TypeError(f"{fn.__name__}: {sorted(clash)} are both config fields and own options")
@@ -83,9 +106,8 @@ def config_command(cls: type, name: str, **options) -> Callable:
         @functools.wraps(fn)
         def command(**kwargs):
             values = {k: kwargs.pop(k) for k in names}
-            values = {k: v for k, v in values.items() if v is not None or not _has_factory(cls, k)}
             with reporting(name):
-                cfg = build_config(cls, **values)
+                cfg = _build(cls, values)
             return fn(cfg, **kwargs)
 
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + fields

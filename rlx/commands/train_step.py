@@ -12,7 +12,12 @@ from rlx.commands._options import config_command
 from rlx.engine.training.config import TrainConfig
 
 
-@config_command(TrainConfig, "train-step", metavars={"policy_loss": "NAME", "loss_agg_mode": "MODE"})
+@config_command(
+    TrainConfig,
+    "train-step",
+    metavars={"policy_loss": "NAME", "loss_agg_mode": "MODE"},
+    exclude=("store_pixels", "max_prompt_tokens"),  # score's and rollout's
+)
 def train_step(
     cfg: TrainConfig,
     checkpoint: Annotated[

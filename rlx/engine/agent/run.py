@@ -21,6 +21,7 @@ from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.tracking import console, log_metrics
 from rlx.errors import UserError
 from rlx.models.loading import load_tokenizer, resolve_source
+from rlx.models.vision.images import image_refs
 
 
 def run_multi_turn_rollout(
@@ -42,6 +43,9 @@ def run_multi_turn_rollout(
         raise UserError("--num-prompts must be >= 0")
     records = read_prompts(prompts_path)
     records = records[:num_prompts] if num_prompts else records
+    with_images = next((r for r in records if image_refs(r.prompt, r.id)), None)
+    if with_images is not None:
+        raise UserError(f"prompt {with_images.id!r} has image parts: multi-turn rollouts do not take images yet")
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
     engine = build_engine(cfg, load_model(source), tokenizer, setup(cfg.device))

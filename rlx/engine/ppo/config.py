@@ -15,6 +15,7 @@ from rlx.engine.scoring.config import ScoreConfig
 from rlx.engine.tracking import TrackingConfig
 from rlx.engine.training.config import TrainConfig
 from rlx.errors import UserError
+from rlx.models.vision.config import VisionConfig
 
 
 @dataclass(kw_only=True)
@@ -122,6 +123,9 @@ class PPOConfig:
     """Where metrics go besides metrics.jsonl (console, tensorboard, wandb, mlflow) and rollout traces."""
     eval: EvalConfig | None = None
     """Held-out evaluation during training: val/* metrics in the step's metrics line, step_NNNNNN/eval.jsonl."""
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    """Vision-language models: image sizes and prompt limit of every stage, pixels in the batch files, whether the
+    vision tower trains."""
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", f"must be at least 1, got {self.steps}")
@@ -166,8 +170,19 @@ class PPOConfig:
                 f"{key}.lr_decay_steps",
                 f"decay over the run's {self.steps} steps needs steps > warmup_steps (or set lr_decay_steps)",
             )
+        self._share_vision()
         needs_ref = self.score.kl_coef > 0 or self.train.kl_loss_coef > 0
         check(self.use_ref or not needs_ref, "use_ref", "score.kl_coef or train.kl_loss_coef > 0 needs use_ref = true")
+
+    def _share_vision(self) -> None:
+        """Every stage reads the [vision] table (a stage's own `vision` table is the CLI's; in a recipe it must be
+        left out, or equal [vision] as in a run dir's recipe.json)."""
+        stages = {"rollout": self.rollout, "score": self.score, "train": self.train}
+        if self.critic is not None:
+            stages["critic.train"] = self.critic.train
+        for key, stage in stages.items():
+            check(stage.vision in (VisionConfig(), self.vision), f"{key}.vision", "set the [vision] table instead")
+            stage.vision = self.vision
 
     @property
     def backend_name(self) -> str:

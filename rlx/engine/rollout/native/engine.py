@@ -9,6 +9,10 @@ device memory (that fraction of it: `rollout.gpu_memory_utilization`; `rollout.k
 CPU or to fix it). The cache and the decode CUDA graphs are kept from one `generate` call to the next
 until `sleep()`, which `rlx ppo` calls after each rollout so the trainer has the memory.
 
+A vision-language model runs its vision tower once per prompt with images and takes the image embeddings and
+3-D mRoPE positions in the prefill; decode steps rotate at the text position plus the sequence's mRoPE offset
+(vision.py). Its tokens and logprobs equal the hf engine's as for text models.
+
 Host and device overlap (as vLLM's async scheduling): after a decode step is queued, the next decode step
 is planned from lengths alone and queued before the host reads the first one's tokens (its input tokens are
 gathered on the device), so the device computes step t+1 while the host does step t's bookkeeping. A
@@ -31,10 +35,12 @@ from rlx.engine.rollout.native.replica import build_replica, fill_replica, is_sh
 from rlx.engine.rollout.native.runner import ModelRunner
 from rlx.engine.rollout.native.sampler import Launched, StepSampler
 from rlx.engine.rollout.native.scheduler import Scheduler
+from rlx.engine.rollout.native.vision import NativeImages
 from rlx.engine.rollout.requests import Generated, Request
 from rlx.engine.rollout.sampling import sample_uniforms
 from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
+from rlx.models.vision.families import is_vision_config
 from rlx.utils.device import resolve_precision
 
 _GIB = 1 << 30
@@ -46,9 +52,10 @@ class NativeRolloutEngine(RolloutEngine):
     from its shards, see replica.py) through a paged KV cache."""
 
     name = "native"
+    takes_images = True
 
-    def __init__(self, model, tokenizer, cfg, ctx):
-        super().__init__(model.to(ctx.device), tokenizer, cfg, ctx)
+    def __init__(self, model, tokenizer, cfg, ctx, processor=None):
+        super().__init__(model.to(ctx.device), tokenizer, cfg, ctx, processor)
         self.sharded = is_sharded(self.model)
         # a replica in the rollout dtype (bf16 on GPUs) when the model is sharded or holds other weights (a trainer's
         # float32 master weights): filled in place after each update, so the decode graphs keep pointing at it
@@ -151,7 +158,9 @@ class NativeRolloutEngine(RolloutEngine):
         module = self._generating_module()  # before the cache is sized from the free memory
         was_training = module.training
         module.eval()
+        images = NativeImages(module, requests, seqs) if is_vision_config(module.config) else None
         runner = self._runner_for(module, seqs)
+        runner.images = images  # this call's images (vision.py)
         scheduler = Scheduler(runner.blocks, self.cfg.max_num_seqs, self.cfg.max_prefill_tokens)
         for seq in seqs:
             try:
