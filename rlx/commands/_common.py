@@ -43,6 +43,13 @@ def reporting(command: str, on_interrupt: str = "") -> Iterator[None]:
             teardown(wait_for_others=finished)
 
 
+LORA_OPTIONS = {
+    "metavars": {"target_modules": "NAME"},
+    "help_extra": {"target_modules": " Repeat the option for several names."},
+}
+"""How `rlx shard` and `rlx train-step` show LoraConfig's fields as --lora-* options (`nested_config`)."""
+
+
 def build_config(cls, **values):
     """Construct a config dataclass from CLI options, mapping validation errors to the option name."""
     from rlx.config import ConfigError

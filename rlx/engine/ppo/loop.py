@@ -26,7 +26,7 @@ from rlx.engine.backends.registry import backend_class
 from rlx.engine.checkpoints.base import CheckpointPart
 from rlx.engine.checkpoints.loading import CheckpointWeights
 from rlx.engine.checkpoints.meta import CheckpointMeta, provenance
-from rlx.engine.checkpoints.registry import layout_for_backend, read_meta, save
+from rlx.engine.checkpoints.registry import layout_for_backend, read_meta, save, trained_layout
 from rlx.engine.data import take_prompts
 from rlx.engine.flops import count_flops, count_generate_flops, device_peak_flops, mfu
 from rlx.engine.memory import device_peak_bytes, host_rss_bytes, measure_phase, phase_metrics, reset_device_peak
@@ -244,9 +244,10 @@ class PPORun:
     def _save(self, step: int, before_publish=None) -> None:
         """Write the actor (critic nested) in the backend's layout; every rank takes part, and rank 0 calls
         `before_publish()` once the files are written, before the folder is renamed into place."""
+        own_layout = layout_for_backend(self.backend.name).name
         meta = CheckpointMeta(
             step=step,
-            layout=layout_for_backend(self.backend.name).name,
+            layout=trained_layout(self.trainer, own_layout),
             data_position=self.data_position,
             optimizer=self.trainer.optimizer_meta(),
             kl_coef=self.kl_coef,
@@ -254,7 +255,12 @@ class PPORun:
         )
         nested = {}
         if self.critic is not None:
-            critic_meta = dataclasses.replace(meta, optimizer=self.critic.optimizer_meta(), kl_coef=None)
+            critic_meta = dataclasses.replace(
+                meta,
+                layout=trained_layout(self.critic, own_layout),
+                optimizer=self.critic.optimizer_meta(),
+                kl_coef=None,
+            )
             nested[CRITIC_DIR] = CheckpointPart(self.critic, self.models.critic_aux, critic_meta)
         out = checkpoint_dir(self.run_dir, step)
         save(out, self.trainer, self.models.aux, meta, overwrite=True, nested=nested, before_publish=before_publish)

@@ -102,6 +102,10 @@ class RolloutConfig:
     time; with it on, logprobs can differ from off in the last float32 bit)."""
     paged_attention: Literal["auto", "torch", "triton"] = "auto"
     """native: the paged decode attention kernel: Triton on CUDA ('auto'), or the PyTorch reference."""
+    lora_rollout: Literal["merged", "adapters"] = "merged"
+    """native with a LoRA policy: 'merged' decodes with a plain copy holding the base with the adapters merged in
+    (W + alpha/r B A), refreshed in place before each rollout; 'adapters' decodes with the adapters applied in the
+    forward (PEFT's layers: two extra low-rank matmuls per adapted layer, no copy unless FSDP-sharded)."""
 
     def __post_init__(self) -> None:
         check_choices(self)

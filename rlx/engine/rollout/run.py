@@ -34,7 +34,7 @@ def run_rollout(
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
     ctx = setup(cfg.device)
-    engine = build_engine(cfg, load_model(source), tokenizer, ctx)
+    engine = build_engine(cfg, load_model(source, adapters=True), tokenizer, ctx)  # LoRA: as `rlx ppo` generates
     try:
         result = engine.generate(records, cfg.sampling())
     finally:

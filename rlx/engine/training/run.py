@@ -1,7 +1,8 @@
 """The train-step stage as `rlx train-step` runs it: checkpoint + batch -> next checkpoint + metrics.
 
 The checkpoint's layout names the backend that trains it in place (checkpoints/registry.py, backends/registry.py);
-the next checkpoint is written in the same layout.
+the next checkpoint is written in the same layout, or in the LoRA layout when the trainer trains adapters (a LoRA
+checkpoint, or `lora` settings on a checkpoint of full weights).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from rlx.engine.backends.registry import backend_for_checkpoint, checkpoint_degr
 from rlx.engine.batch import TrainBatch
 from rlx.engine.checkpoints.files import aux_files
 from rlx.engine.checkpoints.meta import CheckpointMeta, is_checkpoint, provenance
-from rlx.engine.checkpoints.registry import check_complete, save
+from rlx.engine.checkpoints.registry import check_complete, save, trained_layout
 from rlx.engine.parallel.dist import barrier
 from rlx.engine.tracking import console, log_metrics
 from rlx.engine.training.config import TrainConfig
 from rlx.errors import UserError
 from rlx.models.loading import load_config, resolve_source
+from rlx.models.lora_config import LoraConfig
 from rlx.models.value import check_value_config, is_value_config
 from rlx.utils.io import exists
 
@@ -29,6 +31,7 @@ def run_train_step(
     out: str,
     overwrite: bool = False,
     metrics_path: Path | None = None,
+    lora: LoraConfig | None = None,
 ) -> dict:
     if cfg.lr_schedule != "constant" and not cfg.lr_decay_steps:
         raise UserError(
@@ -50,12 +53,12 @@ def run_train_step(
     elif is_value_config(config):
         raise UserError(f"{source.path}: --role actor but the checkpoint holds a value model")
     backend = backend_for_checkpoint(meta).setup(cfg.device, checkpoint_degrees(meta, cfg.sp_degree))
-    trainer = backend.load_trainer(cfg, source)
+    trainer = backend.load_trainer(cfg, source, **backend.lora_options(lora, "--lora-rank"))
     trainer.check_batch(batch, batch_path)
     metrics = trainer.train_step(batch, meta.step)
     next_meta = CheckpointMeta(
         step=meta.step + 1,
-        layout=meta.layout,
+        layout=trained_layout(trainer, meta.layout),
         tp_degree=meta.tp_degree,
         pp_degree=meta.pp_degree,
         data_position=meta.data_position,

@@ -25,13 +25,14 @@ from tqdm import tqdm
 from rlx.engine.rollout.base import LocalGeneration, RolloutEngine, WeightSource
 from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.native.blocks import BlockManager, Sequence, Status
-from rlx.engine.rollout.native.replica import build_replica, fill_replica, is_sharded
+from rlx.engine.rollout.native.replica import build_replica, fill_merged_replica, fill_replica, is_sharded
 from rlx.engine.rollout.native.runner import ModelRunner
 from rlx.engine.rollout.native.sampler import Launched, StepSampler
 from rlx.engine.rollout.native.scheduler import Scheduler
 from rlx.engine.rollout.requests import Generated, Request
 from rlx.engine.rollout.sampling import sample_uniforms
 from rlx.errors import UserError
+from rlx.models.lora import is_lora_model
 
 _GIB = 1 << 30
 
@@ -45,7 +46,10 @@ class NativeRolloutEngine(RolloutEngine):
     def __init__(self, model, tokenizer, cfg, ctx):
         super().__init__(model.to(ctx.device), tokenizer, cfg, ctx)
         self.sharded = is_sharded(self.model)  # FSDP: generate with a replica gathered from the shards
+        # a LoRA policy: decode with a plain replica of the merged weights, or with the adapters (rollout.lora_rollout)
+        self.merges = is_lora_model(self.model) and cfg.lora_rollout == "merged"
         self._replica: torch.nn.Module | None = None
+        self._replica_filled = False
         self.block_size = cfg.block_size
         self._runner: ModelRunner | None = None
         self._num_ahead = 0
@@ -78,12 +82,18 @@ class NativeRolloutEngine(RolloutEngine):
                 torch.cuda.empty_cache()
 
     def _generating_module(self) -> torch.nn.Module:
-        """The model itself, or for an FSDP-sharded one its replica, filled with the current weights (all ranks)."""
-        if not self.sharded:
+        """The model itself, or for an FSDP-sharded or a merged LoRA one its replica, filled with the current
+        weights (all ranks; a merged replica's frozen weights only when it is new)."""
+        if not self.sharded and not self.merges:
             return self.model
         if self._replica is None:
-            self._replica = build_replica(self.model, self.device, self.dtype)
-        fill_replica(self._replica, self.model)
+            adapters = is_lora_model(self.model) and not self.merges
+            self._replica, self._replica_filled = build_replica(self.model, self.device, self.dtype, adapters), False
+        if self.merges:
+            fill_merged_replica(self._replica, self.model, include_frozen=not self._replica_filled)
+        else:
+            fill_replica(self._replica, self.model)
+        self._replica_filled = True
         return self._replica
 
     def _num_blocks(self, seqs: list[Sequence]) -> int:
