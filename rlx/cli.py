@@ -15,6 +15,7 @@ from rlx.commands.rollout import rollout
 from rlx.commands.score import score
 from rlx.commands.shard import shard
 from rlx.commands.train_step import train_step
+from rlx.utils.cache import configure_compile_caches
 
 app = typer.Typer(
     name="rlx",
@@ -57,6 +58,7 @@ app.command("report")(report)
 
 
 def main() -> None:
+    configure_compile_caches()  # before any command imports torch
     try:
         app()
     except SystemExit as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,33 @@ def test_every_config_field_has_a_docstring():
 
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in field_docs(cls)]
         assert not missing, f"{cls.__name__}: {missing}"
+
+
+def test_the_fast_path_is_the_default_on_cuda_and_only_fills_what_the_recipe_leaves_out(tmp_path):
+    """A pure function of the device type: on CUDA the native engine, packing, token budgets and compile; the
+    recipe's own keys win; the CPU keeps the simple path; megatron gets no compile; a critic trains alike."""
+    from rlx.engine.ppo.config import load_recipe
+    from rlx.engine.ppo.defaults import fast_path_defaults
+
+    recipe = REPO / "recipes" / "quickstart.toml"
+    cpu, cuda = load_recipe(recipe, [], "cpu"), load_recipe(recipe, [], "cuda")
+    assert cpu == load_recipe(recipe, [])
+    assert (cuda.rollout.engine, cuda.train.use_packing, cuda.train.compile) == ("native", True, True)
+    assert cuda.train.max_tokens_per_micro_batch == 32768 and cuda.score.use_packing
+    mine = load_recipe(recipe, ['rollout.engine="hf"', "train.compile=false"], "cuda")
+    assert (mine.rollout.engine, mine.train.compile, mine.train.use_packing) == ("hf", False, True)
+    assert "train.compile" not in fast_path_defaults("cuda", {"megatron": {"tp_degree": 2}})
+    chosen = fast_path_defaults("cuda", {"critic": {}, "train": {"use_packing": False}})
+    assert chosen["critic.train.use_packing"] is True and "train.use_packing" not in chosen
+    assert fast_path_defaults("cpu", {}) == fast_path_defaults("npu", {}) == {}
+
+
+def test_compile_caches_live_under_rlx_cache(tmp_path, monkeypatch):
+    from rlx.utils.cache import configure_compile_caches
+
+    monkeypatch.setenv("RLX_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/mine")
+    configure_compile_caches()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile" / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == "/mine"  # a user's own setting wins

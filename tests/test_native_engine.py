@@ -276,3 +276,43 @@ def test_gpu_sampler_draws_what_the_float64_rule_draws():
     greedy = torch.arange(64, device="cuda") % 2 == 0
     mixed, _ = sample_next(logits, u, greedy, 0.7)
     assert torch.equal(mixed, torch.where(greedy, logits.argmax(-1), ours))
+
+
+def test_a_persistent_engine_follows_weight_updates_and_keeps_its_cache(tiny):
+    """Across 'training steps' the engine keeps one KV cache (its own counter says so) and a bf16 replica it
+    refills in place; after each update it generates exactly what a fresh engine on the new weights generates."""
+    import copy
+
+    from rlx.engine.rollout.base import ModuleWeights
+
+    model, tokenizer = tiny
+    live = copy.deepcopy(model)
+    cfg = RolloutConfig(engine="native", chat_template="off", n=3, max_new_tokens=10, seed=4, precision="bfloat16")
+    engine = make_engine(live, tokenizer, cfg)
+    assert engine.use_replica  # float32 trainer weights, bf16 rollouts
+    for step in range(3):
+        with torch.no_grad():  # what an optimizer step does to the live module
+            for p in live.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        engine.sleep()
+        engine.update_weights(ModuleWeights(live))
+        ours = generate(engine, PROMPTS, cfg)
+        fresh = generate(make_engine(copy.deepcopy(live).to(torch.bfloat16), tokenizer, cfg), PROMPTS, cfg)
+        assert [r.response_ids for r in ours] == [r.response_ids for r in fresh], step
+        assert [r.rollout_logprobs for r in ours] == [r.rollout_logprobs for r in fresh], step
+    assert engine.cache_builds == 1 and engine.replica_fills == 3
+    assert generate(engine, PROMPTS, cfg) == ours and engine.replica_fills == 3  # no update since: no refill
+
+
+def test_a_kept_cache_takes_the_next_steps_slightly_longer_prompts(tiny):
+    """Prompt lengths vary from step to step: the cache is built with headroom, so a next call whose prompts are
+    a few tokens longer reuses it (and its decode graphs) instead of building a bigger one."""
+    model, tokenizer = tiny
+    cfg = RolloutConfig(engine="native", chat_template="off", n=4, max_new_tokens=30, seed=2, block_size=4)
+    engine = make_engine(model, tokenizer, cfg)
+    generate(engine, PROMPTS, cfg)
+    longer = [dataclasses.replace(p, prompt=p.prompt + "1+1") for p in PROMPTS]
+    out = generate(engine, longer, cfg)
+    assert engine.cache_builds == 1
+    assert [r.response_ids for r in out] == [r.response_ids for r in generate(make_engine(model, tokenizer, cfg),
+                                                                               longer, cfg)]  # fmt: skip

@@ -145,3 +145,41 @@ def test_run_with_tracking_traces_and_mfu(tmp_path):
     for key in ("perf/mfu", "perf/mfu_train", "perf/flops", "memory/train_host_rss_gb", "timing/rollout_s"):
         assert isinstance(line[key], float), key
     assert 0 < line["perf/mfu"] < 1
+
+
+KILL_DURING_WRITE = """
+import os, signal, sys
+from rlx.engine.checkpoints import single
+write_files = single.write_files
+def dying(folder, weights, aux, meta, optimizer=None):
+    if meta.step == 4 and not folder.name == "critic":  # half of step 4's files, then a kill -9 in the writer thread
+        (folder / "config.json").write_bytes(aux["config.json"])
+        os.kill(os.getpid(), signal.SIGKILL)
+    write_files(folder, weights, aux, meta, optimizer)
+single.write_files = dying
+from rlx.cli import main
+sys.argv = ["rlx", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_kill_during_a_background_checkpoint_write_resumes_bit_exactly(tmp_path):
+    """Checkpoint files are written by a background thread while the next step runs; a kill -9 in the middle of
+    step 4's write leaves no step_000004, and --resume from step 2's gives the uninterrupted run's weights and
+    metrics."""
+    args = [*SMALL, "--set", "steps=6", "--set", "save_every=2", "--set", "keep_checkpoints=0"]
+    reference = tmp_path / "reference"
+    cli_ok("ppo", QUICKSTART, "--out", reference, *args)
+    run = tmp_path / "killed"
+    script = tmp_path / "dying.py"
+    script.write_text(KILL_DURING_WRITE)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(script), "ppo", str(QUICKSTART), "--out", str(run), *args], env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000002"]
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")][-1] >= 4  # step 4's line came before its files
+    cli_ok("ppo", QUICKSTART, "--out", run, *args, "--resume")
+    assert not list((run / "checkpoints").glob(".step_*"))  # the killed write's temporary folder is gone
+    assert_same_weights(reference / "checkpoints" / "step_000006", run / "checkpoints" / "step_000006")
+    assert stable(read_jsonl(reference / "metrics.jsonl")) == stable(read_jsonl(run / "metrics.jsonl"))

@@ -113,3 +113,15 @@ def test_old_logprobs_from_the_rollout(tmp_path, tiny_ckpt, rollouts):
     cli_ok("score", "--rollouts", rollouts, "--actor", tiny_ckpt, "--old-logprobs", "rollout", "--out", tmp_path)
     batch = TrainBatch.load(tmp_path / "batch.safetensors")
     assert torch.equal(batch.old_logprobs, batch.rollout_logprobs)
+
+
+def test_packed_scoring_equals_padded(tmp_path, tiny_ckpt, rollouts):
+    """--use-packing runs token-budget micro-batches as packed rows: the same logprobs (old and ref) as the padded
+    micro-batches, whatever the budget."""
+    common = ["score", "--rollouts", rollouts, "--actor", tiny_ckpt, "--ref", tiny_ckpt, "--reward", "arith"]
+    cli_ok(*common, "--out", tmp_path / "padded", "--micro-batch-size", "3")
+    cli_ok(*common, "--out", tmp_path / "packed", "--use-packing", "--max-tokens-per-micro-batch", "40")
+    padded, packed = (TrainBatch.load(tmp_path / name / "batch.safetensors") for name in ("padded", "packed"))
+    assert (packed.old_logprobs - padded.old_logprobs).abs().max() < 1e-5
+    assert (packed.ref_logprobs - padded.ref_logprobs).abs().max() < 1e-5
+    assert packed.old_logprobs.abs().sum() > 0

@@ -191,3 +191,27 @@ def test_lr_schedule_options(tmp_path, tiny_ckpt, batch_path):
     cli_ok(*args, "--checkpoint", tmp_path / "c2", "--out", tmp_path / "c3")
     lrs = [json.loads(line)["actor/lr"] for line in metrics.read_text().splitlines()]
     assert lrs == pytest.approx([1e-2, 1e-2 * (0.1 + 0.9 * 0.5), 1e-3])  # cos(pi / 2) half-way, the floor at 2
+
+
+def test_a_checkpoint_prepared_before_an_update_holds_the_weights_of_before(tmp_path, tiny_ckpt, batch_path):
+    """The ppo loop prepares a checkpoint, hands its writing to a background thread and trains on: the files
+    hold the weights and optimizer state of the moment of `prepare_save`, not of the next update."""
+    from rlx.engine.checkpoints.meta import CheckpointMeta
+    from rlx.engine.checkpoints.registry import prepare_save, read_full_optimizer
+
+    trainer = ActorTrainer(load_causal_lm(resolve_source(tiny_ckpt)), TrainConfig(lr=1e-2), torch.device("cpu"),
+                           torch.float32)  # fmt: skip
+    batch = TrainBatch.load(batch_path)
+    trainer.train_step(batch, 0)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    moments = {k: v.clone() for k, v in trainer.optimizer_state().items()}
+    meta = CheckpointMeta(step=1, layout="single", optimizer=trainer.optimizer_meta())
+    aux = {"config.json": trainer.config.to_json_string().encode()}
+    write = prepare_save(tmp_path / "ckpt", trainer, aux, meta)
+    trainer.train_step(batch, 1)  # updates the parameters and AdamW moments in place
+    write()
+    stored = read_weights(tmp_path / "ckpt")
+    assert stored and all(torch.equal(stored[k], before[k]) for k in stored)
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    optimizer = read_full_optimizer(tmp_path / "ckpt")
+    assert optimizer.keys() == moments.keys() and all(torch.equal(optimizer[k], moments[k]) for k in moments)

@@ -34,8 +34,17 @@ def ppo(
     """
     with reporting("ppo", on_interrupt="; continue the run with --resume"):
         from rlx.engine.ppo.config import load_recipe
+        from rlx.engine.ppo.defaults import fast_path_defaults
+        from rlx.utils.device import resolve_device
 
-        cfg = load_recipe(recipe, set_ or [])
+        device_type = resolve_device(load_recipe(recipe, set_ or []).train.device).type
+        cfg = load_recipe(recipe, set_ or [], device_type)
+        chosen = fast_path_defaults(device_type, _recipe_tree(recipe, set_ or []))
+        if chosen and not print_config:
+            from rlx.engine.tracking import console
+
+            settings = ", ".join(f"{k}={v}" for k, v in chosen.items())
+            console(f"rlx ppo: fast path on {device_type} (keys the recipe leaves out): {settings}")
         if print_config:
             import json
 
@@ -52,3 +61,10 @@ def ppo(
                 f"copy checkpoints out with `rlx merge --out URL`)"
             )
         run_ppo(cfg, Path(out) if out else Path("runs") / recipe.stem, resume=resume)
+
+
+def _recipe_tree(recipe: Path, overrides: list[str]) -> dict:
+    """The recipe's TOML tree with the --set overrides (what the user gave)."""
+    from rlx.config import apply_overrides, load_toml
+
+    return apply_overrides(load_toml(recipe), overrides)

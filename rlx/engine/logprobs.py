@@ -19,9 +19,15 @@ import torch
 import torch.distributed as torch_dist
 from tqdm import tqdm
 
-from rlx.engine.parallel.ulysses import gather_sequence, group_rank_size, sequence_parallel_inputs, slice_sequence
+from rlx.engine.parallel.ulysses import (
+    ULYSSES_ATTENTION,
+    gather_sequence,
+    group_rank_size,
+    sequence_parallel_inputs,
+    slice_sequence,
+)
 from rlx.kernels.logprob_entropy import IGNORE_INDEX, logprob_entropy, resolve_impl
-from rlx.models.attention import PackedBatch
+from rlx.models.attention import PACKED_ATTENTION, PackedBatch, enable_packed_attention
 from rlx.utils.device import autocast
 
 
@@ -266,28 +272,35 @@ def packed_response_values(
 
 
 def sharded_forward(
-    fn, tensors: dict[str, torch.Tensor], micro_batch_size: int, ctx=None, desc: str = "forward"
+    fn, tensors: dict[str, torch.Tensor], micro_batch_size: int, ctx=None, desc: str = "forward", max_tokens: int = 0
 ) -> torch.Tensor:
-    """Apply `fn(part) -> [b, ...] CPU tensor` to micro-batches of the rows of `tensors`; under a launcher
-    each rank takes a contiguous share of the rows and the results are gathered back in row order.
+    """Apply `fn(part) -> [b, ...] CPU tensor` to micro-batches of the rows of `tensors` (`micro_batch_size` rows,
+    or with `max_tokens` consecutive rows of at most that many prompt + response tokens); under a launcher each
+    rank takes a contiguous share of the rows and the results are gathered back in row order.
 
     Ranks run the same number of micro-batches (repeating their first when they have fewer), so a
     sharded (FSDP) model's collectives stay in step."""
+    from rlx.engine.parallel.batching import count_micro_batches, token_budget_micro_batches
     from rlx.engine.parallel.dist import all_gather_objects, all_reduce, shard_range
 
     b = next(iter(tensors.values())).shape[0]
     rows = shard_range(b, ctx.rank, ctx.world) if ctx is not None and ctx.distributed else range(b)
-    starts = list(range(rows.start, rows.stop, micro_batch_size))
-    count = len(starts)
+    if max_tokens:
+        lengths = (tensors["prompt_mask"][rows.start : rows.stop].sum(-1) + tensors["response_mask"][
+            rows.start : rows.stop].sum(-1)).tolist()  # fmt: skip
+        groups = token_budget_micro_batches(lengths, max_tokens)
+    else:
+        groups = count_micro_batches(len(rows), micro_batch_size)
+    spans = [(rows.start + g[0], rows.start + g[-1] + 1) for g in groups]
+    count = len(spans)
     if ctx is not None and ctx.distributed:
         count = int(all_reduce(count, "max", device=ctx.device))
     out = []
     bar = tqdm(total=count, desc=desc, unit="batch", leave=False, disable=None if ctx is None or ctx.is_main else True)
     for i in range(count):
-        lo = starts[i] if i < len(starts) else (starts[0] if starts else 0)
-        hi = min(lo + micro_batch_size, rows.stop) if i < len(starts) else min(lo + 1, b)
+        lo, hi = spans[i] if i < len(spans) else (spans[0][0] if spans else 0, (spans[0][0] if spans else 0) + 1)
         result = fn({k: v[lo:hi] for k, v in tensors.items()})
-        if i < len(starts):
+        if i < len(spans):
             out.append(result)
         bar.update(1)
     bar.close()
@@ -311,36 +324,42 @@ def batched_response_logprobs(
     desc: str = "logprobs",
     impl: str = "naive",
     ctx=None,
+    max_tokens: int = 0,
 ) -> torch.Tensor:
     """Logprobs [B, R] (float32, CPU, zero at masked positions) computed in micro-batches without grad,
-    split across ranks under a launcher (see `sharded_forward`)."""
+    split across ranks under a launcher (see `sharded_forward`); with `max_tokens`, each micro-batch runs as one
+    packed row of at most that many tokens (the model's attention must be the packed one)."""
+    compute = packed_response_logprobs if max_tokens else response_logprobs
 
     def forward(part):
         part = {k: part[k].to(device) for k in MODEL_INPUTS}
-        logp, _ = response_logprobs(model, **part, temperature=temperature, dtype=dtype, impl=impl)
+        logp, _ = compute(model, **part, temperature=temperature, dtype=dtype, impl=impl)
         return (logp * part["response_mask"]).cpu()
 
-    return _eval_forward(model, forward, tensors, micro_batch_size, ctx, desc)
+    return _eval_forward(model, forward, tensors, micro_batch_size, ctx, desc, max_tokens)
 
 
 @torch.no_grad()
 def batched_response_values(
-    model, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, micro_batch_size: int, ctx=None
-) -> torch.Tensor:
+    model, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, micro_batch_size: int, ctx=None,
+    max_tokens: int = 0,
+) -> torch.Tensor:  # fmt: skip
     """Value-model values [B, R] (float32, CPU, zero at masked positions), as `batched_response_logprobs`."""
+    compute = packed_response_values if max_tokens else response_values
 
     def forward(part):
         part = {k: part[k].to(device) for k in MODEL_INPUTS}
-        return (response_values(model, **part, dtype=dtype) * part["response_mask"]).cpu()
+        return (compute(model, **part, dtype=dtype) * part["response_mask"]).cpu()
 
-    return _eval_forward(model, forward, tensors, micro_batch_size, ctx, "values")
+    return _eval_forward(model, forward, tensors, micro_batch_size, ctx, "values", max_tokens)
 
 
-def _eval_forward(model, forward, tensors, micro_batch_size: int, ctx, desc: str) -> torch.Tensor:
+def _eval_forward(model, forward, tensors, micro_batch_size: int, ctx, desc: str, max_tokens: int) -> torch.Tensor:
     was_training = model.training
     model.eval()
     try:
-        return sharded_forward(forward, {k: tensors[k] for k in MODEL_INPUTS}, micro_batch_size, ctx, desc)
+        inputs = {k: tensors[k] for k in MODEL_INPUTS}
+        return sharded_forward(forward, inputs, micro_batch_size, ctx, desc, max_tokens)
     finally:
         model.train(was_training)
 
@@ -358,12 +377,29 @@ class ModuleScorer:
         return self.module.config
 
     def logprobs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype,
-                 micro_batch_size: int, impl: str = "auto", desc: str = "logprobs") -> torch.Tensor:  # fmt: skip
-        """[B, R] float32 on the CPU, zero at masked positions, on every rank."""
+                 micro_batch_size: int, impl: str = "auto", desc: str = "logprobs",
+                 max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
+        """[B, R] float32 on the CPU, zero at masked positions, on every rank; with `max_tokens`, micro-batches
+        are packed rows of at most that many tokens."""
+        max_tokens = self._packing(max_tokens)
         return batched_response_logprobs(
-            self.module, tensors, temperature, self.ctx.device, dtype, micro_batch_size, desc, impl, self.ctx
+            self.module, tensors, temperature, self.ctx.device, dtype, micro_batch_size, desc, impl, self.ctx,
+            max_tokens,
+        )  # fmt: skip
+
+    def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int,
+               max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
+        """[B, R] float32 on the CPU, zero at masked positions, on every rank."""
+        max_tokens = self._packing(max_tokens)
+        return batched_response_values(
+            self.module, tensors, self.ctx.device, dtype, micro_batch_size, self.ctx, max_tokens
         )
 
-    def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int) -> torch.Tensor:
-        """[B, R] float32 on the CPU, zero at masked positions, on every rank."""
-        return batched_response_values(self.module, tensors, self.ctx.device, dtype, micro_batch_size, self.ctx)
+    def _packing(self, max_tokens: int) -> int:
+        """The token budget packed micro-batches may use here (0: padded ones, e.g. under sequence parallelism, whose
+        ranks share each row), with the packed attention plugged into the module."""
+        if not max_tokens or self.ctx.sp_degree > 1:
+            return 0
+        if self.module.config._attn_implementation not in (PACKED_ATTENTION, ULYSSES_ATTENTION):
+            enable_packed_attention(self.module)
+        return max_tokens

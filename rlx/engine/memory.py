@@ -13,6 +13,7 @@ peak from getrusage). Sizes are GiB (2**30 bytes). torch is imported only for cu
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -102,3 +103,20 @@ def measure_phase(name: str, device: Any = "cpu") -> Iterator[dict[str, float]]:
         peak = device_peak_bytes(device)
         seconds = time.perf_counter() - start
         metrics.update(phase_metrics(name, seconds, peak, host_rss_bytes()))
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (psutil, else /proc/self/stat; 0.0 where neither is available)."""
+    try:
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+    except ImportError:
+        pass
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))  # fmt: skip
+        return time.time() - (boot + ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0.0

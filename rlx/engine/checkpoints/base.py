@@ -37,7 +37,10 @@ class LocalState:
 
 
 class TrainedState(Protocol):
-    """What a training backend hands a layout to write (every process of the launch calls `write` together)."""
+    """What a training backend hands a layout to write (every process of the launch calls `write` together).
+    A state may also offer `snapshot_state() -> (weights, optimizer)`: the same tensors as host copies that the
+    next updates leave alone, possibly still copying off the device (rlx.utils.host_copy); layouts that write in
+    the background use it."""
 
     @property
     def is_main(self) -> bool:
@@ -145,3 +148,10 @@ class Layout(ABC):
               before_publish: Callable[[], None] | None = None) -> None:  # fmt: skip
         """Write a trained model (parts[""]) and nested ones (parts["critic"], ...) atomically; collective.
         `before_publish()` runs on the main process once every file is written, before the folder appears."""
+
+    def prepare_write(self, out: str, parts: dict[str, CheckpointPart], overwrite: bool,
+                      before_publish: Callable[[], None] | None = None) -> Callable[[], None]:  # fmt: skip
+        """The collective part of `write` now (every process), and the rest as a function that touches only files
+        and may run in the background (on the main process; a no-op elsewhere). By default everything runs now."""
+        self.write(out, parts, overwrite, before_publish)
+        return lambda: None

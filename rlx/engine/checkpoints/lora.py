@@ -35,6 +35,7 @@ from rlx.models.lora import apply_lora, hf_name
 from rlx.models.lora_merge import merged_weights
 from rlx.models.lora_state import load_adapter_state
 from rlx.utils.files import apply_umask
+from rlx.utils.host_copy import snapshot, wait_copied
 from rlx.utils.io import atomic_dir
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -119,21 +120,32 @@ class LoraLayout(Layout):
     def write(
         self, out: str, parts: dict[str, CheckpointPart], overwrite: bool, before_publish: Callable | None = None
     ) -> None:
-        """LoRA parts as adapters, others (a critic trained in full beside a LoRA actor) as 'single' folders."""
+        self.prepare_write(out, parts, overwrite, before_publish)()
+
+    def prepare_write(
+        self, out: str, parts: dict[str, CheckpointPart], overwrite: bool, before_publish: Callable | None = None
+    ) -> Callable[[], None]:
+        """LoRA parts as adapters, others (a critic trained in full beside a LoRA actor) as 'single' folders: the
+        tensors are gathered and copied now (a collective), the returned function writes the folder (main process)."""
         gathered = {name: _gather(name, part, self.name) for name, part in parts.items()}  # collectives, in order
         if not parts[""].state.is_main:
-            return
-        with atomic_dir(out, overwrite=overwrite, marker=META_NAME) as tmp:
-            for name, part in parts.items():
-                folder = tmp / name if name else tmp
-                folder.mkdir(exist_ok=True)
-                tensors, optimizer = gathered[name]
-                if part.meta.layout == self.name:
-                    write_lora_files(folder, part.state.lora, part.aux, tensors, optimizer, part.meta)
-                else:
-                    write_files(folder, tensors, part.aux, part.meta, optimizer)
-            if before_publish is not None:
-                before_publish()
+            return lambda: None
+
+        def commit() -> None:
+            wait_copied()
+            with atomic_dir(out, overwrite=overwrite, marker=META_NAME) as tmp:
+                for name, part in parts.items():
+                    folder = tmp / name if name else tmp
+                    folder.mkdir(exist_ok=True)
+                    tensors, optimizer = gathered[name]
+                    if part.meta.layout == self.name:
+                        write_lora_files(folder, part.state.lora, part.aux, tensors, optimizer, part.meta)
+                    else:
+                        write_files(folder, tensors, part.aux, part.meta, optimizer)
+                if before_publish is not None:
+                    before_publish()
+
+        return commit
 
 
 def _gather(name: str, part: CheckpointPart, lora_layout: str) -> tuple[dict, dict | None]:
@@ -141,7 +153,11 @@ def _gather(name: str, part: CheckpointPart, lora_layout: str) -> tuple[dict, di
     if part.meta.layout == lora_layout:
         if getattr(part.state, "lora", None) is None:
             raise UserError(f"{name or 'the model'}: layout 'lora' needs a trainer with adapters")
-        return part.state.adapter_state(), part.state.full_optimizer_state()
-    if part.meta.layout != "single":
+        tensors, optimizer = part.state.adapter_state(), part.state.full_optimizer_state()
+    elif part.meta.layout != "single":
         raise UserError(f"{name}: a LoRA checkpoint nests 'lora' or 'single' models, not '{part.meta.layout}'")
-    return part.state.full_weights(), part.state.full_optimizer_state()
+    else:
+        tensors, optimizer = part.state.full_weights(), part.state.full_optimizer_state()
+    # copies that the next updates leave alone (the files may be written in the background)
+    tag = f"lora/{name}"
+    return snapshot(tensors, tag + "/weights"), None if optimizer is None else snapshot(optimizer, tag + "/optim")

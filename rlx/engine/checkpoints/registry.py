@@ -126,10 +126,24 @@ def save(
     nested: dict[str, CheckpointPart] | None = None,
     before_publish: Callable[[], None] | None = None,
 ) -> None:
-    """Write a trained model (and nested ones) in `meta.layout`; every process of the launch calls this. When a
-    nested part trains adapters, the LoRA layout writes the folder (it writes full parts as 'single' ones)."""
+    """Write a trained model (and nested ones) in `meta.layout`; every process of the launch calls this."""
+    prepare_save(out, state, aux, meta, overwrite, nested, before_publish)()
+
+
+def prepare_save(
+    out: str | Path,
+    state: TrainedState,
+    aux: dict[str, bytes],
+    meta: CheckpointMeta,
+    overwrite: bool = False,
+    nested: dict[str, CheckpointPart] | None = None,
+    before_publish: Callable[[], None] | None = None,
+) -> Callable[[], None]:
+    """`save`'s collective part now (every process); returns the part that only writes files (run it, possibly in a
+    background thread, on every process: it is a no-op where there is nothing to write). When a part trains
+    adapters, the LoRA layout writes the folder (it writes full parts as 'single' ones)."""
     parts = {"": CheckpointPart(state, aux, meta), **(nested or {})}
     has_adapters = any(part.meta.layout == catalog.LORA for part in parts.values())
     layout = get_layout(catalog.LORA if has_adapters else meta.layout, "layout")
     layout.check_output(str(out))
-    layout.write(str(out), parts, overwrite, before_publish)
+    return layout.prepare_write(str(out), parts, overwrite, before_publish)

@@ -20,6 +20,7 @@ from rlx.engine.checkpoints.base import CheckpointPart, Layout
 from rlx.engine.checkpoints.files import read_optimizer_state, write_aux, write_optimizer_state, write_weights
 from rlx.engine.checkpoints.meta import META_NAME, CheckpointMeta
 from rlx.models.loading import read_weights
+from rlx.utils.host_copy import snapshot, wait_copied
 from rlx.utils.io import atomic_dir
 
 
@@ -30,6 +31,16 @@ def write_files(folder: Path, weights: dict, aux: dict[str, bytes], meta: Checkp
     if optimizer is not None:
         write_optimizer_state(folder, optimizer)
     meta.write(folder)
+
+
+def _snapshot(state, name: str) -> tuple[dict, dict | None]:
+    """A state's full weights and optimizer tensors as copies the next updates leave alone (a collective)."""
+    take = getattr(state, "snapshot_state", None)
+    if take is not None:
+        return take()
+    weights, optimizer = state.full_weights(), state.full_optimizer_state()
+    tag = f"single/{name}"
+    return snapshot(weights, tag + "/weights"), None if optimizer is None else snapshot(optimizer, tag + "/optim")
 
 
 class SingleLayout(Layout):
@@ -49,14 +60,26 @@ class SingleLayout(Layout):
     def write(
         self, out: str, parts: dict[str, CheckpointPart], overwrite: bool, before_publish: Callable | None = None
     ) -> None:
-        gathered = {name: (p.state.full_weights(), p.state.full_optimizer_state()) for name, p in parts.items()}
+        self.prepare_write(out, parts, overwrite, before_publish)()
+
+    def prepare_write(
+        self, out: str, parts: dict[str, CheckpointPart], overwrite: bool, before_publish: Callable | None = None
+    ) -> Callable[[], None]:
+        """Gather every part's weights and optimizer state onto the main process's CPU now (a collective); the
+        returned function writes the files and publishes the folder (nothing to do on other processes)."""
+        gathered = {name: _snapshot(p.state, name) for name, p in parts.items()}
         if not parts[""].state.is_main:
-            return
-        with atomic_dir(out, overwrite=overwrite, marker=META_NAME) as tmp:
-            for name, part in parts.items():
-                folder = tmp / name if name else tmp
-                folder.mkdir(exist_ok=True)
-                weights, optimizer = gathered[name]
-                write_files(folder, weights, part.aux, part.meta, optimizer)
-            if before_publish is not None:
-                before_publish()
+            return lambda: None
+
+        def commit() -> None:
+            wait_copied()
+            with atomic_dir(out, overwrite=overwrite, marker=META_NAME) as tmp:
+                for name, part in parts.items():
+                    folder = tmp / name if name else tmp
+                    folder.mkdir(exist_ok=True)
+                    weights, optimizer = gathered[name]
+                    write_files(folder, weights, part.aux, part.meta, optimizer)
+                if before_publish is not None:
+                    before_publish()
+
+        return commit

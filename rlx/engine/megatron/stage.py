@@ -88,11 +88,14 @@ class MegatronScoringModel:
         self.model, self.config, self.ctx = model, hf_config, ctx
 
     def logprobs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype,
-                 micro_batch_size: int, impl: str = "auto", desc: str = "logprobs") -> torch.Tensor:  # fmt: skip
-        """[B, R] float32 on the CPU (zero at masked positions), identical on every rank."""
+                 micro_batch_size: int, impl: str = "auto", desc: str = "logprobs",
+                 max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
+        """[B, R] float32 on the CPU (zero at masked positions), identical on every rank (the stages always run
+        packed micro-batches of micro_batch_size rows; `max_tokens` is not used)."""
         return self._outputs(tensors, temperature, dtype, micro_batch_size, impl)
 
-    def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int) -> torch.Tensor:
+    def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int,
+               max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
         """[B, R] float32 on the CPU (zero at masked positions), identical on every rank."""
         return self._outputs(tensors, 1.0, dtype, micro_batch_size)
 

@@ -60,15 +60,16 @@ def full_tensor(value) -> torch.Tensor:
     return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
-def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def model_weights(model: torch.nn.Module, offload: bool = True) -> dict[str, torch.Tensor]:
     """The model's full state dict on the CPU without tied duplicates (as Hugging Face saves it); for an
-    FSDP-sharded model the gathered weights on rank 0 ({} on other ranks): every rank must call it."""
+    FSDP-sharded model the gathered weights on rank 0 ({} on other ranks): every rank must call it. With
+    `offload=False` (an unsharded model) the live tensors on their device."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from rlx.models.loading import tied_keys
 
     skip = tied_keys(model)
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
     return {k: v for k, v in state.items() if k not in skip}
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from rlx.config import ConfigError, apply_overrides, check, check_choices, from_dict, load_toml
+from rlx.engine.ppo.defaults import apply_defaults, fast_path_defaults
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.scoring.config import ScoreConfig
 from rlx.engine.tracking import TrackingConfig
@@ -102,6 +103,9 @@ class PPOConfig:
     """Keep only the newest this-many checkpoints (0 keeps all)."""
     keep_artifacts: bool = True
     """Keep each step's rollouts.jsonl, scores.jsonl and batch.safetensors in the run dir."""
+    background_writes: bool = True
+    """Write each step's artifacts and checkpoint files in a background thread while the next step runs (the
+    weights are gathered first; a kill during a write resumes from the last complete checkpoint)."""
     model: ModelConfig
     """The policy."""
     data: DataConfig
@@ -182,12 +186,15 @@ class PPOConfig:
         return "megatron" if self.megatron is not None else "fsdp"
 
 
-def load_recipe(path: str | Path, overrides: list[str] = ()) -> PPOConfig:
-    """Read a recipe, apply `--set` overrides, resolve relative data/model paths against the recipe."""
+def load_recipe(path: str | Path, overrides: list[str] = (), device_type: str | None = None) -> PPOConfig:
+    """Read a recipe, apply `--set` overrides, resolve relative data/model paths against the recipe; with
+    `device_type`, fill the keys the recipe leaves out with that device's fast path (rlx/engine/ppo/defaults.py)."""
     path = Path(path)
     data = load_toml(path)
     original = {"model": dict(data.get("model", {})), "data": dict(data.get("data", {}))}
     data = apply_overrides(data, list(overrides))
+    if device_type is not None:
+        data = apply_defaults(data, fast_path_defaults(device_type, data))
     for section, key in (("model", "path"), ("data", "prompts")):
         value = data.get(section, {}).get(key) if isinstance(data.get(section), dict) else None
         from_recipe = value is not None and original.get(section, {}).get(key) == value

@@ -26,14 +26,22 @@ from rlx.engine.backends.registry import backend_class
 from rlx.engine.checkpoints.base import CheckpointPart
 from rlx.engine.checkpoints.loading import CheckpointWeights
 from rlx.engine.checkpoints.meta import CheckpointMeta, provenance
-from rlx.engine.checkpoints.registry import layout_for_backend, read_meta, save, trained_layout
+from rlx.engine.checkpoints.registry import layout_for_backend, prepare_save, read_meta, trained_layout
 from rlx.engine.data import take_prompts
 from rlx.engine.flops import count_flops, count_generate_flops, device_peak_flops, mfu
-from rlx.engine.memory import device_peak_bytes, host_rss_bytes, measure_phase, phase_metrics, reset_device_peak
+from rlx.engine.memory import (
+    device_peak_bytes,
+    host_rss_bytes,
+    measure_phase,
+    phase_metrics,
+    process_age_s,
+    reset_device_peak,
+)
 from rlx.engine.parallel.dist import barrier
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.ppo.models import CRITIC_DIR, build_run_models
 from rlx.engine.ppo.rundir import checkpoint_dir, drop_old_checkpoints, prepare_run_dir, step_dir
+from rlx.engine.ppo.writer import BackgroundWriter
 from rlx.engine.records import RolloutRecord, read_prompts, write_records
 from rlx.engine.rollout.base import RolloutStats, build_engine
 from rlx.engine.scoring.score import Rewards, ScoreResult, compute_rewards, informative_groups, score_rollouts
@@ -60,10 +68,19 @@ class PPORun:
         meta = read_meta(start_ckpt) if start_ckpt else CheckpointMeta()
         self.data_position = meta.data_position or 0
         self.kl_coef = meta.kl_coef if meta.kl_coef is not None else cfg.score.kl_coef
+        started = time.perf_counter()
         self.models = build_run_models(cfg, self.backend, start_ckpt)
         self.trainer, self.critic = self.models.actor, self.models.critic
+        models_built = time.perf_counter()
         self.engine = build_engine(cfg.rollout, self.models.rollout_model, self.models.tokenizer, self.ctx)
+        # where a start's time goes, reported with the first step: models (load or init, parallelism), engine
+        self.setup_metrics = {
+            "timing/setup_models_s": models_built - started,
+            "timing/setup_engine_s": time.perf_counter() - models_built,
+            "timing/since_process_start_s": process_age_s(),
+        }
         self.engine_stale = False  # whether the trainer changed the weights since the engine last got them
+        self.writer = BackgroundWriter(enabled=cfg.background_writes)
         self.prompts = read_prompts(cfg.data.prompts)
         self.score_cfg = dataclasses.replace(
             cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
@@ -93,9 +110,12 @@ class PPORun:
                     self.step(step, log)
                 finished = True
             finally:
-                if finished:  # after a failure the others may be inside a collective: exit, and the launcher
-                    barrier()  # stops them; here every rank is done (vllm's shutdown leaves the process group)
-                self.engine.close()
+                try:
+                    self.writer.close()  # the last checkpoint's files; a failed write raises here
+                finally:
+                    if finished:  # after a failure the others may be inside a collective: exit, and the launcher
+                        barrier()  # stops them; here every rank is done (vllm's shutdown leaves the process group)
+                    self.engine.close()
         if self.ctx.is_main:
             rewards = [m.get("reward/mean") for m in read_metrics(self.run_dir / "metrics.jsonl")]
             window = min(5, len(rewards))
@@ -107,7 +127,8 @@ class PPORun:
 
     def step(self, step: int, log) -> None:
         """One iteration.  `log(step, metrics, trace rows)` is called once, before the step's checkpoint is
-        published: a run killed in between resumes from the step before and writes the line again."""
+        published (the files are written in the background while the next step runs): a run killed in between
+        resumes from an earlier checkpoint and writes the line again."""
         cfg, out, step_start = self.cfg, step_dir(self.run_dir, step), time.perf_counter()
         with measure_phase("weight_sync", self.device) as sync:
             self._refresh_engine(step)
@@ -115,6 +136,7 @@ class PPORun:
             rollouts, rewards, metrics = self._sample(step)
         metrics.update(phase)
         metrics.update(sync)
+        metrics.update({f"rollout/{k}": float(v) for k, v in self.engine.counters().items()})
         released = self.engine.sleep()  # the trainer gets the memory until the next rollout
         metrics["memory/rollout_engine_released_gb"] = released / 2**30
         with measure_phase("score", self.device) as phase:
@@ -126,28 +148,30 @@ class PPORun:
         if result.next_kl_coef is not None:
             self.kl_coef = result.next_kl_coef
         if cfg.keep_artifacts and self.ctx.is_main:
-            write_records(out / "rollouts.jsonl", rollouts)
-            write_records(out / "scores.jsonl", result.scores)
-            result.batch.save(out / "batch.safetensors")
+            self.writer.submit(lambda: self._write_artifacts(out, rollouts, result))
         with measure_phase("train", self.device) as phase:
             metrics.update(self._train(step, result))
         metrics.update(phase)
         reset_device_peak(self.device)
         save_start = time.perf_counter()
-
-        def finish() -> None:
-            now = time.perf_counter()
-            metrics.update(phase_metrics("save", now - save_start, device_peak_bytes(self.device), host_rss_bytes()))
-            metrics["timing/step_s"] = now - step_start
-            metrics.update(self._flops_metrics(rollouts, metrics))
-            traces = select_traces(rollouts, result.scores, cfg.tracking.traces_per_step, seed=cfg.seed + step)
-            log(step, metrics, traces)
-
         saving = step % cfg.save_every == 0 or step == cfg.steps
-        if saving:
-            self._save(step, before_publish=finish)  # rank 0 logs from inside the save
-        if not saving or not self.ctx.is_main:
-            finish()
+        commit = self._prepare_save(step) if saving else None  # the collective part: gathered weights on the CPU
+        now = time.perf_counter()
+        metrics.update(phase_metrics("save", now - save_start, device_peak_bytes(self.device), host_rss_bytes()))
+        metrics["timing/step_s"] = now - step_start
+        metrics.update(self.setup_metrics)  # the first step of this process only
+        self.setup_metrics = {}
+        metrics.update(self._flops_metrics(rollouts, metrics))
+        traces = select_traces(rollouts, result.scores, cfg.tracking.traces_per_step, seed=cfg.seed + step)
+        log(step, metrics, traces)  # before the checkpoint is published: a kill in between resumes from an earlier one
+        if commit is not None:
+            self.writer.submit(commit)
+
+    @staticmethod
+    def _write_artifacts(out: Path, rollouts: list[RolloutRecord], result: ScoreResult) -> None:
+        write_records(out / "rollouts.jsonl", rollouts)
+        write_records(out / "scores.jsonl", result.scores)
+        result.batch.save(out / "batch.safetensors")
 
     def _flops_metrics(self, rollouts: list[RolloutRecord], metrics: dict) -> dict:
         """Model FLOPs of the step (generation, scoring forwards, training) and MFU against the device peak."""
@@ -241,9 +265,10 @@ class PPORun:
             self.engine_stale = True
         return metrics
 
-    def _save(self, step: int, before_publish=None) -> None:
-        """Write the actor (critic nested) in the backend's layout; every rank takes part, and rank 0 calls
-        `before_publish()` once the files are written, before the folder is renamed into place."""
+    def _prepare_save(self, step: int):
+        """Gather the actor (critic nested) for the backend's layout now (every rank takes part); returns the write
+        of the files, with the rotation of old checkpoints after it, for the background writer."""
+        self.writer.flush()  # one checkpoint in memory at a time; a failed earlier write stops the run here
         own_layout = layout_for_backend(self.backend.name).name
         meta = CheckpointMeta(
             step=step,
@@ -263,8 +288,14 @@ class PPORun:
             )
             nested[CRITIC_DIR] = CheckpointPart(self.critic, self.models.critic_aux, critic_meta)
         out = checkpoint_dir(self.run_dir, step)
-        save(out, self.trainer, self.models.aux, meta, overwrite=True, nested=nested, before_publish=before_publish)
-        drop_old_checkpoints(self.run_dir, self.cfg.keep_checkpoints, self.ctx.is_main)
+        write = prepare_save(out, self.trainer, self.models.aux, meta, overwrite=True, nested=nested)
+
+        def commit() -> None:
+            write()
+            if self.ctx.is_main:
+                drop_old_checkpoints(self.run_dir, self.cfg.keep_checkpoints)
+
+        return commit
 
 
 def run_ppo(cfg: PPOConfig, run_dir: Path, resume: bool = False) -> None:

@@ -66,12 +66,11 @@ def prepare_run_dir(run_dir: Path, recipe: dict, resume: bool, is_main: bool) ->
     return last, found[1] if found else None
 
 
-def drop_old_checkpoints(run_dir: Path, keep: int, is_main: bool) -> None:
-    """Keep the newest `keep` checkpoints (0: all); every rank waits for rank 0."""
-    if is_main and keep:
+def drop_old_checkpoints(run_dir: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints (0: all); the main process calls it after publishing one."""
+    if keep:
         for path in sorted((run_dir / "checkpoints").glob("step_*"))[:-keep]:
             shutil.rmtree(path, ignore_errors=True)
-    barrier()
 
 
 def _first_difference(a, b, prefix: str = "") -> str:

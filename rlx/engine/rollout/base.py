@@ -134,6 +134,12 @@ class RolloutEngine(ABC):
         self.ctx = ctx if ctx.distributed else None
         self.stop_ids = stop_token_ids(model, tokenizer)
 
+    @classmethod
+    def model_dtype(cls, cfg: RolloutConfig, device: torch.device) -> torch.dtype:
+        """The dtype a model this engine owns alone (`rlx rollout`) is best loaded in: float32 by default (the
+        engine computes under autocast, as the trainer does)."""
+        return torch.float32
+
     # --- the shared outline ----------------------------------------------------------------------
 
     def generate(self, prompts: list[PromptRecord], sampling: SamplingParams, progress: bool = True) -> RolloutResult:
@@ -168,6 +174,10 @@ class RolloutEngine(ABC):
         """Token ids and logprobs for this process's requests (every process calls it together)."""
 
     # --- memory and weights ------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, float]:
+        """The engine's own running counts (e.g. KV caches built), logged as `rollout/<name>` each step."""
+        return {}
 
     def sleep(self) -> float:
         """Release what the engine keeps between calls so the trainer has the memory; returns the bytes freed."""

@@ -84,8 +84,10 @@ class RolloutConfig:
     them from the step's checkpoint on disk."""
     sync_bucket_mib: int = 512
     """vllm in `rlx ppo`: most weight bytes gathered at once while pushing the trainer's weights."""
-    sleep: bool = True
-    """vllm in `rlx ppo`: release its weights and KV cache while the trainer works, take them back for rollout."""
+    sleep: bool | None = None
+    """In `rlx ppo`: release the engine's memory while the trainer works and take it back for the next rollout
+    (vllm: its weights and KV cache; native: its KV cache, decode CUDA graphs and rollout-dtype replica, which are
+    then rebuilt). Unset: vllm releases, native keeps them (its cache is sized by what the rollouts need)."""
 
     block_size: int = 16
     """native: tokens per KV cache block."""

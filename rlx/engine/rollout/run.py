@@ -11,6 +11,7 @@ from rlx.engine.parallel.dist import setup
 from rlx.engine.records import read_prompts, write_records
 from rlx.engine.rollout.base import build_engine
 from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.registry import engine_class
 from rlx.engine.tracking import console, log_metrics
 from rlx.errors import UserError
 from rlx.models.loading import load_tokenizer, resolve_source
@@ -34,7 +35,9 @@ def run_rollout(
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
     ctx = setup(cfg.device)
-    engine = build_engine(cfg, load_model(source, adapters=True), tokenizer, ctx)  # LoRA: as `rlx ppo` generates
+    dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
+    # a LoRA checkpoint: its base with the adapters, as `rlx ppo` generates
+    engine = build_engine(cfg, load_model(source, dtype=dtype, adapters=True), tokenizer, ctx)
     try:
         result = engine.generate(records, cfg.sampling())
     finally:

@@ -136,7 +136,7 @@ class VLLMRolloutEngine(RolloutEngine):
             tensor_parallel_size=cfg.tp,
             max_model_len=self.max_model_len,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enable_sleep_mode=self.native_sleep and cfg.sleep,
+            enable_sleep_mode=self.native_sleep and cfg.sleep is not False,
             enforce_eager=self.device.type == "cpu",
             logprobs_mode="processed_logprobs",
             generation_config="vllm",
@@ -199,7 +199,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def sleep(self) -> float:
         """Release the engine's weights and KV cache (weights must be pushed again after `wake`);
         returns the bytes released (0 when sleep is off)."""
-        if not self.cfg.sleep or self.asleep:
+        if self.cfg.sleep is False or self.asleep:
             return 0.0
         keeps_base = self.lora_request is not None  # the base is pushed once: only adapters follow
         if self.native_sleep:

@@ -63,6 +63,11 @@ class ScoreConfig:
     PyTorch (bounded memory anywhere), or naive full logits ('auto' on CPU)."""
     micro_batch_size: int = 16
     """Sequences per forward pass when computing logprobs and values."""
+    use_packing: bool = False
+    """Run each forward pass as one packed row without padding (attention kept per sample), micro-batches cut by
+    max_tokens_per_micro_batch (as train.use_packing)."""
+    max_tokens_per_micro_batch: int = 16384
+    """With use_packing: prompt + response tokens per forward pass."""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     """Where to run the actor, reference, critic and reward models."""
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -84,3 +89,8 @@ class ScoreConfig:
             "must be larger than overlong_buffer",
         )
         check(self.micro_batch_size >= 1, "micro_batch_size", f"must be at least 1, got {self.micro_batch_size}")
+        check(
+            self.max_tokens_per_micro_batch >= 1,
+            "max_tokens_per_micro_batch",
+            f"must be at least 1, got {self.max_tokens_per_micro_batch}",
+        )

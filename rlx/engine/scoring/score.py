@@ -24,10 +24,13 @@ class Scorer(Protocol):
     """A model as scoring uses it, whatever backend holds it (rlx.engine.logprobs.ModuleScorer, megatron stages)."""
 
     def logprobs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype,
-                 micro_batch_size: int, impl: str = "auto", desc: str = "logprobs") -> torch.Tensor:  # fmt: skip
-        """Logprobs [B, R] float32 on the CPU, zero at masked positions, on every rank."""
+                 micro_batch_size: int, impl: str = "auto", desc: str = "logprobs",
+                 max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
+        """Logprobs [B, R] float32 on the CPU, zero at masked positions, on every rank (`max_tokens`: packed
+        micro-batches of at most that many tokens, where the model can run them)."""
 
-    def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int) -> torch.Tensor:
+    def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int,
+               max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
         """Values [B, R] float32 on the CPU, zero at masked positions, on every rank."""
 
 
@@ -189,14 +192,15 @@ def build_batch(
     in-reward KL penalty also the coefficient the next step uses (the controller's update)."""
     tensors = collate(rollouts, models.pad_token_id)
     mask = tensors["response_mask"]
+    max_tokens = cfg.max_tokens_per_micro_batch if cfg.use_packing else 0
     forward = dict(temperature=temperature, dtype=models.dtype, micro_batch_size=cfg.micro_batch_size,
-                   impl=cfg.logprob_impl)  # fmt: skip
+                   impl=cfg.logprob_impl, max_tokens=max_tokens)  # fmt: skip
     old = tensors["rollout_logprobs"].clone()
     if models.actor is not None:
         old = models.actor.logprobs(tensors, desc="old logprobs", **forward)
     ref = models.ref.logprobs(tensors, desc="ref logprobs", **forward) if models.ref else None
     critic = models.critic
-    values = critic.values(tensors, models.dtype, cfg.micro_batch_size) if critic is not None else None
+    values = critic.values(tensors, models.dtype, cfg.micro_batch_size, max_tokens) if critic is not None else None
     token_rewards = torch.zeros_like(old)
     token_rewards[torch.arange(len(rollouts)), mask.sum(-1) - 1] = rewards.scores
     metrics = mismatch_metrics(old, tensors["rollout_logprobs"], mask)

@@ -18,6 +18,7 @@ from rlx.models.lora import hf_name
 
 _SEP = "::"
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_FULL_ON_DEVICE = StateDictOptions(full_state_dict=True)
 
 
 def build_adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -26,15 +27,20 @@ def build_adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
-def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def optimizer_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, offload: bool = True
+) -> dict[str, torch.Tensor]:
     """Optimizer state keyed '<param name>::<state key>' (e.g. 'model.norm.weight::exp_avg'), unsharded
-    (on rank 0 only when sharded)."""
-    state = get_optimizer_state_dict(model, optimizer, options=_FULL).get("state", {})
+    (on rank 0 only when sharded); on the CPU, or with `offload=False` (an unsharded model) the live tensors."""
+    options = _FULL if offload else _FULL_ON_DEVICE
+    state = get_optimizer_state_dict(model, optimizer, options=options).get("state", {})
     out = {}
     for name, entries in state.items():
         for key, value in entries.items():
             out[f"{name}{_SEP}{key}"] = (
-                value.detach().cpu() if torch.is_tensor(value) else torch.tensor(value, dtype=torch.float32)
+                (value.detach().cpu() if offload else value.detach())
+                if torch.is_tensor(value)
+                else torch.tensor(value, dtype=torch.float32)
             )
     return out
 

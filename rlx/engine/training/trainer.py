@@ -44,6 +44,7 @@ from rlx.models.loading import tied_keys
 from rlx.models.lora import apply_lora, is_lora_model
 from rlx.models.lora_merge import iter_merged_weights, merged_weights
 from rlx.utils.device import derive_seed
+from rlx.utils.host_copy import before_update, snapshot
 
 
 def row_tokens(batch: TrainBatch) -> list[int]:
@@ -126,6 +127,15 @@ class Trainer:
     def full_optimizer_state(self) -> dict[str, torch.Tensor]:
         return self.optimizer_state()
 
+    def snapshot_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(full weights, full optimizer state) as host copies that later updates leave alone; a collective.
+        Unsharded on CUDA they are still being copied off the device when this returns (rlx.utils.host_copy)."""
+        if self.world > 1 or self.lora is not None:  # gathered (or merged): fresh copies already
+            return self.full_weights(), self.full_optimizer_state()
+        weights = model_weights(self.model, offload=False)
+        optimizer = optimizer_tensors(self.model, self.optimizer, offload=False)
+        return snapshot(weights, f"{self.role}/weights"), snapshot(optimizer, f"{self.role}/optimizer")
+
     def local_state(self) -> LocalState:
         """This rank's shards: DTensors under FSDP (whole tensors in a lone process)."""
         tied = tied_keys(self.model)
@@ -182,6 +192,7 @@ class Trainer:
     def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
         """One update on `batch`; `step` is the number of updates already applied."""
         cfg, start = self.cfg, time.perf_counter()
+        before_update()  # a checkpoint snapshot still copying these tensors off the device finishes first
         lr = cfg.lr_at(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

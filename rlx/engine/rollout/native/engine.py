@@ -18,11 +18,13 @@ steps, preemption and a due prefill go through the synchronous path. rollout.ove
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.profiler import record_function
 from tqdm import tqdm
 
-from rlx.engine.rollout.base import LocalGeneration, RolloutEngine, WeightSource
+from rlx.engine.rollout.base import LocalGeneration, RolloutEngine, WeightSource, copy_weights
 from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.native.blocks import BlockManager, Sequence, Status
 from rlx.engine.rollout.native.replica import build_replica, fill_merged_replica, fill_replica, is_sharded
@@ -33,8 +35,10 @@ from rlx.engine.rollout.requests import Generated, Request
 from rlx.engine.rollout.sampling import sample_uniforms
 from rlx.errors import UserError
 from rlx.models.lora import is_lora_model
+from rlx.utils.device import resolve_precision
 
 _GIB = 1 << 30
+_HEADROOM = 8  # a new KV cache gets 1/8 more blocks than the call needs (prompt lengths vary per step)
 
 
 class NativeRolloutEngine(RolloutEngine):
@@ -45,35 +49,56 @@ class NativeRolloutEngine(RolloutEngine):
 
     def __init__(self, model, tokenizer, cfg, ctx):
         super().__init__(model.to(ctx.device), tokenizer, cfg, ctx)
-        self.sharded = is_sharded(self.model)  # FSDP: generate with a replica gathered from the shards
+        self.sharded = is_sharded(self.model)
         # a LoRA policy: decode with a plain replica of the merged weights, or with the adapters (rollout.lora_rollout)
         self.merges = is_lora_model(self.model) and cfg.lora_rollout == "merged"
+        # a replica in the rollout dtype (bf16 on GPUs) when the model is sharded, holds other weights (a trainer's
+        # float32 master weights) or is merged: filled in place after each update, so the decode graphs keep
+        # pointing at it
+        self.use_replica = self.sharded or self.merges or _param_dtype(self.model) != self.dtype
         self._replica: torch.nn.Module | None = None
-        self._replica_filled = False
+        self._replica_fresh = False
+        self._replica_filled = False  # a merged replica holds the frozen weights (written once)
         self.block_size = cfg.block_size
         self._runner: ModelRunner | None = None
+        self._capped = False  # whether the cache was cut to the memory budget (then reused whatever it holds)
+        self.cache_builds = 0  # KV caches (with their decode graphs) allocated so far: kept across calls when they fit
+        self.replica_fills = 0  # times the replica was refilled from the model's weights
         self._num_ahead = 0
 
+    @classmethod
+    def model_dtype(cls, cfg, device: torch.device) -> torch.dtype:
+        """The rollout dtype itself: a model the engine owns needs no replica."""
+        return resolve_precision(cfg.precision, device)
+
+    def counters(self) -> dict[str, float]:
+        return {"cache_builds": self.cache_builds, "replica_fills": self.replica_fills, "cache_capped": self._capped}
+
     def sleep(self) -> float:
-        """Free the KV cache and CUDA graphs kept from the last `generate`, and the gathered replica of a sharded
-        model (the trainer gets the memory); returns the bytes released."""
+        """With rollout.sleep (off by default for this engine: its cache is sized by what the rollouts need), free
+        the KV cache, the decode CUDA graphs and the replica so the trainer has the memory; returns the bytes
+        released. Kept, they serve the next rollout as they are."""
+        if not self.cfg.sleep:
+            return 0.0
         freed = 0
         if self._runner is not None:
             freed += sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in self._runner.kv)
             self._runner = None
         if self._replica is not None:
             freed += sum(p.untyped_storage().nbytes() for p in self._replica.parameters())
-            self._replica = None
+            self._replica, self._replica_fresh = None, False
         if freed and self.device.type == "cuda":
             torch.cuda.empty_cache()
         return float(freed)
 
     def update_weights(self, source: WeightSource) -> float:
-        """The live module needs nothing (a sharded one is gathered into the replica before the next rollout);
-        other weights are copied into the engine's model in place."""
-        if source.module is self.model:
-            return 0.0
-        return super().update_weights(source)
+        """The live module needs no copy; other weights are copied into the engine's model in place. A replica is
+        refilled (in place, in the rollout dtype) before the next rollout."""
+        start = time.perf_counter()
+        if source.module is not self.model:
+            copy_weights(self.model, source.named_weights(self.cfg.sync_bucket_mib << 20))
+        self._replica_fresh = False
+        return time.perf_counter() - start
 
     def _free_runner(self) -> None:
         if self._runner is not None:
@@ -82,26 +107,29 @@ class NativeRolloutEngine(RolloutEngine):
                 torch.cuda.empty_cache()
 
     def _generating_module(self) -> torch.nn.Module:
-        """The model itself, or for an FSDP-sharded or a merged LoRA one its replica, filled with the current
-        weights (all ranks; a merged replica's frozen weights only when it is new)."""
-        if not self.sharded and not self.merges:
+        """The model itself, or its replica in the rollout dtype (a merged LoRA one: the adapters merged in), filled
+        with the current weights when they changed (a collective for a sharded model: every rank calls it)."""
+        if not self.use_replica:
             return self.model
         if self._replica is None:
             adapters = is_lora_model(self.model) and not self.merges
-            self._replica, self._replica_filled = build_replica(self.model, self.device, self.dtype, adapters), False
-        if self.merges:
-            fill_merged_replica(self._replica, self.model, include_frozen=not self._replica_filled)
-        else:
-            fill_replica(self._replica, self.model)
-        self._replica_filled = True
+            self._replica = build_replica(self.model, self.device, self.dtype, adapters)
+            self._replica_filled = False
+        if not self._replica_fresh:
+            if self.merges:
+                fill_merged_replica(self._replica, self.model, include_frozen=not self._replica_filled)
+            else:
+                fill_replica(self._replica, self.model)
+            self._replica_fresh = self._replica_filled = True
+            self.replica_fills += 1
         return self._replica
 
     def _num_blocks(self, seqs: list[Sequence]) -> int:
-        """On CUDA, what the memory budget allows (kept across calls); elsewhere blocks for every sequence
-        at its longest, or what the budget allows if fewer."""
-        if self.device.type == "cuda" and not self.cfg.kv_cache_gib:
-            return self._budget_blocks()
-        return min(self._needed(seqs), self._budget_blocks())
+        """Blocks for every sequence at its longest (no preemption) with headroom, so that the next call's slightly
+        longer prompts still fit, or what the memory budget allows if fewer."""
+        budget, needed = self._budget_blocks(), self._needed(seqs)
+        self._capped = budget < needed
+        return min(needed + needed // _HEADROOM, budget)
 
     def _needed(self, seqs: list[Sequence]) -> int:
         return 1 + sum(-(-(len(s.prompt_ids) + s.max_tokens) // self.block_size) for s in seqs)
@@ -157,20 +185,21 @@ class NativeRolloutEngine(RolloutEngine):
         longest = max((len(s.prompt_ids) + s.max_tokens for s in seqs), default=1)
         width = -(-longest // self.block_size)
         cfg = self.cfg
-        graphs = cfg.max_num_seqs if cfg.cuda_graphs else 0
+        graphs = min(cfg.max_num_seqs, len(seqs)) if cfg.cuda_graphs else 0  # only the batch sizes this call can use
         old = self._runner
-        budget_sized = self.device.type == "cuda" and not self.cfg.kv_cache_gib
         if (
             old is not None
             and old.model is module
             and old.max_blocks >= width
-            and old.max_batch == graphs
-            and (budget_sized or old.blocks.num_blocks >= self._needed(seqs))
+            and (old.max_batch >= graphs or not old.graphs)
+            and (self._capped or old.blocks.num_blocks >= self._needed(seqs))
         ):
             old.blocks = BlockManager(old.blocks.num_blocks, self.block_size)
             return old
         self._free_runner()  # free the old cache before measuring the memory for the new one
         blocks = BlockManager(self._num_blocks(seqs), self.block_size)
+        self.cache_builds += 1
+        width += 1 + width // _HEADROOM  # block-table room for longer prompts next time
         self._runner = ModelRunner(
             module, self.device, self.dtype, blocks, width, graphs, cfg.compile, cfg.paged_attention
         )
@@ -221,3 +250,8 @@ class NativeRolloutEngine(RolloutEngine):
                 scheduler.finish(seq, "stop" if token in self.stop_ids else "length")
                 finished += 1
         return finished
+
+
+def _param_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's floating-point parameters."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
