@@ -22,14 +22,13 @@ from rlx.models.lora import adapters_disabled, is_lora_model
 class BaseModelScorer(ModuleScorer):
     """A module with LoRA adapters, scored with the adapters off: its base model's logprobs and values."""
 
-    def logprobs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype,
-                 micro_batch_size: int, impl: str = "auto", desc: str = "logprobs") -> torch.Tensor:  # fmt: skip
+    def logprobs(self, *args, **kwargs) -> torch.Tensor:
         with adapters_disabled(self.module):
-            return super().logprobs(tensors, temperature, dtype, micro_batch_size, impl, desc)
+            return super().logprobs(*args, **kwargs)
 
-    def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int) -> torch.Tensor:
+    def values(self, *args, **kwargs) -> torch.Tensor:
         with adapters_disabled(self.module):
-            return super().values(tensors, dtype, micro_batch_size)
+            return super().values(*args, **kwargs)
 
 
 def is_base_of(ref: Path, actor: Path) -> bool:
