@@ -12,8 +12,9 @@ the unmerged adapters have cost more than one merge.
 --engine-rollout adds the end-to-end comparison that picks `rollout.lora_rollout`'s default: the native engine
 over the LoRA model as `rlx ppo` runs it, per step: the adapters change (a train step), the engine wakes,
 generates --rollout-prompts x --rollout-n samples of --rollout-tokens tokens from --context-token prompts (a
-random model rarely stops early), and sleeps. 'merged' rebuilds and fills its merged replica and decodes the plain
-model; 'adapters' decodes the PEFT module itself (on CUDA both capture decode graphs with compiled layers per
+random model rarely stops early), and sleeps. 'merged' refills its merged replica (the adapted weights; the replica,
+cache and graphs are kept across steps unless rollout.sleep) and decodes the plain model; 'adapters' decodes the PEFT
+module itself (on CUDA both capture decode graphs with compiled layers per
 call). The median seconds of --rollout-steps such steps after one warm-up step, and generated tokens/s.
 """
 
