@@ -30,6 +30,7 @@ from rlx.engine.checkpoints.registry import layout_for_backend, prepare_save, re
 from rlx.engine.data import take_prompts
 from rlx.engine.flops import count_flops, count_generate_flops, device_peak_flops, mfu
 from rlx.engine.memory import (
+    GcPauses,
     device_peak_bytes,
     host_rss_bytes,
     measure_phase,
@@ -81,6 +82,7 @@ class PPORun:
         }
         self.engine_stale = False  # whether the trainer changed the weights since the engine last got them
         self.writer = BackgroundWriter(enabled=cfg.background_writes)
+        self.gc_pauses = GcPauses()
         self.prompts = read_prompts(cfg.data.prompts)
         self.score_cfg = dataclasses.replace(
             cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
@@ -116,6 +118,7 @@ class PPORun:
                     if finished:  # after a failure the others may be inside a collective: exit, and the launcher
                         barrier()  # stops them; here every rank is done (vllm's shutdown leaves the process group)
                     self.engine.close()
+                    self.gc_pauses.close()
         if self.ctx.is_main:
             rewards = [m.get("reward/mean") for m in read_metrics(self.run_dir / "metrics.jsonl")]
             window = min(5, len(rewards))
@@ -159,6 +162,7 @@ class PPORun:
         now = time.perf_counter()
         metrics.update(phase_metrics("save", now - save_start, device_peak_bytes(self.device), host_rss_bytes()))
         metrics["timing/step_s"] = now - step_start
+        metrics.update(self.gc_pauses.take())
         metrics.update(self.setup_metrics)  # the first step of this process only
         self.setup_metrics = {}
         metrics.update(self._flops_metrics(rollouts, metrics))
