@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from rlx.engine.checkpoints.files import aux_files, generated_aux
-from rlx.engine.checkpoints.registry import is_hf_dir, read_full_weights, read_meta_or_default
+from rlx.engine.checkpoints.registry import is_hf_dir, read_full_weights, read_lora, read_meta_or_default
 from rlx.errors import UserError
 from rlx.models.loading import (
     ModelSource,
@@ -37,10 +37,17 @@ def _auto_class(role: str, config):
     return transformers.AutoModelForTokenClassification if role == "critic" else causal_lm_class(config)
 
 
-def load_model(source: ModelSource, role: str = "actor", dtype: torch.dtype | None = torch.float32):
-    """The causal LM (role 'actor') or value model (role 'critic') of `source`, on the CPU in `dtype`."""
+def load_model(
+    source: ModelSource, role: str = "actor", dtype: torch.dtype | None = torch.float32, adapters: bool = False
+):
+    """The causal LM (role 'actor') or value model (role 'critic') of `source`, on the CPU in `dtype`. A LoRA
+    checkpoint gives its merged weights, or with `adapters` its base (in `dtype`) with the adapters in as PEFT
+    layers (float32): what the trainer computed with."""
     if role == "critic":
         check_value_config(load_config(source), source.path)
+    lora = read_lora(source.path) if adapters and not source.is_gguf else None
+    if lora is not None:
+        return lora.build_model(dtype or torch.float32)
     if source.is_gguf or is_hf_dir(source.path):
         return load_value_model(source, dtype) if role == "critic" else load_causal_lm(source, dtype)
     quiet_transformers()
@@ -147,3 +154,8 @@ class CheckpointWeights:
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         tied = bool(getattr(load_config(ModelSource(self.folder)), "tie_word_embeddings", False))
         return checkpoint_weights(self.folder, tied)
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """A LoRA checkpoint's adapters as stored (the engine holds the base); None for full weights."""
+        lora = read_lora(self.folder)
+        return lora.tensors() if lora is not None else None

@@ -15,6 +15,7 @@ from rlx.engine.scoring.config import ScoreConfig
 from rlx.engine.tracking import TrackingConfig
 from rlx.engine.training.config import TrainConfig
 from rlx.errors import UserError
+from rlx.models.lora_config import LoraConfig
 from rlx.models.vision.config import VisionConfig
 
 
@@ -61,6 +62,8 @@ class CriticConfig:
     """Train only the critic for this many steps before the actor starts updating (verl's critic_warmup)."""
     train: TrainConfig = field(default_factory=lambda: TrainConfig(role="critic"))
     """Critic update settings, as [train] (the role is always 'critic': clipped value loss)."""
+    lora: LoraConfig | None = None
+    """Train the critic as LoRA adapters (and its value head) on its frozen backbone; absent = in full."""
 
     def __post_init__(self) -> None:
         if self.train.role != "critic":
@@ -115,6 +118,9 @@ class PPOConfig:
     """Reward and advantage settings (as `rlx score`)."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Update settings (as `rlx train-step`)."""
+    lora: LoraConfig | None = None
+    """Train the actor as LoRA adapters on the frozen policy (the reference is the policy with them off); absent =
+    full fine-tuning."""
     critic: CriticConfig | None = None
     """A critic (needed by score.estimator = 'gae')."""
     megatron: MegatronConfig | None = None
@@ -171,6 +177,12 @@ class PPOConfig:
                 f"decay over the run's {self.steps} steps needs steps > warmup_steps (or set lr_decay_steps)",
             )
         self._share_vision()
+        has_lora = self.lora is not None or (self.critic is not None and self.critic.lora is not None)
+        check(
+            not has_lora or self.backend_name != "megatron",
+            "lora",
+            "LoRA is not supported by the megatron backend (drop [megatron] or the [lora] tables)",
+        )
         needs_ref = self.score.kl_coef > 0 or self.train.kl_loss_coef > 0
         check(self.use_ref or not needs_ref, "use_ref", "score.kl_coef or train.kl_loss_coef > 0 needs use_ref = true")
 

@@ -27,7 +27,7 @@ from rlx.engine.backends.registry import backend_class
 from rlx.engine.checkpoints.base import CheckpointPart
 from rlx.engine.checkpoints.loading import CheckpointWeights
 from rlx.engine.checkpoints.meta import CheckpointMeta, provenance
-from rlx.engine.checkpoints.registry import layout_for_backend, prepare_save, read_meta
+from rlx.engine.checkpoints.registry import layout_for_backend, prepare_save, read_meta, trained_layout
 from rlx.engine.data import take_prompts
 from rlx.engine.evaluation import EVAL_FILE, evaluate
 from rlx.engine.flops import count_flops, count_generate_flops, device_peak_flops, mfu
@@ -324,9 +324,10 @@ class PPORun:
         """Gather the actor (critic nested) for the backend's layout now (every rank takes part); returns the write
         of the files, with the rotation of old checkpoints after it, for the background writer."""
         self.writer.flush()  # one checkpoint in memory at a time; a failed earlier write stops the run here
+        own_layout = layout_for_backend(self.backend.name).name
         meta = CheckpointMeta(
             step=step,
-            layout=layout_for_backend(self.backend.name).name,
+            layout=trained_layout(self.trainer, own_layout),
             data_position=self.data_position,
             optimizer=self.trainer.optimizer_meta(),
             kl_coef=self.kl_coef,
@@ -334,7 +335,12 @@ class PPORun:
         )
         nested = {}
         if self.critic is not None:
-            critic_meta = dataclasses.replace(meta, optimizer=self.critic.optimizer_meta(), kl_coef=None)
+            critic_meta = dataclasses.replace(
+                meta,
+                layout=trained_layout(self.critic, own_layout),
+                optimizer=self.critic.optimizer_meta(),
+                kl_coef=None,
+            )
             nested[CRITIC_DIR] = CheckpointPart(self.critic, self.models.critic_aux, critic_meta)
         out = checkpoint_dir(self.run_dir, step)
         write = prepare_save(out, self.trainer, self.models.aux, meta, overwrite=True, nested=nested)

@@ -31,6 +31,8 @@ from rlx.engine.rollout.prompts import PromptEncoder, context_limit, stop_token_
 from rlx.engine.rollout.requests import Generated, Request, build_requests, to_record
 from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
+from rlx.models.lora import is_lora_model
+from rlx.models.lora_state import adapter_state
 from rlx.utils.device import resolve_precision
 
 
@@ -103,7 +105,11 @@ class WeightSource(Protocol):
 
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors with Hugging Face names (sharded ones gathered about `bucket_bytes` at a time: every
-        process of the launch drains the iterator together)."""
+        process of the launch drains the iterator together); with LoRA adapters, the merged weights."""
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """A LoRA policy's adapters by stable name (every process calls it together), for engines that apply them
+        on the base they hold; None for a policy of full weights."""
 
 
 class ModuleWeights:
@@ -115,6 +121,9 @@ class ModuleWeights:
 
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         return gathered_weights(self.module, bucket_bytes)
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        return adapter_state(self.module) if is_lora_model(self.module) else None
 
 
 class RolloutEngine(ABC):

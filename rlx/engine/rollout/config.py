@@ -119,6 +119,10 @@ class RolloutConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     """Vision-language models: image sizes and the prompt token limit (options --min-pixels, --max-pixels,
     --max-prompt-tokens; `rlx ppo` takes them from the recipe's [vision] table)."""
+    lora_rollout: Literal["merged", "adapters"] = "merged"
+    """native with a LoRA policy: 'merged' decodes with a plain copy holding the base with the adapters merged in
+    (W + alpha/r B A), refreshed in place before each rollout; 'adapters' decodes with the adapters applied in the
+    forward (PEFT's layers: two extra low-rank matmuls per adapted layer, no copy unless FSDP-sharded)."""
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -62,7 +62,8 @@ def run_rollout(
     processor = load_processor(source, cfg.vision)  # a vision-language model's images (None for text models)
     ctx = setup(cfg.device)
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
-    engine = build_engine(cfg, load_model(source, dtype=dtype), tokenizer, ctx, processor)
+    # a LoRA checkpoint: its base with the adapters, as `rlx ppo` generates
+    engine = build_engine(cfg, load_model(source, dtype=dtype, adapters=True), tokenizer, ctx, processor)
     try:
         result = engine.generate(records, cfg.sampling())
     finally:

@@ -13,6 +13,7 @@ from rlx.engine.parallel.dist import context, setup
 from rlx.engine.records import read_rollouts, write_records
 from rlx.engine.rollout.prompts import pad_token_id
 from rlx.engine.scoring.config import ScoreConfig
+from rlx.engine.scoring.reference import shared_reference
 from rlx.engine.scoring.score import ScoringModels, check_token_ids, score_rollouts
 from rlx.engine.tracking import console, log_metrics
 from rlx.errors import UserError
@@ -51,7 +52,8 @@ def rollout_temperature(rollouts, override: float | None, where: str) -> float:
 
 def load_scoring_models(cfg: ScoreConfig, actor: str, ref: str | None, critic: str | None) -> ScoringModels:
     """The models `rlx score` needs; each runs on the backend that holds its checkpoint's layout (falling back to
-    the merged Hugging Face model where that backend cannot run here)."""
+    the merged Hugging Face model where that backend cannot run here). A LoRA actor's base as the reference is the
+    actor's own module with its adapters off (scoring/reference.py)."""
     from rlx.models.reward_model import RewardModel
 
     ctx = setup(cfg.device)
@@ -71,7 +73,8 @@ def load_scoring_models(cfg: ScoreConfig, actor: str, ref: str | None, critic: s
         vocab = load_config(ref_source).get_text_config().vocab_size
         if vocab != models.vocab_size:
             raise UserError(f"--ref {ref}: vocabulary of {vocab} tokens, but the actor has {models.vocab_size}")
-        models.ref = _load(ref_source, "actor", cfg, ctx.world)
+        shared = shared_reference(models.actor, ref_source.path, actor_source.path)
+        models.ref = shared or _load(ref_source, "actor", cfg, ctx.world)
     if critic:
         models.critic = _load(resolve_source(critic, "critic"), "critic", cfg, ctx.world)
     if cfg.reward_model:
