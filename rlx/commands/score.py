@@ -16,6 +16,7 @@ from rlx.engine.scoring.config import ScoreConfig
     ScoreConfig,
     "score",
     metavars={"reward": "NAME[=W]", "reward_model": "PATH", "estimator": "NAME"},
+    exclude=("freeze_vision_tower", "max_prompt_tokens"),  # train-step's and rollout's
 )
 def score(
     cfg: ScoreConfig,

@@ -18,7 +18,10 @@ Tensors (B samples, P prompt columns left-padded, R response columns right-padde
     rewards           [B]    float32  sequence reward (before any KL penalty)
 
 The header metadata holds the format version, sample ids, prompt ids, vocabulary size, pad id,
-temperature and the scoring settings, as JSON.
+temperature and the scoring settings, as JSON. A batch of a vision-language model adds its samples' images
+(rlx.models.vision.inputs: `vision/image_grid_thw` [N, 3], `vision/images_per_sample` [B], the image references
+in the header, `vision/pixel_values` [patches, D] only when stored); reading it back reloads the images through
+the model's processor and checks their grids.
 
 Every loss, normaliser, KL/entropy metric and train/rollout mismatch metric reads `loss_mask`; `response_mask`
 only says which columns hold tokens (the forward pass reads them all).
@@ -36,7 +39,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rlx.engine.records import RolloutRecord
+from rlx.engine.vision import BatchImages
 from rlx.errors import UserError
+from rlx.models.vision.inputs import GRID_KEY, from_tensors, to_tensors
 from rlx.utils.files import apply_umask
 from rlx.utils.io import atomic_path, is_remote
 
@@ -90,6 +95,8 @@ class TrainBatch:
     meta: BatchMeta
     ref_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    images: BatchImages | None = None
+    """The samples' images (vision-language models), row for row; None when no sample has one."""
     loss_mask: torch.Tensor | None = None
     """[B, R] bool: the trained tokens (None given: the response tokens, as single-turn batches have it)."""
 
@@ -105,7 +112,7 @@ class TrainBatch:
         return {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name != "meta" and getattr(self, f.name) is not None
+            if f.name not in ("meta", "images") and getattr(self, f.name) is not None
         }
 
     def select(self, rows: torch.Tensor | list[int]) -> TrainBatch:
@@ -118,22 +125,30 @@ class TrainBatch:
             sample_ids=[self.meta.sample_ids[i] for i in ids],
             group_ids=[self.meta.group_ids[i] for i in ids],
         )
-        return TrainBatch(meta=meta, **picked)
+        images = self.images.select(ids) if self.images is not None else None
+        return TrainBatch(meta=meta, images=images, **picked)
 
-    def save(self, path: str | Path) -> None:
-        """Write atomically as safetensors with the metadata in the header."""
+    def save(self, path: str | Path, store_pixels: bool = False) -> None:
+        """Write atomically as safetensors with the metadata in the header (`store_pixels`: the images' pixels
+        too, else their references and grids)."""
         header = {
             "format": FORMAT,
             "format_version": str(FORMAT_VERSION),
             "meta": json.dumps(dataclasses.asdict(self.meta), allow_nan=False),
         }
+        tensors = {k: v.contiguous() for k, v in self.tensors().items()}
+        if self.images is not None:
+            vision_tensors, vision_header = to_tensors(self.images.vision, self.images.refs, store_pixels)
+            tensors.update(vision_tensors)
+            header.update(vision_header)
         with atomic_path(path) as tmp:
-            save_file({k: v.contiguous() for k, v in self.tensors().items()}, str(tmp), metadata=header)
+            save_file(tensors, str(tmp), metadata=header)
             apply_umask(tmp)  # safetensors makes its files 0600
 
     @classmethod
-    def load(cls, path: str | Path) -> TrainBatch:
-        """Read and validate a batch file; foreign or truncated files give a UserError naming the file."""
+    def load(cls, path: str | Path, processor=None) -> TrainBatch:
+        """Read and validate a batch file; foreign or truncated files give a UserError naming the file.
+        `processor`: the model's VisionProcessor, which reloads the images of a batch stored without pixels."""
         if is_remote(path):
             import tempfile
 
@@ -142,11 +157,11 @@ class TrainBatch:
             if not path_exists(path):
                 raise UserError(f"{path}: no such file")
             with tempfile.TemporaryDirectory() as folder:
-                return cls._load_local(fetch_file(path, folder), str(path))
-        return cls._load_local(Path(path), str(path))
+                return cls._load_local(fetch_file(path, folder), str(path), processor)
+        return cls._load_local(Path(path), str(path), processor)
 
     @classmethod
-    def _load_local(cls, path: Path, name: str) -> TrainBatch:
+    def _load_local(cls, path: Path, name: str, processor=None) -> TrainBatch:
         if not path.is_file():
             raise UserError(f"{name}: no such file")
         try:
@@ -169,12 +184,14 @@ class TrainBatch:
             meta = BatchMeta(**json.loads(header["meta"]))
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise UserError(f"{name}: batch metadata is malformed ({e})") from None
-        required = [f.name for f in dataclasses.fields(cls) if f.name != "meta" and f.name not in _OPTIONAL]
+        required = [f.name for f in dataclasses.fields(cls) if f.name not in ("meta", "images", *_OPTIONAL)]
         missing = [k for k in required if k not in tensors]
         if missing:
             raise UserError(f"{name}: batch is missing tensor(s) {', '.join(missing)}")
         batch = cls(meta=meta, **{k: v for k, v in tensors.items() if k in required or k in _OPTIONAL})
         batch.validate(name)
+        if GRID_KEY in tensors:
+            batch.images = _load_images(tensors, header, processor, name, meta.sample_ids)
         return batch
 
     def validate(self, where: str) -> None:
@@ -192,6 +209,16 @@ class TrainBatch:
             raise UserError(f"{where}: tensor rewards has shape {tuple(self.rewards.shape)}, expected {(b,)}")
         if len(self.meta.sample_ids) != b or len(self.meta.group_ids) != b:
             raise UserError(f"{where}: metadata lists {len(self.meta.sample_ids)} samples for {b} rows")
+
+
+def _load_images(tensors: dict, header: dict, processor, name: str, sample_ids: list[str]) -> BatchImages:
+    """The batch's images: stored pixels, or reloaded through `processor` (grids checked)."""
+    if processor is None and "vision/pixel_values" not in tensors:
+        raise UserError(f"{name}: the batch has images, but the model is text-only (it has no image processor)")
+    vision, refs = from_tensors(tensors, header, processor, source=name, sample_ids=sample_ids)
+    if vision.num_samples != len(sample_ids):
+        raise UserError(f"{name}: vision inputs for {vision.num_samples} samples, the batch has {len(sample_ids)}")
+    return BatchImages(vision, refs)
 
 
 def collate(rollouts: list[RolloutRecord], pad_id: int) -> dict[str, torch.Tensor]:

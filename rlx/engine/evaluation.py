@@ -170,11 +170,12 @@ class EvalSample:
         return out
 
 
-def generate(cfg: EvalConfig, rollout_cfg, model, tokenizer, prompts: list, ctx=None) -> list:
-    """The one call into the rollout engine: responses (RolloutRecords) to `prompts` as `rollout_cfg` samples."""
+def generate(cfg: EvalConfig, rollout_cfg, model, tokenizer, prompts: list, ctx=None, processor=None) -> list:
+    """The one call into the rollout engine: responses (RolloutRecords) to `prompts` as `rollout_cfg` samples
+    (`processor`: a vision-language model's, for prompts with images)."""
     from rlx.engine.rollout.base import build_engine
 
-    engine = build_engine(rollout_cfg, model, tokenizer, ctx)
+    engine = build_engine(rollout_cfg, model, tokenizer, ctx, processor)
     try:
         return engine.generate(prompts, rollout_cfg.sampling()).records
     finally:
@@ -230,7 +231,7 @@ def run_eval(
 ) -> dict[str, float]:
     """`rlx eval`: answer cfg.prompts with the model, grade, write OUT/eval.jsonl and a metrics line (logged at
     the checkpoint's step). Returns the metrics."""
-    from rlx.engine.checkpoints.loading import load_model
+    from rlx.engine.checkpoints.loading import load_model, load_processor
     from rlx.engine.checkpoints.registry import read_meta_or_default
     from rlx.engine.parallel.dist import setup
     from rlx.engine.records import read_prompts
@@ -253,7 +254,8 @@ def run_eval(
     tokenizer = load_tokenizer(source)
     prompts = limit_prompts(prompts, tokenizer, rollout_cfg, model_context(load_config(source)), cfg.prompts)
     ctx = setup(rollout_cfg.device)
-    rollouts = generate(cfg, rollout_cfg, load_model(source), tokenizer, prompts, ctx)
+    processor = load_processor(source, rollout_cfg.vision)
+    rollouts = generate(cfg, rollout_cfg, load_model(source), tokenizer, prompts, ctx, processor)
     if not ctx.is_main:
         return {}
     samples = grade(rollouts, cfg)

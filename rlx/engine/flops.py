@@ -37,6 +37,8 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
 
 def _shape(config: Any) -> dict[str, int]:
     """The sizes the count needs, with a UserError naming a missing key or an unsupported (MoE) model."""
+    if hasattr(config, "get_text_config"):  # a vision-language model: its decoder (the vision tower is not counted)
+        config = config.get_text_config()
     for key in _MOE_KEYS:
         if _get(config, key, 0):
             raise UserError(f"FLOPs counting supports dense models only; this config has {key}={_get(config, key)}")

@@ -13,6 +13,7 @@ hidden states and the LM-head weight (tied or untied), never materialising [toke
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from rlx.engine.parallel.ulysses import (
 )
 from rlx.kernels.logprob_entropy import IGNORE_INDEX, logprob_entropy, resolve_impl
 from rlx.models.attention import PACKED_ATTENTION, PackedBatch, enable_packed_attention
+from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.utils.device import autocast
 
 
@@ -65,38 +67,40 @@ def response_logprobs(
     dtype: torch.dtype,
     with_entropy: bool = False,
     impl: str = "naive",
+    vision=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs [B, R] (and entropy [B, R]) of the response tokens given the prompts.
 
     prompt_ids/mask: [B, P] left-padded; response_ids/mask: [B, R] right-padded; all on the
     model's device. Values at masked response positions are meaningless (0 on the fused paths)
-    and must be masked by the caller.
+    and must be masked by the caller. `vision`: the rows' VisionInputs (a vision-language model: its
+    images and 3-D positions go into the forward).
     """
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # [B, P+R]
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    images = contextlib.nullcontext()
+    if vision is not None:  # the images and 3-D positions, hooked into the model's forward
+        row = VisionRow.padded(prompt_ids, prompt_mask, response_ids, response_mask, vision, model.config)
+        images = vision_forward(model, row)
+    with images:
+        return _padded_logprobs(model, inputs, response_ids, response_mask, temperature, dtype, with_entropy, impl)
+
+
+def _padded_logprobs(model, inputs: dict, response_ids, response_mask, temperature, dtype, with_entropy, impl):
+    """`response_logprobs` of the model inputs of a padded micro-batch."""
+    input_ids = inputs["input_ids"]
     r = response_ids.shape[1]
     impl = resolve_impl(impl, input_ids.device)
     weight = lm_head_weight(model) if impl != "naive" else None
     if weight is None:
         with autocast(input_ids.device, dtype):
             # logits for positions P-1 .. P+R-1 predict response tokens 0 .. R-1 (plus one spare at the end)
-            logits = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=r + 1,
-            ).logits[:, :-1, :]
+            logits = model(**inputs, use_cache=False, logits_to_keep=r + 1).logits[:, :-1, :]
         return logprobs_from_logits(logits, response_ids, temperature, with_entropy)
     with autocast(input_ids.device, dtype):
-        hidden, _ = hidden_states(
-            model,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        )
+        hidden, _ = hidden_states(model, **inputs, use_cache=False)
     hidden = hidden[:, -r - 1 : -1, :]  # [B, R, H]
     weight = lm_head_weight(model)  # after the forward: FSDP's root keeps it unsharded until the backward
     compute = dtype if dtype != torch.float32 else hidden.dtype
@@ -311,6 +315,7 @@ def sharded_forward(
 
 
 MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+_ROW = "row_index"  # a micro-batch's row numbers in the whole batch (picks its images)
 
 
 @torch.no_grad()
@@ -325,18 +330,30 @@ def batched_response_logprobs(
     impl: str = "naive",
     ctx=None,
     max_tokens: int = 0,
+    vision=None,
 ) -> torch.Tensor:
     """Logprobs [B, R] (float32, CPU, zero at masked positions) computed in micro-batches without grad,
     split across ranks under a launcher (see `sharded_forward`); with `max_tokens`, each micro-batch runs as one
-    packed row of at most that many tokens (the model's attention must be the packed one)."""
+    packed row of at most that many tokens (the model's attention must be the packed one); `vision`: the rows'
+    VisionInputs (padded micro-batches only)."""
+    if vision is not None and max_tokens:
+        raise ValueError("token-budget packed scoring does not carry images; pass max_tokens=0")
     compute = packed_response_logprobs if max_tokens else response_logprobs
 
     def forward(part):
+        rows = part.pop(_ROW, None)
         part = {k: part[k].to(device) for k in MODEL_INPUTS}
-        logp, _ = compute(model, **part, temperature=temperature, dtype=dtype, impl=impl)
+        if vision is not None:
+            images = vision.select(rows.tolist())
+            logp, _ = compute(model, **part, temperature=temperature, dtype=dtype, impl=impl, vision=images)
+        else:
+            logp, _ = compute(model, **part, temperature=temperature, dtype=dtype, impl=impl)
         return (logp * part["response_mask"]).cpu()
 
-    return _eval_forward(model, forward, tensors, micro_batch_size, ctx, desc, max_tokens)
+    inputs = {k: tensors[k] for k in MODEL_INPUTS}
+    if vision is not None:  # which rows a micro-batch holds, to pick their images
+        inputs[_ROW] = torch.arange(len(inputs["response_ids"]))
+    return _eval_forward(model, forward, inputs, micro_batch_size, ctx, desc, max_tokens)
 
 
 @torch.no_grad()
@@ -358,7 +375,7 @@ def _eval_forward(model, forward, tensors, micro_batch_size: int, ctx, desc: str
     was_training = model.training
     model.eval()
     try:
-        inputs = {k: tensors[k] for k in MODEL_INPUTS}
+        inputs = {k: tensors[k] for k in (*MODEL_INPUTS, _ROW) if k in tensors}
         return sharded_forward(forward, inputs, micro_batch_size, ctx, desc, max_tokens)
     finally:
         model.train(was_training)
@@ -378,13 +395,13 @@ class ModuleScorer:
 
     def logprobs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype,
                  micro_batch_size: int, impl: str = "auto", desc: str = "logprobs",
-                 max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
+                 max_tokens: int = 0, vision=None) -> torch.Tensor:  # fmt: skip
         """[B, R] float32 on the CPU, zero at masked positions, on every rank; with `max_tokens`, micro-batches
-        are packed rows of at most that many tokens."""
-        max_tokens = self._packing(max_tokens)
+        are packed rows of at most that many tokens (`vision`: the rows' VisionInputs; padded micro-batches)."""
+        max_tokens = self._packing(max_tokens) if vision is None else 0
         return batched_response_logprobs(
             self.module, tensors, temperature, self.ctx.device, dtype, micro_batch_size, desc, impl, self.ctx,
-            max_tokens,
+            max_tokens, vision,
         )  # fmt: skip
 
     def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int,

@@ -14,6 +14,7 @@ from typing import Any
 
 from rlx.engine.parquet import is_parquet, read_parquet_rows
 from rlx.errors import UserError
+from rlx.models.vision.images import folder_of, resolve_prompt_images
 from rlx.utils.io import read_jsonl, write_jsonl
 
 FORMAT_VERSION = 1
@@ -62,16 +63,34 @@ class _Fields:
             )
 
 
+def _is_part(part: Any) -> bool:
+    """A content part of a chat message: {"type": "text", "text": str} or {"type": "image", "image": reference}."""
+    if not isinstance(part, dict):
+        return False
+    kind = part.get("type")
+    return (kind == "text" and isinstance(part.get("text"), str)) or (
+        kind == "image" and isinstance(part.get("image"), str) and bool(part["image"])
+    )
+
+
+def _is_content(content: Any) -> bool:
+    return isinstance(content, str) or (isinstance(content, list) and all(_is_part(p) for p in content))
+
+
 def _is_prompt(value: Any) -> bool:
     if isinstance(value, str):
         return bool(value)
     return (
         isinstance(value, list)
         and bool(value)
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
-        )
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and _is_content(m.get("content")) for m in value)
     )
+
+
+_PROMPT_EXPECTED = (
+    "a non-empty string or a list of chat messages {role, content}; content is a string or a list of parts "
+    '{"type": "text", "text": ...} / {"type": "image", "image": PATH_OR_URL}'
+)
 
 
 def _is_id(value: Any) -> bool:
@@ -100,7 +119,7 @@ class PromptRecord:
     def from_json(cls, obj: dict, where: str, index: int) -> PromptRecord:
         f = _Fields(obj, where)
         f.check_version()
-        prompt = f.get("prompt", "a non-empty string or a list of chat messages {role, content}", _is_prompt)
+        prompt = f.get("prompt", _PROMPT_EXPECTED, _is_prompt)
         pid = f.get("id", "a string or integer", _is_id, required=False, default=index)
         source = f.get("data_source", "a string", lambda v: isinstance(v, str) or v is None, required=False)
         extra = {k: v for k, v in obj.items() if k not in _PROMPT_KEYS}
@@ -117,7 +136,8 @@ class PromptRecord:
 
 
 def read_prompts(path: str | Path) -> list[PromptRecord]:
-    """Read and validate prompts.jsonl, or a verl-style .parquet file: at least one record, unique ids."""
+    """Read and validate prompts.jsonl, or a verl-style .parquet file: at least one record, unique ids. Relative
+    image paths in chat prompts are resolved against the file's folder (records keep references, not pixels)."""
     name = "<stdin>" if str(path) == "-" else str(path)
     if is_parquet(path):
         rows = read_parquet_rows(path)
@@ -125,9 +145,10 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
         rows = [(f"{name}:{number}", obj) for number, obj in read_jsonl(path)]
     if not rows:
         raise UserError(f"{name}: no prompts (the file is empty)")
-    records, seen = [], {}
+    records, seen, base = [], {}, folder_of(path)
     for index, (where, obj) in enumerate(rows):
         record = PromptRecord.from_json(obj, where, index)
+        record.prompt = resolve_prompt_images(record.prompt, base)
         if record.id in seen:
             raise UserError(f"{where}: duplicate prompt id {record.id!r} (first seen on {seen[record.id]})")
         seen[record.id] = where.rsplit(":", 1)[1] if is_parquet(path) else f"line {where.rsplit(':', 1)[1]}"

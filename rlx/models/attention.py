@@ -343,17 +343,21 @@ def set_attention(model, name: str) -> None:
 
 @contextmanager
 def attention_implementation(model, name: str) -> Iterator[None]:
-    """Run `model` with attention `name` inside the block, then switch back. Only for work without a
-    backward (e.g. generating with a KV cache): recomputed activations would see the old function."""
-    previous = model.config._attn_implementation
+    """Run `model`'s decoder with attention `name` inside the block, then switch back (a vision-language model's
+    vision tower keeps its own: its images are neither packed nor paged). Only for work without a backward (e.g.
+    generating with a KV cache): recomputed activations would see the old function."""
+    config = model.config
+    text = config.get_text_config()
+    previous = text._attn_implementation
     if previous == name:
         yield
         return
-    model.set_attn_implementation(name)
+    nested = text is not config  # a composite config (vision-language): switch its text model only
+    model.set_attn_implementation({"text_config": name} if nested else name)
     try:
         yield
     finally:
-        model.set_attn_implementation(previous)
+        model.set_attn_implementation({"text_config": previous} if nested else previous)
 
 
 def enable_packed_attention(model) -> None:

@@ -97,10 +97,29 @@ def load_config(source: ModelSource):
     from transformers import AutoConfig
 
     quiet_transformers()
+    _check_known_family(source)
     try:
         return AutoConfig.from_pretrained(source.folder, **source.hf_kwargs())
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"{source.path}: cannot read the model config ({_first_line(e)})") from None
+
+
+def _check_known_family(source: ModelSource) -> None:
+    """A family transformers cannot build here (e.g. Kimi-VL, remote code only) is named before AutoConfig fails."""
+    from rlx.models.vision.families import KNOWN_UNSUPPORTED, family_of
+
+    path = source.folder / "config.json"
+    if source.is_gguf or not path.is_file():
+        return
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+        return  # AutoConfig names the problem
+    if model_type in KNOWN_UNSUPPORTED:
+        try:
+            family_of(type("Config", (), {"model_type": model_type})())
+        except UserError as e:
+            raise UserError(f"{source.path}: {e}") from None
 
 
 def load_tokenizer(source: ModelSource):
@@ -207,12 +226,24 @@ def check_weights_match(model, state: dict[str, torch.Tensor], where: Path) -> N
             )
 
 
+def causal_lm_class(config):
+    """The transformers auto class of `config`'s policy: AutoModelForImageTextToText for vision-language models
+    (their ...ForConditionalGeneration, which AutoModelForCausalLM does not map), else AutoModelForCausalLM."""
+    import transformers
+
+    from rlx.models.vision.families import is_vision_config
+
+    if is_vision_config(config):
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
 def build_empty_model(config):
     """The architecture of `config` on the meta device (no memory), for checking weight layouts."""
     import transformers
 
     archs = getattr(config, "architectures", None) or []
-    auto = transformers.AutoModelForCausalLM
+    auto = causal_lm_class(config)
     for suffix, cls in (
         ("ForTokenClassification", transformers.AutoModelForTokenClassification),
         ("ForSequenceClassification", transformers.AutoModelForSequenceClassification),
@@ -225,27 +256,26 @@ def build_empty_model(config):
 
 def init_random_model(config, seed: int):
     """A freshly initialised model (float32, CPU) from `config`, identical for the same seed."""
-    from transformers import AutoModelForCausalLM
-
     quiet_transformers()
     devices = []  # keep the caller's global RNG untouched
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return causal_lm_class(config).from_config(config, dtype=torch.float32)
 
 
 def load_causal_lm(source: ModelSource, dtype: torch.dtype | None = torch.float32):
-    """Load a causal LM from a Hugging Face dir or a GGUF file (CPU, `dtype`)."""
+    """Load a causal LM (a vision-language model with its vision tower) from a Hugging Face dir or a GGUF file
+    (CPU, `dtype`)."""
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
+    auto = AutoModelForCausalLM
     if not source.is_gguf:
+        auto = causal_lm_class(load_config(source))
         for path in weight_files(source.path):
             _check_safetensors_header(path)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            source.folder, dtype=dtype, output_loading_info=True, **source.hf_kwargs()
-        )
+        model, info = auto.from_pretrained(source.folder, dtype=dtype, output_loading_info=True, **source.hf_kwargs())
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
         raise UserError(f"{source.path}: cannot load the model ({_first_line(e)})") from None
     missing = [k for k in info.get("missing_keys", []) if k not in tied_keys(model)]

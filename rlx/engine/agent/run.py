@@ -13,7 +13,9 @@ from rlx.engine.rollout.base import build_engine
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.rollout.registry import engine_class
 from rlx.engine.tracking import console, log_metrics
+from rlx.errors import UserError
 from rlx.models.loading import load_tokenizer, resolve_source
+from rlx.models.vision.images import image_refs
 
 
 def run_multi_turn_rollout(
@@ -21,6 +23,9 @@ def run_multi_turn_rollout(
 ) -> dict[str, float]:
     """Episodes of `cfg.env`, or runs of the served `cfg.agent`, for the prompt records; writes rollouts.jsonl
     (rank 0 under a launcher) and returns the metrics."""
+    with_images = next((r for r in records if image_refs(r.prompt, r.id)), None)
+    if with_images is not None:
+        raise UserError(f"prompt {with_images.id!r} has image parts: multi-turn rollouts do not take images yet")
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
     ctx = setup(cfg.device)

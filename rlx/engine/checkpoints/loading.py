@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 
 from rlx.engine.checkpoints.files import aux_files, generated_aux
-from rlx.engine.checkpoints.registry import is_hf_dir, read_full_weights, read_meta_or_default
+from rlx.engine.checkpoints.registry import is_hf_dir, read_full_weights, read_lora, read_meta_or_default
 from rlx.errors import UserError
 from rlx.models.loading import (
     ModelSource,
+    causal_lm_class,
     check_weights_match,
     init_random_model,
     load_causal_lm,
@@ -30,25 +31,46 @@ from rlx.models.loading import (
 from rlx.models.value import build_value_model, check_value_config, load_value_model
 
 
-def _auto_class(role: str):
+def _auto_class(role: str, config):
     import transformers
 
-    return transformers.AutoModelForTokenClassification if role == "critic" else transformers.AutoModelForCausalLM
+    return transformers.AutoModelForTokenClassification if role == "critic" else causal_lm_class(config)
 
 
-def load_model(source: ModelSource, role: str = "actor", dtype: torch.dtype | None = torch.float32):
-    """The causal LM (role 'actor') or value model (role 'critic') of `source`, on the CPU in `dtype`."""
+def load_model(
+    source: ModelSource, role: str = "actor", dtype: torch.dtype | None = torch.float32, adapters: bool = False
+):
+    """The causal LM (role 'actor') or value model (role 'critic') of `source`, on the CPU in `dtype`. A LoRA
+    checkpoint gives its merged weights, or with `adapters` its base (in `dtype`) with the adapters in as PEFT
+    layers (float32): what the trainer computed with."""
     if role == "critic":
         check_value_config(load_config(source), source.path)
+    lora = read_lora(source.path) if adapters and not source.is_gguf else None
+    if lora is not None:
+        return lora.build_model(dtype or torch.float32)
     if source.is_gguf or is_hf_dir(source.path):
         return load_value_model(source, dtype) if role == "critic" else load_causal_lm(source, dtype)
     quiet_transformers()
-    model = _auto_class(role).from_config(load_config(source), dtype=torch.float32)
+    config = load_config(source)
+    model = _auto_class(role, config).from_config(config, dtype=torch.float32)
     weights = read_full_weights(source.path)
     check_weights_match(model, weights, source.path)
     model.load_state_dict(weights, strict=False)
     model.tie_weights()
     return model.to(dtype) if dtype is not None else model
+
+
+def load_processor(source: ModelSource, options=None, config=None):
+    """The image processor + tokenizer of a vision-language model (`VisionProcessor`, with a `VisionConfig`'s
+    pixel limits), or None for a text-only model; a vision-language model dir without its processor files
+    (preprocessor_config.json) is a UserError naming the file."""
+    from rlx.models.vision.families import is_vision_config
+    from rlx.models.vision.processor import vision_processor_for
+
+    if source.is_gguf:
+        return None
+    config = config if config is not None else load_config(source)
+    return vision_processor_for(source.folder, config, options) if is_vision_config(config) else None
 
 
 def load_initial_policy(path: str | Path, init: str = "pretrained", seed: int = 0):
@@ -132,3 +154,8 @@ class CheckpointWeights:
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         tied = bool(getattr(load_config(ModelSource(self.folder)), "tie_word_embeddings", False))
         return checkpoint_weights(self.folder, tied)
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """A LoRA checkpoint's adapters as stored (the engine holds the base); None for full weights."""
+        lora = read_lora(self.folder)
+        return lora.tensors() if lora is not None else None

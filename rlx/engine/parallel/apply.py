@@ -20,6 +20,7 @@ from rlx.engine.parallel.dist import DistContext
 from rlx.engine.parallel.fsdp import apply_fsdp, decoder_layers
 from rlx.engine.parallel.ulysses import enable_ulysses_attention, validate_sp
 from rlx.errors import UserError
+from rlx.models.vision.families import is_vision_config
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def apply_parallelism(model: torch.nn.Module, ctx: DistContext, plan: ParallelPl
         raise UserError("param_offload needs FSDP: launch with torchrun (--nproc_per_node 1 is fine)")
     if plan.packed_attention:
         validate_sp(model.config, ctx.sp_degree)
-        enable_ulysses_attention(model)
+        enable_ulysses_attention(model, decoder_only=is_vision_config(model.config))
     if plan.compile:
         for layer in decoder_layers(model):
             layer.forward = torch.compile(layer.forward, dynamic=True)

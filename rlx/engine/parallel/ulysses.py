@@ -32,6 +32,7 @@ from rlx.models.attention import (
     set_attention,
     varlen_attention,
 )
+from rlx.models.vision.packing import set_decoder_attention
 
 ULYSSES_ATTENTION = "rlx_ulysses"
 
@@ -157,10 +158,15 @@ def ulysses_attention_forward(
     return all_to_all(out.unsqueeze(0), sp_group, scatter_dim=1, gather_dim=2), None
 
 
-def enable_ulysses_attention(model) -> None:
-    """Register "rlx_ulysses" and switch `model` to it (pass `sp_group` etc. per call: `sequence_parallel_forward`)."""
+def enable_ulysses_attention(model, decoder_only: bool = False) -> None:
+    """Register "rlx_ulysses" and switch `model` to it (pass `sp_group` etc. per call: `sequence_parallel_forward`);
+    `decoder_only`: a vision-language model's decoder only (its vision tower keeps sdpa / flash attention per image,
+    see rlx.models.vision.packing)."""
     register_attention(ULYSSES_ATTENTION, ulysses_attention_forward, packed_attention_mask)
-    set_attention(model, ULYSSES_ATTENTION)
+    if decoder_only:
+        set_decoder_attention(model, ULYSSES_ATTENTION)
+    else:
+        set_attention(model, ULYSSES_ATTENTION)
 
 
 class SequenceShard(NamedTuple):

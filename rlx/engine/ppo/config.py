@@ -15,6 +15,8 @@ from rlx.engine.scoring.config import ScoreConfig
 from rlx.engine.tracking import TrackingConfig
 from rlx.engine.training.config import TrainConfig
 from rlx.errors import UserError
+from rlx.models.lora_config import LoraConfig
+from rlx.models.vision.config import VisionConfig
 
 
 @dataclass(kw_only=True)
@@ -60,6 +62,8 @@ class CriticConfig:
     """Train only the critic for this many steps before the actor starts updating (verl's critic_warmup)."""
     train: TrainConfig = field(default_factory=lambda: TrainConfig(role="critic"))
     """Critic update settings, as [train] (the role is always 'critic': clipped value loss)."""
+    lora: LoraConfig | None = None
+    """Train the critic as LoRA adapters (and its value head) on its frozen backbone; absent = in full."""
 
     def __post_init__(self) -> None:
         if self.train.role != "critic":
@@ -114,6 +118,9 @@ class PPOConfig:
     """Reward and advantage settings (as `rlx score`)."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Update settings (as `rlx train-step`)."""
+    lora: LoraConfig | None = None
+    """Train the actor as LoRA adapters on the frozen policy (the reference is the policy with them off); absent =
+    full fine-tuning."""
     critic: CriticConfig | None = None
     """A critic (needed by score.estimator = 'gae')."""
     megatron: MegatronConfig | None = None
@@ -122,6 +129,9 @@ class PPOConfig:
     """Where metrics go besides metrics.jsonl (console, tensorboard, wandb, mlflow) and rollout traces."""
     eval: EvalConfig | None = None
     """Held-out evaluation during training: val/* metrics in the step's metrics line, step_NNNNNN/eval.jsonl."""
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    """Vision-language models: image sizes and prompt limit of every stage, pixels in the batch files, whether the
+    vision tower trains."""
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", f"must be at least 1, got {self.steps}")
@@ -166,8 +176,25 @@ class PPOConfig:
                 f"{key}.lr_decay_steps",
                 f"decay over the run's {self.steps} steps needs steps > warmup_steps (or set lr_decay_steps)",
             )
+        self._share_vision()
+        has_lora = self.lora is not None or (self.critic is not None and self.critic.lora is not None)
+        check(
+            not has_lora or self.backend_name != "megatron",
+            "lora",
+            "LoRA is not supported by the megatron backend (drop [megatron] or the [lora] tables)",
+        )
         needs_ref = self.score.kl_coef > 0 or self.train.kl_loss_coef > 0
         check(self.use_ref or not needs_ref, "use_ref", "score.kl_coef or train.kl_loss_coef > 0 needs use_ref = true")
+
+    def _share_vision(self) -> None:
+        """Every stage reads the [vision] table (a stage's own `vision` table is the CLI's; in a recipe it must be
+        left out, or equal [vision] as in a run dir's recipe.json)."""
+        stages = {"rollout": self.rollout, "score": self.score, "train": self.train}
+        if self.critic is not None:
+            stages["critic.train"] = self.critic.train
+        for key, stage in stages.items():
+            check(stage.vision in (VisionConfig(), self.vision), f"{key}.vision", "set the [vision] table instead")
+            stage.vision = self.vision
 
     @property
     def backend_name(self) -> str:

@@ -28,7 +28,7 @@ from rlx.engine.backends.registry import backend_class
 from rlx.engine.checkpoints.base import CheckpointPart
 from rlx.engine.checkpoints.loading import CheckpointWeights
 from rlx.engine.checkpoints.meta import CheckpointMeta, provenance
-from rlx.engine.checkpoints.registry import layout_for_backend, prepare_save, read_meta
+from rlx.engine.checkpoints.registry import layout_for_backend, prepare_save, read_meta, trained_layout
 from rlx.engine.data import take_prompts
 from rlx.engine.evaluation import EVAL_FILE, evaluate
 from rlx.engine.flops import count_flops, count_generate_flops, device_peak_flops, mfu
@@ -89,8 +89,8 @@ class PPORun:
         started = time.perf_counter()
         self.models = build_run_models(cfg, self.backend, start_ckpt)
         self.trainer, self.critic = self.models.actor, self.models.critic
-        models_built = time.perf_counter()
-        self.engine = build_engine(cfg.rollout, self.models.rollout_model, self.models.tokenizer, self.ctx)
+        models, models_built = self.models, time.perf_counter()
+        self.engine = build_engine(cfg.rollout, models.rollout_model, models.tokenizer, self.ctx, models.processor)
         # where a start's time goes, reported with the first step: models (load or init, parallelism), engine
         self.setup_metrics = {
             "timing/setup_models_s": models_built - started,
@@ -201,7 +201,7 @@ class PPORun:
         if result.next_kl_coef is not None:
             self.kl_coef = result.next_kl_coef
         if cfg.keep_artifacts and self.ctx.is_main:
-            self.writer.submit(lambda: self._write_artifacts(out, rollouts, result))
+            self.writer.submit(lambda: self._write_artifacts(out, rollouts, result, cfg.vision.store_pixels))
         with measure_phase("train", self.device) as phase:
             metrics.update(self._train(step, result))
         metrics.update(phase)
@@ -224,10 +224,10 @@ class PPORun:
             self.writer.submit(commit)
 
     @staticmethod
-    def _write_artifacts(out: Path, rollouts: list[RolloutRecord], result: ScoreResult) -> None:
+    def _write_artifacts(out: Path, rollouts: list[RolloutRecord], result: ScoreResult, store_pixels: bool) -> None:
         write_records(out / "rollouts.jsonl", rollouts)
         write_records(out / "scores.jsonl", result.scores)
-        result.batch.save(out / "batch.safetensors")
+        result.batch.save(out / "batch.safetensors", store_pixels=store_pixels)
 
     def _flops_metrics(self, rollouts: list[RolloutRecord], metrics: dict) -> dict:
         """Model FLOPs of the step (generation, scoring forwards, training) and MFU against the device peak."""
@@ -328,9 +328,10 @@ class PPORun:
         """Gather the actor (critic nested) for the backend's layout now (every rank takes part); returns the write
         of the files, with the rotation of old checkpoints after it, for the background writer."""
         self.writer.flush()  # one checkpoint in memory at a time; a failed earlier write stops the run here
+        own_layout = layout_for_backend(self.backend.name).name
         meta = CheckpointMeta(
             step=step,
-            layout=layout_for_backend(self.backend.name).name,
+            layout=trained_layout(self.trainer, own_layout),
             data_position=self.data_position,
             optimizer=self.trainer.optimizer_meta(),
             kl_coef=self.kl_coef,
@@ -338,7 +339,12 @@ class PPORun:
         )
         nested = {}
         if self.critic is not None:
-            critic_meta = dataclasses.replace(meta, optimizer=self.critic.optimizer_meta(), kl_coef=None)
+            critic_meta = dataclasses.replace(
+                meta,
+                layout=trained_layout(self.critic, own_layout),
+                optimizer=self.critic.optimizer_meta(),
+                kl_coef=None,
+            )
             nested[CRITIC_DIR] = CheckpointPart(self.critic, self.models.critic_aux, critic_meta)
         out = checkpoint_dir(self.run_dir, step)
         write = prepare_save(out, self.trainer, self.models.aux, meta, overwrite=True, nested=nested)

@@ -1,6 +1,7 @@
 """The rollout-engine interface: settings at construction, sampling settings per call, a typed result.
 
     engine = build_engine(rollout_cfg, model, tokenizer, ctx)      # RolloutConfig: the engine's settings
+    engine = build_engine(rollout_cfg, vlm, tokenizer, ctx, processor)   # a vision-language model's images
     result = engine.generate(prompts, sampling)                     # SamplingParams: this call's draws
     result.records, result.stats                                    # RolloutRecord list + RolloutStats
     engine.sleep(); ...train...; engine.wake(); engine.update_weights(trainer)
@@ -38,10 +39,12 @@ from rlx.engine.parallel.fsdp import gathered_weights
 from rlx.engine.records import PromptRecord, RolloutRecord
 from rlx.engine.rollout.config import RolloutConfig, SamplingParams
 from rlx.engine.rollout.lengths import limit_reason, model_context
-from rlx.engine.rollout.prompts import stop_token_ids
+from rlx.engine.rollout.prompts import PromptEncoder, context_limit, stop_token_ids
 from rlx.engine.rollout.requests import Generated, Request, TokenRequest, build_requests, to_record, token_requests
 from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
+from rlx.models.lora import is_lora_model
+from rlx.models.lora_state import adapter_state
 from rlx.utils.device import resolve_precision
 
 
@@ -173,7 +176,11 @@ class WeightSource(Protocol):
 
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors with Hugging Face names (sharded ones gathered about `bucket_bytes` at a time: every
-        process of the launch drains the iterator together)."""
+        process of the launch drains the iterator together); with LoRA adapters, the merged weights."""
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """A LoRA policy's adapters by stable name (every process calls it together), for engines that apply them
+        on the base they hold; None for a policy of full weights."""
 
 
 class ModuleWeights:
@@ -186,18 +193,27 @@ class ModuleWeights:
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         return gathered_weights(self.module, bucket_bytes)
 
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        return adapter_state(self.module) if is_lora_model(self.module) else None
+
 
 class RolloutEngine(ABC):
     """Samples responses with a causal LM held in this process; subclasses implement `generate_local`."""
 
     name: ClassVar[str]
+    takes_images: ClassVar[bool] = False
+    """Whether the engine generates from prompts with images (vision-language models)."""
 
-    def __init__(self, model, tokenizer, cfg: RolloutConfig, ctx):
+    def __init__(self, model, tokenizer, cfg: RolloutConfig, ctx, processor=None):
+        """`processor`: a vision-language model's VisionProcessor (prompts with image parts need it)."""
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.device = ctx.device
         self.dtype = resolve_precision(cfg.precision, self.device)
         self.ctx = ctx if ctx.distributed else None
         self.stop_ids = stop_token_ids(model, tokenizer)
+        config = getattr(model, "config", None)  # None: an engine holding no HF model (vllm from a folder)
+        limit = context_limit(config, cfg.vision.max_prompt_tokens) if processor is not None else 0
+        self.encoder = PromptEncoder(tokenizer, cfg.chat_template, processor, config, limit)
 
     @classmethod
     def model_dtype(cls, cfg: RolloutConfig, device: torch.device) -> torch.dtype:
@@ -209,7 +225,8 @@ class RolloutEngine(ABC):
 
     def generate(self, prompts: list[PromptRecord], sampling: SamplingParams, progress: bool = True) -> RolloutResult:
         """N responses per prompt (in prompt order, then sample order), from every process's share."""
-        requests = build_requests(prompts, self.tokenizer, sampling, self.cfg.chat_template)
+        requests = build_requests(prompts, self.encoder, sampling)
+        self._check_images(requests)
         self.check_requests(requests, sampling)
         mine = self.local_share(len(requests))
         start = time.perf_counter()
@@ -233,6 +250,14 @@ class RolloutEngine(ABC):
     def local_share(self, count: int) -> list[int]:
         """The indices of the requests this process generates: a contiguous slice per rank."""
         return list(shard_range(count, self.ctx.rank, self.ctx.world) if self.ctx else range(count))
+
+    def _check_images(self, requests: list[Request]) -> None:
+        with_images = next((r for r in requests if r.vision is not None), None)
+        if with_images is not None and not self.takes_images:
+            raise UserError(
+                f"prompt {with_images.prompt.id!r} has images, which engine {self.name!r} does not take "
+                f"(use engine 'hf' or 'native')"
+            )
 
     def check_requests(self, requests: list[Request], sampling: SamplingParams) -> None:
         """Raise a UserError for requests this engine cannot serve (before any generation): by default, a prompt
@@ -320,9 +345,11 @@ def copy_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tens
     model.tie_weights()
 
 
-def build_engine(cfg: RolloutConfig, model, tokenizer, ctx) -> RolloutEngine:
+def build_engine(cfg: RolloutConfig, model, tokenizer, ctx, processor=None) -> RolloutEngine:
     """The engine named by `cfg.engine` (registry.py) around a model held in this process; under a launcher each
-    process generates its share of the requests."""
+    process generates its share of the requests. `processor`: a vision-language model's VisionProcessor."""
     from rlx.engine.rollout.registry import engine_class
 
-    return engine_class(cfg.engine)(model, tokenizer, cfg, ctx)
+    if processor is None:
+        return engine_class(cfg.engine)(model, tokenizer, cfg, ctx)
+    return engine_class(cfg.engine)(model, tokenizer, cfg, ctx, processor=processor)

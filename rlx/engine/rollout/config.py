@@ -8,12 +8,13 @@ with `env` or `agent` set, rollouts are multi-turn episodes (rlx/engine/agent/).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from rlx.config import check
 from rlx.engine.agent.config import AgentConfig
 from rlx.engine.rollout.registry import engine_names
+from rlx.models.vision.config import VisionConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +119,13 @@ class RolloutConfig(AgentConfig):
     time; with it on, logprobs can differ from off in the last float32 bit)."""
     paged_attention: Literal["auto", "torch", "triton"] = "auto"
     """native: the paged decode attention kernel: Triton on CUDA ('auto'), or the PyTorch reference."""
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    """Vision-language models: image sizes and the prompt token limit (options --min-pixels, --max-pixels,
+    --max-prompt-tokens; `rlx ppo` takes them from the recipe's [vision] table)."""
+    lora_rollout: Literal["merged", "adapters"] = "merged"
+    """native with a LoRA policy: 'merged' decodes with a plain copy holding the base with the adapters merged in
+    (W + alpha/r B A), refreshed in place before each rollout; 'adapters' decodes with the adapters applied in the
+    forward (PEFT's layers: two extra low-rank matmuls per adapted layer, no copy unless FSDP-sharded)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -4,7 +4,9 @@ Runs anywhere transformers runs. Requests are decoded in batches of `batch_size`
 submitted (a stream's step decodes one batch to its end); prompts are left-padded, responses grow on the
 right; each row samples from its own seeded stream (see sampling.py), so outputs are reproducible for a seed
 whatever the batching. Under a launcher every rank decodes the same number of batches in lockstep (a sharded
-model's forward is a collective), a rank with fewer repeating a filler batch.
+model's forward is a collective), a rank with fewer repeating a filler batch. A vision-language model gets its
+images in the prefill (the model runs its vision tower and places the image embeddings) and 3-D mRoPE positions
+throughout: each prompt's own, then one more per generated token.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from rlx.engine.rollout.requests import Generated, TokenRequest
 from rlx.engine.rollout.sampling import draw_tokens, filter_logits, sample_uniforms
 from rlx.engine.rollout.stops import StopStrings
 from rlx.models.attention import PACKED_ATTENTION, attention_implementation
+from rlx.models.vision.families import family_of, is_vision_config
+from rlx.models.vision.inputs import VisionInputs
+from rlx.models.vision.positions import left_padded_positions
 from rlx.utils.device import autocast
 
 
@@ -30,10 +35,12 @@ class HFRolloutEngine(RolloutEngine):
     """Samples responses with a causal LM held in this process (the trainer's own model in `rlx ppo`)."""
 
     name = "hf"
+    takes_images = True
 
-    def __init__(self, model, tokenizer, cfg, ctx):
-        super().__init__(model.to(ctx.device), tokenizer, cfg, ctx)
+    def __init__(self, model, tokenizer, cfg, ctx, processor=None):
+        super().__init__(model.to(ctx.device), tokenizer, cfg, ctx, processor)
         self.pad_id = pad_token_id(tokenizer)
+        self.family = family_of(model.config) if is_vision_config(model.config) else None
 
     def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> TokenStream:
         return HFStream(self, sampling)
@@ -45,7 +52,7 @@ class HFRolloutEngine(RolloutEngine):
         was_training = self.model.training
         self.model.eval()
         stack.callback(self.model.train, was_training)
-        if self.model.config._attn_implementation in (PACKED_ATTENTION, ULYSSES_ATTENTION):
+        if self.model.config.get_text_config()._attn_implementation in (PACKED_ATTENTION, ULYSSES_ATTENTION):
             stack.enter_context(attention_implementation(self.model, "sdpa"))
         return stack
 
@@ -56,34 +63,56 @@ class HFRolloutEngine(RolloutEngine):
         uniforms = sample_uniforms(cfg.seed, [r.key for r in requests], cfg.max_new_tokens)  # [b, W] float64 CPU
         greedy = torch.tensor([r.greedy or cfg.temperature == 0 for r in requests])
         limits = torch.tensor([r.max_new_tokens for r in requests])
-        tokens, logprobs = self._decode([r.prompt_ids for r in requests], uniforms, greedy, limits, cfg)
+        ids, vision = [r.prompt_ids for r in requests], [r.vision for r in requests]
+        tokens, logprobs = self._decode(ids, uniforms, greedy, limits, cfg, vision)
         generated = self._unpack(tokens, logprobs, limits.tolist())
         if cfg.stop:  # drop the tokens after a stop string
             stops = StopStrings(self.tokenizer, cfg.stop)
             generated = [stops.cut(g) for g in generated]
         return generated
 
-    def _decode(
-        self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, limits: torch.Tensor,
-        cfg: SamplingParams,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Tokens and logprobs [b, steps] (CPU).  uniforms: [b, width]; greedy: [b] bool rows that take the argmax;
-        limits: [b] each row's max_new_tokens (a row past its limit is done)."""
+    def _prefill_inputs(self, prompt_ids: list[list[int]], vision: list | None) -> dict:
+        """Model inputs of a left-padded batch of prompts (with a vision-language model's images and 3-D
+        positions), on the device."""
         b, width = len(prompt_ids), max(len(ids) for ids in prompt_ids)
         input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((b, width), dtype=torch.long)
         for row, ids in enumerate(prompt_ids):  # left padding: every prompt ends at column width-1
             input_ids[row, width - len(ids) :] = torch.tensor(ids)
             mask[row, width - len(ids) :] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions}
+        if self.family is not None:  # [3, b, width] mRoPE positions and the rows' images in row order
+            images = VisionInputs.concat([v if v is not None else VisionInputs.empty(1) for v in vision or [None] * b])
+            config = self.model.config
+            grids = [images.grids_of(i) for i in range(b)]
+            token, merge = self.family.image_token_id(config), self.family.merge_size(config)
+            inputs["position_ids"] = left_padded_positions(prompt_ids, grids, token, merge, width)
+            inputs.update(images.to(self.device).model_kwargs())
+        return {k: v.to(self.device) for k, v in inputs.items()}
+
+    def _decode(
+        self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, limits: torch.Tensor,
+        cfg: SamplingParams, vision: list | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Tokens and logprobs [b, steps] (CPU).  uniforms: [b, width]; greedy: [b] bool rows that take the argmax;
+        limits: [b] each row's max_new_tokens (a row past its limit is done); vision: each prompt's VisionInputs
+        or None."""
+        b = len(prompt_ids)
+        inputs = self._prefill_inputs(prompt_ids, vision)
+        mask, positions = inputs["attention_mask"], inputs["position_ids"]
         stop = torch.tensor(sorted(self.stop_ids), device=self.device)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         greedy, limits = greedy.to(self.device), limits.to(self.device)
         tokens, logprobs = [], []
         stops = StopStrings(self.tokenizer, cfg.stop) if cfg.stop else None
         with autocast(self.device, self.dtype):
-            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            out = self.model(**inputs, use_cache=True)
+        # the next token's position: one past the prompt's largest (an image's rows and columns may exceed its
+        # last token's, mRoPE; text positions: the last + 1)
+        positions = positions.amax(dim=-1, keepdim=True) + 1
+        if positions.dim() == 3:
+            positions = positions.amax(dim=0, keepdim=True).expand(3, -1, -1)
         for step in range(uniforms.shape[1]):
             logits = out.logits[:, -1, :].float()  # [b, V]
             scaled = logits / cfg.train_temperature
@@ -101,7 +130,7 @@ class HFRolloutEngine(RolloutEngine):
             if self._all_done(done) or step == uniforms.shape[1] - 1:
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
-            positions = positions[:, -1:] + 1
+            positions = positions + (step > 0)  # [b, 1] (or [3, b, 1]): the prefill set the first one
             with autocast(self.device, self.dtype):
                 out = self.model(
                     input_ids=token.unsqueeze(-1),

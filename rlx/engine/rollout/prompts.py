@@ -1,9 +1,15 @@
-"""Turn prompt records into token ids: chat template when the tokenizer has one, raw text otherwise."""
+"""Turn prompt records into token ids: chat template when the tokenizer has one, raw text otherwise; prompts with
+image parts through a vision-language model's processor (token ids with each image's placeholders, and the
+images' pixels and patch grids)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from rlx.engine.records import PromptRecord
 from rlx.errors import UserError
+from rlx.models.vision.families import family_for_prompt
+from rlx.models.vision.images import image_refs
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -29,6 +35,40 @@ def encode_prompt(tokenizer, record: PromptRecord, mode: str) -> list[int]:
     if not ids:
         raise UserError(f"prompt {record.id!r} encodes to no tokens")
     return ids
+
+
+@dataclass(frozen=True)
+class PromptEncoder:
+    """How a rollout engine turns prompt records into token ids (and images, for vision-language models)."""
+
+    tokenizer: object
+    chat_template: str = "auto"
+    """'auto' | 'on' | 'off' (see RolloutConfig.chat_template)."""
+    processor: object | None = None
+    """The model's VisionProcessor (vision-language models), else None."""
+    model_config: object | None = None
+    """The model's config: image parts given to a text-only model are an error naming the prompt."""
+    max_prompt_tokens: int = 0
+    """Longest prompt with images, in tokens (0 = no limit): a longer one is an error naming it."""
+
+    def encode(self, record: PromptRecord):
+        """(token ids, the prompt's VisionInputs or None when it has no image)."""
+        if self.model_config is not None:
+            family_for_prompt(self.model_config, record.prompt, record.id)
+        if not image_refs(record.prompt, record.id):
+            return encode_prompt(self.tokenizer, record, self.chat_template), None
+        if self.chat_template == "off":
+            raise UserError(f"prompt {record.id!r} has image parts, which only a chat template places (not 'off')")
+        if self.processor is None:
+            raise UserError(f"prompt {record.id!r} has image parts, but no image processor was loaded for the model")
+        encoded = self.processor.encode(record.prompt, prompt_id=record.id, max_tokens=self.max_prompt_tokens)
+        return encoded.input_ids, encoded.vision
+
+
+def context_limit(config, max_prompt_tokens: int = 0) -> int:
+    """The longest prompt a vision-language model takes: `max_prompt_tokens`, else its context length."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return max_prompt_tokens or int(getattr(text, "max_position_embeddings", 0) or 0)
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from rlx.engine.records import PromptRecord, RolloutRecord
 from rlx.engine.rollout.config import SamplingParams
-from rlx.engine.rollout.prompts import encode_prompt
+from rlx.engine.rollout.prompts import PromptEncoder
+from rlx.models.vision.inputs import VisionInputs
 
 
 @dataclass
@@ -19,6 +20,9 @@ class Request:
     prompt_ids: list[int]
     greedy: bool = False
     """ReMax's greedy baseline (decoded by argmax whatever the temperature)."""
+    vision: VisionInputs | None = None
+    """The prompt's images as the model takes them (vision-language models; None without images): the N
+    requests of a prompt share one object."""
 
     @property
     def sample_id(self) -> str:
@@ -38,6 +42,8 @@ class TokenRequest:
     """Longest continuation (at most the call's SamplingParams.max_new_tokens); longer ones stop with 'length'."""
     greedy: bool = False
     """Take the argmax at every step (whatever the temperature)."""
+    vision: VisionInputs | None = None
+    """The prompt's images as the model takes them (a single-turn request of a vision-language model), else None."""
 
 
 @dataclass
@@ -51,23 +57,20 @@ class Generated:
     """The stop string that ended it (rollout.stop): the response text is cut before it."""
 
 
-def build_requests(
-    prompts: list[PromptRecord], tokenizer, sampling: SamplingParams, chat_template: str
-) -> list[Request]:
-    """N requests per prompt, in prompt order then sample order (plus ReMax's greedy one when asked);
-    `chat_template`: 'auto' | 'on' | 'off' (see RolloutConfig)."""
+def build_requests(prompts: list[PromptRecord], encoder: PromptEncoder, sampling: SamplingParams) -> list[Request]:
+    """N requests per prompt, in prompt order then sample order (plus ReMax's greedy one when asked)."""
     requests = []
     for p in prompts:
-        ids = encode_prompt(tokenizer, p, chat_template)
-        requests += [Request(p, i, ids) for i in range(sampling.n)]
+        ids, vision = encoder.encode(p)
+        requests += [Request(p, i, ids, vision=vision) for i in range(sampling.n)]
         if sampling.remax_baseline:  # ReMax: one greedy response per prompt, after its samples
-            requests.append(Request(p, sampling.n, ids, greedy=True))
+            requests.append(Request(p, sampling.n, ids, greedy=True, vision=vision))
     return requests
 
 
 def token_requests(requests: list[Request], sampling: SamplingParams) -> list[TokenRequest]:
     """Prompt requests as token requests: keyed by sample id, so their draws are the single-turn streams."""
-    return [TokenRequest(r.sample_id, r.prompt_ids, sampling.max_new_tokens, r.greedy) for r in requests]
+    return [TokenRequest(r.sample_id, r.prompt_ids, sampling.max_new_tokens, r.greedy, r.vision) for r in requests]
 
 
 def cut_response(text: str, stop: str | None) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlx.engine.checkpoints.loading import load_model
+from rlx.engine.checkpoints.loading import load_model, load_processor
 from rlx.engine.checkpoints.registry import read_meta_or_default
 from rlx.engine.data import check_window, take_prompts
 from rlx.engine.parallel.dist import setup
@@ -67,9 +67,11 @@ def run_rollout(
         records = take_prompts(records, data_position, num_prompts or len(records), shuffle_seed)
     if cfg.on_long_prompt == "error":
         records = limit_prompts(records, tokenizer, cfg, context, prompts_path)
+    processor = load_processor(source, cfg.vision)  # a vision-language model's images (None for text models)
     ctx = setup(cfg.device)
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
-    engine = build_engine(cfg, load_model(source, dtype=dtype), tokenizer, ctx)
+    # a LoRA checkpoint: its base with the adapters, as `rlx ppo` generates
+    engine = build_engine(cfg, load_model(source, dtype=dtype, adapters=True), tokenizer, ctx, processor)
     try:
         result = engine.generate(records, cfg.sampling())
     finally:

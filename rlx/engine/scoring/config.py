@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rlx.config import check, check_choices
+from rlx.models.vision.config import VisionConfig
 
 Estimator = Literal[
     "grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_passk"
@@ -61,6 +62,9 @@ class ScoreConfig:
     batch's samples fail; 1 never stops."""
     old_logprobs: Literal["actor", "rollout"] = "actor"
     """PPO's old logprobs: recomputed by the actor ('actor', as verl) or the sampler's ('rollout', no forward)."""
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    """Vision-language models: image sizes (as the rollout's) and whether batch.safetensors stores pixels (options
+    --min-pixels, --max-pixels, --store-pixels; `rlx ppo` takes them from the recipe's [vision] table)."""
     logprob_impl: Literal["auto", "naive", "chunked", "triton"] = "auto"
     """Logprob/entropy computation: fused Triton kernels ('auto' picks them on CUDA with Triton), chunked
     PyTorch (bounded memory anywhere), or naive full logits ('auto' on CPU)."""

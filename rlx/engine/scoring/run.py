@@ -6,12 +6,14 @@ import time
 from pathlib import Path
 
 from rlx.engine.backends.registry import scoring_backend
+from rlx.engine.checkpoints.loading import load_processor
 from rlx.engine.checkpoints.meta import CheckpointMeta
 from rlx.engine.checkpoints.registry import read_meta_or_default
 from rlx.engine.parallel.dist import context, setup
 from rlx.engine.records import read_rollouts, write_records
 from rlx.engine.rollout.prompts import pad_token_id
 from rlx.engine.scoring.config import ScoreConfig
+from rlx.engine.scoring.reference import shared_reference
 from rlx.engine.scoring.score import ScoringModels, check_token_ids, score_rollouts
 from rlx.engine.tracking import console, log_metrics
 from rlx.errors import UserError
@@ -50,7 +52,8 @@ def rollout_temperature(rollouts, override: float | None, where: str) -> float:
 
 def load_scoring_models(cfg: ScoreConfig, actor: str, ref: str | None, critic: str | None) -> ScoringModels:
     """The models `rlx score` needs; each runs on the backend that holds its checkpoint's layout (falling back to
-    the merged Hugging Face model where that backend cannot run here)."""
+    the merged Hugging Face model where that backend cannot run here). A LoRA actor's base as the reference is the
+    actor's own module with its adapters off (scoring/reference.py)."""
     from rlx.models.reward_model import RewardModel
 
     ctx = setup(cfg.device)
@@ -58,17 +61,20 @@ def load_scoring_models(cfg: ScoreConfig, actor: str, ref: str | None, critic: s
     config = load_config(actor_source)
     models = ScoringModels(
         dtype=resolve_precision(cfg.precision, ctx.device),
-        vocab_size=config.vocab_size,
+        vocab_size=config.get_text_config().vocab_size,
         pad_token_id=pad_token_id(load_tokenizer(actor_source)),
+        processor=load_processor(actor_source, cfg.vision, config),
+        model_config=config,
     )
     if cfg.old_logprobs == "actor":
         models.actor = _load(actor_source, "actor", cfg, ctx.world)
     if ref:
         ref_source = resolve_source(ref, "reference model")
-        vocab = load_config(ref_source).vocab_size
-        if vocab != config.vocab_size:
-            raise UserError(f"--ref {ref}: vocabulary of {vocab} tokens, but the actor has {config.vocab_size}")
-        models.ref = _load(ref_source, "actor", cfg, ctx.world)
+        vocab = load_config(ref_source).get_text_config().vocab_size
+        if vocab != models.vocab_size:
+            raise UserError(f"--ref {ref}: vocabulary of {vocab} tokens, but the actor has {models.vocab_size}")
+        shared = shared_reference(models.actor, ref_source.path, actor_source.path)
+        models.ref = shared or _load(ref_source, "actor", cfg, ctx.world)
     if critic:
         models.critic = _load(resolve_source(critic, "critic"), "critic", cfg, ctx.world)
     if cfg.reward_model:
@@ -107,7 +113,7 @@ def run_score(
         )
     if not context().is_main:
         return
-    result.batch.save(join(out, "batch.safetensors"))
+    result.batch.save(join(out, "batch.safetensors"), store_pixels=cfg.vision.store_pixels)
     write_records(join(out, "scores.jsonl"), result.scores)
     step = read_meta_or_default(resolve_source(actor).path).step + 1
     log_metrics(metrics_path, step, {**result.metrics, "timing/score_s": time.perf_counter() - start})

@@ -17,6 +17,7 @@ from rlx.engine.records import RolloutRecord, ScoreRecord
 from rlx.engine.scoring.config import ScoreConfig
 from rlx.engine.scoring.rewards import RewardFunctions
 from rlx.engine.tracking import console
+from rlx.engine.vision import rollout_images
 from rlx.errors import UserError
 
 
@@ -25,9 +26,10 @@ class Scorer(Protocol):
 
     def logprobs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype,
                  micro_batch_size: int, impl: str = "auto", desc: str = "logprobs",
-                 max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
+                 max_tokens: int = 0, vision=None) -> torch.Tensor:  # fmt: skip
         """Logprobs [B, R] float32 on the CPU, zero at masked positions, on every rank (`max_tokens`: packed
-        micro-batches of at most that many tokens, where the model can run them)."""
+        micro-batches of at most that many tokens, where the model can run them; `vision`: the rows' VisionInputs,
+        for a vision-language model)."""
 
     def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int,
                max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
@@ -47,6 +49,10 @@ class ScoringModels:
     ref: Scorer | None = None
     critic: Scorer | None = None
     reward_model: object | None = None
+    processor: object | None = None
+    """The policy's VisionProcessor (vision-language models): the rollouts' images become the forwards' inputs."""
+    model_config: object | None = None
+    """The policy's config (image parts given to a text-only model are an error naming the sample)."""
 
 
 @dataclass
@@ -195,6 +201,19 @@ def score_rollouts(
     return ScoreResult(scores, batch, metrics, next_kl_coef)
 
 
+def _forward_options(cfg, models: ScoringModels, temperature: float, images) -> dict:
+    """The keyword arguments of the scorers' `logprobs`: a vision-language batch's images go into padded
+    micro-batches (the token-budget packing does not carry them)."""
+    max_tokens = cfg.max_tokens_per_micro_batch if cfg.use_packing and images is None else 0
+    forward = dict(temperature=temperature, dtype=models.dtype, micro_batch_size=cfg.micro_batch_size,
+                   impl=cfg.logprob_impl, max_tokens=max_tokens)  # fmt: skip
+    if images is not None:
+        if models.critic is not None:
+            raise UserError("a critic (values) of a vision-language model is not supported yet")
+        forward["vision"] = images.vision
+    return forward
+
+
 def build_batch(
     rollouts: list[RolloutRecord],
     rewards: Rewards,
@@ -209,14 +228,13 @@ def build_batch(
     its environment tokens get no KL, no advantage and no place in any mean."""
     tensors = collate(rollouts, models.pad_token_id)
     mask = tensors["loss_mask"]
-    max_tokens = cfg.max_tokens_per_micro_batch if cfg.use_packing else 0
-    forward = dict(temperature=temperature, dtype=models.dtype, micro_batch_size=cfg.micro_batch_size,
-                   impl=cfg.logprob_impl, max_tokens=max_tokens)  # fmt: skip
+    images = rollout_images(rollouts, models.processor, models.model_config)
+    forward = _forward_options(cfg, models, temperature, images)
     old = tensors["rollout_logprobs"].clone()
     if models.actor is not None:
         old = models.actor.logprobs(tensors, desc="old logprobs", **forward)
     ref = models.ref.logprobs(tensors, desc="ref logprobs", **forward) if models.ref else None
-    critic = models.critic
+    critic, max_tokens = models.critic, forward["max_tokens"]
     values = critic.values(tensors, models.dtype, cfg.micro_batch_size, max_tokens) if critic is not None else None
     token_rewards = torch.zeros_like(old)
     last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)  # [B] each row's last trained token
@@ -269,6 +287,7 @@ def build_batch(
         advantages=advantages,
         returns=returns,
         rewards=rewards.scores,
+        images=images,
         **tensors,
     )
     metrics.update(batch_metrics(rollouts, batch))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rlx.config import check, check_choices
+from rlx.models.vision.config import VisionConfig
 
 PolicyLoss = Literal["ppo", "gspo", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean"]
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -117,6 +118,10 @@ class TrainConfig:
     """Where to train."""
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute precision (parameters and optimizer state stay float32)."""
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    """Vision-language models: whether the vision tower trains, image sizes for reloading the batch's images
+    (options --freeze-vision-tower/--no-freeze-vision-tower, --min-pixels, --max-pixels; `rlx ppo` takes them from
+    the recipe's [vision] table)."""
 
     def __post_init__(self) -> None:
         check_choices(self)

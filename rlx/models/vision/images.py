@@ -65,6 +65,37 @@ def resolve_ref(ref: str, base: str | Path | None) -> str:
     return str(Path(base) / ref)
 
 
+def folder_of(path: str | Path) -> str | None:
+    """The folder (or folder URL) a prompts file's relative image paths are relative to; None for stdin ('-')."""
+    path = str(path)
+    if path == "-":
+        return None
+    if is_url(path):
+        return path.rsplit("/", 1)[0] if "/" in path.split("://", 1)[1] else path
+    return str(Path(path).resolve().parent)
+
+
+def resolve_prompt_images(prompt, base: str | Path | None):
+    """`prompt` with each image reference resolved against `base` (see `resolve_ref`): a copy of the messages
+    when a reference changes, the prompt itself otherwise."""
+    if isinstance(prompt, str) or base is None:
+        return prompt
+    out, changed = [], False
+    for message in prompt:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == IMAGE_PART and isinstance(part.get(IMAGE_PART), str):
+                    resolved = resolve_ref(part[IMAGE_PART], base)
+                    changed |= resolved != part[IMAGE_PART]
+                    part = {**part, IMAGE_PART: resolved}
+                parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    return out if changed else prompt
+
+
 def _decode_data_uri(ref: str, prompt_id) -> bytes:
     header, comma, payload = ref.partition(",")
     if not comma or not header.endswith(";base64"):

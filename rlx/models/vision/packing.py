@@ -1,17 +1,20 @@
-"""Packed ("remove padding") forwards of vision-language models, with or without sequence parallelism.
+"""Forwards of vision-language models over rlx's token layouts: packed rows ("remove padding", with or without
+sequence parallelism) and padded batches.
 
 rlx's packed forward (`rlx.engine.logprobs.packed_response_logprobs`, the value path, Ulysses) calls the
 model's backbone with one row of concatenated samples: `input_ids` [1, T/sp] (this rank's slice of the
 row padded to T_pad), 1-D `position_ids`, and the attention kwargs `cu_seq_lens_q/k`, `max_length_q/k`
-(and `sp_group` under sequence parallelism) describing the whole padded row. A vision-language model
-needs more: the images, 3-D mRoPE positions, and the image embeddings scattered into the image tokens
-before the decoder. `vision_forward(model, row)` supplies them without replacing any forward method,
-through two forward pre-hooks that live while the context is open:
+(and `sp_group` under sequence parallelism) describing the whole padded row; the padded forward
+(`response_logprobs`) calls it with `input_ids` [B, P+R] and an attention mask. A vision-language model needs
+more: the images, 3-D mRoPE positions, and the image embeddings in the image tokens before the decoder.
+`vision_forward(model, row)` supplies them without replacing any forward method, through two forward pre-hooks
+that live while the context is open:
 
-1. on the backbone (e.g. `Qwen2VLModel`): the call's ids become the WHOLE row's, the positions the row's
-   3-D positions, `pixel_values` / `image_grid_thw` are added, and the attention kwargs are held back,
-   so the backbone runs its own vision tower and scatters every image's embeddings into the row (the
-   vision tower never sees the decoder's packing kwargs: its attention stays per image);
+1. on the backbone (e.g. `Qwen2VLModel`): the vision tower runs on the row's images and its rows replace the
+   embeddings of the prompts' image placeholders (`VisionRow.image_mask`); the backbone then takes these
+   embeddings (`inputs_embeds`, no pixels) and the row's 3-D positions, and the packing kwargs are held back
+   (the vision tower never sees them: its attention stays per image). Only prompt placeholders take image
+   rows: a placeholder token sampled into a response is embedded as text, as the rollout engines did;
 2. on the decoder (`language_model`): the merged embeddings, the 3-D positions and, for Qwen3-VL, the
    DeepStack mask and features are padded to T_pad and cut to this rank's slice (all of them when
    sp = 1), and the held attention kwargs are handed to it. Sample boundaries therefore come from
@@ -32,8 +35,9 @@ import torch
 
 from rlx.errors import UserError
 from rlx.models.vision.families import VisionFamily, family_of
+from rlx.models.vision.features import image_features
 from rlx.models.vision.inputs import VisionInputs
-from rlx.models.vision.positions import mrope_positions
+from rlx.models.vision.positions import sample_positions
 
 # attention kwargs of rlx's packed forward that belong to the decoder only
 DECODER_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "sp_group")
@@ -41,12 +45,15 @@ DECODER_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_
 
 @dataclass(frozen=True)
 class VisionRow:
-    """A packed row of samples with their images: what `vision_forward` adds to a text row."""
+    """Samples with their images as `vision_forward` adds them to a token layout: one packed row ([1, T]), or a
+    padded batch ([B, T])."""
 
     input_ids: torch.Tensor
-    """[1, T] int64: the samples' tokens one after another (image placeholders included)."""
+    """[N, T] int64: the tokens (N = 1: the samples one after another; a padded batch: one row per sample)."""
     position_ids: torch.Tensor
-    """[3, 1, T] int64: each sample's mRoPE positions, restarting at 0 per sample."""
+    """[3, N, T] int64: each sample's mRoPE positions, restarting at 0 per sample (0 at padding)."""
+    image_mask: torch.Tensor
+    """[N, T] bool: the prompts' image placeholders, which take the images' rows in order."""
     vision: VisionInputs
     """The samples' images, in row order."""
 
@@ -56,17 +63,20 @@ class VisionRow:
         return self.input_ids.shape[1]
 
     @classmethod
-    def build(cls, sequences: list, vision: VisionInputs, config) -> VisionRow:
-        """Token-id sequences (one per sample, each a list or 1-D tensor) and their images -> a row."""
+    def build(cls, sequences: list, vision: VisionInputs, config, prompt_lengths: list[int] | None = None) -> VisionRow:
+        """Token-id sequences (one per sample, each a list or 1-D tensor; `prompt_lengths`: how many of each are
+        prompt, default all) and their images -> a packed row."""
         if len(sequences) != vision.num_samples:
             raise ValueError(f"{len(sequences)} sequences but vision inputs for {vision.num_samples} samples")
         family = family_of(config)
+        token, merge = family.image_token_id(config), family.merge_size(config)
         ids = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
+        lengths = prompt_lengths if prompt_lengths is not None else [len(s) for s in ids]
         positions = [
-            mrope_positions(s, family.image_token_id(config), vision.grids_of(i), family.merge_size(config))
-            for i, s in enumerate(ids)
+            sample_positions(s, n, token, vision.grids_of(i), merge) for i, (s, n) in enumerate(zip(ids, lengths))
         ]
-        return cls(torch.cat(ids).unsqueeze(0), torch.cat(positions, dim=1).unsqueeze(1), vision)
+        masks = [(s == token) & (torch.arange(len(s)) < n) for s, n in zip(ids, lengths)]
+        return cls(torch.cat(ids)[None], torch.cat(positions, dim=1)[:, None], torch.cat(masks)[None], vision)
 
     @classmethod
     def from_padded(cls, prompt_ids, prompt_mask, response_ids, response_mask, vision: VisionInputs, config):
@@ -74,11 +84,27 @@ class VisionRow:
         and with the same tokens as `rlx.engine.logprobs.PackedRows.build` packs it."""
         ids = torch.cat([prompt_ids, response_ids], dim=1).cpu()
         mask = torch.cat([prompt_mask, response_mask], dim=1).bool().cpu()
-        return cls.build([row[keep] for row, keep in zip(ids, mask)], vision, config)
+        prompt_lengths = prompt_mask.sum(-1).tolist()
+        return cls.build([row[keep] for row, keep in zip(ids, mask)], vision, config, prompt_lengths)
+
+    @classmethod
+    def padded(cls, prompt_ids, prompt_mask, response_ids, response_mask, vision: VisionInputs, config) -> VisionRow:
+        """The same micro-batch in its padded layout [B, P+R] (the model's own forward with an attention mask)."""
+        row = cls.from_padded(prompt_ids, prompt_mask, response_ids, response_mask, vision, config)
+        mask = torch.cat([prompt_mask, response_mask], dim=1).bool().cpu()
+        positions = torch.zeros(3, *mask.shape, dtype=torch.long)
+        positions[:, mask] = row.position_ids[:, 0]
+        image_mask = torch.zeros(mask.shape, dtype=torch.bool)
+        image_mask[mask] = row.image_mask[0]
+        ids = torch.cat([prompt_ids, response_ids], dim=1).cpu()
+        return cls(ids, positions, image_mask, vision)
 
     def to(self, device, dtype: torch.dtype | None = None) -> VisionRow:
         """The row on `device` (pixels cast to `dtype` when given)."""
-        return VisionRow(self.input_ids.to(device), self.position_ids.to(device), self.vision.to(device, dtype))
+        return VisionRow(
+            self.input_ids.to(device), self.position_ids.to(device), self.image_mask.to(device),
+            self.vision.to(device, dtype),
+        )  # fmt: skip
 
 
 def _pad_and_slice(x: torch.Tensor, dim: int, total: int, rank: int, size: int, fill) -> torch.Tensor:
@@ -121,11 +147,27 @@ def set_decoder_attention(model: torch.nn.Module, name: str) -> None:
         raise UserError(f"{type(model).__name__}: its decoder does not take the attention function {name!r}")
 
 
+def _merged_embeddings(model: torch.nn.Module, row: VisionRow, held: dict) -> torch.Tensor:
+    """The row's token embeddings [N, T, H] with the prompts' image placeholders replaced by the vision tower's
+    rows; DeepStack features (Qwen3-VL) go into `held` for the decoder."""
+    embeds = model.get_input_embeddings()(row.input_ids)
+    if row.vision.pixel_values is None:
+        return embeds
+    features = image_features(model, row.vision)
+    if int(row.image_mask.sum()) != features.embeds.shape[0]:
+        raise ValueError(f"{int(row.image_mask.sum())} image placeholders for {features.embeds.shape[0]} image rows")
+    embeds = embeds.masked_scatter(row.image_mask[..., None], features.embeds.to(embeds.dtype))
+    if features.deepstack:
+        held.update(visual_pos_masks=row.image_mask, deepstack_visual_embeds=list(features.deepstack))
+    return embeds
+
+
 @contextmanager
 def vision_forward(model: torch.nn.Module, row: VisionRow, sp_rank: int = 0, sp_size: int = 1):
-    """While open, packed forwards of `model` (text rows as rlx's packed path builds them, this rank's
-    slice under sequence parallelism `sp_rank` of `sp_size`) run as the vision-language forward of `row`,
-    which must hold the same samples as the text row (it is moved to the model's device)."""
+    """While open, forwards of `model` over `row`'s layout (packed rows as rlx's packed path builds them, this
+    rank's slice under sequence parallelism `sp_rank` of `sp_size`; or the padded batch of `VisionRow.padded`) run
+    as the vision-language forward of `row`, which must hold the same samples (it is moved to the model's
+    device)."""
     family: VisionFamily = family_of(model.config)
     backbone = getattr(model, model.base_model_prefix)
     row = row.to(next(model.parameters()).device)  # a no-op when it is there already
@@ -134,18 +176,19 @@ def vision_forward(model: torch.nn.Module, row: VisionRow, sp_rank: int = 0, sp_
 
     def on_backbone(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None or ids.shape != (1, local_len):
+        if ids is None or ids.shape != (row.input_ids.shape[0], local_len):
             shape = None if ids is None else tuple(ids.shape)
-            raise ValueError(f"vision_forward: input_ids {shape} are not this rank's slice of the row (1, {local_len})")
+            want = (row.input_ids.shape[0], local_len)
+            raise ValueError(f"vision_forward: input_ids {shape} are not this rank's slice of the row {want}")
         held.clear()
         held.update({k: kwargs.pop(k) for k in DECODER_KWARGS if k in kwargs})
-        kwargs.update(input_ids=row.input_ids, position_ids=row.position_ids, **row.vision.model_kwargs())
+        embeds = _merged_embeddings(model, row, held)
+        kwargs.update(input_ids=None, inputs_embeds=embeds, position_ids=row.position_ids)
         return (), kwargs
 
     def on_decoder(module, args, kwargs):
-        kwargs = _local_decoder_inputs(kwargs, row, sp_rank, sp_size)
         kwargs.update(held)
-        return args, kwargs
+        return args, _local_decoder_inputs(kwargs, row, sp_rank, sp_size)
 
     handles = [
         backbone.register_forward_pre_hook(on_backbone, with_kwargs=True),

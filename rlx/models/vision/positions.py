@@ -67,3 +67,27 @@ def mrope_positions(
     if image != len(grids):
         raise ValueError(f"{len(grids)} image grids but placeholders for {image} images")
     return torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
+
+
+def sample_positions(
+    input_ids: Sequence[int] | torch.Tensor, prompt_len: int, image_token_id: int, image_grid_thw, merge_size: int
+) -> torch.Tensor:
+    """[3, L] int64 positions of a prompt and its response: the prompt's mRoPE positions, then one text position
+    per response token from one past the prompt's largest (what the rollout engines decode at). A placeholder
+    token sampled into the response is text: only the prompt's placeholders are images."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+    prompt = mrope_positions(ids[:prompt_len], image_token_id, image_grid_thw, merge_size)
+    start = int(prompt.max()) + 1 if prompt.numel() else 0
+    response = torch.arange(start, start + len(ids) - prompt_len).expand(3, -1)
+    return torch.cat([prompt, response], dim=1)
+
+
+def left_padded_positions(
+    sequences: Sequence[Sequence[int]], grids: Sequence[torch.Tensor], image_token_id: int, merge_size: int, width: int
+) -> torch.Tensor:
+    """[3, B, width] int64: each sample's mRoPE positions right-aligned in `width` columns (a left-padded batch;
+    the padding columns hold 0). `grids[i]` [n_i, 3]: sample i's image grids."""
+    out = torch.zeros(3, len(sequences), width, dtype=torch.long)
+    for row, (ids, sample_grids) in enumerate(zip(sequences, grids)):
+        out[:, row, width - len(ids) :] = mrope_positions(ids, image_token_id, sample_grids, merge_size)
+    return out

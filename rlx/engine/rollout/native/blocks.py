@@ -1,15 +1,15 @@
 """Sequences and the paged KV cache's block manager (no torch: plain bookkeeping, tested on its own).
 
-The cache is `num_blocks` blocks of `block_size` token slots per layer. A sequence holds a list of
-block ids (its block table); slot `i` of the sequence is `table[i // block_size] * block_size +
-i % block_size`. Full blocks are shared between sequences with the same prefix: the N samples of one prompt
-share its prompt blocks, and a multi-turn sample's next turn (its whole context as the prompt) finds the blocks
-of its earlier turns. A cached block is found by its key (the block before it, its own token ids), which a dict
-compares exactly on every hit (a hash collision can never share another prompt's keys and values), and blocks
-are reference-counted. A finished sequence's full computed blocks stay cached while nobody holds them
-(`evictable`, least recently released first) until a new block is needed and none is free; evicting a block
-uncaches the blocks chained after it, so a key never names a block whose predecessor changed. Block 0 is never
-handed out: padded entries of a batch write there.
+The cache is `num_blocks` blocks of `block_size` token slots per layer. A sequence holds a list of block ids
+(its block table); slot `i` of the sequence is `table[i // block_size] * block_size + i % block_size`. Full
+blocks are shared between sequences with the same prefix: the N samples of one prompt share its prompt blocks,
+and a multi-turn sample's next turn (its whole context as the prompt) finds the blocks of its earlier turns. A
+cached block is found by its key (the block before it, or for a first block the sequence's cache salt: a
+prompt's images; its own token ids), which a dict compares exactly on every hit (a hash collision can never
+share another prompt's keys and values), and blocks are reference-counted. A finished sequence's full computed
+blocks stay cached while nobody holds them (`evictable`, least recently released first) until a new block is
+needed and none is free; evicting a block uncaches the blocks chained after it, so a key never names a block
+whose predecessor changed. Block 0 is never handed out: padded entries of a batch write there.
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ class Sequence:
     """Tokens whose keys and values are in the cache."""
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    position_offset: int = 0
+    """Added to the text position of generated tokens (mRoPE: generation continues after the prompt's largest
+    position, which images push beyond its length)."""
+    cache_salt: object = None
+    """Part of the prefix-cache key of the first block (None: token ids alone): prompts with images use it so that
+    equal tokens with other images never share blocks."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -59,10 +65,11 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free: deque[int] = deque(range(1, num_blocks))  # block 0: scratch for padded batch entries
         self.refs = [0] * num_blocks
-        self.cached: dict[tuple[int, tuple[int, ...]], int] = {}
-        """(previous block id or -1, this block's token ids) -> block id, for full blocks."""
-        self.key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
-        self.children: dict[int, set[int]] = {}
+        self.cached: dict[tuple[object, tuple[int, ...]], int] = {}
+        """(previous block id, or -1 / the sequence's cache salt, this block's token ids) -> block id, for full
+        blocks."""
+        self.key_of: dict[int, tuple[object, tuple[int, ...]]] = {}
+        self.children: dict[object, set[int]] = {}
         """Cached blocks keyed after each block (uncached with it)."""
         self.evictable: OrderedDict[int, None] = OrderedDict()
         """Cached blocks nobody holds, least recently released first: found again by a hit, or taken when no block
@@ -84,7 +91,7 @@ class BlockManager:
         assert not seq.block_table, "sequence already holds blocks"
         tokens, size = seq.token_ids, self.block_size
         shareable = (len(tokens) - 1) // size  # full blocks before the last token
-        previous, sharing = -1, True
+        previous, sharing = (-1 if seq.cache_salt is None else seq.cache_salt), True
         for b in range(-(-len(tokens) // size)):
             if b < shareable:
                 key = (previous, tuple(tokens[b * size : (b + 1) * size]))  # a chain: equal keys, equal prefixes
@@ -134,7 +141,8 @@ class BlockManager:
 
     def _cache_computed(self, seq: Sequence) -> None:
         """Key the sequence's full blocks whose keys and values are all computed, continuing its chain."""
-        tokens, size, previous = seq.token_ids, self.block_size, -1
+        tokens, size = seq.token_ids, self.block_size
+        previous = -1 if seq.cache_salt is None else seq.cache_salt
         for b, block in enumerate(seq.block_table[: seq.num_computed // size]):
             key = (previous, tuple(tokens[b * size : (b + 1) * size]))
             if self.key_of.get(block) != key:
@@ -143,7 +151,7 @@ class BlockManager:
                 self._cache(block, key)
             previous = block
 
-    def _cache(self, block: int, key: tuple[int, tuple[int, ...]]) -> None:
+    def _cache(self, block: int, key: tuple[object, tuple[int, ...]]) -> None:
         self.cached[key], self.key_of[block] = block, key
         self.children.setdefault(key[0], set()).add(block)
 

@@ -9,6 +9,10 @@ device memory (that fraction of it: `rollout.gpu_memory_utilization`; `rollout.k
 CPU or to fix it). The cache and the decode CUDA graphs are kept from one `generate` call to the next
 until `sleep()`, which `rlx ppo` calls after each rollout so the trainer has the memory.
 
+A vision-language model runs its vision tower once per prompt with images and takes the image embeddings and
+3-D mRoPE positions in the prefill; decode steps rotate at the text position plus the sequence's mRoPE offset
+(vision.py). Its tokens and logprobs equal the hf engine's as for text models.
+
 Host and device overlap (as vLLM's async scheduling): after a decode step is queued, the next decode step
 is planned from lengths alone and queued before the host reads the first one's tokens (its input tokens are
 gathered on the device), so the device computes step t+1 while the host does step t's bookkeeping. A
@@ -31,14 +35,17 @@ from torch.profiler import record_function
 from rlx.engine.rollout.base import RolloutEngine, TokenStream, WeightSource, copy_weights
 from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.native.blocks import BlockManager, Sequence, Status
-from rlx.engine.rollout.native.replica import build_replica, fill_replica, is_sharded
+from rlx.engine.rollout.native.replica import build_replica, fill_merged_replica, fill_replica, is_sharded
 from rlx.engine.rollout.native.runner import ModelRunner
 from rlx.engine.rollout.native.sampler import Launched, StepSampler
 from rlx.engine.rollout.native.scheduler import Scheduler
+from rlx.engine.rollout.native.vision import NativeImages
 from rlx.engine.rollout.requests import Generated, TokenRequest
 from rlx.engine.rollout.sampling import sample_uniforms
 from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
+from rlx.models.lora import is_lora_model
+from rlx.models.vision.families import is_vision_config
 from rlx.utils.device import resolve_precision
 
 _GIB = 1 << 30
@@ -50,15 +57,20 @@ class NativeRolloutEngine(RolloutEngine):
     from its shards, see replica.py) through a paged KV cache."""
 
     name = "native"
+    takes_images = True
 
-    def __init__(self, model, tokenizer, cfg, ctx):
-        super().__init__(model.to(ctx.device), tokenizer, cfg, ctx)
+    def __init__(self, model, tokenizer, cfg, ctx, processor=None):
+        super().__init__(model.to(ctx.device), tokenizer, cfg, ctx, processor)
         self.sharded = is_sharded(self.model)
-        # a replica in the rollout dtype (bf16 on GPUs) when the model is sharded or holds other weights (a trainer's
-        # float32 master weights): filled in place after each update, so the decode graphs keep pointing at it
-        self.use_replica = self.sharded or _param_dtype(self.model) != self.dtype
+        # a LoRA policy: decode with a plain replica of the merged weights, or with the adapters (rollout.lora_rollout)
+        self.merges = is_lora_model(self.model) and cfg.lora_rollout == "merged"
+        # a replica in the rollout dtype (bf16 on GPUs) when the model is sharded, holds other weights (a trainer's
+        # float32 master weights) or is merged: filled in place after each update, so the decode graphs keep
+        # pointing at it
+        self.use_replica = self.sharded or self.merges or _param_dtype(self.model) != self.dtype
         self._replica: torch.nn.Module | None = None
         self._replica_fresh = False
+        self._replica_filled = False  # a merged replica holds the frozen weights (written once)
         self.block_size = cfg.block_size
         self._runner: ModelRunner | None = None
         self._capped = False  # whether the cache was cut to the memory budget (then reused whatever it holds)
@@ -106,15 +118,20 @@ class NativeRolloutEngine(RolloutEngine):
                 torch.cuda.empty_cache()
 
     def _generating_module(self) -> torch.nn.Module:
-        """The model itself, or its replica in the rollout dtype, filled with the current weights when they changed
-        (a collective for a sharded model: every rank calls it)."""
+        """The model itself, or its replica in the rollout dtype (a merged LoRA one: the adapters merged in), filled
+        with the current weights when they changed (a collective for a sharded model: every rank calls it)."""
         if not self.use_replica:
             return self.model
         if self._replica is None:
-            self._replica = build_replica(self.model, self.device, self.dtype)
+            adapters = is_lora_model(self.model) and not self.merges
+            self._replica = build_replica(self.model, self.device, self.dtype, adapters)
+            self._replica_filled = False
         if not self._replica_fresh:
-            fill_replica(self._replica, self.model)
-            self._replica_fresh = True
+            if self.merges:
+                fill_merged_replica(self._replica, self.model, include_frozen=not self._replica_filled)
+            else:
+                fill_replica(self._replica, self.model)
+            self._replica_fresh = self._replica_filled = True
             self.replica_fills += 1
         return self._replica
 
@@ -148,7 +165,9 @@ class NativeRolloutEngine(RolloutEngine):
         """A stream over the paged cache: the module (a sharded model's replica, gathered now on every rank) and
         the cache sized for `num_seqs` sequences of `max_context` tokens (or what the budget allows)."""
         module = self._generating_module()  # before the cache is sized from the free memory
-        return NativeStream(self, self._runner_for(module, max_context, num_seqs), sampling)
+        runner = self._runner_for(module, max_context, num_seqs)
+        runner.images = NativeImages(module) if is_vision_config(module.config) else None  # this stream's images
+        return NativeStream(self, runner, sampling)
 
     def _runner_for(self, module: torch.nn.Module, max_context: int, num_seqs: int) -> ModelRunner:
         """The KV cache (and decode graphs) of the last call when they fit, else new ones; the block manager
@@ -199,6 +218,10 @@ class NativeStream(TokenStream):
         draws = sample_uniforms(self.sampling.seed, [request.key], self.sampling.max_new_tokens)
         greedy = request.greedy or self.sampling.temperature == 0
         seq = Sequence(self.sampler.add_rows(draws), list(request.prompt_ids), request.max_new_tokens, greedy=greedy)
+        if self.runner.images is not None:  # a vision-language model: mRoPE positions, the request's images
+            self.runner.images.add(seq, request.prompt_ids, request.vision)
+        elif request.vision is not None:
+            raise UserError(f"request {request.key}: images for a text-only model")
         try:
             self.scheduler.add(seq)
         except ValueError as e:

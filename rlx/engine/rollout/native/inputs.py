@@ -57,7 +57,7 @@ class DecodeStaging:
         lag = 0 if src_rows is None else 1
         positions = [len(s) - 1 + lag for s in seqs]
         meta[0, :b] = 0 if src_rows is not None else [last_token(s) for s in seqs]
-        meta[1, :b] = positions
+        meta[1, :b] = [p + s.position_offset for s, p in zip(seqs, positions)]  # rotary positions (mRoPE offset)
         meta[2, :b] = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(seqs, positions)]
         meta[3, :b] = positions
         meta[3, :b] += 1

@@ -24,8 +24,10 @@ import torch.nn.functional as F
 
 from rlx.engine.rollout.native.blocks import BlockManager, Sequence
 from rlx.engine.rollout.native.inputs import DecodeStaging, last_token
+from rlx.engine.rollout.native.vision import NativeImages
 from rlx.kernels.paged_attention import paged_decode_attention, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
+from rlx.models.vision.families import family_of, is_vision_config
 from rlx.utils.device import autocast
 
 PAGED_ATTENTION = "rlx_paged"
@@ -131,8 +133,11 @@ def _prefill_attention(q, k_cache, v_cache, ctx: PagedContext, scale: float | No
 
 
 def _decoder_parts(model):
-    """(embed_tokens, rotary_emb, layers, norm, lm_head) of a Llama-family causal LM, or None for others."""
-    backbone = getattr(model, "model", None)
+    """(embed_tokens, rotary_emb, layers, norm, lm_head) of a Llama-family causal LM (a vision-language model's
+    language model), or None for others."""
+    backbone = (
+        family_of(model.config).decoder(model) if is_vision_config(model.config) else getattr(model, "model", None)
+    )
     parts = [getattr(backbone, n, None) for n in ("embed_tokens", "rotary_emb", "layers", "norm")]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return None if backbone is None or head is None or any(p is None for p in parts) else (*parts, head)
@@ -173,8 +178,11 @@ class ModelRunner:
     ):  # fmt: skip
         """`max_batch`: capture decode CUDA graphs up to this batch size (0: none); `compile`: torch.compile the
         layers inside them; `attention`: the paged decode kernel ('auto', 'torch', 'triton')."""
-        config = model.config
+        config = model.config.get_text_config()
         self.model, self.device, self.dtype, self.blocks = model, device, dtype, blocks
+        self.is_mrope = is_vision_config(model.config)  # 3-D rotary positions: [1, T] expanded to [3, 1, T]
+        self.images: NativeImages | None = None
+        """The current generate call's images (a vision-language model; set by the engine per call)."""
         self.attention, self.use_compile = attention, compile
         self.max_blocks, self.max_batch = max_blocks_per_seq, max_batch
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -195,13 +203,14 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+        config = config.get_text_config()
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * itemsize
 
     def _layers(self):
-        return self.parts[2][: self.model.config.num_hidden_layers]
+        return self.parts[2][: self.model.config.get_text_config().num_hidden_layers]
 
     def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: PagedContext, keep: torch.Tensor):
         """Logits [len(keep), V] (model dtype) of the kept positions of the row."""
@@ -214,7 +223,7 @@ class ModelRunner:
             embed, rotary, _, norm, head = self.parts
             steps = _compiled() if ctx.decode and self.compiled else (_layer_step, _head_step)
             hidden = embed(input_ids)
-            rope = rotary(hidden, position_ids=position_ids)
+            rope = rotary(hidden, position_ids=position_ids.expand(3, -1, -1) if self.is_mrope else position_ids)
             for i, layer in enumerate(self._layers()):
                 hidden = steps[0](layer, hidden, position_ids, rope, ctx.for_layer(i))
             return steps[1](norm, head, hidden, keep)
@@ -307,7 +316,19 @@ class ModelRunner:
         ctx.mask = mask.unsqueeze(1).to(self.device)
         input_ids = torch.tensor([tokens], dtype=torch.long).to(self.device)
         position_ids = torch.tensor([positions], dtype=torch.long).to(self.device)
+        if self.images is not None:
+            return self._prefill_with_images(seqs, input_ids, ctx, torch.tensor(keep, device=self.device))
         return self._run(input_ids, position_ids, ctx, torch.tensor(keep, device=self.device))
+
+    def _prefill_with_images(self, seqs: list[Sequence], input_ids, ctx: PagedContext, keep) -> torch.Tensor:
+        """A vision-language model's prefill: its decoder's own forward on the row's embeddings with the image rows
+        placed and 3-D positions (vision.py), then the head at `keep`.  -> logits [len(keep), V]."""
+        embed, _, _, _, head = self.parts
+        decoder = family_of(self.model.config).decoder(self.model)
+        with attention_implementation(self.model, PAGED_ATTENTION), autocast(self.device, self.dtype):
+            inputs = self.images.prefill_inputs(seqs, input_ids, embed)
+            hidden = decoder(**inputs, paged=ctx, use_cache=False).last_hidden_state
+            return head(hidden[:, keep])[0]
 
     def _decode(self, seqs: list[Sequence], prev: tuple[torch.Tensor, list[int]] | None) -> torch.Tensor:
         b = len(seqs)
@@ -342,5 +363,5 @@ class ModelRunner:
             ids = torch.tensor([[last_token(s) for s in seqs]]).to(self.device)
         else:
             ids = prev[0][torch.tensor(prev[1]).to(self.device)].unsqueeze(0)
-        pos = torch.tensor([positions]).to(self.device)
+        pos = torch.tensor([[p + s.position_offset for s, p in zip(seqs, positions)]]).to(self.device)
         return self._run(ids, pos, ctx, torch.arange(len(seqs), device=self.device))
