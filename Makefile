@@ -45,7 +45,7 @@ quickstart: setup
 	$(BIN)/rlx ppo recipes/quickstart.toml --out runs/quickstart
 
 test: setup-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 lint: setup
 	$(BIN)/ruff check rlx tests bench

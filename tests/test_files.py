@@ -19,6 +19,12 @@ def test_shipped_task_data_matches_the_generator():
     assert read_jsonl(REPO / "recipes/data/arith_chat.jsonl") == generate_arith(
         4000, seed=0, max_value=20, ops="+-", style="chat"
     )
+    heldout = read_jsonl(REPO / "recipes/data/arith_chat_heldout.jsonl")
+    train = read_jsonl(REPO / "recipes/data/arith_chat99.jsonl")  # recipes/smollm2_arith.toml's training set
+    assert train == generate_arith(
+        8000, seed=2, max_value=99, ops="+-", style="chat", id_prefix="arith99", exclude=heldout
+    )
+    assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in heldout}
 
 
 def test_shipped_heldout_set_matches_the_generator_and_is_held_out(tmp_path):

@@ -69,3 +69,24 @@ def test_cuda_peak_is_per_phase():
         del y
     assert 0.25 <= big["memory/big_device_peak_gb"] < 0.3
     assert 16 / 1024 <= small["memory/small_device_peak_gb"] < 0.05
+
+
+def test_gc_pauses_are_timed_and_a_frozen_heap_is_released_on_close():
+    import gc
+
+    from rlx.engine.memory import GcPauses
+
+    pauses = GcPauses()
+    try:
+        for _ in range(2000):
+            a: list = []
+            a.append(a)  # cyclic garbage only the collector frees
+        gc.collect()
+        taken = pauses.take()
+        assert taken["timing/gc_full_s"] > 0 and taken["timing/gc_s"] >= taken["timing/gc_full_s"]
+        assert pauses.take() == {"timing/gc_s": 0.0, "timing/gc_full_s": 0.0}
+        pauses.freeze()
+        assert gc.get_freeze_count() > 0
+    finally:
+        pauses.close()
+    assert gc.get_freeze_count() == 0 and pauses._callback not in gc.callbacks

@@ -142,7 +142,8 @@ def test_run_with_tracking_traces_and_mfu(tmp_path):
     assert {"id", "prompt", "response", "reward", "advantage"} <= set(traces[0])
     assert any((run / "tensorboard").rglob("events.out.tfevents.*"))
     line = read_jsonl(run / "metrics.jsonl")[-1]
-    for key in ("perf/mfu", "perf/mfu_train", "perf/flops", "memory/train_host_rss_gb", "timing/rollout_s"):
+    keys = ("perf/mfu", "perf/mfu_train", "perf/flops", "memory/train_host_rss_gb", "timing/rollout_s", "timing/gc_s")
+    for key in keys:
         assert isinstance(line[key], float), key
     assert 0 < line["perf/mfu"] < 1
 

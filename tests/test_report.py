@@ -74,7 +74,8 @@ def test_report_on_a_finished_run_and_again(tmp_path):
     summary = (run / "report" / "summary.md").read_text()
     assert "- status: finished (10 of 10 steps)" in summary and "best reward/mean: 0.7000 at step 9" in summary
     assert_png(run / "report" / "mfu.png")
-    cli_ok("report", run)  # the report is rewritten in place
+    assert cli("report", run).exit_code == 1  # an earlier report is kept unless --overwrite
+    cli_ok("report", run, "--overwrite")  # the report is rewritten in place
     assert (run / "report" / "summary.md").read_text() == summary
 
 

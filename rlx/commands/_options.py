@@ -9,6 +9,11 @@ which the wrapper builds the table.
 
 The decorated function keeps its own options (files, paths); the wrapper typer sees takes those plus one
 keyword per config field, builds the config (validation errors name the option) and calls the function.
+
+A field that is itself a config dataclass (`lora: LoraConfig | None`, a recipe's `[lora]` table) is flattened into
+options prefixed with its name (`--lora-rank`, `--lora-alpha`, ...): an optional one is built only when one of its
+options is given (else it stays None: the table is absent). `nested_config("lora", LoraConfig)` does the same for a
+command whose config class has no such field (the function then receives `lora=`).
 No torch import: `rlx --help` stays instant.
 """
 
@@ -24,8 +29,9 @@ from typing import Annotated, Any, Union, get_args, get_origin, get_type_hints
 
 import typer
 
-from rlx.commands._common import build_config, reporting
-from rlx.config import help_for
+from rlx.commands._common import reporting
+from rlx.config import ConfigError, help_for
+from rlx.errors import UserError
 
 _PLAIN = (bool, int, float, str)
 
@@ -56,37 +62,119 @@ def _tables(cls: type) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
 
 
+def nested_class(tp: Any) -> type | None:
+    """The config dataclass of a field typed `Config` or `Config | None` (flattened into options), or None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return None
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}_{name}" if prefix else name
+
+
 def field_options(cls: type, exclude=(), metavars: dict | None = None, decls: dict | None = None,
-                  help_extra: dict | None = None) -> list[inspect.Parameter]:  # fmt: skip
-    """One keyword-only typer parameter per CLI-able field of dataclass `cls`, in field order (a table field's
-    own fields in its place; `exclude` names fields at either level)."""
+                  help_extra: dict | None = None, prefix: str = "") -> list[inspect.Parameter]:  # fmt: skip
+    """One keyword-only typer parameter per CLI-able field of dataclass `cls`, in field order; a table field (a
+    config dataclass such as `vision`) gives its own fields in its place under their own names, and an optional
+    nested config field's fields follow as `<field>_<name>` (`--lora-rank`). With a `prefix` (nested fields), every
+    option defaults to None (so a given one can be told from a left-out one) and the help names the default."""
     hints, out, tables = get_type_hints(cls), [], _tables(cls)
     metavars, decls, help_extra = metavars or {}, decls or {}, help_extra or {}
     for f in dataclasses.fields(cls):
-        if f.name in tables and f.name not in exclude:
-            out += field_options(tables[f.name], exclude, metavars, decls, help_extra)
+        if f.name in exclude:
             continue
-        found = None if f.name in exclude else _option_type(hints[f.name])
+        if f.name in tables:
+            out += field_options(tables[f.name], exclude, metavars, decls, help_extra, prefix)
+            continue
+        nested = nested_class(hints[f.name])
+        if nested is not None:
+            out += field_options(nested, prefix=_join(prefix, f.name))
+            continue
+        found = _option_type(hints[f.name])
         if found is None:
             continue
         tp, metavar = found
+        default = None if f.default is dataclasses.MISSING else f.default
         kwargs = {"help": help_for(cls, f.name) + help_extra.get(f.name, "")}
+        if prefix:
+            shown = default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            kwargs["help"] += f" [default: {shown}]"
+            tp, default = (tp if get_origin(tp) in (Union, types.UnionType) else tp | None), None
         if metavars.get(f.name, metavar):
             kwargs["metavar"] = metavars.get(f.name, metavar)
-        default = None if f.default is dataclasses.MISSING else f.default
         option = typer.Option(*decls.get(f.name, ()), **kwargs)
-        out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+        out.append(inspect.Parameter(_join(prefix, f.name), inspect.Parameter.KEYWORD_ONLY, default=default,
                                      annotation=Annotated[tp, option]))  # fmt: skip
     return out
 
 
-def _build(cls: type, values: dict):
-    """`cls` from option values (a table field built from its own options first)."""
-    for name, table in _tables(cls).items():
-        own = {f.name for f in dataclasses.fields(table)}
-        values[name] = _build(table, {k: values.pop(k) for k in list(values) if k in own})
-    values = {k: v for k, v in values.items() if v is not None or not _has_factory(cls, k)}
-    return build_config(cls, **values)
+def build_from_options(cls: type, values: dict, prefix: str = "", optional: bool = False):
+    """Config `cls` from the option values `field_options(cls, prefix=prefix)` declared (popped from `values`);
+    None when `optional` and none of its options was given. Validation errors name the option (`lora_rank`)."""
+    hints, kwargs, tables = get_type_hints(cls), {}, _tables(cls)
+    for f in dataclasses.fields(cls):
+        key = _join(prefix, f.name)
+        if f.name in tables:  # a table's options sit beside its parent's, under the same prefix
+            kwargs[f.name] = build_from_options(tables[f.name], values, prefix)
+            continue
+        nested = nested_class(hints[f.name])
+        if nested is not None:
+            optional_field = nested is not hints[f.name]
+            value = build_from_options(nested, values, key, optional=optional_field)
+            if value is not None or optional_field:
+                kwargs[f.name] = value
+        elif key in values:
+            value = values.pop(key)
+            if value is not None or not (prefix or _has_factory(cls, f.name)):
+                kwargs[f.name] = value
+    if optional and not kwargs:
+        return None
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(_join(prefix, e.key), e.message) from None
+
+
+def nested_config(name: str, cls: type, **options) -> Callable:
+    """Decorator: config dataclass `cls` as options `--<name>-<field>` (see `field_options`, which takes `options`);
+    the function receives `<name>=cls(...)` when any of them is given, else `<name>=None`. Errors name the option."""
+
+    def wrap(fn: Callable) -> Callable:
+        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != name]
+        fields = field_options(cls, prefix=name, **options)
+        names = [p.name for p in fields]
+
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            values = {k: kwargs.pop(k) for k in names if k in kwargs}
+            with reporting(fn.__name__.replace("_", "-")):
+                config = _build(cls, values, name, optional=True)
+            return fn(*args, **{name: config}, **kwargs)
+
+        _set_signature(command, own + fields)
+        return command
+
+    return wrap
+
+
+def _build(cls: type, values: dict, prefix: str = "", optional: bool = False):
+    """`build_from_options` with validation errors as UserErrors naming the option (`--lora-rank: ...`)."""
+    try:
+        return build_from_options(cls, values, prefix, optional)
+    except ConfigError as e:
+        raise UserError(f"--{e.key.replace('_', '-')}: {e.message}") from None
+
+
+def _set_signature(command: Callable, params: list[inspect.Parameter]) -> None:
+    """What typer (and an outer decorator) sees of `command`: these parameters, not the wrapped function's."""
+    command.__signature__ = inspect.Signature(params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    del command.__wrapped__  # typer must see the new signature, not the wrapped function's
 
 
 def config_command(cls: type, name: str, **options) -> Callable:
@@ -111,9 +199,7 @@ def config_command(cls: type, name: str, **options) -> Callable:
             return fn(cfg, **kwargs)
 
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + fields
-        command.__signature__ = inspect.Signature(params)
-        command.__annotations__ = {p.name: p.annotation for p in params}
-        del command.__wrapped__  # typer must see the new signature, not fn's
+        _set_signature(command, params)
         return command
 
     return wrap

@@ -27,6 +27,13 @@ def eval_(
     top_p: Annotated[float, typer.Option(help=help_for(C, "top_p"))] = C.top_p,
     top_k: Annotated[int, typer.Option(help=help_for(C, "top_k"))] = C.top_k,
     max_new_tokens: Annotated[int, typer.Option(help=help_for(C, "max_new_tokens"))] = C.max_new_tokens,
+    stop: Annotated[
+        list[str] | None, typer.Option(metavar="TEXT", help=help_for(C, "stop") + " Repeat for several.")
+    ] = None,
+    max_prompt_length: Annotated[int, typer.Option(help=help_for(R, "max_prompt_length"))] = R.max_prompt_length,
+    on_long_prompt: Annotated[
+        str, typer.Option(metavar="error|filter", help=help_for(R, "on_long_prompt"))
+    ] = R.on_long_prompt,
     seed: Annotated[int, typer.Option(help=help_for(C, "seed"))] = C.seed,
     correct_threshold: Annotated[float, typer.Option(help=help_for(C, "correct_threshold"))] = C.correct_threshold,
     on_reward_error: Annotated[
@@ -62,13 +69,20 @@ def eval_(
             top_p=top_p,
             top_k=top_k,
             max_new_tokens=max_new_tokens,
+            stop=list(stop or []),
             seed=seed,
             reward=list(reward or []),
             correct_threshold=correct_threshold,
             on_reward_error=on_reward_error,
         )
         engine_settings = dict(
-            engine=engine, batch_size=batch_size, chat_template=chat_template, device=device, precision=precision
+            engine=engine,
+            batch_size=batch_size,
+            chat_template=chat_template,
+            device=device,
+            precision=precision,
+            max_prompt_length=max_prompt_length,
+            on_long_prompt=on_long_prompt,
         )
         build_config(R, **engine_settings)  # option errors name the option before any model is loaded
         from rlx.engine.evaluation import run_eval

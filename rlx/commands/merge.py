@@ -21,9 +21,18 @@ def merge(
         str, typer.Option(metavar="DTYPE", help="Store weights as keep | float32 | bfloat16 | float16.")
     ] = "keep",
     overwrite: Annotated[bool, typer.Option(help="Replace --out if it exists.")] = False,
+    adapter_only: Annotated[
+        bool,
+        typer.Option(
+            help="For a LoRA checkpoint: write its adapters as a PEFT adapter folder (adapter_config.json, "
+            "adapter_model.safetensors; peft.PeftModel.from_pretrained(base, OUT) loads it) instead of the "
+            "merged model."
+        ),
+    ] = False,
 ) -> None:
-    """Gather a checkpoint into a Hugging Face model dir (safetensors, config, tokenizer) any tool loads."""
+    """Gather a checkpoint into a Hugging Face model dir (safetensors, config, tokenizer) any tool loads; a LoRA
+    checkpoint's adapters are merged into its base (W + alpha/r B A), or written alone with --adapter-only."""
     with reporting("merge"):
         from rlx.engine.checkpoints.shard import merge_checkpoint
 
-        merge_checkpoint(checkpoint, out, dtype=dtype, overwrite=overwrite)
+        merge_checkpoint(checkpoint, out, dtype=dtype, overwrite=overwrite, adapter_only=adapter_only)

@@ -24,19 +24,27 @@ def ppo(
         typer.Option(metavar="DIR", help="Run folder (local; model and data may be URLs); default runs/<recipe name>."),
     ] = None,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out from its last complete checkpoint.")] = False,
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace the run in --out (its checkpoints, steps, metrics) with a new one.")
+    ] = False,
     print_config: Annotated[bool, typer.Option(help="Print the resolved recipe as JSON and exit.")] = False,
 ) -> None:
     """Run PPO/GRPO: rollout -> score -> train-step for `steps` iterations, writing the same artifacts
     as the separate commands (step_NNNNNN/, checkpoints/, metrics.jsonl) to the run folder.
 
     Unknown recipe keys are rejected with their path. --resume continues after the last complete
-    step and gives the same final weights as an uninterrupted run.
+    step and gives the same final weights as an uninterrupted run. The model, every prompt line and the
+    reward functions are checked before anything is written; a run folder whose start completed no step
+    can be started again. One process at a time holds a run folder (RUN_DIR/.rlx-lock). SIGTERM stops after
+    the current step's checkpoint (exit 143).
     """
     with reporting("ppo", on_interrupt="; continue the run with --resume"):
         from rlx.engine.ppo.config import load_recipe
         from rlx.engine.ppo.defaults import fast_path_defaults
         from rlx.utils.device import resolve_device
 
+        if resume and overwrite:
+            raise UserError("--resume continues the run in --out and --overwrite replaces it: give one of them")
         device_type = resolve_device(load_recipe(recipe, set_ or []).train.device).type
         cfg = load_recipe(recipe, set_ or [], device_type)
         chosen = fast_path_defaults(device_type, _recipe_tree(recipe, set_ or []))
@@ -60,7 +68,7 @@ def ppo(
                 f"--out {out}: the run folder must be local (model.path and data.prompts may be URLs; "
                 f"copy checkpoints out with `rlx merge --out URL`)"
             )
-        run_ppo(cfg, Path(out) if out else Path("runs") / recipe.stem, resume=resume)
+        run_ppo(cfg, Path(out) if out else Path("runs") / recipe.stem, resume=resume, overwrite=overwrite)
 
 
 def _recipe_tree(recipe: Path, overrides: list[str]) -> dict:

@@ -12,6 +12,9 @@ from rlx.commands._common import reporting
 
 def report(
     run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="Run folder written by `rlx ppo --out`.")],
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace an earlier RUN_DIR/report/ (e.g. of a running run).")
+    ] = False,
 ) -> None:
     """Plot a run's metrics (reward, response length, KL, entropy, clip fraction, MFU) to RUN_DIR/report/*.png
     and write RUN_DIR/report/summary.md (progress, reward trend, best step, step time).
@@ -22,5 +25,5 @@ def report(
     with reporting("report"):
         from rlx.engine.report import write_report
 
-        result = write_report(run_dir)
+        result = write_report(run_dir, overwrite=overwrite)
         print(result.summary)

@@ -43,6 +43,7 @@ def rollout(
     metrics: Annotated[
         str | None, typer.Option(metavar="FILE", help="Append a metrics line (throughput) to this JSONL file.")
     ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace --out if it exists.")] = False,
 ) -> None:
     """Sample N responses per prompt; write rollouts.jsonl with token ids and the sampler's logprobs.
 
@@ -61,4 +62,5 @@ def rollout(
             data_position=data_position,
             shuffle_seed=shuffle_seed,
             metrics_path=metrics,
+            overwrite=overwrite,
         )

@@ -50,6 +50,9 @@ def score(
         str | None,
         typer.Option(metavar="FILE", help="Append a metrics line (rewards, lengths, KL, mismatch) to this JSONL file."),
     ] = None,
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace OUT/scores.jsonl and OUT/batch.safetensors if they exist.")
+    ] = False,
 ) -> None:
     """Score rollouts: rule, custom and reward-model rewards, old/reference logprobs, critic values, KL,
     and advantages by any estimator (GRPO by default).
@@ -61,4 +64,6 @@ def score(
     with reporting("score"):
         from rlx.engine.scoring.run import run_score
 
-        run_score(cfg, rollouts, out, actor, ref, critic, temperature=temperature, metrics_path=metrics)
+        run_score(
+            cfg, rollouts, out, actor, ref, critic, temperature=temperature, metrics_path=metrics, overwrite=overwrite
+        )

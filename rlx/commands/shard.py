@@ -6,12 +6,16 @@ from typing import Annotated
 
 import typer
 
-from rlx.commands._common import reporting
+from rlx.commands._common import LORA_OPTIONS, reporting
+from rlx.commands._options import nested_config
 from rlx.engine.checkpoints import catalog
 from rlx.errors import UserError
+from rlx.models.lora_config import LoraConfig
 
 
+@nested_config("lora", LoraConfig, **LORA_OPTIONS)
 def shard(
+    lora: LoraConfig | None,
     model: Annotated[
         str,
         typer.Option(
@@ -69,6 +73,8 @@ def shard(
     """Lay a model out for training: an rlx checkpoint at step 0 (weights, config, tokenizer, rlx.json).
 
     With the default dtype, `rlx shard` then `rlx merge` gives back bit-identical tensors (any layout).
+    With --lora-* options (or --layout lora) it makes a LoRA checkpoint instead: adapters initialised with
+    --seed and a pointer to the model as their frozen base (train-step then trains the adapters only).
     """
     with reporting("shard"):
         if init not in ("pretrained", "random"):
@@ -77,15 +83,5 @@ def shard(
 
         if role not in ("actor", "critic"):
             raise UserError(f"--role {role!r}: expected 'actor' or 'critic'")
-        shard_model(
-            model,
-            out,
-            layout=layout,
-            init=init,
-            seed=seed,
-            dtype=dtype,
-            overwrite=overwrite,
-            role=role,
-            tp_degree=tp,
-            pp_degree=pp,
-        )
+        options = {"init": init, "seed": seed, "dtype": dtype, "overwrite": overwrite, "role": role}
+        shard_model(model, out, layout=layout, tp_degree=tp, pp_degree=pp, lora=lora, **options)

@@ -7,9 +7,10 @@ from typing import Annotated
 
 import typer
 
-from rlx.commands._common import reporting
-from rlx.commands._options import config_command
+from rlx.commands._common import LORA_OPTIONS, reporting
+from rlx.commands._options import config_command, nested_config
 from rlx.engine.training.config import TrainConfig
+from rlx.models.lora_config import LoraConfig
 
 
 @config_command(
@@ -18,8 +19,10 @@ from rlx.engine.training.config import TrainConfig
     metavars={"policy_loss": "NAME", "loss_agg_mode": "MODE"},
     exclude=("store_pixels", "max_prompt_tokens"),  # score's and rollout's
 )
+@nested_config("lora", LoraConfig, **LORA_OPTIONS)
 def train_step(
     cfg: TrainConfig,
+    lora: LoraConfig | None,
     checkpoint: Annotated[
         str, typer.Option(metavar="DIR", help="Checkpoint to update (from `rlx shard` or an earlier train-step).")
     ],
@@ -37,8 +40,11 @@ def train_step(
     not change the gradient. The optimizer state travels in the checkpoint; the learning rate
     follows the checkpoint's step count. Under torchrun (or srun) the model is FSDP-sharded and
     each mini-batch is split across ranks by work; the result equals a single-process step.
+
+    A LoRA checkpoint (`rlx shard --lora-rank N`) trains its adapters only and writes the next LoRA checkpoint;
+    --lora-* options on a checkpoint of full weights add fresh adapters to it (its weights become the base).
     """
     with reporting("train-step"):
         from rlx.engine.training.run import run_train_step
 
-        run_train_step(cfg, checkpoint, batch, out, overwrite=overwrite, metrics_path=metrics)
+        run_train_step(cfg, checkpoint, batch, out, overwrite=overwrite, metrics_path=metrics, lora=lora)

@@ -1,4 +1,5 @@
-"""Evaluation on held-out prompts: `rlx eval` (and later the `[eval]` table of a recipe).
+"""Evaluation on held-out prompts: `rlx eval`, and the `[eval]` table of a recipe (`evaluate`, with the run's
+resident engine).
 
 Greedy by default (temperature 0, one response per prompt); with n samples per prompt at a temperature,
 pass@k (the unbiased estimator of Chen et al. 2021, k = 1, 2, 4, ... and n) and mean@n. A sample is
@@ -46,6 +47,8 @@ class EvalConfig:
     """Keep only the top_k most likely tokens (0 = off)."""
     max_new_tokens: int = 256
     """Longest response, in tokens."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings, as rollout.stop (the response ends before the first one)."""
     seed: int = 0
     """Sampling seed (each sample has its own stream, as in `rlx rollout`)."""
     reward: list[str] = field(default_factory=list)
@@ -69,13 +72,15 @@ class EvalConfig:
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k >= -1, "top_k", f"must be >= 0 (or -1 for off), got {self.top_k}")
         check(self.max_new_tokens >= 1, "max_new_tokens", f"must be at least 1, got {self.max_new_tokens}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
 
     def rollout_config(self, **engine_settings):
         """The RolloutConfig that samples these responses; `engine_settings` are its other fields (engine,
         device, precision, batch_size...)."""
         from rlx.engine.rollout.config import RolloutConfig
 
-        sampling = {k: getattr(self, k) for k in ("n", "temperature", "top_p", "top_k", "max_new_tokens", "seed")}
+        names = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "seed", "stop")
+        sampling = {k: getattr(self, k) for k in names}
         return RolloutConfig(**sampling, **engine_settings)
 
 
@@ -206,6 +211,16 @@ def grade(rollouts: list, cfg: EvalConfig) -> list[EvalSample]:
     return samples
 
 
+def evaluate(cfg: EvalConfig, engine, prompts: list) -> tuple[list[EvalSample], dict[str, float]]:
+    """Graded samples and val/* metrics of `prompts` answered by a resident rollout engine (`rlx ppo`'s [eval]).
+    Every sample draws from its own stream seeded by cfg.seed: nothing of the training stream is used."""
+    records = engine.generate(prompts, cfg.rollout_config().sampling(), progress=False).records
+    samples = grade(records, cfg)
+    metrics = eval_metrics(samples)
+    metrics["val/num_reward_errors"] = float(sum(s.reward_error is not None for s in samples))
+    return samples, metrics
+
+
 def run_eval(
     cfg: EvalConfig,
     model_path: str,
@@ -220,8 +235,10 @@ def run_eval(
     from rlx.engine.checkpoints.registry import read_meta_or_default
     from rlx.engine.parallel.dist import setup
     from rlx.engine.records import read_prompts
+    from rlx.engine.rollout.lengths import limit_prompts, model_context
     from rlx.engine.tracking import console, log_metrics
-    from rlx.models.loading import load_tokenizer, resolve_source
+    from rlx.models.loading import load_config, load_tokenizer, resolve_source
+    from rlx.utils.files import check_writable
     from rlx.utils.io import exists, is_remote, join, local, write_jsonl
 
     start = time.perf_counter()
@@ -230,10 +247,12 @@ def run_eval(
         raise UserError(f"--out {out}: is a file; expected a folder for {EVAL_FILE}")
     if exists(target) and not overwrite:
         raise UserError(f"{target}: already exists (choose another --out or pass --overwrite)")
+    check_writable(target)
     prompts = read_prompts(cfg.prompts)
     rollout_cfg = cfg.rollout_config(**(engine_settings or {}))
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
+    prompts = limit_prompts(prompts, tokenizer, rollout_cfg, model_context(load_config(source)), cfg.prompts)
     ctx = setup(rollout_cfg.device)
     processor = load_processor(source, rollout_cfg.vision)
     rollouts = generate(cfg, rollout_cfg, load_model(source), tokenizer, prompts, ctx, processor)

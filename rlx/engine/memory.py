@@ -13,6 +13,7 @@ peak from getrusage). Sizes are GiB (2**30 bytes). torch is imported only for cu
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -120,3 +121,42 @@ def process_age_s() -> float:
         return time.time() - (boot + ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError, StopIteration):
         return 0.0
+
+
+class GcPauses:
+    """Time this process spends in Python's cyclic garbage collector, by generation: a full (generation 2)
+    collection over a large heap stops every thread for up to a second. `take()` returns the seconds since
+    the last call, for the metrics line."""
+
+    def __init__(self) -> None:
+        self._started: float | None = None
+        self._seconds = [0.0, 0.0, 0.0]
+        self._frozen = False
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self._seconds[info.get("generation", 2)] += time.perf_counter() - self._started
+            self._started = None
+
+    def take(self) -> dict[str, float]:
+        out = {"timing/gc_s": sum(self._seconds), "timing/gc_full_s": self._seconds[2]}
+        self._seconds = [0.0, 0.0, 0.0]
+        return out
+
+    def freeze(self) -> None:
+        """Collect once, then exempt every object alive now (modules, compiled graphs, the models' Python
+        objects) from later collections, so the full collections a long run triggers scan only what it allocated
+        since; undone by `close`."""
+        gc.collect()
+        gc.freeze()
+        self._frozen = True
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+        if self._frozen:
+            gc.unfreeze()  # what the run leaves behind is collectable again (e.g. in a test process)
+            self._frozen = False

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rlx.engine.tracking import METRICS_FILE, metrics_by_step, read_metrics_tolerant
 from rlx.errors import UserError
+from rlx.utils.files import check_writable
 from rlx.utils.io import atomic_path
 
 REPORT_DIR = "report"
@@ -42,6 +43,7 @@ PLOTS = (
     PlotSpec("entropy", "policy entropy (actor/entropy)", ("actor/entropy",)),
     PlotSpec("clip_frac", "clipped fraction (actor/pg_clipfrac)", ("actor/pg_clipfrac",)),
     PlotSpec("mfu", "model FLOPs utilisation (perf/mfu)", ("perf/mfu",)),
+    PlotSpec("val", "held-out evaluation ([eval]: val/*)", ("val/pass@1", "val/reward_mean")),
 )
 
 
@@ -150,6 +152,13 @@ def summary_markdown(run_dir: Path, steps: dict[int, dict], total: int | None, p
         )
         best = max(range(len(rewards)), key=lambda i: rewards[i])  # the first of equal bests
         lines.append(f"- best reward/mean: {rewards[best]:.4f} at step {xs[best]}")
+    val_steps, accuracy = series(steps, "val/pass@1")
+    if accuracy:
+        best = max(range(len(accuracy)), key=lambda i: accuracy[i])
+        lines.append(
+            f"- held-out val/pass@1: {accuracy[0]:.4f} (step {val_steps[0]}) -> {accuracy[-1]:.4f} "
+            f"(step {val_steps[-1]}); best {accuracy[best]:.4f} at step {val_steps[best]}"
+        )
     _, times = series(steps, "timing/step_s")
     if times:
         lines.append(f"- mean step time: {_mean(times):.3f} s over {len(times)} steps")
@@ -159,10 +168,14 @@ def summary_markdown(run_dir: Path, steps: dict[int, dict], total: int | None, p
     return "\n".join(lines) + "\n"
 
 
-def write_report(run_dir: str | Path) -> RunReport:
-    """Write RUN_DIR/report/*.png and summary.md; returns what was written (see RunReport)."""
+def write_report(run_dir: str | Path, overwrite: bool = False) -> RunReport:
+    """Write RUN_DIR/report/*.png and summary.md; returns what was written (see RunReport). An earlier report is
+    replaced only with `overwrite`."""
     run_dir = Path(run_dir)
     steps, total = load_run(run_dir)
+    if (run_dir / REPORT_DIR / SUMMARY_NAME).exists() and not overwrite:
+        raise UserError(f"{run_dir / REPORT_DIR}: already holds a report (pass --overwrite to replace it)")
+    check_writable(run_dir / REPORT_DIR / SUMMARY_NAME, "report")
     try:
         import matplotlib
     except ImportError:

@@ -91,8 +91,14 @@ def step_line(step: int, total: int, m: dict) -> str:
         value = m.get(key)
         return fmt.format(value) if isinstance(value, (int, float)) else "-"
 
+    errors = m.get("reward/num_errors")
+    extra = f"  REWARD ERRORS {errors:.0f}" if isinstance(errors, (int, float)) and errors > 0 else ""
+    if isinstance(m.get("val/pass@1"), (int, float)):
+        extra += f"  val pass@1 {get('val/pass@1')}"
+    if "reward/mean" not in m:  # an evaluation-only line (step 0 with [eval] before_training)
+        return f"step {step}/{total}{extra}"
     return (
-        f"step {step}/{total}  reward {get('reward/mean')} ±{get('reward/std')}  "
+        f"step {step}/{total}  reward {get('reward/mean')} ±{get('reward/std')}{extra}  "
         f"len {get('response_length/mean', '{:.1f}')}  kl {get('actor/ref_kl', '{:.4f}')}  "
         f"entropy {get('actor/entropy')}  clip {get('actor/pg_clipfrac')}  | "
         f"rollout {get('timing/rollout_s', '{:.2f}')}s  score {get('timing/score_s', '{:.2f}')}s  "

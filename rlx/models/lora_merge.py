@@ -25,17 +25,24 @@ from rlx.models.lora_state import adapter_state, full
 
 PEFT_PREFIX = "base_model.model."
 """Where PeftModel puts the wrapped model: the prefix of every key in adapter_model.safetensors."""
+PEFT_WEIGHTS = "adapter_model.safetensors"
+
+
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out: bool):
+    """W + scaling B A in float32, cast once to W's dtype (a new tensor). weight [out, in] ([in, out] with
+    `fan_in_fan_out`), a [rank, in], b [out, rank]."""
+    delta = (b.float() @ a.float()) * scaling  # [out, in]
+    if fan_in_fan_out:  # transformers' Conv1D keeps its weight as [in, out]
+        delta = delta.T
+    return (weight.float() + delta.to(weight.device)).to(weight.dtype)
 
 
 def merged_layer_weight(layer: torch.nn.Module) -> torch.Tensor:
     """One LoRA layer's base weight plus its adapter's delta, in the base weight's dtype (a new tensor)."""
     weight = full(layer.get_base_layer().weight.detach())
-    a = full(layer.lora_A[ADAPTER].weight.detach()).float()
-    b = full(layer.lora_B[ADAPTER].weight.detach()).float()
-    delta = (b @ a) * layer.scaling[ADAPTER]  # [out, in]
-    if layer.fan_in_fan_out:  # transformers' Conv1D keeps its weight as [in, out]
-        delta = delta.T
-    return (weight.float() + delta.to(weight.device)).to(weight.dtype)
+    a = full(layer.lora_A[ADAPTER].weight.detach())
+    b = full(layer.lora_B[ADAPTER].weight.detach())
+    return merged_weight(weight, a, b, layer.scaling[ADAPTER], layer.fan_in_fan_out)
 
 
 @torch.no_grad()
@@ -115,6 +122,11 @@ def save_peft_adapter(
     if isinstance(config.get("target_modules"), list):
         config["target_modules"] = sorted(config["target_modules"])
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    weights = {PEFT_PREFIX + name: t.contiguous() for name, t in tensors.items()}
-    save_file(weights, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    write_peft_weights(folder, tensors)
     return folder
+
+
+def write_peft_weights(folder: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A PEFT folder's adapter_model.safetensors from adapter tensors by stable name (`adapter_state`)."""
+    weights = {PEFT_PREFIX + name: t.contiguous() for name, t in tensors.items()}
+    save_file(weights, str(Path(folder) / PEFT_WEIGHTS), metadata={"format": "pt"})

@@ -24,6 +24,7 @@ from rlx.engine.batch import TrainBatch
 from rlx.engine.checkpoints.base import LocalState
 from rlx.engine.scoring.score import Scorer
 from rlx.engine.training.config import TrainConfig
+from rlx.errors import UserError
 from rlx.models.loading import ModelSource
 
 
@@ -49,6 +50,8 @@ class Trainer(Protocol):
     """A live Hugging Face module a rollout engine may generate with directly (None: weights must be copied)."""
     is_main: bool
     world: int
+    lora: object | None
+    """With LoRA, the adapters' settings and base (a LoraSpec; backends with `supports_lora`); else None."""
 
     def check_batch(self, batch: TrainBatch, where: str) -> None: ...
     def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]: ...
@@ -58,12 +61,21 @@ class Trainer(Protocol):
     def full_optimizer_state(self) -> dict[str, torch.Tensor] | None: ...
     def local_state(self) -> LocalState: ...
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """With LoRA, the adapters by stable name on every rank (a collective); else None."""
+
+    def reference_scorer(self) -> Scorer | None:
+        """With LoRA, the frozen base (adapters off) as the reference; else None."""
 
 
 class TrainingBackend(ABC):
     """Builds trainers and scoring models on one parallel grid. Subclasses register in registry.py."""
 
     name: ClassVar[str]
+    supports_lora: ClassVar[bool] = False
+    """Whether `build_trainer` takes `lora=` (a LoraSpec: adapters to put on the model) and `load_trainer` takes
+    `lora=` (a LoraConfig) and LoRA checkpoints; callers pass it through `lora_options`, so a backend without
+    LoRA never sees the keyword and a request for it is a clear error."""
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -78,6 +90,15 @@ class TrainingBackend(ABC):
     def unavailable(cls, degrees: Degrees, world: int) -> str | None:
         """Why this backend cannot run here with `degrees` over `world` processes (None: it can)."""
         return None
+
+    def lora_options(self, lora: object | None, where: str) -> dict:
+        """The `lora=` keyword for build_trainer / load_trainer ({} without LoRA); a UserError naming `where` when
+        this backend cannot train adapters."""
+        if lora is None:
+            return {}
+        if not self.supports_lora:
+            raise UserError(f"{where}: LoRA is not supported by the {self.name} training backend (use fsdp)")
+        return {"lora": lora}
 
     @abstractmethod
     def build_trainer(self, model: torch.nn.Module, cfg: TrainConfig, where: str) -> Trainer:

@@ -127,6 +127,11 @@ class Layout(ABC):
         """Unsharded optimizer tensors keyed '<param>::<state key>' (Hugging Face names), or None."""
         return None
 
+    def read_lora(self, folder: Path):
+        """The adapters a checkpoint holds on a base model it points to (a LoraCheckpoint, lora.py), or None for a
+        checkpoint of full weights."""
+        return None  # full weights by default
+
     def read_local_state(self, folder: Path, kind: str, coords: dict[str, int]) -> LocalState:
         """One process's shards in a backend's own form (`kind`), resharded when the grid differs."""
         raise UserError(f"{folder}: the '{self.name}' layout stores no '{kind}' shards")

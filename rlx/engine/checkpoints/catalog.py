@@ -18,7 +18,13 @@ BUILT_IN: dict[str, tuple[str, str]] = {
         "rlx.engine.checkpoints.megatron:MegatronLayout",
         "one megatron-core state per tensor x pipeline rank, mp_rank_TT_PPP/ (Llama and Qwen2 models)",
     ),
+    "lora": (
+        "rlx.engine.checkpoints.lora:LoraLayout",
+        "LoRA adapters",
+    ),
 }
+LORA = "lora"
+"""The layout of checkpoints that hold adapters on a base model (a trainer with adapters writes it)."""
 DEFAULT = "single"
 """The layout a plain Hugging Face dir reads as, and `rlx shard` writes by default."""
 

@@ -23,7 +23,7 @@ from rlx.utils.files import apply_umask
 
 OPTIMIZER_NAME = "optimizer.safetensors"
 MAX_SHARD_SIZE = "5GB"
-_NOT_AUX = {META_NAME, OPTIMIZER_NAME, WEIGHTS_INDEX_NAME}
+_NOT_AUX = {META_NAME, OPTIMIZER_NAME, WEIGHTS_INDEX_NAME, "lora.json"}  # lora.json: a LoRA checkpoint's own
 
 
 def aux_files(folder: Path) -> dict[str, bytes]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from rlx.engine.checkpoints.files import aux_files, generated_aux
-from rlx.engine.checkpoints.registry import is_hf_dir, read_full_weights
+from rlx.engine.checkpoints.registry import is_hf_dir, read_full_weights, read_lora, read_meta_or_default
 from rlx.errors import UserError
 from rlx.models.loading import (
     ModelSource,
@@ -37,10 +37,17 @@ def _auto_class(role: str, config):
     return transformers.AutoModelForTokenClassification if role == "critic" else causal_lm_class(config)
 
 
-def load_model(source: ModelSource, role: str = "actor", dtype: torch.dtype | None = torch.float32):
-    """The causal LM (role 'actor') or value model (role 'critic') of `source`, on the CPU in `dtype`."""
+def load_model(
+    source: ModelSource, role: str = "actor", dtype: torch.dtype | None = torch.float32, adapters: bool = False
+):
+    """The causal LM (role 'actor') or value model (role 'critic') of `source`, on the CPU in `dtype`. A LoRA
+    checkpoint gives its merged weights, or with `adapters` its base (in `dtype`) with the adapters in as PEFT
+    layers (float32): what the trainer computed with."""
     if role == "critic":
         check_value_config(load_config(source), source.path)
+    lora = read_lora(source.path) if adapters and not source.is_gguf else None
+    if lora is not None:
+        return lora.build_model(dtype or torch.float32)
     if source.is_gguf or is_hf_dir(source.path):
         return load_value_model(source, dtype) if role == "critic" else load_causal_lm(source, dtype)
     quiet_transformers()
@@ -73,10 +80,9 @@ def load_initial_policy(path: str | Path, init: str = "pretrained", seed: int = 
     initialises from the folder's config.json with `seed` (weights in the folder are ignored).
     """
     source = resolve_source(path)
+    check_init(source, init)
     tokenizer = load_tokenizer(source)
     if init == "random":
-        if source.is_gguf:
-            raise UserError(f"{path}: init 'random' needs a folder with config.json, not a GGUF file")
         model = init_random_model(load_config(source), seed)
         return model, tokenizer, aux_files(source.folder)
     if init != "pretrained":
@@ -84,6 +90,22 @@ def load_initial_policy(path: str | Path, init: str = "pretrained", seed: int = 
     model = load_model(source)
     aux = generated_aux(model, tokenizer) if source.is_gguf else aux_files(source.folder)
     return model, tokenizer, aux
+
+
+def check_init(source: ModelSource, init: str) -> None:
+    """Refuse init 'random' where it would silently throw trained weights away: a GGUF file (no config.json
+    folder) or an rlx checkpoint that training wrote (step >= 1)."""
+    if init != "random":
+        return
+    if source.is_gguf:
+        raise UserError(f"{source.path}: init 'random' needs a folder with config.json, not a GGUF file")
+    step = read_meta_or_default(source.path).step
+    if step >= 1:
+        raise UserError(
+            f"{source.path}: a trained checkpoint (step {step}), but init 'random' would start from new random "
+            f"weights; use init 'pretrained' to start from its weights, or give the folder with only config.json "
+            f"and the tokenizer"
+        )
 
 
 def load_trained_policy(source: ModelSource, role: str = "actor"):
@@ -132,3 +154,8 @@ class CheckpointWeights:
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         tied = bool(getattr(load_config(ModelSource(self.folder)), "tie_word_embeddings", False))
         return checkpoint_weights(self.folder, tied)
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """A LoRA checkpoint's adapters as stored (the engine holds the base); None for full weights."""
+        lora = read_lora(self.folder)
+        return lora.tensors() if lora is not None else None

@@ -99,6 +99,19 @@ def read_full_optimizer(folder: str | Path) -> dict[str, torch.Tensor] | None:
     return layout_of(folder).read_full_optimizer(folder) if is_checkpoint(folder) else None
 
 
+def read_lora(folder: str | Path):
+    """The adapters of a LoRA checkpoint (a LoraCheckpoint: settings, base, tensors), or None for a model dir, a
+    GGUF file or a checkpoint of full weights."""
+    folder = Path(folder)
+    return layout_of(folder).read_lora(folder) if folder.is_dir() and is_checkpoint(folder) else None
+
+
+def trained_layout(state: TrainedState, default: str) -> str:
+    """The layout a trained model is written in: the LoRA layout for a trainer with adapters (its `lora`), else
+    `default` (the layout it was read from, or its backend's)."""
+    return catalog.LORA if getattr(state, "lora", None) is not None else default
+
+
 def read_local_state(folder: str | Path, kind: str, coords: dict[str, int]) -> LocalState:
     """One process's shards of a checkpoint in a backend's form (e.g. a megatron stage's state)."""
     return layout_of(folder).read_local_state(Path(folder), kind, coords)
@@ -127,8 +140,10 @@ def prepare_save(
     before_publish: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
     """`save`'s collective part now (every process); returns the part that only writes files (run it, possibly in a
-    background thread, on every process: it is a no-op where there is nothing to write)."""
-    layout = get_layout(meta.layout, "layout")
-    layout.check_output(str(out))
+    background thread, on every process: it is a no-op where there is nothing to write). When a part trains
+    adapters, the LoRA layout writes the folder (it writes full parts as 'single' ones)."""
     parts = {"": CheckpointPart(state, aux, meta), **(nested or {})}
+    has_adapters = any(part.meta.layout == catalog.LORA for part in parts.values())
+    layout = get_layout(catalog.LORA if has_adapters else meta.layout, "layout")
+    layout.check_output(str(out))
     return layout.prepare_write(str(out), parts, overwrite, before_publish)

@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Literal
 
 from rlx.config import ConfigError, apply_overrides, check, check_choices, from_dict, load_toml
+from rlx.engine.evaluation import EvalConfig
 from rlx.engine.ppo.defaults import apply_defaults, fast_path_defaults
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.scoring.config import ScoreConfig
 from rlx.engine.tracking import TrackingConfig
 from rlx.engine.training.config import TrainConfig
 from rlx.errors import UserError
+from rlx.models.lora_config import LoraConfig
 from rlx.models.vision.config import VisionConfig
 
 
@@ -60,6 +62,8 @@ class CriticConfig:
     """Train only the critic for this many steps before the actor starts updating (verl's critic_warmup)."""
     train: TrainConfig = field(default_factory=lambda: TrainConfig(role="critic"))
     """Critic update settings, as [train] (the role is always 'critic': clipped value loss)."""
+    lora: LoraConfig | None = None
+    """Train the critic as LoRA adapters (and its value head) on its frozen backbone; absent = in full."""
 
     def __post_init__(self) -> None:
         if self.train.role != "critic":
@@ -114,12 +118,17 @@ class PPOConfig:
     """Reward and advantage settings (as `rlx score`)."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Update settings (as `rlx train-step`)."""
+    lora: LoraConfig | None = None
+    """Train the actor as LoRA adapters on the frozen policy (the reference is the policy with them off); absent =
+    full fine-tuning."""
     critic: CriticConfig | None = None
     """A critic (needed by score.estimator = 'gae')."""
     megatron: MegatronConfig | None = None
     """With this table, the actor and critic train on megatron-core (checkpoints in the 'megatron' layout)."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Where metrics go besides metrics.jsonl (console, tensorboard, wandb, mlflow) and rollout traces."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation during training: val/* metrics in the step's metrics line, step_NNNNNN/eval.jsonl."""
     vision: VisionConfig = field(default_factory=VisionConfig)
     """Vision-language models: image sizes and prompt limit of every stage, pixels in the batch files, whether the
     vision tower trains."""
@@ -168,6 +177,12 @@ class PPOConfig:
                 f"decay over the run's {self.steps} steps needs steps > warmup_steps (or set lr_decay_steps)",
             )
         self._share_vision()
+        has_lora = self.lora is not None or (self.critic is not None and self.critic.lora is not None)
+        check(
+            not has_lora or self.backend_name != "megatron",
+            "lora",
+            "LoRA is not supported by the megatron backend (drop [megatron] or the [lora] tables)",
+        )
         needs_ref = self.score.kl_coef > 0 or self.train.kl_loss_coef > 0
         check(self.use_ref or not needs_ref, "use_ref", "score.kl_coef or train.kl_loss_coef > 0 needs use_ref = true")
 
@@ -194,11 +209,12 @@ def load_recipe(path: str | Path, overrides: list[str] = (), device_type: str | 
     `device_type`, fill the keys the recipe leaves out with that device's fast path (rlx/engine/ppo/defaults.py)."""
     path = Path(path)
     data = load_toml(path)
-    original = {"model": dict(data.get("model", {})), "data": dict(data.get("data", {}))}
+    tables = ("model", "data", "eval")
+    original = {name: dict(data[name]) for name in tables if isinstance(data.get(name), dict)}
     data = apply_overrides(data, list(overrides))
     if device_type is not None:
         data = apply_defaults(data, fast_path_defaults(device_type, data))
-    for section, key in (("model", "path"), ("data", "prompts")):
+    for section, key in (("model", "path"), ("data", "prompts"), ("eval", "prompts")):
         value = data.get(section, {}).get(key) if isinstance(data.get(section), dict) else None
         from_recipe = value is not None and original.get(section, {}).get(key) == value
         if isinstance(value, str) and from_recipe and not Path(value).is_absolute() and ":" not in value:

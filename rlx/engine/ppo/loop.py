@@ -3,7 +3,8 @@
     RUN_DIR/
       recipe.json                      the resolved recipe (a resumed run must match it)
       metrics.jsonl                    one line per step
-      step_000001/                     rollouts.jsonl, scores.jsonl, batch.safetensors
+      .rlx-lock                        the run's lock: pid and host of the process running it
+      step_000001/                     rollouts.jsonl, scores.jsonl, batch.safetensors (eval.jsonl with [eval])
       checkpoints/step_000001/         an rlx checkpoint of the actor (HF dir + optimizer + rlx.json)
       checkpoints/step_000001/critic/  the critic's checkpoint, when there is one
 
@@ -26,10 +27,12 @@ from rlx.engine.backends.registry import backend_class
 from rlx.engine.checkpoints.base import CheckpointPart
 from rlx.engine.checkpoints.loading import CheckpointWeights
 from rlx.engine.checkpoints.meta import CheckpointMeta, provenance
-from rlx.engine.checkpoints.registry import layout_for_backend, prepare_save, read_meta
+from rlx.engine.checkpoints.registry import layout_for_backend, prepare_save, read_meta, trained_layout
 from rlx.engine.data import take_prompts
+from rlx.engine.evaluation import EVAL_FILE, evaluate
 from rlx.engine.flops import count_flops, count_generate_flops, device_peak_flops, mfu
 from rlx.engine.memory import (
+    GcPauses,
     device_peak_bytes,
     host_rss_bytes,
     measure_phase,
@@ -41,19 +44,21 @@ from rlx.engine.parallel.dist import barrier
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.ppo.models import CRITIC_DIR, build_run_models
 from rlx.engine.ppo.rundir import checkpoint_dir, drop_old_checkpoints, prepare_run_dir, step_dir
+from rlx.engine.ppo.start import RunInputs, RunLock, StopRequest, check_run_inputs
 from rlx.engine.ppo.writer import BackgroundWriter
-from rlx.engine.records import RolloutRecord, read_prompts, write_records
+from rlx.engine.records import RolloutRecord, write_records
 from rlx.engine.rollout.base import RolloutStats, build_engine
 from rlx.engine.scoring.score import Rewards, ScoreResult, compute_rewards, informative_groups, score_rollouts
 from rlx.engine.tracking import Tracker, console, read_metrics, select_traces
-from rlx.errors import UserError
+from rlx.errors import Terminated, UserError
 from rlx.utils.device import resolve_device
+from rlx.utils.io import write_jsonl
 
 
 class PPORun:
     """One run directory: the resident actor, reference, critic and rollout engine, and the step loop."""
 
-    def __init__(self, cfg: PPOConfig, run_dir: Path, resume: bool):
+    def __init__(self, cfg: PPOConfig, run_dir: Path, resume: bool, overwrite: bool = False):
         self.cfg, self.run_dir = cfg, run_dir
         grid = cfg.megatron or Degrees()  # [megatron] holds tp_degree and pp_degree
         degrees = Degrees(sp_degree=cfg.train.sp_degree, tp_degree=grid.tp_degree, pp_degree=grid.pp_degree)
@@ -64,7 +69,19 @@ class PPORun:
             raise UserError(
                 "rollout.device and train.device must agree in `rlx ppo` (the rollout uses the trained model)"
             )
-        self.start_step, start_ckpt = prepare_run_dir(self.run_dir, to_dict(cfg), resume, self.ctx.is_main)
+        inputs = check_run_inputs(cfg, run_dir)  # before anything is written: a failed start leaves no trace
+        self.lock = RunLock.take(run_dir, self.ctx)
+        try:
+            self._start(inputs, resume, overwrite)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _start(self, inputs: RunInputs, resume: bool, overwrite: bool) -> None:
+        cfg = self.cfg
+        self.start_step, start_ckpt = prepare_run_dir(
+            self.run_dir, to_dict(cfg), resume, self.ctx.is_main, overwrite=overwrite
+        )
         meta = read_meta(start_ckpt) if start_ckpt else CheckpointMeta()
         self.data_position = meta.data_position or 0
         self.kl_coef = meta.kl_coef if meta.kl_coef is not None else cfg.score.kl_coef
@@ -81,10 +98,12 @@ class PPORun:
         }
         self.engine_stale = False  # whether the trainer changed the weights since the engine last got them
         self.writer = BackgroundWriter(enabled=cfg.background_writes)
-        self.prompts = read_prompts(cfg.data.prompts)
+        self.gc_pauses = GcPauses()
+        self.prompts, self.eval_prompts = inputs.prompts, inputs.eval_prompts
         self.score_cfg = dataclasses.replace(
             cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
         )
+        self.stop = StopRequest()
 
     def run(self) -> None:
         cfg = self.cfg
@@ -97,17 +116,21 @@ class PPORun:
             if self.ctx.is_main
             else contextlib.nullcontext()
         )
-        with tracker:
+        with tracker, self.stop.on_sigterm():
             finished = False
+
+            def log(step: int, metrics: dict, traces: list[dict]) -> None:
+                if self.ctx.is_main:
+                    tracker.log_traces(step, traces)
+                    tracker.log(step, metrics)
+
             try:
+                if cfg.eval is not None and cfg.eval.before_training and self.start_step == 0:
+                    log(0, self._evaluate(0), [])
                 for step in range(self.start_step + 1, cfg.steps + 1):
-
-                    def log(step: int, metrics: dict, traces: list[dict]) -> None:
-                        if self.ctx.is_main:
-                            tracker.log_traces(step, traces)
-                            tracker.log(step, metrics)
-
                     self.step(step, log)
+                    if step < cfg.steps and self.stop.agreed():
+                        self._stop_after(step)
                 finished = True
             finally:
                 try:
@@ -116,14 +139,43 @@ class PPORun:
                     if finished:  # after a failure the others may be inside a collective: exit, and the launcher
                         barrier()  # stops them; here every rank is done (vllm's shutdown leaves the process group)
                     self.engine.close()
+                    self.gc_pauses.close()
         if self.ctx.is_main:
-            rewards = [m.get("reward/mean") for m in read_metrics(self.run_dir / "metrics.jsonl")]
+            rewards = [m["reward/mean"] for m in read_metrics(self.run_dir / "metrics.jsonl") if "reward/mean" in m]
             window = min(5, len(rewards))
             console(
                 f"done: reward {sum(rewards[:window]) / window:.3f} (first {window} steps) -> "
                 f"{sum(rewards[-window:]) / window:.3f} (last {window}); "
                 f"final checkpoint {checkpoint_dir(self.run_dir, cfg.steps)}"
             )
+
+    def _stop_after(self, step: int) -> None:
+        """SIGTERM arrived: make sure `step` has a checkpoint, then stop (exit 143) saying how to resume."""
+        if step % self.cfg.save_every != 0:
+            self.writer.submit(self._prepare_save(step))
+        self.writer.flush()  # the checkpoint's files are complete before the message names it
+        raise Terminated(
+            f"stopped by SIGTERM after step {step}/{self.cfg.steps}; its checkpoint is "
+            f"{checkpoint_dir(self.run_dir, step)}. Continue with the same command plus --resume"
+        )
+
+    def _evaluate(self, step: int) -> dict:
+        """[eval] on the held-out prompts with the current weights (the engine is refreshed now if a train step
+        changed them, which the next rollout would otherwise do); eval.jsonl goes into step_NNNNNN/."""
+        start = time.perf_counter()
+        if self.engine_stale:
+            self.engine.wake()
+            self.engine.update_weights(self.trainer)
+            self.engine_stale = False
+        samples, metrics = evaluate(self.cfg.eval, self.engine, self.eval_prompts)
+        if self.ctx.is_main:
+            write_jsonl(step_dir(self.run_dir, step) / EVAL_FILE, (s.to_json() for s in samples))
+        metrics["timing/eval_s"] = time.perf_counter() - start
+        return metrics
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.eval.every if self.cfg.eval is not None else 0
+        return self.cfg.eval is not None and (step == self.cfg.steps or (every > 0 and step % every == 0))
 
     def step(self, step: int, log) -> None:
         """One iteration.  `log(step, metrics, trace rows)` is called once, before the step's checkpoint is
@@ -152,6 +204,8 @@ class PPORun:
         with measure_phase("train", self.device) as phase:
             metrics.update(self._train(step, result))
         metrics.update(phase)
+        if self._eval_due(step):
+            metrics.update(self._evaluate(step))
         reset_device_peak(self.device)
         save_start = time.perf_counter()
         saving = step % cfg.save_every == 0 or step == cfg.steps
@@ -159,6 +213,7 @@ class PPORun:
         now = time.perf_counter()
         metrics.update(phase_metrics("save", now - save_start, device_peak_bytes(self.device), host_rss_bytes()))
         metrics["timing/step_s"] = now - step_start
+        metrics.update(self.gc_pauses.take())
         metrics.update(self.setup_metrics)  # the first step of this process only
         self.setup_metrics = {}
         metrics.update(self._flops_metrics(rollouts, metrics))
@@ -269,9 +324,10 @@ class PPORun:
         """Gather the actor (critic nested) for the backend's layout now (every rank takes part); returns the write
         of the files, with the rotation of old checkpoints after it, for the background writer."""
         self.writer.flush()  # one checkpoint in memory at a time; a failed earlier write stops the run here
+        own_layout = layout_for_backend(self.backend.name).name
         meta = CheckpointMeta(
             step=step,
-            layout=layout_for_backend(self.backend.name).name,
+            layout=trained_layout(self.trainer, own_layout),
             data_position=self.data_position,
             optimizer=self.trainer.optimizer_meta(),
             kl_coef=self.kl_coef,
@@ -279,7 +335,12 @@ class PPORun:
         )
         nested = {}
         if self.critic is not None:
-            critic_meta = dataclasses.replace(meta, optimizer=self.critic.optimizer_meta(), kl_coef=None)
+            critic_meta = dataclasses.replace(
+                meta,
+                layout=trained_layout(self.critic, own_layout),
+                optimizer=self.critic.optimizer_meta(),
+                kl_coef=None,
+            )
             nested[CRITIC_DIR] = CheckpointPart(self.critic, self.models.critic_aux, critic_meta)
         out = checkpoint_dir(self.run_dir, step)
         write = prepare_save(out, self.trainer, self.models.aux, meta, overwrite=True, nested=nested)
@@ -292,6 +353,10 @@ class PPORun:
         return commit
 
 
-def run_ppo(cfg: PPOConfig, run_dir: Path, resume: bool = False) -> None:
-    """Run (or resume) the loop in `run_dir`."""
-    PPORun(cfg, run_dir, resume).run()
+def run_ppo(cfg: PPOConfig, run_dir: Path, resume: bool = False, overwrite: bool = False) -> None:
+    """Run (or resume, or with `overwrite` replace) the loop in `run_dir`, holding its lock throughout."""
+    run = PPORun(cfg, run_dir, resume, overwrite)
+    try:
+        run.run()
+    finally:
+        run.lock.release()

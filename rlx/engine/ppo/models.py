@@ -1,6 +1,9 @@
 """The models of a `rlx ppo` run, built through the training backend: the actor and critic trainers (from the
 recipe's model or the run's last checkpoint), the frozen reference, the reward model, and the module the rollout
-engine generates with. Nothing here names a backend or a checkpoint layout."""
+engine generates with. Nothing here names a backend or a checkpoint layout.
+
+With `[lora]` the actor trains adapters on the frozen policy and the reference is that same module with the adapters
+off (no copy); `[critic.lora]` does the same for the critic. A resumed run continues the adapters of its checkpoint."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch
 from rlx.engine.backends.base import Trainer, TrainingBackend
 from rlx.engine.checkpoints.files import aux_files
 from rlx.engine.checkpoints.loading import build_critic_files, load_initial_policy, load_model, load_processor
+from rlx.engine.checkpoints.lora_base import lora_spec
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.rollout.prompts import pad_token_id
 from rlx.engine.scoring.score import ScoringModels
@@ -44,17 +48,19 @@ class RunModels:
 def build_run_models(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None) -> RunModels:
     """The run's models at its start (`start_ckpt` None) or when resuming from `start_ckpt`."""
     train_cfg = dataclasses.replace(cfg.train, seed=cfg.seed).with_decay_length(cfg.steps)
+    copy_ref = cfg.use_ref and cfg.lora is None  # with LoRA the reference is the actor's base: no copy
     if start_ckpt is None:
         model, tokenizer, aux = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
-        ref = copy.deepcopy(model) if cfg.use_ref else None
+        spec = lora_spec(cfg.lora, cfg.model.path, cfg.model.init, cfg.seed, model)  # before adapters and shards
+        ref = copy.deepcopy(model) if copy_ref else None
         critic, critic_aux = _critic(cfg, backend, None, model, tokenizer)  # before the actor shards the model
-        actor = backend.build_trainer(model, train_cfg, "the initial policy")
+        actor = backend.build_trainer(model, train_cfg, "the initial policy", **backend.lora_options(spec, "lora"))
     else:
         source = resolve_source(start_ckpt)
         tokenizer, aux = load_tokenizer(source), aux_files(source.folder)
-        ref = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)[0] if cfg.use_ref else None
+        ref = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)[0] if copy_ref else None
         critic, critic_aux = _critic(cfg, backend, start_ckpt, None, tokenizer)
-        actor = backend.load_trainer(train_cfg, source)
+        actor = backend.load_trainer(train_cfg, source, **backend.lora_options(cfg.lora, "lora"))
         model = None
     policy_source = resolve_source(start_ckpt if start_ckpt is not None else cfg.model.path)
     processor = load_processor(policy_source, cfg.vision)
@@ -68,7 +74,7 @@ def build_run_models(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path 
         vocab_size=actor.config.get_text_config().vocab_size,
         pad_token_id=pad_token_id(tokenizer),
         actor=actor.scoring_model() if cfg.score.old_logprobs == "actor" else None,
-        ref=backend.build_reference(ref) if ref is not None else None,
+        ref=backend.build_reference(ref) if ref is not None else actor.reference_scorer() if cfg.use_ref else None,
         critic=critic.scoring_model() if critic is not None else None,
         reward_model=_reward_model(cfg, device),
         processor=processor,
@@ -83,15 +89,20 @@ def _critic(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None, p
     if cfg.critic is None:
         return None, {}
     train_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed).with_decay_length(cfg.steps)
+    lora = cfg.critic.lora
     if start_ckpt is not None:
         source = resolve_source(start_ckpt / CRITIC_DIR)
-        return backend.load_trainer(train_cfg, source), aux_files(source.folder)
+        trainer = backend.load_trainer(train_cfg, source, **backend.lora_options(lora, "critic.lora"))
+        return trainer, aux_files(source.folder)
     if cfg.critic.path:
         source = resolve_source(cfg.critic.path, "critic")
         model = load_model(source, "critic")
-        return backend.build_trainer(model, train_cfg, str(source.path)), aux_files(source.folder)
+        spec = lora_spec(lora, cfg.critic.path, "pretrained", cfg.seed, model, "critic")
+        trainer = backend.build_trainer(model, train_cfg, str(source.path), **backend.lora_options(spec, "critic.lora"))
+        return trainer, aux_files(source.folder)
     model, aux = build_critic_files(policy, tokenizer, cfg.seed)
-    return backend.build_trainer(model, train_cfg, "the new critic"), aux
+    spec = lora_spec(lora, cfg.model.path, cfg.model.init, cfg.seed, model, "critic")
+    return backend.build_trainer(model, train_cfg, "the new critic", **backend.lora_options(spec, "critic.lora")), aux
 
 
 def _reward_model(cfg: PPOConfig, device: torch.device):

@@ -35,13 +35,34 @@ def last_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     return max(found) if found else None
 
 
-def prepare_run_dir(run_dir: Path, recipe: dict, resume: bool, is_main: bool) -> tuple[int, Path | None]:
+RUN_FILES = (RECIPE_NAME, "metrics.jsonl", "traces.jsonl")
+RUN_FOLDERS = ("checkpoints", "report", "tensorboard", "wandb", "mlflow")
+
+
+def clear_run(run_dir: Path) -> None:
+    """Remove what `rlx ppo` and `rlx report` wrote in a run folder; other files in it stay."""
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    for path in [*(run_dir / name for name in RUN_FOLDERS), *run_dir.glob("step_*")]:
+        if path.is_dir():
+            shutil.rmtree(path)
+
+
+def prepare_run_dir(
+    run_dir: Path, recipe: dict, resume: bool, is_main: bool, overwrite: bool = False
+) -> tuple[int, Path | None]:
     """Check the run dir against the recipe (every rank), write it and clear a killed save's leftovers (rank 0);
-    return (last completed step, its checkpoint)."""
+    return (last completed step, its checkpoint). A folder whose run completed no step (no checkpoint: its start
+    failed) is started again, as is any run with `overwrite`."""
     recipe_path = run_dir / RECIPE_NAME
-    if recipe_path.exists() and not resume:
-        raise UserError(f"{run_dir}: already holds a run; pass --resume to continue it, or choose another --out")
-    if recipe_path.exists():
+    found = last_checkpoint(run_dir) if recipe_path.exists() else None
+    restart = recipe_path.exists() and (overwrite or found is None)
+    if recipe_path.exists() and not restart and not resume:
+        raise UserError(
+            f"{run_dir}: already holds a run (last checkpoint: step {found[0]}); pass --resume to continue it, "
+            f"--overwrite to replace it, or choose another --out"
+        )
+    if recipe_path.exists() and not restart:
         saved = json.loads(recipe_path.read_text())
         saved["steps"] = recipe["steps"]  # a resumed run may be extended
         saved["tracking"] = recipe["tracking"]  # and logged elsewhere
@@ -51,17 +72,22 @@ def prepare_run_dir(run_dir: Path, recipe: dict, resume: bool, is_main: bool) ->
                 f"{run_dir}: the recipe differs from the run's at '{key}'; "
                 "resume with the same recipe or start a new --out"
             )
-    found = last_checkpoint(run_dir) if resume else None
+    if restart:
+        found = None
     last = found[0] if found else 0
     barrier()  # every rank has read the run dir before rank 0 changes it
     if is_main:
+        if restart:
+            clear_run(run_dir)
+            why = "replacing its run (--overwrite)" if overwrite else "its earlier start completed no step"
+            console(f"{run_dir}: {why}; starting at step 1")
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json(recipe_path, recipe)
         for stale in (run_dir / "checkpoints").glob(".step_*"):  # temporaries of a killed save
             shutil.rmtree(stale, ignore_errors=True)
         truncate_metrics(run_dir / "metrics.jsonl", last)
     barrier()
-    if resume and is_main:
+    if resume and is_main and not restart:
         console(f"resuming {run_dir} after step {last}" if found else f"no checkpoint in {run_dir}; starting at step 1")
     return last, found[1] if found else None
 

@@ -26,9 +26,13 @@ from rlx.engine.parallel.dist import all_gather_objects, shard_range
 from rlx.engine.parallel.fsdp import gathered_weights
 from rlx.engine.records import PromptRecord, RolloutRecord
 from rlx.engine.rollout.config import RolloutConfig, SamplingParams
+from rlx.engine.rollout.lengths import limit_reason, model_context
 from rlx.engine.rollout.prompts import PromptEncoder, context_limit, stop_token_ids
 from rlx.engine.rollout.requests import Generated, Request, build_requests, to_record
+from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
+from rlx.models.lora import is_lora_model
+from rlx.models.lora_state import adapter_state
 from rlx.utils.device import resolve_precision
 
 
@@ -101,7 +105,11 @@ class WeightSource(Protocol):
 
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors with Hugging Face names (sharded ones gathered about `bucket_bytes` at a time: every
-        process of the launch drains the iterator together)."""
+        process of the launch drains the iterator together); with LoRA adapters, the merged weights."""
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """A LoRA policy's adapters by stable name (every process calls it together), for engines that apply them
+        on the base they hold; None for a policy of full weights."""
 
 
 class ModuleWeights:
@@ -113,6 +121,9 @@ class ModuleWeights:
 
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         return gathered_weights(self.module, bucket_bytes)
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        return adapter_state(self.module) if is_lora_model(self.module) else None
 
 
 class RolloutEngine(ABC):
@@ -129,8 +140,9 @@ class RolloutEngine(ABC):
         self.dtype = resolve_precision(cfg.precision, self.device)
         self.ctx = ctx if ctx.distributed else None
         self.stop_ids = stop_token_ids(model, tokenizer)
-        limit = context_limit(model.config, cfg.vision.max_prompt_tokens) if processor is not None else 0
-        self.encoder = PromptEncoder(tokenizer, cfg.chat_template, processor, model.config, limit)
+        config = getattr(model, "config", None)  # None: an engine holding no HF model (vllm from a folder)
+        limit = context_limit(config, cfg.vision.max_prompt_tokens) if processor is not None else 0
+        self.encoder = PromptEncoder(tokenizer, cfg.chat_template, processor, config, limit)
 
     @classmethod
     def model_dtype(cls, cfg: RolloutConfig, device: torch.device) -> torch.dtype:
@@ -157,6 +169,10 @@ class RolloutEngine(ABC):
         stats = RolloutStats(
             sum(len(g.response_ids) for g in results), time.perf_counter() - start, local.preemptions, local.steps_ahead
         )
+        if sampling.stop:
+            stops = StopStrings(self.tokenizer, sampling.stop)
+            results = [stops.cut(g) for g in results]
+            stats.tokens = sum(len(g.response_ids) for g in results)
         records = [to_record(r, g, self.tokenizer, sampling.temperature) for r, g in zip(requests, results)]
         return RolloutResult(records, stats)
 
@@ -173,8 +189,16 @@ class RolloutEngine(ABC):
             )
 
     def check_requests(self, requests: list[Request], sampling: SamplingParams) -> None:
-        """Raise a UserError for requests this engine cannot serve (before any generation)."""
-        return None  # every request fits by default
+        """Raise a UserError for requests this engine cannot serve (before any generation): by default, a prompt
+        whose length + max_new_tokens passes the model's context (commands filter or refuse such prompts up
+        front with rollout.on_long_prompt; this catches direct callers). An engine holding no HF model (vllm
+        built from a folder) checks its own limit."""
+        config = getattr(self.model, "config", None)
+        context = model_context(config) if config is not None else None
+        for r in requests:
+            reason = limit_reason(len(r.prompt_ids), self.cfg, sampling.max_new_tokens, context)
+            if reason is not None:
+                raise UserError(f"prompt {r.prompt.id!r}: {reason}")
 
     @abstractmethod
     def generate_local(self, requests: list[Request], sampling: SamplingParams, progress: bool) -> LocalGeneration:

@@ -33,6 +33,8 @@ class SamplingParams:
     """Seed of the per-sample random streams."""
     remax_baseline: bool = False
     """Also decode one greedy response per prompt (ReMax)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: a response ends where one first appears (finish_reason 'stop'; the text is cut before it)."""
 
     @property
     def train_temperature(self) -> float:
@@ -61,6 +63,15 @@ class RolloutConfig:
     """Sampling seed; each sample draws from its own stream derived from (seed, prompt id, sample index)."""
     chat_template: Literal["auto", "on", "off"] = "auto"
     """Apply the tokenizer's chat template: 'auto' when it has one, 'on' to require it, 'off' for raw text."""
+    stop: list[str] = dataclasses.field(default_factory=list)
+    """Stop strings (repeat --stop): a response ends at the first one it contains, with finish_reason 'stop'; the
+    response text ends before the stop string, response_ids keep every sampled token up to the one completing it."""
+    max_prompt_length: int = 0
+    """Longest prompt in tokens (chat template applied); longer ones are handled by on_long_prompt (0 = no limit).
+    Prompt + max_new_tokens is always checked against the model's context (max_position_embeddings)."""
+    on_long_prompt: Literal["error", "filter"] = "error"
+    """A prompt over max_prompt_length or the model's context: 'error' stops before any generation naming it and
+    the count; 'filter' leaves such prompts out of the file (the count is printed)."""
     remax_baseline: bool = False
     """Also decode one greedy response per prompt (marked is_greedy_baseline): ReMax's reward baseline."""
     batch_size: int = 64
@@ -108,6 +119,10 @@ class RolloutConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     """Vision-language models: image sizes and the prompt token limit (options --min-pixels, --max-pixels,
     --max-prompt-tokens; `rlx ppo` takes them from the recipe's [vision] table)."""
+    lora_rollout: Literal["merged", "adapters"] = "merged"
+    """native with a LoRA policy: 'merged' decodes with a plain copy holding the base with the adapters merged in
+    (W + alpha/r B A), refreshed in place before each rollout; 'adapters' decodes with the adapters applied in the
+    forward (PEFT's layers: two extra low-rank matmuls per adapted layer, no copy unless FSDP-sharded)."""
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -134,12 +149,16 @@ class RolloutConfig:
         check(self.block_size >= 1, "block_size", f"must be at least 1, got {self.block_size}")
         check(self.max_num_seqs >= 1, "max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
         check(self.max_prefill_tokens >= 1, "max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
+        check(self.max_prompt_length >= 0, "max_prompt_length", f"must be >= 0, got {self.max_prompt_length}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(self.sync_bucket_mib >= 1, "sync_bucket_mib", f"must be at least 1, got {self.sync_bucket_mib}")
 
     def sampling(self, **changes) -> SamplingParams:
         """This config's sampling settings (with `changes`, e.g. the step's seed)."""
         names = {f.name for f in dataclasses.fields(SamplingParams)}
-        return SamplingParams(**{**{k: getattr(self, k) for k in names}, **changes})
+        values = {**{k: getattr(self, k) for k in names}, **changes}
+        values["stop"] = tuple(values["stop"])
+        return SamplingParams(**values)
 
     @property
     def train_temperature(self) -> float:

@@ -20,6 +20,7 @@ from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.prompts import pad_token_id
 from rlx.engine.rollout.requests import Generated, Request
 from rlx.engine.rollout.sampling import draw_tokens, filter_logits, sample_uniforms
+from rlx.engine.rollout.stops import StopStrings
 from rlx.models.attention import PACKED_ATTENTION, attention_implementation
 from rlx.models.vision.families import family_of, is_vision_config
 from rlx.models.vision.inputs import VisionInputs
@@ -109,6 +110,7 @@ class HFRolloutEngine(RolloutEngine):
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         greedy = greedy.to(self.device)
         tokens, logprobs = [], []
+        stops = StopStrings(self.tokenizer, cfg.stop) if cfg.stop else None
         with autocast(self.device, self.dtype):
             out = self.model(**inputs, use_cache=True)
         # the next token's position: one past the prompt's largest (an image's rows and columns may exceed its
@@ -128,6 +130,8 @@ class HFRolloutEngine(RolloutEngine):
             tokens.append(token)
             logprobs.append(token_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1))
             done = done | torch.isin(token, stop)
+            if stops is not None:  # stop strings: decode each running row's tail (the text needs the host)
+                done = done | self._stop_string_hits(stops, tokens, done)
             if self._all_done(done) or step == cfg.max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
@@ -140,7 +144,14 @@ class HFRolloutEngine(RolloutEngine):
                     past_key_values=out.past_key_values,
                     use_cache=True,
                 )
-        return self._unpack(torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).float().cpu())
+        generated = self._unpack(torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).float().cpu())
+        return [stops.cut(g) for g in generated] if stops is not None else generated  # drop the padding after
+
+    def _stop_string_hits(self, stops: StopStrings, tokens: list[torch.Tensor], done: torch.Tensor) -> torch.Tensor:
+        """[b] bool: rows not yet done whose response so far contains a stop string."""
+        recent = torch.stack(tokens[-stops.window :], 1).tolist()
+        hits = [not was_done and stops.hit(row) for row, was_done in zip(recent, done.tolist())]
+        return torch.tensor(hits, device=self.device)
 
     def _all_done(self, done: torch.Tensor) -> bool:
         """Whether every row has stopped, on every rank (ranks decode in lockstep under a launcher)."""

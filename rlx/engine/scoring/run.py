@@ -13,12 +13,25 @@ from rlx.engine.parallel.dist import context, setup
 from rlx.engine.records import read_rollouts, write_records
 from rlx.engine.rollout.prompts import pad_token_id
 from rlx.engine.scoring.config import ScoreConfig
+from rlx.engine.scoring.reference import shared_reference
 from rlx.engine.scoring.score import ScoringModels, check_token_ids, score_rollouts
 from rlx.engine.tracking import console, log_metrics
 from rlx.errors import UserError
 from rlx.models.loading import load_config, load_tokenizer, resolve_source
 from rlx.utils.device import resolve_precision
-from rlx.utils.io import join
+from rlx.utils.files import check_writable
+from rlx.utils.io import exists, is_remote, join, local
+
+
+def check_output_folder(out: str, names: tuple[str, ...], overwrite: bool) -> None:
+    """Refuse, before any work, an output folder that is a file, already holds one of `names` (without
+    --overwrite), or cannot be written."""
+    if not is_remote(out) and local(out).exists() and not local(out).is_dir():
+        raise UserError(f"--out {out}: is a file; expected a folder for {' and '.join(names)}")
+    taken = [str(join(out, n)) for n in names if exists(join(out, n))]
+    if taken and not overwrite:
+        raise UserError(f"{taken[0]}: already exists (choose another --out or pass --overwrite)")
+    check_writable(join(out, names[0]))
 
 
 def rollout_temperature(rollouts, override: float | None, where: str) -> float:
@@ -39,7 +52,8 @@ def rollout_temperature(rollouts, override: float | None, where: str) -> float:
 
 def load_scoring_models(cfg: ScoreConfig, actor: str, ref: str | None, critic: str | None) -> ScoringModels:
     """The models `rlx score` needs; each runs on the backend that holds its checkpoint's layout (falling back to
-    the merged Hugging Face model where that backend cannot run here)."""
+    the merged Hugging Face model where that backend cannot run here). A LoRA actor's base as the reference is the
+    actor's own module with its adapters off (scoring/reference.py)."""
     from rlx.models.reward_model import RewardModel
 
     ctx = setup(cfg.device)
@@ -59,7 +73,8 @@ def load_scoring_models(cfg: ScoreConfig, actor: str, ref: str | None, critic: s
         vocab = load_config(ref_source).get_text_config().vocab_size
         if vocab != models.vocab_size:
             raise UserError(f"--ref {ref}: vocabulary of {vocab} tokens, but the actor has {models.vocab_size}")
-        models.ref = _load(ref_source, "actor", cfg, ctx.world)
+        shared = shared_reference(models.actor, ref_source.path, actor_source.path)
+        models.ref = shared or _load(ref_source, "actor", cfg, ctx.world)
     if critic:
         models.critic = _load(resolve_source(critic, "critic"), "critic", cfg, ctx.world)
     if cfg.reward_model:
@@ -83,8 +98,10 @@ def run_score(
     critic: str | None = None,
     temperature: float | None = None,
     metrics_path: Path | None = None,
+    overwrite: bool = False,
 ) -> None:
     start = time.perf_counter()
+    check_output_folder(out, ("scores.jsonl", "batch.safetensors"), overwrite)
     rollouts = read_rollouts(rollouts_path)
     models = load_scoring_models(cfg, actor, ref, critic)
     check_token_ids(rollouts, models.vocab_size, rollouts_path)
@@ -100,7 +117,9 @@ def run_score(
     write_records(join(out, "scores.jsonl"), result.scores)
     step = read_meta_or_default(resolve_source(actor).path).step + 1
     log_metrics(metrics_path, step, {**result.metrics, "timing/score_s": time.perf_counter() - start})
+    errors = int(result.metrics.get("reward/num_errors", 0))
     console(
         f"rlx score: {len(rollouts)} samples, reward mean {result.metrics['reward/mean']:.3f} "
-        f"-> {join(out, 'scores.jsonl')}, {join(out, 'batch.safetensors')}"
+        + (f"({errors} reward errors, scored 0) " if errors else "")
+        + f"-> {join(out, 'scores.jsonl')}, {join(out, 'batch.safetensors')}"
     )

@@ -100,6 +100,7 @@ def compute_rewards(rollouts: list[RolloutRecord], cfg: ScoreConfig, reward_mode
                 f"(pass --on-reward-error zero to score such samples 0 and count them)"
             )
         scores.append(result.score), details.append(result.details), errors.append(result.error)
+    check_error_fraction(rollouts, errors, cfg.max_reward_error_fraction)
     out = Rewards(torch.tensor(scores, dtype=torch.float32), details, errors)
     if reward_model is not None:
         rm = reward_model.score([(r.prompt, r.response) for r in rollouts], cfg.micro_batch_size)
@@ -116,6 +117,19 @@ def compute_rewards(rollouts: list[RolloutRecord], cfg: ScoreConfig, reward_mode
             out.scores[i] += penalty
             out.details[i]["overlong"] = {"score": penalty}
     return out
+
+
+def check_error_fraction(rollouts: list[RolloutRecord], errors: list[str | None], limit: float) -> None:
+    """Stop when more than `limit` of the samples' reward functions failed (scored 0 by on_reward_error 'zero'):
+    a reward that is mostly broken would otherwise train on zeros and look like a bad policy."""
+    failed = [i for i, e in enumerate(errors) if e is not None]
+    if failed and len(failed) > limit * len(errors):
+        first = failed[0]
+        raise UserError(
+            f"{len(failed)} of {len(errors)} samples' reward functions failed, more than max_reward_error_fraction "
+            f"{limit:g} (first: sample {rollouts[first].id!r}: {errors[first]}); fix the reward function or raise "
+            f"--max-reward-error-fraction"
+        )
 
 
 def informative_groups(group_ids: list[str], scores: torch.Tensor) -> list[int]:

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rlx.engine.training.config import TrainConfig
 from rlx.errors import UserError
+from rlx.models.lora import hf_name
 
 _SEP = "::"
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -49,13 +50,14 @@ def load_optimizer_tensors(
 ) -> None:
     """Restore state written by `optimizer_tensors` (every rank passes the full tensors); unknown
     parameter names are an error."""
-    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    names = {**{hf_name(n): n for n in trainable}, **{n: n for n in trainable}}  # LoRA files use the stable names
     state: dict[str, dict] = {}
     for key, value in tensors.items():
         name, _, field = key.rpartition(_SEP)
         if name not in names:
             raise UserError(f"{where}: optimizer state for unknown parameter {name!r}")
-        state.setdefault(name, {})[field] = value
+        state.setdefault(names[name], {})[field] = value
     params = [n for n, p in model.named_parameters() if p.requires_grad]
     groups = [{**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}, "params": params}]
     set_optimizer_state_dict(

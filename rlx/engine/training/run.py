@@ -1,7 +1,8 @@
 """The train-step stage as `rlx train-step` runs it: checkpoint + batch -> next checkpoint + metrics.
 
 The checkpoint's layout names the backend that trains it in place (checkpoints/registry.py, backends/registry.py);
-the next checkpoint is written in the same layout.
+the next checkpoint is written in the same layout, or in the LoRA layout when the trainer trains adapters (a LoRA
+checkpoint, or `lora` settings on a checkpoint of full weights).
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from rlx.engine.batch import TrainBatch
 from rlx.engine.checkpoints.files import aux_files
 from rlx.engine.checkpoints.loading import load_processor
 from rlx.engine.checkpoints.meta import CheckpointMeta, is_checkpoint, provenance
-from rlx.engine.checkpoints.registry import check_complete, save
+from rlx.engine.checkpoints.registry import check_complete, save, trained_layout
 from rlx.engine.parallel.dist import barrier
 from rlx.engine.tracking import console, log_metrics
 from rlx.engine.training.config import TrainConfig
 from rlx.errors import UserError
 from rlx.models.loading import load_config, resolve_source
+from rlx.models.lora_config import LoraConfig
 from rlx.models.value import check_value_config, is_value_config
+from rlx.utils.files import check_writable
 from rlx.utils.io import exists
 
 
@@ -30,6 +33,7 @@ def run_train_step(
     out: str,
     overwrite: bool = False,
     metrics_path: Path | None = None,
+    lora: LoraConfig | None = None,
 ) -> dict:
     if cfg.lr_schedule != "constant" and not cfg.lr_decay_steps:
         raise UserError(
@@ -43,6 +47,7 @@ def run_train_step(
         )
     if exists(out) and not overwrite:
         raise UserError(f"{out}: already exists (choose another --out or pass --overwrite)")
+    check_writable(out)
     meta = check_complete(source.path) if is_checkpoint(source.path) else CheckpointMeta()
     config = load_config(source)  # the role is checked before any process group is set up
     if cfg.role == "critic":
@@ -52,12 +57,12 @@ def run_train_step(
     # a vision-language model's processor reloads the batch's images (unless it stores their pixels)
     batch = TrainBatch.load(batch_path, load_processor(source, cfg.vision, config))
     backend = backend_for_checkpoint(meta).setup(cfg.device, checkpoint_degrees(meta, cfg.sp_degree))
-    trainer = backend.load_trainer(cfg, source)
+    trainer = backend.load_trainer(cfg, source, **backend.lora_options(lora, "--lora-rank"))
     trainer.check_batch(batch, batch_path)
     metrics = trainer.train_step(batch, meta.step)
     next_meta = CheckpointMeta(
         step=meta.step + 1,
-        layout=meta.layout,
+        layout=trained_layout(trainer, meta.layout),
         tp_degree=meta.tp_degree,
         pp_degree=meta.pp_degree,
         data_position=meta.data_position,

@@ -23,11 +23,13 @@ from tqdm import tqdm
 from rlx.engine.algorithms.losses import LossNorm
 from rlx.engine.batch import TrainBatch
 from rlx.engine.checkpoints.base import LocalState
+from rlx.engine.checkpoints.lora_base import LoraSpec
 from rlx.engine.logprobs import ModuleScorer, PackedRows
 from rlx.engine.parallel.apply import ParallelPlan, apply_parallelism
 from rlx.engine.parallel.batching import balanced_partition, count_micro_batches, token_budget_micro_batches
 from rlx.engine.parallel.dist import DistContext, all_reduce
 from rlx.engine.parallel.fsdp import activation_offload, full_tensor, gathered_weights, model_weights
+from rlx.engine.scoring.reference import BaseModelScorer
 from rlx.engine.training.config import TrainConfig
 from rlx.engine.training.optim import (
     build_adamw,
@@ -37,7 +39,10 @@ from rlx.engine.training.optim import (
     sharded_optimizer_state,
 )
 from rlx.errors import UserError
+from rlx.models import lora_state
 from rlx.models.loading import tied_keys
+from rlx.models.lora import apply_lora, is_lora_model
+from rlx.models.lora_merge import iter_merged_weights, merged_weights
 from rlx.models.vision.families import freeze_vision_tower, is_vision_config
 from rlx.models.vision.packing import VisionRow
 from rlx.utils.device import derive_seed
@@ -50,7 +55,12 @@ def row_tokens(batch: TrainBatch) -> list[int]:
 
 
 class Trainer:
-    """A model on its device (FSDP-sharded under a launcher) with AdamW; subclasses define the loss."""
+    """A model on its device (FSDP-sharded under a launcher) with AdamW; subclasses define the loss.
+
+    With `lora` (LoRA) the model trains adapters on a frozen base: the adapters are put in first (unless the model
+    already has them, e.g. from a LoRA checkpoint), the base is frozen in the compute dtype, and only the adapters
+    (and a critic's head) get gradients and AdamW state. Checkpoints then hold the adapters (`adapter_state`), the
+    full weights are the merged ones, and the base with the adapters off is the reference (`reference_scorer`)."""
 
     role = "model"
     loss_keys: tuple[str, ...] = ()
@@ -63,11 +73,15 @@ class Trainer:
         device: torch.device,
         dtype: torch.dtype,
         ctx: DistContext | None = None,
+        lora: LoraSpec | None = None,
     ):
         self.cfg, self.device = cfg, device
         self.ctx = ctx or DistContext(device=device)
         if is_vision_config(model.config):  # before the optimizer and FSDP see which parameters train
             freeze_vision_tower(model, cfg.vision.freeze_vision_tower)
+        self.lora = lora
+        if lora is not None and not is_lora_model(model):
+            apply_lora(model, lora.config, dtype, seed=cfg.seed)
         plan = ParallelPlan(
             packed_attention=cfg.use_packing,
             compile=cfg.compile,
@@ -104,7 +118,15 @@ class Trainer:
         return self.model
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        return model_weights(self.model)
+        if self.lora is None:
+            return model_weights(self.model)
+        weights = merged_weights(self.model)  # gathered on every rank: hand them over on the main one
+        return weights if self.is_main else {}
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """The adapters (and a critic's head) by stable name, float32 on the CPU, on every rank (a collective);
+        None for a model trained in full."""
+        return lora_state.adapter_state(self.model) if self.lora is not None else None
 
     def full_optimizer_state(self) -> dict[str, torch.Tensor]:
         return self.optimizer_state()
@@ -112,8 +134,8 @@ class Trainer:
     def snapshot_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(full weights, full optimizer state) as host copies that later updates leave alone; a collective.
         Unsharded on CUDA they are still being copied off the device when this returns (rlx.utils.host_copy)."""
-        if self.world > 1:
-            return self.full_weights(), self.full_optimizer_state()  # gathered: fresh copies already
+        if self.world > 1 or self.lora is not None:  # gathered (or merged): fresh copies already
+            return self.full_weights(), self.full_optimizer_state()
         weights = model_weights(self.model, offload=False)
         optimizer = optimizer_tensors(self.model, self.optimizer, offload=False)
         return snapshot(weights, f"{self.role}/weights"), snapshot(optimizer, f"{self.role}/optimizer")
@@ -125,11 +147,19 @@ class Trainer:
         return LocalState("dtensor", weights, sharded_optimizer_state(self.model, self.optimizer))
 
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full weights with Hugging Face names (with adapters: merged, one tensor gathered at a time)."""
+        if self.lora is not None:
+            return iter_merged_weights(self.model)
         return gathered_weights(self.model, bucket_bytes)
 
     def scoring_model(self) -> ModuleScorer:
         """The trained module as scoring uses it (old logprobs or values; no copy)."""
         return ModuleScorer(self.model, self.ctx)
+
+    def reference_scorer(self) -> BaseModelScorer | None:
+        """With adapters, the frozen base as a scorer (the same module, adapters off): the reference policy
+        without a second copy; None for a model trained in full."""
+        return BaseModelScorer(self.model, self.ctx) if self.lora is not None else None
 
     def load_optimizer_state(self, tensors: dict[str, torch.Tensor] | None, where: str) -> None:
         if tensors:

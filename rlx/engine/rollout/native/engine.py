@@ -31,14 +31,16 @@ from tqdm import tqdm
 from rlx.engine.rollout.base import LocalGeneration, RolloutEngine, WeightSource, copy_weights
 from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.native.blocks import BlockManager, Sequence, Status
-from rlx.engine.rollout.native.replica import build_replica, fill_replica, is_sharded
+from rlx.engine.rollout.native.replica import build_replica, fill_merged_replica, fill_replica, is_sharded
 from rlx.engine.rollout.native.runner import ModelRunner
 from rlx.engine.rollout.native.sampler import Launched, StepSampler
 from rlx.engine.rollout.native.scheduler import Scheduler
 from rlx.engine.rollout.native.vision import NativeImages
 from rlx.engine.rollout.requests import Generated, Request
 from rlx.engine.rollout.sampling import sample_uniforms
+from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
+from rlx.models.lora import is_lora_model
 from rlx.models.vision.families import is_vision_config
 from rlx.utils.device import resolve_precision
 
@@ -56,11 +58,15 @@ class NativeRolloutEngine(RolloutEngine):
     def __init__(self, model, tokenizer, cfg, ctx, processor=None):
         super().__init__(model.to(ctx.device), tokenizer, cfg, ctx, processor)
         self.sharded = is_sharded(self.model)
-        # a replica in the rollout dtype (bf16 on GPUs) when the model is sharded or holds other weights (a trainer's
-        # float32 master weights): filled in place after each update, so the decode graphs keep pointing at it
-        self.use_replica = self.sharded or _param_dtype(self.model) != self.dtype
+        # a LoRA policy: decode with a plain replica of the merged weights, or with the adapters (rollout.lora_rollout)
+        self.merges = is_lora_model(self.model) and cfg.lora_rollout == "merged"
+        # a replica in the rollout dtype (bf16 on GPUs) when the model is sharded, holds other weights (a trainer's
+        # float32 master weights) or is merged: filled in place after each update, so the decode graphs keep
+        # pointing at it
+        self.use_replica = self.sharded or self.merges or _param_dtype(self.model) != self.dtype
         self._replica: torch.nn.Module | None = None
         self._replica_fresh = False
+        self._replica_filled = False  # a merged replica holds the frozen weights (written once)
         self.block_size = cfg.block_size
         self._runner: ModelRunner | None = None
         self._capped = False  # whether the cache was cut to the memory budget (then reused whatever it holds)
@@ -109,15 +115,20 @@ class NativeRolloutEngine(RolloutEngine):
                 torch.cuda.empty_cache()
 
     def _generating_module(self) -> torch.nn.Module:
-        """The model itself, or its replica in the rollout dtype, filled with the current weights when they changed
-        (a collective for a sharded model: every rank calls it)."""
+        """The model itself, or its replica in the rollout dtype (a merged LoRA one: the adapters merged in), filled
+        with the current weights when they changed (a collective for a sharded model: every rank calls it)."""
         if not self.use_replica:
             return self.model
         if self._replica is None:
-            self._replica = build_replica(self.model, self.device, self.dtype)
+            adapters = is_lora_model(self.model) and not self.merges
+            self._replica = build_replica(self.model, self.device, self.dtype, adapters)
+            self._replica_filled = False
         if not self._replica_fresh:
-            fill_replica(self._replica, self.model)
-            self._replica_fresh = True
+            if self.merges:
+                fill_merged_replica(self._replica, self.model, include_frozen=not self._replica_filled)
+            else:
+                fill_replica(self._replica, self.model)
+            self._replica_fresh = self._replica_filled = True
             self.replica_fills += 1
         return self._replica
 
@@ -169,6 +180,7 @@ class NativeRolloutEngine(RolloutEngine):
         show = progress and (self.ctx is None or self.ctx.is_main)
         bar = tqdm(total=len(seqs), desc="rollout", unit="seq", disable=None if show else True, leave=False)
         self._num_ahead = 0
+        self._stops = StopStrings(self.tokenizer, sampling.stop) if sampling.stop else None
         try:
             sampler = StepSampler(uniforms, sampling, self.cfg.max_num_seqs, self.device)
             self._run_steps(runner, scheduler, sampler, bar)
@@ -245,8 +257,9 @@ class NativeRolloutEngine(RolloutEngine):
             seq.num_computed = len(seq)
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
-            if token in self.stop_ids or len(seq.output_ids) >= seq.max_tokens:
-                scheduler.finish(seq, "stop" if token in self.stop_ids else "length")
+            stopped = token in self.stop_ids or (self._stops is not None and self._stops.hit(seq.output_ids))
+            if stopped or len(seq.output_ids) >= seq.max_tokens:
+                scheduler.finish(seq, "stop" if stopped else "length")
                 finished += 1
         return finished
 

@@ -1,4 +1,4 @@
-"""A full copy of an FSDP-sharded policy for the native engine to generate with.
+"""A full copy of an FSDP-sharded policy (or of a LoRA policy, merged) for the native engine to generate with.
 
 The decode loop runs each rank's own sequences at its own pace, which FSDP's per-layer all-gathers (every
 rank in every forward) cannot follow. So before a rollout every rank gathers the shards, one parameter at a
@@ -6,6 +6,10 @@ time, into a replica of the model in the rollout dtype: built once on the meta d
 filled in place before each `generate` (the decode CUDA graphs keep pointing at the same storage), and freed
 by the engine's `sleep()` so the trainer gets the memory back. Peak extra memory: the replica plus one
 gathered parameter in float32.
+
+A LoRA policy (PEFT layers, rlx.models.lora) gets either a plain replica holding the merged weights
+(W + alpha/r B A, computed in float32 and rounded once; after the first fill only the adapted weights and a
+trained head are refreshed) or, FSDP-sharded, a replica with the same adapters, filled tensor by tensor.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import copy
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from rlx.models.lora import ADAPTER, hf_name, import_peft, is_adapter_param, lora_layers, trained_parameters
+from rlx.models.lora_merge import merged_weight
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -28,12 +35,18 @@ def _unsharded_class(model: torch.nn.Module) -> type:
     return next(c for c in type(model).__mro__ if c.__name__ == name and not issubclass(c, FSDPModule))
 
 
-def build_replica(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def build_replica(
+    model: torch.nn.Module, device: torch.device, dtype: torch.dtype, adapters: bool = False
+) -> torch.nn.Module:
     """An empty unsharded model of `model`'s class and config on `device` in `dtype`, its buffers (rotary
-    frequencies and the like, never sharded) copied from `model`; `fill_replica` writes the weights."""
+    frequencies and the like, never sharded) copied from `model`; `fill_replica` writes the weights. With
+    `adapters`, it gets `model`'s LoRA adapters too (same names and shapes, in `dtype`)."""
     config = copy.deepcopy(model.config)
     with torch.device("meta"):
         replica = _unsharded_class(model)(config)
+        if adapters:
+            peft_config = copy.deepcopy(model.peft_config[ADAPTER])
+            import_peft().inject_adapter_in_model(peft_config, replica, adapter_name=ADAPTER)
     replica = replica.to(dtype=dtype).to_empty(device=device)
     replica.tie_weights()  # to_empty makes new tensors: a tied head would be a separate one
     with torch.no_grad():
@@ -42,17 +55,49 @@ def build_replica(model: torch.nn.Module, device: torch.device, dtype: torch.dty
     return replica.eval().requires_grad_(False)
 
 
+def _gathered(param: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A parameter's full value (all-gathered when it is an FSDP shard: a collective)."""
+    if not isinstance(param, DTensor):
+        return param.detach()
+    # the shard on the replica's device first: with CPU offload it lives on the host, and NCCL gathers only
+    # device memory
+    local = param.to_local().to(device)
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    ).full_tensor()
+
+
 @torch.no_grad()
 def fill_replica(replica: torch.nn.Module, model: torch.nn.Module) -> None:
     """Copy `model`'s current weights into `replica` (a collective: every rank of the shards' mesh calls it,
     with the same model)."""
     params = dict(replica.named_parameters())
     for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
-            # the shard on the replica's device first: with CPU offload it lives on the host, and NCCL gathers
-            # only device memory
-            local = param.to_local().to(params[name].device)
-            param = DTensor.from_local(
-                local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-            ).full_tensor()
-        params[name].copy_(param)
+        params[name].copy_(_gathered(param, params[name].device))
+
+
+@torch.no_grad()
+def fill_merged_replica(replica: torch.nn.Module, model: torch.nn.Module, include_frozen: bool = True) -> int:
+    """Copy LoRA `model`'s weights with the adapters merged into the plain `replica` (Hugging Face names); without
+    `include_frozen` only what training changes (adapted weights, a critic's head). A collective when sharded.
+    Returns the number of tensors copied."""
+    params = dict(replica.named_parameters())
+    layers = {f"{name}.base_layer.weight": layer for name, layer in lora_layers(model).items()}
+    trained, count = trained_parameters(model), 0
+    for name, param in model.named_parameters():
+        if is_adapter_param(name):
+            continue  # they go in with their base weight
+        target = params.get(hf_name(name))
+        if target is None:
+            raise ValueError(f"{type(replica).__name__} has no parameter {hf_name(name)} to fill")
+        if name in layers:
+            layer = layers[name]
+            a, b = (_gathered(m[ADAPTER].weight, target.device) for m in (layer.lora_A, layer.lora_B))
+            value = merged_weight(_gathered(param, target.device), a, b, layer.scaling[ADAPTER], layer.fan_in_fan_out)
+        elif include_frozen or name in trained:
+            value = _gathered(param, target.device)
+        else:
+            continue
+        target.copy_(value)
+        count += 1
+    return count
