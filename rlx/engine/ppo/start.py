@@ -61,7 +61,7 @@ def check_run_inputs(cfg: PPOConfig, run_dir: Path) -> RunInputs:
             weight_files(source.path)
     context = model_context(config)
     prompts = read_prompts(cfg.data.prompts)
-    prompts = limit_prompts(prompts, tokenizer, cfg.rollout, context, cfg.data.prompts)
+    prompts = limit_prompts(prompts, tokenizer, cfg.rollout, context, cfg.data.prompts, config=config)
     check_window(cfg.data.prompts_per_step, len(prompts), cfg.data.prompts, "data.prompts_per_step")
     check_rewards(cfg.score.reward, prompts, cfg.score.reward_model)
     eval_prompts = None

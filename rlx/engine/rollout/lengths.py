@@ -10,6 +10,7 @@ from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.rollout.prompts import encode_prompt
 from rlx.engine.tracking import console
 from rlx.errors import UserError
+from rlx.models.vision.families import family_for_prompt
 
 
 def model_context(config) -> int | None:
@@ -39,14 +40,19 @@ def limit_prompts(
     context: int | None,
     where: str,
     max_new_tokens: int | None = None,
+    config=None,
 ) -> list[PromptRecord]:
     """`records` whose encoded prompt fits the limits; the others raise a UserError (on_long_prompt 'error')
-    or are left out, counted on the console ('filter'). `max_new_tokens` defaults to cfg's."""
+    or are left out, counted on the console ('filter'). `max_new_tokens` defaults to cfg's. With the model's
+    `config`, image parts given to a text-only model are an error naming the prompt (a vision-language prompt's
+    image tokens are counted later, by the engine, against its context)."""
     max_new_tokens = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
     if not cfg.max_prompt_length and context is None:
         return records
     kept, dropped = [], []
     for record in records:
+        if config is not None:
+            family_for_prompt(config, record.prompt, record.id)
         reason = limit_reason(len(encode_prompt(tokenizer, record, cfg.chat_template)), cfg, max_new_tokens, context)
         (kept if reason is None else dropped).append((record, reason))
     if not dropped:
