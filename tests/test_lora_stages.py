@@ -26,6 +26,7 @@ from rlx.engine.ppo.loop import run_ppo
 from rlx.engine.records import PromptRecord
 from rlx.engine.rollout.base import ModuleWeights
 from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.requests import TokenRequest
 from rlx.models.loading import ModelSource, read_safetensors, read_weights
 from rlx.models.lora import apply_lora
 from rlx.models.lora_config import LoraConfig
@@ -411,6 +412,9 @@ def test_vllm_generates_with_the_adapters_and_syncs_only_them(tmp_path):
         for _ in range(2):  # the initial adapters, then new ones pushed alone
             expected = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
             assert [r.response_ids for r in generate(engine, PROMPTS, cfg)] == [r.response_ids for r in expected]
+            requests = [TokenRequest(r.id, r.prompt_ids, cfg.max_new_tokens) for r in expected]
+            streamed = engine.generate_tokens(requests, cfg.sampling())  # the token stream (multi-turn) too
+            assert [g.response_ids for g in streamed] == [r.response_ids for r in expected]
             with torch.no_grad():
                 for name, param in model.named_parameters():
                     if ".lora_B." in name:

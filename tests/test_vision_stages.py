@@ -278,6 +278,13 @@ def test_multi_turn_rollouts_refuse_images(vlm, tmp_path):
                        "--env", f"{env}:Env")  # fmt: skip
     assert "prompt 'shapes-0' has image parts: multi-turn rollouts do not take images yet" in message
     assert not (tmp_path / "r.jsonl").exists()
+    from rlx.engine.agent.generate import generate_multi_turn  # what `rlx ppo` runs: refused before any engine use
+    from rlx.engine.records import read_prompts
+    from rlx.errors import UserError
+
+    cfg = RolloutConfig(env=f"{env}:Env")
+    with pytest.raises(UserError, match="prompt 'shapes-0' has image parts: multi-turn rollouts do not take images"):
+        generate_multi_turn(None, None, read_prompts(vlm["prompts"]), cfg, cfg.sampling())
 
 
 @pytest.mark.slow  # two torchruns of 2 processes: ~60 s on 2 CPU cores

@@ -14,6 +14,8 @@ from rlx.engine.parallel.dist import all_gather_objects, shard_range
 from rlx.engine.records import PromptRecord, RolloutRecord
 from rlx.engine.rollout.base import RolloutEngine, RolloutResult, RolloutStats
 from rlx.engine.rollout.config import RolloutConfig, SamplingParams
+from rlx.errors import UserError
+from rlx.models.vision.images import image_refs
 
 _SUMMED = (
     "rollout/tokens",
@@ -31,6 +33,7 @@ def generate_multi_turn(
 ) -> RolloutResult:
     """`sampling.n` episodes of `cfg.env` (or runs of the agent `cfg.agent`) per prompt, in prompt order then
     sample order, on every process; the stats hold the multi-turn metrics."""
+    refuse_images(prompts)
     ctx = engine.ctx
     mine = shard_range(len(prompts), ctx.rank, ctx.world) if ctx else range(len(prompts))
     local = [prompts[i] for i in mine]
@@ -45,6 +48,13 @@ def generate_multi_turn(
     seconds = stats.pop("timing/generate_s", 0.0)
     tokens = int(stats.pop("rollout/tokens", sum(sum(r.loss_mask) for r in records)))
     return RolloutResult(records, RolloutStats(tokens, seconds, extra=stats))
+
+
+def refuse_images(prompts: list[PromptRecord]) -> None:
+    """Multi-turn rollouts take text prompts only: a UserError naming the first prompt with image parts."""
+    with_images = next((r for r in prompts if image_refs(r.prompt, r.id)), None)
+    if with_images is not None:
+        raise UserError(f"prompt {with_images.id!r} has image parts: multi-turn rollouts do not take images yet")
 
 
 def merge_stats(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:

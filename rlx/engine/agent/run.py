@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlx.engine.agent.generate import generate_multi_turn
+from rlx.engine.agent.generate import generate_multi_turn, refuse_images
 from rlx.engine.checkpoints.loading import load_model
 from rlx.engine.checkpoints.registry import read_meta_or_default
 from rlx.engine.parallel.dist import setup
@@ -13,9 +13,7 @@ from rlx.engine.rollout.base import build_engine
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.rollout.registry import engine_class
 from rlx.engine.tracking import console, log_metrics
-from rlx.errors import UserError
 from rlx.models.loading import load_tokenizer, resolve_source
-from rlx.models.vision.images import image_refs
 
 
 def run_multi_turn_rollout(
@@ -23,9 +21,7 @@ def run_multi_turn_rollout(
 ) -> dict[str, float]:
     """Episodes of `cfg.env`, or runs of the served `cfg.agent`, for the prompt records; writes rollouts.jsonl
     (rank 0 under a launcher) and returns the metrics."""
-    with_images = next((r for r in records if image_refs(r.prompt, r.id)), None)
-    if with_images is not None:
-        raise UserError(f"prompt {with_images.id!r} has image parts: multi-turn rollouts do not take images yet")
+    refuse_images(records)  # before the model loads
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
     ctx = setup(cfg.device)

@@ -339,7 +339,8 @@ class VLLMStream(TokenStream):
         request_id = f"rlx-{self.count}"
         self.count += 1
         params = self.engine.params(request.key, request.max_new_tokens, request.greedy, self.sampling)
-        self.core.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params)
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+        self.core.add_request(request_id, prompt, params, lora_request=self.engine.lora_request)
         self.tags[request_id] = tag
 
     @property
