@@ -113,7 +113,7 @@ def test_shell_pipeline_equals_the_driver(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 3])  # two seeds: each run is ~35 s of CI time
 def test_quickstart_learns_for_any_seed(tmp_path, seed):
     run = tmp_path / "run"
     run_ppo(load_recipe(QUICKSTART, [f"seed={seed}"]), run)

@@ -8,8 +8,11 @@ import builtins
 import contextlib
 import importlib.util
 import io
+import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -32,6 +35,15 @@ def generate(*args: str) -> tuple[int, str]:
         except SystemExit as e:
             return int(e.code or 0), stderr.getvalue()
     return 0, stderr.getvalue()
+
+
+def long_context_copy(model: Path, out: Path) -> Path:
+    """`model` with room for reasoning-gym's long prompts (rotary positions: no weight depends on the limit)."""
+    shutil.copytree(model, out)
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (out / "config.json").write_text(json.dumps(config))
+    return out
 
 
 @needs_rg
@@ -58,16 +70,15 @@ def test_generated_prompts_are_scored_by_the_dataset_verifier(tmp_path, chat_ckp
     assert [r["extra_info"]["entry"]["question"] for r in records] == [fresh[i]["question"] for i in range(4)]
 
     rollouts = tmp_path / "r.jsonl"
-    cli_ok(
-        "rollout", "--model", chat_ckpt, "--prompts", prompts, "--out", rollouts, "--n", "2", "--max-new-tokens", "2"
-    )
+    model = long_context_copy(chat_ckpt, tmp_path / "model")  # the system prompt alone passes 64 positions
+    cli_ok("rollout", "--model", model, "--prompts", prompts, "--out", rollouts, "--n", "2", "--max-new-tokens", "2")
     samples = read_jsonl(rollouts)
     answers = {r["id"]: r["ground_truth"] for r in records}
     for s in samples:  # sample 0 answers right (reasoning first), sample 1 wrong
         right = f"<think>work</think> <answer>{answers[s['prompt_id']]}</answer>"
         s["response"] = right if s["sample_index"] == 0 else "<answer>12345</answer>"
     samples[-1]["response"] = "no answer tags at all"
-    cli_ok("score", "--rollouts", write_jsonl(rollouts, samples), "--actor", chat_ckpt, "--out", tmp_path / "s")
+    cli_ok("score", "--rollouts", write_jsonl(rollouts, samples), "--actor", model, "--out", tmp_path / "s")
     scores = {s["id"]: s for s in read_jsonl(tmp_path / "s" / "scores.jsonl")}  # no --reward: data_source picks it
     for s in samples:
         details = scores[s["id"]]["rewards"]["reasoning_gym"]

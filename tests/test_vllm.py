@@ -179,7 +179,7 @@ def test_torchrun_data_and_tensor_parallel_equal_one_process(tmp_path, model_dir
     run_torchrun(2, "-m", "rlx", "rollout", *common, "--out", tmp_path / "dp.jsonl")
     shm = set(Path("/dev/shm").glob("*cpushm*"))
     for _ in range(2):  # vLLM's CPU backend unlinks its shared memory at exit, or the second run fails
-        run_torchrun(2, "-m", "rlx", "rollout", *common, "--tp", "2", "--out", tmp_path / "tp.jsonl")
+        run_torchrun(2, "-m", "rlx", "rollout", *common, "--tp", "2", "--out", tmp_path / "tp.jsonl", "--overwrite")
     assert set(Path("/dev/shm").glob("*cpushm*")) == shm
     one, dp, tp = (read_jsonl(tmp_path / f"{n}.jsonl") for n in ("one", "dp", "tp"))
     assert one == dp  # each rank sampled its share with its own engine
