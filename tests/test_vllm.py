@@ -146,6 +146,18 @@ def test_prompt_longer_than_the_engine_allows(engine):
         generate(engine, PROMPTS, cfg)
 
 
+def test_stop_strings_cut_as_the_hf_engine_does(engine, hf_model):
+    """Greedy (vLLM samples with its own generator): vLLM stops on the strings itself; the shared outline then
+    cuts at the same token as the hf engine."""
+    model, tokenizer = hf_model
+    cfg = RolloutConfig(n=2, max_new_tokens=10, temperature=0, stop=["1", "+"], chat_template="off")
+    ours = generate(engine, PROMPTS, cfg)
+    theirs = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
+    assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
+    assert [(r.response, r.finish_reason) for r in ours] == [(r.response, r.finish_reason) for r in theirs]
+    assert all("1" not in r.response and "+" not in r.response for r in ours)
+
+
 def test_missing_vllm_says_how_to_install(monkeypatch, tmp_path, model_dir):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "1+2="}])
@@ -256,15 +268,3 @@ def test_multi_turn_episodes_through_the_token_stream(tmp_path):
         mask = torch.tensor(r.loss_mask, dtype=torch.bool)
         assert torch.allclose(forward[mask], torch.tensor(r.rollout_logprobs)[mask], atol=1e-4)
         assert not torch.tensor(r.rollout_logprobs)[~mask].any()
-
-
-def test_stop_strings_cut_as_the_hf_engine_does(engine, hf_model):
-    """Greedy (vLLM samples with its own generator): vLLM stops on the strings itself; the shared outline then
-    cuts at the same token as the hf engine."""
-    model, tokenizer = hf_model
-    cfg = RolloutConfig(n=2, max_new_tokens=10, temperature=0, stop=["1", "+"], chat_template="off")
-    ours = generate(engine, PROMPTS, cfg)
-    theirs = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
-    assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
-    assert [(r.response, r.finish_reason) for r in ours] == [(r.response, r.finish_reason) for r in theirs]
-    assert all("1" not in r.response and "+" not in r.response for r in ours)
