@@ -30,26 +30,6 @@ def exists(path: str | Path) -> bool:
     return storage.path_exists(path) if is_remote(path) else local(path).exists()
 
 
-def current_umask() -> int:
-    """The process's umask (read from /proc where it can be, else by setting and restoring it)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def apply_umask(path: str | Path) -> None:
-    """Give a file the permissions open() would under the umask (for writers that make it 0600 themselves,
-    e.g. safetensors' save_file, which writes a temporary file and renames it)."""
-    os.chmod(path, 0o666 & ~current_umask())
-
-
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path next to `path`; rename it onto `path` only if the block succeeds.

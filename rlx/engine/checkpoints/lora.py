@@ -27,16 +27,15 @@ from safetensors.torch import save_file
 from rlx.engine.checkpoints.base import CheckpointPart, Layout
 from rlx.engine.checkpoints.files import read_optimizer_state, write_aux, write_optimizer_state
 from rlx.engine.checkpoints.lora_base import LORA_FILE, LoraSpec, load_base, read_lora_json, write_lora_json
-from rlx.engine.checkpoints.meta import META_NAME, CheckpointMeta
-from rlx.engine.checkpoints.single import write_files
+from rlx.engine.checkpoints.meta import CheckpointMeta
+from rlx.engine.checkpoints.single import folder_commit, write_files
 from rlx.errors import UserError
 from rlx.models.loading import read_safetensors
 from rlx.models.lora import apply_lora, hf_name
 from rlx.models.lora_merge import merged_weights
 from rlx.models.lora_state import load_adapter_state
 from rlx.utils.files import apply_umask
-from rlx.utils.host_copy import snapshot, wait_copied
-from rlx.utils.io import atomic_dir
+from rlx.utils.host_copy import snapshot
 
 ADAPTER_FILE = "adapter.safetensors"
 
@@ -131,21 +130,13 @@ class LoraLayout(Layout):
         if not parts[""].state.is_main:
             return lambda: None
 
-        def commit() -> None:
-            wait_copied()
-            with atomic_dir(out, overwrite=overwrite, marker=META_NAME) as tmp:
-                for name, part in parts.items():
-                    folder = tmp / name if name else tmp
-                    folder.mkdir(exist_ok=True)
-                    tensors, optimizer = gathered[name]
-                    if part.meta.layout == self.name:
-                        write_lora_files(folder, part.state.lora, part.aux, tensors, optimizer, part.meta)
-                    else:
-                        write_files(folder, tensors, part.aux, part.meta, optimizer)
-                if before_publish is not None:
-                    before_publish()
+        def write_part(folder: Path, part: CheckpointPart, tensors: dict, optimizer: dict | None) -> None:
+            if part.meta.layout == self.name:
+                write_lora_files(folder, part.state.lora, part.aux, tensors, optimizer, part.meta)
+            else:
+                write_files(folder, tensors, part.aux, part.meta, optimizer)
 
-        return commit
+        return folder_commit(out, parts, gathered, overwrite, before_publish, write_part)
 
 
 def _gather(name: str, part: CheckpointPart, lora_layout: str) -> tuple[dict, dict | None]:

@@ -43,6 +43,28 @@ def _snapshot(state, name: str) -> tuple[dict, dict | None]:
     return snapshot(weights, tag + "/weights"), None if optimizer is None else snapshot(optimizer, tag + "/optim")
 
 
+def _write_part(folder: Path, part: CheckpointPart, weights: dict, optimizer: dict | None) -> None:
+    write_files(folder, weights, part.aux, part.meta, optimizer)
+
+
+def folder_commit(out: str, parts: dict[str, CheckpointPart], gathered: dict, overwrite: bool,
+                  before_publish: Callable | None, write_part: Callable) -> Callable[[], None]:  # fmt: skip
+    """The file half of a write whose tensors were gathered (or are still being copied to the host): wait for
+    the copies, write each part's folder with `write_part(folder, part, tensors, optimizer)`, publish."""
+
+    def commit() -> None:
+        wait_copied()
+        with atomic_dir(out, overwrite=overwrite, marker=META_NAME) as tmp:
+            for name, part in parts.items():
+                folder = tmp / name if name else tmp
+                folder.mkdir(exist_ok=True)
+                write_part(folder, part, *gathered[name])
+            if before_publish is not None:
+                before_publish()
+
+    return commit
+
+
 class SingleLayout(Layout):
     name = "single"
     is_hf_dir = True
@@ -71,15 +93,4 @@ class SingleLayout(Layout):
         if not parts[""].state.is_main:
             return lambda: None
 
-        def commit() -> None:
-            wait_copied()
-            with atomic_dir(out, overwrite=overwrite, marker=META_NAME) as tmp:
-                for name, part in parts.items():
-                    folder = tmp / name if name else tmp
-                    folder.mkdir(exist_ok=True)
-                    weights, optimizer = gathered[name]
-                    write_files(folder, weights, part.aux, part.meta, optimizer)
-                if before_publish is not None:
-                    before_publish()
-
-        return commit
+        return folder_commit(out, parts, gathered, overwrite, before_publish, _write_part)
