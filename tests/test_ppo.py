@@ -24,10 +24,15 @@ SMALL = ["--set", "data.prompts_per_step=8", "--set", "rollout.n=4", "--set", "s
 
 
 def stable(metrics: list[dict]) -> dict[int, dict]:
-    """Metrics merged per step, without the machine-dependent timing/throughput keys."""
+    """Metrics merged per step, without the machine-dependent timing/throughput keys. The rollout-versus-trainer
+    diagnostics (`rollout_corr/*`) measure float32 noise (~1e-7) that depends on the process's thread count, so
+    they are compared to 5 decimals."""
     out: dict[int, dict] = {}
     for line in metrics:
-        out.setdefault(line["step"], {}).update({k: v for k, v in line.items() if not k.startswith(VOLATILE_PREFIXES)})
+        kept = {k: v for k, v in line.items() if not k.startswith(VOLATILE_PREFIXES)}
+        out.setdefault(line["step"], {}).update(
+            {k: round(v, 5) if k.startswith("rollout_corr/") else v for k, v in kept.items()}
+        )
     return out
 
 

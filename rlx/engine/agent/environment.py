@@ -165,6 +165,9 @@ class _Call:
             self.seconds = time.monotonic() - self.started
 
 
+_JOIN_S = 2.0  # how long `CallPool.close` waits for its workers to end
+
+
 class CallPool:
     """Runs calls concurrently in daemon threads; each must finish within `timeout_s` of starting.
 
@@ -183,12 +186,14 @@ class CallPool:
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             call, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(call())
-            except BaseException as e:  # handed to the waiting side, which reports it
-                future.set_exception(e)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except BaseException as e:  # handed to the waiting side, which reports it
+                    future.set_exception(e)
+            # an idle worker holds nothing: a daemon thread that frees tensors while the interpreter finalizes
+            # aborts the process ("terminate called without an active exception")
+            del item, call, future
 
     def submit(self, call: Callable[[], Any]) -> Future:
         future: Future = Future()
@@ -261,3 +266,7 @@ class CallPool:
                 item[1].cancel()
         for _ in self._workers:
             self._queue.put(None)
+        # wait for the free workers to end (see `_work`); one still inside an abandoned call is left behind
+        deadline = time.monotonic() + _JOIN_S
+        for worker in self._workers:
+            worker.join(max(deadline - time.monotonic(), 0.0))
