@@ -14,6 +14,7 @@ from rlx.commands.report import report
 from rlx.commands.rollout import rollout
 from rlx.commands.score import score
 from rlx.commands.serve import serve
+from rlx.commands.sft import sft
 from rlx.commands.shard import shard
 from rlx.commands.train_step import train_step
 from rlx.utils.cache import configure_compile_caches
@@ -49,6 +50,7 @@ def _options(
 
 
 app.command("shard")(shard)
+app.command("sft")(sft)
 app.command("rollout")(rollout)
 app.command("score")(score)
 app.command("train-step")(train_step)

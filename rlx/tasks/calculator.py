@@ -1,6 +1,7 @@
 """A task that needs a tool: products and sums of multi-digit numbers, with a calculator the model may call.
 
     python -m rlx.tasks.calculator --out prompts.jsonl --num 1000 --digits 3 --ops '*'
+    python -m rlx.tasks.calculator --demos --out demos.jsonl --num 500 --seed 1    # solved episodes for `rlx sft`
 
 A tiny model cannot multiply 3-digit numbers in its head, but it can learn to call the calculator
 and copy the result. `CalculatorEnv` is the environment (`--env rlx.tasks.calculator:CalculatorEnv`):
@@ -143,6 +144,25 @@ SYSTEM = (
 """The system message of --style chat prompts (for models whose chat template does not list tools)."""
 
 
+def demonstration(record: dict) -> dict:
+    """A solved episode of `record` for `rlx sft`: the opening messages, a calculator call with the question's
+    expression, the tool's reply, and the answer; the tool listed as CalculatorEnv offers it."""
+    env = CalculatorEnv(record)
+    call = {
+        "id": "call_0_0",  # the id a rollout gives a first turn's first call
+        "type": "function",
+        "function": {"name": "calculator", "arguments": json.dumps({"expression": env.question})},
+    }
+    result = CalculatorEnv.call(call)
+    messages = [
+        *env.reset(),
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": result},
+        {"role": "assistant", "content": result},
+    ]
+    return {"id": record["id"], "messages": messages, "tools": CalculatorEnv.tools}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Write calculator-task prompts as prompts.jsonl.")
     parser.add_argument("--out", required=True, help="prompts.jsonl to write ('-' for stdout)")
@@ -152,12 +172,14 @@ def main() -> None:
     parser.add_argument("--ops", default="*", help="operators to draw from, e.g. '*+' (default '*')")
     parser.add_argument("--style", default="text", choices=("text", "chat"), help="chat: a system message on how to "
                         "call the tool, then the question as a user message (default text)")  # fmt: skip
+    parser.add_argument("--demos", action="store_true", help="write solved episodes for `rlx sft` instead of prompts: "
+                        "messages (question, calculator call, its result, the answer) and tools")  # fmt: skip
     args = parser.parse_args()
-    records = generate_calculator(args.num, args.seed, args.digits, args.ops)
+    records = generate_calculator(args.num, args.seed, args.digits, args.ops, "demo" if args.demos else "calc")
     if args.style == "chat":
         for r in records:
             r["prompt"] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["prompt"]}]
-    write_jsonl(args.out, records)
+    write_jsonl(args.out, [demonstration(r) for r in records] if args.demos else records)
 
 
 if __name__ == "__main__":

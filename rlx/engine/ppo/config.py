@@ -12,6 +12,7 @@ from rlx.engine.evaluation import EvalConfig
 from rlx.engine.ppo.defaults import apply_defaults, fast_path_defaults
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.scoring.config import ScoreConfig
+from rlx.engine.sft.config import SFTConfig
 from rlx.engine.tracking import TrackingConfig
 from rlx.engine.training.config import TrainConfig
 from rlx.errors import UserError
@@ -110,6 +111,9 @@ class PPOConfig:
     weights are gathered first; a kill during a write resumes from the last complete checkpoint)."""
     model: ModelConfig
     """The policy."""
+    sft: SFTConfig | None = None
+    """A warm start: on a fresh run, supervised fine-tuning of the policy on demonstrations before step 1; the result
+    is the run's step-0 checkpoint (checkpoints/step_000000), the initial policy and the reference."""
     data: DataConfig
     """The prompts."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -139,6 +143,8 @@ class PPOConfig:
         check(self.keep_checkpoints >= 0, "keep_checkpoints", f"must be >= 0, got {self.keep_checkpoints}")
         check(self.rollout.seed == 0, "rollout.seed", "set the top-level 'seed' instead (step k samples with seed + k)")
         check(self.train.seed == 0, "train.seed", "set the top-level 'seed' instead")
+        check(self.sft is None or bool(self.sft.data), "sft.data", "the demonstrations file is required")
+        check(self.sft is None or self.sft.seed == 0, "sft.seed", "set the top-level 'seed' instead")
         check(self.train.role == "actor", "train.role", "must be 'actor' (the critic trains from [critic.train])")
         check(
             self.critic is not None or self.score.estimator != "gae", "critic", "estimator 'gae' needs a [critic] table"
@@ -209,12 +215,12 @@ def load_recipe(path: str | Path, overrides: list[str] = (), device_type: str | 
     `device_type`, fill the keys the recipe leaves out with that device's fast path (rlx/engine/ppo/defaults.py)."""
     path = Path(path)
     data = load_toml(path)
-    tables = ("model", "data", "eval")
+    tables = ("model", "data", "eval", "sft")
     original = {name: dict(data[name]) for name in tables if isinstance(data.get(name), dict)}
     data = apply_overrides(data, list(overrides))
     if device_type is not None:
         data = apply_defaults(data, fast_path_defaults(device_type, data))
-    for section, key in (("model", "path"), ("data", "prompts"), ("eval", "prompts")):
+    for section, key in (("model", "path"), ("data", "prompts"), ("eval", "prompts"), ("sft", "data")):
         value = data.get(section, {}).get(key) if isinstance(data.get(section), dict) else None
         from_recipe = value is not None and original.get(section, {}).get(key) == value
         if isinstance(value, str) and from_recipe and not Path(value).is_absolute() and ":" not in value:

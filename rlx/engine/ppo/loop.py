@@ -46,6 +46,7 @@ from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.ppo.models import CRITIC_DIR, build_run_models
 from rlx.engine.ppo.rundir import checkpoint_dir, drop_old_checkpoints, prepare_run_dir, step_dir
 from rlx.engine.ppo.start import RunInputs, RunLock, StopRequest, check_run_inputs
+from rlx.engine.ppo.warm_start import warm_start
 from rlx.engine.ppo.writer import BackgroundWriter
 from rlx.engine.records import RolloutRecord, write_records
 from rlx.engine.rollout.base import RolloutStats, build_engine
@@ -86,8 +87,9 @@ class PPORun:
         meta = read_meta(start_ckpt) if start_ckpt else CheckpointMeta()
         self.data_position = meta.data_position or 0
         self.kl_coef = meta.kl_coef if meta.kl_coef is not None else cfg.score.kl_coef
+        initial = warm_start(cfg, self.run_dir, self.start_step, self.ctx)  # [sft]: the step-0 checkpoint
         started = time.perf_counter()
-        self.models = build_run_models(cfg, self.backend, start_ckpt)
+        self.models = build_run_models(initial, self.backend, start_ckpt)
         self.trainer, self.critic = self.models.actor, self.models.critic
         models, models_built = self.models, time.perf_counter()
         self.engine = build_engine(cfg.rollout, models.rollout_model, models.tokenizer, self.ctx, models.processor)

@@ -27,15 +27,18 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 
 
 def last_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    """The newest complete checkpoint of a run (complete = renamed into place with its rlx.json)."""
+    """The newest complete checkpoint of a run (complete = renamed into place with its rlx.json) after step 0 (the
+    step-0 checkpoint of an [sft] warm start completes no step)."""
     found = []
     for path in (run_dir / "checkpoints").glob("step_*"):
-        if path.is_dir() and is_checkpoint(path) and path.name[5:].isdigit():
+        if path.is_dir() and is_checkpoint(path) and path.name[5:].isdigit() and int(path.name[5:]) > 0:
             found.append((int(path.name[5:]), path))
     return max(found) if found else None
 
 
-RUN_FILES = (RECIPE_NAME, "metrics.jsonl", "traces.jsonl")
+SFT_METRICS = "sft_metrics.jsonl"
+"""The metrics of an [sft] warm start, a line per optimizer step (rlx/engine/ppo/warm_start.py)."""
+RUN_FILES = (RECIPE_NAME, "metrics.jsonl", "traces.jsonl", SFT_METRICS)
 RUN_FOLDERS = ("checkpoints", "report", "tensorboard", "wandb", "mlflow")
 
 
@@ -93,9 +96,11 @@ def prepare_run_dir(
 
 
 def drop_old_checkpoints(run_dir: Path, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints (0: all); the main process calls it after publishing one."""
+    """Keep the newest `keep` complete checkpoints (0: all) and an [sft] warm start's step 0 (the reference of a
+    resumed run); the main process calls it after publishing one."""
     if keep:
-        for path in sorted((run_dir / "checkpoints").glob("step_*"))[:-keep]:
+        rotated = [p for p in sorted((run_dir / "checkpoints").glob("step_*")) if p != checkpoint_dir(run_dir, 0)]
+        for path in rotated[:-keep]:
             shutil.rmtree(path, ignore_errors=True)
 
 

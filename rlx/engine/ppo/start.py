@@ -1,8 +1,8 @@
 """What `rlx ppo` checks and takes before it writes anything to its run folder.
 
 `check_run_inputs` reads and validates everything a run needs up front (the run folder's place, the model, every
-prompt line, the prompt lengths, the reward functions, the eval prompts), so a bad input stops the start with
-one line and leaves the folder as it was. `RunLock` then makes the folder this process's: an exclusive lock
+[sft] demonstration, every prompt line, the prompt lengths, the reward functions, the eval prompts), so a bad input
+stops the start with one line and leaves the folder as it was. `RunLock` then makes the folder this process's: an exclusive lock
 (flock) on RUN_DIR/.rlx-lock that names the holder's pid and host; the kernel drops it when the holder dies,
 so a killed run's lock is simply taken over. `StopRequest` turns SIGTERM (SLURM preemption) into a stop after
 the current step and its checkpoint.
@@ -29,6 +29,7 @@ from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.records import PromptRecord, read_prompts
 from rlx.engine.rollout.lengths import limit_prompts, model_context
 from rlx.engine.scoring.rewards import RewardFunctions
+from rlx.engine.sft.run import load_samples
 from rlx.engine.tracking import console
 from rlx.errors import Terminated, UserError
 from rlx.models.loading import load_config, load_tokenizer, resolve_source, weight_files
@@ -60,6 +61,8 @@ def check_run_inputs(cfg: PPOConfig, run_dir: Path) -> RunInputs:
         else:
             weight_files(source.path)
     context = model_context(config)
+    if cfg.sft is not None:  # every demonstration read and tokenised (which end-of-turn tokens train: not needed here)
+        load_samples(cfg.sft, tokenizer, config, stop_ids=set(), quiet=True)
     prompts = read_prompts(cfg.data.prompts)
     prompts = limit_prompts(prompts, tokenizer, cfg.rollout, context, cfg.data.prompts, config=config)
     check_window(cfg.data.prompts_per_step, len(prompts), cfg.data.prompts, "data.prompts_per_step")

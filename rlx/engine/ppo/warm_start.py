@@ -1,0 +1,55 @@
+"""A recipe's `[sft]` table: supervised fine-tuning of the initial policy before step 1 of a fresh run.
+
+The fine-tuned weights become the run's step-0 checkpoint (RUN_DIR/checkpoints/step_000000, the 'single' layout
+without optimizer state, as `rlx sft` writes it) and the run continues from it as from `model.path`: the actor
+starts there with a fresh optimizer and the reference is that model, as is standard. Checkpoint rotation keeps it,
+and a resumed run reads its reference from it. Per-step SFT metrics go to RUN_DIR/sft_metrics.jsonl.
+
+The main process fine-tunes alone (one process; the others wait at a barrier) and writes the checkpoint; every
+process then loads it. A shell pipeline does the same with `rlx shard`, then `rlx sft`, then the stage loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from rlx.engine.checkpoints import catalog
+from rlx.engine.checkpoints.loading import load_initial_policy
+from rlx.engine.checkpoints.meta import CheckpointMeta, is_checkpoint, provenance
+from rlx.engine.checkpoints.registry import save
+from rlx.engine.parallel.dist import DistContext, barrier
+from rlx.engine.ppo.config import ModelConfig, PPOConfig
+from rlx.engine.ppo.rundir import SFT_METRICS, checkpoint_dir
+from rlx.engine.rollout.prompts import stop_token_ids
+from rlx.engine.sft.run import fine_tune, load_samples
+from rlx.engine.tracking import console
+from rlx.errors import UserError
+
+
+def warm_start(cfg: PPOConfig, run_dir: Path, start_step: int, ctx: DistContext) -> PPOConfig:
+    """`cfg` with the run's step-0 checkpoint as its model when the recipe has `[sft]` (fine-tuned now on a fresh
+    start); `cfg` itself without it."""
+    if cfg.sft is None:
+        return cfg
+    out = checkpoint_dir(run_dir, 0)
+    if start_step == 0:
+        if ctx.is_main:
+            _fine_tune(cfg, run_dir, out, DistContext(device=ctx.device))
+        barrier()
+    elif not is_checkpoint(out):
+        raise UserError(
+            f"{out}: the run's [sft] checkpoint (its initial policy and reference) is missing; the run cannot "
+            f"continue (start it again with --overwrite)"
+        )
+    return dataclasses.replace(cfg, model=ModelConfig(path=str(out), init="pretrained"))
+
+
+def _fine_tune(cfg: PPOConfig, run_dir: Path, out: Path, ctx: DistContext) -> None:
+    sft = cfg.sft.with_seed(cfg.seed)
+    model, tokenizer, aux = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
+    samples = load_samples(sft, tokenizer, model.config, stop_token_ids(model, tokenizer))
+    console(f"[sft] fine-tuning the initial policy on {len(samples)} demonstrations ({sft.data})")
+    trainer, metrics = fine_tune(model, tokenizer, samples, sft, ctx, run_dir / SFT_METRICS)
+    origin = provenance("rlx ppo [sft]", cfg.model.path, data=sft.data, init=cfg.model.init, seed=cfg.seed)
+    save(out, trainer, aux, CheckpointMeta(step=0, layout=catalog.DEFAULT, provenance=origin), overwrite=True)
