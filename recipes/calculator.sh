@@ -2,8 +2,9 @@
 # The multi-turn calculator recipe (recipes/calculator.toml) as a shell pipeline of the separate commands.
 # For the same seed it produces the same weights and metrics as `rlx ppo recipes/calculator.toml`.
 #
-#   bash recipes/calculator.sh [RUN_DIR]          (env: SEED=0 STEPS=40 PROMPTS_PER_STEP=16 N=8)
-# (PROMPTS_PER_STEP and N stand for [data] prompts_per_step and [rollout] n: `rlx ppo --set` them alike.)
+#   bash recipes/calculator.sh [RUN_DIR]    (env: SEED=0 STEPS=40 PROMPTS_PER_STEP=16 N=8 SFT_MAX_STEPS=0)
+# (PROMPTS_PER_STEP, N and SFT_MAX_STEPS stand for [data] prompts_per_step, [rollout] n and [sft] max_steps:
+# `rlx ppo --set` them alike.)
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -13,14 +14,19 @@ STEPS="${STEPS:-40}"
 PROMPTS="$HERE/data/calculator.jsonl"
 PROMPTS_PER_STEP="${PROMPTS_PER_STEP:-16}"   # [data] prompts_per_step
 N="${N:-8}"                                  # [rollout] n
+SFT_MAX_STEPS="${SFT_MAX_STEPS:-0}"          # [sft] max_steps (0 = the epochs decide)
 
 ckpt() { printf '%s/checkpoints/step_%06d' "$RUN" "$1"; }
 
 if [ -e "$RUN" ]; then echo "calculator.sh: $RUN exists; remove it or pass another folder" >&2; exit 1; fi
 mkdir -p "$RUN"
 
-# step 0: a tiny chat Llama initialised from config.json with the run seed ([model] init = "random")
-rlx shard --model "$HERE/tiny-chat" --init random --seed "$SEED" --out "$(ckpt 0)"
+# a tiny chat Llama initialised from config.json with the run seed ([model] init = "random") ...
+rlx shard --model "$HERE/tiny-chat" --init random --seed "$SEED" --out "$RUN/init"
+# ... fine-tuned on solved episodes ([sft]): the step-0 checkpoint, and the reference model of every step
+rlx sft --model "$RUN/init" --data "$HERE/data/calculator_demos.jsonl" --out "$(ckpt 0)" \
+  --epochs SFT_EPOCHS --lr SFT_LR --batch-size SFT_BATCH --micro-batch-size SFT_BATCH --weight-decay 0 \
+  --seed "$SEED" --max-steps "$SFT_MAX_STEPS" --metrics "$RUN/sft_metrics.jsonl"
 
 for ((step = 1; step <= STEPS; step++)); do
   dir="$(printf '%s/step_%06d' "$RUN" "$step")"
