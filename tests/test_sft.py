@@ -20,7 +20,6 @@ from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.sft.config import SFTConfig
 from rlx.engine.sft.data import read_demonstrations, tokenize_demonstrations
 from rlx.engine.sft.run import fine_tune
-from rlx.errors import UserError
 from rlx.models.loading import ModelSource, load_tokenizer
 from rlx.tasks.calculator import CalculatorEnv, demonstration, generate_calculator
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, write_jsonl
@@ -82,7 +81,8 @@ def test_loss_is_the_mean_nll_of_the_assistant_tokens_only(tmp_path):
     _, metrics = fine_tune(model, tokenizer, samples, cfg, DistContext(device=torch.device("cpu")))
     assert metrics["sft/tokens"] == count and math.isclose(metrics["sft/loss"], total / count, rel_tol=1e-5)
     plain = {"prompt": question, "response": "4", "tools": CalculatorEnv.tools}
-    chat = {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "4"}], "tools": plain["tools"]}
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": "4"}]
+    chat = {"messages": messages, "tools": plain["tools"]}
     both = read_demonstrations(str(write_jsonl(tmp_path / "two.jsonl", [plain, chat])))
     a, b = tokenize_demonstrations(both, tokenizer, {102}, 1000, "error", "x").samples
     assert (a.prompt_ids, a.response_ids, a.loss_mask) == (b.prompt_ids, b.response_ids, b.loss_mask)
@@ -116,7 +116,8 @@ def test_text_prompt_response_lines_without_a_chat_template(tmp_path, tiny_dir):
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                                {"role": "assistant", "content": "yo"}]}])  # fmt: skip
     result = cli("sft", "--model", tiny_dir, "--init", "random", "--data", chat, "--out", tmp_path / "bad")
-    assert result.exit_code == 1 and "chat.jsonl:1: chat messages need a tokenizer with a chat template" in result.stderr
+    assert result.exit_code == 1
+    assert "chat.jsonl:1: chat messages need a tokenizer with a chat template" in result.stderr
     assert not (tmp_path / "bad").exists()
 
 
@@ -173,8 +174,9 @@ def test_sft_warm_start_in_ppo_keeps_step_0_as_the_reference_through_rotation_an
     assert read_meta(run / "checkpoints" / "step_000000").step == 0
     cli_ok("ppo", recipe, "--out", run, "--set", "steps=3", "--resume", *small)
     step3, again = run / "step_000003", tmp_path / "again"
-    cli_ok("score", "--rollouts", step3 / "rollouts.jsonl", "--actor", run / "checkpoints" / "step_000002",
-           "--ref", run / "checkpoints" / "step_000000", "--reward", "env", "--micro-batch-size", "128", "--out", again)  # fmt: skip
+    ckpts = run / "checkpoints"
+    cli_ok("score", "--rollouts", step3 / "rollouts.jsonl", "--actor", ckpts / "step_000002", "--ref",
+           ckpts / "step_000000", "--reward", "env", "--micro-batch-size", "128", "--out", again)  # fmt: skip
     from rlx.engine.batch import TrainBatch
 
     ours, theirs = TrainBatch.load(step3 / "batch.safetensors"), TrainBatch.load(again / "batch.safetensors")

@@ -38,7 +38,8 @@ def sft(
         str,
         typer.Option(
             metavar="pretrained|random",
-            help="'pretrained' starts from the model's weights; 'random' initialises them from config.json with --seed.",
+            help="'pretrained' starts from the model's weights; 'random' initialises them from config.json with "
+            "--seed.",
         ),
     ] = "pretrained",
     overwrite: Annotated[bool, typer.Option(help="Replace --out if it exists.")] = False,

@@ -2,9 +2,9 @@
 
 `check_run_inputs` reads and validates everything a run needs up front (the run folder's place, the model, every
 [sft] demonstration, every prompt line, the prompt lengths, the reward functions, the eval prompts), so a bad input
-stops the start with one line and leaves the folder as it was. `RunLock` then makes the folder this process's: an exclusive lock
-(flock) on RUN_DIR/.rlx-lock that names the holder's pid and host; the kernel drops it when the holder dies,
-so a killed run's lock is simply taken over. `StopRequest` turns SIGTERM (SLURM preemption) into a stop after
+stops the start with one line and leaves the folder as it was. `RunLock` then makes the folder this process's: an
+exclusive lock (flock) on RUN_DIR/.rlx-lock that names the holder's pid and host; the kernel drops it when the holder
+dies, so a killed run's lock is simply taken over. `StopRequest` turns SIGTERM (SLURM preemption) into a stop after
 the current step and its checkpoint.
 """
 
