@@ -25,7 +25,7 @@ mkdir -p "$RUN"
 rlx shard --model "$HERE/tiny-chat" --init random --seed "$SEED" --out "$RUN/init"
 # ... fine-tuned on solved episodes ([sft]): the step-0 checkpoint, and the reference model of every step
 rlx sft --model "$RUN/init" --data "$HERE/data/calculator_demos.jsonl" --out "$(ckpt 0)" \
-  --epochs SFT_EPOCHS --lr SFT_LR --batch-size SFT_BATCH --micro-batch-size SFT_BATCH --weight-decay 0 \
+  --epochs 10 --lr 3e-3 --batch-size 32 --micro-batch-size 32 --weight-decay 0 \
   --seed "$SEED" --max-steps "$SFT_MAX_STEPS" --metrics "$RUN/sft_metrics.jsonl"
 
 for ((step = 1; step <= STEPS; step++)); do
@@ -35,7 +35,7 @@ for ((step = 1; step <= STEPS; step++)); do
   rlx rollout --model "$prev" --prompts "$PROMPTS" --out "$dir/rollouts.jsonl" \
     --num-prompts "$PROMPTS_PER_STEP" --data-position $(((step - 1) * PROMPTS_PER_STEP)) \
     --env rlx.tasks.calculator:CalculatorEnv --max-turns 3 --max-total-tokens 320 \
-    --n "$N" --max-new-tokens 48 --temperature 1.0 --batch-size 128 --seed $((SEED + step)) \
+    --n "$N" --max-new-tokens 96 --temperature 1.0 --batch-size 128 --seed $((SEED + step)) \
     --metrics "$RUN/metrics.jsonl"
   # [score]: the environment's reward; the step-0 weights are the reference model
   rlx score --rollouts "$dir/rollouts.jsonl" --actor "$prev" --ref "$(ckpt 0)" --reward env \

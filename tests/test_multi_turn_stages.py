@@ -187,19 +187,24 @@ def test_two_ranks_give_the_records_of_one(chat, tmp_path):
 
 @pytest.mark.slow
 def test_calculator_shell_pipeline_equals_ppo(tmp_path):
-    """~30 s: recipes/calculator.sh (one step) gives the rollouts, scores, metrics and weights of `rlx ppo`; then
-    `rlx report` shows the turns per sample and the environment reward."""
+    """~30 s: recipes/calculator.sh (two [sft] steps, one RL step) gives the SFT metrics and step-0 weights, the
+    rollouts, scores, metrics and weights of `rlx ppo`; then `rlx report` shows the turns per sample and the
+    environment reward."""
     env = {**os.environ, "STEPS": "1", "SEED": "2", "PROMPTS_PER_STEP": "4", "N": "2", "OMP_NUM_THREADS": "1",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # fmt: skip
+           "SFT_MAX_STEPS": "2", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # fmt: skip
     script = REPO / "recipes" / "calculator.sh"
     done = subprocess.run(["bash", str(script), str(tmp_path / "sh")], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     recipe = REPO / "recipes" / "calculator.toml"
     small = ["--set", "data.prompts_per_step=4", "--set", "rollout.n=2", "--set", "save_every=1"]
-    cli_ok("ppo", recipe, "--out", tmp_path / "ppo", "--set", "steps=1", "--set", "seed=2", *small)
+    cli_ok("ppo", recipe, "--out", tmp_path / "ppo", "--set", "steps=1", "--set", "seed=2", "--set", "sft.max_steps=2",
+           *small)  # fmt: skip
     sh, ppo = tmp_path / "sh", tmp_path / "ppo"
-    assert_same_weights(sh / "checkpoints" / "step_000001", ppo / "checkpoints" / "step_000001")
-    assert stable(read_jsonl(sh / "metrics.jsonl")) == stable(read_jsonl(ppo / "metrics.jsonl"))
+    for step in (0, 1):
+        assert_same_weights(sh / "checkpoints" / f"step_00000{step}", ppo / "checkpoints" / f"step_00000{step}")
+    for name in ("sft_metrics.jsonl", "metrics.jsonl"):
+        assert stable(read_jsonl(sh / name)) == stable(read_jsonl(ppo / name)), name
+    assert len(read_jsonl(ppo / "sft_metrics.jsonl")) == 2
     for name in ("rollouts.jsonl", "scores.jsonl"):
         assert (sh / "step_000001" / name).read_bytes() == (ppo / "step_000001" / name).read_bytes()
     summary = cli_ok("report", ppo).stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -172,11 +173,11 @@ def test_sft_warm_start_in_ppo_keeps_step_0_as_the_reference_through_rotation_an
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert names == ["step_000000", "step_000002"] and len(read_jsonl(run / "sft_metrics.jsonl")) == 2
     assert read_meta(run / "checkpoints" / "step_000000").step == 0
+    shutil.copytree(run / "checkpoints" / "step_000002", tmp_path / "actor2")  # rotated away by the resumed run
     cli_ok("ppo", recipe, "--out", run, "--set", "steps=3", "--resume", *small)
     step3, again = run / "step_000003", tmp_path / "again"
-    ckpts = run / "checkpoints"
-    cli_ok("score", "--rollouts", step3 / "rollouts.jsonl", "--actor", ckpts / "step_000002", "--ref",
-           ckpts / "step_000000", "--reward", "env", "--micro-batch-size", "128", "--out", again)  # fmt: skip
+    cli_ok("score", "--rollouts", step3 / "rollouts.jsonl", "--actor", tmp_path / "actor2", "--ref",
+           run / "checkpoints" / "step_000000", "--reward", "env", "--micro-batch-size", "128", "--out", again)  # fmt: skip
     from rlx.engine.batch import TrainBatch
 
     ours, theirs = TrainBatch.load(step3 / "batch.safetensors"), TrainBatch.load(again / "batch.safetensors")
