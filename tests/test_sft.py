@@ -176,8 +176,9 @@ def test_sft_warm_start_in_ppo_keeps_step_0_as_the_reference_through_rotation_an
     shutil.copytree(run / "checkpoints" / "step_000002", tmp_path / "actor2")  # rotated away by the resumed run
     cli_ok("ppo", recipe, "--out", run, "--set", "steps=3", "--resume", *small)
     step3, again = run / "step_000003", tmp_path / "again"
-    cli_ok("score", "--rollouts", step3 / "rollouts.jsonl", "--actor", tmp_path / "actor2", "--ref",
-           run / "checkpoints" / "step_000000", "--reward", "env", "--micro-batch-size", "128", "--out", again)  # fmt: skip
+    ref = run / "checkpoints" / "step_000000"
+    cli_ok("score", "--rollouts", step3 / "rollouts.jsonl", "--actor", tmp_path / "actor2", "--ref", ref,
+           "--reward", "env", "--micro-batch-size", "128", "--out", again)  # fmt: skip
     from rlx.engine.batch import TrainBatch
 
     ours, theirs = TrainBatch.load(step3 / "batch.safetensors"), TrainBatch.load(again / "batch.safetensors")
