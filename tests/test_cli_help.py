@@ -13,7 +13,7 @@ import typer
 from rlx.cli import app
 from tests.conftest import cli
 
-COMMANDS = ["shard", "rollout", "score", "train-step", "merge", "eval", "ppo", "report"]
+COMMANDS = ["shard", "sft", "rollout", "score", "train-step", "merge", "eval", "ppo", "report"]
 
 
 def click_command(name: str) -> click.Command:

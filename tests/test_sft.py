@@ -23,7 +23,7 @@ from rlx.engine.sft.data import read_demonstrations, tokenize_demonstrations
 from rlx.engine.sft.run import fine_tune
 from rlx.models.loading import ModelSource, load_tokenizer
 from rlx.tasks.calculator import CalculatorEnv, demonstration, generate_calculator
-from tests.conftest import REPO, cli, cli_ok, read_jsonl, write_jsonl
+from tests.conftest import REPO, cli, cli_ok, max_diff, read_jsonl, torchrun, write_jsonl
 
 TINY_CHAT = REPO / "recipes" / "tiny-chat"
 # The template's own rendering of a calculator call, one token per piece, so a bigram model writes it verbatim.
@@ -185,3 +185,17 @@ def test_sft_warm_start_in_ppo_keeps_step_0_as_the_reference_through_rotation_an
     assert torch.equal(ours.ref_logprobs, theirs.ref_logprobs)
     bad = cli("ppo", recipe, "--out", tmp_path / "bad", "--set", "sft.data=missing.jsonl", *small)
     assert bad.exit_code == 1 and "missing.jsonl: no such file" in bad.stderr and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one(tmp_path):
+    """~25 s: `rlx sft` under torchrun (2 gloo ranks, each step's demonstrations split by work, FSDP) gives the
+    weights and losses of one process."""
+    data = demos_file(tmp_path, num=8)
+    args = ["sft", "--model", TINY_CHAT, "--init", "random", "--data", data, "--batch-size", "4", "--micro-batch-size",
+            "1", "--lr", "1e-2", "--epochs", "2"]  # fmt: skip
+    cli_ok(*args, "--out", tmp_path / "one", "--metrics", tmp_path / "one.jsonl")
+    torchrun(2, *args, "--out", tmp_path / "two", "--metrics", tmp_path / "two.jsonl")
+    assert max_diff(tmp_path / "one", tmp_path / "two") < 1e-5
+    one, two = read_jsonl(tmp_path / "one.jsonl"), read_jsonl(tmp_path / "two.jsonl")
+    assert len(one) == len(two) == 4 and all(abs(a["sft/loss"] - b["sft/loss"]) < 1e-5 for a, b in zip(one, two))
