@@ -25,8 +25,8 @@ mkdir -p "$RUN"
 rlx shard --model "$HERE/tiny-chat" --init random --seed "$SEED" --out "$RUN/init"
 # ... fine-tuned on solved episodes ([sft]): the step-0 checkpoint, and the reference model of every step
 rlx sft --model "$RUN/init" --data "$HERE/data/calculator_demos.jsonl" --out "$(ckpt 0)" \
-  --epochs 10 --lr 3e-3 --batch-size 32 --micro-batch-size 32 --weight-decay 0 \
-  --seed "$SEED" --max-steps "$SFT_MAX_STEPS" --metrics "$RUN/sft_metrics.jsonl"
+  --epochs 11 --lr 3e-3 --warmup-steps 10 --lr-schedule cosine --batch-size 32 --micro-batch-size 32 \
+  --weight-decay 0 --seed "$SEED" --max-steps "$SFT_MAX_STEPS" --metrics "$RUN/sft_metrics.jsonl"
 
 for ((step = 1; step <= STEPS; step++)); do
   dir="$(printf '%s/step_%06d' "$RUN" "$step")"

@@ -27,13 +27,14 @@ def test_shipped_task_data_matches_the_generator():
     assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in heldout}
 
 
-def test_shipped_calculator_demonstrations_match_the_generator():
-    from rlx.tasks.calculator import demonstration, generate_calculator
+def test_shipped_calculator_prompts_and_demonstrations_match_the_generator():
+    from rlx.tasks.calculator import generate_calculator, generate_demonstrations
 
+    prompts = read_jsonl(REPO / "recipes/data/calculator.jsonl")
+    assert prompts == generate_calculator(1000, seed=0, digits=2)
     demos = read_jsonl(REPO / "recipes/data/calculator_demos.jsonl")
-    assert demos == [demonstration(r) for r in generate_calculator(len(demos), seed=1, digits=3, id_prefix="demo")]
-    prompts = {r["prompt"] for r in read_jsonl(REPO / "recipes/data/calculator.jsonl")}
-    assert len(demos) >= 500 and not prompts & {d["messages"][0]["content"] for d in demos}  # apart from RL's
+    assert demos == generate_demonstrations(1000, seed=1, digits=2, exclude=[p["prompt"] for p in prompts])
+    assert not {p["prompt"] for p in prompts} & {d["messages"][0]["content"] for d in demos}  # apart from RL's
 
 
 def test_shipped_heldout_set_matches_the_generator_and_is_held_out(tmp_path):

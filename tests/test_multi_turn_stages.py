@@ -233,7 +233,8 @@ def test_ppo_with_a_critic_on_the_calculator_environment(tmp_path):
     """`rlx ppo` multi-turn with GAE and a critic: two steps, the turns and environment reward on the metrics line,
     the critic's values read over the model's tokens only."""
     recipe = REPO / "recipes" / "calculator.toml"
-    small = ["--set", "data.prompts_per_step=2", "--set", "rollout.n=2", "--set", "rollout.max_new_tokens=12"]
+    small = ["--set", "data.prompts_per_step=2", "--set", "rollout.n=2", "--set", "rollout.max_new_tokens=12",
+             "--set", "sft.max_steps=1"]  # fmt: skip
     gae = ["--set", "score.estimator=gae", "--set", "critic.train.lr=1e-3"]
     cli_ok("ppo", recipe, "--out", tmp_path / "run", "--set", "steps=2", *small, *gae)
     lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")

@@ -1,7 +1,7 @@
 """A task that needs a tool: products and sums of multi-digit numbers, with a calculator the model may call.
 
     python -m rlx.tasks.calculator --out prompts.jsonl --num 1000 --digits 3 --ops '*'
-    python -m rlx.tasks.calculator --demos --out demos.jsonl --num 500 --seed 1    # solved episodes for `rlx sft`
+    python -m rlx.tasks.calculator --demos --out demos.jsonl --num 1000 --seed 1 --exclude prompts.jsonl  # for rlx sft
 
 A tiny model cannot multiply 3-digit numbers in its head, but it can learn to call the calculator
 and copy the result. `CalculatorEnv` is the environment (`--env rlx.tasks.calculator:CalculatorEnv`):
@@ -18,6 +18,7 @@ import json
 import operator
 import random
 import re
+from pathlib import Path
 
 from rlx.utils.io import write_jsonl
 
@@ -144,6 +145,17 @@ SYSTEM = (
 """The system message of --style chat prompts (for models whose chat template does not list tools)."""
 
 
+def generate_demonstrations(num: int, seed: int = 1, digits: int = 3, ops: str = "*", exclude=()) -> list[dict]:
+    """`num` solved episodes (`demonstration`) of questions not in `exclude` (e.g. the RL prompts), deterministic."""
+    held_out = {str(q) for q in exclude}
+    pool = generate_calculator(4 * num + len(held_out), seed, digits, ops, id_prefix="demo")
+    records = [r for r in pool if r["prompt"] not in held_out][:num]
+    if len(records) < num:
+        raise ValueError(f"cannot draw {num} questions of {digits} digits apart from the {len(held_out)} excluded")
+    width = len(str(num - 1))
+    return [demonstration({**r, "id": f"demo-{i:0{width}d}"}) for i, r in enumerate(records)]
+
+
 def demonstration(record: dict) -> dict:
     """A solved episode of `record` for `rlx sft`: the opening messages, a calculator call with the question's
     expression, the tool's reply, and the answer; the tool listed as CalculatorEnv offers it."""
@@ -174,12 +186,19 @@ def main() -> None:
                         "call the tool, then the question as a user message (default text)")  # fmt: skip
     parser.add_argument("--demos", action="store_true", help="write solved episodes for `rlx sft` instead of prompts: "
                         "messages (question, calculator call, its result, the answer) and tools")  # fmt: skip
+    parser.add_argument("--exclude", help="with --demos: a prompts.jsonl whose questions the episodes leave out")
     args = parser.parse_args()
-    records = generate_calculator(args.num, args.seed, args.digits, args.ops, "demo" if args.demos else "calc")
+    if args.demos:
+        exclude = (
+            [json.loads(line)["prompt"] for line in Path(args.exclude).read_text().splitlines()] if args.exclude else ()
+        )
+        write_jsonl(args.out, generate_demonstrations(args.num, args.seed, args.digits, args.ops, exclude))
+        return
+    records = generate_calculator(args.num, args.seed, args.digits, args.ops)
     if args.style == "chat":
         for r in records:
             r["prompt"] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["prompt"]}]
-    write_jsonl(args.out, [demonstration(r) for r in records] if args.demos else records)
+    write_jsonl(args.out, records)
 
 
 if __name__ == "__main__":
