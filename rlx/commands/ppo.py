@@ -68,6 +68,8 @@ def ppo(
                 f"--out {out}: the run folder must be local (model.path and data.prompts may be URLs; "
                 f"copy checkpoints out with `rlx merge --out URL`)"
             )
+        if cfg.async_ is not None:  # rollout ranks and trainers (under torchrun)
+            from rlx.engine.ppo.async_train import run_async_ppo as run_ppo
         run_ppo(cfg, Path(out) if out else Path("runs") / recipe.stem, resume=resume, overwrite=overwrite)
 
 
