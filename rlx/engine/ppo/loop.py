@@ -89,7 +89,7 @@ class PPORun:
         started = time.perf_counter()
         self.models = build_run_models(cfg, self.backend, start_ckpt)
         self.trainer, self.critic = self.models.actor, self.models.critic
-        models, models_built = self.models, time.perf_counter()
+        models_built = time.perf_counter()
         self.engine = self._build_engine()
         # where a start's time goes, reported with the first step: models (load or init, parallelism), engine
         self.setup_metrics = {
