@@ -111,6 +111,7 @@ def test_staleness_bound_and_resume_after_a_kill(tmp_path):
     sets = ["steps=8", "rollout.max_new_tokens=48", 'rollout.engine="native"']
     run = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--rdzv-endpoint=localhost:0"]
+    command += ["--rdzv-backend=c10d"]
     command += ["-m", "rlx", "ppo", str(recipe), "--out", str(run), *[a for s in sets for a in ("--set", s)]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(command, env=env, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
@@ -169,6 +170,7 @@ def test_a_stalled_rollout_rank_fails_the_run_with_a_timeout(tmp_path):
     one-line error, instead of a hang."""
     recipe, run = write_recipe(tmp_path), tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-endpoint=localhost:0"]
+    command += ["--rdzv-backend=c10d"]
     command += ["-m", "rlx", "ppo", str(recipe), "--out", str(run), "--set", "steps=1000"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "RLX_COLLECTIVE_TIMEOUT_S": "8"}
     log = (tmp_path / "log").open("w")
@@ -188,3 +190,25 @@ def test_a_stalled_rollout_rank_fails_the_run_with_a_timeout(tmp_path):
     text = (tmp_path / "log").read_text()
     assert waited < 40, waited
     assert "rlx ppo: error:" in text and "timed out" in text, text[-3000:]
+
+
+def test_bench_async_step_arguments_and_length_caps():
+    """bench/async_step.py: its modes are checked, and one sample id in 16 (by hash, the same in every mode) gets
+    the long cap."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import async_step
+
+    from rlx.engine.records import PromptRecord
+    from rlx.engine.rollout.config import RolloutConfig
+    from rlx.engine.rollout.requests import Request
+
+    args = async_step.parse_args(["--modes", "sync,async2", "--steps", "3", "--small", "--cpu"])
+    assert args.modes == "sync,async2" and args.long_len == 2048 and args.short_len == 256
+    with pytest.raises(SystemExit):
+        async_step.parse_args(["--modes", "sync,bogus"])
+    sampling = RolloutConfig(n=16, max_new_tokens=100).sampling()
+    prompts = [PromptRecord(id=f"p{i}", prompt="x") for i in range(8)]
+    requests = [Request(p, i, [1, 2]) for p in prompts for i in range(16)]
+    caps = [r.max_new_tokens for r in async_step.capped_token_requests(4, 64, 16)(requests, sampling)]
+    assert set(caps) == {4, 64} and 2 <= caps.count(64) <= 20, caps.count(64)
+    assert caps == [r.max_new_tokens for r in async_step.capped_token_requests(4, 64, 16)(requests, sampling)]
