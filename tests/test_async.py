@@ -48,7 +48,9 @@ def write_recipe(tmp_path: Path, async_table: str | None = "max_staleness = 1") 
 
 
 def ppo_torchrun(n: int, recipe: Path, out: Path, *sets: str, **kwargs) -> subprocess.CompletedProcess:
-    args = [a for s in sets for a in ("--set", s)]
+    args = []  # KEY=VALUE settings, and options such as --resume as they are
+    for s in sets:
+        args += [s] if s.startswith("--") else ["--set", s]
     return run_torchrun(n, "-m", "rlx", "ppo", recipe, "--out", out, *args, **kwargs)
 
 
