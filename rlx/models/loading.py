@@ -10,8 +10,11 @@ becomes a UserError that names the path and what was expected.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +45,47 @@ class ModelSource:
     def hf_kwargs(self) -> dict:
         """Extra `from_pretrained` arguments for this source."""
         return {"gguf_file": self.path.name} if self.is_gguf else {}
+
+
+_GGUF_CACHE: dict[tuple, dict] = {}  # the last GGUF file read: {(path, size, mtime): {"reader"|"config"|...: ...}}
+
+
+def _gguf_cache(source: ModelSource) -> dict:
+    """What was read from `source`'s GGUF file in this process (kept for one file at a time)."""
+    stat = source.path.stat()
+    key = (str(source.path), stat.st_size, stat.st_mtime_ns)
+    if key not in _GGUF_CACHE:
+        _GGUF_CACHE.clear()
+        _GGUF_CACHE[key] = {}
+    return _GGUF_CACHE[key]
+
+
+@contextlib.contextmanager
+def gguf_parsed_once(source: ModelSource) -> Iterator[None]:
+    """Within this block, transformers' GGUF loads share one parse of `source`'s file.
+
+    transformers parses a GGUF file's metadata on every `from_pretrained` (config, tokenizer and weights
+    each, some twice): ~9 s a parse on CPU for SmolLM2's 49k-token vocabulary. The reader only reads the
+    memory-mapped file, so one reader serves every load in the process."""
+    if not source.is_gguf:
+        yield
+        return
+    import gguf
+
+    parse, cache = gguf.GGUFReader, _gguf_cache(source)
+
+    def reader(path, *args, **kwargs):
+        if Path(path) != source.path or args or kwargs:
+            return parse(path, *args, **kwargs)
+        if "reader" not in cache:
+            cache["reader"] = parse(path)
+        return cache["reader"]
+
+    gguf.GGUFReader = reader  # transformers imports it from the module at each load
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = parse
 
 
 PACKAGE_SCHEME = "pkg:"
@@ -98,10 +142,16 @@ def load_config(source: ModelSource):
 
     quiet_transformers()
     _check_known_family(source)
+    if source.is_gguf and "config" in _gguf_cache(source):  # a GGUF's config is seconds of conversion
+        return copy.deepcopy(_gguf_cache(source)["config"])
     try:
-        return AutoConfig.from_pretrained(source.folder, **source.hf_kwargs())
+        with gguf_parsed_once(source):
+            config = AutoConfig.from_pretrained(source.folder, **source.hf_kwargs())
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"{source.path}: cannot read the model config ({_first_line(e)})") from None
+    if source.is_gguf:
+        _gguf_cache(source)["config"] = copy.deepcopy(config)
+    return config
 
 
 def _check_known_family(source: ModelSource) -> None:
@@ -127,12 +177,16 @@ def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
     quiet_transformers()
+    if source.is_gguf and "tokenizer" in _gguf_cache(source):  # converted from GGUF metadata: seconds
+        return copy.deepcopy(_gguf_cache(source)["tokenizer"])
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.folder, **source.hf_kwargs())
+        with gguf_parsed_once(source):
+            tokenizer = AutoTokenizer.from_pretrained(source.folder, **source.hf_kwargs())
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{source.path}: cannot load a tokenizer ({_first_line(e)})") from None
     if source.is_gguf:
         _fix_gguf_special_tokens(tokenizer, load_config(source))
+        _gguf_cache(source)["tokenizer"] = copy.deepcopy(tokenizer)
     return tokenizer
 
 
@@ -275,7 +329,10 @@ def load_causal_lm(source: ModelSource, dtype: torch.dtype | None = torch.float3
         for path in weight_files(source.path):
             _check_safetensors_header(path)
     try:
-        model, info = auto.from_pretrained(source.folder, dtype=dtype, output_loading_info=True, **source.hf_kwargs())
+        with gguf_parsed_once(source):
+            model, info = auto.from_pretrained(
+                source.folder, dtype=dtype, output_loading_info=True, **source.hf_kwargs()
+            )
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
         raise UserError(f"{source.path}: cannot load the model ({_first_line(e)})") from None
     missing = [k for k in info.get("missing_keys", []) if k not in tied_keys(model)]
