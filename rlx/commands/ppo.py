@@ -40,7 +40,7 @@ def ppo(
     """
     with reporting("ppo", on_interrupt="; continue the run with --resume"):
         from rlx.engine.ppo.config import load_recipe
-        from rlx.engine.ppo.defaults import fast_path_defaults
+        from rlx.engine.ppo.defaults import async_defaults, fast_path_defaults
         from rlx.utils.device import resolve_device
 
         if resume and overwrite:
@@ -53,6 +53,11 @@ def ppo(
 
             settings = ", ".join(f"{k}={v}" for k, v in chosen.items())
             console(f"rlx ppo: fast path on {device_type} (keys the recipe leaves out): {settings}")
+        corrected = async_defaults(_recipe_tree(recipe, set_ or []))
+        if corrected and not print_config:
+            from rlx.engine.tracking import console
+
+            console('rlx ppo: [async] samples are off-policy: train.rollout_is = "token" (set it to opt out)')
         if print_config:
             import json
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from rlx.config import ConfigError, apply_overrides, check, check_choices, from_dict, load_toml
 from rlx.engine.evaluation import EvalConfig
-from rlx.engine.ppo.defaults import apply_defaults, fast_path_defaults
+from rlx.engine.ppo.defaults import apply_defaults, async_defaults, fast_path_defaults
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.scoring.config import ScoreConfig
 from rlx.engine.tracking import TrackingConfig
@@ -256,10 +256,10 @@ def load_recipe(path: str | Path, overrides: list[str] = (), device_type: str | 
     tables = ("model", "data", "eval")
     original = {name: dict(data[name]) for name in tables if isinstance(data.get(name), dict)}
     data = apply_overrides(data, list(overrides))
+    if device_type is not None:
+        data = apply_defaults(data, {**fast_path_defaults(device_type, data), **async_defaults(data)})
     if "async" in data:  # `async` is a Python keyword: the field is async_
         data["async_"] = data.pop("async")
-    if device_type is not None:
-        data = apply_defaults(data, fast_path_defaults(device_type, data))
     for section, key in (("model", "path"), ("data", "prompts"), ("eval", "prompts")):
         value = data.get(section, {}).get(key) if isinstance(data.get(section), dict) else None
         from_recipe = value is not None and original.get(section, {}).get(key) == value
