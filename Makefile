@@ -44,8 +44,11 @@ quickstart: setup
 	rm -rf runs/quickstart
 	$(BIN)/rlx ppo recipes/quickstart.toml --out runs/quickstart
 
+# Two test workers per two cores (pytest-xdist), one thread each: most tests are small single-process runs
+# and subprocess pipelines, so they overlap better than torch's threads speed one up. The vLLM tests share one
+# worker (xdist_group "vllm"), in file order.
 test: setup-test
-	$(BIN)/python -m pytest -q --durations=30
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --dist loadgroup --durations=30
 
 lint: setup
 	$(BIN)/ruff check rlx tests bench

@@ -68,6 +68,9 @@ def _coerce_union(value: Any, tp: Any, key: str) -> Any:
     args = get_args(tp)
     if value is None and type(None) in args:
         return None
+    others = [arg for arg in args if arg is not type(None)]
+    if len(others) == 1:  # an optional table or value: its own error names the inner key
+        return _coerce(value, others[0], key)
     for arg in args:
         if arg is type(None):
             continue

@@ -115,6 +115,17 @@ def test_the_fast_path_is_the_default_on_cuda_and_only_fills_what_the_recipe_lea
     assert fast_path_defaults("cpu", {}) == fast_path_defaults("npu", {}) == {}
 
 
+def test_async_recipes_correct_stale_samples_unless_the_recipe_says_otherwise():
+    from rlx.engine.ppo.config import load_recipe
+
+    recipe = REPO / "recipes" / "quickstart.toml"
+    assert load_recipe(recipe, ["async.max_staleness=1"], "cpu").train.rollout_is == "token"
+    assert load_recipe(recipe, ["async.rollout_ranks=1"], "cpu").train.rollout_is == "token"  # staleness 1 default
+    assert load_recipe(recipe, ["async.max_staleness=0"], "cpu").train.rollout_is == "none"  # the synchronous loop
+    assert load_recipe(recipe, ["async.max_staleness=2", 'train.rollout_is="none"'], "cpu").train.rollout_is == "none"
+    assert load_recipe(recipe, [], "cpu").train.rollout_is == "none"
+
+
 def test_compile_caches_live_under_rlx_cache(tmp_path, monkeypatch):
     from rlx.utils.cache import configure_compile_caches
 

@@ -9,7 +9,7 @@ import math
 import sys
 
 import pytest
-from agent_helpers import ENVS, random_chat_model, spans, token_engine
+from agent_helpers import ENVS, bigram_chat_model, random_chat_model, spans, token_engine
 
 from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.driver import EnvRollout
@@ -111,6 +111,25 @@ def test_a_slow_environment_never_stalls_the_other_samples(envs_file, engine):
     assert stats["timing/env_wait_s"] > 0.8  # the engine idled while only q0 was left, waiting on it
     steps.clear()
     importlib.invalidate_caches()
+
+
+@pytest.mark.parametrize("engine", ["hf", "native"])
+def test_a_stop_string_ends_the_turn_and_is_cut_from_its_message(envs_file, engine):
+    """rollout.stop in multi-turn: the turn ends at the token that completes the stop string (that token is
+    trained), the message the environment reads ends before it (as in single-turn text), and the next turn
+    follows the template's end of turn."""
+    model, tokenizer = bigram_chat_model("\nabXYcd<|im_end|>")
+    runner = EnvRollout(
+        token_engine(model, tokenizer, engine),
+        tokenizer,
+        RolloutConfig(n=1, max_new_tokens=12, temperature=0.0, stop=("XY",)).sampling(),
+        AgentConfig(env=f"{envs_file}/envs.py:Echo", max_total_tokens=400),
+    )
+    record = runner.generate(QUESTIONS[:1])[0]
+    replies = [m["content"] for m in record.messages if m["role"] == "assistant"]
+    assert replies == ["ab", "ab", "ab"] and record.finish_reason == "env_done"
+    model_spans = [record.response_ids[lo:hi] for lo, hi, on in spans(record.loss_mask) if on]
+    assert [tokenizer.decode(ids) for ids in model_spans] == ["abXY"] * 3
 
 
 def test_token_requests_keep_their_own_limits_and_streams():

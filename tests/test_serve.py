@@ -137,6 +137,22 @@ def test_tool_calls_in_replies_match_the_python_environment():
     assert from_agent.messages[2] == {"role": "tool", "tool_call_id": "call_0_0", "content": "408"}
 
 
+def test_a_stop_string_is_cut_from_replies_as_from_environment_messages(files):
+    """rollout.stop through the server: the agent reads the reply up to the stop string, as the Python
+    environment does, and the trajectories are the same."""
+    model, tokenizer = bigram_chat_model("\nabXYcd<|im_end|>")
+    engine = token_engine(model, tokenizer)
+    sampling = RolloutConfig(n=1, max_new_tokens=12, temperature=0.0, stop=("XY",)).sampling()
+    cfg = AgentConfig(env=f"{files}/envs.py:Echo", max_total_tokens=400)
+    [from_env] = EnvRollout(engine, tokenizer, sampling, cfg).generate(QUESTIONS[:1])
+    [from_agent] = AgentRollout(engine, tokenizer, sampling, cfg, f"{files}/agent.py:echo_agent").generate(
+        QUESTIONS[:1]
+    )
+    assert [m["content"] for m in from_agent.messages if m["role"] == "assistant"] == ["ab"] * 3
+    assert from_agent.messages == [normalize_message(m) for m in from_env.messages]
+    assert from_agent.response_ids == from_env.response_ids and from_agent.loss_mask == from_env.loss_mask
+
+
 def test_rewritten_history_starts_a_new_segment():
     server, backend = serve(random_chat_model())
     client = openai.OpenAI(base_url=server.base_url("a/0"), api_key="unused", max_retries=0)

@@ -99,11 +99,12 @@ def test_failed_shard_leaves_nothing(tmp_path, tiny_dir):
 def test_gguf_shard_matches_transformers_and_runs(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlx.models.loading import resolve_source
+    from rlx.models.loading import gguf_parsed_once, resolve_source
 
     cli_ok("shard", "--model", SMOLLM2, "--out", tmp_path / "ckpt")
     source = resolve_source(SMOLLM2)
-    reference = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.path.name, dtype=torch.float32)
+    with gguf_parsed_once(source):  # the file's metadata as `rlx shard` read it (a parse is ~9 s)
+        reference = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.path.name, dtype=torch.float32)
     stored = read_weights(tmp_path / "ckpt")
     for key, value in reference.state_dict().items():
         if key != "lm_head.weight":  # tied to the embeddings

@@ -40,7 +40,7 @@ def ppo(
     """
     with reporting("ppo", on_interrupt="; continue the run with --resume"):
         from rlx.engine.ppo.config import load_recipe
-        from rlx.engine.ppo.defaults import fast_path_defaults
+        from rlx.engine.ppo.defaults import async_defaults, fast_path_defaults
         from rlx.utils.device import resolve_device
 
         if resume and overwrite:
@@ -53,6 +53,11 @@ def ppo(
 
             settings = ", ".join(f"{k}={v}" for k, v in chosen.items())
             console(f"rlx ppo: fast path on {device_type} (keys the recipe leaves out): {settings}")
+        corrected = async_defaults(_recipe_tree(recipe, set_ or []))
+        if corrected and not print_config:
+            from rlx.engine.tracking import console
+
+            console('rlx ppo: [async] samples are off-policy: train.rollout_is = "token" (set it to opt out)')
         if print_config:
             import json
 
@@ -68,6 +73,8 @@ def ppo(
                 f"--out {out}: the run folder must be local (model.path and data.prompts may be URLs; "
                 f"copy checkpoints out with `rlx merge --out URL`)"
             )
+        if cfg.async_ is not None:  # rollout ranks and trainers (under torchrun)
+            from rlx.engine.ppo.async_train import run_async_ppo as run_ppo
         run_ppo(cfg, Path(out) if out else Path("runs") / recipe.stem, resume=resume, overwrite=overwrite)
 
 

@@ -178,8 +178,13 @@ _ROLLOUT_KEYS = (
     "messages",
     "num_turns",
     "env_reward",
+    "policy_version",
+    "rollout_restarts",
+    "resumed_from",
 )
 _MULTI_TURN_KEYS = ("loss_mask", "messages", "num_turns", "env_reward")
+_ASYNC_KEYS = ("policy_version", "rollout_restarts", "resumed_from")
+_OPTIONAL_KEYS = _MULTI_TURN_KEYS + _ASYNC_KEYS
 
 
 def _is_messages(value: Any) -> bool:
@@ -228,6 +233,14 @@ class RolloutRecord:
     """Multi-turn: assistant turns generated."""
     env_reward: float | None = None
     """Multi-turn: the sum of the environment's step rewards (an agent's return value)."""
+    policy_version: int | None = None
+    """Asynchronous runs: the policy that generated the sample (k = the weights after step k; 0 = the start)."""
+    rollout_restarts: int | None = None
+    """Asynchronous runs: how often new weights arrived while the sample was generated and it started again
+    (async.partial_rollouts = 'drop'); 0 = generated in one go by policy_version."""
+    resumed_from: int | None = None
+    """Asynchronous runs: set on the samples of the steps after a resume that the stopped run may have generated
+    already (they are generated again): the checkpoint step the run resumed from."""
 
     @property
     def is_multi_turn(self) -> bool:
@@ -274,6 +287,7 @@ class RolloutRecord:
             ground_truth=obj.get("ground_truth"),
             extra={k: v for k, v in obj.items() if k not in _ROLLOUT_KEYS},
             **_multi_turn_fields(f),
+            **{key: f.get(key, "a non-negative integer", _is_count, required=False) for key in _ASYNC_KEYS},
         )
         if not rec.prompt_ids:
             raise f.fail("prompt_ids", "at least one token")
@@ -296,10 +310,14 @@ class RolloutRecord:
     def to_json(self) -> dict:
         out = {"format_version": FORMAT_VERSION}
         for f in dataclasses.fields(self):
-            if f.name != "extra" and not (f.name in _MULTI_TURN_KEYS and getattr(self, f.name) is None):
+            if f.name != "extra" and not (f.name in _OPTIONAL_KEYS and getattr(self, f.name) is None):
                 out[f.name] = getattr(self, f.name)
         out.update(self.extra)
         return out
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _multi_turn_fields(f: _Fields) -> dict:

@@ -28,7 +28,8 @@ from rlx.engine.agent.trajectory import ChatRenderer, Trajectory
 from rlx.engine.records import PromptRecord, RolloutRecord
 from rlx.engine.rollout.base import RolloutEngine, TokenStream
 from rlx.engine.rollout.config import SamplingParams
-from rlx.engine.rollout.requests import Generated, TokenRequest
+from rlx.engine.rollout.requests import Generated, TokenRequest, cut_response
+from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
 
 LOCKSTEP_POLL_S = 0.01
@@ -72,6 +73,7 @@ class EnvRollout:
         self.sampling, self.cfg = sampling, cfg
         self.envs = envs or EnvironmentFactory(cfg.env)
         self.parse = get_tool_call_parser(cfg.tool_parser)
+        self.stops = StopStrings(tokenizer, sampling.stop) if sampling.stop else None
         self.last_stats: dict[str, float] = {}
         self._seconds: dict[str, float] = {}
 
@@ -168,7 +170,10 @@ class EnvRollout:
     def _add_turn(self, ep: Episode, gen: Generated) -> ParsedTurn:
         ep.trajectory.add_model_turn(gen.response_ids, gen.logprobs)
         ep.last_turn_ids = gen.response_ids
-        ep.last_turn_text = self.tokenizer.decode(gen.response_ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(gen.response_ids, skip_special_tokens=True)
+        if self.stops is not None and gen.finish_reason == "stop":  # the message ends before its stop string
+            text = cut_response(text, self.stops.first(text))
+        ep.last_turn_text = text
         parsed = self.parse(ep.last_turn_text, ep.trajectory.num_turns - 1)
         ep.trajectory.messages.append(parsed.message)
         return parsed

@@ -28,6 +28,7 @@ from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.sessions import SampleSession
 from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.requests import TokenRequest
+from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
 
 _ROUTE = re.compile(r"^(?:/s/(?P<sample>[^/]+))?/v1/(?P<endpoint>chat/completions|completions|models)/?$")
@@ -109,7 +110,8 @@ class AgentServer:
     def session(self, sample_id: str) -> SampleSession:
         with self._sessions_lock:
             if sample_id not in self.sessions:
-                self.sessions[sample_id] = SampleSession(sample_id, self.tokenizer, self.stop_ids, self.cfg)
+                stops = StopStrings(self.tokenizer, self.sampling.stop) if self.sampling.stop else None
+                self.sessions[sample_id] = SampleSession(sample_id, self.tokenizer, self.stop_ids, self.cfg, stops)
             return self.sessions[sample_id]
 
     def handle(self, method: str, path: str, body: bytes) -> tuple[int, dict]:

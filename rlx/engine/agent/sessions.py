@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.tool_calls import get_tool_call_parser
 from rlx.engine.agent.trajectory import ChatRenderer, Trajectory
-from rlx.engine.rollout.requests import Generated
+from rlx.engine.rollout.requests import Generated, cut_response
+from rlx.engine.rollout.stops import StopStrings
 
 
 def message_text(content) -> str:
@@ -86,8 +87,12 @@ class Plan:
 class SampleSession:
     """Every request made to one sample's base URL (handled one at a time: `lock`)."""
 
-    def __init__(self, sample_id: str, tokenizer, stop_ids: set[int], cfg: AgentConfig):
+    def __init__(
+        self, sample_id: str, tokenizer, stop_ids: set[int], cfg: AgentConfig, stops: StopStrings | None = None
+    ):
         self.sample_id, self.tokenizer, self.stop_ids, self.cfg = sample_id, tokenizer, set(stop_ids), cfg
+        self.stops = stops
+        """rollout.stop: a reply's text ends before its stop string (its tokens keep it)."""
         self.parse = get_tool_call_parser(cfg.tool_parser)
         self.segments: list[Segment] = []
         self.num_requests = 0
@@ -155,7 +160,10 @@ class SampleSession:
         traj.add_model_turn(gen.response_ids, gen.logprobs)
         self.num_requests += 1
         seg.last_turn_ids, seg.finish_reason = gen.response_ids, gen.finish_reason
-        seg.last_turn_text = self.tokenizer.decode(gen.response_ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(gen.response_ids, skip_special_tokens=True)
+        if self.stops is not None and gen.finish_reason == "stop":
+            text = cut_response(text, self.stops.first(text))
+        seg.last_turn_text = text
         if seg.kind == "completion":
             seg.text += plan.new_text + seg.last_turn_text
             return seg.last_turn_text, []

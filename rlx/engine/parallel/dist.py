@@ -106,7 +106,7 @@ def setup(device_name: str = "auto", sp_degree: int = 1, timeout_s: float | None
     rank, world, local_rank = found
     if world % sp_degree:
         raise UserError(f"{world} processes cannot be split into sequence-parallel groups of {sp_degree}")
-    device = _rank_device(device_name, local_rank)
+    device = rank_device(device_name, local_rank)
     backend = BACKENDS[device.type]
     if not dist.is_initialized():
         dist.init_process_group(
@@ -128,6 +128,11 @@ def setup(device_name: str = "auto", sp_degree: int = 1, timeout_s: float | None
     return _CONTEXT
 
 
+def collective_timeout_s() -> float:
+    """Seconds a collective (or a wait on another process) may take: $RLX_COLLECTIVE_TIMEOUT_S, default 1800."""
+    return _timeout_from_env()
+
+
 def _timeout_from_env() -> float:
     raw = os.environ.get("RLX_COLLECTIVE_TIMEOUT_S", "1800")
     try:
@@ -139,7 +144,8 @@ def _timeout_from_env() -> float:
     return value
 
 
-def _rank_device(device_name: str, local_rank: int) -> torch.device:
+def rank_device(device_name: str, local_rank: int) -> torch.device:
+    """The device of the process with `local_rank` on its host (made current on accelerators)."""
     device = resolve_device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)

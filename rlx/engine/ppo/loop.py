@@ -91,8 +91,8 @@ class PPORun:
         started = time.perf_counter()
         self.models = build_run_models(initial, self.backend, start_ckpt)
         self.trainer, self.critic = self.models.actor, self.models.critic
-        models, models_built = self.models, time.perf_counter()
-        self.engine = build_engine(cfg.rollout, models.rollout_model, models.tokenizer, self.ctx, models.processor)
+        models_built = time.perf_counter()
+        self.engine = self._build_engine()
         # where a start's time goes, reported with the first step: models (load or init, parallelism), engine
         self.setup_metrics = {
             "timing/setup_models_s": models_built - started,
@@ -107,6 +107,11 @@ class PPORun:
             cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
         )
         self.stop = StopRequest()
+
+    def _build_engine(self):
+        """The rollout engine the steps generate with (an asynchronous run's trainers have none: async_train.py)."""
+        models = self.models
+        return build_engine(self.cfg.rollout, models.rollout_model, models.tokenizer, self.ctx, models.processor)
 
     def run(self) -> None:
         cfg = self.cfg
@@ -361,6 +366,8 @@ class PPORun:
 
 def run_ppo(cfg: PPOConfig, run_dir: Path, resume: bool = False, overwrite: bool = False) -> None:
     """Run (or resume, or with `overwrite` replace) the loop in `run_dir`, holding its lock throughout."""
+    if cfg.async_ is not None:
+        raise UserError("a recipe with [async] runs through `rlx ppo` under torchrun (rlx/engine/ppo/async_train.py)")
     run = PPORun(cfg, run_dir, resume, overwrite)
     try:
         run.run()

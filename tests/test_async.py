@@ -1,0 +1,216 @@
+"""Asynchronous `rlx ppo` ([async]): rollout ranks and trainers under torchrun (gloo on CPU), the staleness bound
+read back from the written records, max_staleness 0 == the synchronous loop, resume after a kill, learning, a
+stalled rollout rank, and the errors of bad settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlx.engine.parallel.roles import check_split
+from rlx.errors import UserError
+from tests.conftest import REPO, cli, read_jsonl, run_torchrun
+from tests.test_ppo import assert_same_weights
+
+RECIPE = f"""
+seed = 0
+steps = 4
+save_every = 1
+keep_checkpoints = 0
+[model]
+path = "{REPO / "recipes" / "tiny-arith"}"
+init = "random"
+[data]
+prompts = "{REPO / "recipes" / "data" / "arith_quickstart.jsonl"}"
+prompts_per_step = 8
+[rollout]
+n = 4
+max_new_tokens = 3
+[score]
+reward = "arith"
+[train]
+lr = 1e-3
+mini_batch_size = 128
+"""
+
+
+def write_recipe(tmp_path: Path, async_table: str | None = "max_staleness = 1") -> Path:
+    path = tmp_path / "recipe.toml"
+    path.write_text(RECIPE + (f"[async]\n{async_table}\n" if async_table is not None else ""))
+    return path
+
+
+def ppo_torchrun(n: int, recipe: Path, out: Path, *sets: str, **kwargs) -> subprocess.CompletedProcess:
+    args = []  # KEY=VALUE settings, and options such as --resume as they are
+    for s in sets:
+        args += [s] if s.startswith("--") else ["--set", s]
+    return run_torchrun(n, "-m", "rlx", "ppo", recipe, "--out", out, *args, **kwargs)
+
+
+def check_staleness(run: Path, steps: int, bound: int) -> list[int]:
+    """Every trained sample of every step within the bound (from rollouts.jsonl); the staleness per step."""
+    worst = []
+    for step in range(1, steps + 1):
+        records = read_jsonl(run / f"step_{step:06d}" / "rollouts.jsonl")
+        lags = [step - 1 - r["policy_version"] for r in records]
+        assert all(0 <= lag <= bound for lag in lags), (step, lags)
+        worst.append(max(lags))
+    return worst
+
+
+def test_bad_async_settings_are_one_line_errors(tmp_path):
+    recipe = write_recipe(tmp_path)
+    alone = cli("ppo", recipe, "--out", tmp_path / "run")
+    assert alone.exit_code == 1 and "torchrun --nproc_per_node 2" in alone.stderr, alone
+    assert not (tmp_path / "run").exists()
+    for setting, words in (
+        ("async.max_staleness=-1", "async.max_staleness: must be >= 0"),
+        ("async.rollout_ranks=0", "async.rollout_ranks: must be at least 1"),
+        ('async.partial_rollouts="continue"', "not implemented yet"),
+        ("score.filter_groups=true", "score.filter_groups is not supported with [async]"),
+    ):
+        result = cli("ppo", recipe, "--out", tmp_path / "run", "--set", setting)
+        assert result.exit_code == 1 and words in result.stderr, (setting, result)
+    with pytest.raises(UserError, match="leaves no trainer among the 2 launched"):
+        check_split(2, 1, (0, 2, 0))
+    with pytest.raises(UserError, match="sequence-parallel groups of train.sp_degree = 2"):
+        check_split(1, 2, (0, 4, 0))
+    assert check_split(1, 2, (3, 3, 3)) == (3, 3, 3)
+
+
+@pytest.mark.slow
+def test_max_staleness_0_is_the_synchronous_run(tmp_path):
+    """1 rollout rank + 1 trainer at max_staleness 0 == `rlx ppo` on one launched process: same weights, metrics."""
+    ppo_torchrun(2, write_recipe(tmp_path, "max_staleness = 0"), tmp_path / "async")
+    (tmp_path / "sync").mkdir()
+    ppo_torchrun(1, write_recipe(tmp_path / "sync", None), tmp_path / "sync" / "run")
+    sync, run = tmp_path / "sync" / "run", tmp_path / "async"
+    assert_same_weights(sync / "checkpoints" / "step_000004", run / "checkpoints" / "step_000004")
+    assert check_staleness(run, 4, 0) == [0, 0, 0, 0]
+    for a, b in zip(read_jsonl(sync / "metrics.jsonl"), read_jsonl(run / "metrics.jsonl")):
+        for key in ("reward/mean", "actor/pg_loss", "actor/ref_kl", "actor/entropy"):
+            assert a[key] == b[key], key
+    for step in ("step_000001", "step_000004"):
+        ours = read_jsonl(run / step / "rollouts.jsonl")
+        assert [{k: v for k, v in r.items() if k not in ("policy_version", "rollout_restarts")} for r in ours] == (
+            read_jsonl(sync / step / "rollouts.jsonl")
+        )
+
+
+@pytest.mark.slow
+def test_staleness_bound_and_resume_after_a_kill(tmp_path):
+    """2 rollout ranks (the native engine: samples in flight are dropped at each update) + 1 trainer at
+    max_staleness 1, killed after step 3 and resumed: every step trains its own prompts' samples exactly once,
+    each within the bound, and the regenerated ones say so."""
+    recipe = write_recipe(tmp_path, "max_staleness = 1\nrollout_ranks = 2")
+    sets = ["steps=8", "rollout.max_new_tokens=48", 'rollout.engine="native"']
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--rdzv-endpoint=localhost:0"]
+    command += ["--rdzv-backend=c10d"]
+    command += ["-m", "rlx", "ppo", str(recipe), "--out", str(run), *[a for s in sets for a in ("--set", s)]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(command, env=env, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "step_000003").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run / "checkpoints" / "step_000008").exists(), "the run finished before it was killed"
+    resumed_at = max(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
+    ppo_torchrun(3, recipe, run, *sets, "--resume")
+    check_staleness(run, 8, 1)
+    prompts = [json.loads(line)["id"] for line in (REPO / "recipes/data/arith_quickstart.jsonl").open()]
+    for step in range(1, 9):
+        records = read_jsonl(run / f"step_{step:06d}" / "rollouts.jsonl")
+        expected = [f"{p}/{i}" for p in prompts[(step - 1) * 8 : step * 8] for i in range(4)]
+        assert [r["id"] for r in records] == expected, step
+        regenerated = {r.get("resumed_from") for r in records}
+        assert regenerated == ({resumed_at} if resumed_at < step <= resumed_at + 2 else {None}), step
+        assert all(r["rollout_restarts"] >= 0 for r in records)
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_quickstart_learns_asynchronously(tmp_path):
+    run = tmp_path / "run"
+    sets = ["seed=1", "async.max_staleness=1", "keep_artifacts=true"]
+    ppo_torchrun(2, REPO / "recipes" / "quickstart.toml", run, *sets)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    rewards = [m["reward/mean"] for m in metrics]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last >= first + 0.3, (first, last)
+    assert max(check_staleness(run, len(rewards), 1)) == 1
+    assert all(m["async/staleness_max"] <= 1 for m in metrics)
+
+
+def _launched_rank(launcher_pid: int, rank: int) -> int | None:
+    """The pid of the process torchrun started as RANK=rank (its children carry RANK in their environment)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher_pid and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_stalled_rollout_rank_fails_the_run_with_a_timeout(tmp_path):
+    """A rollout rank that stops answering (SIGSTOP) ends the trainers within RLX_COLLECTIVE_TIMEOUT_S with a
+    one-line error, instead of a hang."""
+    recipe, run = write_recipe(tmp_path), tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-endpoint=localhost:0"]
+    command += ["--rdzv-backend=c10d"]
+    command += ["-m", "rlx", "ppo", str(recipe), "--out", str(run), "--set", "steps=1000"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "RLX_COLLECTIVE_TIMEOUT_S": "8"}
+    log = (tmp_path / "log").open("w")
+    proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while not (run / "checkpoints" / "step_000002").exists() and time.time() < deadline:
+        time.sleep(0.01)
+    rollout, trainer = _launched_rank(proc.pid, 0), _launched_rank(proc.pid, 1)
+    assert rollout and trainer, "no torchrun workers found"
+    os.kill(rollout, signal.SIGSTOP)
+    stalled = time.time()
+    while Path(f"/proc/{trainer}").exists() and time.time() < stalled + 60:
+        time.sleep(0.1)
+    waited = time.time() - stalled
+    os.kill(rollout, signal.SIGKILL)  # the launcher's SIGTERM would wait on a stopped process
+    assert proc.wait(timeout=60) != 0
+    text = (tmp_path / "log").read_text()
+    assert waited < 40, waited
+    assert "rlx ppo: error:" in text and "timed out" in text, text[-3000:]
+
+
+def test_bench_async_step_arguments_and_length_caps():
+    """bench/async_step.py: its modes are checked, and one sample id in 16 (by hash, the same in every mode) gets
+    the long cap."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import async_step
+
+    from rlx.engine.records import PromptRecord
+    from rlx.engine.rollout.config import RolloutConfig
+    from rlx.engine.rollout.requests import Request
+
+    args = async_step.parse_args(["--modes", "sync,async2", "--steps", "3", "--small", "--cpu"])
+    assert args.modes == "sync,async2" and args.long_len == 2048 and args.short_len == 256
+    with pytest.raises(SystemExit):
+        async_step.parse_args(["--modes", "sync,bogus"])
+    sampling = RolloutConfig(n=16, max_new_tokens=100).sampling()
+    prompts = [PromptRecord(id=f"p{i}", prompt="x") for i in range(8)]
+    requests = [Request(p, i, [1, 2]) for p in prompts for i in range(16)]
+    caps = [r.max_new_tokens for r in async_step.capped_token_requests(4, 64, 16)(requests, sampling)]
+    assert set(caps) == {4, 64} and 2 <= caps.count(64) <= 20, caps.count(64)
+    assert caps == [r.max_new_tokens for r in async_step.capped_token_requests(4, 64, 16)(requests, sampling)]
