@@ -38,8 +38,10 @@ class SFTConfig:
     warmup_steps: int = 0
     """Linear learning-rate warm-up over this many optimizer steps."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning rate after warm-up: constant, or decayed linearly / by a half cosine to lr * min_lr_ratio at the
-    last step."""
+    """Learning rate after warm-up: constant, or decayed linearly / by a half cosine to lr * min_lr_ratio at
+    lr_decay_steps (default: the last step)."""
+    lr_decay_steps: int = 0
+    """Optimizer steps (warm-up included) after which linear/cosine decay reaches its floor; 0 = the run's steps."""
     min_lr_ratio: float = 0.0
     """Floor of the linear/cosine decay as a fraction of lr."""
     weight_decay: float = 0.01
@@ -66,6 +68,7 @@ class SFTConfig:
         check(self.micro_batch_size >= 1, "micro_batch_size", f"must be at least 1, got {self.micro_batch_size}")
         check(self.max_length >= 0, "max_length", f"must be >= 0, got {self.max_length}")
         check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        check(self.lr_decay_steps >= 0, "lr_decay_steps", f"must be >= 0, got {self.lr_decay_steps}")
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         check(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
@@ -78,16 +81,17 @@ class SFTConfig:
     def train_config(self, num_steps: int) -> TrainConfig:
         """The trainer's settings: one optimizer step per call, the learning-rate schedule over `num_steps`."""
         decays = self.lr_schedule != "constant"
+        decay_steps = self.lr_decay_steps or num_steps
         check(
-            not decays or num_steps > self.warmup_steps,
+            not decays or decay_steps > self.warmup_steps,
             "warmup_steps",
-            f"a decaying lr needs more steps ({num_steps}) than warm-up steps ({self.warmup_steps})",
+            f"a decaying lr needs more steps ({decay_steps}) than warm-up steps ({self.warmup_steps})",
         )
         return TrainConfig(
             lr=self.lr,
             warmup_steps=self.warmup_steps,
             lr_schedule=self.lr_schedule,
-            lr_decay_steps=num_steps if decays else 0,
+            lr_decay_steps=decay_steps if decays else 0,
             min_lr_ratio=self.min_lr_ratio,
             weight_decay=self.weight_decay,
             max_grad_norm=self.max_grad_norm,
