@@ -25,7 +25,7 @@ mkdir -p "$RUN"
 rlx shard --model "$HERE/tiny-chat" --init random --seed "$SEED" --out "$RUN/init"
 # ... fine-tuned on solved episodes ([sft]): the step-0 checkpoint, and the reference model of every step
 rlx sft --model "$RUN/init" --data "$HERE/data/calculator_demos.jsonl" --out "$(ckpt 0)" \
-  --epochs 11 --lr 3e-3 --warmup-steps 10 --lr-schedule cosine --lr-decay-steps 600 --weight-decay 0 \
+  --epochs 14 --lr 3e-3 --warmup-steps 10 --lr-schedule cosine --lr-decay-steps 600 --weight-decay 0 \
   --batch-size 32 --micro-batch-size 32 --seed "$SEED" --max-steps "$SFT_MAX_STEPS" --metrics "$RUN/sft_metrics.jsonl"
 
 for ((step = 1; step <= STEPS; step++)); do
@@ -42,7 +42,7 @@ for ((step = 1; step <= STEPS; step++)); do
     --micro-batch-size 128 --out "$dir" --metrics "$RUN/metrics.jsonl"
   # [train]
   rlx train-step --checkpoint "$prev" --batch "$dir/batch.safetensors" --out "$(ckpt "$step")" \
-    --lr 5e-4 --mini-batch-size 128 --micro-batch-size 128 --weight-decay 0 --seed "$SEED" \
+    --lr 2e-4 --mini-batch-size 128 --micro-batch-size 128 --weight-decay 0 --seed "$SEED" \
     --metrics "$RUN/metrics.jsonl"
 done
 echo "calculator.sh: done; final checkpoint $(ckpt "$STEPS")" >&2
