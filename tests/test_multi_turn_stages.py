@@ -187,7 +187,7 @@ def test_two_ranks_give_the_records_of_one(chat, tmp_path):
 
 @pytest.mark.slow
 def test_calculator_shell_pipeline_equals_ppo(tmp_path):
-    """~30 s: recipes/calculator.sh (two [sft] steps, one RL step) gives the SFT metrics and step-0 weights, the
+    """~55 s: recipes/calculator.sh (two [sft] steps, one RL step) gives the SFT metrics and step-0 weights, the
     rollouts, scores, metrics and weights of `rlx ppo`; then `rlx report` shows the turns per sample and the
     environment reward."""
     env = {**os.environ, "STEPS": "1", "SEED": "2", "PROMPTS_PER_STEP": "4", "N": "2", "OMP_NUM_THREADS": "1",
