@@ -80,6 +80,20 @@ def test_run_writes_the_artifacts_of_every_stage(tmp_path):
     assert other.exit_code == 1 and "train.lr" in other.stderr
 
 
+def test_a_run_from_before_a_new_optional_table_resumes(tmp_path):
+    """recipe.json of a run written before [sft] and [async] existed has no key for them: it still resumes (the
+    tables are not used), and a real difference is still refused."""
+    run = tmp_path / "run"
+    cli_ok("ppo", QUICKSTART, "--out", run, "--set", "steps=1", *SMALL)
+    saved = json.loads((run / "recipe.json").read_text())
+    assert saved.pop("sft") is None and saved.pop("async_") is None
+    (run / "recipe.json").write_text(json.dumps(saved))
+    cli_ok("ppo", QUICKSTART, "--out", run, "--resume", "--set", "steps=2", *SMALL)
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2]
+    changed = cli("ppo", QUICKSTART, "--out", run, "--resume", "--set", "steps=3", "--set", "train.lr=0.5", *SMALL)
+    assert changed.exit_code == 1 and "differs from the run's at 'train.lr'" in changed.stderr, changed
+
+
 def test_resume_after_kill_gives_the_same_weights(tmp_path):
     args = ["--set", "steps=10", "--set", "keep_checkpoints=0", *SMALL]
     reference = tmp_path / "reference"

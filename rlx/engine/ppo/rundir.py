@@ -69,6 +69,7 @@ def prepare_run_dir(
         saved = json.loads(recipe_path.read_text())
         saved["steps"] = recipe["steps"]  # a resumed run may be extended
         saved["tracking"] = recipe["tracking"]  # and logged elsewhere
+        _add_unused_new_tables(saved, recipe)
         if saved != recipe:
             key = _first_difference(saved, recipe)
             raise UserError(
@@ -110,3 +111,13 @@ def _first_difference(a, b, prefix: str = "") -> str:
             if a.get(key) != b.get(key):
                 return _first_difference(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else key)
     return prefix or "<root>"
+
+
+def _add_unused_new_tables(saved: dict, recipe: dict) -> None:
+    """A run written before an optional table existed (e.g. [sft], [async]) has no key for it: when the recipe
+    does not use that table (None), the saved run did not either."""
+    for key, value in recipe.items():
+        if key not in saved and value is None:
+            saved[key] = None
+        elif isinstance(value, dict) and isinstance(saved.get(key), dict):
+            _add_unused_new_tables(saved[key], value)
