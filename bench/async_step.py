@@ -14,8 +14,9 @@ response runs to its own cap: 256 tokens for 15 samples in 16, 2,048 for the oth
 sample id, the same samples in every mode). The cap is set in the launched processes by wrapping rlx's
 `token_requests` (bench only: rlx has no per-sample length option).
 
-Per mode: samples/s over the steady steps (every step after the first: samples per step / median step time),
-median step time, and for async the mean staleness and the trainers' and rollout ranks' waits.
+Per mode: samples/s over the steady steps (every step after the first: their samples / their summed step
+times; also samples per step / the median step), median and p90 step time, and for async the mean staleness
+and the trainers' and rollout ranks' waits.
 """
 
 from __future__ import annotations
@@ -132,8 +133,10 @@ def run_mode(name: str, args, work: Path) -> dict:
     out = {
         "mode": name,
         "max_staleness": MODES[name],
-        "samples_per_s": samples / statistics.median(steady),
+        "samples_per_s": samples * len(steady) / sum(steady),
+        "samples_per_s_median_step": samples / statistics.median(steady),
         "median_step_s": statistics.median(steady),
+        "p90_step_s": sorted(steady)[min(len(steady) - 1, int(0.9 * len(steady)))],
         "wall_s_all_steps": sum(m["timing/step_s"] for m in metrics),
         "response_length_mean": statistics.mean(m["response_length/mean"] for m in metrics),
         "steps_s": [m["timing/step_s"] for m in metrics],
@@ -163,6 +166,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.modes.split(",")) - set(MODES)
     if unknown:
         parser.error(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(MODES)}")
+    if args.small:  # the tiny model's context is 1,024 positions: scale the default lengths down with it
+        defaults = {"prompt_len": 128, "short_len": 256, "long_len": 2048, "num_prompts": 32, "num_generations": 8}
+        small = {"prompt_len": 16, "short_len": 16, "long_len": 96, "num_prompts": 4, "num_generations": 4}
+        for key, value in small.items():
+            if getattr(args, key) == defaults[key]:
+                setattr(args, key, value)
     return args
 
 

@@ -62,6 +62,10 @@ def check_staleness(run: Path, steps: int, bound: int) -> list[int]:
         lags = [step - 1 - r["policy_version"] for r in records]
         assert all(0 <= lag <= bound for lag in lags), (step, lags)
         worst.append(max(lags))
+        for r in records:  # 'continue': the runs of tokens under each policy, oldest first, none newer than step - 1
+            runs = r.get("policy_versions") or [[0, r["policy_version"]]]
+            assert runs[0] == [0, r["policy_version"]], r
+            assert all(a[0] < b[0] < len(r["response_ids"]) and a[1] < b[1] <= step - 1 for a, b in zip(runs, runs[1:]))
     return worst
 
 
@@ -73,7 +77,7 @@ def test_bad_async_settings_are_one_line_errors(tmp_path):
     for setting, words in (
         ("async.max_staleness=-1", "async.max_staleness: must be >= 0"),
         ("async.rollout_ranks=0", "async.rollout_ranks: must be at least 1"),
-        ('async.partial_rollouts="continue"', "not implemented yet"),
+        ('async.partial_rollouts="later"', "async.partial_rollouts"),
         ("score.filter_groups=true", "score.filter_groups is not supported with [async]"),
     ):
         result = cli("ppo", recipe, "--out", tmp_path / "run", "--set", setting)
@@ -106,7 +110,7 @@ def test_max_staleness_0_is_the_synchronous_run(tmp_path):
 
 @pytest.mark.slow
 def test_staleness_bound_and_resume_after_a_kill(tmp_path):
-    """2 rollout ranks (the native engine: samples in flight are dropped at each update) + 1 trainer at
+    """2 rollout ranks (the native engine: samples in flight go on under new weights) + 1 trainer at
     max_staleness 1, killed after step 3 and resumed: every step trains its own prompts' samples exactly once,
     each within the bound, and the regenerated ones say so."""
     recipe = write_recipe(tmp_path, "max_staleness = 1\nrollout_ranks = 2")
@@ -136,6 +140,29 @@ def test_staleness_bound_and_resume_after_a_kill(tmp_path):
         assert regenerated == ({resumed_at} if resumed_at < step <= resumed_at + 2 else {None}), step
         assert all(r["rollout_restarts"] >= 0 for r in records)
     assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, 9))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["drop", "continue"])
+def test_partial_rollouts_on_the_native_engine(tmp_path, mode):
+    """1 rollout rank (native engine, one stream across steps) + 1 trainer at max_staleness 2, samples long enough
+    that updates land while they are generated: every step trains its own prompts' samples, within the bound;
+    'drop' records restarts and no mixed-policy samples, 'continue' never restarts and records where each
+    policy's tokens begin."""
+    run = tmp_path / "run"
+    sets = ["steps=5", "rollout.max_new_tokens=48", 'rollout.engine="native"', f'async.partial_rollouts="{mode}"']
+    ppo_torchrun(2, write_recipe(tmp_path, "max_staleness = 2"), run, *sets)
+    check_staleness(run, 5, 2)
+    prompts = [json.loads(line)["id"] for line in (REPO / "recipes/data/arith_quickstart.jsonl").open()]
+    records = []
+    for step in range(1, 6):
+        ours = read_jsonl(run / f"step_{step:06d}" / "rollouts.jsonl")
+        assert [r["id"] for r in ours] == [f"{p}/{i}" for p in prompts[(step - 1) * 8 : step * 8] for i in range(4)]
+        records += ours
+    if mode == "drop":
+        assert not any("policy_versions" in r for r in records)
+    else:
+        assert all(r["rollout_restarts"] == 0 for r in records)
 
 
 @pytest.mark.slow
@@ -194,6 +221,16 @@ def test_a_stalled_rollout_rank_fails_the_run_with_a_timeout(tmp_path):
     assert "rlx ppo: error:" in text and "timed out" in text, text[-3000:]
 
 
+def test_runs_of_tokens_per_policy():
+    """How a sample's updates become its record's policy_versions: an update before any new token replaces the
+    run it would start, one after the last token is dropped."""
+    from rlx.engine.ppo.async_rollout import _token_runs
+
+    assert _token_runs([[0, 3]], 5) == [[0, 3]]
+    assert _token_runs([[0, 3], [0, 4], [2, 5], [2, 6], [5, 7]], 5) == [[0, 4], [2, 6]]
+    assert _token_runs([[0, 3], [4, 4]], 5) == [[0, 3], [4, 4]]
+
+
 def test_bench_async_step_arguments_and_length_caps():
     """bench/async_step.py: its modes are checked, and one sample id in 16 (by hash, the same in every mode) gets
     the long cap."""
@@ -204,8 +241,10 @@ def test_bench_async_step_arguments_and_length_caps():
     from rlx.engine.rollout.config import RolloutConfig
     from rlx.engine.rollout.requests import Request
 
-    args = async_step.parse_args(["--modes", "sync,async2", "--steps", "3", "--small", "--cpu"])
+    args = async_step.parse_args(["--modes", "sync,async2", "--steps", "3"])
     assert args.modes == "sync,async2" and args.long_len == 2048 and args.short_len == 256
+    small = async_step.parse_args(["--small", "--cpu", "--long-len", "200"])  # lengths within the tiny context
+    assert (small.long_len, small.short_len, small.prompt_len) == (200, 16, 16)
     with pytest.raises(SystemExit):
         async_step.parse_args(["--modes", "sync,bogus"])
     sampling = RolloutConfig(n=16, max_new_tokens=100).sampling()

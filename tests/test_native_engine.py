@@ -318,3 +318,100 @@ def test_a_kept_cache_takes_the_next_steps_slightly_longer_prompts(tiny):
     assert engine.cache_builds == 1
     assert [r.response_ids for r in out] == [r.response_ids for r in generate(make_engine(model, tokenizer, cfg),
                                                                                longer, cfg)]  # fmt: skip
+
+
+def run_stream(engine, requests, sampling, on_step=None) -> dict:
+    """Generated per request key through one stream; `on_step(stream)` runs between steps (may submit more)."""
+    stream = engine.open_stream(sampling, 64, 4)
+    out = {}
+    try:
+        for request in requests:
+            stream.submit(request.key, request)
+        while stream.has_work:
+            for key, generated in stream.step():
+                out[key] = generated
+            if on_step is not None:
+                on_step(stream)
+    finally:
+        stream.close()
+    return out
+
+
+@pytest.mark.parametrize("engine_name", ["native", "hf"])
+def test_a_requests_own_seed_replaces_the_streams(tiny, engine_name):
+    """TokenRequest.seed: a request carrying seed 7 in a stream seeded 3 draws what it draws in a stream seeded 7
+    (an asynchronous rollout rank runs several steps, each with its seed, in one stream)."""
+    from rlx.engine.rollout.requests import TokenRequest
+
+    model, tokenizer = tiny
+    cfg = RolloutConfig(engine=engine_name, chat_template="off", max_new_tokens=12, seed=3)
+    engine = make_engine(model, tokenizer, cfg)
+    ids = tokenizer("12+7=")["input_ids"]
+    own = run_stream(engine, [TokenRequest("a", ids, 12, seed=7)], cfg.sampling())["a"]
+    other = run_stream(engine, [TokenRequest("a", ids, 12)], cfg.sampling(seed=7))["a"]
+    plain = run_stream(engine, [TokenRequest("a", ids, 12)], cfg.sampling())["a"]
+    assert own == other and own != plain
+
+
+def test_an_open_stream_continues_under_new_weights(tiny):
+    """async.partial_rollouts = 'continue': weights updated under an open stream. A request in flight keeps the
+    tokens it had (those of the old weights) and goes on with the new ones; a request submitted after the update,
+    with the same prompt, is exactly what a fresh engine on the new weights generates (the replica was refilled
+    in place and the prompt's cached keys and values of the old weights were not reused)."""
+    import copy
+
+    from rlx.engine.rollout.base import ModuleWeights
+    from rlx.engine.rollout.requests import TokenRequest
+
+    model, tokenizer = tiny
+    cfg = RolloutConfig(engine="native", chat_template="off", max_new_tokens=16, seed=4, precision="bfloat16",
+                        block_size=4)  # fmt: skip
+    live = copy.deepcopy(model)
+    old = copy.deepcopy(live).to(torch.bfloat16)
+    engine = make_engine(live, tokenizer, cfg)
+    ids = tokenizer("12+7=3*4=9-5=")["input_ids"]  # 13 tokens: three full blocks to cache
+    first, second = TokenRequest("a", ids, 16), TokenRequest("b", ids, 16)
+    switched = {}
+
+    def update_after_4_tokens(stream):
+        if not switched and stream.progress().get("a", 0) >= 4:
+            switched["at"] = stream.progress()["a"]
+            with torch.no_grad():
+                for p in live.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+            engine.update_weights(ModuleWeights(live))
+            stream.weights_changed()
+            stream.submit("b", second)
+
+    ours = run_stream(engine, [first], cfg.sampling(), update_after_4_tokens)
+    at = switched["at"]
+    before = run_stream(make_engine(old, tokenizer, cfg), [first], cfg.sampling())["a"]
+    after = run_stream(make_engine(copy.deepcopy(live).to(torch.bfloat16), tokenizer, cfg), [second],
+                       cfg.sampling())["b"]  # fmt: skip
+    assert 4 <= at < len(ours["a"].response_ids)
+    assert ours["a"].response_ids[:at] == before.response_ids[:at]
+    assert ours["a"].logprobs[:at] == before.logprobs[:at]
+    assert ours["a"].logprobs[at:] != before.logprobs[at : len(ours["a"].logprobs)]  # the new weights sampled
+    assert ours["b"] == after
+
+
+def test_forgotten_blocks_are_never_shared_again():
+    """BlockManager.forget_cached (new weights): no later sequence finds the cached prompt blocks, and blocks held
+    at that moment are freed, not cached, when released."""
+    blocks = BlockManager(num_blocks=10, block_size=4)
+    a = Sequence(0, list(range(10)), 4)
+    blocks.allocate(a)
+    done = Sequence(1, [9] * 9, 4)
+    blocks.allocate(done)
+    blocks.release(done)  # its first two blocks: cached, evictable
+    blocks.forget_cached()
+    assert blocks.num_free == 9 - 3 and not blocks.cached
+    b = Sequence(2, list(range(10)), 4)
+    blocks.allocate(b)
+    assert b.num_computed == 0 and not set(b.block_table) & set(a.block_table)
+    a.num_computed = 10
+    blocks.release(a)
+    c = Sequence(3, list(range(10)), 4)
+    blocks.allocate(c)
+    assert c.block_table[:2] == b.block_table[:2]  # b's blocks (new weights) are shared; a's were not cached
+    assert not set(c.block_table) & {blk for blk in range(10) if blk in blocks.stale}

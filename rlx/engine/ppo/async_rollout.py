@@ -2,16 +2,19 @@
 as the staleness bound lets it, and takes new weights whenever the trainers publish them.
 
 For step s (prompts and seed exactly those of the synchronous loop's step s) rank r of R takes its slice of the
-step's prompts, waits until it holds policy version s - 1 - max_staleness or newer (the bound: a batch trained at
-step s comes from the weights after step s - 1 - k at the oldest), generates, and puts its records in the store.
-Between engine steps it polls for a new version: when one has arrived, the samples still being generated are
-dropped (async.partial_rollouts = 'drop'), the weights are received, and those samples start again under them
-with the same random streams (their `rollout_restarts` counts it). Finished samples keep their version. Rollout
-ranks hold no collective among themselves: each goes at its own pace.
+step's prompts; they enter the rank's one open stream once it holds policy version s - 1 - max_staleness or newer
+(the bound: a batch trained at step s comes from the weights after step s - 1 - k at the oldest), so with k >= 1
+the next step's samples fill the engine while the longest ones of this step finish. Between engine steps it polls
+for a new version: when one has arrived it is received, and the samples still being generated either go on under
+it (async.partial_rollouts = 'continue': the record's policy_versions says where each policy's tokens begin) or
+are dropped and start again under it with the same random streams ('drop': rollout_restarts counts it). A step's
+records go to the store as soon as its last sample finishes, with policy_version = the policy of its first token.
+Rollout ranks hold no collective among themselves: each goes at its own pace.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 from contextlib import contextmanager
@@ -25,10 +28,9 @@ from rlx.engine.parallel.roles import Roles
 from rlx.engine.ppo.async_transport import BroadcastWeights, Channel, StopSignal
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.ppo.start import check_run_inputs
-from rlx.engine.records import PromptRecord, RolloutRecord
+from rlx.engine.records import RolloutRecord
 from rlx.engine.rollout.base import RolloutStats, build_engine
-from rlx.engine.rollout.config import SamplingParams
-from rlx.engine.rollout.requests import build_requests, to_record, token_requests
+from rlx.engine.rollout.requests import Generated, build_requests, to_record, token_requests
 from rlx.engine.rollout.stops import StopStrings
 from rlx.models.loading import resolve_source
 
@@ -43,6 +45,22 @@ class BatchShare:
     """Seconds this rank waited for weights the staleness bound required, while producing this batch."""
     data_position: int
     """The prompt position after the step (what the step's checkpoint records)."""
+
+
+class _StepWork:
+    """One step's share while it is generated: its requests, what has come back, and by which weights."""
+
+    def __init__(self, step, data_position, sampling, requests, tokens, version, start):
+        self.step, self.data_position, self.sampling = step, data_position, sampling
+        self.requests, self.tokens = requests, tokens
+        self.results: list[Generated | None] = [None] * len(tokens)
+        self.pending = set(range(len(tokens)))
+        self.spans = [[[0, version]] for _ in tokens]
+        """Per sample: [response token index, policy version] where each run of tokens under one policy begins."""
+        self.restarts = [0] * len(tokens)
+        self.began = time.perf_counter()
+        self.start = start
+        """Where the trainers started (a resume's checkpoint step)."""
 
 
 class RolloutWorker:
@@ -67,30 +85,105 @@ class RolloutWorker:
                 steps = range(start["start_step"] + 1, cfg.steps + 1)
                 if steps:
                     self._receive(start["start_step"])
-                for step in steps:
-                    self._produce(step, start)
+                    self._produce(steps, start)
                 channel.wait("stop", "the trainers to finish", timeout_s=float("inf"))
             except StopSignal:
                 pass
             finally:
                 self.engine.close()
 
-    def _produce(self, step: int, start: dict) -> None:
-        cfg, lag = self.cfg, self.cfg.async_.max_staleness
-        while self.version < step - 1 - lag:  # the staleness bound: wait for the weights it needs
-            what = f"policy version {self.version + 1} from the trainers"
-            self.weight_wait_s += self.channel.wait(f"w/{self.version + 1}/0", what, stop_aware=True)
-            self._receive(self.version + 1)
+    def _produce(self, steps: range, start: dict) -> None:
+        """Generate `steps`' shares through one stream: a step's requests go in as soon as the staleness bound
+        allows them with the weights held (so the next step's samples fill the engine while this one's longest
+        finish), new weights are taken as they are published (in-flight samples continue under them, or are
+        dropped and started again: async.partial_rollouts), and each step's share is put in the store as soon as
+        its last sample finishes."""
+        queue, active = list(steps), {}
+        self.stream = None
+        try:
+            while queue or active:
+                while queue and self.version >= queue[0] - 1 - self.cfg.async_.max_staleness:
+                    step = queue.pop(0)
+                    active[step] = self._submit(step, start)
+                if not active:  # the bound needs newer weights than these: wait for them
+                    what = f"policy version {self.version + 1} from the trainers"
+                    self.weight_wait_s += self.channel.wait(f"w/{self.version + 1}/0", what, stop_aware=True)
+                    self._new_weights(active)
+                    continue
+                if self._update_waiting():
+                    self._new_weights(active)
+                for (step, i), generated in self.stream.step():
+                    work = active[step]
+                    work.results[i] = generated
+                    work.pending.discard(i)
+                for step in [s for s, work in active.items() if not work.pending]:
+                    self._put(active.pop(step))
+        finally:
+            if self.stream is not None:
+                self.stream.close()
+
+    def _submit(self, step: int, start: dict) -> _StepWork:
+        """Step `step`'s prompts (and seed) exactly as the synchronous loop takes them, this rank's slice, queued."""
+        cfg = self.cfg
         want = cfg.data.prompts_per_step
         position = start["data_position"] + (step - start["start_step"] - 1) * want
         prompts = take_prompts(self.prompts, position, want, cfg.seed if cfg.data.shuffle else None)
         mine = shard_range(len(prompts), self.roles.rank_in_role, self.roles.num_rollout)
-        records, stats = self._generate([prompts[i] for i in mine], cfg.rollout.sampling(seed=cfg.seed + step))
-        if start["start_step"] > 0 and step <= start["start_step"] + cfg.save_every + lag:
+        sampling = cfg.rollout.sampling(seed=cfg.seed + step)
+        requests = build_requests([prompts[i] for i in mine], self.engine.encoder, sampling)
+        self.engine.check_requests(requests, sampling)
+        tokens = [dataclasses.replace(t, seed=sampling.seed) for t in token_requests(requests, sampling)]
+        work = _StepWork(step, position + want, sampling, requests, tokens, self.version, start)
+        if self.stream is None:
+            longest = max(len(t.prompt_ids) + t.max_new_tokens for t in tokens)
+            slots = len(tokens) * (1 + self.cfg.async_.max_staleness)  # the steps the bound lets run at once
+            self.stream = self.engine.open_stream(sampling, longest, slots)
+        for i in sorted(work.pending):
+            self.stream.submit((step, i), tokens[i])
+        return work
+
+    def _new_weights(self, active: dict[int, _StepWork]) -> None:
+        """Take the next policy version. 'continue': in-flight samples go on under it (where each one's new run of
+        tokens begins is recorded); 'drop': they are dropped and start again under it, with the same draws."""
+        live = [(work, i) for work in active.values() for i in sorted(work.pending)]
+        if self.cfg.async_.partial_rollouts == "continue" or not live:
+            progress = self.stream.progress() if self.stream is not None else {}
+            self._receive(self.version + 1)
+            if self.stream is not None:
+                self.stream.weights_changed()
+            for work, i in live:
+                work.spans[i].append([progress.get((work.step, i), 0), self.version])
+            return
+        self.stream.close()
+        self.stream = None
+        self._receive(self.version + 1)
+        longest = max(len(work.tokens[i].prompt_ids) + work.tokens[i].max_new_tokens for work, i in live)
+        slots = len(next(iter(active.values())).tokens) * (1 + self.cfg.async_.max_staleness)
+        self.stream = self.engine.open_stream(next(iter(active.values())).sampling, longest, slots)
+        for work, i in live:
+            work.restarts[i] += 1
+            work.spans[i] = [[0, self.version]]
+            self.stream.submit((work.step, i), work.tokens[i])
+
+    def _put(self, work: _StepWork) -> None:
+        """The finished step's records (with the versions that generated them) into the store."""
+        cfg, results = self.cfg, work.results
+        if work.sampling.stop:
+            stops = StopStrings(self.tokenizer, work.sampling.stop)
+            results = [stops.cut(g) for g in results]
+        records = [to_record(r, g, self.tokenizer, work.sampling.temperature) for r, g in zip(work.requests, results)]
+        for record, generated, spans, count in zip(records, results, work.spans, work.restarts):
+            runs = _token_runs(spans, len(generated.response_ids))
+            record.policy_version, record.rollout_restarts = runs[0][1], count
+            record.policy_versions = runs if len(runs) > 1 else None
+        start = work.start
+        if start["start_step"] > 0 and work.step <= start["start_step"] + cfg.save_every + cfg.async_.max_staleness:
             for record in records:  # the stopped run may have generated (or trained) these samples already
                 record.resumed_from = start["start_step"]
-        share = BatchShare(records, stats, self.weight_wait_s, position + want)
-        self.channel.put(f"b/{step}/{self.roles.rank_in_role}", share)
+        seconds = time.perf_counter() - work.began
+        stats = RolloutStats(sum(len(g.response_ids) for g in results), seconds)
+        self.channel.put(f"b/{work.step}/{self.roles.rank_in_role}", BatchShare(records, stats, self.weight_wait_s,
+                                                                                work.data_position))  # fmt: skip
         self.weight_wait_s = 0.0
 
     def _receive(self, version: int) -> None:
@@ -99,43 +192,23 @@ class RolloutWorker:
         source.drain()
         self.version = version
 
-    def _generate(self, prompts: list[PromptRecord], sampling: SamplingParams):
-        """This rank's records for `prompts`, dropping and restarting the unfinished ones whenever new weights
-        arrive; statistics as `engine.generate` reports them."""
-        requests = build_requests(prompts, self.engine.encoder, sampling)
-        self.engine.check_requests(requests, sampling)
-        tokens = token_requests(requests, sampling)
-        results, versions, restarts = [None] * len(tokens), [0] * len(tokens), [0] * len(tokens)
-        pending, started = set(range(len(tokens))), time.perf_counter()
-        while pending:
-            if self._update_waiting():
-                self._receive(self.version + 1)
-            longest = max(len(tokens[i].prompt_ids) + tokens[i].max_new_tokens for i in pending)
-            stream = self.engine.open_stream(sampling, longest, len(pending))
-            try:
-                for i in sorted(pending):
-                    stream.submit(i, tokens[i])
-                while stream.has_work:
-                    for i, generated in stream.step():
-                        results[i], versions[i] = generated, self.version
-                        pending.discard(i)
-                    if pending and self._update_waiting():  # new weights: drop the unfinished samples
-                        for i in pending:
-                            restarts[i] += 1
-                        break
-            finally:
-                stream.close()
-        if sampling.stop:
-            stops = StopStrings(self.tokenizer, sampling.stop)
-            results = [stops.cut(g) for g in results]
-        records = [to_record(r, g, self.tokenizer, sampling.temperature) for r, g in zip(requests, results)]
-        for record, version, count in zip(records, versions, restarts):
-            record.policy_version, record.rollout_restarts = version, count
-        seconds = time.perf_counter() - started
-        return records, RolloutStats(sum(len(g.response_ids) for g in results), seconds)
-
     def _update_waiting(self) -> bool:
         return self.channel.has(f"w/{self.version + 1}/0")
+
+
+def _token_runs(spans: list[list[int]], length: int) -> list[list[int]]:
+    """[index, version] where each run of a response's `length` tokens begins, from the updates seen while it was
+    generated (an update before any new token replaces the run it would start; one after the last token is
+    dropped)."""
+    runs: list[list[int]] = []
+    for index, version in spans:
+        if index >= length:
+            break
+        if runs and runs[-1][0] == index:
+            runs[-1] = [index, version]
+        else:
+            runs.append([index, version])
+    return runs
 
 
 @contextmanager

@@ -11,7 +11,8 @@ exactly the weights after step t - 1: the synchronous loop, bit for bit. The rol
 rlx/engine/ppo/async_rollout.py.
 
 Metrics per step: `async/staleness_mean`, `async/staleness_max` (updates between the generating policy and the
-one trained), `async/partial_rollout_share` (samples restarted at least once under new weights),
+one trained), `async/partial_rollout_share` (samples that new weights reached while they were generated: restarted
+under them, async.partial_rollouts = 'drop', or finished by them, 'continue'),
 `async/queue_depth` (later steps' batches already waiting when this one was taken), `async/trainer_wait_s`
 (seconds the trainers waited for this batch), `async/rollout_weight_wait_s` (seconds rollout ranks waited for
 weights the bound required while producing it, the slowest rank), `timing/weight_push_s`.
@@ -121,7 +122,8 @@ class AsyncPPORun(PPORun):
         return {
             "async/staleness_mean": sum(lags) / len(lags),
             "async/staleness_max": float(max(lags)),
-            "async/partial_rollout_share": sum(r.rollout_restarts > 0 for r in records) / len(records),
+            "async/partial_rollout_share": sum(bool(r.rollout_restarts or r.policy_versions) for r in records)
+            / len(records),
         }
 
 

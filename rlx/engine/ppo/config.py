@@ -97,19 +97,16 @@ class AsyncConfig:
     synchronous loop, step for step (the same weights as `rlx ppo` on the trainer ranks alone)."""
     rollout_ranks: int = 1
     """How many of the launched processes generate (ranks 0..N-1); the rest train (FSDP over them)."""
-    partial_rollouts: Literal["drop", "continue"] = "drop"
-    """Samples still being generated when new weights arrive: 'drop' starts them again under the new weights
-    (the record's rollout_restarts counts it); 'continue' is not implemented yet."""
+    partial_rollouts: Literal["continue", "drop"] = "continue"
+    """Samples still being generated when new weights arrive: 'continue' finishes them under the new weights (the
+    tokens already generated and their keys and values are kept; the record's policy_versions says where each
+    policy's tokens begin, and rollout_logprobs are those of the policy that sampled each token); 'drop' starts
+    them again under the new weights (the record's rollout_restarts counts it), wasting the work done."""
 
     def __post_init__(self) -> None:
         check_choices(self)
         check(self.max_staleness >= 0, "max_staleness", f"must be >= 0, got {self.max_staleness}")
         check(self.rollout_ranks >= 1, "rollout_ranks", f"must be at least 1, got {self.rollout_ranks}")
-        check(
-            self.partial_rollouts == "drop",
-            "partial_rollouts",
-            "'continue' (in-flight samples finishing under the new weights) is not implemented yet; use 'drop'",
-        )
 
 
 @dataclass(kw_only=True)

@@ -163,6 +163,18 @@ class TokenStream(ABC):
         """Engine counters of the stream: 'preemptions', 'steps_ahead' (where the engine has them)."""
         return {}
 
+    def progress(self) -> dict[Any, int]:
+        """Tokens generated so far by each submitted request that has not finished, by tag (those counted in a
+        model step already launched included); a request absent has none yet. The default suits streams that
+        finish whole batches within one `step` (nothing is ever partly generated between steps)."""
+        return {}
+
+    def weights_changed(self) -> None:
+        """The engine's weights were updated while this stream is open (async.partial_rollouts = 'continue'):
+        generate with the new ones from the next step on; keys and values computed with the old ones are not
+        found again by later requests. The default: an engine generating with the updated module directly."""
+        return None
+
     def close(self) -> None:
         """Release what the stream holds (its KV blocks); the engine keeps its caches for the next call."""
         return None

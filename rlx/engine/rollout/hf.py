@@ -22,7 +22,7 @@ from rlx.engine.rollout.base import RolloutEngine, TokenStream
 from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.prompts import pad_token_id
 from rlx.engine.rollout.requests import Generated, TokenRequest
-from rlx.engine.rollout.sampling import draw_tokens, filter_logits, sample_uniforms
+from rlx.engine.rollout.sampling import draw_tokens, filter_logits, request_uniforms
 from rlx.engine.rollout.stops import StopStrings
 from rlx.models.attention import PACKED_ATTENTION, attention_implementation
 from rlx.models.vision.families import family_of, is_vision_config
@@ -60,7 +60,7 @@ class HFRolloutEngine(RolloutEngine):
     def generate_batch(self, requests: list[TokenRequest], cfg: SamplingParams) -> list[Generated]:
         """Decode one batch to its end (each row to its own max_new_tokens or first stop token). Draws are made for
         the call's max_new_tokens, so ranks in lockstep run the same number of steps whatever their requests."""
-        uniforms = sample_uniforms(cfg.seed, [r.key for r in requests], cfg.max_new_tokens)  # [b, W] float64 CPU
+        uniforms = request_uniforms(requests, cfg.seed, cfg.max_new_tokens)  # [b, W] float64 CPU
         greedy = torch.tensor([r.greedy or cfg.temperature == 0 for r in requests])
         limits = torch.tensor([r.max_new_tokens for r in requests])
         ids, vision = [r.prompt_ids for r in requests], [r.vision for r in requests]

@@ -44,6 +44,9 @@ class TokenRequest:
     """Take the argmax at every step (whatever the temperature)."""
     vision: VisionInputs | None = None
     """The prompt's images as the model takes them (a single-turn request of a vision-language model), else None."""
+    seed: int | None = None
+    """The seed of the request's random stream when it is not the call's (SamplingParams.seed): an asynchronous
+    rollout rank generates several steps, each with its own seed, in one stream."""
 
 
 @dataclass

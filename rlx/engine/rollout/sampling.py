@@ -27,6 +27,12 @@ def sample_uniforms(seed: int, sample_ids: list[str], num_steps: int) -> torch.T
     return torch.stack(rows)
 
 
+def request_uniforms(requests, seed: int, num_steps: int) -> torch.Tensor:
+    """`sample_uniforms` for token requests, each with its own seed where it has one (TokenRequest.seed)."""
+    rows = [sample_uniforms(seed if r.seed is None else r.seed, [r.key], num_steps) for r in requests]
+    return torch.cat(rows) if rows else sample_uniforms(seed, [], num_steps)
+
+
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask tokens outside top-k / top-p with -inf.  logits: [B, V] float32, already temperature-scaled."""
     if top_k > 0 and top_k < logits.shape[-1]:

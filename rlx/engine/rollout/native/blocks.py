@@ -76,6 +76,18 @@ class BlockManager:
         is free."""
         self.num_hit_tokens = 0
         """Tokens whose keys and values a sequence found cached (not computed again)."""
+        self.stale: set[int] = set()
+        """Blocks held when the weights changed (`forget_cached`): never cached again, freed when released."""
+
+    def forget_cached(self) -> None:
+        """New weights: keys and values computed so far belong to the old ones. No later sequence finds them, and
+        the blocks sequences still hold are freed, not cached, when released."""
+        self.cached.clear()
+        self.key_of.clear()
+        self.children.clear()
+        self.free.extend(self.evictable)
+        self.evictable.clear()
+        self.stale = {block for block in range(1, self.num_blocks) if self.refs[block] > 0}
 
     @property
     def num_free(self) -> int:
@@ -129,6 +141,7 @@ class BlockManager:
         for block in reversed(seq.block_table):  # a chain's later blocks are evicted before its earlier ones
             self.refs[block] -= 1
             if self.refs[block] == 0:
+                self.stale.discard(block)
                 if block in self.key_of:
                     self.evictable[block] = None
                 else:
@@ -144,6 +157,8 @@ class BlockManager:
         tokens, size = seq.token_ids, self.block_size
         previous = -1 if seq.cache_salt is None else seq.cache_salt
         for b, block in enumerate(seq.block_table[: seq.num_computed // size]):
+            if block in self.stale:  # computed with weights since replaced: the chain stops here
+                return
             key = (previous, tuple(tokens[b * size : (b + 1) * size]))
             if self.key_of.get(block) != key:
                 if block in self.key_of or key in self.cached:  # another block holds these tokens: stop here

@@ -41,7 +41,7 @@ from rlx.engine.rollout.native.sampler import Launched, StepSampler
 from rlx.engine.rollout.native.scheduler import Scheduler
 from rlx.engine.rollout.native.vision import NativeImages
 from rlx.engine.rollout.requests import Generated, TokenRequest
-from rlx.engine.rollout.sampling import sample_uniforms
+from rlx.engine.rollout.sampling import request_uniforms
 from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
 from rlx.models.lora import is_lora_model
@@ -215,7 +215,7 @@ class NativeStream(TokenStream):
 
     def submit(self, tag, request: TokenRequest) -> None:
         self.check(request)
-        draws = sample_uniforms(self.sampling.seed, [request.key], self.sampling.max_new_tokens)
+        draws = request_uniforms([request], self.sampling.seed, self.sampling.max_new_tokens)
         greedy = request.greedy or self.sampling.temperature == 0
         seq = Sequence(self.sampler.add_rows(draws), list(request.prompt_ids), request.max_new_tokens, greedy=greedy)
         if self.runner.images is not None:  # a vision-language model: mRoPE positions, the request's images
@@ -283,6 +283,16 @@ class NativeStream(TokenStream):
             "prefill_tokens": self.scheduler.num_prefilled,
             "cached_prefix_tokens": self.runner.blocks.num_hit_tokens,
         }
+
+    def progress(self) -> dict[object, int]:
+        ahead = set(self.inflight.seqs) if self.inflight is not None else set()
+        return {tag: len(seq.output_ids) + (seq in ahead) for seq, tag in self.tags.items()}
+
+    def weights_changed(self) -> None:
+        """Refill the replica in place (the captured graphs read its storage) and stop reusing cached prefixes."""
+        module = self.engine._generating_module()
+        assert module is self.module, "the replica was rebuilt under an open stream"
+        self.runner.blocks.forget_cached()
 
     def close(self) -> None:
         """Wait for a step still in flight (its results are dropped) and restore the module's mode."""
