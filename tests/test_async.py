@@ -165,6 +165,57 @@ def test_partial_rollouts_on_the_native_engine(tmp_path, mode):
         assert all(r["rollout_restarts"] == 0 for r in records)
 
 
+MULTI_TURN = f"""
+seed = 0
+steps = 3
+save_every = 1
+keep_checkpoints = 0
+[model]
+path = "{REPO / "recipes" / "tiny-chat"}"
+init = "random"
+[data]
+prompts = "{REPO / "recipes" / "data" / "calculator.jsonl"}"
+prompts_per_step = 4
+[rollout]
+env = "rlx.tasks.calculator:CalculatorEnv"
+n = 2
+max_new_tokens = 8
+max_turns = 2
+max_total_tokens = 320
+[score]
+reward = "env"
+[train]
+lr = 1e-3
+mini_batch_size = 128
+"""
+
+
+@pytest.mark.slow
+def test_multi_turn_episodes_asynchronously(tmp_path):
+    """[async] with an environment: at max_staleness 0 the same weights, episodes (token ids, loss masks, messages)
+    and metrics as the synchronous multi-turn run; at max_staleness 1 every episode is one policy's, within the
+    bound, and the turn metrics reach the metrics line."""
+    (tmp_path / "sync").mkdir()
+    (tmp_path / "sync" / "recipe.toml").write_text(MULTI_TURN)
+    (tmp_path / "recipe.toml").write_text(MULTI_TURN + "[async]\nmax_staleness = 0\n")
+    ppo_torchrun(1, tmp_path / "sync" / "recipe.toml", tmp_path / "sync" / "run")
+    ppo_torchrun(2, tmp_path / "recipe.toml", tmp_path / "async")
+    sync, run = tmp_path / "sync" / "run", tmp_path / "async"
+    assert_same_weights(sync / "checkpoints" / "step_000003", run / "checkpoints" / "step_000003")
+    for step in ("step_000001", "step_000003"):
+        ours = read_jsonl(run / step / "rollouts.jsonl")
+        assert all(r["loss_mask"] and r["num_turns"] >= 1 for r in ours)
+        assert [{k: v for k, v in r.items() if k not in ("policy_version", "rollout_restarts")} for r in ours] == (
+            read_jsonl(sync / step / "rollouts.jsonl")
+        )
+    for a, b in zip(read_jsonl(sync / "metrics.jsonl"), read_jsonl(run / "metrics.jsonl")):
+        for key in ("reward/mean", "actor/pg_loss", "rollout/turns_mean", "env/reward_mean"):
+            assert a[key] == b[key], key
+    ppo_torchrun(2, tmp_path / "recipe.toml", tmp_path / "lag1", "async.max_staleness=1", "steps=4")
+    assert max(check_staleness(tmp_path / "lag1", 4, 1)) == 1
+    assert all("rollout/turns_mean" in m for m in read_jsonl(tmp_path / "lag1" / "metrics.jsonl"))
+
+
 @pytest.mark.slow
 def test_quickstart_learns_asynchronously(tmp_path):
     run = tmp_path / "run"

@@ -37,17 +37,26 @@ def generate_multi_turn(
     ctx = engine.ctx
     mine = shard_range(len(prompts), ctx.rank, ctx.world) if ctx else range(len(prompts))
     local = [prompts[i] for i in mine]
-    if cfg.agent:
-        runner = AgentRollout(engine, tokenizer, sampling, cfg, cfg.agent)
-    else:
-        runner = EnvRollout(engine, tokenizer, sampling, cfg)
+    runner = multi_turn_runner(engine, tokenizer, cfg, sampling)
     records = runner.generate(local)
     parts = all_gather_objects((records, runner.last_stats)) if ctx else [(records, runner.last_stats)]
     records: list[RolloutRecord] = [r for part, _ in parts for r in part]
-    stats = merge_stats([(len(part), s) for part, s in parts])
+    return RolloutResult(records, multi_turn_stats(records, merge_stats([(len(part), s) for part, s in parts])))
+
+
+def multi_turn_runner(engine: RolloutEngine, tokenizer, cfg: RolloutConfig, sampling: SamplingParams):
+    """The runner of `cfg.agent` (an agent over the OpenAI-compatible endpoint) or `cfg.env` (an environment)."""
+    if cfg.agent:
+        return AgentRollout(engine, tokenizer, sampling, cfg, cfg.agent)
+    return EnvRollout(engine, tokenizer, sampling, cfg)
+
+
+def multi_turn_stats(records: list[RolloutRecord], stats: dict[str, float]) -> RolloutStats:
+    """A runner's `last_stats` as the call's RolloutStats (the multi-turn metrics in `extra`)."""
+    stats = dict(stats)
     seconds = stats.pop("timing/generate_s", 0.0)
     tokens = int(stats.pop("rollout/tokens", sum(sum(r.loss_mask) for r in records)))
-    return RolloutResult(records, RolloutStats(tokens, seconds, extra=stats))
+    return RolloutStats(tokens, seconds, extra=stats)
 
 
 def refuse_images(prompts: list[PromptRecord]) -> None:

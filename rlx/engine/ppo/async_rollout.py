@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlx.engine.agent.generate import multi_turn_runner, multi_turn_stats
 from rlx.engine.checkpoints.loading import load_initial_policy, load_processor
 from rlx.engine.data import take_prompts
 from rlx.engine.parallel.dist import DistContext, shard_range
@@ -30,6 +31,7 @@ from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.ppo.start import check_run_inputs
 from rlx.engine.records import RolloutRecord
 from rlx.engine.rollout.base import RolloutStats, build_engine
+from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.requests import Generated, build_requests, to_record, token_requests
 from rlx.engine.rollout.stops import StopStrings
 from rlx.models.loading import resolve_source
@@ -98,6 +100,10 @@ class RolloutWorker:
         finish), new weights are taken as they are published (in-flight samples continue under them, or are
         dropped and started again: async.partial_rollouts), and each step's share is put in the store as soon as
         its last sample finishes."""
+        if self.cfg.rollout.is_multi_turn:
+            for step in steps:
+                self._produce_episodes(step, start)
+            return
         queue, active = list(steps), {}
         self.stream = None
         try:
@@ -122,18 +128,38 @@ class RolloutWorker:
             if self.stream is not None:
                 self.stream.close()
 
-    def _submit(self, step: int, start: dict) -> _StepWork:
-        """Step `step`'s prompts (and seed) exactly as the synchronous loop takes them, this rank's slice, queued."""
+    def _produce_episodes(self, step: int, start: dict) -> None:
+        """Multi-turn (rollout.env / rollout.agent): step `step`'s episodes with the newest weights published, at
+        least those the bound needs; weights change only between steps, so every episode is one policy's."""
+        while self.version < step - 1 - self.cfg.async_.max_staleness or self._update_waiting():
+            what = f"policy version {self.version + 1} from the trainers"
+            self.weight_wait_s += self.channel.wait(f"w/{self.version + 1}/0", what, stop_aware=True)
+            self._receive(self.version + 1)
+        prompts, position, sampling = self._step_prompts(step, start)
+        work = _StepWork(step, position, sampling, [], [], self.version, start)
+        runner = multi_turn_runner(self.engine, self.tokenizer, self.cfg.rollout, sampling)
+        records = runner.generate(prompts)
+        for record in records:
+            record.policy_version, record.rollout_restarts = self.version, 0
+        self._deliver(work, records, multi_turn_stats(records, runner.last_stats))
+
+    def _step_prompts(self, step: int, start: dict) -> tuple[list, int, SamplingParams]:
+        """This rank's slice of step `step`'s prompts (exactly the synchronous loop's), the data position after
+        the step, and the step's sampling settings (its seed)."""
         cfg = self.cfg
         want = cfg.data.prompts_per_step
         position = start["data_position"] + (step - start["start_step"] - 1) * want
         prompts = take_prompts(self.prompts, position, want, cfg.seed if cfg.data.shuffle else None)
         mine = shard_range(len(prompts), self.roles.rank_in_role, self.roles.num_rollout)
-        sampling = cfg.rollout.sampling(seed=cfg.seed + step)
-        requests = build_requests([prompts[i] for i in mine], self.engine.encoder, sampling)
+        return [prompts[i] for i in mine], position + want, cfg.rollout.sampling(seed=cfg.seed + step)
+
+    def _submit(self, step: int, start: dict) -> _StepWork:
+        """Step `step`'s prompts (and seed) exactly as the synchronous loop takes them, this rank's slice, queued."""
+        prompts, position, sampling = self._step_prompts(step, start)
+        requests = build_requests(prompts, self.engine.encoder, sampling)
         self.engine.check_requests(requests, sampling)
         tokens = [dataclasses.replace(t, seed=sampling.seed) for t in token_requests(requests, sampling)]
-        work = _StepWork(step, position + want, sampling, requests, tokens, self.version, start)
+        work = _StepWork(step, position, sampling, requests, tokens, self.version, start)
         if self.stream is None:
             longest = max(len(t.prompt_ids) + t.max_new_tokens for t in tokens)
             slots = len(tokens) * (1 + self.cfg.async_.max_staleness)  # the steps the bound lets run at once
@@ -167,7 +193,7 @@ class RolloutWorker:
 
     def _put(self, work: _StepWork) -> None:
         """The finished step's records (with the versions that generated them) into the store."""
-        cfg, results = self.cfg, work.results
+        results = work.results
         if work.sampling.stop:
             stops = StopStrings(self.tokenizer, work.sampling.stop)
             results = [stops.cut(g) for g in results]
@@ -176,12 +202,15 @@ class RolloutWorker:
             runs = _token_runs(spans, len(generated.response_ids))
             record.policy_version, record.rollout_restarts = runs[0][1], count
             record.policy_versions = runs if len(runs) > 1 else None
-        start = work.start
+        seconds = time.perf_counter() - work.began
+        self._deliver(work, records, RolloutStats(sum(len(g.response_ids) for g in results), seconds))
+
+    def _deliver(self, work: _StepWork, records: list[RolloutRecord], stats: RolloutStats) -> None:
+        """The step's records into the store (marked when a resumed run may have generated them before)."""
+        cfg, start = self.cfg, work.start
         if start["start_step"] > 0 and work.step <= start["start_step"] + cfg.save_every + cfg.async_.max_staleness:
             for record in records:  # the stopped run may have generated (or trained) these samples already
                 record.resumed_from = start["start_step"]
-        seconds = time.perf_counter() - work.began
-        stats = RolloutStats(sum(len(g.response_ids) for g in results), seconds)
         self.channel.put(f"b/{work.step}/{self.roles.rank_in_role}", BatchShare(records, stats, self.weight_wait_s,
                                                                                 work.data_position))  # fmt: skip
         self.weight_wait_s = 0.0

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from rlx.engine.agent.generate import merge_stats
 from rlx.engine.parallel.dist import broadcast_object
 from rlx.engine.parallel.roles import Roles, split_roles
 from rlx.engine.ppo.async_rollout import BatchShare, RolloutWorker
@@ -131,6 +132,9 @@ def _rollout_metrics(shares: list[BatchShare]) -> dict[str, float]:
     """The step's generation statistics over the rollout ranks (they generate in parallel: the slowest one's time)."""
     tokens = sum(s.stats.tokens for s in shares)
     metrics = RolloutStats(tokens, max(s.stats.seconds for s in shares)).metrics()
+    extra = [(len(s.records), s.stats.extra) for s in shares if s.stats.extra]  # multi-turn: turns, env reward, ...
+    if extra:
+        metrics = {**merge_stats(extra), **metrics}
     metrics["async/rollout_weight_wait_s"] = max(s.weight_wait_s for s in shares)
     return metrics
 
