@@ -16,7 +16,7 @@ import pytest
 
 from rlx.engine.parallel.roles import check_split
 from rlx.errors import UserError
-from tests.conftest import REPO, cli, read_jsonl, run_torchrun
+from tests.conftest import REPO, cli, cli_ok, max_diff, read_jsonl, run_torchrun
 from tests.test_ppo import assert_same_weights
 
 RECIPE = f"""
@@ -214,6 +214,40 @@ def test_multi_turn_episodes_asynchronously(tmp_path):
     ppo_torchrun(2, tmp_path / "recipe.toml", tmp_path / "lag1", "async.max_staleness=1", "steps=4")
     assert max(check_staleness(tmp_path / "lag1", 4, 1)) == 1
     assert all("rollout/turns_mean" in m for m in read_jsonl(tmp_path / "lag1" / "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_megatron_trainers(tmp_path):
+    """1 rollout rank + 2 megatron trainers (tp 2) at max_staleness 0: the merged weights of the one-process
+    synchronous run (1e-5, as the megatron tests compare), and the same rewards."""
+    sets = ["steps=3", "data.prompts_per_step=4", "rollout.n=4", "train.mini_batch_size=8", "train.use_packing=true"]
+    args = [a for s in sets for a in ("--set", s)]
+    cli_ok("ppo", REPO / "recipes" / "quickstart.toml", "--out", tmp_path / "one", *args)
+    ppo_torchrun(3, REPO / "recipes" / "quickstart.toml", tmp_path / "async", *sets, "megatron.tp_degree=2",
+                 "async.max_staleness=0")  # fmt: skip
+    final = tmp_path / "async" / "checkpoints" / "step_000003"
+    assert json.loads((final / "rlx.json").read_text())["layout"] == "megatron"
+    cli_ok("merge", "--checkpoint", final, "--out", tmp_path / "merged")
+    assert max_diff(tmp_path / "one" / "checkpoints" / "step_000003", tmp_path / "merged") < 1e-5
+    one, two = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("one", "async"))
+    assert [m["reward/mean"] for m in one] == [m["reward/mean"] for m in two]
+
+
+@pytest.mark.slow
+def test_lora_trainer(tmp_path):
+    """A LoRA policy's trainer pushes its merged weights to a plain model on the rollout rank: at max_staleness 0
+    the synchronous run's adapters bit for bit and its sampled tokens (the rollout logprobs differ in the 7th
+    digit: merged weights against PEFT's unmerged adapter matmuls)."""
+    recipe, sets = REPO / "recipes" / "quickstart_lora.toml", ["steps=2", "data.prompts_per_step=8"]
+    ppo_torchrun(1, recipe, tmp_path / "sync", *sets)
+    ppo_torchrun(2, recipe, tmp_path / "async", *sets, "async.max_staleness=0")
+    final = Path("checkpoints") / "step_000002"
+    assert (tmp_path / "async" / final / "adapter.safetensors").exists()
+    assert_same_weights(tmp_path / "sync" / final, tmp_path / "async" / final)
+    ours, theirs = (read_jsonl(tmp_path / run / "step_000002" / "rollouts.jsonl") for run in ("async", "sync"))
+    assert [r["response_ids"] for r in ours] == [r["response_ids"] for r in theirs]
+    diffs = [abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x["rollout_logprobs"], y["rollout_logprobs"])]
+    assert max(diffs) < 1e-5
 
 
 @pytest.mark.slow

@@ -224,8 +224,6 @@ class PPOConfig:
         unsupported = {
             "score.filter_groups": self.score.filter_groups,
             "eval": self.eval is not None,
-            "megatron": self.backend_name != "fsdp",
-            "lora": self.lora is not None or (self.critic is not None and self.critic.lora is not None),
             "rollout.engine = 'vllm'": self.rollout.engine == "vllm",
             "rollout.weight_sync = 'disk'": self.rollout.weight_sync == "disk",
         }
