@@ -185,3 +185,9 @@ def chat_ckpt(tiny_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("chat_ckpt") / "step0"
     cli_ok("shard", "--model", chat_dir, "--init", "random", "--seed", "0", "--out", out)
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests pinned to one worker (`xdist_group`, the vLLM tests) go first: under `-n 2 --dist loadgroup` that
+    worker starts on them while the other takes the rest, instead of running them alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)  # stable: file order otherwise
