@@ -2,7 +2,7 @@
 # The multi-turn calculator recipe (recipes/calculator.toml) as a shell pipeline of the separate commands.
 # For the same seed it produces the same weights and metrics as `rlx ppo recipes/calculator.toml`.
 #
-#   bash recipes/calculator.sh [RUN_DIR]    (env: SEED=0 STEPS=40 PROMPTS_PER_STEP=8 N=8 SFT_MAX_STEPS=0)
+#   bash recipes/calculator.sh [RUN_DIR]    (env: SEED=0 STEPS=40 PROMPTS_PER_STEP=8 N=8 SFT_MAX_STEPS=600)
 # (PROMPTS_PER_STEP, N and SFT_MAX_STEPS stand for [data] prompts_per_step, [rollout] n and [sft] max_steps:
 # `rlx ppo --set` them alike.)
 set -euo pipefail
@@ -14,7 +14,7 @@ STEPS="${STEPS:-40}"
 PROMPTS="$HERE/data/calculator.jsonl"
 PROMPTS_PER_STEP="${PROMPTS_PER_STEP:-8}"   # [data] prompts_per_step
 N="${N:-8}"                                  # [rollout] n
-SFT_MAX_STEPS="${SFT_MAX_STEPS:-0}"          # [sft] max_steps (0 = the epochs decide)
+SFT_MAX_STEPS="${SFT_MAX_STEPS:-600}"        # [sft] max_steps (0 = the epochs decide)
 
 ckpt() { printf '%s/checkpoints/step_%06d' "$RUN" "$1"; }
 
@@ -25,7 +25,7 @@ mkdir -p "$RUN"
 rlx shard --model "$HERE/tiny-chat" --init random --seed "$SEED" --out "$RUN/init"
 # ... fine-tuned on solved episodes ([sft]): the step-0 checkpoint, and the reference model of every step
 rlx sft --model "$RUN/init" --data "$HERE/data/calculator_demos.jsonl" --out "$(ckpt 0)" \
-  --epochs 14 --lr 3e-3 --warmup-steps 10 --lr-schedule cosine --lr-decay-steps 600 --weight-decay 0 \
+  --epochs 19 --lr 3e-3 --warmup-steps 10 --lr-schedule cosine --lr-decay-steps 600 --weight-decay 0 \
   --batch-size 32 --micro-batch-size 32 --seed "$SEED" --max-steps "$SFT_MAX_STEPS" --metrics "$RUN/sft_metrics.jsonl"
 
 for ((step = 1; step <= STEPS; step++)); do
@@ -42,7 +42,7 @@ for ((step = 1; step <= STEPS; step++)); do
     --micro-batch-size 128 --out "$dir" --metrics "$RUN/metrics.jsonl"
   # [train]
   rlx train-step --checkpoint "$prev" --batch "$dir/batch.safetensors" --out "$(ckpt "$step")" \
-    --lr 2e-4 --mini-batch-size 128 --micro-batch-size 128 --weight-decay 0 --seed "$SEED" \
+    --lr 1e-4 --mini-batch-size 128 --micro-batch-size 128 --weight-decay 0 --seed "$SEED" \
     --metrics "$RUN/metrics.jsonl"
 done
 echo "calculator.sh: done; final checkpoint $(ckpt "$STEPS")" >&2
