@@ -251,6 +251,21 @@ def test_lora_trainer(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_step_with_longer_prompts_waits_for_a_larger_stream(tmp_path):
+    """The rollout rank sizes its one stream for the first step's prompts (with room to spare): a later step whose
+    prompts are much longer waits for the stream to drain and gets a larger one (on a GPU the decode graphs'
+    block tables are as wide as the stream was sized for; on CPU this checks the drain-and-reopen path runs)."""
+    lines = [{"id": f"s{i}", "prompt": f"{i}+1=", "ground_truth": str(i + 1)} for i in range(8)]
+    lines += [{"id": f"l{i}", "prompt": "1+" * 20 + f"{i}=", "ground_truth": str(i + 20)} for i in range(8)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    recipe = write_recipe(tmp_path, "max_staleness = 1")
+    sets = ["steps=2", 'rollout.engine="native"', f'data.prompts="{tmp_path / "prompts.jsonl"}"']
+    ppo_torchrun(2, recipe, tmp_path / "run", *sets)
+    check_staleness(tmp_path / "run", 2, 1)
+    assert {r["prompt_id"][0] for r in read_jsonl(tmp_path / "run" / "step_000002" / "rollouts.jsonl")} == {"l"}
+
+
+@pytest.mark.slow
 def test_quickstart_learns_asynchronously(tmp_path):
     run = tmp_path / "run"
     sets = ["seed=1", "async.max_staleness=1", "keep_artifacts=true"]

@@ -52,13 +52,16 @@ class BatchShare:
 class _StepWork:
     """One step's share while it is generated: its requests, what has come back, and by which weights."""
 
-    def __init__(self, step, data_position, sampling, requests, tokens, version, start):
+    def __init__(self, step, data_position, sampling, requests, tokens, start, version=-1):
         self.step, self.data_position, self.sampling = step, data_position, sampling
         self.requests, self.tokens = requests, tokens
+        self.longest = max((len(t.prompt_ids) + t.max_new_tokens for t in tokens), default=0)
+        """The longest context a request may reach (prompt + max_new_tokens)."""
         self.results: list[Generated | None] = [None] * len(tokens)
         self.pending = set(range(len(tokens)))
         self.spans = [[[0, version]] for _ in tokens]
-        """Per sample: [response token index, policy version] where each run of tokens under one policy begins."""
+        """Per sample: [response token index, policy version] where each run of tokens under one policy begins
+        (set when the step's requests are submitted)."""
         self.restarts = [0] * len(tokens)
         self.began = time.perf_counter()
         self.start = start
@@ -104,13 +107,20 @@ class RolloutWorker:
             for step in steps:
                 self._produce_episodes(step, start)
             return
-        queue, active = list(steps), {}
-        self.stream = None
+        queue, active, ready = list(steps), {}, None
+        self.stream, self.stream_context = None, 0
         try:
             while queue or active:
                 while queue and self.version >= queue[0] - 1 - self.cfg.async_.max_staleness:
-                    step = queue.pop(0)
-                    active[step] = self._submit(step, start)
+                    ready = ready or self._prepare(queue[0], start)
+                    if ready.longest > self.stream_context and self.stream is not None:
+                        if active:  # longer than the open stream was sized for: it waits for the stream to drain
+                            break
+                        self.stream.close()
+                        self.stream = None
+                    queue.pop(0)
+                    active[ready.step] = self._submit(ready)
+                    ready = None
                 if not active:  # the bound needs newer weights than these: wait for them
                     what = f"policy version {self.version + 1} from the trainers"
                     self.weight_wait_s += self.channel.wait(f"w/{self.version + 1}/0", what, stop_aware=True)
@@ -136,7 +146,7 @@ class RolloutWorker:
             self.weight_wait_s += self.channel.wait(f"w/{self.version + 1}/0", what, stop_aware=True)
             self._receive(self.version + 1)
         prompts, position, sampling = self._step_prompts(step, start)
-        work = _StepWork(step, position, sampling, [], [], self.version, start)
+        work = _StepWork(step, position, sampling, [], [], start, self.version)
         runner = multi_turn_runner(self.engine, self.tokenizer, self.cfg.rollout, sampling)
         records = runner.generate(prompts)
         for record in records:
@@ -153,20 +163,28 @@ class RolloutWorker:
         mine = shard_range(len(prompts), self.roles.rank_in_role, self.roles.num_rollout)
         return [prompts[i] for i in mine], position + want, cfg.rollout.sampling(seed=cfg.seed + step)
 
-    def _submit(self, step: int, start: dict) -> _StepWork:
-        """Step `step`'s prompts (and seed) exactly as the synchronous loop takes them, this rank's slice, queued."""
+    def _prepare(self, step: int, start: dict) -> _StepWork:
+        """Step `step`'s prompts (and seed) exactly as the synchronous loop takes them, this rank's slice, as token
+        requests (each with the step's seed: several steps share one stream)."""
         prompts, position, sampling = self._step_prompts(step, start)
         requests = build_requests(prompts, self.engine.encoder, sampling)
         self.engine.check_requests(requests, sampling)
         tokens = [dataclasses.replace(t, seed=sampling.seed) for t in token_requests(requests, sampling)]
-        work = _StepWork(step, position, sampling, requests, tokens, self.version, start)
-        if self.stream is None:
-            longest = max(len(t.prompt_ids) + t.max_new_tokens for t in tokens)
-            slots = len(tokens) * (1 + self.cfg.async_.max_staleness)  # the steps the bound lets run at once
-            self.stream = self.engine.open_stream(sampling, longest, slots)
+        return _StepWork(step, position, sampling, requests, tokens, start)
+
+    def _submit(self, work: _StepWork) -> _StepWork:
+        """Queue the step's requests in the open stream (opened, sized for the bound's steps, when there is none)
+        under the weights held now."""
+        if self.stream is None:  # room for later steps' somewhat longer prompts; a step longer still waits (_produce)
+            self._open(work.sampling, work.longest * 5 // 4, len(work.tokens))
+        work.began, work.spans = time.perf_counter(), [[[0, self.version]] for _ in work.tokens]
         for i in sorted(work.pending):
-            self.stream.submit((step, i), tokens[i])
+            self.stream.submit((work.step, i), work.tokens[i])
         return work
+
+    def _open(self, sampling: SamplingParams, context: int, per_step: int) -> None:
+        slots = per_step * (1 + self.cfg.async_.max_staleness)  # the steps the bound lets run at once
+        self.stream, self.stream_context = self.engine.open_stream(sampling, context, slots), context
 
     def _new_weights(self, active: dict[int, _StepWork]) -> None:
         """Take the next policy version. 'continue': in-flight samples go on under it (where each one's new run of
@@ -181,11 +199,9 @@ class RolloutWorker:
                 work.spans[i].append([progress.get((work.step, i), 0), self.version])
             return
         self.stream.close()
-        self.stream = None
         self._receive(self.version + 1)
-        longest = max(len(work.tokens[i].prompt_ids) + work.tokens[i].max_new_tokens for work, i in live)
-        slots = len(next(iter(active.values())).tokens) * (1 + self.cfg.async_.max_staleness)
-        self.stream = self.engine.open_stream(next(iter(active.values())).sampling, longest, slots)
+        first = next(iter(active.values()))
+        self._open(first.sampling, self.stream_context, len(first.tokens))
         for work, i in live:
             work.restarts[i] += 1
             work.spans[i] = [[0, self.version]]
