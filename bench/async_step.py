@@ -141,7 +141,9 @@ def run_mode(name: str, args, work: Path) -> dict:
         "response_length_mean": statistics.mean(m["response_length/mean"] for m in metrics),
         "steps_s": [m["timing/step_s"] for m in metrics],
     }
-    for key in ("async/staleness_mean", "async/trainer_wait_s", "async/rollout_weight_wait_s", "timing/weight_push_s"):
+    keys = ("async/staleness_mean", "async/trainer_wait_s", "async/rollout_weight_wait_s", "timing/weight_push_s")
+    keys += ("async/queue_depth", "timing/generate_s", "timing/score_s", "timing/train_s")
+    for key in keys:
         values = [m[key] for m in metrics[1:] if key in m]
         if values:
             out[key] = statistics.mean(values)

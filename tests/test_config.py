@@ -115,6 +115,24 @@ def test_the_fast_path_is_the_default_on_cuda_and_only_fills_what_the_recipe_lea
     assert fast_path_defaults("cpu", {}) == fast_path_defaults("npu", {}) == {}
 
 
+def test_the_fast_path_token_budget_shrinks_for_larger_models():
+    """32,768 tokens per micro-batch for the 0.5B shape and smaller; a Qwen2-VL-2B-shaped model (its text config
+    nested) gets fewer, read from its config.json (at 32,768 its train step ran out of an H100's memory)."""
+    from rlx.engine.ppo.config import load_recipe
+    from rlx.engine.ppo.defaults import micro_batch_token_budget
+
+    qwen05 = {"num_hidden_layers": 24, "hidden_size": 896, "intermediate_size": 4864}
+    assert micro_batch_token_budget(qwen05) == micro_batch_token_budget(None) == 32768
+    assert micro_batch_token_budget({"num_hidden_layers": 2, "hidden_size": 64}) == 32768
+    qwen15 = {"num_hidden_layers": 28, "hidden_size": 1536, "intermediate_size": 8960}
+    assert micro_batch_token_budget(qwen15) == micro_batch_token_budget({"text_config": qwen15}) == 15360
+    assert micro_batch_token_budget({"num_hidden_layers": 80, "hidden_size": 8192, "intermediate_size": 29568}) == 2048
+    vl = load_recipe(REPO / "recipes" / "qwen2_vl_2b_shapes.toml", [], "cuda")
+    assert vl.train.max_tokens_per_micro_batch == vl.score.max_tokens_per_micro_batch == 15360
+    mine = load_recipe(REPO / "recipes" / "qwen2_vl_2b_shapes.toml", ["train.max_tokens_per_micro_batch=4096"], "cuda")
+    assert mine.train.max_tokens_per_micro_batch == 4096
+
+
 def test_async_recipes_correct_stale_samples_unless_the_recipe_says_otherwise():
     from rlx.engine.ppo.config import load_recipe
 

@@ -47,7 +47,7 @@ def ppo(
             raise UserError("--resume continues the run in --out and --overwrite replaces it: give one of them")
         device_type = resolve_device(load_recipe(recipe, set_ or []).train.device).type
         cfg = load_recipe(recipe, set_ or [], device_type)
-        chosen = fast_path_defaults(device_type, _recipe_tree(recipe, set_ or []))
+        chosen = fast_path_defaults(device_type, _recipe_tree(recipe, set_ or []), Path(recipe).parent)
         if chosen and not print_config:
             from rlx.engine.tracking import console
 

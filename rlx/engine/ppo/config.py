@@ -257,7 +257,7 @@ def load_recipe(path: str | Path, overrides: list[str] = (), device_type: str | 
     original = {name: dict(data[name]) for name in tables if isinstance(data.get(name), dict)}
     data = apply_overrides(data, list(overrides))
     if device_type is not None:
-        data = apply_defaults(data, {**fast_path_defaults(device_type, data), **async_defaults(data)})
+        data = apply_defaults(data, {**fast_path_defaults(device_type, data, path.parent), **async_defaults(data)})
     if "async" in data:  # `async` is a Python keyword: the field is async_
         data["async_"] = data.pop("async")
     for section, key in (("model", "path"), ("data", "prompts"), ("eval", "prompts"), ("sft", "data")):

@@ -4,6 +4,8 @@ import: a pure function of the device type and the recipe; users opt out by sett
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 _ALWAYS: dict[tuple[str, ...], Any] = {
@@ -18,12 +20,49 @@ _WITHOUT_MEGATRON: dict[tuple[str, ...], Any] = {
 }
 
 
-def fast_path_defaults(device_type: str, recipe: dict) -> dict[str, Any]:
-    """{dotted key: value} to set for the keys `recipe` (the TOML tree after --set) leaves out, on `device_type`.
-    The fused Triton logprobs are already the default on CUDA (logprob_impl 'auto')."""
+# The token budget of a micro-batch is 32,768 for the 0.5B shape it was measured on (bench/RESULTS.md, "Whole GRPO
+# steps"); a wider or deeper model keeps the activations of a micro-batch near the same memory by taking fewer
+# tokens, in proportion to layers x (2 x hidden + intermediate) (a Qwen2-VL-2B-shaped model: 15,360 tokens; at 32,768
+# its train step ran out of an H100's 80 GB). Never more than 32,768; a model whose config cannot be read keeps it.
+_BUDGET_TOKENS = 32768
+_BUDGET_REFERENCE = 24 * (2 * 896 + 4864)
+
+
+def micro_batch_token_budget(model_config: dict | None) -> int:
+    """The fast path's tokens per packed micro-batch for a model with this config.json (None: the reference)."""
+    text = (model_config or {}).get("text_config") or model_config or {}
+    try:
+        layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
+        intermediate = int(text.get("intermediate_size") or 4 * hidden)
+    except (KeyError, TypeError, ValueError):
+        return _BUDGET_TOKENS
+    scaled = _BUDGET_TOKENS * _BUDGET_REFERENCE // max(1, layers * (2 * hidden + intermediate))
+    return max(2048, min(_BUDGET_TOKENS, scaled // 1024 * 1024))
+
+
+def _model_config(recipe: dict, recipe_dir: Path | None) -> dict | None:
+    """The config.json of the recipe's model folder, when it is a local folder (GGUF files, packages and URLs: None)."""
+    value = recipe.get("model", {}).get("path") if isinstance(recipe.get("model"), dict) else None
+    if not isinstance(value, str) or ":" in value:
+        return None
+    path = Path(value)
+    if not path.is_absolute() and recipe_dir is not None and (recipe_dir / path).exists():
+        path = recipe_dir / path
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def fast_path_defaults(device_type: str, recipe: dict, recipe_dir: Path | None = None) -> dict[str, Any]:
+    """{dotted key: value} to set for the keys `recipe` (the TOML tree after --set) leaves out, on `device_type`;
+    `recipe_dir` resolves a relative model path (its config.json sizes the micro-batch token budget). The fused
+    Triton logprobs are already the default on CUDA (logprob_impl 'auto')."""
     if device_type != "cuda":
         return {}
     chosen = dict(_ALWAYS)
+    budget = micro_batch_token_budget(_model_config(recipe, recipe_dir))
+    chosen.update({key: budget for key in chosen if key[-1] == "max_tokens_per_micro_batch"})
     if "megatron" not in recipe:
         chosen.update(_WITHOUT_MEGATRON)
     if isinstance(recipe.get("critic"), dict):  # the critic trains as the actor does
