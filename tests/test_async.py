@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rlx.engine.evaluation import EVAL_FILE
 from rlx.engine.parallel.roles import check_split
 from rlx.errors import UserError
 from tests.conftest import REPO, cli, cli_ok, max_diff, read_jsonl, run_torchrun
@@ -163,6 +164,45 @@ def test_partial_rollouts_on_the_native_engine(tmp_path, mode):
         assert not any("policy_versions" in r for r in records)
     else:
         assert all(r["rollout_restarts"] == 0 for r in records)
+
+
+EVAL_TABLE = f"""
+[eval]
+prompts = "{REPO / "recipes" / "data" / "arith_quickstart.jsonl"}"
+every = 2
+before_training = true
+max_new_tokens = 3
+reward = ["arith"]
+"""
+
+
+@pytest.mark.slow
+def test_eval_on_the_rollout_ranks(tmp_path):
+    """[eval] in an async run: the rollout rank evaluates exactly the weights after each due step. At max_staleness
+    0 the val/* metrics and eval.jsonl equal the synchronous run's; at 1 on the native engine (a stream across
+    steps, drained before each evaluation) each step's eval.jsonl equals `rlx eval` of that step's checkpoint."""
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(RECIPE + EVAL_TABLE)
+    (tmp_path / "sync").mkdir()
+    ppo_torchrun(1, recipe, tmp_path / "sync" / "run")
+    ppo_torchrun(2, recipe, tmp_path / "lag0", "async.max_staleness=0")
+    sync, lag0 = tmp_path / "sync" / "run", tmp_path / "lag0"
+    lines = [read_jsonl(run / "metrics.jsonl") for run in (sync, lag0)]
+    val = [[{k: v for k, v in m.items() if k.startswith("val/")} for m in ms] for ms in lines]
+    assert [m["step"] for m in lines[1] if "val/pass@1" in m] == [0, 2, 4]
+    assert val[0] == val[1]
+    for step in (0, 2, 4):
+        assert read_jsonl(sync / f"step_{step:06d}" / EVAL_FILE) == read_jsonl(lag0 / f"step_{step:06d}" / EVAL_FILE)
+    run = tmp_path / "lag1"
+    ppo_torchrun(2, recipe, run, "async.max_staleness=1", 'rollout.engine="native"', "rollout.max_new_tokens=24")
+    check_staleness(run, 4, 1)
+    for step in (2, 4):
+        out = tmp_path / f"eval{step}"
+        cli_ok("eval", "--model", run / "checkpoints" / f"step_{step:06d}", "--prompts", REPO / "recipes" / "data" /
+               "arith_quickstart.jsonl", "--reward", "arith", "--max-new-tokens", "3", "--engine", "native",
+               "--out", out)  # fmt: skip
+        ours = read_jsonl(run / f"step_{step:06d}" / EVAL_FILE)
+        assert [s["response"] for s in ours] == [s["response"] for s in read_jsonl(out / EVAL_FILE)], step
 
 
 MULTI_TURN = f"""

@@ -214,11 +214,25 @@ def grade(rollouts: list, cfg: EvalConfig) -> list[EvalSample]:
 def evaluate(cfg: EvalConfig, engine, prompts: list) -> tuple[list[EvalSample], dict[str, float]]:
     """Graded samples and val/* metrics of `prompts` answered by a resident rollout engine (`rlx ppo`'s [eval]).
     Every sample draws from its own stream seeded by cfg.seed: nothing of the training stream is used."""
-    records = engine.generate(prompts, cfg.rollout_config().sampling(), progress=False).records
-    samples = grade(records, cfg)
+    samples = grade(engine.generate(prompts, cfg.rollout_config().sampling(), progress=False).records, cfg)
+    return samples, graded_metrics(samples)
+
+
+def graded_metrics(samples: list[EvalSample]) -> dict[str, float]:
+    """val/* metrics of graded samples (an async run's rollout ranks each grade a share of the prompts)."""
     metrics = eval_metrics(samples)
     metrics["val/num_reward_errors"] = float(sum(s.reward_error is not None for s in samples))
-    return samples, metrics
+    return metrics
+
+
+def eval_due(cfg: EvalConfig | None, step: int, start_step: int, steps: int) -> bool:
+    """Whether `rlx ppo` evaluates the weights after `step` (step 0: the initial policy, with before_training; a
+    resumed run evaluates none of the steps before its start)."""
+    if cfg is None:
+        return False
+    if step <= start_step:
+        return step == start_step == 0 and cfg.before_training
+    return step == steps or (cfg.every > 0 and step % cfg.every == 0)
 
 
 def run_eval(

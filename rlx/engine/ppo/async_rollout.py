@@ -10,6 +10,11 @@ it (async.partial_rollouts = 'continue': the record's policy_versions says where
 are dropped and start again under it with the same random streams ('drop': rollout_restarts counts it). A step's
 records go to the store as soon as its last sample finishes, with policy_version = the policy of its first token.
 Rollout ranks hold no collective among themselves: each goes at its own pace.
+
+[eval]: the weights after a step due for evaluation are evaluated here, exactly those: on receiving them a rank
+admits no new prompts and takes no newer weights until its samples in flight have finished, then answers its share
+of the held-out prompts (e/STEP/RANK in the store) and goes on. The trainers wait for the shares at that step, as
+the synchronous loop waits for its evaluation.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 from rlx.engine.agent.generate import multi_turn_runner, multi_turn_stats
 from rlx.engine.checkpoints.loading import load_initial_policy, load_processor
 from rlx.engine.data import take_prompts
+from rlx.engine.evaluation import eval_due, evaluate
 from rlx.engine.parallel.dist import DistContext, shard_range
 from rlx.engine.parallel.roles import Roles
 from rlx.engine.ppo.async_transport import BroadcastWeights, Channel, StopSignal
@@ -74,23 +80,30 @@ class RolloutWorker:
     def __init__(self, cfg: PPOConfig, run_dir: Path, roles: Roles):
         self.cfg, self.roles = cfg, roles
         self.channel = Channel(roles.store, roles.timeout_s)
-        self.prompts = check_run_inputs(cfg, run_dir).prompts
+        inputs = check_run_inputs(cfg, run_dir)
+        self.prompts, self.eval_prompts = inputs.prompts, inputs.eval_prompts
         model, self.tokenizer, _ = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
         processor = load_processor(resolve_source(cfg.model.path), cfg.vision)
         ctx = DistContext(device=roles.device)  # no process group: this rank generates on its own
         self.engine = build_engine(cfg.rollout, model, self.tokenizer, ctx, processor)
         self.version = -1
         self.weight_wait_s = 0.0
+        self.start_step = 0
+        self.eval_pending: int | None = None
+        """A policy version due for [eval], received and not yet evaluated."""
+        self.stream = None
 
     def run(self) -> None:
         cfg, channel = self.cfg, self.channel
         with _ignore_sigterm():  # the trainers decide when to stop (after a step's checkpoint); we serve until then
             try:
                 start = channel.take("start", "the trainers' start", keep=True, stop_aware=True)
+                self.start_step = start["start_step"]
                 steps = range(start["start_step"] + 1, cfg.steps + 1)
                 if steps:
                     self._receive(start["start_step"])
                     self._produce(steps, start)
+                    self._evaluate_last_versions()
                 channel.wait("stop", "the trainers to finish", timeout_s=float("inf"))
             except StopSignal:
                 pass
@@ -107,26 +120,21 @@ class RolloutWorker:
             for step in steps:
                 self._produce_episodes(step, start)
             return
-        queue, active, ready = list(steps), {}, None
-        self.stream, self.stream_context = None, 0
+        queue, active = list(steps), {}
+        self.stream, self.stream_context, self.ready = None, 0, None
         try:
-            while queue or active:
-                while queue and self.version >= queue[0] - 1 - self.cfg.async_.max_staleness:
-                    ready = ready or self._prepare(queue[0], start)
-                    if ready.longest > self.stream_context and self.stream is not None:
-                        if active:  # longer than the open stream was sized for: it waits for the stream to drain
-                            break
-                        self.stream.close()
-                        self.stream = None
-                    queue.pop(0)
-                    active[ready.step] = self._submit(ready)
-                    ready = None
+            while queue or active or self.eval_pending is not None:
+                if self.eval_pending is not None and not active:
+                    self._evaluate_pending()
+                    continue
+                if self.eval_pending is None:  # while one is pending, no new prompts: the samples in flight finish
+                    self._admit(queue, active, start)
                 if not active:  # the bound needs newer weights than these: wait for them
                     what = f"policy version {self.version + 1} from the trainers"
                     self.weight_wait_s += self.channel.wait(f"w/{self.version + 1}/0", what, stop_aware=True)
                     self._new_weights(active)
                     continue
-                if self._update_waiting():
+                if self.eval_pending is None and self._update_waiting():
                     self._new_weights(active)
                 for (step, i), generated in self.stream.step():
                     work = active[step]
@@ -138,13 +146,29 @@ class RolloutWorker:
             if self.stream is not None:
                 self.stream.close()
 
+    def _admit(self, queue: list[int], active: dict[int, _StepWork], start: dict) -> None:
+        """Queue the next steps' requests that the staleness bound allows with the weights held; a step whose
+        prompts are longer than the open stream was sized for waits until the stream drains (then it is reopened)."""
+        while queue and self.version >= queue[0] - 1 - self.cfg.async_.max_staleness:
+            self.ready = self.ready or self._prepare(queue[0], start)
+            if self.ready.longest > self.stream_context and self.stream is not None:
+                if active:
+                    return
+                self.stream.close()
+                self.stream = None
+            queue.pop(0)
+            active[self.ready.step] = self._submit(self.ready)
+            self.ready = None
+
     def _produce_episodes(self, step: int, start: dict) -> None:
         """Multi-turn (rollout.env / rollout.agent): step `step`'s episodes with the newest weights published, at
         least those the bound needs; weights change only between steps, so every episode is one policy's."""
+        self._evaluate_pending()
         while self.version < step - 1 - self.cfg.async_.max_staleness or self._update_waiting():
             what = f"policy version {self.version + 1} from the trainers"
             self.weight_wait_s += self.channel.wait(f"w/{self.version + 1}/0", what, stop_aware=True)
             self._receive(self.version + 1)
+            self._evaluate_pending()
         prompts, position, sampling = self._step_prompts(step, start)
         work = _StepWork(step, position, sampling, [], [], start, self.version)
         runner = multi_turn_runner(self.engine, self.tokenizer, self.cfg.rollout, sampling)
@@ -236,6 +260,29 @@ class RolloutWorker:
         self.engine.update_weights(source)
         source.drain()
         self.version = version
+        if eval_due(self.cfg.eval, version, self.start_step, self.cfg.steps):
+            self.eval_pending = version
+
+    def _evaluate_pending(self) -> None:
+        """[eval] of the weights held (the version due), with no samples in flight: this rank's share of the
+        held-out prompts, graded, into the store for the trainers."""
+        if self.eval_pending is None:
+            return
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+        mine = shard_range(len(self.eval_prompts), self.roles.rank_in_role, self.roles.num_rollout)
+        samples = evaluate(self.cfg.eval, self.engine, [self.eval_prompts[i] for i in mine])[0] if mine else []
+        self.channel.put(f"e/{self.eval_pending}/{self.roles.rank_in_role}", samples)
+        self.eval_pending = None
+
+    def _evaluate_last_versions(self) -> None:
+        """The versions after the last step's samples that are due for [eval] (the trainers push only those)."""
+        for version in range(self.version + 1, self.cfg.steps + 1):
+            if eval_due(self.cfg.eval, version, self.start_step, self.cfg.steps):
+                self.channel.wait(f"w/{version}/0", f"policy version {version} from the trainers", stop_aware=True)
+                self._receive(version)
+                self._evaluate_pending()
 
     def _update_waiting(self) -> bool:
         return self.channel.has(f"w/{self.version + 1}/0")

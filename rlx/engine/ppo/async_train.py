@@ -10,6 +10,9 @@ ranks (rlx/engine/ppo/async_transport.py). With max_staleness = 0 a rollout rank
 exactly the weights after step t - 1: the synchronous loop, bit for bit. The rollout side is
 rlx/engine/ppo/async_rollout.py.
 
+[eval]: the rollout ranks evaluate the weights after each due step (pushed to them even when no later batch needs
+them) and the lead trainer writes their graded shares as the synchronous loop writes its own.
+
 Metrics per step: `async/staleness_mean`, `async/staleness_max` (updates between the generating policy and the
 one trained), `async/partial_rollout_share` (samples that new weights reached while they were generated: restarted
 under them, async.partial_rollouts = 'drop', or finished by them, 'continue'),
@@ -24,15 +27,18 @@ import time
 from pathlib import Path
 
 from rlx.engine.agent.generate import merge_stats
+from rlx.engine.evaluation import EVAL_FILE, graded_metrics
 from rlx.engine.parallel.dist import broadcast_object
 from rlx.engine.parallel.roles import Roles, split_roles
 from rlx.engine.ppo.async_rollout import BatchShare, RolloutWorker
 from rlx.engine.ppo.async_transport import Channel, push_weights
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.ppo.loop import PPORun
+from rlx.engine.ppo.rundir import step_dir
 from rlx.engine.records import RolloutRecord
 from rlx.engine.rollout.base import RolloutStats
 from rlx.utils.device import resolve_precision
+from rlx.utils.io import write_jsonl
 
 
 class RemoteRollouts:
@@ -86,8 +92,23 @@ class AsyncPPORun(PPORun):
 
     def _train(self, step: int, result) -> dict:
         metrics = super()._train(step, result)
-        if step <= self.cfg.steps - 1 - self.cfg.async_.max_staleness:  # a later batch may still need this version
+        # a later batch may still need this version, or the rollout ranks evaluate it
+        if step <= self.cfg.steps - 1 - self.cfg.async_.max_staleness or self._eval_due(step):
             metrics["timing/weight_push_s"] = self._push(step)
+        return metrics
+
+    def _evaluate(self, step: int) -> dict:
+        """[eval] of the weights after `step`: the rollout ranks answer the held-out prompts (each a share) with
+        exactly those weights; the lead trainer takes the graded shares and writes step_NNNNNN/eval.jsonl."""
+        start, metrics = time.perf_counter(), None
+        if self.roles.is_lead_trainer:
+            samples = []
+            for r in range(self.roles.num_rollout):
+                samples += self.channel.take(f"e/{step}/{r}", f"the evaluation of step {step} from rollout rank {r}")
+            write_jsonl(step_dir(self.run_dir, step) / EVAL_FILE, (s.to_json() for s in samples))
+            metrics = graded_metrics(samples)
+        metrics = broadcast_object(metrics)
+        metrics["timing/eval_s"] = time.perf_counter() - start
         return metrics
 
     def _sample(self, step: int):

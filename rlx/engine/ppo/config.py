@@ -223,7 +223,6 @@ class PPOConfig:
         """What [async] does not support yet (each a clear error rather than a silently synchronous run)."""
         unsupported = {
             "score.filter_groups": self.score.filter_groups,
-            "eval": self.eval is not None,
             "rollout.engine = 'vllm'": self.rollout.engine == "vllm",
             "rollout.weight_sync = 'disk'": self.rollout.weight_sync == "disk",
         }

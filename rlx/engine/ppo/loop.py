@@ -30,7 +30,7 @@ from rlx.engine.checkpoints.loading import CheckpointWeights
 from rlx.engine.checkpoints.meta import CheckpointMeta, provenance
 from rlx.engine.checkpoints.registry import layout_for_backend, prepare_save, read_meta, trained_layout
 from rlx.engine.data import take_prompts
-from rlx.engine.evaluation import EVAL_FILE, evaluate
+from rlx.engine.evaluation import EVAL_FILE, eval_due, evaluate
 from rlx.engine.flops import count_flops, count_generate_flops, device_peak_flops, mfu
 from rlx.engine.memory import (
     GcPauses,
@@ -182,8 +182,7 @@ class PPORun:
         return metrics
 
     def _eval_due(self, step: int) -> bool:
-        every = self.cfg.eval.every if self.cfg.eval is not None else 0
-        return self.cfg.eval is not None and (step == self.cfg.steps or (every > 0 and step % every == 0))
+        return step > 0 and eval_due(self.cfg.eval, step, 0, self.cfg.steps)
 
     def step(self, step: int, log) -> None:
         """One iteration.  `log(step, metrics, trace rows)` is called once, before the step's checkpoint is
