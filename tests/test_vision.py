@@ -521,6 +521,30 @@ def test_shapes_answers_match_the_images():
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for (_, a), (_, b) in zip(again, pairs))
 
 
+def test_shapes_total_needs_the_image():
+    """'total' (the tiny VLM recipe's kind): one question text for every image, answers 1..max_count drawn evenly,
+    each the number of shapes read back from the pixels; big shapes (min_side) fill most of their cell."""
+    from rlx.engine.scoring.rewards import BUILTIN
+    from rlx.tasks.shapes import generate_shapes
+
+    pairs = generate_shapes(90, seed=4, kinds=("total",), max_count=3, size=32, grid=2, min_side=0.75)
+    question = "How many shapes are there? Answer with a number."
+    assert {r["prompt"][0]["content"][1]["text"] for r, _ in pairs} == {question}
+    answers = [r["ground_truth"] for r, _ in pairs]
+    assert sorted(set(answers)) == ["1", "2", "3"] and max(answers.count(a) for a in "123") <= 40
+    for record, image in pairs:
+        assert record["kind"] == "total" and record["ground_truth"] == str(len(shapes_in(image))), record
+        ink = (np.asarray(image) != 255).any(-1).sum()
+        assert ink >= 0.5 * 12 * 12 * len(shapes_in(image))  # every shape at least 12 pixels across (triangles: half)
+    reward = BUILTIN["shapes"]
+    assert reward("shapes", "3", "3")["score"] == 1.0 and reward("shapes", "2", "3")["score"] == 0.0
+    generate_shapes(2, kinds=("total",), max_count=4, size=32, grid=2)  # 'total' alone: up to grid^2 shapes
+    with pytest.raises(ValueError, match="2 x max_count <= grid"):
+        generate_shapes(2, kinds=("total", "count"), max_count=4, size=32, grid=2)
+    with pytest.raises(ValueError, match="min_side"):
+        generate_shapes(2, kinds=("total",), max_count=3, size=32, grid=2, min_side=0)
+
+
 def test_shapes_files_next_to_the_prompts_or_data_uris(tmp_path):
     import json
     import subprocess

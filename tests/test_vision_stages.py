@@ -300,7 +300,7 @@ def test_fsdp_and_sequence_parallel_train_steps_equal_one_process(vlm, tmp_path)
     assert_same_weights(tmp_path / "one", tmp_path / "sp", atol=1e-4)
 
 
-@pytest.mark.slow  # 40 steps: ~60 s on 2 CPU cores
+@pytest.mark.slow  # 150 steps: ~2.5 minutes on 2 CPU cores
 def test_tiny_vlm_recipe_learns(tmp_path):
     from rlx.engine.ppo.config import load_recipe
     from rlx.engine.ppo.loop import run_ppo
@@ -308,13 +308,14 @@ def test_tiny_vlm_recipe_learns(tmp_path):
     run_ppo(load_recipe(RECIPE), tmp_path / "run")
     rewards = [m["reward/mean"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last >= first + 0.15, (first, last, rewards)  # measured: ~0.02 -> ~0.24 (the model learns to answer 1-3)
+    # every prompt has the same text and answers 1-3 are equally likely: above 1/3 the model reads the image
+    assert last >= first + 0.4 and last >= 0.6, (first, last, rewards)  # measured: ~0.01 -> ~0.8
 
 
 def test_recipe_data_matches_the_generator(tmp_path):
     shipped = read_jsonl(REPO / "recipes" / "data" / "shapes_quickstart.jsonl")
     out = tmp_path / "shapes.jsonl"
-    pairs = generate_shapes(len(shipped), seed=0, size=32, kinds=("count",), max_count=3)
+    pairs = generate_shapes(len(shipped), seed=0, size=32, grid=2, kinds=("total",), max_count=3, min_side=0.75)
     write_shapes(out, pairs, embed=True)
     assert read_jsonl(out) == shipped
     assert shipped[0]["prompt"][0]["content"][0]["image"] == data_uri(pairs[0][1])

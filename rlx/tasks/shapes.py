@@ -2,12 +2,16 @@
 
     python -m rlx.tasks.shapes --out prompts.jsonl --num 1000 --seed 0
     python -m rlx.tasks.shapes --out prompts.jsonl --num 200 --data-uri --size 448 --grid 6
+    python -m rlx.tasks.shapes --out prompts.jsonl --kinds total --max-count 3 --size 32 --grid 2 --min-side 0.75
 
 Each prompt is one user message with an image part and a question. The image (rendered with Pillow:
 circles, squares and triangles in four colours on a white canvas, one shape per cell of a grid at a
 random size and offset, never touching) is needed to answer:
 
 - 'count': "How many red shapes are there?" or "How many circles are there?" -> a number ('3');
+- 'total': "How many shapes are there?" -> the number of shapes drawn, 1 to max_count, each equally likely: the
+  question is always the same, so a model that does not look at the image cannot beat chance (1 / max_count);
+  with big shapes in a 2 x 2 grid (the third command above) it is the data of recipes/tiny_vlm_shapes.toml;
 - 'compare': "Are there more red or blue shapes?" -> the colour with more (never a tie), e.g. 'blue'.
 
 Images are PNG files in a folder next to the prompts file (default `<stem>_images/`), referenced by paths
@@ -29,7 +33,8 @@ from rlx.utils.io import write_jsonl
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (30, 60, 220), "yellow": (230, 200, 20)}
 SHAPES = ("circle", "square", "triangle")
-KINDS = ("count", "compare")
+KINDS = ("count", "compare", "total")
+DEFAULT_KINDS = ("count", "compare")
 
 
 def draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int], colour: str) -> None:
@@ -44,13 +49,17 @@ def draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, 
         draw.polygon([((left + right) // 2, top), (right, bottom), (left, bottom)], fill=fill)
 
 
-def render(items: list[tuple[str, str]], size: int, grid: int, rng: random.Random) -> Image.Image:
-    """A `size` x `size` white image with one (shape, colour) item in each of distinct random grid cells."""
+def render(
+    items: list[tuple[str, str]], size: int, grid: int, rng: random.Random, min_side: float = 0.5
+) -> Image.Image:
+    """A `size` x `size` white image with one (shape, colour) item in each of distinct random grid cells, each
+    shape's side between `min_side` of its cell and the cell less one pixel."""
     image = Image.new("RGB", (size, size), "white")
     draw = ImageDraw.Draw(image)
     cell = size // grid
     for (shape, colour), index in zip(items, rng.sample(range(grid * grid), len(items))):
-        side = rng.randint(cell // 2, cell - 1)  # the last row and column of each cell stay white: shapes never touch
+        # the last row and column of each cell stay white: shapes never touch
+        side = rng.randint(min(int(cell * min_side), cell - 1), cell - 1)
         left = (index % grid) * cell + rng.randint(0, cell - 1 - side)
         top = (index // grid) * cell + rng.randint(0, cell - 1 - side)
         draw_shape(draw, shape, (left, top, left + side - 1, top + side - 1), colour)
@@ -74,6 +83,13 @@ def _count_question(rng: random.Random, max_count: int, cells: int) -> tuple[lis
     return items, f"How many {noun} are there? Answer with a number.", str(count)
 
 
+def _total_question(rng: random.Random, max_count: int, cells: int) -> tuple[list, str, str]:
+    """Items, question and answer of a question about every shape drawn."""
+    count = rng.randint(1, min(max_count, cells))
+    items = [(rng.choice(SHAPES), rng.choice(list(COLOURS))) for _ in range(count)]
+    return items, "How many shapes are there? Answer with a number.", str(count)
+
+
 def _compare_question(rng: random.Random, max_count: int, cells: int) -> tuple[list, str, str, list[str]]:
     """Items, question, answer and the two choices of a comparison question (never a tie)."""
     first, second = rng.sample(list(COLOURS), 2)
@@ -90,18 +106,24 @@ def _compare_question(rng: random.Random, max_count: int, cells: int) -> tuple[l
 def generate_shapes(
     num: int,
     seed: int = 0,
-    kinds: tuple[str, ...] = KINDS,
+    kinds: tuple[str, ...] = DEFAULT_KINDS,
     max_count: int = 4,
     size: int = 64,
     grid: int = 4,
     id_prefix: str = "shapes",
+    min_side: float = 0.5,
 ) -> list[tuple[dict, Image.Image]]:
     """`num` (record, image) pairs, deterministic for a seed. The record's prompt holds an image part whose
-    'image' is left empty for the caller to fill (a file path or a data: URI)."""
+    'image' is left empty for the caller to fill (a file path or a data: URI). Shapes' sides are between
+    `min_side` of a grid cell and the cell less one pixel."""
     if unknown := set(kinds) - set(KINDS):
         raise ValueError(f"kinds must be among {', '.join(KINDS)}, got {sorted(unknown)}")
-    if not kinds or max_count < 1 or grid < 2 or size < 4 * grid or 2 * max_count > grid * grid:
-        raise ValueError("need kinds, max_count >= 1, grid >= 2, size >= 4 x grid and 2 x max_count <= grid^2")
+    most = max_count if set(kinds) == {"total"} else 2 * max_count  # shapes one image may need
+    if not kinds or max_count < 1 or grid < 2 or size < 4 * grid or most > grid * grid or not 0 < min_side <= 1:
+        raise ValueError(
+            f"need kinds, max_count >= 1, grid >= 2, size >= 4 x grid, {most // max_count} x max_count <= grid^2"
+            " and 0 < min_side <= 1"
+        )
     rng = random.Random(seed)
     width = len(str(num - 1))
     out = []
@@ -110,12 +132,14 @@ def generate_shapes(
         extra = {}
         if kind == "count":
             items, question, answer = _count_question(rng, max_count, grid * grid)
+        elif kind == "total":
+            items, question, answer = _total_question(rng, max_count, grid * grid)
         else:
             items, question, answer, extra["choices"] = _compare_question(rng, max_count, grid * grid)
         content = [{"type": "image", "image": ""}, {"type": "text", "text": question}]
         record = {"id": f"{id_prefix}-{i:0{width}d}", "prompt": [{"role": "user", "content": content}],
                   "data_source": "shapes", "ground_truth": answer, "kind": kind, **extra}  # fmt: skip
-        out.append((record, render(items, size, grid, rng)))
+        out.append((record, render(items, size, grid, rng, min_side)))
     return out
 
 
@@ -144,15 +168,22 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="prompts.jsonl to write ('-' for stdout, with --data-uri)")
     parser.add_argument("--num", type=int, default=1000, help="number of questions (default 1000)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--kinds", default="count,compare", help="question kinds, comma-separated (default both)")
+    parser.add_argument(
+        "--kinds",
+        default=",".join(DEFAULT_KINDS),
+        help=f"question kinds, comma-separated, among {', '.join(KINDS)} (default count,compare)",
+    )
     parser.add_argument("--max-count", type=int, default=4, help="most shapes counted or compared (default 4)")
     parser.add_argument("--size", type=int, default=64, help="image side in pixels (default 64)")
     parser.add_argument("--grid", type=int, default=4, help="cells per image side, one shape per cell (default 4)")
+    parser.add_argument(
+        "--min-side", type=float, default=0.5, help="smallest shape side, as a fraction of a grid cell (default 0.5)"
+    )
     parser.add_argument("--data-uri", action="store_true", help="embed images as data: URIs instead of PNG files")
     parser.add_argument("--image-dir", default=None, help="folder for the PNG files (default <stem>_images)")
     args = parser.parse_args()
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
-    pairs = generate_shapes(args.num, args.seed, kinds, args.max_count, args.size, args.grid)
+    pairs = generate_shapes(args.num, args.seed, kinds, args.max_count, args.size, args.grid, min_side=args.min_side)
     write_shapes(args.out, pairs, args.data_uri, args.image_dir)
 
 

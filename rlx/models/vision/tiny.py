@@ -84,10 +84,14 @@ def tiny_vision_processor(family_name: str, **pixel_limits) -> VisionProcessor:
 
 
 def _text_config(tokenizer, family: VisionFamily, num_layers: int, hidden_size: int) -> dict:
-    """Decoder settings: GQA 4/2 heads of 16, mRoPE sections over the rotary half-dims."""
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-    if family.name.startswith("glm4v"):  # GLM rotates half of each head: 4 frequencies in all
-        rope.update(mrope_section=[1, 1, 2], partial_rotary_factor=0.5)
+    """Decoder settings: GQA 4/2 heads of hidden_size / 4, mRoPE sections over the rotary half-dims (8 of them
+    per 64 of width)."""
+    if hidden_size < 64 or hidden_size % 64:
+        raise UserError(f"tiny vision models need a hidden size that is a multiple of 64, got {hidden_size}")
+    scale = hidden_size // 64
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2 * scale, 3 * scale, 3 * scale]}
+    if family.name.startswith("glm4v"):  # GLM rotates half of each head: 4 frequencies in all (per 64 of width)
+        rope.update(mrope_section=[scale, scale, 2 * scale], partial_rotary_factor=0.5)
     if family.name.startswith("qwen3_vl"):
         rope["mrope_interleaved"] = True
     text = dict(
