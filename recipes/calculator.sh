@@ -2,7 +2,7 @@
 # The multi-turn calculator recipe (recipes/calculator.toml) as a shell pipeline of the separate commands.
 # For the same seed it produces the same weights and metrics as `rlx ppo recipes/calculator.toml`.
 #
-#   bash recipes/calculator.sh [RUN_DIR]    (env: SEED=0 STEPS=40 PROMPTS_PER_STEP=8 N=8 SFT_MAX_STEPS=600)
+#   bash recipes/calculator.sh [RUN_DIR]    (env: SEED=0 STEPS=40 PROMPTS_PER_STEP=8 N=8 SFT_MAX_STEPS=260)
 # (PROMPTS_PER_STEP, N and SFT_MAX_STEPS stand for [data] prompts_per_step, [rollout] n and [sft] max_steps:
 # `rlx ppo --set` them alike.)
 set -euo pipefail
@@ -14,7 +14,7 @@ STEPS="${STEPS:-40}"
 PROMPTS="$HERE/data/calculator.jsonl"
 PROMPTS_PER_STEP="${PROMPTS_PER_STEP:-8}"   # [data] prompts_per_step
 N="${N:-8}"                                  # [rollout] n
-SFT_MAX_STEPS="${SFT_MAX_STEPS:-600}"        # [sft] max_steps (0 = the epochs decide)
+SFT_MAX_STEPS="${SFT_MAX_STEPS:-260}"        # [sft] max_steps (0 = the epochs decide)
 
 ckpt() { printf '%s/checkpoints/step_%06d' "$RUN" "$1"; }
 
@@ -31,10 +31,10 @@ rlx sft --model "$RUN/init" --data "$HERE/data/calculator_demos.jsonl" --out "$(
 for ((step = 1; step <= STEPS; step++)); do
   dir="$(printf '%s/step_%06d' "$RUN" "$step")"
   prev="$(ckpt $((step - 1)))"
-  # [rollout]: episodes of the calculator environment, per-turn token limit, whole-episode limit
+  # [rollout]: episodes of the calculator environment (its tool replies "59*63=3717"), per-turn and episode limits
   rlx rollout --model "$prev" --prompts "$PROMPTS" --out "$dir/rollouts.jsonl" \
     --num-prompts "$PROMPTS_PER_STEP" --data-position $(((step - 1) * PROMPTS_PER_STEP)) \
-    --env rlx.tasks.calculator:CalculatorEnv --max-turns 3 --max-total-tokens 320 \
+    --env rlx.tasks.calculator:EchoCalculatorEnv --max-turns 3 --max-total-tokens 320 \
     --n "$N" --max-new-tokens 96 --temperature 1.0 --batch-size 128 --seed $((SEED + step)) \
     --metrics "$RUN/metrics.jsonl"
   # [score]: the environment's reward; the step-0 weights are the reference model

@@ -384,6 +384,28 @@ def test_calculator_tool_reward_and_prompts(tmp_path, monkeypatch):
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["calc-0", "calc-1", "calc-2"]
 
 
+def test_echo_calculator_restates_the_expression_and_its_demonstrations_answer_with_the_reply(tmp_path, monkeypatch):
+    env = calculator.EchoCalculatorEnv({"prompt": "12*34", "ground_truth": "408"})
+    spaced = CALL.replace('"12*34"', '"12 * 34"')
+    call = parse_qwen(spaced + CALL.replace("calculator", "search"), 0).message
+    replies, reward, done = env.step(call)
+    assert [r["content"] for r in replies] == ["12*34=408", "error: unknown tool 'search'"]
+    assert (reward, done) == (0, False)
+    assert env.step({"role": "assistant", "content": "12*34=408"}) == ([], 1.0, True)
+    assert calculator.CalculatorEnv.call(call["tool_calls"][0]) == "408"  # the plain tool is unchanged
+    demo = calculator.demonstration({"id": "d", "prompt": "12*34", "ground_truth": "408"}, echo=True)
+    assert [m.get("content") for m in demo["messages"][2:]] == ["12*34=408", "12*34=408"]
+    demos = calculator.generate_demonstrations(3, digits=2, echo=True)
+    assert [d["messages"][0]["content"] for d in demos] == [
+        d["messages"][0]["content"] for d in calculator.generate_demonstrations(3, digits=2)
+    ]
+    out = tmp_path / "demos.jsonl"
+    argv = ["calculator", "--demos", "--echo", "--digits", "2", "--num", "3", "--seed", "1", "--out", str(out)]
+    monkeypatch.setattr("sys.argv", argv)
+    calculator.main()
+    assert [json.loads(line) for line in out.read_text().splitlines()] == demos
+
+
 def test_stage_writes_multi_turn_records(tmp_path):
     model, tokenizer = random_chat_model()
     model.save_pretrained(tmp_path / "model")

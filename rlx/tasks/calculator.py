@@ -7,7 +7,8 @@ A tiny model cannot multiply 3-digit numbers in its head, but it can learn to ca
 and copy the result. `CalculatorEnv` is the environment (`--env rlx.tasks.calculator:CalculatorEnv`):
 it offers one tool, `calculator(expression)`, answers each call with the value, and ends the episode
 at the first assistant message without a tool call, rewarding 1 when its last integer is the answer.
-`score` is the same check as a rule reward (`--reward rlx.tasks.calculator:score`).
+`score` is the same check as a rule reward (`--reward rlx.tasks.calculator:score`). `EchoCalculatorEnv`
+(`--demos --echo` for its solved episodes) is the same task with a tool that replies "12*34=408".
 """
 
 from __future__ import annotations
@@ -123,17 +124,35 @@ class CalculatorEnv:
             return [], score("calculator", message.get("content", ""), self.answer), True
         return [{"role": "tool", "tool_call_id": call["id"], "content": self.call(call)} for call in calls], 0.0, False
 
-    @staticmethod
-    def call(call: dict) -> str:
-        """The tool's reply to one OpenAI-format call: the value, or an error the model can read."""
+    echo = False
+    """Whether the tool's reply restates the expression ("59*63=3717") rather than giving the value alone."""
+
+    @classmethod
+    def call(cls, call: dict) -> str:
+        """The tool's reply to one OpenAI-format call: the value (after the expression, without its spaces, and
+        '=' when `echo`), or an error the model can read."""
         function = call.get("function", {})
         if function.get("name") != "calculator":
             return f"error: unknown tool {function.get('name')!r}"
         try:
             arguments = json.loads(function.get("arguments") or "{}")
-            return str(evaluate(str(arguments["expression"])))
+            expression = str(arguments["expression"])
+            value = str(evaluate(expression))
         except (ValueError, KeyError, TypeError) as e:
             return f"error: {e}"
+        return f"{''.join(expression.split())}={value}" if cls.echo else value
+
+
+class EchoCalculatorEnv(CalculatorEnv):
+    """CalculatorEnv whose calculator restates the expression, as a calculator's tape does: "59*63=3717".
+
+    For tiny models trained from scratch (recipes/calculator.toml): a character-level 2-layer model copies
+    a number's later digits by matching the digit before each, but finds no match for the first digit of a
+    bare "3717" and guesses it; after "=" it has one. Solved episodes (`demonstration(record, echo=True)`)
+    answer with the tool's reply, e.g. "59*63=3717", whose last integer is graded.
+    """
+
+    echo = True
 
 
 SYSTEM = (
@@ -145,27 +164,31 @@ SYSTEM = (
 """The system message of --style chat prompts (for models whose chat template does not list tools)."""
 
 
-def generate_demonstrations(num: int, seed: int = 1, digits: int = 3, ops: str = "*", exclude=()) -> list[dict]:
-    """`num` solved episodes (`demonstration`) of questions not in `exclude` (e.g. the RL prompts), deterministic."""
+def generate_demonstrations(
+    num: int, seed: int = 1, digits: int = 3, ops: str = "*", exclude=(), echo: bool = False
+) -> list[dict]:
+    """`num` solved episodes (`demonstration`) of questions not in `exclude` (e.g. the RL prompts), deterministic;
+    `echo`: of EchoCalculatorEnv."""
     held_out = {str(q) for q in exclude}
     pool = generate_calculator(4 * num + len(held_out), seed, digits, ops, id_prefix="demo")
     records = [r for r in pool if r["prompt"] not in held_out][:num]
     if len(records) < num:
         raise ValueError(f"cannot draw {num} questions of {digits} digits apart from the {len(held_out)} excluded")
     width = len(str(num - 1))
-    return [demonstration({**r, "id": f"demo-{i:0{width}d}"}) for i, r in enumerate(records)]
+    return [demonstration({**r, "id": f"demo-{i:0{width}d}"}, echo) for i, r in enumerate(records)]
 
 
-def demonstration(record: dict) -> dict:
+def demonstration(record: dict, echo: bool = False) -> dict:
     """A solved episode of `record` for `rlx sft`: the opening messages, a calculator call with the question's
-    expression, the tool's reply, and the answer; the tool listed as CalculatorEnv offers it."""
-    env = CalculatorEnv(record)
+    expression, the tool's reply, and the answer (the reply: the value, or with `echo` the reply of
+    EchoCalculatorEnv, "59*63=3717"); the tool listed as CalculatorEnv offers it."""
+    env = (EchoCalculatorEnv if echo else CalculatorEnv)(record)
     call = {
         "id": "call_0_0",  # the id a rollout gives a first turn's first call
         "type": "function",
         "function": {"name": "calculator", "arguments": json.dumps({"expression": env.question})},
     }
-    result = CalculatorEnv.call(call)
+    result = env.call(call)
     messages = [
         *env.reset(),
         {"role": "assistant", "content": "", "tool_calls": [call]},
@@ -187,12 +210,14 @@ def main() -> None:
     parser.add_argument("--demos", action="store_true", help="write solved episodes for `rlx sft` instead of prompts: "
                         "messages (question, calculator call, its result, the answer) and tools")  # fmt: skip
     parser.add_argument("--exclude", help="with --demos: a prompts.jsonl whose questions the episodes leave out")
+    parser.add_argument("--echo", action="store_true", help="with --demos: episodes of EchoCalculatorEnv (the tool "
+                        "replies '12*34=408', the answer repeats it)")  # fmt: skip
     args = parser.parse_args()
     if args.demos:
         exclude = (
             [json.loads(line)["prompt"] for line in Path(args.exclude).read_text().splitlines()] if args.exclude else ()
         )
-        write_jsonl(args.out, generate_demonstrations(args.num, args.seed, args.digits, args.ops, exclude))
+        write_jsonl(args.out, generate_demonstrations(args.num, args.seed, args.digits, args.ops, exclude, args.echo))
         return
     records = generate_calculator(args.num, args.seed, args.digits, args.ops)
     if args.style == "chat":
