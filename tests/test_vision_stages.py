@@ -161,6 +161,11 @@ def test_score_and_train_step_with_images(vlm, tmp_path):
     torch.testing.assert_close(old, rollout, atol=1e-5, rtol=0)  # the padded forward with images == the sampler
     with safe_open(str(tmp_path / "sp" / "batch.safetensors"), "pt") as f:
         assert "vision/pixel_values" in set(f.keys())
+    # packed rows with their images (a small budget: several rows, samples with 0, 1 and 2 images together)
+    cli_ok(*score, "--out", tmp_path / "packed_score", "--use-packing", "--max-tokens-per-micro-batch", "300")
+    with safe_open(str(tmp_path / "packed_score" / "batch.safetensors"), "pt") as f:
+        torch.testing.assert_close(f.get_tensor("old_logprobs"), old, atol=1e-5, rtol=0)
+        torch.testing.assert_close(f.get_tensor("ref_logprobs"), old, atol=1e-5, rtol=0)
     step = ["train-step", "--checkpoint", vlm["ckpt"], "--lr", "1e-2", "--micro-batch-size", "5"]
     cli_ok(*step, "--batch", batch, "--out", tmp_path / "padded")
     cli_ok(*step, "--batch", batch, "--out", tmp_path / "packed", "--use-packing")

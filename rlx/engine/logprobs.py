@@ -29,6 +29,7 @@ from rlx.engine.parallel.ulysses import (
 )
 from rlx.kernels.logprob_entropy import IGNORE_INDEX, logprob_entropy, resolve_impl
 from rlx.models.attention import PACKED_ATTENTION, PackedBatch, enable_packed_attention
+from rlx.models.vision.families import is_vision_config
 from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.utils.device import autocast
 
@@ -335,19 +336,22 @@ def batched_response_logprobs(
     """Logprobs [B, R] (float32, CPU, zero at masked positions) computed in micro-batches without grad,
     split across ranks under a launcher (see `sharded_forward`); with `max_tokens`, each micro-batch runs as one
     packed row of at most that many tokens (the model's attention must be the packed one); `vision`: the rows'
-    VisionInputs (padded micro-batches only)."""
-    if vision is not None and max_tokens:
-        raise ValueError("token-budget packed scoring does not carry images; pass max_tokens=0")
+    VisionInputs (a packed micro-batch takes its rows' images through `vision_forward`)."""
     compute = packed_response_logprobs if max_tokens else response_logprobs
 
     def forward(part):
         rows = part.pop(_ROW, None)
+        images = vision.select(rows.tolist()) if vision is not None else None
+        context = contextlib.nullcontext()
+        if images is not None and max_tokens:  # the row's images and 3-D positions hooked into the packed forward
+            context = vision_forward(model, VisionRow.from_padded(**{k: part[k] for k in MODEL_INPUTS}, vision=images,
+                                                                  config=model.config))  # fmt: skip
         part = {k: part[k].to(device) for k in MODEL_INPUTS}
-        if vision is not None:
-            images = vision.select(rows.tolist())
-            logp, _ = compute(model, **part, temperature=temperature, dtype=dtype, impl=impl, vision=images)
-        else:
-            logp, _ = compute(model, **part, temperature=temperature, dtype=dtype, impl=impl)
+        with context:
+            if images is not None and not max_tokens:
+                logp, _ = compute(model, **part, temperature=temperature, dtype=dtype, impl=impl, vision=images)
+            else:
+                logp, _ = compute(model, **part, temperature=temperature, dtype=dtype, impl=impl)
         return (logp * part["response_mask"]).cpu()
 
     inputs = {k: tensors[k] for k in MODEL_INPUTS}
@@ -397,8 +401,8 @@ class ModuleScorer:
                  micro_batch_size: int, impl: str = "auto", desc: str = "logprobs",
                  max_tokens: int = 0, vision=None) -> torch.Tensor:  # fmt: skip
         """[B, R] float32 on the CPU, zero at masked positions, on every rank; with `max_tokens`, micro-batches
-        are packed rows of at most that many tokens (`vision`: the rows' VisionInputs; padded micro-batches)."""
-        max_tokens = self._packing(max_tokens) if vision is None else 0
+        are packed rows of at most that many tokens (`vision`: the rows' VisionInputs)."""
+        max_tokens = self._packing(max_tokens)
         return batched_response_logprobs(
             self.module, tensors, temperature, self.ctx.device, dtype, micro_batch_size, desc, impl, self.ctx,
             max_tokens, vision,
@@ -417,6 +421,6 @@ class ModuleScorer:
         ranks share each row), with the packed attention plugged into the module."""
         if not max_tokens or self.ctx.sp_degree > 1:
             return 0
-        if self.module.config._attn_implementation not in (PACKED_ATTENTION, ULYSSES_ATTENTION):
-            enable_packed_attention(self.module)
+        if self.module.config.get_text_config()._attn_implementation not in (PACKED_ATTENTION, ULYSSES_ATTENTION):
+            enable_packed_attention(self.module, decoder_only=is_vision_config(self.module.config))
         return max_tokens

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from rlx.errors import UserError
+from rlx.models.vision.packing import set_decoder_attention
 
 PACKED_ATTENTION = "rlx_varlen"
 BACKEND_ENV = "RLX_PACKED_ATTENTION_BACKEND"
@@ -360,8 +361,12 @@ def attention_implementation(model, name: str) -> Iterator[None]:
         model.set_attn_implementation({"text_config": previous} if nested else previous)
 
 
-def enable_packed_attention(model) -> None:
+def enable_packed_attention(model, decoder_only: bool = False) -> None:
     """Register "rlx_varlen" and switch `model` to it; then call it with packed rows (`PackedBatch.model_inputs()`),
-    padded batches with an attention mask, or anything in between, always with use_cache=False."""
+    padded batches with an attention mask, or anything in between, always with use_cache=False. `decoder_only`: a
+    vision-language model's decoder only (its vision tower keeps its own attention per image)."""
     register_attention(PACKED_ATTENTION, packed_attention_forward)
-    set_attention(model, PACKED_ATTENTION)
+    if decoder_only:
+        set_decoder_attention(model, PACKED_ATTENTION)
+    else:
+        set_attention(model, PACKED_ATTENTION)

@@ -202,9 +202,8 @@ def score_rollouts(
 
 
 def _forward_options(cfg, models: ScoringModels, temperature: float, images) -> dict:
-    """The keyword arguments of the scorers' `logprobs`: a vision-language batch's images go into padded
-    micro-batches (the token-budget packing does not carry them)."""
-    max_tokens = cfg.max_tokens_per_micro_batch if cfg.use_packing and images is None else 0
+    """The keyword arguments of the scorers' `logprobs` (a vision-language batch's images with them)."""
+    max_tokens = cfg.max_tokens_per_micro_batch if cfg.use_packing else 0
     forward = dict(temperature=temperature, dtype=models.dtype, micro_batch_size=cfg.micro_batch_size,
                    impl=cfg.logprob_impl, max_tokens=max_tokens)  # fmt: skip
     if images is not None:
