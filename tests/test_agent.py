@@ -110,6 +110,15 @@ def test_agent_config_checks_values():
     }
 
 
+def test_chat_template_kwargs_reach_single_turn_prompts():
+    """chat_template_kwargs apply to every prompt an engine encodes, not only to multi-turn episodes."""
+    model, tokenizer = random_chat_model("qwen3")
+    record = PromptRecord(id="p", prompt="2*3")
+    plain, _ = token_engine(model, tokenizer).encoder.encode(record)
+    off, _ = token_engine(model, tokenizer, chat_template_kwargs={"enable_thinking": False}).encoder.encode(record)
+    assert off[: len(plain)] == plain and tokenizer.decode(off[len(plain) :]) == "<think>\n\n</think>\n\n"
+
+
 # ------------------------------------------------------------------------------ trajectories by hand
 
 

@@ -141,6 +141,10 @@ USER = {"role": "user", "content": "2*3"}
         ([], [], "d.jsonl: no demonstrations"),
         ([{"prompt": "2*3", "response": "6"}], ["--init", "zero"], "--init 'zero': expected 'pretrained' or 'random'"),
         ([{"prompt": "2*3", "response": "6"}], ["--batch-size", "0"], "--batch-size: must be at least 1"),
+        ([{"prompt": "2*3", "response": "6"}], ["--chat-template-kwargs", "{oops"],
+         "--chat-template-kwargs: not valid JSON"),
+        ([{"prompt": "2*3", "response": "6"}], ["--chat-template-kwargs", "[1]"],
+         "--chat-template-kwargs: must be a JSON object"),
     ],
 )  # fmt: skip
 def test_bad_demonstrations_and_options(tmp_path, lines, options, message):
@@ -149,6 +153,35 @@ def test_bad_demonstrations_and_options(tmp_path, lines, options, message):
     result = cli("sft", "--model", TINY_CHAT, "--init", "random", "--data", path, "--out", tmp_path / "out", *options)
     assert result.exit_code == 1 and message in result.stderr, result
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_chat_template_kwargs_reach_the_demonstrations(tmp_path):
+    """A Qwen3-style template with enable_thinking false pre-fills an empty think block at each assistant turn: the
+    demonstration's tokens are those of the template with the variable, as a rollout with the same kwargs gets."""
+    from rlx.models.tiny_chat import build_chat_tokenizer
+
+    tokenizer = build_chat_tokenizer("qwen3")
+    line = {"messages": [USER, {"role": "assistant", "content": "6"}]}
+    demos = read_demonstrations(str(write_jsonl(tmp_path / "d.jsonl", [line])))
+    stop = {tokenizer.eos_token_id}
+    [plain] = tokenize_demonstrations(demos, tokenizer, stop, 1000, "error", "x").samples
+    [off] = tokenize_demonstrations(demos, tokenizer, stop, 1000, "error", "x", {"enable_thinking": False}).samples
+    want = tokenizer.apply_chat_template([USER], add_generation_prompt=True, enable_thinking=False, return_dict=True)
+    assert off.prompt_ids == list(want["input_ids"]) != plain.prompt_ids
+    assert tokenizer.decode(off.prompt_ids).endswith("<think>\n\n</think>\n\n")
+    assert tokenizer.decode(off.response_ids).startswith("6")
+
+
+def test_ppo_sft_takes_the_rollout_chat_template_kwargs_unless_it_sets_its_own():
+    from rlx.engine.ppo.config import load_recipe
+    from rlx.engine.ppo.warm_start import sft_settings
+
+    recipe = REPO / "recipes" / "calculator.toml"
+    thinking = "{enable_thinking = false}"  # a TOML inline table, as in a recipe
+    cfg = load_recipe(recipe, [f"rollout.chat_template_kwargs={thinking}", "seed=5"])
+    assert sft_settings(cfg).chat_template_kwargs == {"enable_thinking": False} and sft_settings(cfg).seed == 5
+    own = load_recipe(recipe, [f"rollout.chat_template_kwargs={thinking}", "sft.chat_template_kwargs={x = 1}"])
+    assert sft_settings(own).chat_template_kwargs == {"x": 1}
 
 
 def test_long_demonstrations_are_skipped_with_a_count_and_outputs_are_not_overwritten(tmp_path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import types
 import typing
 from collections.abc import Callable
@@ -41,6 +42,8 @@ def _option_type(tp: Any) -> tuple[Any, str | None] | None:
     origin = get_origin(tp)
     if tp in _PLAIN:
         return tp, None
+    if tp is dict or origin is dict:  # a JSON object on the command line (a recipe gives a TOML table)
+        return str | None, "JSON"
     if origin is typing.Literal:
         return str, "|".join(str(a) for a in get_args(tp))
     if origin is list:
@@ -131,6 +134,8 @@ def build_from_options(cls: type, values: dict, prefix: str = "", optional: bool
                 kwargs[f.name] = value
         elif key in values:
             value = values.pop(key)
+            if isinstance(value, str) and (hints[f.name] is dict or get_origin(hints[f.name]) is dict):
+                value = _json_object(value, key)
             if value is not None or not (prefix or _has_factory(cls, f.name)):
                 kwargs[f.name] = value
     if optional and not kwargs:
@@ -139,6 +144,17 @@ def build_from_options(cls: type, values: dict, prefix: str = "", optional: bool
         return cls(**kwargs)
     except ConfigError as e:
         raise ConfigError(_join(prefix, e.key), e.message) from None
+
+
+def _json_object(text: str, key: str) -> dict:
+    """The value of a dict-typed option: a JSON object such as '{"enable_thinking": false}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(key, f"not valid JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"must be a JSON object such as '{{\"name\": value}}', got {text!r}")
+    return value
 
 
 def nested_config(name: str, cls: type, **options) -> Callable:

@@ -40,7 +40,8 @@ class AgentConfig:
     """How tool calls are read from assistant text: 'qwen' (= 'hermes') for <tool_call>{json}</tool_call>
     blocks as Qwen2.5/Qwen3 templates write them, 'none' for plain text."""
     chat_template_kwargs: dict = field(default_factory=dict)
-    """Multi-turn: extra variables for the chat template, e.g. {enable_thinking = false} for Qwen3 templates."""
+    """Extra variables for the chat template, single-turn prompts and multi-turn episodes alike, e.g.
+    '{"enable_thinking": false}' on the command line or {enable_thinking = false} in a recipe for Qwen3 templates."""
 
     def __post_init__(self) -> None:
         check_choices(self)

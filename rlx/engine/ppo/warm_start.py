@@ -22,6 +22,7 @@ from rlx.engine.parallel.dist import DistContext, barrier
 from rlx.engine.ppo.config import ModelConfig, PPOConfig
 from rlx.engine.ppo.rundir import SFT_METRICS, checkpoint_dir
 from rlx.engine.rollout.prompts import stop_token_ids
+from rlx.engine.sft.config import SFTConfig
 from rlx.engine.sft.run import fine_tune, load_samples
 from rlx.engine.tracking import console
 from rlx.errors import UserError
@@ -45,8 +46,17 @@ def warm_start(cfg: PPOConfig, run_dir: Path, start_step: int, ctx: DistContext)
     return dataclasses.replace(cfg, model=ModelConfig(path=str(out), init="pretrained"))
 
 
-def _fine_tune(cfg: PPOConfig, run_dir: Path, out: Path, ctx: DistContext) -> None:
+def sft_settings(cfg: PPOConfig) -> SFTConfig:
+    """The run's [sft] table as it fine-tunes: the run's seed, and [rollout]'s chat_template_kwargs when it gives
+    none (the demonstrations are rendered as the rollouts will be)."""
     sft = cfg.sft.with_seed(cfg.seed)
+    if not sft.chat_template_kwargs:
+        sft = dataclasses.replace(sft, chat_template_kwargs=dict(cfg.rollout.chat_template_kwargs))
+    return sft
+
+
+def _fine_tune(cfg: PPOConfig, run_dir: Path, out: Path, ctx: DistContext) -> None:
+    sft = sft_settings(cfg)
     model, tokenizer, aux = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
     samples = load_samples(sft, tokenizer, model.config, stop_token_ids(model, tokenizer))
     console(f"[sft] fine-tuning the initial policy on {len(samples)} demonstrations ({sft.data})")

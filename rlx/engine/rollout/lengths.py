@@ -53,7 +53,8 @@ def limit_prompts(
     for record in records:
         if config is not None:
             family_for_prompt(config, record.prompt, record.id)
-        reason = limit_reason(len(encode_prompt(tokenizer, record, cfg.chat_template)), cfg, max_new_tokens, context)
+        ids = encode_prompt(tokenizer, record, cfg.chat_template, cfg.chat_template_kwargs)
+        reason = limit_reason(len(ids), cfg, max_new_tokens, context)
         (kept if reason is None else dropped).append((record, reason))
     if not dropped:
         return records

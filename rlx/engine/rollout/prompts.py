@@ -16,14 +16,17 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_prompt(tokenizer, record: PromptRecord, mode: str) -> list[int]:
-    """Token ids for one prompt.  mode: 'auto' | 'on' | 'off' (see RolloutConfig.chat_template)."""
+def encode_prompt(tokenizer, record: PromptRecord, mode: str, template_kwargs: dict | None = None) -> list[int]:
+    """Token ids for one prompt.  mode: 'auto' | 'on' | 'off' (see RolloutConfig.chat_template); `template_kwargs`:
+    extra variables for the chat template (RolloutConfig.chat_template_kwargs)."""
     use_template = mode == "on" or (mode == "auto" and has_chat_template(tokenizer))
     if use_template and not has_chat_template(tokenizer):
         raise UserError("--chat-template on: the tokenizer has no chat template")
     if use_template:
         messages = record.prompt if isinstance(record.prompt, list) else [{"role": "user", "content": record.prompt}]
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        encoded = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True, **(template_kwargs or {})
+        )
         ids = list(encoded["input_ids"])
     elif isinstance(record.prompt, list):
         raise UserError(
@@ -50,18 +53,22 @@ class PromptEncoder:
     """The model's config: image parts given to a text-only model are an error naming the prompt."""
     max_prompt_tokens: int = 0
     """Longest prompt with images, in tokens (0 = no limit): a longer one is an error naming it."""
+    template_kwargs: dict | None = None
+    """Extra variables for the chat template (RolloutConfig.chat_template_kwargs)."""
 
     def encode(self, record: PromptRecord):
         """(token ids, the prompt's VisionInputs or None when it has no image)."""
         if self.model_config is not None:
             family_for_prompt(self.model_config, record.prompt, record.id)
         if not image_refs(record.prompt, record.id):
-            return encode_prompt(self.tokenizer, record, self.chat_template), None
+            return encode_prompt(self.tokenizer, record, self.chat_template, self.template_kwargs), None
         if self.chat_template == "off":
             raise UserError(f"prompt {record.id!r} has image parts, which only a chat template places (not 'off')")
         if self.processor is None:
             raise UserError(f"prompt {record.id!r} has image parts, but no image processor was loaded for the model")
-        encoded = self.processor.encode(record.prompt, prompt_id=record.id, max_tokens=self.max_prompt_tokens)
+        encoded = self.processor.encode(
+            record.prompt, prompt_id=record.id, max_tokens=self.max_prompt_tokens, template_kwargs=self.template_kwargs
+        )
         return encoded.input_ids, encoded.vision
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from rlx.config import check, check_choices
@@ -33,6 +33,9 @@ class SFTConfig:
     on_long_sample: Literal["error", "skip"] = "error"
     """A demonstration longer than max_length: 'error' (verl's default) or 'skip' it and print the count. Never
     truncated: a cut turn would teach the model to stop without its end-of-turn token."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Extra variables for the chat template, e.g. {"enable_thinking": false} for Qwen3 templates (under `rlx ppo`,
+    [rollout]'s are used when [sft] gives none, so demonstrations are rendered as the rollouts will be)."""
     shuffle: bool = True
     """Visit the demonstrations in a new seeded order every epoch (else file order)."""
     warmup_steps: int = 0

@@ -163,17 +163,19 @@ class Tokenized:
 
 
 def tokenize_demonstrations(
-    demos: list[Demonstration], tokenizer, stop_ids: set[int], max_length: int, on_long: str, what: str
-) -> Tokenized:
+    demos: list[Demonstration], tokenizer, stop_ids: set[int], max_length: int, on_long: str, what: str,
+    template_kwargs: dict | None = None,
+) -> Tokenized:  # fmt: skip
     """Each demonstration's tokens and mask (see the module docstring); one longer than `max_length` tokens is an
-    error naming it (`on_long` 'error') or left out and counted ('skip'); `what` names the setting in errors."""
+    error naming it (`on_long` 'error') or left out and counted ('skip'); `what` names the setting in errors;
+    `template_kwargs`: extra variables for the chat template."""
     chat = has_chat_template(tokenizer)
     samples, skipped, renderers = [], 0, {}
     for demo in demos:
         if chat:  # one renderer per tool list: its anchors and closing tokens are rendered once
             key = json.dumps(demo.tools, sort_keys=True)
             if key not in renderers:
-                renderers[key] = ChatRenderer(tokenizer, stop_ids, demo.tools)
+                renderers[key] = ChatRenderer(tokenizer, stop_ids, demo.tools, template_kwargs)
             sample = _chat_sample(demo, renderers[key])
         elif demo.prompt_text is not None:
             sample = _text_sample(demo, tokenizer, stop_ids)

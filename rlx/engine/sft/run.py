@@ -36,7 +36,9 @@ def load_samples(cfg: SFTConfig, tokenizer, config, stop_ids: set[int], quiet: b
     """The demonstrations of `cfg.data` tokenised (errors name FILE:LINE); too-long ones per cfg.on_long_sample."""
     limit = cfg.max_length or model_context(config)
     what = "max_length" if cfg.max_length else "the model's context (max_position_embeddings)"
-    found = tokenize_demonstrations(read_demonstrations(cfg.data), tokenizer, stop_ids, limit, cfg.on_long_sample, what)
+    demos = read_demonstrations(cfg.data)
+    kwargs = cfg.chat_template_kwargs
+    found = tokenize_demonstrations(demos, tokenizer, stop_ids, limit, cfg.on_long_sample, what, kwargs)
     if found.num_skipped and not quiet:
         console(f"rlx sft: skipped {found.num_skipped} demonstration(s) longer than {limit} tokens ({cfg.data})")
     return found.samples

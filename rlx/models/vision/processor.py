@@ -96,12 +96,15 @@ class VisionProcessor:
             tuple(len(refs) for refs in refs_per_sample),
         )
 
-    def render(self, prompt, prompt_id=None) -> str:
-        """The prompt as text through the chat template (a plain string becomes one user message)."""
+    def render(self, prompt, prompt_id=None, template_kwargs: dict | None = None) -> str:
+        """The prompt as text through the chat template (a plain string becomes one user message; `template_kwargs`:
+        extra variables for the template)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError(f"prompt {prompt_id!r}: the tokenizer has no chat template to place image parts with")
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+        )
 
     def expand_placeholders(self, ids: list[int], grids: torch.Tensor, prompt_id=None) -> list[int]:
         """Repeat the i-th image placeholder of `ids` once per merged patch of image i."""
@@ -121,12 +124,14 @@ class VisionProcessor:
                 out.append(token)
         return out
 
-    def encode(self, prompt, *, prompt_id=None, base: str | Path | None = None, max_tokens: int = 0) -> EncodedPrompt:
+    def encode(self, prompt, *, prompt_id=None, base: str | Path | None = None, max_tokens: int = 0,
+               template_kwargs: dict | None = None) -> EncodedPrompt:  # fmt: skip
         """A prompt (text or chat messages with image parts) -> token ids and vision inputs.
-        `base`: folder (or folder URL) that relative image paths are relative to: the prompts file's."""
+        `base`: folder (or folder URL) that relative image paths are relative to: the prompts file's;
+        `template_kwargs`: extra variables for the chat template."""
         refs = [resolve_ref(ref, base) for ref in image_refs(prompt, prompt_id)]
         pixels, grids = self.process_images([self.load(ref, prompt_id=prompt_id) for ref in refs])
-        ids = self.tokenizer(self.render(prompt, prompt_id), add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(self.render(prompt, prompt_id, template_kwargs), add_special_tokens=False)["input_ids"]
         ids = self.expand_placeholders(list(ids), grids, prompt_id)
         if max_tokens and len(ids) > max_tokens:
             counts = [image_token_count(g.tolist(), self.merge_size) for g in grids]
