@@ -5,8 +5,10 @@ without optimizer state, as `rlx sft` writes it) and the run continues from it a
 starts there with a fresh optimizer and the reference is that model, as is standard. Checkpoint rotation keeps it,
 and a resumed run reads its reference from it. Per-step SFT metrics go to RUN_DIR/sft_metrics.jsonl.
 
-The main process fine-tunes alone (one process; the others wait at a barrier) and writes the checkpoint; every
-process then loads it. A shell pipeline does the same with `rlx shard`, then `rlx sft`, then the stage loop.
+Under torchrun a synchronous FSDP run fine-tunes on every process (FSDP, each batch's demonstrations split by work,
+as `rlx sft` under torchrun: the weights of one process); otherwise (async ranks, sequence parallelism, megatron)
+the main process fine-tunes alone while the others wait. Every process then loads the checkpoint. A shell pipeline
+does the same with `rlx shard`, then `rlx sft`, then the stage loop.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ def warm_start(cfg: PPOConfig, run_dir: Path, start_step: int, ctx: DistContext)
         return cfg
     out = checkpoint_dir(run_dir, 0)
     if start_step == 0:
-        if ctx.is_main:
+        if _data_parallel(cfg, ctx):
+            _fine_tune(cfg, run_dir, out, ctx)
+        elif ctx.is_main:
             _fine_tune(cfg, run_dir, out, DistContext(device=ctx.device))
         barrier()
     elif not is_checkpoint(out):
@@ -44,6 +48,12 @@ def warm_start(cfg: PPOConfig, run_dir: Path, start_step: int, ctx: DistContext)
             f"continue (start it again with --overwrite)"
         )
     return dataclasses.replace(cfg, model=ModelConfig(path=str(out), init="pretrained"))
+
+
+def _data_parallel(cfg: PPOConfig, ctx: DistContext) -> bool:
+    """Whether every process fine-tunes (FSDP over all of them, each batch split by work, as `rlx sft` under torchrun):
+    a synchronous FSDP run without sequence parallelism. Otherwise the main process fine-tunes alone."""
+    return ctx.distributed and ctx.sp_degree == 1 and cfg.backend_name == "fsdp" and cfg.async_ is None
 
 
 def sft_settings(cfg: PPOConfig) -> SFTConfig:
@@ -58,8 +68,10 @@ def sft_settings(cfg: PPOConfig) -> SFTConfig:
 def _fine_tune(cfg: PPOConfig, run_dir: Path, out: Path, ctx: DistContext) -> None:
     sft = sft_settings(cfg)
     model, tokenizer, aux = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
-    samples = load_samples(sft, tokenizer, model.config, stop_token_ids(model, tokenizer))
-    console(f"[sft] fine-tuning the initial policy on {len(samples)} demonstrations ({sft.data})")
+    samples = load_samples(sft, tokenizer, model.config, stop_token_ids(model, tokenizer), quiet=not ctx.is_main)
+    if ctx.is_main:
+        where = f"{ctx.world} processes" if ctx.distributed else "1 process"
+        console(f"[sft] fine-tuning the initial policy on {len(samples)} demonstrations ({sft.data}), {where}")
     trainer, metrics = fine_tune(model, tokenizer, samples, sft, ctx, run_dir / SFT_METRICS)
     origin = provenance("rlx ppo [sft]", cfg.model.path, data=sft.data, init=cfg.model.init, seed=cfg.seed)
     save(out, trainer, aux, CheckpointMeta(step=0, layout=catalog.DEFAULT, provenance=origin), overwrite=True)
