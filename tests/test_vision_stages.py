@@ -248,6 +248,29 @@ def test_bad_images_and_image_settings(vlm, tmp_path, tiny_ckpt):
     assert not (tmp_path / "s1").exists()
 
 
+def test_prompt_length_limits_count_the_image_tokens(vlm, tmp_path):
+    """Length limits on a prompt file count each image's tokens (from its size, as the engine expands it): the
+    count equals the encoded prompt's for 0-2 images and other pixel limits, and on_long_prompt 'filter' leaves
+    out the prompts their images make too long (text alone, with one placeholder per image, would fit)."""
+    from rlx.engine.checkpoints.loading import load_processor
+    from rlx.engine.records import read_prompts
+    from rlx.models.vision.config import VisionConfig
+
+    records = read_prompts(str(vlm["prompts"]))
+    for pixels in (VisionConfig(), VisionConfig(min_pixels=32 * 32, max_pixels=64 * 64)):
+        processor = load_processor(resolve_source(str(vlm["ckpt"])), pixels)
+        for record in records:
+            encoded = processor.encode(record.prompt, prompt_id=record.id)
+            assert processor.prompt_length(record.prompt, record.id) == len(encoded.input_ids), record.id
+    out = tmp_path / "r.jsonl"
+    result = cli_ok("rollout", "--model", vlm["ckpt"], "--prompts", vlm["prompts"], "--n", "1", "--max-new-tokens",
+                    "2", "--max-prompt-length", "80", "--on-long-prompt", "filter", "--out", out)  # fmt: skip
+    assert "left out 6 of 8 prompts as too long (first: prompt 'shapes-0', 87 tokens, over max_prompt_length 80)" in (
+        result.stderr
+    )
+    assert [r["prompt_id"] for r in read_jsonl(out)] == ["two", "text"]
+
+
 def test_missing_processor_kimi_and_changed_images(vlm, tmp_path):
     no_processor = tmp_path / "no-processor"
     shutil.copytree(vlm["ckpt"], no_processor)

@@ -266,9 +266,11 @@ def run_eval(
     rollout_cfg = cfg.rollout_config(**(engine_settings or {}))
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
-    prompts = limit_prompts(prompts, tokenizer, rollout_cfg, model_context(load_config(source)), cfg.prompts)
+    config = load_config(source)
+    processor = load_processor(source, rollout_cfg.vision, config)
+    limits = dict(config=config, processor=processor)
+    prompts = limit_prompts(prompts, tokenizer, rollout_cfg, model_context(config), cfg.prompts, **limits)
     ctx = setup(rollout_cfg.device)
-    processor = load_processor(source, rollout_cfg.vision)
     rollouts = generate(cfg, rollout_cfg, load_model(source), tokenizer, prompts, ctx, processor)
     if not ctx.is_main:
         return {}

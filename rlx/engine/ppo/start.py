@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlx.engine.checkpoints.loading import check_init
+from rlx.engine.checkpoints.loading import check_init, load_processor
 from rlx.engine.checkpoints.meta import is_checkpoint
 from rlx.engine.checkpoints.registry import check_complete
 from rlx.engine.data import check_window
@@ -64,15 +64,19 @@ def check_run_inputs(cfg: PPOConfig, run_dir: Path) -> RunInputs:
     if cfg.sft is not None:  # every demonstration read and tokenised (which end-of-turn tokens train: not needed here)
         load_samples(cfg.sft, tokenizer, config, stop_ids=set(), quiet=True)
     prompts = read_prompts(cfg.data.prompts)
-    prompts = limit_prompts(prompts, tokenizer, cfg.rollout, context, cfg.data.prompts, config=config)
+    processor = load_processor(source, cfg.vision, config)  # image tokens count against the limits
+    prompts = limit_prompts(
+        prompts, tokenizer, cfg.rollout, context, cfg.data.prompts, config=config, processor=processor
+    )
     check_window(cfg.data.prompts_per_step, len(prompts), cfg.data.prompts, "data.prompts_per_step")
     check_rewards(cfg.score.reward, prompts, cfg.score.reward_model)
     eval_prompts = None
     if cfg.eval is not None:
         eval_prompts = read_prompts(cfg.eval.prompts)
         eval_prompts = limit_prompts(
-            eval_prompts, tokenizer, cfg.rollout, context, cfg.eval.prompts, max_new_tokens=cfg.eval.max_new_tokens
-        )
+            eval_prompts, tokenizer, cfg.rollout, context, cfg.eval.prompts, max_new_tokens=cfg.eval.max_new_tokens,
+            config=config, processor=processor,
+        )  # fmt: skip
         check_rewards(cfg.eval.reward, eval_prompts, None)
     return RunInputs(prompts, eval_prompts)
 

@@ -11,6 +11,7 @@ from rlx.engine.rollout.prompts import encode_prompt
 from rlx.engine.tracking import console
 from rlx.errors import UserError
 from rlx.models.vision.families import family_for_prompt
+from rlx.models.vision.images import image_refs
 
 
 def model_context(config) -> int | None:
@@ -33,6 +34,13 @@ def limit_reason(length: int, cfg: RolloutConfig, max_new_tokens: int, context: 
     return None
 
 
+def _prompt_length(record: PromptRecord, tokenizer, cfg: RolloutConfig, processor) -> int:
+    """Tokens of the encoded prompt (a vision-language prompt's images expanded when `processor` is given)."""
+    if processor is not None and cfg.chat_template != "off" and image_refs(record.prompt, record.id):
+        return processor.prompt_length(record.prompt, record.id, cfg.chat_template_kwargs)
+    return len(encode_prompt(tokenizer, record, cfg.chat_template, cfg.chat_template_kwargs))
+
+
 def limit_prompts(
     records: list[PromptRecord],
     tokenizer,
@@ -41,11 +49,12 @@ def limit_prompts(
     where: str,
     max_new_tokens: int | None = None,
     config=None,
+    processor=None,
 ) -> list[PromptRecord]:
     """`records` whose encoded prompt fits the limits; the others raise a UserError (on_long_prompt 'error')
     or are left out, counted on the console ('filter'). `max_new_tokens` defaults to cfg's. With the model's
-    `config`, image parts given to a text-only model are an error naming the prompt (a vision-language prompt's
-    image tokens are counted later, by the engine, against its context)."""
+    `config`, image parts given to a text-only model are an error naming the prompt; with a vision-language model's
+    `processor`, a prompt's image tokens count (from the images' sizes, as the engine will expand them)."""
     max_new_tokens = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
     if not cfg.max_prompt_length and context is None:
         return records
@@ -53,8 +62,7 @@ def limit_prompts(
     for record in records:
         if config is not None:
             family_for_prompt(config, record.prompt, record.id)
-        ids = encode_prompt(tokenizer, record, cfg.chat_template, cfg.chat_template_kwargs)
-        reason = limit_reason(len(ids), cfg, max_new_tokens, context)
+        reason = limit_reason(_prompt_length(record, tokenizer, cfg, processor), cfg, max_new_tokens, context)
         (kept if reason is None else dropped).append((record, reason))
     if not dropped:
         return records

@@ -59,16 +59,16 @@ def run_rollout(
     tokenizer = load_tokenizer(source)
     config = load_config(source)
     context = model_context(config)
+    processor = load_processor(source, cfg.vision, config)  # a vision-language model's images (None for text models)
     # 'filter' changes which prompts a window takes: filter the whole file first, as `rlx ppo` does; 'error'
     # leaves the list alone, so only the prompts this rollout takes are checked (the same outcome for them)
     if cfg.on_long_prompt == "filter":
-        records = limit_prompts(records, tokenizer, cfg, context, prompts_path, config=config)
+        records = limit_prompts(records, tokenizer, cfg, context, prompts_path, config=config, processor=processor)
     if num_prompts or data_position or shuffle_seed is not None:
         check_window(num_prompts, len(records), prompts_path, "--num-prompts")
         records = take_prompts(records, data_position, num_prompts or len(records), shuffle_seed)
     if cfg.on_long_prompt == "error":
-        records = limit_prompts(records, tokenizer, cfg, context, prompts_path, config=config)
-    processor = load_processor(source, cfg.vision)  # a vision-language model's images (None for text models)
+        records = limit_prompts(records, tokenizer, cfg, context, prompts_path, config=config, processor=processor)
     ctx = setup(cfg.device)
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
     # a LoRA checkpoint: its base with the adapters, as `rlx ppo` generates

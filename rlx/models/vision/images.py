@@ -146,6 +146,20 @@ def load_image(ref: str, *, prompt_id=None, base: str | Path | None = None):
     return image.convert("RGB")
 
 
+def image_size(ref: str, *, prompt_id=None, base: str | Path | None = None) -> tuple[int, int]:
+    """(width, height) of the image behind `ref`, from its header (the pixels are not decoded)."""
+    from PIL import Image, UnidentifiedImageError
+
+    ref = resolve_ref(ref, base)
+    try:
+        with Image.open(io.BytesIO(_read_bytes(ref, prompt_id))) as image:
+            return image.size
+    except UnidentifiedImageError:
+        raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} is not an image format Pillow reads") from None
+    except (OSError, SyntaxError, ValueError) as e:
+        raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} is not a readable image ({e})") from None
+
+
 def data_uri(image, fmt: str = "PNG") -> str:
     """A `PIL.Image` encoded as a `data:image/...;base64,` URI."""
     buffer = io.BytesIO()

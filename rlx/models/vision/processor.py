@@ -25,7 +25,7 @@ import torch
 
 from rlx.errors import UserError
 from rlx.models.vision.families import VisionFamily, family_of
-from rlx.models.vision.images import image_refs, load_image, resolve_ref
+from rlx.models.vision.images import image_refs, image_size, load_image, resolve_ref
 from rlx.models.vision.inputs import VisionInputs
 from rlx.models.vision.positions import image_token_count
 
@@ -105,6 +105,16 @@ class VisionProcessor:
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
         )
+
+    def prompt_length(self, prompt, prompt_id=None, template_kwargs: dict | None = None) -> int:
+        """The tokens `encode` gives the prompt, its images' included, from the images' sizes (read from their
+        headers; no pixels are decoded or processed): to check a prompt file against length limits up front."""
+        ids = self.tokenizer(self.render(prompt, prompt_id, template_kwargs), add_special_tokens=False)["input_ids"]
+        extra = 0
+        for ref in image_refs(prompt, prompt_id):
+            width, height = image_size(ref, prompt_id=prompt_id)
+            extra += self.image_processor.get_number_of_image_patches(height, width) // self.merge_size**2 - 1
+        return len(ids) + extra
 
     def expand_placeholders(self, ids: list[int], grids: torch.Tensor, prompt_id=None) -> list[int]:
         """Repeat the i-th image placeholder of `ids` once per merged patch of image i."""
