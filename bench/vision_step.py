@@ -20,6 +20,9 @@ rollouts: packed micro-batches with 3-D positions, varlen attention, fused logpr
 default; --train-tower trains it); against the same samples in padded micro-batches of --baseline-rows rows,
 `model(input_ids, attention_mask, pixel_values, image_grid_thw).logits`, float32 log-softmax on the response,
 backward, clip, AdamW. Tokens/s = (prompt + response tokens) / median step time after a warm-up step.
+
+Score: the old-logprob forward of `rlx score` over the same rollouts with their images, in packed rows of
+--score-budget tokens against padded micro-batches of --baseline-rows rows (median of --steps after a warm-up).
 """
 
 from __future__ import annotations
@@ -190,6 +193,36 @@ def rlx_train(ckpt: Path, batch_path: Path, args, device) -> dict:
     return {"tokens": tokens, "median_s": median, "tokens_per_s": tokens / median, "peak_gib": peak}
 
 
+def rlx_score(ckpt: Path, rollouts_path: Path, args, device, dtype, packed: bool) -> dict:
+    """Median time of the old-logprob forward `rlx score` runs over the rollouts with their images: packed rows of
+    --score-budget tokens (the fast path's default), or padded micro-batches of --baseline-rows rows."""
+    from rlx.engine.batch import collate
+    from rlx.engine.checkpoints.loading import load_model, load_processor
+    from rlx.engine.logprobs import ModuleScorer
+    from rlx.engine.parallel.dist import DistContext
+    from rlx.engine.records import read_rollouts
+    from rlx.engine.vision import rollout_images
+    from rlx.models.loading import load_config, resolve_source
+    from rlx.models.vision.config import VisionConfig
+
+    source = resolve_source(str(ckpt), "checkpoint")
+    rollouts = read_rollouts(rollouts_path)
+    images = rollout_images(rollouts, load_processor(source, VisionConfig(), load_config(source)), load_config(source))
+    tensors = collate(rollouts, 0)
+    scorer = ModuleScorer(load_model(source).to(device), DistContext(device=device))
+    budget = args.score_budget if packed else 0
+    times = [
+        time_call(
+            lambda: scorer.logprobs(tensors, 1.0, dtype, args.baseline_rows, max_tokens=budget, vision=images.vision),
+            device,
+        )  # fmt: skip
+        for _ in range(args.steps + 1)
+    ]
+    tokens = float(tensors["prompt_mask"].sum() + tensors["response_mask"].sum())
+    median = statistics.median(times[1:])
+    return {"tokens": tokens, "median_s": median, "tokens_per_s": tokens / median}
+
+
 def hf_train(ckpt: Path, batch_path: Path, args, device, dtype) -> dict:
     """The same samples as padded micro-batches through transformers' own forward, backward, clip and AdamW."""
     from rlx.engine.batch import TrainBatch
@@ -238,6 +271,12 @@ def main() -> None:
     parser.add_argument("--baseline-rows", type=int, default=8, help="rows per padded transformers batch (8)")
     parser.add_argument("--steps", type=int, default=3, help="timed train steps after a warm-up (default 3)")
     parser.add_argument("--train-tower", action="store_true", help="train the vision tower too (default frozen)")
+    parser.add_argument(
+        "--score-budget",
+        type=int,
+        default=15360,
+        help="tokens per packed scoring row (default 15360, the fast path's for this shape)",
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
@@ -257,11 +296,14 @@ def main() -> None:
         (root / "reward.py").write_text(LENGTH_REWARD)
         rlx("score", "--rollouts", root / "rollouts.jsonl", "--actor", root / "ckpt", "--reward",
             f"{root / 'reward.py'}:score", "--out", root / "scored")  # fmt: skip
+        for mode in ("packed", "padded"):
+            results[f"score_rlx_{mode}"] = rlx_score(root / "ckpt", root / "rollouts.jsonl", args, device, dtype,
+                                                     mode == "packed")  # fmt: skip
         batch = root / "scored" / "batch.safetensors"
         results["train_rlx"] = rlx_train(root / "ckpt", batch, args, device)
         results["train_transformers_padded"] = hf_train(root / "ckpt", batch, args, device, dtype)
-    for key in ("rollout_native", "rollout_hf_engine", "rollout_transformers_generate", "train_rlx",
-                "train_transformers_padded"):  # fmt: skip
+    for key in ("rollout_native", "rollout_hf_engine", "rollout_transformers_generate", "score_rlx_packed",
+                "score_rlx_padded", "train_rlx", "train_transformers_padded"):  # fmt: skip
         print(f"{key:32s} {results[key]['tokens_per_s']:12.1f} tokens/s  {json.dumps(results[key])}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
