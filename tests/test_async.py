@@ -79,10 +79,13 @@ def test_bad_async_settings_are_one_line_errors(tmp_path):
         ("async.max_staleness=-1", "async.max_staleness: must be >= 0"),
         ("async.rollout_ranks=0", "async.rollout_ranks: must be at least 1"),
         ('async.partial_rollouts="later"', "async.partial_rollouts"),
-        ("score.filter_groups=true", "score.filter_groups is not supported with [async]"),
     ):
         result = cli("ppo", recipe, "--out", tmp_path / "run", "--set", setting)
         assert result.exit_code == 1 and words in result.stderr, (setting, result)
+    sets = ["--set", "score.filter_groups=true", "--set", 'score.reward_model="rm"']  # rollout ranks hold no RM
+    result = cli("ppo", recipe, "--out", tmp_path / "run", *sets)
+    assert result.exit_code == 1 and "score.filter_groups with score.reward_model is not supported" in result.stderr
+    assert not (tmp_path / "run").exists()
     with pytest.raises(UserError, match="leaves no trainer among the 2 launched"):
         check_split(2, 1, (0, 2, 0))
     with pytest.raises(UserError, match="sequence-parallel groups of train.sp_degree = 2"):
@@ -359,6 +362,99 @@ def test_a_stalled_rollout_rank_fails_the_run_with_a_timeout(tmp_path):
     text = (tmp_path / "log").read_text()
     assert waited < 40, waited
     assert "rlx ppo: error:" in text and "timed out" in text, text[-3000:]
+
+
+def read_steps(run: Path, steps: int, name: str = "rollouts.jsonl") -> list[list[dict]]:
+    return [read_jsonl(run / f"step_{step:06d}" / name) for step in range(1, steps + 1)]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_at_max_staleness_0_is_the_synchronous_run(tmp_path):
+    """score.filter_groups (DAPO dynamic sampling) until filled (max_gen_batches 0: 3-4 batches a step; at seed 1
+    step 3's batches hold 5 informative groups, of which the first 4 are kept): 1 rollout rank + 1 trainer, and 2
+    rollout ranks + 1 trainer (their counts exchanged, shares merged batch by batch), at max_staleness 0 train the
+    synchronous run's samples in its order: the same weights, metrics and data positions."""
+    sets = ["seed=1", "steps=3", "data.prompts_per_step=4", "score.filter_groups=true", "data.max_gen_batches=0"]
+    (tmp_path / "sync").mkdir()
+    ppo_torchrun(1, write_recipe(tmp_path / "sync", None), tmp_path / "sync" / "run", *sets)
+    sync = tmp_path / "sync" / "run"
+    theirs = read_jsonl(sync / "metrics.jsonl")
+    assert max(m["dynamic_sampling/gen_batches"] for m in theirs) > 1
+    assert all(m["dynamic_sampling/kept_groups"] == 4 for m in theirs)
+    recipe = write_recipe(tmp_path, "max_staleness = 0")
+    for ranks in (1, 2):
+        run = tmp_path / f"async{ranks}"
+        ppo_torchrun(1 + ranks, recipe, run, *sets, f"async.rollout_ranks={ranks}")
+        assert_same_weights(sync / "checkpoints" / "step_000003", run / "checkpoints" / "step_000003")
+        assert check_staleness(run, 3, 0) == [0, 0, 0]
+        for a, b in zip(theirs, read_jsonl(run / "metrics.jsonl"), strict=True):
+            keys = ("reward/mean", "actor/pg_loss", "actor/entropy", "batch/num_samples", "rollout/tokens")
+            for key in (*keys, "dynamic_sampling/gen_batches", "dynamic_sampling/kept_groups"):
+                assert a[key] == b[key], (ranks, key)
+        for ours, sync_records in zip(read_steps(run, 3), read_steps(sync, 3)):
+            assert [{k: v for k, v in r.items() if k not in ("policy_version", "rollout_restarts")} for r in ours] == (
+                sync_records
+            )
+        assert read_steps(run, 3, "scores.jsonl") == read_steps(sync, 3, "scores.jsonl")
+        for step in (1, 2, 3):
+            meta = (
+                run / "checkpoints" / f"step_{step:06d}" / "rlx.json",
+                sync / "checkpoints" / f"step_{step:06d}" / "rlx.json",
+            )
+            assert json.loads(meta[0].read_text())["data_position"] == json.loads(meta[1].read_text())["data_position"]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_within_the_staleness_bound(tmp_path):
+    """score.filter_groups at max_staleness 1 (native engine, 2 rollout ranks, at most 2 batches a step): every
+    step completes and trains only informative groups, each sample within the bound, from the prompts the step
+    drew (its data positions), and reports its batches and kept groups."""
+    run = tmp_path / "run"
+    sets = ["steps=4", "score.filter_groups=true", "data.max_gen_batches=2", 'rollout.engine="native"']
+    ppo_torchrun(3, write_recipe(tmp_path, "max_staleness = 1\nrollout_ranks = 2"), run, *sets)
+    assert max(check_staleness(run, 4, 1)) == 1
+    prompts = [json.loads(line)["id"] for line in (REPO / "recipes/data/arith_quickstart.jsonl").open()]
+    metrics, position = read_jsonl(run / "metrics.jsonl"), 0
+    for step, (records, scores) in enumerate(zip(read_steps(run, 4), read_steps(run, 4, "scores.jsonl")), 1):
+        line = metrics[step - 1]
+        batches = line["dynamic_sampling/gen_batches"]
+        assert 1 <= batches <= 2 and line["dynamic_sampling/kept_groups"] == len({r["prompt_id"] for r in records})
+        drawn = prompts[position : position + 8 * int(batches)]
+        position += 8 * int(batches)
+        meta = json.loads((run / "checkpoints" / f"step_{step:06d}" / "rlx.json").read_text())
+        assert meta["data_position"] == position
+        assert [r["prompt_id"] for r in records] == sorted((r["prompt_id"] for r in records), key=drawn.index)
+        groups = {}
+        for s in scores:
+            groups.setdefault(s["prompt_id"], []).append(s["reward"])
+        assert groups and all(len(g) == 4 and len(set(g)) > 1 for g in groups.values()), (step, groups)
+        assert line["async/staleness_max"] <= 1
+    assert any(m["dynamic_sampling/gen_batches"] == 2 for m in metrics)
+
+
+def test_dynamic_sampling_keeps_the_first_groups_in_batch_then_rank_order():
+    """The cut over rollout ranks: counts[j][r] informative groups of rank r in batch j; the first `want` in
+    (batch, rank) order are kept, and the merged shares come back batch by batch, rank by rank."""
+    import torch
+
+    from rlx.engine.ppo.dynamic_sampling import kept_groups, merge_kept
+    from rlx.engine.scoring.score import Rewards
+
+    counts = [[1, 0], [2, 3], [4, 4]]  # want 5: 1 + 0, then 2 of rank 0 and 2 of rank 1's 3; batch 3 not reached
+    assert [kept_groups(counts, r, 5) for r in (0, 1)] == [3, 2]
+    assert [kept_groups(counts, r, 100) for r in (0, 1)] == [7, 7]
+    assert kept_groups([[3]], 0, 2) == 2
+
+    def part(names, sizes):
+        return (
+            names,
+            Rewards(torch.arange(len(names), dtype=torch.float32), [{} for _ in names], [None] * len(names)),
+            sizes,
+        )
+
+    records, rewards = merge_kept([part(["a0", "a1", "b0"], [2, 1]), part(["c0", "d0", "d1"], [1, 2])])
+    assert records == ["a0", "a1", "c0", "b0", "d0", "d1"]
+    assert rewards.scores.tolist() == [0, 1, 0, 2, 1, 2]
 
 
 def test_runs_of_tokens_per_policy():

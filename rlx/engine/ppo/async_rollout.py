@@ -11,6 +11,17 @@ are dropped and start again under it with the same random streams ('drop': rollo
 records go to the store as soon as its last sample finishes, with policy_version = the policy of its first token.
 Rollout ranks hold no collective among themselves: each goes at its own pace.
 
+Dynamic sampling (score.filter_groups, rlx/engine/ppo/dynamic_sampling.py): a rank draws its slice of the step's batches
+one after the other, as the synchronous loop draws them (batch j of a step takes the prompts_per_step prompts after
+batch j - 1's, with the step's seed), and scores each finished batch with the rule rewards (no reward model here: the
+recipe check refuses one; score.max_reward_error_fraction applies to the rank's slice). The ranks put each batch's count
+of informative groups in the store (g/STEP/BATCH/RANK) and read everyone's, so all of them draw the same number of
+batches and each keeps its part of the step's first prompts_per_step informative groups; the share carries their rewards
+and the step's data position after the last batch. A step's first batch starts where the previous step's last one ended,
+so steps enter the stream one at a time (the bound still lets a step be generated while the trainers train earlier
+ones). While a rank waits for the others' counts (nothing in flight) it takes new weights and evaluates as between
+steps.
+
 [eval]: the weights after a step due for evaluation are evaluated here, exactly those: on receiving them a rank
 admits no new prompts and takes no newer weights until its samples in flight have finished, then answers its share
 of the held-out prompts (e/STEP/RANK in the store) and goes on. The trainers wait for the shares at that step, as
@@ -34,12 +45,14 @@ from rlx.engine.parallel.dist import DistContext, shard_range
 from rlx.engine.parallel.roles import Roles
 from rlx.engine.ppo.async_transport import BroadcastWeights, Channel, StopSignal
 from rlx.engine.ppo.config import PPOConfig
+from rlx.engine.ppo.dynamic_sampling import GroupFilter, kept_groups
 from rlx.engine.ppo.start import check_run_inputs
 from rlx.engine.records import RolloutRecord
 from rlx.engine.rollout.base import RolloutStats, build_engine
 from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.requests import Generated, build_requests, to_record, token_requests
 from rlx.engine.rollout.stops import StopStrings
+from rlx.engine.scoring.score import Rewards, compute_rewards
 from rlx.models.loading import resolve_source
 
 
@@ -53,6 +66,20 @@ class BatchShare:
     """Seconds this rank waited for weights the staleness bound required, while producing this batch."""
     data_position: int
     """The prompt position after the step (what the step's checkpoint records)."""
+    rewards: Rewards | None = None
+    """Dynamic sampling: the rule rewards of the records (those of the informative groups this rank keeps)."""
+    batch_sizes: list[int] | None = None
+    """Dynamic sampling: how many of the records came from each batch drawn (one entry per batch)."""
+
+
+@dataclass
+class _Draws:
+    """Dynamic sampling of the step being generated: the informative groups of its batches so far, every rank's
+    count of them per batch, and the batches' statistics."""
+
+    groups: GroupFilter
+    counts: list[list[int]] = dataclasses.field(default_factory=list)
+    stats: RolloutStats = dataclasses.field(default_factory=lambda: RolloutStats(0, 0.0))
 
 
 class _StepWork:
@@ -72,6 +99,8 @@ class _StepWork:
         self.began = time.perf_counter()
         self.start = start
         """Where the trainers started (a resume's checkpoint step)."""
+        self.draws: _Draws | None = None
+        """Dynamic sampling: the step's batches so far (shared by the works of one step's batches)."""
 
 
 class RolloutWorker:
@@ -92,13 +121,18 @@ class RolloutWorker:
         self.eval_pending: int | None = None
         """A policy version due for [eval], received and not yet evaluated."""
         self.stream = None
+        self.next_position = 0
+        """The data position the next batch of prompts starts at."""
+        self.score_cfg = dataclasses.replace(
+            cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
+        )
 
     def run(self) -> None:
         cfg, channel = self.cfg, self.channel
         with _ignore_sigterm():  # the trainers decide when to stop (after a step's checkpoint); we serve until then
             try:
                 start = channel.take("start", "the trainers' start", keep=True, stop_aware=True)
-                self.start_step = start["start_step"]
+                self.start_step, self.next_position = start["start_step"], start["data_position"]
                 steps = range(start["start_step"] + 1, cfg.steps + 1)
                 if steps:
                     self._receive(start["start_step"])
@@ -141,7 +175,9 @@ class RolloutWorker:
                     work.results[i] = generated
                     work.pending.discard(i)
                 for step in [s for s, work in active.items() if not work.pending]:
-                    self._put(active.pop(step))
+                    work = active.pop(step)
+                    if not self._put(work):  # dynamic sampling: the ranks draw another batch of the step
+                        active[step] = self._next_batch(work, start)
         finally:
             if self.stream is not None:
                 self.stream.close()
@@ -150,6 +186,8 @@ class RolloutWorker:
         """Queue the next steps' requests that the staleness bound allows with the weights held; a step whose
         prompts are longer than the open stream was sized for waits until the stream drains (then it is reopened)."""
         while queue and self.version >= queue[0] - 1 - self.cfg.async_.max_staleness:
+            if self.cfg.score.filter_groups and active:  # its prompts start where this step's last batch ends
+                return
             self.ready = self.ready or self._prepare(queue[0], start)
             if self.ready.longest > self.stream_context and self.stream is not None:
                 if active:
@@ -169,32 +207,49 @@ class RolloutWorker:
             self.weight_wait_s += self.channel.wait(f"w/{self.version + 1}/0", what, stop_aware=True)
             self._receive(self.version + 1)
             self._evaluate_pending()
-        prompts, position, sampling = self._step_prompts(step, start)
-        work = _StepWork(step, position, sampling, [], [], start, self.version)
-        runner = multi_turn_runner(self.engine, self.tokenizer, self.cfg.rollout, sampling)
-        records = runner.generate(prompts)
-        for record in records:
-            record.policy_version, record.rollout_restarts = self.version, 0
-        self._deliver(work, records, multi_turn_stats(records, runner.last_stats))
+        draws = self._new_draws()
+        while True:  # one batch, or with dynamic sampling as many as the ranks need
+            prompts, position, sampling = self._step_prompts(step)
+            work = _StepWork(step, position, sampling, [], [], start, self.version)
+            work.draws = draws
+            runner = multi_turn_runner(self.engine, self.tokenizer, self.cfg.rollout, sampling)
+            records = runner.generate(prompts)
+            for record in records:
+                record.policy_version, record.rollout_restarts = self.version, 0
+            if self._finish(work, records, multi_turn_stats(records, runner.last_stats)):
+                return
 
-    def _step_prompts(self, step: int, start: dict) -> tuple[list, int, SamplingParams]:
-        """This rank's slice of step `step`'s prompts (exactly the synchronous loop's), the data position after
-        the step, and the step's sampling settings (its seed)."""
+    def _step_prompts(self, step: int) -> tuple[list, int, SamplingParams]:
+        """This rank's slice of the next batch of prompts (step `step`'s, exactly the synchronous loop's), the data
+        position after it, and the step's sampling settings (its seed)."""
         cfg = self.cfg
         want = cfg.data.prompts_per_step
-        position = start["data_position"] + (step - start["start_step"] - 1) * want
-        prompts = take_prompts(self.prompts, position, want, cfg.seed if cfg.data.shuffle else None)
+        prompts = take_prompts(self.prompts, self.next_position, want, cfg.seed if cfg.data.shuffle else None)
+        self.next_position += want
         mine = shard_range(len(prompts), self.roles.rank_in_role, self.roles.num_rollout)
-        return [prompts[i] for i in mine], position + want, cfg.rollout.sampling(seed=cfg.seed + step)
+        return [prompts[i] for i in mine], self.next_position, cfg.rollout.sampling(seed=cfg.seed + step)
 
     def _prepare(self, step: int, start: dict) -> _StepWork:
-        """Step `step`'s prompts (and seed) exactly as the synchronous loop takes them, this rank's slice, as token
-        requests (each with the step's seed: several steps share one stream)."""
-        prompts, position, sampling = self._step_prompts(step, start)
+        """Step `step`'s next prompts (and seed) exactly as the synchronous loop takes them, this rank's slice, as
+        token requests (each with the step's seed: several steps share one stream)."""
+        prompts, position, sampling = self._step_prompts(step)
         requests = build_requests(prompts, self.engine.encoder, sampling)
         self.engine.check_requests(requests, sampling)
         tokens = [dataclasses.replace(t, seed=sampling.seed) for t in token_requests(requests, sampling)]
-        return _StepWork(step, position, sampling, requests, tokens, start)
+        work = _StepWork(step, position, sampling, requests, tokens, start)
+        work.draws = self._new_draws()
+        return work
+
+    def _next_batch(self, work: _StepWork, start: dict) -> _StepWork:
+        """Dynamic sampling: the step's next batch, in the stream (nothing else is in flight: reopened if its
+        prompts are longer than the stream was sized for); a version due for [eval] is evaluated first."""
+        self._evaluate_pending()
+        following = self._prepare(work.step, start)
+        following.draws = work.draws
+        if self.stream is not None and following.longest > self.stream_context:
+            self.stream.close()
+            self.stream = None
+        return self._submit(following)
 
     def _submit(self, work: _StepWork) -> _StepWork:
         """Queue the step's requests in the open stream (opened, sized for the bound's steps, when there is none)
@@ -231,8 +286,9 @@ class RolloutWorker:
             work.spans[i] = [[0, self.version]]
             self.stream.submit((work.step, i), work.tokens[i])
 
-    def _put(self, work: _StepWork) -> None:
-        """The finished step's records (with the versions that generated them) into the store."""
+    def _put(self, work: _StepWork) -> bool:
+        """The finished batch's records (with the versions that generated them) into the store, or with dynamic
+        sampling False when the ranks draw another batch of the step (_finish)."""
         results = work.results
         if work.sampling.stop:
             stops = StopStrings(self.tokenizer, work.sampling.stop)
@@ -243,16 +299,57 @@ class RolloutWorker:
             record.policy_version, record.rollout_restarts = runs[0][1], count
             record.policy_versions = runs if len(runs) > 1 else None
         seconds = time.perf_counter() - work.began
-        self._deliver(work, records, RolloutStats(sum(len(g.response_ids) for g in results), seconds))
+        return self._finish(work, records, RolloutStats(sum(len(g.response_ids) for g in results), seconds))
 
-    def _deliver(self, work: _StepWork, records: list[RolloutRecord], stats: RolloutStats) -> None:
+    def _new_draws(self) -> _Draws | None:
+        if not self.cfg.score.filter_groups:
+            return None
+        return _Draws(GroupFilter(self.cfg.data.prompts_per_step, self.cfg.data.max_gen_batches))
+
+    def _finish(self, work: _StepWork, records: list[RolloutRecord], stats: RolloutStats) -> bool:
+        """A finished batch of step `work.step`: delivered (True), or with dynamic sampling its informative groups
+        kept and False when the ranks draw another batch (every rank decides alike from everyone's counts)."""
+        draws = work.draws
+        if draws is None:
+            self._deliver(work, records, stats)
+            return True
+        draws.stats = draws.stats + stats
+        count = draws.groups.add(records, compute_rewards(records, self.score_cfg))
+        draws.counts.append(self._batch_counts(work.step, draws.groups.num_batches - 1, count))
+        if draws.groups.needs_more(sum(map(sum, draws.counts))):
+            return False
+        mine = kept_groups(draws.counts, self.roles.rank_in_role, self.cfg.data.prompts_per_step)
+        kept, rewards, sizes = draws.groups.take(mine)
+        self._deliver(work, kept, draws.stats, rewards, sizes)
+        return True
+
+    def _batch_counts(self, step: int, batch: int, count: int) -> list[int]:
+        """Every rollout rank's count of informative groups in batch `batch` of step `step` (this rank's is
+        `count`). While waiting, with nothing in flight, it takes new weights and evaluates as between steps (a
+        weight broadcast the others have joined waits for this rank)."""
+        self.channel.put(f"g/{step}/{batch}/{self.roles.rank_in_role}", count)
+
+        def between_batches() -> None:
+            self._evaluate_pending()
+            if self._update_waiting():
+                self._new_weights({})
+
+        counts = []
+        for r in range(self.roles.num_rollout):
+            key, what = f"g/{step}/{batch}/{r}", f"rollout rank {r}'s dynamic sampling of step {step}"
+            self.channel.wait(key, what, stop_aware=True, idle=between_batches)
+            counts.append(self.channel.take(key, what, keep=True))
+        return counts
+
+    def _deliver(self, work: _StepWork, records: list[RolloutRecord], stats: RolloutStats,
+                 rewards: Rewards | None = None, batch_sizes: list[int] | None = None) -> None:  # fmt: skip
         """The step's records into the store (marked when a resumed run may have generated them before)."""
         cfg, start = self.cfg, work.start
         if start["start_step"] > 0 and work.step <= start["start_step"] + cfg.save_every + cfg.async_.max_staleness:
             for record in records:  # the stopped run may have generated (or trained) these samples already
                 record.resumed_from = start["start_step"]
-        self.channel.put(f"b/{work.step}/{self.roles.rank_in_role}", BatchShare(records, stats, self.weight_wait_s,
-                                                                                work.data_position))  # fmt: skip
+        share = BatchShare(records, stats, self.weight_wait_s, work.data_position, rewards, batch_sizes)
+        self.channel.put(f"b/{work.step}/{self.roles.rank_in_role}", share)
         self.weight_wait_s = 0.0
 
     def _receive(self, version: int) -> None:

@@ -10,6 +10,11 @@ ranks (rlx/engine/ppo/async_transport.py). With max_staleness = 0 a rollout rank
 exactly the weights after step t - 1: the synchronous loop, bit for bit. The rollout side is
 rlx/engine/ppo/async_rollout.py.
 
+Dynamic sampling (score.filter_groups): the rollout ranks draw and filter the step's batches (async_rollout.py)
+and send the kept samples' rule rewards along; the trainers merge the shares batch by batch, in the synchronous
+loop's order (rlx/engine/ppo/dynamic_sampling.py), and report `dynamic_sampling/gen_batches` and
+`dynamic_sampling/kept_groups` as it does. Every kept sample is checked against the bound like any other.
+
 [eval]: the rollout ranks evaluate the weights after each due step (pushed to them even when no later batch needs
 them) and the lead trainer writes their graded shares as the synchronous loop writes its own.
 
@@ -33,6 +38,7 @@ from rlx.engine.parallel.roles import Roles, split_roles
 from rlx.engine.ppo.async_rollout import BatchShare, RolloutWorker
 from rlx.engine.ppo.async_transport import Channel, push_weights
 from rlx.engine.ppo.config import PPOConfig
+from rlx.engine.ppo.dynamic_sampling import merge_kept, sampling_metrics
 from rlx.engine.ppo.loop import PPORun
 from rlx.engine.ppo.rundir import step_dir
 from rlx.engine.records import RolloutRecord
@@ -123,13 +129,16 @@ class AsyncPPORun(PPORun):
             later = range(step + 1, step + 2 + self.cfg.async_.max_staleness)
             depth = sum(self.channel.has(f"b/{s}/{r}") for s in later for r in range(num)) / num
         shares, waited, depth = broadcast_object((shares, waited, depth))
-        records = [r for share in shares for r in share.records]
+        records, rewards = [r for share in shares for r in share.records], None
         self.data_position = shares[0].data_position
         metrics = _rollout_metrics(shares)
+        if shares[0].rewards is not None:  # dynamic sampling: the informative groups the rollout ranks kept
+            records, rewards = merge_kept([(s.records, s.rewards, s.batch_sizes) for s in shares])
+            metrics.update(sampling_metrics(step, records, len(shares[0].batch_sizes)))
         metrics.update(self._staleness(step, records))
         metrics["async/trainer_wait_s"] = waited
         metrics["async/queue_depth"] = depth
-        return records, None, metrics
+        return records, rewards, metrics
 
     def _staleness(self, step: int, records: list[RolloutRecord]) -> dict[str, float]:
         """The staleness of the step's samples; a sample past the bound is a bug, never trained on."""

@@ -6,6 +6,7 @@ trains step s. Keys (under `rlx-async/`):
 
     start            {start_step, data_position}: where the trainers start (a resume continues its checkpoint)
     b/S/R            rollout rank R's share of step S's samples, with its generation statistics
+    g/S/J/R          dynamic sampling: rollout rank R's count of informative groups in batch J of step S
     w/V/I            the header of bucket I of policy version V: names, shapes and dtypes of its tensors
     stop             the trainers are done (or failed): rollout ranks exit
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -49,9 +50,11 @@ class Channel:
     def delete(self, key: str) -> None:
         self.store.delete_key(PREFIX + key)
 
-    def wait(self, key: str, what: str, stop_aware: bool = False, timeout_s: float | None = None) -> float:
-        """Wait until `key` exists; the seconds waited. `stop_aware`: raise StopSignal if the trainers stop first.
-        After $RLX_COLLECTIVE_TIMEOUT_S a RuntimeError names what was missing (the other side died or stalled)."""
+    def wait(self, key: str, what: str, stop_aware: bool = False, timeout_s: float | None = None,
+             idle: Callable[[], None] | None = None) -> float:  # fmt: skip
+        """Wait until `key` exists; the seconds waited. `stop_aware`: raise StopSignal if the trainers stop first;
+        `idle` is called between polls. After $RLX_COLLECTIVE_TIMEOUT_S a RuntimeError names what was missing (the
+        other side died or stalled)."""
         start = time.perf_counter()
         limit = self.timeout_s if timeout_s is None else timeout_s
         while not self.has(key):
@@ -63,6 +66,8 @@ class Channel:
                     f"timed out after {waited:.0f} s waiting for {what} (RLX_COLLECTIVE_TIMEOUT_S); that process "
                     f"probably failed or stalled: check its log"
                 )
+            if idle is not None:
+                idle()
             time.sleep(POLL_S)
         return time.perf_counter() - start
 

@@ -46,7 +46,8 @@ class DataConfig:
     """Visit prompts in a new seeded order every epoch (else file order)."""
     max_gen_batches: int = 1
     """With score.filter_groups (DAPO dynamic sampling): sample up to this many batches of prompts_per_step
-    prompts per step to collect prompts_per_step informative groups (0 = until filled)."""
+    prompts per step to collect prompts_per_step informative groups (0 = until filled). With [async] the rollout
+    ranks draw the batches and filter them by the rule rewards."""
 
     def __post_init__(self) -> None:
         check(self.prompts_per_step >= 1, "prompts_per_step", f"must be at least 1, got {self.prompts_per_step}")
@@ -222,7 +223,8 @@ class PPOConfig:
     def _check_async(self) -> None:
         """What [async] does not support yet (each a clear error rather than a silently synchronous run)."""
         unsupported = {
-            "score.filter_groups": self.score.filter_groups,
+            # the rollout ranks filter groups (dynamic sampling) by the rewards they compute, and hold no reward model
+            "score.filter_groups with score.reward_model": self.score.filter_groups and bool(self.score.reward_model),
             "rollout.engine = 'vllm'": self.rollout.engine == "vllm",
             "rollout.weight_sync = 'disk'": self.rollout.weight_sync == "disk",
         }

@@ -43,6 +43,7 @@ from rlx.engine.memory import (
 )
 from rlx.engine.parallel.dist import barrier
 from rlx.engine.ppo.config import PPOConfig
+from rlx.engine.ppo.dynamic_sampling import GroupFilter, sampling_metrics
 from rlx.engine.ppo.models import CRITIC_DIR, build_run_models
 from rlx.engine.ppo.rundir import checkpoint_dir, drop_old_checkpoints, prepare_run_dir, step_dir
 from rlx.engine.ppo.start import RunInputs, RunLock, StopRequest, check_run_inputs
@@ -50,7 +51,7 @@ from rlx.engine.ppo.warm_start import warm_start
 from rlx.engine.ppo.writer import BackgroundWriter
 from rlx.engine.records import RolloutRecord, write_records
 from rlx.engine.rollout.base import RolloutStats, build_engine
-from rlx.engine.scoring.score import Rewards, ScoreResult, compute_rewards, informative_groups, score_rollouts
+from rlx.engine.scoring.score import Rewards, ScoreResult, compute_rewards, score_rollouts
 from rlx.engine.tracking import Tracker, console, read_metrics, select_traces
 from rlx.errors import Terminated, UserError
 from rlx.utils.device import resolve_device
@@ -273,12 +274,12 @@ class PPORun:
         self.engine_stale = False
 
     def _sample(self, step: int) -> tuple[list[RolloutRecord], Rewards | None, dict]:
-        """Rollouts for the step.  With score.filter_groups (DAPO dynamic sampling), batches of prompts
-        are sampled until prompts_per_step informative groups are collected (or max_gen_batches)."""
+        """Rollouts for the step.  With score.filter_groups (DAPO dynamic sampling, dynamic_sampling.py), batches
+        of prompts are sampled until prompts_per_step informative groups are collected (or max_gen_batches)."""
         cfg = self.cfg
         sampling = cfg.rollout.sampling(seed=cfg.seed + step)
-        want, kept, kept_rewards, batches = cfg.data.prompts_per_step, [], [], 0
-        stats = RolloutStats(0, 0.0)
+        want, stats = cfg.data.prompts_per_step, RolloutStats(0, 0.0)
+        groups = GroupFilter(want, cfg.data.max_gen_batches)
         while True:
             prompts = take_prompts(self.prompts, self.data_position, want, cfg.seed if cfg.data.shuffle else None)
             self.data_position += len(prompts)
@@ -286,39 +287,14 @@ class PPORun:
                 result = generate_multi_turn(self.engine, self.models.tokenizer, prompts, cfg.rollout, sampling)
             else:
                 result = self.engine.generate(prompts, sampling, progress=False)
-            rollouts, stats, batches = result.records, stats + result.stats, batches + 1
+            rollouts, stats = result.records, stats + result.stats
             if not cfg.score.filter_groups:
                 return rollouts, None, stats.metrics()
-            rewards = compute_rewards(rollouts, self.score_cfg, self.models.scoring.reward_model)
-            trained = [i for i, r in enumerate(rollouts) if not r.is_greedy_baseline]
-            good = {
-                rollouts[trained[i]].prompt_id
-                for i in informative_groups([rollouts[i].prompt_id for i in trained], rewards.task_scores[trained])
-            }
-            rows = [i for i, r in enumerate(rollouts) if r.prompt_id in good]
-            kept += [rollouts[i] for i in rows]
-            kept_rewards.append(rewards.select(rows))
-            groups = list(dict.fromkeys(r.prompt_id for r in kept))
-            if len(groups) >= want or (cfg.data.max_gen_batches and batches >= cfg.data.max_gen_batches):
+            groups.add(rollouts, compute_rewards(rollouts, self.score_cfg, self.models.scoring.reward_model))
+            if not groups.needs_more(len(groups.groups)):
                 break
-        keep_ids = set(groups[:want])
-        rows = [i for i, r in enumerate(kept) if r.prompt_id in keep_ids]
-        merged = Rewards(
-            torch.cat([r.scores for r in kept_rewards]),
-            [d for r in kept_rewards for d in r.details],
-            [e for r in kept_rewards for e in r.errors],
-            torch.cat([r.task_scores for r in kept_rewards]),
-        )
-        stats = stats.metrics()
-        stats.update(
-            {"dynamic_sampling/gen_batches": float(batches), "dynamic_sampling/kept_groups": float(len(keep_ids))}
-        )
-        if not rows:
-            raise UserError(
-                f"step {step}: dynamic sampling found no prompt whose samples got different rewards "
-                f"in {batches} batch(es); raise data.max_gen_batches or rollout.n"
-            )
-        return [kept[i] for i in rows], merged.select(rows), stats
+        records, rewards, _ = groups.take(want)
+        return records, rewards, {**stats.metrics(), **sampling_metrics(step, records, groups.num_batches)}
 
     def _train(self, step: int, result: ScoreResult) -> dict:
         metrics = {}
