@@ -9,14 +9,22 @@ The template tokens of new messages are found without re-rendering the conversat
 render(anchor + new) minus render(anchor), for a fixed anchor conversation, checked to be a
 prefix-extension. Re-rendering the real history would be wrong for templates that rewrite it
 (Qwen3 drops earlier <think> blocks once a new user message follows), and would re-tokenise the
-model's text.
+model's text. A message list whose shape was seen before skips Jinja: its text is the shape's `Frame`
+with the new texts pasted in (template_shapes.py says when that is the template's own output).
+What a renderer learns about its template is shared by every renderer (one per episode) with the same
+tokenizer, template, tools and template arguments.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from rlx.engine.agent.template_shapes import MAX_SHAPES, Frame, is_plain, probe_frame, shape_key, text_values
+from rlx.engine.agent.token_cuts import TokenCuts
 from rlx.engine.rollout.prompts import has_chat_template
 from rlx.errors import UserError
 
@@ -28,6 +36,43 @@ _ASSISTANT = {"role": "assistant", "content": "rlx"}
 # that refuse one), then ending with an assistant turn (templates that insist on alternating roles).
 _ANCHORS = ([_SYSTEM, _USER], [_USER], [_SYSTEM, _USER, _ASSISTANT], [_USER, _ASSISTANT])
 _CONTENT_MARK = "rlx-content-mark"
+_MAX_STATES = 64
+"""Template states kept per tokenizer (one per distinct tools list and template arguments)."""
+
+
+@dataclass
+class _TemplateState:
+    """What renderers learn about one tokenizer + template + tools + template arguments."""
+
+    anchor_ids: dict[int, list[int]] = field(default_factory=dict)
+    """Tokens of each anchor conversation that renders."""
+    closing_ids: list[int] | None = None
+    frames: dict[str, Frame | None] = field(default_factory=dict)
+    """Per message shape: its frame, or None when the template must render it."""
+    cuts: TokenCuts | None = None
+
+
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STATES_LOCK = threading.Lock()  # the server's samples make renderers from several threads
+
+
+def _shared_state(tokenizer, tools, template_kwargs: dict) -> _TemplateState:
+    """The state shared with earlier renderers of the same key; a private one when the key cannot be trusted
+    (tools or template arguments that are not plain data, whose repr need not identify them)."""
+    if not (is_plain(tools) and is_plain(template_kwargs)):
+        return _TemplateState()
+    try:
+        template = tokenizer.get_chat_template(None, tools)
+    except Exception:  # no template for these tools: render_text reports it when used
+        return _TemplateState()
+    key = repr((template, tools, template_kwargs, tokenizer.special_tokens_map, len(tokenizer)))
+    with _STATES_LOCK:
+        states = _STATES.setdefault(tokenizer, OrderedDict())
+        if key not in states:
+            states[key] = _TemplateState()
+            if len(states) > _MAX_STATES:
+                states.popitem(last=False)
+        return states[key]
 
 
 class ChatRenderer:
@@ -41,7 +86,9 @@ class ChatRenderer:
             )
         self.tokenizer, self.stop_ids, self.tools = tokenizer, set(stop_ids), tools
         self.template_kwargs = dict(template_kwargs or {})
-        self._anchor_cache: dict[int, list[int]] = {}
+        self._state = _shared_state(tokenizer, tools, self.template_kwargs)
+        self.num_framed_renders = 0
+        """message_ids calls answered from a frame, without rendering the template."""
 
     def render_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
@@ -72,12 +119,68 @@ class ChatRenderer:
 
     def message_ids(self, messages: list[dict]) -> list[int]:
         """The template tokens of `messages` followed by the next assistant turn's generation prompt."""
+        ids = self._framed_message_ids(messages)
+        return self._rendered_message_ids(messages) if ids is None else ids
+
+    def _framed_message_ids(self, messages: list[dict]) -> list[int] | None:
+        """message_ids from the shape's frame; None when the shape has none or its tokens do not extend the
+        anchor's (then the full render decides, as it would have: the frame's text is the render's)."""
+        key = shape_key(messages)
+        frames = self._state.frames
+        if key is None or (key not in frames and len(frames) >= MAX_SHAPES):
+            return None
+        if key not in frames:
+            frames[key] = self._probe_frame(messages)
+        frame = frames[key]
+        if frame is None:
+            return None
+        text = frame.text(text_values(messages))
+        if frame.cut:  # render(anchor) is text[:cut], whose tokens are base: the rest's tokens are the new ones
+            ids = self.encode(text[frame.cut :])
+        else:
+            base = self._state.anchor_ids[frame.anchor]
+            full = self.encode(text)
+            if full[: len(base)] != base:
+                return None
+            ids = full[len(base) :]
+        self.num_framed_renders += 1
+        return ids
+
+    def _probe_frame(self, messages: list[dict]) -> Frame | None:
+        """The frame of `messages` after the first anchor they render after, as `_rendered_message_ids` tries them."""
+        for i, anchor in enumerate(_ANCHORS):
+            try:
+                self._anchor_ids(i)
+                frame = probe_frame(
+                    lambda probed, anchor=anchor: self.render_text([*anchor, *probed], True), messages, i
+                )
+            except UserError:  # this template refuses this anchor: try the next
+                continue
+            return None if frame is None else dataclasses.replace(frame, cut=self._cut(frame))
+        return None
+
+    def _cut(self, frame: Frame) -> int:
+        """The anchor text's length when the frame's first piece starts with it and is a token cut there
+        (decided within the piece, which reaches a whole longest added token past it), else 0."""
+        if self._state.cuts is None:
+            self._state.cuts = TokenCuts(self.tokenizer)
+        cuts, first = self._state.cuts, frame.pieces[0]
+        anchor = self.render_text(_ANCHORS[frame.anchor], add_generation_prompt=False)
+        at = len(anchor)
+        if first.startswith(anchor) and len(first) >= at + cuts.longest and cuts.is_cut(first, at):
+            return at
+        return 0
+
+    def _anchor_ids(self, i: int) -> list[int]:
+        if i not in self._state.anchor_ids:
+            self._state.anchor_ids[i] = self.render_ids(_ANCHORS[i], add_generation_prompt=False)
+        return self._state.anchor_ids[i]
+
+    def _rendered_message_ids(self, messages: list[dict]) -> list[int]:
         problem = "they do not extend the conversation before them"
         for i, anchor in enumerate(_ANCHORS):
             try:
-                if i not in self._anchor_cache:
-                    self._anchor_cache[i] = self.render_ids(anchor, add_generation_prompt=False)
-                base = self._anchor_cache[i]
+                base = self._anchor_ids(i)
                 full = self.render_ids([*anchor, *messages], add_generation_prompt=True)
             except UserError as e:  # this template refuses this anchor: try the next
                 problem = str(e)
@@ -87,9 +190,14 @@ class ChatRenderer:
         roles = ",".join(str(m.get("role")) for m in messages)
         raise UserError(f"cannot add messages with roles [{roles}] token-exactly: {problem}")
 
-    @functools.cached_property
+    @property
     def closing_ids(self) -> list[int]:
         """The template tokens after an assistant message's content (e.g. `<|im_end|>` and a newline)."""
+        if self._state.closing_ids is None:
+            self._state.closing_ids = self._render_closing_ids()
+        return self._state.closing_ids
+
+    def _render_closing_ids(self) -> list[int]:
         mark = {"role": "assistant", "content": _CONTENT_MARK}
         text = ""
         for anchor in (a for a in _ANCHORS if a[-1] is _USER):
