@@ -16,6 +16,7 @@ import base64
 import binascii
 import io
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 from rlx.errors import UserError
@@ -130,34 +131,32 @@ def _read_bytes(ref: str, prompt_id) -> bytes:
         raise UserError(f"prompt {prompt_id!r}: image {ref!r} cannot be read ({e})") from None
 
 
-def load_image(ref: str, *, prompt_id=None, base: str | Path | None = None):
-    """The image behind `ref` as an RGB `PIL.Image` (decoded now, so a broken file fails here)."""
+@contextmanager
+def _opened(ref: str, prompt_id):
+    """The image behind resolved `ref`, opened by Pillow (errors reading or decoding it name the prompt and image)."""
     from PIL import Image, UnidentifiedImageError
 
-    ref = resolve_ref(ref, base)
     data = _read_bytes(ref, prompt_id)
     try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
+        with Image.open(io.BytesIO(data)) as image:
+            yield image
     except UnidentifiedImageError:
         raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} is not an image format Pillow reads") from None
     except (OSError, SyntaxError, ValueError) as e:
         raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} is not a readable image ({e})") from None
-    return image.convert("RGB")
+
+
+def load_image(ref: str, *, prompt_id=None, base: str | Path | None = None):
+    """The image behind `ref` as an RGB `PIL.Image` (decoded now, so a broken file fails here)."""
+    with _opened(resolve_ref(ref, base), prompt_id) as image:
+        image.load()
+        return image.convert("RGB")
 
 
 def image_size(ref: str, *, prompt_id=None, base: str | Path | None = None) -> tuple[int, int]:
     """(width, height) of the image behind `ref`, from its header (the pixels are not decoded)."""
-    from PIL import Image, UnidentifiedImageError
-
-    ref = resolve_ref(ref, base)
-    try:
-        with Image.open(io.BytesIO(_read_bytes(ref, prompt_id))) as image:
-            return image.size
-    except UnidentifiedImageError:
-        raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} is not an image format Pillow reads") from None
-    except (OSError, SyntaxError, ValueError) as e:
-        raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} is not a readable image ({e})") from None
+    with _opened(resolve_ref(ref, base), prompt_id) as image:
+        return image.size
 
 
 def data_uri(image, fmt: str = "PNG") -> str:
