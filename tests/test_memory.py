@@ -18,10 +18,25 @@ MIB = 2**20
 def test_phase_metrics_are_named_after_the_phase():
     with measure_phase("rollout", "cpu") as phase:
         time.sleep(0.05)
-    assert sorted(phase) == ["memory/rollout_device_peak_gb", "memory/rollout_host_rss_gb", "timing/rollout_s"]
+    names = {"memory/rollout_device_peak_gb", "memory/rollout_host_rss_gb", "timing/rollout_s"}
+    assert names <= set(phase) <= names | {"compile/rollout_graphs"}  # the count once torch._dynamo is loaded
     assert 0.05 <= phase["timing/rollout_s"] < 5
     assert phase["memory/rollout_device_peak_gb"] == 0.0
     assert 0.001 < phase["memory/rollout_host_rss_gb"] < 1024
+
+
+def test_graphs_compiled_in_a_phase_are_counted():
+    def double(x):
+        return x * 2
+
+    compiled = torch.compile(double, backend="eager", dynamic=False)
+    compiled(torch.ones(3))  # warm: later calls with this shape build nothing
+    with measure_phase("warm") as warm:
+        compiled(torch.ones(3))
+    with measure_phase("new_shape") as new_shape:
+        compiled(torch.ones(5))  # a static shape not seen before: one more graph
+    assert warm["compile/warm_graphs"] == 0
+    assert new_shape["compile/new_shape_graphs"] == 1
 
 
 def test_host_rss_sees_an_allocation():
@@ -69,6 +84,7 @@ def test_cuda_peak_is_per_phase():
         del y
     assert 0.25 <= big["memory/big_device_peak_gb"] < 0.3
     assert 16 / 1024 <= small["memory/small_device_peak_gb"] < 0.05
+    assert big["memory/big_device_mallocs"] >= 1 and big["memory/big_alloc_retries"] == 0
 
 
 def test_gc_pauses_are_timed_and_a_frozen_heap_is_released_on_close():

@@ -97,6 +97,7 @@ def measure_phase(name: str, device: Any = "cpu") -> Iterator[dict[str, float]]:
     """
     metrics: dict[str, float] = {}
     reset_device_peak(device)
+    before = churn_counters(device)
     start = time.perf_counter()
     try:
         yield metrics
@@ -104,6 +105,25 @@ def measure_phase(name: str, device: Any = "cpu") -> Iterator[dict[str, float]]:
         peak = device_peak_bytes(device)
         seconds = time.perf_counter() - start
         metrics.update(phase_metrics(name, seconds, peak, host_rss_bytes()))
+        after = churn_counters(device)
+        metrics.update({f"{kind}/{name}_{key}": float(after[kind, key] - before.get((kind, key), 0)) for kind, key in after})
+
+
+def churn_counters(device: Any) -> dict[tuple[str, str], int]:
+    """What makes a phase slower than its last run, counted since the process started: on cuda the caching
+    allocator's device allocations ('memory', 'device_mallocs') and its free-all-and-retry events
+    ('alloc_retries'); graphs torch.compile has built ('compile', 'graphs') once torch._dynamo is loaded."""
+    out: dict[tuple[str, str], int] = {}
+    if device_type(device) == "cuda":
+        import torch
+
+        stats = torch.cuda.memory_stats(device)
+        out["memory", "device_mallocs"] = int(stats.get("num_device_alloc", 0))
+        out["memory", "alloc_retries"] = int(stats.get("num_alloc_retries", 0))
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    if dynamo is not None:
+        out["compile", "graphs"] = int(dynamo.counters["stats"]["unique_graphs"])
+    return out
 
 
 def process_age_s() -> float:
