@@ -106,7 +106,8 @@ def measure_phase(name: str, device: Any = "cpu") -> Iterator[dict[str, float]]:
         seconds = time.perf_counter() - start
         metrics.update(phase_metrics(name, seconds, peak, host_rss_bytes()))
         after = churn_counters(device)
-        metrics.update({f"{kind}/{name}_{key}": float(after[kind, key] - before.get((kind, key), 0)) for kind, key in after})
+        for (kind, key), count in after.items():
+            metrics[f"{kind}/{name}_{key}"] = float(count - before.get((kind, key), 0))
 
 
 def churn_counters(device: Any) -> dict[tuple[str, str], int]:
