@@ -168,10 +168,9 @@ class GcPauses:
         return out
 
     def freeze(self) -> None:
-        """Collect once, then exempt every object alive now (modules, compiled graphs, the models' Python
-        objects) from later collections, so the full collections a long run triggers scan only what it allocated
-        since; undone by `close`."""
-        gc.collect()
+        """Exempt every object alive now (modules, compiled graphs, the models' Python objects) from later
+        collections, so the full collections a long run triggers scan only what it allocated since; undone by
+        `close`. No collection first (0.6 s on a compiled 0.5B run): garbage alive now stays until `close`."""
         gc.freeze()
         self._frozen = True
 

@@ -15,11 +15,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from rlx.engine.checkpoints.meta import META_NAME
 from rlx.models.loading import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, read_safetensors
 from rlx.utils.files import apply_umask
+from rlx.utils.tensor_files import save_tensors
 
 OPTIMIZER_NAME = "optimizer.safetensors"
 MAX_SHARD_SIZE = "5GB"
@@ -68,7 +68,7 @@ def write_weights(folder: Path, state: dict[str, torch.Tensor], dtype: torch.dty
         tensors, filename_pattern="model{suffix}.safetensors", max_shard_size=MAX_SHARD_SIZE
     )
     for filename, keys in split.filename_to_tensors.items():
-        save_file({k: tensors[k] for k in keys}, str(folder / filename), metadata={"format": "pt"})
+        save_tensors({k: tensors[k] for k in keys}, folder / filename, metadata={"format": "pt"})
         apply_umask(folder / filename)  # safetensors makes its files 0600
     if split.is_sharded:
         index = {
@@ -82,9 +82,9 @@ def write_weights(folder: Path, state: dict[str, torch.Tensor], dtype: torch.dty
 
 def write_optimizer_state(folder: Path, state: dict[str, torch.Tensor]) -> None:
     """Write optimizer tensors keyed '<param>::<state key>' to OPTIMIZER_NAME."""
-    save_file(
+    save_tensors(
         {k: v.detach().cpu().contiguous() for k, v in state.items()},
-        str(folder / OPTIMIZER_NAME),
+        folder / OPTIMIZER_NAME,
         metadata={"format": "rlx-optimizer"},
     )
     apply_umask(folder / OPTIMIZER_NAME)

@@ -101,7 +101,7 @@ class PPORun:
             "timing/since_process_start_s": process_age_s(),
         }
         self.engine_stale = False  # whether the trainer changed the weights since the engine last got them
-        self.writer = BackgroundWriter(enabled=cfg.background_writes)
+        self.writer = BackgroundWriter(enabled=cfg.background_writes, mib_per_s=cfg.write_mib_per_s)
         self.gc_pauses = GcPauses()
         self.prompts, self.eval_prompts = inputs.prompts, inputs.eval_prompts
         self.score_cfg = dataclasses.replace(
@@ -218,6 +218,8 @@ class PPORun:
         save_start = time.perf_counter()
         saving = step % cfg.save_every == 0 or step == cfg.steps
         commit = self._prepare_save(step) if saving else None  # the collective part: gathered weights on the CPU
+        if self.setup_metrics:  # the first step of this process: what is alive now (compiled graphs) lives all run
+            self.gc_pauses.freeze()
         now = time.perf_counter()
         metrics.update(phase_metrics("save", now - save_start, device_peak_bytes(self.device), host_rss_bytes()))
         metrics["timing/step_s"] = now - step_start
