@@ -37,7 +37,7 @@ from rlx.errors import UserError
 from rlx.models.vision.families import VisionFamily, family_of
 from rlx.models.vision.features import image_features
 from rlx.models.vision.inputs import VisionInputs
-from rlx.models.vision.positions import sample_positions
+from rlx.models.vision.positions import mrope_positions
 
 # attention kwargs of rlx's packed forward that belong to the decoder only
 DECODER_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "sp_group")
@@ -53,7 +53,8 @@ class VisionRow:
     position_ids: torch.Tensor
     """[3, N, T] int64: each sample's mRoPE positions, restarting at 0 per sample (0 at padding)."""
     image_mask: torch.Tensor
-    """[N, T] bool: the prompts' image placeholders, which take the images' rows in order."""
+    """[N, T] bool: the images' placeholders (a single-turn sample's prompt's; where a multi-turn sample's images
+    sit, `VisionInputs.image_offsets`), which take the images' rows in order."""
     vision: VisionInputs
     """The samples' images, in row order."""
 
@@ -72,10 +73,8 @@ class VisionRow:
         token, merge = family.image_token_id(config), family.merge_size(config)
         ids = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
         lengths = prompt_lengths if prompt_lengths is not None else [len(s) for s in ids]
-        positions = [
-            sample_positions(s, n, token, vision.grids_of(i), merge) for i, (s, n) in enumerate(zip(ids, lengths))
-        ]
-        masks = [(s == token) & (torch.arange(len(s)) < n) for s, n in zip(ids, lengths)]
+        masks = [vision.image_mask(i, s, token, merge, n) for i, (s, n) in enumerate(zip(ids, lengths))]
+        positions = [mrope_positions(s, token, vision.grids_of(i), merge, m) for i, (s, m) in enumerate(zip(ids, masks))]
         return cls(torch.cat(ids)[None], torch.cat(positions, dim=1)[:, None], torch.cat(masks)[None], vision)
 
     @classmethod
