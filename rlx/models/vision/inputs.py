@@ -7,9 +7,9 @@ how many images each sample has, and where (for multi-turn samples, whose images
 
 A training batch stores them compactly (`to_tensors` / `from_tensors`): the grids and per-sample
 counts as tensors (and the offsets when the samples name them: format version 2), the image references as JSON
-in the safetensors header, and the pixels only when asked (`store_pixels`). Without pixels, `from_tensors` reloads the images through the processor and
-checks that each grid comes out as recorded, so a changed image file or processor setting is an
-error rather than a silent mismatch.
+in the safetensors header, and the pixels only when asked (`store_pixels`). Without pixels, `from_tensors`
+reloads the images through the processor and checks that each grid comes out as recorded, so a changed image
+file or processor setting is an error rather than a silent mismatch.
 """
 
 from __future__ import annotations

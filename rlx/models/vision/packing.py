@@ -74,7 +74,8 @@ class VisionRow:
         ids = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
         lengths = prompt_lengths if prompt_lengths is not None else [len(s) for s in ids]
         masks = [vision.image_mask(i, s, token, merge, n) for i, (s, n) in enumerate(zip(ids, lengths))]
-        positions = [mrope_positions(s, token, vision.grids_of(i), merge, m) for i, (s, m) in enumerate(zip(ids, masks))]
+        grids = [vision.grids_of(i) for i in range(len(ids))]
+        positions = [mrope_positions(s, token, g, merge, m) for s, g, m in zip(ids, grids, masks)]
         return cls(torch.cat(ids)[None], torch.cat(positions, dim=1)[:, None], torch.cat(masks)[None], vision)
 
     @classmethod
