@@ -67,7 +67,8 @@ class LookAgainEnv:
     def enlarged(self) -> dict:
         """The picture at ZOOM times its size (nearest neighbour: the same shapes, sharper edges), as an image part."""
         image = load_image(self.picture)
-        return {"type": "image", "image": data_uri(image.resize((image.width * ZOOM, image.height * ZOOM), Image.Resampling.NEAREST))}
+        size = (image.width * ZOOM, image.height * ZOOM)
+        return {"type": "image", "image": data_uri(image.resize(size, Image.Resampling.NEAREST))}
 
     def step(self, message: dict) -> tuple[list[dict], float, bool]:
         calls = message.get("tool_calls") or []

@@ -20,6 +20,7 @@ import copy
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 
 from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.environment import CallPool, Environment, EnvironmentFactory, Outcome
@@ -33,6 +34,7 @@ from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.requests import Generated, TokenRequest, cut_response
 from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
+from rlx.models.vision.families import is_vision_config
 
 LOCKSTEP_POLL_S = 0.01
 """Engines that step in lockstep over processes go back to the collective this often while waiting."""
@@ -143,7 +145,7 @@ class EnvRollout:
             began = time.perf_counter()
             ep.renderer = ChatRenderer(self.tokenizer, self.stop_ids, tools, self.cfg.chat_template_kwargs)
             ep.images = self._episode_images(ep)
-            opening = ep.images.render(ep.renderer.opening_ids(messages), messages, "reset()")
+            opening = ep.images.render(messages, "reset()", partial(ep.renderer.opening_ids, messages))
             ep.images.add(opening, 0)
             ep.trajectory = Trajectory(opening.ids, copy.deepcopy(messages))
             self._seconds["render"] += time.perf_counter() - began
@@ -167,8 +169,11 @@ class EnvRollout:
 
     def _episode_images(self, ep: Episode) -> EpisodeImages:
         engine = self.engine
-        model_type = getattr(getattr(engine.model, "config", None), "model_type", None)
-        return EpisodeImages(ep.sample_id, self._images, engine.name, engine.takes_images, model_type)
+        config = getattr(engine.model, "config", None)
+        why_not = f"model type {getattr(config, 'model_type', None)!r} is a text-only model"
+        if config is not None and is_vision_config(config):
+            why_not = "no image processor was loaded for the model"
+        return EpisodeImages(ep.sample_id, self._images, engine.name, engine.takes_images, why_not)
 
     def _after_turn(
         self, stream: TokenStream, pool: CallPool, stepping: dict[Future, Episode], ep: Episode, gen: Generated
@@ -215,7 +220,7 @@ class EnvRollout:
             return
         began = time.perf_counter()
         closing = ep.renderer.turn_end_ids(ep.last_turn_ids)
-        rendered = ep.images.render(ep.renderer.message_ids(replies), replies, "step()")
+        rendered = ep.images.render(replies, "step()", partial(ep.renderer.message_ids, replies))
         self._seconds["render"] += time.perf_counter() - began
         traj.messages += copy.deepcopy(replies)
         if traj.num_tokens + len(closing) + len(rendered.ids) >= self.cfg.max_total_tokens:  # no room for a model token

@@ -17,6 +17,7 @@ opening images.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,19 +62,23 @@ class RenderedImages:
 class EpisodeImages:
     """One episode's images so far: references, pixels, grids and where their tokens start in its context."""
 
-    def __init__(self, sample_id: str, cache: ImageCache | None, engine_name: str, takes_images: bool, model_type):
-        self.sample_id, self.cache = sample_id, cache
-        self.engine_name, self.takes_images, self.model_type = engine_name, takes_images, model_type
+    def __init__(self, sample_id: str, cache: ImageCache | None, engine_name: str, takes_images: bool, why_not=""):
+        """`cache`: the rollout's images (None: the model takes none, `why_not` says why); `engine_name`,
+        `takes_images`: the rollout engine's."""
+        self.sample_id, self.cache, self.why_not = sample_id, cache, why_not
+        self.engine_name, self.takes_images = engine_name, takes_images
         self.refs: list[str] = []
         self._pixels: list[torch.Tensor] = []
         self._grids: list[torch.Tensor] = []
         self._offsets: list[int] = []
         self._vision: VisionInputs | None = None
 
-    def render(self, ids: list[int], messages: list[dict], source: str) -> RenderedImages:
-        """`ids` (the template tokens of `messages`, which `source`, e.g. 'reset()' or 'step()', returned) with each
-        image's placeholder repeated once per merged patch of its image; `ids` as they are without images."""
+    def render(self, messages: list[dict], source: str, render_ids: Callable[[], list[int]]) -> RenderedImages:
+        """The template tokens of `messages` (which `source`, e.g. 'reset()' or 'step()', returned), `render_ids()`,
+        with each image's placeholder repeated once per merged patch of its image (checked before the template
+        renders them)."""
         refs = self._refs(messages, source)
+        ids = render_ids()
         if not refs:
             return RenderedImages(list(ids))
         processor = self.cache.processor
@@ -93,7 +98,7 @@ class EpisodeImages:
             if found and self.cache is None:
                 raise UserError(
                     f"sample {self.sample_id!r}: the environment's {source} message {i} ({message.get('role')}) has "
-                    f"image parts, but model type {self.model_type!r} is a text-only model"
+                    f"image parts, but {self.why_not}"
                 )
             if found and not self.takes_images:
                 raise UserError(
