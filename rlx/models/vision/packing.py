@@ -11,10 +11,11 @@ more: the images, 3-D mRoPE positions, and the image embeddings in the image tok
 that live while the context is open:
 
 1. on the backbone (e.g. `Qwen2VLModel`): the vision tower runs on the row's images and its rows replace the
-   embeddings of the prompts' image placeholders (`VisionRow.image_mask`); the backbone then takes these
+   embeddings of the images' placeholders (`VisionRow.image_mask`); the backbone then takes these
    embeddings (`inputs_embeds`, no pixels) and the row's 3-D positions, and the packing kwargs are held back
-   (the vision tower never sees them: its attention stays per image). Only prompt placeholders take image
-   rows: a placeholder token sampled into a response is embedded as text, as the rollout engines did;
+   (the vision tower never sees them: its attention stays per image). Only the images' placeholders (a prompt's,
+   or a multi-turn sample's where its offsets say) take image rows: a placeholder token sampled into a response
+   is embedded as text, as the rollout engines did;
 2. on the decoder (`language_model`): the merged embeddings, the 3-D positions and, for Qwen3-VL, the
    DeepStack mask and features are padded to T_pad and cut to this rank's slice (all of them when
    sp = 1), and the held attention kwargs are handed to it. Sample boundaries therefore come from
@@ -148,7 +149,7 @@ def set_decoder_attention(model: torch.nn.Module, name: str) -> None:
 
 
 def _merged_embeddings(model: torch.nn.Module, row: VisionRow, held: dict) -> torch.Tensor:
-    """The row's token embeddings [N, T, H] with the prompts' image placeholders replaced by the vision tower's
+    """The row's token embeddings [N, T, H] with the images' placeholders replaced by the vision tower's
     rows; DeepStack features (Qwen3-VL) go into `held` for the decoder."""
     embeds = model.get_input_embeddings()(row.input_ids)
     if row.vision.pixel_values is None:
