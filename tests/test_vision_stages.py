@@ -296,22 +296,21 @@ def test_missing_processor_kimi_and_changed_images(vlm, tmp_path):
     assert "sample 'shapes-1/0': image" in message and "shapes-1.png' now gives patch grid [1, 10, 12]" in message
 
 
-def test_multi_turn_rollouts_refuse_images(vlm, tmp_path):
-    env = tmp_path / "env.py"
-    env.write_text(
-        "class Env:\n    def __init__(self, record):\n        pass\n\n    def reset(self):\n        return []\n\n"
-        "    def step(self, message):\n        return [], 0.0, True\n"
-    )
+def test_agent_rollouts_refuse_images(vlm, tmp_path):
+    """Environments take prompts with images (tests/test_multi_turn_images.py); agents, over the text endpoint,
+    do not yet."""
+    agent = tmp_path / "agent.py"
+    agent.write_text("def run(record, base_url):\n    return 0.0\n")
     message = error_of("rollout", "--model", vlm["ckpt"], "--prompts", vlm["prompts"], "--out", tmp_path / "r.jsonl",
-                       "--env", f"{env}:Env")  # fmt: skip
-    assert "prompt 'shapes-0' has image parts: multi-turn rollouts do not take images yet" in message
+                       "--agent", f"{agent}:run")  # fmt: skip
+    assert "prompt 'shapes-0' has image parts: agent rollouts (--agent) do not take images yet" in message
     assert not (tmp_path / "r.jsonl").exists()
     from rlx.engine.agent.generate import generate_multi_turn  # what `rlx ppo` runs: refused before any engine use
     from rlx.engine.records import read_prompts
     from rlx.errors import UserError
 
-    cfg = RolloutConfig(env=f"{env}:Env")
-    with pytest.raises(UserError, match="prompt 'shapes-0' has image parts: multi-turn rollouts do not take images"):
+    cfg = RolloutConfig(agent=f"{agent}:run")
+    with pytest.raises(UserError, match="prompt 'shapes-0' has image parts: agent rollouts"):
         generate_multi_turn(None, None, read_prompts(vlm["prompts"]), cfg, cfg.sampling())
 
 

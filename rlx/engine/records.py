@@ -178,12 +178,13 @@ _ROLLOUT_KEYS = (
     "messages",
     "num_turns",
     "env_reward",
+    "image_refs",
     "policy_version",
     "rollout_restarts",
     "policy_versions",
     "resumed_from",
 )
-_MULTI_TURN_KEYS = ("loss_mask", "messages", "num_turns", "env_reward")
+_MULTI_TURN_KEYS = ("loss_mask", "messages", "num_turns", "env_reward", "image_refs")
 _ASYNC_KEYS = ("policy_version", "rollout_restarts", "resumed_from")
 _OPTIONAL_KEYS = _MULTI_TURN_KEYS + _ASYNC_KEYS + ("policy_versions",)
 
@@ -234,6 +235,10 @@ class RolloutRecord:
     """Multi-turn: assistant turns generated."""
     env_reward: float | None = None
     """Multi-turn: the sum of the environment's step rewards (an agent's return value)."""
+    image_refs: list[str] | None = None
+    """Multi-turn with images: every image's reference (resolved: an absolute path, URL or data: URI) in the order
+    its tokens appear in prompt_ids + response_ids, the opening messages' and the environment's replies'; its tokens
+    are the placeholders of the prompt and of the inserted (loss_mask 0) response tokens. None without images."""
     policy_version: int | None = None
     """Asynchronous runs: the policy that generated the sample (k = the weights after step k; 0 = the start)."""
     rollout_restarts: int | None = None
@@ -335,7 +340,7 @@ def _is_count(value: Any) -> bool:
 
 
 def _multi_turn_fields(f: _Fields) -> dict:
-    """loss_mask, messages, num_turns, env_reward where the line has them (a multi-turn sample)."""
+    """loss_mask, messages, num_turns, env_reward, image_refs where the line has them (a multi-turn sample)."""
     is_count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
     return {
         "loss_mask": f.get(
@@ -347,6 +352,10 @@ def _multi_turn_fields(f: _Fields) -> dict:
         "env_reward": f.get(
             "env_reward", "a finite number",
             lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), required=False,
+        ),
+        "image_refs": f.get(
+            "image_refs", "a list of image references (strings)",
+            lambda v: isinstance(v, list) and all(isinstance(x, str) and x for x in v), required=False,
         ),
     }  # fmt: skip
 

@@ -10,7 +10,8 @@ answered. So one slow environment never stalls the batch. Each turn draws from i
 Timings (seconds, this process): `timing/generate_s` the whole rollout, `timing/engine_s` inside engine steps,
 `timing/env_wait_s` blocked on environments with nothing to generate (the engine idles; `perf/env_wait_share`
 of the whole), `timing/env_s` summed over environment calls (they overlap generation and each other),
-`timing/render_s` building turns' tokens from the chat template.
+`timing/render_s` building turns' tokens from the chat template (and loading the images of a vision-language
+model's messages: images.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import copy
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 
 from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.environment import CallPool, Environment, EnvironmentFactory, Outcome
+from rlx.engine.agent.images import EpisodeImages, ImageCache
 from rlx.engine.agent.records import FINISH_REASONS, trajectory_record
 from rlx.engine.agent.tool_calls import ParsedTurn, get_tool_call_parser, tool_error_messages
 from rlx.engine.agent.trajectory import ChatRenderer, Trajectory
@@ -31,6 +34,7 @@ from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.requests import Generated, TokenRequest, cut_response
 from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
+from rlx.models.vision.families import is_vision_config
 
 LOCKSTEP_POLL_S = 0.01
 """Engines that step in lockstep over processes go back to the collective this often while waiting."""
@@ -45,6 +49,7 @@ class Episode:
     env: Environment | None = None
     renderer: ChatRenderer | None = None
     trajectory: Trajectory | None = None
+    images: EpisodeImages | None = None
     env_reward: float = 0.0
     finish_reason: str | None = None
     env_error: str | None = None
@@ -76,6 +81,7 @@ class EnvRollout:
         self.stops = StopStrings(tokenizer, sampling.stop) if sampling.stop else None
         self.last_stats: dict[str, float] = {}
         self._seconds: dict[str, float] = {}
+        self._images: ImageCache | None = None
 
     def generate(self, prompts: list[PromptRecord]) -> list[RolloutRecord]:
         """`sampling.n` episodes per prompt, in prompt order then sample order (this process's prompts)."""
@@ -85,6 +91,8 @@ class EnvRollout:
         self._seconds = {"generate": 0.0, "env": 0.0, "env_wait": 0.0, "render": 0.0, "total": 0.0}
         began = time.perf_counter()
         pool = CallPool(self.cfg.env_workers, self.cfg.env_timeout_s)
+        processor = self.engine.encoder.processor
+        self._images = ImageCache(processor) if processor is not None else None
         stream = self.engine.open_stream(self.sampling, self.cfg.max_total_tokens, max(len(episodes), 1))
         try:
             self._start(episodes, pool)
@@ -94,6 +102,7 @@ class EnvRollout:
         finally:
             stream.close()
             pool.close()
+            self._images = None
         self._seconds["total"] = time.perf_counter() - began
         self.last_stats = self._stats(episodes, stream.stats())
         return [self._record(ep) for ep in episodes]
@@ -135,7 +144,10 @@ class EnvRollout:
             ep.env, messages, tools = outcome.value
             began = time.perf_counter()
             ep.renderer = ChatRenderer(self.tokenizer, self.stop_ids, tools, self.cfg.chat_template_kwargs)
-            ep.trajectory = Trajectory(ep.renderer.opening_ids(messages), copy.deepcopy(messages))
+            ep.images = self._episode_images(ep)
+            opening = ep.images.render(messages, "reset()", partial(ep.renderer.opening_ids, messages))
+            ep.images.add(opening, 0)
+            ep.trajectory = Trajectory(opening.ids, copy.deepcopy(messages))
             self._seconds["render"] += time.perf_counter() - began
             if ep.trajectory.num_tokens >= self.cfg.max_total_tokens:
                 raise UserError(
@@ -151,8 +163,17 @@ class EnvRollout:
             prompt_ids=traj.token_ids(),
             max_new_tokens=min(self.sampling.max_new_tokens, room),
             greedy=self.sampling.temperature == 0,
+            vision=ep.images.vision(),
         )
         stream.submit(ep, request)
+
+    def _episode_images(self, ep: Episode) -> EpisodeImages:
+        engine = self.engine
+        config = getattr(engine.model, "config", None)
+        why_not = f"model type {getattr(config, 'model_type', None)!r} is a text-only model"
+        if config is not None and is_vision_config(config):
+            why_not = "no image processor was loaded for the model"
+        return EpisodeImages(ep.sample_id, self._images, engine.name, engine.takes_images, why_not)
 
     def _after_turn(
         self, stream: TokenStream, pool: CallPool, stepping: dict[Future, Episode], ep: Episode, gen: Generated
@@ -198,13 +219,15 @@ class EnvRollout:
             ep.finish_reason = "env_done" if done else "max_turns" if replies else "stop"
             return
         began = time.perf_counter()
-        ids = ep.renderer.turn_end_ids(ep.last_turn_ids) + ep.renderer.message_ids(replies)
+        closing = ep.renderer.turn_end_ids(ep.last_turn_ids)
+        rendered = ep.images.render(replies, "step()", partial(ep.renderer.message_ids, replies))
         self._seconds["render"] += time.perf_counter() - began
         traj.messages += copy.deepcopy(replies)
-        if traj.num_tokens + len(ids) >= self.cfg.max_total_tokens:  # no room left for a model token
-            ep.finish_reason = "length"
+        if traj.num_tokens + len(closing) + len(rendered.ids) >= self.cfg.max_total_tokens:  # no room for a model token
+            ep.finish_reason = "length"  # images included: their tokens count as any other
             return
-        traj.add_inserted(ids)
+        ep.images.add(rendered, traj.num_tokens + len(closing))
+        traj.add_inserted(closing + rendered.ids)
         self._submit_turn(stream, ep)
 
     def _record(self, ep: Episode) -> RolloutRecord:
@@ -217,6 +240,7 @@ class EnvRollout:
             temperature=self.sampling.temperature,
             env_reward=ep.env_reward,
             extra={"env_error": ep.env_error} if ep.env_error else None,
+            image_refs=ep.images.refs or None,
         )
 
     def _stats(self, episodes: list[Episode], engine_stats: dict) -> dict[str, float]:

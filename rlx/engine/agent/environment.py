@@ -64,17 +64,29 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _is_part(part: Any) -> bool:
+    """A content part: {"type": "text", "text": str} or {"type": "image", "image": a non-empty reference}."""
+    if not isinstance(part, dict):
+        return False
+    if part.get("type") == "text":
+        return isinstance(part.get("text"), str)
+    return part.get("type") == "image" and isinstance(part.get("image"), str) and bool(part["image"])
+
+
 def check_messages(value: Any, where: str, allow_empty: bool) -> list[dict]:
-    """A list of chat messages, each a dict with a string `role` and a string `content`."""
+    """A list of chat messages, each a dict with a string `role` and a `content` that is a string or a list of text
+    and image parts (a vision-language model's images: a path, URL or data: URI)."""
     if not isinstance(value, list) or (not value and not allow_empty):
         need = "a list of chat messages" if allow_empty else "a non-empty list of chat messages"
         raise EnvError(f"{where} returned {_describe(value)}, expected {need}")
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise EnvError(f"{where} returned message {i} = {_describe(message)}, expected a dict with a 'role' string")
-        if not isinstance(message.get("content"), str):
+        content = message.get("content")
+        if not isinstance(content, str) and not (isinstance(content, list) and all(_is_part(p) for p in content)):
             raise EnvError(
-                f"{where} returned message {i} with content {_describe(message.get('content'))}, expected a string"
+                f"{where} returned message {i} with content {_describe(content)}, expected a string or a list of "
+                f'parts {{"type": "text", "text": ...}} / {{"type": "image", "image": PATH_OR_URL}}'
             )
     return [dict(m) for m in value]
 

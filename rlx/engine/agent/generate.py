@@ -33,7 +33,7 @@ def generate_multi_turn(
 ) -> RolloutResult:
     """`sampling.n` episodes of `cfg.env` (or runs of the agent `cfg.agent`) per prompt, in prompt order then
     sample order, on every process; the stats hold the multi-turn metrics."""
-    refuse_images(prompts)
+    refuse_images(prompts, cfg, type(engine))
     ctx = engine.ctx
     mine = shard_range(len(prompts), ctx.rank, ctx.world) if ctx else range(len(prompts))
     local = [prompts[i] for i in mine]
@@ -59,11 +59,19 @@ def multi_turn_stats(records: list[RolloutRecord], stats: dict[str, float]) -> R
     return RolloutStats(tokens, seconds, extra=stats)
 
 
-def refuse_images(prompts: list[PromptRecord]) -> None:
-    """Multi-turn rollouts take text prompts only: a UserError naming the first prompt with image parts."""
+def refuse_images(prompts: list[PromptRecord], cfg: RolloutConfig, engine_class: type[RolloutEngine]) -> None:
+    """Prompts with image parts run episodes of an environment on an engine that takes images (hf, native), not
+    agents (the OpenAI-style endpoint takes text): a UserError naming the first such prompt otherwise."""
     with_images = next((r for r in prompts if image_refs(r.prompt, r.id)), None)
-    if with_images is not None:
-        raise UserError(f"prompt {with_images.id!r} has image parts: multi-turn rollouts do not take images yet")
+    if with_images is None:
+        return
+    if cfg.agent:
+        raise UserError(f"prompt {with_images.id!r} has image parts: agent rollouts (--agent) do not take images yet")
+    if not engine_class.takes_images:
+        raise UserError(
+            f"prompt {with_images.id!r} has image parts, which engine {engine_class.name!r} does not take in "
+            f"multi-turn rollouts (use engine 'hf' or 'native')"
+        )
 
 
 def merge_stats(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:

@@ -24,8 +24,10 @@ def trajectory_record(
     temperature: float,
     env_reward: float,
     extra: dict | None = None,
+    image_refs: list[str] | None = None,
 ) -> RolloutRecord:
-    """The record of one multi-turn sample (`extra`: more fields, e.g. env_error or segments)."""
+    """The record of one multi-turn sample (`extra`: more fields, e.g. env_error or segments; `image_refs`: its
+    images in token order, None without)."""
     if finish_reason not in FINISH_REASONS:
         raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {finish_reason!r}")
     return RolloutRecord(
@@ -46,4 +48,5 @@ def trajectory_record(
         messages=trajectory.messages,
         num_turns=trajectory.num_turns,
         env_reward=float(env_reward),
+        image_refs=image_refs,
     )

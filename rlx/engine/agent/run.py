@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlx.engine.agent.generate import generate_multi_turn, refuse_images
-from rlx.engine.checkpoints.loading import load_model
+from rlx.engine.checkpoints.loading import load_model, load_processor
 from rlx.engine.checkpoints.registry import read_meta_or_default
 from rlx.engine.parallel.dist import setup
 from rlx.engine.records import PromptRecord, write_records
@@ -21,12 +21,13 @@ def run_multi_turn_rollout(
 ) -> dict[str, float]:
     """Episodes of `cfg.env`, or runs of the served `cfg.agent`, for the prompt records; writes rollouts.jsonl
     (rank 0 under a launcher) and returns the metrics."""
-    refuse_images(records)  # before the model loads
+    refuse_images(records, cfg, engine_class(cfg.engine))  # before the model loads
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
+    processor = load_processor(source, cfg.vision)  # a vision-language model's images (None for a text model)
     ctx = setup(cfg.device)
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
-    engine = build_engine(cfg, load_model(source, dtype=dtype), tokenizer, ctx)
+    engine = build_engine(cfg, load_model(source, dtype=dtype), tokenizer, ctx, processor)
     try:
         result = generate_multi_turn(engine, tokenizer, records, cfg, cfg.sampling())
     finally:

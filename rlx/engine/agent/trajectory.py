@@ -129,6 +129,8 @@ class ChatRenderer:
         frames = self._state.frames
         if key is None or (key not in frames and len(frames) >= MAX_SHAPES):
             return None
+        if any(not isinstance(m.get("content", ""), str) for m in messages):  # content parts are in the key: a frame
+            return None  # would serve only this very content, at the cost of probing it
         if key not in frames:
             frames[key] = self._probe_frame(messages)
         frame = frames[key]

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlx.engine.agent.generate import multi_turn_runner, multi_turn_stats
+from rlx.engine.agent.generate import multi_turn_runner, multi_turn_stats, refuse_images
 from rlx.engine.checkpoints.loading import load_initial_policy, load_processor
 from rlx.engine.data import take_prompts
 from rlx.engine.evaluation import eval_due, evaluate
@@ -212,6 +212,7 @@ class RolloutWorker:
             prompts, position, sampling = self._step_prompts(step)
             work = _StepWork(step, position, sampling, [], [], start, self.version)
             work.draws = draws
+            refuse_images(prompts, self.cfg.rollout, type(self.engine))  # agents take no images yet
             runner = multi_turn_runner(self.engine, self.tokenizer, self.cfg.rollout, sampling)
             records = runner.generate(prompts)
             for record in records:

@@ -5,7 +5,8 @@ submitted (a stream's step decodes one batch to its end); prompts are left-padde
 right; each row samples from its own seeded stream (see sampling.py), so outputs are reproducible for a seed
 whatever the batching. Under a launcher every rank decodes the same number of batches in lockstep (a sharded
 model's forward is a collective), a rank with fewer repeating a filler batch. A vision-language model gets its
-images in the prefill (the model runs its vision tower and places the image embeddings) and 3-D mRoPE positions
+images in the prefill (its vision tower runs on them and rlx places the rows into the images' own placeholders,
+`vision_forward`: a multi-turn context's earlier sampled placeholder tokens stay text) and 3-D mRoPE positions
 throughout: each prompt's own, then one more per generated token.
 """
 
@@ -27,6 +28,7 @@ from rlx.engine.rollout.stops import StopStrings
 from rlx.models.attention import PACKED_ATTENTION, attention_implementation
 from rlx.models.vision.families import family_of, is_vision_config
 from rlx.models.vision.inputs import VisionInputs
+from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.models.vision.positions import left_padded_positions
 from rlx.utils.device import autocast
 
@@ -71,9 +73,10 @@ class HFRolloutEngine(RolloutEngine):
             generated = [stops.cut(g) for g in generated]
         return generated
 
-    def _prefill_inputs(self, prompt_ids: list[list[int]], vision: list | None) -> dict:
-        """Model inputs of a left-padded batch of prompts (with a vision-language model's images and 3-D
-        positions), on the device."""
+    def _prefill_inputs(self, prompt_ids: list[list[int]], vision: list | None) -> tuple[dict, VisionRow | None]:
+        """Model inputs of a left-padded batch of prompts, on the device, and for a vision-language model with
+        images the row `vision_forward` places them with (3-D positions in the inputs for any vision-language
+        model)."""
         b, width = len(prompt_ids), max(len(ids) for ids in prompt_ids)
         input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((b, width), dtype=torch.long)
@@ -82,14 +85,21 @@ class HFRolloutEngine(RolloutEngine):
             mask[row, width - len(ids) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions}
+        row = None
         if self.family is not None:  # [3, b, width] mRoPE positions and the rows' images in row order
-            images = VisionInputs.concat([v if v is not None else VisionInputs.empty(1) for v in vision or [None] * b])
+            vision = [v if v is not None else VisionInputs.empty(1) for v in vision or [None] * b]
+            images = VisionInputs.concat(vision)
             config = self.model.config
             grids = [images.grids_of(i) for i in range(b)]
             token, merge = self.family.image_token_id(config), self.family.merge_size(config)
-            inputs["position_ids"] = left_padded_positions(prompt_ids, grids, token, merge, width)
-            inputs.update(images.to(self.device).model_kwargs())
-        return {k: v.to(self.device) for k, v in inputs.items()}
+            masks = [v.image_mask(0, ids, token, merge) for v, ids in zip(vision, prompt_ids)]
+            inputs["position_ids"] = left_padded_positions(prompt_ids, grids, token, merge, width, masks)
+            if images.num_images:
+                image_mask = torch.zeros((b, width), dtype=torch.bool)
+                for i, (ids, sample_mask) in enumerate(zip(prompt_ids, masks)):
+                    image_mask[i, width - len(ids) :] = sample_mask
+                row = VisionRow(input_ids, inputs["position_ids"], image_mask, images)
+        return {k: v.to(self.device) for k, v in inputs.items()}, row
 
     def _decode(
         self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, limits: torch.Tensor,
@@ -99,14 +109,15 @@ class HFRolloutEngine(RolloutEngine):
         limits: [b] each row's max_new_tokens (a row past its limit is done); vision: each prompt's VisionInputs
         or None."""
         b = len(prompt_ids)
-        inputs = self._prefill_inputs(prompt_ids, vision)
+        inputs, row = self._prefill_inputs(prompt_ids, vision)
         mask, positions = inputs["attention_mask"], inputs["position_ids"]
         stop = torch.tensor(sorted(self.stop_ids), device=self.device)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         greedy, limits = greedy.to(self.device), limits.to(self.device)
         tokens, logprobs = [], []
         stops = StopStrings(self.tokenizer, cfg.stop) if cfg.stop else None
-        with autocast(self.device, self.dtype):
+        images = vision_forward(self.model, row) if row is not None else contextlib.nullcontext()
+        with images, autocast(self.device, self.dtype):
             out = self.model(**inputs, use_cache=True)
         # the next token's position: one past the prompt's largest (an image's rows and columns may exceed its
         # last token's, mRoPE; text positions: the last + 1)

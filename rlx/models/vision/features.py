@@ -1,10 +1,11 @@
 """Images through the vision tower, as rows the decoder's image tokens take (rlx places them itself).
 
 The models' own forward runs the tower and scatters its output into EVERY image placeholder token of the
-sequence. rlx places the rows itself, into the prompt's placeholders only: a response may contain the
-placeholder token as an ordinary sampled token (the rollout engines embedded it as text, at a text position),
-and a rollout engine that prefills the N samples of a prompt in pieces (prefix caching, recomputation after
-preemption) runs the tower once per prompt. `ImageFeatures.embeds[k]` is the k-th image token's row (images in
+sequence. rlx places the rows itself, into the images' own placeholders only (a single-turn prompt's; where a
+multi-turn sample's `VisionInputs.image_offsets` say): a response may contain the placeholder token as an
+ordinary sampled token (the rollout engines embedded it as text, at a text position), and a rollout engine that
+prefills the N samples of a prompt in pieces (prefix caching, recomputation after preemption) runs the tower
+once per image. `ImageFeatures.embeds[k]` is the k-th image token's row (images in
 order), and for Qwen3-VL `deepstack[layer][k]` is what its DeepStack adds to that token's hidden state after
 decoder layer `layer`.
 """

@@ -11,10 +11,11 @@ more: the images, 3-D mRoPE positions, and the image embeddings in the image tok
 that live while the context is open:
 
 1. on the backbone (e.g. `Qwen2VLModel`): the vision tower runs on the row's images and its rows replace the
-   embeddings of the prompts' image placeholders (`VisionRow.image_mask`); the backbone then takes these
+   embeddings of the images' placeholders (`VisionRow.image_mask`); the backbone then takes these
    embeddings (`inputs_embeds`, no pixels) and the row's 3-D positions, and the packing kwargs are held back
-   (the vision tower never sees them: its attention stays per image). Only prompt placeholders take image
-   rows: a placeholder token sampled into a response is embedded as text, as the rollout engines did;
+   (the vision tower never sees them: its attention stays per image). Only the images' placeholders (a prompt's,
+   or a multi-turn sample's where its offsets say) take image rows: a placeholder token sampled into a response
+   is embedded as text, as the rollout engines did;
 2. on the decoder (`language_model`): the merged embeddings, the 3-D positions and, for Qwen3-VL, the
    DeepStack mask and features are padded to T_pad and cut to this rank's slice (all of them when
    sp = 1), and the held attention kwargs are handed to it. Sample boundaries therefore come from
@@ -37,7 +38,7 @@ from rlx.errors import UserError
 from rlx.models.vision.families import VisionFamily, family_of
 from rlx.models.vision.features import image_features
 from rlx.models.vision.inputs import VisionInputs
-from rlx.models.vision.positions import sample_positions
+from rlx.models.vision.positions import mrope_positions
 
 # attention kwargs of rlx's packed forward that belong to the decoder only
 DECODER_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "sp_group")
@@ -53,7 +54,8 @@ class VisionRow:
     position_ids: torch.Tensor
     """[3, N, T] int64: each sample's mRoPE positions, restarting at 0 per sample (0 at padding)."""
     image_mask: torch.Tensor
-    """[N, T] bool: the prompts' image placeholders, which take the images' rows in order."""
+    """[N, T] bool: the images' placeholders (a single-turn sample's prompt's; where a multi-turn sample's images
+    sit, `VisionInputs.image_offsets`), which take the images' rows in order."""
     vision: VisionInputs
     """The samples' images, in row order."""
 
@@ -72,10 +74,9 @@ class VisionRow:
         token, merge = family.image_token_id(config), family.merge_size(config)
         ids = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
         lengths = prompt_lengths if prompt_lengths is not None else [len(s) for s in ids]
-        positions = [
-            sample_positions(s, n, token, vision.grids_of(i), merge) for i, (s, n) in enumerate(zip(ids, lengths))
-        ]
-        masks = [(s == token) & (torch.arange(len(s)) < n) for s, n in zip(ids, lengths)]
+        masks = [vision.image_mask(i, s, token, merge, n) for i, (s, n) in enumerate(zip(ids, lengths))]
+        grids = [vision.grids_of(i) for i in range(len(ids))]
+        positions = [mrope_positions(s, token, g, merge, m) for s, g, m in zip(ids, grids, masks)]
         return cls(torch.cat(ids)[None], torch.cat(positions, dim=1)[:, None], torch.cat(masks)[None], vision)
 
     @classmethod
@@ -148,7 +149,7 @@ def set_decoder_attention(model: torch.nn.Module, name: str) -> None:
 
 
 def _merged_embeddings(model: torch.nn.Module, row: VisionRow, held: dict) -> torch.Tensor:
-    """The row's token embeddings [N, T, H] with the prompts' image placeholders replaced by the vision tower's
+    """The row's token embeddings [N, T, H] with the images' placeholders replaced by the vision tower's
     rows; DeepStack features (Qwen3-VL) go into `held` for the decoder."""
     embeds = model.get_input_embeddings()(row.input_ids)
     if row.vision.pixel_values is None:

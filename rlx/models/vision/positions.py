@@ -7,6 +7,10 @@ image has t = 1), height s + row and width s + column of the merged grid, and th
 advances by max(h, w) / m. This equals the models' own `get_rope_index` for images (checked per family
 in tests/test_vision.py); rlx computes it per sample on the CPU, so packed rows simply concatenate the
 samples' positions, which restart at 0 for every sample.
+
+Which placeholder tokens are images: a single-turn sample's are its prompt's (a placeholder sampled into the
+response is text); a multi-turn sample's images may also sit in its response (an environment's reply inserted
+them), so it names each image's first token (`image_offsets`) and every other placeholder is text.
 """
 
 from __future__ import annotations
@@ -32,18 +36,72 @@ def _image_positions(grid_thw: Sequence[int], merge_size: int, start: int) -> to
     return torch.stack([temporal, height, width]).reshape(3, -1) + start
 
 
+def image_token_mask(
+    input_ids: Sequence[int] | torch.Tensor,
+    image_token_id: int,
+    image_grid_thw: torch.Tensor,
+    merge_size: int,
+    image_offsets: Sequence[int],
+) -> torch.Tensor:
+    """[L] bool: the tokens of one sample's images, image k's `image_token_count` tokens from `image_offsets[k]`
+    (increasing; every token of each run must be the placeholder, else a ValueError)."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+    grids = image_grid_thw.reshape(-1, 3).tolist() if image_grid_thw is not None else []
+    if len(grids) != len(image_offsets):
+        raise ValueError(f"{len(image_offsets)} image offsets for {len(grids)} images")
+    mask = torch.zeros(len(ids), dtype=torch.bool)
+    end = 0
+    for k, (offset, grid) in enumerate(zip(image_offsets, grids)):
+        count = image_token_count(grid, merge_size)
+        run = ids[offset : offset + count]
+        if offset < end or len(run) != count or not bool((run == image_token_id).all()):
+            raise ValueError(f"image {k} (grid {grid}) needs {count} placeholders from token {offset}")
+        mask[offset : offset + count] = True
+        end = offset + count
+    return mask
+
+
+def find_image_offsets(
+    input_ids: Sequence[int] | torch.Tensor, image_token_id: int, counts: Sequence[int], candidates=None
+) -> list[int]:
+    """Where each image's tokens start: the placeholders among `candidates` ([L] bool, default all tokens) taken
+    image by image, `counts[k]` tokens for image k (adjacent images need no separator); a ValueError when the
+    placeholders do not make exactly these runs (an image's tokens are consecutive)."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+    found = ids == image_token_id
+    if candidates is not None:
+        found &= torch.as_tensor(candidates, dtype=torch.bool).reshape(-1)
+    places = found.nonzero().squeeze(1).tolist()
+    if len(places) != sum(counts):
+        raise ValueError(f"{len(places)} image tokens for images of {list(counts)} tokens")
+    offsets, at = [], 0
+    for k, count in enumerate(counts):
+        run = places[at : at + count]
+        if run and run[-1] - run[0] != count - 1:
+            raise ValueError(f"image {k}'s {count} tokens from token {run[0]} are not consecutive")
+        offsets.append(run[0])
+        at += count
+    return offsets
+
+
 def mrope_positions(
-    input_ids: Sequence[int] | torch.Tensor, image_token_id: int, image_grid_thw: torch.Tensor, merge_size: int
+    input_ids: Sequence[int] | torch.Tensor,
+    image_token_id: int,
+    image_grid_thw: torch.Tensor,
+    merge_size: int,
+    image_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[3, L] int64 mRoPE positions of one sample's tokens (prompt and response).
 
     `image_grid_thw` [n, 3]: the grids of the sample's images in the order their placeholders appear.
     Placeholders are consumed image by image (adjacent images need no separator); a run of placeholders
-    that does not match the grids is a ValueError.
+    that does not match the grids is a ValueError. `image_mask` [L] bool: which tokens are image tokens (see
+    `image_token_mask`; other placeholders are text); default every placeholder.
     """
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     grids = image_grid_thw.reshape(-1, 3).tolist() if image_grid_thw is not None else []
-    is_image = (ids == image_token_id).tolist()
+    is_image = (ids == image_token_id) if image_mask is None else image_mask.reshape(-1).bool()
+    is_image = is_image.tolist()
     parts, cursor, running, image = [], 0, 0, 0
     length = len(is_image)
     while cursor < length:
@@ -69,25 +127,15 @@ def mrope_positions(
     return torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
 
 
-def sample_positions(
-    input_ids: Sequence[int] | torch.Tensor, prompt_len: int, image_token_id: int, image_grid_thw, merge_size: int
-) -> torch.Tensor:
-    """[3, L] int64 positions of a prompt and its response: the prompt's mRoPE positions, then one text position
-    per response token from one past the prompt's largest (what the rollout engines decode at). A placeholder
-    token sampled into the response is text: only the prompt's placeholders are images."""
-    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
-    prompt = mrope_positions(ids[:prompt_len], image_token_id, image_grid_thw, merge_size)
-    start = int(prompt.max()) + 1 if prompt.numel() else 0
-    response = torch.arange(start, start + len(ids) - prompt_len).expand(3, -1)
-    return torch.cat([prompt, response], dim=1)
-
-
 def left_padded_positions(
-    sequences: Sequence[Sequence[int]], grids: Sequence[torch.Tensor], image_token_id: int, merge_size: int, width: int
-) -> torch.Tensor:
+    sequences: Sequence[Sequence[int]], grids: Sequence[torch.Tensor], image_token_id: int, merge_size: int, width: int,
+    masks: Sequence[torch.Tensor | None] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """[3, B, width] int64: each sample's mRoPE positions right-aligned in `width` columns (a left-padded batch;
-    the padding columns hold 0). `grids[i]` [n_i, 3]: sample i's image grids."""
+    the padding columns hold 0). `grids[i]` [n_i, 3]: sample i's image grids; `masks[i]`: its image tokens (see
+    `mrope_positions`)."""
     out = torch.zeros(3, len(sequences), width, dtype=torch.long)
-    for row, (ids, sample_grids) in enumerate(zip(sequences, grids)):
-        out[:, row, width - len(ids) :] = mrope_positions(ids, image_token_id, sample_grids, merge_size)
+    masks = masks if masks is not None else [None] * len(sequences)
+    for row, (ids, sample_grids, mask) in enumerate(zip(sequences, grids, masks)):
+        out[:, row, width - len(ids) :] = mrope_positions(ids, image_token_id, sample_grids, merge_size, mask)
     return out

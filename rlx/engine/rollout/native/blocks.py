@@ -4,9 +4,10 @@ The cache is `num_blocks` blocks of `block_size` token slots per layer. A sequen
 (its block table); slot `i` of the sequence is `table[i // block_size] * block_size + i % block_size`. Full
 blocks are shared between sequences with the same prefix: the N samples of one prompt share its prompt blocks,
 and a multi-turn sample's next turn (its whole context as the prompt) finds the blocks of its earlier turns. A
-cached block is found by its key (the block before it, or for a first block the sequence's cache salt: a
-prompt's images; its own token ids), which a dict compares exactly on every hit (a hash collision can never
-share another prompt's keys and values), and blocks are reference-counted. A finished sequence's full computed
+cached block is found by its key (the block before it, or -1 for a first block; its own token ids; and the
+identities of the images whose tokens it holds, so equal tokens with other images never share blocks), which a
+dict compares exactly on every hit (a hash collision can never share another prompt's keys and values), and
+blocks are reference-counted. A finished sequence's full computed
 blocks stay cached while nobody holds them (`evictable`, least recently released first) until a new block is
 needed and none is free; evicting a block uncaches the blocks chained after it, so a key never names a block
 whose predecessor changed. Block 0 is never handed out: padded entries of a batch write there.
@@ -44,9 +45,9 @@ class Sequence:
     position_offset: int = 0
     """Added to the text position of generated tokens (mRoPE: generation continues after the prompt's largest
     position, which images push beyond its length)."""
-    cache_salt: object = None
-    """Part of the prefix-cache key of the first block (None: token ids alone): prompts with images use it so that
-    equal tokens with other images never share blocks."""
+    image_spans: tuple[tuple[int, int, object], ...] = ()
+    """(start, end, identity) of each image's tokens (a vision-language model's): part of the prefix-cache key of
+    every block they touch, so that equal tokens with other images never share blocks."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -65,10 +66,10 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free: deque[int] = deque(range(1, num_blocks))  # block 0: scratch for padded batch entries
         self.refs = [0] * num_blocks
-        self.cached: dict[tuple[object, tuple[int, ...]], int] = {}
-        """(previous block id, or -1 / the sequence's cache salt, this block's token ids) -> block id, for full
-        blocks."""
-        self.key_of: dict[int, tuple[object, tuple[int, ...]]] = {}
+        self.cached: dict[tuple, int] = {}
+        """(previous block id or -1, this block's token ids[, identities of the images it holds]) -> block id, for
+        full blocks."""
+        self.key_of: dict[int, tuple] = {}
         self.children: dict[object, set[int]] = {}
         """Cached blocks keyed after each block (uncached with it)."""
         self.evictable: OrderedDict[int, None] = OrderedDict()
@@ -103,10 +104,10 @@ class BlockManager:
         assert not seq.block_table, "sequence already holds blocks"
         tokens, size = seq.token_ids, self.block_size
         shareable = (len(tokens) - 1) // size  # full blocks before the last token
-        previous, sharing = (-1 if seq.cache_salt is None else seq.cache_salt), True
+        previous, sharing = -1, True
         for b in range(-(-len(tokens) // size)):
             if b < shareable:
-                key = (previous, tuple(tokens[b * size : (b + 1) * size]))  # a chain: equal keys, equal prefixes
+                key = self._key(seq, tokens, b, previous)  # a chain: equal keys, equal prefixes
                 found = self.cached.get(key) if sharing else None
                 if found is not None:
                     self.evictable.pop(found, None)
@@ -155,18 +156,25 @@ class BlockManager:
     def _cache_computed(self, seq: Sequence) -> None:
         """Key the sequence's full blocks whose keys and values are all computed, continuing its chain."""
         tokens, size = seq.token_ids, self.block_size
-        previous = -1 if seq.cache_salt is None else seq.cache_salt
+        previous = -1
         for b, block in enumerate(seq.block_table[: seq.num_computed // size]):
             if block in self.stale:  # computed with weights since replaced: the chain stops here
                 return
-            key = (previous, tuple(tokens[b * size : (b + 1) * size]))
+            key = self._key(seq, tokens, b, previous)
             if self.key_of.get(block) != key:
                 if block in self.key_of or key in self.cached:  # another block holds these tokens: stop here
                     return
                 self._cache(block, key)
             previous = block
 
-    def _cache(self, block: int, key: tuple[object, tuple[int, ...]]) -> None:
+    def _key(self, seq: Sequence, tokens: list[int], b: int, previous: int) -> tuple:
+        """The cache key of block `b` of `seq` after block `previous`: its tokens and the images among them."""
+        lo, hi = b * self.block_size, (b + 1) * self.block_size
+        images = tuple(identity for start, end, identity in seq.image_spans if start < hi and end > lo)
+        ids = tuple(tokens[lo:hi])
+        return (previous, ids, images) if images else (previous, ids)
+
+    def _cache(self, block: int, key: tuple) -> None:
         self.cached[key], self.key_of[block] = block, key
         self.children.setdefault(key[0], set()).add(block)
 

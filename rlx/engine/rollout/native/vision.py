@@ -3,16 +3,20 @@
 For each stream `NativeImages` holds what the runner needs about its sequences' prompts (added as they are
 submitted): their 3-D positions (rlx.models.vision.positions; generated tokens continue from the largest
 prompt position, so a sequence's text position p is rotated at p + `Sequence.position_offset` in all three
-rows), which prompt tokens are image placeholders, and the images' features, computed by the vision tower once
-per prompt (the N samples share them) on first use. A prefill step's row (any mix of sequences, each from its
-first uncomputed token: prefix-cached blocks and recomputation after preemption included) gets its token
-embeddings with the image rows placed, its 3-D positions and, for Qwen3-VL, the DeepStack inputs, and runs
-through the model's own decoder forward with "rlx_paged" attention. Sequences with images carry a prefix-cache
-salt (their images object, held for the stream's life): two prompts whose tokens are equal but whose images
-differ never share cache blocks.
+rows), which prompt tokens are image tokens (a single-turn prompt's placeholders; a multi-turn context's images
+where its request's `VisionInputs.image_offsets` puts them, its earlier sampled placeholders being text), and the
+images' features. Each image is identified by a digest of its pixels and grid: the vision tower runs once per
+distinct image in a stream (the N samples of a prompt, and the later turns of an episode, reuse its rows). A
+prefill step's row (any mix of sequences, each from its first uncomputed token: prefix-cached blocks and
+recomputation after preemption included) gets its token embeddings with the image rows placed, its 3-D positions
+and, for Qwen3-VL, the DeepStack inputs, and runs through the model's own decoder forward with "rlx_paged"
+attention. A sequence's `image_spans` carry the digests into the prefix cache's block keys: equal tokens with
+other images never share cache blocks.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -20,7 +24,28 @@ from rlx.engine.rollout.native.blocks import Sequence
 from rlx.models.vision.families import family_of
 from rlx.models.vision.features import ImageFeatures, image_features
 from rlx.models.vision.inputs import VisionInputs
-from rlx.models.vision.positions import mrope_positions
+from rlx.models.vision.positions import find_image_offsets, image_token_count, mrope_positions
+
+
+def image_digests(vision: VisionInputs) -> list[bytes]:
+    """A digest of each image (its pixels and patch grid): equal digests, equal images."""
+    pixels = vision.pixel_values.detach().float().cpu().contiguous()
+    patches = vision.image_grid_thw.prod(-1).tolist()
+    out, start = [], 0
+    for grid, count in zip(vision.image_grid_thw.tolist(), patches):
+        digest = hashlib.blake2b(repr(grid).encode(), digest_size=20)
+        digest.update(pixels[start : start + count].numpy().tobytes())
+        out.append(digest.digest())
+        start += count
+    return out
+
+
+def select_images(vision: VisionInputs, images: list[int]) -> VisionInputs:
+    """Images `images` of `vision` as the one sample of a VisionInputs (to run the tower on them alone)."""
+    patches = vision.image_grid_thw.prod(-1)
+    starts = torch.cat([patches.new_zeros(1), patches.cumsum(0)]).tolist()
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in images])
+    return VisionInputs(vision.pixel_values[rows], vision.image_grid_thw[images], (len(images),))
 
 
 class NativeImages:
@@ -32,33 +57,55 @@ class NativeImages:
         self.token, self.merge = self.family.image_token_id(config), self.family.merge_size(config)
         self.positions: dict[int, torch.Tensor] = {}  # seq index -> [3, L] prompt positions
         self.image_rows: dict[int, torch.Tensor] = {}  # seq index -> [L] k for the k-th image token, -1 for text
-        self.vision: dict[int, VisionInputs] = {}  # held for the stream's life: their ids key the sharing below
-        self._features: dict[int, ImageFeatures] = {}  # id(VisionInputs): the N samples of a prompt share one
-        self._shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(VisionInputs) -> positions, rows
+        self.digests: dict[int, list[bytes]] = {}  # seq index -> its images' digests, in order
+        self.vision: dict[int, VisionInputs] = {}  # seq index -> its images, held for the stream's life: their ids key
+        # the sharing below
+        self._features: dict[bytes, ImageFeatures] = {}  # per distinct image: its rows
+        self._shared: dict[tuple[int, int], tuple] = {}  # (id(VisionInputs), prompt length) -> positions, rows, spans
 
     def add(self, seq: Sequence, prompt_ids: list[int], vision: VisionInputs | None) -> None:
         """Take a sequence: its prompt's positions and image rows; sets its `position_offset` and, with images, its
-        prefix-cache salt (the images object, which the N samples of a prompt share)."""
-        shared = self._shared.get(id(vision)) if vision is not None else None
+        `image_spans` (the N samples of a prompt share the work through their one images object)."""
+        key = (id(vision), len(prompt_ids))
+        shared = self._shared.get(key) if vision is not None else None
         if shared is None:
-            grids = vision.image_grid_thw if vision is not None else torch.zeros(0, 3, dtype=torch.long)
-            ids = torch.tensor(prompt_ids, dtype=torch.long)
-            is_image = ids == self.token
-            rows = torch.where(is_image, is_image.long().cumsum(0) - 1, torch.full_like(ids, -1))
-            shared = (mrope_positions(ids, self.token, grids, self.merge), rows)
+            shared = self._layout(prompt_ids, vision)
             if vision is not None:
-                self._shared[id(vision)] = shared
-        self.positions[seq.index], self.image_rows[seq.index] = shared
-        seq.position_offset = int(shared[0].max()) + 1 - len(prompt_ids) if prompt_ids else 0
-        if vision is not None:
+                self._shared[key] = shared
+        if vision is not None and vision.num_images:
             self.vision[seq.index] = vision
-            seq.cache_salt = ("images", id(vision))
+        self.positions[seq.index], self.image_rows[seq.index], spans, self.digests[seq.index] = shared
+        seq.position_offset = int(shared[0].max()) + 1 - len(prompt_ids) if prompt_ids else 0
+        seq.image_spans = spans
+
+    def _layout(self, prompt_ids: list[int], vision: VisionInputs | None) -> tuple:
+        """(positions [3, L], image rows [L], image spans, digests) of one prompt and its images."""
+        ids = torch.tensor(prompt_ids, dtype=torch.long)
+        if vision is None or not vision.num_images:
+            grids, mask, digests = torch.zeros(0, 3, dtype=torch.long), torch.zeros(len(ids), dtype=torch.bool), []
+        else:
+            grids, mask = vision.image_grid_thw, vision.image_mask(0, ids, self.token, self.merge)
+            digests = image_digests(vision)
+        rows = torch.where(mask, mask.long().cumsum(0) - 1, torch.full_like(ids, -1))
+        counts = [image_token_count(g, self.merge) for g in grids.tolist()]
+        offsets = find_image_offsets(ids, self.token, counts, mask)
+        spans = tuple((o, o + c, d) for o, c, d in zip(offsets, counts, digests))
+        return mrope_positions(ids, self.token, grids, self.merge, mask), rows, spans, digests
 
     def _features_of(self, seq: Sequence) -> ImageFeatures:
-        vision = self.vision[seq.index]
-        if id(vision) not in self._features:
-            self._features[id(vision)] = image_features(self.model, vision)
-        return self._features[id(vision)]
+        """The rows of the sequence's images, in order: the tower runs on those not seen in this stream yet."""
+        vision, digests = self.vision[seq.index], self.digests[seq.index]
+        missing = list({d: i for i, d in reversed(list(enumerate(digests))) if d not in self._features}.values())
+        if missing:  # each new image once (the first of equal ones)
+            missing.sort()
+            features = image_features(self.model, select_images(vision, missing))
+            counts = [image_token_count(vision.image_grid_thw[i].tolist(), self.merge) for i in missing]
+            deep = [layer.split(counts) for layer in features.deepstack]  # per layer, per image
+            for j, (i, embeds) in enumerate(zip(missing, features.embeds.split(counts))):
+                self._features[digests[i]] = ImageFeatures(embeds, tuple(layer[j] for layer in deep))
+        parts = [self._features[d] for d in digests]
+        deepstack = tuple(torch.cat(layer) for layer in zip(*(p.deepstack for p in parts)))
+        return ImageFeatures(torch.cat([p.embeds for p in parts]), deepstack)
 
     def prefill_inputs(self, seqs: list[Sequence], input_ids: torch.Tensor, embed) -> dict:
         """The decoder's inputs for a prefill row (`input_ids` [1, T]: each sequence's uncomputed tokens, in
