@@ -262,6 +262,15 @@ def test_bad_requests_get_openai_style_errors():
         assert status == 404 and reply["error"]["code"] == "not_found"
         status, reply = _post(f"{server.url}/v1/chat/completions", json.dumps({"messages": []}).encode())
         assert status == 400 and "'messages' must be a non-empty list" in reply["error"]["message"]
+        client = openai.OpenAI(base_url=server.base_url("b/1"), api_key="unused", max_retries=0)
+        text = {"type": "text", "text": ""}  # the template alone is 19 of the 20 tokens
+        picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        with pytest.raises(openai.BadRequestError, match="content parts of type 'image_url' are not supported"):
+            client.chat.completions.create(model="rlx", messages=[{"role": "user", "content": [text, picture]}])
+        reply = client.chat.completions.create(
+            model="rlx", messages=[{"role": "user", "content": [text]}], max_tokens=1
+        )
+        assert reply.choices[0].message.role == "assistant"  # text parts alone are read
     finally:
         server.close()
         backend.close()

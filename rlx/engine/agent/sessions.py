@@ -24,13 +24,19 @@ from rlx.engine.rollout.stops import StopStrings
 
 
 def message_text(content) -> str:
-    """A message's content as text: a string, None, or OpenAI content parts ({"type": "text", "text": ...})."""
+    """A message's content as text: a string, None, or OpenAI text parts ({"type": "text", "text": ...}). Any other
+    part (an image, audio, a file) is a ValueError naming its type: the endpoint does not take them yet, and dropping
+    them would train the model on a conversation it never saw."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content]
+        other = next((k for k in kinds if k != "text"), None)
+        if other is not None:
+            raise ValueError(f"content parts of type {other!r} are not supported by this endpoint (text parts only)")
+        return "".join(p.get("text", "") for p in content)
     raise ValueError(f"message content must be a string or a list of content parts, got {type(content).__name__}")
 
 
