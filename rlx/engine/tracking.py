@@ -21,8 +21,9 @@ from pathlib import Path
 from rlx.config import check
 from rlx.utils.io import append_jsonl, read_jsonl, write_jsonl
 
-# metrics that measure the machine, not the run: they differ between otherwise identical runs
-VOLATILE_PREFIXES = ("timing/", "perf/", "memory/")
+# metrics that measure the machine or the process, not the run: they differ between otherwise identical runs
+# (compile/*: graphs built in this process, so 0 where an earlier run in it compiled them already)
+VOLATILE_PREFIXES = ("timing/", "perf/", "memory/", "compile/")
 
 
 def clean(metrics: dict) -> dict:
