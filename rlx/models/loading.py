@@ -309,12 +309,21 @@ def build_empty_model(config):
 
 
 def init_random_model(config, seed: int):
-    """A freshly initialised model (float32, CPU) from `config`, identical for the same seed."""
+    """A freshly initialised model (float32, CPU) from `config`: the model's own `_init_weights`, each module drawn
+    from a generator seeded by `seed` and its name (rlx.models.random_init), so the same on any machine and thread
+    count. The caller's global random state is left as it was."""
+    from transformers.initialization import no_init_weights
+
+    from rlx.models.random_init import init_modules
+
     quiet_transformers()
-    devices = []  # keep the caller's global RNG untouched
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        return causal_lm_class(config).from_config(config, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # a constructor that draws (outside the init functions) draws the same numbers
+        with no_init_weights():
+            model = causal_lm_class(config).from_config(config, dtype=torch.float32)
+        init_modules(model, seed)
+    model.tie_weights()
+    return model
 
 
 def load_causal_lm(source: ModelSource, dtype: torch.dtype | None = torch.float32):
