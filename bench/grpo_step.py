@@ -124,7 +124,18 @@ def run_rlx(args, work: Path) -> dict:
     out = summarize("rlx", arrivals[0], steps, tokens)
     median_step = sorted(range(1, len(steps)), key=lambda i: steps[i])[(len(steps) - 1) // 2] if len(steps) > 1 else 0
     out["phases_of_median_step"] = {k: v[median_step] for k, v in phases.items()}
-    first = ("since_process_start", "setup_models", "setup_engine", "rollout", "score", "train", "save")
+    first = (
+        "since_process_start",
+        "setup_process",
+        "setup_backend",
+        "setup_inputs",
+        "setup_models",
+        "setup_engine",
+        "rollout",
+        "score",
+        "train",
+        "save",
+    )
     out["first_step_phases"] = {k: metrics[0].get(f"timing/{k}_s") for k in first}
     peaks = [v for m in metrics for k, v in m.items() if k.startswith("memory/") and k.endswith("_device_peak_gb")]
     out["peak_memory_gb"] = max(peaks, default=0.0)

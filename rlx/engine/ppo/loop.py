@@ -63,6 +63,8 @@ class PPORun:
 
     def __init__(self, cfg: PPOConfig, run_dir: Path, resume: bool, overwrite: bool = False):
         self.cfg, self.run_dir = cfg, run_dir
+        self.setup_metrics = {"timing/setup_process_s": process_age_s()}  # interpreter, imports, recipe
+        entered = time.perf_counter()
         grid = cfg.megatron or Degrees()  # [megatron] holds tp_degree and pp_degree
         degrees = Degrees(sp_degree=cfg.train.sp_degree, tp_degree=grid.tp_degree, pp_degree=grid.pp_degree)
         self.backend = backend_class(cfg.backend_name).setup(cfg.train.device, degrees)
@@ -72,6 +74,8 @@ class PPORun:
             raise UserError(
                 "rollout.device and train.device must agree in `rlx ppo` (the rollout uses the trained model)"
             )
+        self.setup_t0 = time.perf_counter()
+        self.setup_metrics["timing/setup_backend_s"] = self.setup_t0 - entered  # device, process group
         inputs = check_run_inputs(cfg, run_dir)  # before anything is written: a failed start leaves no trace
         self.lock = RunLock.take(run_dir, self.ctx)
         try:
@@ -90,12 +94,13 @@ class PPORun:
         self.kl_coef = meta.kl_coef if meta.kl_coef is not None else cfg.score.kl_coef
         initial = warm_start(cfg, self.run_dir, self.start_step, self.ctx)  # [sft]: the step-0 checkpoint
         started = time.perf_counter()
+        self.setup_metrics["timing/setup_inputs_s"] = started - self.setup_t0  # data checks, run folder, warm start
         self.models = build_run_models(initial, self.backend, start_ckpt)
         self.trainer, self.critic = self.models.actor, self.models.critic
         models_built = time.perf_counter()
         self.engine = self._build_engine()
         # where a start's time goes, reported with the first step: models (load or init, parallelism), engine
-        self.setup_metrics = {
+        self.setup_metrics |= {
             "timing/setup_models_s": models_built - started,
             "timing/setup_engine_s": time.perf_counter() - models_built,
             "timing/since_process_start_s": process_age_s(),
