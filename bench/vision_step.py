@@ -241,7 +241,10 @@ def hf_train(ckpt: Path, batch_path: Path, args, device, dtype) -> dict:
         for lo in range(0, b, args.baseline_rows):
             rows = list(range(lo, min(lo + args.baseline_rows, b)))
             response, response_mask = batch.response_ids[rows].to(device), batch.response_mask[rows].to(device)
-            ids = torch.cat([batch.prompt_ids[rows].to(device), response], 1)
+            # a sampled image placeholder is text to rlx; transformers' forward would count it as an image token
+            # and refuse the row, so the baseline reads the pad id there (same shapes, same work)
+            text = response.masked_fill(response == model.config.image_token_id, batch.pad_token_id)
+            ids = torch.cat([batch.prompt_ids[rows].to(device), text], 1)
             mask = torch.cat([batch.prompt_mask[rows].to(device), response_mask], 1)
             images = vision.select(rows).to(device).model_kwargs()
             images["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
@@ -287,9 +290,10 @@ def main() -> None:
         model_dir = write_model_dir(root / "model", args.small)
         rlx("shard", "--model", model_dir, "--init", "random", "--seed", "0", "--out", root / "ckpt")
         prompts = write_prompts(root / "prompts.jsonl", args.prompts, 448)
-        results["rollout_native"], records = rlx_rollout(root / "ckpt", prompts, args, device, "native")
-        results["rollout_hf_engine"], _ = rlx_rollout(root / "ckpt", prompts, args, device, "hf")
-        results["rollout_transformers_generate"] = hf_generate(root / "ckpt", prompts, args, device, dtype)
+        native, records = rlx_rollout(root / "ckpt", prompts, args, device, "native")
+        report(results, "rollout_native", native)
+        report(results, "rollout_hf_engine", rlx_rollout(root / "ckpt", prompts, args, device, "hf")[0])
+        report(results, "rollout_transformers_generate", hf_generate(root / "ckpt", prompts, args, device, dtype))
         from rlx.engine.records import write_records
 
         write_records(root / "rollouts.jsonl", records)
@@ -297,16 +301,19 @@ def main() -> None:
         rlx("score", "--rollouts", root / "rollouts.jsonl", "--actor", root / "ckpt", "--reward",
             f"{root / 'reward.py'}:score", "--out", root / "scored")  # fmt: skip
         for mode in ("packed", "padded"):
-            results[f"score_rlx_{mode}"] = rlx_score(root / "ckpt", root / "rollouts.jsonl", args, device, dtype,
-                                                     mode == "packed")  # fmt: skip
+            scored = rlx_score(root / "ckpt", root / "rollouts.jsonl", args, device, dtype, mode == "packed")
+            report(results, f"score_rlx_{mode}", scored)
         batch = root / "scored" / "batch.safetensors"
-        results["train_rlx"] = rlx_train(root / "ckpt", batch, args, device)
-        results["train_transformers_padded"] = hf_train(root / "ckpt", batch, args, device, dtype)
-    for key in ("rollout_native", "rollout_hf_engine", "rollout_transformers_generate", "score_rlx_packed",
-                "score_rlx_padded", "train_rlx", "train_transformers_padded"):  # fmt: skip
-        print(f"{key:32s} {results[key]['tokens_per_s']:12.1f} tokens/s  {json.dumps(results[key])}")
+        report(results, "train_rlx", rlx_train(root / "ckpt", batch, args, device))
+        report(results, "train_transformers_padded", hf_train(root / "ckpt", batch, args, device, dtype))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+def report(results: dict, key: str, result: dict) -> None:
+    """Keep one measurement and print it at once (a later failure does not lose it)."""
+    results[key] = result
+    print(f"{key:32s} {result['tokens_per_s']:12.1f} tokens/s  {json.dumps(result)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def test_cuda_peak_is_per_phase():
     assert big["memory/big_device_mallocs"] >= 1 and big["memory/big_alloc_retries"] == 0
 
 
-def test_gc_pauses_are_timed_and_a_frozen_heap_is_released_on_close():
+def test_gc_pauses_are_timed_run_between_steps_after_the_freeze_and_restored_on_close():
     import gc
 
     from rlx.engine.memory import GcPauses
@@ -101,8 +101,15 @@ def test_gc_pauses_are_timed_and_a_frozen_heap_is_released_on_close():
         taken = pauses.take()
         assert taken["timing/gc_full_s"] > 0 and taken["timing/gc_s"] >= taken["timing/gc_full_s"]
         assert pauses.take() == {"timing/gc_s": 0.0, "timing/gc_full_s": 0.0}
+        pauses.between_steps(1)  # before the freeze: the collector is automatic, nothing here
+        assert pauses.take()["timing/gc_s"] == 0.0
         pauses.freeze()
-        assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > 0 and not gc.isenabled()  # after it: only between steps
+        pauses.between_steps(3)
+        young = pauses.take()
+        assert young["timing/gc_s"] > 0 and young["timing/gc_full_s"] == 0
+        pauses.between_steps(GcPauses.FULL_EVERY)
+        assert pauses.take()["timing/gc_full_s"] > 0
     finally:
         pauses.close()
-    assert gc.get_freeze_count() == 0 and pauses._callback not in gc.callbacks
+    assert gc.get_freeze_count() == 0 and pauses._callback not in gc.callbacks and gc.isenabled()

@@ -145,14 +145,22 @@ def process_age_s() -> float:
 
 
 class GcPauses:
-    """Time this process spends in Python's cyclic garbage collector, by generation: a full (generation 2)
-    collection over a large heap stops every thread for up to a second. `take()` returns the seconds since
-    the last call, for the metrics line."""
+    """Python's cyclic garbage collector in a step loop: timed by generation (`take()` returns the seconds since
+    the last call, for the metrics line), and, after `freeze()`, run only between steps.
+
+    An automatic collection fires wherever the allocation count crosses a threshold, often inside a train step;
+    on a CUDA run a full one there made that step's train phase 0.35-0.4 s slower, though it took 20 ms itself
+    (2026-11-23, bench/RESULTS.md). So after the first step the heap alive is frozen, automatic collection is
+    off, and `between_steps(step)` collects what the steps left: the young generations every step, everything
+    every `FULL_EVERY` steps. `close` restores the collector as it was."""
+
+    FULL_EVERY = 10
 
     def __init__(self) -> None:
         self._started: float | None = None
         self._seconds = [0.0, 0.0, 0.0]
         self._frozen = False
+        self._was_enabled = gc.isenabled()
         gc.callbacks.append(self._callback)
 
     def _callback(self, phase: str, info: dict) -> None:
@@ -169,14 +177,24 @@ class GcPauses:
 
     def freeze(self) -> None:
         """Exempt every object alive now (modules, compiled graphs, the models' Python objects) from later
-        collections, so the full collections a long run triggers scan only what it allocated since; undone by
-        `close`. No collection first (0.6 s on a compiled 0.5B run): garbage alive now stays until `close`."""
+        collections, so they scan only what the run allocated since, and stop automatic collections (see
+        `between_steps`). No collection first (0.6 s on a compiled 0.5B run): garbage alive now stays until
+        `close`."""
         gc.freeze()
+        gc.disable()
         self._frozen = True
+
+    def between_steps(self, step: int) -> None:
+        """After `freeze`: collect the garbage of the steps since the last call (generations 0-1; all three every
+        `FULL_EVERY` steps). Before it, nothing."""
+        if self._frozen:
+            gc.collect(2 if step % self.FULL_EVERY == 0 else 1)
 
     def close(self) -> None:
         if self._callback in gc.callbacks:
             gc.callbacks.remove(self._callback)
         if self._frozen:
             gc.unfreeze()  # what the run leaves behind is collectable again (e.g. in a test process)
+            if self._was_enabled:
+                gc.enable()
             self._frozen = False

@@ -225,6 +225,7 @@ class PPORun:
         commit = self._prepare_save(step) if saving else None  # the collective part: gathered weights on the CPU
         if self.setup_metrics:  # the first step of this process: what is alive now (compiled graphs) lives all run
             self.gc_pauses.freeze()
+        self.gc_pauses.between_steps(step)  # the collector runs here only, not inside a phase
         now = time.perf_counter()
         metrics.update(phase_metrics("save", now - save_start, device_peak_bytes(self.device), host_rss_bytes()))
         metrics["timing/step_s"] = now - step_start
