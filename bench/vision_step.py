@@ -243,7 +243,7 @@ def hf_train(ckpt: Path, batch_path: Path, args, device, dtype) -> dict:
             response, response_mask = batch.response_ids[rows].to(device), batch.response_mask[rows].to(device)
             # a sampled image placeholder is text to rlx; transformers' forward would count it as an image token
             # and refuse the row, so the baseline reads the pad id there (same shapes, same work)
-            text = response.masked_fill(response == model.config.image_token_id, batch.pad_token_id)
+            text = response.masked_fill(response == model.config.image_token_id, batch.meta.pad_token_id)
             ids = torch.cat([batch.prompt_ids[rows].to(device), text], 1)
             mask = torch.cat([batch.prompt_mask[rows].to(device), response_mask], 1)
             images = vision.select(rows).to(device).model_kwargs()
