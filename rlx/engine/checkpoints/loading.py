@@ -28,13 +28,11 @@ from rlx.models.loading import (
     resolve_source,
     weight_files,
 )
-from rlx.models.value import build_value_model, check_value_config, load_value_model
+from rlx.models.value import build_value_model, check_value_config, load_value_model, value_model_class
 
 
 def _auto_class(role: str, config):
-    import transformers
-
-    return transformers.AutoModelForTokenClassification if role == "critic" else causal_lm_class(config)
+    return value_model_class(config) if role == "critic" else causal_lm_class(config)
 
 
 def load_model(
