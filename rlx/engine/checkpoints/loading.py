@@ -29,6 +29,9 @@ from rlx.models.loading import (
     weight_files,
 )
 from rlx.models.value import build_value_model, check_value_config, load_value_model, value_model_class
+from rlx.models.vision.families import is_vision_config
+
+_MODEL_FILES = ("config.json", "generation_config.json")  # the policy's own; a critic's config is written anew
 
 
 def _auto_class(role: str, config):
@@ -112,10 +115,17 @@ def load_trained_policy(source: ModelSource, role: str = "actor"):
     return load_model(source, role), load_tokenizer(source), aux_files(source.folder)
 
 
-def build_critic_files(policy, tokenizer, seed: int) -> tuple[torch.nn.Module, dict[str, bytes]]:
-    """A value model from `policy` (backbone copied, head seeded) and its config/tokenizer files."""
+def build_critic_files(
+    policy, tokenizer, seed: int, policy_aux: dict[str, bytes] | None = None
+) -> tuple[torch.nn.Module, dict[str, bytes]]:
+    """A value model from `policy` (backbone copied, head seeded) and its config/tokenizer files; a vision-language
+    critic also gets the files of `policy_aux` that transformers does not write from the model and tokenizer (the
+    image processor's), so its checkpoints read their batches' images as the policy's do."""
     critic = build_value_model(policy, seed)
-    return critic, generated_aux(critic, tokenizer)
+    aux = generated_aux(critic, tokenizer)
+    if is_vision_config(critic.config):
+        aux = {**{k: v for k, v in (policy_aux or {}).items() if k not in _MODEL_FILES}, **aux}
+    return critic, aux
 
 
 def checkpoint_weights(folder: Path, tied: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
