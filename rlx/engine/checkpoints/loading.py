@@ -119,12 +119,12 @@ def build_critic_files(
     policy, tokenizer, seed: int, policy_aux: dict[str, bytes] | None = None
 ) -> tuple[torch.nn.Module, dict[str, bytes]]:
     """A value model from `policy` (backbone copied, head seeded) and its config/tokenizer files; a vision-language
-    critic also gets the files of `policy_aux` that transformers does not write from the model and tokenizer (the
-    image processor's), so its checkpoints read their batches' images as the policy's do."""
+    critic keeps the policy's own files (`policy_aux`: tokenizer, chat template, image processor) byte for byte
+    with its config.json in place of the policy's, so its checkpoints read their batches' images as the policy's do."""
     critic = build_value_model(policy, seed)
     aux = generated_aux(critic, tokenizer)
-    if is_vision_config(critic.config):
-        aux = {**{k: v for k, v in (policy_aux or {}).items() if k not in _MODEL_FILES}, **aux}
+    if is_vision_config(critic.config) and policy_aux:
+        aux = {**{k: v for k, v in policy_aux.items() if k not in _MODEL_FILES}, "config.json": aux["config.json"]}
     return critic, aux
 
 
