@@ -13,11 +13,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from rlx.engine.logprobs import ModuleScorer, batched_response_values
+from rlx.engine.logprobs import ModuleScorer, batched_response_values, packed_response_values
 from rlx.engine.parallel.dist import DistContext
 from rlx.errors import UserError
+from rlx.models.attention import enable_packed_attention
 from rlx.models.loading import ModelSource, read_weights
 from rlx.models.value import build_value_model, load_value_model, value_model_class
+from rlx.models.vision.families import family_of, freeze_vision_tower
+from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.models.vision.tiny import build_tiny_vision_model, write_tiny_vision_model_dir
 from rlx.tasks.shapes import generate_shapes, write_shapes
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, torchrun, write_length_reward
@@ -79,6 +82,27 @@ def test_two_images_with_the_same_words_give_different_values():
     assert torch.equal(batch["tensors"]["prompt_ids"][0], batch["tensors"]["prompt_ids"][1])
     values = scorer_values(critic, batch, micro_batch_size=2)
     assert (values[0] - values[1]).abs().min() > 1e-4  # every token's value depends on the image
+
+
+def test_the_critics_frozen_tower_gets_no_gradient():
+    policy, processor = build_tiny_vision_model("qwen3_vl")
+    critic = build_value_model(policy, seed=0)
+    enable_packed_attention(critic, decoder_only=True)
+    batch = micro_batch(processor)
+    tower = {id(p) for m in family_of(critic.config).vision_tower(critic) for p in m.parameters()}
+    row = VisionRow.from_padded(**batch["tensors"], vision=batch["vision"], config=critic.config)
+    for frozen in (True, False):
+        critic.zero_grad(set_to_none=True)
+        assert freeze_vision_tower(critic, frozen) == len(tower)
+        with vision_forward(critic, row):
+            values = packed_response_values(critic, **batch["tensors"], dtype=torch.float32)
+        (values * batch["tensors"]["response_mask"]).sum().backward()
+        tower_grads = [p.grad for p in critic.parameters() if id(p) in tower and p.grad is not None]
+        assert critic.score.weight.grad.abs().sum() > 0
+        if frozen:
+            assert not tower_grads
+        else:
+            assert len(tower_grads) == len(tower) and sum(g.abs().sum() for g in tower_grads) > 0
 
 
 def test_every_family_builds_saves_and_loads_a_critic(tmp_path):
