@@ -22,6 +22,7 @@ from safetensors import safe_open
 from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.driver import EnvRollout
 from rlx.engine.agent.generate import refuse_images
+from rlx.engine.checkpoints.loading import load_model, load_processor
 from rlx.engine.parallel.dist import DistContext
 from rlx.engine.records import PromptRecord
 from rlx.engine.rollout.base import build_engine
@@ -30,6 +31,7 @@ from rlx.engine.rollout.native.blocks import BlockManager, Sequence
 from rlx.engine.rollout.registry import engine_class
 from rlx.engine.rollout.requests import TokenRequest
 from rlx.errors import UserError
+from rlx.models.loading import resolve_source
 from rlx.models.vision.images import data_uri
 from rlx.models.vision.inputs import VisionInputs, from_tensors, to_tensors
 from rlx.models.vision.positions import find_image_offsets, image_token_mask
@@ -297,6 +299,42 @@ def test_score_and_train_step_rebuild_the_episodes_images(vlm_episodes, tmp_path
     cli_ok(*step, "--out", tmp_path / "padded")
     cli_ok(*step, "--out", tmp_path / "packed_step", "--use-packing")
     assert_same_gradients(tmp_path / "padded", tmp_path / "packed_step")
+
+
+def test_critic_values_of_episodes_with_images(vlm_episodes, tmp_path):
+    """A vision-language critic scores episodes whose replies hold images: packed == padded == its own forward of
+    the whole sequence with every image."""
+    critic = tmp_path / "critic"
+    cli_ok("shard", "--model", vlm_episodes["ckpt"], "--role", "critic", "--seed", "1", "--out", critic)
+    score = ["score", "--rollouts", vlm_episodes["rollouts"], "--actor", vlm_episodes["ckpt"], "--critic", critic,
+             "--estimator", "gae", "--reward", "env"]  # fmt: skip
+    cli_ok(*score, "--out", tmp_path / "s")
+    cli_ok(*score, "--out", tmp_path / "packed", "--use-packing", "--max-tokens-per-micro-batch", "300")
+    values = {}
+    for name in ("s", "packed"):
+        with safe_open(str(tmp_path / name / "batch.safetensors"), "pt") as f:
+            values[name] = f.get_tensor("values")
+    torch.testing.assert_close(values["packed"], values["s"], atol=1e-5, rtol=0)
+    model = load_model(resolve_source(critic), "critic").eval()
+    processor = load_processor(resolve_source(critic))
+    token = processor.image_token_id
+    checked = 0
+    for row, record in enumerate(read_jsonl(vlm_episodes["rollouts"])):
+        if len(record.get("image_refs", [])) < 2:
+            continue  # the episodes with images in their replies
+        if token in [t for t, m in zip(record["response_ids"], record["loss_mask"]) if m]:
+            continue  # transformers would take a sampled placeholder for an image
+        ids = torch.tensor([record["prompt_ids"] + record["response_ids"]])
+        inserted = torch.tensor([1] * len(record["prompt_ids"]) + [1 - m for m in record["loss_mask"]])
+        vision = processor.vision_inputs([record["image_refs"]])
+        with torch.no_grad():
+            logits = model(input_ids=ids, mm_token_type_ids=((ids[0] == token) & inserted.bool()).int()[None],
+                           **vision.model_kwargs()).logits  # fmt: skip
+        n = len(record["response_ids"])
+        want = logits[0, -n - 1 : -1, 0]
+        torch.testing.assert_close(values["s"][row, :n], want, atol=1e-5, rtol=0)
+        checked += 1
+    assert checked >= 3
 
 
 def test_ppo_runs_episodes_with_images(vlm_episodes, tmp_path):

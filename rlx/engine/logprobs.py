@@ -243,16 +243,22 @@ def response_values(
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
     dtype: torch.dtype,
+    vision=None,
 ) -> torch.Tensor:
     """V(s_t) for each response token t: the head's output at the position before t.  -> [B, R] float32.
 
-    Same alignment as the logprobs (verl: values = output[:, -R - 1:-1]).
+    Same alignment as the logprobs (verl: values = output[:, -R - 1:-1]); `vision`: the rows' VisionInputs (a
+    vision-language value model: its images and 3-D positions go into the forward, as in `response_logprobs`).
     """
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     r = response_ids.shape[1]
-    with autocast(input_ids.device, dtype):
+    images = contextlib.nullcontext()
+    if vision is not None:
+        row = VisionRow.padded(prompt_ids, prompt_mask, response_ids, response_mask, vision, model.config)
+        images = vision_forward(model, row)
+    with images, autocast(input_ids.device, dtype):
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     return logits[:, -r - 1 : -1, 0].float()
 
@@ -340,39 +346,55 @@ def batched_response_logprobs(
     compute = packed_response_logprobs if max_tokens else response_logprobs
 
     def forward(part):
-        rows = part.pop(_ROW, None)
-        images = vision.select(rows.tolist()) if vision is not None else None
-        context = contextlib.nullcontext()
-        if images is not None and max_tokens:  # the row's images and 3-D positions hooked into the packed forward
-            context = vision_forward(model, VisionRow.from_padded(**{k: part[k] for k in MODEL_INPUTS}, vision=images,
-                                                                  config=model.config))  # fmt: skip
-        part = {k: part[k].to(device) for k in MODEL_INPUTS}
-        with context:
-            if images is not None and not max_tokens:
-                logp, _ = compute(model, **part, temperature=temperature, dtype=dtype, impl=impl, vision=images)
-            else:
-                logp, _ = compute(model, **part, temperature=temperature, dtype=dtype, impl=impl)
+        with _micro_batch_images(model, part, vision, max_tokens) as images:
+            part = {k: part[k].to(device) for k in MODEL_INPUTS}
+            padded_images = {"vision": images} if images is not None and not max_tokens else {}
+            logp, _ = compute(model, **part, temperature=temperature, dtype=dtype, impl=impl, **padded_images)
         return (logp * part["response_mask"]).cpu()
 
-    inputs = {k: tensors[k] for k in MODEL_INPUTS}
-    if vision is not None:  # which rows a micro-batch holds, to pick their images
-        inputs[_ROW] = torch.arange(len(inputs["response_ids"]))
-    return _eval_forward(model, forward, inputs, micro_batch_size, ctx, desc, max_tokens)
+    return _eval_forward(model, forward, _with_rows(tensors, vision), micro_batch_size, ctx, desc, max_tokens)
 
 
 @torch.no_grad()
 def batched_response_values(
     model, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, micro_batch_size: int, ctx=None,
-    max_tokens: int = 0,
+    max_tokens: int = 0, vision=None,
 ) -> torch.Tensor:  # fmt: skip
-    """Value-model values [B, R] (float32, CPU, zero at masked positions), as `batched_response_logprobs`."""
+    """Value-model values [B, R] (float32, CPU, zero at masked positions), as `batched_response_logprobs` (`vision`:
+    the rows' VisionInputs, for a vision-language value model)."""
     compute = packed_response_values if max_tokens else response_values
 
     def forward(part):
-        part = {k: part[k].to(device) for k in MODEL_INPUTS}
-        return (compute(model, **part, dtype=dtype) * part["response_mask"]).cpu()
+        with _micro_batch_images(model, part, vision, max_tokens) as images:
+            part = {k: part[k].to(device) for k in MODEL_INPUTS}
+            padded_images = {"vision": images} if images is not None and not max_tokens else {}
+            values = compute(model, **part, dtype=dtype, **padded_images)
+        return (values * part["response_mask"]).cpu()
 
-    return _eval_forward(model, forward, tensors, micro_batch_size, ctx, "values", max_tokens)
+    return _eval_forward(model, forward, _with_rows(tensors, vision), micro_batch_size, ctx, "values", max_tokens)
+
+
+def _with_rows(tensors: dict[str, torch.Tensor], vision) -> dict[str, torch.Tensor]:
+    """The model inputs of `tensors`, with each row's number when there are images (a micro-batch picks its own)."""
+    inputs = {k: tensors[k] for k in MODEL_INPUTS}
+    if vision is not None:
+        inputs[_ROW] = torch.arange(len(inputs["response_ids"]))
+    return inputs
+
+
+@contextlib.contextmanager
+def _micro_batch_images(model, part: dict, vision, packed: bool):
+    """Yields the images of the micro-batch `part` (None without `vision`; its row numbers are taken out of `part`);
+    a packed micro-batch's images and 3-D positions are hooked into the model's forward while open (a padded one's
+    go to the forward as `vision`)."""
+    rows = part.pop(_ROW, None)
+    images = vision.select(rows.tolist()) if vision is not None else None
+    if images is None or not packed:
+        yield images
+        return
+    row = VisionRow.from_padded(**{k: part[k] for k in MODEL_INPUTS}, vision=images, config=model.config)
+    with vision_forward(model, row):
+        yield images
 
 
 def _eval_forward(model, forward, tensors, micro_batch_size: int, ctx, desc: str, max_tokens: int) -> torch.Tensor:
@@ -409,11 +431,11 @@ class ModuleScorer:
         )  # fmt: skip
 
     def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int,
-               max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
-        """[B, R] float32 on the CPU, zero at masked positions, on every rank."""
+               max_tokens: int = 0, vision=None) -> torch.Tensor:  # fmt: skip
+        """[B, R] float32 on the CPU, zero at masked positions, on every rank (`vision`: the rows' VisionInputs)."""
         max_tokens = self._packing(max_tokens)
         return batched_response_values(
-            self.module, tensors, self.ctx.device, dtype, micro_batch_size, self.ctx, max_tokens
+            self.module, tensors, self.ctx.device, dtype, micro_batch_size, self.ctx, max_tokens, vision
         )
 
     def _packing(self, max_tokens: int) -> int:

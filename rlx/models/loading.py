@@ -296,6 +296,8 @@ def build_empty_model(config):
     """The architecture of `config` on the meta device (no memory), for checking weight layouts."""
     import transformers
 
+    from rlx.models.vision.families import is_vision_config
+
     archs = getattr(config, "architectures", None) or []
     auto = causal_lm_class(config)
     for suffix, cls in (
@@ -304,6 +306,10 @@ def build_empty_model(config):
     ):
         if any(a.endswith(suffix) for a in archs):
             auto = cls
+    if auto is transformers.AutoModelForTokenClassification and is_vision_config(config):  # a VLM's critic: rlx's own
+        from rlx.models.vision.value import vision_value_class
+
+        auto = vision_value_class(config)
     with torch.device("meta"):
         return auto.from_config(config)
 

@@ -2,7 +2,9 @@
 
 A value model is a Hugging Face `*ForTokenClassification` model with `num_labels = 1` and no
 classifier dropout, so it saves, loads, shards and merges like any HF model. `build_value_model`
-makes one from a policy: the backbone weights are copied, the head is initialised with a seed.
+makes one from a policy: the backbone weights are copied, the head is initialised with a seed. A vision-language
+policy's critic is rlx's own class of that shape (`rlx.models.vision.value`): its backbone holds the vision tower, so
+its values see the images; `value_model_class` picks the class for a config.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch
 
 from rlx.errors import UserError
 from rlx.models.loading import ModelSource, load_config, quiet_transformers
+from rlx.models.vision.families import family_of, is_vision_config
+from rlx.models.vision.value import value_architecture, vision_value_class
 
 
 def value_config(config):
@@ -20,10 +24,24 @@ def value_config(config):
     out = copy.deepcopy(config)
     out.num_labels = 1
     out.classifier_dropout = 0.0
+    if is_vision_config(config):
+        out.architectures = [value_architecture(family_of(config))]
+        return out
     base = config.architectures[0] if getattr(config, "architectures", None) else type(config).__name__
     family = base.replace("ForCausalLM", "").replace("ForTokenClassification", "").replace("Config", "")
     out.architectures = [f"{family}ForTokenClassification"]
     return out
+
+
+def value_model_class(config):
+    """The class that builds (`from_config`) and loads (`from_pretrained`) value models of `config`'s family:
+    transformers' AutoModelForTokenClassification, or rlx's class for a vision-language family (UserError naming a
+    family rlx cannot build one for)."""
+    if is_vision_config(config):
+        return vision_value_class(config)
+    from transformers import AutoModelForTokenClassification
+
+    return AutoModelForTokenClassification
 
 
 def is_value_config(config) -> bool:
@@ -32,14 +50,15 @@ def is_value_config(config) -> bool:
 
 
 def build_value_model(policy: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """A value model whose backbone is a copy of `policy`'s and whose head is freshly initialised."""
-    from transformers import AutoModelForTokenClassification
-
+    """A value model whose backbone is a copy of `policy`'s (a vision-language policy's: its vision tower and
+    decoder) and whose head is freshly initialised."""
     quiet_transformers()
+    config = value_config(policy.config)
+    cls = value_model_class(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            model = AutoModelForTokenClassification.from_config(value_config(policy.config), dtype=torch.float32)
+            model = cls.from_config(config, dtype=torch.float32)
         except ValueError as e:
             raise UserError(
                 f"{type(policy).__name__}: transformers has no token-classification head for this "
@@ -61,11 +80,15 @@ def check_value_config(config, where) -> None:
 
 def load_value_model(source: ModelSource, dtype: torch.dtype = torch.float32):
     """Load a value model from a Hugging Face dir (see `check_value_config`)."""
-    from transformers import AutoModelForTokenClassification
-
     quiet_transformers()
-    check_value_config(load_config(source), source.path)
+    config = load_config(source)
+    check_value_config(config, source.path)
     try:
-        return AutoModelForTokenClassification.from_pretrained(source.folder, dtype=dtype)
+        model, info = value_model_class(config).from_pretrained(
+            source.folder, config=config, dtype=dtype, output_loading_info=True
+        )
     except (OSError, ValueError, RuntimeError) as e:
         raise UserError(f"{source.path}: cannot load the value model ({str(e).splitlines()[0]})") from None
+    if is_vision_config(config) and info.get("missing_keys"):  # rlx's own class: nothing may be left at random
+        raise UserError(f"{source.path}: value model weights are missing {', '.join(sorted(info['missing_keys'])[:3])}")
+    return model

@@ -28,13 +28,14 @@ from rlx.models.loading import (
     resolve_source,
     weight_files,
 )
-from rlx.models.value import build_value_model, check_value_config, load_value_model
+from rlx.models.value import build_value_model, check_value_config, load_value_model, value_model_class
+from rlx.models.vision.families import is_vision_config
+
+_MODEL_FILES = ("config.json", "generation_config.json")  # the policy's own; a critic's config is written anew
 
 
 def _auto_class(role: str, config):
-    import transformers
-
-    return transformers.AutoModelForTokenClassification if role == "critic" else causal_lm_class(config)
+    return value_model_class(config) if role == "critic" else causal_lm_class(config)
 
 
 def load_model(
@@ -114,10 +115,17 @@ def load_trained_policy(source: ModelSource, role: str = "actor"):
     return load_model(source, role), load_tokenizer(source), aux_files(source.folder)
 
 
-def build_critic_files(policy, tokenizer, seed: int) -> tuple[torch.nn.Module, dict[str, bytes]]:
-    """A value model from `policy` (backbone copied, head seeded) and its config/tokenizer files."""
+def build_critic_files(
+    policy, tokenizer, seed: int, policy_aux: dict[str, bytes] | None = None
+) -> tuple[torch.nn.Module, dict[str, bytes]]:
+    """A value model from `policy` (backbone copied, head seeded) and its config/tokenizer files; a vision-language
+    critic keeps the policy's own files (`policy_aux`: tokenizer, chat template, image processor) byte for byte
+    with its config.json in place of the policy's, so its checkpoints read their batches' images as the policy's do."""
     critic = build_value_model(policy, seed)
-    return critic, generated_aux(critic, tokenizer)
+    aux = generated_aux(critic, tokenizer)
+    if is_vision_config(critic.config) and policy_aux:
+        aux = {**{k: v for k, v in policy_aux.items() if k not in _MODEL_FILES}, "config.json": aux["config.json"]}
+    return critic, aux
 
 
 def checkpoint_weights(folder: Path, tied: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

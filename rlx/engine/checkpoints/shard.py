@@ -79,7 +79,7 @@ def _source_model(source: ModelSource, init: str, seed: int, role: str, from_val
         return load_model(source, "critic"), aux_files(source.folder)
     model, tokenizer, aux = load_initial_policy(source.path, init, seed)
     if role == "critic":
-        model, aux = build_critic_files(model, tokenizer, seed)
+        model, aux = build_critic_files(model, tokenizer, seed, aux)
     return model, aux
 
 

@@ -53,7 +53,7 @@ def build_run_models(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path 
         model, tokenizer, aux = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
         spec = lora_spec(cfg.lora, cfg.model.path, cfg.model.init, cfg.seed, model)  # before adapters and shards
         ref = copy.deepcopy(model) if copy_ref else None
-        critic, critic_aux = _critic(cfg, backend, None, model, tokenizer)  # before the actor shards the model
+        critic, critic_aux = _critic(cfg, backend, None, model, tokenizer, aux)  # before the actor shards the model
         actor = backend.build_trainer(model, train_cfg, "the initial policy", **backend.lora_options(spec, "lora"))
     else:
         source = resolve_source(start_ckpt)
@@ -83,9 +83,9 @@ def build_run_models(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path 
     return RunModels(actor, critic, tokenizer, aux, critic_aux, scoring, rollout_model, processor)
 
 
-def _critic(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None, policy, tokenizer):
+def _critic(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None, policy, tokenizer, policy_aux=None):
     """(critic trainer, its config/tokenizer files): from the run's checkpoint, the recipe's critic.path, or built
-    from the policy's backbone with a seeded head."""
+    from the policy's backbone with a seeded head (with the policy's processor files, `policy_aux`)."""
     if cfg.critic is None:
         return None, {}
     train_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed).with_decay_length(cfg.steps)
@@ -100,7 +100,7 @@ def _critic(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None, p
         spec = lora_spec(lora, cfg.critic.path, "pretrained", cfg.seed, model, "critic")
         trainer = backend.build_trainer(model, train_cfg, str(source.path), **backend.lora_options(spec, "critic.lora"))
         return trainer, aux_files(source.folder)
-    model, aux = build_critic_files(policy, tokenizer, cfg.seed)
+    model, aux = build_critic_files(policy, tokenizer, cfg.seed, policy_aux)
     spec = lora_spec(lora, cfg.model.path, cfg.model.init, cfg.seed, model, "critic")
     return backend.build_trainer(model, train_cfg, "the new critic", **backend.lora_options(spec, "critic.lora")), aux
 

@@ -19,6 +19,7 @@ from rlx.engine.scoring.rewards import RewardFunctions
 from rlx.engine.tracking import console
 from rlx.engine.vision import rollout_images
 from rlx.errors import UserError
+from rlx.models.vision.families import is_vision_config
 
 
 class Scorer(Protocol):
@@ -32,8 +33,8 @@ class Scorer(Protocol):
         for a vision-language model)."""
 
     def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int,
-               max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
-        """Values [B, R] float32 on the CPU, zero at masked positions, on every rank."""
+               max_tokens: int = 0, vision=None) -> torch.Tensor:  # fmt: skip
+        """Values [B, R] float32 on the CPU, zero at masked positions, on every rank (`vision`: as for logprobs)."""
 
 
 @dataclass
@@ -207,8 +208,12 @@ def _forward_options(cfg, models: ScoringModels, temperature: float, images) -> 
     forward = dict(temperature=temperature, dtype=models.dtype, micro_batch_size=cfg.micro_batch_size,
                    impl=cfg.logprob_impl, max_tokens=max_tokens)  # fmt: skip
     if images is not None:
-        if models.critic is not None:
-            raise UserError("a critic (values) of a vision-language model is not supported yet")
+        critic_config = getattr(models.critic, "config", None)
+        if critic_config is not None and not is_vision_config(critic_config):
+            raise UserError(
+                f"the samples have images, but the critic is a text-only model ({critic_config.model_type}); make "
+                f"the critic from the vision-language policy (`rlx shard --role critic --model POLICY`)"
+            )
         forward["vision"] = images.vision
     return forward
 
@@ -233,8 +238,10 @@ def build_batch(
     if models.actor is not None:
         old = models.actor.logprobs(tensors, desc="old logprobs", **forward)
     ref = models.ref.logprobs(tensors, desc="ref logprobs", **forward) if models.ref else None
-    critic, max_tokens = models.critic, forward["max_tokens"]
-    values = critic.values(tensors, models.dtype, cfg.micro_batch_size, max_tokens) if critic is not None else None
+    values = None
+    if models.critic is not None:  # the same rows, packing and images as the logprobs
+        images_of = {"vision": forward["vision"]} if "vision" in forward else {}
+        values = models.critic.values(tensors, models.dtype, cfg.micro_batch_size, forward["max_tokens"], **images_of)
     token_rewards = torch.zeros_like(old)
     last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)  # [B] each row's last trained token
     token_rewards[torch.arange(len(rollouts)), last] = rewards.scores

@@ -4,8 +4,6 @@ entropy bonus, aggregated with mini-batch normalisers. Every term and metric is 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from rlx.engine.algorithms.core import masked_sum
@@ -16,7 +14,6 @@ from rlx.engine.batch import TrainBatch
 from rlx.engine.logprobs import MODEL_INPUTS, packed_response_logprobs, response_logprobs
 from rlx.engine.training.trainer import Trainer
 from rlx.errors import UserError
-from rlx.models.vision.packing import vision_forward
 
 
 class ActorTrainer(Trainer):
@@ -78,12 +75,7 @@ class ActorTrainer(Trainer):
         common = {"temperature": part.meta.temperature, "dtype": self.dtype, "with_entropy": True}
         if self.cfg.use_packing:
             rows = self.packed_rows(part)
-            vision_row = self.vision_row(part)
-            images = contextlib.nullcontext()
-            if vision_row is not None:  # images and 3-D positions hooked into the packed forward
-                sp_rank, sp_size = (self.ctx.sp_rank, self.ctx.sp_degree) if self.sp_group is not None else (0, 1)
-                images = vision_forward(self.model, vision_row, sp_rank, sp_size)
-            with images:
+            with self.packed_images(part):  # images and 3-D positions hooked into the packed forward
                 return packed_response_logprobs(
                     self.model, **inputs, **common, impl=self.cfg.logprob_impl, sp_group=self.sp_group, rows=rows
                 )

@@ -1,5 +1,6 @@
 """The critic's update: the clipped value loss on the batch's returns (verl `compute_value_loss`), over the
-batch's `loss_mask` (no value target on a multi-turn sample's environment tokens)."""
+batch's `loss_mask` (no value target on a multi-turn sample's environment tokens). A vision-language critic's
+forwards take the batch's images as the actor's do."""
 
 from __future__ import annotations
 
@@ -30,9 +31,13 @@ class CriticTrainer(Trainer):
         inputs = {k: t[k] for k in MODEL_INPUTS}
         if self.cfg.use_packing:
             rows = self.packed_rows(part)
-            values = packed_response_values(self.model, **inputs, dtype=self.dtype, sp_group=self.sp_group, rows=rows)
+            with self.packed_images(part):  # a vision-language critic's images and 3-D positions
+                values = packed_response_values(
+                    self.model, **inputs, dtype=self.dtype, sp_group=self.sp_group, rows=rows
+                )
         else:
-            values = response_values(self.model, **inputs, dtype=self.dtype)
+            vision = part.images.vision if part.images is not None else None
+            values = response_values(self.model, **inputs, dtype=self.dtype, vision=vision)
         (self.micro_loss(t, values, norm, sums) * weight).backward()
 
     def micro_loss(self, t: dict[str, torch.Tensor], values: torch.Tensor, norm: LossNorm, sums: dict) -> torch.Tensor:

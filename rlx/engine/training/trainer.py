@@ -11,6 +11,7 @@ pass over the mini-batch on one process.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
@@ -44,7 +45,7 @@ from rlx.models.loading import tied_keys
 from rlx.models.lora import apply_lora, is_lora_model
 from rlx.models.lora_merge import iter_merged_weights, merged_weights
 from rlx.models.vision.families import freeze_vision_tower, is_vision_config
-from rlx.models.vision.packing import VisionRow
+from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.utils.device import derive_seed
 from rlx.utils.host_copy import before_update, snapshot
 
@@ -327,6 +328,15 @@ class Trainer:
             part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask, part.images.vision,
             self.model.config,
         )  # fmt: skip
+
+    def packed_images(self, part: TrainBatch):
+        """A context in which the model's packed forward of `part` takes its images and 3-D positions (this rank's
+        slice under sequence parallelism); nothing for a micro-batch without images."""
+        row = self.vision_row(part)
+        if row is None:
+            return contextlib.nullcontext()
+        sp_rank, sp_size = (self.ctx.sp_rank, self.ctx.sp_degree) if self.sp_group is not None else (0, 1)
+        return vision_forward(self.model, row, sp_rank, sp_size)
 
     def packed_rows(self, part: TrainBatch) -> PackedRows:
         """The micro-batch as one packed row (this rank's sequence slice), indexed on the CPU, then moved."""
