@@ -262,7 +262,7 @@ def test_multi_turn_episodes_asynchronously(tmp_path):
 @pytest.mark.slow
 def test_megatron_trainers(tmp_path):
     """1 rollout rank + 2 megatron trainers (tp 2) at max_staleness 0: the merged weights of the one-process
-    synchronous run (1e-5, as the megatron tests compare), and the same rewards."""
+    synchronous run (2% of lr, as the megatron tests compare), and the same rewards."""
     sets = ["steps=3", "data.prompts_per_step=4", "rollout.n=4", "train.mini_batch_size=8", "train.use_packing=true"]
     args = [a for s in sets for a in ("--set", s)]
     cli_ok("ppo", REPO / "recipes" / "quickstart.toml", "--out", tmp_path / "one", *args)
@@ -271,7 +271,7 @@ def test_megatron_trainers(tmp_path):
     final = tmp_path / "async" / "checkpoints" / "step_000003"
     assert json.loads((final / "rlx.json").read_text())["layout"] == "megatron"
     cli_ok("merge", "--checkpoint", final, "--out", tmp_path / "merged")
-    assert max_diff(tmp_path / "one" / "checkpoints" / "step_000003", tmp_path / "merged") < 1e-5
+    assert max_diff(tmp_path / "one" / "checkpoints" / "step_000003", tmp_path / "merged") < 2e-5  # lr 1e-3
     one, two = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("one", "async"))
     assert [m["reward/mean"] for m in one] == [m["reward/mean"] for m in two]
 

@@ -235,4 +235,6 @@ def test_four_pipeline_stages_equal_one_process(models, tmp_path):
     cli_ok("train-step", "--checkpoint", tmp_path / "ck", "--out", tmp_path / "one", *train)
     torchrun(4, "train-step", "--checkpoint", tmp_path / "mg", "--out", tmp_path / "pp4", *train)
     cli_ok("merge", "--checkpoint", tmp_path / "pp4", "--out", tmp_path / "merged")
-    assert max_diff(tmp_path / "one", tmp_path / "merged") < 1e-6
+    # 2% of lr: Adam's normalisation turns fp32 summation-order differences in near-zero gradients into updates of
+    # up to ~1% of lr (1.2e-6 at lr 1e-4 with this seed); a wrong stage exchange moves weights by ~lr
+    assert max_diff(tmp_path / "one", tmp_path / "merged") < 2e-6
