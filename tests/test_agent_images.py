@@ -202,17 +202,21 @@ def test_images_are_compared_by_content_whatever_the_url(tmp_path):
         assert [ids[o : o + 4] for o in vision.image_offsets] == [[token] * 4] * 2  # 16 x 16: 4 merged patches
         assert all(segment.trajectory.loss_mask[o - len(segment.trajectory.prompt_ids)] == 0
                    for o in vision.image_offsets[1:])  # fmt: skip
-        messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        tool = {"role": "tool", "content": [{"type": "text", "text": "more"}, image_url(as_data)]}
+        messages += [reply.model_dump(exclude_none=True), tool]
         messages[2]["content"] = [image_url(str(tmp_path / "b.png"))]
         client.chat.completions.create(model="rlx", messages=messages)  # a path, where it was a file:// URL
         assert len(session.segments) == 1 and segment.trajectory.num_turns == 3
+        assert segment.image_refs == [str(tmp_path / "a.png"), f"file://{tmp_path}/b.png", as_data]
+        assert len(segment.images.vision().image_offsets) == 3
         (tmp_path / "b.png").write_bytes(other)  # other bytes under the same path: another image
         client.chat.completions.create(model="rlx", messages=messages)
         messages[2]["content"] = [image_url(as_data)]  # another picture
         client.chat.completions.create(model="rlx", messages=messages)
         assert [s.reason for s in session.segments] == ["first request", "history rewritten", "history rewritten"]
-        assert session.segments[1].image_refs == [as_data, str(tmp_path / "b.png")]  # as this request sent them
-        assert session.segments[2].image_refs == [as_data, as_data]
+        assert session.segments[1].image_refs == [as_data, str(tmp_path / "b.png"), as_data]  # as this request sent
+        assert session.segments[2].image_refs == [as_data] * 3
+        assert segment.to_json()["image_refs"] == segment.image_refs  # an earlier segment in the agent's record
     finally:
         server.close()
         backend.close()
