@@ -388,10 +388,8 @@ def test_bad_images_in_episodes(envs, vlm_episodes, tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"sample 'q/0': the environment's step\(\) message 0 \(tool\) has image parts, "
                                         "but model type 'llama' is a text-only model"):  # fmt: skip
         runner.generate([PromptRecord(id="q", prompt="hi")])
-    # agents and engines without images refuse prompts with images up front
+    # engines without images refuse prompts with images up front (agents: tests/test_agent_images.py)
     prompts = image_prompts(1)
-    with pytest.raises(UserError, match="prompt 'shapes-0' has image parts: agent rollouts"):
-        refuse_images(prompts, RolloutConfig(agent="a.py:run"), engine_class("hf"))
 
     class NoImages(engine_class("hf")):
         name, takes_images = "text-engine", False
@@ -399,8 +397,8 @@ def test_bad_images_in_episodes(envs, vlm_episodes, tmp_path, monkeypatch):
     with pytest.raises(UserError, match="which engine 'text-engine' does not take in multi-turn rollouts"):
         refuse_images(prompts, RolloutConfig(env="e.py:Env"), NoImages)
     result = cli("rollout", "--model", vlm_episodes["ckpt"], "--prompts", vlm_episodes["prompts"], "--out",
-                 tmp_path / "r.jsonl", "--agent", f"{envs}/envs.py:ShowsPictures")  # fmt: skip
-    assert result.exit_code == 1 and "agent rollouts (--agent) do not take images yet" in result.stderr
+                 tmp_path / "r.jsonl", "--env", f"{envs}/envs.py:ShowsPictures", "--engine", "vllm")  # fmt: skip
+    assert result.exit_code == 1 and "which engine 'vllm' does not take in multi-turn rollouts" in result.stderr
 
 
 def test_look_again_env():

@@ -265,8 +265,11 @@ def test_bad_requests_get_openai_style_errors():
         client = openai.OpenAI(base_url=server.base_url("b/1"), api_key="unused", max_retries=0)
         text = {"type": "text", "text": ""}  # the template alone is 19 of the 20 tokens
         picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
-        with pytest.raises(openai.BadRequestError, match="content parts of type 'image_url' are not supported"):
+        with pytest.raises(openai.BadRequestError, match="has image parts, but model type 'llama' is a text"):
             client.chat.completions.create(model="rlx", messages=[{"role": "user", "content": [text, picture]}])
+        sound = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+        with pytest.raises(openai.BadRequestError, match="content parts of type 'input_audio' are not supported"):
+            client.chat.completions.create(model="rlx", messages=[{"role": "user", "content": [text, sound]}])
         reply = client.chat.completions.create(
             model="rlx", messages=[{"role": "user", "content": [text]}], max_tokens=1
         )

@@ -4,6 +4,10 @@ The server runs in this process; each sample's agent gets its own base URL, so e
 makes (through the `openai` client or any HTTP client) lands in that sample's trajectory. The
 sample's record is its last trajectory segment; earlier segments (the agent rewrote its history)
 are kept in `segments` with the reason each began.
+
+The record handed to the agent keeps its prompt's image parts (`{"type": "image", "image": REF}`); the agent may
+send them as they are or as OpenAI `image_url` parts (request_images.py). A sample's images, the prompt's and any
+the agent sent later, are kept in token order in the record's `image_refs`, as an environment episode's are.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ class AgentRollout:
         finish = "env_done" if error else "length" if session.hit_token_limit else last.finish_reason
         extra: dict = {"num_segments": len(session.segments), "segment_reason": last.reason}
         if len(session.segments) > 1:
-            extra["segments"] = [{"reason": s.reason, **s.trajectory.to_json()} for s in session.segments[:-1]]
+            extra["segments"] = [s.to_json() for s in session.segments[:-1]]
         if error:
             extra["env_error"] = error
         return trajectory_record(
@@ -95,6 +99,7 @@ class AgentRollout:
             temperature=self.sampling.temperature,
             env_reward=0.0 if error else reward,
             extra=extra,
+            image_refs=last.image_refs,
         )
 
 

@@ -24,7 +24,7 @@ from functools import partial
 
 from rlx.engine.agent.config import AgentConfig
 from rlx.engine.agent.environment import CallPool, Environment, EnvironmentFactory, Outcome
-from rlx.engine.agent.images import EpisodeImages, ImageCache
+from rlx.engine.agent.images import EpisodeImages, ImageCache, why_no_images
 from rlx.engine.agent.records import FINISH_REASONS, trajectory_record
 from rlx.engine.agent.tool_calls import ParsedTurn, get_tool_call_parser, tool_error_messages
 from rlx.engine.agent.trajectory import ChatRenderer, Trajectory
@@ -34,7 +34,7 @@ from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.requests import Generated, TokenRequest, cut_response
 from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
-from rlx.models.vision.families import is_vision_config
+from rlx.models.vision.images import ImageError
 
 LOCKSTEP_POLL_S = 0.01
 """Engines that step in lockstep over processes go back to the collective this often while waiting."""
@@ -145,7 +145,8 @@ class EnvRollout:
             began = time.perf_counter()
             ep.renderer = ChatRenderer(self.tokenizer, self.stop_ids, tools, self.cfg.chat_template_kwargs)
             ep.images = self._episode_images(ep)
-            opening = ep.images.render(messages, "reset()", partial(ep.renderer.opening_ids, messages))
+            render_ids = partial(ep.renderer.opening_ids, messages)
+            opening = ep.images.render(messages, "the environment's reset()", render_ids)
             ep.images.add(opening, 0)
             ep.trajectory = Trajectory(opening.ids, copy.deepcopy(messages))
             self._seconds["render"] += time.perf_counter() - began
@@ -169,11 +170,7 @@ class EnvRollout:
 
     def _episode_images(self, ep: Episode) -> EpisodeImages:
         engine = self.engine
-        config = getattr(engine.model, "config", None)
-        why_not = f"model type {getattr(config, 'model_type', None)!r} is a text-only model"
-        if config is not None and is_vision_config(config):
-            why_not = "no image processor was loaded for the model"
-        return EpisodeImages(ep.sample_id, self._images, engine.name, engine.takes_images, why_not)
+        return EpisodeImages(ep.sample_id, self._images, engine.name, engine.takes_images, why_no_images(engine))
 
     def _after_turn(
         self, stream: TokenStream, pool: CallPool, stepping: dict[Future, Episode], ep: Episode, gen: Generated
@@ -202,13 +199,19 @@ class EnvRollout:
     def _after_step(self, stream: TokenStream, ep: Episode, outcome: Outcome) -> None:
         self._seconds["env"] += outcome.seconds
         if outcome.error:
-            if self.cfg.on_env_error == "raise":
-                raise UserError(f"{outcome.error} (--on-env-error zero scores such episodes 0 instead)")
-            ep.env_error, ep.env_reward, ep.finish_reason = outcome.error, 0.0, "env_done"
+            self._env_failed(ep, outcome.error)
             return
         replies, reward, done = outcome.value
         ep.env_reward += reward
         self._continue(stream, ep, replies, done)
+
+    def _env_failed(self, ep: Episode, error: str, replies: list[dict] | None = None) -> None:
+        """The environment failed `ep` (`error` names it): the rollout stops, or under --on-env-error zero the
+        episode ends with reward 0 (`replies`, the reply that failed, are kept in its messages)."""
+        if self.cfg.on_env_error == "raise":
+            raise UserError(f"{error} (--on-env-error zero scores such episodes 0 instead)")
+        ep.env_error, ep.env_reward, ep.finish_reason = error, 0.0, "env_done"
+        ep.trajectory.messages += copy.deepcopy(replies or [])
 
     def _continue(self, stream: TokenStream, ep: Episode, replies: list[dict], done: bool) -> None:
         """Append the environment's reply and submit the next turn, or end the episode. A reply that ends the
@@ -220,8 +223,13 @@ class EnvRollout:
             return
         began = time.perf_counter()
         closing = ep.renderer.turn_end_ids(ep.last_turn_ids)
-        rendered = ep.images.render(replies, "step()", partial(ep.renderer.message_ids, replies))
-        self._seconds["render"] += time.perf_counter() - began
+        try:
+            rendered = ep.images.render(replies, "the environment's step()", partial(ep.renderer.message_ids, replies))
+        except ImageError as e:  # the environment's fault, as a reply of the wrong types is
+            self._env_failed(ep, f"{ep.env.where('step()')} returned an image that cannot be used: {e}", replies)
+            return
+        finally:
+            self._seconds["render"] += time.perf_counter() - began
         traj.messages += copy.deepcopy(replies)
         if traj.num_tokens + len(closing) + len(rendered.ids) >= self.cfg.max_total_tokens:  # no room for a model token
             ep.finish_reason = "length"  # images included: their tokens count as any other

@@ -60,13 +60,11 @@ def multi_turn_stats(records: list[RolloutRecord], stats: dict[str, float]) -> R
 
 
 def refuse_images(prompts: list[PromptRecord], cfg: RolloutConfig, engine_class: type[RolloutEngine]) -> None:
-    """Prompts with image parts run episodes of an environment on an engine that takes images (hf, native), not
-    agents (the OpenAI-style endpoint takes text): a UserError naming the first such prompt otherwise."""
+    """Prompts with image parts run episodes (of an environment or an agent) on an engine that takes images (hf,
+    native): a UserError naming the first such prompt otherwise."""
     with_images = next((r for r in prompts if image_refs(r.prompt, r.id)), None)
     if with_images is None:
         return
-    if cfg.agent:
-        raise UserError(f"prompt {with_images.id!r} has image parts: agent rollouts (--agent) do not take images yet")
     if not engine_class.takes_images:
         raise UserError(
             f"prompt {with_images.id!r} has image parts, which engine {engine_class.name!r} does not take in "

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from rlx.errors import UserError
-from rlx.models.vision.images import image_refs, resolve_ref
+from rlx.models.vision.families import is_vision_config
+from rlx.models.vision.images import ImageError, image_refs, resolve_ref
 from rlx.models.vision.inputs import VisionInputs
 from rlx.models.vision.positions import find_image_offsets, image_token_count
 
@@ -41,10 +42,20 @@ class ImageCache:
         with self._lock:
             found = self._items.get(ref)
         if found is None:
-            found = self.processor.process_images([self.processor.load(ref, prompt_id=sample_id)])
+            found = process_image(self.processor, self.processor.load(ref, prompt_id=sample_id), ref, sample_id)
             with self._lock:
                 self._items[ref] = found
         return found
+
+
+def process_image(processor, image, ref: str, sample_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One PIL image through the processor: (pixels [P, D], grid [1, 3]); an image it cannot take (an extreme
+    aspect ratio) is an ImageError naming the sample and the reference."""
+    try:
+        return processor.process_images([image])
+    except ValueError as e:
+        shown = ref if len(ref) <= 60 or not ref.startswith("data:") else ref[:57] + "..."
+        raise ImageError(f"prompt {sample_id!r}: image {shown!r} cannot be processed ({e})") from None
 
 
 @dataclass
@@ -74,10 +85,10 @@ class EpisodeImages:
         self._vision: VisionInputs | None = None
 
     def render(self, messages: list[dict], source: str, render_ids: Callable[[], list[int]]) -> RenderedImages:
-        """The template tokens of `messages` (which `source`, e.g. 'reset()' or 'step()', returned), `render_ids()`,
-        with each image's placeholder repeated once per merged patch of its image (checked before the template
-        renders them)."""
-        refs = self._refs(messages, source)
+        """The template tokens of `messages` (from `source`, e.g. "the environment's step()" or "the request's"),
+        `render_ids()`, with each image's placeholder repeated once per merged patch of its image (checked before
+        the template renders them)."""
+        refs = self.image_refs_of(messages, source)
         ids = render_ids()
         if not refs:
             return RenderedImages(list(ids))
@@ -89,21 +100,21 @@ class EpisodeImages:
         offsets = find_image_offsets(expanded, processor.image_token_id, counts)
         return RenderedImages(expanded, refs, [p for p, _ in loaded], [g for _, g in loaded], offsets)
 
-    def _refs(self, messages: list[dict], source: str) -> list[str]:
+    def image_refs_of(self, messages: list[dict], source: str) -> list[str]:
         """The resolved references of the messages' image parts, in order; a UserError naming the sample and the
-        message when the model or engine takes no images."""
+        message (`source`'s message i) when the model or engine takes no images."""
         refs = []
         for i, message in enumerate(messages):
             found = image_refs([message], self.sample_id)
             if found and self.cache is None:
                 raise UserError(
-                    f"sample {self.sample_id!r}: the environment's {source} message {i} ({message.get('role')}) has "
-                    f"image parts, but {self.why_not}"
+                    f"sample {self.sample_id!r}: {source} message {i} ({message.get('role')}) has image parts, "
+                    f"but {self.why_not}"
                 )
             if found and not self.takes_images:
                 raise UserError(
-                    f"sample {self.sample_id!r}: the environment's {source} message {i} ({message.get('role')}) has "
-                    f"image parts, which engine {self.engine_name!r} does not take (use engine 'hf' or 'native')"
+                    f"sample {self.sample_id!r}: {source} message {i} ({message.get('role')}) has image parts, "
+                    f"which engine {self.engine_name!r} does not take (use engine 'hf' or 'native')"
                 )
             refs += [resolve_ref(ref, Path.cwd()) for ref in found]
         return refs
@@ -127,3 +138,21 @@ class EpisodeImages:
                 torch.cat(self._pixels), torch.cat(self._grids), (len(self.refs),), tuple(self._offsets)
             )
         return self._vision
+
+    def vision_with(self, rendered: RenderedImages, start: int) -> VisionInputs | None:
+        """`vision()` as it will be once `rendered` joins the context at token `start` (nothing is recorded: a
+        request generates with its new images before they are the episode's)."""
+        if not rendered.refs:
+            return self.vision()
+        offsets = tuple(self._offsets) + tuple(start + o for o in rendered.offsets)
+        pixels, grids = torch.cat(self._pixels + rendered.pixels), torch.cat(self._grids + rendered.grids)
+        return VisionInputs(pixels, grids, (len(self.refs) + len(rendered.refs),), offsets)
+
+
+def why_no_images(engine) -> str:
+    """Why a rollout engine without an image processor takes no images: a text-only model, or a vision-language
+    model loaded without its processor."""
+    config = getattr(engine.model, "config", None)
+    if config is not None and is_vision_config(config):
+        return "no image processor was loaded for the model"
+    return f"model type {getattr(config, 'model_type', None)!r} is a text-only model"

@@ -3,7 +3,8 @@
 The server runs until interrupted (Ctrl-C or SIGTERM), or for `max_requests` requests. Every request belongs to
 a sample: `/s/<sample_id>/v1/...` names it, `/v1/...` is the sample 'default'. On exit, with an output file,
 each sample's trajectory (its last segment: see sessions.py) is written as a rollouts.jsonl record, token-exact
-with its loss_mask, so anything that drives a model through an OpenAI client produces rlx training data.
+with its loss_mask (and a vision-language model's images in `image_refs`), so anything that drives a model through
+an OpenAI client produces rlx training data.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from rlx.engine.agent.backend import StreamBackend
 from rlx.engine.agent.records import trajectory_record
 from rlx.engine.agent.server import AgentServer
 from rlx.engine.agent.sessions import SampleSession
-from rlx.engine.checkpoints.loading import load_model
+from rlx.engine.checkpoints.loading import load_model, load_processor
 from rlx.engine.parallel.dist import setup
 from rlx.engine.records import PromptRecord, RolloutRecord, write_records
 from rlx.engine.rollout.base import build_engine
@@ -37,11 +38,12 @@ def run_serve(
         raise UserError(f"--port must be in [0, 65535], got {port}")
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
+    processor = load_processor(source, cfg.vision)  # a vision-language model's images (None for a text model)
     ctx = setup(cfg.device)
     if ctx.world > 1:
         raise UserError("rlx serve runs in one process: start it without torchrun")
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
-    engine = build_engine(cfg, load_model(source, dtype=dtype), tokenizer, ctx)
+    engine = build_engine(cfg, load_model(source, dtype=dtype), tokenizer, ctx, processor)
     sampling = cfg.sampling()
     backend = StreamBackend(engine, sampling, cfg.max_total_tokens, cfg.max_num_seqs)
     try:
@@ -93,4 +95,5 @@ def session_record(session: SampleSession, temperature: float) -> RolloutRecord:
         temperature=temperature,
         env_reward=0.0,
         extra={"num_segments": len(session.segments), "segment_reason": last.reason, "requests": session.num_requests},
+        image_refs=last.image_refs,
     )

@@ -11,7 +11,10 @@ one sample are handled one at a time, in arrival order, and an agent's turn coun
 max_turns here). Sampling
 settings are the server's (the trainer must know the temperature); a request's `max_tokens` may
 only lower the per-turn limit. The whole context of a sample is capped at `max_total_tokens`: a
-request past it gets HTTP 400 with code 'context_length_exceeded', as OpenAI answers.
+request past it gets HTTP 400 with code 'context_length_exceeded', as OpenAI answers. Chat messages may hold
+images on a vision-language model served by the hf or native engine (request_images.py: `image_url` parts with a
+data: URI, a local path or a file:// URL, or rlx's `image` parts); an image that cannot be used (unreadable, an
+http(s) URL, a text-only model or an engine without images) is HTTP 400 naming it, and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 from rlx.engine.agent.backend import StreamBackend
 from rlx.engine.agent.config import AgentConfig
+from rlx.engine.agent.request_images import RequestImages
 from rlx.engine.agent.sessions import SampleSession
 from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.requests import TokenRequest
@@ -74,6 +78,8 @@ class AgentServer:
     ):
         self.backend, self.tokenizer, self.stop_ids = backend, tokenizer, set(stop_ids)
         self.sampling, self.cfg, self.model_name = sampling, cfg, model_name
+        self.images = RequestImages.of_engine(backend.engine)
+        """What the engine makes of image parts: shared by the samples (one processed copy of each image)."""
         self.sessions: dict[str, SampleSession] = {}
         self._sessions_lock = threading.Lock()
         # a fast tokenizer's Rust core may refuse calls from two threads at once ("Already borrowed")
@@ -111,7 +117,9 @@ class AgentServer:
         with self._sessions_lock:
             if sample_id not in self.sessions:
                 stops = StopStrings(self.tokenizer, self.sampling.stop) if self.sampling.stop else None
-                self.sessions[sample_id] = SampleSession(sample_id, self.tokenizer, self.stop_ids, self.cfg, stops)
+                self.sessions[sample_id] = SampleSession(
+                    sample_id, self.tokenizer, self.stop_ids, self.cfg, stops, self.images
+                )
             return self.sessions[sample_id]
 
     def handle(self, method: str, path: str, body: bytes) -> tuple[int, dict]:
@@ -142,7 +150,7 @@ class AgentServer:
         except Exception as e:  # the template, the engine: reported to the client, the server keeps serving
             return 500, _error(f"{type(e).__name__}: {e}", "server_error")
 
-    def _generate(self, session: SampleSession, context_ids: list[int], request: dict):
+    def _generate(self, session: SampleSession, context_ids: list[int], request: dict, vision=None):
         room = self.cfg.max_total_tokens - len(context_ids)
         if room < 1:
             session.hit_token_limit = True
@@ -156,7 +164,7 @@ class AgentServer:
         limit = min(self.sampling.max_new_tokens, asked or self.sampling.max_new_tokens, room)
         key = f"{session.sample_id}/{session.num_requests}"
         greedy = self.sampling.temperature == 0
-        return self.backend.generate(TokenRequest(key, context_ids, limit, greedy))
+        return self.backend.generate(TokenRequest(key, context_ids, limit, greedy, vision=vision))
 
     def _chat(self, session: SampleSession, request: dict) -> dict:
         messages, tools = request.get("messages"), request.get("tools") or None
@@ -168,11 +176,12 @@ class AgentServer:
             raise RequestError(400, "'tools' must be a list of function schemas")
         with session.lock:
             try:
+                read = session.read_messages(messages)  # images are loaded here, not under the tokenizer lock
                 with self._tokenizer_lock:
-                    plan = session.plan_chat(messages, tools)
+                    plan = session.plan_chat(read, tools)
             except (KeyError, TypeError, ValueError) as e:
                 raise RequestError(400, f"a message could not be read: {type(e).__name__}: {e}") from None
-            gen = self._generate(session, plan.context_ids, request)
+            gen = self._generate(session, plan.context_ids, request, plan.vision)
             with self._tokenizer_lock:
                 message, _ = session.commit(plan, gen)
         reason = "length" if gen.finish_reason == "length" else "tool_calls" if message.get("tool_calls") else "stop"

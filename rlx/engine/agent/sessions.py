@@ -9,40 +9,38 @@ segment when their text (or token ids) starts with everything before it.
 
 A request is planned first (`plan_chat`, `plan_completion`) and applied only once its generation
 came back (`commit`), so a failed generation leaves the segment as it was.
+
+Chat messages may hold images (a vision-language model on the hf or native engine): each becomes the processor's
+image tokens where the template puts it, as an environment's reply's images do (images.py), every later request of
+the segment generates with all of its images so far, and requests are compared with each image's reference
+replaced by the digest of its bytes (request_images.py), so a changed image rewrites the history.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from functools import partial
 
 from rlx.engine.agent.config import AgentConfig
+from rlx.engine.agent.images import EpisodeImages, RenderedImages
+from rlx.engine.agent.request_images import RequestImages, has_images, read_content
 from rlx.engine.agent.tool_calls import get_tool_call_parser
 from rlx.engine.agent.trajectory import ChatRenderer, Trajectory
 from rlx.engine.rollout.requests import Generated, cut_response
 from rlx.engine.rollout.stops import StopStrings
+from rlx.errors import UserError
+from rlx.models.vision.inputs import VisionInputs
+
+_SOURCE = "the request's"
 
 
-def message_text(content) -> str:
-    """A message's content as text: a string, None, or OpenAI text parts ({"type": "text", "text": ...}). Any other
-    part (an image, audio, a file) is a ValueError naming its type: the endpoint does not take them yet, and dropping
-    them would train the model on a conversation it never saw."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content]
-        other = next((k for k in kinds if k != "text"), None)
-        if other is not None:
-            raise ValueError(f"content parts of type {other!r} are not supported by this endpoint (text parts only)")
-        return "".join(p.get("text", "") for p in content)
-    raise ValueError(f"message content must be a string or a list of content parts, got {type(content).__name__}")
-
-
-def normalize_message(message: dict) -> dict:
-    """The parts of a chat message that reach the template, in one canonical form (to compare and render)."""
-    out = {"role": message.get("role"), "content": message_text(message.get("content"))}
+def normalize_message(message: dict, where: str = "a message") -> dict:
+    """The parts of a chat message that reach the template, in one canonical form (to compare and render): its content
+    a string, or text and image parts (request_images.py; `where` names the message in errors)."""
+    out = {"role": message.get("role"), "content": read_content(message.get("content"), where)}
+    if out["role"] == "assistant" and has_images(out):
+        raise UserError(f"{where} (assistant) has image parts: images go in user, tool or system messages")
     calls = message.get("tool_calls") or []
     if calls:
         out["tool_calls"] = [
@@ -76,6 +74,28 @@ class Segment:
     last_turn_text: str = ""
     finish_reason: str = "stop"
     """The last generation's: 'stop' or 'length'."""
+    images: EpisodeImages | None = None
+    """chat segments: their images so far (references in token order, pixels, offsets)."""
+    keys: list[dict] = field(default_factory=list)
+    """chat segments: the messages with each image's reference replaced by its content digest (to compare by)."""
+
+    @property
+    def image_refs(self) -> list[str] | None:
+        """The segment's image references in token order (None without images)."""
+        return (self.images.refs or None) if self.images is not None else None
+
+    def to_json(self) -> dict:
+        """An earlier segment as a record's `segments` keep it."""
+        refs = self.image_refs
+        return {"reason": self.reason, **self.trajectory.to_json(), **({"image_refs": refs} if refs else {})}
+
+
+@dataclass
+class ChatRequest:
+    """A chat request's messages read (`SampleSession.read_messages`): as the template takes them, and as compared."""
+
+    messages: list[dict]
+    keys: list[dict]
 
 
 @dataclass
@@ -88,15 +108,24 @@ class Plan:
     inserted_ids: list[int] = field(default_factory=list)
     new_messages: list[dict] = field(default_factory=list)
     new_text: str = ""
+    new_keys: list[dict] = field(default_factory=list)
+    images: RenderedImages | None = None
+    """The new messages' images, which join the segment's at token `image_start` on commit."""
+    image_start: int = 0
+    vision: VisionInputs | None = None
+    """Every image of the context (the segment's and the new ones) with their offsets; None without images."""
 
 
 class SampleSession:
     """Every request made to one sample's base URL (handled one at a time: `lock`)."""
 
     def __init__(
-        self, sample_id: str, tokenizer, stop_ids: set[int], cfg: AgentConfig, stops: StopStrings | None = None
-    ):
+        self, sample_id: str, tokenizer, stop_ids: set[int], cfg: AgentConfig, stops: StopStrings | None = None,
+        images: RequestImages | None = None,
+    ):  # fmt: skip
         self.sample_id, self.tokenizer, self.stop_ids, self.cfg = sample_id, tokenizer, set(stop_ids), cfg
+        self.images = images or RequestImages(None, "?", False, "the server was started without image support")
+        """What the engine makes of image parts (request_images.py)."""
         self.stops = stops
         """rollout.stop: a reply's text ends before its stop string (its tokens keep it)."""
         self.parse = get_tool_call_parser(cfg.tool_parser)
@@ -109,18 +138,31 @@ class SampleSession:
     def current(self) -> Segment | None:
         return self.segments[-1] if self.segments else None
 
-    def plan_chat(self, messages: list[dict], tools: list[dict] | None) -> Plan:
-        messages = [normalize_message(m) for m in messages]
-        seg = self.current
-        reason = self._break_reason(seg, "chat", tools, messages)
+    def read_messages(self, messages: list[dict]) -> ChatRequest:
+        """A chat request's messages in canonical form, and its keys (loading and processing its images: done before
+        `plan_chat`, outside the server's tokenizer lock)."""
+        read = [normalize_message(m, f"message {i}") for i, m in enumerate(messages)]
+        return ChatRequest(read, self.images.keys(read, self.sample_id))
+
+    def plan_chat(self, request: ChatRequest, tools: list[dict] | None) -> Plan:
+        messages, seg = request.messages, self.current
+        reason = self._break_reason(seg, "chat", tools, request.keys)
         if reason is None:
-            new = messages[len(seg.trajectory.messages) :]
-            inserted = seg.renderer.turn_end_ids(seg.last_turn_ids) + seg.renderer.message_ids(new)
-            return Plan(seg, False, seg.trajectory.token_ids() + inserted, inserted, new)
+            new = messages[len(seg.keys) :]
+            closing = seg.renderer.turn_end_ids(seg.last_turn_ids)
+            rendered = seg.images.render(new, _SOURCE, partial(seg.renderer.message_ids, new))
+            start = seg.trajectory.num_tokens + len(closing)
+            inserted, new_keys = closing + rendered.ids, request.keys[len(seg.keys) :]
+            return Plan(
+                seg, False, seg.trajectory.token_ids() + inserted, inserted, new, new_keys=new_keys,
+                images=rendered, image_start=start, vision=seg.images.vision_with(rendered, start),
+            )  # fmt: skip
         renderer = ChatRenderer(self.tokenizer, self.stop_ids, tools, self.cfg.chat_template_kwargs)
-        prompt_ids = renderer.opening_ids(messages)
-        segment = Segment("chat", reason, Trajectory(prompt_ids, messages), tools, renderer)
-        return Plan(segment, True, list(prompt_ids))
+        images = self.images.episode(self.sample_id)
+        rendered = images.render(messages, _SOURCE, partial(renderer.opening_ids, messages))
+        trajectory = Trajectory(rendered.ids, messages)
+        segment = Segment("chat", reason, trajectory, tools, renderer, images=images, keys=list(request.keys))
+        return Plan(segment, True, list(rendered.ids), images=rendered, vision=images.vision_with(rendered, 0))
 
     def plan_completion(self, prompt: str | list[int]) -> Plan:
         seg = self.current
@@ -149,7 +191,7 @@ class SampleSession:
         if kind == "chat":
             if (tools or None) != (seg.tools or None):
                 return "tools changed"
-            known = seg.trajectory.messages
+            known = seg.keys
             return None if request[: len(known)] == known else "history rewritten"
         if isinstance(request, list):
             return None if request[: seg.trajectory.num_tokens] == seg.trajectory.token_ids() else "history rewritten"
@@ -162,6 +204,8 @@ class SampleSession:
         if plan.is_new:
             self.segments.append(seg)
         traj = seg.trajectory
+        if plan.images is not None:
+            seg.images.add(plan.images, plan.image_start)
         traj.add_inserted(plan.inserted_ids)
         traj.add_model_turn(gen.response_ids, gen.logprobs)
         self.num_requests += 1
@@ -175,5 +219,7 @@ class SampleSession:
             return seg.last_turn_text, []
         parsed = self.parse(seg.last_turn_text, traj.num_turns - 1)
         message = parsed.message if not parsed.errors else {"role": "assistant", "content": seg.last_turn_text}
-        traj.messages += plan.new_messages + [normalize_message(message)]
+        reply = normalize_message(message)
+        traj.messages += plan.new_messages + [reply]
+        seg.keys += plan.new_keys + [reply]
         return message, parsed.errors

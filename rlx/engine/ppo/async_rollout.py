@@ -212,7 +212,7 @@ class RolloutWorker:
             prompts, position, sampling = self._step_prompts(step)
             work = _StepWork(step, position, sampling, [], [], start, self.version)
             work.draws = draws
-            refuse_images(prompts, self.cfg.rollout, type(self.engine))  # agents take no images yet
+            refuse_images(prompts, self.cfg.rollout, type(self.engine))  # engines without images refuse them
             runner = multi_turn_runner(self.engine, self.tokenizer, self.cfg.rollout, sampling)
             records = runner.generate(prompts)
             for record in records:

@@ -7,7 +7,8 @@ An image part is `{"type": "image", "image": REF}` inside a message's content li
 - a `data:image/...;base64,...` URI holding the encoded image itself.
 
 Records keep the reference, never pixels. Every error is a UserError naming the prompt id and the
-reference (data URIs shortened).
+reference (data URIs shortened); one reading or decoding an image is an `ImageError` (a missing or broken file,
+bad base64), which multi-turn rollouts count against the environment that sent it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from rlx.errors import UserError
 
 IMAGE_PART = "image"
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+class ImageError(UserError):
+    """An image reference that cannot be read or decoded (the message names the prompt and the reference)."""
 
 
 def _short(ref: str, limit: int = 60) -> str:
@@ -100,55 +105,63 @@ def resolve_prompt_images(prompt, base: str | Path | None):
 def _decode_data_uri(ref: str, prompt_id) -> bytes:
     header, comma, payload = ref.partition(",")
     if not comma or not header.endswith(";base64"):
-        raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} is a data: URI without ';base64,' data")
+        raise ImageError(f"prompt {prompt_id!r}: image {_short(ref)!r} is a data: URI without ';base64,' data")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} has bad base64 data ({e})") from None
+        raise ImageError(f"prompt {prompt_id!r}: image {_short(ref)!r} has bad base64 data ({e})") from None
 
 
-def _read_bytes(ref: str, prompt_id) -> bytes:
-    """The bytes behind a reference (data: URI, fsspec URL or local path)."""
+def read_image_bytes(ref: str, prompt_id=None) -> bytes:
+    """The bytes behind a resolved reference (data: URI, fsspec URL or local path)."""
     if ref.startswith("data:"):
         return _decode_data_uri(ref, prompt_id)
     if not is_url(ref):
         try:
             return Path(ref).read_bytes()
         except FileNotFoundError:
-            raise UserError(f"prompt {prompt_id!r}: image {ref!r} does not exist") from None
+            raise ImageError(f"prompt {prompt_id!r}: image {ref!r} does not exist") from None
         except OSError as e:
-            raise UserError(f"prompt {prompt_id!r}: image {ref!r} cannot be read ({e.strerror or e})") from None
+            raise ImageError(f"prompt {prompt_id!r}: image {ref!r} cannot be read ({e.strerror or e})") from None
     import fsspec
 
     try:
         with fsspec.open(ref, "rb") as f:
             return f.read()
     except FileNotFoundError:
-        raise UserError(f"prompt {prompt_id!r}: image {ref!r} does not exist") from None
+        raise ImageError(f"prompt {prompt_id!r}: image {ref!r} does not exist") from None
     except ImportError as e:
-        raise UserError(f"prompt {prompt_id!r}: image {ref!r}: its protocol needs an extra package ({e})") from None
+        raise ImageError(f"prompt {prompt_id!r}: image {ref!r}: its protocol needs an extra package ({e})") from None
     except (OSError, ValueError) as e:
-        raise UserError(f"prompt {prompt_id!r}: image {ref!r} cannot be read ({e})") from None
+        raise ImageError(f"prompt {prompt_id!r}: image {ref!r} cannot be read ({e})") from None
 
 
 @contextmanager
-def _opened(ref: str, prompt_id):
-    """The image behind resolved `ref`, opened by Pillow (errors reading or decoding it name the prompt and image)."""
+def _opened(ref: str, prompt_id, data: bytes | None = None):
+    """The image behind resolved `ref` (whose bytes are `data` when given), opened by Pillow (errors reading or
+    decoding it name the prompt and image)."""
     from PIL import Image, UnidentifiedImageError
 
-    data = _read_bytes(ref, prompt_id)
+    data = read_image_bytes(ref, prompt_id) if data is None else data
     try:
         with Image.open(io.BytesIO(data)) as image:
             yield image
     except UnidentifiedImageError:
-        raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} is not an image format Pillow reads") from None
+        raise ImageError(f"prompt {prompt_id!r}: image {_short(ref)!r} is not an image format Pillow reads") from None
     except (OSError, SyntaxError, ValueError) as e:
-        raise UserError(f"prompt {prompt_id!r}: image {_short(ref)!r} is not a readable image ({e})") from None
+        raise ImageError(f"prompt {prompt_id!r}: image {_short(ref)!r} is not a readable image ({e})") from None
 
 
 def load_image(ref: str, *, prompt_id=None, base: str | Path | None = None):
     """The image behind `ref` as an RGB `PIL.Image` (decoded now, so a broken file fails here)."""
     with _opened(resolve_ref(ref, base), prompt_id) as image:
+        image.load()
+        return image.convert("RGB")
+
+
+def decode_image(data: bytes, ref: str, *, prompt_id=None):
+    """The image whose encoded bytes `data` were read from `ref`, as an RGB `PIL.Image` (errors name `ref`)."""
+    with _opened(ref, prompt_id, data) as image:
         image.load()
         return image.convert("RGB")
 
