@@ -296,22 +296,29 @@ def test_missing_processor_kimi_and_changed_images(vlm, tmp_path):
     assert "sample 'shapes-1/0': image" in message and "shapes-1.png' now gives patch grid [1, 10, 12]" in message
 
 
-def test_agent_rollouts_refuse_images(vlm, tmp_path):
-    """Environments take prompts with images (tests/test_multi_turn_images.py); agents, over the text endpoint,
-    do not yet."""
-    agent = tmp_path / "agent.py"
-    agent.write_text("def run(record, base_url):\n    return 0.0\n")
-    message = error_of("rollout", "--model", vlm["ckpt"], "--prompts", vlm["prompts"], "--out", tmp_path / "r.jsonl",
-                       "--agent", f"{agent}:run")  # fmt: skip
-    assert "prompt 'shapes-0' has image parts: agent rollouts (--agent) do not take images yet" in message
-    assert not (tmp_path / "r.jsonl").exists()
-    from rlx.engine.agent.generate import generate_multi_turn  # what `rlx ppo` runs: refused before any engine use
-    from rlx.engine.records import read_prompts
-    from rlx.errors import UserError
-
-    cfg = RolloutConfig(agent=f"{agent}:run")
-    with pytest.raises(UserError, match="prompt 'shapes-0' has image parts: agent rollouts"):
-        generate_multi_turn(None, None, read_prompts(vlm["prompts"]), cfg, cfg.sampling())
+def test_lora_adapts_the_language_model(vlm, tmp_path):
+    """LoRA on a vision-language model: 'all-linear' adapts the language model's linear layers (the tower gets
+    adapters only where its layers are named); train-step with images trains them; the merged model changes the
+    language model only."""
+    cli_ok("shard", "--model", vlm["ckpt"], "--out", tmp_path / "lora", "--lora-rank", "4", "--lora-init", "random")
+    adapters = read_weights(tmp_path / "lora")
+    assert adapters and all(".language_model." in k for k in adapters if "lora_" in k)
+    cli_ok("score", "--rollouts", vlm["rollouts"], "--actor", tmp_path / "lora", "--reward", vlm["reward"],
+           "--out", tmp_path / "s", "--use-packing")  # fmt: skip
+    step = ["train-step", "--batch", tmp_path / "s" / "batch.safetensors", "--lr", "1e-2"]
+    cli_ok(*step, "--checkpoint", tmp_path / "lora", "--out", tmp_path / "step1", "--use-packing")
+    cli_ok("merge", "--checkpoint", tmp_path / "step1", "--out", tmp_path / "merged")
+    before, after = read_weights(vlm["ckpt"]), read_weights(tmp_path / "merged")
+    assert before.keys() == after.keys() and tower_keys(before)
+    assert all(torch.equal(before[k], after[k]) for k in tower_keys(before))
+    assert any(not torch.equal(before[k], after[k]) for k in before if ".language_model." in k)
+    cli_ok("shard", "--model", vlm["ckpt"], "--out", tmp_path / "qkv", "--lora-rank", "4", "--lora-target-modules",
+           "qkv")  # fmt: skip
+    named = [k for k in read_weights(tmp_path / "qkv") if "lora_A" in k]
+    assert named and all(".visual." in k and ".qkv." in k for k in named)
+    cli_ok("shard", "--model", vlm["ckpt"], "--out", tmp_path / "critic", "--role", "critic", "--lora-rank", "4")
+    critic = [k for k in read_weights(tmp_path / "critic") if "lora_A" in k]
+    assert critic and all(".language_model." in k for k in critic)
 
 
 @pytest.mark.slow  # two torchruns of 2 processes: ~60 s on 2 CPU cores

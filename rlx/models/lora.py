@@ -98,12 +98,22 @@ def linear_module_names(model: torch.nn.Module) -> list[str]:
     ]
 
 
+def vision_tower_names(model: torch.nn.Module) -> tuple[str, ...]:
+    """Module paths of a vision-language model's vision tower (its family's); () for a text model."""
+    from rlx.models.vision.families import family_of, is_vision_config
+
+    return family_of(model.config).vision_modules if is_vision_config(model.config) else ()
+
+
 def resolve_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
     """Full names of the linear layers `targets` select (see LoraConfig.target_modules); a target that
-    matches nothing is a UserError listing the model's linear layer names."""
+    matches nothing is a UserError listing the model's linear layer names. 'all-linear' on a vision-language
+    model means the language model's linear layers: the vision tower (frozen by default) gets adapters only
+    where its layers are named."""
     linear = linear_module_names(model)
     if targets == [ALL_LINEAR]:
-        chosen = set(linear)
+        tower = vision_tower_names(model)
+        chosen = {n for n in linear if not any(n == t or n.startswith(t + ".") for t in tower)}
     else:
         chosen = set()
         for target in targets:
@@ -122,9 +132,11 @@ def resolve_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
 
 def compact_targets(model: torch.nn.Module, target_names: list[str]) -> list[str]:
     """The layers' short names ('q_proj', ...) when PEFT's suffix matching of them over the whole model selects
-    exactly `target_names` (readable in adapter_config.json), else the full names (matched exactly)."""
+    exactly `target_names` (readable in adapter_config.json), else the full names (matched exactly). PEFT matches
+    any module, not only linear ones: a short name such as '0' (a layer of an nn.Sequential) also names whole
+    blocks ('layers.0'), and then the full names are used."""
     short = sorted({n.rsplit(".", 1)[-1] for n in target_names})
-    matched = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in short}
+    matched = {n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in short}
     return short if matched == set(target_names) else sorted(target_names)
 
 
