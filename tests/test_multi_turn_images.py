@@ -38,8 +38,8 @@ from rlx.models.vision.positions import find_image_offsets, image_token_mask
 from rlx.models.vision.tiny import build_tiny_vision_model, write_tiny_vision_model_dir
 from rlx.tasks.shapes import generate_shapes
 from rlx.tasks.shapes_look import LookAgainEnv, is_correct
-from tests.conftest import cli, cli_ok, read_jsonl, write_jsonl
-from tests.test_vision_stages import assert_same_gradients
+from tests.conftest import cli, cli_ok, read_jsonl, torchrun, write_jsonl
+from tests.test_vision_stages import assert_same_gradients, assert_same_weights
 
 ENVS = '''
 import random
@@ -299,6 +299,21 @@ def test_score_and_train_step_rebuild_the_episodes_images(vlm_episodes, tmp_path
     cli_ok(*step, "--out", tmp_path / "padded")
     cli_ok(*step, "--out", tmp_path / "packed_step", "--use-packing")
     assert_same_gradients(tmp_path / "padded", tmp_path / "packed_step")
+
+
+@pytest.mark.slow  # two torchruns of 2 processes: ~60 s on 2 CPU cores
+def test_fsdp_and_sequence_parallel_train_steps_on_episodes_equal_one_process(vlm_episodes, tmp_path):
+    """Episodes with pictures in the replies (images inside response_ids, environment tokens masked) train the same
+    under FSDP and Ulysses SP 2 (the images' tokens split across the ranks) as in one process."""
+    cli_ok("score", "--rollouts", vlm_episodes["rollouts"], "--actor", vlm_episodes["ckpt"], "--reward", "env",
+           "--out", tmp_path / "s")  # fmt: skip
+    step = ["train-step", "--checkpoint", vlm_episodes["ckpt"], "--batch", tmp_path / "s" / "batch.safetensors",
+            "--lr", "1e-2", "--use-packing", "--no-freeze-vision-tower"]  # fmt: skip
+    cli_ok(*step, "--out", tmp_path / "one")
+    torchrun(2, *step, "--out", tmp_path / "fsdp")
+    torchrun(2, *step, "--out", tmp_path / "sp", "--sp-degree", "2")
+    assert_same_weights(tmp_path / "one", tmp_path / "fsdp", atol=1e-4)  # Adam: see assert_same_gradients
+    assert_same_weights(tmp_path / "one", tmp_path / "sp", atol=1e-4)
 
 
 def test_critic_values_of_episodes_with_images(vlm_episodes, tmp_path):
