@@ -66,8 +66,10 @@ def run_in_stream(engine, rollout: RolloutConfig, eval_cfg: EvalConfig, prompts,
     ("eval_settings", "rollout_settings"),
     [
         ({"temperature": 0.0, "max_new_tokens": 6}, {"temperature": 1.0, "max_new_tokens": 4}),  # greedy, wider
-        ({"temperature": 0.9, "top_k": 5, "n": 3, "max_new_tokens": 3}, {"temperature": 0.9, "top_k": 5,
-                                                                          "max_new_tokens": 7}),  # fmt: skip
+        (
+            {"temperature": 0.9, "top_k": 5, "n": 3, "max_new_tokens": 3},
+            {"temperature": 0.9, "top_k": 5, "max_new_tokens": 7},
+        ),
         ({"temperature": 0.9, "n": 2, "max_new_tokens": 9}, {"temperature": 0.9, "max_new_tokens": 5}),
     ],
 )
@@ -81,7 +83,8 @@ def test_eval_in_the_stream_equals_the_eval_alone(policy, engine_name, eval_sett
     rollout = RolloutConfig(engine=engine_name, n=4, **rollout_settings)
     assert shares_stream(eval_cfg, rollout)
     alone, _ = evaluate(eval_cfg, make_engine(model, tokenizer, rollout), prompts[:6])
-    share, trained = run_in_stream(make_engine(model, tokenizer, rollout), rollout, eval_cfg, prompts[:6], prompts[6:12])
+    engine = make_engine(model, tokenizer, rollout)
+    share, trained = run_in_stream(engine, rollout, eval_cfg, prompts[:6], prompts[6:12])
     assert trained == 6 * 4 and share.overlap_samples == 12
     assert share.samples == alone
     assert len({s.response for s in alone}) > 1  # the comparison is not of empty or identical answers

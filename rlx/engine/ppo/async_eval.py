@@ -76,7 +76,8 @@ class StreamEval:
         self.results: list[Generated | None] = [None] * len(self.tokens)
         self.pending = set(range(len(self.tokens)))
         self.overlap_samples = 0
-        """Training samples submitted while these are in flight."""
+        """Training samples admitted while this eval is pending."""
+        self.is_submitted = False
 
     @property
     def longest(self) -> int:
@@ -87,6 +88,7 @@ class StreamEval:
         """Queue every request in `stream`, tagged ('eval', version, index)."""
         for i, token in enumerate(self.tokens):
             stream.submit(("eval", self.version, i), token)
+        self.is_submitted = True
 
     def take(self, index: int, generated: Generated) -> None:
         self.results[index] = generated

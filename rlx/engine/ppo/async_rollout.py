@@ -176,6 +176,7 @@ class RolloutWorker:
                     continue
                 if self.eval_pending is None or self.eval_work is not None:  # the drain path admits nothing meanwhile
                     self._admit(queue, active, start)
+                self._submit_eval()  # after the training samples: a stream it opens is sized for those too
                 if not active and self.eval_work is None:  # the bound needs newer weights than these: wait for them
                     what = f"policy version {self.version + 1} from the trainers"
                     self.weight_wait_s += self.channel.wait(f"w/{self.version + 1}/0", what, stop_aware=True)
@@ -399,8 +400,8 @@ class RolloutWorker:
         return StreamEval(version, self.cfg.eval, self.engine, prompts, self.eval_received)
 
     def _eval_drained(self, active: dict[int, _StepWork]) -> bool:
-        """Start a pending [eval]: into the stream (opened for it when there is none), or on the drain path once
-        nothing is in flight; True when the drain path ran it (the caller's loop starts over)."""
+        """Start a pending [eval]: its requests for the stream (submitted by `_submit_eval`), or on the drain path
+        once nothing is in flight; True when the drain path ran it (the caller's loop starts over)."""
         if self.eval_pending is None or self.eval_work is not None:
             return False
         if not self.eval_in_stream:
@@ -411,13 +412,17 @@ class RolloutWorker:
         self.eval_work = self._eval_share_work(self.eval_pending)
         if self.eval_work.is_done:  # no held-out prompt falls to this rank
             self._put_eval(self.eval_work.finish(self.tokenizer))
-            return False
+        return False
+
+    def _submit_eval(self) -> None:
+        """The pending eval's requests into the stream (opened for them when there is none), once."""
+        if self.eval_work is None or self.eval_work.is_submitted:
+            return
         if self.stream is None:
             per_step = len(shard_range(self.cfg.data.prompts_per_step, self.roles.rank_in_role, self.roles.num_rollout))
             slots = max(len(self.eval_work.tokens), per_step * self.cfg.rollout.n)
             self._open(self.cfg.rollout.sampling(seed=self.cfg.seed), self.eval_context, slots)
         self.eval_work.submit(self.stream)
-        return False
 
     def _put_eval(self, share: EvalShare) -> None:
         self.channel.put(f"e/{self.eval_pending}/{self.roles.rank_in_role}", share)
@@ -430,6 +435,7 @@ class RolloutWorker:
         if self.eval_pending is None:
             return
         if self.eval_work is not None:
+            self._submit_eval()
             while self.eval_pending is not None:
                 self._step_stream()
             return
