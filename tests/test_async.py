@@ -183,7 +183,8 @@ reward = ["arith"]
 def test_eval_on_the_rollout_ranks(tmp_path):
     """[eval] in an async run: the rollout rank evaluates exactly the weights after each due step. At max_staleness
     0 the val/* metrics and eval.jsonl equal the synchronous run's; at 1 on the native engine (a stream across
-    steps, drained before each evaluation) each step's eval.jsonl equals `rlx eval` of that step's checkpoint."""
+    steps, the eval's samples in it next to training samples) each step's eval.jsonl equals `rlx eval` of that
+    step's checkpoint."""
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(RECIPE + EVAL_TABLE)
     (tmp_path / "sync").mkdir()
@@ -196,9 +197,14 @@ def test_eval_on_the_rollout_ranks(tmp_path):
     assert val[0] == val[1]
     for step in (0, 2, 4):
         assert read_jsonl(sync / f"step_{step:06d}" / EVAL_FILE) == read_jsonl(lag0 / f"step_{step:06d}" / EVAL_FILE)
+    overlap = {m["step"]: m["async/eval_overlap_samples"] for m in lines[1] if "val/pass@1" in m}
+    assert overlap[0] == overlap[2] == 8 * 4 and overlap[4] == 0  # the next step's samples ran next to the eval's
     run = tmp_path / "lag1"
     ppo_torchrun(2, recipe, run, "async.max_staleness=1", 'rollout.engine="native"', "rollout.max_new_tokens=24")
     check_staleness(run, 4, 1)
+    evaluated = [m for m in read_jsonl(run / "metrics.jsonl") if "val/pass@1" in m]
+    assert [m["async/eval_overlap_samples"] for m in evaluated][:2] == [2 * 8 * 4, 8 * 4]
+    assert all(m["async/eval_pending_s"] > 0 for m in evaluated)
     for step in (2, 4):
         out = tmp_path / f"eval{step}"
         cli_ok("eval", "--model", run / "checkpoints" / f"step_{step:06d}", "--prompts", REPO / "recipes" / "data" /

@@ -22,10 +22,13 @@ so steps enter the stream one at a time (the bound still lets a step be generate
 ones). While a rank waits for the others' counts (nothing in flight) it takes new weights and evaluates as between
 steps.
 
-[eval]: the weights after a step due for evaluation are evaluated here, exactly those: on receiving them a rank
-admits no new prompts and takes no newer weights until its samples in flight have finished, then answers its share
-of the held-out prompts (e/STEP/RANK in the store) and goes on. The trainers wait for the shares at that step, as
-the synchronous loop waits for its evaluation.
+[eval]: the weights after a step due for evaluation are evaluated here, exactly those. On receiving them a rank
+takes them as any version and puts its share of the held-out prompts into the open stream next to the training
+samples (rlx/engine/ppo/async_eval.py), so training samples keep being admitted under the bound; it takes no newer
+weights until every eval sample has finished, then puts the graded share in the store (e/STEP/RANK). An eval whose
+sampling cannot share the training's stream (a different temperature or stop strings), and multi-turn runs, take the
+drain path instead: no new prompts until the samples in flight have finished, then the eval alone. The trainers wait
+for the shares at that step, as the synchronous loop waits for its evaluation.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from rlx.engine.data import take_prompts
 from rlx.engine.evaluation import eval_due, evaluate
 from rlx.engine.parallel.dist import DistContext, shard_range
 from rlx.engine.parallel.roles import Roles
+from rlx.engine.ppo.async_eval import EvalShare, StreamEval, is_eval_tag, shares_stream, stream_sampling
 from rlx.engine.ppo.async_transport import BroadcastWeights, Channel, StopSignal
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.ppo.dynamic_sampling import GroupFilter, kept_groups
@@ -120,7 +124,16 @@ class RolloutWorker:
         self.start_step = 0
         self.eval_pending: int | None = None
         """A policy version due for [eval], received and not yet evaluated."""
+        self.eval_received = 0.0
+        """When eval_pending was received."""
+        self.eval_work: StreamEval | None = None
+        """eval_pending's requests while they are in the stream."""
+        self.eval_in_stream = cfg.eval is not None and shares_stream(cfg.eval, cfg.rollout)
+        self.eval_context = self._eval_share_work(0).longest if self.eval_in_stream else 0
+        """The longest context of this rank's eval requests: every stream is opened with room for them."""
         self.stream = None
+        self.active: dict[int, _StepWork] = {}
+        """The steps (or dynamic-sampling batches) in the stream, by step."""
         self.next_position = 0
         """The data position the next batch of prompts starts at."""
         self.score_cfg = dataclasses.replace(
@@ -155,25 +168,23 @@ class RolloutWorker:
                 self._produce_episodes(step, start)
             return
         queue, active = list(steps), {}
+        self.active = active
         self.stream, self.stream_context, self.ready = None, 0, None
         try:
             while queue or active or self.eval_pending is not None:
-                if self.eval_pending is not None and not active:
-                    self._evaluate_pending()
+                if self._eval_drained(active):
                     continue
-                if self.eval_pending is None:  # while one is pending, no new prompts: the samples in flight finish
+                if self.eval_pending is None or self.eval_work is not None:  # the drain path admits nothing meanwhile
                     self._admit(queue, active, start)
-                if not active:  # the bound needs newer weights than these: wait for them
+                self._submit_eval()  # after the training samples: a stream it opens is sized for those too
+                if not active and self.eval_work is None:  # the bound needs newer weights than these: wait for them
                     what = f"policy version {self.version + 1} from the trainers"
                     self.weight_wait_s += self.channel.wait(f"w/{self.version + 1}/0", what, stop_aware=True)
                     self._new_weights(active)
                     continue
-                if self.eval_pending is None and self._update_waiting():
+                if self.eval_pending is None and self._update_waiting():  # never past a version under evaluation
                     self._new_weights(active)
-                for (step, i), generated in self.stream.step():
-                    work = active[step]
-                    work.results[i] = generated
-                    work.pending.discard(i)
+                self._step_stream()
                 for step in [s for s, work in active.items() if not work.pending]:
                     work = active.pop(step)
                     if not self._put(work):  # dynamic sampling: the ranks draw another batch of the step
@@ -190,7 +201,7 @@ class RolloutWorker:
                 return
             self.ready = self.ready or self._prepare(queue[0], start)
             if self.ready.longest > self.stream_context and self.stream is not None:
-                if active:
+                if active or self.eval_work is not None:
                     return
                 self.stream.close()
                 self.stream = None
@@ -243,11 +254,14 @@ class RolloutWorker:
 
     def _next_batch(self, work: _StepWork, start: dict) -> _StepWork:
         """Dynamic sampling: the step's next batch, in the stream (nothing else is in flight: reopened if its
-        prompts are longer than the stream was sized for); a version due for [eval] is evaluated first."""
-        self._evaluate_pending()
+        prompts are longer than the stream was sized for); a version due for [eval] is evaluated first on the drain
+        path, or goes on in the stream."""
+        if not self.eval_in_stream:
+            self._evaluate_pending()
         following = self._prepare(work.step, start)
         following.draws = work.draws
         if self.stream is not None and following.longest > self.stream_context:
+            self._evaluate_pending()  # the stream is reopened: an eval in it finishes first
             self.stream.close()
             self.stream = None
         return self._submit(following)
@@ -258,13 +272,31 @@ class RolloutWorker:
         if self.stream is None:  # room for later steps' somewhat longer prompts; a step longer still waits (_produce)
             self._open(work.sampling, work.longest * 5 // 4, len(work.tokens))
         work.began, work.spans = time.perf_counter(), [[[0, self.version]] for _ in work.tokens]
+        if self.eval_work is not None:
+            self.eval_work.overlap_samples += len(work.pending)
         for i in sorted(work.pending):
             self.stream.submit((work.step, i), work.tokens[i])
         return work
 
     def _open(self, sampling: SamplingParams, context: int, per_step: int) -> None:
+        """A stream with the training's sampling, room for eval requests too when they share it."""
         slots = per_step * (1 + self.cfg.async_.max_staleness)  # the steps the bound lets run at once
+        context = max(context, self.eval_context)
+        sampling = stream_sampling(sampling, self.cfg.eval if self.eval_in_stream else None)
         self.stream, self.stream_context = self.engine.open_stream(sampling, context, slots), context
+
+    def _step_stream(self) -> None:
+        """One engine step; finished samples go to their step's work or to the eval in flight (which is put in the
+        store once its last sample is in)."""
+        for tag, generated in self.stream.step():
+            if is_eval_tag(tag):
+                self.eval_work.take(tag[2], generated)
+            else:
+                work = self.active[tag[0]]
+                work.results[tag[1]] = generated
+                work.pending.discard(tag[1])
+        if self.eval_work is not None and self.eval_work.is_done:
+            self._put_eval(self.eval_work.finish(self.tokenizer))
 
     def _new_weights(self, active: dict[int, _StepWork]) -> None:
         """Take the next policy version. 'continue': in-flight samples go on under it (where each one's new run of
@@ -359,20 +391,60 @@ class RolloutWorker:
         source.drain()
         self.version = version
         if eval_due(self.cfg.eval, version, self.start_step, self.cfg.steps):
-            self.eval_pending = version
+            self.eval_pending, self.eval_received = version, time.perf_counter()
+
+    def _eval_share_work(self, version: int) -> StreamEval:
+        """This rank's share of the held-out prompts as stream requests of `version`."""
+        mine = shard_range(len(self.eval_prompts), self.roles.rank_in_role, self.roles.num_rollout)
+        prompts = [self.eval_prompts[i] for i in mine]
+        return StreamEval(version, self.cfg.eval, self.engine, prompts, self.eval_received)
+
+    def _eval_drained(self, active: dict[int, _StepWork]) -> bool:
+        """Start a pending [eval]: its requests for the stream (submitted by `_submit_eval`), or on the drain path
+        once nothing is in flight; True when the drain path ran it (the caller's loop starts over)."""
+        if self.eval_pending is None or self.eval_work is not None:
+            return False
+        if not self.eval_in_stream:
+            if active:
+                return False
+            self._evaluate_pending()
+            return True
+        self.eval_work = self._eval_share_work(self.eval_pending)
+        if self.eval_work.is_done:  # no held-out prompt falls to this rank
+            self._put_eval(self.eval_work.finish(self.tokenizer))
+        return False
+
+    def _submit_eval(self) -> None:
+        """The pending eval's requests into the stream (opened for them when there is none), once."""
+        if self.eval_work is None or self.eval_work.is_submitted:
+            return
+        if self.stream is None:
+            per_step = len(shard_range(self.cfg.data.prompts_per_step, self.roles.rank_in_role, self.roles.num_rollout))
+            slots = max(len(self.eval_work.tokens), per_step * self.cfg.rollout.n)
+            self._open(self.cfg.rollout.sampling(seed=self.cfg.seed), self.eval_context, slots)
+        self.eval_work.submit(self.stream)
+
+    def _put_eval(self, share: EvalShare) -> None:
+        self.channel.put(f"e/{self.eval_pending}/{self.roles.rank_in_role}", share)
+        self.eval_pending, self.eval_work = None, None
 
     def _evaluate_pending(self) -> None:
-        """[eval] of the weights held (the version due), with no samples in flight: this rank's share of the
-        held-out prompts, graded, into the store for the trainers."""
+        """[eval] of the version due: one in the stream is stepped to its end (training samples in flight go on
+        meanwhile); else, with no samples in flight (the drain path), this rank's share of the held-out prompts is
+        answered alone. The graded share goes into the store for the trainers."""
         if self.eval_pending is None:
+            return
+        if self.eval_work is not None:
+            self._submit_eval()
+            while self.eval_pending is not None:
+                self._step_stream()
             return
         if self.stream is not None:
             self.stream.close()
             self.stream = None
         mine = shard_range(len(self.eval_prompts), self.roles.rank_in_role, self.roles.num_rollout)
         samples = evaluate(self.cfg.eval, self.engine, [self.eval_prompts[i] for i in mine])[0] if mine else []
-        self.channel.put(f"e/{self.eval_pending}/{self.roles.rank_in_role}", samples)
-        self.eval_pending = None
+        self._put_eval(EvalShare(samples, time.perf_counter() - self.eval_received))
 
     def _evaluate_last_versions(self) -> None:
         """The versions after the last step's samples that are due for [eval] (the trainers push only those)."""

@@ -23,7 +23,9 @@ one trained), `async/partial_rollout_share` (samples that new weights reached wh
 under them, async.partial_rollouts = 'drop', or finished by them, 'continue'),
 `async/queue_depth` (later steps' batches already waiting when this one was taken), `async/trainer_wait_s`
 (seconds the trainers waited for this batch), `async/rollout_weight_wait_s` (seconds rollout ranks waited for
-weights the bound required while producing it, the slowest rank), `timing/weight_push_s`.
+weights the bound required while producing it, the slowest rank), `timing/weight_push_s`; at evaluated steps
+`async/eval_pending_s` (seconds from a rollout rank receiving the weights to its eval share being graded, the slowest
+rank) and `async/eval_overlap_samples` (training samples admitted next to the eval's in the stream, every rank).
 """
 
 from __future__ import annotations
@@ -108,11 +110,13 @@ class AsyncPPORun(PPORun):
         exactly those weights; the lead trainer takes the graded shares and writes step_NNNNNN/eval.jsonl."""
         start, metrics = time.perf_counter(), None
         if self.roles.is_lead_trainer:
-            samples = []
-            for r in range(self.roles.num_rollout):
-                samples += self.channel.take(f"e/{step}/{r}", f"the evaluation of step {step} from rollout rank {r}")
+            shares = [self.channel.take(f"e/{step}/{r}", f"the evaluation of step {step} from rollout rank {r}")
+                      for r in range(self.roles.num_rollout)]  # fmt: skip
+            samples = [s for share in shares for s in share.samples]
             write_jsonl(step_dir(self.run_dir, step) / EVAL_FILE, (s.to_json() for s in samples))
             metrics = graded_metrics(samples)
+            metrics["async/eval_pending_s"] = max(share.pending_s for share in shares)
+            metrics["async/eval_overlap_samples"] = float(sum(share.overlap_samples for share in shares))
         metrics = broadcast_object(metrics)
         metrics["timing/eval_s"] = time.perf_counter() - start
         return metrics

@@ -7,6 +7,7 @@ trains step s. Keys (under `rlx-async/`):
     start            {start_step, data_position}: where the trainers start (a resume continues its checkpoint)
     b/S/R            rollout rank R's share of step S's samples, with its generation statistics
     g/S/J/R          dynamic sampling: rollout rank R's count of informative groups in batch J of step S
+    e/V/R            [eval]: rollout rank R's graded share of the held-out prompts under policy version V (EvalShare)
     w/V/I            the header of bucket I of policy version V: names, shapes and dtypes of its tensors
     stop             the trainers are done (or failed): rollout ranks exit
 
