@@ -2,14 +2,14 @@
 # The multi-turn calculator recipe (recipes/calculator.toml) as a shell pipeline of the separate commands.
 # For the same seed it produces the same weights and metrics as `rlx ppo recipes/calculator.toml`.
 #
-#   bash recipes/calculator.sh [RUN_DIR]    (env: SEED=0 STEPS=40 PROMPTS_PER_STEP=8 N=8 SFT_MAX_STEPS=260)
+#   bash recipes/calculator.sh [RUN_DIR]    (env: SEED=1 STEPS=40 PROMPTS_PER_STEP=8 N=8 SFT_MAX_STEPS=260)
 # (PROMPTS_PER_STEP, N and SFT_MAX_STEPS stand for [data] prompts_per_step, [rollout] n and [sft] max_steps:
 # `rlx ppo --set` them alike.)
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 RUN="${1:-runs/calculator-sh}"
-SEED="${SEED:-0}"
+SEED="${SEED:-1}"
 STEPS="${STEPS:-40}"
 PROMPTS="$HERE/data/calculator.jsonl"
 PROMPTS_PER_STEP="${PROMPTS_PER_STEP:-8}"   # [data] prompts_per_step
