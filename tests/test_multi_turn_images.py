@@ -391,7 +391,9 @@ def test_bad_images_in_episodes(envs, vlm_episodes, tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"the opening prompt has \d+ tokens, not below max_total_tokens = 60"):
         run_episodes(model, processor, envs, "ShowsPictures", "hf", 1.0, max_total_tokens=60)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UserError, match=f"prompt 'shapes-[0-2]/[01]': image '{tmp_path / 'gone.png'}' does not exist"):
+    # episodes step concurrently: whichever sample's reply comes first is named
+    missing = f"prompt '(shapes-[0-2]|text)/[01]': image '{tmp_path / 'gone.png'}' does not exist"
+    with pytest.raises(UserError, match=missing):
         run_episodes(model, processor, envs, "Missing", "hf", 1.0)
     records, _ = run_episodes(model, processor, envs, "BadPart", "hf", 1.0, on_env_error="zero")
     assert "expected a string or a list of parts" in next(r for r in records if r.num_turns).extra["env_error"]
