@@ -42,14 +42,17 @@ def init_modules(model: torch.nn.Module, seed: int, threads: int | None = None) 
     tasks = _tasks(model)
     threads = max(1, threads if threads is not None else torch.get_num_threads())
     global_state = torch.random.get_rng_state()
-    written = _run(tasks, seed, threads) if threads > 1 else None
-    clean = written is not None and torch.equal(torch.random.get_rng_state(), global_state)
-    if not clean or _overlap(written):
-        for _, module, _ in tasks:
-            module.__dict__.pop("_is_hf_initialized", None)
-        torch.random.set_rng_state(global_state)
+    try:
+        if threads > 1:
+            written = _run(tasks, seed, threads)
+            if torch.equal(torch.random.get_rng_state(), global_state) and not _overlap(written):
+                return
+            for _, module, _ in tasks:  # not well defined in parallel: again, in transformers' order
+                module.__dict__.pop("_is_hf_initialized", None)
+            torch.random.set_rng_state(global_state)
         _run(tasks, seed, 1)
-    torch.random.set_rng_state(global_state)
+    finally:
+        torch.random.set_rng_state(global_state)
 
 
 def _tasks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, object]]:
