@@ -19,7 +19,8 @@ def test_phase_metrics_are_named_after_the_phase():
     with measure_phase("rollout", "cpu") as phase:
         time.sleep(0.05)
     names = {"memory/rollout_device_peak_gb", "memory/rollout_host_rss_gb", "timing/rollout_s"}
-    assert names <= set(phase) <= names | {"compile/rollout_graphs"}  # the count once torch._dynamo is loaded
+    compiled = {"compile/rollout_graphs", "compile/rollout_cache_hits", "compile/rollout_cache_misses"}
+    assert names <= set(phase) <= names | compiled  # the counts once torch._dynamo is loaded
     assert 0.05 <= phase["timing/rollout_s"] < 5
     assert phase["memory/rollout_device_peak_gb"] == 0.0
     assert 0.001 < phase["memory/rollout_host_rss_gb"] < 1024

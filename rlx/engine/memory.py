@@ -113,7 +113,9 @@ def measure_phase(name: str, device: Any = "cpu") -> Iterator[dict[str, float]]:
 def churn_counters(device: Any) -> dict[tuple[str, str], int]:
     """What makes a phase slower than its last run, counted since the process started: on cuda the caching
     allocator's device allocations ('memory', 'device_mallocs') and its free-all-and-retry events
-    ('alloc_retries'); graphs torch.compile has built ('compile', 'graphs') once torch._dynamo is loaded."""
+    ('alloc_retries'); graphs torch.compile has built ('compile', 'graphs') once torch._dynamo is loaded, and of
+    the graphs Inductor compiled, those it found in its cache ('compile', 'cache_hits') and those it did not
+    ('compile', 'cache_misses')."""
     out: dict[tuple[str, str], int] = {}
     if device_type(device) == "cuda":
         import torch
@@ -124,6 +126,9 @@ def churn_counters(device: Any) -> dict[tuple[str, str], int]:
     dynamo = sys.modules.get("torch._dynamo.utils")
     if dynamo is not None:
         out["compile", "graphs"] = int(dynamo.counters["stats"]["unique_graphs"])
+        inductor = dynamo.counters["inductor"]
+        out["compile", "cache_hits"] = int(inductor["fxgraph_cache_hit"])
+        out["compile", "cache_misses"] = int(inductor["fxgraph_cache_miss"])
     return out
 
 

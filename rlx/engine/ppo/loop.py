@@ -45,6 +45,7 @@ from rlx.engine.parallel.dist import barrier
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.ppo.dynamic_sampling import GroupFilter, sampling_metrics
 from rlx.engine.ppo.models import CRITIC_DIR, build_run_models
+from rlx.engine.ppo.precompile import Precompile
 from rlx.engine.ppo.rundir import checkpoint_dir, drop_old_checkpoints, prepare_run_dir, step_dir
 from rlx.engine.ppo.start import RunInputs, RunLock, StopRequest, check_run_inputs
 from rlx.engine.ppo.warm_start import warm_start
@@ -61,8 +62,11 @@ from rlx.utils.io import write_jsonl
 class PPORun:
     """One run directory: the resident actor, reference, critic and rollout engine, and the step loop."""
 
-    def __init__(self, cfg: PPOConfig, run_dir: Path, resume: bool, overwrite: bool = False):
-        self.cfg, self.run_dir = cfg, run_dir
+    def __init__(
+        self, cfg: PPOConfig, run_dir: Path, resume: bool, overwrite: bool = False, precompile: Precompile | None = None
+    ):
+        """`precompile`: children compiling the run's graphs ahead (precompile.py); the first step waits for them."""
+        self.cfg, self.run_dir, self.precompile = cfg, run_dir, precompile
         self.setup_metrics = {"timing/setup_process_s": process_age_s()}  # interpreter, imports, recipe
         entered = time.perf_counter()
         grid = cfg.megatron or Degrees()  # [megatron] holds tp_degree and pp_degree
@@ -198,6 +202,7 @@ class PPORun:
         with measure_phase("weight_sync", self.device) as sync:
             self._refresh_engine(step)
         with measure_phase("rollout", self.device) as phase:
+            waited = self._compiled_ahead("rollout")
             rollouts, rewards, metrics = self._sample(step)
         metrics.update(phase)
         metrics.update(sync)
@@ -205,6 +210,7 @@ class PPORun:
         released = self.engine.sleep()  # the trainer gets the memory until the next rollout
         metrics["memory/rollout_engine_released_gb"] = released / 2**30
         with measure_phase("score", self.device) as phase:
+            waited += self._compiled_ahead("train")
             score_cfg = dataclasses.replace(self.score_cfg, kl_coef=self.kl_coef, filter_groups=False)
             models = self.models.scoring
             result = score_rollouts(rollouts, score_cfg, models, cfg.rollout.train_temperature, rewards=rewards)
@@ -230,6 +236,8 @@ class PPORun:
         metrics.update(phase_metrics("save", now - save_start, device_peak_bytes(self.device), host_rss_bytes()))
         metrics["timing/step_s"] = now - step_start
         metrics.update(self.gc_pauses.take())
+        if self.precompile is not None and self.setup_metrics:
+            metrics["timing/precompile_wait_s"] = waited
         metrics.update(self.setup_metrics)  # the first step of this process only
         self.setup_metrics = {}
         metrics.update(self._flops_metrics(rollouts, metrics))
@@ -268,6 +276,14 @@ class PPORun:
         if peak:
             out["perf/mfu"] = mfu(out["perf/flops"], metrics["timing/step_s"], peak)
         return out
+
+    def _compiled_ahead(self, phase: str) -> float:
+        """Wait for the child compiling `phase`'s graphs ahead, if there is one still running; the seconds waited."""
+        if self.precompile is None:
+            return 0.0
+        before = self.precompile.waited_s
+        self.precompile.wait(phase)
+        return self.precompile.waited_s - before
 
     def _refresh_engine(self, step: int) -> None:
         """Wake the rollout engine and give it the weights the last train step wrote (from the trainer in memory, or
@@ -347,11 +363,14 @@ class PPORun:
         return commit
 
 
-def run_ppo(cfg: PPOConfig, run_dir: Path, resume: bool = False, overwrite: bool = False) -> None:
-    """Run (or resume, or with `overwrite` replace) the loop in `run_dir`, holding its lock throughout."""
+def run_ppo(
+    cfg: PPOConfig, run_dir: Path, resume: bool = False, overwrite: bool = False, precompile: Precompile | None = None
+) -> None:
+    """Run (or resume, or with `overwrite` replace) the loop in `run_dir`, holding its lock throughout; `precompile`:
+    children compiling the run's graphs ahead (precompile.py)."""
     if cfg.async_ is not None:
         raise UserError("a recipe with [async] runs through `rlx ppo` under torchrun (rlx/engine/ppo/async_train.py)")
-    run = PPORun(cfg, run_dir, resume, overwrite)
+    run = PPORun(cfg, run_dir, resume, overwrite, precompile)
     try:
         run.run()
     finally:

@@ -28,6 +28,7 @@ from rlx.engine.rollout.native.vision import NativeImages
 from rlx.kernels.paged_attention import paged_decode_attention, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
 from rlx.models.vision.families import family_of, is_vision_config
+from rlx.utils.cache import stable_compile_keys
 from rlx.utils.device import autocast
 
 PAGED_ATTENTION = "rlx_paged"
@@ -162,6 +163,7 @@ def _compiled():
     from torch._dynamo import config as dynamo_config
 
     dynamo_config.recompile_limit = max(getattr(dynamo_config, "recompile_limit", 8), 64)
+    stable_compile_keys()
     return tuple(torch.compile(f, dynamic=True) for f in (_layer_step, _head_step))
 
 
@@ -238,7 +240,9 @@ class ModelRunner:
 
     @torch.no_grad()
     def _capture(self, max_batch: int) -> None:
-        ladder = (1, 2, 4, 8, 16, *range(32, max_batch + 32, 32))
+        # no graph of batch size 1: torch.compile specialises a dimension of size 1, so it would compile the layer a
+        # second time; a lone sequence replays the graph of 2 with one padded entry
+        ladder = (2, 4, 8, 16, *range(32, max_batch + 32, 32))
         self.sizes = sorted({min(b, max_batch) for b in ladder})
         top, dev = self.sizes[-1], self.device
         # pinned host buffers (two, used in turn) and their device copy: token ids, positions, slots, context
