@@ -1,5 +1,5 @@
 """Compiling a run's graphs ahead (rlx/engine/ppo/precompile.py): which runs do it, the one-layer copy's recipe, a
-failing child, and (slow) that a child's compilation on a one-layer copy is what the run then finds in the cache."""
+failing child, and (slow) that a child's compilation on a small copy is what the run then finds in the cache."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlx.engine.ppo.config import CriticConfig, load_recipe
-from rlx.engine.ppo.precompile import Precompile, marker, one_layer_config, phases_for, start_precompile
+from rlx.engine.ppo.precompile import Precompile, marker, phases_for, small_copy_config, start_precompile
 from rlx.models.lora_config import LoraConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,11 +31,11 @@ def cache(tmp_path, monkeypatch):
 
 def test_which_runs_compile_ahead(cache, monkeypatch):
     cuda = load_recipe(QUICKSTART, [], "cuda")  # the fast path: native engine, compile
-    assert phases_for(cuda, "cuda") == ("rollout", "train")
+    assert phases_for(cuda, "cuda") == ("train",)
     assert phases_for(load_recipe(QUICKSTART, [], "cpu"), "cpu") == ()  # the CPU keeps the simple path
     assert phases_for(load_recipe(QUICKSTART, COMPILED, "cpu"), "cpu") == ()  # compile on the CPU: not worth it
     assert phases_for(load_recipe(QUICKSTART, ['rollout.engine="hf"'], "cuda"), "cuda") == ("train",)
-    assert phases_for(load_recipe(QUICKSTART, ["train.compile=false"], "cuda"), "cuda") == ("rollout",)
+    assert phases_for(load_recipe(QUICKSTART, ["train.compile=false"], "cuda"), "cuda") == ()
     assert phases_for(dataclasses.replace(cuda, lora=LoraConfig()), "cuda") == ()
     critic = dataclasses.replace(cuda, critic=CriticConfig(lora=LoraConfig()))
     assert phases_for(critic, "cuda") == ()
@@ -46,20 +46,19 @@ def test_which_runs_compile_ahead(cache, monkeypatch):
 def test_the_marker_names_the_setup(cache):
     cfg = load_recipe(QUICKSTART, [], "cuda")
     same = load_recipe(QUICKSTART, ["steps=3", "seed=5"], "cuda")  # what no graph depends on
-    other = load_recipe(QUICKSTART, ["rollout.max_num_seqs=32"], "cuda")
+    other = load_recipe(QUICKSTART, ["train.gradient_checkpointing=true"], "cuda")
     assert marker(cfg, "train") == marker(same, "train")
-    assert marker(cfg, "train") != marker(other, "train") and marker(cfg, "train") != marker(cfg, "rollout")
+    assert marker(cfg, "train") != marker(other, "train") and marker(cfg, "train") != marker(cfg, "other")
     assert marker(cfg, "train").parent == cache / "precompile"
     assert start_precompile(load_recipe(QUICKSTART, [], "cpu"), "cpu") is None
-    for phase in ("rollout", "train"):
-        marker(cfg, phase).parent.mkdir(parents=True, exist_ok=True)
-        marker(cfg, phase).write_text("done\n")
+    marker(cfg, "train").parent.mkdir(parents=True, exist_ok=True)
+    marker(cfg, "train").write_text("done\n")
     assert start_precompile(cfg, "cuda") is None  # compiled ahead before: the caches are warm
 
 
 def test_the_copy_has_the_policy_and_settings_with_fewer_layers(tmp_path):
     cfg = load_recipe(QUICKSTART, COMPILED + ["score.kl_coef=0.01"], "cpu")
-    copy = one_layer_config(cfg, tmp_path / "model")
+    copy = small_copy_config(cfg, tmp_path / "model")
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     policy = json.loads((Path(cfg.model.path) / "config.json").read_text())
     assert config["num_hidden_layers"] == min(3, policy["num_hidden_layers"])
@@ -71,7 +70,6 @@ def test_the_copy_has_the_policy_and_settings_with_fewer_layers(tmp_path):
     )
     assert (copy.model.init, copy.sft, copy.eval, copy.critic) == ("random", None, None, None)
     assert (copy.train, copy.score.kl_coef, copy.rollout.engine) == (cfg.train, 0.01, cfg.rollout.engine)
-    assert copy.rollout.kv_cache_gib == 0.25
 
 
 def test_a_failing_child_is_reported_and_the_run_goes_on(cache, tmp_path, capsys):
@@ -80,7 +78,7 @@ def test_a_failing_child_is_reported_and_the_run_goes_on(cache, tmp_path, capsys
     ahead.wait("nonsense")
     assert "compiling the nonsense graphs ahead failed (exit 1" in capsys.readouterr().err
     assert not marker(cfg, "nonsense").exists()
-    ahead.wait("rollout")  # no such child: nothing to wait for
+    ahead.wait("train")  # no such child: nothing to wait for
     work = ahead.work
     ahead.close()
     assert not work.exists()
@@ -88,11 +86,10 @@ def test_a_failing_child_is_reported_and_the_run_goes_on(cache, tmp_path, capsys
 
 @pytest.mark.slow
 def test_the_run_finds_what_a_one_layer_copy_compiled(cache, tmp_path):
-    """The score and train graphs compiled by a child on a one-layer copy (here: the 2-layer policy's first two of
-    three) are cache hits for the run: it compiles nothing itself (hits > 0, misses 0)."""
-    # on the CPU the rollout generates with a bfloat16 replica (as the native engine on a GPU): the trainer's layers
-    # are compiled first by scoring, in the run as in the child
-    sets = [*COMPILED, "steps=1", 'rollout.engine="native"', 'rollout.precision="bfloat16"']
+    """The score and train graphs compiled by a child on a small copy of the policy (here the 2-layer policy itself,
+    randomly initialised) are cache hits for the run: it compiles nothing itself (hits > 0, misses 0), although its
+    rollout compiled the same layers first (on the CPU the hf engine generates with the trainer's module)."""
+    sets = [*COMPILED, "steps=1"]
     cfg = load_recipe(QUICKSTART, sets, "cpu")
     ahead = Precompile(cfg, ("train",))
     ahead.wait("train")

@@ -202,7 +202,6 @@ class PPORun:
         with measure_phase("weight_sync", self.device) as sync:
             self._refresh_engine(step)
         with measure_phase("rollout", self.device) as phase:
-            waited = self._compiled_ahead("rollout")
             rollouts, rewards, metrics = self._sample(step)
         metrics.update(phase)
         metrics.update(sync)
@@ -210,7 +209,7 @@ class PPORun:
         released = self.engine.sleep()  # the trainer gets the memory until the next rollout
         metrics["memory/rollout_engine_released_gb"] = released / 2**30
         with measure_phase("score", self.device) as phase:
-            waited += self._compiled_ahead("train")
+            waited = self._compiled_ahead("train")
             score_cfg = dataclasses.replace(self.score_cfg, kl_coef=self.kl_coef, filter_groups=False)
             models = self.models.scoring
             result = score_rollouts(rollouts, score_cfg, models, cfg.rollout.train_temperature, rewards=rewards)

@@ -1,23 +1,22 @@
-"""Compilation ahead of need: while a run starts on cold compile caches, child processes compile its graphs on a
-one-layer copy of the policy, and the run finds the results in the cache when it gets there.
+"""Compilation ahead of need: while a run starts on cold compile caches, a child process compiles its scoring and
+training graphs on a small copy of the policy, and the run finds them in the cache when it gets there.
 
 torch.compile keeps what it builds under $RLX_CACHE (rlx/utils/cache.py), keyed by the traced graph and its inputs'
-types, not by the model's depth: the decoder layers of a one-layer copy trace to the graphs of the run's own layers
-(weights are inputs). On a fresh CUDA machine the first step of a 0.5B run spent 30-45 s compiling (bench/RESULTS.md),
-after 20 s of imports and set-up during which the compiler had nothing to do. So `rlx ppo` starts, right after reading
-the recipe, one child per phase of work:
+types, not by the model's depth: the decoder layers of a three-layer copy trace to the graphs of the run's own layers
+(weights are inputs; `stable_compile_keys` keeps the keys free of the shapes a process saw before). On a fresh CUDA
+machine the first step of a 0.5B run spent 17-26 s compiling its score and train phases, after about 50 s of imports,
+set-up and the first rollout during which nothing compiled them (bench/RESULTS.md). So `rlx ppo` starts, right after
+reading the recipe, a child that builds the copy through the run's own code (backend, models, scoring, trainer; the
+recipe's settings, random weights: nothing is read) and runs the actor's and reference's logprobs and one train step
+on a synthetic batch. The run waits for it just before its first score phase (by then it is usually done, and its
+memory is free again); a child that fails costs a warning line and the run compiles alone. A marker under
+$RLX_CACHE/precompile skips the child on the next start of the same setup (whose caches are warm).
 
-- `rollout`: the native engine's decode graphs (the compiled decoder layer and head inside CUDA graphs) by generating
-  for two of the run's prompts;
-- `train`: scoring (the actor's and the reference's logprobs) and one train step on a synthetic batch.
+The rollout engine's decode graphs are not compiled ahead: the run needs them first, and in a measured cold start a
+child compiling them finished 28 s after the run had got to its first rollout (bench/RESULTS.md).
 
-Each child builds the copy through the run's own code (backend, models, engine, scoring, trainer) with the recipe's
-settings, randomly initialised (no weights are read), with a small KV cache. The run waits for a child just before its
-own first phase of that kind (by then the child is usually done), so its memory is free again; a child that fails costs
-a warning line and the run compiles alone. A marker per phase under $RLX_CACHE/precompile skips the children on the
-next start of the same setup (whose caches are warm).
-
-Not for every run: one process (not under torchrun), the FSDP backend, a text policy without LoRA, compile on.
+Only where the graphs are the simple case: one process (not under torchrun), the FSDP backend, a text policy without
+LoRA, train.compile on, CUDA; RLX_COMPILE_AHEAD=0 turns it off.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from rlx.engine.ppo.config import ModelConfig, PPOConfig
 from rlx.engine.tracking import console
 from rlx.utils.cache import cache_root
 
-PHASES = ("rollout", "train")
+PHASES = ("train",)
 COPY_LAYERS = 3
 """Decoder layers of the copy: a first (its input the embeddings), a last (its gradient from the final norm) and one
 between (input and gradient from compiled layers), whose graphs can each differ (a backward's incoming gradient's
@@ -50,7 +49,8 @@ def phases_for(cfg: PPOConfig, device_type: str) -> tuple[str, ...]:
     """The phases a run of `cfg` on `device_type` compiles ahead (none where its graphs are not the simple case)."""
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     simple = (
-        device_type == "cuda"
+        os.environ.get("RLX_COMPILE_AHEAD", "1") != "0"
+        and device_type == "cuda"
         and not distributed
         and cfg.async_ is None
         and cfg.backend_name == "fsdp"
@@ -60,13 +60,7 @@ def phases_for(cfg: PPOConfig, device_type: str) -> tuple[str, ...]:
     )
     if not simple:
         return ()
-    rollout = cfg.rollout
-    out = []
-    if rollout.engine == "native" and rollout.compile and rollout.cuda_graphs and not rollout.is_multi_turn:
-        out.append("rollout")
-    if cfg.train.compile:
-        out.append("train")
-    return tuple(out)
+    return ("train",) if cfg.train.compile else ()
 
 
 def _model_config(cfg: PPOConfig) -> dict | None:
@@ -81,7 +75,7 @@ def _model_config(cfg: PPOConfig) -> dict | None:
 
 def marker(cfg: PPOConfig, phase: str) -> Path:
     """The file that says this setup's `phase` was compiled ahead: a digest of the policy's architecture, the
-    recipe's rollout/score/train settings and the torch version."""
+    recipe's score and train settings and the torch version."""
     import torch
 
     import rlx
@@ -89,7 +83,7 @@ def marker(cfg: PPOConfig, phase: str) -> Path:
     config = dict(_model_config(cfg) or {})
     config.pop("num_hidden_layers", None)
     config.pop("layer_types", None)
-    settings = {k: to_dict(getattr(cfg, k)) for k in ("rollout", "score", "train")}
+    settings = {k: to_dict(getattr(cfg, k)) for k in ("score", "train")}
     key = json.dumps([phase, config, settings, torch.__version__, rlx.__version__], sort_keys=True, default=str)
     return cache_root() / "precompile" / f"{phase}-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
 
@@ -147,10 +141,10 @@ def start_precompile(cfg: PPOConfig, device_type: str) -> Precompile | None:
     return Precompile(cfg, phases)
 
 
-def one_layer_config(cfg: PPOConfig, folder: Path) -> PPOConfig:
-    """`cfg` for a randomly initialised one-layer copy of its policy (config and tokenizer files written to `folder`)
-    with what only the run itself needs left out: SFT, eval, the critic, the reward model, dynamic sampling; the
-    native engine's KV cache 0.25 GiB."""
+def small_copy_config(cfg: PPOConfig, folder: Path) -> PPOConfig:
+    """`cfg` for a randomly initialised copy of its policy with COPY_LAYERS layers (config and tokenizer files written
+    to `folder`), with what only the run itself needs left out: SFT, eval, the critic, the reward model, dynamic
+    sampling."""
     from rlx.engine.checkpoints.files import aux_files
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -167,59 +161,56 @@ def one_layer_config(cfg: PPOConfig, folder: Path) -> PPOConfig:
         filter_groups=False,
         estimator="grpo" if cfg.score.estimator == "gae" else cfg.score.estimator,
     )
-    rollout = dataclasses.replace(cfg.rollout, kv_cache_gib=0.25, remax_baseline=False)
     if score.estimator == "remax":
         score = dataclasses.replace(score, estimator="grpo")
     return dataclasses.replace(
         cfg, model=ModelConfig(path=str(folder), init="random"), sft=None, eval=None, critic=None, score=score,
-        rollout=rollout, steps=1,
+        steps=1,
     )  # fmt: skip
 
 
 def run_phase(phase: str, cfg: PPOConfig, work: Path) -> None:
-    """Build the one-layer copy of `cfg`'s policy and run `phase`'s work on it (compiling, and so filling the cache)."""
+    """Build the small copy of `cfg`'s policy and run `phase`'s work on it (compiling, and so filling the cache)."""
     from rlx.engine.backends.base import Degrees
     from rlx.engine.backends.registry import backend_class
     from rlx.engine.ppo.models import build_run_models
 
-    cfg = one_layer_config(cfg, work / "model")
+    cfg = small_copy_config(cfg, work / "model")
     backend = backend_class(cfg.backend_name).setup(cfg.train.device, Degrees(sp_degree=cfg.train.sp_degree))
     models = build_run_models(cfg, backend, None)
-    if phase == "rollout":
-        _generate(cfg, models, backend.ctx)
-    elif phase == "train":
-        _score_and_train(cfg, models, backend.ctx)
-    else:
+    if phase != "train":
         raise ValueError(f"unknown phase {phase!r}")
+    _score_and_train(cfg, models)
 
 
-def _generate(cfg: PPOConfig, models, ctx) -> list:
-    from rlx.engine.records import read_prompts
-    from rlx.engine.rollout.base import build_engine
-
-    engine = build_engine(cfg.rollout, models.rollout_model, models.tokenizer, ctx, models.processor)
-    prompts = read_prompts(cfg.data.prompts)[:2]
-    return engine.generate(prompts, cfg.rollout.sampling(seed=cfg.seed), progress=False).records
-
-
-def _score_and_train(cfg: PPOConfig, models, ctx) -> None:
-    """Old (and reference) logprobs and one update on samples generated for two prompts (eagerly: no decode graphs
-    to build here), rewarded 0, 1, 2, ... so that every group has advantages."""
+def _score_and_train(cfg: PPOConfig, models) -> None:
+    """Old (and reference) logprobs and one update on 2 groups of samples of random tokens (61 prompt tokens, 37
+    response tokens), rewarded 0, 1, 2, ... so that every group has advantages."""
     import torch
 
+    from rlx.engine.records import RolloutRecord
     from rlx.engine.scoring.score import Rewards, score_rollouts
 
-    eager = dataclasses.replace(cfg.rollout, compile=False, cuda_graphs=False)
-    records = _generate(dataclasses.replace(cfg, rollout=eager), models, ctx)
-    count = len(records)
-    rewards = Rewards(torch.arange(count, dtype=torch.float32), [{}] * count, [None] * count)
-    score_cfg = dataclasses.replace(cfg.score, max_response_length=cfg.score.max_response_length or 1)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    group = max(2, cfg.rollout.n)
+    records = []
+    for i in range(2 * group):
+        ids = torch.randint(0, models.scoring.vocab_size, (61 + 37,), generator=gen).tolist()
+        records.append(
+            RolloutRecord(
+                id=f"p{i // group}/{i % group}", prompt_id=f"p{i // group}", sample_index=i % group, prompt="",
+                response="", prompt_ids=ids[:61], response_ids=ids[61:], rollout_logprobs=[-1.0] * 37,
+                finish_reason="length", temperature=cfg.rollout.temperature,
+            )
+        )  # fmt: skip
+    rewards = Rewards(torch.arange(len(records), dtype=torch.float32), [{}] * len(records), [None] * len(records))
+    score_cfg = dataclasses.replace(cfg.score, max_response_length=cfg.score.max_response_length or 37)
     result = score_rollouts(records, score_cfg, models.scoring, cfg.rollout.train_temperature, rewards=rewards)
     models.actor.train_step(result.batch, 0)
 
 
 def main(argv: list[str]) -> int:
-    """`python -m rlx.engine.ppo.precompile PHASE RECIPE_JSON MARKER`: run PHASE on the one-layer copy, then write
+    """`python -m rlx.engine.ppo.precompile PHASE RECIPE_JSON MARKER`: run PHASE on the small copy, then write
     MARKER."""
     from rlx.utils.cache import configure_compile_caches
 
