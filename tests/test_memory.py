@@ -104,6 +104,8 @@ def test_gc_pauses_are_timed_run_between_steps_after_the_freeze_and_restored_on_
         assert pauses.take() == {"timing/gc_s": 0.0, "timing/gc_full_s": 0.0}
         pauses.between_steps(1)  # before the freeze: the collector is automatic, nothing here
         assert pauses.take()["timing/gc_s"] == 0.0
+        pauses.freeze_setup()  # the set-up's objects leave the collections; the collector stays automatic
+        assert gc.get_freeze_count() > 0 and gc.isenabled()
         pauses.freeze()
         assert gc.get_freeze_count() > 0 and not gc.isenabled()  # after it: only between steps
         pauses.between_steps(3)
@@ -114,3 +116,7 @@ def test_gc_pauses_are_timed_run_between_steps_after_the_freeze_and_restored_on_
     finally:
         pauses.close()
     assert gc.get_freeze_count() == 0 and pauses._callback not in gc.callbacks and gc.isenabled()
+    setup_only = GcPauses()
+    setup_only.freeze_setup()
+    setup_only.close()  # a run that stops before its first step ends: still unfrozen
+    assert gc.get_freeze_count() == 0 and gc.isenabled()

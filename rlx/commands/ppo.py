@@ -65,6 +65,7 @@ def ppo(
 
             print(json.dumps(to_dict(cfg), indent=2))
             return
+        from rlx.engine.ppo.loop import run_ppo
         from rlx.utils.io import is_remote
 
         if out and is_remote(out):
@@ -72,22 +73,9 @@ def ppo(
                 f"--out {out}: the run folder must be local (model.path and data.prompts may be URLs; "
                 f"copy checkpoints out with `rlx merge --out URL`)"
             )
-        run_dir = Path(out) if out else Path("runs") / recipe.stem
         if cfg.async_ is not None:  # rollout ranks and trainers (under torchrun)
-            from rlx.engine.ppo.async_train import run_async_ppo
-
-            run_async_ppo(cfg, run_dir, resume=resume, overwrite=overwrite)
-            return
-        from rlx.engine.ppo.precompile import start_precompile
-
-        ahead = start_precompile(cfg, device_type)  # cold caches on CUDA: the run's graphs compiled by children
-        try:
-            from rlx.engine.ppo.loop import run_ppo  # 9 s of imports, while the children start
-
-            run_ppo(cfg, run_dir, resume=resume, overwrite=overwrite, precompile=ahead)
-        finally:
-            if ahead is not None:
-                ahead.close()
+            from rlx.engine.ppo.async_train import run_async_ppo as run_ppo
+        run_ppo(cfg, Path(out) if out else Path("runs") / recipe.stem, resume=resume, overwrite=overwrite)
 
 
 def _recipe_tree(recipe: Path, overrides: list[str]) -> dict:

@@ -18,14 +18,3 @@ def configure_compile_caches() -> None:
     root = cache_root() / "compile"
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
-
-
-def stable_compile_keys() -> None:
-    """Make what torch.compile builds depend on the traced code and its inputs alone, not on the shapes this process
-    happened to see before (dynamo's automatic dynamic shapes, which re-mark a dimension after it changed between
-    calls and so rename the graph's symbols and its cache key). rlx compiles with dynamic=True, where every dimension
-    is symbolic from the first call, so nothing becomes static; a second process compiling the same code (a later
-    run, or rlx/engine/ppo/precompile.py ahead of a run) then finds the first one's results in the cache."""
-    from torch._dynamo import config
-
-    config.automatic_dynamic_shapes = False

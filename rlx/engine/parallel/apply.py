@@ -21,7 +21,6 @@ from rlx.engine.parallel.fsdp import apply_fsdp, decoder_layers
 from rlx.engine.parallel.ulysses import enable_ulysses_attention, validate_sp
 from rlx.errors import UserError
 from rlx.models.vision.families import is_vision_config
-from rlx.utils.cache import stable_compile_keys
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,6 @@ def apply_parallelism(model: torch.nn.Module, ctx: DistContext, plan: ParallelPl
         validate_sp(model.config, ctx.sp_degree)
         enable_ulysses_attention(model, decoder_only=is_vision_config(model.config))
     if plan.compile:
-        stable_compile_keys()
         for layer in decoder_layers(model):
             layer.forward = torch.compile(layer.forward, dynamic=True)
     if plan.activation_checkpointing:

@@ -45,7 +45,6 @@ from rlx.engine.parallel.dist import barrier
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.ppo.dynamic_sampling import GroupFilter, sampling_metrics
 from rlx.engine.ppo.models import CRITIC_DIR, build_run_models
-from rlx.engine.ppo.precompile import Precompile
 from rlx.engine.ppo.rundir import checkpoint_dir, drop_old_checkpoints, prepare_run_dir, step_dir
 from rlx.engine.ppo.start import RunInputs, RunLock, StopRequest, check_run_inputs
 from rlx.engine.ppo.warm_start import warm_start
@@ -62,11 +61,8 @@ from rlx.utils.io import write_jsonl
 class PPORun:
     """One run directory: the resident actor, reference, critic and rollout engine, and the step loop."""
 
-    def __init__(
-        self, cfg: PPOConfig, run_dir: Path, resume: bool, overwrite: bool = False, precompile: Precompile | None = None
-    ):
-        """`precompile`: children compiling the run's graphs ahead (precompile.py); the first step waits for them."""
-        self.cfg, self.run_dir, self.precompile = cfg, run_dir, precompile
+    def __init__(self, cfg: PPOConfig, run_dir: Path, resume: bool, overwrite: bool = False):
+        self.cfg, self.run_dir = cfg, run_dir
         self.setup_metrics = {"timing/setup_process_s": process_age_s()}  # interpreter, imports, recipe
         entered = time.perf_counter()
         grid = cfg.megatron or Degrees()  # [megatron] holds tp_degree and pp_degree
@@ -112,6 +108,7 @@ class PPORun:
         self.engine_stale = False  # whether the trainer changed the weights since the engine last got them
         self.writer = BackgroundWriter(enabled=cfg.background_writes, mib_per_s=cfg.write_mib_per_s)
         self.gc_pauses = GcPauses()
+        self.gc_pauses.freeze_setup()
         self.prompts, self.eval_prompts = inputs.prompts, inputs.eval_prompts
         self.score_cfg = dataclasses.replace(
             cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
@@ -209,7 +206,6 @@ class PPORun:
         released = self.engine.sleep()  # the trainer gets the memory until the next rollout
         metrics["memory/rollout_engine_released_gb"] = released / 2**30
         with measure_phase("score", self.device) as phase:
-            waited = self._compiled_ahead("train")
             score_cfg = dataclasses.replace(self.score_cfg, kl_coef=self.kl_coef, filter_groups=False)
             models = self.models.scoring
             result = score_rollouts(rollouts, score_cfg, models, cfg.rollout.train_temperature, rewards=rewards)
@@ -235,8 +231,6 @@ class PPORun:
         metrics.update(phase_metrics("save", now - save_start, device_peak_bytes(self.device), host_rss_bytes()))
         metrics["timing/step_s"] = now - step_start
         metrics.update(self.gc_pauses.take())
-        if self.precompile is not None and self.setup_metrics:
-            metrics["timing/precompile_wait_s"] = waited
         metrics.update(self.setup_metrics)  # the first step of this process only
         self.setup_metrics = {}
         metrics.update(self._flops_metrics(rollouts, metrics))
@@ -275,14 +269,6 @@ class PPORun:
         if peak:
             out["perf/mfu"] = mfu(out["perf/flops"], metrics["timing/step_s"], peak)
         return out
-
-    def _compiled_ahead(self, phase: str) -> float:
-        """Wait for the child compiling `phase`'s graphs ahead, if there is one still running; the seconds waited."""
-        if self.precompile is None:
-            return 0.0
-        before = self.precompile.waited_s
-        self.precompile.wait(phase)
-        return self.precompile.waited_s - before
 
     def _refresh_engine(self, step: int) -> None:
         """Wake the rollout engine and give it the weights the last train step wrote (from the trainer in memory, or
@@ -362,14 +348,11 @@ class PPORun:
         return commit
 
 
-def run_ppo(
-    cfg: PPOConfig, run_dir: Path, resume: bool = False, overwrite: bool = False, precompile: Precompile | None = None
-) -> None:
-    """Run (or resume, or with `overwrite` replace) the loop in `run_dir`, holding its lock throughout; `precompile`:
-    children compiling the run's graphs ahead (precompile.py)."""
+def run_ppo(cfg: PPOConfig, run_dir: Path, resume: bool = False, overwrite: bool = False) -> None:
+    """Run (or resume, or with `overwrite` replace) the loop in `run_dir`, holding its lock throughout."""
     if cfg.async_ is not None:
         raise UserError("a recipe with [async] runs through `rlx ppo` under torchrun (rlx/engine/ppo/async_train.py)")
-    run = PPORun(cfg, run_dir, resume, overwrite, precompile)
+    run = PPORun(cfg, run_dir, resume, overwrite)
     try:
         run.run()
     finally:

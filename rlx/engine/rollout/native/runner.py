@@ -28,7 +28,6 @@ from rlx.engine.rollout.native.vision import NativeImages
 from rlx.kernels.paged_attention import paged_decode_attention, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
 from rlx.models.vision.families import family_of, is_vision_config
-from rlx.utils.cache import stable_compile_keys
 from rlx.utils.device import autocast
 
 PAGED_ATTENTION = "rlx_paged"
@@ -163,7 +162,6 @@ def _compiled():
     from torch._dynamo import config as dynamo_config
 
     dynamo_config.recompile_limit = max(getattr(dynamo_config, "recompile_limit", 8), 64)
-    stable_compile_keys()
     return tuple(torch.compile(f, dynamic=True) for f in (_layer_step, _head_step))
 
 
