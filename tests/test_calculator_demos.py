@@ -9,7 +9,7 @@ import pytest
 from rlx.tasks import calculator
 
 
-def test_a_tool_fraction_keeps_the_questions_and_makes_the_rest_wrong_guesses_of_the_right_length():
+def test_a_tool_fraction_keeps_the_questions_and_makes_the_rest_wrong_guesses_from_the_question():
     full = calculator.generate_demonstrations(400, seed=1, digits=2, echo=True)
     mixed = calculator.generate_demonstrations(400, seed=1, digits=2, echo=True, tool_fraction=0.3)
     assert [d["messages"][0] for d in mixed] == [d["messages"][0] for d in full]  # the same questions, same ids
