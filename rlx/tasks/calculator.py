@@ -2,6 +2,7 @@
 
     python -m rlx.tasks.calculator --out prompts.jsonl --num 1000 --digits 3 --ops '*'
     python -m rlx.tasks.calculator --demos --out demos.jsonl --num 1000 --seed 1 --exclude prompts.jsonl  # for rlx sft
+    python -m rlx.tasks.calculator --demos --echo --tool-fraction 0.3 ...  # 30% call the tool, 70% guess wrong
 
 A tiny model cannot multiply 3-digit numbers in its head, but it can learn to call the calculator
 and copy the result. `CalculatorEnv` is the environment (`--env rlx.tasks.calculator:CalculatorEnv`):
@@ -165,17 +166,51 @@ SYSTEM = (
 
 
 def generate_demonstrations(
-    num: int, seed: int = 1, digits: int = 3, ops: str = "*", exclude=(), echo: bool = False
+    num: int,
+    seed: int = 1,
+    digits: int = 3,
+    ops: str = "*",
+    exclude=(),
+    echo: bool = False,
+    tool_fraction: float = 1.0,
 ) -> list[dict]:
     """`num` solved episodes (`demonstration`) of questions not in `exclude` (e.g. the RL prompts), deterministic;
-    `echo`: of EchoCalculatorEnv."""
+    `echo`: of EchoCalculatorEnv. `tool_fraction` < 1: only that share of the episodes (drawn at random, about
+    `tool_fraction * num`) calls the tool; the others answer at once with a wrong guess (`guessed_demonstration`),
+    so a policy fine-tuned on them calls the tool about as often, a decision left for RL to settle."""
+    if not 0.0 <= tool_fraction <= 1.0:
+        raise ValueError(f"tool_fraction must be in [0, 1], got {tool_fraction}")
     held_out = {str(q) for q in exclude}
     pool = generate_calculator(4 * num + len(held_out), seed, digits, ops, id_prefix="demo")
     records = [r for r in pool if r["prompt"] not in held_out][:num]
     if len(records) < num:
         raise ValueError(f"cannot draw {num} questions of {digits} digits apart from the {len(held_out)} excluded")
     width = len(str(num - 1))
-    return [demonstration({**r, "id": f"demo-{i:0{width}d}"}, echo) for i, r in enumerate(records)]
+    rng = random.Random(f"tool-fraction-{seed}")  # apart from the questions' generator: the same questions at any F
+    demos = []
+    for i, r in enumerate(records):
+        record = {**r, "id": f"demo-{i:0{width}d}"}
+        calls = tool_fraction >= 1.0 or rng.random() < tool_fraction
+        demos.append(demonstration(record, echo) if calls else guessed_demonstration(record))
+    return demos
+
+
+def guess(question: str, answer: str) -> str:
+    """A wrong answer a model can give without computing: the digits of `question` run together ("59*63" ->
+    "5963"), one more when that happens to be `answer`."""
+    digits = "".join(c for c in question if c.isdigit()) or "0"
+    return str(int(digits) + 1) if digits == answer else digits
+
+
+def guessed_demonstration(record: dict) -> dict:
+    """An episode of `record` that answers at once, without the tool, with a wrong `guess` (reward 0): the
+    demonstrated alternative to calling. The guess is copied from the question rather than drawn at random:
+    every demonstration then trains copying, and the only choice left open is whether to call (with random
+    digits, a 2-layer model never learned to copy the tool's result in 600 SFT steps). It is bare, without the
+    echo's "59*63=", so that "=" is followed by the result in every demonstration."""
+    env = CalculatorEnv(record)
+    messages = [*env.reset(), {"role": "assistant", "content": guess(env.question, env.answer)}]
+    return {"id": record["id"], "messages": messages, "tools": CalculatorEnv.tools}
 
 
 def demonstration(record: dict, echo: bool = False) -> dict:
@@ -212,12 +247,18 @@ def main() -> None:
     parser.add_argument("--exclude", help="with --demos: a prompts.jsonl whose questions the episodes leave out")
     parser.add_argument("--echo", action="store_true", help="with --demos: episodes of EchoCalculatorEnv (the tool "
                         "replies '12*34=408', the answer repeats it)")  # fmt: skip
+    parser.add_argument("--tool-fraction", type=float, default=1.0, help="with --demos: the share of episodes that "
+                        "call the tool; the others answer at once with a wrong guess, the question's digits run "
+                        "together (default 1)")  # fmt: skip
     args = parser.parse_args()
     if args.demos:
         exclude = (
             [json.loads(line)["prompt"] for line in Path(args.exclude).read_text().splitlines()] if args.exclude else ()
         )
-        write_jsonl(args.out, generate_demonstrations(args.num, args.seed, args.digits, args.ops, exclude, args.echo))
+        demos = generate_demonstrations(
+            args.num, args.seed, args.digits, args.ops, exclude, args.echo, args.tool_fraction
+        )
+        write_jsonl(args.out, demos)
         return
     records = generate_calculator(args.num, args.seed, args.digits, args.ops)
     if args.style == "chat":
