@@ -128,7 +128,8 @@ def test_the_fast_path_token_budget_shrinks_for_larger_models():
     assert micro_batch_token_budget(qwen15) == micro_batch_token_budget({"text_config": qwen15}) == 15360
     assert micro_batch_token_budget({"num_hidden_layers": 80, "hidden_size": 8192, "intermediate_size": 29568}) == 2048
     vl = load_recipe(REPO / "recipes" / "qwen2_vl_2b_shapes.toml", [], "cuda")
-    assert vl.train.max_tokens_per_micro_batch == vl.score.max_tokens_per_micro_batch == 15360
+    assert vl.score.max_tokens_per_micro_batch == 15360  # the fast path's, from its config.json
+    assert vl.train.max_tokens_per_micro_batch == 8192  # the recipe's own key wins (15,360 ran out of an H100)
     mine = load_recipe(REPO / "recipes" / "qwen2_vl_2b_shapes.toml", ["train.max_tokens_per_micro_batch=4096"], "cuda")
     assert mine.train.max_tokens_per_micro_batch == 4096
 
