@@ -165,7 +165,6 @@ class GcPauses:
         self._started: float | None = None
         self._seconds = [0.0, 0.0, 0.0]
         self._frozen = False
-        self._setup_frozen = False
         self._was_enabled = gc.isenabled()
         gc.callbacks.append(self._callback)
 
@@ -180,13 +179,6 @@ class GcPauses:
         out = {"timing/gc_s": sum(self._seconds), "timing/gc_full_s": self._seconds[2]}
         self._seconds = [0.0, 0.0, 0.0]
         return out
-
-    def freeze_setup(self) -> None:
-        """Exempt what the set-up made (imported modules, the models' Python objects) from the first step's
-        collections, which otherwise scan it again each time compilation's allocations trigger a full one. The
-        collector stays on."""
-        gc.freeze()
-        self._setup_frozen = True
 
     def freeze(self) -> None:
         """Exempt every object alive now (modules, compiled graphs, the models' Python objects) from later
@@ -206,8 +198,8 @@ class GcPauses:
     def close(self) -> None:
         if self._callback in gc.callbacks:
             gc.callbacks.remove(self._callback)
-        if self._frozen or self._setup_frozen:
+        if self._frozen:
             gc.unfreeze()  # what the run leaves behind is collectable again (e.g. in a test process)
-        if self._frozen and self._was_enabled:
-            gc.enable()
-        self._frozen = self._setup_frozen = False
+            if self._was_enabled:
+                gc.enable()
+            self._frozen = False

@@ -108,7 +108,6 @@ class PPORun:
         self.engine_stale = False  # whether the trainer changed the weights since the engine last got them
         self.writer = BackgroundWriter(enabled=cfg.background_writes, mib_per_s=cfg.write_mib_per_s)
         self.gc_pauses = GcPauses()
-        self.gc_pauses.freeze_setup()
         self.prompts, self.eval_prompts = inputs.prompts, inputs.eval_prompts
         self.score_cfg = dataclasses.replace(
             cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
