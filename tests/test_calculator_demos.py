@@ -83,7 +83,15 @@ def test_bound_demonstrations_call_without_arguments_and_list_the_optional_tool(
         record = {"prompt": question["content"], "ground_truth": str(calculator.evaluate(question["content"]))}
         env = calculator.QuestionCalculatorEnv(record)
         assert env.step(call)[0] == [reply] and reply["content"] == f"{question['content']}={record['ground_truth']}"
-        assert env.step(answer)[1:] == (1.0, True)
+        assert answer["content"] == f"={record['ground_truth']}" and env.step(answer)[1:] == (1.0, True)
+    for demo in mixed:
+        if len(demo["messages"]) == 2:  # a guess that needs no copying, graded wrong
+            question, answer = demo["messages"]
+            assert answer == {"role": "assistant", "content": "0"}
+            env = calculator.QuestionCalculatorEnv({"prompt": question["content"], "ground_truth": "1"})
+            assert env.step(answer)[1:] == (0.0, True)
+    zero = calculator.guessed_demonstration({"id": "d", "prompt": "0*5", "ground_truth": "0"}, bound=True)
+    assert zero["messages"][-1]["content"] == "1"  # "0" would be right
 
 
 def test_the_bound_option_of_the_generator(tmp_path, monkeypatch):

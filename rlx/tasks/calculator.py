@@ -228,8 +228,7 @@ def generate_demonstrations(
     for i, r in enumerate(records):
         record = {**r, "id": f"demo-{i:0{width}d}"}
         calls = tool_fraction >= 1.0 or rng.random() < tool_fraction
-        tools = QuestionCalculatorEnv.tools if bound else CalculatorEnv.tools
-        demos.append(demonstration(record, echo, bound) if calls else guessed_demonstration(record, tools))
+        demos.append(demonstration(record, echo, bound) if calls else guessed_demonstration(record, bound))
     return demos
 
 
@@ -240,23 +239,26 @@ def guess(question: str, answer: str) -> str:
     return str(int(digits) + 1) if digits == answer else digits
 
 
-def guessed_demonstration(record: dict, tools: list[dict] | None = None) -> dict:
+def guessed_demonstration(record: dict, bound: bool = False) -> dict:
     """An episode of `record` that answers at once, without the tool, with a wrong `guess` (reward 0): the
     demonstrated alternative to calling. The guess is copied from the question rather than drawn at random:
     every demonstration then trains copying, and the only choice left open is whether to call (with random
     digits, a 2-layer model never learned to copy the tool's result in 600 SFT steps). It is bare, without the
-    echo's "59*63=", so that "=" is followed by the result in every demonstration. `tools`: those listed (default
-    CalculatorEnv's)."""
-    env = CalculatorEnv(record)
-    messages = [*env.reset(), {"role": "assistant", "content": guess(env.question, env.answer)}]
-    return {"id": record["id"], "messages": messages, "tools": tools or CalculatorEnv.tools}
+    echo's "59*63=", so that "=" is followed by the result in every demonstration. `bound`: of
+    QuestionCalculatorEnv, whose episodes need no copying but the result's: the guess is "0" ("1" if that is right)."""
+    env = (QuestionCalculatorEnv if bound else CalculatorEnv)(record)
+    wrong = ("1" if env.answer == "0" else "0") if bound else guess(env.question, env.answer)
+    messages = [*env.reset(), {"role": "assistant", "content": wrong}]
+    return {"id": record["id"], "messages": messages, "tools": env.tools}
 
 
 def demonstration(record: dict, echo: bool = False, bound: bool = False) -> dict:
     """A solved episode of `record` for `rlx sft`: the opening messages, a calculator call with the question's
     expression, the tool's reply, and the answer (the reply: the value, or with `echo` the reply of
     EchoCalculatorEnv, "59*63=3717"); the tool listed as the environment offers it. `bound`: of
-    QuestionCalculatorEnv, the call without arguments ("arguments": {})."""
+    QuestionCalculatorEnv, the call without arguments ("arguments": {}) and the answer the reply from its "=" on
+    ("=3717"): every digit of it then follows a character that anchors its copy from the reply (a 2-layer character
+    model does not reliably learn to copy a text's first character after a newline)."""
     env = (QuestionCalculatorEnv if bound else EchoCalculatorEnv if echo else CalculatorEnv)(record)
     arguments = {} if bound else {"expression": env.question}
     call = {
@@ -269,7 +271,7 @@ def demonstration(record: dict, echo: bool = False, bound: bool = False) -> dict
         *env.reset(),
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": call["id"], "content": result},
-        {"role": "assistant", "content": result},
+        {"role": "assistant", "content": result[result.index("=") :] if bound else result},
     ]
     return {"id": record["id"], "messages": messages, "tools": env.tools}
 
