@@ -245,7 +245,8 @@ def guessed_demonstration(record: dict, bound: bool = False) -> dict:
     every demonstration then trains copying, and the only choice left open is whether to call (with random
     digits, a 2-layer model never learned to copy the tool's result in 600 SFT steps). It is bare, without the
     echo's "59*63=", so that "=" is followed by the result in every demonstration. `bound`: of
-    QuestionCalculatorEnv, whose episodes need no copying but the result's: the guess is "0" ("1" if that is right)."""
+    QuestionCalculatorEnv, whose calling episodes need no copy of the question: the guess is then "0" ("1" if that is
+    right), so that the calling episodes alone train copying (the tool's reply)."""
     env = (QuestionCalculatorEnv if bound else CalculatorEnv)(record)
     wrong = ("1" if env.answer == "0" else "0") if bound else guess(env.question, env.answer)
     messages = [*env.reset(), {"role": "assistant", "content": wrong}]
@@ -256,9 +257,7 @@ def demonstration(record: dict, echo: bool = False, bound: bool = False) -> dict
     """A solved episode of `record` for `rlx sft`: the opening messages, a calculator call with the question's
     expression, the tool's reply, and the answer (the reply: the value, or with `echo` the reply of
     EchoCalculatorEnv, "59*63=3717"); the tool listed as the environment offers it. `bound`: of
-    QuestionCalculatorEnv, the call without arguments ("arguments": {}) and the answer the reply from its "=" on
-    ("=3717"): every digit of it then follows a character that anchors its copy from the reply (a 2-layer character
-    model does not reliably learn to copy a text's first character after a newline)."""
+    QuestionCalculatorEnv, the call without arguments ("arguments": {})."""
     env = (QuestionCalculatorEnv if bound else EchoCalculatorEnv if echo else CalculatorEnv)(record)
     arguments = {} if bound else {"expression": env.question}
     call = {
@@ -271,7 +270,7 @@ def demonstration(record: dict, echo: bool = False, bound: bool = False) -> dict
         *env.reset(),
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": call["id"], "content": result},
-        {"role": "assistant", "content": result[result.index("=") :] if bound else result},
+        {"role": "assistant", "content": result},
     ]
     return {"id": record["id"], "messages": messages, "tools": env.tools}
 
