@@ -50,3 +50,54 @@ def test_the_tool_fraction_option_of_the_generator(tmp_path, monkeypatch):
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert written == calculator.generate_demonstrations(30, seed=0, digits=2, echo=True, tool_fraction=0.5)
     assert 0 < sum(len(d["messages"]) == 4 for d in written) < 30
+
+
+def test_the_question_calculator_computes_the_question_when_called_without_an_expression():
+    env = calculator.QuestionCalculatorEnv({"prompt": "59*63", "ground_truth": "3717"})
+    assert env.tools[0]["function"]["parameters"]["required"] == []  # the expression is optional
+    bare = {"id": "c0", "function": {"name": "calculator", "arguments": "{}"}}
+    none = {"id": "c1", "function": {"name": "calculator"}}
+    explicit = {"id": "c2", "function": {"name": "calculator", "arguments": '{"expression": "2 * 3"}'}}
+    replies, reward, done = env.step({"role": "assistant", "content": "", "tool_calls": [bare, none, explicit]})
+    assert [r["content"] for r in replies] == ["59*63=3717", "59*63=3717", "2*3=6"] and (reward, done) == (0.0, False)
+    assert [r["tool_call_id"] for r in replies] == ["c0", "c1", "c2"]
+    for arguments, error in (('{"expression": "59*"}', "cannot read"), ("[1]", "error"), ("{", "error")):
+        wrong = {"id": "c", "function": {"name": "calculator", "arguments": arguments}}
+        assert env.call(wrong).startswith("error: ") and error in env.call(wrong)
+    assert env.call({"id": "c", "function": {"name": "search", "arguments": "{}"}}) == "error: unknown tool 'search'"
+    assert env.step({"role": "assistant", "content": "59*63=3717"})[1:] == (1.0, True)
+    assert env.step({"role": "assistant", "content": "5963"})[1:] == (0.0, True)
+
+
+def test_bound_demonstrations_call_without_arguments_and_list_the_optional_tool():
+    mixed = calculator.generate_demonstrations(200, seed=1, digits=2, tool_fraction=0.3, bound=True)
+    echo = calculator.generate_demonstrations(200, seed=1, digits=2, echo=True, tool_fraction=0.3)
+    assert [len(d["messages"]) for d in mixed] == [len(d["messages"]) for d in echo]  # the same share, same episodes
+    assert all(d["tools"] == calculator.QuestionCalculatorEnv.tools for d in mixed)
+    callers = [d for d in mixed if len(d["messages"]) == 4]
+    assert 40 <= len(callers) <= 80
+    for demo in callers:
+        question, call, reply, answer = demo["messages"]
+        (tool_call,) = call["tool_calls"]
+        assert tool_call["function"]["arguments"] == "{}"
+        record = {"prompt": question["content"], "ground_truth": str(calculator.evaluate(question["content"]))}
+        env = calculator.QuestionCalculatorEnv(record)
+        assert env.step(call)[0] == [reply] and reply["content"] == f"{question['content']}={record['ground_truth']}"
+        assert answer["content"] == reply["content"] and env.step(answer)[1:] == (1.0, True)
+    for demo in mixed:
+        if len(demo["messages"]) == 2:  # a guess that needs no copying, graded wrong
+            question, answer = demo["messages"]
+            assert answer == {"role": "assistant", "content": "0"}
+            env = calculator.QuestionCalculatorEnv({"prompt": question["content"], "ground_truth": "1"})
+            assert env.step(answer)[1:] == (0.0, True)
+    zero = calculator.guessed_demonstration({"id": "d", "prompt": "0*5", "ground_truth": "0"}, bound=True)
+    assert zero["messages"][-1]["content"] == "1"  # "0" would be right
+
+
+def test_the_bound_option_of_the_generator(tmp_path, monkeypatch):
+    out = tmp_path / "demos.jsonl"
+    argv = ["calculator", "--demos", "--bound", "--digits", "2", "--num", "20", "--tool-fraction", "0.5", "--out"]
+    monkeypatch.setattr("sys.argv", [*argv, str(out)])
+    calculator.main()
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert written == calculator.generate_demonstrations(20, seed=0, digits=2, tool_fraction=0.5, bound=True)

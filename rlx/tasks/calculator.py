@@ -3,13 +3,16 @@
     python -m rlx.tasks.calculator --out prompts.jsonl --num 1000 --digits 3 --ops '*'
     python -m rlx.tasks.calculator --demos --out demos.jsonl --num 1000 --seed 1 --exclude prompts.jsonl  # for rlx sft
     python -m rlx.tasks.calculator --demos --echo --tool-fraction 0.3 ...  # 30% call the tool, 70% guess wrong
+    python -m rlx.tasks.calculator --demos --bound --tool-fraction 0.3 ...  # calls without arguments
 
 A tiny model cannot multiply 3-digit numbers in its head, but it can learn to call the calculator
 and copy the result. `CalculatorEnv` is the environment (`--env rlx.tasks.calculator:CalculatorEnv`):
 it offers one tool, `calculator(expression)`, answers each call with the value, and ends the episode
 at the first assistant message without a tool call, rewarding 1 when its last integer is the answer.
 `score` is the same check as a rule reward (`--reward rlx.tasks.calculator:score`). `EchoCalculatorEnv`
-(`--demos --echo` for its solved episodes) is the same task with a tool that replies "12*34=408".
+(`--demos --echo` for its solved episodes) is the same task with a tool that replies "12*34=408";
+`QuestionCalculatorEnv` (`--demos --bound`) is that with the expression optional: a call without one
+computes the episode's own question.
 """
 
 from __future__ import annotations
@@ -34,6 +37,14 @@ CALCULATOR_TOOL = {
             "properties": {"expression": {"type": "string"}},
             "required": ["expression"],
         },
+    },
+}
+QUESTION_CALCULATOR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression; without one, the question asked",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": []},
     },
 }
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -156,6 +167,30 @@ class EchoCalculatorEnv(CalculatorEnv):
     echo = True
 
 
+class QuestionCalculatorEnv(EchoCalculatorEnv):
+    """EchoCalculatorEnv whose expression is optional: a call without one (`"arguments": {}`) computes the
+    episode's own question, like a look-up tool bound to the task, and replies "59*63=3717".
+
+    For tiny models trained from scratch (recipes/calculator.toml): a 2-layer character model learns to copy the
+    tool's reply after "=" but, seed by seed, not to copy the question into the call's arguments; with the
+    argument optional, calling is one decision (`<tool_call>` or an answer) that RL can settle.
+    """
+
+    tools = [QUESTION_CALCULATOR_TOOL]
+
+    def call(self, call: dict) -> str:
+        """The echo reply to `call`; with no expression (no arguments, or `{}`) that of the episode's question."""
+        function = call.get("function", {})
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except ValueError:
+            arguments = None
+        if isinstance(arguments, dict) and "expression" not in arguments:
+            function = {**function, "arguments": json.dumps({"expression": self.question})}
+            call = {**call, "function": function}
+        return EchoCalculatorEnv.call(call)
+
+
 SYSTEM = (
     "You have a calculator tool. To use it, reply with only "
     '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call> '
@@ -173,11 +208,13 @@ def generate_demonstrations(
     exclude=(),
     echo: bool = False,
     tool_fraction: float = 1.0,
+    bound: bool = False,
 ) -> list[dict]:
     """`num` solved episodes (`demonstration`) of questions not in `exclude` (e.g. the RL prompts), deterministic;
     `echo`: of EchoCalculatorEnv. `tool_fraction` < 1: only that share of the episodes (drawn at random, about
     `tool_fraction * num`) calls the tool; the others answer at once with a wrong guess (`guessed_demonstration`),
-    so a policy fine-tuned on them calls the tool about as often, a decision left for RL to settle."""
+    so a policy fine-tuned on them calls the tool about as often, a decision left for RL to settle. `bound`: of
+    QuestionCalculatorEnv, the calls without arguments (implies the echo)."""
     if not 0.0 <= tool_fraction <= 1.0:
         raise ValueError(f"tool_fraction must be in [0, 1], got {tool_fraction}")
     held_out = {str(q) for q in exclude}
@@ -191,7 +228,7 @@ def generate_demonstrations(
     for i, r in enumerate(records):
         record = {**r, "id": f"demo-{i:0{width}d}"}
         calls = tool_fraction >= 1.0 or rng.random() < tool_fraction
-        demos.append(demonstration(record, echo) if calls else guessed_demonstration(record))
+        demos.append(demonstration(record, echo, bound) if calls else guessed_demonstration(record, bound))
     return demos
 
 
@@ -202,26 +239,31 @@ def guess(question: str, answer: str) -> str:
     return str(int(digits) + 1) if digits == answer else digits
 
 
-def guessed_demonstration(record: dict) -> dict:
+def guessed_demonstration(record: dict, bound: bool = False) -> dict:
     """An episode of `record` that answers at once, without the tool, with a wrong `guess` (reward 0): the
     demonstrated alternative to calling. The guess is copied from the question rather than drawn at random:
     every demonstration then trains copying, and the only choice left open is whether to call (with random
     digits, a 2-layer model never learned to copy the tool's result in 600 SFT steps). It is bare, without the
-    echo's "59*63=", so that "=" is followed by the result in every demonstration."""
-    env = CalculatorEnv(record)
-    messages = [*env.reset(), {"role": "assistant", "content": guess(env.question, env.answer)}]
-    return {"id": record["id"], "messages": messages, "tools": CalculatorEnv.tools}
+    echo's "59*63=", so that "=" is followed by the result in every demonstration. `bound`: of
+    QuestionCalculatorEnv, whose calling episodes need no copy of the question: the guess is then "0" ("1" if that is
+    right), so that the calling episodes alone train copying (the tool's reply)."""
+    env = (QuestionCalculatorEnv if bound else CalculatorEnv)(record)
+    wrong = ("1" if env.answer == "0" else "0") if bound else guess(env.question, env.answer)
+    messages = [*env.reset(), {"role": "assistant", "content": wrong}]
+    return {"id": record["id"], "messages": messages, "tools": env.tools}
 
 
-def demonstration(record: dict, echo: bool = False) -> dict:
+def demonstration(record: dict, echo: bool = False, bound: bool = False) -> dict:
     """A solved episode of `record` for `rlx sft`: the opening messages, a calculator call with the question's
     expression, the tool's reply, and the answer (the reply: the value, or with `echo` the reply of
-    EchoCalculatorEnv, "59*63=3717"); the tool listed as CalculatorEnv offers it."""
-    env = (EchoCalculatorEnv if echo else CalculatorEnv)(record)
+    EchoCalculatorEnv, "59*63=3717"); the tool listed as the environment offers it. `bound`: of
+    QuestionCalculatorEnv, the call without arguments ("arguments": {})."""
+    env = (QuestionCalculatorEnv if bound else EchoCalculatorEnv if echo else CalculatorEnv)(record)
+    arguments = {} if bound else {"expression": env.question}
     call = {
         "id": "call_0_0",  # the id a rollout gives a first turn's first call
         "type": "function",
-        "function": {"name": "calculator", "arguments": json.dumps({"expression": env.question})},
+        "function": {"name": "calculator", "arguments": json.dumps(arguments)},
     }
     result = env.call(call)
     messages = [
@@ -230,7 +272,7 @@ def demonstration(record: dict, echo: bool = False) -> dict:
         {"role": "tool", "tool_call_id": call["id"], "content": result},
         {"role": "assistant", "content": result},
     ]
-    return {"id": record["id"], "messages": messages, "tools": CalculatorEnv.tools}
+    return {"id": record["id"], "messages": messages, "tools": env.tools}
 
 
 def main() -> None:
@@ -247,6 +289,8 @@ def main() -> None:
     parser.add_argument("--exclude", help="with --demos: a prompts.jsonl whose questions the episodes leave out")
     parser.add_argument("--echo", action="store_true", help="with --demos: episodes of EchoCalculatorEnv (the tool "
                         "replies '12*34=408', the answer repeats it)")  # fmt: skip
+    parser.add_argument("--bound", action="store_true", help="with --demos: episodes of QuestionCalculatorEnv (the "
+                        "calls carry no arguments, the tool computes the question; implies --echo)")  # fmt: skip
     parser.add_argument("--tool-fraction", type=float, default=1.0, help="with --demos: the share of episodes that "
                         "call the tool; the others answer at once with a wrong guess, the question's digits run "
                         "together (default 1)")  # fmt: skip
@@ -256,7 +300,7 @@ def main() -> None:
             [json.loads(line)["prompt"] for line in Path(args.exclude).read_text().splitlines()] if args.exclude else ()
         )
         demos = generate_demonstrations(
-            args.num, args.seed, args.digits, args.ops, exclude, args.echo, args.tool_fraction
+            args.num, args.seed, args.digits, args.ops, exclude, args.echo, args.tool_fraction, args.bound
         )
         write_jsonl(args.out, demos)
         return
