@@ -1,4 +1,5 @@
-"""Calculator demonstrations of which only a share calls the tool (`--tool-fraction`): the others guess wrong."""
+"""Calculator demonstrations: only a share calling the tool (`--tool-fraction`, the others guess wrong), calls without
+arguments (`--bound`, QuestionCalculatorEnv)."""
 
 from __future__ import annotations
 
@@ -40,16 +41,6 @@ def test_a_tool_fraction_keeps_the_questions_and_makes_the_rest_wrong_guesses_fr
 def test_a_guess_runs_the_question_digits_together_and_is_never_the_answer():
     assert calculator.guess("59*63", "3717") == "5963" and calculator.guess("-12+345", "333") == "12345"
     assert calculator.guess("3*5", "35") == "36"  # made-up answer equal to the digits: one more
-
-
-def test_the_tool_fraction_option_of_the_generator(tmp_path, monkeypatch):
-    out = tmp_path / "demos.jsonl"
-    argv = ["calculator", "--demos", "--echo", "--digits", "2", "--num", "30", "--tool-fraction", "0.5", "--out"]
-    monkeypatch.setattr("sys.argv", [*argv, str(out)])
-    calculator.main()
-    written = [json.loads(line) for line in out.read_text().splitlines()]
-    assert written == calculator.generate_demonstrations(30, seed=0, digits=2, echo=True, tool_fraction=0.5)
-    assert 0 < sum(len(d["messages"]) == 4 for d in written) < 30
 
 
 def test_the_question_calculator_computes_the_question_when_called_without_an_expression():
@@ -94,10 +85,16 @@ def test_bound_demonstrations_call_without_arguments_and_list_the_optional_tool(
     assert zero["messages"][-1]["content"] == "1"  # "0" would be right
 
 
-def test_the_bound_option_of_the_generator(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "flags, kwargs",
+    [(["--echo"], {"echo": True}), (["--bound"], {"bound": True})],
+    ids=["echo", "bound"],
+)
+def test_the_generator_options(tmp_path, monkeypatch, flags, kwargs):
     out = tmp_path / "demos.jsonl"
-    argv = ["calculator", "--demos", "--bound", "--digits", "2", "--num", "20", "--tool-fraction", "0.5", "--out"]
+    argv = ["calculator", "--demos", *flags, "--digits", "2", "--num", "30", "--tool-fraction", "0.5", "--out"]
     monkeypatch.setattr("sys.argv", [*argv, str(out)])
     calculator.main()
     written = [json.loads(line) for line in out.read_text().splitlines()]
-    assert written == calculator.generate_demonstrations(20, seed=0, digits=2, tool_fraction=0.5, bound=True)
+    assert written == calculator.generate_demonstrations(30, seed=0, digits=2, tool_fraction=0.5, **kwargs)
+    assert 0 < sum(len(d["messages"]) == 4 for d in written) < 30

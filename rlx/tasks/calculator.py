@@ -42,9 +42,9 @@ CALCULATOR_TOOL = {
 QUESTION_CALCULATOR_TOOL = {
     "type": "function",
     "function": {
-        "name": "calculator",
+        **CALCULATOR_TOOL["function"],
         "description": "Evaluate an arithmetic expression; without one, the question asked",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": []},
+        "parameters": {**CALCULATOR_TOOL["function"]["parameters"], "required": []},
     },
 }
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
