@@ -160,6 +160,71 @@ def test_varlen_attention_gqa_matches_dense_block_mask():
     assert torch.allclose(got, dense, atol=1e-6)
 
 
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 3), (False, None)])
+def test_sdpa_backward_matches_autograd(causal, window):
+    """The closed-form backward that compiled layers use equals autograd through the per-sample loop (GQA)."""
+    from rlx.models.attention import _sdpa_loop, _sdpa_loop_backward
+
+    g = torch.Generator().manual_seed(0)
+    cu_seqlens = torch.tensor([0, 3, 7, 7, 12], dtype=torch.int32)
+    inputs = [torch.randn(12, h, 8, generator=g, requires_grad=True) for h in (4, 2, 2)]
+    out = _sdpa_loop(*inputs, cu_seqlens, 0.3, 0.0, causal, window)
+    grad = torch.randn(out.shape, generator=g)
+    want = torch.autograd.grad(out, inputs, grad)
+    got = _sdpa_loop_backward(grad, *(t.detach() for t in inputs), cu_seqlens, 0.3, causal, window)
+    for name, a, b in zip("qkv", got, want):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), (name, (a - b).abs().max().item())
+
+
+def _compiled_step(model, sequences, weights):
+    """A no-grad packed forward, then one with gradients; the logits of both and the gradients."""
+    from rlx.engine.parallel.ulysses import sequence_parallel_forward
+
+    packed = pack(sequences).to(model.device)
+    with torch.no_grad():
+        scored = unpack(sequence_parallel_forward(model, packed), packed.lengths)
+    model.zero_grad()
+    logits = unpack(sequence_parallel_forward(model, packed), packed.lengths)
+    sum(((lg * w.to(lg)).sum() for lg, w in zip(logits, weights))).backward()
+    return scored, {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def _assert_one_graph_per_phase(model, sequences, atol):
+    """Compiled decoder layers with the training path's attention ("rlx_ulysses" without a group): one graph
+    without grad (score) and one with (train), no graph break, the same values as eagerly; a new packing (other
+    lengths, more samples) reuses both graphs."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from rlx.engine.parallel.fsdp import decoder_layers
+    from rlx.engine.parallel.ulysses import enable_ulysses_attention
+
+    enable_ulysses_attention(model)
+    compiled = copy.deepcopy(model)
+    for layer in decoder_layers(compiled):
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(1)
+    for batch in (sequences, [s[:-1] for s in sequences] + [[1, 2, 3]]):
+        weights = [torch.randn(len(s), model.config.vocab_size, generator=g) for s in batch]
+        want_logits, want_grads = _compiled_step(model, batch, weights)
+        got_logits, got_grads = _compiled_step(compiled, batch, weights)
+        assert_close([t.float() for t in got_logits], [t.float() for t in want_logits], atol=atol)
+        for name, want in want_grads.items():
+            error = (got_grads[name] - want).abs().max().item()
+            assert error <= atol * max(1.0, want.abs().max().item()), (name, error)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_compiled_packed_layer_is_one_graph_per_phase():
+    """On the CPU the per-sample loop and its backward are operators under torch.compile (GQA, a sliding window)."""
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=3, layer_types=["sliding_attention"] * 2)
+    _assert_one_graph_per_phase(model.train(), SEQUENCES, ATOL)
+
+
 def test_pack_unpack_and_targets():
     packed = pack([[4, 5, 6], [7], [8, 9]])
     assert packed.input_ids.tolist() == [[4, 5, 6, 7, 8, 9]]
@@ -217,3 +282,12 @@ def test_cuda_bf16_model_packed_matches_per_sequence():
     got = [g.float() for g in unpack(model(**packed.model_inputs()).logits, packed.lengths)]
     for g, w in zip(got, want):
         assert ((g - w).norm() / w.norm()).item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_compiled_packed_layer_is_one_graph_per_phase():
+    """bfloat16 on CUDA through the auto-selected varlen kernel: compiled layers stay one graph per phase."""
+    model = tiny_model("qwen3").to("cuda", torch.bfloat16).train()
+    sequences = [[(7 * i + j) % 16 + 3 for j in range(n)] for i, n in enumerate([70, 5, 130, 33])]
+    _assert_one_graph_per_phase(model, sequences, 3e-2)

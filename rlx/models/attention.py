@@ -162,8 +162,18 @@ def _window(sliding_window: int | None, is_causal: bool) -> tuple[int, int]:
     return (left, 0 if is_causal else -1)
 
 
+def _sample_mask(length: int, device, is_causal: bool, sliding_window: int | None) -> torch.Tensor | None:
+    """[L, L] bool, True where a query may see a key, for a sliding window; None without one."""
+    if not sliding_window:
+        return None
+    pos = torch.arange(length, device=device)
+    distance = pos[:, None] - pos[None, :]
+    mask = distance < sliding_window
+    return mask & (distance >= 0) if is_causal else mask
+
+
 def _sdpa_loop(query, key, value, cu_seqlens, scale, dropout, is_causal, sliding_window) -> torch.Tensor:
-    """The exact fallback: one scaled_dot_product_attention call per sequence. [N, H, D] -> [N, H, D]."""
+    """The exact fallback: one scaled_dot_product_attention call per sequence. [N, H, D] -> [N, H, Dv]."""
     key = repeat_kv_heads(key, query.shape[1], dim=1)
     value = repeat_kv_heads(value, query.shape[1], dim=1)
     out = query.new_empty(*query.shape[:-1], value.shape[-1])
@@ -172,17 +182,97 @@ def _sdpa_loop(query, key, value, cu_seqlens, scale, dropout, is_causal, sliding
         if end == start:
             continue
         q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [H, L, D]
-        mask = None
-        if sliding_window:
-            pos = torch.arange(end - start, device=query.device)
-            distance = pos[:, None] - pos[None, :]
-            mask = distance < sliding_window
-            if is_causal:
-                mask &= distance >= 0
+        mask = _sample_mask(end - start, query.device, is_causal, sliding_window)
         causal = is_causal and mask is None
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale)
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+def _sdpa_loop_backward(grad, query, key, value, cu_seqlens, scale, is_causal, sliding_window):
+    """The gradients of `_sdpa_loop` (no dropout) for query, key and value, per sequence from the softmax's
+    closed form, computed in float32 (GQA: a key/value head's gradient sums over the query heads it serves)."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    dtypes = (query.dtype, key.dtype, value.dtype)
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    key, value = (repeat_kv_heads(t, heads, dim=1).float() for t in (key, value))
+    query, grad = query.float(), grad.float()
+    dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        q, k, v, g = (t[start:end].transpose(0, 1) for t in (query, key, value, grad))  # [H, L, D]
+        mask = _sample_mask(end - start, query.device, is_causal, sliding_window)
+        if mask is None and is_causal:
+            mask = torch.ones(end - start, end - start, dtype=torch.bool, device=query.device).tril()
+        scores = q @ k.transpose(1, 2) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(-1)
+        dprobs = g @ v.transpose(1, 2)
+        dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
+        dq[start:end] = (dscores @ k * scale).transpose(0, 1)
+        dk[start:end] = (dscores.transpose(1, 2) @ q * scale).transpose(0, 1)
+        dv[start:end] = (probs.transpose(1, 2) @ g).transpose(0, 1)
+    n, groups = dk.shape[0], heads // kv_heads
+    dk, dv = (t.view(n, kv_heads, groups, t.shape[-1]).sum(2) for t in (dk, dv))
+    return tuple(d.to(dtype) for d, dtype in zip((dq, dk, dv), dtypes))
+
+
+@torch.library.custom_op("rlx::sdpa_varlen", mutates_args=())
+def _sdpa_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None,
+    is_causal: bool,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """`_sdpa_loop` without dropout as one opaque operator: torch.compile traces a decoder layer through it (one
+    graph instead of a graph break at the Python loop over the sample boundaries), with its backward
+    (`_sdpa_loop_backward`) an operator too. Used under torch.compile only: eager code runs the loop itself."""
+    return _sdpa_loop(query, key, value, cu_seqlens, scale, 0.0, is_causal, sliding_window)
+
+
+@_sdpa_varlen.register_fake
+def _(query, key, value, cu_seqlens, scale, is_causal, sliding_window):
+    return query.new_empty(*query.shape[:-1], value.shape[-1])
+
+
+@torch.library.custom_op("rlx::sdpa_varlen_backward", mutates_args=())
+def _sdpa_varlen_backward_op(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None,
+    is_causal: bool,
+    sliding_window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_sdpa_loop_backward` as an operator (so that the compiled backward of a decoder layer stays one graph)."""
+    return _sdpa_loop_backward(grad, query, key, value, cu_seqlens, scale, is_causal, sliding_window)
+
+
+@_sdpa_varlen_backward_op.register_fake
+def _(grad, query, key, value, cu_seqlens, scale, is_causal, sliding_window):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _sdpa_varlen_setup(ctx, inputs, output) -> None:
+    query, key, value, cu_seqlens, scale, is_causal, sliding_window = inputs
+    ctx.save_for_backward(query, key, value, cu_seqlens)
+    ctx.options = (scale, is_causal, sliding_window)
+
+
+def _sdpa_varlen_backward(ctx, grad):
+    grads = _sdpa_varlen_backward_op(grad, *ctx.saved_tensors, *ctx.options)
+    return (*grads, None, None, None, None)
+
+
+_sdpa_varlen.register_autograd(_sdpa_varlen_backward, setup_context=_sdpa_varlen_setup)
 
 
 def _torch_varlen(query, key, value, cu_seqlens, max_len, scale, is_causal, sliding_window) -> torch.Tensor:
@@ -242,6 +332,8 @@ def varlen_attention(
         if dropout:
             raise ValueError("torch's varlen_attn has no dropout: use flash_attn or sdpa")
         return _torch_varlen(query, key, value, cu_seqlens, max_len, scale, is_causal, sliding_window)
+    if torch.compiler.is_compiling() and not dropout:
+        return _sdpa_varlen(query, key, value, cu_seqlens, scale, is_causal, sliding_window)
     return _sdpa_loop(query, key, value, cu_seqlens, scale, dropout, is_causal, sliding_window)
 
 
@@ -264,7 +356,6 @@ def _segments(attention_mask, position_ids, cu_seq_lens_q, max_length_q, batch, 
     return None, cu_seqlens, max_len
 
 
-@torch.compiler.disable  # data-dependent sample boundaries: a graph break, not a traced graph
 def packed_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -284,13 +375,57 @@ def packed_attention_forward(
 
     query [B, H, T, D], key/value [B, Hkv, T, D], attention_mask None or [B, T] bool ->
     (attn_output [B, T, H, D], None); outputs at padded positions are 0.
+
+    One packed row with its `cu_seq_lens_q` and `max_length_q` given (`PackedBatch.model_inputs()`, what score and
+    train pass) needs no data-dependent step before the kernel: torch.compile traces through it, so a compiled
+    decoder layer is one graph (torch's varlen kernel and the sdpa fallback are operators). Everything else (a
+    padding mask, boundaries read from the positions, flash-attn's kernel, dropout) runs eagerly: a graph break.
     """
-    batch, num_heads, length, _ = query.shape
-    head_dim = value.shape[-1]  # of the output: MLA (DeepSeek-V3, Kimi) has values narrower than queries/keys
+    backend = select_backend(query, dropout)
+    direct = attention_mask is None and cu_seq_lens_q is not None and max_length_q is not None
+    if not direct or query.shape[0] != 1 or backend == "flash_attn" or dropout:
+        return _packed_attention_eager(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+            sliding_window=sliding_window, position_ids=position_ids, cu_seq_lens_q=cu_seq_lens_q,
+            max_length_q=max_length_q, **kwargs,
+        )  # fmt: skip
+    length = query.shape[2]
+    _check_no_cache(key, length)
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    out = varlen_attention(
+        q, k, v, cu_seq_lens_q, max_length_q, scale=scaling, is_causal=is_causal, sliding_window=sliding_window
+    )
+    return out.unsqueeze(0), None
+
+
+def _check_no_cache(key: torch.Tensor, length: int) -> None:
     if key.shape[2] != length:
         raise ValueError(
             f"{PACKED_ATTENTION} attention needs as many keys as queries: call the model with use_cache=False"
         )
+
+
+@torch.compiler.disable  # data-dependent sample boundaries: a graph break, not a traced graph
+def _packed_attention_eager(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """`packed_attention_forward` in every case, eagerly."""
+    batch, num_heads, length, _ = query.shape
+    head_dim = value.shape[-1]  # of the output: MLA (DeepSeek-V3, Kimi) has values narrower than queries/keys
+    _check_no_cache(key, length)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     kept, cu_seqlens, max_len = _segments(
         attention_mask, position_ids, cu_seq_lens_q, max_length_q, batch, length, query.device

@@ -113,7 +113,6 @@ def gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
     return _GatherSequence.apply(local, group)
 
 
-@torch.compiler.disable  # data-dependent sample boundaries: a graph break, not a traced graph
 def ulysses_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -134,7 +133,34 @@ def ulysses_attention_forward(
     query [1, H, T/sp, D], key/value [1, Hkv, T/sp, D] (this rank's slice) -> (attn_output [1, T/sp, H, D], None).
     `cu_seq_lens_q` [n+1] and `max_length_q` describe the FULL padded row of T tokens.
     """
-    if sp_group is None or dist.get_world_size(sp_group) == 1:
+    if sp_group is None:  # traced by torch.compile where packed attention is (a compiled layer stays one graph)
+        return packed_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+            sliding_window=sliding_window, cu_seq_lens_q=cu_seq_lens_q, max_length_q=max_length_q, **kwargs,
+        )  # fmt: skip
+    return _all_to_all_attention(
+        module, query, key, value, attention_mask, dropout, scaling, is_causal, sliding_window, sp_group,
+        cu_seq_lens_q, max_length_q, **kwargs,
+    )  # fmt: skip
+
+
+@torch.compiler.disable  # collectives and data-dependent sample boundaries: a graph break, not a traced graph
+def _all_to_all_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout,
+    scaling,
+    is_causal,
+    sliding_window,
+    sp_group,
+    cu_seq_lens_q,
+    max_length_q,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    if dist.get_world_size(sp_group) == 1:
         return packed_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
             sliding_window=sliding_window, cu_seq_lens_q=cu_seq_lens_q, max_length_q=max_length_q, **kwargs,
