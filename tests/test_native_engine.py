@@ -260,6 +260,29 @@ def test_ppo_on_two_fsdp_ranks_generates_with_a_gathered_replica(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with RLX_TEST_GPU=1)")
+def test_capture_ladder_compiles_the_decoder_layer_once(tiny):
+    """The decode CUDA graphs of every batch size share one compiled decoder layer (no recompilation from sizes
+    that happened to be equal at the first trace). The head may compile twice here: Inductor guards this tiny
+    model's head on the batch being >= 64; on the 0.5B shape the ladder compiles 2 graphs in all (bench/RESULTS.md).
+    """
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from rlx.engine.rollout.native import runner
+
+    model, tokenizer = tiny
+    cuda = torch.device("cuda")
+    cfg = RolloutConfig(engine="native", chat_template="off", n=4, max_new_tokens=8, seed=3, precision="bfloat16")
+    cfg.max_num_seqs = 64  # the ladder 2, 4, 8, 16, 32, 64
+    torch._dynamo.reset()
+    prompts = [PromptRecord(id=f"q{i}", prompt=p.prompt) for i, p in enumerate(PROMPTS * 8)]
+    result = make_engine(model.to(cuda), tokenizer, cfg, cuda).generate(prompts, cfg.sampling(), progress=False)
+    model.to(CPU)
+    assert len(result.records) == len(prompts) * 4
+    assert len(_debug_get_cache_entry_list(runner._layer_step.__code__)) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with RLX_TEST_GPU=1)")
 def test_gpu_sampler_draws_what_the_float64_rule_draws():
     """The Triton draw (both engines on CUDA) against the float64 reference on the same scaled logits, and the
     native engine's fused path (bf16 logits, 1 / temperature in the kernel) against the hf engine's call."""

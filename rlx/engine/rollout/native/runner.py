@@ -162,7 +162,22 @@ def _compiled():
     from torch._dynamo import config as dynamo_config
 
     dynamo_config.recompile_limit = max(getattr(dynamo_config, "recompile_limit", 8), 64)
-    return tuple(torch.compile(f, dynamic=True) for f in (_layer_step, _head_step))
+    return tuple(_without_duck_sizing(torch.compile(f, dynamic=True)) for f in (_layer_step, _head_step))
+
+
+def _without_duck_sizing(compiled):
+    """`compiled`, traced without duck sizing. With it, dimensions of equal size at the first trace are assumed
+    equal for good: the largest captured batch is the size of the buffers the decode inputs are views of, so the
+    graph compiled for it held only for that size and the next size of the ladder compiled the layer and the head
+    again (measured: 4 graphs for the ladder, 2 without)."""
+    from torch.fx.experimental import _config as fx_config
+
+    @functools.wraps(compiled)
+    def run(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return run
 
 
 class ModelRunner:
