@@ -17,6 +17,7 @@ from rlx.commands.serve import serve
 from rlx.commands.sft import sft
 from rlx.commands.shard import shard
 from rlx.commands.train_step import train_step
+from rlx.utils.allocator import configure_pinned_memory
 from rlx.utils.cache import configure_compile_caches
 
 app = typer.Typer(
@@ -63,6 +64,7 @@ app.command("serve")(serve)
 
 def main() -> None:
     configure_compile_caches()  # before any command imports torch
+    configure_pinned_memory()
     try:
         app()
     except SystemExit as e:

@@ -154,3 +154,21 @@ def test_compile_caches_live_under_rlx_cache(tmp_path, monkeypatch):
     configure_compile_caches()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile" / "inductor")
     assert os.environ["TRITON_CACHE_DIR"] == "/mine"  # a user's own setting wins
+
+
+def test_pinned_memory_is_registered_unless_the_user_set_the_allocator(monkeypatch):
+    """Process-wide, before torch starts: host pinning by registration on 8 threads; a user's allocator
+    configuration (either variable) is left alone."""
+    from rlx.utils.allocator import PINNED_REGISTER, configure_pinned_memory
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    configure_pinned_memory()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == PINNED_REGISTER
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    configure_pinned_memory()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    configure_pinned_memory()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
