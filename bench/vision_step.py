@@ -19,7 +19,9 @@ Train step: `ActorTrainer.train_step` (what `rlx train-step` runs) on the batch 
 rollouts: packed micro-batches with 3-D positions, varlen attention, fused logprobs, vision tower frozen (the
 default; --train-tower trains it); against the same samples in padded micro-batches of --baseline-rows rows,
 `model(input_ids, attention_mask, pixel_values, image_grid_thw).logits`, float32 log-softmax on the response,
-backward, clip, AdamW. Tokens/s = (prompt + response tokens) / median step time after a warm-up step.
+backward, clip, AdamW. Tokens/s = (prompt + response tokens) / median step time after a warm-up step. On CUDA
+also `train_rlx_fast_path`: the train step as `rlx ppo` runs it there (compiled decoder layers, micro-batches of
+--train-budget tokens).
 
 Score: the old-logprob forward of `rlx score` over the same rollouts with their images, in packed rows of
 --score-budget tokens against padded micro-batches of --baseline-rows rows (median of --steps after a warm-up).
@@ -28,6 +30,7 @@ Score: the old-logprob forward of `rlx score` over the same rollouts with their 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -166,8 +169,9 @@ def hf_generate(ckpt: Path, prompts: Path, args, device, dtype) -> dict:
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
-def rlx_train(ckpt: Path, batch_path: Path, args, device) -> dict:
-    """Median `ActorTrainer.train_step` time (the code `rlx train-step` runs) over --steps steps after a warm-up."""
+def rlx_train(ckpt: Path, batch_path: Path, args, device, fast_path: bool = False) -> dict:
+    """Median `ActorTrainer.train_step` time (the code `rlx train-step` runs) over --steps steps after a warm-up;
+    `fast_path`: as `rlx ppo` trains on CUDA (compiled decoder layers, micro-batches of --train-budget tokens)."""
     from rlx.engine.backends.registry import backend_for_checkpoint, checkpoint_degrees
     from rlx.engine.batch import TrainBatch
     from rlx.engine.checkpoints.loading import load_processor
@@ -176,8 +180,9 @@ def rlx_train(ckpt: Path, batch_path: Path, args, device) -> dict:
     from rlx.models.loading import load_config, resolve_source
     from rlx.models.vision.config import VisionConfig
 
+    fast = dict(compile=True, max_tokens_per_micro_batch=args.train_budget) if fast_path else {}
     cfg = TrainConfig(lr=1e-6, micro_batch_size=args.baseline_rows, use_packing=True, device=device.type,
-                      vision=VisionConfig(freeze_vision_tower=not args.train_tower))  # fmt: skip
+                      vision=VisionConfig(freeze_vision_tower=not args.train_tower), **fast)  # fmt: skip
     source = resolve_source(str(ckpt), "checkpoint")
     meta = check_complete(source.path)
     batch = TrainBatch.load(str(batch_path), load_processor(source, cfg.vision, load_config(source)))
@@ -190,6 +195,11 @@ def rlx_train(ckpt: Path, batch_path: Path, args, device) -> dict:
     tokens = float(batch.prompt_mask.sum() + batch.response_mask.sum())
     median = statistics.median(times[1:])
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    trainer = None  # the next measurement gets the memory back
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     return {"tokens": tokens, "median_s": median, "tokens_per_s": tokens / median, "peak_gib": peak}
 
 
@@ -280,6 +290,10 @@ def main() -> None:
         default=15360,
         help="tokens per packed scoring row (default 15360, the fast path's for this shape)",
     )
+    parser.add_argument("--train-budget", type=int, default=8192, help="tokens per micro-batch of the fast-path "
+                        "train step (default 8192, recipes/qwen2_vl_2b_shapes.toml's)")  # fmt: skip
+    parser.add_argument("--no-generate-baselines", action="store_true", help="skip the hf engine and transformers "
+                        "generate rollouts (the slow part)")  # fmt: skip
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
@@ -292,8 +306,9 @@ def main() -> None:
         prompts = write_prompts(root / "prompts.jsonl", args.prompts, 448)
         native, records = rlx_rollout(root / "ckpt", prompts, args, device, "native")
         report(results, "rollout_native", native)
-        report(results, "rollout_hf_engine", rlx_rollout(root / "ckpt", prompts, args, device, "hf")[0])
-        report(results, "rollout_transformers_generate", hf_generate(root / "ckpt", prompts, args, device, dtype))
+        if not args.no_generate_baselines:
+            report(results, "rollout_hf_engine", rlx_rollout(root / "ckpt", prompts, args, device, "hf")[0])
+            report(results, "rollout_transformers_generate", hf_generate(root / "ckpt", prompts, args, device, dtype))
         from rlx.engine.records import write_records
 
         write_records(root / "rollouts.jsonl", records)
@@ -305,6 +320,8 @@ def main() -> None:
             report(results, f"score_rlx_{mode}", scored)
         batch = root / "scored" / "batch.safetensors"
         report(results, "train_rlx", rlx_train(root / "ckpt", batch, args, device))
+        if device.type == "cuda":
+            report(results, "train_rlx_fast_path", rlx_train(root / "ckpt", batch, args, device, fast_path=True))
         report(results, "train_transformers_padded", hf_train(root / "ckpt", batch, args, device, dtype))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
