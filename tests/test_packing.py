@@ -225,6 +225,21 @@ def test_compiled_packed_layer_is_one_graph_per_phase():
     _assert_one_graph_per_phase(model.train(), SEQUENCES, ATOL)
 
 
+def test_compiled_training_layers_keep_one_graph_for_every_length():
+    """apply_parallelism's compile turns off Inductor's size-guarded fusion choice (a recompilation at the first
+    small micro-batch on GPUs: the RMSNorm backward's mix-order reduction)."""
+    from torch._inductor import config
+
+    from rlx.engine.parallel.apply import ParallelPlan, apply_parallelism
+    from rlx.engine.parallel.dist import DistContext
+
+    if not hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
+        pytest.skip("this torch's Inductor has no mix-order reduction")
+    config.triton.mix_order_reduction_non_strict_mode = False
+    apply_parallelism(tiny_model("llama"), DistContext(device=torch.device("cpu")), ParallelPlan(compile=True))
+    assert config.triton.mix_order_reduction_non_strict_mode
+
+
 def test_pack_unpack_and_targets():
     packed = pack([[4, 5, 6], [7], [8, 9]])
     assert packed.input_ids.tolist() == [[4, 5, 6, 7, 8, 9]]
