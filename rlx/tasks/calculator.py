@@ -71,7 +71,7 @@ OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 _MAX_DIGITS = 60
 _INTEGER = re.compile(r"-?\d+")
-_OPERANDS = re.compile(r"\s*(-?\d+)\s*[-+*]\s*(-?\d+)\s*")
+_OPERATION = re.compile(r"\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*")  # "59*63": 59, *, 63
 
 
 def generate_calculator(
@@ -229,18 +229,17 @@ class ToolChoiceCalculatorEnv(EchoCalculatorEnv):
         name = call.get("function", {}).get("name")
         if name not in BOUND_TOOLS:
             return f"error: unknown tool {name!r}"
-        operands = _OPERANDS.fullmatch(self.question)
-        if not operands:
+        operation = _OPERATION.fullmatch(self.question)
+        if not operation:
             return f"error: the question {self.question!r} is not two numbers and an operator"
-        expression = f"{operands[1]}{BOUND_TOOLS[name]}{operands[2]}"
+        expression = f"{operation[1]}{BOUND_TOOLS[name]}{operation[3]}"
         function = {"name": "calculator", "arguments": json.dumps({"expression": expression})}
         return EchoCalculatorEnv.call({**call, "function": function})
 
     def right_tool(self) -> str | None:
         """The tool whose operator is the question's (None when neither is)."""
-        operands = _OPERANDS.fullmatch(self.question)
-        op = self.question[operands.end(1) : operands.start(2)].strip() if operands else None
-        return next((name for name, tool_op in BOUND_TOOLS.items() if tool_op == op), None)
+        operation = _OPERATION.fullmatch(self.question)
+        return next((name for name, op in BOUND_TOOLS.items() if operation and op == operation[2]), None)
 
 
 SYSTEM = (
