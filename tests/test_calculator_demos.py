@@ -1,5 +1,6 @@
 """Calculator demonstrations: only a share calling the tool (`--tool-fraction`, the others guess wrong), calls without
-arguments (`--bound`, QuestionCalculatorEnv)."""
+arguments (`--bound`, QuestionCalculatorEnv), a choice between two tools bound to the question (`--choice`,
+ToolChoiceCalculatorEnv)."""
 
 from __future__ import annotations
 
@@ -87,8 +88,8 @@ def test_bound_demonstrations_call_without_arguments_and_list_the_optional_tool(
 
 @pytest.mark.parametrize(
     "flags, kwargs",
-    [(["--echo"], {"echo": True}), (["--bound"], {"bound": True})],
-    ids=["echo", "bound"],
+    [(["--echo"], {"echo": True}), (["--bound"], {"bound": True}), (["--choice"], {"choice": True})],
+    ids=["echo", "bound", "choice"],
 )
 def test_the_generator_options(tmp_path, monkeypatch, flags, kwargs):
     out = tmp_path / "demos.jsonl"
@@ -97,4 +98,57 @@ def test_the_generator_options(tmp_path, monkeypatch, flags, kwargs):
     calculator.main()
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert written == calculator.generate_demonstrations(30, seed=0, digits=2, tool_fraction=0.5, **kwargs)
-    assert 0 < sum(len(d["messages"]) == 4 for d in written) < 30
+    assert written != calculator.generate_demonstrations(30, seed=0, digits=2, **kwargs)  # --tool-fraction applied
+
+
+def test_the_tool_choice_calculator_applies_the_called_tools_operator_to_the_question():
+    env = calculator.ToolChoiceCalculatorEnv({"prompt": "59*63", "ground_truth": "3717"})
+    assert [t["function"]["name"] for t in env.tools] == ["multiply", "add"]
+    assert all(t["function"]["parameters"] == {"type": "object", "properties": {}, "required": []} for t in env.tools)
+    calls = [
+        {"id": "c0", "function": {"name": "multiply", "arguments": "{}"}},
+        {"id": "c1", "function": {"name": "add"}},
+        {"id": "c2", "function": {"name": "add", "arguments": '{"expression": "2*3"}'}},  # arguments are ignored
+        {"id": "c3", "function": {"name": "calculator", "arguments": "{}"}},
+    ]
+    replies, reward, done = env.step({"role": "assistant", "content": "", "tool_calls": calls})
+    assert [r["content"] for r in replies] == [
+        "59*63=3717",
+        "59+63=122",
+        "59+63=122",
+        "error: unknown tool 'calculator'",
+    ]
+    assert [r["tool_call_id"] for r in replies] == ["c0", "c1", "c2", "c3"] and (reward, done) == (0.0, False)
+    assert env.right_tool() == "multiply" and env.step({"role": "assistant", "content": "59*63=3717"})[1:] == (
+        1.0,
+        True,
+    )
+    assert env.step({"role": "assistant", "content": "59+63=122"})[1:] == (0.0, True)
+    assert calculator.ToolChoiceCalculatorEnv({"prompt": "5 + 7", "ground_truth": "12"}).right_tool() == "add"
+    odd = calculator.ToolChoiceCalculatorEnv({"prompt": "what is 5 times 7", "ground_truth": "35"})
+    assert odd.right_tool() is None and odd.call(calls[0]).startswith("error: the question")
+
+
+@pytest.mark.parametrize("ops", ["*", "*+"])
+def test_choice_demonstrations_call_either_tool_and_answer_with_its_reply(ops):
+    demos = calculator.generate_demonstrations(400, seed=1, digits=2, ops=ops, tool_fraction=0.5, choice=True)
+    assert all(len(d["messages"]) == 4 and d["tools"] == calculator.ToolChoiceCalculatorEnv.tools for d in demos)
+    num_right = 0
+    for demo in demos:
+        question, call, reply, answer = demo["messages"]
+        (tool_call,) = call["tool_calls"]
+        record = {"prompt": question["content"], "ground_truth": str(calculator.evaluate(question["content"]))}
+        env = calculator.ToolChoiceCalculatorEnv(record)
+        assert tool_call["function"]["arguments"] == "{}" and tool_call["function"]["name"] in calculator.BOUND_TOOLS
+        assert env.step(call)[0] == [reply] and answer == {"role": "assistant", "content": reply["content"]}
+        is_right = tool_call["function"]["name"] == env.right_tool()
+        assert env.step(answer)[1:] == (float(is_right), True)  # the copied reply is right iff the tool was
+        num_right += is_right
+    assert 170 <= num_right <= 230  # ~200 of 400
+    same = calculator.generate_demonstrations(400, seed=1, digits=2, ops=ops, tool_fraction=0.5, bound=True)
+    assert [d["messages"][0] for d in demos] == [d["messages"][0] for d in same]  # the questions of the other options
+    for demo in calculator.generate_demonstrations(50, seed=1, digits=2, ops=ops, choice=True):  # tool_fraction 1
+        env = calculator.ToolChoiceCalculatorEnv({"prompt": demo["messages"][0]["content"], "ground_truth": "0"})
+        assert demo["messages"][1]["tool_calls"][0]["function"]["name"] == env.right_tool()
+    with pytest.raises(ValueError, match=r"choice: ops must be made of \*\+, got '\*-'"):
+        calculator.generate_demonstrations(5, ops="*-", choice=True)

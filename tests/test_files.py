@@ -33,7 +33,8 @@ def test_shipped_calculator_prompts_and_demonstrations_match_the_generator():
     prompts = read_jsonl(REPO / "recipes/data/calculator.jsonl")
     assert prompts == generate_calculator(1000, seed=0, digits=2)
     demos = read_jsonl(REPO / "recipes/data/calculator_demos.jsonl")
-    assert demos == generate_demonstrations(1000, seed=1, digits=2, exclude=[p["prompt"] for p in prompts], echo=True)
+    questions = [p["prompt"] for p in prompts]
+    assert demos == generate_demonstrations(1000, seed=1, digits=2, exclude=questions, tool_fraction=0.5, choice=True)
     assert not {p["prompt"] for p in prompts} & {d["messages"][0]["content"] for d in demos}  # apart from RL's
 
 

@@ -216,7 +216,7 @@ def test_calculator_recipes_load_and_chat_prompts_keep_the_system_message(tmp_pa
     from rlx.engine.ppo.config import load_recipe
     from rlx.tasks.calculator import SYSTEM, CalculatorEnv
 
-    for name, env in (("calculator.toml", "EchoCalculatorEnv"), ("smollm2_calculator.toml", "CalculatorEnv")):
+    for name, env in (("calculator.toml", "ToolChoiceCalculatorEnv"), ("smollm2_calculator.toml", "CalculatorEnv")):
         recipe = load_recipe(REPO / "recipes" / name)
         assert recipe.rollout.env == f"rlx.tasks.calculator:{env}" and recipe.score.reward == ["env"]
     record = read_jsonl(REPO / "recipes" / "data" / "calculator_chat.jsonl")[0]

@@ -4,6 +4,7 @@
     python -m rlx.tasks.calculator --demos --out demos.jsonl --num 1000 --seed 1 --exclude prompts.jsonl  # for rlx sft
     python -m rlx.tasks.calculator --demos --echo --tool-fraction 0.3 ...  # 30% call the tool, 70% guess wrong
     python -m rlx.tasks.calculator --demos --bound --tool-fraction 0.3 ...  # calls without arguments
+    python -m rlx.tasks.calculator --demos --choice --tool-fraction 0.5 ...  # half call the right tool, half the other
 
 A tiny model cannot multiply 3-digit numbers in its head, but it can learn to call the calculator
 and copy the result. `CalculatorEnv` is the environment (`--env rlx.tasks.calculator:CalculatorEnv`):
@@ -12,7 +13,8 @@ at the first assistant message without a tool call, rewarding 1 when its last in
 `score` is the same check as a rule reward (`--reward rlx.tasks.calculator:score`). `EchoCalculatorEnv`
 (`--demos --echo` for its solved episodes) is the same task with a tool that replies "12*34=408";
 `QuestionCalculatorEnv` (`--demos --bound`) is that with the expression optional: a call without one
-computes the episode's own question.
+computes the episode's own question. `ToolChoiceCalculatorEnv` (`--demos --choice`) offers two tools bound to the
+question, `multiply` and `add`: the task is to pick the one matching its operator and copy the reply.
 """
 
 from __future__ import annotations
@@ -47,10 +49,29 @@ QUESTION_CALCULATOR_TOOL = {
         "parameters": {**CALCULATOR_TOOL["function"]["parameters"], "required": []},
     },
 }
+BOUND_TOOLS = {"multiply": "*", "add": "+"}
+"""ToolChoiceCalculatorEnv's tools: each applies its operator to the question's two numbers."""
+
+
+def _bound_tool(name: str, op: str) -> dict:
+    """QUESTION_CALCULATOR_TOOL as one operator bound to the question: no arguments (the template lists `add()`)."""
+    function = QUESTION_CALCULATOR_TOOL["function"]
+    return {
+        **QUESTION_CALCULATOR_TOOL,
+        "function": {
+            **function,
+            "name": name,
+            "description": f"The question's two numbers joined by {op}, evaluated",
+            "parameters": {**function["parameters"], "properties": {}},
+        },
+    }
+
+
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 _MAX_DIGITS = 60
 _INTEGER = re.compile(r"-?\d+")
+_OPERATION = re.compile(r"\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*")  # "59*63": 59, *, 63
 
 
 def generate_calculator(
@@ -191,6 +212,36 @@ class QuestionCalculatorEnv(EchoCalculatorEnv):
         return EchoCalculatorEnv.call(call)
 
 
+class ToolChoiceCalculatorEnv(EchoCalculatorEnv):
+    """EchoCalculatorEnv with two tools bound to the question in place of the calculator: `multiply` replies
+    "59*63=3717" and `add` "59+63=122" for the question "59*63" (any arguments are ignored).
+
+    For tiny models trained from scratch (recipes/calculator.toml): the demonstrations (`--demos --choice`) call one of
+    the two at random and answer with its reply, so that every one of them trains the copy of the reply (which RL
+    did not keep sharp when only the calling half of the demonstrations trained it, QuestionCalculatorEnv), and
+    what SFT leaves open is a single choice, the tool's first letter, for RL to settle.
+    """
+
+    tools = [_bound_tool(name, op) for name, op in BOUND_TOOLS.items()]
+
+    def call(self, call: dict) -> str:
+        """The echo reply of the called tool's operator applied to the question's two numbers."""
+        name = call.get("function", {}).get("name")
+        if name not in BOUND_TOOLS:
+            return f"error: unknown tool {name!r}"
+        operation = _OPERATION.fullmatch(self.question)
+        if not operation:
+            return f"error: the question {self.question!r} is not two numbers and an operator"
+        expression = f"{operation[1]}{BOUND_TOOLS[name]}{operation[3]}"
+        function = {"name": "calculator", "arguments": json.dumps({"expression": expression})}
+        return EchoCalculatorEnv.call({**call, "function": function})
+
+    def right_tool(self) -> str | None:
+        """The tool whose operator is the question's (None when neither is)."""
+        operation = _OPERATION.fullmatch(self.question)
+        return next((name for name, op in BOUND_TOOLS.items() if operation and op == operation[2]), None)
+
+
 SYSTEM = (
     "You have a calculator tool. To use it, reply with only "
     '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call> '
@@ -209,14 +260,19 @@ def generate_demonstrations(
     echo: bool = False,
     tool_fraction: float = 1.0,
     bound: bool = False,
+    choice: bool = False,
 ) -> list[dict]:
     """`num` solved episodes (`demonstration`) of questions not in `exclude` (e.g. the RL prompts), deterministic;
     `echo`: of EchoCalculatorEnv. `tool_fraction` < 1: only that share of the episodes (drawn at random, about
     `tool_fraction * num`) calls the tool; the others answer at once with a wrong guess (`guessed_demonstration`),
     so a policy fine-tuned on them calls the tool about as often, a decision left for RL to settle. `bound`: of
-    QuestionCalculatorEnv, the calls without arguments (implies the echo)."""
+    QuestionCalculatorEnv, the calls without arguments (implies the echo). `choice`: of ToolChoiceCalculatorEnv, every
+    episode calls a tool and answers with its reply; `tool_fraction` is then the share calling the right one, the
+    others call the other tool (and answer wrong): every episode trains the copy of the reply."""
     if not 0.0 <= tool_fraction <= 1.0:
         raise ValueError(f"tool_fraction must be in [0, 1], got {tool_fraction}")
+    if choice and set(ops) - set(BOUND_TOOLS.values()):
+        raise ValueError(f"choice: ops must be made of {''.join(BOUND_TOOLS.values())}, got {ops!r}")
     held_out = {str(q) for q in exclude}
     pool = generate_calculator(4 * num + len(held_out), seed, digits, ops, id_prefix="demo")
     records = [r for r in pool if r["prompt"] not in held_out][:num]
@@ -228,7 +284,11 @@ def generate_demonstrations(
     for i, r in enumerate(records):
         record = {**r, "id": f"demo-{i:0{width}d}"}
         calls = tool_fraction >= 1.0 or rng.random() < tool_fraction
-        demos.append(demonstration(record, echo, bound) if calls else guessed_demonstration(record, bound))
+        if choice:
+            right = ToolChoiceCalculatorEnv(record).right_tool()
+            demos.append(demonstration(record, tool=right if calls else next(t for t in BOUND_TOOLS if t != right)))
+        else:
+            demos.append(demonstration(record, echo, bound) if calls else guessed_demonstration(record, bound))
     return demos
 
 
@@ -253,17 +313,22 @@ def guessed_demonstration(record: dict, bound: bool = False) -> dict:
     return {"id": record["id"], "messages": messages, "tools": env.tools}
 
 
-def demonstration(record: dict, echo: bool = False, bound: bool = False) -> dict:
+def demonstration(record: dict, echo: bool = False, bound: bool = False, tool: str | None = None) -> dict:
     """A solved episode of `record` for `rlx sft`: the opening messages, a calculator call with the question's
     expression, the tool's reply, and the answer (the reply: the value, or with `echo` the reply of
     EchoCalculatorEnv, "59*63=3717"); the tool listed as the environment offers it. `bound`: of
-    QuestionCalculatorEnv, the call without arguments ("arguments": {})."""
-    env = (QuestionCalculatorEnv if bound else EchoCalculatorEnv if echo else CalculatorEnv)(record)
-    arguments = {} if bound else {"expression": env.question}
+    QuestionCalculatorEnv, the call without arguments ("arguments": {}). `tool` (a BOUND_TOOLS name): of
+    ToolChoiceCalculatorEnv, a call of that tool without arguments, answered with its reply (wrong for the wrong
+    tool)."""
+    if tool:
+        env = ToolChoiceCalculatorEnv(record)
+    else:
+        env = (QuestionCalculatorEnv if bound else EchoCalculatorEnv if echo else CalculatorEnv)(record)
+    arguments = {} if bound or tool else {"expression": env.question}
     call = {
         "id": "call_0_0",  # the id a rollout gives a first turn's first call
         "type": "function",
-        "function": {"name": "calculator", "arguments": json.dumps(arguments)},
+        "function": {"name": tool or "calculator", "arguments": json.dumps(arguments)},
     }
     result = env.call(call)
     messages = [
@@ -291,6 +356,9 @@ def main() -> None:
                         "replies '12*34=408', the answer repeats it)")  # fmt: skip
     parser.add_argument("--bound", action="store_true", help="with --demos: episodes of QuestionCalculatorEnv (the "
                         "calls carry no arguments, the tool computes the question; implies --echo)")  # fmt: skip
+    parser.add_argument("--choice", action="store_true", help="with --demos: episodes of ToolChoiceCalculatorEnv "
+                        "(each calls `multiply` or `add`, bound to the question, and answers with its reply; "
+                        "--tool-fraction is the share calling the right one)")  # fmt: skip
     parser.add_argument("--tool-fraction", type=float, default=1.0, help="with --demos: the share of episodes that "
                         "call the tool; the others answer at once with a wrong guess, the question's digits run "
                         "together (default 1)")  # fmt: skip
@@ -300,7 +368,7 @@ def main() -> None:
             [json.loads(line)["prompt"] for line in Path(args.exclude).read_text().splitlines()] if args.exclude else ()
         )
         demos = generate_demonstrations(
-            args.num, args.seed, args.digits, args.ops, exclude, args.echo, args.tool_fraction, args.bound
+            args.num, args.seed, args.digits, args.ops, exclude, args.echo, args.tool_fraction, args.bound, args.choice
         )
         write_jsonl(args.out, demos)
         return
