@@ -152,3 +152,23 @@ def test_choice_demonstrations_call_either_tool_and_answer_with_its_reply(ops):
         assert demo["messages"][1]["tool_calls"][0]["function"]["name"] == env.right_tool()
     with pytest.raises(ValueError, match=r"choice: ops must be made of \*\+, got '\*-'"):
         calculator.generate_demonstrations(5, ops="*-", choice=True)
+
+
+def test_chat_demonstrations_open_with_the_system_message_and_write_the_call_as_text():
+    """--style chat: the episode of a chat prompt, its call written as the assistant's text exactly as SYSTEM shows
+    it (a template that drops tool_calls, SmolLM2's, still trains it), which the environment then answers."""
+    from rlx.engine.agent.tool_calls import parse_qwen
+
+    demos = calculator.generate_demonstrations(4, seed=1, digits=4, style="chat")
+    for demo in demos:
+        system, user, call, tool, answer = demo["messages"]
+        assert system == {"role": "system", "content": calculator.SYSTEM} and user["role"] == "user"
+        assert "tool_calls" not in call and call["content"].startswith("<tool_call>\n")
+        template = calculator.SYSTEM.split("reply with only ")[1].split(" (your")[0]
+        assert call["content"] == template.replace("12*34", user["content"])
+        parsed = parse_qwen(call["content"], 0).message["tool_calls"]
+        env = calculator.CalculatorEnv({"prompt": [system, user], "ground_truth": answer["content"]})
+        assert env.call(parsed[0]) == tool["content"] == answer["content"]
+    with pytest.raises(ValueError, match="style 'chat' goes with the plain calculator"):
+        calculator.generate_demonstrations(4, style="chat", choice=True)
+

@@ -37,6 +37,12 @@ def test_shipped_calculator_prompts_and_demonstrations_match_the_generator():
     assert demos == generate_demonstrations(1000, seed=1, digits=2, exclude=questions, tool_fraction=0.5, choice=True)
     assert not {p["prompt"] for p in prompts} & {d["messages"][0]["content"] for d in demos}  # apart from RL's
 
+    chat = read_jsonl(REPO / "recipes/data/calculator_chat.jsonl")  # the GPU recipe's, with the call written as text
+    chat_demos = read_jsonl(REPO / "recipes/data/calculator_chat_demos.jsonl")
+    questions = [p["prompt"][-1]["content"] for p in chat]
+    assert chat_demos == generate_demonstrations(1000, seed=1, digits=4, exclude=questions, style="chat")
+    assert not set(questions) & {d["messages"][1]["content"] for d in chat_demos}
+
 
 def test_shipped_heldout_set_matches_the_generator_and_is_held_out(tmp_path):
     train = read_jsonl(REPO / "recipes/data/arith_chat.jsonl")

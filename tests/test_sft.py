@@ -250,3 +250,17 @@ def test_two_ranks_equal_one(tmp_path):
     assert max_diff(tmp_path / "one", tmp_path / "two") < 1e-5
     one, two = read_jsonl(tmp_path / "one.jsonl"), read_jsonl(tmp_path / "two.jsonl")
     assert len(one) == len(two) == 4 and all(abs(a["sft/loss"] - b["sft/loss"]) < 1e-5 for a, b in zip(one, two))
+
+
+def test_a_template_that_drops_tool_calls_is_refused_naming_the_demonstration(tmp_path):
+    """A plain ChatML template (SmolLM2's) writes an assistant message's `tool_calls` as nothing: training on it would
+    teach the model to answer with an empty turn. The error names the line and says how to write such calls."""
+    model = shutil.copytree(TINY_CHAT, tmp_path / "plain")
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    result = cli("sft", "--model", model, "--init", "random", "--data", demos_file(tmp_path), "--out", tmp_path / "o")
+    assert result.exit_code == 1, result
+    assert "demos.jsonl:1: message 1: the chat template does not write tool calls" in result.stderr
+    assert "'content'" in result.stderr and not (tmp_path / "o").exists()

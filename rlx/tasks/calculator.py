@@ -251,6 +251,16 @@ SYSTEM = (
 """The system message of --style chat prompts (for models whose chat template does not list tools)."""
 
 
+def chat_prompt(question: str) -> list[dict]:
+    """The opening messages of a --style chat prompt: `SYSTEM`, then the question as a user message."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def question_of(prompt) -> str:
+    """The question of a prompt record's `prompt`: the text, or the last message's content (--style chat)."""
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+
+
 def generate_demonstrations(
     num: int,
     seed: int = 1,
@@ -261,6 +271,7 @@ def generate_demonstrations(
     tool_fraction: float = 1.0,
     bound: bool = False,
     choice: bool = False,
+    style: str = "text",
 ) -> list[dict]:
     """`num` solved episodes (`demonstration`) of questions not in `exclude` (e.g. the RL prompts), deterministic;
     `echo`: of EchoCalculatorEnv. `tool_fraction` < 1: only that share of the episodes (drawn at random, about
@@ -268,7 +279,13 @@ def generate_demonstrations(
     so a policy fine-tuned on them calls the tool about as often, a decision left for RL to settle. `bound`: of
     QuestionCalculatorEnv, the calls without arguments (implies the echo). `choice`: of ToolChoiceCalculatorEnv, every
     episode calls a tool and answers with its reply; `tool_fraction` is then the share calling the right one, the
-    others call the other tool (and answer wrong): every episode trains the copy of the reply."""
+    others call the other tool (and answer wrong): every episode trains the copy of the reply. `style` 'chat': the
+    episodes of --style chat prompts (`SYSTEM` first), the call written as text in the form `SYSTEM` shows (for
+    chat templates that do not write tool calls, e.g. SmolLM2's: see `demonstration`)."""
+    if style not in ("text", "chat"):
+        raise ValueError(f"style must be 'text' or 'chat', got {style!r}")
+    if style == "chat" and (echo or bound or choice):
+        raise ValueError("style 'chat' goes with the plain calculator (no echo, bound or choice)")
     if not 0.0 <= tool_fraction <= 1.0:
         raise ValueError(f"tool_fraction must be in [0, 1], got {tool_fraction}")
     if choice and set(ops) - set(BOUND_TOOLS.values()):
@@ -283,8 +300,12 @@ def generate_demonstrations(
     demos = []
     for i, r in enumerate(records):
         record = {**r, "id": f"demo-{i:0{width}d}"}
+        if style == "chat":
+            record["prompt"] = chat_prompt(r["prompt"])
         calls = tool_fraction >= 1.0 or rng.random() < tool_fraction
-        if choice:
+        if style == "chat" and calls:
+            demos.append(demonstration(record, text_call=True))
+        elif choice:
             right = ToolChoiceCalculatorEnv(record).right_tool()
             demos.append(demonstration(record, tool=right if calls else next(t for t in BOUND_TOOLS if t != right)))
         else:
@@ -313,13 +334,16 @@ def guessed_demonstration(record: dict, bound: bool = False) -> dict:
     return {"id": record["id"], "messages": messages, "tools": env.tools}
 
 
-def demonstration(record: dict, echo: bool = False, bound: bool = False, tool: str | None = None) -> dict:
+def demonstration(
+    record: dict, echo: bool = False, bound: bool = False, tool: str | None = None, text_call: bool = False
+) -> dict:
     """A solved episode of `record` for `rlx sft`: the opening messages, a calculator call with the question's
     expression, the tool's reply, and the answer (the reply: the value, or with `echo` the reply of
     EchoCalculatorEnv, "59*63=3717"); the tool listed as the environment offers it. `bound`: of
     QuestionCalculatorEnv, the call without arguments ("arguments": {}). `tool` (a BOUND_TOOLS name): of
     ToolChoiceCalculatorEnv, a call of that tool without arguments, answered with its reply (wrong for the wrong
-    tool)."""
+    tool). `text_call`: the call written as the assistant's text, `<tool_call>\n{json}\n</tool_call>` as `SYSTEM`
+    shows it, rather than as `tool_calls` (which a template that does not write tool calls renders as nothing)."""
     if tool:
         env = ToolChoiceCalculatorEnv(record)
     else:
@@ -331,9 +355,14 @@ def demonstration(record: dict, echo: bool = False, bound: bool = False, tool: s
         "function": {"name": tool or "calculator", "arguments": json.dumps(arguments)},
     }
     result = env.call(call)
+    if text_call:
+        written = json.dumps({"name": call["function"]["name"], "arguments": arguments})
+        asked = {"role": "assistant", "content": f"<tool_call>\n{written}\n</tool_call>"}
+    else:
+        asked = {"role": "assistant", "content": "", "tool_calls": [call]}
     messages = [
         *env.reset(),
-        {"role": "assistant", "content": "", "tool_calls": [call]},
+        asked,
         {"role": "tool", "tool_call_id": call["id"], "content": result},
         {"role": "assistant", "content": result},
     ]
@@ -348,7 +377,8 @@ def main() -> None:
     parser.add_argument("--digits", type=int, default=3, help="digits per operand (default 3)")
     parser.add_argument("--ops", default="*", help="operators to draw from, e.g. '*+' (default '*')")
     parser.add_argument("--style", default="text", choices=("text", "chat"), help="chat: a system message on how to "
-                        "call the tool, then the question as a user message (default text)")  # fmt: skip
+                        "call the tool, then the question as a user message; with --demos, episodes of such prompts "
+                        "with the call written as text (default text)")  # fmt: skip
     parser.add_argument("--demos", action="store_true", help="write solved episodes for `rlx sft` instead of prompts: "
                         "messages (question, calculator call, its result, the answer) and tools")  # fmt: skip
     parser.add_argument("--exclude", help="with --demos: a prompts.jsonl whose questions the episodes leave out")
@@ -365,17 +395,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.demos:
         exclude = (
-            [json.loads(line)["prompt"] for line in Path(args.exclude).read_text().splitlines()] if args.exclude else ()
+            [question_of(json.loads(line)["prompt"]) for line in Path(args.exclude).read_text().splitlines()]
+            if args.exclude
+            else ()
         )
         demos = generate_demonstrations(
-            args.num, args.seed, args.digits, args.ops, exclude, args.echo, args.tool_fraction, args.bound, args.choice
-        )
+            args.num, args.seed, args.digits, args.ops, exclude, args.echo, args.tool_fraction, args.bound, args.choice,
+            args.style,
+        )  # fmt: skip
         write_jsonl(args.out, demos)
         return
     records = generate_calculator(args.num, args.seed, args.digits, args.ops)
     if args.style == "chat":
         for r in records:
-            r["prompt"] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["prompt"]}]
+            r["prompt"] = chat_prompt(r["prompt"])
     write_jsonl(args.out, records)
 
 

@@ -236,7 +236,15 @@ def _assistant_turn(renderer: ChatRenderer, messages: list[dict], i: int, where:
     after = renderer.render_text(messages[: i + 1], add_generation_prompt=False)
     if not after.startswith(before):
         raise UserError(f"{where}: the chat template does not write message {i} after its generation prompt")
-    ids = renderer.encode(after[len(before) :])
+    written = after[len(before) :]
+    dropped = [c["function"]["name"] for c in messages[i].get("tool_calls", []) if c["function"]["name"] not in written]
+    if dropped:  # it would train the model to answer a question by saying nothing
+        raise UserError(
+            f"{where}: message {i}: the chat template does not write tool calls (no {dropped[0]!r} in what it renders); "
+            f"for such a model put the call as text in the message's 'content', in the form the rollouts' tool-call "
+            f"parser reads (<tool_call>{{...}}</tool_call>), without 'tool_calls'"
+        )
+    ids = renderer.encode(written)
     closing = renderer.closing_ids
     ends_with_closing = bool(closing) and ids[len(ids) - len(closing) :] == closing
     if ends_with_closing and closing[0] in renderer.stop_ids:  # the model stops at the end-of-turn token
