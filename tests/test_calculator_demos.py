@@ -171,4 +171,3 @@ def test_chat_demonstrations_open_with_the_system_message_and_write_the_call_as_
         assert env.call(parsed[0]) == tool["content"] == answer["content"]
     with pytest.raises(ValueError, match="style 'chat' goes with the plain calculator"):
         calculator.generate_demonstrations(4, style="chat", choice=True)
-

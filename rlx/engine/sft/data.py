@@ -240,9 +240,9 @@ def _assistant_turn(renderer: ChatRenderer, messages: list[dict], i: int, where:
     dropped = [c["function"]["name"] for c in messages[i].get("tool_calls", []) if c["function"]["name"] not in written]
     if dropped:  # it would train the model to answer a question by saying nothing
         raise UserError(
-            f"{where}: message {i}: the chat template does not write tool calls (no {dropped[0]!r} in what it renders); "
-            f"for such a model put the call as text in the message's 'content', in the form the rollouts' tool-call "
-            f"parser reads (<tool_call>{{...}}</tool_call>), without 'tool_calls'"
+            f"{where}: message {i}: the chat template does not write tool calls (no {dropped[0]!r} in what it "
+            f"renders); for such a model put the call as text in the message's 'content', in the form the rollouts' "
+            f"tool-call parser reads (<tool_call>{{...}}</tool_call>), without 'tool_calls'"
         )
     ids = renderer.encode(written)
     closing = renderer.closing_ids
