@@ -8,6 +8,7 @@ compared by content (a changed image rewrites the history), `rlx score` rebuildi
 from __future__ import annotations
 
 import base64
+import io
 import json
 import math
 import os
@@ -175,13 +176,15 @@ def image_url(url: str) -> dict:
 
 
 def test_images_are_compared_by_content_whatever_the_url(tmp_path):
-    """A data: URI, a path and a file:// URL of the same bytes are the same image (the segment goes on); another
-    picture, or other bytes under the same path, rewrite the history; the record keeps each image's reference as
-    first sent, in token order."""
+    """A data: URI, a path and a file:// URL of the same bytes, or the same pixels encoded otherwise (BMP), are the
+    same image (the segment goes on); another picture, or other bytes under the same path, rewrite the history; the
+    record keeps each image's reference as first sent, in token order."""
     first, second, other = (png_bytes(seed) for seed in (1, 2, 3))
     (tmp_path / "a.png").write_bytes(first)
     (tmp_path / "b.png").write_bytes(second)
     as_data = "data:image/png;base64," + base64.b64encode(first).decode()
+    as_bmp = data_uri(Image.open(io.BytesIO(first)), "BMP")  # other bytes, the same pixels
+    assert base64.b64decode(as_bmp.split(",", 1)[1]) != first
     server, backend = vlm_server()
     client = openai.OpenAI(base_url=server.base_url("v/0"), api_key="unused", max_retries=0)
     try:
@@ -191,7 +194,7 @@ def test_images_are_compared_by_content_whatever_the_url(tmp_path):
             reply.model_dump(exclude_none=True),
             {"role": "user", "content": [image_url(f"file://{tmp_path}/b.png")]},
         ]
-        messages[0]["content"][1] = {"type": "image", "image": as_data}  # the same bytes, sent otherwise
+        messages[0]["content"][1] = {"type": "image", "image": as_bmp}  # the same pixels, encoded otherwise
         reply = client.chat.completions.create(model="rlx", messages=messages).choices[0].message
         session = server.sessions["v/0"]
         [segment] = session.segments
@@ -214,8 +217,8 @@ def test_images_are_compared_by_content_whatever_the_url(tmp_path):
         messages[2]["content"] = [image_url(as_data)]  # another picture
         client.chat.completions.create(model="rlx", messages=messages)
         assert [s.reason for s in session.segments] == ["first request", "history rewritten", "history rewritten"]
-        assert session.segments[1].image_refs == [as_data, str(tmp_path / "b.png"), as_data]  # as this request sent
-        assert session.segments[2].image_refs == [as_data] * 3
+        assert session.segments[1].image_refs == [as_bmp, str(tmp_path / "b.png"), as_data]  # as this request sent
+        assert session.segments[2].image_refs == [as_bmp, as_data, as_data]
         assert segment.to_json()["image_refs"] == segment.image_refs  # an earlier segment in the agent's record
     finally:
         server.close()

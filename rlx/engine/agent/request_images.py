@@ -8,10 +8,11 @@ resolved: what the chat template renders, what the episode's images load (images
 and what the record keeps. A message of text parts alone becomes a string, as before.
 
 Whether a request extends its sample's segment is decided on its messages with every image reference replaced by
-the SHA-256 digest of the image's bytes (`RequestImages.keys`): the same picture sent first as a path and then as a
-data: URI continues the segment; another picture under the same path rewrites the history. The digests are taken
-as the images are loaded and processed (`ContentImageCache`, keyed by digest and bounded in size), outside the
-server's tokenizer lock, so rendering finds them processed.
+the SHA-256 digest of the image's decoded RGB pixels and size (`RequestImages.keys`): the same picture sent first as
+a path and then as a data: URI, or re-encoded without loss (another PNG compression, BMP), continues the segment;
+another picture under the same path rewrites the history. The digests are taken as the images are loaded and
+processed (`ContentImageCache`, keyed by digest and bounded in size; bytes seen before are not decoded again),
+outside the server's tokenizer lock, so rendering finds them processed.
 """
 
 from __future__ import annotations
@@ -87,26 +88,40 @@ def has_images(message: dict) -> bool:
 
 
 class ContentImageCache(ImageCache):
-    """(pixels [P, D], grid [1, 3]) per image content (the digest of its bytes), the least recently used dropped
-    past `max_bytes` of pixels (an episode keeps its own images' pixels)."""
+    """(pixels [P, D], grid [1, 3]) per image content (the digest of its decoded pixels), the least recently used
+    dropped past `max_bytes` of pixels (an episode keeps its own images' pixels); and the pixel digest of the encoded
+    bytes seen last (up to `MAX_ENCODINGS` of them), so that bytes seen before are not decoded again."""
+
+    MAX_ENCODINGS = 4096
 
     def __init__(self, processor, max_bytes: int = CACHE_BYTES):
         super().__init__(processor)
         self.max_bytes = max_bytes
         self._by_digest: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._pixels_of: OrderedDict[str, str] = OrderedDict()  # encoded bytes' digest -> pixels' digest
         self._num_bytes = 0
 
     def load(self, ref: str, sample_id: str) -> tuple[str, torch.Tensor, torch.Tensor]:
         """(digest, pixels, grid) of the image behind `ref` (read now: a file that changed is another image)."""
         data = read_image_bytes(ref, sample_id)
-        digest = hashlib.sha256(data).hexdigest()
+        encoded = hashlib.sha256(data).hexdigest()
         with self._lock:
-            found = self._by_digest.get(digest)
+            digest = self._pixels_of.get(encoded)
+            found = self._by_digest.get(digest) if digest else None
             if found is not None:
                 self._by_digest.move_to_end(digest)
         if found is None:
-            found = process_image(self.processor, decode_image(data, ref, prompt_id=sample_id), ref, sample_id)
-            self._keep(digest, found)
+            image = decode_image(data, ref, prompt_id=sample_id)
+            digest = pixel_digest(image)
+            with self._lock:
+                found = self._by_digest.get(digest)
+            if found is None:
+                found = process_image(self.processor, image, ref, sample_id)
+                self._keep(digest, found)
+            with self._lock:
+                self._pixels_of[encoded] = digest
+                while len(self._pixels_of) > self.MAX_ENCODINGS:
+                    self._pixels_of.popitem(last=False)
         return digest, *found
 
     def get(self, ref: str, sample_id: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,6 +137,11 @@ class ContentImageCache(ImageCache):
             while self._num_bytes > self.max_bytes and len(self._by_digest) > 1:
                 _, (pixels, _) = self._by_digest.popitem(last=False)
                 self._num_bytes -= pixels.nbytes
+
+
+def pixel_digest(image) -> str:
+    """SHA-256 of a decoded RGB `PIL.Image`'s size and pixels: the same for any lossless encoding of it."""
+    return hashlib.sha256(f"{image.width}x{image.height}:".encode() + image.tobytes()).hexdigest()
 
 
 class RequestImages:

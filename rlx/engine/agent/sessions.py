@@ -13,7 +13,7 @@ came back (`commit`), so a failed generation leaves the segment as it was.
 Chat messages may hold images (a vision-language model on the hf or native engine): each becomes the processor's
 image tokens where the template puts it, as an environment's reply's images do (images.py), every later request of
 the segment generates with all of its images so far, and requests are compared with each image's reference
-replaced by the digest of its bytes (request_images.py), so a changed image rewrites the history.
+replaced by the digest of its pixels (request_images.py), so a changed image rewrites the history.
 """
 
 from __future__ import annotations
