@@ -102,8 +102,10 @@ lr = 1e-6
 def run_rlx(args, work: Path) -> dict:
     recipe = write_rlx_recipe(work, args)
     run_dir = work / "run"
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)] if args.nproc > 1 else []
     cmd = [
         sys.executable,
+        *launcher,
         "-m",
         "rlx",
         "ppo",
@@ -248,6 +250,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=5, help="rlx checkpoint interval (steps)")
     parser.add_argument("--trl-micro-batch", type=int, default=64, help="TRL's per_device_train_batch_size")
     parser.add_argument("--set", action="append", default=[], help="extra `rlx ppo --set` overrides")
+    parser.add_argument("--nproc", type=int, default=1, help="rlx: processes under torchrun (FSDP over N GPUs); the "
+                        "same work per step in all")  # fmt: skip
     parser.add_argument("--small", action="store_true", help="a tiny model (a check of the script)")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--work", type=Path, default=None, help="keep the run folders here")
