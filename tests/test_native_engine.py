@@ -327,6 +327,9 @@ def test_a_persistent_engine_follows_weight_updates_and_keeps_its_cache(tiny):
         assert [r.rollout_logprobs for r in ours] == [r.rollout_logprobs for r in fresh], step
     assert engine.cache_builds == 1 and engine.replica_fills == 3
     assert generate(engine, PROMPTS, cfg) == ours and engine.replica_fills == 3  # no update since: no refill
+    counters = engine.counters()  # the weight sync's time and size, as `rlx ppo` logs them (rollout/replica_*)
+    bf16_bytes = sum(p.numel() for p in live.parameters()) * 2
+    assert counters["replica_fill_s"] > 0 and 0 < counters["replica_gb"] * 2**30 <= bf16_bytes
 
 
 def test_a_kept_cache_takes_the_next_steps_slightly_longer_prompts(tiny):

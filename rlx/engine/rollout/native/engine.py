@@ -76,6 +76,7 @@ class NativeRolloutEngine(RolloutEngine):
         self._capped = False  # whether the cache was cut to the memory budget (then reused whatever it holds)
         self.cache_builds = 0  # KV caches (with their decode graphs) allocated so far: kept across calls when they fit
         self.replica_fills = 0  # times the replica was refilled from the model's weights
+        self.replica_fill_s = 0.0  # the last refill's time, device work included (the weight sync of a replica)
 
     @classmethod
     def model_dtype(cls, cfg, device: torch.device) -> torch.dtype:
@@ -83,7 +84,12 @@ class NativeRolloutEngine(RolloutEngine):
         return resolve_precision(cfg.precision, device)
 
     def counters(self) -> dict[str, float]:
-        return {"cache_builds": self.cache_builds, "replica_fills": self.replica_fills, "cache_capped": self._capped}
+        replica = self._replica.parameters() if self._replica is not None else ()
+        replica_gb = sum(t.numel() * t.element_size() for t in replica) / 2**30
+        return {
+            "cache_builds": self.cache_builds, "replica_fills": self.replica_fills, "cache_capped": self._capped,
+            "replica_fill_s": self.replica_fill_s, "replica_gb": replica_gb,
+        }  # fmt: skip
 
     def sleep(self) -> float:
         """With rollout.sleep (off by default for this engine: its cache is sized by what the rollouts need), free
@@ -127,10 +133,14 @@ class NativeRolloutEngine(RolloutEngine):
             self._replica = build_replica(self.model, self.device, self.dtype, adapters)
             self._replica_filled = False
         if not self._replica_fresh:
+            start = time.perf_counter()
             if self.merges:
                 fill_merged_replica(self._replica, self.model, include_frozen=not self._replica_filled)
             else:
                 fill_replica(self._replica, self.model)
+            if self.device.type == "cuda":  # the copies' (and a sharded model's gathers') device time
+                torch.cuda.synchronize(self.device)
+            self.replica_fill_s = time.perf_counter() - start
             self._replica_fresh = self._replica_filled = True
             self.replica_fills += 1
         return self._replica
