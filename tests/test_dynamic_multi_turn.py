@@ -110,7 +110,14 @@ def test_dynamic_sampling_of_episodes_sync_and_async(tmp_path):
     assert check_staleness(run, 3, 0) == [0, 0, 0]
     assert_same_weights(sync / "checkpoints" / "step_000003", run / "checkpoints" / "step_000003")
     for ours, theirs in zip(read_steps(run, 3), read_steps(sync, 3), strict=True):
-        assert [{k: v for k, v in r.items() if k not in ("policy_version", "rollout_restarts")} for r in ours] == theirs
+        # the same samples; their logprobs to float rounding (the rollout rank batches them otherwise: 4.8e-7 seen)
+        skip = ("policy_version", "rollout_restarts", "rollout_logprobs")
+        assert [{k: v for k, v in r.items() if k not in skip} for r in ours] == [
+            {k: v for k, v in r.items() if k not in skip} for r in theirs
+        ]
+        for a, b in zip(ours, theirs, strict=True):
+            assert len(a["rollout_logprobs"]) == len(b["rollout_logprobs"])
+            assert max(abs(x - y) for x, y in zip(a["rollout_logprobs"], b["rollout_logprobs"])) < 1e-5, a["id"]
     assert read_steps(run, 3, "scores.jsonl") == read_steps(sync, 3, "scores.jsonl")
     for a, b in zip(read_jsonl(sync / "metrics.jsonl"), read_jsonl(run / "metrics.jsonl"), strict=True):
         for key in ("reward/mean", "actor/pg_loss", "dynamic_sampling/gen_batches", "rollout/turns_mean"):
