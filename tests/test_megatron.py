@@ -36,7 +36,7 @@ WORKER = textwrap.dedent("""
     from rlx.engine.logprobs import PackedRows, packed_model_inputs, packed_response_logprobs, unpack_responses
     from rlx.engine.megatron.forward import head_logprobs, head_values
     from rlx.engine.megatron.parallel import setup_megatron
-    from rlx.engine.megatron.weights import gather_hf_weights
+    from rlx.engine.megatron.weights import gather_hf_weights, stream_hf_weights
     from rlx.engine.megatron.schedule import MicroBatch, run_pipeline
     from rlx.engine.megatron.stage import load_stage
     from rlx.engine.parallel.dist import exit_process
@@ -80,6 +80,12 @@ WORKER = textwrap.dedent("""
             gathered = gather_hf_weights(stage, cfg, ctx)
             assert gathered.keys() == weights.keys(), sorted(set(gathered) ^ set(weights))
             assert all(torch.equal(gathered[k], weights[k]) for k in weights)
+            # streamed (what the rollout engine's sync reads): each name once, the same values, whether a bucket
+            # holds one layer or several
+            for bucket in (0, 3 * 96 * 64 * 4 * 2):
+                streamed = [(k, v.clone()) for k, v in stream_hf_weights(stage, cfg, ctx, bucket)]
+                assert sorted(k for k, _ in streamed) == sorted(weights), [k for k, _ in streamed]
+                assert all(torch.equal(v, weights[k]) for k, v in streamed)
             if not ctx.is_last_stage:
                 continue
             if critic:

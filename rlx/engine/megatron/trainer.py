@@ -24,7 +24,7 @@ from rlx.engine.megatron.forward import head_logprobs, head_values
 from rlx.engine.megatron.parallel import MegatronContext
 from rlx.engine.megatron.schedule import run_pipeline
 from rlx.engine.megatron.stage import MegatronScoringModel, load_stage, micro_batches
-from rlx.engine.megatron.weights import gather_hf_weights
+from rlx.engine.megatron.weights import gather_hf_weights, stream_hf_weights
 from rlx.engine.training.actor import ActorTrainer
 from rlx.engine.training.config import TrainConfig
 from rlx.engine.training.critic import CriticTrainer
@@ -179,8 +179,9 @@ class MegatronTraining:
         return LocalState("megatron", self.model_state(), self.optimizer_state(), coords)
 
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full Hugging Face weights gathered over the model-parallel group (on the CPU, float32)."""
-        yield from self.full_weights().items()
+        """Full Hugging Face weights (float32) on this rank's device, gathered over the model-parallel group about
+        `bucket_bytes` at a time (every rank drains it together; weights.py)."""
+        return stream_hf_weights(self.model, self.hf_config, self.ctx, bucket_bytes)
 
     def scoring_model(self) -> MegatronScoringModel:
         """The trainer's stage as scoring uses megatron models (no copy)."""

@@ -20,6 +20,7 @@ from rlx.engine.checkpoints.loading import build_critic_files, load_initial_poli
 from rlx.engine.checkpoints.lora_base import lora_spec
 from rlx.engine.ppo.config import PPOConfig
 from rlx.engine.rollout.prompts import pad_token_id
+from rlx.engine.rollout.registry import engine_class
 from rlx.engine.scoring.score import ScoringModels
 from rlx.models.loading import load_tokenizer, resolve_source
 from rlx.utils.device import resolve_precision
@@ -64,11 +65,11 @@ def build_run_models(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path 
         model = None
     policy_source = resolve_source(start_ckpt if start_ckpt is not None else cfg.model.path)
     processor = load_processor(policy_source, cfg.vision)
-    rollout_model = actor.module
-    if rollout_model is None:  # a replica for the engine: the initial policy, or the checkpoint's weights
+    rollout_model, device = actor.module, backend.ctx.device
+    if rollout_model is None:  # a replica for the engine: the initial policy, or the checkpoint's weights, in the
+        # dtype the engine generates in (no float32 copy for a bf16 engine to keep a second replica of)
         rollout_model = model if model is not None else load_model(resolve_source(start_ckpt))
-        rollout_model = rollout_model.to(backend.ctx.device)
-    device = backend.ctx.device
+        rollout_model = rollout_model.to(device, engine_class(cfg.rollout.engine).model_dtype(cfg.rollout, device))
     scoring = ScoringModels(
         dtype=resolve_precision(cfg.score.precision, device),
         vocab_size=actor.config.get_text_config().vocab_size,

@@ -349,12 +349,16 @@ class RolloutEngine(ABC):
 
 @torch.no_grad()
 def copy_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy (name, tensor) pairs into `model`'s parameters in place (its dtype and device kept)."""
+    """Copy (name, tensor) pairs into `model`'s parameters in place (its dtype and device kept); on CUDA, returns once
+    the copies are done (so a weight sync's time includes them)."""
     params = dict(model.named_parameters())
     for name, tensor in weights:
         if name in params:
             params[name].copy_(tensor)
     model.tie_weights()
+    device = next((p.device for p in params.values()), None)
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def build_engine(cfg: RolloutConfig, model, tokenizer, ctx, processor=None) -> RolloutEngine:

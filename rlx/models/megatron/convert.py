@@ -123,39 +123,66 @@ def hf_to_megatron(weights: dict[str, torch.Tensor], config, tp_degree: int, pp_
     }
 
 
+def megatron_units(config, pp_degree: int) -> list[tuple[int, str]]:
+    """The parts of a model that convert on their own, in Hugging Face order, as (pp_rank, unit): 'embedding' on
+    the first stage, 'layer.<local index>' for each layer of each stage, 'final' (norm and head) on the last."""
+    units = [(0, "embedding")]
+    for p in range(pp_degree):
+        units += [(p, f"layer.{local}") for local in range(len(stage_layers(config.num_hidden_layers, pp_degree, p)))]
+    return units + [(pp_degree - 1, "final")]
+
+
+def unit_of(name: str) -> str:
+    """The unit (`megatron_units`) a megatron state name belongs to."""
+    if name.startswith("decoder.layers."):
+        return "layer." + name.split(".", 3)[2]
+    return "embedding" if name.startswith("embedding.") else "final"
+
+
+def unit_to_hf(shards: dict, config, tp_degree: int, pp_degree: int, pp_rank: int, unit: str) -> dict:
+    """One unit's Hugging Face weights from the tp ranks' states of its stage ({(tp_rank, pp_rank): state}, each
+    holding at least that unit's tensors); tensor-parallel slices are concatenated, replicated ones returned as
+    they are (views of the states)."""
+    p, vocab = pp_rank, config.vocab_size
+
+    def cat(name: str, dim: int) -> torch.Tensor:
+        return torch.cat([_get(shards[(t, p)], name) for t in range(tp_degree)], dim=dim)
+
+    if unit == "embedding":
+        return {"model.embed_tokens.weight": cat("embedding.word_embeddings.weight", 0)[:vocab]}
+    if unit == "final":
+        last = shards[(0, p)]
+        out = {"model.norm.weight": _get(last, "decoder.final_layernorm.weight")}
+        if is_critic_config(config):
+            out["score.weight"] = _get(last, "value_head.score.weight")
+            out["score.bias"] = _get(last, "value_head.score.bias")
+        elif not getattr(config, "tie_word_embeddings", False):
+            out["lm_head.weight"] = cat("output_layer.weight", 0)[:vocab]
+        return out
+    local = int(unit.removeprefix("layer."))
+    hf = HF_LAYER.format(i=stage_layers(config.num_hidden_layers, pp_degree, p)[local])
+    mg = MG_LAYER.format(i=local)
+    out = {hf + dst: _get(shards[(0, p)], mg + src) for dst, src in REPLICATED_LAYER.items()}
+    names = ["weight"] + (["bias"] if mg + "self_attention.linear_qkv.bias" in shards[(0, p)] else [])
+    for kind in names:
+        q, k, v = _split_qkv(cat(f"{mg}self_attention.linear_qkv.{kind}", 0), config)
+        for proj, tensor in zip("qkv", (q, k, v)):
+            out[f"{hf}self_attn.{proj}_proj.{kind}"] = tensor
+    out[hf + "self_attn.o_proj.weight"] = cat(mg + "self_attention.linear_proj.weight", 1)
+    halves = [_get(shards[(t, p)], mg + "mlp.linear_fc1.weight").chunk(2) for t in range(tp_degree)]
+    out[hf + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
+    out[hf + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])
+    out[hf + "mlp.down_proj.weight"] = cat(mg + "mlp.linear_fc2.weight", 1)
+    return out
+
+
 def megatron_to_hf(shards: dict, config, tp_degree: int, pp_degree: int) -> dict[str, torch.Tensor]:
     """Full Hugging Face weights from every rank's megatron state ({(tp_rank, pp_rank): state})."""
     check_supported(config, tp_degree, pp_degree)
     missing = [key for key in ((t, p) for p in range(pp_degree) for t in range(tp_degree)) if key not in shards]
     if missing:
         raise UserError(f"megatron shards are missing rank (tp {missing[0][0]}, pp {missing[0][1]})")
-    critic, tied = is_critic_config(config), bool(getattr(config, "tie_word_embeddings", False))
-    vocab = config.vocab_size
-
-    def cat(p: int, name: str, dim: int) -> torch.Tensor:
-        return torch.cat([_get(shards[(t, p)], name) for t in range(tp_degree)], dim=dim)
-
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": cat(0, "embedding.word_embeddings.weight", 0)[:vocab]}
-    for p in range(pp_degree):
-        for local, i in enumerate(stage_layers(config.num_hidden_layers, pp_degree, p)):
-            hf, mg = HF_LAYER.format(i=i), MG_LAYER.format(i=local)
-            for dst, src in REPLICATED_LAYER.items():
-                out[hf + dst] = _get(shards[(0, p)], mg + src)
-            names = ["weight"] + (["bias"] if mg + "self_attention.linear_qkv.bias" in shards[(0, p)] else [])
-            for kind in names:
-                q, k, v = _split_qkv(cat(p, f"{mg}self_attention.linear_qkv.{kind}", 0), config)
-                for proj, tensor in zip("qkv", (q, k, v)):
-                    out[f"{hf}self_attn.{proj}_proj.{kind}"] = tensor
-            out[hf + "self_attn.o_proj.weight"] = cat(p, mg + "self_attention.linear_proj.weight", 1)
-            halves = [_get(shards[(t, p)], mg + "mlp.linear_fc1.weight").chunk(2) for t in range(tp_degree)]
-            out[hf + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
-            out[hf + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])
-            out[hf + "mlp.down_proj.weight"] = cat(p, mg + "mlp.linear_fc2.weight", 1)
-    last = shards[(0, pp_degree - 1)]
-    out["model.norm.weight"] = _get(last, "decoder.final_layernorm.weight")
-    if critic:
-        out["score.weight"] = _get(last, "value_head.score.weight")
-        out["score.bias"] = _get(last, "value_head.score.bias")
-    elif not tied:
-        out["lm_head.weight"] = cat(pp_degree - 1, "output_layer.weight", 0)[:vocab]
+    out: dict[str, torch.Tensor] = {}
+    for p, unit in megatron_units(config, pp_degree):
+        out |= unit_to_hf(shards, config, tp_degree, pp_degree, p, unit)
     return {k: v.contiguous().clone() for k, v in out.items()}
