@@ -38,7 +38,7 @@ WORKER = textwrap.dedent("""
     from rlx.engine.megatron.parallel import setup_megatron
     from rlx.engine.megatron.weights import gather_hf_weights, stream_hf_weights
     from rlx.engine.megatron.schedule import MicroBatch, run_pipeline
-    from rlx.engine.megatron.stage import load_stage
+    from rlx.engine.megatron.stage import MegatronScoringModel, load_stage
     from rlx.engine.parallel.dist import exit_process
     from rlx.models.attention import enable_packed_attention
     from rlx.models.megatron.convert import hf_to_megatron_shard
@@ -86,6 +86,12 @@ WORKER = textwrap.dedent("""
                 streamed = [(k, v.clone()) for k, v in stream_hf_weights(stage, cfg, ctx, bucket)]
                 assert sorted(k for k, _ in streamed) == sorted(weights), [k for k, _ in streamed]
                 assert all(torch.equal(v, weights[k]) for k, v in streamed)
+            # scoring through the stage, micro-batches by rows or by a token budget: the same outputs on every rank
+            scorer = MegatronScoringModel(stage, cfg, ctx)
+            run = (lambda **kw: scorer.values(ids, torch.float32, **kw)) if critic else (
+                lambda **kw: scorer.logprobs(ids, 0.7, torch.float32, **kw))
+            by_rows, by_tokens = run(micro_batch_size=2), run(micro_batch_size=2, max_tokens=20)
+            assert (by_rows - by_tokens).abs().max().item() < 2e-5, (by_rows - by_tokens).abs().max().item()
             if not ctx.is_last_stage:
                 continue
             if critic:
@@ -98,6 +104,8 @@ WORKER = textwrap.dedent("""
             for a, b in zip(got[0], want):
                 err = ((a - b) * response_mask).abs().max().item()
                 assert err < 2e-5, (type(config).__name__, critic, tp, pp, err)
+            err = ((by_tokens - want[0]) * response_mask).abs().max().item()
+            assert err < 2e-5, ("token budget", type(config).__name__, critic, tp, pp, err)
     print("rank", ctx.rank, "ok")
     exit_process(0)
 """)

@@ -51,13 +51,21 @@ def stage_forward_outputs(
     temperature: float,
     dtype: torch.dtype,
     impl: str = "auto",
+    max_tokens: int = 0,
 ) -> torch.Tensor:
     """Logprobs [B, R] (a causal LM) or values [B, R] (a critic) of every row of `tensors`, float32 on
-    the CPU on every rank (computed by this rank's pipeline; the last stage broadcasts them)."""
+    the CPU on every rank (computed by this rank's pipeline; the last stage broadcasts them). Micro-batches of
+    `micro_batch_size` rows, or with `max_tokens` consecutive rows of at most that many prompt + response tokens
+    (the stages of a pipeline see the same rows, so they split them alike)."""
+    from rlx.engine.parallel.batching import count_micro_batches, token_budget_micro_batches
+
     shape = tensors["response_ids"].shape
     result = torch.zeros(shape, dtype=torch.float32)
-    size = shape[0]
-    parts = [list(range(lo, min(lo + micro_batch_size, size))) for lo in range(0, size, micro_batch_size)]
+    if max_tokens:
+        lengths = (tensors["prompt_mask"].sum(-1) + tensors["response_mask"].sum(-1)).tolist()
+        parts = token_budget_micro_batches(lengths, max_tokens)
+    else:
+        parts = count_micro_batches(shape[0], micro_batch_size)
     critic = is_critic_config(hf_config)
 
     def head(hidden, mb):
@@ -90,17 +98,17 @@ class MegatronScoringModel:
     def logprobs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype,
                  micro_batch_size: int, impl: str = "auto", desc: str = "logprobs",
                  max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
-        """[B, R] float32 on the CPU (zero at masked positions), identical on every rank (the stages always run
-        packed micro-batches of micro_batch_size rows; `max_tokens` is not used)."""
-        return self._outputs(tensors, temperature, dtype, micro_batch_size, impl)
+        """[B, R] float32 on the CPU (zero at masked positions), identical on every rank (the stages run packed
+        micro-batches of micro_batch_size rows, or of at most `max_tokens` tokens)."""
+        return self._outputs(tensors, temperature, dtype, micro_batch_size, impl, max_tokens)
 
     def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int,
                max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
         """[B, R] float32 on the CPU (zero at masked positions), identical on every rank."""
-        return self._outputs(tensors, 1.0, dtype, micro_batch_size)
+        return self._outputs(tensors, 1.0, dtype, micro_batch_size, max_tokens=max_tokens)
 
     def _outputs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype, micro_batch_size: int,
-                 impl: str = "auto") -> torch.Tensor:  # fmt: skip
+                 impl: str = "auto", max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
         """[B, R] float32 on the CPU (zero at masked positions), identical on every rank."""
         from rlx.engine.parallel.dist import shard_range
 
@@ -108,7 +116,9 @@ class MegatronScoringModel:
         mine = list(shard_range(size, ctx.dp_rank, ctx.dp_size))
         local = {k: tensors[k][mine] for k in MODEL_INPUTS}
         was_training = self.model.training
-        out = stage_forward_outputs(self.model, self.config, ctx, local, micro_batch_size, temperature, dtype, impl)
+        out = stage_forward_outputs(
+            self.model, self.config, ctx, local, micro_batch_size, temperature, dtype, impl, max_tokens
+        )
         self.model.train(was_training)
         if ctx.dp_size > 1:
             parts = [None] * ctx.dp_size
