@@ -18,6 +18,7 @@ from rlx.engine.records import PromptRecord
 from rlx.engine.rollout.base import ModuleWeights
 from rlx.engine.rollout.config import RolloutConfig
 from rlx.engine.rollout.requests import TokenRequest
+from rlx.errors import UserError
 from rlx.models.tiny import write_tiny_model_dir
 from tests.conftest import (
     REPO,
@@ -251,6 +252,14 @@ def test_eval_in_the_stream_equals_the_eval_alone(engine, hf_model, eval_setting
         engine.update_weights(ModuleWeights(model))
     assert trained == 6 * 4 and share.samples == alone
     assert len({s.response for s in alone}) > 1  # the comparison is not of empty or identical answers
+
+
+def test_a_process_of_its_own_on_another_gpu_than_the_first_is_refused(hf_model):
+    """vLLM's one-process executor puts its worker on cuda:0 whatever the process's device (an [async] run's second
+    rollout rank on a node would share the first one's GPU): refused before vLLM starts."""
+    model, tokenizer = hf_model
+    with pytest.raises(UserError, match="runs on cuda:0, but this process's device is cuda:1.*async.rollout_ranks = 1"):
+        make_engine(model, tokenizer, RolloutConfig(engine="vllm"), device="cuda:1")
 
 
 def test_missing_vllm_says_how_to_install(monkeypatch, tmp_path, model_dir):

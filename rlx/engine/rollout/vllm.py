@@ -108,6 +108,13 @@ class VLLMRolloutEngine(RolloutEngine):
     def __init__(self, model, tokenizer, cfg, ctx, processor=None):
         if is_vision_config(model.config):
             raise UserError(VISION_UNSUPPORTED.format(model_type=model.config.model_type))
+        if ctx.device.type == "cuda" and not ctx.distributed and (ctx.device.index or 0) != 0:
+            # vLLM's one-process executor places its worker by its own rank (0), not by the current device
+            raise UserError(
+                f"the vllm engine in a process of its own runs on cuda:0, but this process's device is {ctx.device} "
+                f"(an [async] run's rollout ranks past the first on a node): set async.rollout_ranks = 1, or use "
+                f"rollout.engine = 'native'"
+            )
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
