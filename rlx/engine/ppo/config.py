@@ -229,11 +229,16 @@ class PPOConfig:
         unsupported = {
             # the rollout ranks filter groups (dynamic sampling) by the rewards they compute, and hold no reward model
             "score.filter_groups with score.reward_model": self.score.filter_groups and bool(self.score.reward_model),
-            "rollout.engine = 'vllm'": self.rollout.engine == "vllm",
             "rollout.weight_sync = 'disk'": self.rollout.weight_sync == "disk",
         }
         for key, used in unsupported.items():
             check(not used, "async", f"{key} is not supported with [async] yet (drop one of them)")
+        check(
+            self.rollout.engine != "vllm" or self.rollout.tp == 1,
+            "rollout.tp",
+            f"must be 1 with rollout.engine = 'vllm' under [async], got {self.rollout.tp} (each rollout rank runs its "
+            f"own engine: raise async.rollout_ranks instead)",
+        )
 
     def _share_vision(self) -> None:
         """Every stage reads the [vision] table (a stage's own `vision` table is the CLI's; in a recipe it must be

