@@ -144,11 +144,13 @@ def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
         device="cpu" if args.cpu else "auto",
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.prompt_len + args.response_len + 8,
+        sleep=args.sleep or None,
     )
     start = time.perf_counter()
     engine = build_engine(cfg, model, tokenizer, setup(cfg.device))
     setup_s = time.perf_counter() - start
     engine.generate(prompts, cfg.sampling(), progress=False)  # warm-up (the native engine keeps its cache and graphs)
+    released = engine.sleep() if args.sleep else 0.0  # as `rlx ppo` does while the trainer works
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -162,7 +164,7 @@ def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
     engine.close()
     tokens = sum(len(r.response_ids) for r in records)
     return {"engine": name, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "setup_s": setup_s,
-            "stats": stats}  # fmt: skip
+            "stats": stats, "released_gb": released / 2**30}  # fmt: skip
 
 
 def main() -> None:
@@ -176,6 +178,8 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--bf16", action="store_true", help="cast the weights to bfloat16 first")
+    parser.add_argument("--sleep", action="store_true", help="rollout.sleep: release the engine's memory between the "
+                        "warm-up and the timed call (the timed call takes it back)")  # fmt: skip
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is present")
     parser.add_argument("--small", action="store_true", help="a 2-layer model and short sequences (a quick check)")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -199,7 +203,7 @@ def main() -> None:
         results.append(result)
         print(
             f"{name:>5}: {result['tokens']} tokens in {result['seconds']:.2f} s = {result['tokens_per_s']:,.0f} tok/s "
-            f"(engine set-up {result['setup_s']:.1f} s)",
+            f"(engine set-up {result['setup_s']:.1f} s; released {result['released_gb']:.2f} GB before the call)",
             flush=True,
         )
     summary = {"device": device, "model": args.model, "args": vars(args) | {"json": None}, "results": results}

@@ -441,3 +441,45 @@ def test_forgotten_blocks_are_never_shared_again():
     blocks.allocate(c)
     assert c.block_table[:2] == b.block_table[:2]  # b's blocks (new weights) are shared; a's were not cached
     assert not set(c.block_table) & {blk for blk in range(10) if blk in blocks.stale}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with RLX_TEST_GPU=1)")
+def test_sleep_on_cuda_keeps_the_graphs_and_releases_the_memory(tiny):
+    """With rollout.sleep on CUDA the KV cache and the bf16 replica give their memory back between rollouts and take
+    it again at the same addresses (rlx.utils.vmm): the decode graphs are captured once, and after each update the
+    engine generates what a fresh engine on the new weights generates."""
+    import copy
+
+    from rlx.engine.rollout.base import ModuleWeights
+
+    model, tokenizer = tiny
+    cuda = torch.device("cuda")
+    live = copy.deepcopy(model).to(cuda)
+    cfg = RolloutConfig(engine="native", chat_template="off", n=3, max_new_tokens=10, seed=4, precision="bfloat16",
+                        sleep=True)  # fmt: skip
+    assert not make_engine(live, tokenizer, dataclasses.replace(cfg, sleep=None), cuda).releasable  # kept by default
+    engine = make_engine(live, tokenizer, cfg, cuda)
+    assert engine.releasable and engine.use_replica
+    first = generate(engine, PROMPTS, cfg)
+    runner = engine._runner
+    addresses = runner.kv[0][0].data_ptr(), next(engine._replica.parameters()).data_ptr()
+    for step in range(2):
+        with torch.no_grad():
+            for p in live.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        freed = engine.sleep()
+        kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in runner.kv)
+        assert freed >= kv_bytes and torch.cuda.mem_get_info()[0] - free_before >= freed
+        engine.update_weights(ModuleWeights(live))
+        ours = generate(engine, PROMPTS, cfg)
+        fresh_cfg = dataclasses.replace(cfg, sleep=False)
+        fresh = generate(make_engine(copy.deepcopy(live).to(torch.bfloat16), tokenizer, fresh_cfg, cuda), PROMPTS, cfg)
+        assert [r.response_ids for r in ours] == [r.response_ids for r in fresh], step
+        for a, b in zip(ours, fresh):
+            assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
+        assert [r.response_ids for r in ours] != [r.response_ids for r in first]  # the new weights took effect
+    assert engine._runner is runner and engine.cache_builds == 1 and engine.replica_fills == 3
+    assert (runner.kv[0][0].data_ptr(), next(engine._replica.parameters()).data_ptr()) == addresses

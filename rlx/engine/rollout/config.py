@@ -101,8 +101,9 @@ class RolloutConfig(AgentConfig):
     """vllm in `rlx ppo`: most weight bytes gathered at once while pushing the trainer's weights."""
     sleep: bool | None = None
     """In `rlx ppo`: release the engine's memory while the trainer works and take it back for the next rollout
-    (vllm: its weights and KV cache; native: its KV cache, decode CUDA graphs and rollout-dtype replica, which are
-    then rebuilt). Unset: vllm releases, native keeps them (its cache is sized by what the rollouts need)."""
+    (vllm: its weights and KV cache; native: its KV cache and rollout-dtype replica, mapped again at the same
+    addresses on CUDA so its decode graphs stay valid, else rebuilt with the graphs). Unset: vllm releases, native
+    keeps them (its cache is sized by what the rollouts need; releasing costs time each step)."""
 
     block_size: int = 16
     """native: tokens per KV cache block."""

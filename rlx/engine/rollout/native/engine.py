@@ -46,7 +46,9 @@ from rlx.engine.rollout.stops import StopStrings
 from rlx.errors import UserError
 from rlx.models.lora import is_lora_model
 from rlx.models.vision.families import is_vision_config
+from rlx.utils import vmm
 from rlx.utils.device import resolve_precision
+from rlx.utils.vmm import VirtualBuffer
 
 _GIB = 1 << 30
 _HEADROOM = 8  # a new KV cache gets 1/8 more blocks than the call needs (prompt lengths vary per step)
@@ -69,7 +71,11 @@ class NativeRolloutEngine(RolloutEngine):
         # pointing at it
         self.use_replica = self.sharded or self.merges or _param_dtype(self.model) != self.dtype
         self._replica: torch.nn.Module | None = None
+        self._replica_memory: VirtualBuffer | None = None  # the replica's weights, when releasable
         self._replica_fresh = False
+        # with rollout.sleep on a CUDA device with virtual memory management, the KV cache and the replica are
+        # released at their addresses and taken back there (rlx.utils.vmm): the decode graphs are not captured again
+        self.releasable = bool(cfg.sleep) and vmm.supported(self.device)
         self._replica_filled = False  # a merged replica holds the frozen weights (written once)
         self.block_size = cfg.block_size
         self._runner: ModelRunner | None = None
@@ -92,20 +98,28 @@ class NativeRolloutEngine(RolloutEngine):
         }  # fmt: skip
 
     def sleep(self) -> float:
-        """With rollout.sleep (off by default for this engine: its cache is sized by what the rollouts need), free
-        the KV cache, the decode CUDA graphs and the replica so the trainer has the memory; returns the bytes
-        released. Kept, they serve the next rollout as they are."""
+        """With rollout.sleep (off by default for this engine: its cache is sized by what the rollouts need, and
+        releasing costs time), free the KV cache and the replica so the trainer has the memory; returns the bytes
+        released. On CUDA (virtual memory management) only their physical memory goes: the next rollout maps new
+        memory at the same addresses and replays the decode graphs it has; elsewhere the graphs go too and are
+        captured again. Kept, they serve the next rollout as they are."""
         if not self.cfg.sleep:
             return 0.0
-        freed = 0
-        if self._runner is not None:
-            freed += sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in self._runner.kv)
+        freed, dropped = 0, 0  # dropped: torch's memory (the caching allocator then returns it to the device)
+        if self._runner is not None and self._runner.kv_memory is not None:
+            freed += self._runner.release()
+        elif self._runner is not None:
+            dropped += sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in self._runner.kv)
             self._runner = None
-        if self._replica is not None:
-            freed += sum(p.untyped_storage().nbytes() for p in self._replica.parameters())
+        if self._replica_memory is not None:
+            freed += self._replica_memory.release()
+            self._replica_fresh = self._replica_filled = False
+        elif self._replica is not None:
+            dropped += sum(p.untyped_storage().nbytes() for p in self._replica.parameters())
             self._replica, self._replica_fresh = None, False
-        if freed and self.device.type == "cuda":
+        if dropped and self.device.type == "cuda":
             torch.cuda.empty_cache()
+        freed += dropped
         return float(freed)
 
     def update_weights(self, source: WeightSource) -> float:
@@ -130,8 +144,12 @@ class NativeRolloutEngine(RolloutEngine):
             return self.model
         if self._replica is None:
             adapters = is_lora_model(self.model) and not self.merges
-            self._replica = build_replica(self.model, self.device, self.dtype, adapters)
+            self._replica, self._replica_memory = build_replica(
+                self.model, self.device, self.dtype, adapters, releasable=self.releasable
+            )
             self._replica_filled = False
+        if self._replica_memory is not None:
+            self._replica_memory.restore()  # after a sleep: new memory at the same addresses, filled below
         if not self._replica_fresh:
             start = time.perf_counter()
             if self.merges:
@@ -194,13 +212,14 @@ class NativeRolloutEngine(RolloutEngine):
             and (self._capped or old.blocks.num_blocks >= self._needed(max_context, num_seqs))
         ):
             old.blocks = BlockManager(old.blocks.num_blocks, self.block_size)
+            old.restore()  # after a sleep: the cache's memory back at its addresses
             return old
         self._free_runner()  # free the old cache before measuring the memory for the new one
         blocks = BlockManager(self._num_blocks(max_context, num_seqs), self.block_size)
         self.cache_builds += 1
         width += 1 + width // _HEADROOM  # block-table room for longer prompts next time
         self._runner = ModelRunner(
-            module, self.device, self.dtype, blocks, width, graphs, cfg.compile, cfg.paged_attention
+            module, self.device, self.dtype, blocks, width, graphs, cfg.compile, cfg.paged_attention, self.releasable
         )
         return self._runner
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from rlx.models.lora import ADAPTER, hf_name, import_peft, is_adapter_param, lora_layers, trained_parameters
 from rlx.models.lora_merge import merged_weight
+from rlx.utils.vmm import VirtualBuffer, carve
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -36,23 +37,48 @@ def _unsharded_class(model: torch.nn.Module) -> type:
 
 
 def build_replica(
-    model: torch.nn.Module, device: torch.device, dtype: torch.dtype, adapters: bool = False
-) -> torch.nn.Module:
+    model: torch.nn.Module, device: torch.device, dtype: torch.dtype, adapters: bool = False,
+    releasable: bool = False,
+) -> tuple[torch.nn.Module, VirtualBuffer | None]:  # fmt: skip
     """An empty unsharded model of `model`'s class and config on `device` in `dtype`, its buffers (rotary
     frequencies and the like, never sharded) copied from `model`; `fill_replica` writes the weights. With
-    `adapters`, it gets `model`'s LoRA adapters too (same names and shapes, in `dtype`)."""
+    `adapters`, it gets `model`'s LoRA adapters too (same names and shapes, in `dtype`). With `releasable` (CUDA),
+    the parameters live in one VirtualBuffer (rlx.utils.vmm), also returned: its memory can be released and
+    taken back at the same addresses, so CUDA graphs reading the weights stay valid."""
     config = copy.deepcopy(model.config)
     with torch.device("meta"):
         replica = _unsharded_class(model)(config)
         if adapters:
             peft_config = copy.deepcopy(model.peft_config[ADAPTER])
             import_peft().inject_adapter_in_model(peft_config, replica, adapter_name=ADAPTER)
-    replica = replica.to(dtype=dtype).to_empty(device=device)
-    replica.tie_weights()  # to_empty makes new tensors: a tied head would be a separate one
+    replica = replica.to(dtype=dtype)
+    memory = None
+    if releasable:
+        memory = _place_in_buffer(replica, device)
+        for module in replica.modules():  # the module buffers, left on the meta device
+            for name, value in module._buffers.items():
+                if value is not None:
+                    module._buffers[name] = torch.empty_like(value, device=device)
+    else:
+        replica = replica.to_empty(device=device)
+        replica.tie_weights()  # to_empty makes new tensors: a tied head would be a separate one
     with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            replica.get_buffer(name).copy_(buffer)
-    return replica.eval().requires_grad_(False)
+        for name, value in model.named_buffers():
+            replica.get_buffer(name).copy_(value)
+    return replica.eval().requires_grad_(False), memory
+
+
+def _place_in_buffer(replica: torch.nn.Module, device: torch.device) -> VirtualBuffer:
+    """Give every parameter of `replica` (on the meta device) storage in one new VirtualBuffer on `device` (a
+    parameter shared by two modules, a tied head, stays shared)."""
+    params = {id(p): p for p in replica.parameters()}
+    buffer, tensors = carve([(tuple(p.shape), p.dtype) for p in params.values()], device)
+    placed = {key: torch.nn.Parameter(t, requires_grad=False) for key, t in zip(params, tensors)}
+    for module in replica.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = placed[id(param)]
+    return buffer
 
 
 def _gathered(param: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -29,6 +29,7 @@ from rlx.kernels.paged_attention import paged_decode_attention, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
 from rlx.models.vision.families import family_of, is_vision_config
 from rlx.utils.device import autocast
+from rlx.utils.vmm import VirtualBuffer, carve
 
 PAGED_ATTENTION = "rlx_paged"
 _log = logging.getLogger(__name__)
@@ -189,10 +190,12 @@ class ModelRunner:
 
     def __init__(
         self, model, device: torch.device, dtype: torch.dtype, blocks: BlockManager, max_blocks_per_seq: int,
-        max_batch: int = 0, compile: bool = True, attention: str = "auto",
+        max_batch: int = 0, compile: bool = True, attention: str = "auto", releasable: bool = False,
     ):  # fmt: skip
         """`max_batch`: capture decode CUDA graphs up to this batch size (0: none); `compile`: torch.compile the
-        layers inside them; `attention`: the paged decode kernel ('auto', 'torch', 'triton')."""
+        layers inside them; `attention`: the paged decode kernel ('auto', 'torch', 'triton'); `releasable` (CUDA):
+        the KV cache in a VirtualBuffer (rlx.utils.vmm), so `release` can hand its memory back and `restore` take it
+        again at the same addresses, the captured graphs still valid."""
         config = model.config.get_text_config()
         self.model, self.device, self.dtype, self.blocks = model, device, dtype, blocks
         self.is_mrope = is_vision_config(model.config)  # 3-D rotary positions: [1, T] expanded to [3, 1, T]
@@ -204,10 +207,16 @@ class ModelRunner:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         shape = (blocks.num_blocks, blocks.block_size, kv_heads, head_dim)
         # zeros, not empty: masked-out slots still meet a 0 weight in attention, and 0 * NaN garbage is NaN
-        self.kv = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_hidden_layers)
-        ]
+        self.kv_memory: VirtualBuffer | None = None
+        if releasable:
+            self.kv_memory, caches = carve([(shape, dtype)] * (2 * config.num_hidden_layers), device)
+            self.kv_memory.zero_()
+            self.kv = list(zip(caches[0::2], caches[1::2]))
+        else:
+            self.kv = [
+                (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(config.num_hidden_layers)
+            ]
         register_attention(PAGED_ATTENTION, paged_attention_forward, packed_attention_mask)
         self.parts = _decoder_parts(model)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -215,6 +224,17 @@ class ModelRunner:
         self.compiled = False
         if max_batch and device.type == "cuda" and self.parts is not None:
             self._capture(max_batch)
+
+    def release(self) -> int:
+        """Hand a releasable KV cache's memory back (its addresses and the decode graphs are kept); the bytes freed
+        (0 when the cache is not releasable or already released)."""
+        return self.kv_memory.release() if self.kv_memory is not None else 0
+
+    def restore(self) -> None:
+        """Take a released KV cache's memory back, zeroed, at the same addresses."""
+        if self.kv_memory is not None and not self.kv_memory.mapped:
+            self.kv_memory.restore()
+            self.kv_memory.zero_()
 
     @staticmethod
     def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
