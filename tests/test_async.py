@@ -244,22 +244,9 @@ def test_multi_turn_episodes_asynchronously(tmp_path):
     """[async] with an environment: at max_staleness 0 the same weights, episodes (token ids, loss masks, messages)
     and metrics as the synchronous multi-turn run; at max_staleness 1 every episode is one policy's, within the
     bound, and the turn metrics reach the metrics line."""
-    (tmp_path / "sync").mkdir()
-    (tmp_path / "sync" / "recipe.toml").write_text(MULTI_TURN)
-    (tmp_path / "recipe.toml").write_text(MULTI_TURN + "[async]\nmax_staleness = 0\n")
-    ppo_torchrun(1, tmp_path / "sync" / "recipe.toml", tmp_path / "sync" / "run")
-    ppo_torchrun(2, tmp_path / "recipe.toml", tmp_path / "async")
-    sync, run = tmp_path / "sync" / "run", tmp_path / "async"
-    assert_same_weights(sync / "checkpoints" / "step_000003", run / "checkpoints" / "step_000003")
-    for step in ("step_000001", "step_000003"):
-        ours = read_jsonl(run / step / "rollouts.jsonl")
-        assert all(r["loss_mask"] and r["num_turns"] >= 1 for r in ours)
-        assert [{k: v for k, v in r.items() if k not in ("policy_version", "rollout_restarts")} for r in ours] == (
-            read_jsonl(sync / step / "rollouts.jsonl")
-        )
-    for a, b in zip(read_jsonl(sync / "metrics.jsonl"), read_jsonl(run / "metrics.jsonl")):
-        for key in ("reward/mean", "actor/pg_loss", "rollout/turns_mean", "env/reward_mean"):
-            assert a[key] == b[key], key
+    assert_multi_turn_async_equals_sync(
+        tmp_path, ("reward/mean", "actor/pg_loss", "rollout/turns_mean", "env/reward_mean")
+    )
     ppo_torchrun(2, tmp_path / "recipe.toml", tmp_path / "lag1", "async.max_staleness=1", "steps=4")
     assert max(check_staleness(tmp_path / "lag1", 4, 1)) == 1
     assert all("rollout/turns_mean" in m for m in read_jsonl(tmp_path / "lag1" / "metrics.jsonl"))
@@ -495,3 +482,24 @@ def test_bench_async_step_arguments_and_length_caps():
     caps = [r.max_new_tokens for r in async_step.capped_token_requests(4, 64, 16)(requests, sampling)]
     assert set(caps) == {4, 64} and 2 <= caps.count(64) <= 20, caps.count(64)
     assert caps == [r.max_new_tokens for r in async_step.capped_token_requests(4, 64, 16)(requests, sampling)]
+
+
+def assert_multi_turn_async_equals_sync(tmp_path: Path, keys: tuple[str, ...], *sets: str) -> None:
+    """The multi-turn recipe (with `sets`) at [async] max_staleness 0 on 2 ranks against one synchronous process:
+    the same final weights, episodes (all but the async bookkeeping) and metrics `keys`."""
+    (tmp_path / "sync").mkdir()
+    (tmp_path / "sync" / "recipe.toml").write_text(MULTI_TURN)
+    (tmp_path / "recipe.toml").write_text(MULTI_TURN + "[async]\nmax_staleness = 0\n")
+    ppo_torchrun(1, tmp_path / "sync" / "recipe.toml", tmp_path / "sync" / "run", *sets)
+    ppo_torchrun(2, tmp_path / "recipe.toml", tmp_path / "async", *sets)
+    sync, run = tmp_path / "sync" / "run", tmp_path / "async"
+    assert_same_weights(sync / "checkpoints" / "step_000003", run / "checkpoints" / "step_000003")
+    for step in ("step_000001", "step_000003"):
+        ours = read_jsonl(run / step / "rollouts.jsonl")
+        assert all(r["loss_mask"] and r["num_turns"] >= 1 for r in ours)
+        assert [{k: v for k, v in r.items() if k not in ("policy_version", "rollout_restarts")} for r in ours] == (
+            read_jsonl(sync / step / "rollouts.jsonl")
+        )
+    for a, b in zip(read_jsonl(sync / "metrics.jsonl"), read_jsonl(run / "metrics.jsonl")):
+        for key in keys:
+            assert a[key] == b[key], key

