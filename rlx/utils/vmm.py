@@ -165,10 +165,6 @@ class VirtualBuffer:
     def mapped(self) -> bool:
         return self._range.handle is not None
 
-    @property
-    def address(self) -> int:
-        return self._range.address
-
     def tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `shape` and `dtype` at byte `offset` (a multiple of ALIGN) of the buffer, with a storage of
         its own: tensors carved from one buffer do not alias (torch.compile would otherwise merge the inputs of a
