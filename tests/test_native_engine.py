@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -175,6 +176,50 @@ def test_native_equals_the_hf_engine(tiny, settings):
         assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
 
 
+def _family_model(family: str, vocab: int):
+    """A tiny decoder of `family` ('llama': no biases; 'qwen2': q/k/v biases; 'qwen3': per-head q/k norms)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    from rlx.models.tiny import tiny_llama_config
+
+    base = tiny_llama_config(vocab, max_positions=128).to_dict()
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "pad_token_id", "bos_token_id",
+            "eos_token_id")  # fmt: skip
+    config = {"llama": lambda **kw: tiny_llama_config(vocab, max_positions=128), "qwen2": Qwen2Config,
+              "qwen3": functools.partial(Qwen3Config, head_dim=16)}[family](**{k: base[k] for k in keep})  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_merged_projections_decode_as_the_model_s_layers(tiny, family):
+    """A model nothing trains (no parameter requires grad) gets its q/k/v and gate/up weights laid out as rows of
+    merged tensors (same Parameters, same values) and decodes through one GEMM per group (fused.py); it samples
+    what the same weights sample through the Hugging Face layers (a trainer's module: left as it is)."""
+    import copy
+
+    _, tokenizer = tiny
+    model = _family_model(family, len(tokenizer))
+    owned = copy.deepcopy(model).requires_grad_(False)
+    before = {name: id(p) for name, p in owned.named_parameters()}
+    cfg = RolloutConfig(engine="native", chat_template="off", n=4, max_new_tokens=24, temperature=1.0, seed=2,
+                        max_num_seqs=6, block_size=2, kv_cache_gib=2e-5)  # fmt: skip
+    engine = make_engine(owned, tokenizer, cfg)
+    ours = generate(engine, PROMPTS, cfg)
+    trainer = make_engine(model, tokenizer, cfg)
+    theirs = generate(trainer, PROMPTS, cfg)
+    assert engine._runner.fused is not None and trainer._runner.fused is None
+    assert {name: id(p) for name, p in owned.named_parameters()} == before
+    attn = owned.model.layers[0].self_attn
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, owned.get_parameter(name)), name
+    assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
+
+
 def test_decoding_ahead_of_the_host_changes_no_token(tiny):
     """Steps queued before the host reads the previous step's tokens (EOS stops, refills, preemption) give the
     synchronous path's tokens; logprobs may differ by float32 rounding (discarded rows change the batch)."""
@@ -205,20 +250,24 @@ def test_rollout_command_with_the_native_engine(tmp_path, tiny_ckpt, prompts_fil
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with RLX_TEST_GPU=1)")
-@pytest.mark.parametrize("graphs", [True, False])
-def test_native_equals_the_hf_engine_on_cuda(tiny, graphs):
-    """fp32 on the GPU, with and without CUDA graphs for decode (the Triton paged kernel)."""
+@pytest.mark.parametrize("graphs,merged", [(True, False), (False, False), (True, True)])
+def test_native_equals_the_hf_engine_on_cuda(tiny, graphs, merged):
+    """fp32 on the GPU, with and without CUDA graphs for decode (the Triton paged kernel), through the model's
+    layers or (a model nothing trains) through merged projections compiled inside the graphs (fused.py)."""
+    import copy
+
     model, tokenizer = tiny
     cuda = torch.device("cuda")
-    model = model.to(cuda)
+    model = copy.deepcopy(model).to(cuda).requires_grad_(not merged)
     cfg = RolloutConfig(
         engine="native", chat_template="off", n=4, max_new_tokens=20, seed=3, cuda_graphs=graphs, precision="float32"
     )
     cfg.max_num_seqs = 8  # fewer sequences than requests: graphs of several sizes replay, slots refill
-    result = make_engine(model, tokenizer, cfg, cuda).generate(PROMPTS, cfg.sampling(), progress=False)
+    engine = make_engine(model, tokenizer, cfg, cuda)
+    result = engine.generate(PROMPTS, cfg.sampling(), progress=False)
+    assert (engine._runner.fused is not None) == merged
     ours = result.records
     theirs = generate(make_engine(model, tokenizer, dataclasses.replace(cfg, engine="hf"), cuda), PROMPTS, cfg)
-    model.to(CPU)
     assert result.stats.steps_ahead > 0  # decode steps overlapped with the host's bookkeeping
     same = sum(a.response_ids == b.response_ids for a, b in zip(ours, theirs))
     assert same >= len(ours) - 1  # TF32-free fp32, but kernels differ: allow one near-tie to flip
@@ -260,15 +309,19 @@ def test_ppo_on_two_fsdp_ranks_generates_with_a_gathered_replica(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with RLX_TEST_GPU=1)")
-def test_capture_ladder_compiles_the_decoder_layer_once(tiny):
+@pytest.mark.parametrize("merged", [True, False])
+def test_capture_ladder_compiles_the_decoder_layer_once(tiny, merged, monkeypatch):
     """The decode CUDA graphs of every batch size share one compiled decoder layer (no recompilation from sizes
-    that happened to be equal at the first trace). The head may compile twice here: Inductor guards this tiny
-    model's head on the batch being >= 64; on the 0.5B shape the ladder compiles 2 graphs in all (bench/RESULTS.md).
+    that happened to be equal at the first trace), through merged projections (the replica's, fused.py) or the
+    model's layers (RLX_NATIVE_FUSED=0). The head may compile twice here: Inductor guards this tiny model's head on
+    the batch being >= 64; on the 0.5B shape the ladder compiles 2 graphs in all (bench/RESULTS.md).
     """
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from rlx.engine.rollout.native import runner
+    from rlx.engine.rollout.native import fused, runner
 
+    if not merged:
+        monkeypatch.setenv("RLX_NATIVE_FUSED", "0")
     model, tokenizer = tiny
     cuda = torch.device("cuda")
     cfg = RolloutConfig(engine="native", chat_template="off", n=4, max_new_tokens=8, seed=3, precision="bfloat16")
@@ -278,7 +331,8 @@ def test_capture_ladder_compiles_the_decoder_layer_once(tiny):
     result = make_engine(model.to(cuda), tokenizer, cfg, cuda).generate(prompts, cfg.sampling(), progress=False)
     model.to(CPU)
     assert len(result.records) == len(prompts) * 4
-    assert len(_debug_get_cache_entry_list(runner._layer_step.__code__)) == 1
+    step = fused._fused_layer_step if merged else runner._layer_step
+    assert len(_debug_get_cache_entry_list(step.__code__)) == 1
 
 
 @pytest.mark.gpu
@@ -315,6 +369,7 @@ def test_a_persistent_engine_follows_weight_updates_and_keeps_its_cache(tiny):
     cfg = RolloutConfig(engine="native", chat_template="off", n=3, max_new_tokens=10, seed=4, precision="bfloat16")
     engine = make_engine(live, tokenizer, cfg)
     assert engine.use_replica  # float32 trainer weights, bf16 rollouts
+    # the replica decodes through merged projections (fused.py), refilled in place through its Parameters below
     for step in range(3):
         with torch.no_grad():  # what an optimizer step does to the live module
             for p in live.parameters():
@@ -325,7 +380,7 @@ def test_a_persistent_engine_follows_weight_updates_and_keeps_its_cache(tiny):
         fresh = generate(make_engine(copy.deepcopy(live).to(torch.bfloat16), tokenizer, cfg), PROMPTS, cfg)
         assert [r.response_ids for r in ours] == [r.response_ids for r in fresh], step
         assert [r.rollout_logprobs for r in ours] == [r.rollout_logprobs for r in fresh], step
-    assert engine.cache_builds == 1 and engine.replica_fills == 3
+    assert engine.cache_builds == 1 and engine.replica_fills == 3 and engine._runner.fused is not None
     assert generate(engine, PROMPTS, cfg) == ours and engine.replica_fills == 3  # no update since: no refill
     counters = engine.counters()  # the weight sync's time and size, as `rlx ppo` logs them (rollout/replica_*)
     bf16_bytes = sum(p.numel() for p in live.parameters()) * 2
@@ -476,7 +531,8 @@ def test_sleep_on_cuda_keeps_the_graphs_and_releases_the_memory(tiny):
         engine.update_weights(ModuleWeights(live))
         ours = generate(engine, PROMPTS, cfg)
         fresh_cfg = dataclasses.replace(cfg, sleep=False)
-        fresh = generate(make_engine(copy.deepcopy(live).to(torch.bfloat16), tokenizer, fresh_cfg, cuda), PROMPTS, cfg)
+        fresh_model = copy.deepcopy(live).to(torch.bfloat16).requires_grad_(False)  # merged too: the same kernels
+        fresh = generate(make_engine(fresh_model, tokenizer, fresh_cfg, cuda), PROMPTS, cfg)
         assert [r.response_ids for r in ours] == [r.response_ids for r in fresh], step
         for a, b in zip(ours, fresh):
             assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)

@@ -27,7 +27,7 @@ def run_multi_turn_rollout(
     processor = load_processor(source, cfg.vision)  # a vision-language model's images (None for a text model)
     ctx = setup(cfg.device)
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
-    engine = build_engine(cfg, load_model(source, dtype=dtype), tokenizer, ctx, processor)
+    engine = build_engine(cfg, load_model(source, dtype=dtype).requires_grad_(False), tokenizer, ctx, processor)
     try:
         result = generate_multi_turn(engine, tokenizer, records, cfg, cfg.sampling())
     finally:

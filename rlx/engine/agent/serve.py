@@ -43,7 +43,7 @@ def run_serve(
     if ctx.world > 1:
         raise UserError("rlx serve runs in one process: start it without torchrun")
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
-    engine = build_engine(cfg, load_model(source, dtype=dtype), tokenizer, ctx, processor)
+    engine = build_engine(cfg, load_model(source, dtype=dtype).requires_grad_(False), tokenizer, ctx, processor)
     sampling = cfg.sampling()
     backend = StreamBackend(engine, sampling, cfg.max_total_tokens, cfg.max_num_seqs)
     try:

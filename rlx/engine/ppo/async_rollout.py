@@ -118,7 +118,7 @@ class RolloutWorker:
         model, self.tokenizer, _ = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
         processor = load_processor(resolve_source(cfg.model.path), cfg.vision)
         ctx = DistContext(device=roles.device)  # no process group: this rank generates on its own
-        self.engine = build_engine(cfg.rollout, model, self.tokenizer, ctx, processor)
+        self.engine = build_engine(cfg.rollout, model.requires_grad_(False), self.tokenizer, ctx, processor)
         self.version = -1
         self.weight_wait_s = 0.0
         self.start_step = 0

@@ -70,6 +70,7 @@ def build_run_models(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path 
         # dtype the engine generates in (no float32 copy for a bf16 engine to keep a second replica of)
         rollout_model = model if model is not None else load_model(resolve_source(start_ckpt))
         rollout_model = rollout_model.to(device, engine_class(cfg.rollout.engine).model_dtype(cfg.rollout, device))
+        rollout_model.requires_grad_(False)  # generation only: the engine may lay its weights out for decoding
     scoring = ScoringModels(
         dtype=resolve_precision(cfg.score.precision, device),
         vocab_size=actor.config.get_text_config().vocab_size,

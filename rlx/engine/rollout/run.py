@@ -72,7 +72,8 @@ def run_rollout(
     ctx = setup(cfg.device)
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
     # a LoRA checkpoint: its base with the adapters, as `rlx ppo` generates
-    engine = build_engine(cfg, load_model(source, dtype=dtype, adapters=True), tokenizer, ctx, processor)
+    model = load_model(source, dtype=dtype, adapters=True).requires_grad_(False)  # generation only
+    engine = build_engine(cfg, model, tokenizer, ctx, processor)
     try:
         result = engine.generate(records, cfg.sampling())
     finally:

@@ -35,6 +35,7 @@ from torch.profiler import record_function
 from rlx.engine.rollout.base import RolloutEngine, TokenStream, WeightSource, copy_weights
 from rlx.engine.rollout.config import SamplingParams
 from rlx.engine.rollout.native.blocks import BlockManager, Sequence, Status
+from rlx.engine.rollout.native.fused import merge_projections
 from rlx.engine.rollout.native.replica import build_replica, fill_merged_replica, fill_replica, is_sharded
 from rlx.engine.rollout.native.runner import ModelRunner
 from rlx.engine.rollout.native.sampler import Launched, StepSampler
@@ -70,6 +71,10 @@ class NativeRolloutEngine(RolloutEngine):
         # float32 master weights) or is merged: filled in place after each update, so the decode graphs keep
         # pointing at it
         self.use_replica = self.sharded or self.merges or _param_dtype(self.model) != self.dtype
+        if not self.use_replica and not any(p.requires_grad for p in self.model.parameters()):
+            # a model nothing trains (no parameter requires grad): its q/k/v and gate/up weights become rows of merged
+            # tensors (same Parameters, same values) and decode steps run one GEMM for each group (fused.py)
+            merge_projections(self.model)
         self._replica: torch.nn.Module | None = None
         self._replica_memory: VirtualBuffer | None = None  # the replica's weights, when releasable
         self._replica_fresh = False

@@ -20,6 +20,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from rlx.engine.rollout.native.fused import fusable, merge_projections, projection_groups
 from rlx.models.lora import ADAPTER, hf_name, import_peft, is_adapter_param, lora_layers, trained_parameters
 from rlx.models.lora_merge import merged_weight
 from rlx.utils.vmm import VirtualBuffer, carve
@@ -44,7 +45,8 @@ def build_replica(
     frequencies and the like, never sharded) copied from `model`; `fill_replica` writes the weights. With
     `adapters`, it gets `model`'s LoRA adapters too (same names and shapes, in `dtype`). With `releasable` (CUDA),
     the parameters live in one VirtualBuffer (rlx.utils.vmm), also returned: its memory can be released and
-    taken back at the same addresses, so CUDA graphs reading the weights stay valid."""
+    taken back at the same addresses, so CUDA graphs reading the weights stay valid. The decoder layers' q/k/v and
+    gate/up weights are rows of merged tensors where the native engine decodes through them (fused.py)."""
     config = copy.deepcopy(model.config)
     with torch.device("meta"):
         replica = _unsharded_class(model)(config)
@@ -62,6 +64,7 @@ def build_replica(
     else:
         replica = replica.to_empty(device=device)
         replica.tie_weights()  # to_empty makes new tensors: a tied head would be a separate one
+        merge_projections(replica)
     with torch.no_grad():
         for name, value in model.named_buffers():
             replica.get_buffer(name).copy_(value)
@@ -70,10 +73,20 @@ def build_replica(
 
 def _place_in_buffer(replica: torch.nn.Module, device: torch.device) -> VirtualBuffer:
     """Give every parameter of `replica` (on the meta device) storage in one new VirtualBuffer on `device` (a
-    parameter shared by two modules, a tied head, stays shared)."""
+    parameter shared by two modules, a tied head, stays shared; merged projections: rows of one tensor)."""
     params = {id(p): p for p in replica.parameters()}
-    buffer, tensors = carve([(tuple(p.shape), p.dtype) for p in params.values()], device)
-    placed = {key: torch.nn.Parameter(t, requires_grad=False) for key, t in zip(params, tensors)}
+    groups = [[id(p) for p in group] for group in projection_groups(replica)] if fusable(replica) else []
+    grouped = {key for group in groups for key in group}
+    alone = [key for key in params if key not in grouped]
+    shapes = [((sum(params[k].shape[0] for k in g), *params[g[0]].shape[1:]), params[g[0]].dtype) for g in groups]
+    buffer, tensors = carve(shapes + [(tuple(params[k].shape), params[k].dtype) for k in alone], device)
+    placed = {key: torch.nn.Parameter(t, requires_grad=False) for key, t in zip(alone, tensors[len(groups) :])}
+    for group, merged in zip(groups, tensors):
+        start = 0
+        for key in group:
+            rows = params[key].shape[0]
+            placed[key] = torch.nn.Parameter(merged[start : start + rows], requires_grad=False)
+            start += rows
     for module in replica.modules():
         for name, param in module._parameters.items():
             if param is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -181,6 +182,11 @@ def _without_duck_sizing(compiled):
     return run
 
 
+def _fused_on() -> bool:
+    """Whether decode steps take the merged projections where the model has them (RLX_NATIVE_FUSED=0: never)."""
+    return os.environ.get("RLX_NATIVE_FUSED", "1") != "0"
+
+
 class ModelRunner:
     """The KV cache of one model and the forward of one scheduled step.
 
@@ -219,6 +225,15 @@ class ModelRunner:
             ]
         register_attention(PAGED_ATTENTION, paged_attention_forward, packed_attention_mask)
         self.parts = _decoder_parts(model)
+        # decode through merged projections where the model's parameters are laid out for them (fused.py)
+        from rlx.engine.rollout.native.fused import merged_layers  # fused.py builds on this module
+
+        self.fused = merged_layers(model) if self.parts is not None and not self.is_mrope and _fused_on() else None
+        if self.fused is not None:
+            attn = self._layers()[0].self_attn
+            self.fused_dims = (config.num_attention_heads, kv_heads, head_dim)
+            self.fused_eps = float(self._layers()[0].input_layernorm.variance_epsilon)
+            self.fused_scale = float(attn.scaling)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.sizes: list[int] = []
         self.compiled = False
@@ -256,12 +271,29 @@ class ModelRunner:
                 )
                 return out.logits[0]
             embed, rotary, _, norm, head = self.parts
-            steps = _compiled() if ctx.decode and self.compiled else (_layer_step, _head_step)
             hidden = embed(input_ids)
             rope = rotary(hidden, position_ids=position_ids.expand(3, -1, -1) if self.is_mrope else position_ids)
+            if ctx.decode and self.fused is not None:
+                return self._run_fused(hidden[0], rope, ctx, keep)
+            steps = _compiled() if ctx.decode and self.compiled else (_layer_step, _head_step)
             for i, layer in enumerate(self._layers()):
                 hidden = steps[0](layer, hidden, position_ids, rope, ctx.for_layer(i))
             return steps[1](norm, head, hidden, keep)
+
+    def _run_fused(self, hidden: torch.Tensor, rope, ctx: PagedContext, keep: torch.Tensor) -> torch.Tensor:
+        """A decode step through the merged projections (fused.py): hidden [T, C] -> logits [len(keep), V]."""
+        from rlx.engine.rollout.native.fused import _fused_head_step, _fused_layer_step, compiled_steps
+
+        _, _, _, norm, head = self.parts
+        layer_step, head_step = compiled_steps() if self.compiled else (_fused_layer_step, _fused_head_step)
+        cos, sin = (t[0].unsqueeze(1) for t in rope)  # [T, 1, D]
+        residual = torch.zeros_like(hidden)  # a tensor for every layer: one compiled graph serves them all
+        for i, weights in enumerate(self.fused):
+            hidden, residual = layer_step(
+                hidden, residual, cos, sin, weights.tensors(), ctx.for_layer(i), self.fused_dims, self.fused_eps,
+                self.fused_scale,
+            )  # fmt: skip
+        return head_step(norm, head, hidden, residual, keep)
 
     def _graph_args(self, b: int):
         """The decode inputs of batch size b as views of the graph's buffers (the int32 copy is captured)."""
