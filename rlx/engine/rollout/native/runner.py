@@ -271,10 +271,11 @@ class ModelRunner:
                 )
                 return out.logits[0]
             embed, rotary, _, norm, head = self.parts
+            if ctx.decode and self.fused is not None:
+                hidden = embed(input_ids[0])  # [T, C], not a view: every layer's input alike (one compiled graph)
+                return self._run_fused(hidden, rotary(hidden, position_ids=position_ids), ctx, keep)
             hidden = embed(input_ids)
             rope = rotary(hidden, position_ids=position_ids.expand(3, -1, -1) if self.is_mrope else position_ids)
-            if ctx.decode and self.fused is not None:
-                return self._run_fused(hidden[0], rope, ctx, keep)
             steps = _compiled() if ctx.decode and self.compiled else (_layer_step, _head_step)
             for i, layer in enumerate(self._layers()):
                 hidden = steps[0](layer, hidden, position_ids, rope, ctx.for_layer(i))
