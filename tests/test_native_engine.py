@@ -331,7 +331,7 @@ def test_capture_ladder_compiles_the_decoder_layer_once(tiny, merged, monkeypatc
     result = make_engine(model.to(cuda), tokenizer, cfg, cuda).generate(prompts, cfg.sampling(), progress=False)
     model.to(CPU)
     assert len(result.records) == len(prompts) * 4
-    step = fused._fused_layer_step if merged else runner._layer_step
+    step = fused.fused_layer_step if merged else runner._layer_step
     assert len(_debug_get_cache_entry_list(step.__code__)) == 1
 
 

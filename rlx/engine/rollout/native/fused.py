@@ -17,16 +17,13 @@ LoRA layers), SiLU MLPs and text rotary positions. Others decode through the Hug
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from rlx.engine.rollout.native.runner import _without_duck_sizing, paged_decode
-
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-"""model_type values whose decoder layer `_fused_layer_step` reproduces."""
+"""model_type values whose decoder layer `fused_layer_step` reproduces."""
 
 _ATTN = ("q_proj", "k_proj", "v_proj")
 _MLP = ("gate_proj", "up_proj")
@@ -58,7 +55,7 @@ class FusedLayer:
 
 
 def fusable(model) -> bool:
-    """Whether `model`'s decoder layers are ones `_fused_layer_step` reproduces exactly (see the module doc)."""
+    """Whether `model`'s decoder layers are ones `fused_layer_step` reproduces exactly (see the module doc)."""
     config = model.config
     if getattr(config, "model_type", None) not in FAMILIES or getattr(config, "hidden_act", None) != "silu":
         return False
@@ -172,7 +169,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _fused_layer_step(
+def fused_layer_step(
     hidden: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: tuple,
     paged, dims: tuple[int, int, int], eps: float, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -189,7 +186,7 @@ def _fused_layer_step(
         q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     cache = paged.k_cache.dtype
-    attn = paged_decode(
+    attn = torch.ops.rlx.paged_decode(  # runner.py's custom op (the cache write and decode attention)
         q.to(cache), k.to(cache), v.to(cache).contiguous(), paged.k_cache, paged.v_cache, paged.slot_mapping,
         paged.block_tables, paged.context_lens, scale, paged.impl,
     )  # fmt: skip
@@ -198,12 +195,6 @@ def _fused_layer_step(
     return F.linear(F.silu(gate) * up, down_w, down_b), residual
 
 
-def _fused_head_step(norm, head, hidden: torch.Tensor, residual: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def fused_head_step(norm, head, hidden: torch.Tensor, residual: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """The last layer's output (hidden + residual), the final norm and the LM head at `keep` -> logits."""
     return head(norm((residual + hidden)[keep]))
-
-
-@functools.lru_cache(maxsize=1)
-def compiled_steps():
-    """`_fused_layer_step` and `_fused_head_step` under torch.compile (dynamic batch), made once per process."""
-    return tuple(_without_duck_sizing(torch.compile(f, dynamic=True)) for f in (_fused_layer_step, _fused_head_step))

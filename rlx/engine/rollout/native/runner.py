@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rlx.engine.rollout.native.blocks import BlockManager, Sequence
+from rlx.engine.rollout.native.fused import fused_head_step, fused_layer_step, merged_layers
 from rlx.engine.rollout.native.inputs import DecodeStaging, last_token
 from rlx.engine.rollout.native.vision import NativeImages
 from rlx.kernels.paged_attention import paged_decode_attention, write_kv
@@ -167,6 +168,12 @@ def _compiled():
     return tuple(_without_duck_sizing(torch.compile(f, dynamic=True)) for f in (_layer_step, _head_step))
 
 
+@functools.lru_cache(maxsize=1)
+def _compiled_fused():
+    """fused.py's decode layer and head steps under torch.compile (dynamic batch), made once per process."""
+    return tuple(_without_duck_sizing(torch.compile(f, dynamic=True)) for f in (fused_layer_step, fused_head_step))
+
+
 def _without_duck_sizing(compiled):
     """`compiled`, traced without duck sizing. With it, dimensions of equal size at the first trace are assumed
     equal for good: the largest captured batch is the size of the buffers the decode inputs are views of, so the
@@ -226,8 +233,6 @@ class ModelRunner:
         register_attention(PAGED_ATTENTION, paged_attention_forward, packed_attention_mask)
         self.parts = _decoder_parts(model)
         # decode through merged projections where the model's parameters are laid out for them (fused.py)
-        from rlx.engine.rollout.native.fused import merged_layers  # fused.py builds on this module
-
         self.fused = merged_layers(model) if self.parts is not None and not self.is_mrope and _fused_on() else None
         if self.fused is not None:
             attn = self._layers()[0].self_attn
@@ -283,10 +288,8 @@ class ModelRunner:
 
     def _run_fused(self, hidden: torch.Tensor, rope, ctx: PagedContext, keep: torch.Tensor) -> torch.Tensor:
         """A decode step through the merged projections (fused.py): hidden [T, C] -> logits [len(keep), V]."""
-        from rlx.engine.rollout.native.fused import _fused_head_step, _fused_layer_step, compiled_steps
-
         _, _, _, norm, head = self.parts
-        layer_step, head_step = compiled_steps() if self.compiled else (_fused_layer_step, _fused_head_step)
+        layer_step, head_step = _compiled_fused() if self.compiled else (fused_layer_step, fused_head_step)
         cos, sin = (t[0].unsqueeze(1) for t in rope)  # [T, 1, D]
         residual = torch.zeros_like(hidden)  # a tensor for every layer: one compiled graph serves them all
         for i, weights in enumerate(self.fused):
