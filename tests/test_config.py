@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlx.config import ConfigError, apply_overrides, field_docs, from_dict, parse_override
 from rlx.engine.ppo.config import PPOConfig, load_recipe
@@ -172,3 +173,24 @@ def test_pinned_memory_is_registered_unless_the_user_set_the_allocator(monkeypat
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     configure_pinned_memory()
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with RLX_TEST_GPU=1)")
+def test_reserved_host_buffers_are_the_ones_the_first_snapshot_copies_into():
+    """`reserve` pins a snapshot's host buffers ahead (the loop does it on its writer thread after the first step), so
+    the first checkpoint's snapshot pins nothing itself; the copies hold the values, and updates after it do not."""
+    from rlx.utils import host_copy
+
+    tensors = {"w": torch.randn(64, 32, device="cuda"), "m": torch.randn(7, device="cuda", dtype=torch.bfloat16)}
+    pinned = host_copy.reserve(host_copy.layout(tensors), "test_reserve")
+    assert pinned == 64 * 32 * 4 + 7 * 2 and host_copy.reserve(host_copy.layout(tensors), "test_reserve") == 0
+    buffers = {k: host_copy._BUFFERS[f"test_reserve/{k}"] for k in tensors}
+    assert all(b.is_pinned() for b in buffers.values())
+    copies = host_copy.snapshot(tensors, "test_reserve")
+    host_copy.before_update()
+    for value in tensors.values():
+        value.add_(1)
+    host_copy.wait_copied()
+    for key, value in tensors.items():
+        assert copies[key] is buffers[key] and torch.equal(copies[key], (value - 1).cpu())

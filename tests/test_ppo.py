@@ -183,13 +183,19 @@ main()
 """
 
 
-def test_a_kill_during_a_background_checkpoint_write_resumes_bit_exactly(tmp_path):
+def test_a_kill_during_a_background_checkpoint_write_resumes_bit_exactly(tmp_path, monkeypatch):
     """Checkpoint files are written by a background thread while the next step runs; a kill -9 in the middle of
     step 4's write leaves no step_000004, and --resume from step 2's gives the uninterrupted run's weights and
-    metrics."""
+    metrics. After a process's first step (no checkpoint at it) the writer thread pins the snapshot buffers of the
+    first checkpoint ahead (on the CPU: nothing to pin)."""
+    from rlx.engine.ppo import loop
+
+    reserved = []
+    monkeypatch.setattr(loop, "reserve", lambda shapes, tag: reserved.append((tag, shapes)) or 0)
     args = [*SMALL, "--set", "steps=6", "--set", "save_every=2", "--set", "keep_checkpoints=0"]
     reference = tmp_path / "reference"
     cli_ok("ppo", QUICKSTART, "--out", reference, *args)
+    assert reserved == [("actor/weights", {}), ("actor/optimizer", {})]
     run = tmp_path / "killed"
     script = tmp_path / "dying.py"
     script.write_text(KILL_DURING_WRITE)

@@ -47,7 +47,7 @@ from rlx.models.lora_merge import iter_merged_weights, merged_weights
 from rlx.models.vision.families import freeze_vision_tower, is_vision_config
 from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.utils.device import derive_seed
-from rlx.utils.host_copy import before_update, snapshot
+from rlx.utils.host_copy import before_update, layout, snapshot
 
 
 def row_tokens(batch: TrainBatch) -> list[int]:
@@ -140,6 +140,15 @@ class Trainer:
         weights = model_weights(self.model, offload=False)
         optimizer = optimizer_tensors(self.model, self.optimizer, offload=False)
         return snapshot(weights, f"{self.role}/weights"), snapshot(optimizer, f"{self.role}/optimizer")
+
+    def snapshot_layout(self) -> list[tuple[dict, str]]:
+        """What `snapshot_state` will copy to pinned host buffers ([(shapes and dtypes, tag)]; empty when it
+        gathers fresh copies instead), for `rlx.utils.host_copy.reserve` to pin ahead of the first checkpoint."""
+        if self.world > 1 or self.lora is not None:
+            return []
+        weights = model_weights(self.model, offload=False)
+        optimizer = optimizer_tensors(self.model, self.optimizer, offload=False)
+        return [(layout(weights), f"{self.role}/weights"), (layout(optimizer), f"{self.role}/optimizer")]
 
     def local_state(self) -> LocalState:
         """This rank's shards: DTensors under FSDP (whole tensors in a lone process)."""
