@@ -271,7 +271,7 @@ def run_eval(
     limits = dict(config=config, processor=processor)
     prompts = limit_prompts(prompts, tokenizer, rollout_cfg, model_context(config), cfg.prompts, **limits)
     ctx = setup(rollout_cfg.device)
-    rollouts = generate(cfg, rollout_cfg, load_model(source), tokenizer, prompts, ctx, processor)
+    rollouts = generate(cfg, rollout_cfg, load_model(source).requires_grad_(False), tokenizer, prompts, ctx, processor)
     if not ctx.is_main:
         return {}
     samples = grade(rollouts, cfg)
