@@ -38,7 +38,7 @@ def snapshot(tensors: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Tens
         stream.wait_stream(torch.cuda.current_stream(device))  # the copies see every update queued so far
         with torch.cuda.stream(stream):
             for key, value in items:
-                buffer = _buffer(f"{tag}/{key}", value)
+                buffer = _pinned(f"{tag}/{key}", value.shape, value.dtype)
                 buffer.copy_(value, non_blocking=True)
                 value.record_stream(stream)  # a temporary source is not reused before the copy has read it
                 out[key] = buffer
@@ -48,10 +48,6 @@ def snapshot(tensors: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Tens
             _NOT_WAITED_ON_DEVICE.append(event)
             _NOT_WAITED_ON_HOST.append(event)
     return {key: out[key] for key in tensors}
-
-
-def _buffer(name: str, like: torch.Tensor) -> torch.Tensor:
-    return _pinned(name, like.shape, like.dtype)
 
 
 def _pinned(name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -135,20 +135,25 @@ class Trainer:
     def snapshot_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(full weights, full optimizer state) as host copies that later updates leave alone; a collective.
         Unsharded on CUDA they are still being copied off the device when this returns (rlx.utils.host_copy)."""
-        if self.world > 1 or self.lora is not None:  # gathered (or merged): fresh copies already
+        live = self._live_state()
+        if live is None:  # gathered (or merged): fresh copies already
             return self.full_weights(), self.full_optimizer_state()
-        weights = model_weights(self.model, offload=False)
-        optimizer = optimizer_tensors(self.model, self.optimizer, offload=False)
-        return snapshot(weights, f"{self.role}/weights"), snapshot(optimizer, f"{self.role}/optimizer")
+        (weights, w_tag), (optimizer, o_tag) = live
+        return snapshot(weights, w_tag), snapshot(optimizer, o_tag)
 
     def snapshot_layout(self) -> list[tuple[dict, str]]:
         """What `snapshot_state` will copy to pinned host buffers ([(shapes and dtypes, tag)]; empty when it
         gathers fresh copies instead), for `rlx.utils.host_copy.reserve` to pin ahead of the first checkpoint."""
+        return [(layout(tensors), tag) for tensors, tag in self._live_state() or ()]
+
+    def _live_state(self) -> list[tuple[dict[str, torch.Tensor], str]] | None:
+        """[(live weights, their snapshot tag), (live optimizer tensors, tag)] of an unsharded full model, which
+        `snapshot_state` copies itself; None when it gathers (sharded) or merges (LoRA) instead."""
         if self.world > 1 or self.lora is not None:
-            return []
+            return None
         weights = model_weights(self.model, offload=False)
         optimizer = optimizer_tensors(self.model, self.optimizer, offload=False)
-        return [(layout(weights), f"{self.role}/weights"), (layout(optimizer), f"{self.role}/optimizer")]
+        return [(weights, f"{self.role}/weights"), (optimizer, f"{self.role}/optimizer")]
 
     def local_state(self) -> LocalState:
         """This rank's shards: DTensors under FSDP (whole tensors in a lone process)."""

@@ -97,11 +97,8 @@ def merge_projections(model) -> bool:
     if not fusable(model):
         return False
     for group in projection_groups(model):
-        merged = torch.cat([p.detach() for p in group])
-        start = 0
-        for p in group:
-            p.data = merged[start : start + p.shape[0]]
-            start += p.shape[0]
+        for p, rows in zip(group, torch.cat([p.detach() for p in group]).split([p.shape[0] for p in group])):
+            p.data = rows
     return True
 
 
@@ -113,26 +110,23 @@ def merged_layers(model) -> list[FusedLayer] | None:
     out = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = _rows_of([getattr(attn, n).weight for n in _ATTN])
-        gate_up = _rows_of([getattr(mlp, n).weight for n in _MLP])
-        if qkv is None or gate_up is None:
-            return None
-        biases = [getattr(attn, n).bias for n in _ATTN]
-        qkv_bias = None if biases[0] is None else _rows_of(biases)
-        mlp_biases = [getattr(mlp, n).bias for n in _MLP]
-        gate_up_bias = None if mlp_biases[0] is None else _rows_of(mlp_biases)
-        if (biases[0] is not None and qkv_bias is None) or (mlp_biases[0] is not None and gate_up_bias is None):
-            return None
+        merged = {}
+        for name, modules in (("qkv", [getattr(attn, n) for n in _ATTN]), ("gate_up", [getattr(mlp, n) for n in _MLP])):
+            for attr in ("weight", "bias"):
+                values = [getattr(m, attr) for m in modules]
+                merged[name, attr] = None if values[0] is None else _rows_of(values)
+                if values[0] is not None and merged[name, attr] is None:
+                    return None  # not laid out by merge_projections
         out.append(
             FusedLayer(
                 ln1=layer.input_layernorm.weight,
                 ln2=layer.post_attention_layernorm.weight,
-                qkv=qkv,
-                qkv_bias=qkv_bias,
+                qkv=merged["qkv", "weight"],
+                qkv_bias=merged["qkv", "bias"],
                 o=attn.o_proj.weight,
                 o_bias=attn.o_proj.bias,
-                gate_up=gate_up,
-                gate_up_bias=gate_up_bias,
+                gate_up=merged["gate_up", "weight"],
+                gate_up_bias=merged["gate_up", "bias"],
                 down=mlp.down_proj.weight,
                 down_bias=mlp.down_proj.bias,
                 q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,

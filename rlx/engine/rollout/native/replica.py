@@ -82,11 +82,8 @@ def _place_in_buffer(replica: torch.nn.Module, device: torch.device) -> VirtualB
     buffer, tensors = carve(shapes + [(tuple(params[k].shape), params[k].dtype) for k in alone], device)
     placed = {key: torch.nn.Parameter(t, requires_grad=False) for key, t in zip(alone, tensors[len(groups) :])}
     for group, merged in zip(groups, tensors):
-        start = 0
-        for key in group:
-            rows = params[key].shape[0]
-            placed[key] = torch.nn.Parameter(merged[start : start + rows], requires_grad=False)
-            start += rows
+        for key, rows in zip(group, merged.split([params[k].shape[0] for k in group])):
+            placed[key] = torch.nn.Parameter(rows, requires_grad=False)
     for module in replica.modules():
         for name, param in module._parameters.items():
             if param is not None:
