@@ -137,12 +137,34 @@ def test_dispatch():
     )
 
 
+def rope_error(kernel, device="cpu", dtype=torch.float32, **kwargs) -> float:
+    """Largest difference between `kernel` and the PyTorch path, given q, k and v as views of one projection's
+    output [B, (H + 2 Hkv) D] and rotary positions (rope): the caches written the same (within float32
+    rounding), the outputs alike, unsplit and split in 2."""
+    q, kc, vc, tables, ctx = make_problem([6, 13, 1, 30], 4, 2, 32, 4, dtype=dtype)
+    q, kc, vc, tables, ctx = (t.to(device) for t in (q, kc, vc, tables, ctx))
+    qkv = torch.randn(4, (4 + 2 * 2) * 32, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    q, k, v = (t.view(4, -1, 32) for t in qkv.split([128, 64, 64], dim=-1))
+    angles = (ctx.double() - 1)[:, None] / 10000 ** (torch.arange(0, 32, 2, device=device).double() / 32)
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    slots = torch.stack([tables[b, (n - 1) // 4].long() * 4 + (n - 1) % 4 for b, n in enumerate(ctx.tolist())])
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = paged_decode_attention(q, kc2, vc2, tables, ctx, 0.2, new_kv=(k, v, slots), impl="torch", rope=(cos, sin))
+    worst = 0.0
+    for splits in (1, 2):
+        kc3, vc3 = kc.clone(), vc.clone()
+        got = kernel(q, kc3, vc3, tables, ctx, 0.2, new_kv=(k, v, slots), num_splits=splits, rope=(cos, sin), **kwargs)
+        worst = max(worst, *((a.float() - b.float()).abs().max().item() for a, b in ((kc3, kc2), (vc3, vc2))))
+        worst = max(worst, (got.float() - want.float()).abs().max().item())
+    return worst
+
+
 TRITON_CHECK = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
     import torch
     from rlx.kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton, write_kv
-    from tests.test_paged_attention import make_problem
+    from tests.test_paged_attention import make_problem, rope_error
     worst = 0.0
     for lens, heads, kv_heads, head_dim, block_size, block_n in [
         ([1, 4, 8, 13, 0], 4, 2, 32, 4, 16),  # context 0 gives zeros in both
@@ -169,6 +191,7 @@ TRITON_CHECK = textwrap.dedent("""
     for splits in (2, 3):
         got = paged_decode_attention_triton(q, kc, vc, tables, ctx, 0.2, block_n=16, num_splits=splits)
         worst = max(worst, (got - want).abs().max().item())
+    worst = max(worst, rope_error(paged_decode_attention_triton, block_n=16))
     print(worst)
 """)
 
@@ -215,3 +238,5 @@ def test_triton_on_gpu(dtype):
         got = paged_decode_attention_triton(q, kc3, vc3, tables, ctx, 0.125, new_kv=new_kv, num_splits=splits)
         assert torch.equal(kc3, kc2) and torch.equal(vc3, vc2)
         assert (got.float() - want.float()).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-4)
+    # rotary inside the kernel, on strided q/k/v views (bf16: the PyTorch path rounds each product, the kernel once)
+    assert rope_error(paged_decode_attention_triton, "cuda", dtype) < (6e-2 if dtype == torch.bfloat16 else 1e-4)

@@ -115,6 +115,7 @@ def paged_decode_attention_triton(
     num_warps: int | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     num_splits: int | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Triton kernel; same arguments, result and masking as `paged_decode_attention_torch`, without a device sync.
 
@@ -124,6 +125,7 @@ def paged_decode_attention_triton(
     >= 16) and num_warps override the defaults (tuning). new_kv = (k, v [B, kv_heads, D], slot_mapping [B]):
     write each sequence's new key and value first, in the same kernel (`write_kv` for one token a sequence).
     num_splits: flash-decoding splits of each context (a second kernel combines them); default by occupancy.
+    rope = (cos, sin [B, D]): rotate q and the new keys first (`rotate`), in float32 inside the kernel.
     Runs on CUDA, or on the CPU under TRITON_INTERPRET=1.
     """
     group = _check_shapes(q, k_cache, v_cache, block_tables)
@@ -139,10 +141,11 @@ def paged_decode_attention_triton(
     block_n = block_n or (16 if q.device.type != "cuda" else 64)
     if new_kv is None:
         k_new = v_new = slots = out  # unused (WRITE_KV off)
-    else:
-        k_new, v_new, slots = new_kv
-        if k_new.stride(-1) != 1 or v_new.stride(-1) != 1 or k_new.stride()[:2] != v_new.stride()[:2]:
-            k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    else:  # any row and head strides (views of a q/k/v projection's output)
+        k_new, v_new, slots = (t if t.stride(-1) == 1 else t.contiguous() for t in new_kv)
+    cos, sin = (out, out) if rope is None else (t if t.stride(-1) == 1 else t.contiguous() for t in rope)
+    if cos.stride(0) != sin.stride(0):
+        cos, sin = cos.contiguous(), sin.contiguous()
     capacity = block_tables.shape[1] * block_size  # the longest context the table allows (no device sync)
     splits = num_splits or _default_splits(batch * kv_heads, capacity, block_n)
     partition = -(-capacity // splits // block_n) * block_n
@@ -156,11 +159,12 @@ def paged_decode_attention_triton(
     decode[(batch, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, scale * math.log2(math.e), q.stride(0), q.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0), out.stride(0), out.stride(1),
-        k_new, v_new, slots, k_new.stride(0), k_new.stride(1), *parts,
+        k_new, v_new, slots, *k_new.stride()[:2], *v_new.stride()[:2], cos, sin, cos.stride(0), *parts,
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, **pads, BLOCK_N=block_n,
         IEEE=k_cache.dtype == torch.float32,  # float32 caches: exact fp32 dots, not TF32
         INTERPRET_TOKENS=capacity if os.environ.get("TRITON_INTERPRET") == "1" else 0,
-        WRITE_KV=new_kv is not None, NUM_SPLITS=splits, PARTITION=partition, num_warps=num_warps or 4,
+        WRITE_KV=new_kv is not None, ROPE=rope is not None, NUM_SPLITS=splits, PARTITION=partition,
+        num_warps=num_warps or 4,
     )  # fmt: skip
     if splits > 1:
         reduce[(batch, kv_heads)](
@@ -200,12 +204,27 @@ def paged_decode_attention(
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     impl: str = "auto",
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache: Triton on CUDA (when triton imports), else the PyTorch reference;
     `impl` = torch|triton forces one. Shapes as in `paged_decode_attention_torch`; new_kv = (k, v
-    [B, kv_heads, D], slot_mapping [B]) is written into the caches first (inside the Triton kernel)."""
+    [B, kv_heads, D], slot_mapping [B]) is written into the caches first (inside the Triton kernel); rope =
+    (cos, sin [B, D]) rotates q and the new keys first (`rotate`; inside the Triton kernel, in float32)."""
     if resolve_impl(q.device, impl) == "triton":
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=new_kv)
+        return paged_decode_attention_triton(
+            q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=new_kv, rope=rope
+        )
+    if rope is not None:
+        q = rotate(q, *rope)
+        new_kv = None if new_kv is None else (rotate(new_kv[0], *rope), *new_kv[1:])
     if new_kv is not None:
         write_kv(k_cache, v_cache, new_kv[2], new_kv[0], new_kv[1])
     return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions, Llama's rotate-half convention (Hugging Face's `apply_rotary_pos_emb`, in x's dtype):
+    x [B, heads, D], cos and sin [B, D] -> x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

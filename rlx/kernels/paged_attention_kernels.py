@@ -31,6 +31,11 @@ def _paged_decode_kernel(
     slot_ptr,
     stride_nb,
     stride_nh,
+    stride_vnb,
+    stride_vnh,
+    cos_ptr,
+    sin_ptr,
+    stride_rope,
     part_m_ptr,
     part_l_ptr,
     part_acc_ptr,
@@ -43,6 +48,7 @@ def _paged_decode_kernel(
     IEEE: tl.constexpr,
     INTERPRET_TOKENS: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    ROPE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PARTITION: tl.constexpr,
 ):
@@ -52,7 +58,9 @@ def _paged_decode_kernel(
     the constexpr INTERPRET_TOKENS (max_blocks * block_size) bounds the loop instead of the loaded context
     length (the interpreter's loaded scalars are 1-element arrays, which NumPy >= 2.5 refuses as an index);
     the extra steps are fully masked. 0 on the GPU. With WRITE_KV the program first stores its sequence's
-    new key and value (kn, vn [B, kv_heads, D]) at the sequence's slot (write_kv, fused). With NUM_SPLITS > 1
+    new key and value (kn, vn [B, kv_heads, D]) at the sequence's slot (write_kv, fused). With ROPE the query and
+    the new key are first rotated by the sequence's (cos, sin) rows [D] (rotate-half pairs d, d + D/2: Llama's
+    convention), in float32, then rounded to the cache dtype. With NUM_SPLITS > 1
     (flash-decoding) program (seq, kvh, split) covers tokens [split * PARTITION, (split + 1) * PARTITION) and
     stores its unnormalised partial result for `_reduce_kernel`; the split holding the last token writes it."""
     seq = tl.program_id(0)
@@ -66,21 +74,34 @@ def _paged_decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
+    if ROPE:
+        partner = tl.where(offs_d < HEAD_DIM // 2, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
+        sign = tl.where(offs_d < HEAD_DIM // 2, -1.0, 1.0)
+        cos = tl.load(cos_ptr + seq.to(tl.int64) * stride_rope + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + seq.to(tl.int64) * stride_rope + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     if WRITE_KV:
         slot = tl.load(slot_ptr + seq).to(tl.int64)
-        new = seq.to(tl.int64) * stride_nb + kvh * stride_nh + offs_d
+        new_k = kn_ptr + seq.to(tl.int64) * stride_nb + kvh * stride_nh
+        new_v = vn_ptr + seq.to(tl.int64) * stride_vnb + kvh * stride_vnh
         dst_k = k_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kvh * stride_kh
         dst_v = v_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt + kvh * stride_vh
         mine = d_mask & ((offs_d * 0 + split) == (ctx - 1) // PARTITION)  # a vector mask (interpreter)
-        tl.store(dst_k + offs_d, tl.load(kn_ptr + new, mask=mine).to(k_ptr.dtype.element_ty), mask=mine)
-        tl.store(dst_v + offs_d, tl.load(vn_ptr + new, mask=mine).to(v_ptr.dtype.element_ty), mask=mine)
+        if ROPE:
+            key = tl.load(new_k + offs_d, mask=mine).to(tl.float32) * cos
+            key += sign * tl.load(new_k + partner, mask=mine).to(tl.float32) * sin
+        else:
+            key = tl.load(new_k + offs_d, mask=mine)
+        tl.store(dst_k + offs_d, key.to(k_ptr.dtype.element_ty), mask=mine)
+        tl.store(dst_v + offs_d, tl.load(new_v + offs_d, mask=mine).to(v_ptr.dtype.element_ty), mask=mine)
         tl.debug_barrier()  # the block's own writes are visible to its loads below
     heads = kvh * GROUP + offs_g
-    q = tl.load(
-        q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    ).to(k_ptr.dtype.element_ty)
+    q_rows = q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    qd_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_rows + offs_d[None, :], mask=qd_mask, other=0.0)
+    if ROPE:
+        q = q.to(tl.float32) * cos[None, :]
+        q += sign[None, :] * tl.load(q_rows + partner[None, :], mask=qd_mask, other=0.0).to(tl.float32) * sin[None, :]
+    q = q.to(k_ptr.dtype.element_ty)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)

@@ -1,11 +1,18 @@
-"""Inverse-CDF token draws on the GPU in one Triton kernel (sampling.py's `draw_tokens` on CUDA).
+"""Inverse-CDF token draws on the GPU in two Triton kernels (sampling.py's `draw_tokens` on CUDA).
 
-For each row of temperature-scaled (and filtered) logits x [V] and a uniform u in [0, 1) the kernel returns
+For each row of temperature-scaled (and filtered) logits x [V] and a uniform u in [0, 1) the kernels return
 the first token t with cumsum(exp(x - max))[t] > u * sum(exp(x - max)) (the float64 reference's rule,
-`searchsorted(cdf, u * cdf[-1], right=True)`), the row's first argmax, and its logsumexp. One program per
-row, two passes over the row in float32 (max and sum; then the running sum until the target): a row's result
-depends on that row only, not on the batch it is in. A target that rounding puts past the last token gives
-the argmax (as the reference does).
+`searchsorted(cdf, u * cdf[-1], right=True)`), the row's first argmax, and its logsumexp, in float32:
+
+- `_slice_kernel`, a program per row and vocabulary slice of SLICE tokens: the slice's max, its sum of
+  exp(x - max) and its first argmax;
+- `_pick_kernel`, a program per row: the row's max, argmax and normaliser from its slices; the slice in which the
+  cumulative sum passes the target; then a scan of that slice alone for the token.
+
+So a decode step reads its logits about once, spread over every multiprocessor, where one program per row read
+them twice (at 16 rows: 16 programs over 151,936 tokens each). A row's result depends on that row only (the
+slices are fixed, not sized by the batch). A target that rounding puts past a slice's last token gives that
+token, past the row's last one the argmax (as the reference does).
 """
 
 from __future__ import annotations
@@ -15,57 +22,76 @@ from typing import Any
 
 import torch
 
-CHUNK = 4096
+SLICE = 8192
+"""Tokens per program of the first kernel (and the most the second one scans)."""
+CHUNK = 2048
+_NONE = 2147483647
 
 
 @functools.lru_cache(maxsize=1)
-def _kernel() -> Any:
+def _kernels() -> Any:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _draw_kernel(x_ptr, u_ptr, tok_ptr, arg_ptr, lse_ptr, scale, vocab, stride_x, CHUNK: tl.constexpr):
-        row = tl.program_id(0)
-        base = x_ptr + row.to(tl.int64) * stride_x
-        offs = tl.arange(0, CHUNK)
-        m = tl.full([], float("-inf"), tl.float32)
-        s = tl.zeros([], tl.float32)
-        best = tl.full([], float("-inf"), tl.float32)
-        best_i = tl.zeros([], tl.int32)
-        for start in range(0, vocab, CHUNK):
-            x = tl.load(base + start + offs, mask=start + offs < vocab, other=float("-inf")).to(tl.float32) * scale
-            chunk_max = tl.max(x, 0)
-            chunk_arg = tl.min(tl.where(x == chunk_max, start + offs, 2147483647), 0)
-            better = chunk_max > best  # strictly: the first index wins ties across chunks
-            best_i = tl.where(better, chunk_arg, best_i)
-            best = tl.where(better, chunk_max, best)
-            m_new = tl.maximum(m, chunk_max)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), 0)
-            m = m_new
-        target = tl.load(u_ptr + row).to(tl.float32) * s
-        run = tl.zeros([], tl.float32)
-        token = tl.full([], 2147483647, tl.int32)
-        for start in range(0, vocab, CHUNK):
-            x = tl.load(base + start + offs, mask=start + offs < vocab, other=float("-inf")).to(tl.float32) * scale
-            p = tl.exp(x - m)
-            cdf = run + tl.cumsum(p, 0)
-            hit = tl.min(tl.where((cdf > target) & (start + offs < vocab), start + offs, 2147483647), 0)
-            token = tl.minimum(token, hit)
-            run = run + tl.sum(p, 0)
-        token = tl.where(token == 2147483647, best_i, token)
-        tl.store(tok_ptr + row, token.to(tl.int64))
-        tl.store(arg_ptr + row, best_i.to(tl.int64))
-        tl.store(lse_ptr + row, m + tl.log(s))
+    def _slice_kernel(x_ptr, m_ptr, s_ptr, a_ptr, scale, vocab, stride_x, SLICE: tl.constexpr, PAD: tl.constexpr):
+        row, part = tl.program_id(0), tl.program_id(1)
+        offs = part * SLICE + tl.arange(0, SLICE)
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < vocab, other=float("-inf"))
+        x = x.to(tl.float32) * scale
+        m = tl.max(x, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        out = row * PAD + part
+        tl.store(m_ptr + out, m)
+        tl.store(s_ptr + out, tl.sum(tl.exp(x - m_safe), 0))
+        tl.store(a_ptr + out, tl.min(tl.where(x == m, offs, 2147483647), 0))
 
-    return _draw_kernel
+    @triton.jit
+    def _pick_kernel(
+        x_ptr, u_ptr, m_ptr, s_ptr, a_ptr, tok_ptr, arg_ptr, lse_ptr, scale, vocab, stride_x, slices,
+        SLICE: tl.constexpr, CHUNK: tl.constexpr, PAD: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        j = tl.arange(0, PAD)
+        valid = j < slices
+        m = tl.load(m_ptr + row * PAD + j, mask=valid, other=float("-inf"))
+        top = tl.max(m, 0)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        weight = tl.load(s_ptr + row * PAD + j, mask=valid, other=0.0) * tl.exp(m - top_safe)
+        total = tl.sum(weight, 0)
+        # the slices' argmaxes grow with j: the first slice at the max holds the row's first argmax
+        best = tl.min(tl.where(valid & (m == top), tl.load(a_ptr + row * PAD + j, mask=valid, other=0), 2147483647), 0)
+        target = tl.load(u_ptr + row).to(tl.float32) * total
+        cum = tl.cumsum(weight, 0)
+        found = tl.min(tl.where(valid & (cum > target), j, PAD), 0)  # the slice the target lies in (PAD: none)
+        run = tl.sum(tl.where(j < found, weight, 0.0), 0)
+        first = tl.minimum(found, slices - 1) * SLICE
+        base = x_ptr + row.to(tl.int64) * stride_x
+        token = tl.full([], 2147483647, tl.int32)
+        last = tl.full([], -1, tl.int32)
+        for start in range(0, SLICE, CHUNK):
+            offs = first + start + tl.arange(0, CHUNK)
+            inside = offs < vocab
+            p = tl.exp(tl.load(base + offs, mask=inside, other=float("-inf")).to(tl.float32) * scale - top_safe)
+            cdf = run + tl.cumsum(p, 0)
+            token = tl.minimum(token, tl.min(tl.where(inside & (cdf > target), offs, 2147483647), 0))
+            last = tl.maximum(last, tl.max(tl.where(inside & (p > 0), offs, -1), 0))
+            run += tl.sum(p, 0)
+        token = tl.where(token == 2147483647, last, token)  # rounding put the target past the slice's last token
+        token = tl.where((found == PAD) | (token < 0), best, token)
+        tl.store(tok_ptr + row, token.to(tl.int64))
+        tl.store(arg_ptr + row, best.to(tl.int64))
+        tl.store(lse_ptr + row, top + tl.log(total))
+
+    return _slice_kernel, _pick_kernel
 
 
 def draw_tokens_triton(
     logits: torch.Tensor, uniforms: torch.Tensor, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(draws [B] int64, argmax [B] int64, logsumexp [B] float32) of x = float32(logits) * float32(scale),
-    logits [B, V] any float dtype on CUDA, uniforms [B] in [0, 1) (any device / float dtype); no host sync.
+    logits [B, V] any float dtype on CUDA (or the CPU under TRITON_INTERPRET=1), uniforms [B] in [0, 1) (any
+    device / float dtype); no host sync.
 
     x is what PyTorch's CUDA `logits.float() / t` gives for scale = 1 / t (it multiplies by the float32
     reciprocal), so the native engine passes its bf16 logits and 1 / temperature and reads them once, not
@@ -74,9 +100,17 @@ def draw_tokens_triton(
         logits = logits.contiguous()
     batch, vocab = logits.shape
     u = uniforms.to(logits.device, torch.float32, non_blocking=True).contiguous()
-    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    argmax = torch.empty_like(tokens)
+    out = torch.empty(2, batch, dtype=torch.int64, device=logits.device)  # draws, argmax
     lse = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch:
-        _kernel()[(batch,)](logits, u, tokens, argmax, lse, scale, vocab, logits.stride(0), CHUNK=CHUNK, num_warps=8)
-    return tokens, argmax, lse
+        slices = -(-vocab // SLICE)
+        pad = 1 << max(0, slices - 1).bit_length()
+        parts = torch.empty(3, batch, pad, dtype=torch.float32, device=logits.device)  # max, sum, argmax (bits)
+        part_m, part_s, part_a = parts[0], parts[1], parts[2].view(torch.int32)
+        first, second = _kernels()
+        first[(batch, slices)](logits, part_m, part_s, part_a, scale, vocab, logits.stride(0), SLICE=SLICE, PAD=pad)
+        second[(batch,)](
+            logits, u, part_m, part_s, part_a, out[0], out[1], lse, scale, vocab, logits.stride(0), slices,
+            SLICE=SLICE, CHUNK=CHUNK, PAD=pad, num_warps=4,
+        )  # fmt: skip
+    return out[0], out[1], lse

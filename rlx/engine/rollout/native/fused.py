@@ -2,7 +2,8 @@
 
 A decode step reads every weight once for a few hundred tokens at most, so its time goes to the count of kernels
 (about 15 a layer through the Hugging Face layer) more than to their work. Here the query, key and value
-projections are one GEMM over one [q; k; v] weight, the gate and up projections one GEMM over [gate; up], and a
+projections are one GEMM over one [q; k; v] weight, the gate and up projections one GEMM over [gate; up], the rotary
+positions are applied inside the attention kernel (with the cache write, on the GEMM's output as it lies), and a
 layer hands its residual stream to the next one, so the residual addition fuses with the next layer's norm.
 
 The merged weights cost no memory: `merge_projections` lays each layer's q/k/v (and gate/up) weights out as rows of
@@ -158,18 +159,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 def fused_layer_step(
     hidden: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: tuple,
     paged, dims: tuple[int, int, int], eps: float, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One decoder layer on a decode step's T tokens: (hidden [T, C], residual [T, C]; the previous layer's output
     is their sum: the embeddings and zeros for the first layer) -> (this layer's MLP output, the residual stream
-    before it)."""
+    before it). cos, sin [T, D]: the rotary positions, applied inside the attention op with the cache write."""
     ln1, ln2, qkv_w, qkv_b, o_w, o_b, gu_w, gu_b, down_w, down_b, q_norm, k_norm = weights
     heads, kv_heads, dim = dims
     residual = residual + hidden
@@ -178,11 +174,9 @@ def fused_layer_step(
     q, k, v = q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
     if q_norm is not None:
         q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    cache = paged.k_cache.dtype
-    attn = torch.ops.rlx.paged_decode(  # runner.py's custom op (the cache write and decode attention)
-        q.to(cache), k.to(cache), v.to(cache).contiguous(), paged.k_cache, paged.v_cache, paged.slot_mapping,
-        paged.block_tables, paged.context_lens, scale, paged.impl,
+    attn = torch.ops.rlx.paged_decode(  # runner.py's custom op: rotary, the cache write and decode attention
+        q, k, v, paged.k_cache, paged.v_cache, paged.slot_mapping, paged.block_tables, paged.context_lens, scale,
+        paged.impl, cos, sin,
     )  # fmt: skip
     residual = residual + F.linear(attn.reshape(-1, heads * dim).to(o_w.dtype), o_w, o_b)
     gate, up = F.linear(_rms_norm(residual, ln2, eps), gu_w, gu_b).chunk(2, dim=-1)

@@ -71,17 +71,19 @@ class PagedContext:
     "rlx::paged_decode",
     mutates_args=("k_cache", "v_cache"),
     schema="(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-    "Tensor block_tables, Tensor context_lens, float scale, str impl) -> Tensor",
+    "Tensor block_tables, Tensor context_lens, float scale, str impl, Tensor? cos=None, Tensor? sin=None) -> Tensor",
 )
-def paged_decode(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale, impl):
-    """Write the step's keys/values, then decode attention: one opaque op, so torch.compile fuses around it."""
+def paged_decode(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale, impl, cos=None, sin=None):
+    """Write the step's keys/values, then decode attention: one opaque op, so torch.compile fuses around it. With
+    cos and sin [T, D], q and k are rotated first (inside the kernel: fused.py's decode layer)."""
+    rope = None if cos is None else (cos, sin)
     return paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale, (k, v, slot_mapping), impl=impl
+        q, k_cache, v_cache, block_tables, context_lens, scale, (k, v, slot_mapping), impl=impl, rope=rope
     )
 
 
 @paged_decode.register_fake
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale, impl):
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale, impl, cos=None, sin=None):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -290,7 +292,7 @@ class ModelRunner:
         """A decode step through the merged projections (fused.py): hidden [T, C] -> logits [len(keep), V]."""
         _, _, _, norm, head = self.parts
         layer_step, head_step = _compiled_fused() if self.compiled else (fused_layer_step, fused_head_step)
-        cos, sin = (t[0].unsqueeze(1) for t in rope)  # [T, 1, D]
+        cos, sin = (t[0] for t in rope)  # [T, D]
         residual = torch.zeros_like(hidden)  # a tensor for every layer: one compiled graph serves them all
         for i, weights in enumerate(self.fused):
             hidden, residual = layer_step(
