@@ -139,8 +139,9 @@ def test_dispatch():
 
 def rope_error(kernel, device="cpu", dtype=torch.float32, **kwargs) -> float:
     """Largest difference between `kernel` and the PyTorch path, given q, k and v as views of one projection's
-    output [B, (H + 2 Hkv) D] and rotary positions (rope): the caches written the same (within float32
-    rounding), the outputs alike, unsplit and split in 2."""
+    output [B, (H + 2 Hkv) D] (k also as a tensor of its own, as after Qwen3's key norm: other strides than v's)
+    and rotary positions (rope): the caches written the same (within float32 rounding), the outputs alike,
+    unsplit and split in 2."""
     q, kc, vc, tables, ctx = make_problem([6, 13, 1, 30], 4, 2, 32, 4, dtype=dtype)
     q, kc, vc, tables, ctx = (t.to(device) for t in (q, kc, vc, tables, ctx))
     qkv = torch.randn(4, (4 + 2 * 2) * 32, generator=torch.Generator().manual_seed(1)).to(device, dtype)
@@ -151,9 +152,10 @@ def rope_error(kernel, device="cpu", dtype=torch.float32, **kwargs) -> float:
     kc2, vc2 = kc.clone(), vc.clone()
     want = paged_decode_attention(q, kc2, vc2, tables, ctx, 0.2, new_kv=(k, v, slots), impl="torch", rope=(cos, sin))
     worst = 0.0
-    for splits in (1, 2):
+    for splits, keys in ((1, k), (2, k), (1, k.contiguous())):
         kc3, vc3 = kc.clone(), vc.clone()
-        got = kernel(q, kc3, vc3, tables, ctx, 0.2, new_kv=(k, v, slots), num_splits=splits, rope=(cos, sin), **kwargs)
+        new_kv = (keys, v, slots)
+        got = kernel(q, kc3, vc3, tables, ctx, 0.2, new_kv=new_kv, num_splits=splits, rope=(cos, sin), **kwargs)
         worst = max(worst, *((a.float() - b.float()).abs().max().item() for a, b in ((kc3, kc2), (vc3, vc2))))
         worst = max(worst, (got.float() - want.float()).abs().max().item())
     return worst
