@@ -116,6 +116,7 @@ def paged_decode_attention_triton(
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     num_splits: int | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton kernel; same arguments, result and masking as `paged_decode_attention_torch`, without a device sync.
 
@@ -126,6 +127,7 @@ def paged_decode_attention_triton(
     write each sequence's new key and value first, in the same kernel (`write_kv` for one token a sequence).
     num_splits: flash-decoding splits of each context (a second kernel combines them); default by occupancy.
     rope = (cos, sin [B, D]): rotate q and the new keys first (`rotate`), in float32 inside the kernel.
+    num_stages: Triton's software pipelining depth of the token loop (tuning; default Triton's).
     Runs on CUDA, or on the CPU under TRITON_INTERPRET=1.
     """
     group = _check_shapes(q, k_cache, v_cache, block_tables)
@@ -164,7 +166,7 @@ def paged_decode_attention_triton(
         IEEE=k_cache.dtype == torch.float32,  # float32 caches: exact fp32 dots, not TF32
         INTERPRET_TOKENS=capacity if os.environ.get("TRITON_INTERPRET") == "1" else 0,
         WRITE_KV=new_kv is not None, ROPE=rope is not None, NUM_SPLITS=splits, PARTITION=partition,
-        num_warps=num_warps or 4,
+        num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}),
     )  # fmt: skip
     if splits > 1:
         reduce[(batch, kv_heads)](
