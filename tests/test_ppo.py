@@ -183,6 +183,23 @@ main()
 """
 
 
+def test_snapshot_buffers_are_pinned_ahead_only_for_the_layout_that_copies_them(monkeypatch):
+    """The first checkpoint's host buffers are reserved for trainers whose state the default layout copies
+    (`snapshot_state`); a backend with a layout of its own (megatron's stages) reserves nothing."""
+    from types import SimpleNamespace
+
+    from rlx.engine.ppo import loop
+
+    reserved, submitted = [], []
+    monkeypatch.setattr(loop, "reserve", lambda shapes, tag: reserved.append(tag) or 0)
+    trainer = SimpleNamespace(snapshot_layout=lambda: [({"w": ((2, 3), torch.float32)}, "actor/weights")])
+    writer = SimpleNamespace(submit=lambda job: submitted.append(job) or job())
+    for backend in ("fsdp", "megatron"):
+        run = SimpleNamespace(backend=SimpleNamespace(name=backend), trainer=trainer, critic=None, writer=writer)
+        loop.PPORun._reserve_snapshot_buffers(run)
+    assert len(submitted) == 1 and reserved == ["actor/weights"]
+
+
 def test_a_kill_during_a_background_checkpoint_write_resumes_bit_exactly(tmp_path, monkeypatch):
     """Checkpoint files are written by a background thread while the next step runs; a kill -9 in the middle of
     step 4's write leaves no step_000004, and --resume from step 2's gives the uninterrupted run's weights and

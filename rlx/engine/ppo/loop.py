@@ -25,6 +25,7 @@ from rlx.config import to_dict
 from rlx.engine.agent.generate import generate_multi_turn
 from rlx.engine.backends.base import Degrees
 from rlx.engine.backends.registry import backend_class
+from rlx.engine.checkpoints import catalog
 from rlx.engine.checkpoints.base import CheckpointPart
 from rlx.engine.checkpoints.loading import CheckpointWeights
 from rlx.engine.checkpoints.meta import CheckpointMeta, provenance
@@ -319,9 +320,13 @@ class PPORun:
 
     def _reserve_snapshot_buffers(self) -> None:
         """Pin the host buffers of the first checkpoint's snapshots on the writer thread while the next steps run (that
-        checkpoint's step otherwise pinned them itself: 6 GB for the 0.5B bench, 1.8-4 s on an H100's host)."""
+        checkpoint's step otherwise pinned them itself: 6 GB for the 0.5B bench, 1.8-4 s on an H100's host). Only the
+        default layout copies the trainers' live tensors (`snapshot_state`); a backend's own layout (megatron's
+        stages) writes its state otherwise, and pinned buffers would sit unused."""
+        if layout_for_backend(self.backend.name).name != catalog.DEFAULT:
+            return
         trainers = [t for t in (self.trainer, self.critic) if t is not None]
-        layouts = [x for t in trainers for x in getattr(t, "snapshot_layout", list)()]
+        layouts = [x for t in trainers for x in t.snapshot_layout()]
         if layouts:
             self.writer.submit(lambda: [reserve(shapes, tag) for shapes, tag in layouts])
 
