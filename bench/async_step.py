@@ -41,7 +41,7 @@ MODES = {"sync": None, "async1": 1, "async2": 2}
 
 def capped_token_requests(short: int, long: int, every: int):
     """rlx's token_requests with a per-sample cap: `long` for one sample id in `every` (by hash), else `short`."""
-    from rlx.engine.rollout import requests
+    from rlx.rollout import requests
 
     original = requests.token_requests
 
@@ -59,8 +59,8 @@ def worker(argv: list[str]) -> None:
     """Inside torchrun: cap the lengths, then `rlx ppo ARGV`."""
     short, long, every = (int(os.environ[k]) for k in ("BENCH_SHORT", "BENCH_LONG", "BENCH_EVERY"))
     wrapped = capped_token_requests(short, long, every)
-    import rlx.engine.ppo.async_rollout as async_rollout
-    import rlx.engine.rollout.base as base
+    import rlx.ppo.async_rollout as async_rollout
+    import rlx.rollout.base as base
 
     base.token_requests = async_rollout.token_requests = wrapped
     from rlx.cli import main

@@ -80,10 +80,10 @@ def forward_costs(model, batch: int, context: int, device: torch.device) -> tupl
 
 def engine_rollout(lora: torch.nn.Module, mode: str, args, device: torch.device, dtype: torch.dtype) -> dict:
     """Steps of (adapters change, wake, generate, sleep) of the native engine in `mode`: median seconds, tokens/s."""
-    from rlx.engine.parallel.dist import DistContext
-    from rlx.engine.records import PromptRecord
-    from rlx.engine.rollout.base import ModuleWeights, build_engine
-    from rlx.engine.rollout.config import RolloutConfig
+    from rlx.formats.records import PromptRecord
+    from rlx.parallel.dist import DistContext
+    from rlx.rollout.base import ModuleWeights, build_engine
+    from rlx.rollout.config import RolloutConfig
 
     precision = "bfloat16" if dtype == torch.bfloat16 else "float32"
     cfg = RolloutConfig(

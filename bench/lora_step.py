@@ -43,13 +43,13 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.train_step import QWEN2_05B, SMALL, build_batch, build_model, sync, timed_steps  # noqa: E402
-from rlx.engine.checkpoints.lora_base import lora_spec  # noqa: E402
-from rlx.engine.logprobs import ModuleScorer  # noqa: E402
-from rlx.engine.parallel.dist import setup, teardown  # noqa: E402
-from rlx.engine.rollout.native.replica import build_replica, fill_merged_replica, fill_replica  # noqa: E402
-from rlx.engine.training.actor import ActorTrainer  # noqa: E402
-from rlx.engine.training.config import TrainConfig  # noqa: E402
+from rlx.checkpoints.lora_base import lora_spec  # noqa: E402
+from rlx.logprobs import ModuleScorer  # noqa: E402
 from rlx.models.lora_config import LoraConfig  # noqa: E402
+from rlx.parallel.dist import setup, teardown  # noqa: E402
+from rlx.rollout.native.replica import build_replica, fill_merged_replica, fill_replica  # noqa: E402
+from rlx.training.actor import ActorTrainer  # noqa: E402
+from rlx.training.config import TrainConfig  # noqa: E402
 
 SHAPES = {
     "0.5B": QWEN2_05B,
@@ -115,9 +115,9 @@ def vllm_sync(trainer, ctx, args) -> float | None:
         import vllm  # noqa: F401
     except ImportError:
         return None
-    from rlx.engine.rollout.base import build_engine
-    from rlx.engine.rollout.config import RolloutConfig
     from rlx.models.tiny import build_char_tokenizer
+    from rlx.rollout.base import build_engine
+    from rlx.rollout.config import RolloutConfig
 
     cfg = RolloutConfig(engine="vllm", gpu_memory_utilization=args.vllm_memory, kv_cache_gib=1.0, max_model_len=4096)
     engine = build_engine(cfg, trainer.module, build_char_tokenizer(), ctx)

@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_step import build_batch, profile, summarize, timed_steps, useful_flops  # noqa: E402
 
-from rlx.engine import flops as F  # noqa: E402
-from rlx.engine.parallel.dist import setup, teardown  # noqa: E402
-from rlx.engine.training.actor import ActorTrainer  # noqa: E402
-from rlx.engine.training.config import TrainConfig  # noqa: E402
+from rlx.observe import flops as F  # noqa: E402
+from rlx.parallel.dist import setup, teardown  # noqa: E402
+from rlx.training.actor import ActorTrainer  # noqa: E402
+from rlx.training.config import TrainConfig  # noqa: E402
 
 LLAMA_1B = dict(
     hidden_size=2048,
@@ -91,9 +91,9 @@ def run_fsdp(args, shape, batch, ctx, dtype) -> dict:
 
 
 def run_megatron(args, shape, batch, ctx, dtype) -> dict:
-    from rlx.engine.megatron.parallel import setup_megatron
-    from rlx.engine.megatron.stage import load_stage
-    from rlx.engine.megatron.trainer import MegatronActorTrainer
+    from rlx.backends.megatron.parallel import setup_megatron
+    from rlx.backends.megatron.stage import load_stage
+    from rlx.backends.megatron.trainer import MegatronActorTrainer
     from rlx.models.loading import tied_keys
     from rlx.models.megatron.convert import hf_to_megatron_shard
 

@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlx.engine.agent.config import AgentConfig
-from rlx.engine.agent.driver import EnvRollout
-from rlx.engine.parallel.dist import DistContext
-from rlx.engine.records import PromptRecord
-from rlx.engine.rollout.base import build_engine
-from rlx.engine.rollout.config import RolloutConfig
+from rlx.agent.driver import EnvRollout
+from rlx.formats.records import PromptRecord
 from rlx.models.tiny import SPECIAL_TOKENS
 from rlx.models.tiny_chat import MARKUP_TOKENS, build_chat_tokenizer, tiny_chat_config
+from rlx.parallel.dist import DistContext
+from rlx.rollout.agent_config import AgentConfig
+from rlx.rollout.base import build_engine
+from rlx.rollout.config import RolloutConfig
 from rlx.utils.device import resolve_device
 
 ENV = """

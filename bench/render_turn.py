@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from rlx.engine.agent.trajectory import ChatRenderer
+from rlx.chat.trajectory import ChatRenderer
 from rlx.models.tiny_chat import build_chat_tokenizer
 from rlx.tasks.calculator import CalculatorEnv
 

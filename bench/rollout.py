@@ -38,11 +38,11 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.train_step import QWEN2_05B  # noqa: E402 (the same Qwen2-0.5B shape as the train-step benchmark)
-from rlx.engine.parallel.dist import setup  # noqa: E402
-from rlx.engine.records import PromptRecord  # noqa: E402
-from rlx.engine.rollout.base import build_engine  # noqa: E402
-from rlx.engine.rollout.config import RolloutConfig  # noqa: E402
+from rlx.formats.records import PromptRecord  # noqa: E402
 from rlx.models.tiny import build_char_tokenizer  # noqa: E402
+from rlx.parallel.dist import setup  # noqa: E402
+from rlx.rollout.base import build_engine  # noqa: E402
+from rlx.rollout.config import RolloutConfig  # noqa: E402
 
 SMOLLM2_SHAPE = dict(
     hidden_size=576,
@@ -71,7 +71,7 @@ def load(name: str, small: bool):
         if name == "qwen2-0.5b":
             return Qwen2ForCausalLM(Qwen2Config(**(SMALL if small else QWEN2_05B), **ids)), tokenizer
         return LlamaForCausalLM(LlamaConfig(**(SMALL if small else SMOLLM2_SHAPE), **ids)), tokenizer
-    from rlx.engine.checkpoints.loading import load_model
+    from rlx.checkpoints.loading import load_model
     from rlx.models.loading import load_tokenizer, resolve_source
 
     source = resolve_source(SMOLLM2 if name == "smollm2-135m" else name)

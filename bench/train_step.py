@@ -37,11 +37,11 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlx.engine import flops as F  # noqa: E402
-from rlx.engine.batch import BatchMeta, TrainBatch  # noqa: E402
-from rlx.engine.parallel.dist import setup, teardown  # noqa: E402
-from rlx.engine.training.actor import ActorTrainer  # noqa: E402
-from rlx.engine.training.config import TrainConfig  # noqa: E402
+from rlx.formats.batch import BatchMeta, TrainBatch  # noqa: E402
+from rlx.observe import flops as F  # noqa: E402
+from rlx.parallel.dist import setup, teardown  # noqa: E402
+from rlx.training.actor import ActorTrainer  # noqa: E402
+from rlx.training.config import TrainConfig  # noqa: E402
 
 QWEN2_05B = dict(
     hidden_size=896,

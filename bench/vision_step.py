@@ -109,13 +109,13 @@ def time_call(fn, device) -> float:
 
 def rlx_rollout(ckpt: Path, prompts: Path, args, device, engine: str) -> tuple[dict, list]:
     """(tokens/s of the second generate call, its records) of one rlx engine."""
-    from rlx.engine.checkpoints.loading import load_model, load_processor
-    from rlx.engine.parallel.dist import DistContext
-    from rlx.engine.records import read_prompts
-    from rlx.engine.rollout.base import build_engine
-    from rlx.engine.rollout.config import RolloutConfig
-    from rlx.engine.rollout.registry import engine_class
+    from rlx.checkpoints.loading import load_model, load_processor
+    from rlx.formats.records import read_prompts
     from rlx.models.loading import load_tokenizer, resolve_source
+    from rlx.parallel.dist import DistContext
+    from rlx.rollout.base import build_engine
+    from rlx.rollout.config import RolloutConfig
+    from rlx.rollout.registry import engine_class
 
     cfg = RolloutConfig(engine=engine, n=args.n, max_new_tokens=args.max_new_tokens, batch_size=args.prompts * args.n,
                         device=device.type, seed=1)  # fmt: skip
@@ -145,8 +145,8 @@ def padded_prompts(processor, records, rows: range, device, dtype):
 
 def hf_generate(ckpt: Path, prompts: Path, args, device, dtype) -> dict:
     """transformers' `generate` on padded batches of --baseline-rows prompts, each sampled n times."""
-    from rlx.engine.checkpoints.loading import load_model, load_processor
-    from rlx.engine.records import read_prompts
+    from rlx.checkpoints.loading import load_model, load_processor
+    from rlx.formats.records import read_prompts
     from rlx.models.loading import resolve_source
 
     source = resolve_source(str(ckpt))
@@ -172,13 +172,13 @@ def hf_generate(ckpt: Path, prompts: Path, args, device, dtype) -> dict:
 def rlx_train(ckpt: Path, batch_path: Path, args, device, fast_path: bool = False) -> dict:
     """Median `ActorTrainer.train_step` time (the code `rlx train-step` runs) over --steps steps after a warm-up;
     `fast_path`: as `rlx ppo` trains on CUDA (compiled decoder layers, micro-batches of --train-budget tokens)."""
-    from rlx.engine.backends.registry import backend_for_checkpoint, checkpoint_degrees
-    from rlx.engine.batch import TrainBatch
-    from rlx.engine.checkpoints.loading import load_processor
-    from rlx.engine.checkpoints.registry import check_complete
-    from rlx.engine.training.config import TrainConfig
+    from rlx.backends.registry import backend_for_checkpoint, checkpoint_degrees
+    from rlx.checkpoints.loading import load_processor
+    from rlx.checkpoints.registry import check_complete
+    from rlx.formats.batch import TrainBatch
     from rlx.models.loading import load_config, resolve_source
     from rlx.models.vision.config import VisionConfig
+    from rlx.training.config import TrainConfig
 
     fast = dict(compile=True, max_tokens_per_micro_batch=args.train_budget) if fast_path else {}
     cfg = TrainConfig(lr=1e-6, micro_batch_size=args.baseline_rows, use_packing=True, device=device.type,
@@ -206,14 +206,14 @@ def rlx_train(ckpt: Path, batch_path: Path, args, device, fast_path: bool = Fals
 def rlx_score(ckpt: Path, rollouts_path: Path, args, device, dtype, packed: bool) -> dict:
     """Median time of the old-logprob forward `rlx score` runs over the rollouts with their images: packed rows of
     --score-budget tokens (the fast path's default), or padded micro-batches of --baseline-rows rows."""
-    from rlx.engine.batch import collate
-    from rlx.engine.checkpoints.loading import load_model, load_processor
-    from rlx.engine.logprobs import ModuleScorer
-    from rlx.engine.parallel.dist import DistContext
-    from rlx.engine.records import read_rollouts
-    from rlx.engine.vision import rollout_images
+    from rlx.checkpoints.loading import load_model, load_processor
+    from rlx.formats.batch import collate
+    from rlx.formats.images import rollout_images
+    from rlx.formats.records import read_rollouts
+    from rlx.logprobs import ModuleScorer
     from rlx.models.loading import load_config, resolve_source
     from rlx.models.vision.config import VisionConfig
+    from rlx.parallel.dist import DistContext
 
     source = resolve_source(str(ckpt), "checkpoint")
     rollouts = read_rollouts(rollouts_path)
@@ -235,8 +235,8 @@ def rlx_score(ckpt: Path, rollouts_path: Path, args, device, dtype, packed: bool
 
 def hf_train(ckpt: Path, batch_path: Path, args, device, dtype) -> dict:
     """The same samples as padded micro-batches through transformers' own forward, backward, clip and AdamW."""
-    from rlx.engine.batch import TrainBatch
-    from rlx.engine.checkpoints.loading import load_model, load_processor
+    from rlx.checkpoints.loading import load_model, load_processor
+    from rlx.formats.batch import TrainBatch
     from rlx.models.loading import load_config, resolve_source
     from rlx.models.vision.families import freeze_vision_tower
 
@@ -309,7 +309,7 @@ def main() -> None:
         if not args.no_generate_baselines:
             report(results, "rollout_hf_engine", rlx_rollout(root / "ckpt", prompts, args, device, "hf")[0])
             report(results, "rollout_transformers_generate", hf_generate(root / "ckpt", prompts, args, device, dtype))
-        from rlx.engine.records import write_records
+        from rlx.formats.records import write_records
 
         write_records(root / "rollouts.jsonl", records)
         (root / "reward.py").write_text(LENGTH_REWARD)

@@ -73,7 +73,7 @@ def main() -> None:
         code = 0
     launched = "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ
     if launched and "torch.distributed" in sys.modules:  # see exit_process: no finalization after gloo
-        from rlx.engine.parallel.dist import exit_process
+        from rlx.parallel.dist import exit_process
 
         if not isinstance(code, int):
             if code is not None:

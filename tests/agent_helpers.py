@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlx.engine.records import PromptRecord
+from rlx.formats.records import PromptRecord
 from rlx.models.tiny import SPECIAL_TOKENS
 from rlx.models.tiny_chat import MARKUP_TOKENS, build_chat_tokenizer, tiny_chat_config
 
@@ -67,7 +67,7 @@ def bigram_chat_model(script: str, style: str | None = "qwen2.5", extra_tokens: 
 
 def token_engine(model, tokenizer, engine: str = "hf", **settings):
     """A rollout engine (`engine`: hf, native) around the model in this process: its token-level call."""
-    from rlx.engine.rollout.config import RolloutConfig
+    from rlx.rollout.config import RolloutConfig
     from tests.conftest import make_engine
 
     return make_engine(model, tokenizer, RolloutConfig(engine=engine, **settings))

@@ -75,8 +75,8 @@ def torchrun(n: int, *args, timeout: int = 600) -> subprocess.CompletedProcess:
 
 def make_engine(model, tokenizer, cfg, device: torch.device | str = "cpu"):
     """The rollout engine `cfg.engine` around `model` in this process (no process group)."""
-    from rlx.engine.parallel.dist import DistContext
-    from rlx.engine.rollout.base import build_engine
+    from rlx.parallel.dist import DistContext
+    from rlx.rollout.base import build_engine
 
     return build_engine(cfg, model, tokenizer, DistContext(device=torch.device(device)))
 

@@ -18,18 +18,18 @@ from agent_helpers import (
     token_engine,
 )
 
+from rlx.agent.driver import EnvRollout
+from rlx.agent.environment import EnvironmentFactory
+from rlx.chat.tool_calls import get_tool_call_parser, parse_qwen, tool_error_messages
+from rlx.chat.trajectory import ChatRenderer, Trajectory
 from rlx.config import ConfigError, from_dict
-from rlx.engine.agent.config import AgentConfig
-from rlx.engine.agent.driver import EnvRollout
-from rlx.engine.agent.environment import EnvironmentFactory
-from rlx.engine.agent.tool_calls import get_tool_call_parser, parse_qwen, tool_error_messages
-from rlx.engine.agent.trajectory import ChatRenderer, Trajectory
-from rlx.engine.records import PromptRecord
-from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.requests import TokenRequest
-from rlx.engine.scoring.rewards import RewardFunctions
 from rlx.errors import UserError
+from rlx.formats.records import PromptRecord
 from rlx.models.tiny_chat import build_chat_tokenizer
+from rlx.rollout.agent_config import AgentConfig
+from rlx.rollout.config import RolloutConfig
+from rlx.rollout.requests import TokenRequest
+from rlx.scoring.rewards import RewardFunctions
 from rlx.tasks import calculator
 from tests.conftest import cli, cli_ok
 

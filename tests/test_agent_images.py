@@ -25,20 +25,20 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 
-from rlx.engine.agent.agents import AgentRollout
-from rlx.engine.agent.backend import StreamBackend
-from rlx.engine.agent.config import AgentConfig
-from rlx.engine.agent.driver import EnvRollout
-from rlx.engine.agent.generate import refuse_images
-from rlx.engine.agent.serve import run_serve
-from rlx.engine.agent.server import AgentServer
-from rlx.engine.parallel.dist import DistContext
-from rlx.engine.rollout.base import build_engine
-from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.registry import engine_class
+from rlx.agent.agents import AgentRollout
+from rlx.agent.driver import EnvRollout
+from rlx.agent.generate import refuse_images
 from rlx.errors import UserError
 from rlx.models.vision.images import data_uri
 from rlx.models.vision.tiny import build_tiny_vision_model, write_tiny_vision_model_dir
+from rlx.parallel.dist import DistContext
+from rlx.rollout.agent_config import AgentConfig
+from rlx.rollout.base import build_engine
+from rlx.rollout.config import RolloutConfig
+from rlx.rollout.registry import engine_class
+from rlx.serve.server import AgentServer
+from rlx.serve.stream import StreamBackend
+from rlx.stages.serve import run_serve
 from tests.conftest import cli_ok, read_jsonl, write_jsonl
 from tests.test_multi_turn_images import STOPS, image_prompts, whole_sequence_logprobs
 

@@ -13,12 +13,12 @@ import statistics
 import pytest
 import torch
 
-from rlx.engine.algorithms import losses
-from rlx.engine.algorithms.advantages import ESTIMATORS, AdvantageInputs, compute_advantages
-from rlx.engine.algorithms.core import group_rows, masked_mean, masked_sum, masked_var, masked_whiten
-from rlx.engine.algorithms.kl import adaptive_kl_coef, kl_estimate
-from rlx.engine.algorithms.losses import AGG_MODES, LossNorm, PolicyLossParams, aggregate, compute_policy_loss
-from rlx.engine.algorithms.rollout_correction import RolloutCorrection, correct, mismatch_metrics
+from rlx.algorithms import losses
+from rlx.algorithms.advantages import ESTIMATORS, AdvantageInputs, compute_advantages
+from rlx.algorithms.core import group_rows, masked_mean, masked_sum, masked_var, masked_whiten
+from rlx.algorithms.kl import adaptive_kl_coef, kl_estimate
+from rlx.algorithms.losses import AGG_MODES, LossNorm, PolicyLossParams, aggregate, compute_policy_loss
+from rlx.algorithms.rollout_correction import RolloutCorrection, correct, mismatch_metrics
 
 F64 = torch.float64
 EPS = 1e-6

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from rlx.engine.evaluation import EVAL_FILE
-from rlx.engine.parallel.roles import check_split
 from rlx.errors import UserError
+from rlx.evaluation.evaluate import EVAL_FILE
+from rlx.parallel.roles import check_split
 from tests.conftest import REPO, cli, cli_ok, max_diff, read_jsonl, run_torchrun
 from tests.test_ppo import assert_same_weights
 
@@ -430,8 +430,8 @@ def test_dynamic_sampling_keeps_the_first_groups_in_batch_then_rank_order():
     (batch, rank) order are kept, and the merged shares come back batch by batch, rank by rank."""
     import torch
 
-    from rlx.engine.ppo.dynamic_sampling import kept_groups, merge_kept
-    from rlx.engine.scoring.score import Rewards
+    from rlx.ppo.dynamic_sampling import kept_groups, merge_kept
+    from rlx.scoring.score import Rewards
 
     counts = [[1, 0], [2, 3], [4, 4]]  # want 5: 1 + 0, then 2 of rank 0 and 2 of rank 1's 3; batch 3 not reached
     assert [kept_groups(counts, r, 5) for r in (0, 1)] == [3, 2]
@@ -453,7 +453,7 @@ def test_dynamic_sampling_keeps_the_first_groups_in_batch_then_rank_order():
 def test_runs_of_tokens_per_policy():
     """How a sample's updates become its record's policy_versions: an update before any new token replaces the
     run it would start, one after the last token is dropped."""
-    from rlx.engine.ppo.async_rollout import _token_runs
+    from rlx.ppo.async_rollout import _token_runs
 
     assert _token_runs([[0, 3]], 5) == [[0, 3]]
     assert _token_runs([[0, 3], [0, 4], [2, 5], [2, 6], [5, 7]], 5) == [[0, 4], [2, 6]]
@@ -466,9 +466,9 @@ def test_bench_async_step_arguments_and_length_caps():
     sys.path.insert(0, str(REPO / "bench"))
     import async_step
 
-    from rlx.engine.records import PromptRecord
-    from rlx.engine.rollout.config import RolloutConfig
-    from rlx.engine.rollout.requests import Request
+    from rlx.formats.records import PromptRecord
+    from rlx.rollout.config import RolloutConfig
+    from rlx.rollout.requests import Request
 
     args = async_step.parse_args(["--modes", "sync,async2", "--steps", "3"])
     assert args.modes == "sync,async2" and args.long_len == 2048 and args.short_len == 256

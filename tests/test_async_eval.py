@@ -1,4 +1,4 @@
-"""[eval] inside an asynchronous rollout rank's open stream (rlx/engine/ppo/async_eval.py): eval samples batched next
+"""[eval] inside an asynchronous rollout rank's open stream (rlx/ppo/async_eval.py): eval samples batched next
 to training samples come out exactly as `evaluate` makes them alone, on the hf and native engines."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from rlx.engine.checkpoints.loading import load_initial_policy
-from rlx.engine.evaluation import EvalConfig, evaluate
-from rlx.engine.ppo.async_eval import StreamEval, is_eval_tag, shares_stream, stream_sampling
-from rlx.engine.records import read_prompts
-from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.requests import build_requests, token_requests
+from rlx.checkpoints.loading import load_initial_policy
+from rlx.evaluation.evaluate import EvalConfig, evaluate
+from rlx.formats.records import read_prompts
+from rlx.ppo.async_eval import StreamEval, is_eval_tag, shares_stream, stream_sampling
+from rlx.rollout.config import RolloutConfig
+from rlx.rollout.requests import build_requests, token_requests
 from tests.conftest import REPO, make_engine
 
 PROMPTS = REPO / "recipes" / "data" / "arith_quickstart.jsonl"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.engine.checkpoints.loading import load_initial_policy
+from rlx.checkpoints.loading import load_initial_policy
 from rlx.models.tiny import write_tiny_model_dir
 from tests.conftest import REPO, cli, read_jsonl, replayed_logprobs
 from tests.test_async import RECIPE as ASYNC_RECIPE

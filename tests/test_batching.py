@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from rlx.engine.parallel.batching import balanced_partition, count_micro_batches, token_budget_micro_batches
-from rlx.engine.parallel.dist import shard_range
+from rlx.parallel.batching import balanced_partition, count_micro_batches, token_budget_micro_batches
+from rlx.parallel.dist import shard_range
 
 
 @pytest.mark.parametrize("k", [2, 3, 4])

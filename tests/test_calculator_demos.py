@@ -157,7 +157,7 @@ def test_choice_demonstrations_call_either_tool_and_answer_with_its_reply(ops):
 def test_chat_demonstrations_open_with_the_system_message_and_write_the_call_as_text():
     """--style chat: the episode of a chat prompt, its call written as the assistant's text exactly as SYSTEM shows
     it (a template that drops tool_calls, SmolLM2's, still trains it), which the environment then answers."""
-    from rlx.engine.agent.tool_calls import parse_qwen
+    from rlx.chat.tool_calls import parse_qwen
 
     demos = calculator.generate_demonstrations(4, seed=1, digits=4, style="chat")
     for demo in demos:

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from rlx.engine.agent.template_shapes import probe_frame, shape_key
-from rlx.engine.agent.trajectory import _ANCHORS, ChatRenderer
+from rlx.chat.template_shapes import probe_frame, shape_key
+from rlx.chat.trajectory import _ANCHORS, ChatRenderer
 from rlx.errors import UserError
 from rlx.models.tiny_chat import build_chat_tokenizer
 from rlx.tasks.calculator import CalculatorEnv
@@ -184,7 +184,7 @@ def trained_tokenizer(pre_tokenizer):
 def test_token_cuts_split_the_ids_exactly(scheme):
     from tokenizers import AddedToken, pre_tokenizers
 
-    from rlx.engine.agent.token_cuts import TokenCuts
+    from rlx.chat.token_cuts import TokenCuts
 
     pre = pre_tokenizers.ByteLevel(add_prefix_space=True) if scheme == "byte-level" else None
     tokenizer = trained_tokenizer(pre or pre_tokenizers.Metaspace(prepend_scheme="first"))

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from rlx.config import ConfigError, apply_overrides, field_docs, from_dict, parse_override
-from rlx.engine.ppo.config import PPOConfig, load_recipe
-from rlx.engine.rollout.config import RolloutConfig
 from rlx.errors import UserError
+from rlx.ppo.config import PPOConfig, load_recipe
+from rlx.rollout.config import RolloutConfig
 from tests.conftest import REPO
 
 BASE = {"model": {"path": "m"}, "data": {"prompts": "p.jsonl"}}
@@ -86,9 +86,9 @@ def test_shipped_recipes_load():
 
 
 def test_every_config_field_has_a_docstring():
-    from rlx.engine.ppo.config import DataConfig, ModelConfig
-    from rlx.engine.scoring.config import ScoreConfig
-    from rlx.engine.training.config import TrainConfig
+    from rlx.ppo.config import DataConfig, ModelConfig
+    from rlx.scoring.config import ScoreConfig
+    from rlx.training.config import TrainConfig
 
     for cls in (PPOConfig, ModelConfig, DataConfig, RolloutConfig, ScoreConfig, TrainConfig):
         import dataclasses
@@ -100,8 +100,8 @@ def test_every_config_field_has_a_docstring():
 def test_the_fast_path_is_the_default_on_cuda_and_only_fills_what_the_recipe_leaves_out(tmp_path):
     """A pure function of the device type: on CUDA the native engine, packing, token budgets and compile; the
     recipe's own keys win; the CPU keeps the simple path; megatron gets no compile; a critic trains alike."""
-    from rlx.engine.ppo.config import load_recipe
-    from rlx.engine.ppo.defaults import fast_path_defaults
+    from rlx.ppo.config import load_recipe
+    from rlx.ppo.defaults import fast_path_defaults
 
     recipe = REPO / "recipes" / "quickstart.toml"
     cpu, cuda = load_recipe(recipe, [], "cpu"), load_recipe(recipe, [], "cuda")
@@ -119,8 +119,8 @@ def test_the_fast_path_is_the_default_on_cuda_and_only_fills_what_the_recipe_lea
 def test_the_fast_path_token_budget_shrinks_for_larger_models():
     """32,768 tokens per micro-batch for the 0.5B shape and smaller; a Qwen2-VL-2B-shaped model (its text config
     nested) gets fewer, read from its config.json (at 32,768 its train step ran out of an H100's memory)."""
-    from rlx.engine.ppo.config import load_recipe
-    from rlx.engine.ppo.defaults import micro_batch_token_budget
+    from rlx.ppo.config import load_recipe
+    from rlx.ppo.defaults import micro_batch_token_budget
 
     qwen05 = {"num_hidden_layers": 24, "hidden_size": 896, "intermediate_size": 4864}
     assert micro_batch_token_budget(qwen05) == micro_batch_token_budget(None) == 32768
@@ -136,7 +136,7 @@ def test_the_fast_path_token_budget_shrinks_for_larger_models():
 
 
 def test_async_recipes_correct_stale_samples_unless_the_recipe_says_otherwise():
-    from rlx.engine.ppo.config import load_recipe
+    from rlx.ppo.config import load_recipe
 
     recipe = REPO / "recipes" / "quickstart.toml"
     assert load_recipe(recipe, ["async.max_staleness=1"], "cpu").train.rollout_is == "token"

@@ -50,7 +50,7 @@ def test_npu_is_found_lazily_and_gets_hccl(tmp_path):
     code = """
         import sys
         import torch.distributed as dist
-        import rlx.cli, rlx.engine.parallel.dist as rd
+        import rlx.cli, rlx.parallel.dist as rd
         from rlx.utils.device import resolve_device
         assert "torch_npu" not in sys.modules
         seen = {}
@@ -71,7 +71,7 @@ def test_npu_is_found_lazily_and_gets_hccl(tmp_path):
 def test_without_torch_npu_npu_is_a_clear_error_and_cpu_gets_gloo(tmp_path):
     code = """
         from rlx.utils.device import resolve_device
-        from rlx.engine.parallel.dist import BACKENDS
+        from rlx.parallel.dist import BACKENDS
         from rlx.errors import UserError
         assert resolve_device("auto").type == "cpu" and BACKENDS["cpu"] == "gloo" and BACKENDS["cuda"] == "nccl"
         try:
@@ -93,7 +93,7 @@ def test_collective_timeout_is_a_one_line_error(tmp_path):
             import sys, time
             import typer
             from rlx.commands._common import reporting
-            from rlx.engine.parallel.dist import barrier, setup
+            from rlx.parallel.dist import barrier, setup
 
             try:
                 with reporting("test"):
@@ -122,7 +122,7 @@ def test_collective_timeout_is_a_one_line_error(tmp_path):
 @pytest.mark.parametrize("value", ["0", "soon"])
 def test_bad_timeout_setting_is_named(tmp_path, value):
     code = """
-        from rlx.engine.parallel.dist import setup
+        from rlx.parallel.dist import setup
         from rlx.errors import UserError
         try:
             setup("cpu")

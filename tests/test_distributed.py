@@ -121,7 +121,7 @@ def test_four_ranks_with_token_budget(tmp_path, tiny_ckpt, batch, single):
 
 def test_rollout_and_score_split_across_ranks(tmp_path, tiny_ckpt, prompts_file):
     """Each rank samples and scores its share; rank 0 writes files equal to a single process's."""
-    from rlx.engine.batch import TrainBatch
+    from rlx.formats.batch import TrainBatch
 
     args = ["--num-samples", "3", "--num-prompts", "5", "--max-new-tokens", "4", "--batch-size", "4"]
     cli_ok("rollout", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "r1.jsonl", *args)

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from rlx.engine.evaluation import EvalSample, eval_metrics, group_metrics, k_values, pass_at_k
-from rlx.engine.scoring.rules import arith
+from rlx.evaluation.evaluate import EvalSample, eval_metrics, group_metrics, k_values, pass_at_k
+from rlx.scoring.rules import arith
 from tests.conftest import cli, cli_ok, read_jsonl, write_jsonl
 
 

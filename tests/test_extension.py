@@ -7,21 +7,21 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlx.engine.backends import registry as backends
-from rlx.engine.backends.base import Degrees, TrainingBackend
-from rlx.engine.checkpoints import registry as layouts
-from rlx.engine.checkpoints.base import Layout
-from rlx.engine.checkpoints.files import write_aux
-from rlx.engine.checkpoints.loading import load_model
-from rlx.engine.checkpoints.registry import read_full_optimizer
-from rlx.engine.logprobs import ModuleScorer
-from rlx.engine.parallel.dist import DistContext
-from rlx.engine.rollout import registry as engines
-from rlx.engine.rollout.base import LocalGeneration, RolloutEngine
-from rlx.engine.rollout.requests import Generated
-from rlx.engine.training.actor import ActorTrainer
-from rlx.engine.training.critic import CriticTrainer
+from rlx.backends import registry as backends
+from rlx.backends.base import Degrees, TrainingBackend
+from rlx.checkpoints import registry as layouts
+from rlx.checkpoints.base import Layout
+from rlx.checkpoints.files import write_aux
+from rlx.checkpoints.loading import load_model
+from rlx.checkpoints.registry import read_full_optimizer
+from rlx.logprobs import ModuleScorer
 from rlx.models.loading import read_weights
+from rlx.parallel.dist import DistContext
+from rlx.rollout import registry as engines
+from rlx.rollout.base import LocalGeneration, RolloutEngine
+from rlx.rollout.requests import Generated
+from rlx.training.actor import ActorTrainer
+from rlx.training.critic import CriticTrainer
 from rlx.utils.io import atomic_dir
 from tests.conftest import REPO, cli_ok, read_jsonl, rollout_args
 

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from rlx.engine.batch import TrainBatch
-from rlx.engine.ppo.config import load_recipe
-from rlx.engine.ppo.loop import run_ppo
+from rlx.formats.batch import TrainBatch
 from rlx.models.loading import read_weights
 from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
+from rlx.ppo.config import load_recipe
+from rlx.ppo.loop import run_ppo
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, rollout_args, write_length_reward
 
 POLICY_LOSSES = ["ppo", "gspo", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean"]

@@ -8,7 +8,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rlx.engine.flops import (
+from rlx.errors import UserError
+from rlx.observe.flops import (
     attention_flops,
     causal_pairs,
     count_flops,
@@ -17,7 +18,6 @@ from rlx.engine.flops import (
     device_peak_flops,
     mfu,
 )
-from rlx.errors import UserError
 from tests.conftest import REPO
 
 TINY = {  # recipes/tiny-arith/config.json, the sizes that matter

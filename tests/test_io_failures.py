@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rlx.engine.data import take_prompts
-from rlx.engine.records import read_prompts
+from rlx.formats.data import take_prompts
+from rlx.formats.records import read_prompts
 from rlx.utils import files, io
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, rollout_args, write_jsonl
 

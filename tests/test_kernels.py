@@ -145,7 +145,7 @@ def test_triton_on_gpu(dtype, variant, monkeypatch):
 
 
 def _model_logprobs(model, impl, batch_seed=0):
-    from rlx.engine.logprobs import response_logprobs
+    from rlx.logprobs import response_logprobs
 
     g = torch.Generator().manual_seed(batch_seed)
     prompt = torch.randint(3, 19, (3, 4), generator=g)
@@ -182,7 +182,7 @@ VOCAB_PARALLEL = textwrap.dedent("""
         os.environ["TRITON_INTERPRET"] = "1"  # the Triton kernels on the CPU
     import torch, torch.distributed as dist
     sys.path.insert(0, {repo!r})
-    from rlx.engine.parallel.dist import exit_process
+    from rlx.parallel.dist import exit_process
     from rlx.kernels.logprob_entropy import naive_logprob_entropy, vocab_parallel_logprob_entropy
     from tests.test_kernels import problem, run
     dist.init_process_group("gloo")

@@ -13,13 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlx.config import from_dict
-from rlx.engine.batch import BatchMeta, TrainBatch
-from rlx.engine.logprobs import packed_response_logprobs, packed_response_values, response_logprobs, response_values
-from rlx.engine.parallel.fsdp import decoder_layers
-from rlx.engine.training.actor import ActorTrainer
-from rlx.engine.training.config import TrainConfig
-from rlx.engine.training.critic import CriticTrainer
 from rlx.errors import UserError
+from rlx.formats.batch import BatchMeta, TrainBatch
+from rlx.logprobs import packed_response_logprobs, packed_response_values, response_logprobs, response_values
 from rlx.models.attention import enable_packed_attention
 from rlx.models.loading import tied_keys
 from rlx.models.lora import adapters_disabled, apply_lora, hf_name, is_lora_model, trained_parameters
@@ -28,6 +24,10 @@ from rlx.models.lora_merge import merged_weights, refresh_merged_weights, save_p
 from rlx.models.lora_state import adapter_state, base_identity, check_base_identity, load_adapter_state
 from rlx.models.tiny import tiny_llama_config
 from rlx.models.value import build_value_model
+from rlx.parallel.fsdp import decoder_layers
+from rlx.training.actor import ActorTrainer
+from rlx.training.config import TrainConfig
+from rlx.training.critic import CriticTrainer
 from tests.conftest import REPO, run_torchrun
 from tests.test_packing import tiny_config
 
@@ -376,11 +376,11 @@ def test_critic_train_step_changes_adapters_and_head_only():
 FSDP_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {repo!r})
-    from rlx.engine.logprobs import packed_response_logprobs
-    from rlx.engine.parallel.dist import exit_process, setup
-    from rlx.engine.training.actor import ActorTrainer
-    from rlx.engine.training.config import TrainConfig
-    from rlx.engine.training.critic import CriticTrainer
+    from rlx.logprobs import packed_response_logprobs
+    from rlx.parallel.dist import exit_process, setup
+    from rlx.training.actor import ActorTrainer
+    from rlx.training.config import TrainConfig
+    from rlx.training.critic import CriticTrainer
     from rlx.models.lora import adapters_disabled
     from rlx.models.lora_merge import merged_weights
     from rlx.models.lora_state import adapter_state

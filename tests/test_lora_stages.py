@@ -19,18 +19,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.engine.batch import TrainBatch
-from rlx.engine.checkpoints.loading import load_model
-from rlx.engine.ppo.config import load_recipe
-from rlx.engine.ppo.loop import run_ppo
-from rlx.engine.records import PromptRecord
-from rlx.engine.rollout.base import ModuleWeights
-from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.requests import TokenRequest
+from rlx.checkpoints.loading import load_model
+from rlx.formats.batch import TrainBatch
+from rlx.formats.records import PromptRecord
 from rlx.models.loading import ModelSource, read_safetensors, read_weights
 from rlx.models.lora import apply_lora
 from rlx.models.lora_config import LoraConfig
 from rlx.models.tiny import build_char_tokenizer
+from rlx.ppo.config import load_recipe
+from rlx.ppo.loop import run_ppo
+from rlx.rollout.base import ModuleWeights
+from rlx.rollout.config import RolloutConfig
+from rlx.rollout.requests import TokenRequest
 from tests.conftest import REPO, cli, cli_ok, generate, make_engine, read_jsonl, rollout_args, torchrun
 from tests.test_ppo import stable
 
@@ -115,7 +115,7 @@ def test_train_step_continues_the_adapters_and_their_optimizer_state(run, tmp_pa
 
 
 def test_train_step_puts_fresh_adapters_on_a_full_checkpoint(run, tmp_path, prompts_file, monkeypatch):
-    from rlx.engine.scoring import run as scoring_run
+    from rlx.stages import score as scoring_run
 
     batch = run / "s1" / "batch.safetensors"
     cli_ok("train-step", "--checkpoint", run / "base0", "--batch", batch, "--out", tmp_path / "c", *LORA,
@@ -143,7 +143,7 @@ def test_zero_adapters_score_exactly_as_the_base(run, tmp_path):
 
 
 def test_the_reference_is_the_actor_with_its_adapters_off(run, tmp_path, monkeypatch):
-    from rlx.engine.scoring import run as scoring_run
+    from rlx.stages import score as scoring_run
 
     loads = []
     original = scoring_run._load
@@ -379,7 +379,7 @@ def test_lora_with_the_megatron_backend_is_refused(tmp_path):
 
 
 def test_a_backend_without_lora_says_so():
-    from rlx.engine.backends.base import TrainingBackend
+    from rlx.backends.base import TrainingBackend
     from rlx.errors import UserError
 
     class Plain(TrainingBackend):

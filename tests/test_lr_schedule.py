@@ -8,7 +8,7 @@ import math
 import pytest
 
 from rlx.config import ConfigError
-from rlx.engine.training.config import TrainConfig
+from rlx.training.config import TrainConfig
 from tests.conftest import REPO, cli_ok, read_jsonl
 
 
@@ -65,8 +65,8 @@ def test_schedule_settings_are_checked():
 
 
 def test_recipe_checks_the_run_is_longer_than_the_warm_up():
-    from rlx.engine.ppo.config import load_recipe
     from rlx.errors import UserError
+    from rlx.ppo.config import load_recipe
 
     recipe = REPO / "recipes" / "quickstart.toml"
     with pytest.raises(UserError, match="train.lr_decay_steps: decay over the run's 2 steps needs steps > warmup"):

@@ -33,13 +33,13 @@ WORKER = textwrap.dedent("""
     from types import SimpleNamespace
     sys.path.insert(0, {repo!r})
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, LlamaConfig, Qwen2Config
-    from rlx.engine.logprobs import PackedRows, packed_model_inputs, packed_response_logprobs, unpack_responses
-    from rlx.engine.megatron.forward import head_logprobs, head_values
-    from rlx.engine.megatron.parallel import setup_megatron
-    from rlx.engine.megatron.weights import gather_hf_weights, stream_hf_weights
-    from rlx.engine.megatron.schedule import MicroBatch, run_pipeline
-    from rlx.engine.megatron.stage import MegatronScoringModel, load_stage
-    from rlx.engine.parallel.dist import exit_process
+    from rlx.logprobs import PackedRows, packed_model_inputs, packed_response_logprobs, unpack_responses
+    from rlx.backends.megatron.forward import head_logprobs, head_values
+    from rlx.backends.megatron.parallel import setup_megatron
+    from rlx.backends.megatron.weights import gather_hf_weights, stream_hf_weights
+    from rlx.backends.megatron.schedule import MicroBatch, run_pipeline
+    from rlx.backends.megatron.stage import MegatronScoringModel, load_stage
+    from rlx.parallel.dist import exit_process
     from rlx.models.attention import enable_packed_attention
     from rlx.models.megatron.convert import hf_to_megatron_shard
     from rlx.models.value import value_config

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.engine.checkpoints.megatron import (
+from rlx.checkpoints.megatron import (
     rank_dir,
     read_full_weights,
     read_rank_optimizer,
     read_rank_state,
     save_megatron_checkpoint,
 )
-from rlx.engine.checkpoints.meta import CheckpointMeta
-from rlx.engine.checkpoints.registry import read_full_optimizer
+from rlx.checkpoints.meta import CheckpointMeta
+from rlx.checkpoints.registry import read_full_optimizer
 from rlx.models.loading import read_weights
 from rlx.models.tiny import build_char_tokenizer
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, rollout_args, run_torchrun, save_tiny_hf
@@ -116,7 +116,7 @@ def test_qwen2_with_qkv_bias_round_trips(tmp_path):
 
 
 def test_critic_round_trip_matches_the_single_layout(tmp_path):
-    from rlx.engine.checkpoints.loading import load_model
+    from rlx.checkpoints.loading import load_model
     from rlx.models.loading import resolve_source
 
     hf = save_tiny_hf(tmp_path / "hf", tie=True)
@@ -189,10 +189,10 @@ COLLECTIVE_WRITE = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import torch
     import torch.distributed as dist
-    from rlx.engine.checkpoints.files import aux_files
-    from rlx.engine.checkpoints.megatron import read_rank_state, save_megatron_rank_checkpoint
-    from rlx.engine.checkpoints.meta import CheckpointMeta
-    from rlx.engine.parallel.dist import exit_process, setup
+    from rlx.checkpoints.files import aux_files
+    from rlx.checkpoints.megatron import read_rank_state, save_megatron_rank_checkpoint
+    from rlx.checkpoints.meta import CheckpointMeta
+    from rlx.parallel.dist import exit_process, setup
 
     ctx = setup("cpu")
     tp_rank, dp_rank = ctx.rank % 2, ctx.rank // 2  # tp 2 x dp 2, tensor-parallel neighbours adjacent
@@ -232,7 +232,7 @@ def test_rollout_and_score_from_a_megatron_checkpoint_equal_the_hf_dir(tmp_path,
     assert [r["rollout_logprobs"] for r in got] == [r["rollout_logprobs"] for r in want]
     for name, model in (("hf", hf), ("mg", ckpt)):
         cli_ok("score", "--rollouts", tmp_path / "hf.jsonl", "--actor", model, "--ref", model, "--out", tmp_path / name)
-    from rlx.engine.batch import TrainBatch
+    from rlx.formats.batch import TrainBatch
 
     a, b = (
         TrainBatch.load(tmp_path / "hf" / "batch.safetensors"),
@@ -283,7 +283,7 @@ def test_missing_rank_file_or_degrees_are_named(tmp_path, prompts_file):
 @pytest.mark.parametrize("layout", ["megatron", "fsdp"])
 def test_vllm_disk_reload_reads_sharded_checkpoints(tmp_path, layout):
     """The vllm engine's reload-from-checkpoint stream gathers a sharded checkpoint whole (tied head added)."""
-    from rlx.engine.checkpoints.loading import checkpoint_weights
+    from rlx.checkpoints.loading import checkpoint_weights
 
     source = save_tiny_hf(tmp_path / "hf", tie=True)
     extra = ["--tp", "2", "--pp", "2"] if layout == "megatron" else []

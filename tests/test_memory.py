@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from rlx.engine.memory import host_rss_bytes, measure_phase
+from rlx.observe.memory import host_rss_bytes, measure_phase
 
 MIB = 2**20
 
@@ -46,7 +46,7 @@ def test_inductor_cache_hits_and_misses_are_counted(tmp_path):
     new process) is found in the cache: a hit."""
     script = """
 import torch
-from rlx.engine.memory import measure_phase
+from rlx.observe.memory import measure_phase
 def f(x):
     return torch.sin(x) * 2 + 1
 with measure_phase("cold") as cold:
@@ -88,7 +88,7 @@ def test_a_failing_phase_is_still_measured():
 
 def test_cpu_phases_do_not_import_torch():
     code = (
-        "import sys; from rlx.engine.memory import measure_phase\n"
+        "import sys; from rlx.observe.memory import measure_phase\n"
         "with measure_phase('x', 'cpu') as m: pass\n"
         "print('torch' in sys.modules, sorted(m))"
     )
@@ -114,7 +114,7 @@ def test_cuda_peak_is_per_phase():
 def test_gc_pauses_are_timed_run_between_steps_after_the_freeze_and_restored_on_close():
     import gc
 
-    from rlx.engine.memory import GcPauses
+    from rlx.observe.memory import GcPauses
 
     pauses = GcPauses()
     try:

@@ -11,12 +11,12 @@ import sys
 import pytest
 from agent_helpers import ENVS, bigram_chat_model, random_chat_model, spans, token_engine
 
-from rlx.engine.agent.config import AgentConfig
-from rlx.engine.agent.driver import EnvRollout
-from rlx.engine.records import PromptRecord
-from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.native.blocks import BlockManager, Sequence
-from rlx.engine.rollout.requests import TokenRequest
+from rlx.agent.driver import EnvRollout
+from rlx.formats.records import PromptRecord
+from rlx.rollout.agent_config import AgentConfig
+from rlx.rollout.config import RolloutConfig
+from rlx.rollout.native.blocks import BlockManager, Sequence
+from rlx.rollout.requests import TokenRequest
 
 QUESTIONS = [PromptRecord(id=f"q{i}", prompt=f"say {i}") for i in range(3)]
 

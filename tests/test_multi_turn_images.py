@@ -19,23 +19,23 @@ from agent_helpers import random_chat_model, spans, token_engine
 from PIL import Image
 from safetensors import safe_open
 
-from rlx.engine.agent.config import AgentConfig
-from rlx.engine.agent.driver import EnvRollout
-from rlx.engine.agent.generate import refuse_images
-from rlx.engine.checkpoints.loading import load_model, load_processor
-from rlx.engine.parallel.dist import DistContext
-from rlx.engine.records import PromptRecord
-from rlx.engine.rollout.base import build_engine
-from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.native.blocks import BlockManager, Sequence
-from rlx.engine.rollout.registry import engine_class
-from rlx.engine.rollout.requests import TokenRequest
+from rlx.agent.driver import EnvRollout
+from rlx.agent.generate import refuse_images
+from rlx.checkpoints.loading import load_model, load_processor
 from rlx.errors import UserError
+from rlx.formats.records import PromptRecord
 from rlx.models.loading import resolve_source
 from rlx.models.vision.images import data_uri
 from rlx.models.vision.inputs import VisionInputs, from_tensors, to_tensors
 from rlx.models.vision.positions import find_image_offsets, image_token_mask
 from rlx.models.vision.tiny import build_tiny_vision_model, write_tiny_vision_model_dir
+from rlx.parallel.dist import DistContext
+from rlx.rollout.agent_config import AgentConfig
+from rlx.rollout.base import build_engine
+from rlx.rollout.config import RolloutConfig
+from rlx.rollout.native.blocks import BlockManager, Sequence
+from rlx.rollout.registry import engine_class
+from rlx.rollout.requests import TokenRequest
 from rlx.tasks.shapes import generate_shapes
 from rlx.tasks.shapes_look import LookAgainEnv, is_correct
 from tests.conftest import cli, cli_ok, read_jsonl, torchrun, write_jsonl
@@ -202,7 +202,7 @@ def test_image_offsets_place_images_and_sampled_placeholders_stay_text():
     """Token requests whose context holds an image in its prompt, a placeholder the model sampled (text) and an
     inserted image: hf == native, two requests with equal tokens but another inserted image differ (no shared
     blocks), and the scoring forward (VisionRow from the offsets) gives the sampled tokens' logprobs."""
-    from rlx.engine.logprobs import response_logprobs
+    from rlx.logprobs import response_logprobs
 
     model, processor = build_tiny_vision_model("qwen2_vl")
     token, tok = processor.image_token_id, processor.tokenizer

@@ -17,8 +17,8 @@ import torch
 from agent_helpers import random_chat_model
 from safetensors.torch import load_file, save_file
 
-from rlx.engine.algorithms.advantages import ESTIMATORS
-from rlx.engine.algorithms.losses import POLICY_LOSSES
+from rlx.algorithms.advantages import ESTIMATORS
+from rlx.algorithms.losses import POLICY_LOSSES
 from rlx.models.loading import read_weights
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, torchrun
 from tests.test_ppo import assert_same_weights, stable
@@ -213,7 +213,7 @@ def test_calculator_shell_pipeline_equals_ppo(tmp_path):
 
 
 def test_calculator_recipes_load_and_chat_prompts_keep_the_system_message(tmp_path):
-    from rlx.engine.ppo.config import load_recipe
+    from rlx.ppo.config import load_recipe
     from rlx.tasks.calculator import SYSTEM, CalculatorEnv
 
     for name, env in (("calculator.toml", "ToolChoiceCalculatorEnv"), ("smollm2_calculator.toml", "CalculatorEnv")):

@@ -8,10 +8,10 @@ import functools
 import pytest
 import torch
 
-from rlx.engine.records import PromptRecord
-from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.native.blocks import BlockManager, Sequence, Status
-from rlx.engine.rollout.native.scheduler import Scheduler
+from rlx.formats.records import PromptRecord
+from rlx.rollout.config import RolloutConfig
+from rlx.rollout.native.blocks import BlockManager, Sequence, Status
+from rlx.rollout.native.scheduler import Scheduler
 from tests.conftest import cli_ok, generate, make_engine, read_jsonl, rollout_args
 
 CPU = torch.device("cpu")
@@ -318,7 +318,7 @@ def test_capture_ladder_compiles_the_decoder_layer_once(tiny, merged, monkeypatc
     """
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from rlx.engine.rollout.native import fused, runner
+    from rlx.rollout.native import fused, runner
 
     if not merged:
         monkeypatch.setenv("RLX_NATIVE_FUSED", "0")
@@ -340,7 +340,7 @@ def test_capture_ladder_compiles_the_decoder_layer_once(tiny, merged, monkeypatc
 def test_gpu_sampler_draws_what_the_float64_rule_draws():
     """The Triton draw (both engines on CUDA) against the float64 reference on the same scaled logits, and the
     native engine's fused path (bf16 logits, 1 / temperature in the kernel) against the hf engine's call."""
-    from rlx.engine.rollout.sampling import draw_tokens, draw_tokens_torch, sample_next, sample_uniforms
+    from rlx.rollout.sampling import draw_tokens, draw_tokens_torch, sample_next, sample_uniforms
 
     torch.manual_seed(0)
     logits = (torch.randn(64, 151936, device="cuda") * 3).bfloat16()
@@ -362,7 +362,7 @@ def test_a_persistent_engine_follows_weight_updates_and_keeps_its_cache(tiny):
     refills in place; after each update it generates exactly what a fresh engine on the new weights generates."""
     import copy
 
-    from rlx.engine.rollout.base import ModuleWeights
+    from rlx.rollout.base import ModuleWeights
 
     model, tokenizer = tiny
     live = copy.deepcopy(model)
@@ -422,7 +422,7 @@ def run_stream(engine, requests, sampling, on_step=None) -> dict:
 def test_a_requests_own_seed_replaces_the_streams(tiny, engine_name):
     """TokenRequest.seed: a request carrying seed 7 in a stream seeded 3 draws what it draws in a stream seeded 7
     (an asynchronous rollout rank runs several steps, each with its seed, in one stream)."""
-    from rlx.engine.rollout.requests import TokenRequest
+    from rlx.rollout.requests import TokenRequest
 
     model, tokenizer = tiny
     cfg = RolloutConfig(engine=engine_name, chat_template="off", max_new_tokens=12, seed=3)
@@ -441,8 +441,8 @@ def test_an_open_stream_continues_under_new_weights(tiny):
     in place and the prompt's cached keys and values of the old weights were not reused)."""
     import copy
 
-    from rlx.engine.rollout.base import ModuleWeights
-    from rlx.engine.rollout.requests import TokenRequest
+    from rlx.rollout.base import ModuleWeights
+    from rlx.rollout.requests import TokenRequest
 
     model, tokenizer = tiny
     cfg = RolloutConfig(engine="native", chat_template="off", max_new_tokens=16, seed=4, precision="bfloat16",
@@ -506,7 +506,7 @@ def test_sleep_on_cuda_keeps_the_graphs_and_releases_the_memory(tiny):
     engine generates what a fresh engine on the new weights generates."""
     import copy
 
-    from rlx.engine.rollout.base import ModuleWeights
+    from rlx.rollout.base import ModuleWeights
 
     model, tokenizer = tiny
     cuda = torch.device("cuda")

@@ -178,7 +178,7 @@ def test_sdpa_backward_matches_autograd(causal, window):
 
 def _compiled_step(model, sequences, weights):
     """A no-grad packed forward, then one with gradients; the logits of both and the gradients."""
-    from rlx.engine.parallel.ulysses import sequence_parallel_forward
+    from rlx.parallel.ulysses import sequence_parallel_forward
 
     packed = pack(sequences).to(model.device)
     with torch.no_grad():
@@ -197,8 +197,8 @@ def _assert_one_graph_per_phase(model, sequences, atol):
 
     from torch._dynamo.utils import counters
 
-    from rlx.engine.parallel.fsdp import decoder_layers
-    from rlx.engine.parallel.ulysses import enable_ulysses_attention
+    from rlx.parallel.fsdp import decoder_layers
+    from rlx.parallel.ulysses import enable_ulysses_attention
 
     enable_ulysses_attention(model)
     compiled = copy.deepcopy(model)
@@ -230,8 +230,8 @@ def test_compiled_training_layers_keep_one_graph_for_every_length():
     small micro-batch on GPUs: the RMSNorm backward's mix-order reduction)."""
     from torch._inductor import config
 
-    from rlx.engine.parallel.apply import ParallelPlan, apply_parallelism
-    from rlx.engine.parallel.dist import DistContext
+    from rlx.parallel.apply import ParallelPlan, apply_parallelism
+    from rlx.parallel.dist import DistContext
 
     if not hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
         pytest.skip("this torch's Inductor has no mix-order reduction")

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.engine.ppo.config import load_recipe
-from rlx.engine.ppo.loop import run_ppo
-from rlx.engine.tracking import VOLATILE_PREFIXES
 from rlx.models.loading import read_weights
+from rlx.observe.tracking import VOLATILE_PREFIXES
+from rlx.ppo.config import load_recipe
+from rlx.ppo.loop import run_ppo
 from tests.conftest import REPO, cli, cli_ok, read_jsonl
 
 QUICKSTART = REPO / "recipes" / "quickstart.toml"
@@ -169,7 +169,7 @@ def test_run_with_tracking_traces_and_mfu(tmp_path):
 
 KILL_DURING_WRITE = """
 import os, signal, sys
-from rlx.engine.checkpoints import single
+from rlx.checkpoints import single
 write_files = single.write_files
 def dying(folder, weights, aux, meta, optimizer=None):
     if meta.step == 4 and not folder.name == "critic":  # half of step 4's files, then a kill -9 in the writer thread
@@ -188,7 +188,7 @@ def test_snapshot_buffers_are_pinned_ahead_only_for_the_layout_that_copies_them(
     (`snapshot_state`); a backend with a layout of its own (megatron's stages) reserves nothing."""
     from types import SimpleNamespace
 
-    from rlx.engine.ppo import loop
+    from rlx.ppo import loop
 
     reserved, submitted = [], []
     monkeypatch.setattr(loop, "reserve", lambda shapes, tag: reserved.append(tag) or 0)
@@ -205,7 +205,7 @@ def test_a_kill_during_a_background_checkpoint_write_resumes_bit_exactly(tmp_pat
     step 4's write leaves no step_000004, and --resume from step 2's gives the uninterrupted run's weights and
     metrics. After a process's first step (no checkpoint at it) the writer thread pins the snapshot buffers of the
     first checkpoint ahead (on the CPU: nothing to pin)."""
-    from rlx.engine.ppo import loop
+    from rlx.ppo import loop
 
     reserved = []
     monkeypatch.setattr(loop, "reserve", lambda shapes, tag: reserved.append((tag, shapes)) or 0)

@@ -110,8 +110,8 @@ def test_bad_input(tmp_path, chat_ckpt):
 
 
 def test_missing_package_names_the_extra(monkeypatch):
-    from rlx.engine.scoring.reasoning_gym import import_reasoning_gym
     from rlx.errors import UserError
+    from rlx.scoring.reasoning_gym import import_reasoning_gym
 
     real_import = builtins.__import__
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlx.engine.scoring.rules import arith, gsm8k, last_boxed, math, normalize_math
+from rlx.scoring.rules import arith, gsm8k, last_boxed, math, normalize_math
 from tests.conftest import cli, cli_ok, read_jsonl, rollout_args, write_jsonl
 
 
@@ -156,7 +156,7 @@ def test_failing_reward_names_the_sample(tmp_path, tiny_ckpt, rollouts, body, me
     failed = [s for s in scores if "reward_error" in s]
     assert len(failed) == 4 and all(s["reward"] == 0.0 for s in failed)
     assert json.loads(metrics.read_text())["reward/num_errors"] == 4.0
-    from rlx.engine.batch import TrainBatch
+    from rlx.formats.batch import TrainBatch
 
     batch = TrainBatch.load(out / "batch.safetensors")
     for tensor in batch.tensors().values():

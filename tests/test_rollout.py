@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.engine.rollout.sampling import draw_tokens, filter_logits, sample_uniforms
+from rlx.rollout.sampling import draw_tokens, filter_logits, sample_uniforms
 from tests.conftest import cli_ok, read_jsonl, rollout_args, write_jsonl
 
 ROLLOUT_FIELDS = {
@@ -188,7 +188,7 @@ DRAW_CHECK = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
     import torch
-    from rlx.engine.rollout.sampling import draw_tokens_torch
+    from rlx.rollout.sampling import draw_tokens_torch
     from rlx.kernels.sampling import SLICE, draw_tokens_triton
     g = torch.Generator().manual_seed(0)
     vocab = 2 * SLICE + 1000  # two full slices and a partial one

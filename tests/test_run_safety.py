@@ -90,8 +90,8 @@ def test_a_start_that_completed_no_step_can_be_started_again(tmp_path):
 HOLD_LOCK = """
 import sys, time
 from pathlib import Path
-from rlx.engine.parallel.dist import DistContext
-from rlx.engine.ppo.start import RunLock
+from rlx.parallel.dist import DistContext
+from rlx.ppo.start import RunLock
 lock = RunLock.take(Path(sys.argv[1]), DistContext())
 print("locked", flush=True)
 time.sleep(120)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from rlx.engine.batch import TrainBatch
+from rlx.formats.batch import TrainBatch
 from tests.conftest import cli, cli_ok, read_jsonl, rollout_args
 
 

@@ -23,16 +23,16 @@ from agent_helpers import (
     token_engine,
 )
 
-from rlx.engine.agent.agents import AgentRollout
-from rlx.engine.agent.backend import StreamBackend
-from rlx.engine.agent.config import AgentConfig
-from rlx.engine.agent.driver import EnvRollout
-from rlx.engine.agent.server import AgentServer
-from rlx.engine.agent.sessions import normalize_message
-from rlx.engine.records import PromptRecord
-from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.requests import TokenRequest
+from rlx.agent.agents import AgentRollout
+from rlx.agent.driver import EnvRollout
 from rlx.errors import UserError
+from rlx.formats.records import PromptRecord
+from rlx.rollout.agent_config import AgentConfig
+from rlx.rollout.config import RolloutConfig
+from rlx.rollout.requests import TokenRequest
+from rlx.serve.server import AgentServer
+from rlx.serve.sessions import normalize_message
+from rlx.serve.stream import StreamBackend
 from rlx.tasks.calculator import CALCULATOR_TOOL, evaluate
 
 AGENT = '''

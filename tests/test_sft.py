@@ -13,16 +13,16 @@ import pytest
 import torch
 from agent_helpers import bigram_chat_model, token_engine
 
-from rlx.engine.agent.config import AgentConfig
-from rlx.engine.agent.driver import EnvRollout
-from rlx.engine.checkpoints.registry import read_meta
-from rlx.engine.parallel.dist import DistContext
-from rlx.engine.records import PromptRecord
-from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.sft.config import SFTConfig
-from rlx.engine.sft.data import read_demonstrations, tokenize_demonstrations
-from rlx.engine.sft.run import fine_tune
+from rlx.agent.driver import EnvRollout
+from rlx.checkpoints.registry import read_meta
+from rlx.formats.records import PromptRecord
 from rlx.models.loading import ModelSource, load_tokenizer
+from rlx.parallel.dist import DistContext
+from rlx.rollout.agent_config import AgentConfig
+from rlx.rollout.config import RolloutConfig
+from rlx.sft.config import SFTConfig
+from rlx.sft.data import read_demonstrations, tokenize_demonstrations
+from rlx.stages.sft import fine_tune
 from rlx.tasks.calculator import CalculatorEnv, demonstration, generate_calculator
 from tests.conftest import REPO, cli, cli_ok, max_diff, read_jsonl, torchrun, write_jsonl
 
@@ -67,7 +67,7 @@ def test_loss_is_the_mean_nll_of_the_assistant_tokens_only(tmp_path):
     """The trained tokens decode to the assistant's turns (tool call and answer, each through <|im_end|>); the first
     step's loss equals the NLL of exactly those tokens by a plain forward; a prompt/response line equals the same
     conversation given as messages."""
-    from rlx.engine.checkpoints.loading import load_initial_policy
+    from rlx.checkpoints.loading import load_initial_policy
 
     model, tokenizer, _ = load_initial_policy(TINY_CHAT, "random", 0)
     path = demos_file(tmp_path, num=4)
@@ -191,8 +191,8 @@ def test_ppo_sft_under_torchrun_fine_tunes_on_every_rank(tmp_path):
 
 
 def test_ppo_sft_takes_the_rollout_chat_template_kwargs_unless_it_sets_its_own():
-    from rlx.engine.ppo.config import load_recipe
-    from rlx.engine.ppo.warm_start import sft_settings
+    from rlx.ppo.config import load_recipe
+    from rlx.ppo.warm_start import sft_settings
 
     recipe = REPO / "recipes" / "calculator.toml"
     thinking = "{enable_thinking = false}"  # a TOML inline table, as in a recipe
@@ -230,7 +230,7 @@ def test_sft_warm_start_in_ppo_keeps_step_0_as_the_reference_through_rotation_an
     ref = run / "checkpoints" / "step_000000"
     cli_ok("score", "--rollouts", step3 / "rollouts.jsonl", "--actor", tmp_path / "actor2", "--ref", ref,
            "--reward", "env", "--micro-batch-size", "128", "--out", again)  # fmt: skip
-    from rlx.engine.batch import TrainBatch
+    from rlx.formats.batch import TrainBatch
 
     ours, theirs = TrainBatch.load(step3 / "batch.safetensors"), TrainBatch.load(again / "batch.safetensors")
     assert torch.equal(ours.ref_logprobs, theirs.ref_logprobs)

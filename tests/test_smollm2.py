@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from rlx.engine.ppo.config import load_recipe
+from rlx.ppo.config import load_recipe
 from tests.conftest import REPO, cli_ok, read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.skipif(

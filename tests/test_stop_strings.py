@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from rlx.engine.records import PromptRecord
-from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.requests import Generated
-from rlx.engine.rollout.stops import StopStrings
+from rlx.formats.records import PromptRecord
 from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
+from rlx.rollout.config import RolloutConfig
+from rlx.rollout.requests import Generated
+from rlx.rollout.stops import StopStrings
 from tests.conftest import cli_ok, generate, make_engine, read_jsonl, rollout_args
 
 PROMPTS = [PromptRecord(id=f"p{i}", prompt=f"{i}+{i}=") for i in range(6)]

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from rlx.engine.ppo.writer import BackgroundWriter
+from rlx.ppo.writer import BackgroundWriter
 from rlx.utils import tensor_files
 from rlx.utils.tensor_files import Pace, paced, save_tensors, write_safetensors
 

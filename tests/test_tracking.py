@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from rlx.config import ConfigError, from_dict
-from rlx.engine.tracking import Tracker, TrackingConfig, select_traces
 from rlx.errors import UserError
+from rlx.observe.tracking import Tracker, TrackingConfig, select_traces
 from tests.conftest import read_jsonl
 
 RECIPE = {"seed": 0, "steps": 3, "train": {"lr": 0.001, "mini_batch_size": 8}, "model": {"path": "tiny"}}
@@ -170,7 +170,7 @@ def test_a_backend_that_is_not_installed_names_its_package(tmp_path, monkeypatch
 
 def test_tracking_imports_without_torch_or_trackers():
     code = (
-        "import sys, rlx.engine.tracking, rlx.engine.tracking_backends; "
+        "import sys, rlx.observe.tracking, rlx.observe.sinks; "
         "print([m for m in ('torch', 'wandb', 'mlflow', 'tensorboard') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -9,10 +9,10 @@ from collections import defaultdict
 import pytest
 import torch
 
-from rlx.engine.batch import TrainBatch
-from rlx.engine.training.actor import ActorTrainer
-from rlx.engine.training.config import TrainConfig
+from rlx.formats.batch import TrainBatch
 from rlx.models.loading import load_causal_lm, read_weights, resolve_source
+from rlx.training.actor import ActorTrainer
+from rlx.training.config import TrainConfig
 from tests.conftest import cli, cli_ok, rollout_args, write_length_reward
 
 
@@ -162,7 +162,7 @@ def test_kl_loss_needs_ref_logprobs(tmp_path, tiny_ckpt, prompts_file):
 def test_a_step_improves_the_rewarded_sequences(tmp_path, tiny_ckpt, batch_path):
     """The update raises the logprob of positive-advantage samples relative to negative ones."""
     cli_ok("train-step", "--checkpoint", tiny_ckpt, "--batch", batch_path, "--out", tmp_path / "c1", "--lr", "1e-2")
-    from rlx.engine.logprobs import batched_response_logprobs
+    from rlx.logprobs import batched_response_logprobs
 
     batch = TrainBatch.load(batch_path)
     tensors = batch.tensors()
@@ -197,8 +197,8 @@ def test_lr_schedule_options(tmp_path, tiny_ckpt, batch_path):
 def test_a_checkpoint_prepared_before_an_update_holds_the_weights_of_before(tmp_path, tiny_ckpt, batch_path):
     """The ppo loop prepares a checkpoint, hands its writing to a background thread and trains on: the files
     hold the weights and optimizer state of the moment of `prepare_save`, not of the next update."""
-    from rlx.engine.checkpoints.meta import CheckpointMeta
-    from rlx.engine.checkpoints.registry import prepare_save, read_full_optimizer
+    from rlx.checkpoints.meta import CheckpointMeta
+    from rlx.checkpoints.registry import prepare_save, read_full_optimizer
 
     trainer = ActorTrainer(load_causal_lm(resolve_source(tiny_ckpt)), TrainConfig(lr=1e-2), torch.device("cpu"),
                            torch.float32)  # fmt: skip

@@ -7,18 +7,18 @@ import textwrap
 import pytest
 import torch
 
-from rlx.engine.parallel.ulysses import padded_length, shard_packed, slice_sequence, validate_sp
 from rlx.errors import UserError
 from rlx.models.attention import pack
+from rlx.parallel.ulysses import padded_length, shard_packed, slice_sequence, validate_sp
 from tests.conftest import REPO, run_torchrun
 from tests.test_packing import tiny_config
 
 SEQUENCE_PARALLEL = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     sys.path.insert(0, {repo!r})
-    from rlx.engine.parallel.ulysses import (enable_ulysses_attention, gather_sequence, sequence_parallel_forward,
+    from rlx.parallel.ulysses import (enable_ulysses_attention, gather_sequence, sequence_parallel_forward,
                                              slice_sequence)
-    from rlx.engine.parallel.dist import exit_process
+    from rlx.parallel.dist import exit_process
     from rlx.models.attention import next_token_targets, pack
     from tests.test_packing import tiny_model
 

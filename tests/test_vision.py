@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from rlx.engine.logprobs import logprobs_from_logits, packed_response_logprobs
 from rlx.errors import UserError
+from rlx.logprobs import logprobs_from_logits, packed_response_logprobs
 from rlx.models.attention import PACKED_ATTENTION, enable_packed_attention
 from rlx.models.vision.config import VisionConfig
 from rlx.models.vision.families import FAMILIES, family_for_prompt, family_of, freeze_vision_tower
@@ -352,9 +352,9 @@ def test_vision_inputs_round_trip_through_safetensors(tmp_path):
 SEQUENCE_PARALLEL = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     sys.path.insert(0, {repo!r})
-    from rlx.engine.logprobs import PackedRows, packed_response_logprobs
-    from rlx.engine.parallel.dist import exit_process
-    from rlx.engine.parallel.ulysses import enable_ulysses_attention
+    from rlx.logprobs import PackedRows, packed_response_logprobs
+    from rlx.parallel.dist import exit_process
+    from rlx.parallel.ulysses import enable_ulysses_attention
     from rlx.models.vision.packing import VisionRow, set_decoder_attention, vision_forward
     from rlx.models.vision.tiny import build_tiny_vision_model
     from tests.test_vision import straddling_micro_batch
@@ -391,7 +391,7 @@ SEQUENCE_PARALLEL = textwrap.dedent("""
             torch.testing.assert_close(grad, want_grads[key], atol=1e-5, rtol=1e-4, msg=lambda m: f"{{where}}: {{m}}")
 
     # MLA (Kimi's decoder): Ulysses all-to-alls carry values narrower than queries and keys
-    from rlx.engine.parallel.ulysses import sequence_parallel_forward
+    from rlx.parallel.ulysses import sequence_parallel_forward
     from rlx.models.attention import pack
     from tests.test_vision import tiny_mla_model
 
@@ -524,7 +524,7 @@ def test_shapes_answers_match_the_images():
 def test_shapes_total_needs_the_image():
     """'total' (the tiny VLM recipe's kind): one question text for every image, answers 1..max_count drawn evenly,
     each the number of shapes read back from the pixels; big shapes (min_side) fill most of their cell."""
-    from rlx.engine.scoring.rewards import BUILTIN
+    from rlx.scoring.rewards import BUILTIN
     from rlx.tasks.shapes import generate_shapes
 
     pairs = generate_shapes(90, seed=4, kinds=("total",), max_count=3, size=32, grid=2, min_side=0.75)
@@ -568,7 +568,7 @@ def test_shapes_files_next_to_the_prompts_or_data_uris(tmp_path):
 
 
 def test_shapes_reward():
-    from rlx.engine.scoring.rewards import BUILTIN
+    from rlx.scoring.rewards import BUILTIN
 
     reward = BUILTIN["shapes"]
     assert reward("shapes", "I see 3 of them. 4", "4")["score"] == 1.0

@@ -13,15 +13,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from rlx.engine.logprobs import ModuleScorer, batched_response_values, packed_response_values
-from rlx.engine.parallel.dist import DistContext
 from rlx.errors import UserError
+from rlx.logprobs import ModuleScorer, batched_response_values, packed_response_values
 from rlx.models.attention import enable_packed_attention
 from rlx.models.loading import ModelSource, read_weights
 from rlx.models.value import build_value_model, load_value_model, value_model_class
 from rlx.models.vision.families import family_of, freeze_vision_tower
 from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.models.vision.tiny import build_tiny_vision_model, write_tiny_vision_model_dir
+from rlx.parallel.dist import DistContext
 from rlx.tasks.shapes import generate_shapes, write_shapes
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, torchrun, write_length_reward
 from tests.test_ppo import stable

@@ -18,14 +18,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from rlx.engine.parallel.dist import DistContext
-from rlx.engine.records import PromptRecord
-from rlx.engine.rollout.base import build_engine
-from rlx.engine.rollout.config import RolloutConfig
+from rlx.formats.records import PromptRecord
 from rlx.models.loading import read_weights, resolve_source
 from rlx.models.vision.families import FAMILIES
 from rlx.models.vision.images import data_uri
 from rlx.models.vision.tiny import build_tiny_vision_model, write_tiny_vision_model_dir
+from rlx.parallel.dist import DistContext
+from rlx.rollout.base import build_engine
+from rlx.rollout.config import RolloutConfig
 from rlx.tasks.shapes import generate_shapes, write_shapes
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, torchrun, write_jsonl, write_length_reward
 from tests.test_vision import chat, image_part, random_image
@@ -90,7 +90,7 @@ def test_rollouts_keep_image_references_and_transformers_logprobs(vlm):
         str(vlm["prompts"].parent / "wide.png"),
         first,
     ]
-    from rlx.engine.checkpoints.loading import load_model, load_processor
+    from rlx.checkpoints.loading import load_model, load_processor
 
     source = resolve_source(vlm["ckpt"])
     model, processor = load_model(source).eval(), load_processor(source)
@@ -252,8 +252,8 @@ def test_prompt_length_limits_count_the_image_tokens(vlm, tmp_path):
     """Length limits on a prompt file count each image's tokens (from its size, as the engine expands it): the
     count equals the encoded prompt's for 0-2 images and other pixel limits, and on_long_prompt 'filter' leaves
     out the prompts their images make too long (text alone, with one placeholder per image, would fit)."""
-    from rlx.engine.checkpoints.loading import load_processor
-    from rlx.engine.records import read_prompts
+    from rlx.checkpoints.loading import load_processor
+    from rlx.formats.records import read_prompts
     from rlx.models.vision.config import VisionConfig
 
     records = read_prompts(str(vlm["prompts"]))
@@ -336,8 +336,8 @@ def test_fsdp_and_sequence_parallel_train_steps_equal_one_process(vlm, tmp_path)
 
 @pytest.mark.slow  # 150 steps: ~2.5 minutes on 2 CPU cores
 def test_tiny_vlm_recipe_learns(tmp_path):
-    from rlx.engine.ppo.config import load_recipe
-    from rlx.engine.ppo.loop import run_ppo
+    from rlx.ppo.config import load_recipe
+    from rlx.ppo.loop import run_ppo
 
     run_ppo(load_recipe(RECIPE), tmp_path / "run")
     rewards = [m["reward/mean"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]

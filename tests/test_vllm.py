@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.engine.checkpoints.loading import CheckpointWeights
-from rlx.engine.records import PromptRecord
-from rlx.engine.rollout.base import ModuleWeights
-from rlx.engine.rollout.config import RolloutConfig
-from rlx.engine.rollout.requests import TokenRequest
+from rlx.checkpoints.loading import CheckpointWeights
 from rlx.errors import UserError
+from rlx.formats.records import PromptRecord
 from rlx.models.tiny import write_tiny_model_dir
+from rlx.rollout.base import ModuleWeights
+from rlx.rollout.config import RolloutConfig
+from rlx.rollout.requests import TokenRequest
 from tests.conftest import (
     REPO,
     cli,
@@ -231,8 +231,8 @@ def test_weights_pushed_mid_stream_reach_the_requests_in_flight(engine, hf_model
 def test_eval_in_the_stream_equals_the_eval_alone(engine, hf_model, eval_settings, rollout_settings):
     """An asynchronous rollout rank's [eval] samples in its vLLM stream next to training samples (each request
     drawing with its own seed, not the stream's) equal `evaluate` alone, greedy and sampled."""
-    from rlx.engine.evaluation import EvalConfig, evaluate
-    from rlx.engine.records import read_prompts
+    from rlx.evaluation.evaluate import EvalConfig, evaluate
+    from rlx.formats.records import read_prompts
     from tests.test_async_eval import PROMPTS, run_in_stream
 
     model, _ = hf_model
@@ -337,10 +337,10 @@ def test_multi_turn_episodes_through_the_token_stream(tmp_path):
     from agent_helpers import ENVS
     from transformers import AutoModelForCausalLM
 
-    from rlx.engine.agent.config import AgentConfig
-    from rlx.engine.agent.driver import EnvRollout
+    from rlx.agent.driver import EnvRollout
     from rlx.models.tiny import SPECIAL_TOKENS
     from rlx.models.tiny_chat import MARKUP_TOKENS, build_chat_tokenizer, tiny_chat_config
+    from rlx.rollout.agent_config import AgentConfig
 
     tokenizer = build_chat_tokenizer("qwen2.5")
     config = tiny_chat_config(tokenizer, num_heads=2, num_kv_heads=1, max_positions=512)  # head_dim 32 for vLLM

@@ -43,7 +43,7 @@ def reporting(command: str, on_interrupt: str = "") -> Iterator[None]:
         raise typer.Exit(1) from None
     finally:
         if "torch.distributed" in sys.modules:  # only when a command used it: keeps --help free of torch
-            from rlx.engine.parallel.dist import teardown
+            from rlx.parallel.dist import teardown
 
             teardown(wait_for_others=finished)
 

@@ -8,8 +8,8 @@ import typer
 
 from rlx.commands._common import build_config, reporting
 from rlx.config import help_for
-from rlx.engine.evaluation import EvalConfig as C
-from rlx.engine.rollout.config import RolloutConfig as R
+from rlx.evaluation.evaluate import EvalConfig as C
+from rlx.rollout.config import RolloutConfig as R
 
 
 def eval_(
@@ -85,6 +85,6 @@ def eval_(
             on_long_prompt=on_long_prompt,
         )
         build_config(R, **engine_settings)  # option errors name the option before any model is loaded
-        from rlx.engine.evaluation import run_eval
+        from rlx.evaluation.evaluate import run_eval
 
         run_eval(cfg, model, out, engine_settings, metrics_path=metrics, overwrite=overwrite)

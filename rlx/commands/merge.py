@@ -33,6 +33,6 @@ def merge(
     """Gather a checkpoint into a Hugging Face model dir (safetensors, config, tokenizer) any tool loads; a LoRA
     checkpoint's adapters are merged into its base (W + alpha/r B A), or written alone with --adapter-only."""
     with reporting("merge"):
-        from rlx.engine.checkpoints.shard import merge_checkpoint
+        from rlx.stages.shard import merge_checkpoint
 
         merge_checkpoint(checkpoint, out, dtype=dtype, overwrite=overwrite, adapter_only=adapter_only)

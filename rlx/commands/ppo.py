@@ -39,8 +39,8 @@ def ppo(
     the current step's checkpoint (exit 143).
     """
     with reporting("ppo", on_interrupt="; continue the run with --resume"):
-        from rlx.engine.ppo.config import load_recipe
-        from rlx.engine.ppo.defaults import async_defaults, fast_path_defaults
+        from rlx.ppo.config import load_recipe
+        from rlx.ppo.defaults import async_defaults, fast_path_defaults
         from rlx.utils.device import resolve_device
 
         if resume and overwrite:
@@ -49,13 +49,13 @@ def ppo(
         cfg = load_recipe(recipe, set_ or [], device_type)
         chosen = fast_path_defaults(device_type, _recipe_tree(recipe, set_ or []), Path(recipe).parent)
         if chosen and not print_config:
-            from rlx.engine.tracking import console
+            from rlx.observe.tracking import console
 
             settings = ", ".join(f"{k}={v}" for k, v in chosen.items())
             console(f"rlx ppo: fast path on {device_type} (keys the recipe leaves out): {settings}")
         corrected = async_defaults(_recipe_tree(recipe, set_ or []))
         if corrected and not print_config:
-            from rlx.engine.tracking import console
+            from rlx.observe.tracking import console
 
             console('rlx ppo: [async] samples are off-policy: train.rollout_is = "token" (set it to opt out)')
         if print_config:
@@ -65,7 +65,7 @@ def ppo(
 
             print(json.dumps(to_dict(cfg), indent=2))
             return
-        from rlx.engine.ppo.loop import run_ppo
+        from rlx.ppo.loop import run_ppo
         from rlx.utils.io import is_remote
 
         if out and is_remote(out):
@@ -74,7 +74,7 @@ def ppo(
                 f"copy checkpoints out with `rlx merge --out URL`)"
             )
         if cfg.async_ is not None:  # rollout ranks and trainers (under torchrun)
-            from rlx.engine.ppo.async_train import run_async_ppo as run_ppo
+            from rlx.ppo.async_train import run_async_ppo as run_ppo
         run_ppo(cfg, Path(out) if out else Path("runs") / recipe.stem, resume=resume, overwrite=overwrite)
 
 

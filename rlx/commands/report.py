@@ -23,7 +23,7 @@ def report(
     matplotlib (pip install 'rlx[report]'). Prints the summary's path.
     """
     with reporting("report"):
-        from rlx.engine.report import write_report
+        from rlx.stages.report import write_report
 
         result = write_report(run_dir, overwrite=overwrite)
         print(result.summary)

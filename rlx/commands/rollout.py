@@ -1,5 +1,5 @@
 """`rlx rollout`: sample N responses per prompt and write rollouts.jsonl. Options other than the files and the
-prompt selection are RolloutConfig's fields (rlx/engine/rollout/config.py)."""
+prompt selection are RolloutConfig's fields (rlx/rollout/config.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 
 from rlx.commands._common import reporting
 from rlx.commands._options import config_command
-from rlx.engine.rollout.config import RolloutConfig
+from rlx.rollout.config import RolloutConfig
 
 
 @config_command(
@@ -52,7 +52,7 @@ def rollout(
     (tool calls, environment replies) recorded token-exactly, with a loss_mask over its tokens.
     """
     with reporting("rollout"):
-        from rlx.engine.rollout.run import run_rollout
+        from rlx.stages.rollout import run_rollout
 
         run_rollout(
             cfg,

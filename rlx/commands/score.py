@@ -1,5 +1,5 @@
 """`rlx score`: rewards, old/ref logprobs, values and advantages -> scores.jsonl + batch.safetensors.
-Options other than the files are ScoreConfig's fields (rlx/engine/scoring/config.py)."""
+Options other than the files are ScoreConfig's fields (rlx/scoring/config.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 
 from rlx.commands._common import reporting
 from rlx.commands._options import config_command
-from rlx.engine.scoring.config import ScoreConfig
+from rlx.scoring.config import ScoreConfig
 
 
 @config_command(
@@ -62,7 +62,7 @@ def score(
     greedy baselines (`rlx rollout --remax-baseline`) go with --estimator remax.
     """
     with reporting("score"):
-        from rlx.engine.scoring.run import run_score
+        from rlx.stages.score import run_score
 
         run_score(
             cfg, rollouts, out, actor, ref, critic, temperature=temperature, metrics_path=metrics, overwrite=overwrite

@@ -9,7 +9,7 @@ import typer
 
 from rlx.commands._common import reporting
 from rlx.commands._options import config_command
-from rlx.engine.rollout.config import RolloutConfig
+from rlx.rollout.config import RolloutConfig
 
 
 @config_command(
@@ -54,6 +54,6 @@ def serve(
     starts a new segment. Point an OpenAI client at it (base_url=http://127.0.0.1:PORT/v1). Stops on Ctrl-C.
     """
     with reporting("serve"):
-        from rlx.engine.agent.serve import run_serve
+        from rlx.stages.serve import run_serve
 
         run_serve(cfg, model, port, out, max_requests=max_requests, name=served_name)

@@ -1,5 +1,5 @@
 """`rlx sft`: supervised fine-tuning of a model on demonstrations, written as a step-0 checkpoint. Options other than
-the files are SFTConfig's fields (rlx/engine/sft/config.py)."""
+the files are SFTConfig's fields (rlx/sft/config.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import typer
 
 from rlx.commands._common import reporting
 from rlx.commands._options import config_command
-from rlx.engine.sft.config import SFTConfig
 from rlx.errors import UserError
+from rlx.sft.config import SFTConfig
 
 
 @config_command(SFTConfig, "sft", exclude=("data",), metavars={"on_long_sample": "error|skip"})
@@ -59,6 +59,6 @@ def sft(
     with reporting("sft"):
         if init not in ("pretrained", "random"):
             raise UserError(f"--init {init!r}: expected 'pretrained' or 'random'")
-        from rlx.engine.sft.run import run_sft
+        from rlx.stages.sft import run_sft
 
         run_sft(dataclasses.replace(cfg, data=data), model, out, init=init, overwrite=overwrite, metrics_path=metrics)

@@ -6,9 +6,9 @@ from typing import Annotated
 
 import typer
 
+from rlx.checkpoints import catalog
 from rlx.commands._common import LORA_OPTIONS, reporting
 from rlx.commands._options import nested_config
-from rlx.engine.checkpoints import catalog
 from rlx.errors import UserError
 from rlx.models.lora_config import LoraConfig
 
@@ -79,7 +79,7 @@ def shard(
     with reporting("shard"):
         if init not in ("pretrained", "random"):
             raise UserError(f"--init {init!r}: expected 'pretrained' or 'random'")
-        from rlx.engine.checkpoints.shard import shard_model
+        from rlx.stages.shard import shard_model
 
         if role not in ("actor", "critic"):
             raise UserError(f"--role {role!r}: expected 'actor' or 'critic'")

@@ -1,5 +1,5 @@
 """`rlx train-step`: one PPO update of a checkpoint on a scored batch, written as the next checkpoint. Options other
-than the files are TrainConfig's fields (rlx/engine/training/config.py)."""
+than the files are TrainConfig's fields (rlx/training/config.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import typer
 
 from rlx.commands._common import LORA_OPTIONS, reporting
 from rlx.commands._options import config_command, nested_config
-from rlx.engine.training.config import TrainConfig
 from rlx.models.lora_config import LoraConfig
+from rlx.training.config import TrainConfig
 
 
 @config_command(
@@ -45,6 +45,6 @@ def train_step(
     --lora-* options on a checkpoint of full weights add fresh adapters to it (its weights become the base).
     """
     with reporting("train-step"):
-        from rlx.engine.training.run import run_train_step
+        from rlx.stages.train_step import run_train_step
 
         run_train_step(cfg, checkpoint, batch, out, overwrite=overwrite, metrics_path=metrics, lora=lora)

@@ -2,7 +2,7 @@
 files, plus the safetensors and weight-layout checks every loader shares.
 
 Checkpoints whose weights are not Hugging Face files are loaded one floor up
-(rlx/engine/checkpoints/loading.py), which builds the model from config.json and gives it the full weights.
+(rlx/checkpoints/loading.py), which builds the model from config.json and gives it the full weights.
 
 Every failure a user can cause (missing dir, no config, truncated or foreign weights, missing keys)
 becomes a UserError that names the path and what was expected.

@@ -7,7 +7,7 @@ megatron-core assumes CUDA in a few spots that rlx reaches:
   (first and last pipeline stage) after moving them with `.cuda()`; rlx loads both copies from the
   checkpoint, so the initial all-reduce is skipped (the attributes marking them shared are kept).
 - its pipeline schedules allocate on "cuda" and sync CUDA streams; rlx runs its own schedule
-  (rlx/engine/megatron/schedule.py), so nothing is patched for them.
+  (rlx/backends/megatron/schedule.py), so nothing is patched for them.
 - its RNG tracker forks CUDA generators; rlx uses no dropout inside megatron modules (attention is
   rlx's own core-attention module), so the tracker is never entered.
 

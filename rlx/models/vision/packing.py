@@ -1,7 +1,7 @@
 """Forwards of vision-language models over rlx's token layouts: packed rows ("remove padding", with or without
 sequence parallelism) and padded batches.
 
-rlx's packed forward (`rlx.engine.logprobs.packed_response_logprobs`, the value path, Ulysses) calls the
+rlx's packed forward (`rlx.logprobs.packed_response_logprobs`, the value path, Ulysses) calls the
 model's backbone with one row of concatenated samples: `input_ids` [1, T/sp] (this rank's slice of the
 row padded to T_pad), 1-D `position_ids`, and the attention kwargs `cu_seq_lens_q/k`, `max_length_q/k`
 (and `sp_group` under sequence parallelism) describing the whole padded row; the padded forward
@@ -82,7 +82,7 @@ class VisionRow:
     @classmethod
     def from_padded(cls, prompt_ids, prompt_mask, response_ids, response_mask, vision: VisionInputs, config):
         """The row of a padded micro-batch (left-padded prompts, right-padded responses), in the same order
-        and with the same tokens as `rlx.engine.logprobs.PackedRows.build` packs it."""
+        and with the same tokens as `rlx.logprobs.PackedRows.build` packs it."""
         ids = torch.cat([prompt_ids, response_ids], dim=1).cpu()
         mask = torch.cat([prompt_mask, response_mask], dim=1).bool().cpu()
         prompt_lengths = prompt_mask.sum(-1).tolist()

@@ -1,0 +1,116 @@
+"""Agents over the OpenAI-compatible endpoint: `NAME(record, base_url) -> float` for every sample, concurrently.
+
+The server runs in this process; each sample's agent gets its own base URL, so every request it
+makes (through the `openai` client or any HTTP client) lands in that sample's trajectory. The
+sample's record is its last trajectory segment; earlier segments (the agent rewrote its history)
+are kept in `segments` with the reason each began.
+
+The record handed to the agent keeps its prompt's image parts (`{"type": "image", "image": REF}`); the agent may
+send them as they are or as OpenAI `image_url` parts (request_images.py). A sample's images, the prompt's and any
+the agent sent later, are kept in token order in the record's `image_refs`, as an environment episode's are.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from rlx.agent.environment import CallPool, EnvError, load_object
+from rlx.chat.records import trajectory_record
+from rlx.errors import UserError
+from rlx.formats.records import PromptRecord, RolloutRecord
+from rlx.rollout.agent_config import AgentConfig
+from rlx.rollout.base import RolloutEngine
+from rlx.rollout.config import SamplingParams
+from rlx.serve.server import AgentServer
+from rlx.serve.sessions import SampleSession
+from rlx.serve.stream import StreamBackend
+
+
+class AgentRollout:
+    """Runs an agent per sample against an in-process server and returns the samples' rollout records."""
+
+    def __init__(
+        self, engine: RolloutEngine, tokenizer, sampling: SamplingParams, cfg: AgentConfig, agent: str | Callable
+    ):
+        self.engine, self.tokenizer, self.stop_ids = engine, tokenizer, set(engine.stop_ids)
+        self.sampling, self.cfg = sampling, cfg
+        self.name = agent if isinstance(agent, str) else getattr(agent, "__name__", repr(agent))
+        self.agent = load_object(agent, "--agent") if isinstance(agent, str) else agent
+        self.last_stats: dict[str, float] = {}
+
+    def generate(self, prompts: list[PromptRecord]) -> list[RolloutRecord]:
+        """`sampling.n` agent runs per prompt, in prompt order then sample order."""
+        began = time.perf_counter()
+        samples = [(p, i) for p in prompts for i in range(self.sampling.n)]
+        backend = StreamBackend(self.engine, self.sampling, self.cfg.max_total_tokens, max(len(samples), 1))
+        server = AgentServer(backend, self.tokenizer, self.stop_ids, self.sampling, self.cfg).start()
+        pool = CallPool(self.cfg.env_workers, self.cfg.agent_timeout_s)
+        try:
+            calls = [(self._call(server, p, i), f"agent {self.name} for sample {p.id}/{i!s}") for p, i in samples]
+            outcomes = pool.run(calls)
+        finally:
+            pool.close()
+            server.close()
+            backend.close()
+        records, errors = [], 0
+        for (prompt, index), outcome in zip(samples, outcomes):
+            session = server.sessions.get(f"{prompt.id}/{index}")
+            if outcome.error and self.cfg.on_env_error == "raise":
+                raise UserError(f"{outcome.error} (--on-env-error zero scores such samples 0 instead)")
+            if session is None or not session.segments:
+                raise UserError(f"agent {self.name} for sample {prompt.id}/{index}: it never called its base_url")
+            errors += outcome.error is not None
+            with session.lock:  # a timed-out agent's last request may still be finishing
+                records.append(self._record(prompt, index, session, outcome.value, outcome.error))
+        self.last_stats = {**_stats(records, errors, backend), "timing/generate_s": time.perf_counter() - began}
+        return records
+
+    def _call(self, server: AgentServer, prompt: PromptRecord, index: int) -> Callable[[], float]:
+        base_url = server.base_url(f"{prompt.id}/{index}")
+
+        def run() -> float:
+            reward = self.agent(prompt.to_json(), base_url)
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+                raise EnvError(
+                    f"agent {self.name} for sample {prompt.id}/{index} returned {reward!r}, expected a finite number"
+                )
+            return float(reward)
+
+        return run
+
+    def _record(
+        self, prompt: PromptRecord, index: int, session: SampleSession, reward: float | None, error: str | None
+    ) -> RolloutRecord:
+        last = session.segments[-1]
+        finish = "env_done" if error else "length" if session.hit_token_limit else last.finish_reason
+        extra: dict = {"num_segments": len(session.segments), "segment_reason": last.reason}
+        if len(session.segments) > 1:
+            extra["segments"] = [s.to_json() for s in session.segments[:-1]]
+        if error:
+            extra["env_error"] = error
+        return trajectory_record(
+            prompt,
+            index,
+            last.trajectory,
+            finish_reason=finish,
+            response=last.last_turn_text,
+            temperature=self.sampling.temperature,
+            env_reward=0.0 if error else reward,
+            extra=extra,
+            image_refs=last.image_refs,
+        )
+
+
+def _stats(records: list[RolloutRecord], errors: int, backend: StreamBackend) -> dict[str, float]:
+    count = max(len(records), 1)
+    return {
+        "rollout/tokens": float(sum(sum(r.loss_mask) for r in records)),
+        "rollout/turns_mean": sum(r.num_turns for r in records) / count,
+        "rollout/segments_mean": sum(r.extra["num_segments"] for r in records) / count,
+        "env/reward_mean": sum(r.env_reward for r in records) / count,
+        "env/errors": float(errors),
+        "serve/engine_steps": float(backend.num_steps),
+        "serve/largest_batch": float(backend.largest_batch),
+    }

@@ -1,0 +1,156 @@
+"""Micro-batches through the pipeline stages: stage forward, point-to-point activations, GPipe order.
+
+Every rank of a pipeline holds the same micro-batches (built from the same rows), so each stage knows
+the shape of what it will receive ([T, 1, H] activations of a packed row) without asking. The order is
+1F1B (one forward, one backward once the pipeline is full), so a stage keeps at most as many
+micro-batches' activations as there are stages; sends and receives between neighbours are issued
+together so that they cannot deadlock. Activations travel in float32. megatron-core's own schedules
+allocate on CUDA and are not used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rlx.backends.megatron.parallel import MegatronContext
+from rlx.logprobs import PackedRows
+from rlx.models.megatron.model import packed_params, packed_rotary
+from rlx.utils.device import autocast
+
+
+@dataclass
+class MicroBatch:
+    """One packed micro-batch as every stage sees it."""
+
+    rows: PackedRows
+    """Packing of the micro-batch's rows (on the model's device)."""
+    extra: object = None
+    """What the last stage's head needs besides the hidden states (tensors, the batch part, weights)."""
+
+
+def stage_forward(model, rows: PackedRows, input_tensor: torch.Tensor | None) -> torch.Tensor:
+    """This stage's layers on a packed row: [T, 1, H] (after the final norm on the last stage)."""
+    packed = rows.packed
+    if model.pre_process:
+        hidden = model.embedding(input_ids=packed.input_ids, position_ids=packed.position_ids)  # [T, 1, H]
+        if model.padding_idx is not None:  # as nn.Embedding(padding_idx=...): no gradient into that row
+            is_pad = (packed.input_ids == model.padding_idx).transpose(0, 1)[..., None]  # [T, 1, 1]
+            hidden = torch.where(is_pad, hidden.detach(), hidden)
+    else:
+        model.set_input_tensor(input_tensor)
+        hidden = None
+    rotary = packed_rotary(model, packed.position_ids, packed.max_len)  # applied by rlx's core attention
+    params = packed_params(packed.cu_seqlens.to(torch.int32), packed.max_len, rotary)
+    return model.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=None, packed_seq_params=params)
+
+
+def _activation(rows: PackedRows, hidden_size: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(rows.packed.total_len, 1, hidden_size, dtype=torch.float32, device=device)
+
+
+def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+    """Point-to-point sends and receives issued together (one NCCL group), then waited for: a stage
+    sending forward while its neighbour sends backward cannot deadlock."""
+    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends] + [
+        dist.P2POp(dist.irecv, t, peer) for t, peer in recvs
+    ]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+class _Pipeline:
+    """One stage's part of a schedule: forward / backward of micro-batch i with its neighbours' traffic."""
+
+    def __init__(self, model, ctx: MegatronContext, micro_batches, head, dtype, forward_only: bool):
+        self.model, self.ctx, self.micro_batches, self.head = model, ctx, micro_batches, head
+        self.dtype, self.forward_only = dtype, forward_only
+        self.hidden_size = model.config.hidden_size
+        self.prev, self.next = ctx.groups["prev"], ctx.groups["next"]
+        self.stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+
+    def recv_forward(self, i: int) -> torch.Tensor | None:
+        if self.ctx.is_first_stage:
+            return None
+        received = _activation(self.micro_batches[i].rows, self.hidden_size, self.ctx.device)
+        _exchange([], [(received, self.prev)])
+        return received
+
+    def forward(self, i: int, received: torch.Tensor | None) -> torch.Tensor | None:
+        """Run the stage on micro-batch i; returns the activation to send on (None on the last stage)."""
+        mb = self.micro_batches[i]
+        if received is not None:
+            received.requires_grad_(not self.forward_only)
+        with torch.set_grad_enabled(not self.forward_only), autocast(self.ctx.device, self.dtype):
+            out = stage_forward(self.model, mb.rows, received)
+            if self.ctx.is_last_stage:
+                out = self.head(out, mb)
+        if not self.forward_only:
+            self.stash[i] = (received, out)
+        return None if self.ctx.is_last_stage else out.detach().float().contiguous()
+
+    def backward(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Backward of micro-batch i given the gradient of its output; returns the input's gradient."""
+        received, out = self.stash.pop(i)
+        if self.ctx.is_last_stage:
+            out.backward()
+        else:
+            out.backward(grad.to(out.dtype))
+        return None if received is None else received.grad.contiguous()
+
+    def grad_buffer(self, i: int) -> torch.Tensor:
+        return _activation(self.micro_batches[i].rows, self.hidden_size, self.ctx.device)
+
+
+def run_pipeline(
+    model,
+    ctx: MegatronContext,
+    micro_batches: list[MicroBatch],
+    head: Callable[[torch.Tensor, MicroBatch], torch.Tensor | None],
+    dtype: torch.dtype,
+    forward_only: bool,
+) -> None:
+    """Forward every micro-batch through the stages (and backward unless `forward_only`), 1F1B order:
+    stage s runs (stages - s - 1) forwards ahead, then alternates one forward and one backward, so it
+    keeps at most `stages` micro-batches' activations.
+
+    On the last stage `head(hidden [T, 1, H], micro_batch)` runs after each forward; when training it
+    returns the (already weighted) loss to differentiate, else whatever it records itself."""
+    pipe = _Pipeline(model, ctx, micro_batches, head, dtype, forward_only)
+    count = len(micro_batches)
+    if forward_only:
+        for i in range(count):
+            out = pipe.forward(i, pipe.recv_forward(i))
+            _exchange([(out, pipe.next)] if out is not None else [], [])
+        return
+    warmup = min(ctx.pp_degree - ctx.pp_rank - 1, count)
+    for i in range(warmup):
+        out = pipe.forward(i, pipe.recv_forward(i))
+        _exchange([(out, pipe.next)], [])
+    received = pipe.recv_forward(warmup) if warmup < count else None
+    for i in range(count - warmup):  # steady state: forward warmup+i, backward i
+        out = pipe.forward(warmup + i, received)
+        grad = None
+        if out is not None:  # send the output and take the gradient of the oldest one, together
+            grad = pipe.grad_buffer(i)
+            _exchange([(out, pipe.next)], [(grad, pipe.next)])
+        grad_in = pipe.backward(i, grad)
+        last = i == count - warmup - 1
+        sends = [(grad_in, pipe.prev)] if grad_in is not None else []
+        received = (
+            None
+            if last or ctx.is_first_stage
+            else _activation(micro_batches[warmup + i + 1].rows, pipe.hidden_size, ctx.device)
+        )
+        _exchange(sends, [(received, pipe.prev)] if received is not None else [])
+    for i in range(count - warmup, count):  # cool-down: the remaining backwards
+        grad = None
+        if not ctx.is_last_stage:
+            grad = pipe.grad_buffer(i)
+            _exchange([], [(grad, pipe.next)])
+        grad_in = pipe.backward(i, grad)
+        _exchange([(grad_in, pipe.prev)] if grad_in is not None else [], [])

@@ -1,0 +1,130 @@
+"""A model's pipeline stage on this rank: built from the HF config, loaded from a rank state, run over
+a batch's micro-batches for logprobs / values (scoring) with results on every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlx.backends.megatron.forward import head_logprobs, head_values
+from rlx.backends.megatron.parallel import MegatronContext
+from rlx.backends.megatron.schedule import MicroBatch, run_pipeline
+from rlx.errors import UserError
+from rlx.logprobs import MODEL_INPUTS, PackedRows
+from rlx.models.megatron.model import build_stage, is_critic_config, move_stage
+
+
+def load_stage(hf_config, state: dict[str, torch.Tensor], ctx: MegatronContext, where: str):
+    """Build this rank's stage and load its megatron state (float32 parameters on ctx.device)."""
+    model = build_stage(hf_config, ctx.tp_degree, ctx.pp_degree, ctx.pp_rank)
+    expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        what = f"is missing {missing[0]}" if missing else f"has an unexpected tensor {unexpected[0]}"
+        raise UserError(f"{where}: the megatron shard of rank (tp {ctx.tp_rank}, pp {ctx.pp_rank}) {what}")
+    for name, tensor in model.state_dict().items():
+        if name in state and tuple(state[name].shape) != tuple(tensor.shape):
+            raise UserError(
+                f"{where}: {name} has shape {tuple(state[name].shape)}, expected {tuple(tensor.shape)} "
+                f"for tp {ctx.tp_degree} x pp {ctx.pp_degree}"
+            )
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    return move_stage(model, ctx.device)
+
+
+def micro_batches(tensors: dict[str, torch.Tensor], parts: list[list[int]], device: torch.device, extra=None):
+    """MicroBatch per list of row indices (packed on the CPU, then moved); its `extra` is `extra(index)`,
+    else the index list."""
+    out = []
+    for index in parts:
+        rows = PackedRows.build(*(tensors[k][index] for k in MODEL_INPUTS)).to(device)
+        out.append(MicroBatch(rows=rows, extra=index if extra is None else extra(index)))
+    return out
+
+
+def stage_forward_outputs(
+    model,
+    hf_config,
+    ctx: MegatronContext,
+    tensors: dict[str, torch.Tensor],
+    micro_batch_size: int,
+    temperature: float,
+    dtype: torch.dtype,
+    impl: str = "auto",
+    max_tokens: int = 0,
+) -> torch.Tensor:
+    """Logprobs [B, R] (a causal LM) or values [B, R] (a critic) of every row of `tensors`, float32 on
+    the CPU on every rank (computed by this rank's pipeline; the last stage broadcasts them). Micro-batches of
+    `micro_batch_size` rows, or with `max_tokens` consecutive rows of at most that many prompt + response tokens
+    (the stages of a pipeline see the same rows, so they split them alike)."""
+    from rlx.parallel.batching import count_micro_batches, token_budget_micro_batches
+
+    shape = tensors["response_ids"].shape
+    result = torch.zeros(shape, dtype=torch.float32)
+    if max_tokens:
+        lengths = (tensors["prompt_mask"].sum(-1) + tensors["response_mask"].sum(-1)).tolist()
+        parts = token_budget_micro_batches(lengths, max_tokens)
+    else:
+        parts = count_micro_batches(shape[0], micro_batch_size)
+    critic = is_critic_config(hf_config)
+
+    def head(hidden, mb):
+        part_shape = torch.Size((len(mb.extra), shape[1]))
+        if critic:
+            values = head_values(model, hidden, mb.rows, part_shape)
+        else:
+            values = head_logprobs(
+                model, ctx, hidden, mb.rows, part_shape, hf_config.vocab_size, temperature, dtype, impl
+            )[0]
+        result[mb.extra] = values.float().cpu()
+
+    model.eval()
+    run_pipeline(model, ctx, micro_batches(tensors, parts, ctx.device), head, dtype, forward_only=True)
+    if ctx.pp_degree > 1:
+        moved = result.to(ctx.device)
+        dist.broadcast(moved, src=ctx.groups["last"], group=ctx.pp_group)
+        result = moved.cpu()
+    return result
+
+
+class MegatronScoringModel:
+    """A megatron-layout checkpoint as `rlx score` uses it: this rank's stage, with logprobs (causal LM)
+    or values (critic) for every row computed by the pipelines, rows split over data-parallel ranks."""
+
+    def __init__(self, model, hf_config, ctx: MegatronContext):
+        """Wrap a resident stage (e.g. a trainer's; no copy)."""
+        self.model, self.config, self.ctx = model, hf_config, ctx
+
+    def logprobs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype,
+                 micro_batch_size: int, impl: str = "auto", desc: str = "logprobs",
+                 max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
+        """[B, R] float32 on the CPU (zero at masked positions), identical on every rank (the stages run packed
+        micro-batches of micro_batch_size rows, or of at most `max_tokens` tokens)."""
+        return self._outputs(tensors, temperature, dtype, micro_batch_size, impl, max_tokens)
+
+    def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int,
+               max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
+        """[B, R] float32 on the CPU (zero at masked positions), identical on every rank."""
+        return self._outputs(tensors, 1.0, dtype, micro_batch_size, max_tokens=max_tokens)
+
+    def _outputs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype, micro_batch_size: int,
+                 impl: str = "auto", max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
+        """[B, R] float32 on the CPU (zero at masked positions), identical on every rank."""
+        from rlx.parallel.dist import shard_range
+
+        ctx, size = self.ctx, tensors["response_ids"].shape[0]
+        mine = list(shard_range(size, ctx.dp_rank, ctx.dp_size))
+        local = {k: tensors[k][mine] for k in MODEL_INPUTS}
+        was_training = self.model.training
+        out = stage_forward_outputs(
+            self.model, self.config, ctx, local, micro_batch_size, temperature, dtype, impl, max_tokens
+        )
+        self.model.train(was_training)
+        if ctx.dp_size > 1:
+            parts = [None] * ctx.dp_size
+            dist.all_gather_object(parts, (mine, out), group=ctx.dp_group)
+            full = torch.zeros(tensors["response_ids"].shape, dtype=torch.float32)
+            for rows, values in parts:
+                full[rows] = values
+            out = full
+        return out * tensors["response_mask"]

@@ -1,0 +1,225 @@
+"""The update loop on megatron-core stages: the same epochs x mini-batches x micro-batches, losses and
+normalisers as the FSDP trainers (rlx/training), with the model split tp x pp and data parallel
+on top.
+
+Per optimizer step: this data-parallel rank's rows run through the pipeline (schedule.py) and the last
+stage's loss is the actor's or critic's own `micro_loss`; gradients are summed over the data-parallel
+group (the losses are normalised by global token counts, so the sum is the mini-batch gradient), the
+two copies of a tied embedding (first and last stage) are summed, and the global norm counts every
+parameter once (tensor-parallel replicas and the embedding copy only once). AdamW then updates each
+rank's own slices: elementwise, so the result equals the unsharded update.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from rlx.backends.megatron.forward import head_logprobs, head_values
+from rlx.backends.megatron.parallel import MegatronContext
+from rlx.backends.megatron.schedule import run_pipeline
+from rlx.backends.megatron.stage import MegatronScoringModel, load_stage, micro_batches
+from rlx.backends.megatron.weights import gather_hf_weights, stream_hf_weights
+from rlx.checkpoints.base import LocalState
+from rlx.errors import UserError
+from rlx.formats.batch import TrainBatch
+from rlx.models.megatron.model import is_critic_config
+from rlx.training.actor import ActorTrainer
+from rlx.training.config import TrainConfig
+from rlx.training.critic import CriticTrainer
+from rlx.training.optim import build_adamw, load_optimizer_tensors
+from rlx.utils.device import resolve_precision
+
+_SEP = "::"
+UNSUPPORTED = ("param_offload", "activation_offload", "compile", "gradient_checkpointing")
+
+
+class MegatronTraining:
+    """What a megatron trainer does differently from the FSDP one (mixed into the actor and critic)."""
+
+    def __init__(self, model, hf_config, cfg: TrainConfig, ctx: MegatronContext, dtype: torch.dtype):
+        for name in UNSUPPORTED:
+            if getattr(cfg, name):
+                raise UserError(f"{name} is not supported by the megatron backend yet ({self.role})")
+        if cfg.sp_degree != 1:
+            raise UserError(f"sp_degree {cfg.sp_degree}: the megatron backend uses tensor parallelism instead")
+        self.cfg, self.ctx, self.device, self.hf_config = cfg, ctx, ctx.device, hf_config
+        self.model, self.dtype, self.gradient_scale, self.sp_group = model, dtype, 1.0, None
+        self.optimizer = build_adamw(model, cfg)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def accumulate_gradients(self, mini: TrainBatch, sums: dict[str, float]) -> None:
+        norm = self.loss_norm(mini)
+        local = mini.select(self.local_rows(mini))
+
+        def batch_part(index: list[int]) -> tuple[dict[str, torch.Tensor], TrainBatch]:
+            part = local.select(index)
+            return {k: v.to(self.device) for k, v in part.tensors().items()}, part
+
+        micro = micro_batches(local.tensors(), self.micro_batches(local), self.device, batch_part)
+        self.model.train()
+        run_pipeline(
+            self.model,
+            self.ctx,
+            micro,
+            lambda hidden, mb: self.head_loss(hidden, mb.rows, *mb.extra, norm, sums),
+            self.dtype,
+            forward_only=False,
+        )
+
+    def _update(self, mini: TrainBatch, sums: dict[str, float]) -> float:
+        self.accumulate_gradients(mini, sums)
+        self._sync_gradients()
+        grad_norm = self._clip_gradients()
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return params
+
+    def _sync_gradients(self) -> None:
+        """Sum gradients over data-parallel ranks, and over the tied embedding's two stages."""
+        params = self._params()
+        if self.ctx.dp_size > 1:
+            _all_reduce_coalesced([p.grad for p in params], self.ctx.dp_group)
+        shared = [p for p in params if getattr(p, "shared_embedding", False)]
+        group = self.ctx.groups.get("embedding")
+        if shared and group is not None and self.ctx.pp_degree > 1:
+            _all_reduce_coalesced([p.grad for p in shared], group)
+
+    def _clip_gradients(self) -> float:
+        """Global gradient norm over the model-parallel group (each parameter once); clip in place."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        params = self._params()
+        counted = [
+            p.grad
+            for p in params
+            if param_is_not_tensor_parallel_duplicate(p)
+            and not (getattr(p, "shared", False) and not self.ctx.is_first_stage)  # the tied copy counts once
+        ]
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for grad in counted:
+            total += grad.detach().double().pow(2).sum()
+        dist.all_reduce(total, group=self.ctx.mp_group)
+        norm = float(total.sqrt())
+        max_norm = self.cfg.max_grad_norm
+        if max_norm > 0 and math.isfinite(norm):
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1:
+                for p in params:
+                    p.grad.mul_(coef)
+        return norm
+
+    def _reduce_sums(self, sums: dict) -> dict[str, float]:
+        """Sums of the last stage (where the losses are), reduced over data parallel, on every rank."""
+        out = super()._reduce_sums(sums) if self.ctx.is_last_stage else {}
+        if self.ctx.pp_degree > 1:
+            box = [out]
+            dist.broadcast_object_list(box, src=self.ctx.groups["last"], group=self.ctx.pp_group)
+            out = box[0]
+        return out
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """This rank's AdamW state keyed '<megatron param name>::<key>'."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            for key, value in self.optimizer.state.get(p, {}).items():
+                out[f"{name}{_SEP}{key}"] = (
+                    value.detach().cpu() if torch.is_tensor(value) else torch.tensor(value, dtype=torch.float32)
+                )
+        return out
+
+    def load_optimizer_state(self, tensors: dict[str, torch.Tensor] | None, where: str) -> None:
+        if tensors:
+            load_optimizer_tensors(self.model, self.optimizer, tensors, where)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """This rank's weights with megatron names (float32, on the CPU)."""
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+
+    # --- what checkpoints, scoring and rollouts take from a trainer (see rlx/backends/base.py) ---------
+
+    module = None  # no Hugging Face module here: rollout engines get the weights copied
+
+    @property
+    def config(self):
+        return self.hf_config
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.is_main
+
+    @property
+    def world(self) -> int:
+        return self.ctx.world
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return gather_hf_weights(self.model, self.hf_config, self.ctx)
+
+    def full_optimizer_state(self):
+        raise UserError("the megatron backend keeps its optimizer state per stage: save in the 'megatron' layout")
+
+    def local_state(self) -> LocalState:
+        ctx = self.ctx
+        coords = {"tp_degree": ctx.tp_degree, "pp_degree": ctx.pp_degree, "tp_rank": ctx.tp_rank,
+                  "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank}  # fmt: skip
+        return LocalState("megatron", self.model_state(), self.optimizer_state(), coords)
+
+    def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full Hugging Face weights (float32) on this rank's device, gathered over the model-parallel group about
+        `bucket_bytes` at a time (every rank drains it together; weights.py)."""
+        return stream_hf_weights(self.model, self.hf_config, self.ctx, bucket_bytes)
+
+    def scoring_model(self) -> MegatronScoringModel:
+        """The trainer's stage as scoring uses megatron models (no copy)."""
+        return MegatronScoringModel(self.model, self.hf_config, self.ctx)
+
+
+def _all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
+    flat = torch._utils._flatten_dense_tensors(tensors)
+    dist.all_reduce(flat, group=group)
+    for tensor, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+        tensor.copy_(synced)
+
+
+class MegatronActorTrainer(MegatronTraining, ActorTrainer):
+    """The policy on megatron stages: vocab-parallel logprobs on the last stage, the actor's loss."""
+
+    def head_loss(self, hidden, rows, t, part, norm, sums) -> torch.Tensor:
+        logp, entropy = head_logprobs(
+            self.model, self.ctx, hidden, rows, part.response_ids.shape, self.vocab_size,
+            part.meta.temperature, self.dtype, self.cfg.logprob_impl,
+        )  # fmt: skip
+        return self.micro_loss(t, logp, entropy, norm, sums)
+
+
+class MegatronCriticTrainer(MegatronTraining, CriticTrainer):
+    """The value model on megatron stages: the value head on the last stage, the clipped value loss."""
+
+    def head_loss(self, hidden, rows, t, part, norm, sums) -> torch.Tensor:
+        values = head_values(self.model, hidden, rows, part.response_ids.shape)
+        return self.micro_loss(t, values, norm, sums)
+
+
+def build_megatron_trainer(hf_config, train_cfg: TrainConfig, ctx: MegatronContext, state: dict, where: str,
+                           optimizer_state: dict | None = None):  # fmt: skip
+    """This rank's stage loaded from its megatron `state`, as the actor's or the critic's trainer (by the
+    config: a `*ForTokenClassification` config is a critic), with its AdamW state when given."""
+    stage = load_stage(hf_config, state, ctx, where)
+    trainer_cls = MegatronCriticTrainer if is_critic_config(hf_config) else MegatronActorTrainer
+    trainer = trainer_cls(stage, hf_config, train_cfg, ctx, resolve_precision(train_cfg.precision, ctx.device))
+    trainer.load_optimizer_state(optimizer_state, where)
+    return trainer

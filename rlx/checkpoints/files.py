@@ -1,0 +1,96 @@
+"""The files every layout shares: config/tokenizer files byte for byte, Hugging Face weight files, optimizer
+state as named tensors.
+
+    CKPT/
+      rlx.json                   layout, step, data position, optimizer hyper-parameters, provenance
+      config.json, tokenizer...  copied byte for byte from the source model dir
+      model.safetensors          weights with Hugging Face names (sharded + index when large): 'single' layout
+      optimizer.safetensors      optimizer state per parameter name (after a train step): 'single' layout
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rlx.checkpoints.meta import META_NAME
+from rlx.models.loading import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, read_safetensors
+from rlx.utils.files import apply_umask
+from rlx.utils.tensor_files import save_tensors
+
+OPTIMIZER_NAME = "optimizer.safetensors"
+MAX_SHARD_SIZE = "5GB"
+_NOT_AUX = {META_NAME, OPTIMIZER_NAME, WEIGHTS_INDEX_NAME, "lora.json"}  # lora.json: a LoRA checkpoint's own
+
+
+def aux_files(folder: Path) -> dict[str, bytes]:
+    """Top-level non-weight files of a model dir (config, tokenizer, templates), as bytes."""
+    out = {}
+    for path in sorted(Path(folder).iterdir()):
+        if (
+            path.is_file()
+            and path.name not in _NOT_AUX
+            and not path.name.startswith(".")
+            and path.suffix not in (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+        ):
+            out[path.name] = path.read_bytes()
+    return out
+
+
+def generated_aux(model, tokenizer) -> dict[str, bytes]:
+    """config.json, generation_config.json and tokenizer files written by transformers, as bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        return aux_files(Path(tmp))
+
+
+def write_aux(folder: Path, aux: dict[str, bytes]) -> None:
+    """Write config, tokenizer and other non-weight files byte for byte."""
+    for name, data in aux.items():
+        (folder / name).write_bytes(data)
+
+
+def write_weights(folder: Path, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:
+    """Write weights in the Hugging Face layout: one file, or shards plus an index past MAX_SHARD_SIZE."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    tensors = {
+        k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+        for k, v in state.items()
+    }
+    split = split_torch_state_dict_into_shards(
+        tensors, filename_pattern="model{suffix}.safetensors", max_shard_size=MAX_SHARD_SIZE
+    )
+    for filename, keys in split.filename_to_tensors.items():
+        save_tensors({k: tensors[k] for k in keys}, folder / filename, metadata={"format": "pt"})
+        apply_umask(folder / filename)  # safetensors makes its files 0600
+    if split.is_sharded:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": split.tensor_to_filename,
+        }
+        (folder / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    else:
+        assert list(split.filename_to_tensors) == [WEIGHTS_NAME]
+
+
+def write_optimizer_state(folder: Path, state: dict[str, torch.Tensor]) -> None:
+    """Write optimizer tensors keyed '<param>::<state key>' to OPTIMIZER_NAME."""
+    save_tensors(
+        {k: v.detach().cpu().contiguous() for k, v in state.items()},
+        folder / OPTIMIZER_NAME,
+        metadata={"format": "rlx-optimizer"},
+    )
+    apply_umask(folder / OPTIMIZER_NAME)
+
+
+def read_optimizer_state(folder: Path) -> dict[str, torch.Tensor] | None:
+    """The folder's optimizer.safetensors, or None when it has none."""
+    path = Path(folder) / OPTIMIZER_NAME
+    return read_safetensors(path) if path.is_file() else None

@@ -1,0 +1,169 @@
+"""Models from any source a command accepts: a Hugging Face dir, a GGUF file, or an rlx checkpoint of any layout.
+
+A folder that is a Hugging Face model dir loads with transformers' `from_pretrained`; a checkpoint of another
+layout is built from its config.json and given the full weights its layout reads. `rlx shard`, `rlx train-step`,
+`rlx score`, `rlx rollout` and `rlx ppo` all load through here, so the driver and the separate commands start
+from bit-identical weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from rlx.checkpoints.files import aux_files, generated_aux
+from rlx.checkpoints.registry import is_hf_dir, read_full_weights, read_lora, read_meta_or_default
+from rlx.errors import UserError
+from rlx.models.loading import (
+    ModelSource,
+    causal_lm_class,
+    check_weights_match,
+    init_random_model,
+    load_causal_lm,
+    load_config,
+    load_tokenizer,
+    quiet_transformers,
+    resolve_source,
+    weight_files,
+)
+from rlx.models.value import build_value_model, check_value_config, load_value_model, value_model_class
+from rlx.models.vision.families import is_vision_config
+
+_MODEL_FILES = ("config.json", "generation_config.json")  # the policy's own; a critic's config is written anew
+
+
+def _auto_class(role: str, config):
+    return value_model_class(config) if role == "critic" else causal_lm_class(config)
+
+
+def load_model(
+    source: ModelSource, role: str = "actor", dtype: torch.dtype | None = torch.float32, adapters: bool = False
+):
+    """The causal LM (role 'actor') or value model (role 'critic') of `source`, on the CPU in `dtype`. A LoRA
+    checkpoint gives its merged weights, or with `adapters` its base (in `dtype`) with the adapters in as PEFT
+    layers (float32): what the trainer computed with."""
+    if role == "critic":
+        check_value_config(load_config(source), source.path)
+    lora = read_lora(source.path) if adapters and not source.is_gguf else None
+    if lora is not None:
+        return lora.build_model(dtype or torch.float32)
+    if source.is_gguf or is_hf_dir(source.path):
+        return load_value_model(source, dtype) if role == "critic" else load_causal_lm(source, dtype)
+    quiet_transformers()
+    config = load_config(source)
+    model = _auto_class(role, config).from_config(config, dtype=torch.float32)
+    weights = read_full_weights(source.path)
+    check_weights_match(model, weights, source.path)
+    model.load_state_dict(weights, strict=False)
+    model.tie_weights()
+    return model.to(dtype) if dtype is not None else model
+
+
+def load_processor(source: ModelSource, options=None, config=None):
+    """The image processor + tokenizer of a vision-language model (`VisionProcessor`, with a `VisionConfig`'s
+    pixel limits), or None for a text-only model; a vision-language model dir without its processor files
+    (preprocessor_config.json) is a UserError naming the file."""
+    from rlx.models.vision.families import is_vision_config
+    from rlx.models.vision.processor import vision_processor_for
+
+    if source.is_gguf:
+        return None
+    config = config if config is not None else load_config(source)
+    return vision_processor_for(source.folder, config, options) if is_vision_config(config) else None
+
+
+def load_initial_policy(path: str | Path, init: str = "pretrained", seed: int = 0):
+    """(model float32 on CPU, tokenizer, aux files) for a training start point.
+
+    init='pretrained' loads the weights of an HF dir, checkpoint or GGUF file; init='random'
+    initialises from the folder's config.json with `seed` (weights in the folder are ignored).
+    """
+    source = resolve_source(path)
+    check_init(source, init)
+    tokenizer = load_tokenizer(source)
+    if init == "random":
+        model = init_random_model(load_config(source), seed)
+        return model, tokenizer, aux_files(source.folder)
+    if init != "pretrained":
+        raise UserError(f"unknown init {init!r} (expected 'pretrained' or 'random')")
+    model = load_model(source)
+    aux = generated_aux(model, tokenizer) if source.is_gguf else aux_files(source.folder)
+    return model, tokenizer, aux
+
+
+def check_init(source: ModelSource, init: str) -> None:
+    """Refuse init 'random' where it would silently throw trained weights away: a GGUF file (no config.json
+    folder) or an rlx checkpoint that training wrote (step >= 1)."""
+    if init != "random":
+        return
+    if source.is_gguf:
+        raise UserError(f"{source.path}: init 'random' needs a folder with config.json, not a GGUF file")
+    step = read_meta_or_default(source.path).step
+    if step >= 1:
+        raise UserError(
+            f"{source.path}: a trained checkpoint (step {step}), but init 'random' would start from new random "
+            f"weights; use init 'pretrained' to start from its weights, or give the folder with only config.json "
+            f"and the tokenizer"
+        )
+
+
+def load_trained_policy(source: ModelSource, role: str = "actor"):
+    """(model float32 on CPU, tokenizer, aux files) of a checkpoint or HF dir to continue from; role 'critic'
+    loads a value model (see rlx.models.value)."""
+    return load_model(source, role), load_tokenizer(source), aux_files(source.folder)
+
+
+def build_critic_files(
+    policy, tokenizer, seed: int, policy_aux: dict[str, bytes] | None = None
+) -> tuple[torch.nn.Module, dict[str, bytes]]:
+    """A value model from `policy` (backbone copied, head seeded) and its config/tokenizer files; a vision-language
+    critic keeps the policy's own files (`policy_aux`: tokenizer, chat template, image processor) byte for byte
+    with its config.json in place of the policy's, so its checkpoints read their batches' images as the policy's do."""
+    critic = build_value_model(policy, seed)
+    aux = generated_aux(critic, tokenizer)
+    if is_vision_config(critic.config) and policy_aux:
+        aux = {**{k: v for k, v in policy_aux.items() if k not in _MODEL_FILES}, "config.json": aux["config.json"]}
+    return critic, aux
+
+
+def checkpoint_weights(folder: Path, tied: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a model dir or checkpoint, read one file at a time from a Hugging Face dir (a
+    checkpoint of another layout is gathered whole first). With `tied` embeddings the files hold no lm_head;
+    it is given as the embedding (a consumer that expects every weight, e.g. vLLM's reload, needs it)."""
+    from safetensors import safe_open
+
+    if not is_hf_dir(folder):
+        weights = read_full_weights(folder)
+        for name, tensor in weights.items():
+            yield name, tensor
+            if tied and name == "model.embed_tokens.weight" and "lm_head.weight" not in weights:
+                yield "lm_head.weight", tensor
+        return
+    for path in weight_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())  # safe_open is not a mapping
+            for name in names:
+                tensor = f.get_tensor(name)
+                yield name, tensor
+                if tied and name == "model.embed_tokens.weight" and "lm_head.weight" not in names:
+                    yield "lm_head.weight", tensor
+
+
+class CheckpointWeights:
+    """A rollout engine's WeightSource reading a model dir or checkpoint from disk (rollout.weight_sync = 'disk')."""
+
+    module = None
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        tied = bool(getattr(load_config(ModelSource(self.folder)), "tie_word_embeddings", False))
+        return checkpoint_weights(self.folder, tied)
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """A LoRA checkpoint's adapters as stored (the engine holds the base); None for full weights."""
+        lora = read_lora(self.folder)
+        return lora.tensors() if lora is not None else None

@@ -1,0 +1,289 @@
+"""Evaluation on held-out prompts: `rlx eval`, and the `[eval]` table of a recipe (`evaluate`, with the run's
+resident engine).
+
+Greedy by default (temperature 0, one response per prompt); with n samples per prompt at a temperature,
+pass@k (the unbiased estimator of Chen et al. 2021, k = 1, 2, 4, ... and n) and mean@n. A sample is
+correct when its reward reaches `correct_threshold`. The metric math is pure Python below; the call into
+the rollout engine lives in `generate` alone, and rewards come from the scoring stage's `compute_rewards`.
+
+    DIR/eval.jsonl    one line per sample: id, prompt_id, sample_index, data_source, prompt, response,
+                      ground_truth, reward, is_correct, rewards (per function), response_length, finish_reason
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rlx.config import check, check_choices
+from rlx.errors import UserError
+from rlx.formats.records import FORMAT_VERSION
+
+EVAL_FILE = "eval.jsonl"
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """What to evaluate on and how responses are sampled (`rlx eval`; the `[eval]` table of a recipe)."""
+
+    prompts: str
+    """Held-out prompts.jsonl (or verl .parquet); never trained on."""
+    every: int = 0
+    """`rlx ppo`: evaluate after every this many steps (0 = after the last step only)."""
+    before_training: bool = False
+    """`rlx ppo`: also evaluate the initial policy (logged at step 0)."""
+    n: int = 1
+    """Responses per prompt (pass@k and mean@n need n > 1 and a temperature > 0)."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling (1 = off)."""
+    top_k: int = 0
+    """Keep only the top_k most likely tokens (0 = off)."""
+    max_new_tokens: int = 256
+    """Longest response, in tokens."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings, as rollout.stop (the response ends before the first one)."""
+    seed: int = 0
+    """Sampling seed (each sample has its own stream, as in `rlx rollout`)."""
+    reward: list[str] = field(default_factory=list)
+    """Reward functions as in `rlx score --reward`; empty = the built-in named by each prompt's data_source."""
+    correct_threshold: float = 1.0
+    """A sample counts as correct (pass@k) when its reward is at least this."""
+    on_reward_error: Literal["raise", "zero"] = "raise"
+    """A reward function that raises or returns NaN: stop naming the sample, or score it 0 and count it."""
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        check(bool(self.prompts), "prompts", "must name a prompts file")
+        check(self.every >= 0, "every", f"must be >= 0, got {self.every}")
+        check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        check(
+            self.n == 1 or self.temperature > 0,
+            "n",
+            f"n = {self.n} greedy responses would all be the same: give a temperature > 0 for pass@k",
+        )
+        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= -1, "top_k", f"must be >= 0 (or -1 for off), got {self.top_k}")
+        check(self.max_new_tokens >= 1, "max_new_tokens", f"must be at least 1, got {self.max_new_tokens}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+
+    def rollout_config(self, **engine_settings):
+        """The RolloutConfig that samples these responses; `engine_settings` are its other fields (engine,
+        device, precision, batch_size...)."""
+        from rlx.rollout.config import RolloutConfig
+
+        names = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "seed", "stop")
+        sampling = {k: getattr(self, k) for k in names}
+        return RolloutConfig(**sampling, **engine_settings)
+
+
+# ---- metric math (pure functions) ----
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with c correct among n samples: 1 - C(n - c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def k_values(n: int) -> list[int]:
+    """k = 1, 2, 4, ... up to n, and n itself."""
+    ks = [2**i for i in range(n.bit_length()) if 2**i <= n]
+    return ks if ks[-1] == n else [*ks, n]
+
+
+def group_metrics(rewards: dict[str, list[float]], correct: dict[str, list[bool]], prefix: str) -> dict[str, float]:
+    """reward_mean over samples, mean@n (per-prompt mean reward, averaged) and pass@k (averaged over prompts)
+    of prompts that each have the same number n of samples (dicts keyed by prompt id)."""
+    sizes = {len(v) for v in rewards.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"every prompt needs the same number of samples, got {sorted(sizes)}")
+    n = sizes.pop()
+    all_rewards = [r for v in rewards.values() for r in v]
+    out = {
+        f"{prefix}reward_mean": sum(all_rewards) / len(all_rewards),
+        f"{prefix}mean@{n}": sum(sum(v) / n for v in rewards.values()) / len(rewards),
+        f"{prefix}num_prompts": float(len(rewards)),
+    }
+    for k in k_values(n):
+        out[f"{prefix}pass@{k}"] = sum(pass_at_k(n, sum(c), k) for c in correct.values()) / len(correct)
+    return out
+
+
+def eval_metrics(samples: list[EvalSample]) -> dict[str, float]:
+    """val/* metrics of evaluated samples; per data_source too (val/SOURCE/...) when there are several."""
+    by_source: dict[str | None, list[EvalSample]] = defaultdict(list)
+    for s in samples:
+        by_source[s.data_source].append(s)
+    out = _metrics_of(samples, "val/")
+    out["val/response_length_mean"] = sum(s.response_length for s in samples) / len(samples)
+    if len(by_source) > 1:
+        for source, part in sorted(by_source.items(), key=lambda kv: str(kv[0])):
+            out.update(_metrics_of(part, f"val/{source}/"))
+    return out
+
+
+def _metrics_of(samples: list[EvalSample], prefix: str) -> dict[str, float]:
+    rewards: dict[str, list[float]] = defaultdict(list)
+    correct: dict[str, list[bool]] = defaultdict(list)
+    for s in samples:
+        rewards[s.prompt_id].append(s.reward)
+        correct[s.prompt_id].append(s.is_correct)
+    return group_metrics(rewards, correct, prefix)
+
+
+# ---- records and the stage ----
+
+
+@dataclass(kw_only=True)
+class EvalSample:
+    """One line of eval.jsonl: a response to a held-out prompt and its grade."""
+
+    id: str
+    prompt_id: str
+    sample_index: int
+    data_source: str | None
+    prompt: Any
+    response: str
+    ground_truth: Any
+    reward: float
+    is_correct: bool
+    rewards: dict
+    response_length: int
+    finish_reason: str
+    reward_error: str | None = None
+
+    def to_json(self) -> dict:
+        out = {"format_version": FORMAT_VERSION, **dataclasses.asdict(self)}
+        if out["reward_error"] is None:
+            del out["reward_error"]
+        return out
+
+
+def generate(cfg: EvalConfig, rollout_cfg, model, tokenizer, prompts: list, ctx=None, processor=None) -> list:
+    """The one call into the rollout engine: responses (RolloutRecords) to `prompts` as `rollout_cfg` samples
+    (`processor`: a vision-language model's, for prompts with images)."""
+    from rlx.rollout.base import build_engine
+
+    engine = build_engine(rollout_cfg, model, tokenizer, ctx, processor)
+    try:
+        return engine.generate(prompts, rollout_cfg.sampling()).records
+    finally:
+        engine.close()
+
+
+def grade(rollouts: list, cfg: EvalConfig) -> list[EvalSample]:
+    """Rewards of the responses (the scoring stage's reward functions) and whether each is correct."""
+    from rlx.scoring.config import ScoreConfig
+    from rlx.scoring.score import compute_rewards
+
+    rewards = compute_rewards(rollouts, ScoreConfig(reward=list(cfg.reward), on_reward_error=cfg.on_reward_error))
+    samples = []
+    for i, r in enumerate(rollouts):
+        reward = float(rewards.scores[i])
+        samples.append(
+            EvalSample(
+                id=r.id,
+                prompt_id=r.prompt_id,
+                sample_index=r.sample_index,
+                data_source=r.data_source,
+                prompt=r.prompt,
+                response=r.response,
+                ground_truth=r.ground_truth,
+                reward=reward,
+                is_correct=rewards.errors[i] is None and reward >= cfg.correct_threshold,
+                rewards=rewards.details[i],
+                response_length=len(r.response_ids),
+                finish_reason=r.finish_reason,
+                reward_error=rewards.errors[i],
+            )
+        )
+    return samples
+
+
+def evaluate(cfg: EvalConfig, engine, prompts: list) -> tuple[list[EvalSample], dict[str, float]]:
+    """Graded samples and val/* metrics of `prompts` answered by a resident rollout engine (`rlx ppo`'s [eval]).
+    Every sample draws from its own stream seeded by cfg.seed: nothing of the training stream is used."""
+    samples = grade(engine.generate(prompts, cfg.rollout_config().sampling(), progress=False).records, cfg)
+    return samples, graded_metrics(samples)
+
+
+def graded_metrics(samples: list[EvalSample]) -> dict[str, float]:
+    """val/* metrics of graded samples (an async run's rollout ranks each grade a share of the prompts)."""
+    metrics = eval_metrics(samples)
+    metrics["val/num_reward_errors"] = float(sum(s.reward_error is not None for s in samples))
+    return metrics
+
+
+def eval_due(cfg: EvalConfig | None, step: int, start_step: int, steps: int) -> bool:
+    """Whether `rlx ppo` evaluates the weights after `step` (step 0: the initial policy, with before_training; a
+    resumed run evaluates none of the steps before its start)."""
+    if cfg is None:
+        return False
+    if step <= start_step:
+        return step == start_step == 0 and cfg.before_training
+    return step == steps or (cfg.every > 0 and step % cfg.every == 0)
+
+
+def run_eval(
+    cfg: EvalConfig,
+    model_path: str,
+    out: str,
+    engine_settings: dict | None = None,
+    metrics_path: str | Path | None = None,
+    overwrite: bool = False,
+) -> dict[str, float]:
+    """`rlx eval`: answer cfg.prompts with the model, grade, write OUT/eval.jsonl and a metrics line (logged at
+    the checkpoint's step). Returns the metrics."""
+    from rlx.checkpoints.loading import load_model, load_processor
+    from rlx.checkpoints.registry import read_meta_or_default
+    from rlx.formats.records import read_prompts
+    from rlx.models.loading import load_config, load_tokenizer, resolve_source
+    from rlx.observe.tracking import console, log_metrics
+    from rlx.parallel.dist import setup
+    from rlx.rollout.lengths import limit_prompts, model_context
+    from rlx.utils.files import check_writable
+    from rlx.utils.io import exists, is_remote, join, local, write_jsonl
+
+    start = time.perf_counter()
+    target = join(out, EVAL_FILE)
+    if not is_remote(out) and local(out).exists() and not local(out).is_dir():
+        raise UserError(f"--out {out}: is a file; expected a folder for {EVAL_FILE}")
+    if exists(target) and not overwrite:
+        raise UserError(f"{target}: already exists (choose another --out or pass --overwrite)")
+    check_writable(target)
+    prompts = read_prompts(cfg.prompts)
+    rollout_cfg = cfg.rollout_config(**(engine_settings or {}))
+    source = resolve_source(model_path)
+    tokenizer = load_tokenizer(source)
+    config = load_config(source)
+    processor = load_processor(source, rollout_cfg.vision, config)
+    limits = dict(config=config, processor=processor)
+    prompts = limit_prompts(prompts, tokenizer, rollout_cfg, model_context(config), cfg.prompts, **limits)
+    ctx = setup(rollout_cfg.device)
+    rollouts = generate(cfg, rollout_cfg, load_model(source).requires_grad_(False), tokenizer, prompts, ctx, processor)
+    if not ctx.is_main:
+        return {}
+    samples = grade(rollouts, cfg)
+    metrics = eval_metrics(samples)
+    metrics["val/num_reward_errors"] = float(sum(s.reward_error is not None for s in samples))
+    write_jsonl(target, (s.to_json() for s in samples))
+    step = read_meta_or_default(source.path).step
+    log_metrics(metrics_path, step, {**metrics, "timing/eval_s": time.perf_counter() - start})
+    pass_keys = [k for k in metrics if k.startswith("val/pass@")]
+    console(
+        f"rlx eval: {len(prompts)} prompts x {cfg.n}: reward mean {metrics['val/reward_mean']:.3f}, "
+        + ", ".join(f"{k[4:]} {metrics[k]:.3f}" for k in pass_keys)
+        + f" -> {target}"
+    )
+    return metrics

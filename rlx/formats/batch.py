@@ -1,0 +1,246 @@
+"""`batch.safetensors`: the training batch that `rlx score` writes and `rlx train-step` reads.
+
+Tensors (B samples, P prompt columns left-padded, R response columns right-padded):
+
+    prompt_ids        [B, P] int64    prompt tokens, padding on the left
+    prompt_mask       [B, P] bool     True on real prompt tokens
+    response_ids      [B, R] int64    response tokens, padding on the right
+    response_mask     [B, R] bool     True on response tokens (what the model reads; attention)
+    loss_mask         [B, R] bool     True on the tokens that are trained: the model's own; a multi-turn sample's
+                                      environment tokens are False (absent from older batches: = response_mask)
+    rollout_logprobs  [B, R] float32  the sampler's logprobs (train/rollout mismatch)
+    old_logprobs      [B, R] float32  logprobs of the policy that sampled (PPO ratio denominator)
+    ref_logprobs      [B, R] float32  reference-policy logprobs (only with --ref)
+    values            [B, R] float32  critic values V(s_t) (only with --critic)
+    token_rewards     [B, R] float32  per-token rewards (score on the last token, minus any KL penalty)
+    advantages        [B, R] float32
+    returns           [B, R] float32
+    rewards           [B]    float32  sequence reward (before any KL penalty)
+
+The header metadata holds the format version, sample ids, prompt ids, vocabulary size, pad id,
+temperature and the scoring settings, as JSON. A batch of a vision-language model adds its samples' images
+(rlx.models.vision.inputs: `vision/image_grid_thw` [N, 3], `vision/images_per_sample` [B], the image references
+in the header, `vision/pixel_values` [patches, D] only when stored); reading it back reloads the images through
+the model's processor and checks their grids.
+
+Every loss, normaliser, KL/entropy metric and train/rollout mismatch metric reads `loss_mask`; `response_mask`
+only says which columns hold tokens (the forward pass reads them all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from rlx.errors import UserError
+from rlx.formats.images import BatchImages
+from rlx.formats.records import RolloutRecord
+from rlx.models.vision.inputs import GRID_KEY, from_tensors, to_tensors
+from rlx.utils.files import apply_umask
+from rlx.utils.io import atomic_path, is_remote
+
+FORMAT = "rlx-batch"
+FORMAT_VERSION = 1
+_TOKEN_TENSORS = (
+    "loss_mask",
+    "rollout_logprobs",
+    "old_logprobs",
+    "ref_logprobs",
+    "values",
+    "token_rewards",
+    "advantages",
+    "returns",
+)
+_OPTIONAL = ("ref_logprobs", "values", "loss_mask")
+
+
+@dataclass(kw_only=True)
+class BatchMeta:
+    """What the tensors mean: sample identities and the settings that produced them."""
+
+    sample_ids: list[str]
+    """Sample id of each row, as in rollouts.jsonl."""
+    group_ids: list[str]
+    """Prompt id of each row (advantage groups)."""
+    vocab_size: int
+    """Vocabulary size of the model that scored the batch; train-step checks it."""
+    pad_token_id: int
+    """Id used in padded positions."""
+    temperature: float
+    """Temperature the logprobs were computed at; training uses the same."""
+    settings: dict = field(default_factory=dict)
+    """Scoring settings (estimator, kl coefficient, reward spec ...), for provenance."""
+
+
+@dataclass(kw_only=True)
+class TrainBatch:
+    """A scored batch of rollouts, ready for a PPO update."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    token_rewards: torch.Tensor
+    rewards: torch.Tensor
+    meta: BatchMeta
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    images: BatchImages | None = None
+    """The samples' images (vision-language models), row for row; None when no sample has one."""
+    loss_mask: torch.Tensor | None = None
+    """[B, R] bool: the trained tokens (None given: the response tokens, as single-turn batches have it)."""
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.response_mask.clone()
+
+    @property
+    def size(self) -> int:
+        return self.response_ids.shape[0]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("meta", "images") and getattr(self, f.name) is not None
+        }
+
+    def select(self, rows: torch.Tensor | list[int]) -> TrainBatch:
+        """The rows `rows` (metadata lists follow)."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+        picked = {k: v.index_select(0, index) for k, v in self.tensors().items()}
+        ids = index.tolist()
+        meta = dataclasses.replace(
+            self.meta,
+            sample_ids=[self.meta.sample_ids[i] for i in ids],
+            group_ids=[self.meta.group_ids[i] for i in ids],
+        )
+        images = self.images.select(ids) if self.images is not None else None
+        return TrainBatch(meta=meta, images=images, **picked)
+
+    def save(self, path: str | Path, store_pixels: bool = False) -> None:
+        """Write atomically as safetensors with the metadata in the header (`store_pixels`: the images' pixels
+        too, else their references and grids)."""
+        header = {
+            "format": FORMAT,
+            "format_version": str(FORMAT_VERSION),
+            "meta": json.dumps(dataclasses.asdict(self.meta), allow_nan=False),
+        }
+        tensors = {k: v.contiguous() for k, v in self.tensors().items()}
+        if self.images is not None:
+            vision_tensors, vision_header = to_tensors(self.images.vision, self.images.refs, store_pixels)
+            tensors.update(vision_tensors)
+            header.update(vision_header)
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata=header)
+            apply_umask(tmp)  # safetensors makes its files 0600
+
+    @classmethod
+    def load(cls, path: str | Path, processor=None) -> TrainBatch:
+        """Read and validate a batch file; foreign or truncated files give a UserError naming the file.
+        `processor`: the model's VisionProcessor, which reloads the images of a batch stored without pixels."""
+        if is_remote(path):
+            import tempfile
+
+            from rlx.utils.storage import fetch_file, path_exists
+
+            if not path_exists(path):
+                raise UserError(f"{path}: no such file")
+            with tempfile.TemporaryDirectory() as folder:
+                return cls._load_local(fetch_file(path, folder), str(path), processor)
+        return cls._load_local(Path(path), str(path), processor)
+
+    @classmethod
+    def _load_local(cls, path: Path, name: str, processor=None) -> TrainBatch:
+        if not path.is_file():
+            raise UserError(f"{name}: no such file")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{name}: not a readable safetensors file ({e}); is it truncated?") from None
+        if header.get("format") != FORMAT:
+            raise UserError(
+                f"{name}: not an rlx batch (safetensors header has no format={FORMAT!r}; "
+                f"write batches with `rlx score`)"
+            )
+        if header.get("format_version") != str(FORMAT_VERSION):
+            raise UserError(
+                f"{name}: batch format_version {header.get('format_version')} is not supported "
+                f"(this rlx reads {FORMAT_VERSION})"
+            )
+        try:
+            meta = BatchMeta(**json.loads(header["meta"]))
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise UserError(f"{name}: batch metadata is malformed ({e})") from None
+        required = [f.name for f in dataclasses.fields(cls) if f.name not in ("meta", "images", *_OPTIONAL)]
+        missing = [k for k in required if k not in tensors]
+        if missing:
+            raise UserError(f"{name}: batch is missing tensor(s) {', '.join(missing)}")
+        batch = cls(meta=meta, **{k: v for k, v in tensors.items() if k in required or k in _OPTIONAL})
+        batch.validate(name)
+        if GRID_KEY in tensors:
+            batch.images = _load_images(tensors, header, processor, name, meta.sample_ids)
+        return batch
+
+    def validate(self, where: str) -> None:
+        """Shapes agree with each other and with the metadata."""
+        b, r = self.response_ids.shape
+        if self.prompt_ids.shape[0] != b or self.prompt_mask.shape != self.prompt_ids.shape:
+            raise UserError(f"{where}: prompt tensors do not match the {b} response rows")
+        for name in _TOKEN_TENSORS + ("response_mask",):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (b, r):
+                raise UserError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {(b, r)}")
+        if bool((self.loss_mask.bool() & ~self.response_mask.bool()).any()):
+            raise UserError(f"{where}: tensor loss_mask marks positions that hold no response token")
+        if tuple(self.rewards.shape) != (b,):
+            raise UserError(f"{where}: tensor rewards has shape {tuple(self.rewards.shape)}, expected {(b,)}")
+        if len(self.meta.sample_ids) != b or len(self.meta.group_ids) != b:
+            raise UserError(f"{where}: metadata lists {len(self.meta.sample_ids)} samples for {b} rows")
+
+
+def _load_images(tensors: dict, header: dict, processor, name: str, sample_ids: list[str]) -> BatchImages:
+    """The batch's images: stored pixels, or reloaded through `processor` (grids checked)."""
+    if processor is None and "vision/pixel_values" not in tensors:
+        raise UserError(f"{name}: the batch has images, but the model is text-only (it has no image processor)")
+    vision, refs = from_tensors(tensors, header, processor, source=name, sample_ids=sample_ids)
+    if vision.num_samples != len(sample_ids):
+        raise UserError(f"{name}: vision inputs for {vision.num_samples} samples, the batch has {len(sample_ids)}")
+    return BatchImages(vision, refs)
+
+
+def collate(rollouts: list[RolloutRecord], pad_id: int) -> dict[str, torch.Tensor]:
+    """Pad rollouts into the batch layout: prompts on the left, responses on the right (a multi-turn sample's
+    environment tokens in the response, out of its loss_mask)."""
+    b = len(rollouts)
+    p = max(len(r.prompt_ids) for r in rollouts)
+    r_len = max(len(r.response_ids) for r in rollouts)
+    out = {
+        "prompt_ids": torch.full((b, p), pad_id, dtype=torch.long),
+        "prompt_mask": torch.zeros((b, p), dtype=torch.bool),
+        "response_ids": torch.full((b, r_len), pad_id, dtype=torch.long),
+        "response_mask": torch.zeros((b, r_len), dtype=torch.bool),
+        "loss_mask": torch.zeros((b, r_len), dtype=torch.bool),
+        "rollout_logprobs": torch.zeros((b, r_len), dtype=torch.float32),
+    }
+    for row, rec in enumerate(rollouts):
+        n_p, n_r = len(rec.prompt_ids), len(rec.response_ids)
+        out["prompt_ids"][row, p - n_p :] = torch.tensor(rec.prompt_ids)
+        out["prompt_mask"][row, p - n_p :] = True
+        out["response_ids"][row, :n_r] = torch.tensor(rec.response_ids)
+        out["response_mask"][row, :n_r] = True
+        out["loss_mask"][row, :n_r] = torch.tensor(rec.trained_mask, dtype=torch.bool)
+        out["rollout_logprobs"][row, :n_r] = torch.tensor(rec.rollout_logprobs, dtype=torch.float32)
+    return out

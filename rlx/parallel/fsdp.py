@@ -1,0 +1,103 @@
+"""FSDP2 for the trained models: `fully_shard` per decoder layer (and vision-tower block) and on the root (the last
+step of rlx/parallel/apply.py), and the full (unsharded) weights of a plain or sharded module.
+
+Mixed precision: parameters are gathered in the compute dtype (bf16 on accelerators), gradients are
+reduce-scattered in float32, and the sharded master weights and optimizer state stay float32. CPU
+offload keeps the shards and their gradients on the CPU, so AdamW's state and step run there too.
+FSDP averages gradients over ranks; rlx's losses are already normalised by the global token count,
+so trainers multiply each rank's loss by the world size (`GRADIENT_SCALE`) and the average becomes
+the gradient of the whole mini-batch. (A divide factor of 1 would say the same, but FSDP then uses
+PREMUL_SUM reductions, which gloo lacks.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from rlx.models.vision.families import family_of, is_vision_config
+from rlx.parallel.dist import DistContext
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder blocks of an HF causal LM (or value model): the base model's `layers` list; for a
+    vision-language model its language model's."""
+    if is_vision_config(model.config):
+        base, where = family_of(model.config).decoder(model), family_of(model.config).language_model
+    else:
+        base, where = getattr(model, model.base_model_prefix, model), model.base_model_prefix
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: no decoder layer list found at {where}.layers")
+    return layers
+
+
+def vision_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """A vision-language model's vision-tower blocks (each its own FSDP unit), else none."""
+    if not is_vision_config(model.config):
+        return []
+    return [block for tower in family_of(model.config).vision_tower(model) for block in getattr(tower, "blocks", [])]
+
+
+def apply_fsdp(model: torch.nn.Module, ctx: DistContext, param_dtype: torch.dtype, offload: bool = False):
+    """Shard `model` over all ranks of `ctx` (in place) and return it."""
+    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        "offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if offload else OffloadPolicy(),
+    }
+    for layer in [*vision_blocks(model), *decoder_layers(model)]:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+@contextlib.contextmanager
+def activation_offload(enabled: bool, device: torch.device) -> Iterator[None]:
+    """Keep the tensors saved for backward on the CPU during the block (pinned when on CUDA)."""
+    if not enabled:
+        yield
+        return
+    with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+        yield
+
+
+def full_tensor(value) -> torch.Tensor:
+    """A DTensor's full value (e.g. FSDP's gradient norm), or the tensor itself."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def model_weights(model: torch.nn.Module, offload: bool = True) -> dict[str, torch.Tensor]:
+    """The model's full state dict on the CPU without tied duplicates (as Hugging Face saves it); for an
+    FSDP-sharded model the gathered weights on rank 0 ({} on other ranks): every rank must call it. With
+    `offload=False` (an unsharded model) the live tensors on their device."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from rlx.models.loading import tied_keys
+
+    skip = tied_keys(model)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+    return {k: v for k, v in state.items() if k not in skip}
+
+
+def gathered_weights(model: torch.nn.Module, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's full (name, tensor) pairs on its device, sharded ones all-gathered a bucket of about
+    `bucket_bytes` at a time (every rank must drain the iterator in step); tied names appear under each name."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in model.state_dict().items():
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield from _gathered(bucket)
+            bucket, size = [], 0
+    yield from _gathered(bucket)
+
+
+def _gathered(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t.full_tensor() if hasattr(t, "full_tensor") else t.detach()) for n, t in bucket]

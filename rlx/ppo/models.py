@@ -1,0 +1,116 @@
+"""The models of a `rlx ppo` run, built through the training backend: the actor and critic trainers (from the
+recipe's model or the run's last checkpoint), the frozen reference, the reward model, and the module the rollout
+engine generates with. Nothing here names a backend or a checkpoint layout.
+
+With `[lora]` the actor trains adapters on the frozen policy and the reference is that same module with the adapters
+off (no copy); `[critic.lora]` does the same for the critic. A resumed run continues the adapters of its checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlx.backends.base import Trainer, TrainingBackend
+from rlx.checkpoints.files import aux_files
+from rlx.checkpoints.loading import build_critic_files, load_initial_policy, load_model, load_processor
+from rlx.checkpoints.lora_base import lora_spec
+from rlx.models.loading import load_tokenizer, resolve_source
+from rlx.ppo.config import PPOConfig
+from rlx.rollout.prompts import pad_token_id
+from rlx.rollout.registry import engine_class
+from rlx.scoring.score import ScoringModels
+from rlx.utils.device import resolve_precision
+
+CRITIC_DIR = "critic"
+
+
+@dataclass
+class RunModels:
+    """Everything a run holds resident."""
+
+    actor: Trainer
+    critic: Trainer | None
+    tokenizer: object
+    aux: dict[str, bytes]
+    """The policy's config/tokenizer files, written into every checkpoint."""
+    critic_aux: dict[str, bytes]
+    scoring: ScoringModels
+    rollout_model: torch.nn.Module
+    """What the rollout engine generates with: the actor's own module where the backend has one, else a Hugging
+    Face replica the engine refreshes from the trainer after each update."""
+    processor: object | None = None
+    """A vision-language policy's VisionProcessor (images of prompts and rollouts); None for a text model."""
+
+
+def build_run_models(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None) -> RunModels:
+    """The run's models at its start (`start_ckpt` None) or when resuming from `start_ckpt`."""
+    train_cfg = dataclasses.replace(cfg.train, seed=cfg.seed).with_decay_length(cfg.steps)
+    copy_ref = cfg.use_ref and cfg.lora is None  # with LoRA the reference is the actor's base: no copy
+    if start_ckpt is None:
+        model, tokenizer, aux = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
+        spec = lora_spec(cfg.lora, cfg.model.path, cfg.model.init, cfg.seed, model)  # before adapters and shards
+        ref = copy.deepcopy(model) if copy_ref else None
+        critic, critic_aux = _critic(cfg, backend, None, model, tokenizer, aux)  # before the actor shards the model
+        actor = backend.build_trainer(model, train_cfg, "the initial policy", **backend.lora_options(spec, "lora"))
+    else:
+        source = resolve_source(start_ckpt)
+        tokenizer, aux = load_tokenizer(source), aux_files(source.folder)
+        ref = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)[0] if copy_ref else None
+        critic, critic_aux = _critic(cfg, backend, start_ckpt, None, tokenizer)
+        actor = backend.load_trainer(train_cfg, source, **backend.lora_options(cfg.lora, "lora"))
+        model = None
+    policy_source = resolve_source(start_ckpt if start_ckpt is not None else cfg.model.path)
+    processor = load_processor(policy_source, cfg.vision)
+    rollout_model, device = actor.module, backend.ctx.device
+    if rollout_model is None:  # a replica for the engine: the initial policy, or the checkpoint's weights, in the
+        # dtype the engine generates in (no float32 copy for a bf16 engine to keep a second replica of)
+        rollout_model = model if model is not None else load_model(resolve_source(start_ckpt))
+        rollout_model = rollout_model.to(device, engine_class(cfg.rollout.engine).model_dtype(cfg.rollout, device))
+        rollout_model.requires_grad_(False)  # generation only: the engine may lay its weights out for decoding
+    scoring = ScoringModels(
+        dtype=resolve_precision(cfg.score.precision, device),
+        vocab_size=actor.config.get_text_config().vocab_size,
+        pad_token_id=pad_token_id(tokenizer),
+        actor=actor.scoring_model() if cfg.score.old_logprobs == "actor" else None,
+        ref=backend.build_reference(ref) if ref is not None else actor.reference_scorer() if cfg.use_ref else None,
+        critic=critic.scoring_model() if critic is not None else None,
+        reward_model=_reward_model(cfg, device),
+        processor=processor,
+        model_config=actor.config,
+    )
+    return RunModels(actor, critic, tokenizer, aux, critic_aux, scoring, rollout_model, processor)
+
+
+def _critic(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None, policy, tokenizer, policy_aux=None):
+    """(critic trainer, its config/tokenizer files): from the run's checkpoint, the recipe's critic.path, or built
+    from the policy's backbone with a seeded head (with the policy's processor files, `policy_aux`)."""
+    if cfg.critic is None:
+        return None, {}
+    train_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed).with_decay_length(cfg.steps)
+    lora = cfg.critic.lora
+    if start_ckpt is not None:
+        source = resolve_source(start_ckpt / CRITIC_DIR)
+        trainer = backend.load_trainer(train_cfg, source, **backend.lora_options(lora, "critic.lora"))
+        return trainer, aux_files(source.folder)
+    if cfg.critic.path:
+        source = resolve_source(cfg.critic.path, "critic")
+        model = load_model(source, "critic")
+        spec = lora_spec(lora, cfg.critic.path, "pretrained", cfg.seed, model, "critic")
+        trainer = backend.build_trainer(model, train_cfg, str(source.path), **backend.lora_options(spec, "critic.lora"))
+        return trainer, aux_files(source.folder)
+    model, aux = build_critic_files(policy, tokenizer, cfg.seed, policy_aux)
+    spec = lora_spec(lora, cfg.model.path, cfg.model.init, cfg.seed, model, "critic")
+    return backend.build_trainer(model, train_cfg, "the new critic", **backend.lora_options(spec, "critic.lora")), aux
+
+
+def _reward_model(cfg: PPOConfig, device: torch.device):
+    if not cfg.score.reward_model:
+        return None
+    from rlx.models.reward_model import RewardModel
+
+    source = resolve_source(cfg.score.reward_model, "reward model")
+    return RewardModel(source, device, resolve_precision(cfg.score.precision, device))

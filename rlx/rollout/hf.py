@@ -1,0 +1,208 @@
+"""The `hf` rollout engine: batched sampling with a transformers model and its KV cache.
+
+Runs anywhere transformers runs. Requests are decoded in batches of `batch_size`, in the order they were
+submitted (a stream's step decodes one batch to its end); prompts are left-padded, responses grow on the
+right; each row samples from its own seeded stream (see sampling.py), so outputs are reproducible for a seed
+whatever the batching. Under a launcher every rank decodes the same number of batches in lockstep (a sharded
+model's forward is a collective), a rank with fewer repeating a filler batch. A vision-language model gets its
+images in the prefill (its vision tower runs on them and rlx places the rows into the images' own placeholders,
+`vision_forward`: a multi-turn context's earlier sampled placeholder tokens stay text) and 3-D mRoPE positions
+throughout: each prompt's own, then one more per generated token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+
+import torch
+
+from rlx.models.attention import PACKED_ATTENTION, attention_implementation
+from rlx.models.vision.families import family_of, is_vision_config
+from rlx.models.vision.inputs import VisionInputs
+from rlx.models.vision.packing import VisionRow, vision_forward
+from rlx.models.vision.positions import left_padded_positions
+from rlx.parallel.dist import all_reduce
+from rlx.parallel.ulysses import ULYSSES_ATTENTION
+from rlx.rollout.base import RolloutEngine, TokenStream
+from rlx.rollout.config import SamplingParams
+from rlx.rollout.prompts import pad_token_id
+from rlx.rollout.requests import Generated, TokenRequest
+from rlx.rollout.sampling import draw_tokens, filter_logits, request_uniforms
+from rlx.rollout.stops import StopStrings
+from rlx.utils.device import autocast
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Samples responses with a causal LM held in this process (the trainer's own model in `rlx ppo`)."""
+
+    name = "hf"
+    takes_images = True
+
+    def __init__(self, model, tokenizer, cfg, ctx, processor=None):
+        super().__init__(model.to(ctx.device), tokenizer, cfg, ctx, processor)
+        self.pad_id = pad_token_id(tokenizer)
+        self.family = family_of(model.config) if is_vision_config(model.config) else None
+
+    def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> TokenStream:
+        return HFStream(self, sampling)
+
+    def decoding(self):
+        """Eval mode and a KV-cache attention for the stream's lifetime. The trainer's packed attention functions
+        take no KV cache: decode with SDPA meanwhile (no backward runs in between, so switching is safe)."""
+        stack = contextlib.ExitStack()
+        was_training = self.model.training
+        self.model.eval()
+        stack.callback(self.model.train, was_training)
+        if self.model.config.get_text_config()._attn_implementation in (PACKED_ATTENTION, ULYSSES_ATTENTION):
+            stack.enter_context(attention_implementation(self.model, "sdpa"))
+        return stack
+
+    @torch.no_grad()  # not inference_mode: FSDP would keep inference tensors it must update later
+    def generate_batch(self, requests: list[TokenRequest], cfg: SamplingParams) -> list[Generated]:
+        """Decode one batch to its end (each row to its own max_new_tokens or first stop token). Draws are made for
+        the call's max_new_tokens, so ranks in lockstep run the same number of steps whatever their requests."""
+        uniforms = request_uniforms(requests, cfg.seed, cfg.max_new_tokens)  # [b, W] float64 CPU
+        greedy = torch.tensor([r.greedy or cfg.temperature == 0 for r in requests])
+        limits = torch.tensor([r.max_new_tokens for r in requests])
+        ids, vision = [r.prompt_ids for r in requests], [r.vision for r in requests]
+        tokens, logprobs = self._decode(ids, uniforms, greedy, limits, cfg, vision)
+        generated = self._unpack(tokens, logprobs, limits.tolist())
+        if cfg.stop:  # drop the tokens after a stop string
+            stops = StopStrings(self.tokenizer, cfg.stop)
+            generated = [stops.cut(g) for g in generated]
+        return generated
+
+    def _prefill_inputs(self, prompt_ids: list[list[int]], vision: list | None) -> tuple[dict, VisionRow | None]:
+        """Model inputs of a left-padded batch of prompts, on the device, and for a vision-language model with
+        images the row `vision_forward` places them with (3-D positions in the inputs for any vision-language
+        model)."""
+        b, width = len(prompt_ids), max(len(ids) for ids in prompt_ids)
+        input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.long)
+        for row, ids in enumerate(prompt_ids):  # left padding: every prompt ends at column width-1
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            mask[row, width - len(ids) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions}
+        row = None
+        if self.family is not None:  # [3, b, width] mRoPE positions and the rows' images in row order
+            vision = [v if v is not None else VisionInputs.empty(1) for v in vision or [None] * b]
+            images = VisionInputs.concat(vision)
+            config = self.model.config
+            grids = [images.grids_of(i) for i in range(b)]
+            token, merge = self.family.image_token_id(config), self.family.merge_size(config)
+            masks = [v.image_mask(0, ids, token, merge) for v, ids in zip(vision, prompt_ids)]
+            inputs["position_ids"] = left_padded_positions(prompt_ids, grids, token, merge, width, masks)
+            if images.num_images:
+                image_mask = torch.zeros((b, width), dtype=torch.bool)
+                for i, (ids, sample_mask) in enumerate(zip(prompt_ids, masks)):
+                    image_mask[i, width - len(ids) :] = sample_mask
+                row = VisionRow(input_ids, inputs["position_ids"], image_mask, images)
+        return {k: v.to(self.device) for k, v in inputs.items()}, row
+
+    def _decode(
+        self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, limits: torch.Tensor,
+        cfg: SamplingParams, vision: list | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Tokens and logprobs [b, steps] (CPU).  uniforms: [b, width]; greedy: [b] bool rows that take the argmax;
+        limits: [b] each row's max_new_tokens (a row past its limit is done); vision: each prompt's VisionInputs
+        or None."""
+        b = len(prompt_ids)
+        inputs, row = self._prefill_inputs(prompt_ids, vision)
+        mask, positions = inputs["attention_mask"], inputs["position_ids"]
+        stop = torch.tensor(sorted(self.stop_ids), device=self.device)
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        greedy, limits = greedy.to(self.device), limits.to(self.device)
+        tokens, logprobs = [], []
+        stops = StopStrings(self.tokenizer, cfg.stop) if cfg.stop else None
+        images = vision_forward(self.model, row) if row is not None else contextlib.nullcontext()
+        with images, autocast(self.device, self.dtype):
+            out = self.model(**inputs, use_cache=True)
+        # the next token's position: one past the prompt's largest (an image's rows and columns may exceed its
+        # last token's, mRoPE; text positions: the last + 1)
+        positions = positions.amax(dim=-1, keepdim=True) + 1
+        if positions.dim() == 3:
+            positions = positions.amax(dim=0, keepdim=True).expand(3, -1, -1)
+        for step in range(uniforms.shape[1]):
+            logits = out.logits[:, -1, :].float()  # [b, V]
+            scaled = logits / cfg.train_temperature
+            token_logprobs = torch.log_softmax(scaled, dim=-1)
+            token = logits.argmax(dim=-1)
+            if not bool(greedy.all()):
+                sampled = draw_tokens(filter_logits(scaled, cfg.top_k, cfg.top_p), uniforms[:, step])
+                token = torch.where(greedy, token, sampled)
+            token = torch.where(done, torch.full_like(token, self.pad_id), token)
+            tokens.append(token)
+            logprobs.append(token_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1))
+            done = done | torch.isin(token, stop) | (limits <= step + 1)
+            if stops is not None:  # stop strings: decode each running row's tail (the text needs the host)
+                done = done | self._stop_string_hits(stops, tokens, done)
+            if self._all_done(done) or step == uniforms.shape[1] - 1:
+                break
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
+            positions = positions + (step > 0)  # [b, 1] (or [3, b, 1]): the prefill set the first one
+            with autocast(self.device, self.dtype):
+                out = self.model(
+                    input_ids=token.unsqueeze(-1),
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                )
+        return torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).float().cpu()
+
+    def _stop_string_hits(self, stops: StopStrings, tokens: list[torch.Tensor], done: torch.Tensor) -> torch.Tensor:
+        """[b] bool: rows not yet done whose response so far contains a stop string."""
+        recent = torch.stack(tokens[-stops.window :], 1).tolist()
+        hits = [not was_done and stops.hit(row) for row, was_done in zip(recent, done.tolist())]
+        return torch.tensor(hits, device=self.device)
+
+    def _all_done(self, done: torch.Tensor) -> bool:
+        """Whether every row has stopped, on every rank (ranks decode in lockstep under a launcher)."""
+        finished = bool(done.all())
+        return bool(all_reduce(float(finished), "min", device=self.device)) if self.ctx else finished
+
+    def _unpack(self, tokens: torch.Tensor, logprobs: torch.Tensor, limits: list[int]) -> list[Generated]:
+        """Cut each row at its limit, then after its first stop token.  tokens, logprobs: [b, steps]."""
+        out = []
+        for row_tokens, row_logprobs, limit in zip(tokens.tolist(), logprobs.tolist(), limits):
+            row_tokens = row_tokens[:limit]
+            end = next((i + 1 for i, t in enumerate(row_tokens) if t in self.stop_ids), None)
+            reason = "stop" if end is not None else "length"
+            end = end or len(row_tokens)
+            out.append(Generated(row_tokens[:end], row_logprobs[:end], reason))
+        return out
+
+
+class HFStream(TokenStream):
+    """Submitted requests decoded a batch at a time, oldest first (a step decodes one batch to its end)."""
+
+    def __init__(self, engine: HFRolloutEngine, sampling: SamplingParams):
+        super().__init__(sampling, engine.device)
+        self.engine = engine
+        self.lockstep = engine.ctx is not None
+        self.queue: deque[tuple[object, TokenRequest]] = deque()
+        self._decoding = engine.decoding()
+
+    def submit(self, tag, request: TokenRequest) -> None:
+        self.check(request)
+        self.queue.append((tag, request))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.queue)
+
+    def step(self) -> list[tuple[object, Generated]]:
+        size = min(len(self.queue), self.engine.cfg.batch_size)
+        batch = [self.queue.popleft() for _ in range(size)]
+        if self.lockstep and not int(all_reduce(len(batch), "max", device=self.device)):
+            return []  # nobody has a batch: no forward
+        if not batch:  # lockstep filler: one pad-token prompt, its output discarded
+            self.engine.generate_batch([TokenRequest("filler", [self.engine.pad_id], 1, greedy=True)], self.sampling)
+            return []
+        generated = self.engine.generate_batch([r for _, r in batch], self.sampling)
+        return [(tag, g) for (tag, _), g in zip(batch, generated)]
+
+    def close(self) -> None:
+        self._decoding.close()

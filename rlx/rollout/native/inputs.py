@@ -1,0 +1,80 @@
+"""Host staging of the native engine's per-step inputs: pinned buffers written by the host, copied without blocking.
+
+A step's inputs are written into a pinned host buffer and sent with one non-blocking copy. The host writes
+the next step's inputs while the device may still be copying the previous step's (the engine runs decode
+steps one ahead of its bookkeeping), so each buffer comes in two, used in turn: the host only reuses a
+buffer after it has read the results of the step that used it, which come after that step's copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlx.rollout.native.blocks import Sequence
+
+
+def last_token(seq: Sequence) -> int:
+    """The newest token the host holds of a sequence (the input of its next synchronous decode step)."""
+    return seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
+
+
+class PinnedPair:
+    """Two host buffers of `numel` elements (pinned where the device is CUDA), handed out in turn."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        pinned = device.type == "cuda"
+        self.buffers = [torch.zeros(numel, dtype=dtype, pin_memory=pinned) for _ in range(2)]
+        self.turn = 0
+
+    def next(self, numel: int) -> torch.Tensor:
+        """The other buffer's first `numel` elements (grown when too small)."""
+        self.turn ^= 1
+        buffer = self.buffers[self.turn]
+        if buffer.numel() < numel:
+            buffer = torch.zeros(numel, dtype=buffer.dtype, pin_memory=buffer.is_pinned())
+            self.buffers[self.turn] = buffer
+        return buffer[:numel]
+
+
+class DecodeStaging:
+    """The host side of the decode CUDA graphs' inputs, one of a pair.
+
+    meta [5, top] int64: rows token ids, positions, cache slots, context lengths, and (for a step run ahead)
+    the row of the previous step whose sampled token is each sequence's input; padded entries (up to the
+    graph's batch size) are token 0 at position 0 written to slot 0 (scratch). tables [top, max_blocks]
+    int32: block tables; a row is rewritten only when its sequence's table changed."""
+
+    def __init__(self, top: int, max_blocks: int):
+        self.meta = torch.zeros(5, top, dtype=torch.long, pin_memory=True)
+        self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, pin_memory=True)
+        self.meta_np, self.tables_np = self.meta.numpy(), self.tables.numpy()
+        self.rows: list[tuple[list, int] | None] = [None] * top  # (block table, length) of each host row
+
+    def fill(self, seqs: list[Sequence], graph_size: int, block_size: int, src_rows: list[int] | None) -> None:
+        """Write the inputs of `seqs` padded to `graph_size`; with `src_rows` the step runs one token ahead
+        (positions one further; the token ids come from the device)."""
+        b, meta = len(seqs), self.meta_np
+        lag = 0 if src_rows is None else 1
+        positions = [len(s) - 1 + lag for s in seqs]
+        meta[0, :b] = 0 if src_rows is not None else [last_token(s) for s in seqs]
+        meta[1, :b] = [p + s.position_offset for s, p in zip(seqs, positions)]  # rotary positions (mRoPE offset)
+        meta[2, :b] = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(seqs, positions)]
+        meta[3, :b] = positions
+        meta[3, :b] += 1
+        meta[4, :b] = 0 if src_rows is None else src_rows
+        meta[:, b:graph_size] = 0
+        meta[3, b:graph_size] = 1
+        self._fill_tables(seqs, graph_size)
+
+    def _fill_tables(self, seqs: list[Sequence], graph_size: int) -> None:
+        rows, tables = self.rows, self.tables_np
+        for row, seq in enumerate(seqs):
+            held = rows[row]
+            # block tables only grow in place or are replaced (release); holding the list keeps its id unique
+            if held is None or held[0] is not seq.block_table or held[1] != len(seq.block_table):
+                tables[row, : len(seq.block_table)] = seq.block_table
+                rows[row] = (seq.block_table, len(seq.block_table))
+        for row in range(len(seqs), graph_size):
+            if rows[row] is not None:
+                tables[row] = 0
+                rows[row] = None

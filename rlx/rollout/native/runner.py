@@ -1,0 +1,442 @@
+"""Runs a Hugging Face causal LM over a paged KV cache: the attention function "rlx_paged" and the model runner.
+
+Every step feeds the model one flat row of tokens (`[1, T]`: the uncomputed tokens of each prefilling
+sequence, or the last token of each decoding one) with their positions. The attention function,
+registered with transformers' attention interface, writes the step's keys and values into the cache
+slots of their sequences and attends over each sequence's blocks: a padded batch with a causal mask
+for prefill (the new tokens after any cached prefix), the paged decode kernel for decode (with the cache
+write, as the custom op `rlx::paged_decode`). The model's own modules and weights do everything else, so
+the trainer's module can generate directly; on CUDA its decoder layers run under torch.compile inside the
+decode CUDA graphs (rollout.compile = false: eager), and each step's inputs go in one pinned-buffer copy.
+A decode step can run one token ahead of the host (`prev`): each sequence's input token is then gathered on
+the device from the previous step's sampled tokens, which the host has not read yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlx.kernels.paged_attention import paged_decode_attention, write_kv
+from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
+from rlx.models.vision.families import family_of, is_vision_config
+from rlx.rollout.native.blocks import BlockManager, Sequence
+from rlx.rollout.native.fused import fused_head_step, fused_layer_step, merged_layers
+from rlx.rollout.native.inputs import DecodeStaging, last_token
+from rlx.rollout.native.vision import NativeImages
+from rlx.utils.device import autocast
+from rlx.utils.vmm import VirtualBuffer, carve
+
+PAGED_ATTENTION = "rlx_paged"
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class PagedContext:
+    """What the attention function needs for one step (the same for every layer)."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    """Per layer: key and value caches [num_blocks, block_size, kv_heads, head_dim]."""
+    slot_mapping: torch.Tensor
+    """[T] int64: the cache slot of each token of the row."""
+    block_tables: torch.Tensor
+    """[B, max_blocks] int32."""
+    context_lens: torch.Tensor
+    """[B] int32: cached tokens of each sequence after this step's tokens are written."""
+    decode: bool
+    q_rows: torch.Tensor | None = None
+    """Prefill: [T] the sequence of each token of the row."""
+    q_cols: torch.Tensor | None = None
+    """Prefill: [T] each token's index among its sequence's new tokens."""
+    max_query_len: int = 1
+    mask: torch.Tensor | None = None
+    """Prefill: [B, 1, max_query_len, max_blocks * block_size] bool, True where a query may attend."""
+    k_cache: torch.Tensor | None = None
+    """This layer's key cache (set by `for_layer`: a compiled layer then sees tensors, not a layer index)."""
+    v_cache: torch.Tensor | None = None
+    impl: str = "auto"
+    """The paged decode kernel: 'auto' (Triton on CUDA), 'torch' or 'triton'."""
+
+    def for_layer(self, index: int) -> PagedContext:
+        return dataclasses.replace(self, k_cache=self.kv[index][0], v_cache=self.kv[index][1])
+
+
+@torch.library.custom_op(
+    "rlx::paged_decode",
+    mutates_args=("k_cache", "v_cache"),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+    "Tensor block_tables, Tensor context_lens, float scale, str impl, Tensor? cos=None, Tensor? sin=None) -> Tensor",
+)
+def paged_decode(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale, impl, cos=None, sin=None):
+    """Write the step's keys/values, then decode attention: one opaque op, so torch.compile fuses around it. With
+    cos and sin [T, D], q and k are rotated first (inside the kernel: fused.py's decode layer)."""
+    rope = None if cos is None else (cos, sin)
+    return paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, scale, (k, v, slot_mapping), impl=impl, rope=rope
+    )
+
+
+@paged_decode.register_fake
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale, impl, cos=None, sin=None):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    paged: PagedContext | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The "rlx_paged" attention function.  query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None)."""
+    if paged is None:
+        raise ValueError(f"{PAGED_ATTENTION} attention runs inside the native rollout engine only")
+    k_cache, v_cache = paged.kv[module.layer_idx] if paged.k_cache is None else (paged.k_cache, paged.v_cache)
+    q = query[0].transpose(0, 1).to(k_cache.dtype)
+    k, v = (t[0].transpose(0, 1).to(k_cache.dtype) for t in (key, value))
+    if paged.decode:
+        out = paged_decode(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            paged.slot_mapping,
+            paged.block_tables,
+            paged.context_lens,
+            float(scaling if scaling is not None else q.shape[-1] ** -0.5),
+            paged.impl,
+        )
+    else:
+        write_kv(k_cache, v_cache, paged.slot_mapping, k, v)
+        out = _prefill_attention(q, k_cache, v_cache, paged, scaling)
+    return out.unsqueeze(0), None
+
+
+def _prefill_attention(q, k_cache, v_cache, ctx: PagedContext, scale: float | None) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D]: each sequence's new tokens over its cached prefix and themselves (causal)."""
+    batch, width = ctx.block_tables.shape
+    heads, dim = q.shape[1], q.shape[2]
+    padded = q.new_zeros(batch, ctx.max_query_len, heads, dim)
+    padded[ctx.q_rows, ctx.q_cols] = q
+    keys = k_cache[ctx.block_tables.long()].flatten(1, 2)  # [B, width * block_size, Hkv, D]
+    values = v_cache[ctx.block_tables.long()].flatten(1, 2)
+    out = F.scaled_dot_product_attention(
+        padded.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=ctx.mask, scale=scale,
+        enable_gqa=True,
+    )  # fmt: skip
+    return out.transpose(1, 2)[ctx.q_rows, ctx.q_cols]
+
+
+def _decoder_parts(model):
+    """(embed_tokens, rotary_emb, layers, norm, lm_head) of a Llama-family causal LM (a vision-language model's
+    language model), or None for others."""
+    backbone = (
+        family_of(model.config).decoder(model) if is_vision_config(model.config) else getattr(model, "model", None)
+    )
+    parts = [getattr(backbone, n, None) for n in ("embed_tokens", "rotary_emb", "layers", "norm")]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return None if backbone is None or head is None or any(p is None for p in parts) else (*parts, head)
+
+
+def _layer_step(layer, hidden: torch.Tensor, position_ids: torch.Tensor, rope, paged: PagedContext) -> torch.Tensor:
+    """One decoder layer: hidden [1, T, hidden] -> [1, T, hidden]."""
+    out = layer(hidden, attention_mask=None, position_ids=position_ids, position_embeddings=rope, paged=paged)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _head_step(norm, head, hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Final norm and LM head of the kept positions: hidden [1, T, hidden] -> logits [len(keep), V]."""
+    return head(norm(hidden[:, keep]))[0]
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled():
+    """`_layer_step` and `_head_step` under torch.compile (dynamic batch), made once per process: the decoder
+    layers share one compiled graph (weights and caches are inputs), which fuses the norms, rotary and MLP
+    elementwise work around the opaque paged_decode op; the decode CUDA graphs then capture it."""
+    from torch._dynamo import config as dynamo_config
+
+    dynamo_config.recompile_limit = max(getattr(dynamo_config, "recompile_limit", 8), 64)
+    return tuple(_without_duck_sizing(torch.compile(f, dynamic=True)) for f in (_layer_step, _head_step))
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_fused():
+    """fused.py's decode layer and head steps under torch.compile (dynamic batch), made once per process."""
+    return tuple(_without_duck_sizing(torch.compile(f, dynamic=True)) for f in (fused_layer_step, fused_head_step))
+
+
+def _without_duck_sizing(compiled):
+    """`compiled`, traced without duck sizing. With it, dimensions of equal size at the first trace are assumed
+    equal for good: the largest captured batch is the size of the buffers the decode inputs are views of, so the
+    graph compiled for it held only for that size and the next size of the ladder compiled the layer and the head
+    again (measured: 4 graphs for the ladder, 2 without)."""
+    from torch.fx.experimental import _config as fx_config
+
+    @functools.wraps(compiled)
+    def run(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return run
+
+
+def _fused_on() -> bool:
+    """Whether decode steps take the merged projections where the model has them (RLX_NATIVE_FUSED=0: never)."""
+    return os.environ.get("RLX_NATIVE_FUSED", "1") != "0"
+
+
+class ModelRunner:
+    """The KV cache of one model and the forward of one scheduled step.
+
+    For Llama-family models (embed_tokens, rotary_emb, layers, norm, lm_head) the runner calls the decoder
+    layers itself, skipping the mask set-up of the model's forward (which synchronises with the device);
+    on CUDA, decode steps replay CUDA graphs captured for a ladder of batch sizes (compiled layers inside)."""
+
+    def __init__(
+        self, model, device: torch.device, dtype: torch.dtype, blocks: BlockManager, max_blocks_per_seq: int,
+        max_batch: int = 0, compile: bool = True, attention: str = "auto", releasable: bool = False,
+    ):  # fmt: skip
+        """`max_batch`: capture decode CUDA graphs up to this batch size (0: none); `compile`: torch.compile the
+        layers inside them; `attention`: the paged decode kernel ('auto', 'torch', 'triton'); `releasable` (CUDA):
+        the KV cache in a VirtualBuffer (rlx.utils.vmm), so `release` can hand its memory back and `restore` take it
+        again at the same addresses, the captured graphs still valid."""
+        config = model.config.get_text_config()
+        self.model, self.device, self.dtype, self.blocks = model, device, dtype, blocks
+        self.is_mrope = is_vision_config(model.config)  # 3-D rotary positions: [1, T] expanded to [3, 1, T]
+        self.images: NativeImages | None = None
+        """The current generate call's images (a vision-language model; set by the engine per call)."""
+        self.attention, self.use_compile = attention, compile
+        self.max_blocks, self.max_batch = max_blocks_per_seq, max_batch
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (blocks.num_blocks, blocks.block_size, kv_heads, head_dim)
+        # zeros, not empty: masked-out slots still meet a 0 weight in attention, and 0 * NaN garbage is NaN
+        self.kv_memory: VirtualBuffer | None = None
+        if releasable:
+            self.kv_memory, caches = carve([(shape, dtype)] * (2 * config.num_hidden_layers), device)
+            self.kv_memory.zero_()
+            self.kv = list(zip(caches[0::2], caches[1::2]))
+        else:
+            self.kv = [
+                (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(config.num_hidden_layers)
+            ]
+        register_attention(PAGED_ATTENTION, paged_attention_forward, packed_attention_mask)
+        self.parts = _decoder_parts(model)
+        # decode through merged projections where the model's parameters are laid out for them (fused.py)
+        self.fused = merged_layers(model) if self.parts is not None and not self.is_mrope and _fused_on() else None
+        if self.fused is not None:
+            attn = self._layers()[0].self_attn
+            self.fused_dims = (config.num_attention_heads, kv_heads, head_dim)
+            self.fused_eps = float(self._layers()[0].input_layernorm.variance_epsilon)
+            self.fused_scale = float(attn.scaling)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.sizes: list[int] = []
+        self.compiled = False
+        if max_batch and device.type == "cuda" and self.parts is not None:
+            self._capture(max_batch)
+
+    def release(self) -> int:
+        """Hand a releasable KV cache's memory back (its addresses and the decode graphs are kept); the bytes freed
+        (0 when the cache is not releasable or already released)."""
+        return self.kv_memory.release() if self.kv_memory is not None else 0
+
+    def restore(self) -> None:
+        """Take a released KV cache's memory back, zeroed, at the same addresses."""
+        if self.kv_memory is not None and not self.kv_memory.mapped:
+            self.kv_memory.restore()
+            self.kv_memory.zero_()
+
+    @staticmethod
+    def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+        config = config.get_text_config()
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * itemsize
+
+    def _layers(self):
+        return self.parts[2][: self.model.config.get_text_config().num_hidden_layers]
+
+    def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: PagedContext, keep: torch.Tensor):
+        """Logits [len(keep), V] (model dtype) of the kept positions of the row."""
+        with attention_implementation(self.model, PAGED_ATTENTION), autocast(self.device, self.dtype):
+            if self.parts is None:
+                out = self.model(
+                    input_ids=input_ids, position_ids=position_ids, use_cache=False, paged=ctx, logits_to_keep=keep
+                )
+                return out.logits[0]
+            embed, rotary, _, norm, head = self.parts
+            if ctx.decode and self.fused is not None:
+                hidden = embed(input_ids[0])  # [T, C], not a view: every layer's input alike (one compiled graph)
+                return self._run_fused(hidden, rotary(hidden, position_ids=position_ids), ctx, keep)
+            hidden = embed(input_ids)
+            rope = rotary(hidden, position_ids=position_ids.expand(3, -1, -1) if self.is_mrope else position_ids)
+            steps = _compiled() if ctx.decode and self.compiled else (_layer_step, _head_step)
+            for i, layer in enumerate(self._layers()):
+                hidden = steps[0](layer, hidden, position_ids, rope, ctx.for_layer(i))
+            return steps[1](norm, head, hidden, keep)
+
+    def _run_fused(self, hidden: torch.Tensor, rope, ctx: PagedContext, keep: torch.Tensor) -> torch.Tensor:
+        """A decode step through the merged projections (fused.py): hidden [T, C] -> logits [len(keep), V]."""
+        _, _, _, norm, head = self.parts
+        layer_step, head_step = _compiled_fused() if self.compiled else (fused_layer_step, fused_head_step)
+        cos, sin = (t[0] for t in rope)  # [T, D]
+        residual = torch.zeros_like(hidden)  # a tensor for every layer: one compiled graph serves them all
+        for i, weights in enumerate(self.fused):
+            hidden, residual = layer_step(
+                hidden, residual, cos, sin, weights.tensors(), ctx.for_layer(i), self.fused_dims, self.fused_eps,
+                self.fused_scale,
+            )  # fmt: skip
+        return head_step(norm, head, hidden, residual, keep)
+
+    def _graph_args(self, b: int):
+        """The decode inputs of batch size b as views of the graph's buffers (the int32 copy is captured)."""
+        meta = self.g_meta
+        ctx = PagedContext(
+            self.kv, meta[2, :b], self.g_tables[:b], meta[3, :b].to(torch.int32), decode=True, impl=self.attention
+        )
+        return meta[0:1, :b], meta[1:2, :b], ctx, self.g_keep[:b]
+
+    @torch.no_grad()
+    def _capture(self, max_batch: int) -> None:
+        # no graph of batch size 1: torch.compile specialises a dimension of size 1, so it would compile the layer a
+        # second time; a lone sequence replays the graph of 2 with one padded entry
+        ladder = (2, 4, 8, 16, *range(32, max_batch + 32, 32))
+        self.sizes = sorted({min(b, max_batch) for b in ladder})
+        top, dev = self.sizes[-1], self.device
+        # pinned host buffers (two, used in turn) and their device copy: token ids, positions, slots, context
+        # lengths, source rows (inputs.py)
+        self.staging = [DecodeStaging(top, self.max_blocks) for _ in range(2)]
+        self.g_meta = torch.zeros(5, top, dtype=torch.long, device=dev)
+        self.g_meta[3].fill_(1)  # padded entries: token 0 at position 0, written to slot 0 (scratch)
+        self.g_tables = torch.zeros(top, self.max_blocks, dtype=torch.int32, device=dev)
+        self.g_keep = torch.arange(top, device=dev)
+        self.compiled = self.use_compile
+        pool = None
+        for b in reversed(self.sizes):
+            self._warm_up(b)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._run(*self._graph_args(b))
+            pool = graph.pool()
+            self.graphs[b] = (graph, logits)
+
+    def _warm_up(self, b: int) -> None:
+        """Run batch size b once outside the graph (compilation, kernel selection, lazy inits); where
+        torch.compile fails, go on with the eager layers."""
+        dev = self.device
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            try:
+                self._run(*self._graph_args(b))
+            except Exception as e:  # noqa: BLE001 (any compiler failure: the eager layers still work)
+                if not self.compiled:
+                    raise
+                _log.warning("native rollout: torch.compile failed (%s: %s); decoding eagerly", type(e).__name__, e)
+                self.compiled = False
+                self._run(*self._graph_args(b))
+        torch.cuda.current_stream(dev).wait_stream(stream)
+
+    @torch.no_grad()
+    def forward(
+        self, seqs: list[Sequence], decode: bool, prev: tuple[torch.Tensor, list[int]] | None = None
+    ) -> torch.Tensor:
+        """Logits [B, V] (model dtype) of each sequence's last token after running its uncomputed tokens.
+
+        prev (decode only): (tokens [B'] on the device, row of each sequence in them): the step runs one token
+        ahead, each sequence's input being its token sampled by the previous step, not yet on the host."""
+        if decode:
+            return self._decode(seqs, prev)
+        tokens, positions, slots, keep, q_rows, q_cols = [], [], [], [], [], []
+        for row, seq in enumerate(seqs):
+            ids = seq.token_ids
+            for pos in range(seq.num_computed, len(ids)):
+                tokens.append(ids[pos])
+                positions.append(pos)
+                slots.append(self.blocks.slot(seq, pos))
+                q_rows.append(row)
+                q_cols.append(pos - seq.num_computed)
+            keep.append(len(tokens) - 1)
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
+        context = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
+        query_lens = torch.tensor([len(s) - s.num_computed for s in seqs])
+        ctx = PagedContext(
+            kv=self.kv,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(self.device),
+            block_tables=tables.to(self.device),
+            context_lens=context.to(self.device),
+            decode=False,
+            q_rows=torch.tensor(q_rows).to(self.device),
+            q_cols=torch.tensor(q_cols).to(self.device),
+            max_query_len=int(query_lens.max()),
+            impl=self.attention,
+        )
+        key_pos = torch.arange(width * self.blocks.block_size)
+        query_pos = (context - query_lens).unsqueeze(1) + torch.arange(ctx.max_query_len)  # [B, Qmax]
+        mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < context[:, None, None])
+        ctx.mask = mask.unsqueeze(1).to(self.device)
+        input_ids = torch.tensor([tokens], dtype=torch.long).to(self.device)
+        position_ids = torch.tensor([positions], dtype=torch.long).to(self.device)
+        if self.images is not None:
+            return self._prefill_with_images(seqs, input_ids, ctx, torch.tensor(keep, device=self.device))
+        return self._run(input_ids, position_ids, ctx, torch.tensor(keep, device=self.device))
+
+    def _prefill_with_images(self, seqs: list[Sequence], input_ids, ctx: PagedContext, keep) -> torch.Tensor:
+        """A vision-language model's prefill: its decoder's own forward on the row's embeddings with the image rows
+        placed and 3-D positions (vision.py), then the head at `keep`.  -> logits [len(keep), V]."""
+        embed, _, _, _, head = self.parts
+        decoder = family_of(self.model.config).decoder(self.model)
+        with attention_implementation(self.model, PAGED_ATTENTION), autocast(self.device, self.dtype):
+            inputs = self.images.prefill_inputs(seqs, input_ids, embed)
+            hidden = decoder(**inputs, paged=ctx, use_cache=False).last_hidden_state
+            return head(hidden[:, keep])[0]
+
+    def _decode(self, seqs: list[Sequence], prev: tuple[torch.Tensor, list[int]] | None) -> torch.Tensor:
+        b = len(seqs)
+        graph_size = next((g for g in self.sizes if g >= b), None) if self.graphs else None
+        if graph_size is None:
+            return self._decode_eager(seqs, prev)
+        self.staging.reverse()  # the other buffer: the device may still be copying from this one
+        staged = self.staging[0]
+        staged.fill(seqs, graph_size, self.blocks.block_size, None if prev is None else prev[1])
+        self.g_meta.copy_(staged.meta, non_blocking=True)
+        self.g_tables[:graph_size].copy_(staged.tables[:graph_size], non_blocking=True)
+        if prev is not None:  # [b] input tokens gathered from the previous step's, on the device
+            self.g_meta[0, :b] = prev[0][self.g_meta[4, :b]]
+        graph, logits = self.graphs[graph_size]
+        graph.replay()
+        return logits[:b]
+
+    def _decode_eager(self, seqs: list[Sequence], prev: tuple[torch.Tensor, list[int]] | None) -> torch.Tensor:
+        size, lag = self.blocks.block_size, 0 if prev is None else 1
+        positions = [len(s) - 1 + lag for s in seqs]
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
+        ctx = PagedContext(
+            self.kv,
+            torch.tensor([s.block_table[p // size] * size + p % size for s, p in zip(seqs, positions)]).to(self.device),
+            tables.to(self.device),
+            torch.tensor([p + 1 for p in positions], dtype=torch.int32).to(self.device),
+            decode=True,
+            impl=self.attention,
+        )
+        if prev is None:
+            ids = torch.tensor([[last_token(s) for s in seqs]]).to(self.device)
+        else:
+            ids = prev[0][torch.tensor(prev[1]).to(self.device)].unsqueeze(0)
+        pos = torch.tensor([[p + s.position_offset for s, p in zip(seqs, positions)]]).to(self.device)
+        return self._run(ids, pos, ctx, torch.arange(len(seqs), device=self.device))

@@ -1,0 +1,88 @@
+"""Sampling of one native-engine step, launched on the device without waiting for the result.
+
+`launch` draws each sequence's next token from the step's logits (sampling.py's `sample_next`, as the hf
+engine does) and starts a non-blocking copy of the tokens and their logprobs to the host; `collect` waits for
+that copy. In between, the engine can launch the next decode step, whose input tokens it gathers on the
+device from the launched step's `tokens`. The per-sample uniforms live on the device for the whole call and
+are indexed there (row: the sequence, column: the token's index in its response), so no step's inputs depend
+on the host having read the step before; sequences submitted later (a stream's next turns) add their rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlx.rollout.config import SamplingParams
+from rlx.rollout.native.blocks import Sequence
+from rlx.rollout.native.inputs import PinnedPair
+from rlx.rollout.sampling import sample_next
+
+
+@dataclass
+class Launched:
+    """A step whose model forward and sampling are queued on the device."""
+
+    seqs: list[Sequence]
+    decode: bool
+    tokens: torch.Tensor
+    """[B] int64 on the device: the sampled tokens (the inputs of a next step run ahead)."""
+    host: torch.Tensor
+    """[2 * B] float64 on the host: tokens then logprobs, once `ready` (token ids are exact in float64)."""
+    ready: torch.cuda.Event | None
+
+
+class StepSampler:
+    """Launches the sampling of steps and collects their results, for one `generate` call."""
+
+    def __init__(self, sampling: SamplingParams, max_num_seqs: int, device: torch.device):
+        self.cfg, self.device = sampling, device
+        self.uniforms = torch.zeros(0, sampling.max_new_tokens, dtype=torch.float64, device=device)
+        self.num_rows = 0
+        rows = max(max_num_seqs, 1)
+        self.inputs = PinnedPair(3 * rows, torch.long, device)
+        self.outputs = PinnedPair(2 * rows, torch.float64, device)
+
+    def add_rows(self, uniforms: torch.Tensor) -> int:
+        """Append draws [k, max_new_tokens] (float64, CPU) for k new sequences; returns the first one's row."""
+        first, needed = self.num_rows, self.num_rows + uniforms.shape[0]
+        if needed > self.uniforms.shape[0]:  # grow by doubling: queued steps keep reading the old buffer
+            grown = torch.zeros(max(needed, 2 * self.uniforms.shape[0]), *self.uniforms.shape[1:],
+                                dtype=torch.float64, device=self.device)  # fmt: skip
+            grown[:first] = self.uniforms[:first]
+            self.uniforms = grown
+        self.uniforms[first:needed] = uniforms.to(self.device)
+        self.num_rows = needed
+        return first
+
+    def launch(self, seqs: list[Sequence], logits: torch.Tensor, decode: bool, ahead: bool) -> Launched:
+        """Queue the draw of each sequence's next token (`ahead`: the token after one still on the device)."""
+        b, greedy = len(seqs), [s.greedy for s in seqs]
+        draws, mask = None, None
+        if not all(greedy):
+            staged = self.inputs.next(3 * b).view(3, b)
+            rows = staged.numpy()
+            rows[0] = [s.index for s in seqs]
+            rows[1] = [len(s.output_ids) + ahead for s in seqs]  # the drawn token's index in its response
+            rows[2] = greedy
+            staged = staged.to(self.device, non_blocking=True)
+            draws = self.uniforms[staged[0], staged[1]]
+            if any(greedy):
+                mask = staged[2].bool()
+        tokens, chosen = sample_next(logits, draws, mask, self.cfg.train_temperature, self.cfg.top_k, self.cfg.top_p)
+        host = self.outputs.next(2 * b)
+        host.copy_(torch.cat([tokens.double(), chosen.double()]), non_blocking=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return Launched(seqs, decode, tokens, host, ready)
+
+    @staticmethod
+    def collect(step: Launched) -> tuple[list[int], list[float]]:
+        """Wait for a launched step; its (tokens, logprobs) in the order of its sequences."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        values, b = step.host.tolist(), len(step.seqs)
+        return [int(v) for v in values[:b]], values[b:]

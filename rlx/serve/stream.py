@@ -1,0 +1,130 @@
+"""Token requests from many threads fed into one engine stream, by one worker thread (continuous batching).
+
+HTTP handler threads (one per concurrent agent request) submit `TokenRequest`s and wait on a future. The
+worker owns the engine's stream (`RolloutEngine.open_stream`): between engine steps it moves whatever was
+queued into the stream, so a request that arrives while others decode joins them at the engine's next step
+(the native engine's next prefill, vLLM's next step; the hf engine decodes a batch to its end, so a request
+arriving meanwhile joins the next batch). When the stream is idle the worker waits for a request, then
+`gather_s` more for others to join it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+from rlx.rollout.base import RolloutEngine, TokenStream
+from rlx.rollout.config import SamplingParams
+from rlx.rollout.requests import Generated, TokenRequest
+
+_POLL_S = 0.01
+"""How often an idle worker looks again where it may not block (lockstep engines, closing)."""
+_IDLE_S = 0.1
+"""How long an idle worker waits for a request before checking whether the server is closing."""
+
+
+class StreamBackend:
+    """One worker thread that drives an engine stream with the requests handed to `submit`."""
+
+    def __init__(
+        self, engine: RolloutEngine, sampling: SamplingParams, max_context: int, num_seqs: int = 64,
+        gather_s: float = 0.005,
+    ):  # fmt: skip
+        self.engine, self.sampling = engine, sampling
+        self.max_context, self.num_seqs, self.gather_s = max_context, num_seqs, gather_s
+        self.num_steps = 0
+        self.num_requests = 0
+        self.largest_batch = 0
+        """Most requests in the stream at once."""
+        self._queue: queue.Queue = queue.Queue()
+        self._closing = threading.Event()
+        self._opened = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="rlx-serve-backend", daemon=True)
+        self._thread.start()
+        self._opened.wait()
+        if self._failure is not None:
+            raise self._failure
+
+    def submit(self, request: TokenRequest) -> Future:
+        future: Future = Future()
+        if self._closing.is_set():
+            future.set_exception(RuntimeError("the server is shutting down"))
+        else:
+            self._queue.put((request, future))
+        return future
+
+    def generate(self, request: TokenRequest) -> Generated:
+        """Block until `request` has been generated."""
+        return self.submit(request).result()
+
+    def close(self) -> None:
+        """Finish the requests in the stream, then fail whatever is still queued (its callers get an error)."""
+        self._closing.set()
+        self._thread.join()
+        self._fail_queued(RuntimeError("the server is shutting down"))
+
+    def _fail_queued(self, error: BaseException) -> None:
+        while True:
+            try:
+                _, future = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            future.set_exception(error)
+
+    def _run(self) -> None:
+        try:
+            stream = self.engine.open_stream(self.sampling, self.max_context, self.num_seqs)
+        except BaseException as e:  # reported to the constructor's caller
+            self._failure = e
+            self._opened.set()
+            return
+        self._opened.set()
+        in_flight: set[Future] = set()
+        try:
+            while stream.keep_going(bool(in_flight) or not self._closing.is_set()):
+                self._take(stream, in_flight)
+                if not stream.has_work and not stream.lockstep:
+                    continue
+                finished = stream.step()
+                self.num_steps += 1
+                for future, generated in finished:
+                    in_flight.discard(future)
+                    future.set_result(generated)
+        except BaseException as e:  # the engine failed: every waiting request hears it; nothing more is served
+            self._closing.set()
+            for future in in_flight:
+                future.set_exception(e)
+            self._fail_queued(e)
+        finally:
+            stream.close()
+
+    def _take(self, stream: TokenStream, in_flight: set[Future]) -> None:
+        """Move queued requests into the stream: without waiting while it works, else wait for one (a short poll
+        where the engine steps in lockstep or the server is closing) and `gather_s` more for others."""
+        idle = not stream.has_work
+        timeout = _POLL_S if (stream.lockstep or self._closing.is_set()) else _IDLE_S
+        first = True
+        while True:
+            try:
+                if first and idle:
+                    item = self._queue.get(timeout=timeout)
+                    deadline = time.monotonic() + self.gather_s
+                elif idle:
+                    item = self._queue.get(timeout=max(deadline - time.monotonic(), 0.0))
+                else:
+                    item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            first = False
+            request, future = item
+            try:
+                stream.submit(future, request)
+            except Exception as e:  # this request cannot run (e.g. too long for the cache): its caller hears why
+                future.set_exception(e)
+                continue
+            in_flight.add(future)
+            self.num_requests += 1
+            self.largest_batch = max(self.largest_batch, len(in_flight))

@@ -1,0 +1,91 @@
+"""The rollout stage as `rlx rollout` runs it: load, pick prompts, generate, write (multi-turn: agent/run.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlx.checkpoints.loading import load_model, load_processor
+from rlx.checkpoints.registry import read_meta_or_default
+from rlx.errors import UserError
+from rlx.formats.data import check_window, take_prompts
+from rlx.formats.records import read_prompts, write_records
+from rlx.models.loading import load_config, load_tokenizer, resolve_source
+from rlx.observe.tracking import console, log_metrics
+from rlx.parallel.dist import setup
+from rlx.rollout.base import build_engine
+from rlx.rollout.config import RolloutConfig
+from rlx.rollout.lengths import limit_prompts, model_context
+from rlx.rollout.registry import engine_class
+from rlx.utils.files import check_writable
+from rlx.utils.io import STDIO, exists, is_remote, local
+
+
+def check_output_file(out: str, overwrite: bool, option: str = "--out") -> None:
+    """Refuse, before any work, an output file that is a folder, exists (without --overwrite) or cannot be
+    written."""
+    if out == STDIO:
+        return
+    if not is_remote(out) and local(out).is_dir():
+        raise UserError(f"{option} {out}: is a folder; give a file path (e.g. {out.rstrip('/')}/rollouts.jsonl)")
+    if exists(out) and not overwrite:
+        raise UserError(f"{out}: already exists (choose another {option} or pass --overwrite)")
+    check_writable(out)
+
+
+def run_rollout(
+    cfg: RolloutConfig,
+    model_path: str,
+    prompts_path: str,
+    out: str,
+    num_prompts: int = 0,
+    data_position: int = 0,
+    shuffle_seed: int | None = None,
+    metrics_path: Path | None = None,
+    overwrite: bool = False,
+) -> None:
+    check_output_file(out, overwrite)
+    records = read_prompts(prompts_path)
+    if num_prompts < 0 or data_position < 0:
+        raise UserError("--num-prompts and --data-position must be >= 0")
+    if cfg.is_multi_turn:  # episodes of an environment or runs of an agent (they build each sample's context)
+        if num_prompts or data_position or shuffle_seed is not None:
+            check_window(num_prompts, len(records), prompts_path, "--num-prompts")
+            records = take_prompts(records, data_position, num_prompts or len(records), shuffle_seed)
+        from rlx.stages.rollout_agent import run_multi_turn_rollout
+
+        run_multi_turn_rollout(cfg, model_path, records, out, metrics_path)
+        return
+    source = resolve_source(model_path)
+    tokenizer = load_tokenizer(source)
+    config = load_config(source)
+    context = model_context(config)
+    processor = load_processor(source, cfg.vision, config)  # a vision-language model's images (None for text models)
+    # 'filter' changes which prompts a window takes: filter the whole file first, as `rlx ppo` does; 'error'
+    # leaves the list alone, so only the prompts this rollout takes are checked (the same outcome for them)
+    if cfg.on_long_prompt == "filter":
+        records = limit_prompts(records, tokenizer, cfg, context, prompts_path, config=config, processor=processor)
+    if num_prompts or data_position or shuffle_seed is not None:
+        check_window(num_prompts, len(records), prompts_path, "--num-prompts")
+        records = take_prompts(records, data_position, num_prompts or len(records), shuffle_seed)
+    if cfg.on_long_prompt == "error":
+        records = limit_prompts(records, tokenizer, cfg, context, prompts_path, config=config, processor=processor)
+    ctx = setup(cfg.device)
+    dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
+    # a LoRA checkpoint: its base with the adapters, as `rlx ppo` generates
+    model = load_model(source, dtype=dtype, adapters=True).requires_grad_(False)  # generation only
+    engine = build_engine(cfg, model, tokenizer, ctx, processor)
+    try:
+        result = engine.generate(records, cfg.sampling())
+    finally:
+        engine.close()
+    if not ctx.is_main:
+        return
+    write_records(out, result.records)
+    stats = result.stats
+    step = read_meta_or_default(source.path).step + 1
+    log_metrics(metrics_path, step, {**stats.metrics(), "timing/rollout_s": stats.seconds})
+    where = "stdout" if out == "-" else out
+    console(
+        f"rlx rollout: {len(result.records)} responses to {len(records)} prompts -> {where} "
+        f"({stats.tokens:.0f} tokens, {stats.tokens_per_s:.0f} tok/s)"
+    )

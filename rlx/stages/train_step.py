@@ -1,0 +1,82 @@
+"""The train-step stage as `rlx train-step` runs it: checkpoint + batch -> next checkpoint + metrics.
+
+The checkpoint's layout names the backend that trains it in place (checkpoints/registry.py, backends/registry.py);
+the next checkpoint is written in the same layout, or in the LoRA layout when the trainer trains adapters (a LoRA
+checkpoint, or `lora` settings on a checkpoint of full weights).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlx.backends.registry import backend_for_checkpoint, checkpoint_degrees
+from rlx.checkpoints.files import aux_files
+from rlx.checkpoints.loading import load_processor
+from rlx.checkpoints.meta import CheckpointMeta, is_checkpoint, provenance
+from rlx.checkpoints.registry import check_complete, save, trained_layout
+from rlx.errors import UserError
+from rlx.formats.batch import TrainBatch
+from rlx.models.loading import load_config, resolve_source
+from rlx.models.lora_config import LoraConfig
+from rlx.models.value import check_value_config, is_value_config
+from rlx.observe.tracking import console, log_metrics
+from rlx.parallel.dist import barrier
+from rlx.training.config import TrainConfig
+from rlx.utils.files import check_writable
+from rlx.utils.io import exists
+
+
+def run_train_step(
+    cfg: TrainConfig,
+    checkpoint: str,
+    batch_path: str,
+    out: str,
+    overwrite: bool = False,
+    metrics_path: Path | None = None,
+    lora: LoraConfig | None = None,
+) -> dict:
+    if cfg.lr_schedule != "constant" and not cfg.lr_decay_steps:
+        raise UserError(
+            f"--lr-decay-steps: lr schedule {cfg.lr_schedule!r} needs the decay length in train steps "
+            f"(`rlx ppo` uses the run's steps; a hand-run train-step must give it)"
+        )
+    source = resolve_source(checkpoint, "checkpoint")
+    if source.is_gguf:
+        raise UserError(
+            f"{checkpoint}: train-step needs a checkpoint dir; convert the GGUF file with `rlx shard` first"
+        )
+    if exists(out) and not overwrite:
+        raise UserError(f"{out}: already exists (choose another --out or pass --overwrite)")
+    check_writable(out)
+    meta = check_complete(source.path) if is_checkpoint(source.path) else CheckpointMeta()
+    config = load_config(source)  # the role is checked before any process group is set up
+    if cfg.role == "critic":
+        check_value_config(config, source.path)
+    elif is_value_config(config):
+        raise UserError(f"{source.path}: --role actor but the checkpoint holds a value model")
+    # a vision-language model's processor reloads the batch's images (unless it stores their pixels)
+    batch = TrainBatch.load(batch_path, load_processor(source, cfg.vision, config))
+    backend = backend_for_checkpoint(meta).setup(cfg.device, checkpoint_degrees(meta, cfg.sp_degree))
+    trainer = backend.load_trainer(cfg, source, **backend.lora_options(lora, "--lora-rank"))
+    trainer.check_batch(batch, batch_path)
+    metrics = trainer.train_step(batch, meta.step)
+    next_meta = CheckpointMeta(
+        step=meta.step + 1,
+        layout=trained_layout(trainer, meta.layout),
+        tp_degree=meta.tp_degree,
+        pp_degree=meta.pp_degree,
+        data_position=meta.data_position,
+        optimizer=trainer.optimizer_meta(),
+        provenance=provenance("rlx train-step", checkpoint, batch=str(batch_path)),
+    )
+    save(out, trainer, aux_files(source.path), next_meta, overwrite=overwrite)
+    if trainer.is_main:
+        log_metrics(metrics_path, next_meta.step, metrics)
+        loss = metrics.get(f"{cfg.role}/loss", metrics.get(f"{cfg.role}/vf_loss", float("nan")))
+        console(
+            f"rlx train-step: {cfg.role} step {next_meta.step}, loss {loss:.4f}, "
+            f"grad norm {metrics[f'{cfg.role}/grad_norm']:.3f} -> {out}"
+            + (f" ({trainer.world} processes)" if backend.ctx.distributed else "")
+        )
+    barrier()
+    return metrics

@@ -1,0 +1,124 @@
+"""The actor's update: a policy loss (PPO clip and its family) with rollout correction, KL loss and
+entropy bonus, aggregated with mini-batch normalisers. Every term and metric is over the batch's `loss_mask`
+(a multi-turn sample's environment tokens get no loss and count in no normaliser)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlx.algorithms.core import masked_sum
+from rlx.algorithms.kl import kl_estimate
+from rlx.algorithms.losses import LossNorm, PolicyLossParams, aggregate, compute_policy_loss
+from rlx.algorithms.rollout_correction import RolloutCorrection, correct
+from rlx.errors import UserError
+from rlx.formats.batch import TrainBatch
+from rlx.logprobs import MODEL_INPUTS, packed_response_logprobs, response_logprobs
+from rlx.training.trainer import Trainer
+
+
+class ActorTrainer(Trainer):
+    """The trainable policy: a causal LM and its AdamW optimizer."""
+
+    role = "actor"
+    loss_keys = ("loss", "pg_loss", "kl_loss", "entropy_loss")
+
+    @property
+    def loss_params(self) -> PolicyLossParams:
+        c = self.cfg
+        return PolicyLossParams(
+            clip_ratio_low=c.clip_ratio_low,
+            clip_ratio_high=c.clip_ratio_high,
+            clip_ratio_c=c.clip_ratio_c or None,
+            tau_pos=c.tau_pos,
+            tau_neg=c.tau_neg,
+            clip_cov_ratio=c.clip_cov_ratio,
+            clip_cov_lb=c.clip_cov_lb,
+            clip_cov_ub=c.clip_cov_ub,
+            kl_cov_ratio=c.kl_cov_ratio,
+            ppo_kl_coef=c.ppo_kl_coef,
+        )
+
+    @property
+    def correction(self) -> RolloutCorrection:
+        c = self.cfg
+        return RolloutCorrection(
+            is_level=c.rollout_is,
+            is_threshold=c.rollout_is_threshold,
+            rs_level=c.rollout_rs,
+            rs_threshold=c.rollout_rs_threshold or None,
+            rs_threshold_lower=c.rollout_rs_threshold_lower or None,
+            veto_threshold=c.rollout_veto_threshold or None,
+        )
+
+    def check_batch(self, batch: TrainBatch, where: str) -> None:
+        super().check_batch(batch, where)
+        if self.cfg.kl_loss_coef > 0 and batch.ref_logprobs is None:
+            raise UserError(f"{where}: kl_loss_coef > 0 needs ref logprobs in the batch (run rlx score with --ref)")
+
+    def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
+        metrics = super().train_step(batch, step)
+        if self.correction.active:  # what the correction did, over the whole batch
+            metrics.update(correct(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, self.correction)[2])
+        return metrics
+
+    def loss_norm(self, mini: TrainBatch) -> LossNorm:
+        """Normalisers over the tokens the rollout correction keeps (rejection removes tokens)."""
+        _, keep, _ = correct(mini.old_logprobs, mini.rollout_logprobs, mini.loss_mask, self.correction)
+        return LossNorm(
+            num_tokens=float(keep.sum().clamp(min=1)),
+            num_seqs=float((keep.sum(-1) > 0).sum().clamp(min=1)),
+            scale_factor=float(self.cfg.loss_scale_factor or mini.response_ids.shape[1]),
+        )
+
+    def logprobs(self, t: dict[str, torch.Tensor], part: TrainBatch):
+        inputs = {k: t[k] for k in MODEL_INPUTS}
+        common = {"temperature": part.meta.temperature, "dtype": self.dtype, "with_entropy": True}
+        if self.cfg.use_packing:
+            rows = self.packed_rows(part)
+            with self.packed_images(part):  # images and 3-D positions hooked into the packed forward
+                return packed_response_logprobs(
+                    self.model, **inputs, **common, impl=self.cfg.logprob_impl, sp_group=self.sp_group, rows=rows
+                )
+        vision = part.images.vision if part.images is not None else None
+        return response_logprobs(self.model, **inputs, **common, impl=self.cfg.logprob_impl, vision=vision)
+
+    def micro_step(
+        self, t: dict[str, torch.Tensor], part: TrainBatch, norm: LossNorm, sums: dict[str, float], weight: float
+    ) -> None:
+        logp, entropy = self.logprobs(t, part)
+        (self.micro_loss(t, logp, entropy, norm, sums) * weight).backward()
+
+    def micro_loss(
+        self, t: dict[str, torch.Tensor], logp: torch.Tensor, entropy: torch.Tensor, norm: LossNorm, sums: dict
+    ) -> torch.Tensor:
+        """The micro-batch's loss from its logprobs and entropy [B, R] (metric sums added to `sums`)."""
+        cfg = self.cfg
+        weights, mask, _ = correct(t["old_logprobs"], t["rollout_logprobs"], t["loss_mask"], self.correction)
+        pg_loss, pg_sums = compute_policy_loss(
+            cfg.policy_loss,
+            logp,
+            t["old_logprobs"],
+            t["advantages"],
+            mask,
+            norm,
+            cfg.loss_agg_mode,
+            self.loss_params,
+            weights,
+        )
+        loss = pg_loss
+        if cfg.entropy_coef > 0:
+            entropy_loss = aggregate(entropy, mask, cfg.loss_agg_mode, norm)
+            loss = loss - cfg.entropy_coef * entropy_loss
+            sums["entropy_loss"] += entropy_loss.detach()
+        if cfg.kl_loss_coef > 0:
+            kl_loss = aggregate(kl_estimate(logp, t["ref_logprobs"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, norm)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            sums["kl_loss"] += kl_loss.detach()
+        sums["pg_loss"] += pg_loss.detach()
+        sums["loss"] += loss.detach()
+        with torch.no_grad():
+            sums["entropy"] += masked_sum(entropy, mask).detach()
+            sums["tokens"] += mask.sum().detach()
+        for key, value in pg_sums.items():
+            sums[key] += value.detach()
+        return loss
