@@ -155,7 +155,7 @@ class GcPauses:
 
     An automatic collection fires wherever the allocation count crosses a threshold, often inside a train step;
     on a CUDA run a full one there made that step's train phase 0.35-0.4 s slower, though it took 20 ms itself
-    (2026-11-23, bench/RESULTS.md). So after the first step the heap alive is frozen, automatic collection is
+    (2026-11-23, bench/results/archive.md). So after the first step the heap alive is frozen, automatic collection is
     off, and `between_steps(step)` collects what the steps left: the young generations every step, everything
     every `FULL_EVERY` steps. `close` restores the collector as it was."""
 

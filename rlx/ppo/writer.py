@@ -17,7 +17,7 @@ class BackgroundWriter:
 
     The thread writes safetensors files at `mib_per_s` (0: as fast as the disk takes them) while nobody waits: on an
     H100 a 6 GB checkpoint written flat out made the next step 1 s slower, paced at 1 GiB/s it cost nothing
-    (bench/RESULTS.md). `flush` lifts the pace, so waiting for a write never takes longer than writing it."""
+    (bench/results/archive.md). `flush` lifts the pace, so waiting for a write never takes longer than writing it."""
 
     def __init__(self, enabled: bool = True, mib_per_s: float = 0.0):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlx-writer") if enabled else None

@@ -1,7 +1,7 @@
 """safetensors files written straight from host tensors, optionally at a bounded rate.
 
 A checkpoint written by the background writer while the next step computes should cost that step nothing. Measured
-on an H100 (bench/RESULTS.md, issue 15), writing a 0.5B model's 6 GB checkpoint with safetensors' `save_file` as
+on an H100 (bench/results/archive.md, issue 15), writing a 0.5B model's 6 GB checkpoint with safetensors' `save_file` as
 fast as the disk takes it made the step after every checkpoint 1 s slower (its score and train phases); a writer that
 paces itself leaves it alone. This module writes the same format (an 8-byte little-endian header length, the JSON
 header with `__metadata__` and each tensor's dtype, shape and byte offsets, padded with spaces to 8 bytes, then the
