@@ -85,6 +85,6 @@ def eval_(
             on_long_prompt=on_long_prompt,
         )
         build_config(R, **engine_settings)  # option errors name the option before any model is loaded
-        from rlx.evaluation.evaluate import run_eval
+        from rlx.stages.eval import run_eval
 
         run_eval(cfg, model, out, engine_settings, metrics_path=metrics, overwrite=overwrite)
