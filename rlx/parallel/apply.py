@@ -55,9 +55,16 @@ def apply_parallelism(model: torch.nn.Module, ctx: DistContext, plan: ParallelPl
             layer.forward = torch.compile(layer.forward, dynamic=True)
     if plan.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if ctx.distributed:
+    if shards_models(ctx, plan.offload):
         apply_fsdp(model, ctx, plan.param_dtype, plan.offload)
     return model
+
+
+def shards_models(ctx: DistContext, offload: bool = False) -> bool:
+    """Whether models are FSDP-sharded: under a launcher with several processes, or with CPU offload (FSDP's). A
+    launcher with one process trains as a plain process does (float32 weights, bf16 autocast): FSDP over one rank
+    only added its casts and copies (the 0.5B GRPO step on an H100: 1.89 s under torchrun against 1.60-1.65 s)."""
+    return ctx.distributed and (ctx.world > 1 or offload)
 
 
 def steady_compile_settings() -> None:

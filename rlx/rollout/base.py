@@ -221,7 +221,7 @@ class RolloutEngine(ABC):
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.device = ctx.device
         self.dtype = resolve_precision(cfg.precision, self.device)
-        self.ctx = ctx if ctx.distributed else None
+        self.ctx = ctx if ctx.distributed and ctx.world > 1 else None  # one process: nothing to split or gather
         self.stop_ids = stop_token_ids(model, tokenizer)
         config = getattr(model, "config", None)  # None: an engine holding no HF model (vllm from a folder)
         limit = context_limit(config, cfg.vision.max_prompt_tokens) if processor is not None else 0

@@ -33,7 +33,7 @@ from rlx.models.lora import apply_lora, is_lora_model
 from rlx.models.lora_merge import iter_merged_weights, merged_weights
 from rlx.models.vision.families import freeze_vision_tower, is_vision_config
 from rlx.models.vision.packing import VisionRow, vision_forward
-from rlx.parallel.apply import ParallelPlan, apply_parallelism
+from rlx.parallel.apply import ParallelPlan, apply_parallelism, shards_models
 from rlx.parallel.batching import balanced_partition, count_micro_batches, token_budget_micro_batches
 from rlx.parallel.dist import DistContext, all_reduce
 from rlx.parallel.fsdp import activation_offload, full_tensor, gathered_weights, model_weights
@@ -94,8 +94,9 @@ class Trainer:
         self.sp_group = self.ctx.sp_group if self.ctx.sp_degree > 1 else None
         # FSDP's mixed precision casts the parameters (no autocast on top) and averages gradients over ranks
         # while the losses are global sums: each rank's loss is scaled by the world size
-        self.dtype = torch.float32 if self.ctx.distributed else dtype
-        self.gradient_scale = float(self.ctx.world) if self.ctx.distributed else 1.0
+        self.is_sharded = shards_models(self.ctx, cfg.param_offload)
+        self.dtype = torch.float32 if self.is_sharded else dtype
+        self.gradient_scale = float(self.ctx.world) if self.is_sharded else 1.0
         self.optimizer = build_adamw(self.model, cfg)
 
     # --- what checkpoints, scoring and rollouts take from a trainer -----------------------------------
@@ -312,7 +313,7 @@ class Trainer:
             count = int(all_reduce(count, "max", group=self.ctx.dp_group, device=self.ctx.device))
         for i in range(count):
             dummy = i >= len(parts)  # keeps FSDP's collectives in step with busier ranks; contributes nothing
-            if self.ctx.distributed:  # FSDP accumulates unsharded float32 gradients, reduces after the last
+            if self.is_sharded:  # FSDP accumulates unsharded float32 gradients, reduces after the last
                 self.model.set_requires_gradient_sync(i == count - 1)
             part = local.select(parts[0] if dummy else parts[i])
             with activation_offload(self.cfg.activation_offload, self.device):
