@@ -3,12 +3,13 @@
 # install them all with --no-deps into /root/keep/site (never torch: the image's torch 2.11.0+cu130 stays). Then
 # `import vllm` under PYTHONPATH=/root/keep/site and a check of vLLM's and TRL's requirements against what that
 # path sees. Idempotent: a second run on the same wheels only repeats the checks.
-#   bash bench/device/install_vllm.sh            # exit 1 if a core wheel is missing or corrupt, or vllm won't import
-#   export PYTHONPATH=/root/keep/site:$PWD       # then, in every later command of the same machine
+#   bash bench/device/install_vllm.sh [KEEP [MANIFEST]]   # exit 1 if a core wheel is missing or corrupt, or vllm
+#                                                         # won't import (KEEP: /root/keep; MANIFEST: vllm_wheels.txt)
+#   export PYTHONPATH=/root/keep/site:$PWD                # then, in every later command of the same machine
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-manifest=$here/vllm_wheels.txt
-keep=${1:-/root/keep}  # a test elsewhere may name another folder
+keep=${1:-/root/keep}
+manifest=${2:-$here/vllm_wheels.txt}
 parts=$keep/parts wheels=$keep/wheels site=$keep/site
 mkdir -p "$wheels" "$site"
 missing_core=() missing_optional=() bad=() ready=()
@@ -19,7 +20,11 @@ while read -r sha size group name; do
     if [ -f "$parts/$name" ]; then
       ln -f "$parts/$name" "$target" 2>/dev/null || cp "$parts/$name" "$target"
     elif compgen -G "$parts/$name.part-*" >/dev/null; then
-      cat $(ls "$parts/$name".part-* | sort) > "$target.tmp" && mv "$target.tmp" "$target"
+      pieces=($(ls "$parts/$name".part-* | sort))
+      last=${pieces[-1]##*.part-}
+      if [ -f "$parts/$name.part-00" ] && [ $((10#$last + 1)) -eq ${#pieces[@]} ]; then  # no part left out
+        cat "${pieces[@]}" > "$target.tmp" && mv "$target.tmp" "$target"
+      fi
     fi
   fi
   if [ ! -f "$target" ]; then
@@ -58,7 +63,7 @@ from packaging.requirements import Requirement
 print(f"python {sys.version.split()[0]}; torch {torch.__version__} from {torch.__file__}; cuda {torch.version.cuda}")
 env = {"extra": ""}
 unmet = []
-for top in ("vllm", "trl", "fastapi", "pydantic", "openai", "datasets", "flashinfer-python", "xgrammar"):
+for top in ("vllm", "trl", "fastapi", "pydantic", "openai", "datasets", "xgrammar"):
     try:
         dist = md.distribution(top)
     except md.PackageNotFoundError:
