@@ -1,6 +1,7 @@
 """Whole GRPO steps, rlx against TRL's GRPOTrainer on the same work, each in its own process, one after the other.
 
     python bench/grpo_step.py --tools rlx,trl --steps 12 --json out.json     # one GPU
+    python bench/grpo_step.py --tools rlx-vllm,trl-vllm --steps 12           # both tools generating with vLLM
     python bench/grpo_step.py --small --cpu --steps 3 --tools rlx,trl       # a quick check of the script
 
 The work (issue 15): a Qwen2-0.5B-shaped model (random init, float32 master weights, bf16 compute), 32 prompts of
@@ -11,6 +12,11 @@ reference model, one optimizer step per batch. Both tools get the same prompt to
 rlx: `rlx ppo` on a generated recipe, with the fast defaults it picks on CUDA (printed at its start).
 TRL: `GRPOTrainer` (HF generate, its defaults: gradient checkpointing, bf16), per-device batch 16 x 16 gradient
 accumulation steps = one generation of 256 samples per optimizer step.
+With vLLM (issue 35): 'rlx-vllm' is `rlx ppo` with rollout.engine = "vllm"; 'trl-vllm' is the same TRL run with
+`use_vllm=True, vllm_mode="colocate"` (vLLM in the trainer's process, TRL's own weight sync), vLLM's share of GPU
+memory --vllm-gpu-memory-utilization for both, and vLLM's sleep mode while training set by --vllm-sleep for both
+(TRL's vllm_enable_sleep_mode; rlx's rollout.sleep; on by default, as rlx does). TRL's vLLM loads the random
+initial weights from a saved folder.
 
 Per tool: first-step time (process start to the end of step 1, what a user waits for), median and p90 of the
 steady steps (every step after the first), tokens/s of the median step (prompt + response tokens), peak device
@@ -99,9 +105,9 @@ lr = 1e-6
     return path
 
 
-def run_rlx(args, work: Path) -> dict:
+def run_rlx(args, work: Path, tool: str = "rlx") -> dict:
     recipe = write_rlx_recipe(work, args)
-    run_dir = work / "run"
+    run_dir = work / ("run" if tool == "rlx" else f"run-{tool}")
     launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)] if args.nproc > 1 else []
     cmd = [
         sys.executable,
@@ -116,14 +122,18 @@ def run_rlx(args, work: Path) -> dict:
     ]
     if args.cpu:
         cmd += ["--set", 'train.device="cpu"', "--set", 'rollout.device="cpu"']
-    metrics, arrivals = run_and_watch(cmd, run_dir / "metrics.jsonl", work / "rlx.log")
+    if tool == "rlx-vllm":
+        cmd += ["--set", 'rollout.engine="vllm"', "--set", f"rollout.sleep={str(args.vllm_sleep == 'on').lower()}"]
+        cmd += ["--set", f"rollout.gpu_memory_utilization={args.vllm_gpu_memory_utilization}"]
+    log_path = work / f"{tool}.log"
+    metrics, arrivals = run_and_watch(cmd, run_dir / "metrics.jsonl", log_path)
     steps = [m["timing/step_s"] for m in metrics]
     tokens = [m.get("perf/tokens", 0) or m["rollout/tokens"] + m["prompt_length/mean"] * m["batch/num_samples"]
               for m in metrics]  # fmt: skip
     phases = {
         k: [m.get(f"timing/{k}_s", 0.0) for m in metrics] for k in ("weight_sync", "rollout", "score", "train", "save")
     }
-    out = summarize("rlx", arrivals[0], steps, tokens)
+    out = summarize(tool, arrivals[0], steps, tokens)
     median_step = sorted(range(1, len(steps)), key=lambda i: steps[i])[(len(steps) - 1) // 2] if len(steps) > 1 else 0
     out["phases_of_median_step"] = {k: v[median_step] for k, v in phases.items()}
     first = (
@@ -144,7 +154,7 @@ def run_rlx(args, work: Path) -> dict:
     out["rollout_tokens_per_s_median"] = statistics.median(
         m["perf/rollout_tokens_per_s"] for m in metrics[1:] or metrics
     )
-    out["config_line"] = next((line for line in (work / "rlx.log").read_text().splitlines() if "fast path" in line), "")
+    out["config_line"] = next((line for line in log_path.read_text().splitlines() if "fast path" in line), "")
     return out
 
 
@@ -159,6 +169,10 @@ tokenizer = AutoTokenizer.from_pretrained(work + "/model")
 config = Qwen2Config.from_pretrained(work + "/model")
 torch.manual_seed(0)
 model = Qwen2ForCausalLM(config)
+if args["use_vllm"]:  # TRL's colocated vLLM loads the weights from model.name_or_path: save them there first
+    model.save_pretrained(work + "/trl_vllm_model")
+    tokenizer.save_pretrained(work + "/trl_vllm_model")
+    model = Qwen2ForCausalLM.from_pretrained(work + "/trl_vllm_model", dtype=torch.float32)
 prompts = [json.loads(l)["prompt"] for l in open(work + "/prompts.jsonl")]
 data = Dataset.from_dict({"prompt": prompts})
 def length_reward(completions, **kw):
@@ -176,6 +190,9 @@ cfg = GRPOConfig(
     gradient_accumulation_steps=args["num_prompts"] * args["num_generations"] // micro,
     learning_rate=1e-6, temperature=1.0, max_steps=args["steps"], logging_steps=1, save_strategy="no", report_to=[],
     shuffle_dataset=False, use_cpu=args["cpu"], bf16=not args["cpu"], seed=0,
+    **(dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args["vllm_gpu_memory_utilization"],
+            vllm_enable_sleep_mode=args["vllm_sleep"] == "on", vllm_max_model_length=args["max_model_len"])
+       if args["use_vllm"] else {}),
 )
 trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=cfg, train_dataset=data, processing_class=tokenizer,
                       callbacks=[Timer()])
@@ -183,24 +200,28 @@ trainer.train()
 """
 
 
-def run_trl(args, work: Path) -> dict:
+def run_trl(args, work: Path, tool: str = "trl") -> dict:
     if not (work / "model").exists():
         write_rlx_recipe(work, args)  # the same model dir and prompts
     script = work / "trl_run.py"
     script.write_text(TRL_SCRIPT)
-    keys = ("num_prompts", "num_generations", "response_len", "steps", "cpu", "trl_micro_batch")
+    keys = ("num_prompts", "num_generations", "response_len", "steps", "cpu", "trl_micro_batch",
+            "vllm_gpu_memory_utilization", "vllm_sleep")  # fmt: skip
     settings = {k: getattr(args, k) for k in keys}
+    settings.update(use_vllm=tool == "trl-vllm", max_model_len=args.prompt_len + args.response_len + 8)
+    log_path = work / f"{tool}.log"
+    (work / "trl_steps.jsonl").unlink(missing_ok=True)
     start = time.time()
-    with open(work / "trl.log", "w") as log:
+    with open(log_path, "w") as log:
         done = subprocess.run([sys.executable, str(script), str(start), str(work), json.dumps(settings)],
                               stdout=log, stderr=subprocess.STDOUT, cwd=work)  # fmt: skip
     if done.returncode != 0:
-        raise SystemExit(f"TRL failed:\n{(work / 'trl.log').read_text()[-3000:]}")
+        raise SystemExit(f"{tool} failed:\n{log_path.read_text()[-3000:]}")
     rows = [json.loads(line) for line in (work / "trl_steps.jsonl").read_text().splitlines()]
     ends = [r["t"] for r in rows]
     steps = [ends[0]] + [b - a for a, b in zip(ends, ends[1:])]
     tokens = [args.num_prompts * args.num_generations * (args.prompt_len + args.response_len)] * len(steps)
-    out = summarize("trl", ends[0], steps, tokens)
+    out = summarize(tool, ends[0], steps, tokens)
     out["peak_memory_gb"] = max(r["peak_gb"] for r in rows)
     out["note"] = "tokens assume full-length responses (TRL's random model rarely stops early)"
     return out
@@ -241,7 +262,7 @@ def summarize(tool: str, first_step_s: float, steps: list[float], tokens: list[f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tools", default="rlx,trl")
+    parser.add_argument("--tools", default="rlx,trl", help="comma-separated: rlx, trl, rlx-vllm, trl-vllm")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--num-generations", type=int, default=8)
@@ -249,6 +270,10 @@ def main() -> None:
     parser.add_argument("--response-len", type=int, default=256)
     parser.add_argument("--save-every", type=int, default=5, help="rlx checkpoint interval (steps)")
     parser.add_argument("--trl-micro-batch", type=int, default=64, help="TRL's per_device_train_batch_size")
+    parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3, help="rlx-vllm, trl-vllm: vLLM's "
+                        "share of GPU memory (TRL's default)")  # fmt: skip
+    parser.add_argument("--vllm-sleep", choices=("on", "off"), default="on", help="rlx-vllm, trl-vllm: vLLM's sleep "
+                        "mode while training (on: rlx's default; TRL's vllm_enable_sleep_mode)")  # fmt: skip
     parser.add_argument("--set", action="append", default=[], help="extra `rlx ppo --set` overrides")
     parser.add_argument("--nproc", type=int, default=1, help="rlx: processes under torchrun (FSDP over N GPUs); the "
                         "same work per step in all")  # fmt: skip
@@ -261,22 +286,30 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="rlx-grpo-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     results = []
-    for tool in args.tools.split(","):
-        result = {"rlx": run_rlx, "trl": run_trl}[tool](args, work)
+    runners = {"rlx": run_rlx, "rlx-vllm": run_rlx, "trl": run_trl, "trl-vllm": run_trl}
+    tools = args.tools.split(",")
+    unknown = [t for t in tools if t not in runners]
+    if unknown:
+        parser.error(f"unknown tools {unknown}: choose from {', '.join(runners)}")
+    for tool in tools:
+        result = runners[tool](args, work, tool)
         results.append(result)
         print(json.dumps(result), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
-    print(f"\n{'tool':<5} {'first step':>11} {'median':>8} {'p90':>8} {'p90/med':>8} {'tokens/s':>10} {'peak GB':>8}")
+    print(f"\n{'tool':<8} {'first step':>11} {'median':>8} {'p90':>8} {'p90/med':>8} {'tokens/s':>10} {'peak GB':>8}")
     for r in results:
-        print(f"{r['tool']:<5} {r['first_step_s']:>10.1f}s {r['steady_median_s']:>7.2f}s {r['steady_p90_s']:>7.2f}s "
+        print(f"{r['tool']:<8} {r['first_step_s']:>10.1f}s {r['steady_median_s']:>7.2f}s {r['steady_p90_s']:>7.2f}s "
               f"{r['p90_over_median']:>8.2f} {r['tokens_per_s']:>10,.0f} {r['peak_memory_gb']:>8.1f}")  # fmt: skip
     by = {r["tool"]: r for r in results}
-    if "rlx" in by and "trl" in by:
-        print(f"rlx / trl tokens/s: {by['rlx']['tokens_per_s'] / by['trl']['tokens_per_s']:.2f}x")
-    if "rlx" in by:
-        print("rlx median step phases:", {k: round(v, 3) for k, v in by["rlx"]["phases_of_median_step"].items()})
-        print("rlx first step phases:", {k: v and round(v, 2) for k, v in by["rlx"]["first_step_phases"].items()})
+    for ours, theirs in (("rlx", "trl"), ("rlx-vllm", "trl-vllm"), ("rlx", "trl-vllm")):
+        if ours in by and theirs in by:
+            print(f"{ours} / {theirs} tokens/s: {by[ours]['tokens_per_s'] / by[theirs]['tokens_per_s']:.2f}x")
+    for tool in ("rlx", "rlx-vllm"):
+        if tool in by:
+            print(f"{tool} median step phases:", {k: round(v, 3) for k, v in by[tool]["phases_of_median_step"].items()})
+            print(f"{tool} first step phases:",
+                  {k: v and round(v, 2) for k, v in by[tool]["first_step_phases"].items()})  # fmt: skip
 
 
 if __name__ == "__main__":

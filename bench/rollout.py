@@ -182,7 +182,7 @@ def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2-0.5b", help="qwen2-0.5b | smollm2-135m | PATH")
-    parser.add_argument("--engines", default="hf,vllm", help="comma-separated engines to time")
+    parser.add_argument("--engines", "--engine", default="hf,vllm", help="comma-separated engines to time")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=1, help="timed calls after the warm-up (the median is reported)")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -217,7 +217,8 @@ def main() -> None:
         results.append(result)
         print(
             f"{name:>5}: {result['tokens']} tokens in {result['seconds']:.2f} s = {result['tokens_per_s']:,.0f} tok/s "
-            f"(engine set-up {result['setup_s']:.1f} s; released {result['released_gb']:.2f} GB before the call)",
+            f"(engine set-up {result['setup_s']:.1f} s; released {result.get('released_gb', 0.0):.2f} GB before the "
+            "call)",
             flush=True,
         )
     summary = {"device": device, "model": args.model, "args": vars(args) | {"json": None}, "results": results}

