@@ -1,0 +1,77 @@
+"""One request of a sample, from its typed call to its recorded turn: plan, generate, cut at stops, commit.
+
+The tokenizer and image work runs in starlette's thread pool (under the server's tokenizer lock: a fast
+tokenizer's core takes one thread at a time); the generation is a future of the engine stream awaited on the
+event loop, so many samples generate together while the loop keeps answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.concurrency import run_in_threadpool
+
+from rlx.rollout.requests import Generated, TokenRequest
+from rlx.rollout.stops import StopStrings
+from rlx.serve.api import ChatCall, CompletionCall, RequestError
+from rlx.serve.replies import Turn
+from rlx.serve.sessions import Plan, SampleSession
+
+
+def _plan(server, session: SampleSession, call: ChatCall | CompletionCall) -> Plan:
+    try:
+        if isinstance(call, ChatCall):
+            read = session.read_messages(call.messages)  # images are loaded here, not under the tokenizer lock
+            with server.tokenizer_lock:
+                return session.plan_chat(read, call.tools)
+        with server.tokenizer_lock:
+            return session.plan_completion(call.prompt)
+    except (KeyError, TypeError, ValueError) as e:
+        raise RequestError(400, f"a message could not be read: {type(e).__name__}: {e}"[:300]) from None
+
+
+def _token_request(server, session: SampleSession, plan: Plan, call) -> TokenRequest:
+    context_ids = plan.context_ids
+    max_context = min(server.cfg.max_total_tokens, server.backend.max_context)
+    room = max_context - len(context_ids)
+    if room < 1:
+        session.hit_token_limit = True
+        raise RequestError(
+            400,
+            f"sample {session.sample_id!r}: the context is {len(context_ids)} tokens, at the limit "
+            f"max_total_tokens = {max_context}",
+            "context_length_exceeded",
+            "messages" if isinstance(call, ChatCall) else "prompt",
+        )
+    limit = min(call.settings.max_tokens, room)
+    key = f"{session.sample_id}/{session.num_requests}"
+    greedy = server.sampling.temperature == 0
+    return TokenRequest(key, context_ids, limit, greedy, vision=plan.vision, seed=call.settings.seed)
+
+
+def _commit(server, session: SampleSession, plan: Plan, gen: Generated, call) -> Turn:
+    settings = call.settings
+    with server.tokenizer_lock:
+        if settings.stop:
+            gen = StopStrings(server.tokenizer, settings.stop).cut(gen)
+        parse = call.parse_tools if isinstance(call, ChatCall) else True
+        reply, _ = session.commit(plan, gen, parse_tools=parse, settings=settings.recorded)
+        wants_pieces = settings.stream or settings.logprobs
+        texts = [server.tokenizer.decode([t]) for t in gen.response_ids] if wants_pieces else []
+        echoed = ""
+        if isinstance(call, CompletionCall) and call.echo:
+            echoed = call.prompt if isinstance(call.prompt, str) else server.tokenizer.decode(call.prompt)
+    turn = Turn(settings, plan.context_ids, gen.response_ids, gen.logprobs, gen.finish_reason, token_texts=texts)
+    if isinstance(call, ChatCall):
+        turn.message = reply
+    else:
+        turn.text = echoed + reply
+    return turn
+
+
+async def generate_turn(server, session: SampleSession, call: ChatCall | CompletionCall) -> Turn:
+    """Plan `call` in `session`, generate it on the engine stream, record it; the turn to reply with."""
+    plan = await run_in_threadpool(_plan, server, session, call)
+    request = _token_request(server, session, plan, call)
+    gen = await asyncio.wrap_future(server.backend.submit(request))
+    return await run_in_threadpool(_commit, server, session, plan, gen, call)
