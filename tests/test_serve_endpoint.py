@@ -22,6 +22,7 @@ import pytest
 from agent_helpers import CALC_PIECES, CALC_SCRIPT, bigram_chat_model, random_chat_model, token_engine
 from conftest import cli, read_jsonl
 
+from rlx.chat.tool_calls import parse_json_list, parser_for_template
 from rlx.errors import UserError
 from rlx.models.vision.images import ImageError, read_image_bytes
 from rlx.rollout.agent_config import AgentConfig
@@ -40,7 +41,7 @@ HI = [{"role": "user", "content": "hi"}]
 
 def start(model=None, sampling: RolloutConfig = SAMPLING, strict: bool = False, **endpoint) -> AgentServer:
     model, tokenizer = model or random_chat_model()
-    engine, cfg = token_engine(model, tokenizer), AgentConfig(max_total_tokens=200)
+    engine, cfg = token_engine(model, tokenizer), AgentConfig(max_total_tokens=500)
     backend = StreamBackend(engine, sampling.sampling(), cfg.max_total_tokens)
     server = AgentServer(
         backend, tokenizer, engine.stop_ids, sampling.sampling(), cfg, endpoint=EndpointConfig(**endpoint),
@@ -359,3 +360,46 @@ def test_sigterm_exits_143_after_writing_the_output(tiny_ckpt, tmp_path):
     assert answered == [200] and out.exit_code == 143, out
     [record] = read_jsonl(Path(tmp_path / "o.jsonl"))
     assert record["id"] == "default/0" or record["prompt_id"] == "default"
+
+
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LIST_TEMPLATE = (
+    '{% if tools %}<|im_start|>system\nCall tools as <tool_call>[{"name": ..., "arguments": ...}]</tool_call>'
+    "\n{{ tools | tojson }}<|im_end|>\n{% endif %}" + PLAIN_TEMPLATE
+)
+
+
+def test_tool_parser_follows_the_template_and_tools_a_template_drops_are_refused():
+    """--tool-parser auto: a template asking for a JSON list in <tool_call> (SmolLM2's form) reads such lists; a
+    request with tools on a template that never renders them is HTTP 400 naming 'tools'."""
+    model, tokenizer = random_chat_model()
+    assert parser_for_template(tokenizer.chat_template) == "qwen"
+    assert parser_for_template(LIST_TEMPLATE) == "smollm2"
+    calls = '[{"name": "add", "arguments": {"a": 1}}, {"name": "neg", "arguments": "{\\"x\\": 2}"}]'
+    text = f"ok <tool_call>{calls}</tool_call>"
+    parsed = parse_json_list(text, 3)
+    assert not parsed.errors and parsed.message["content"] == "ok"
+    assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in
+            parsed.message["tool_calls"]] == [("call_3_0", "add", {"a": 1}), ("call_3_1", "neg", {"x": 2})]  # fmt: skip
+    bad = parse_json_list("<tool_call>[1]</tool_call>", 0)
+    assert bad.errors == ['tool call 1 must be a JSON object with a "name" string']
+    tokenizer.chat_template = LIST_TEMPLATE
+    server = start((model, tokenizer))
+    try:
+        session = server.session("s")
+        assert session.parse is parse_json_list
+        status, reply = post(f"{server.url}/v1/chat/completions", {"messages": HI, "tools": [CALCULATOR_TOOL]})
+        assert status == 200, reply
+    finally:
+        stop(server)
+    tokenizer.chat_template = PLAIN_TEMPLATE
+    server = start((model, tokenizer))
+    try:
+        status, reply = post(f"{server.url}/v1/chat/completions", {"messages": HI, "tools": [CALCULATOR_TOOL]})
+        assert status == 400 and reply["error"]["param"] == "tools" and "does not render tools" in str(reply)
+        assert post(f"{server.url}/v1/chat/completions", {"messages": HI, "max_tokens": 1})[0] == 200
+    finally:
+        stop(server)

@@ -72,6 +72,8 @@ class AgentServer:
         self._sessions_lock = threading.Lock()
         # a fast tokenizer's Rust core may refuse calls from two threads at once ("Already borrowed")
         self.tokenizer_lock = threading.Lock()
+        self.renders_tools: bool | None = None
+        """Whether the chat template shows tools to the model (found on the first request with tools)."""
         self._socket = socket.create_server((self.endpoint.host, port), backlog=self.endpoint.backlog)
         config = uvicorn.Config(
             _app(self), lifespan="off", log_level="warning", access_log=False, backlog=self.endpoint.backlog,

@@ -132,7 +132,7 @@ class SampleSession:
         """What the engine makes of image parts (request_images.py)."""
         self.stops = stops
         """rollout.stop: a reply's text ends before its stop string (its tokens keep it)."""
-        self.parse = get_tool_call_parser(cfg.tool_parser)
+        self.parse = get_tool_call_parser(cfg.tool_parser, getattr(tokenizer, "chat_template", None))
         self.segments: list[Segment] = []
         self.num_requests = 0
         self.hit_token_limit = False

@@ -18,7 +18,28 @@ from rlx.serve.replies import Turn
 from rlx.serve.sessions import Plan, SampleSession
 
 
+def template_renders_tools(server, tools: list[dict]) -> bool:
+    """Whether the model's chat template shows `tools` to the model at all (asked once per server; a template that
+    cannot render a probe is not judged here: the request's own render reports it)."""
+    if server.renders_tools is None:
+        probe, kwargs = [{"role": "user", "content": "x"}], server.cfg.chat_template_kwargs
+        render = server.tokenizer.apply_chat_template
+        try:
+            with server.tokenizer_lock:
+                with_tools = render(probe, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
+                without = render(probe, tokenize=False, add_generation_prompt=True, **kwargs)
+        except Exception:  # noqa: BLE001 - judged by the request's render
+            return True
+        server.renders_tools = with_tools != without
+    return server.renders_tools
+
+
 def _plan(server, session: SampleSession, call: ChatCall | CompletionCall) -> Plan:
+    if isinstance(call, ChatCall) and call.tools and not template_renders_tools(server, call.tools):
+        raise RequestError(
+            400, "'tools': this model's chat template does not render tools, so the model would never see them",
+            "unsupported_parameter", "tools",
+        )  # fmt: skip
     try:
         if isinstance(call, ChatCall):
             read = session.read_messages(call.messages)  # images are loaded here, not under the tokenizer lock
