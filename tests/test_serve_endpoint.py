@@ -318,6 +318,8 @@ def test_every_chat_completions_field_is_honoured_or_refused_by_name():
         turn = server.sessions["all"].current.turn_settings[0]
         assert turn["seed"] == 11 and turn["stop"] == ["\n\n"] and turn["tool_choice"] == "none"
         assert {k: turn[k] for k in METADATA_FIELDS} == {k: HONOURED[k] for k in METADATA_FIELDS}
+        status, reply = post(url, b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+        assert status == 400 and "nested too deeply" in reply["error"]["message"]
         for name, value in REFUSED.items():
             status, reply = post(url, {"messages": HI, name: value}, {"X-Session-ID": f"no-{name}"})
             assert status in (400, 404) and f"'{name}'" in reply["error"]["message"].replace("model 'other'", "'model'")

@@ -223,6 +223,8 @@ async def _read_body(request: Request, limit: int) -> dict:
         body = json.loads(data or b"{}")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(400, f"the body is not JSON: {e}"[:200]) from None
+    except RecursionError:
+        raise RequestError(400, "the body's JSON is nested too deeply") from None
     if not isinstance(body, dict):
         raise RequestError(400, "the body must be a JSON object")
     return body
