@@ -280,14 +280,14 @@ def test_streaming_equals_non_streamed(endpoint):
 
 HONOURED = {
     "model": "rlx", "max_tokens": 2, "max_completion_tokens": 2, "seed": 11, "stop": ["\n\n"], "stream": False,
-    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "logprobs": True, "return_token_ids": True, "n": 1,
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "logprobs": True, "return_token_ids": True, "n": 2,
     "tool_choice": "none", "user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
     "safety_identifier": "s", "prompt_cache_key": "p", "prompt_cache_retention": "24h", "parallel_tool_calls": True,
     "response_format": {"type": "text"}, "modalities": ["text"], "frequency_penalty": 0, "presence_penalty": 0.0,
     "logit_bias": {}, "top_logprobs": 0, "tools": [CALCULATOR_TOOL],
 }  # fmt: skip
 REFUSED = {
-    "temperature": 0.5, "top_p": 0.9, "top_k": 5, "max_tokens": 10_000, "max_completion_tokens": 10_000, "n": 2,
+    "temperature": 0.5, "top_p": 0.9, "top_k": 5, "max_tokens": 10_000, "max_completion_tokens": 10_000, "n": 17,
     "top_logprobs": 3, "tool_choice": "required", "response_format": {"type": "json_object"},
     "frequency_penalty": 0.5, "presence_penalty": 1.0, "logit_bias": {"5": 10}, "audio": {"voice": "x"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
@@ -313,11 +313,18 @@ def test_every_chat_completions_field_is_honoured_or_refused_by_name():
             assert status == 200, (name, reply)
         _, reply = post(url, {"messages": HI, **HONOURED}, {"X-Session-ID": "all"})
         choice = reply["choices"][0]
-        assert reply["usage"]["completion_tokens"] == len(choice["token_ids"]) <= 2
+        assert len(choice["token_ids"]) <= 2
+        assert reply["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in reply["choices"])
         assert len(choice["logprobs"]["content"]) == len(choice["token_ids"]) and reply["prompt_token_ids"]
+        assert [c["index"] for c in reply["choices"]] == [0, 1]  # n = 2: choice 1 is sample 'all~1'
+        assert server.sessions["all~1"].num_requests == server.sessions["all"].num_requests == 1
+        assert reply["choices"][1]["token_ids"] == server.sessions["all~1"].current.trajectory.response_ids
         turn = server.sessions["all"].current.turn_settings[0]
         assert turn["seed"] == 11 and turn["stop"] == ["\n\n"] and turn["tool_choice"] == "none"
         assert {k: turn[k] for k in METADATA_FIELDS} == {k: HONOURED[k] for k in METADATA_FIELDS}
+        events = httpx.post(url, json={"messages": HI, "n": 2, "stream": True}, timeout=60).text.split("\n\n")
+        chunks = [json.loads(e.removeprefix("data: ")) for e in events if e.startswith("data: {")]
+        assert events[-2:] == ["data: [DONE]", ""] and {c["choices"][0]["index"] for c in chunks} == {0, 1}
         status, reply = post(url, b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}")
         assert status == 400 and "nested too deeply" in reply["error"]["message"]
         for name, value in REFUSED.items():
@@ -330,6 +337,8 @@ def test_every_chat_completions_field_is_honoured_or_refused_by_name():
     try:
         status, reply = post(f"{strict.url}/v1/chat/completions", {"messages": HI, "seed": 11})
         assert status == 400 and "'seed': this rollout samples with the run's seed" in reply["error"]["message"]
+        status, reply = post(f"{strict.url}/v1/chat/completions", {"messages": HI, "n": 2})
+        assert status == 400 and reply["error"]["param"] == "n"
     finally:
         stop(strict)
 

@@ -9,12 +9,13 @@ silently ignored what it asked for. How each field is treated is in docs/serve.m
   'none'/'auto', logprobs (the sampled tokens' own; top_logprobs 0), echo, return_token_ids (vLLM's extension),
   and metadata that changes no token (user, metadata, store, service_tier, ...: recorded with the turn);
 - the sampling the server was started with (temperature, top_p, top_k) is accepted only as that value;
-- refused: n > 1, top_logprobs > 0, tool_choice 'required' or a named function, response_format other than text,
+- n > 1 in `rlx serve`: choice i > 0 is recorded as its own sample, `<sample_id>~i` (at most MAX_CHOICES);
+- refused: top_logprobs > 0, tool_choice 'required' or a named function, response_format other than text,
   penalties, logit_bias, audio, predictions, reasoning effort, web search, the deprecated functions, and any field
   OpenAI does not define.
 
-Under `rlx rollout --agent` (`strict`), the run's sampling governs: a request asking for another seed or stop
-strings is refused too, as training needs every turn sampled as the run says.
+Under `rlx rollout --agent` (`strict`), the run's sampling governs: a request asking for another seed, stop
+strings or n > 1 is refused too, as training needs every turn sampled as the run says.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlx.rollout.config import SamplingParams
+
+MAX_CHOICES = 16
+"""Most choices (n) one request may ask for."""
 
 
 class RequestError(Exception):
@@ -50,6 +54,8 @@ class Settings:
     """What one request asks of the generation (both endpoints)."""
 
     max_tokens: int
+    n: int = 1
+    """Choices: choice i > 0 is recorded as sample `<sample_id>~i` (server.py)."""
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False
@@ -95,7 +101,6 @@ _OFF = {
     "best_of": (None, 1),
     "suffix": (None, ""),
     "top_logprobs": (None, 0),
-    "n": (None, 1),
 }
 """Fields honoured only at their neutral value (any other is refused by name)."""
 _COMMON = {
@@ -179,12 +184,17 @@ def _settings(body: dict, limits: Limits, max_key: str) -> Settings:
             raise refuse("seed", f"this rollout samples with the run's seed ({limits.sampling.seed}); leave it out")
         if stop and stop != tuple(limits.sampling.stop):
             raise refuse("stop", "this rollout stops as the run's --stop says; leave it out")
+    n = _int(body, "n", 1) or 1
+    if n > 1 and limits.strict:
+        raise refuse("n", "this rollout samples the run's n per prompt itself; ask one choice per request")
+    if n > MAX_CHOICES:
+        raise refuse("n", f"at most {MAX_CHOICES} choices per request, got {n}")
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise refuse("stream_options", "only {'include_usage': bool} with stream=true is supported")
     settings = Settings(
-        max_tokens=asked[0][1] if asked else limit, seed=seed, stop=stop, stream=stream,
+        max_tokens=asked[0][1] if asked else limit, n=n, seed=seed, stop=stop, stream=stream,
         include_usage=bool((options or {}).get("include_usage")), return_token_ids=_bool(body, "return_token_ids"),
     )  # fmt: skip
     settings.recorded = {
@@ -194,6 +204,7 @@ def _settings(body: dict, limits: Limits, max_key: str) -> Settings:
         "top_k": limits.sampling.top_k,
         "seed": limits.sampling.seed if seed is None else seed,
         **({"stop": list(stop)} if stop else {}),
+        **({"n": n} if n > 1 else {}),
         **{k: body[k] for k in METADATA_FIELDS if body.get(k) is not None},
     }
     return settings

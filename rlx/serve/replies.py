@@ -1,4 +1,5 @@
-"""A finished turn as OpenAI's replies: a chat.completion or text_completion object, or its stream of chunks.
+"""Finished turns as OpenAI's replies: a chat.completion or text_completion object (one choice per turn: the
+request's n), or its stream of chunks.
 
 Streaming sends the turn once it is generated (the engine stream hands whole turns back), in OpenAI's chunk
 format: a first chunk with the role, the content in pieces (one per sampled token where the content is the
@@ -35,11 +36,6 @@ class Turn:
     id: str = field(default_factory=lambda: f"rlx-{time.monotonic_ns()}")
     created: int = field(default_factory=lambda: int(time.time()))
 
-    @property
-    def usage(self) -> dict:
-        prompt, completion = len(self.prompt_ids), len(self.response_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
 
 def _head(turn: Turn, kind: str, model: str) -> dict:
     return {"id": turn.id, "object": kind, "created": turn.created, "model": model}
@@ -71,26 +67,38 @@ def chat_finish_reason(turn: Turn) -> str:
     return "tool_calls" if turn.message.get("tool_calls") else "stop"
 
 
-def _token_ids(turn: Turn, reply: dict, choice: dict) -> None:
+def _usage(turns: list[Turn]) -> dict:
+    """One request's usage: its prompt once (the choices share it), every choice's completion."""
+    prompt, completion = len(turns[0].prompt_ids), sum(len(t.response_ids) for t in turns)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _with_token_ids(turn: Turn, reply: dict, choice: dict) -> None:
     """vLLM's `return_token_ids`: the prompt's and the choice's token ids."""
     if turn.settings.return_token_ids:
         reply["prompt_token_ids"] = turn.prompt_ids
         choice["token_ids"] = turn.response_ids
 
 
-def chat_reply(turn: Turn, model: str) -> dict:
-    choice = {"index": 0, "message": turn.message, "finish_reason": chat_finish_reason(turn),
-              "logprobs": _chat_logprobs(turn)}  # fmt: skip
-    reply = {**_head(turn, "chat.completion", model), "choices": [choice], "usage": turn.usage}
-    _token_ids(turn, reply, choice)
+def chat_reply(turns: list[Turn], model: str) -> dict:
+    """A chat.completion object with one choice per turn (the request's n)."""
+    reply = {**_head(turns[0], "chat.completion", model), "choices": [], "usage": _usage(turns)}
+    for index, turn in enumerate(turns):
+        choice = {"index": index, "message": turn.message, "finish_reason": chat_finish_reason(turn),
+                  "logprobs": _chat_logprobs(turn)}  # fmt: skip
+        _with_token_ids(turn, reply, choice)
+        reply["choices"].append(choice)
     return reply
 
 
-def completion_reply(turn: Turn, model: str) -> dict:
-    choice = {"index": 0, "text": turn.text, "finish_reason": turn.finish_reason,
-              "logprobs": _completion_logprobs(turn)}  # fmt: skip
-    reply = {**_head(turn, "text_completion", model), "choices": [choice], "usage": turn.usage}
-    _token_ids(turn, reply, choice)
+def completion_reply(turns: list[Turn], model: str) -> dict:
+    """A text_completion object with one choice per turn (the request's n)."""
+    reply = {**_head(turns[0], "text_completion", model), "choices": [], "usage": _usage(turns)}
+    for index, turn in enumerate(turns):
+        choice = {"index": index, "text": turn.text, "finish_reason": turn.finish_reason,
+                  "logprobs": _completion_logprobs(turn)}  # fmt: skip
+        _with_token_ids(turn, reply, choice)
+        reply["choices"].append(choice)
     return reply
 
 
@@ -107,44 +115,40 @@ def _pieces(text: str, token_texts: list[str]) -> list[str]:
     return [text] if text else []
 
 
-def chat_chunks(turn: Turn, model: str) -> Iterator[dict]:
-    head = _head(turn, "chat.completion.chunk", model)
-
-    def chunk(delta: dict, finish: str | None = None, **extra) -> dict:
-        return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, **extra}]}
-
-    yield chunk({"role": "assistant", "content": ""})
-    content = turn.message.get("content") or ""
-    for piece in _pieces(content, turn.token_texts):
-        yield chunk({"content": piece})
-    for index, call in enumerate(turn.message.get("tool_calls") or []):
-        yield chunk({"tool_calls": [{"index": index, **call}]})
-    last = chunk({}, chat_finish_reason(turn))
-    last["choices"][0]["logprobs"] = _chat_logprobs(turn)
-    if turn.settings.return_token_ids:
-        last["choices"][0]["token_ids"] = turn.response_ids
-        last["prompt_token_ids"] = turn.prompt_ids
-    yield last
-    if turn.settings.include_usage:
-        yield {**head, "choices": [], "usage": turn.usage}
+def _last_choice(turn: Turn, head: dict, index: int, finish: str, logprobs: dict | None, **delta) -> dict:
+    choice = {"index": index, **delta, "finish_reason": finish, "logprobs": logprobs}
+    last = {**head, "choices": [choice]}
+    _with_token_ids(turn, last, choice)
+    return last
 
 
-def completion_chunks(turn: Turn, model: str) -> Iterator[dict]:
-    head = _head(turn, "text_completion", model)
+def chat_chunks(turns: list[Turn], model: str) -> Iterator[dict]:
+    """The chat.completion.chunk objects of a streamed reply: each choice in turn, then the usage."""
+    head = _head(turns[0], "chat.completion.chunk", model)
 
-    def chunk(text: str, finish: str | None = None) -> dict:
-        return {**head, "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+    def chunk(index: int, delta: dict) -> dict:
+        return {**head, "choices": [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}]}
 
-    for piece in _pieces(turn.text, turn.token_texts):
-        yield chunk(piece)
-    last = chunk("", turn.finish_reason)
-    last["choices"][0]["logprobs"] = _completion_logprobs(turn)
-    if turn.settings.return_token_ids:
-        last["choices"][0]["token_ids"] = turn.response_ids
-        last["prompt_token_ids"] = turn.prompt_ids
-    yield last
-    if turn.settings.include_usage:
-        yield {**head, "choices": [], "usage": turn.usage}
+    for index, turn in enumerate(turns):
+        yield chunk(index, {"role": "assistant", "content": ""})
+        for piece in _pieces(turn.message.get("content") or "", turn.token_texts):
+            yield chunk(index, {"content": piece})
+        for number, call in enumerate(turn.message.get("tool_calls") or []):
+            yield chunk(index, {"tool_calls": [{"index": number, **call}]})
+        yield _last_choice(turn, head, index, chat_finish_reason(turn), _chat_logprobs(turn), delta={})
+    if turns[0].settings.include_usage:
+        yield {**head, "choices": [], "usage": _usage(turns)}
+
+
+def completion_chunks(turns: list[Turn], model: str) -> Iterator[dict]:
+    """The text_completion chunks of a streamed reply: each choice in turn, then the usage."""
+    head = _head(turns[0], "text_completion", model)
+    for index, turn in enumerate(turns):
+        for piece in _pieces(turn.text, turn.token_texts):
+            yield {**head, "choices": [{"index": index, "text": piece, "finish_reason": None, "logprobs": None}]}
+        yield _last_choice(turn, head, index, turn.finish_reason, _completion_logprobs(turn), text="")
+    if turns[0].settings.include_usage:
+        yield {**head, "choices": [], "usage": _usage(turns)}
 
 
 async def sse(chunks: Iterator[dict]):

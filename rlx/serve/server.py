@@ -6,7 +6,8 @@ Routes (bodies as OpenAI's API takes them; see docs/serve.md for every field):
     /v1/responses                           501: not implemented here (use chat/completions)
     /s/<sample_id>/v1/...                   the same, for the sample named in the path
 A request belongs to the sample its path names, else the one its `X-Session-ID` header names, else 'default'
-(ids may hold '/', raw or %2F-encoded). `base_url(sample_id)` is what an agent gives its OpenAI client.
+(ids may hold '/', raw or %2F-encoded); with n > 1, choice i > 0 belongs to sample `<id>~i`. `base_url(sample_id)`
+is what an agent gives its OpenAI client.
 
 uvicorn runs its event loop in a thread of its own; a request's tokenizer and image work runs in starlette's
 thread pool and its generation is awaited as a future of the engine stream (stream.py), so no handler blocks the
@@ -42,7 +43,7 @@ from rlx.serve.replies import Turn, chat_chunks, chat_reply, completion_chunks, 
 from rlx.serve.request_images import ImagePolicy, RequestImages
 from rlx.serve.sessions import SampleSession
 from rlx.serve.stream import StreamBackend
-from rlx.serve.turns import generate_turn
+from rlx.serve.turns import generate_turns
 
 DEFAULT_SAMPLE = "default"
 SESSION_HEADER = "x-session-id"
@@ -161,32 +162,43 @@ class AgentServer:
             sample = _sample_of(request)
             read = read_chat if endpoint == "chat" else read_completion
             call = read(body, self.limits)
-            session = self.session(sample)
-            if not session.lock.acquire(blocking=False):
-                raise RequestError(
-                    409,
-                    f"sample {sample!r} is still answering its request {session.num_requests + 1} while request "
-                    f"{session.num_requests + 2} came for it: two conversations under one sample id would merge "
-                    f"into one trajectory; give each its own X-Session-ID header or /s/<id>/v1 base URL",
-                    "session_busy",
-                )
+            names = [sample] + [f"{sample}~{i}" for i in range(1, call.settings.n)]
+            sessions = self._hold([self.session(name) for name in names])
             try:
-                turn = await generate_turn(self, session, call)
+                turns = await generate_turns(self, sessions, call)
             finally:
-                session.lock.release()
+                for session in sessions:
+                    session.lock.release()
         except RequestError as e:
             return _error(e.status, str(e), e.code, e.param)
         except UserError as e:  # e.g. a template that cannot render the messages, an image that cannot be read
             return _error(400, str(e), "invalid_request")
         except Exception as e:  # the template, the engine: reported to the client, the server keeps serving
             return _error(500, f"the server failed on this request ({type(e).__name__})", "server_error")
-        return self._respond(turn, endpoint)
+        return self._respond(turns, endpoint)
 
-    def _respond(self, turn: Turn, endpoint: str) -> Response:
-        if not turn.settings.stream:
-            reply = chat_reply(turn, self.model_name) if endpoint == "chat" else completion_reply(turn, self.model_name)
+    @staticmethod
+    def _hold(sessions: list[SampleSession]) -> list[SampleSession]:
+        """`sessions` with their locks taken; HTTP 409 when one is answering another request (none is then held)."""
+        for held, session in enumerate(sessions):
+            if not session.lock.acquire(blocking=False):
+                for other in sessions[:held]:
+                    other.lock.release()
+                raise RequestError(
+                    409,
+                    f"sample {session.sample_id!r} is still answering its request {session.num_requests + 1} while "
+                    f"request {session.num_requests + 2} came for it: two conversations under one sample id would "
+                    f"merge into one trajectory; give each its own X-Session-ID header or /s/<id>/v1 base URL",
+                    "session_busy",
+                )
+        return sessions
+
+    def _respond(self, turns: list[Turn], endpoint: str) -> Response:
+        name = self.model_name
+        if not turns[0].settings.stream:
+            reply = chat_reply(turns, name) if endpoint == "chat" else completion_reply(turns, name)
             return JSONResponse(reply)
-        chunks = chat_chunks(turn, self.model_name) if endpoint == "chat" else completion_chunks(turn, self.model_name)
+        chunks = chat_chunks(turns, name) if endpoint == "chat" else completion_chunks(turns, name)
         return StreamingResponse(sse(chunks), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def models(self, request: Request) -> Response:

@@ -90,9 +90,13 @@ def _commit(server, session: SampleSession, plan: Plan, gen: Generated, call) ->
     return turn
 
 
-async def generate_turn(server, session: SampleSession, call: ChatCall | CompletionCall) -> Turn:
-    """Plan `call` in `session`, generate it on the engine stream, record it; the turn to reply with."""
-    plan = await run_in_threadpool(_plan, server, session, call)
-    request = _token_request(server, session, plan, call)
-    gen = await asyncio.wrap_future(server.backend.submit(request))
-    return await run_in_threadpool(_commit, server, session, plan, gen, call)
+async def generate_turns(server, sessions: list[SampleSession], call: ChatCall | CompletionCall) -> list[Turn]:
+    """Plan `call` in each of `sessions` (one per choice), generate them together on the engine stream, record
+    each in its session; the turns to reply with, in choice order."""
+    plans = [await run_in_threadpool(_plan, server, session, call) for session in sessions]
+    requests = [_token_request(server, session, plan, call) for session, plan in zip(sessions, plans)]
+    gens = await asyncio.gather(*(asyncio.wrap_future(server.backend.submit(r)) for r in requests))
+    return [
+        await run_in_threadpool(_commit, server, session, plan, gen, call)
+        for session, plan, gen in zip(sessions, plans, gens)
+    ]
