@@ -160,8 +160,8 @@ def test_api_key_body_limit_models_and_routes():
             client.models.retrieve("gpt-4o")
         with pytest.raises(openai.NotFoundError, match="model 'gpt-4o' does not exist"):
             client.chat.completions.create(model="gpt-4o", messages=HI)
-        status, reply = post(f"{url}/responses", {"input": "hi"}, key)
-        assert status == 501 and "use /v1/chat/completions" in reply["error"]["message"]
+        status, reply = post(f"{url}/responses", {"input": "hi", "max_output_tokens": 1}, key)
+        assert status == 200 and reply["object"] == "response" and reply["usage"]["output_tokens"] == 1
         assert post(f"{url}/embeddings", {}, key)[0] == 404
     finally:
         stop(server)
@@ -412,5 +412,48 @@ def test_tool_parser_follows_the_template_and_tools_a_template_drops_are_refused
         status, reply = post(f"{server.url}/v1/chat/completions", {"messages": HI, "tools": [CALCULATOR_TOOL]})
         assert status == 400 and reply["error"]["param"] == "tools" and "does not render tools" in str(reply)
         assert post(f"{server.url}/v1/chat/completions", {"messages": HI, "max_tokens": 1})[0] == 200
+    finally:
+        stop(server)
+
+
+def test_responses_api_continues_the_sample_by_previous_response_id_or_full_input():
+    """/v1/responses through the openai client: text and function tools; a follow-up by previous_response_id or by
+    the full input extends the same trajectory token-exactly; what it cannot do is refused by name."""
+    model = bigram_chat_model(CALC_SCRIPT, extra_tokens=CALC_PIECES)
+    server = start(model, RolloutConfig(max_new_tokens=16, temperature=1.0, seed=3))
+    client = openai.OpenAI(base_url=server.base_url("r/0"), api_key="k", max_retries=0)
+    tool = {"type": "function", **CALCULATOR_TOOL["function"]}
+    try:
+        first = client.responses.create(model="rlx", input="12*34", tools=[tool])
+        [call] = [item for item in first.output if item.type == "function_call"]
+        assert call.name == CALCULATOR_TOOL["function"]["name"] and first.status == "completed"
+        second = client.responses.create(
+            model="rlx", previous_response_id=first.id, tools=[tool],
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "408"}],
+        )  # fmt: skip
+        session = server.sessions["r/0"]
+        assert len(session.segments) == 1 and session.current.trajectory.num_turns == 2
+        assert session.current.trajectory.messages[2] == {
+            "role": "tool",
+            "tool_call_id": call.call_id,
+            "content": "408",
+        }
+        full = [{"role": "user", "content": "12*34"}, call.model_dump(exclude_none=True),
+                {"type": "function_call_output", "call_id": call.call_id, "output": "408"}]  # fmt: skip
+        full += [item.model_dump(exclude_none=True) for item in second.output]
+        full.append({"role": "user", "content": [{"type": "input_text", "text": "thanks"}]})
+        client.responses.create(model="rlx", input=full, tools=[tool], max_output_tokens=2)
+        assert len(session.segments) == 1 and session.current.trajectory.num_turns == 3  # the same segment
+        refused = [
+            ({"stream": True}, "stream"),
+            ({"tools": [{"type": "web_search"}]}, "tools"),
+            ({"text": {"format": {"type": "json_object"}}}, "text"),
+            ({"background": True}, "background"),
+        ]
+        for kwargs, name in refused:
+            with pytest.raises(openai.BadRequestError, match=f"'{name}'"):
+                client.responses.create(model="rlx", input="x", **kwargs)
+        with pytest.raises(openai.NotFoundError, match="previous_response_id|no response"):
+            client.responses.create(model="rlx", input="x", previous_response_id="resp_nope")
     finally:
         stop(server)

@@ -3,7 +3,7 @@
 Routes (bodies as OpenAI's API takes them; see docs/serve.md for every field):
     /v1/chat/completions, /v1/completions   POST; `stream: true` answers server-sent events
     /v1/models, /v1/models/{id}             GET: the served model (another id: 404 naming the served one)
-    /v1/responses                           501: not implemented here (use chat/completions)
+    /v1/responses                           POST: OpenAI's Responses API over the chat path (responses.py)
     /s/<sample_id>/v1/...                   the same, for the sample named in the path
 A request belongs to the sample its path names, else the one its `X-Session-ID` header names, else 'default'
 (ids may hold '/', raw or %2F-encoded); with n > 1, choice i > 0 belongs to sample `<id>~i`. `base_url(sample_id)`
@@ -41,6 +41,7 @@ from rlx.serve.api import Limits, RequestError, read_chat, read_completion
 from rlx.serve.config import EndpointConfig
 from rlx.serve.replies import Turn, chat_chunks, chat_reply, completion_chunks, completion_reply, sse
 from rlx.serve.request_images import ImagePolicy, RequestImages
+from rlx.serve.responses import ResponseStore, response_object, to_chat
 from rlx.serve.sessions import SampleSession
 from rlx.serve.stream import StreamBackend
 from rlx.serve.turns import generate_turns
@@ -68,6 +69,8 @@ class AgentServer:
         """What the engine makes of image parts: shared by the samples (one processed copy of each image)."""
         self.sessions: OrderedDict[str, SampleSession] = OrderedDict()
         """Open sessions, the least recently used first."""
+        self.responses = ResponseStore()
+        """Responses kept for `previous_response_id` (/v1/responses)."""
         self.closed: list[SampleSession] = []
         """Sessions closed for idleness or over the cap (their `evicted` says which), in closing order."""
         self._sessions_lock = threading.Lock()
@@ -156,11 +159,16 @@ class AgentServer:
                 self.closed.append(session)
 
     async def answer(self, request: Request, endpoint: str) -> Response:
-        """The reply to a chat or completion request: JSON, or server-sent events when it asked to stream."""
+        """The reply to a chat, completion or Responses request: JSON, or server-sent events when it asked to
+        stream."""
         try:
             body = await _read_body(request, self.endpoint.max_request_bytes)
-            sample = _sample_of(request)
-            read = read_chat if endpoint == "chat" else read_completion
+            previous = None
+            if endpoint == "responses":
+                given = body.get("previous_response_id")
+                body, previous = to_chat(body, self.responses)
+            sample = _sample_of(request, previous or DEFAULT_SAMPLE)
+            read = read_completion if endpoint == "completion" else read_chat
             call = read(body, self.limits)
             names = [sample] + [f"{sample}~{i}" for i in range(1, call.settings.n)]
             sessions = self._hold([self.session(name) for name in names])
@@ -175,6 +183,11 @@ class AgentServer:
             return _error(400, str(e), "invalid_request")
         except Exception as e:  # the template, the engine: reported to the client, the server keeps serving
             return _error(500, f"the server failed on this request ({type(e).__name__})", "server_error")
+        if endpoint == "responses":
+            reply = response_object(turns[0], self.model_name, given)
+            if body.get("store") is not False:
+                self.responses.put(reply["id"], sample, [*call.messages, turns[0].message])
+            return JSONResponse(reply)
         return self._respond(turns, endpoint)
 
     @staticmethod
@@ -212,11 +225,12 @@ class AgentServer:
         return JSONResponse(card)
 
 
-def _sample_of(request: Request) -> str:
+def _sample_of(request: Request, fallback: str = DEFAULT_SAMPLE) -> str:
+    """The sample the path names, else the X-Session-ID header, else `fallback`."""
     from_path, from_header = request.path_params.get("sample"), request.headers.get(SESSION_HEADER)
     if from_path and from_header and from_path != from_header:
         raise RequestError(400, f"the path names sample {from_path!r:.80} and X-Session-ID {from_header!r:.80}")
-    sample = from_path or from_header or DEFAULT_SAMPLE
+    sample = from_path or from_header or fallback
     if len(sample) > 512 or not sample.isprintable():
         raise RequestError(400, "a sample id must be printable and at most 512 characters")
     return sample
@@ -272,8 +286,7 @@ def _app(server: AgentServer) -> Starlette:
         return server.models(request)
 
     async def responses(request: Request) -> Response:
-        message = "/v1/responses is not implemented by rlx serve; use /v1/chat/completions"
-        return _error(501, message, "not_implemented")
+        return await server.answer(request, "responses")
 
     routes = []
     for prefix in ("", "/s/{sample:path}"):
@@ -282,7 +295,7 @@ def _app(server: AgentServer) -> Starlette:
             Route(f"{prefix}/v1/completions", guarded(completions), methods=["POST"]),
             Route(f"{prefix}/v1/models", guarded(models), methods=["GET"]),
             Route(f"{prefix}/v1/models/{{model_id:path}}", guarded(models), methods=["GET"]),
-            Route(f"{prefix}/v1/responses", guarded(responses), methods=["POST", "GET"]),
+            Route(f"{prefix}/v1/responses", guarded(responses), methods=["POST"]),
         ]
 
     async def not_found(request: Request, exc) -> Response:
