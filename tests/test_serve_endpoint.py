@@ -144,6 +144,8 @@ def test_requests_never_reach_the_network_or_other_file_systems(tmp_path):
 
 
 def test_api_key_body_limit_models_and_routes():
+    out = cli("serve", "--model", "nowhere", "--backlog", "128")
+    assert out.exit_code == 1 and "--backlog: must be at least 2048, got 128" in out.stderr
     server = start(api_key="sekret", max_request_mib=0.001)
     url = f"{server.url}/v1"
     try:

@@ -78,7 +78,8 @@ class AgentServer:
         self.tokenizer_lock = threading.Lock()
         self.renders_tools: bool | None = None
         """Whether the chat template shows tools to the model (found on the first request with tools)."""
-        self._socket = socket.create_server((self.endpoint.host, port), backlog=self.endpoint.backlog)
+        family = socket.AF_INET6 if ":" in self.endpoint.host else socket.AF_INET
+        self._socket = socket.create_server((self.endpoint.host, port), family=family, backlog=self.endpoint.backlog)
         config = uvicorn.Config(
             _app(self), lifespan="off", log_level="warning", access_log=False, backlog=self.endpoint.backlog,
             timeout_graceful_shutdown=30, timeout_keep_alive=30,
