@@ -200,6 +200,12 @@ def test_64_concurrent_clients_are_all_answered_and_kept_apart():
             status, reply = post(f"{server.url}/v1/chat/completions", {"messages": HI}, {"X-Session-ID": "client/7"})
         assert status == 409 and "'client/7' is still answering its request 2 while request 3" in str(reply)
         assert session.num_requests == 1 and len(session.segments) == 1  # nothing merged into it
+        sent = []
+        hooks = httpx.Client(event_hooks={"request": [sent.append]})
+        client = openai.OpenAI(base_url=server.base_url("client/7"), api_key="k", max_retries=2, http_client=hooks)
+        with session.lock, pytest.raises(openai.ConflictError, match="still answering"):
+            client.chat.completions.create(model="rlx", messages=HI)
+        assert len(sent) == 1 and session.num_requests == 1  # the client did not retry into the busy sample
     finally:
         stop(server)
 

@@ -260,7 +260,9 @@ async def _read_body(request: Request, limit: int) -> dict:
 def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
     kind = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error"}.get(status)
     body = {"error": {"message": message, "type": kind or "invalid_request_error", "code": code, "param": param}}
-    return JSONResponse(body, status_code=status)
+    # OpenAI's clients retry a 409 unless told not to: a retry would only land in the busy sample later
+    headers = {"x-should-retry": "false"} if status == 409 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _app(server: AgentServer) -> Starlette:
