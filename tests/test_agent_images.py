@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -36,6 +37,7 @@ from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.base import build_engine
 from rlx.rollout.config import RolloutConfig
 from rlx.rollout.registry import engine_class
+from rlx.serve.config import EndpointConfig, ServeConfig
 from rlx.serve.server import AgentServer
 from rlx.serve.stream import StreamBackend
 from rlx.stages.serve import run_serve
@@ -159,8 +161,9 @@ def png_bytes(seed: int, size: int = 16) -> bytes:
     return base64.b64decode(data_uri(Image.fromarray(pixels.numpy())).split(",", 1)[1])
 
 
-def vlm_server(engine_type=None) -> tuple[AgentServer, StreamBackend]:
-    """A server of a tiny Qwen2-VL on the hf engine (or `engine_type`, a subclass of it)."""
+def vlm_server(engine_type=None, image_root=None) -> tuple[AgentServer, StreamBackend]:
+    """A server of a tiny Qwen2-VL on the hf engine (or `engine_type`, a subclass of it); clients may name files
+    under `image_root`."""
     model, processor = build_tiny_vision_model("qwen2_vl")
     sampling = RolloutConfig(max_new_tokens=4, temperature=1.0, seed=1, stop=STOPS).sampling()
     cfg = AgentConfig(max_total_tokens=400)
@@ -168,7 +171,8 @@ def vlm_server(engine_type=None) -> tuple[AgentServer, StreamBackend]:
     ctx = DistContext(device=torch.device("cpu"))
     engine = engine_type(model, processor.tokenizer, RolloutConfig(precision="float32"), ctx, processor=processor)
     backend = StreamBackend(engine, sampling, cfg.max_total_tokens)
-    return AgentServer(backend, processor.tokenizer, engine.stop_ids, sampling, cfg).start(), backend
+    endpoint = EndpointConfig(image_root=str(image_root or ""))
+    return AgentServer(backend, processor.tokenizer, engine.stop_ids, sampling, cfg, endpoint=endpoint).start(), backend
 
 
 def image_url(url: str) -> dict:
@@ -185,7 +189,8 @@ def test_images_are_compared_by_content_whatever_the_url(tmp_path):
     as_data = "data:image/png;base64," + base64.b64encode(first).decode()
     as_bmp = data_uri(Image.open(io.BytesIO(first)), "BMP")  # other bytes, the same pixels
     assert base64.b64decode(as_bmp.split(",", 1)[1]) != first
-    server, backend = vlm_server()
+    tmp_path = Path(os.path.realpath(tmp_path))  # as the server resolves its image root
+    server, backend = vlm_server(image_root=tmp_path)
     client = openai.OpenAI(base_url=server.base_url("v/0"), api_key="unused", max_retries=0)
     try:
         messages = [{"role": "user", "content": [{"type": "text", "text": "see"}, image_url(str(tmp_path / "a.png"))]}]
@@ -198,7 +203,7 @@ def test_images_are_compared_by_content_whatever_the_url(tmp_path):
         reply = client.chat.completions.create(model="rlx", messages=messages).choices[0].message
         session = server.sessions["v/0"]
         [segment] = session.segments
-        assert segment.image_refs == [str(tmp_path / "a.png"), f"file://{tmp_path}/b.png"]
+        assert segment.image_refs == [str(tmp_path / "a.png"), str(tmp_path / "b.png")]  # a file:// URL: its path
         vision = segment.images.vision()
         token = server.images.cache.processor.image_token_id
         ids = segment.trajectory.token_ids()
@@ -210,7 +215,7 @@ def test_images_are_compared_by_content_whatever_the_url(tmp_path):
         messages[2]["content"] = [image_url(str(tmp_path / "b.png"))]
         client.chat.completions.create(model="rlx", messages=messages)  # a path, where it was a file:// URL
         assert len(session.segments) == 1 and segment.trajectory.num_turns == 3
-        assert segment.image_refs == [str(tmp_path / "a.png"), f"file://{tmp_path}/b.png", as_data]
+        assert segment.image_refs == [str(tmp_path / "a.png"), str(tmp_path / "b.png"), as_data]
         assert len(segment.images.vision().image_offsets) == 3
         (tmp_path / "b.png").write_bytes(other)  # other bytes under the same path: another image
         client.chat.completions.create(model="rlx", messages=messages)
@@ -235,7 +240,8 @@ def post(url: str, body: dict) -> tuple[int, dict]:
 
 
 def test_bad_images_get_http_400_and_the_server_keeps_serving(tmp_path):
-    server, backend = vlm_server()
+    tmp_path = Path(os.path.realpath(tmp_path))
+    server, backend = vlm_server(image_root=tmp_path)
     url = f"{server.base_url('b/0')}/chat/completions"
 
     def ask(*parts, role="user"):
@@ -245,9 +251,10 @@ def test_bad_images_get_http_400_and_the_server_keeps_serving(tmp_path):
     (tmp_path / "text.png").write_text("not a picture")
     try:
         for part, problem in [
-            (image_url("https://example.com/a.png"), "image URL 'https://example.com/a.png' cannot be fetched"),
-            ({"type": "image", "image": "http://example.com/a.png"}, "cannot be fetched: rlx reads no images"),
-            (image_url(str(tmp_path / "gone.png")), f"image '{tmp_path / 'gone.png'}' does not exist"),
+            (image_url("https://example.com/a.png"), "image URL 'https://example.com/a.png' is refused"),
+            ({"type": "image", "image": "http://example.com/a.png"}, "fetches nothing from the network"),
+            (image_url(str(tmp_path / "gone.png")), f"image '{tmp_path / 'gone.png'}' does not exist under"),
+            (image_url("/etc/hostname"), "image '/etc/hostname' is outside --image-root"),
             (image_url("data:image/png;base64,@@@"), "has bad base64 data"),
             (image_url(str(tmp_path / "text.png")), "is not an image format Pillow reads"),
             (image_url(data_uri(Image.new("RGB", (1000, 3)))), "cannot be processed (absolute aspect ratio"),
@@ -333,7 +340,7 @@ def test_rollout_agent_with_images_then_score(files, vlm_checkpoint, tmp_path):
     torch.testing.assert_close(old * mask, rollout * mask, atol=1e-5, rtol=0)
 
 
-def test_rlx_serve_takes_images(vlm_checkpoint, tmp_path, monkeypatch):
+def test_rlx_serve_takes_images(vlm_checkpoint, tmp_path):
     """The `rlx serve` stage on a vision-language checkpoint: its processor is loaded, a client's image_url part
     becomes image tokens and the written record names the image."""
     ckpt, _ = vlm_checkpoint
@@ -355,11 +362,11 @@ def test_rlx_serve_takes_images(vlm_checkpoint, tmp_path, monkeypatch):
         if not replies or replies[0][0] != 200:  # the server would wait for a request forever
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.chdir(tmp_path)  # a relative path is taken from the server's current folder
+    tmp_path = Path(os.path.realpath(tmp_path))  # a relative path is taken from --image-root
     thread = threading.Thread(target=client)
     thread.start()
     try:
-        cfg = RolloutConfig(max_new_tokens=3, precision="float32")
+        cfg = ServeConfig(max_new_tokens=3, precision="float32", endpoint=EndpointConfig(image_root=str(tmp_path)))
         records = run_serve(cfg, str(ckpt), port, str(tmp_path / "served.jsonl"), max_requests=1)
     finally:
         thread.join()

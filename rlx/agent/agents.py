@@ -20,9 +20,11 @@ from rlx.agent.environment import CallPool, EnvError, load_object
 from rlx.chat.records import trajectory_record
 from rlx.errors import UserError
 from rlx.formats.records import PromptRecord, RolloutRecord
+from rlx.models.vision.images import image_refs
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.base import RolloutEngine
 from rlx.rollout.config import SamplingParams
+from rlx.serve.config import EndpointConfig
 from rlx.serve.server import AgentServer
 from rlx.serve.sessions import SampleSession
 from rlx.serve.stream import StreamBackend
@@ -45,7 +47,14 @@ class AgentRollout:
         began = time.perf_counter()
         samples = [(p, i) for p in prompts for i in range(self.sampling.n)]
         backend = StreamBackend(self.engine, self.sampling, self.cfg.max_total_tokens, max(len(samples), 1))
-        server = AgentServer(backend, self.tokenizer, self.stop_ids, self.sampling, self.cfg).start()
+        # the run's sampling governs every request; samples stay open until the rollout ends; agents may send back
+        # the prompts' own image references (and data: URIs)
+        endpoint = EndpointConfig(session_idle_s=0, max_sessions=0)
+        known = {ref for p in prompts for ref in image_refs(p.prompt, p.id)}
+        server = AgentServer(
+            backend, self.tokenizer, self.stop_ids, self.sampling, self.cfg, endpoint=endpoint, strict=True,
+            known_image_refs=known,
+        ).start()  # fmt: skip
         pool = CallPool(self.cfg.env_workers, self.cfg.agent_timeout_s)
         try:
             calls = [(self._call(server, p, i), f"agent {self.name} for sample {p.id}/{i!s}") for p, i in samples]

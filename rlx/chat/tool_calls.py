@@ -72,6 +72,36 @@ def parse_qwen(text: str, turn: int) -> ParsedTurn:
     return ParsedTurn(message, errors)
 
 
+def parse_json_list(text: str, turn: int) -> ParsedTurn:
+    """`<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>` blocks, each a JSON list of calls (or one
+    call), as SmolLM2's instruct templates ask for them."""
+    calls, errors, number = [], [], 0
+    for match in _QWEN_BLOCK.finditer(text):
+        body = match.group(1).strip()
+        try:
+            items = json.loads(body)
+        except json.JSONDecodeError as e:
+            number += 1
+            errors.append(f"tool call {number} is not valid JSON ({e.msg} at character {e.pos})")
+            continue
+        for item in items if isinstance(items, list) else [items]:
+            number += 1
+            call, error = _read_call(json.dumps(item), number)
+            if error:
+                errors.append(error)
+                continue
+            function = {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}
+            calls.append({"id": call_id(turn, len(calls)), "type": "function", "function": function})
+    rest = _QWEN_BLOCK.sub("", text)
+    if "<tool_call>" in rest:
+        errors.append("a <tool_call> block is not closed with </tool_call>")
+        rest = rest[: rest.index("<tool_call>")]
+    message = {"role": "assistant", "content": rest.strip() if calls or errors else text}
+    if calls:
+        message["tool_calls"] = calls
+    return ParsedTurn(message, errors)
+
+
 def parse_plain(text: str, turn: int) -> ParsedTurn:
     """No tool calls: the whole text is the content."""
     return ParsedTurn({"role": "assistant", "content": text})
@@ -80,14 +110,28 @@ def parse_plain(text: str, turn: int) -> ParsedTurn:
 TOOL_CALL_PARSERS: dict[str, Callable[[str, int], ParsedTurn]] = {
     "qwen": parse_qwen,
     "hermes": parse_qwen,
+    "smollm2": parse_json_list,
     "none": parse_plain,
 }
+_LIST_IN_BLOCK = re.compile(r"<tool_call>(?:\s|\\n)*\[")  # a newline may be written as \n in a Jinja string
 
 
-def get_tool_call_parser(name: str) -> Callable[[str, int], ParsedTurn]:
-    """The parser registered under `name`."""
+def parser_for_template(chat_template: str | None) -> str:
+    """The parser name for the tool-call form a chat template asks the model for: 'smollm2' where it shows a JSON
+    list inside <tool_call> (SmolLM2), else 'qwen' (<tool_call>{json}</tool_call>, also the form read by default)."""
+    if isinstance(chat_template, dict):  # a tokenizer's named templates
+        chat_template = chat_template.get("tool_use") or chat_template.get("default")
+    if isinstance(chat_template, str) and _LIST_IN_BLOCK.search(chat_template):
+        return "smollm2"
+    return "qwen"
+
+
+def get_tool_call_parser(name: str, chat_template: str | None = None) -> Callable[[str, int], ParsedTurn]:
+    """The parser registered under `name`; 'auto' chooses by `chat_template` (see `parser_for_template`)."""
+    if name == "auto":
+        name = parser_for_template(chat_template)
     if name not in TOOL_CALL_PARSERS:
-        raise UserError(f"unknown tool parser {name!r} (known: {', '.join(TOOL_CALL_PARSERS)})")
+        raise UserError(f"unknown tool parser {name!r} (known: auto, {', '.join(TOOL_CALL_PARSERS)})")
     return TOOL_CALL_PARSERS[name]
 
 

@@ -9,11 +9,11 @@ import typer
 
 from rlx.commands._common import reporting
 from rlx.commands._options import config_command
-from rlx.rollout.config import RolloutConfig
+from rlx.serve.config import ServeConfig
 
 
 @config_command(
-    RolloutConfig,
+    ServeConfig,
     "serve",
     # rollout-only settings: the prompts, the group size and the episode drivers come from the clients
     exclude=(
@@ -35,11 +35,11 @@ from rlx.rollout.config import RolloutConfig
     metavars={"engine": "NAME"},
 )
 def serve(
-    cfg: RolloutConfig,
+    cfg: ServeConfig,
     model: Annotated[
         str, typer.Option(metavar="PATH", help="Model: a Hugging Face dir, an rlx checkpoint dir or a .gguf file.")
     ],
-    port: Annotated[int, typer.Option(help="Port on 127.0.0.1 (0 picks a free one; the URL is printed).")] = 8000,
+    port: Annotated[int, typer.Option(help="Port to listen on (0 picks a free one; the URL is printed).")] = 8000,
     out: Annotated[
         str | None,
         typer.Option(metavar="FILE", help="On exit, write every sample's token-exact trajectory as rollouts.jsonl."),
@@ -49,9 +49,10 @@ def serve(
 ) -> None:
     """Serve a model over HTTP as OpenAI's API does, with continuous batching over concurrent requests.
 
-    Every request made to /s/SAMPLE_ID/v1 belongs to that sample's trajectory (plain /v1 is the sample
-    'default'): a chat request extending the previous one continues it token-exactly, a rewritten history
-    starts a new segment. Point an OpenAI client at it (base_url=http://127.0.0.1:PORT/v1). Stops on Ctrl-C.
+    Every request made to /s/SAMPLE_ID/v1 (or with an X-Session-ID header) belongs to that sample's trajectory
+    (otherwise the sample 'default'): a chat request extending the previous one continues it token-exactly, a
+    rewritten history starts a new segment. Point an OpenAI client at it (base_url=http://127.0.0.1:PORT/v1).
+    Stops on Ctrl-C or SIGTERM (exit 143), writing --out first. See docs/serve.md.
     """
     with reporting("serve"):
         from rlx.stages.serve import run_serve

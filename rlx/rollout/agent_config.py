@@ -36,9 +36,10 @@ class AgentConfig:
     """Threads running environment calls (and agents) concurrently."""
     agent_timeout_s: float = 600.0
     """Served agents: longest one agent call NAME(record, base_url) may take, in seconds."""
-    tool_parser: Literal["qwen", "hermes", "none"] = "qwen"
+    tool_parser: Literal["auto", "qwen", "hermes", "smollm2", "none"] = "auto"
     """How tool calls are read from assistant text: 'qwen' (= 'hermes') for <tool_call>{json}</tool_call>
-    blocks as Qwen2.5/Qwen3 templates write them, 'none' for plain text."""
+    blocks as Qwen2.5/Qwen3 templates write them, 'smollm2' for a JSON list of calls in <tool_call> blocks, 'none'
+    for plain text; 'auto' chooses from the model's chat template where rlx serve renders it (else 'qwen')."""
     chat_template_kwargs: dict = field(default_factory=dict)
     """Extra variables for the chat template, single-turn prompts and multi-turn episodes alike, e.g.
     '{"enable_thinking": false}' on the command line or {enable_thinking = false} in a recipe for Qwen3 templates."""

@@ -1,111 +1,127 @@
-"""An OpenAI-compatible HTTP endpoint on localhost whose every request lands in a sample's trajectory.
+"""An OpenAI-compatible HTTP endpoint (starlette on uvicorn) whose every request lands in a sample's trajectory.
 
-Routes (POST bodies as the OpenAI API takes them; non-streaming, one choice):
-    /s/<sample_id>/v1/chat/completions   chat, with `tools` and `tool_calls` in replies
-    /s/<sample_id>/v1/completions        text (or token-id) prompts
-    /s/<sample_id>/v1/models             GET: the served model
-    /v1/...                              the same for the sample 'default'
-`base_url(sample_id)` is what an agent gives its OpenAI client. Handler threads plan the request in
-the sample's session (sessions.py), wait for the batching backend, and record the result; requests of
-one sample are handled one at a time, in arrival order, and an agent's turn count is its own (no
-max_turns here). Sampling
-settings are the server's (the trainer must know the temperature); a request's `max_tokens` may
-only lower the per-turn limit. The whole context of a sample is capped at `max_total_tokens`: a
-request past it gets HTTP 400 with code 'context_length_exceeded', as OpenAI answers. Chat messages may hold
-images on a vision-language model served by the hf or native engine (request_images.py: `image_url` parts with a
-data: URI, a local path or a file:// URL, or rlx's `image` parts); an image that cannot be used (unreadable, an
-http(s) URL, a text-only model or an engine without images) is HTTP 400 naming it, and the server keeps serving.
+Routes (bodies as OpenAI's API takes them; see docs/serve.md for every field):
+    /v1/chat/completions, /v1/completions   POST; `stream: true` answers server-sent events
+    /v1/models, /v1/models/{id}             GET: the served model (another id: 404 naming the served one)
+    /v1/responses                           POST: OpenAI's Responses API over the chat path (responses.py)
+    /s/<sample_id>/v1/...                   the same, for the sample named in the path
+A request belongs to the sample its path names, else the one its `X-Session-ID` header names, else 'default'
+(ids may hold '/', raw or %2F-encoded); with n > 1, choice i > 0 belongs to sample `<id>~i`. `base_url(sample_id)`
+is what an agent gives its OpenAI client.
+
+uvicorn runs its event loop in a thread of its own; a request's tokenizer and image work runs in starlette's
+thread pool and its generation is awaited as a future of the engine stream (stream.py), so no handler blocks the
+loop. One sample answers one request at a time: a second request for a sample that is still generating is HTTP
+409 naming both (two conversations under one id would merge into one sample). Idle samples are closed
+(`EndpointConfig.session_idle_s`, `max_sessions`) and kept as finished records. The whole context of a sample is
+capped at `max_total_tokens` (and the model's context): past it, HTTP 400 'context_length_exceeded'.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
-import re
+import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import quote, unquote, urlsplit
+from collections import OrderedDict
+from urllib.parse import quote
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from rlx.errors import UserError
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import SamplingParams
-from rlx.rollout.requests import TokenRequest
 from rlx.rollout.stops import StopStrings
-from rlx.serve.request_images import RequestImages
+from rlx.serve.api import Limits, RequestError, read_chat, read_completion
+from rlx.serve.config import EndpointConfig
+from rlx.serve.replies import Turn, chat_chunks, chat_reply, completion_chunks, completion_reply, sse
+from rlx.serve.request_images import ImagePolicy, RequestImages
+from rlx.serve.responses import ResponseStore, response_object, to_chat
 from rlx.serve.sessions import SampleSession
 from rlx.serve.stream import StreamBackend
+from rlx.serve.turns import generate_turns
 
-_ROUTE = re.compile(r"^(?:/s/(?P<sample>[^/]+))?/v1/(?P<endpoint>chat/completions|completions|models)/?$")
 DEFAULT_SAMPLE = "default"
-
-
-class RequestError(Exception):
-    """A request the server refuses: HTTP status, OpenAI error code, one-line message."""
-
-    def __init__(self, status: int, message: str, code: str = "invalid_request"):
-        super().__init__(message)
-        self.status, self.code = status, code
-
-
-def _positive_int(body: dict, key: str) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RequestError(400, f"'{key}' must be a positive integer, got {value!r}")
-    return value
-
-
-def _check_common(body: dict) -> None:
-    if body.get("stream"):
-        raise RequestError(400, "streaming is not supported; send stream=false")
-    if body.get("n") not in (None, 1):
-        raise RequestError(400, f"'n' must be 1 (one choice per request), got {body.get('n')!r}")
+SESSION_HEADER = "x-session-id"
 
 
 class AgentServer:
     """The HTTP server, its sessions (one per sample id) and the backend that generates for it."""
 
     def __init__(
-        self,
-        backend: StreamBackend,
-        tokenizer,
-        stop_ids: set[int],
-        sampling: SamplingParams,
-        cfg: AgentConfig,
-        model_name: str = "rlx",
-        port: int = 0,
-    ):
+        self, backend: StreamBackend, tokenizer, stop_ids: set[int], sampling: SamplingParams, cfg: AgentConfig,
+        model_name: str = "rlx", port: int = 0, endpoint: EndpointConfig | None = None, strict: bool = False,
+        known_image_refs=(),
+    ):  # fmt: skip
+        """`strict`: the run's sampling governs (rollout --agent); `known_image_refs`: image references clients may
+        send besides data: URIs and files under `endpoint.image_root` (the prompts' own)."""
         self.backend, self.tokenizer, self.stop_ids = backend, tokenizer, set(stop_ids)
         self.sampling, self.cfg, self.model_name = sampling, cfg, model_name
-        self.images = RequestImages.of_engine(backend.engine)
+        self.endpoint = endpoint or EndpointConfig()
+        self.limits = Limits(sampling, model_name, strict)
+        policy = ImagePolicy.of(self.endpoint.image_root, self.endpoint.max_image_bytes, known_image_refs)
+        self.images = RequestImages.of_engine(backend.engine, policy)
         """What the engine makes of image parts: shared by the samples (one processed copy of each image)."""
-        self.sessions: dict[str, SampleSession] = {}
+        self.sessions: OrderedDict[str, SampleSession] = OrderedDict()
+        """Open sessions, the least recently used first."""
+        self.responses = ResponseStore()
+        """Responses kept for `previous_response_id` (/v1/responses)."""
+        self.closed: list[SampleSession] = []
+        """Sessions closed for idleness or over the cap (their `evicted` says which), in closing order."""
         self._sessions_lock = threading.Lock()
         # a fast tokenizer's Rust core may refuse calls from two threads at once ("Already borrowed")
-        self._tokenizer_lock = threading.Lock()
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
-        self._httpd.daemon_threads = True
-        self._httpd.app = self
+        self.tokenizer_lock = threading.Lock()
+        self.renders_tools: bool | None = None
+        """Whether the chat template shows tools to the model (found on the first request with tools)."""
+        family = socket.AF_INET6 if ":" in self.endpoint.host else socket.AF_INET
+        self._socket = socket.create_server((self.endpoint.host, port), family=family, backlog=self.endpoint.backlog)
+        config = uvicorn.Config(
+            _app(self), lifespan="off", log_level="warning", access_log=False, backlog=self.endpoint.backlog,
+            timeout_graceful_shutdown=30, timeout_keep_alive=30,
+        )  # fmt: skip
+        self._uvicorn = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        host, port = self._socket.getsockname()[:2]
+        return f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
 
     def base_url(self, sample_id: str) -> str:
         """The OpenAI base URL whose requests all belong to `sample_id`."""
         return f"{self.url}/s/{quote(sample_id, safe='')}/v1"
 
+    @property
+    def num_requests(self) -> int:
+        return sum(s.num_requests for s in self.all_sessions())
+
+    def all_sessions(self) -> list[SampleSession]:
+        """Closed sessions then open ones."""
+        with self._sessions_lock:
+            return self.closed + list(self.sessions.values())
+
     def start(self) -> AgentServer:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="rlx-serve-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._uvicorn.run, kwargs={"sockets": [self._socket]}, name="rlx-serve-http", daemon=True
+        )
         self._thread.start()
+        while not self._uvicorn.started and self._thread.is_alive():
+            time.sleep(0.01)
+        if not self._uvicorn.started:
+            raise RuntimeError("the HTTP server did not start")
         return self
 
     def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        """Stop accepting, let requests in flight finish, close the socket."""
+        self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join()
+        self._socket.close()
 
     def __enter__(self) -> AgentServer:
         return self.start()
@@ -115,134 +131,181 @@ class AgentServer:
 
     def session(self, sample_id: str) -> SampleSession:
         with self._sessions_lock:
-            if sample_id not in self.sessions:
+            self._evict(making=sample_id not in self.sessions)
+            session = self.sessions.get(sample_id)
+            if session is None:
                 stops = StopStrings(self.tokenizer, self.sampling.stop) if self.sampling.stop else None
-                self.sessions[sample_id] = SampleSession(
-                    sample_id, self.tokenizer, self.stop_ids, self.cfg, stops, self.images
-                )
-            return self.sessions[sample_id]
+                session = SampleSession(sample_id, self.tokenizer, self.stop_ids, self.cfg, stops, self.images)
+                self.sessions[sample_id] = session
+            self.sessions.move_to_end(sample_id)
+            session.last_used = time.monotonic()
+            return session
 
-    def handle(self, method: str, path: str, body: bytes) -> tuple[int, dict]:
-        """(HTTP status, JSON reply) for one request."""
-        route = _ROUTE.match(urlsplit(path).path)
-        if route is None:
-            return 404, _error(f"no route {path!r}; use {{base_url}}/chat/completions or /completions", "not_found")
-        endpoint, sample = route["endpoint"], unquote(route["sample"] or DEFAULT_SAMPLE)
-        if endpoint == "models":
-            return 200, {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "rlx"}]}
-        if method != "POST":
-            return 405, _error(f"{endpoint} takes POST", "method_not_allowed")
+    def _evict(self, making: bool) -> None:
+        """Close the sessions idle past `session_idle_s` and, when `making` another, the least recently used past
+        `max_sessions`."""
+        idle_s, cap, now = self.endpoint.session_idle_s, self.endpoint.max_sessions, time.monotonic()
+        for sample_id, session in list(self.sessions.items()):
+            if idle_s and now - session.last_used > idle_s:
+                reason = f"idle for more than {idle_s:g} s"
+            elif making and cap and len(self.sessions) >= cap:
+                reason = f"closed as the least recently used of {cap} sessions (--max-sessions)"
+            else:
+                return
+            if session.lock.locked():  # generating: it is in use
+                continue
+            session.evicted = reason
+            del self.sessions[sample_id]
+            if session.segments:
+                self.closed.append(session)
+
+    async def answer(self, request: Request, endpoint: str) -> Response:
+        """The reply to a chat, completion or Responses request: JSON, or server-sent events when it asked to
+        stream."""
         try:
+            body = await _read_body(request, self.endpoint.max_request_bytes)
+            previous = None
+            if endpoint == "responses":
+                given = body.get("previous_response_id")
+                body, previous = to_chat(body, self.responses)
+            sample = _sample_of(request, previous or DEFAULT_SAMPLE)
+            read = read_completion if endpoint == "completion" else read_chat
+            call = read(body, self.limits)
+            names = [sample] + [f"{sample}~{i}" for i in range(1, call.settings.n)]
+            sessions = self._hold([self.session(name) for name in names])
             try:
-                request = json.loads(body or b"{}")
-            except json.JSONDecodeError as e:
-                raise RequestError(400, f"the body is not JSON: {e}") from None
-            if not isinstance(request, dict):
-                raise RequestError(400, "the body must be a JSON object")
-            _check_common(request)
-            if endpoint == "chat/completions":
-                return 200, self._chat(self.session(sample), request)
-            return 200, self._completion(self.session(sample), request)
+                turns = await generate_turns(self, sessions, call)
+            finally:
+                for session in sessions:
+                    session.lock.release()
         except RequestError as e:
-            return e.status, _error(str(e), e.code)
-        except UserError as e:  # e.g. a template that cannot render the messages, or no chat template
-            return 400, _error(str(e), "invalid_request")
+            return _error(e.status, str(e), e.code, e.param)
+        except UserError as e:  # e.g. a template that cannot render the messages, an image that cannot be read
+            return _error(400, str(e), "invalid_request")
         except Exception as e:  # the template, the engine: reported to the client, the server keeps serving
-            return 500, _error(f"{type(e).__name__}: {e}", "server_error")
+            return _error(500, f"the server failed on this request ({type(e).__name__})", "server_error")
+        if endpoint == "responses":
+            reply = response_object(turns[0], self.model_name, given)
+            if body.get("store") is not False:
+                self.responses.put(reply["id"], sample, [*call.messages, turns[0].message])
+            return JSONResponse(reply)
+        return self._respond(turns, endpoint)
 
-    def _generate(self, session: SampleSession, context_ids: list[int], request: dict, vision=None):
-        room = self.cfg.max_total_tokens - len(context_ids)
-        if room < 1:
-            session.hit_token_limit = True
-            raise RequestError(
-                400,
-                f"sample {session.sample_id!r}: the context is {len(context_ids)} tokens, at the limit "
-                f"max_total_tokens = {self.cfg.max_total_tokens}",
-                "context_length_exceeded",
-            )
-        asked = _positive_int(request, "max_completion_tokens") or _positive_int(request, "max_tokens")
-        limit = min(self.sampling.max_new_tokens, asked or self.sampling.max_new_tokens, room)
-        key = f"{session.sample_id}/{session.num_requests}"
-        greedy = self.sampling.temperature == 0
-        return self.backend.generate(TokenRequest(key, context_ids, limit, greedy, vision=vision))
+    @staticmethod
+    def _hold(sessions: list[SampleSession]) -> list[SampleSession]:
+        """`sessions` with their locks taken; HTTP 409 when one is answering another request (none is then held)."""
+        for held, session in enumerate(sessions):
+            if not session.lock.acquire(blocking=False):
+                for other in sessions[:held]:
+                    other.lock.release()
+                raise RequestError(
+                    409,
+                    f"sample {session.sample_id!r} is still answering its request {session.num_requests + 1} while "
+                    f"request {session.num_requests + 2} came for it: two conversations under one sample id would "
+                    f"merge into one trajectory; give each its own X-Session-ID header or /s/<id>/v1 base URL",
+                    "session_busy",
+                )
+        return sessions
 
-    def _chat(self, session: SampleSession, request: dict) -> dict:
-        messages, tools = request.get("messages"), request.get("tools") or None
-        if not isinstance(messages, list) or not messages:
-            raise RequestError(400, "'messages' must be a non-empty list")
-        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise RequestError(400, "every message must be an object with a 'role' string")
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise RequestError(400, "'tools' must be a list of function schemas")
-        with session.lock:
-            try:
-                read = session.read_messages(messages)  # images are loaded here, not under the tokenizer lock
-                with self._tokenizer_lock:
-                    plan = session.plan_chat(read, tools)
-            except (KeyError, TypeError, ValueError) as e:
-                raise RequestError(400, f"a message could not be read: {type(e).__name__}: {e}") from None
-            gen = self._generate(session, plan.context_ids, request, plan.vision)
-            with self._tokenizer_lock:
-                message, _ = session.commit(plan, gen)
-        reason = "length" if gen.finish_reason == "length" else "tool_calls" if message.get("tool_calls") else "stop"
-        choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
-        return self._reply("chat.completion", choice, len(plan.context_ids), len(gen.response_ids))
+    def _respond(self, turns: list[Turn], endpoint: str) -> Response:
+        name = self.model_name
+        if not turns[0].settings.stream:
+            reply = chat_reply(turns, name) if endpoint == "chat" else completion_reply(turns, name)
+            return JSONResponse(reply)
+        chunks = chat_chunks(turns, name) if endpoint == "chat" else completion_chunks(turns, name)
+        return StreamingResponse(sse(chunks), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    def _completion(self, session: SampleSession, request: dict) -> dict:
-        prompt = request.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        if not (isinstance(prompt, str) and prompt) and not (is_ids and prompt):
-            raise RequestError(400, "'prompt' must be a non-empty string or a list of token ids")
-        with session.lock:
-            with self._tokenizer_lock:
-                plan = session.plan_completion(prompt)
-            gen = self._generate(session, plan.context_ids, request)
-            with self._tokenizer_lock:
-                text, _ = session.commit(plan, gen)
-        choice = {"index": 0, "text": text, "finish_reason": gen.finish_reason, "logprobs": None}
-        return self._reply("text_completion", choice, len(plan.context_ids), len(gen.response_ids))
-
-    def _reply(self, kind: str, choice: dict, prompt_tokens: int, completion_tokens: int) -> dict:
-        return {
-            "id": f"rlx-{time.monotonic_ns()}",
-            "object": kind,
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
-        }
+    def models(self, request: Request) -> Response:
+        wanted = request.path_params.get("model_id")
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rlx"}
+        if wanted is None:
+            return JSONResponse({"object": "list", "data": [card]})
+        if wanted != self.model_name:
+            message = f"model {wanted!r:.80} does not exist; this server serves {self.model_name!r}"
+            return _error(404, message, "model_not_found", "model")
+        return JSONResponse(card)
 
 
-def _error(message: str, code: str) -> dict:
-    return {"error": {"message": message, "type": "invalid_request_error", "code": code, "param": None}}
+def _sample_of(request: Request, fallback: str = DEFAULT_SAMPLE) -> str:
+    """The sample the path names, else the X-Session-ID header, else `fallback`."""
+    from_path, from_header = request.path_params.get("sample"), request.headers.get(SESSION_HEADER)
+    if from_path and from_header and from_path != from_header:
+        raise RequestError(400, f"the path names sample {from_path!r:.80} and X-Session-ID {from_header!r:.80}")
+    sample = from_path or from_header or fallback
+    if len(sample) > 512 or not sample.isprintable():
+        raise RequestError(400, "a sample id must be printable and at most 512 characters")
+    return sample
 
 
-class _Handler(BaseHTTPRequestHandler):
-    """HTTP/1.1 with keep-alive (OpenAI clients reuse connections); JSON in, JSON out."""
+async def _read_body(request: Request, limit: int) -> dict:
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise RequestError(413, f"the request body is over {limit} bytes (--max-request-mib)", "request_too_large")
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limit:
+            raise RequestError(413, f"the request body is over {limit} bytes (--max-request-mib)", "request_too_large")
+    try:
+        body = json.loads(data or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"the body is not JSON: {e}"[:200]) from None
+    except RecursionError:
+        raise RequestError(400, "the body's JSON is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the body must be a JSON object")
+    return body
 
-    protocol_version = "HTTP/1.1"
 
-    def do_GET(self) -> None:
-        self._respond(*self.server.app.handle("GET", self.path, b""))
+def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+    kind = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error"}.get(status)
+    body = {"error": {"message": message, "type": kind or "invalid_request_error", "code": code, "param": param}}
+    # OpenAI's clients retry a 409 unless told not to: a retry would only land in the busy sample later
+    headers = {"x-should-retry": "false"} if status == 409 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
-    def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else b""
-        self._respond(*self.server.app.handle("POST", self.path, body))
 
-    def _respond(self, status: int, payload: dict) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+def _app(server: AgentServer) -> Starlette:
+    """The routes, each behind the API key check."""
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
-        """Quiet: one line per request would drown the rollout's own output."""
+    def guarded(handler):
+        async def endpoint(request: Request) -> Response:
+            key = server.endpoint.api_key
+            if key:
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                    return _error(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key")
+            return await handler(request)
+
+        return endpoint
+
+    async def chat(request: Request) -> Response:
+        return await server.answer(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await server.answer(request, "completion")
+
+    async def models(request: Request) -> Response:
+        return server.models(request)
+
+    async def responses(request: Request) -> Response:
+        return await server.answer(request, "responses")
+
+    routes = []
+    for prefix in ("", "/s/{sample:path}"):
+        routes += [
+            Route(f"{prefix}/v1/chat/completions", guarded(chat), methods=["POST"]),
+            Route(f"{prefix}/v1/completions", guarded(completions), methods=["POST"]),
+            Route(f"{prefix}/v1/models", guarded(models), methods=["GET"]),
+            Route(f"{prefix}/v1/models/{{model_id:path}}", guarded(models), methods=["GET"]),
+            Route(f"{prefix}/v1/responses", guarded(responses), methods=["POST"]),
+        ]
+
+    async def not_found(request: Request, exc) -> Response:
+        status = getattr(exc, "status_code", 404)
+        if status == 405:
+            return _error(405, f"{request.url.path!r:.120} does not take {request.method}", "method_not_allowed")
+        message = f"no route {request.url.path!r:.120}; use {{base_url}}/chat/completions or /completions"
+        return _error(404, message, "not_found")
+
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})

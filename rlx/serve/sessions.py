@@ -23,22 +23,23 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from rlx.chat.images import EpisodeImages, RenderedImages
-from rlx.chat.tool_calls import get_tool_call_parser
+from rlx.chat.tool_calls import get_tool_call_parser, parse_plain
 from rlx.chat.trajectory import ChatRenderer, Trajectory
 from rlx.errors import UserError
 from rlx.models.vision.inputs import VisionInputs
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.requests import Generated, cut_response
 from rlx.rollout.stops import StopStrings
-from rlx.serve.request_images import RequestImages, has_images, read_content
+from rlx.serve.request_images import ImagePolicy, RequestImages, has_images, read_content
 
 _SOURCE = "the request's"
 
 
-def normalize_message(message: dict, where: str = "a message") -> dict:
+def normalize_message(message: dict, where: str = "a message", policy: ImagePolicy | None = None) -> dict:
     """The parts of a chat message that reach the template, in one canonical form (to compare and render): its content
-    a string, or text and image parts (request_images.py; `where` names the message in errors)."""
-    out = {"role": message.get("role"), "content": read_content(message.get("content"), where)}
+    a string, or text and image parts (request_images.py: references as `policy` takes them; `where` names the
+    message in errors)."""
+    out = {"role": message.get("role"), "content": read_content(message.get("content"), where, policy)}
     if out["role"] == "assistant" and has_images(out):
         raise UserError(f"{where} (assistant) has image parts: images go in user, tool or system messages")
     calls = message.get("tool_calls") or []
@@ -78,6 +79,8 @@ class Segment:
     """chat segments: their images so far (references in token order, pixels, offsets)."""
     keys: list[dict] = field(default_factory=list)
     """chat segments: the messages with each image's reference replaced by its content digest (to compare by)."""
+    turn_settings: list[dict] = field(default_factory=list)
+    """What each turn's request asked and was sampled with (max_tokens, temperature, seed, stop, metadata...)."""
 
     @property
     def image_refs(self) -> list[str] | None:
@@ -87,7 +90,8 @@ class Segment:
     def to_json(self) -> dict:
         """An earlier segment as a record's `segments` keep it."""
         refs = self.image_refs
-        return {"reason": self.reason, **self.trajectory.to_json(), **({"image_refs": refs} if refs else {})}
+        out = {"reason": self.reason, **self.trajectory.to_json(), **({"image_refs": refs} if refs else {})}
+        return {**out, "turn_settings": self.turn_settings} if self.turn_settings else out
 
 
 @dataclass
@@ -128,11 +132,16 @@ class SampleSession:
         """What the engine makes of image parts (request_images.py)."""
         self.stops = stops
         """rollout.stop: a reply's text ends before its stop string (its tokens keep it)."""
-        self.parse = get_tool_call_parser(cfg.tool_parser)
+        self.parse = get_tool_call_parser(cfg.tool_parser, getattr(tokenizer, "chat_template", None))
         self.segments: list[Segment] = []
         self.num_requests = 0
         self.hit_token_limit = False
         self.lock = threading.Lock()
+        """Held while a request of this sample is answered (a second one meanwhile is refused: server.py)."""
+        self.last_used = 0.0
+        """time.monotonic() of the last request (for closing idle sessions)."""
+        self.evicted: str | None = None
+        """Why the server closed this session before it stopped (idle, over the cap), else None."""
 
     @property
     def current(self) -> Segment | None:
@@ -141,7 +150,7 @@ class SampleSession:
     def read_messages(self, messages: list[dict]) -> ChatRequest:
         """A chat request's messages in canonical form, and its keys (loading and processing its images: done before
         `plan_chat`, outside the server's tokenizer lock)."""
-        read = [normalize_message(m, f"message {i}") for i, m in enumerate(messages)]
+        read = [normalize_message(m, f"message {i}", self.images.policy) for i, m in enumerate(messages)]
         return ChatRequest(read, self.images.keys(read, self.sample_id))
 
     def plan_chat(self, request: ChatRequest, tools: list[dict] | None) -> Plan:
@@ -197,9 +206,13 @@ class SampleSession:
             return None if request[: seg.trajectory.num_tokens] == seg.trajectory.token_ids() else "history rewritten"
         return None if request.startswith(seg.text) else "history rewritten"
 
-    def commit(self, plan: Plan, gen: Generated) -> tuple[dict | str, list[str]]:
+    def commit(
+        self, plan: Plan, gen: Generated, parse_tools: bool = True, settings: dict | None = None
+    ) -> tuple[dict | str, list[str]]:
         """Record the request and its generation; the reply (assistant message or completion text) and any
-        tool-call problems (the message then carries the raw text and no tool calls)."""
+        tool-call problems (the message then carries the raw text and no tool calls). `parse_tools` False (the
+        request's tool_choice 'none'): the text is the content, unread for tool calls; `settings`: what the turn
+        used, kept in the segment's `turn_settings`."""
         seg = plan.segment
         if plan.is_new:
             self.segments.append(seg)
@@ -209,15 +222,20 @@ class SampleSession:
         traj.add_inserted(plan.inserted_ids)
         traj.add_model_turn(gen.response_ids, gen.logprobs)
         self.num_requests += 1
+        if settings is not None:
+            seg.turn_settings.append(settings)
         seg.last_turn_ids, seg.finish_reason = gen.response_ids, gen.finish_reason
         text = self.tokenizer.decode(gen.response_ids, skip_special_tokens=True)
-        if self.stops is not None and gen.finish_reason == "stop":
+        if gen.stop_string:
+            text = cut_response(text, gen.stop_string)
+        elif self.stops is not None and gen.finish_reason == "stop":
             text = cut_response(text, self.stops.first(text))
         seg.last_turn_text = text
         if seg.kind == "completion":
             seg.text += plan.new_text + seg.last_turn_text
             return seg.last_turn_text, []
-        parsed = self.parse(seg.last_turn_text, traj.num_turns - 1)
+        parse = self.parse if parse_tools else parse_plain
+        parsed = parse(seg.last_turn_text, traj.num_turns - 1)
         message = parsed.message if not parsed.errors else {"role": "assistant", "content": seg.last_turn_text}
         reply = normalize_message(message)
         traj.messages += plan.new_messages + [reply]

@@ -1,10 +1,12 @@
 """`rlx serve`: the OpenAI-compatible endpoint of server.py as a command, backed by any rollout engine.
 
-The server runs until interrupted (Ctrl-C or SIGTERM), or for `max_requests` requests. Every request belongs to
-a sample: `/s/<sample_id>/v1/...` names it, `/v1/...` is the sample 'default'. On exit, with an output file,
-each sample's trajectory (its last segment: see sessions.py) is written as a rollouts.jsonl record, token-exact
-with its loss_mask (and a vision-language model's images in `image_refs`), so anything that drives a model through
-an OpenAI client produces rlx training data.
+The server runs until interrupted (Ctrl-C, or SIGTERM: exit code 143 once the output is written), or for
+`max_requests` requests. Every request belongs to a sample: `/s/<sample_id>/v1/...` or an `X-Session-ID` header
+names it, else it is the sample 'default'. On exit, with an output file, each sample's trajectory is written as a
+rollouts.jsonl record: its last segment token-exact with its loss_mask (and a vision-language model's images in
+`image_refs`), every earlier segment in `segments` (see sessions.py), what each turn asked in `turn_settings`, and
+`evicted` for a session the server closed early; so anything that drives a model through an OpenAI client produces
+rlx training data.
 """
 
 from __future__ import annotations
@@ -14,24 +16,24 @@ import threading
 
 from rlx.chat.records import trajectory_record
 from rlx.checkpoints.loading import load_model, load_processor
-from rlx.errors import UserError
+from rlx.errors import Terminated, UserError
 from rlx.formats.records import PromptRecord, RolloutRecord, write_records
 from rlx.models.loading import load_tokenizer, resolve_source
 from rlx.observe.tracking import console
 from rlx.parallel.dist import setup
 from rlx.rollout.base import build_engine
-from rlx.rollout.config import RolloutConfig
 from rlx.rollout.registry import engine_class
+from rlx.serve.config import ServeConfig
 from rlx.serve.server import AgentServer
 from rlx.serve.sessions import SampleSession
 from rlx.serve.stream import StreamBackend
 
 
 def run_serve(
-    cfg: RolloutConfig, model_path: str, port: int, out: str | None, max_requests: int = 0, name: str = "rlx"
+    cfg: ServeConfig, model_path: str, port: int, out: str | None, max_requests: int = 0, name: str = "rlx"
 ) -> list[RolloutRecord]:
-    """Serve `model_path` on 127.0.0.1:`port` until interrupted (or `max_requests` answered); returns (and with
-    `out`, writes) the samples' trajectories."""
+    """Serve `model_path` on `cfg.endpoint.host`:`port` until interrupted (or `max_requests` answered); returns
+    (and with `out`, writes) the samples' trajectories. SIGTERM: Terminated once they are written."""
     if cfg.env or cfg.agent:
         raise UserError("rlx serve takes no --env or --agent: clients drive the conversation")
     if not 0 <= port <= 65535:
@@ -43,21 +45,46 @@ def run_serve(
     if ctx.world > 1:
         raise UserError("rlx serve runs in one process: start it without torchrun")
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
-    engine = build_engine(cfg, load_model(source, dtype=dtype).requires_grad_(False), tokenizer, ctx, processor)
+    model = load_model(source, dtype=dtype).requires_grad_(False)
+    engine = build_engine(cfg, model, tokenizer, ctx, processor)
     sampling = cfg.sampling()
-    backend = StreamBackend(engine, sampling, cfg.max_total_tokens, cfg.max_num_seqs)
+    backend = StreamBackend(engine, sampling, max_context(cfg, model), cfg.max_num_seqs)
     try:
-        server = AgentServer(backend, tokenizer, set(engine.stop_ids), sampling, cfg, model_name=name, port=port)
+        server = AgentServer(
+            backend, tokenizer, set(engine.stop_ids), sampling, cfg, model_name=name, port=port, endpoint=cfg.endpoint
+        )
     except OSError as e:
         backend.close()
-        raise UserError(f"cannot listen on 127.0.0.1:{port}: {e.strerror or e}") from None
+        raise UserError(f"cannot listen on {cfg.endpoint.host}:{port}: {e.strerror or e}") from None
+    except UserError:
+        backend.close()
+        raise
+    terminated = _serve_until_stopped(server, backend, engine, max_requests)
+    records = [session_record(s, sampling.temperature) for s in server.all_sessions() if s.segments]
+    if out:
+        write_records(out, records)
+        console(f"rlx serve: {len(records)} sample trajectories -> {'stdout' if out == '-' else out}")
+    if terminated:
+        raise Terminated("terminated by SIGTERM")
+    return records
+
+
+def max_context(cfg: ServeConfig, model) -> int:
+    """The longest context a sample may reach: max_total_tokens, the model's context and vllm's max_model_len."""
+    limits = [cfg.max_total_tokens, getattr(model.config, "max_position_embeddings", 0), cfg.max_model_len]
+    return min(limit for limit in limits if limit and limit > 0)
+
+
+def _serve_until_stopped(server: AgentServer, backend: StreamBackend, engine, max_requests: int) -> bool:
+    """Serve until Ctrl-C, SIGTERM (returns True) or `max_requests` answered; then close everything."""
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    server.start()
-    console(f"rlx serve: {engine.name} engine on {server.url}/v1 (per sample: {server.url}/s/<sample_id>/v1)")
     try:
+        server.start()
+        url = server.url
+        console(f"rlx serve: {engine.name} engine on {url}/v1 (per sample: {url}/s/<sample_id>/v1 or X-Session-ID)")
         while not stop.wait(0.1):
-            if max_requests and sum(s.num_requests for s in list(server.sessions.values())) >= max_requests:
+            if max_requests and server.num_requests >= max_requests:
                 break
     except KeyboardInterrupt:
         pass
@@ -66,15 +93,12 @@ def run_serve(
         server.close()
         backend.close()
         engine.close()
-    records = [session_record(s, sampling.temperature) for s in server.sessions.values() if s.segments]
-    if out:
-        write_records(out, records)
-        console(f"rlx serve: {len(records)} sample trajectories -> {'stdout' if out == '-' else out}")
-    return records
+    return stop.is_set()
 
 
 def session_record(session: SampleSession, temperature: float) -> RolloutRecord:
-    """A served sample's last segment as a record: id `<prompt_id>/<index>` when the sample id has that form."""
+    """A served sample as a record, its last segment as the trajectory and the earlier ones in `segments`: id
+    `<prompt_id>/<index>` when the sample id has that form."""
     prompt_id, _, index = session.sample_id.rpartition("/")
     if not (prompt_id and index.isdigit()):
         prompt_id, index = session.sample_id, "0"
@@ -94,6 +118,18 @@ def session_record(session: SampleSession, temperature: float) -> RolloutRecord:
         response=last.last_turn_text,
         temperature=temperature,
         env_reward=0.0,
-        extra={"num_segments": len(session.segments), "segment_reason": last.reason, "requests": session.num_requests},
+        extra=_extra(session),
         image_refs=last.image_refs,
     )
+
+
+def _extra(session: SampleSession) -> dict:
+    last = session.segments[-1]
+    extra = {"num_segments": len(session.segments), "segment_reason": last.reason, "requests": session.num_requests}
+    if len(session.segments) > 1:
+        extra["segments"] = [s.to_json() for s in session.segments[:-1]]
+    if last.turn_settings:
+        extra["turn_settings"] = last.turn_settings
+    if session.evicted:
+        extra["evicted"] = session.evicted
+    return extra

@@ -8,7 +8,8 @@ An image part is `{"type": "image", "image": REF}` inside a message's content li
 
 Records keep the reference, never pixels. Every error is a UserError naming the prompt id and the
 reference (data URIs shortened); one reading or decoding an image is an `ImageError` (a missing or broken file,
-bad base64), which multi-turn rollouts count against the environment that sent it.
+bad base64, not a regular file, over MAX_IMAGE_BYTES), which multi-turn rollouts count against the environment
+that sent it.
 """
 
 from __future__ import annotations
@@ -16,13 +17,17 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
 import re
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 
 from rlx.errors import UserError
 
 IMAGE_PART = "image"
+MAX_IMAGE_BYTES = 64 * 2**20
+"""Largest image file read for a prompt (a regular file only: devices, FIFOs and sockets are refused)."""
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -102,7 +107,7 @@ def resolve_prompt_images(prompt, base: str | Path | None):
     return out if changed else prompt
 
 
-def _decode_data_uri(ref: str, prompt_id) -> bytes:
+def decode_data_uri(ref: str, prompt_id) -> bytes:
     header, comma, payload = ref.partition(",")
     if not comma or not header.endswith(";base64"):
         raise ImageError(f"prompt {prompt_id!r}: image {_short(ref)!r} is a data: URI without ';base64,' data")
@@ -112,28 +117,53 @@ def _decode_data_uri(ref: str, prompt_id) -> bytes:
         raise ImageError(f"prompt {prompt_id!r}: image {_short(ref)!r} has bad base64 data ({e})") from None
 
 
-def read_image_bytes(ref: str, prompt_id=None) -> bytes:
-    """The bytes behind a resolved reference (data: URI, fsspec URL or local path)."""
+def read_image_bytes(ref: str, prompt_id=None, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
+    """The bytes behind a resolved reference (data: URI, fsspec URL or local path): a regular file (never a device,
+    FIFO or socket) of at most `max_bytes`."""
     if ref.startswith("data:"):
-        return _decode_data_uri(ref, prompt_id)
-    if not is_url(ref):
-        try:
-            return Path(ref).read_bytes()
-        except FileNotFoundError:
-            raise ImageError(f"prompt {prompt_id!r}: image {ref!r} does not exist") from None
-        except OSError as e:
-            raise ImageError(f"prompt {prompt_id!r}: image {ref!r} cannot be read ({e.strerror or e})") from None
+        return decode_data_uri(ref, prompt_id)
+    if not is_url(ref) or ref.startswith("file://"):
+        return _read_local(ref.removeprefix("file://"), ref, prompt_id, max_bytes)
     import fsspec
 
     try:
         with fsspec.open(ref, "rb") as f:
-            return f.read()
+            data = f.read(max_bytes + 1)
     except FileNotFoundError:
         raise ImageError(f"prompt {prompt_id!r}: image {ref!r} does not exist") from None
     except ImportError as e:
         raise ImageError(f"prompt {prompt_id!r}: image {ref!r}: its protocol needs an extra package ({e})") from None
     except (OSError, ValueError) as e:
         raise ImageError(f"prompt {prompt_id!r}: image {ref!r} cannot be read ({e})") from None
+    if len(data) > max_bytes:
+        raise ImageError(f"prompt {prompt_id!r}: image {ref!r} is over {max_bytes} bytes")
+    return data
+
+
+def _read_local(path: str, ref: str, prompt_id, max_bytes: int) -> bytes:
+    """A local file's bytes, refused unless it is a regular file of at most `max_bytes` (opened without blocking, so
+    a FIFO is refused rather than waited on)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise ImageError(f"prompt {prompt_id!r}: image {ref!r} does not exist") from None
+    except OSError as e:
+        raise ImageError(f"prompt {prompt_id!r}: image {ref!r} cannot be read ({e.strerror or e})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ImageError(f"prompt {prompt_id!r}: image {ref!r} is not a regular file")
+        if info.st_size > max_bytes:
+            raise ImageError(f"prompt {prompt_id!r}: image {ref!r} is over {max_bytes} bytes")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise ImageError(f"prompt {prompt_id!r}: image {ref!r} cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise ImageError(f"prompt {prompt_id!r}: image {ref!r} is over {max_bytes} bytes")
+    return data
 
 
 @contextmanager

@@ -1,0 +1,254 @@
+"""Requests to the endpoint read into typed requests: every field OpenAI's API defines is honoured or refused.
+
+`read_chat` and `read_completion` take a request body (a JSON object) and give a `ChatCall` or `CompletionCall`;
+a field the server cannot honour is a `RequestError` (HTTP 400) naming it, so a client never gets a reply that
+silently ignored what it asked for. How each field is treated is in docs/serve.md; in short:
+
+- honoured: messages/prompt, model (must be the served name: 404 otherwise), max_tokens/max_completion_tokens (at
+  most the server's --max-new-tokens), seed, stop, stream (+ stream_options.include_usage), tools, tool_choice
+  'none'/'auto', logprobs (the sampled tokens' own; top_logprobs 0), echo, return_token_ids (vLLM's extension),
+  and metadata that changes no token (user, metadata, store, service_tier, ...: recorded with the turn);
+- the sampling the server was started with (temperature, top_p, top_k) is accepted only as that value;
+- n > 1 in `rlx serve`: choice i > 0 is recorded as its own sample, `<sample_id>~i` (at most MAX_CHOICES);
+- refused: top_logprobs > 0, tool_choice 'required' or a named function, response_format other than text,
+  penalties, logit_bias, audio, predictions, reasoning effort, web search, the deprecated functions, and any field
+  OpenAI does not define.
+
+Under `rlx rollout --agent` (`strict`), the run's sampling governs: a request asking for another seed, stop
+strings or n > 1 is refused too, as training needs every turn sampled as the run says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlx.rollout.config import SamplingParams
+
+MAX_CHOICES = 16
+"""Most choices (n) one request may ask for."""
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP status, OpenAI error code, one-line message, the field it is about."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+
+
+def refuse(name: str, why: str) -> RequestError:
+    return RequestError(400, f"'{name}': {why}", "unsupported_parameter", name)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server honours: its sampling, the served name, and whether the run's sampling governs (agents)."""
+
+    sampling: SamplingParams
+    model_name: str
+    strict: bool = False
+
+
+@dataclass
+class Settings:
+    """What one request asks of the generation (both endpoints)."""
+
+    max_tokens: int
+    n: int = 1
+    """Choices: choice i > 0 is recorded as sample `<sample_id>~i` (server.py)."""
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    return_token_ids: bool = False
+    recorded: dict = field(default_factory=dict)
+    """What the turn used, as the record keeps it (sampling and the request's metadata)."""
+
+
+@dataclass
+class ChatCall:
+    messages: list[dict]
+    tools: list[dict] | None
+    settings: Settings
+    parse_tools: bool = True
+    """tool_choice 'none': the reply's text is not read for tool calls."""
+
+
+@dataclass
+class CompletionCall:
+    prompt: str | list[int]
+    settings: Settings
+    echo: bool = False
+
+
+METADATA_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+             "prompt_cache_retention")  # fmt: skip
+"""Fields that change no token: accepted and recorded with the turn."""
+_OFF = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True),
+    "modalities": (None, ["text"]),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "top_logprobs": (None, 0),
+}
+"""Fields honoured only at their neutral value (any other is refused by name)."""
+_COMMON = {
+    "model", "max_tokens", "seed", "stop", "stream", "stream_options", "temperature", "top_p", "top_k", "logprobs",
+    "return_token_ids", "n", "frequency_penalty", "presence_penalty", "logit_bias", *METADATA_FIELDS,
+}  # fmt: skip
+CHAT_FIELDS = _COMMON | {
+    "messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs",
+    "response_format", "audio", "prediction", "reasoning_effort", "verbosity", "web_search_options", "functions",
+    "function_call", "modalities",
+}  # fmt: skip
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+
+
+def _check_known(body: dict, known: set[str]) -> None:
+    for name in body:
+        if name not in known:
+            raise refuse(name, "not a field this endpoint knows (OpenAI's API or vLLM's return_token_ids)")
+    for name, allowed in _OFF.items():
+        value = body.get(name)
+        if name in body and not any(value == a and type(value) is type(a) or value is a for a in allowed):
+            shown = " or ".join(repr(a) for a in allowed if a is not None) or "leaving it out"
+            raise refuse(name, f"only {shown} is supported here, got {value!r:.80}")
+
+
+def _int(body: dict, name: str, low: int = 0) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise RequestError(400, f"'{name}' must be an integer >= {low}, got {value!r:.80}", param=name)
+    return value
+
+
+def _bool(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(400, f"'{name}' must be true or false, got {value!r:.80}", param=name)
+    return bool(value)
+
+
+def _sampling_as_started(body: dict, limits: Limits) -> None:
+    for name, flag in (("temperature", "--temperature"), ("top_p", "--top-p"), ("top_k", "--top-k")):
+        value, started = body.get(name), getattr(limits.sampling, name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RequestError(400, f"'{name}' must be a number, got {value!r:.80}", param=name)
+        same = value == started or (name == "top_k" and value in (0, -1) and started in (0, -1))
+        if not same:
+            raise refuse(name, f"this server samples with {name} = {started} ({flag} when it started), got {value}")
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+        message = f"'stop' must be a string or up to 4 non-empty strings, got {value!r:.80}"
+        raise RequestError(400, message, param="stop")
+    return tuple(stops)
+
+
+def _settings(body: dict, limits: Limits, max_key: str) -> Settings:
+    _sampling_as_started(body, limits)
+    model = body.get("model")
+    if model is not None and model != limits.model_name:
+        raise RequestError(404, f"model {model!r:.80} does not exist; this server serves {limits.model_name!r}",
+                           "model_not_found", "model")  # fmt: skip
+    limit = limits.sampling.max_new_tokens
+    asked = [(k, _int(body, k, 1)) for k in (max_key, "max_tokens") if body.get(k) is not None]
+    if len({v for _, v in asked}) > 1:
+        raise RequestError(400, f"'{max_key}' and 'max_tokens' differ; send one", param=max_key)
+    for key, value in asked:
+        if value > limit:
+            raise refuse(key, f"at most {limit} (this server's --max-new-tokens), got {value}")
+    seed, stop = _int(body, "seed"), _stop(body)
+    if limits.strict:
+        if seed is not None and seed != limits.sampling.seed:
+            raise refuse("seed", f"this rollout samples with the run's seed ({limits.sampling.seed}); leave it out")
+        if stop and stop != tuple(limits.sampling.stop):
+            raise refuse("stop", "this rollout stops as the run's --stop says; leave it out")
+    n = _int(body, "n", 1) or 1
+    if n > 1 and limits.strict:
+        raise refuse("n", "this rollout samples the run's n per prompt itself; ask one choice per request")
+    if n > MAX_CHOICES:
+        raise refuse("n", f"at most {MAX_CHOICES} choices per request, got {n}")
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise refuse("stream_options", "only {'include_usage': bool} with stream=true is supported")
+    settings = Settings(
+        max_tokens=asked[0][1] if asked else limit, n=n, seed=seed, stop=stop, stream=stream,
+        include_usage=bool((options or {}).get("include_usage")), return_token_ids=_bool(body, "return_token_ids"),
+    )  # fmt: skip
+    settings.recorded = {
+        "max_tokens": settings.max_tokens,
+        "temperature": limits.sampling.temperature,
+        "top_p": limits.sampling.top_p,
+        "top_k": limits.sampling.top_k,
+        "seed": limits.sampling.seed if seed is None else seed,
+        **({"stop": list(stop)} if stop else {}),
+        **({"n": n} if n > 1 else {}),
+        **{k: body[k] for k in METADATA_FIELDS if body.get(k) is not None},
+    }
+    return settings
+
+
+def read_chat(body: dict, limits: Limits) -> ChatCall:
+    """A chat-completions body as a typed call (RequestError naming the field it cannot honour)."""
+    _check_known(body, CHAT_FIELDS)
+    settings = _settings(body, limits, "max_completion_tokens")
+    settings.logprobs = _bool(body, "logprobs")
+    messages, tools = body.get("messages"), body.get("tools") or None
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "'messages' must be a non-empty list", param="messages")
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise RequestError(400, "every message must be an object with a 'role' string", param="messages")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise RequestError(400, "'tools' must be a list of function schemas", param="tools")
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise refuse("tool_choice", f"'none' and 'auto' are supported (no constrained decoding), got {choice!r:.80}")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise refuse("response_format", "only {'type': 'text'} is supported (no constrained decoding)")
+    if choice == "none":
+        settings.recorded["tool_choice"] = "none"
+    return ChatCall(messages, tools, settings, parse_tools=choice != "none")
+
+
+def read_completion(body: dict, limits: Limits) -> CompletionCall:
+    """A completions body as a typed call (RequestError naming the field it cannot honour)."""
+    _check_known(body, COMPLETION_FIELDS)
+    settings = _settings(body, limits, "max_tokens")
+    logprobs = _int(body, "logprobs")
+    if logprobs:
+        raise refuse("logprobs", f"0 (the sampled tokens' own logprobs) is supported, not {logprobs} alternatives")
+    settings.logprobs = logprobs == 0
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if not (isinstance(prompt, str) and prompt) and not (is_ids and prompt):
+        raise RequestError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt)",
+                           param="prompt")  # fmt: skip
+    echo = _bool(body, "echo")
+    if echo and settings.stream:
+        raise refuse("echo", "echo with stream=true is not supported")
+    return CompletionCall(prompt, settings, echo)

@@ -1,0 +1,102 @@
+"""One request of a sample, from its typed call to its recorded turn: plan, generate, cut at stops, commit.
+
+The tokenizer and image work runs in starlette's thread pool (under the server's tokenizer lock: a fast
+tokenizer's core takes one thread at a time); the generation is a future of the engine stream awaited on the
+event loop, so many samples generate together while the loop keeps answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.concurrency import run_in_threadpool
+
+from rlx.rollout.requests import Generated, TokenRequest
+from rlx.rollout.stops import StopStrings
+from rlx.serve.api import ChatCall, CompletionCall, RequestError
+from rlx.serve.replies import Turn
+from rlx.serve.sessions import Plan, SampleSession
+
+
+def template_renders_tools(server, tools: list[dict]) -> bool:
+    """Whether the model's chat template shows `tools` to the model at all (asked once per server; a template that
+    cannot render a probe is not judged here: the request's own render reports it)."""
+    if server.renders_tools is None:
+        probe, kwargs = [{"role": "user", "content": "x"}], server.cfg.chat_template_kwargs
+        render = server.tokenizer.apply_chat_template
+        try:
+            with server.tokenizer_lock:
+                with_tools = render(probe, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
+                without = render(probe, tokenize=False, add_generation_prompt=True, **kwargs)
+        except Exception:  # noqa: BLE001 - judged by the request's render
+            return True
+        server.renders_tools = with_tools != without
+    return server.renders_tools
+
+
+def _plan(server, session: SampleSession, call: ChatCall | CompletionCall) -> Plan:
+    if isinstance(call, ChatCall) and call.tools and not template_renders_tools(server, call.tools):
+        raise RequestError(
+            400, "'tools': this model's chat template does not render tools, so the model would never see them",
+            "unsupported_parameter", "tools",
+        )  # fmt: skip
+    try:
+        if isinstance(call, ChatCall):
+            read = session.read_messages(call.messages)  # images are loaded here, not under the tokenizer lock
+            with server.tokenizer_lock:
+                return session.plan_chat(read, call.tools)
+        with server.tokenizer_lock:
+            return session.plan_completion(call.prompt)
+    except (KeyError, TypeError, ValueError) as e:
+        raise RequestError(400, f"a message could not be read: {type(e).__name__}: {e}"[:300]) from None
+
+
+def _token_request(server, session: SampleSession, plan: Plan, call) -> TokenRequest:
+    context_ids = plan.context_ids
+    max_context = min(server.cfg.max_total_tokens, server.backend.max_context)
+    room = max_context - len(context_ids)
+    if room < 1:
+        session.hit_token_limit = True
+        raise RequestError(
+            400,
+            f"sample {session.sample_id!r}: the context is {len(context_ids)} tokens, at the limit "
+            f"max_total_tokens = {max_context}",
+            "context_length_exceeded",
+            "messages" if isinstance(call, ChatCall) else "prompt",
+        )
+    limit = min(call.settings.max_tokens, room)
+    key = f"{session.sample_id}/{session.num_requests}"
+    greedy = server.sampling.temperature == 0
+    return TokenRequest(key, context_ids, limit, greedy, vision=plan.vision, seed=call.settings.seed)
+
+
+def _commit(server, session: SampleSession, plan: Plan, gen: Generated, call) -> Turn:
+    settings = call.settings
+    with server.tokenizer_lock:
+        if settings.stop:
+            gen = StopStrings(server.tokenizer, settings.stop).cut(gen)
+        parse = call.parse_tools if isinstance(call, ChatCall) else True
+        reply, _ = session.commit(plan, gen, parse_tools=parse, settings=settings.recorded)
+        wants_pieces = settings.stream or settings.logprobs
+        texts = [server.tokenizer.decode([t]) for t in gen.response_ids] if wants_pieces else []
+        echoed = ""
+        if isinstance(call, CompletionCall) and call.echo:
+            echoed = call.prompt if isinstance(call.prompt, str) else server.tokenizer.decode(call.prompt)
+    turn = Turn(settings, plan.context_ids, gen.response_ids, gen.logprobs, gen.finish_reason, token_texts=texts)
+    if isinstance(call, ChatCall):
+        turn.message = reply
+    else:
+        turn.text = echoed + reply
+    return turn
+
+
+async def generate_turns(server, sessions: list[SampleSession], call: ChatCall | CompletionCall) -> list[Turn]:
+    """Plan `call` in each of `sessions` (one per choice), generate them together on the engine stream, record
+    each in its session; the turns to reply with, in choice order."""
+    plans = [await run_in_threadpool(_plan, server, session, call) for session in sessions]
+    requests = [_token_request(server, session, plan, call) for session, plan in zip(sessions, plans)]
+    gens = await asyncio.gather(*(asyncio.wrap_future(server.backend.submit(r)) for r in requests))
+    return [
+        await run_in_threadpool(_commit, server, session, plan, gen, call)
+        for session, plan, gen in zip(sessions, plans, gens)
+    ]
