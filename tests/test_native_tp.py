@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlx.rollout.config import RolloutConfig
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, rollout_args, run_torchrun, torchrun
@@ -23,7 +24,7 @@ SCRIPT = textwrap.dedent("""
     from rlx.rollout.base import build_engine
     from rlx.rollout.config import RolloutConfig
 
-    ctx = setup("cpu")
+    ctx = setup(sys.argv[1])  # cpu: gloo; cuda: nccl, decode steps in CUDA graphs with torch.compile inside
     tokenizer = build_char_tokenizer()
     shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
@@ -34,8 +35,10 @@ SCRIPT = textwrap.dedent("""
         "llama-biases": LlamaConfig(**shape, attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
         "qwen2": Qwen2Config(**shape),  # q/k/v biases: column-parallel
     }}
+    if ctx.device.type == "cuda":
+        torch.cuda.manual_seed_all(0)
     prompts = [PromptRecord(id=f"p{{i}}", prompt=t) for i, t in enumerate(["1+2=", "3*4=", "12+7=", "9-5=", "0+0="])]
-    one = DistContext(device=torch.device("cpu"))  # a lone engine over the whole model, in this process
+    one = DistContext(device=ctx.device)  # a lone engine over the whole model, in this process
 
     def records(model, cfg, context):
         engine = build_engine(cfg, model, tokenizer, context)
@@ -57,7 +60,7 @@ SCRIPT = textwrap.dedent("""
         return model
 
     cfg = RolloutConfig(engine="native", chat_template="off", n=3, max_new_tokens=12, seed=5, max_num_seqs=4,
-                        block_size=2, kv_cache_gib=1e-4)
+                        block_size=2, kv_cache_gib=1e-4, precision="float32")
     for family in families:
         model = build(family).requires_grad_(False)
         for temperature in (0.0, 1.0):
@@ -69,6 +72,8 @@ SCRIPT = textwrap.dedent("""
             assert replica.self_attn.q_proj.weight.shape[0] == 2 * 16 and replica.mlp.up_proj.weight.shape[0] == 48
             assert engine._runner.fused is not None  # decode steps through the merged projections, all-reduced
             assert engine._runner.kv[0][0].shape[2] == 1  # each rank caches its one key/value head
+            if ctx.device.type == "cuda":
+                assert engine._runner.graphs and engine._runner.compiled, "no compiled decode graphs"
             tokens = [None, None]
             dist.all_gather_object(tokens, [r.response_ids for r in tp])
             assert tokens[0] == tokens[1], "the ranks of a group sampled different tokens"
@@ -94,8 +99,19 @@ def test_two_tensor_parallel_ranks_sample_what_one_engine_samples(tmp_path):
     1e-5."""
     script = tmp_path / "tp.py"
     script.write_text(SCRIPT.format(repo=str(REPO)))
-    out = run_torchrun(2, script, timeout=300)
+    out = run_torchrun(2, script, "cpu", timeout=300)
     assert "rank 0: tensor parallel == one engine" in out.stdout
+    assert "rank 1: tensor parallel == one engine" in out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tensor_parallel_decode_graphs_on_two_gpus(tmp_path):
+    """The same on two GPUs over NCCL: decode steps replay CUDA graphs (the all-reduces captured inside them, the
+    merged layers compiled), float32, against one GPU's engine."""
+    script = tmp_path / "tp.py"
+    script.write_text(SCRIPT.format(repo=str(REPO)))
+    out = run_torchrun(2, script, "cuda", timeout=600)
     assert "rank 1: tensor parallel == one engine" in out.stdout
 
 
@@ -136,8 +152,6 @@ def test_heads_that_do_not_split_are_refused():
         check_splittable(config, 4)
     half = sliced_config(config, 2)
     assert (half.num_attention_heads, half.num_key_value_heads, half.intermediate_size, half.head_dim) == (2, 1, 48, 16)
-    import torch
-
     weight = torch.arange(12.0).view(3, 4)
     assert torch.equal(rank_slice("model.layers.0.mlp.down_proj.weight", weight, 2, 1), weight[:, 2:])
     assert torch.equal(rank_slice("model.layers.0.self_attn.o_proj.bias", weight[0], 2, 1), torch.zeros(4))
