@@ -23,6 +23,11 @@ Everything runs through a stream (`open_stream`): `generate` submits its request
 and served agents submit each turn when its context is ready, and it joins the running batch at the next
 prefill while the others keep decoding. A turn's context begins with the sample's earlier turns, whose full
 blocks stay cached after they finish (blocks.py), so only the new tokens are prefilled.
+
+With rollout.tp_degree = K > 1 (under torchrun) K consecutive ranks run one engine: each decodes with its slice of
+every layer's heads and MLP and its key/value heads' share of the cache, the partial sums all-reduced twice a layer
+(tensor_parallel.py); the group shares one slice of the requests and, computing the same logits, samples the same
+tokens on every rank.
 """
 
 from __future__ import annotations
