@@ -77,6 +77,7 @@ SCRIPT = textwrap.dedent("""
             tokens = [None, None]
             dist.all_gather_object(tokens, [r.response_ids for r in tp])
             assert tokens[0] == tokens[1], "the ranks of a group sampled different tokens"
+            engine.close()  # its decode graphs (NCCL all-reduces inside) go before the process group
 
     # a trainer's FSDP-sharded module: each rank gathers one parameter at a time and keeps its slice
     from torch.distributed.fsdp import fully_shard
@@ -85,9 +86,10 @@ SCRIPT = textwrap.dedent("""
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    _, tp = records(model, dataclasses.replace(cfg, tp_degree=2), ctx)
+    engine, tp = records(model, dataclasses.replace(cfg, tp_degree=2), ctx)
     _, single = records(reference, cfg, one)
     same(tp, single, "fsdp")
+    engine.close()
     print(f"rank {{ctx.rank}}: tensor parallel == one engine", flush=True)
     exit_process(0)
 """)
