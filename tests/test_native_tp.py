@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlx.config import ConfigError
 from rlx.rollout.config import RolloutConfig
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, rollout_args, run_torchrun, torchrun
 
@@ -133,6 +134,10 @@ def test_tp_degree_errors(tmp_path, tiny_ckpt, prompts_file, capsys):
     # the old name still works for one release, with a notice
     assert RolloutConfig(engine="vllm", tp=2).tp_degree == 2
     assert "rollout.tp_degree" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="old name of tp_degree: give one of them"):
+        RolloutConfig(engine="vllm", tp=2, tp_degree=4)
+    with pytest.raises(ConfigError, match="single-turn rollouts only"):
+        RolloutConfig(engine="native", tp_degree=2, env="envs.py:Env")
     result = cli(*rollout_args(tiny_ckpt, prompts_file, tmp_path / "r.jsonl", "--engine", "hf", "--tp-degree", "2"))
     assert result.exit_code == 1 and "--tp-degree: tensor parallel rollout needs engine 'vllm' or 'native'" in (
         result.stderr
@@ -143,7 +148,7 @@ def test_tp_degree_errors(tmp_path, tiny_ckpt, prompts_file, capsys):
 
 
 def test_heads_that_do_not_split_are_refused():
-    from transformers import LlamaConfig
+    from transformers import GPT2Config, LlamaConfig
 
     from rlx.errors import UserError
     from rlx.rollout.native.tensor_parallel import check_splittable, rank_slice, sliced_config
@@ -152,6 +157,8 @@ def test_heads_that_do_not_split_are_refused():
     check_splittable(config, 2)
     with pytest.raises(UserError, match="num_key_value_heads \\(2\\) is not a multiple"):
         check_splittable(config, 4)
+    with pytest.raises(UserError, match="splits llama, qwen2, qwen3, mistral models only, not 'gpt2'"):
+        check_splittable(GPT2Config(n_head=4), 2)
     half = sliced_config(config, 2)
     assert (half.num_attention_heads, half.num_key_value_heads, half.intermediate_size, half.head_dim) == (2, 1, 48, 16)
     weight = torch.arange(12.0).view(3, 4)

@@ -95,7 +95,8 @@ class RolloutConfig(AgentConfig):
     """vllm: fraction of accelerator memory its weights and KV cache may take (keep room for training when
     colocated in `rlx ppo`); native: the fraction of free accelerator memory its KV cache takes."""
     kv_cache_gib: float = 0.0
-    """vllm, native: KV cache size in GiB; 0 = from gpu_memory_utilization on accelerators, 1 GiB on CPU."""
+    """vllm, native: KV cache size in GiB; 0 = from gpu_memory_utilization on accelerators, 1 GiB on CPU (native with
+    tp_degree > 1: each rank's cache, holding its share of the key/value heads)."""
     max_model_len: int = 0
     """vllm: longest prompt + response it accepts; 0 = the model's max_position_embeddings."""
     weight_sync: Literal["memory", "disk"] = "memory"
