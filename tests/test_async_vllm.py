@@ -172,5 +172,5 @@ def test_multi_turn_episodes_at_max_staleness_0_are_the_synchronous_vllm_run(tmp
 def test_rollout_tp_is_refused(tmp_path):
     recipe = write_recipe(tmp_path, "max_staleness = 1")
     result = cli("ppo", recipe, "--out", tmp_path / "run", "--set", "rollout.tp=2")
-    assert result.exit_code == 1 and "rollout.tp: must be 1 with rollout.engine = 'vllm' under [async]" in result.stderr
+    assert result.exit_code == 1 and "rollout.tp_degree: must be 1 under [async]" in result.stderr
     assert "async.rollout_ranks" in result.stderr and not (tmp_path / "run").exists()

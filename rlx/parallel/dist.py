@@ -170,6 +170,46 @@ def _groups(world: int, sp: int, rank: int) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """This rank's place among tensor-parallel groups of `degree` consecutive ranks (rank = index * degree + rank
+    in the group): the group (None when alone), its index among the world / degree groups, and the count."""
+
+    degree: int
+    rank: int
+    index: int
+    count: int
+    group: object = None
+
+    def slicing(self) -> dict[str, int]:
+        """{'degree', 'rank'}: how this rank slices a full tensor (rank_slice's keywords)."""
+        return {"degree": self.degree, "rank": self.rank}
+
+
+_TP_GROUPS: dict[int, TensorParallelGroup] = {}
+
+
+def tensor_parallel_group(degree: int, ctx: DistContext | None = None) -> TensorParallelGroup:
+    """The tensor-parallel group of this rank for `degree` (made once per degree: every rank calls it together the
+    first time, as torch.distributed requires); a UserError when the launch cannot be split so."""
+    ctx = ctx or context()
+    if degree == 1:
+        return TensorParallelGroup(1, 0, ctx.rank, ctx.world)
+    if not ctx.distributed:
+        raise UserError(f"tp_degree {degree} needs {degree} processes (launch with torchrun --nproc_per_node {degree})")
+    if ctx.world % degree:
+        raise UserError(f"tp_degree {degree} does not divide the {ctx.world} processes")
+    if degree not in _TP_GROUPS:
+        mine = None
+        for start in range(0, ctx.world, degree):
+            group = dist.new_group(list(range(start, start + degree)))
+            if start <= ctx.rank < start + degree:
+                mine = group
+        _TP_GROUPS[degree] = TensorParallelGroup(degree, ctx.rank % degree, ctx.rank // degree, ctx.world // degree,
+                                                 mine)  # fmt: skip
+    return _TP_GROUPS[degree]
+
+
 def context() -> DistContext:
     """The current context (a lone CPU/auto process when setup() was never called)."""
     return _CONTEXT if _CONTEXT is not None else DistContext(device=resolve_device("auto"))
@@ -184,6 +224,7 @@ def teardown(wait_for_others: bool = True) -> None:
             dist.barrier()
         dist.destroy_process_group()
     _CONTEXT = None
+    _TP_GROUPS.clear()
 
 
 def exit_process(code: int = 0) -> NoReturn:

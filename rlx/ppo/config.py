@@ -234,10 +234,10 @@ class PPOConfig:
         for key, used in unsupported.items():
             check(not used, "async", f"{key} is not supported with [async] yet (drop one of them)")
         check(
-            self.rollout.engine != "vllm" or self.rollout.tp == 1,
-            "rollout.tp",
-            f"must be 1 with rollout.engine = 'vllm' under [async], got {self.rollout.tp} (each rollout rank runs its "
-            f"own engine: raise async.rollout_ranks instead)",
+            self.rollout.tp_degree == 1,
+            "rollout.tp_degree",
+            f"must be 1 under [async], got {self.rollout.tp_degree} (each rollout rank runs its own engine: raise "
+            f"async.rollout_ranks instead)",
         )
 
     def _share_vision(self) -> None:

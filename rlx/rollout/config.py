@@ -8,6 +8,7 @@ with `env` or `agent` set, rollouts are multi-turn episodes (rlx/agent/).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -84,14 +85,18 @@ class RolloutConfig(AgentConfig):
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute precision: auto is bfloat16 autocast on accelerators, float32 on CPU."""
 
-    tp: int = 1
-    """vllm: tensor-parallel degree (ranks that hold one engine between them; under torchrun it must divide
-    the world size)."""
+    tp_degree: int = 1
+    """vllm, native: tensor-parallel degree, the ranks that hold one engine between them (each a slice of every
+    layer's heads and MLP); under torchrun it must divide the world size, and the world size / tp_degree groups each
+    generate their share of the prompts (single-turn rollouts only)."""
+    tp: int = 0
+    """Deprecated: the old name of tp_degree, still accepted for one release (0 = not given)."""
     gpu_memory_utilization: float = 0.5
     """vllm: fraction of accelerator memory its weights and KV cache may take (keep room for training when
     colocated in `rlx ppo`); native: the fraction of free accelerator memory its KV cache takes."""
     kv_cache_gib: float = 0.0
-    """vllm, native: KV cache size in GiB; 0 = from gpu_memory_utilization on accelerators, 1 GiB on CPU."""
+    """vllm, native: KV cache size in GiB; 0 = from gpu_memory_utilization on accelerators, 1 GiB on CPU (native with
+    tp_degree > 1: each rank's cache, holding its share of the key/value heads)."""
     max_model_len: int = 0
     """vllm: longest prompt + response it accepts; 0 = the model's max_position_embeddings."""
     weight_sync: Literal["memory", "disk"] = "memory"
@@ -141,8 +146,18 @@ class RolloutConfig(AgentConfig):
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k >= -1, "top_k", f"must be >= 0 (or -1 for off), got {self.top_k}")
         check(self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}")
-        check(self.tp >= 1, "tp", f"must be at least 1, got {self.tp}")
-        check(self.tp == 1 or self.engine == "vllm", "tp", "tensor parallel rollout needs engine 'vllm'")
+        self._take_old_tp()
+        check(self.tp_degree >= 1, "tp_degree", f"must be at least 1, got {self.tp_degree}")
+        check(
+            self.tp_degree == 1 or self.engine in ("vllm", "native"),
+            "tp_degree",
+            f"tensor parallel rollout needs engine 'vllm' or 'native', got {self.engine!r}",
+        )
+        check(
+            self.tp_degree == 1 or not self.is_multi_turn,
+            "tp_degree",
+            "tensor parallel rollout runs single-turn rollouts only (drop env/agent or set tp_degree = 1)",
+        )
         check(
             0 < self.gpu_memory_utilization <= 1,
             "gpu_memory_utilization",
@@ -156,6 +171,20 @@ class RolloutConfig(AgentConfig):
         check(self.max_prompt_length >= 0, "max_prompt_length", f"must be >= 0, got {self.max_prompt_length}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(self.sync_bucket_mib >= 1, "sync_bucket_mib", f"must be at least 1, got {self.sync_bucket_mib}")
+
+    def _take_old_tp(self) -> None:
+        """`tp` (the old name) sets tp_degree, with a one-line notice; it is then cleared."""
+        if not self.tp:
+            return
+        check(self.tp >= 1, "tp", f"must be at least 1, got {self.tp}")
+        check(
+            self.tp_degree in (1, self.tp),
+            "tp",
+            f"is the old name of tp_degree: give one of them (tp {self.tp}, tp_degree {self.tp_degree})",
+        )
+        print("rlx: rollout.tp (--tp) is now rollout.tp_degree (--tp-degree); the old name goes in the next release",
+              file=sys.stderr)  # fmt: skip
+        self.tp_degree, self.tp = self.tp, 0
 
     def sampling(self, **changes) -> SamplingParams:
         """This config's sampling settings (with `changes`, e.g. the step's seed)."""

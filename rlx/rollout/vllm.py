@@ -103,7 +103,7 @@ def _quiet() -> Iterator[None]:
 
 
 class VLLMRolloutEngine(RolloutEngine):
-    """vLLM in this process; under a launcher, ranks form groups of `cfg.tp` that share one engine."""
+    """vLLM in this process; under a launcher, ranks form groups of `cfg.tp_degree` that share one engine."""
 
     name = "vllm"
 
@@ -122,10 +122,12 @@ class VLLMRolloutEngine(RolloutEngine):
 
         super().__init__(model, tokenizer, cfg, ctx)
         world = self.ctx.world if self.ctx else 1
-        if world % cfg.tp:
-            raise UserError(f"rollout tp {cfg.tp} does not divide the {world} processes")
-        if self.ctx is None and cfg.tp > 1:
-            raise UserError(f"rollout tp {cfg.tp}: launch {cfg.tp} processes with torchrun (one per device)")
+        if world % cfg.tp_degree:
+            raise UserError(f"rollout tp_degree {cfg.tp_degree} does not divide the {world} processes")
+        if self.ctx is None and cfg.tp_degree > 1:
+            raise UserError(
+                f"rollout tp_degree {cfg.tp_degree}: launch {cfg.tp_degree} processes with torchrun (one per device)"
+            )
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         if self.device.type == "cpu" and head_dim < 32:
@@ -142,7 +144,7 @@ class VLLMRolloutEngine(RolloutEngine):
             config_file.write_text(json.dumps(written))
         kwargs = {}
         if self.ctx is not None:  # each rank runs its own engine; tp ranks form one
-            kwargs = {"distributed_executor_backend": "external_launcher", "data_parallel_size": world // cfg.tp}
+            kwargs = {"distributed_executor_backend": "external_launcher", "data_parallel_size": world // cfg.tp_degree}
         kv_gib = cfg.kv_cache_gib or (1.0 if self.device.type == "cpu" else 0.0)
         if kv_gib:
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * _GIB)
@@ -171,7 +173,7 @@ class VLLMRolloutEngine(RolloutEngine):
             skip_tokenizer_init=True,
             dtype=dtype,
             seed=0,
-            tensor_parallel_size=cfg.tp,
+            tensor_parallel_size=cfg.tp_degree,
             max_model_len=self.max_model_len,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             enable_sleep_mode=self.native_sleep and cfg.sleep is not False,
@@ -293,7 +295,8 @@ class VLLMRolloutEngine(RolloutEngine):
     def local_share(self, count: int) -> list[int]:
         """An interleaved share per tensor-parallel group (prompts of similar length spread over groups); the
         ranks of a group share one engine and the same requests."""
-        group, groups = (self.ctx.rank // self.cfg.tp, self.ctx.world // self.cfg.tp) if self.ctx else (0, 1)
+        tp = self.cfg.tp_degree
+        group, groups = (self.ctx.rank // tp, self.ctx.world // tp) if self.ctx else (0, 1)
         return list(range(group, count, groups))
 
     def generate_local(self, requests: list[Request], sampling: SamplingParams, progress: bool) -> LocalGeneration:
@@ -330,7 +333,7 @@ class VLLMRolloutEngine(RolloutEngine):
         )
 
     def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> VLLMStream:
-        if self.cfg.tp > 1:
+        if self.cfg.tp_degree > 1:
             raise UserError("multi-turn rollouts on the vllm engine need rollout tp = 1 (the tp ranks of one engine "
                             "would have to submit the same turns at the same moments)")  # fmt: skip
         if self.asleep or self.kv_asleep:

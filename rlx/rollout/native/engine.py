@@ -23,10 +23,16 @@ Everything runs through a stream (`open_stream`): `generate` submits its request
 and served agents submit each turn when its context is ready, and it joins the running batch at the next
 prefill while the others keep decoding. A turn's context begins with the sample's earlier turns, whose full
 blocks stay cached after they finish (blocks.py), so only the new tokens are prefilled.
+
+With rollout.tp_degree = K > 1 (under torchrun) K consecutive ranks run one engine: each decodes with its slice of
+every layer's heads and MLP and its key/value heads' share of the cache, the partial sums all-reduced twice a layer
+(tensor_parallel.py); the group shares one slice of the requests and, computing the same logits, samples the same
+tokens on every rank.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -35,6 +41,7 @@ from torch.profiler import record_function
 from rlx.errors import UserError
 from rlx.models.lora import is_lora_model
 from rlx.models.vision.families import is_vision_config
+from rlx.parallel.dist import TensorParallelGroup, all_reduce, shard_range, tensor_parallel_group
 from rlx.rollout.base import RolloutEngine, TokenStream, WeightSource, copy_weights
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.native.blocks import BlockManager, Sequence, Status
@@ -43,6 +50,7 @@ from rlx.rollout.native.replica import build_replica, fill_merged_replica, fill_
 from rlx.rollout.native.runner import ModelRunner
 from rlx.rollout.native.sampler import Launched, StepSampler
 from rlx.rollout.native.scheduler import Scheduler
+from rlx.rollout.native.tensor_parallel import add_row_parallel_reduce, check_splittable, rank_slice, sliced_config
 from rlx.rollout.native.vision import NativeImages
 from rlx.rollout.requests import Generated, TokenRequest
 from rlx.rollout.sampling import request_uniforms
@@ -63,14 +71,18 @@ class NativeRolloutEngine(RolloutEngine):
     takes_images = True
 
     def __init__(self, model, tokenizer, cfg, ctx, processor=None):
-        super().__init__(model.to(ctx.device), tokenizer, cfg, ctx, processor)
+        # tensor parallel: the full model stays where it is (each rank's replica takes its slice from it)
+        self.tp = _tensor_parallel(model, cfg, ctx)
+        super().__init__(model if self.tp is not None else model.to(ctx.device), tokenizer, cfg, ctx, processor)
+        self.rank_config = self.model.config if self.tp is None else sliced_config(self.model.config, self.tp.degree)
+        """The config of the decoder this rank runs (a tensor-parallel rank's: its share of the heads and MLP)."""
         self.sharded = is_sharded(self.model)
         # a LoRA policy: decode with a plain replica of the merged weights, or with the adapters (rollout.lora_rollout)
         self.merges = is_lora_model(self.model) and cfg.lora_rollout == "merged"
         # a replica in the rollout dtype (bf16 on GPUs) when the model is sharded, holds other weights (a trainer's
         # float32 master weights) or is merged: filled in place after each update, so the decode graphs keep
         # pointing at it
-        self.use_replica = self.sharded or self.merges or _param_dtype(self.model) != self.dtype
+        self.use_replica = self.tp is not None or self.sharded or self.merges or _param_dtype(self.model) != self.dtype
         if not self.use_replica and not any(p.requires_grad for p in self.model.parameters()):
             # a model nothing trains (no parameter requires grad): its q/k/v and gate/up weights become rows of merged
             # tensors (same Parameters, same values) and decode steps run one GEMM for each group (fused.py)
@@ -101,6 +113,12 @@ class NativeRolloutEngine(RolloutEngine):
             "cache_builds": self.cache_builds, "replica_fills": self.replica_fills, "cache_capped": self._capped,
             "replica_fill_s": self.replica_fill_s, "replica_gb": replica_gb,
         }  # fmt: skip
+
+    def local_share(self, count: int) -> list[int]:
+        """Tensor parallel: the ranks of a group share one slice of the requests (a contiguous slice per group)."""
+        if self.tp is None:
+            return super().local_share(count)
+        return list(shard_range(count, self.tp.index, self.tp.count))
 
     def sleep(self) -> float:
         """With rollout.sleep (off by default for this engine: its cache is sized by what the rollouts need, and
@@ -136,6 +154,13 @@ class NativeRolloutEngine(RolloutEngine):
         self._replica_fresh = False
         return time.perf_counter() - start
 
+    def close(self) -> None:
+        """Drop a tensor-parallel engine's decode graphs: while a CUDA graph holding NCCL all-reduces is alive, the
+        process group's teardown hangs (seen on two H100s; deleting the graphs first, it returns at once)."""
+        if self.tp is not None and self._runner is not None:
+            self._runner.graphs.clear()
+            self._free_runner()
+
     def _free_runner(self) -> None:
         if self._runner is not None:
             self._runner = None
@@ -150,17 +175,22 @@ class NativeRolloutEngine(RolloutEngine):
         if self._replica is None:
             adapters = is_lora_model(self.model) and not self.merges
             self._replica, self._replica_memory = build_replica(
-                self.model, self.device, self.dtype, adapters, releasable=self.releasable
-            )
+                self.model, self.device, self.dtype, adapters, releasable=self.releasable,
+                config=None if self.tp is None else self.rank_config,
+            )  # fmt: skip
+            if self.tp is not None:
+                add_row_parallel_reduce(self._replica, self.tp.group)
             self._replica_filled = False
         if self._replica_memory is not None:
             self._replica_memory.restore()  # after a sleep: new memory at the same addresses, filled below
         if not self._replica_fresh:
             start = time.perf_counter()
+            # a tensor-parallel rank keeps its slice of each parameter (gathered one at a time when sharded)
+            take = {} if self.tp is None else {"take": functools.partial(rank_slice, **self.tp.slicing())}
             if self.merges:
-                fill_merged_replica(self._replica, self.model, include_frozen=not self._replica_filled)
+                fill_merged_replica(self._replica, self.model, include_frozen=not self._replica_filled, **take)
             else:
-                fill_replica(self._replica, self.model)
+                fill_replica(self._replica, self.model, **take)
             if self.device.type == "cuda":  # the copies' (and a sharded model's gathers') device time
                 torch.cuda.synchronize(self.device)
             self.replica_fill_s = time.perf_counter() - start
@@ -179,7 +209,7 @@ class NativeRolloutEngine(RolloutEngine):
         return 1 + max(num_seqs, 1) * -(-max(max_context, 1) // self.block_size)
 
     def _budget_blocks(self) -> int:
-        per_block = ModelRunner.bytes_per_block(self.model.config, self.block_size, self.dtype)
+        per_block = ModelRunner.bytes_per_block(self.rank_config, self.block_size, self.dtype)
         if self.cfg.kv_cache_gib:
             budget = self.cfg.kv_cache_gib * _GIB
         elif self.device.type == "cuda":
@@ -192,7 +222,10 @@ class NativeRolloutEngine(RolloutEngine):
                 f"no room for a KV cache ({budget / _GIB:.2f} GiB): raise rollout.gpu_memory_utilization or "
                 f"set rollout.kv_cache_gib"
             )
-        return int(budget // per_block)
+        blocks = int(budget // per_block)
+        if self.tp is not None:  # the ranks of a group schedule alike: the same cache size on each
+            blocks = int(all_reduce(blocks, "min", group=self.tp.group, device=self.device))
+        return blocks
 
     def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> NativeStream:
         """A stream over the paged cache: the module (a sharded model's replica, gathered now on every rank) and
@@ -224,8 +257,9 @@ class NativeRolloutEngine(RolloutEngine):
         self.cache_builds += 1
         width += 1 + width // _HEADROOM  # block-table room for longer prompts next time
         self._runner = ModelRunner(
-            module, self.device, self.dtype, blocks, width, graphs, cfg.compile, cfg.paged_attention, self.releasable
-        )
+            module, self.device, self.dtype, blocks, width, graphs, cfg.compile, cfg.paged_attention, self.releasable,
+            tp_group=None if self.tp is None else self.tp.group,
+        )  # fmt: skip
         return self._runner
 
 
@@ -334,6 +368,19 @@ class NativeStream(TokenStream):
             self.sampler.collect(self.inflight)
             self.inflight = None
         self.module.train(self.was_training)
+
+
+def _tensor_parallel(model, cfg, ctx) -> TensorParallelGroup | None:
+    """This rank's tensor-parallel group for rollout.tp_degree > 1 (None otherwise), after checking the model
+    splits (a UserError naming what does not)."""
+    if cfg.tp_degree == 1:
+        return None
+    if is_vision_config(model.config):
+        raise UserError(f"tp_degree {cfg.tp_degree}: the native engine splits text models only")
+    if is_lora_model(model) and cfg.lora_rollout != "merged":
+        raise UserError(f"tp_degree {cfg.tp_degree}: a LoRA policy decodes split with lora_rollout = 'merged' only")
+    check_splittable(model.config, cfg.tp_degree)
+    return tensor_parallel_group(cfg.tp_degree, ctx)
 
 
 def _param_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -161,11 +162,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 def fused_layer_step(
     hidden: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: tuple,
-    paged, dims: tuple[int, int, int], eps: float, scale: float,
+    paged, dims: tuple[int, int, int], eps: float, scale: float, tp_group=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One decoder layer on a decode step's T tokens: (hidden [T, C], residual [T, C]; the previous layer's output
     is their sum: the embeddings and zeros for the first layer) -> (this layer's MLP output, the residual stream
-    before it). cos, sin [T, D]: the rotary positions, applied inside the attention op with the cache write."""
+    before it). cos, sin [T, D]: the rotary positions, applied inside the attention op with the cache write.
+    `tp_group`: a tensor-parallel rank's layer (its slice of the heads and MLP, tensor_parallel.py): the
+    attention and MLP outputs are summed over the group."""
     ln1, ln2, qkv_w, qkv_b, o_w, o_b, gu_w, gu_b, down_w, down_b, q_norm, k_norm = weights
     heads, kv_heads, dim = dims
     residual = residual + hidden
@@ -178,9 +181,15 @@ def fused_layer_step(
         q, k, v, paged.k_cache, paged.v_cache, paged.slot_mapping, paged.block_tables, paged.context_lens, scale,
         paged.impl, cos, sin,
     )  # fmt: skip
-    residual = residual + F.linear(attn.reshape(-1, heads * dim).to(o_w.dtype), o_w, o_b)
+    out = F.linear(attn.reshape(-1, heads * dim).to(o_w.dtype), o_w, o_b)
+    if tp_group is not None:
+        dist.all_reduce(out, group=tp_group)
+    residual = residual + out
     gate, up = F.linear(_rms_norm(residual, ln2, eps), gu_w, gu_b).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down_w, down_b), residual
+    out = F.linear(F.silu(gate) * up, down_w, down_b)
+    if tp_group is not None:
+        dist.all_reduce(out, group=tp_group)
+    return out, residual
 
 
 def fused_head_step(norm, head, hidden: torch.Tensor, residual: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -39,15 +39,16 @@ def _unsharded_class(model: torch.nn.Module) -> type:
 
 def build_replica(
     model: torch.nn.Module, device: torch.device, dtype: torch.dtype, adapters: bool = False,
-    releasable: bool = False,
+    releasable: bool = False, config=None,
 ) -> tuple[torch.nn.Module, VirtualBuffer | None]:  # fmt: skip
     """An empty unsharded model of `model`'s class and config on `device` in `dtype`, its buffers (rotary
     frequencies and the like, never sharded) copied from `model`; `fill_replica` writes the weights. With
     `adapters`, it gets `model`'s LoRA adapters too (same names and shapes, in `dtype`). With `releasable` (CUDA),
     the parameters live in one VirtualBuffer (rlx.utils.vmm), also returned: its memory can be released and
     taken back at the same addresses, so CUDA graphs reading the weights stay valid. The decoder layers' q/k/v and
-    gate/up weights are rows of merged tensors where the native engine decodes through them (fused.py)."""
-    config = copy.deepcopy(model.config)
+    gate/up weights are rows of merged tensors where the native engine decodes through them (fused.py). `config`:
+    another config of the same class (a tensor-parallel rank's slice, tensor_parallel.py) instead of `model`'s."""
+    config = copy.deepcopy(model.config if config is None else config)
     with torch.device("meta"):
         replica = _unsharded_class(model)(config)
         if adapters:
@@ -103,20 +104,27 @@ def _gathered(param: torch.Tensor, device: torch.device) -> torch.Tensor:
     ).full_tensor()
 
 
+def _whole(name: str, value: torch.Tensor) -> torch.Tensor:
+    return value
+
+
 @torch.no_grad()
-def fill_replica(replica: torch.nn.Module, model: torch.nn.Module) -> None:
+def fill_replica(replica: torch.nn.Module, model: torch.nn.Module, take=_whole) -> None:
     """Copy `model`'s current weights into `replica` (a collective: every rank of the shards' mesh calls it,
-    with the same model)."""
+    with the same model). `take(name, full value)`: the part of each gathered parameter the replica holds (a
+    tensor-parallel rank's slice); the parameters are gathered one at a time."""
     params = dict(replica.named_parameters())
     for name, param in model.named_parameters():
-        params[name].copy_(_gathered(param, params[name].device))
+        params[name].copy_(take(name, _gathered(param, params[name].device)))
 
 
 @torch.no_grad()
-def fill_merged_replica(replica: torch.nn.Module, model: torch.nn.Module, include_frozen: bool = True) -> int:
+def fill_merged_replica(
+    replica: torch.nn.Module, model: torch.nn.Module, include_frozen: bool = True, take=_whole
+) -> int:
     """Copy LoRA `model`'s weights with the adapters merged into the plain `replica` (Hugging Face names); without
     `include_frozen` only what training changes (adapted weights, a critic's head). A collective when sharded.
-    Returns the number of tensors copied."""
+    `take` as for `fill_replica`. Returns the number of tensors copied."""
     params = dict(replica.named_parameters())
     layers = {f"{name}.base_layer.weight": layer for name, layer in lora_layers(model).items()}
     trained, count = trained_parameters(model), 0
@@ -134,6 +142,6 @@ def fill_merged_replica(replica: torch.nn.Module, model: torch.nn.Module, includ
             value = _gathered(param, target.device)
         else:
             continue
-        target.copy_(value)
+        target.copy_(take(hf_name(name), value))
         count += 1
     return count

@@ -206,11 +206,14 @@ class ModelRunner:
     def __init__(
         self, model, device: torch.device, dtype: torch.dtype, blocks: BlockManager, max_blocks_per_seq: int,
         max_batch: int = 0, compile: bool = True, attention: str = "auto", releasable: bool = False,
+        tp_group=None,
     ):  # fmt: skip
         """`max_batch`: capture decode CUDA graphs up to this batch size (0: none); `compile`: torch.compile the
         layers inside them; `attention`: the paged decode kernel ('auto', 'torch', 'triton'); `releasable` (CUDA):
         the KV cache in a VirtualBuffer (rlx.utils.vmm), so `release` can hand its memory back and `restore` take it
-        again at the same addresses, the captured graphs still valid."""
+        again at the same addresses, the captured graphs still valid. `tp_group`: `model` is a tensor-parallel
+        rank's slice (tensor_parallel.py; its own layers all-reduce through hooks): the merged decode step sums its
+        attention and MLP outputs over this group too."""
         config = model.config.get_text_config()
         self.model, self.device, self.dtype, self.blocks = model, device, dtype, blocks
         self.is_mrope = is_vision_config(model.config)  # 3-D rotary positions: [1, T] expanded to [3, 1, T]
@@ -218,6 +221,7 @@ class ModelRunner:
         """The current generate call's images (a vision-language model; set by the engine per call)."""
         self.attention, self.use_compile = attention, compile
         self.max_blocks, self.max_batch = max_blocks_per_seq, max_batch
+        self.tp_args = () if tp_group is None else (tp_group,)  # the merged decode step's extra argument
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         shape = (blocks.num_blocks, blocks.block_size, kv_heads, head_dim)
@@ -297,7 +301,7 @@ class ModelRunner:
         for i, weights in enumerate(self.fused):
             hidden, residual = layer_step(
                 hidden, residual, cos, sin, weights.tensors(), ctx.for_layer(i), self.fused_dims, self.fused_eps,
-                self.fused_scale,
+                self.fused_scale, *self.tp_args,
             )  # fmt: skip
         return head_step(norm, head, hidden, residual, keep)
 
