@@ -196,3 +196,18 @@ def test_a_cuda_run_that_does_not_fit_stops_before_loading_weights(tmp_path, mon
     ) == [] or "train.gradient_checkpointing=" not in " ".join(
         command._planned(recipe, ["train.gradient_checkpointing=false"])
     )
+
+
+def test_a_resumed_run_keeps_the_memory_settings_it_started_with(tmp_path, monkeypatch):
+    """--resume does not plan again (the hardware or rlx's estimate may have changed since): the settings come from
+    the run's recipe.json, so the resumed run's recipe equals the saved one; keys the user sets still win."""
+    import rlx.commands.ppo as command
+
+    recipe = write_recipe(tmp_path, QWEN25_7B)
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = {"rollout": {"sleep": False, "kv_cache_gib": 2.0}, "train": {"gradient_checkpointing": True}}
+    (run / "recipe.json").write_text(json.dumps(saved))
+    monkeypatch.setattr(command, "_device_memory_gib", lambda: 24.0)  # would not fit: not planned again
+    overrides = command._planned(recipe, ["train.gradient_checkpointing=false"], run)
+    assert overrides == ["rollout.sleep=false", "rollout.kv_cache_gib=2.0"]

@@ -65,7 +65,8 @@ def ppo(
             return _print_plan(recipe, set_ or [], plan, gpus, gpu_memory_gib)
         device_type = resolve_device(load_recipe(recipe, set_ or []).train.device).type
         if device_type == "cuda":
-            set_ = [*(set_ or []), *_planned(recipe, set_ or [])]
+            run_dir = Path(out) if out else Path("runs") / recipe.stem
+            set_ = [*(set_ or []), *_planned(recipe, set_ or [], run_dir if resume else None)]
         cfg = load_recipe(recipe, set_ or [], device_type)
         if not print_config:
             _announce_defaults(device_type, recipe, set_ or [])
@@ -131,15 +132,18 @@ def _print_plan(recipe: Path, overrides: list[str], plan: bool, gpus: int | None
         raise UserError(f"{recipe}: {result.message}")
 
 
-def _planned(recipe: Path, overrides: list[str]) -> list[str]:
+def _planned(recipe: Path, overrides: list[str], resumed: Path | None = None) -> list[str]:
     """On CUDA: the memory plan's choices for the unset keys as --set overrides, the plan printed by rank 0; a
-    UserError before any weight is loaded when nothing fits. A recipe the plan does not cover runs as it is."""
+    UserError before any weight is loaded when nothing fits. A recipe the plan does not cover runs as it is. A run
+    resumed from `resumed` keeps the settings it started with (its recipe.json), so it resumes as it ran."""
     import os
 
     from rlx.observe.tracking import console
-    from rlx.ppo.plan import plan_overrides, plan_recipe
+    from rlx.ppo.plan import plan_overrides, plan_recipe, saved_choices
 
     tree = _recipe_tree(recipe, overrides)
+    if resumed is not None and (resumed / "recipe.json").is_file():
+        return saved_choices(resumed / "recipe.json", tree)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         result = plan_recipe(tree, recipe.parent, world, _device_memory_gib() or 0.0)

@@ -331,10 +331,10 @@ class PPORun:
             self.writer.submit(lambda: [reserve(shapes, tag) for shapes, tag in layouts])
 
     def _save_layout(self) -> str:
-        """The checkpoints' layout: checkpoint_layout, or with 'auto' under a launcher the backend's layout whose
+        """The checkpoints' layout: checkpoint_layout, or when unset under a launcher the backend's layout whose
         ranks write their own shards in parallel (not with weight_sync 'disk': the engine reloads a Hugging Face
         dir; not with [async]: its trainers are a subgroup), else the backend's own."""
-        if self.cfg.checkpoint_layout != "auto":
+        if self.cfg.checkpoint_layout is not None:
             return self.cfg.checkpoint_layout
         sharded = self.ctx.world > 1 and self.cfg.rollout.weight_sync == "memory" and self.cfg.async_ is None
         return layout_for_backend(self.backend.name, sharded=sharded).name

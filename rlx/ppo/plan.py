@@ -455,3 +455,16 @@ def plan_overrides(plan: MemoryPlan, tree: dict) -> list[str]:
             if key.startswith("train.") and _lookup(tree, critic_key) is None:
                 chosen[critic_key] = value
     return [f"{key}={_literal(value)}" for key, value in chosen.items()]
+
+
+def saved_choices(recipe_json, tree: dict) -> list[str]:
+    """A resumed run's memory settings as it started (from its recipe.json), for the keys `tree` leaves unset, as
+    `--set` overrides (the plan is not made again: a resumed run must equal the one it continues)."""
+    import json
+    from pathlib import Path
+
+    saved = json.loads(Path(recipe_json).read_text())
+    keys = [*_CHOICES, *(f"critic.{k}" for k in _CHOICES if k.startswith("train.") and "critic" in tree)]
+    return [
+        f"{k}={_literal(_lookup(saved, k))}" for k in keys if _lookup(tree, k) is None and _lookup(saved, k) is not None
+    ]
