@@ -6,6 +6,7 @@ before loading weights when nothing fits."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,16 @@ def test_a_resumed_run_keeps_the_memory_settings_it_started_with(tmp_path, monke
     monkeypatch.setattr(command, "_device_memory_gib", lambda: 24.0)  # would not fit: not planned again
     overrides = command._planned(recipe, ["train.gradient_checkpointing=false"], run)
     assert overrides == ["rollout.sleep=false", "rollout.kv_cache_gib=2.0"]
+
+
+def test_the_score_budget_shrinks_only_when_the_score_phase_is_over():
+    from rlx.ppo.plan import _fit_score
+
+    shape, work = model_shape(QWEN25_7B), Workload.from_recipe(with_fast_path(ISSUE_RECIPE))
+    huge = Settings(sleep=True, score_tokens=1 << 20)
+    fitted = _fit_score(shape, work, huge, {}, 4, H100_GIB, 1024)
+    assert 1024 <= fitted.score_tokens < huge.score_tokens
+    assert estimate(shape, work, fitted, 4, H100_GIB).phases["score"] <= usable_gib(H100_GIB)
+    assert _fit_score(shape, work, replace(huge, score_tokens=6144), {}, 4, H100_GIB, 1024).score_tokens == 6144
+    kept = _fit_score(shape, work, huge, {"score.max_tokens_per_micro_batch": 1 << 20}, 4, H100_GIB, 1024)
+    assert kept.score_tokens == 1 << 20

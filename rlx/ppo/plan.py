@@ -375,11 +375,23 @@ def _search(shape: ModelShape, work: Workload, base: Settings, user: dict, world
             settings = _fixed(user, replace(base, **rung))
             budgets = [settings.train_tokens] if "train.max_tokens_per_micro_batch" in user else None
             for tokens in budgets or _budgets(base.train_tokens, max(minimum, floor), tokens_per_rank):
-                trial = replace(settings, train_tokens=tokens)
+                trial = _fit_score(shape, work, replace(settings, train_tokens=tokens), user, world, gpu_gib, floor)
                 last = estimate(shape, work, trial, world, gpu_gib)
                 if last.peak <= usable:
                     return _plan(world, gpu_gib, True, trial, last, base, user, shape, work)
     return _plan(world, gpu_gib, False, trial, last, base, user, shape, work)
+
+
+def _fit_score(shape: ModelShape, work: Workload, settings: Settings, user: dict, world: int, gpu_gib: float,
+               floor: int) -> Settings:  # fmt: skip
+    """`settings` with the score micro-batch budget halved (not below one sample) while the score phase alone is
+    over the usable memory, unless the recipe sets it."""
+    if "score.max_tokens_per_micro_batch" in user:
+        return settings
+    usable = usable_gib(gpu_gib)
+    while settings.score_tokens > floor and estimate(shape, work, settings, world, gpu_gib).phases["score"] > usable:
+        settings = replace(settings, score_tokens=max(floor, settings.score_tokens // 2 // 1024 * 1024))
+    return settings
 
 
 def _plan(world, gpu_gib, fits, settings, est, base, user, shape, work) -> MemoryPlan:  # noqa: ANN001
