@@ -102,14 +102,19 @@ def save_dcp(out: str | Path, weights: dict, optimizer: dict | None, aux: dict[s
     barrier()  # published before any rank goes on
 
 
-_WRITER_GROUP: list = []
+_WRITER_GROUPS: dict = {}
 
 
 def _writer_group():
-    """A gloo process group for the background writes (created once, collectively, on the main thread)."""
-    if not _WRITER_GROUP:
-        _WRITER_GROUP.append(dist.new_group(backend="gloo") if dist.is_initialized() else None)
-    return _WRITER_GROUP[0]
+    """A gloo process group for the background writes, one per default group (created collectively on the main
+    thread at the first save), or None without a process group."""
+    if not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    if world not in _WRITER_GROUPS:
+        _WRITER_GROUPS.clear()  # a process group of an earlier launch in this process is gone
+        _WRITER_GROUPS[world] = dist.new_group(backend="gloo")
+    return _WRITER_GROUPS[world]
 
 
 def _host_copy(tensors: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Tensor]:
