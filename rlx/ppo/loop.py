@@ -323,8 +323,8 @@ class PPORun:
         checkpoint's step otherwise pinned them itself: 6 GB for the 0.5B bench, 1.8-4 s on an H100's host). Only the
         default layout copies the trainers' live tensors (`snapshot_state`); a backend's own layout (megatron's
         stages) writes its state otherwise, and pinned buffers would sit unused."""
-        if self._save_layout() != catalog.DEFAULT:
-            return
+        if layout_for_backend(self.backend.name).name != catalog.DEFAULT:  # (under a launcher, where the sharded
+            return  # layout is saved, `snapshot_layout` is empty: nothing is pinned ahead)
         trainers = [t for t in (self.trainer, self.critic) if t is not None]
         layouts = [x for t in trainers for x in t.snapshot_layout()]
         if layouts:
