@@ -1,7 +1,7 @@
 """rlx ppo at 0.5B-14B on 1, 2 and 4 GPUs: the memory plan against the measured peak, and step times.
 
-    python bench/scale.py --shapes 7b --gpus 4                 # the issue-34 case (4 x H100): < 8 minutes
-    python bench/scale.py --shapes 0.5b,7b,14b --gpus 1,2,4    # the whole table
+    python bench/scale.py                                      # 7B on 4, 2, 1 GPUs (4 x H100): < 8 minutes
+    python bench/scale.py --shapes 0.5b,7b,14b --deadline-s 3600 --json scale.json   # the whole table
     python bench/scale.py --small --cpu --gpus 1,2 --steps 2   # a quick check of the script, on the CPU
 
 The work per step (issue 34): a config-only model dir of the shape (random init, no download), 32 prompts of 128
@@ -14,7 +14,8 @@ Per run: first step (process start to the first metrics line), median and p90 of
 (prompt + response tokens of the median step / its seconds / GPUs), MFU per GPU of the median step (perf/mfu / GPUs),
 rank 0's peak
 device memory over the phases (metrics.jsonl), and the plan's estimated peak beside it. Each run is stopped after
---timeout-s. A compact table at the end; --json keeps everything.
+--timeout-s, and nothing runs past --deadline-s (most GPUs first: the 4-GPU run is the headline). A compact table
+at the end; --json keeps everything.
 """
 
 from __future__ import annotations
@@ -123,16 +124,16 @@ def env() -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1"}
 
 
-def run(recipe: Path, gpus: int, run_dir: Path, args) -> tuple[list[dict], list[float], str]:
+def run(recipe: Path, gpus: int, run_dir: Path, args, limit_s: float) -> tuple[list[dict], list[float], str]:
     """`rlx ppo` on `gpus` processes (torchrun; a plain process for 1), noting when each metrics line appears;
-    stopped after --timeout-s. Returns (metrics, arrival seconds, log tail)."""
+    stopped (SIGTERM) after `limit_s`. Returns (metrics, arrival seconds, log tail)."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 else []
     cmd = [sys.executable, *launcher, "-m", "rlx", "ppo", str(recipe), "--out", str(run_dir), *extra_sets(args)]
     log_path = run_dir.parent / f"{run_dir.name}.log"
     metrics_file, start, arrivals = run_dir / "metrics.jsonl", time.time(), []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env())
-        while proc.poll() is None and time.time() - start < args.timeout_s:
+        while proc.poll() is None and time.time() - start < limit_s:
             time.sleep(0.5)
             if metrics_file.exists():
                 count = sum(1 for line in metrics_file.read_text().splitlines() if line.strip())
@@ -172,13 +173,15 @@ def summarize(metrics: list[dict], arrivals: list[float], gpus: int) -> dict:
     }
 
 
-def measure(shape: str, gpus: int, work: Path, args) -> dict:
+def measure(shape: str, gpus: int, work: Path, args, deadline: float) -> dict:
     recipe = write_recipe(work, shape, args)
     row = {"shape": shape, "gpus": gpus, "plan": plan(recipe, gpus, args)}
     print(row["plan"]["text"], flush=True)
-    if not row["plan"]["fits"]:
+    left = deadline - time.time()
+    if not row["plan"]["fits"] or left < 60:
+        row["error"] = "" if not row["plan"]["fits"] else "skipped: --deadline-s reached"
         return row
-    metrics, arrivals, tail = run(recipe, gpus, work / f"run-{shape}-{gpus}", args)
+    metrics, arrivals, tail = run(recipe, gpus, work / f"run-{shape}-{gpus}", args, min(args.timeout_s, left))
     if not metrics:
         row["error"] = tail
         return row
@@ -195,7 +198,14 @@ def print_table(rows: list[dict]) -> None:
         planned = r["plan"]["peaks_gib"]
         plan_peak = max((v for k, v in planned.items() if k != "usable"), default=0.0)
         if "median_s" not in r:
-            why = "does not fit (plan)" if not r["plan"]["fits"] else "failed: " + r.get("error", "")[-200:]
+            error = r.get("error", "")
+            why = (
+                "does not fit (plan)"
+                if not r["plan"]["fits"]
+                else error
+                if error.startswith("skipped")
+                else ("failed: " + error[-200:])
+            )
             print(f"{r['shape']:<6}{r['gpus']:>5}  {why}")
             continue
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
@@ -213,6 +223,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--response-len", type=int, default=256)
     parser.add_argument("--timeout-s", type=float, default=420.0, help="stop a run after this long (SIGTERM)")
+    parser.add_argument("--deadline-s", type=float, default=470.0, help="no run starts (or goes on) past this long "
+                        "after the start; the most GPUs run first")  # fmt: skip
     parser.add_argument("--gpu-memory-gib", type=float, default=None, help="for the plan; default the GPU's")
     parser.add_argument("--set", action="append", default=[], help="extra `rlx ppo --set` overrides")
     parser.add_argument("--small", action="store_true", help="a tiny model (a check of the script)")
@@ -225,7 +237,9 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="rlx-scale-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     shapes = ["small"] if args.small else args.shapes.split(",")
-    rows = [measure(shape, int(g), work, args) for shape in shapes for g in args.gpus.split(",")]
+    deadline = time.time() + args.deadline_s
+    counts = sorted({int(g) for g in args.gpus.split(",")}, reverse=True)
+    rows = [measure(shape, gpus, work, args, deadline) for shape in shapes for gpus in counts]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     print_table(rows)

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rlx.checkpoints.registry import read_full_optimizer, read_full_weights
 from tests.conftest import REPO, torchrun
 
@@ -49,6 +51,7 @@ def run_on_two_nodes(tmp_path: Path, out: Path, *args: str) -> None:
     assert all(node.returncode == 0 for node in nodes), [log[-3000:] for log in logs]
 
 
+@pytest.mark.slow
 def test_sharded_background_checkpoints_resume_bit_exactly_and_two_nodes_equal_one(tmp_path):
     """One node of two ranks runs a step, stops and resumes for the second; two nodes of one rank run both steps at
     once. Each checkpoint holds one DCP shard file per rank (the 'fsdp' layout, written by every rank on its writer
