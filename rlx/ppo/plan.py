@@ -19,9 +19,11 @@ rlx/rollout/native/engine.py):
 Around it: torch's allocator keeps some memory it cannot hand out (fragmentation) and the CUDA context and NCCL
 buffers sit outside torch's count; both are taken off the device's memory before the estimates are compared.
 
-Calibrated against a Qwen2.5-7B-shaped model on 4 x H100 80 GB (issue 34): the fast path's settings (engine resident,
-6,144-token micro-batches, no checkpointing) ran out of memory at 74.7 GiB allocated in the first train step; with
-rollout.sleep and gradient checkpointing it ran.
+Calibrated against a Qwen2.5-7B-shaped model on 4 x H100 80 GB (issue 34; 32 prompts x 8, 128 + 256 tokens, no
+reference as in bench/grpo_step.py): the fast path's settings (engine resident, 6,144-token micro-batches, no
+checkpointing) ran out of memory at 74.7 GiB allocated in the first train step (estimated: 121 GiB); with
+rollout.sleep and gradient checkpointing it ran (estimated: 71 GiB of 72.9 usable). Not yet checked against measured
+peaks of other shapes: bench/scale.py prints the plan beside rank 0's measured peak.
 """
 
 from __future__ import annotations
