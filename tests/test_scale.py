@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlx.checkpoints.registry import read_full_optimizer, read_full_weights
-from tests.conftest import REPO, torchrun
+from tests.conftest import REPO, cli, cli_ok, torchrun
 
 RECIPE = REPO / "recipes" / "quickstart.toml"
 SMALL = ["--set", "data.prompts_per_step=6", "--set", "rollout.n=4", "--set", "save_every=1"]
@@ -71,3 +71,17 @@ def test_sharded_background_checkpoints_resume_bit_exactly_and_two_nodes_equal_o
         for key in nodes:
             assert nodes[key].equal(split[key]), key
     assert rewards(tmp_path / "nodes") == rewards(tmp_path / "split")
+
+
+def test_checkpoint_layout_in_one_process_and_a_bad_one(tmp_path):
+    """checkpoint_layout = 'fsdp' in a lone process writes the DCP folder (no process group) that resumes; an
+    unknown layout is refused naming the field."""
+    sets = ["--set", "steps=1", "--set", "checkpoint_layout='fsdp'", *SMALL]
+    cli_ok("ppo", RECIPE, "--out", tmp_path / "run", *sets)
+    folder = tmp_path / "run" / "checkpoints" / "step_000001"
+    assert sorted(p.name for p in (folder / "dcp").iterdir()) == [".metadata", "__0_0.distcp"]
+    assert read_full_weights(folder) and read_full_optimizer(folder)
+    cli_ok("ppo", RECIPE, "--out", tmp_path / "run", *sets, "--set", "steps=2", "--resume")
+    assert len(rewards(tmp_path / "run")) == 2
+    bad = cli("ppo", RECIPE, "--out", tmp_path / "bad", "--set", "checkpoint_layout='sharded'", *SMALL)
+    assert bad.exit_code == 1 and "checkpoint_layout" in bad.stderr and "single, fsdp" in bad.stderr
