@@ -72,6 +72,8 @@ def test_the_plan_picks_sleep_and_checkpointing_for_the_issue_run():
     assert plan.chosen["rollout.sleep"] is True and plan.chosen["train.gradient_checkpointing"] is True
     assert "train.param_offload" not in plan.chosen
     assert plan.chosen["rollout.kv_cache_gib"] > 0
+    episodes = {**tree, "rollout": {**tree["rollout"], "env": "envs.py:Game"}}  # contexts outgrow the prompt
+    assert "rollout.kv_cache_gib" not in plan_memory(QWEN25_7B, episodes, {"use_ref": False}, 4, H100_GIB).chosen
     assert plan.estimate.peak <= usable_gib(H100_GIB)
     assert "fits" in plan.summary() and "rollout.sleep=true" in plan.summary()
 

@@ -130,7 +130,8 @@ class Workload:
     max_prefill_tokens: int
     vllm_memory_fraction: float
     prompt_known: bool = True
-    """Whether rollout.max_prompt_length bounds the prompts (else ASSUMED_PROMPT_TOKENS is a guess)."""
+    """Whether rollout.max_prompt_length bounds every context (else ASSUMED_PROMPT_TOKENS is a guess, and the KV
+    cache is left to the engine's own sizing)."""
 
     @property
     def sample_tokens(self) -> int:
@@ -155,7 +156,8 @@ class Workload:
             has_lora="lora" in tree,
             max_prefill_tokens=int(rollout.get("max_prefill_tokens", 16384)),
             vllm_memory_fraction=float(rollout.get("gpu_memory_utilization", 0.5)),
-            prompt_known=bool(rollout.get("max_prompt_length")),
+            # an episode's context (earlier turns, tool output) can outgrow prompt + response: not bounded then
+            prompt_known=bool(rollout.get("max_prompt_length")) and not (rollout.get("env") or rollout.get("agent")),
         )
 
 
