@@ -117,9 +117,9 @@ def write_length_reward(folder: Path) -> Path:
 
 def max_diff(a: Path, b: Path) -> float:
     """The largest absolute difference between the weights of two checkpoints (any layout) with the same names."""
-    from rlx.models.loading import read_weights
+    from rlx.checkpoints.registry import read_full_weights
 
-    wa, wb = read_weights(a), read_weights(b)
+    wa, wb = read_full_weights(a), read_full_weights(b)
     assert wa.keys() == wb.keys()
     return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 

@@ -96,6 +96,12 @@ def test_a_run_folder_with_a_run_is_resumed_and_extra_args_follow(tmp_path):
     ]
 
 
+def test_the_network_interface_reaches_nccl_and_gloo(tmp_path):
+    """NET_IFNAME names the interface of both NCCL's bootstrap and the checkpoint writers' gloo group."""
+    exports, _ = dry_run(tmp_path, NET_IFNAME="ib0")
+    assert exports == "export MASTER_ADDR=node-a17 MASTER_PORT=29500 NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0"
+
+
 def test_defaults_without_scontrol_or_run_dir(tmp_path):
     exports, argv = dry_run(tmp_path, with_scontrol=False, RUN_DIR="", SLURM_GPUS_ON_NODE="")
     assert exports.startswith("export MASTER_ADDR=node-a17 ")  # first node read from the list itself

@@ -89,6 +89,8 @@ class Layout(ABC):
     """The `rlx shard` options (ShardOptions fields) this layout takes."""
     is_hf_dir: ClassVar[bool] = False
     """Whether the folder is also a loadable Hugging Face model dir (weights in model.safetensors)."""
+    writes_shards: ClassVar[bool] = False
+    """Whether every rank writes its own shards (no gather onto one rank): what `rlx ppo` saves under a launcher."""
 
     # --- metadata and options ---------------------------------------------------------------------
 

@@ -8,6 +8,12 @@ Each rank writes its own shards (no gather on one rank), and any world size can 
 reshards on load, and `read_full_*` give the unsharded tensors to a single process (for `rlx merge`,
 `rlx rollout`, or ranks that load full weights before sharding). Saving is atomic: every rank writes
 into one temporary folder that rank 0 renames after all ranks are done.
+
+In the background (`prepare_write`, what `rlx ppo` uses under a launcher): the collective part only copies each
+rank's shards to host memory (pinned buffers reused from one checkpoint to the next, rlx.utils.host_copy) and agrees
+on the temporary folder; the returned write runs on every rank's writer thread, each rank writing its own shards in
+parallel, coordinated over a gloo process group of its own so that it never meets the training's collectives.
+A nested model (a critic) lies in its own sub-folder with its own dcp/.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from rlx.checkpoints.files import write_aux
 from rlx.checkpoints.meta import CheckpointMeta
 from rlx.errors import UserError
 from rlx.parallel.dist import barrier, broadcast_object
+from rlx.utils.host_copy import snapshot, wait_copied
 from rlx.utils.io import atomic_dir, is_remote
 
 DCP_DIR = "dcp"
@@ -95,8 +102,97 @@ def save_dcp(out: str | Path, weights: dict, optimizer: dict | None, aux: dict[s
     barrier()  # published before any rank goes on
 
 
+_WRITER_GROUPS: dict = {}
+
+
+def _writer_group():
+    """A gloo process group for the background writes, one per default group (created collectively on the main
+    thread at the first save), or None without a process group."""
+    if not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    if world not in _WRITER_GROUPS:
+        _WRITER_GROUPS.clear()  # a process group of an earlier launch in this process is gone
+        _WRITER_GROUPS[world] = dist.new_group(backend="gloo")
+    return _WRITER_GROUPS[world]
+
+
+def _host_copy(tensors: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Tensor]:
+    """This rank's shards as host copies the next updates leave alone, in the same DTensor layout (DCP plans the
+    global checkpoint from it); CUDA shards are still being copied when this returns."""
+    from torch.distributed.tensor import DTensor
+
+    local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in tensors.items()}
+    copies = snapshot(local, tag)
+    return {
+        k: DTensor(copies[k], v._spec, requires_grad=False) if isinstance(v, DTensor) else copies[k]
+        for k, v in tensors.items()
+    }
+
+
+def _shards(part: CheckpointPart, out: str, name: str) -> dict:
+    """A part's DCP state dict of host copies of this rank's shards ('model', 'optim')."""
+    local = part.state.local_state()
+    if local.kind != "dtensor":
+        raise UserError(f"{out}: the fsdp layout stores FSDP shards, not '{local.kind}' state")
+    state = {"model": _host_copy(local.weights, f"fsdp/{name}/weights")}
+    if local.optimizer:
+        state["optim"] = _host_copy(local.optimizer, f"fsdp/{name}/optim")
+    return state
+
+
+def prepare_dcp_write(out: str, parts: dict[str, CheckpointPart], overwrite: bool,
+                      before_publish: Callable | None = None) -> Callable[[], None]:  # fmt: skip
+    """The collective part of an 'fsdp' save now (every rank: host copies of its shards, the temporary folder
+    agreed on); returns the write, which every rank runs (possibly on its writer thread): its own shards, then the
+    main rank's config, tokenizer and rlx.json, and the rename once every rank is done."""
+    is_main = parts[""].state.is_main
+    group = _writer_group()
+    publish = atomic_dir(out, overwrite=overwrite) if is_main else contextlib.nullcontext()
+    tmp = publish.__enter__()
+    try:
+        tmp = Path(broadcast_object(str(tmp) if is_main else None))
+        states = {name: _shards(part, out, name or "model") for name, part in parts.items()}
+    except BaseException:
+        _abandon(publish)
+        raise
+
+    def write() -> None:
+        try:
+            wait_copied()
+            for name, state in states.items():
+                folder = tmp / name if name else tmp
+                (folder / DCP_DIR).mkdir(parents=True, exist_ok=True)
+                with _quiet():
+                    dcp.save(state, checkpoint_id=str(folder / DCP_DIR), process_group=group,
+                             no_dist=group is None)  # fmt: skip
+            if group is not None:
+                dist.barrier(group=group)  # every rank's shards are on disk
+            if is_main:
+                for name, part in parts.items():
+                    folder = tmp / name if name else tmp
+                    folder.mkdir(exist_ok=True)
+                    write_aux(folder, part.aux)
+                    part.meta.write(folder)
+                if before_publish is not None:
+                    before_publish()
+        except BaseException as e:
+            publish.__exit__(type(e), e, e.__traceback__)
+            raise
+        publish.__exit__(None, None, None)
+
+    return write
+
+
+def _abandon(publish) -> None:
+    """Leave a temporary folder unpublished (an error before any file was written)."""
+    with contextlib.suppress(BaseException):
+        publish.__exit__(RuntimeError, RuntimeError("abandoned"), None)
+
+
 class FsdpLayout(Layout):
     name = "fsdp"
+    writes_shards = True
 
     def check_output(self, out: str) -> None:
         if is_remote(out):
@@ -114,12 +210,10 @@ class FsdpLayout(Layout):
     def write(
         self, out: str, parts: dict[str, CheckpointPart], overwrite: bool, before_publish: Callable | None = None
     ) -> None:
-        if set(parts) != {""}:
-            nested = ", ".join(sorted(set(parts) - {""}))
-            raise UserError(f"{out}: the fsdp layout holds one model (no nested {nested})")
-        part = parts[""]
-        local = part.state.local_state()
-        if local.kind != "dtensor":
-            raise UserError(f"{out}: the fsdp layout stores FSDP shards, not '{local.kind}' state")
-        is_main = part.state.is_main
-        save_dcp(out, local.weights, local.optimizer, part.aux, part.meta, is_main, overwrite, before_publish)
+        self.prepare_write(out, parts, overwrite, before_publish)()
+        barrier()  # published before any rank goes on
+
+    def prepare_write(
+        self, out: str, parts: dict[str, CheckpointPart], overwrite: bool, before_publish: Callable | None = None
+    ) -> Callable[[], None]:
+        return prepare_dcp_write(out, parts, overwrite, before_publish)

@@ -43,11 +43,13 @@ def get_layout(name: str, where: str = "--layout") -> Layout:
     return entry
 
 
-def layout_for_backend(backend: str) -> Layout:
-    """The layout a training backend writes when it chooses: the first registered one it trains in place, else the
-    default one (which any backend writes from its full weights)."""
-    own = (layout for layout in map(get_layout, _LAYOUTS) if layout.backend == backend)
-    return next(own, get_layout(catalog.DEFAULT))
+def layout_for_backend(backend: str, sharded: bool = False) -> Layout:
+    """The layout a training backend writes when it chooses: the first registered one it trains in place (with
+    `sharded`, under a launcher, the first of them whose every rank writes its own shards, if any), else the default
+    one (which any backend writes from its full weights)."""
+    own = [layout for layout in map(get_layout, _LAYOUTS) if layout.backend == backend]
+    parallel = [layout for layout in own if layout.writes_shards] if sharded else []
+    return next(iter(parallel + own), get_layout(catalog.DEFAULT))
 
 
 def read_meta(folder: str | Path) -> CheckpointMeta:

@@ -10,6 +10,12 @@ import typer
 from rlx.commands._common import reporting
 from rlx.errors import UserError
 
+_PLAN_HELP = (
+    "Print the memory plan (per-rank peak of each phase, the settings chosen for unset keys) for the hardware of "
+    "--gpus and --gpu-memory-gib and exit, without loading weights or touching a GPU: exit 0 when the run fits, 1 "
+    "naming what would fit when nothing does. Reads only the model's config.json."
+)
+
 
 def ppo(
     recipe: Annotated[Path, typer.Argument(help="Recipe TOML (see recipes/quickstart.toml).")],
@@ -28,6 +34,13 @@ def ppo(
         bool, typer.Option(help="Replace the run in --out (its checkpoints, steps, metrics) with a new one.")
     ] = False,
     print_config: Annotated[bool, typer.Option(help="Print the resolved recipe as JSON and exit.")] = False,
+    plan: Annotated[bool, typer.Option(help=_PLAN_HELP)] = False,
+    gpus: Annotated[
+        int | None, typer.Option(min=1, help="With --plan: GPUs (ranks); default $WORLD_SIZE, else 1.")
+    ] = None,
+    gpu_memory_gib: Annotated[
+        float | None, typer.Option(min=1.0, help="With --plan: GiB per GPU (H100 80GB: 79.1); default this GPU's.")
+    ] = None,
 ) -> None:
     """Run PPO/GRPO: rollout -> score -> train-step for `steps` iterations, writing the same artifacts
     as the separate commands (step_NNNNNN/, checkpoints/, metrics.jsonl) to the run folder.
@@ -37,27 +50,26 @@ def ppo(
     reward functions are checked before anything is written; a run folder whose start completed no step
     can be started again. One process at a time holds a run folder (RUN_DIR/.rlx-lock). SIGTERM stops after
     the current step's checkpoint (exit 143).
+
+    On CUDA the memory plan (rlx/ppo/plan.py) chooses what the recipe leaves unset among rollout.sleep,
+    train.gradient_checkpointing, the micro-batch token budgets, rollout.kv_cache_gib, train.compile and
+    train.param_offload so the run fits the GPUs, prints it, and stops before loading weights when nothing fits.
     """
     with reporting("ppo", on_interrupt="; continue the run with --resume"):
         from rlx.ppo.config import load_recipe
-        from rlx.ppo.defaults import async_defaults, fast_path_defaults
         from rlx.utils.device import resolve_device
 
         if resume and overwrite:
             raise UserError("--resume continues the run in --out and --overwrite replaces it: give one of them")
+        if plan or gpus is not None or gpu_memory_gib is not None:
+            return _print_plan(recipe, set_ or [], plan, gpus, gpu_memory_gib)
         device_type = resolve_device(load_recipe(recipe, set_ or []).train.device).type
+        if device_type == "cuda":
+            run_dir = Path(out) if out else Path("runs") / recipe.stem
+            set_ = [*(set_ or []), *_planned(recipe, set_ or [], run_dir if resume else None)]
         cfg = load_recipe(recipe, set_ or [], device_type)
-        chosen = fast_path_defaults(device_type, _recipe_tree(recipe, set_ or []), Path(recipe).parent)
-        if chosen and not print_config:
-            from rlx.observe.tracking import console
-
-            settings = ", ".join(f"{k}={v}" for k, v in chosen.items())
-            console(f"rlx ppo: fast path on {device_type} (keys the recipe leaves out): {settings}")
-        corrected = async_defaults(_recipe_tree(recipe, set_ or []))
-        if corrected and not print_config:
-            from rlx.observe.tracking import console
-
-            console('rlx ppo: [async] samples are off-policy: train.rollout_is = "token" (set it to opt out)')
+        if not print_config:
+            _announce_defaults(device_type, recipe, set_ or [])
         if print_config:
             import json
 
@@ -83,3 +95,77 @@ def _recipe_tree(recipe: Path, overrides: list[str]) -> dict:
     from rlx.config import apply_overrides, load_toml
 
     return apply_overrides(load_toml(recipe), overrides)
+
+
+def _announce_defaults(device_type: str, recipe: Path, overrides: list[str]) -> None:
+    """The fast path's keys and the asynchronous run's rollout correction, where the recipe leaves them out."""
+    from rlx.observe.tracking import console
+    from rlx.ppo.defaults import async_defaults, fast_path_defaults
+
+    tree = _recipe_tree(recipe, overrides)
+    chosen = fast_path_defaults(device_type, tree, Path(recipe).parent)
+    if chosen:
+        settings = ", ".join(f"{k}={v}" for k, v in chosen.items())
+        console(f"rlx ppo: fast path on {device_type} (keys the recipe leaves out): {settings}")
+    if async_defaults(tree):
+        console('rlx ppo: [async] samples are off-policy: train.rollout_is = "token" (set it to opt out)')
+
+
+def _print_plan(recipe: Path, overrides: list[str], plan: bool, gpus: int | None, gpu_memory_gib: float | None) -> None:
+    """`--plan`: the plan for the named hardware on stdout; exit 1 (UserError) when nothing fits."""
+    import os
+
+    if not plan:
+        raise UserError("--gpus and --gpu-memory-gib describe the hardware of --plan: add --plan")
+    from rlx.ppo.config import load_recipe
+    from rlx.ppo.plan import plan_recipe
+
+    load_recipe(recipe, overrides, "cuda")  # the recipe is valid as `rlx ppo` would run it on GPUs
+    world = gpus or int(os.environ.get("WORLD_SIZE", "1"))
+    if gpu_memory_gib is None:
+        gpu_memory_gib = _device_memory_gib()
+        if gpu_memory_gib is None:
+            raise UserError("--plan: no GPU here; name the hardware with --gpu-memory-gib (an H100 80GB: 79.1)")
+    result = plan_recipe(_recipe_tree(recipe, overrides), recipe.parent, world, gpu_memory_gib)
+    print(result.summary())
+    if not result.fits:
+        raise UserError(f"{recipe}: {result.message}")
+
+
+def _planned(recipe: Path, overrides: list[str], resumed: Path | None = None) -> list[str]:
+    """On CUDA: the memory plan's choices for the unset keys as --set overrides, the plan printed by rank 0; a
+    UserError before any weight is loaded when nothing fits. A recipe the plan does not cover runs as it is. A run
+    resumed from `resumed` keeps the settings it started with (its recipe.json), so it resumes as it ran."""
+    import os
+
+    from rlx.observe.tracking import console
+    from rlx.ppo.plan import plan_overrides, plan_recipe, saved_choices
+
+    tree = _recipe_tree(recipe, overrides)
+    if resumed is not None and (resumed / "recipe.json").is_file():
+        return saved_choices(resumed / "recipe.json", tree)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        result = plan_recipe(tree, recipe.parent, world, _device_memory_gib() or 0.0)
+    except UserError as e:
+        if os.environ.get("RANK", "0") == "0":
+            console(f"rlx ppo: no memory plan ({e})")
+        return []
+    if os.environ.get("RANK", "0") == "0":
+        console(result.summary())
+    if not result.fits:
+        raise UserError(f"{recipe}: {result.message} (see `rlx ppo --plan --help`)")
+    return plan_overrides(result, tree)
+
+
+def _device_memory_gib() -> float | None:
+    """This rank's GPU memory in GiB (its total: every rank plans alike, and a resumed run plans as it started),
+    None without CUDA. Reads the device's properties only (no CUDA context is created)."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    return torch.cuda.get_device_properties(index).total_memory / 2**30

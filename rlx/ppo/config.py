@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from rlx.checkpoints.catalog import BUILT_IN
 from rlx.config import ConfigError, apply_overrides, check, check_choices, from_dict, load_toml
 from rlx.errors import UserError
 from rlx.evaluation.evaluate import EvalConfig
@@ -135,6 +136,11 @@ class PPOConfig:
     write_mib_per_s: float = 1024.0
     """Pace of those background writes of checkpoint files in MiB/s, lifted whenever the run waits for them (the next
     checkpoint, the end): written flat out, a 6 GB checkpoint slowed the next step on an H100 by 1 s. 0: no pace."""
+    checkpoint_layout: str | None = None
+    """How the run's checkpoints lie: unset is, under a launcher (more than one rank) with rollout.weight_sync =
+    'memory', the sharded 'fsdp' layout of the fsdp backend (every rank writes its own shards in parallel, in the
+    background; `rlx merge` makes a Hugging Face dir of it), else the backend's own layout ('single' for fsdp:
+    full weights gathered on rank 0, a Hugging Face dir as it is); or a layout name ('single', 'fsdp', ...)."""
     model: ModelConfig
     """The policy."""
     sft: SFTConfig | None = None
@@ -171,6 +177,8 @@ class PPOConfig:
         check(self.save_every >= 1, "save_every", f"must be at least 1, got {self.save_every}")
         check(self.keep_checkpoints >= 0, "keep_checkpoints", f"must be >= 0, got {self.keep_checkpoints}")
         check(self.write_mib_per_s >= 0, "write_mib_per_s", f"must be >= 0 (0: no pace), got {self.write_mib_per_s}")
+        known = ", ".join(BUILT_IN)
+        check(self.checkpoint_layout in (None, *BUILT_IN), "checkpoint_layout", f"must be one of {known} (or unset)")
         check(self.rollout.seed == 0, "rollout.seed", "set the top-level 'seed' instead (step k samples with seed + k)")
         check(self.train.seed == 0, "train.seed", "set the top-level 'seed' instead")
         check(self.sft is None or bool(self.sft.data), "sft.data", "the demonstrations file is required")

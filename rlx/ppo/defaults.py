@@ -40,7 +40,7 @@ def micro_batch_token_budget(model_config: dict | None) -> int:
     return max(2048, min(_BUDGET_TOKENS, scaled // 1024 * 1024))
 
 
-def _model_config(recipe: dict, recipe_dir: Path | None) -> dict | None:
+def model_config_of(recipe: dict, recipe_dir: Path | None) -> dict | None:
     """The config.json of the recipe's model folder, when it is a local folder (GGUF files, packages and URLs: None)."""
     value = recipe.get("model", {}).get("path") if isinstance(recipe.get("model"), dict) else None
     if not isinstance(value, str) or ":" in value:
@@ -61,7 +61,7 @@ def fast_path_defaults(device_type: str, recipe: dict, recipe_dir: Path | None =
     if device_type != "cuda":
         return {}
     chosen = dict(_ALWAYS)
-    budget = micro_batch_token_budget(_model_config(recipe, recipe_dir))
+    budget = micro_batch_token_budget(model_config_of(recipe, recipe_dir))
     chosen.update({key: budget for key in chosen if key[-1] == "max_tokens_per_micro_batch"})
     if "megatron" not in recipe:
         chosen.update(_WITHOUT_MEGATRON)

@@ -323,18 +323,27 @@ class PPORun:
         checkpoint's step otherwise pinned them itself: 6 GB for the 0.5B bench, 1.8-4 s on an H100's host). Only the
         default layout copies the trainers' live tensors (`snapshot_state`); a backend's own layout (megatron's
         stages) writes its state otherwise, and pinned buffers would sit unused."""
-        if layout_for_backend(self.backend.name).name != catalog.DEFAULT:
-            return
+        if layout_for_backend(self.backend.name).name != catalog.DEFAULT:  # (under a launcher, where the sharded
+            return  # layout is saved, `snapshot_layout` is empty: nothing is pinned ahead)
         trainers = [t for t in (self.trainer, self.critic) if t is not None]
         layouts = [x for t in trainers for x in t.snapshot_layout()]
         if layouts:
             self.writer.submit(lambda: [reserve(shapes, tag) for shapes, tag in layouts])
 
+    def _save_layout(self) -> str:
+        """The checkpoints' layout: checkpoint_layout, or when unset under a launcher the backend's layout whose
+        ranks write their own shards in parallel (not with weight_sync 'disk': the engine reloads a Hugging Face
+        dir; not with [async]: its trainers are a subgroup), else the backend's own."""
+        if self.cfg.checkpoint_layout is not None:
+            return self.cfg.checkpoint_layout
+        sharded = self.ctx.world > 1 and self.cfg.rollout.weight_sync == "memory" and self.cfg.async_ is None
+        return layout_for_backend(self.backend.name, sharded=sharded).name
+
     def _prepare_save(self, step: int):
         """Gather the actor (critic nested) for the backend's layout now (every rank takes part); returns the write
         of the files, with the rotation of old checkpoints after it, for the background writer."""
         self.writer.flush()  # one checkpoint in memory at a time; a failed earlier write stops the run here
-        own_layout = layout_for_backend(self.backend.name).name
+        own_layout = self._save_layout()
         meta = CheckpointMeta(
             step=step,
             layout=trained_layout(self.trainer, own_layout),

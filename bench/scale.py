@@ -1,0 +1,249 @@
+"""rlx ppo at 0.5B-14B on 1, 2 and 4 GPUs: the memory plan against the measured peak, and step times.
+
+    python bench/scale.py                                      # 7B on 4, 2, 1 GPUs (4 x H100): < 8 minutes
+    python bench/scale.py --shapes 0.5b,7b,14b --deadline-s 3600 --json scale.json   # the whole table
+    python bench/scale.py --small --cpu --gpus 1,2 --steps 2   # a quick check of the script, on the CPU
+
+The work per step (issue 34): a config-only model dir of the shape (random init, no download), 32 prompts of 128
+tokens x 8 samples, responses of up to 256 tokens (a random model rarely stops), a length reward, no reference model,
+one optimizer step per batch; `rlx ppo` under torchrun with N processes (one process for N = 1) and a minimal recipe,
+everything else left to rlx (the fast path and the memory plan, printed at its start).
+
+For each shape and GPU count: `rlx ppo --plan` first (a shape that does not fit is reported, not run), then the run.
+Per run: first step (process start to the first metrics line), median and p90 of the later steps, tokens/s per GPU
+(prompt + response tokens of the median step / its seconds / GPUs), MFU per GPU of the median step (perf/mfu / GPUs),
+rank 0's peak
+device memory over the phases (metrics.jsonl), and the plan's estimated peak beside it. Each run is stopped after
+--timeout-s, and nothing runs past --deadline-s (most GPUs first: the 4-GPU run is the headline). A compact table
+at the end; --json keeps everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHAPES = {
+    "0.5b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=896, intermediate_size=4864,
+                 num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                 tie_word_embeddings=True),
+    "7b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=3584, intermediate_size=18944,
+               num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+               attention_bias=True, tie_word_embeddings=False),  # Qwen2.5-7B-shaped, q/k/v biases (issue 34)
+    "14b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=5120, intermediate_size=13824,
+                num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                tie_word_embeddings=False),
+    "small": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=512,
+                  tie_word_embeddings=True),
+}  # fmt: skip
+COMMON = dict(max_position_embeddings=32768, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+LENGTH_REWARD = (
+    "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return float(len(solution_str))\n"
+)
+_PLAN_PEAK = re.compile(r"rollout ([\d.]+), score ([\d.]+), train ([\d.]+) of ([\d.]+) usable")
+
+
+def write_model_dir(folder: Path, shape: str) -> Path:
+    """config.json of the shape + the character tokenizer: what `init = "random"` starts from (no weights)."""
+    from rlx.models.tiny import build_char_tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**SHAPES[shape], **COMMON, "torch_dtype": "float32"}, indent=2))
+    build_char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def write_recipe(work: Path, shape: str, args) -> Path:
+    """The minimal recipe (the issue's work) on the shape's model dir."""
+    import random
+
+    model = write_model_dir(work / f"model-{shape}", shape)
+    rng = random.Random(0)
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789+-*= "
+    count = args.num_prompts * args.steps
+    lines = [json.dumps({"id": f"p{i}", "prompt": "".join(rng.choice(alphabet) for _ in range(args.prompt_len - 1))})
+             for i in range(count)]  # fmt: skip
+    (work / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    (work / "reward.py").write_text(LENGTH_REWARD)
+    path = work / f"recipe-{shape}.toml"
+    path.write_text(f"""seed = 0
+steps = {args.steps}
+use_ref = false
+save_every = {args.steps}
+keep_checkpoints = 1
+[model]
+path = "{model}"
+init = "random"
+[data]
+prompts = "{work / "prompts.jsonl"}"
+prompts_per_step = {args.num_prompts}
+[rollout]
+n = {args.num_generations}
+max_prompt_length = {args.prompt_len}
+max_new_tokens = {args.response_len}
+temperature = 1.0
+chat_template = "off"
+[score]
+reward = "{work / "reward.py"}:score"
+[train]
+lr = 1e-6
+""")
+    return path
+
+
+def plan(recipe: Path, gpus: int, args) -> dict:
+    """`rlx ppo --plan` for this many GPUs: whether it fits, the estimated peaks, the printed block."""
+    cmd = [sys.executable, "-m", "rlx", "ppo", str(recipe), "--plan", "--gpus", str(gpus), *extra_sets(args)]
+    if args.gpu_memory_gib:
+        cmd += ["--gpu-memory-gib", str(args.gpu_memory_gib)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env())
+    found = _PLAN_PEAK.search(done.stdout)
+    peaks = dict(zip(("rollout", "score", "train", "usable"), map(float, found.groups()))) if found else {}
+    return {"fits": done.returncode == 0, "peaks_gib": peaks, "text": (done.stdout + done.stderr).strip()}
+
+
+def extra_sets(args) -> list[str]:
+    sets = list(args.set)
+    if args.cpu:
+        sets += ['train.device="cpu"', 'rollout.device="cpu"']
+    return [a for s in sets for a in ("--set", s)]
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1"}
+
+
+def run(recipe: Path, gpus: int, run_dir: Path, args, limit_s: float) -> tuple[list[dict], list[float], str]:
+    """`rlx ppo` on `gpus` processes (torchrun; a plain process for 1), noting when each metrics line appears;
+    stopped (SIGTERM) after `limit_s`. Returns (metrics, arrival seconds, log tail)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 else []
+    cmd = [sys.executable, *launcher, "-m", "rlx", "ppo", str(recipe), "--out", str(run_dir), *extra_sets(args)]
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    metrics_file, start, arrivals = run_dir / "metrics.jsonl", time.time(), []
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env())
+        while proc.poll() is None and time.time() - start < limit_s:
+            time.sleep(0.5)
+            if metrics_file.exists():
+                count = sum(1 for line in metrics_file.read_text().splitlines() if line.strip())
+                arrivals += [time.time() - start] * (count - len(arrivals))
+        if proc.poll() is None:
+            proc.terminate()  # SIGTERM: rlx stops after the step (and its checkpoint)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    arrivals += [time.time() - start] * (len(metrics) - len(arrivals))
+    return metrics, arrivals, log_path.read_text()[-2000:]
+
+
+def summarize(metrics: list[dict], arrivals: list[float], gpus: int) -> dict:
+    """Step times, tokens/s per GPU and MFU of the median later step, rank 0's peak memory."""
+    steps = [m["timing/step_s"] for m in metrics]
+    later = list(range(1, len(steps))) or [0]
+    median_index = sorted(later, key=lambda i: steps[i])[(len(later) - 1) // 2]
+    median = steps[median_index]
+    p90 = sorted(steps[i] for i in later)[min(len(later) - 1, round(0.9 * (len(later) - 1)))]
+    m = metrics[median_index]
+    tokens = m.get("rollout/tokens", 0.0) + m.get("prompt_length/mean", 0.0) * m.get("batch/num_samples", 0.0)
+    peaks = [v for row in metrics for k, v in row.items() if k.startswith("memory/") and k.endswith("device_peak_gb")]
+    return {
+        "steps": len(steps),
+        "first_step_s": arrivals[0],
+        "median_s": median,
+        "p90_s": p90,
+        "tokens_per_s_per_gpu": tokens / median / gpus if median else 0.0,
+        # perf/mfu divides the step's FLOPs (all ranks' samples) by one device's peak: per GPU, divide by the GPUs
+        "mfu": m["perf/mfu"] / gpus if m.get("perf/mfu") is not None else None,
+        "peak_gib_rank0": max(peaks, default=0.0),
+        "phases_of_median_s": {k: m.get(f"timing/{k}_s") for k in ("weight_sync", "rollout", "score", "train", "save")},
+        "final_save_s": metrics[-1].get("timing/save_s"),
+    }
+
+
+def measure(shape: str, gpus: int, work: Path, args, deadline: float) -> dict:
+    recipe = write_recipe(work, shape, args)
+    row = {"shape": shape, "gpus": gpus, "plan": plan(recipe, gpus, args)}
+    print(row["plan"]["text"], flush=True)
+    left = deadline - time.time()
+    if not row["plan"]["fits"] or left < 60:
+        row["error"] = "" if not row["plan"]["fits"] else "skipped: --deadline-s reached"
+        return row
+    metrics, arrivals, tail = run(recipe, gpus, work / f"run-{shape}-{gpus}", args, min(args.timeout_s, left))
+    if not metrics:
+        row["error"] = tail
+        return row
+    row.update(summarize(metrics, arrivals, gpus))
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (
+        f"{'shape':<6}{'gpus':>5}{'first':>8}{'median':>8}{'p90':>7}{'tok/s/gpu':>11}{'MFU':>7}{'peak':>7}{'plan':>7}"
+    )
+    print("\n" + head + "  (seconds; GiB per rank: measured on rank 0, planned)")
+    for r in rows:
+        planned = r["plan"]["peaks_gib"]
+        plan_peak = max((v for k, v in planned.items() if k != "usable"), default=0.0)
+        if "median_s" not in r:
+            error = r.get("error", "")
+            why = (
+                "does not fit (plan)"
+                if not r["plan"]["fits"]
+                else error
+                if error.startswith("skipped")
+                else ("failed: " + error[-200:])
+            )
+            print(f"{r['shape']:<6}{r['gpus']:>5}  {why}")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+        print(f"{r['shape']:<6}{r['gpus']:>5}{r['first_step_s']:>8.0f}{r['median_s']:>8.2f}{r['p90_s']:>7.2f}"
+              f"{r['tokens_per_s_per_gpu']:>11,.0f}{mfu:>7}{r['peak_gib_rank0']:>7.1f}{plan_peak:>7.1f}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="7b", help="comma-separated: 0.5b, 7b, 14b")
+    parser.add_argument("--gpus", default="1,2,4", help="comma-separated GPU counts")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--response-len", type=int, default=256)
+    parser.add_argument("--timeout-s", type=float, default=420.0, help="stop a run after this long (SIGTERM)")
+    parser.add_argument("--deadline-s", type=float, default=470.0, help="no run starts (or goes on) past this long "
+                        "after the start; the most GPUs run first")  # fmt: skip
+    parser.add_argument("--gpu-memory-gib", type=float, default=None, help="for the plan; default the GPU's")
+    parser.add_argument("--set", action="append", default=[], help="extra `rlx ppo --set` overrides")
+    parser.add_argument("--small", action="store_true", help="a tiny model (a check of the script)")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU (with --small; plan for --gpu-memory-gib)")
+    parser.add_argument("--work", type=Path, default=None, help="keep run folders and logs here")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if args.cpu and not args.gpu_memory_gib:
+        args.gpu_memory_gib = 80.0
+    work = args.work or Path(tempfile.mkdtemp(prefix="rlx-scale-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    shapes = ["small"] if args.small else args.shapes.split(",")
+    deadline = time.time() + args.deadline_s
+    counts = sorted({int(g) for g in args.gpus.split(",")}, reverse=True)
+    rows = [measure(shape, gpus, work, args, deadline) for shape in shapes for gpus in counts]
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,486 @@
+"""The memory plan of `rlx ppo` on GPUs: per-rank peak memory of each phase (rollout, score, train) estimated from
+the model's config.json, the number of GPUs, their memory and the recipe, and the settings the recipe leaves unset
+chosen so the run fits (no torch import: a pure function of numbers, so `rlx ppo --plan` runs anywhere).
+
+What a rank holds, as rlx holds it (rlx/training/trainer.py, rlx/parallel/fsdp.py, rlx/ppo/models.py,
+rlx/rollout/native/engine.py):
+- the trained model under FSDP2 mixed precision: float32 parameter shards (4 bytes per parameter / ranks), float32
+  gradient shards (4 / ranks), AdamW's two float32 moments (8 / ranks); with train.param_offload all three stay on
+  the CPU. Gradients of a mini-batch split into several micro-batches accumulate unsharded in float32 (FSDP2 with
+  reduce_dtype float32 and gradient sync off until the last micro-batch): 4 bytes per parameter, not sharded;
+- while a layer computes, its parameters gathered in bfloat16 (the next layer's prefetched), and the root's
+  (embeddings, LM head) for the whole forward and backward;
+- the reference policy (use_ref, no LoRA): a whole float32 copy on every rank (not sharded);
+- the native engine's bfloat16 replica (a whole copy) and its KV cache, sized for this rank's share of the step's
+  sequences at their longest plus 1/8; both released between rollouts with rollout.sleep;
+- activations of a train micro-batch: per token and layer about 20*hidden + 8*kv_width + 8*intermediate bytes in
+  bfloat16 (norm inputs in float32, q/k/v, attention output, the gated MLP's three intermediates); with
+  gradient checkpointing only the layer inputs (2*hidden bytes) stay, plus one layer recomputed at a time.
+Around it: torch's allocator keeps some memory it cannot hand out (fragmentation) and the CUDA context and NCCL
+buffers sit outside torch's count; both are taken off the device's memory before the estimates are compared.
+
+Calibrated against a Qwen2.5-7B-shaped model on 4 x H100 80 GB (issue 34; 32 prompts x 8, 128 + 256 tokens, no
+reference as in bench/grpo_step.py): the fast path's settings (engine resident, 6,144-token micro-batches, no
+checkpointing) ran out of memory at 74.7 GiB allocated in the first train step (estimated: 121 GiB); with
+rollout.sleep and gradient checkpointing it ran (estimated: 71 GiB of 72.9 usable). Not yet checked against measured
+peaks of other shapes: bench/scale.py prints the plan beside rank 0's measured peak.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+GIB = float(2**30)
+FRAGMENTATION = 0.06
+"""Share of the device's memory torch's caching allocator holds but cannot hand out (measured 4-8% on long runs)."""
+RESERVED_GIB = 1.5
+"""CUDA context, cuBLAS workspaces and NCCL buffers: outside torch's allocated count."""
+COMPILE_MARGIN = 0.04
+"""Share of the device's memory torch.compile's fused kernels and their workspaces may add at the peak: the plan
+turns train.compile off when the run fits only without it."""
+HEADROOM = 8
+"""The native engine's KV cache gets 1/HEADROOM more blocks than a step needs (rlx/rollout/native/engine.py)."""
+ASSUMED_PROMPT_TOKENS = 512
+"""Prompt length assumed when the recipe sets no rollout.max_prompt_length."""
+MIN_GOOD_BUDGET = 4096
+"""Micro-batches smaller than this spend more time gathering FSDP shards than computing on a 7B-class model: the
+plan prefers releasing the engine or checkpointing activations over going below it."""
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a decoder-only model's config.json."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    """Per token through the MLP (a mixture of experts: the experts it routes to, plus shared ones)."""
+    kv_width: int
+    """num_key_value_heads * head_dim."""
+    vocab: int
+    params: int
+    """Every parameter (embeddings, an untied LM head, all experts, biases and norms)."""
+    layer_params: int
+    """One decoder layer's parameters (what FSDP gathers at a time)."""
+    root_params: int
+    """Embeddings, LM head and final norm (FSDP's root, gathered for a whole forward and backward)."""
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of one token, all layers, bfloat16."""
+        return 2 * self.layers * self.kv_width * 2
+
+
+def _get(config: dict, key: str, default: Any = None) -> Any:
+    value = config.get(key, default)
+    return default if value is None else value
+
+
+def model_shape(config: dict) -> ModelShape:
+    """The shape of a config.json (a vision-language model's text config); KeyError/ValueError when it lacks one."""
+    text = config.get("text_config") or config
+    hidden, layers, vocab = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"])
+    heads = int(text["num_attention_heads"])
+    head_dim = int(_get(text, "head_dim", hidden // heads))
+    kv_width = int(_get(text, "num_key_value_heads", heads)) * head_dim
+    has_bias = text.get("model_type", config.get("model_type", "")).startswith("qwen2") or bool(
+        text.get("attention_bias")
+    )
+    attention = hidden * heads * head_dim * 2 + 2 * hidden * kv_width
+    attention += (heads * head_dim + 2 * kv_width) if has_bias else 0
+    mlp_total, mlp_active = _mlp_params(text, hidden)
+    layer_params = attention + mlp_total + 2 * hidden
+    tied = bool(_get(text, "tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    root = vocab * hidden * (1 if tied else 2) + hidden
+    active_intermediate = mlp_active // (3 * hidden)
+    return ModelShape(layers, hidden, active_intermediate, kv_width, vocab, layers * layer_params + root,
+                      layer_params, root)  # fmt: skip
+
+
+def _mlp_params(text: dict, hidden: int) -> tuple[int, int]:
+    """(parameters of one layer's MLP, parameters a token passes through): dense, or experts + router (+ shared)."""
+    experts = next((int(text[k]) for k in _MOE_KEYS if _get(text, k, 0)), 0)
+    dense = int(_get(text, "intermediate_size", 4 * hidden))
+    if not experts:
+        return 3 * hidden * dense, 3 * hidden * dense
+    width = int(_get(text, "moe_intermediate_size", dense))
+    per_token = int(_get(text, "num_experts_per_tok", 2))
+    shared = int(_get(text, "shared_expert_intermediate_size", 0))
+    total = experts * 3 * hidden * width + hidden * experts + 3 * hidden * shared
+    return total, per_token * 3 * hidden * width + 3 * hidden * shared
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the recipe asks of each step (a recipe tree after --set, with the fast path's keys filled in)."""
+
+    sequences: int
+    """Samples per step: prompts_per_step * rollout.n."""
+    prompt_tokens: int
+    response_tokens: int
+    optimizer_steps: int
+    """Optimizer steps per epoch (the batch split by train.mini_batch_size)."""
+    engine: str
+    use_ref: bool
+    has_critic: bool
+    has_lora: bool
+    max_prefill_tokens: int
+    vllm_memory_fraction: float
+    prompt_known: bool = True
+    """Whether rollout.max_prompt_length bounds every context (else ASSUMED_PROMPT_TOKENS is a guess, and the KV
+    cache is left to the engine's own sizing)."""
+
+    @property
+    def sample_tokens(self) -> int:
+        return self.prompt_tokens + self.response_tokens
+
+    @classmethod
+    def from_recipe(cls, tree: dict) -> Workload:
+        def table(name: str) -> dict:
+            return tree.get(name) if isinstance(tree.get(name), dict) else {}
+
+        rollout, train, data = table("rollout"), table("train"), table("data")
+        sequences = int(data.get("prompts_per_step", 8)) * int(rollout.get("n", 1))
+        mini = int(train.get("mini_batch_size", 0))
+        return cls(
+            sequences=sequences,
+            prompt_tokens=int(rollout.get("max_prompt_length") or ASSUMED_PROMPT_TOKENS),
+            response_tokens=int(rollout.get("max_new_tokens", 256)),
+            optimizer_steps=max(1, math.ceil(sequences / mini)) if mini else 1,
+            engine=str(rollout.get("engine", "hf")),
+            use_ref=bool(tree.get("use_ref", True)) and "lora" not in tree,
+            has_critic="critic" in tree,
+            has_lora="lora" in tree,
+            max_prefill_tokens=int(rollout.get("max_prefill_tokens", 16384)),
+            vllm_memory_fraction=float(rollout.get("gpu_memory_utilization", 0.5)),
+            # an episode's context (earlier turns, tool output) can outgrow prompt + response: not bounded then
+            prompt_known=bool(rollout.get("max_prompt_length")) and not (rollout.get("env") or rollout.get("agent")),
+        )
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The memory-relevant settings of a run (what the plan chooses among)."""
+
+    sleep: bool = False
+    gradient_checkpointing: bool = False
+    train_tokens: int = 32768
+    """train.max_tokens_per_micro_batch."""
+    score_tokens: int = 32768
+    compile: bool = False
+    param_offload: bool = False
+    kv_cache_gib: float = 0.0
+    """The native engine's KV cache; 0: what a step needs plus 1/8."""
+
+
+@dataclass
+class Estimate:
+    """Per-rank peak GiB of each phase, and the parts of the largest one."""
+
+    phases: dict[str, float]
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> float:
+        return max(self.phases.values())
+
+
+def usable_gib(gpu_memory_gib: float) -> float:
+    """What torch can allocate of a device with this much memory (fragmentation, context and NCCL taken off)."""
+    return gpu_memory_gib * (1 - FRAGMENTATION) - RESERVED_GIB
+
+
+def kv_cache_need_gib(shape: ModelShape, work: Workload, world: int) -> float:
+    """The native engine's KV cache for this rank's share of the step's sequences at their longest, plus 1/8."""
+    per_rank = math.ceil(work.sequences / world)
+    return per_rank * work.sample_tokens * shape.kv_bytes_per_token * (1 + 1 / HEADROOM) / GIB
+
+
+def _engine_gib(shape: ModelShape, work: Workload, settings: Settings, world: int, gpu_gib: float) -> float:
+    """What the rollout engine holds while it generates: its replica and KV cache."""
+    if work.engine == "vllm":
+        return work.vllm_memory_fraction * gpu_gib
+    kv = settings.kv_cache_gib or kv_cache_need_gib(shape, work, world)
+    if work.engine == "hf":  # generates with the trained module: no replica, a dynamic cache
+        return kv
+    return shape.params * 2 / GIB + kv
+
+
+def _trained_gib(shape: ModelShape, work: Workload, settings: Settings, world: int, phase: str) -> float:
+    """The trained models' parameters, gradients and AdamW state on this rank (actor, and a critic like it)."""
+    if work.has_lora:  # the frozen base in bfloat16, sharded; adapters are small
+        per_param = 2.0 / world
+    elif settings.param_offload:
+        per_param = 0.0
+    else:
+        per_param = (4 + 8 + (4 if phase == "train" else 0)) / world
+    models = 2 if work.has_critic else 1
+    return models * shape.params * per_param / GIB
+
+
+def _activation_bytes_per_token(shape: ModelShape, checkpointing: bool) -> float:
+    """Bytes a train micro-batch keeps per token for the backward (bfloat16, norms' inputs float32)."""
+    per_layer = 20 * shape.hidden + 8 * shape.kv_width + 8 * shape.intermediate
+    head = 16 * shape.hidden  # final norm, hidden-state gradients around the fused logprobs
+    if checkpointing:
+        return shape.layers * 2 * shape.hidden + per_layer + head
+    return shape.layers * per_layer + head
+
+
+def _train_gib(shape: ModelShape, work: Workload, settings: Settings, world: int) -> dict[str, float]:
+    """The train phase's transient parts: activations, gathered layers and root, accumulated gradients."""
+    tokens_per_rank = math.ceil(work.sequences / work.optimizer_steps / world) * work.sample_tokens
+    micro_batches = math.ceil(tokens_per_rank / settings.train_tokens)
+    models = 2 if work.has_critic else 1
+    accumulated = models * shape.params * 4 if micro_batches > 1 and world > 1 and not work.has_lora else 0
+    # FSDP: two layers gathered in bf16 and their fp32 gradients, the root for the whole pass; one process: autocast
+    # keeps a bfloat16 copy of every weight for the backward
+    gathered = shape.layer_params * 12 + shape.root_params * 6 if world > 1 else shape.params * 2
+    tokens = min(settings.train_tokens, tokens_per_rank)
+    activations = tokens * _activation_bytes_per_token(shape, settings.gradient_checkpointing)
+    return {
+        "activations": activations / GIB,
+        "gathered": gathered / GIB,
+        "accumulated_grads": accumulated / GIB,
+    }
+
+
+def estimate(shape: ModelShape, work: Workload, settings: Settings, world: int, gpu_gib: float) -> Estimate:
+    """Per-rank peak GiB of the rollout, score and train phases of a step with these settings."""
+    ref = shape.params * 4 / GIB if work.use_ref else 0.0
+    engine = _engine_gib(shape, work, settings, world, gpu_gib)
+    resident_engine = 0.0 if settings.sleep else engine
+    prefill = work.max_prefill_tokens * (12 * shape.hidden + 6 * shape.intermediate) / GIB
+    rollout = _trained_gib(shape, work, settings, world, "rollout") + ref + engine + prefill
+    score_tokens = settings.score_tokens
+    forward = score_tokens * (16 * shape.hidden + 8 * shape.intermediate) / GIB
+    gathered = (shape.layer_params * 4 + shape.root_params * 2) / GIB if world > 1 else 0.0
+    score = _trained_gib(shape, work, settings, world, "score") + ref + resident_engine + forward + gathered
+    train_parts = {
+        "trained_state": _trained_gib(shape, work, settings, world, "train"),
+        "reference": ref,
+        "engine": resident_engine,
+        **_train_gib(shape, work, settings, world),
+    }
+    train = sum(train_parts.values())
+    if settings.compile:
+        train += COMPILE_MARGIN * gpu_gib
+        train_parts["compile"] = COMPILE_MARGIN * gpu_gib
+    return Estimate({"rollout": rollout, "score": score, "train": train}, train_parts)
+
+
+# --- choosing the settings ------------------------------------------------------------------------------------
+
+_CHOICES = {  # dotted recipe key -> Settings field
+    "rollout.sleep": "sleep",
+    "train.gradient_checkpointing": "gradient_checkpointing",
+    "train.max_tokens_per_micro_batch": "train_tokens",
+    "score.max_tokens_per_micro_batch": "score_tokens",
+    "train.compile": "compile",
+    "train.param_offload": "param_offload",
+    "rollout.kv_cache_gib": "kv_cache_gib",
+}
+_LADDER = [  # in order of cost: the first that fits wins
+    {},
+    {"sleep": True},
+    {"sleep": True, "gradient_checkpointing": True},
+    {"sleep": True, "gradient_checkpointing": True, "compile": False},
+    {"sleep": True, "gradient_checkpointing": True, "compile": False, "param_offload": True},
+]
+
+
+@dataclass
+class MemoryPlan:
+    """The plan for one hardware: whether the run fits, the settings chosen for unset keys, the estimate."""
+
+    world: int
+    gpu_memory_gib: float
+    fits: bool
+    chosen: dict[str, Any]
+    """{dotted recipe key: value} for keys the recipe leaves unset."""
+    estimate: Estimate
+    settings: Settings
+    message: str = ""
+    """Why nothing fits and what would (empty when it fits)."""
+
+    def summary(self) -> str:
+        """One compact block: the hardware, the chosen settings, the per-phase peaks against the usable memory."""
+        phases = ", ".join(f"{name} {gib:.1f}" for name, gib in self.estimate.phases.items())
+        parts = ", ".join(f"{name} {gib:.1f}" for name, gib in self.estimate.parts.items() if gib >= 0.05)
+        settings = ", ".join(f"{k}={_literal(v)}" for k, v in self.chosen.items()) or "(nothing to change)"
+        head = f"rlx ppo: memory plan for {self.world} x {self.gpu_memory_gib:.0f} GiB"
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        return (
+            f"{head}: {verdict}; peak GiB per rank {phases} of {usable_gib(self.gpu_memory_gib):.1f} usable\n"
+            f"  train peak: {parts}\n"
+            f"  chosen (keys the recipe leaves out): {settings}" + (f"\n  {self.message}" if self.message else "")
+        )
+
+
+def _literal(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _budgets(default: int, floor: int, tokens_per_rank: int) -> list[int]:
+    """Micro-batch token budgets to try, largest first: one micro-batch per rank (no gradient accumulation) when it
+    is above the default, then the default down to `floor` in steps of 1024."""
+    step = 1024
+    top = math.ceil(tokens_per_rank / step) * step
+    down = list(range(default // step * step, floor - 1, -step)) or [floor]
+    return ([top] if top > default else []) + down
+
+
+def _fixed(user: dict[str, Any], settings: Settings) -> Settings:
+    """`settings` with the recipe's own values of the chosen keys put back."""
+    values = {_CHOICES[key]: user[key] for key in _CHOICES if key in user}
+    return replace(settings, **values)
+
+
+def plan_memory(config: dict, tree: dict, user: dict[str, Any], world: int, gpu_memory_gib: float) -> MemoryPlan:
+    """The plan for `world` GPUs of `gpu_memory_gib` each. `tree`: the recipe after --set with the fast path's keys
+    filled in; `user`: {dotted key: value} of the keys the recipe (or --set) itself gives, which the plan keeps."""
+    shape, work = model_shape(config), Workload.from_recipe(tree)
+    base = _fixed(user, _settings_of(tree))
+    plan = _search(shape, work, base, user, world, gpu_memory_gib)
+    if plan.fits:
+        return plan
+    plan.message = _what_fits(shape, work, base, user, world, gpu_memory_gib)
+    return plan
+
+
+def _settings_of(tree: dict) -> Settings:
+    tables = ("rollout", "train", "score")
+    rollout, train, score = (tree.get(k) if isinstance(tree.get(k), dict) else {} for k in tables)
+    return Settings(
+        sleep=bool(rollout.get("sleep") or rollout.get("engine") == "vllm" and rollout.get("sleep") is None),
+        gradient_checkpointing=bool(train.get("gradient_checkpointing", False)),
+        train_tokens=int(train.get("max_tokens_per_micro_batch") or 32768),
+        score_tokens=int(score.get("max_tokens_per_micro_batch") or 16384),
+        compile=bool(train.get("compile", False)),
+        param_offload=bool(train.get("param_offload", False)),
+        kv_cache_gib=float(rollout.get("kv_cache_gib", 0.0)),
+    )
+
+
+def _search(shape: ModelShape, work: Workload, base: Settings, user: dict, world: int, gpu_gib: float) -> MemoryPlan:
+    """The first rung of the ladder (then the largest micro-batch) that fits, with the recipe's own keys kept;
+    the last rung's estimate when none does."""
+    usable = usable_gib(gpu_gib)
+    tokens_per_rank = math.ceil(work.sequences / work.optimizer_steps / world) * work.sample_tokens
+    floor = math.ceil(work.sample_tokens / 1024) * 1024
+    last = None
+    for minimum in (min(MIN_GOOD_BUDGET, base.train_tokens), floor):
+        for rung in _LADDER:
+            if world == 1 and rung.get("param_offload"):  # FSDP's CPU offload needs a launcher
+                continue
+            settings = _fixed(user, replace(base, **rung))
+            budgets = [settings.train_tokens] if "train.max_tokens_per_micro_batch" in user else None
+            for tokens in budgets or _budgets(base.train_tokens, max(minimum, floor), tokens_per_rank):
+                trial = _fit_score(shape, work, replace(settings, train_tokens=tokens), user, world, gpu_gib, floor)
+                last = estimate(shape, work, trial, world, gpu_gib)
+                if last.peak <= usable:
+                    return _plan(world, gpu_gib, True, trial, last, base, user, shape, work)
+    return _plan(world, gpu_gib, False, trial, last, base, user, shape, work)
+
+
+def _fit_score(shape: ModelShape, work: Workload, settings: Settings, user: dict, world: int, gpu_gib: float,
+               floor: int) -> Settings:  # fmt: skip
+    """`settings` with the score micro-batch budget halved (not below one sample) while the score phase alone is
+    over the usable memory, unless the recipe sets it."""
+    if "score.max_tokens_per_micro_batch" in user:
+        return settings
+    usable = usable_gib(gpu_gib)
+    while settings.score_tokens > floor and estimate(shape, work, settings, world, gpu_gib).phases["score"] > usable:
+        settings = replace(settings, score_tokens=max(floor, settings.score_tokens // 2 // 1024 * 1024))
+    return settings
+
+
+def _plan(world, gpu_gib, fits, settings, est, base, user, shape, work) -> MemoryPlan:  # noqa: ANN001
+    """The MemoryPlan, the native engine's KV cache sized to what a step needs (when the recipe leaves it unset)."""
+    if work.engine == "native" and work.prompt_known and "rollout.kv_cache_gib" not in user:
+        settings = replace(settings, kv_cache_gib=math.ceil(kv_cache_need_gib(shape, work, world) * 4) / 4)
+    chosen = {}
+    for key, name in _CHOICES.items():
+        value = getattr(settings, name)
+        if key not in user and (value != getattr(base, name) or key == "rollout.kv_cache_gib" and value):
+            chosen[key] = value
+    if "rollout.sleep" not in user and "rollout.sleep" not in chosen and work.engine == "native":
+        chosen["rollout.sleep"] = settings.sleep
+    return MemoryPlan(world, gpu_gib, fits, chosen, est, settings)
+
+
+def _what_fits(shape: ModelShape, work: Workload, base: Settings, user: dict, world: int, gpu_gib: float) -> str:
+    """The sentence naming what would fit: the user's own settings left to the plan, fewer sequences, more GPUs."""
+    hints = []
+    if any(key in user for key in _CHOICES) and _search(shape, work, base, {}, world, gpu_gib).fits:
+        given = ", ".join(f"{k}={_literal(user[k])}" for k in _CHOICES if k in user)
+        hints.append(f"leave out {given} (the plan would choose)")
+    if work.use_ref and _search(shape, replace(work, use_ref=False), base, user, world, gpu_gib).fits:
+        hints.append("use_ref=false (no KL terms: the reference's whole float32 copy per rank is gone)")
+    for more in (2 * world, 4 * world, 8 * world, 16 * world):
+        if _search(shape, work, base, user, more, gpu_gib).fits:
+            hints.append(f"{more} GPUs of {gpu_gib:.0f} GiB")
+            break
+    would = "; ".join(hints) if hints else "a larger device (nothing tried fits)"
+    return f"nothing fits {world} x {gpu_gib:.0f} GiB; would fit: {would}"
+
+
+# --- from a recipe ----------------------------------------------------------------------------------------------
+
+
+def plan_recipe(tree: dict, recipe_dir, world: int, gpu_memory_gib: float) -> MemoryPlan:
+    """The plan of a recipe tree (after --set) on `world` GPUs of `gpu_memory_gib`: the fast path's keys filled in
+    as `rlx ppo` does on CUDA, the recipe's own keys kept. UserError when the model's config.json cannot be read
+    (a GGUF file, a package, a URL) or the recipe trains on megatron or asynchronously (not planned yet)."""
+    from rlx.errors import UserError
+    from rlx.ppo.defaults import apply_defaults, fast_path_defaults, model_config_of
+
+    for table in ("megatron", "async"):
+        if table in tree:
+            raise UserError(f"the memory plan does not cover a recipe with [{table}] yet")
+    config = model_config_of(tree, recipe_dir)
+    where = (tree.get("model") or {}).get("path")
+    if config is None:
+        raise UserError(f"model.path {where!r}: the memory plan needs a local model folder with config.json")
+    full = apply_defaults(tree, fast_path_defaults("cuda", tree, recipe_dir))
+    user = {key: _lookup(tree, key) for key in _CHOICES if _lookup(tree, key) is not None}
+    try:
+        return plan_memory(config, full, user, world, gpu_memory_gib)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{where}/config.json: cannot size the model for the memory plan ({e!r})") from None
+
+
+def _lookup(tree: dict, dotted: str) -> Any:
+    node = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def plan_overrides(plan: MemoryPlan, tree: dict) -> list[str]:
+    """The plan's choices as `--set` overrides (a critic trains as the actor does: its keys follow the actor's)."""
+    chosen = dict(plan.chosen)
+    if isinstance(tree.get("critic"), dict):
+        for key, value in plan.chosen.items():
+            critic_key = "critic." + key
+            if key.startswith("train.") and _lookup(tree, critic_key) is None:
+                chosen[critic_key] = value
+    return [f"{key}={_literal(value)}" for key, value in chosen.items()]
+
+
+def saved_choices(recipe_json, tree: dict) -> list[str]:
+    """A resumed run's memory settings as it started (from its recipe.json), for the keys `tree` leaves unset, as
+    `--set` overrides (the plan is not made again: a resumed run must equal the one it continues)."""
+    import json
+    from pathlib import Path
+
+    saved = json.loads(Path(recipe_json).read_text())
+    keys = [*_CHOICES, *(f"critic.{k}" for k in _CHOICES if k.startswith("train.") and "critic" in tree)]
+    return [
+        f"{k}={_literal(_lookup(saved, k))}" for k in keys if _lookup(tree, k) is None and _lookup(saved, k) is not None
+    ]

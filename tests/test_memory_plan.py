@@ -1,0 +1,229 @@
+"""The memory plan (rlx/ppo/plan.py) and `rlx ppo --plan`, on the CPU with the hardware named: parameter counts by
+shape, the 7B calibration (the fast path alone does not fit 4 x 80 GB, sleep + checkpointing does), what the plan
+picks as memory shrinks, the recipe's own keys kept, the message when nothing fits, and that `rlx ppo` on CUDA stops
+before loading weights when nothing fits."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from rlx.models.tiny import write_tiny_model_dir
+from rlx.ppo.defaults import apply_defaults, fast_path_defaults
+from rlx.ppo.plan import Settings, Workload, estimate, model_shape, plan_memory, usable_gib
+from tests.conftest import cli
+
+H100_GIB = 79.1
+QWEN25_7B = dict(  # the issue's model: a Qwen2.5-7B-shaped Llama with q/k/v biases, untied
+    model_type="llama", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+    num_key_value_heads=4, vocab_size=152064, attention_bias=True, tie_word_embeddings=False,
+)  # fmt: skip
+QWEN25_14B = dict(
+    model_type="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+    num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False,
+)  # fmt: skip
+ISSUE_RECIPE = {  # 32 prompts x 8, prompt 128 / response 256, no reference (as bench/grpo_step.py)
+    "use_ref": False,
+    "model": {"path": "model"},
+    "data": {"prompts": "prompts.jsonl", "prompts_per_step": 32},
+    "rollout": {"n": 8, "max_prompt_length": 128, "max_new_tokens": 256},
+}
+
+
+def with_fast_path(tree: dict) -> dict:
+    values = fast_path_defaults("cuda", tree)
+    values.update({k: 6144 for k in values if k.endswith("max_tokens_per_micro_batch")})  # the 7B's budget
+    return apply_defaults(tree, values)
+
+
+def test_parameter_counts_by_shape():
+    """Known models' parameter counts from their configs: Qwen2.5-7B (7.62B: GQA, q/k/v biases, untied), Qwen2.5-14B
+    (14.77B), a tied 0.5B (0.49B); experts multiply the MLP, only the routed ones count per token."""
+    assert model_shape(QWEN25_7B).params == pytest.approx(7.615e9, rel=2e-3)
+    assert model_shape(QWEN25_14B).params == pytest.approx(14.77e9, rel=3e-3)
+    qwen05 = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                  tie_word_embeddings=True)  # fmt: skip
+    assert model_shape(qwen05).params == pytest.approx(0.494e9, rel=3e-3)
+    moe = dict(QWEN25_7B, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=2048)
+    shape = model_shape(moe)
+    mlp = 3 * 3584 * 2048
+    assert shape.layer_params - model_shape(dict(QWEN25_7B, intermediate_size=0)).layer_params == 8 * mlp + 3584 * 8
+    assert shape.intermediate == 2 * 2048
+
+
+def test_the_issue_7b_fast_path_does_not_fit_and_sleep_with_checkpointing_does():
+    """Calibration (issue 34, 4 x H100 80 GB): the fast path's settings ran out of memory in the first train step,
+    rollout.sleep + gradient checkpointing ran."""
+    shape, work = model_shape(QWEN25_7B), Workload.from_recipe(with_fast_path(ISSUE_RECIPE))
+    fast = Settings(train_tokens=6144, score_tokens=6144, compile=True)
+    assert estimate(shape, work, fast, 4, H100_GIB).phases["train"] > usable_gib(H100_GIB)
+    ran = Settings(sleep=True, gradient_checkpointing=True, train_tokens=6144, score_tokens=6144, compile=True)
+    assert estimate(shape, work, ran, 4, H100_GIB).peak <= usable_gib(H100_GIB)
+
+
+def test_the_plan_picks_sleep_and_checkpointing_for_the_issue_run():
+    tree = with_fast_path(ISSUE_RECIPE)
+    plan = plan_memory(QWEN25_7B, tree, {"use_ref": False}, 4, H100_GIB)
+    assert plan.fits
+    assert plan.chosen["rollout.sleep"] is True and plan.chosen["train.gradient_checkpointing"] is True
+    assert "train.param_offload" not in plan.chosen
+    assert plan.chosen["rollout.kv_cache_gib"] > 0
+    episodes = {**tree, "rollout": {**tree["rollout"], "env": "envs.py:Game"}}  # contexts outgrow the prompt
+    assert "rollout.kv_cache_gib" not in plan_memory(QWEN25_7B, episodes, {"use_ref": False}, 4, H100_GIB).chosen
+    assert plan.estimate.peak <= usable_gib(H100_GIB)
+    assert "fits" in plan.summary() and "rollout.sleep=true" in plan.summary()
+
+
+def test_what_the_plan_picks_as_memory_shrinks():
+    """Plenty of memory: nothing changes; less: the engine sleeps, then activations are checkpointed, then compile
+    goes, then FSDP's CPU offload (under a launcher only); the settings only ever get cheaper in memory."""
+    tree = with_fast_path(ISSUE_RECIPE)
+    big = plan_memory(QWEN25_7B, tree, {}, 8, 1000.0)
+    assert big.fits and big.chosen.get("rollout.sleep") is False and "train.gradient_checkpointing" not in big.chosen
+    rungs = []
+    for gib in (1000.0, 160.0, 80.0, 60.0, 48.0):
+        plan = plan_memory(QWEN25_7B, tree, {}, 4, gib)
+        assert plan.fits, plan.summary()
+        rungs.append(sum(bool(plan.chosen.get(k)) for k in ("rollout.sleep", "train.gradient_checkpointing",
+                                                             "train.param_offload")))  # fmt: skip
+    assert rungs == sorted(rungs) and rungs[0] == 0 and rungs[-1] == 3
+    assert plan_memory(QWEN25_7B, tree, {}, 4, 48.0).chosen["train.compile"] is False
+    assert not plan_memory(QWEN25_7B, tree, {}, 1, 48.0).fits  # offload needs torchrun: not offered to one process
+
+
+def test_the_recipe_s_own_keys_are_kept_and_the_message_names_what_fits():
+    """A recipe that sets rollout.sleep = false keeps it; when nothing fits, the message names the setting to leave
+    out, the reference copy and the number of GPUs that would fit."""
+    tree = with_fast_path({**ISSUE_RECIPE, "use_ref": True, "rollout": {**ISSUE_RECIPE["rollout"], "sleep": False}})
+    tree["train"]["param_offload"] = False
+    user = {"rollout.sleep": False, "train.param_offload": False}
+    plan = plan_memory(QWEN25_7B, tree, user, 4, H100_GIB)
+    assert not plan.fits
+    assert "rollout.sleep" not in plan.chosen
+    assert "leave out rollout.sleep=false, train.param_offload=false" in plan.message
+    assert "use_ref=false" in plan.message
+    assert "GPUs of 79 GiB" in plan.message
+    assert "DOES NOT FIT" in plan.summary()
+
+
+def test_14b_needs_more_than_one_gpu():
+    tree = with_fast_path({**ISSUE_RECIPE, "model": {"path": "m"}})
+    one = plan_memory(QWEN25_14B, tree, {}, 1, H100_GIB)
+    assert not one.fits and "GPUs of 79 GiB" in one.message
+    assert plan_memory(QWEN25_14B, tree, {}, 4, H100_GIB).fits
+
+
+# --- the CLI ---------------------------------------------------------------------------------------------------
+
+
+def write_recipe(folder: Path, config: dict, **extra: str) -> Path:
+    """A recipe on a config-only model dir (init = 'random'): config.json of `config`'s shape and a tokenizer."""
+    model = write_tiny_model_dir(folder / "model")
+    merged = {k: v for k, v in json.loads((model / "config.json").read_text()).items() if k != "head_dim"}
+    merged.update(config)
+    (model / "config.json").write_text(json.dumps(merged))
+    (folder / "prompts.jsonl").write_text('{"prompt": "1+1="}\n' * 32)
+    lines = ["use_ref = false", "steps = 2", *(f"{k} = {v}" for k, v in extra.items())]
+    lines += ["[model]", 'path = "model"', 'init = "random"', "[data]", 'prompts = "prompts.jsonl"']
+    lines += ["prompts_per_step = 32", "[rollout]", "n = 8", "max_prompt_length = 128", "max_new_tokens = 256"]
+    lines += ["[score]", 'reward = "length"']
+    path = folder / "recipe.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_plan_cli_fits_and_does_not_fit(tmp_path):
+    recipe = write_recipe(tmp_path, QWEN25_7B)
+    fits = cli("ppo", recipe, "--plan", "--gpus", "4", "--gpu-memory-gib", "79.1")
+    assert fits.exit_code == 0, fits
+    assert "memory plan for 4 x 79 GiB: fits" in fits.stdout
+    assert "train.gradient_checkpointing=true" in fits.stdout
+    assert not (tmp_path / "runs").exists()
+    small = cli("ppo", recipe, "--plan", "--gpus", "1", "--gpu-memory-gib", "24")
+    assert small.exit_code == 1
+    assert "DOES NOT FIT" in small.stdout
+    error = small.stderr.strip().splitlines()[-1]
+    assert "nothing fits 1 x 24 GiB; would fit:" in error and "GPUs of 24 GiB" in error
+    kept = (
+        "--set",
+        "rollout.sleep=false",
+        "--set",
+        "train.gradient_checkpointing=false",
+        "--set",
+        "train.param_offload=false",
+    )
+    user_set = cli("ppo", recipe, "--plan", "--gpus", "4", "--gpu-memory-gib", "79.1", *kept)
+    assert user_set.exit_code == 1
+    assert "leave out rollout.sleep=false, train.gradient_checkpointing=false, train.param_offload=false" in (
+        user_set.stderr
+    )
+
+
+def test_plan_cli_bad_input(tmp_path):
+    recipe = write_recipe(tmp_path, QWEN25_7B)
+    no_plan = cli("ppo", recipe, "--gpus", "4")
+    assert no_plan.exit_code == 1 and "add --plan" in no_plan.stderr
+    import torch
+
+    if not torch.cuda.is_available():
+        no_gpu = cli("ppo", recipe, "--plan", "--gpus", "2")
+        assert no_gpu.exit_code == 1 and "--gpu-memory-gib" in no_gpu.stderr
+    (tmp_path / "model" / "config.json").write_text("{}")
+    broken = cli("ppo", recipe, "--plan", "--gpu-memory-gib", "80")
+    assert broken.exit_code == 1 and "config.json" in broken.stderr
+
+
+def test_a_cuda_run_that_does_not_fit_stops_before_loading_weights(tmp_path, monkeypatch):
+    """`rlx ppo` on a (faked) CUDA machine with too little memory: exit 1 with the plan's message, no run folder;
+    with enough, the plan's choices reach the resolved recipe (--print-config shows the recipe before the plan)."""
+    import rlx.commands.ppo as command
+
+    recipe = write_recipe(tmp_path, QWEN25_7B)
+    monkeypatch.setattr(command, "_device_memory_gib", lambda: 24.0)
+    monkeypatch.setattr("rlx.utils.device.resolve_device", lambda name: __import__("torch").device("cuda"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    result = cli("ppo", recipe, "--out", tmp_path / "run")
+    assert result.exit_code == 1, result
+    assert "nothing fits 1 x 24 GiB" in result.stderr
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(command, "_device_memory_gib", lambda: 79.1)
+    overrides = command._planned(recipe, [])
+    assert "rollout.sleep=true" in overrides and "train.gradient_checkpointing=true" in overrides
+    assert command._planned(
+        recipe, ["train.gradient_checkpointing=false"]
+    ) == [] or "train.gradient_checkpointing=" not in " ".join(
+        command._planned(recipe, ["train.gradient_checkpointing=false"])
+    )
+
+
+def test_a_resumed_run_keeps_the_memory_settings_it_started_with(tmp_path, monkeypatch):
+    """--resume does not plan again (the hardware or rlx's estimate may have changed since): the settings come from
+    the run's recipe.json, so the resumed run's recipe equals the saved one; keys the user sets still win."""
+    import rlx.commands.ppo as command
+
+    recipe = write_recipe(tmp_path, QWEN25_7B)
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = {"rollout": {"sleep": False, "kv_cache_gib": 2.0}, "train": {"gradient_checkpointing": True}}
+    (run / "recipe.json").write_text(json.dumps(saved))
+    monkeypatch.setattr(command, "_device_memory_gib", lambda: 24.0)  # would not fit: not planned again
+    overrides = command._planned(recipe, ["train.gradient_checkpointing=false"], run)
+    assert overrides == ["rollout.sleep=false", "rollout.kv_cache_gib=2.0"]
+
+
+def test_the_score_budget_shrinks_only_when_the_score_phase_is_over():
+    from rlx.ppo.plan import _fit_score
+
+    shape, work = model_shape(QWEN25_7B), Workload.from_recipe(with_fast_path(ISSUE_RECIPE))
+    huge = Settings(sleep=True, score_tokens=1 << 20)
+    fitted = _fit_score(shape, work, huge, {}, 4, H100_GIB, 1024)
+    assert 1024 <= fitted.score_tokens < huge.score_tokens
+    assert estimate(shape, work, fitted, 4, H100_GIB).phases["score"] <= usable_gib(H100_GIB)
+    assert _fit_score(shape, work, replace(huge, score_tokens=6144), {}, 4, H100_GIB, 1024).score_tokens == 6144
+    kept = _fit_score(shape, work, huge, {"score.max_tokens_per_micro_batch": 1 << 20}, 4, H100_GIB, 1024)
+    assert kept.score_tokens == 1 << 20
