@@ -21,6 +21,8 @@ _SUMMED = (
     "rollout/tokens",
     "rollout/inserted_tokens",
     "env/errors",
+    "env/timeouts",
+    "env/dropped",
     "rollout/preemptions",
     "rollout/steps_ahead",
     "rollout/prefill_tokens",
