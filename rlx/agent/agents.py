@@ -126,6 +126,7 @@ class AgentRollout:
             extra=extra,
             image_refs=last.image_refs,
             tools=last.tools,
+            tokenizer=self.tokenizer,
         )
 
 

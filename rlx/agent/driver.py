@@ -262,6 +262,7 @@ class EnvRollout:
             extra={"env_error": ep.env_error} if ep.env_error else None,
             image_refs=ep.images.refs or None,
             tools=ep.tools,
+            tokenizer=self.tokenizer,
         )
 
     def _stats(self, episodes: list[Episode], engine_stats: dict) -> dict[str, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from rlx.chat.trajectory import Trajectory
 from rlx.formats.records import MULTI_TURN_FINISH, PromptRecord, RolloutRecord
+from rlx.models.fingerprint import tokenizer_fingerprint
 
 FINISH_REASONS = MULTI_TURN_FINISH
 
@@ -26,9 +27,11 @@ def trajectory_record(
     extra: dict | None = None,
     image_refs: list[str] | None = None,
     tools: list[dict] | None = None,
+    tokenizer=None,
 ) -> RolloutRecord:
     """The record of one multi-turn sample (`extra`: more fields, e.g. env_error or segments; `image_refs`: its
-    images in token order, None without; `tools`: the tools offered to the model, None without)."""
+    images in token order, None without; `tools`: the tools offered to the model, None without; `tokenizer`: the
+    tokenizer that made the ids, whose fingerprint the record keeps)."""
     if finish_reason not in FINISH_REASONS:
         raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {finish_reason!r}")
     return RolloutRecord(
@@ -51,4 +54,5 @@ def trajectory_record(
         env_reward=float(env_reward),
         image_refs=image_refs,
         tools=tools,
+        tokenizer=tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
     )

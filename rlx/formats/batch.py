@@ -76,6 +76,9 @@ class BatchMeta:
     """Temperature the logprobs were computed at; training uses the same."""
     settings: dict = field(default_factory=dict)
     """Scoring settings (estimator, kl coefficient, reward spec ...), for provenance."""
+    tokenizer: str | None = None
+    """Fingerprint of the tokenizer that made the token ids (rlx.models.fingerprint); train-step checks it. None in
+    batches of older rlx versions (not checked)."""
 
 
 @dataclass(kw_only=True)

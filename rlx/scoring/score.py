@@ -54,6 +54,9 @@ class ScoringModels:
     """The policy's VisionProcessor (vision-language models): the rollouts' images become the forwards' inputs."""
     model_config: object | None = None
     """The policy's config (image parts given to a text-only model are an error naming the sample)."""
+    tokenizer: str | None = None
+    """The fingerprint of the policy's tokenizer (rlx.models.fingerprint), written into the batch; None takes the
+    rollouts' own."""
 
 
 @dataclass
@@ -283,6 +286,7 @@ def build_batch(
         pad_token_id=models.pad_token_id,
         temperature=temperature,
         settings=_settings(cfg),
+        tokenizer=models.tokenizer or next((r.tokenizer for r in rollouts if r.tokenizer), None),
     )
     batch = TrainBatch(
         meta=meta,

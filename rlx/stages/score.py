@@ -11,6 +11,7 @@ from rlx.checkpoints.meta import CheckpointMeta
 from rlx.checkpoints.registry import read_meta_or_default
 from rlx.errors import UserError
 from rlx.formats.records import read_rollouts
+from rlx.models.fingerprint import check_fingerprint, tokenizer_fingerprint
 from rlx.models.loading import load_config, load_tokenizer, resolve_source
 from rlx.observe.tracking import console, log_metrics
 from rlx.parallel.dist import context, setup
@@ -42,6 +43,12 @@ def write_score_outputs(out: str, batch, scores: list, store_pixels: bool) -> No
         write_jsonl(tmp, (r.to_json() for r in scores))
 
 
+def check_rollout_tokenizer(rollouts, rollouts_path: str, expected: str, actor: str) -> None:
+    """Every rollout's tokenizer fingerprint (where the line has one) is the actor's: a UserError naming both."""
+    for record in rollouts:
+        check_fingerprint(record.tokenizer, f"{rollouts_path}: sample {record.id!r}", expected, f"the actor {actor}")
+
+
 def rollout_temperature(rollouts, override: float | None, where: str) -> float:
     """The temperature logprobs are computed at: the rollouts' own (they must agree) or an override."""
     if override is not None:
@@ -67,10 +74,12 @@ def load_scoring_models(cfg: ScoreConfig, actor: str, ref: str | None, critic: s
     ctx = setup(cfg.device)
     actor_source = resolve_source(actor, "actor model")
     config = load_config(actor_source)
+    tokenizer = load_tokenizer(actor_source)
     models = ScoringModels(
         dtype=resolve_precision(cfg.precision, ctx.device),
         vocab_size=config.get_text_config().vocab_size,
-        pad_token_id=pad_token_id(load_tokenizer(actor_source)),
+        pad_token_id=pad_token_id(tokenizer),
+        tokenizer=tokenizer_fingerprint(tokenizer),
         processor=load_processor(actor_source, cfg.vision, config),
         model_config=config,
     )
@@ -112,6 +121,7 @@ def run_score(
     check_output_folder(out, ("scores.jsonl", "batch.safetensors"), overwrite)
     rollouts = read_rollouts(rollouts_path)
     models = load_scoring_models(cfg, actor, ref, critic)
+    check_rollout_tokenizer(rollouts, rollouts_path, models.tokenizer, actor)
     check_token_ids(rollouts, models.vocab_size, rollouts_path)
     result = score_rollouts(rollouts, cfg, models, rollout_temperature(rollouts, temperature, rollouts_path))
     if result.batch is None:
