@@ -280,14 +280,10 @@ def build_batch(
     except ValueError as e:
         raise UserError(f"estimator {cfg.estimator!r}: {e}") from None
     meta = BatchMeta(
-        sample_ids=[r.id for r in rollouts],
-        group_ids=group_ids,
-        vocab_size=models.vocab_size,
-        pad_token_id=models.pad_token_id,
-        temperature=temperature,
-        settings=_settings(cfg),
-        tokenizer=models.tokenizer or next((r.tokenizer for r in rollouts if r.tokenizer), None),
-    )
+        sample_ids=[r.id for r in rollouts], group_ids=group_ids, vocab_size=models.vocab_size,
+        pad_token_id=models.pad_token_id, temperature=temperature, settings=_settings(cfg),
+        tokenizer=models.tokenizer or rollouts[0].tokenizer,  # the rollouts' own where the actor's is not known
+    )  # fmt: skip
     batch = TrainBatch(
         meta=meta,
         old_logprobs=old,
