@@ -16,6 +16,7 @@ from agent_helpers import QUESTIONS, random_chat_model, token_engine
 from rlx.agent.agents import AgentRollout
 from rlx.agent.driver import EnvRollout
 from rlx.agent.environment import CallPool
+from rlx.agent.generate import generate_multi_turn
 from rlx.errors import UserError
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import RolloutConfig
@@ -181,5 +182,13 @@ def test_refused_requests_are_not_mistaken_for_an_agent_that_never_called():
 
     with pytest.raises(UserError, match="agent silent for sample q0/0: it never called its base_url"):
         finish(agent_rollout(model, silent))
+    runner = agent_rollout(model, silent, on_env_error="zero")
+    assert finish(runner) == [] and runner.last_stats["env/dropped"] == 6
+    cfg = RolloutConfig(n=3, max_new_tokens=4, agent="tests.test_hung_calls:silent_agent", on_env_error="zero")
     with pytest.raises(UserError, match="every sample failed before the model generated anything"):
-        finish(agent_rollout(model, silent, on_env_error="zero"))
+        generate_multi_turn(token_engine(*model), model[1], QUESTIONS, cfg, SAMPLING)
+
+
+def silent_agent(record, base_url):
+    """An agent that never calls its base URL."""
+    return 1.0

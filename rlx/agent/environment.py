@@ -57,13 +57,11 @@ def load_object(spec: str, option: str) -> Any:
 
 
 def report_dropped(reasons: list[str], num_samples: int) -> None:
-    """Say (on stderr) how many samples were left out for having no model turn, and why the first was; a
-    UserError when that is every sample (nothing would be left to score)."""
-    if not reasons:
-        return
-    if len(reasons) == num_samples:
-        raise UserError(f"every sample failed before the model generated anything; the first: {reasons[0]}")
-    console(f"rlx: left out {len(reasons)} of {num_samples} samples with no model turn; the first: {reasons[0]}")
+    """Say (on stderr) how many samples were left out for having no model turn, and why the first was. (Not an
+    error here even when that is every sample: under a launcher the other processes' samples may remain;
+    generate_multi_turn decides once the records are gathered.)"""
+    if reasons:
+        console(f"rlx: left out {len(reasons)} of {num_samples} samples with no model turn; the first: {reasons[0]}")
 
 
 class EnvError(Exception):
