@@ -227,9 +227,11 @@ class CallPool:
                     result, error = call(), None
                 except BaseException as e:  # handed to the waiting side, which reports it
                     result, error = None, e
-                with self._lock:
-                    call.returned = True
-                    retire = isinstance(call, _Call) and call.abandoned
+                retire = False
+                if isinstance(call, _Call):  # (`submit` also takes plain callables, never abandoned)
+                    with self._lock:
+                        call.returned = True
+                        retire = call.abandoned
                 if error is None:
                     future.set_result(result)
                 else:
