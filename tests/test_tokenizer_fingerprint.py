@@ -14,9 +14,9 @@ from tests.conftest import cli, cli_ok, read_jsonl, rollout_args, write_jsonl
 
 @pytest.fixture(scope="module")
 def other_ckpt(tmp_path_factory):
-    """A tiny model whose tokenizer maps the same characters to other ids (and has one more)."""
+    """A tiny model whose tokenizer maps the same characters to other ids (the same vocabulary size)."""
     folder = tmp_path_factory.mktemp("other")
-    write_tiny_model_dir(folder / "model", chars=ARITH_CHARS[::-1] + "~")
+    write_tiny_model_dir(folder / "model", chars=ARITH_CHARS[::-1])
     cli_ok("shard", "--model", folder / "model", "--init", "random", "--out", folder / "ckpt")
     return folder / "ckpt"
 
