@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import click
 import pytest
 import typer
 
 from rlx.cli import app
-from tests.conftest import cli
+from tests.conftest import REPO, cli
 
 COMMANDS = ["shard", "sft", "rollout", "score", "train-step", "merge", "eval", "ppo", "report"]
 
@@ -77,3 +79,33 @@ def test_help_shows_defaults(name, option, default):
     text = " ".join(cli(name, "--help").stdout.split("Options:")[1].split()).replace("- ", "-")
     start = re.search(re.escape(option) + "[ ,]", text).start()
     assert f"[default: {default}]" in text[start : start + 400]
+
+
+OLDEST_CLI = Path(sys.prefix) / "oldest-cli"
+"""typer and click at pyproject's floors (`make setup-test` installs them there with pip --target)."""
+
+_UNDER_OLDEST = """
+import importlib.metadata, sys, click, typer.main
+from typer.testing import CliRunner
+from rlx.cli import app
+print(typer.__version__, importlib.metadata.version("click"))
+group = typer.main.get_command(app)
+for name, command in group.commands.items():
+    result = CliRunner().invoke(app, [name, "--help"])
+    assert result.exit_code == 0 and "Usage:" in result.output, (name, result.output)
+    for param in command.params:
+        assert all(o == o.lower() for o in param.opts if o.startswith("--")), (name, param.opts)
+result = CliRunner().invoke(app, ["shard", "--model", sys.argv[1], "--out", sys.argv[2], "--dtype", "bfloat16"])
+assert "No such option" not in result.output and "model not found" in result.output, result.output
+"""
+
+
+@pytest.mark.skipif(not OLDEST_CLI.is_dir(), reason="no typer/click at the floors (make setup-test installs them)")
+def test_every_command_parses_under_the_oldest_supported_typer_and_click(tmp_path):
+    """typer 0.27 under click 8.5 named an option after a metavar spelling its name in capitals (--DTYPE)."""
+    env = {**os.environ, "PYTHONPATH": f"{OLDEST_CLI}{os.pathsep}{REPO}"}
+    args = [sys.executable, "-c", _UNDER_OLDEST, str(tmp_path / "missing"), str(tmp_path / "out")]
+    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    floors = re.findall(r'"(typer|click)>=([\d.]+)"', (REPO / "pyproject.toml").read_text())
+    assert out.stdout.split() == [version for _, version in sorted(floors, reverse=True)]  # typer, click

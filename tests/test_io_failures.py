@@ -210,3 +210,67 @@ def test_temporary_names_carry_host_and_pid(tmp_path):
         owner = files._temp_owner(tmp.name)
         assert owner == (socket.gethostname().replace("-", "_"), os.getpid())
     assert files._temp_owner(".notes.tmp") is None and files._temp_owner("x.rlx-h-1-a.tmp") is None
+
+
+def _limit_file_size(limit: int):
+    """preexec_fn: every file the command writes may grow to `limit` bytes (RLIMIT_FSIZE; Python ignores SIGXFSZ,
+    so a write past it fails with EFBIG, as a full disk fails with ENOSPC)."""
+    import resource
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_a_file_size_limit_is_one_line_for_every_tensor_writer(tmp_path, tiny_ckpt, prompts_file):
+    """safetensors reports EFBIG as its own SafetensorError (not an OSError): merge, train-step, shard and score
+    still end with one line and exit 1, and leave no output (nor a temporary) behind."""
+    rollouts = tmp_path / "r.jsonl"
+    cli_ok(*rollout_args(tiny_ckpt, prompts_file, rollouts))
+    cli_ok("score", "--rollouts", rollouts, "--actor", tiny_ckpt, "--reward", "arith", "--out", tmp_path / "s")
+    batch = tmp_path / "s" / "batch.safetensors"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    for name, args in {
+        "merge": ["merge", "--checkpoint", tiny_ckpt],
+        "train-step": ["train-step", "--checkpoint", tiny_ckpt, "--batch", batch],
+        "shard": ["shard", "--model", tiny_ckpt],
+        "score": ["score", "--rollouts", rollouts, "--actor", tiny_ckpt, "--reward", "arith"],
+    }.items():
+        out_dir = tmp_path / f"limited-{name}"
+        out_dir.mkdir()
+        command = [sys.executable, "-m", "rlx", *map(str, args), "--out", str(out_dir / "out")]
+        done = subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=300, preexec_fn=_limit_file_size(2048)
+        )
+        assert done.returncode == 1, (name, done.stderr[-3000:])
+        lines = [line for line in done.stderr.splitlines() if line.startswith(f"rlx {name}: error:")]
+        assert len(lines) == 1 and "file too large" in lines[0] and "Traceback" not in done.stderr, done.stderr
+        left = [p for p in out_dir.rglob("*") if not p.is_dir()]  # score's --out folder may stay, empty
+        assert left == [], (name, left)
+
+
+def test_score_writes_both_outputs_or_neither(tmp_path, tiny_ckpt, prompts_file, monkeypatch):
+    """scores.jsonl fails after batch.safetensors was written whole: neither appears, and an earlier pair stays."""
+    rollouts = tmp_path / "r.jsonl"
+    cli_ok(*rollout_args(tiny_ckpt, prompts_file, rollouts))
+    out = tmp_path / "s"
+    score = ["score", "--rollouts", rollouts, "--actor", tiny_ckpt, "--reward", "arith", "--out", out]
+    real = io.dumps_line
+
+    def full_disk(record):
+        if "reward" in record:  # a scores.jsonl line: the batch is already written
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "scores.jsonl")
+        return real(record)
+
+    monkeypatch.setattr(io, "dumps_line", full_disk)
+    result = cli(*score)
+    assert result.exit_code == 1 and "no space left on device" in result.stderr, result
+    assert list(out.iterdir()) == []  # no batch.safetensors without its scores.jsonl, no temporaries
+    monkeypatch.setattr(io, "dumps_line", real)
+    cli_ok(*score)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["batch.safetensors", "scores.jsonl"]
+    monkeypatch.setattr(io, "dumps_line", full_disk)
+    result = cli(*score, "--overwrite", "--kl-coef", "0.5")
+    assert result.exit_code == 1 and {p.name: p.read_bytes() for p in out.iterdir()} == before

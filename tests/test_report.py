@@ -110,3 +110,31 @@ def test_report_on_a_real_ppo_run(tmp_path):
     rewards = [json.loads(line)["reward/mean"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert "- status: finished (3 of 3 steps)" in summary
     assert f"-> {sum(rewards) / 3:.4f} (last 3 steps)" in summary
+
+
+def test_every_plot_labels_its_y_axis_and_a_bounded_reward_band_stays_in_bounds():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from rlx.stages.report import PLOTS, band, build_figure
+
+    every_key = {key for spec in PLOTS for key in spec.keys}
+    steps = {s: {key: 0.5 for key in every_key} for s in (1, 2, 3)}
+    for s, mean in ((1, 0.9), (2, 0.1), (3, 0.5)):  # a 0/1 reward: mean ± std would leave [0, 1]
+        steps[s].update({"reward/mean": mean, "reward/std": 0.45, "reward/min": 0.0, "reward/max": 1.0})
+    for spec in PLOTS:
+        fig = build_figure(plt, spec, steps)
+        try:
+            assert fig.axes[0].get_ylabel(), spec.name
+            if spec.name == "reward":
+                (shaded,) = fig.axes[0].collections
+                ys = shaded.get_paths()[0].vertices[:, 1]
+                assert ys.min() == 0.0 and ys.max() == 1.0
+        finally:
+            plt.close(fig)
+    xs, lower, upper = band(steps, "reward/mean", "reward/std", ("reward/min", "reward/max"))
+    assert xs == [1, 2, 3] and lower == pytest.approx([0.45, 0.0, 0.05]) and upper == pytest.approx([1.0, 0.55, 0.95])
+    del steps[2]["reward/min"], steps[2]["reward/max"]  # no bounds recorded: the plain band
+    assert band(steps, "reward/mean", "reward/std", ("reward/min", "reward/max"))[1][1] == pytest.approx(-0.35)

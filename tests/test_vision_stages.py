@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from rlx.errors import UserError
 from rlx.formats.records import PromptRecord
 from rlx.models.loading import read_weights, resolve_source
 from rlx.models.vision.families import FAMILIES
@@ -276,7 +277,8 @@ def test_missing_processor_kimi_and_changed_images(vlm, tmp_path):
     shutil.copytree(vlm["ckpt"], no_processor)
     (no_processor / "preprocessor_config.json").unlink()
     message = error_of("rollout", "--model", no_processor, "--prompts", vlm["prompts"], "--out", tmp_path / "r.jsonl")
-    assert f"{no_processor}: no preprocessor_config.json: the Qwen2-VL image processor is missing" in message
+    assert f"{no_processor}: no preprocessor_config.json (nor a processor_config.json" in message
+    assert "the Qwen2-VL image processor is missing" in message
     kimi = tmp_path / "kimi"
     kimi.mkdir()
     config = {"model_type": "kimi_vl", "architectures": ["KimiVLForConditionalGeneration"]}
@@ -353,3 +355,58 @@ def test_recipe_data_matches_the_generator(tmp_path):
     write_shapes(out, pairs, embed=True)
     assert read_jsonl(out) == shipped
     assert shipped[0]["prompt"][0]["content"][0]["image"] == data_uri(pairs[0][1])
+
+
+def save_like_transformers_processor(processor, out: Path) -> None:
+    """What `Qwen2VLProcessor.save_pretrained` of transformers 5.17 writes: processor_config.json with the image
+    (and video) processor nested inside, chat_template.jinja and the tokenizer files; no preprocessor_config.json.
+    Its video processor needs torchvision, which this environment lacks: the class saves without one here and the
+    video settings it would nest are added as transformers writes them."""
+    from transformers import Qwen2VLProcessor
+
+    class WithoutVideo(Qwen2VLProcessor):
+        @classmethod
+        def get_attributes(cls):
+            return ["image_processor", "tokenizer"]
+
+        def check_argument_for_proper_class(self, name, arg):
+            if arg is not None:
+                super().check_argument_for_proper_class(name, arg)
+
+    WithoutVideo.__name__ = "Qwen2VLProcessor"
+    hf = WithoutVideo(
+        processor.image_processor, processor.tokenizer, None, chat_template=processor.tokenizer.chat_template
+    )
+    hf.save_pretrained(out)
+    settings = json.loads((out / "processor_config.json").read_text())
+    settings["video_processor"] = {"video_processor_type": "Qwen2VLVideoProcessor", "merge_size": 2, "patch_size": 4}
+    (out / "processor_config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+
+def test_a_processor_saved_by_transformers_is_read_and_round_trips(tmp_path):
+    """A Qwen2-VL dir whose processor files are what transformers 5.17 writes: rlx reads its image processor, and
+    shard then merge give the processor and tokenizer files back byte for byte. (Its weights are rlx's: shard
+    --init random. transformers 5.17 saves Qwen2-VL weights under their legacy names, which rlx does not map.)"""
+    from rlx.models.vision.processor import load_vision_processor
+    from rlx.models.vision.tiny import tiny_vision_config, tiny_vision_processor
+
+    processor = tiny_vision_processor("qwen2_vl")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    tiny_vision_config("qwen2_vl", processor.tokenizer).save_pretrained(hf)
+    save_like_transformers_processor(processor, hf)
+    assert not (hf / "preprocessor_config.json").exists()
+    prompt = chat(image_part(16, 24, 0), "what is it?")
+    expected = processor.encode(prompt, prompt_id="p")
+    cli_ok("shard", "--model", hf, "--init", "random", "--out", tmp_path / "ckpt")
+    cli_ok("merge", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "merged")
+    merged = tmp_path / "merged"
+    for path in hf.iterdir():
+        assert (merged / path.name).read_bytes() == path.read_bytes(), path.name
+    for folder in (hf, tmp_path / "ckpt", merged):
+        encoded = load_vision_processor(folder).encode(prompt, prompt_id="p")
+        assert encoded.input_ids == expected.input_ids
+        assert torch.equal(encoded.vision.pixel_values, expected.vision.pixel_values)
+    (hf / "processor_config.json").write_text('{"processor_class": "Qwen2VLProcessor"}')  # nothing nested: refused
+    with pytest.raises(UserError, match="no preprocessor_config.json \\(nor a processor_config.json"):
+        load_vision_processor(hf)

@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable
 
-from rlx.agent.environment import CallPool, EnvError, load_object
+from rlx.agent.environment import CallPool, EnvError, load_object, report_dropped
 from rlx.chat.records import trajectory_record
 from rlx.errors import UserError
 from rlx.formats.records import PromptRecord, RolloutRecord
@@ -43,7 +43,9 @@ class AgentRollout:
         self.last_stats: dict[str, float] = {}
 
     def generate(self, prompts: list[PromptRecord]) -> list[RolloutRecord]:
-        """`sampling.n` agent runs per prompt, in prompt order then sample order."""
+        """`sampling.n` agent runs per prompt, in prompt order then sample order. Under --on-env-error zero, a
+        sample whose agent made no request that generated (it never called, every request was refused, or it
+        failed first) has no model token to train on: it is left out, counted in env/errors and env/dropped."""
         began = time.perf_counter()
         samples = [(p, i) for p in prompts for i in range(self.sampling.n)]
         backend = StreamBackend(self.engine, self.sampling, self.cfg.max_total_tokens, max(len(samples), 1))
@@ -63,18 +65,38 @@ class AgentRollout:
             pool.close()
             server.close()
             backend.close()
-        records, errors = [], 0
+        records, errors, dropped = [], 0, []
         for (prompt, index), outcome in zip(samples, outcomes):
             session = server.sessions.get(f"{prompt.id}/{index}")
             if outcome.error and self.cfg.on_env_error == "raise":
                 raise UserError(f"{outcome.error} (--on-env-error zero scores such samples 0 instead)")
-            if session is None or not session.segments:
-                raise UserError(f"agent {self.name} for sample {prompt.id}/{index}: it never called its base_url")
+            if session is None or not session.segments:  # nothing was generated for it
+                dropped.append(self._no_trajectory(server, f"{prompt.id}/{index}", outcome.error))
+                continue
             errors += outcome.error is not None
             with session.lock:  # a timed-out agent's last request may still be finishing
                 records.append(self._record(prompt, index, session, outcome.value, outcome.error))
-        self.last_stats = {**_stats(records, errors, backend), "timing/generate_s": time.perf_counter() - began}
+        report_dropped(dropped, len(samples))
+        self.last_stats = {
+            **_stats(records, errors + len(dropped), backend),
+            "env/timeouts": float(pool.num_timeouts),
+            "env/dropped": float(len(dropped)),
+            "timing/generate_s": time.perf_counter() - began,
+        }
         return records
+
+    def _no_trajectory(self, server: AgentServer, sample_id: str, error: str | None) -> str:
+        """Why sample `sample_id` has no trajectory (its agent's error, or what became of its requests); a
+        UserError unless --on-env-error zero (or the agent failed, which 'raise' has reported already)."""
+        num_calls = server.num_calls(sample_id)
+        if num_calls == 0:
+            why = "it never called its base_url"
+        else:
+            why = f"every one of its {num_calls} request(s) to its base_url was refused (see the agent's errors)"
+        reason = f"agent {self.name} for sample {sample_id}: {why}"
+        if error is None and self.cfg.on_env_error == "raise":
+            raise UserError(reason + " (--on-env-error zero leaves such samples out instead)")
+        return error or reason
 
     def _call(self, server: AgentServer, prompt: PromptRecord, index: int) -> Callable[[], float]:
         base_url = server.base_url(f"{prompt.id}/{index}")
@@ -109,6 +131,8 @@ class AgentRollout:
             env_reward=0.0 if error else reward,
             extra=extra,
             image_refs=last.image_refs,
+            tools=last.tools,
+            tokenizer=self.tokenizer,
         )
 
 

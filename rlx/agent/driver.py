@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 
-from rlx.agent.environment import CallPool, Environment, EnvironmentFactory, Outcome
+from rlx.agent.environment import CallPool, Environment, EnvironmentFactory, Outcome, report_dropped
 from rlx.chat.images import EpisodeImages, ImageCache, why_no_images
 from rlx.chat.records import FINISH_REASONS, trajectory_record
 from rlx.chat.tool_calls import ParsedTurn, get_tool_call_parser, tool_error_messages
@@ -55,6 +55,8 @@ class Episode:
     env_error: str | None = None
     last_turn_ids: list[int] = field(default_factory=list)
     last_turn_text: str = ""
+    tools: list[dict] | None = None
+    """The tools the environment offered (its `tools` after reset())."""
 
     @property
     def sample_id(self) -> str:
@@ -97,15 +99,21 @@ class EnvRollout:
         try:
             self._start(episodes, pool)
             for ep in episodes:
-                self._submit_turn(stream, ep)
+                if ep.trajectory is not None:
+                    self._submit_turn(stream, ep)
             self._loop(stream, pool, episodes)
         finally:
             stream.close()
             pool.close()
             self._images = None
         self._seconds["total"] = time.perf_counter() - began
-        self.last_stats = self._stats(episodes, stream.stats())
-        return [self._record(ep) for ep in episodes]
+        kept = [ep for ep in episodes if ep.trajectory is not None]  # the others' environments failed to start
+        report_dropped([ep.env_error for ep in episodes if ep.trajectory is None], len(episodes))
+        self.last_stats = self._stats(kept, stream.stats())
+        num_dropped = float(len(episodes) - len(kept))
+        self.last_stats.update({"env/timeouts": float(pool.num_timeouts), "env/dropped": num_dropped})
+        self.last_stats["env/errors"] += num_dropped
+        return [self._record(ep) for ep in kept]
 
     def _loop(self, stream: TokenStream, pool: CallPool, episodes: list[Episode]) -> None:
         """Step the engine; hand finished turns to their environments; submit the turns of answered episodes.
@@ -136,12 +144,16 @@ class EnvRollout:
             return env, *env.reset()
 
         where = f"environment {self.envs.spec} for sample"
-        outcomes = pool.run([(lambda ep=ep: start(ep), f"{where} {ep.sample_id!r}") for ep in episodes])
+        outcomes = pool.run([(lambda ep=ep: start(ep), f"{where} {ep.sample_id!r}: reset()") for ep in episodes])
         for ep, outcome in zip(episodes, outcomes):
             self._seconds["env"] += outcome.seconds
-            if outcome.error:  # no opening messages: nothing to score, whatever on_env_error says
-                raise UserError(outcome.error)
+            if outcome.error:  # no opening messages, no model turn: under 'zero' the sample is left out (dropped)
+                if self.cfg.on_env_error == "raise":
+                    raise UserError(f"{outcome.error} (--on-env-error zero leaves such samples out instead)")
+                ep.env_error, ep.finish_reason = outcome.error, "env_done"
+                continue
             ep.env, messages, tools = outcome.value
+            ep.tools = tools
             began = time.perf_counter()
             ep.renderer = ChatRenderer(self.tokenizer, self.stop_ids, tools, self.cfg.chat_template_kwargs)
             ep.images = self._episode_images(ep)
@@ -249,6 +261,8 @@ class EnvRollout:
             env_reward=ep.env_reward,
             extra={"env_error": ep.env_error} if ep.env_error else None,
             image_refs=ep.images.refs or None,
+            tools=ep.tools,
+            tokenizer=self.tokenizer,
         )
 
     def _stats(self, episodes: list[Episode], engine_stats: dict) -> dict[str, float]:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx.errors import UserError
+from rlx.observe.tracking import console
 
 
 def load_object(spec: str, option: str) -> Any:
@@ -53,6 +54,14 @@ def load_object(spec: str, option: str) -> Any:
     if not callable(value):
         raise UserError(f"{where}: {module_name}.{attr} is not callable")
     return value
+
+
+def report_dropped(reasons: list[str], num_samples: int) -> None:
+    """Say (on stderr) how many samples were left out for having no model turn, and why the first was. (Not an
+    error here even when that is every sample: under a launcher the other processes' samples may remain;
+    generate_multi_turn decides once the records are gathered.)"""
+    if reasons:
+        console(f"rlx: left out {len(reasons)} of {num_samples} samples with no model turn; the first: {reasons[0]}")
 
 
 class EnvError(Exception):
@@ -164,12 +173,18 @@ class Outcome:
 
 
 class _Call:
-    """A call that notes when a worker thread starts it (its timeout counts from then)."""
+    """A call that notes when a worker thread starts it (its timeout counts from then) and which thread runs it."""
 
     def __init__(self, fn: Callable[[], Any], where: str):
         self.fn, self.where, self.started, self.seconds = fn, where, None, 0.0
+        self.worker: threading.Thread | None = None
+        self.returned = False
+        """Set (under the pool's lock) once the call has returned or raised."""
+        self.abandoned = False
+        """Set (under the pool's lock) when the pool gave up on it and started a worker in its place."""
 
     def __call__(self) -> Any:
+        self.worker = threading.current_thread()
         self.started = time.monotonic()
         try:
             return self.fn()
@@ -181,31 +196,63 @@ _JOIN_S = 2.0  # how long `CallPool.close` waits for its workers to end
 
 
 class CallPool:
-    """Runs calls concurrently in daemon threads; each must finish within `timeout_s` of starting.
+    """Runs calls concurrently in `workers` daemon threads; each must finish within `timeout_s` of starting.
 
-    Python cannot stop a thread: a call past its timeout is abandoned (reported as an error) and keeps
-    its worker until it returns, so a pool full of hung calls waits for free workers. The workers are
-    daemon threads, so a hung call never keeps the process from exiting."""
+    Python cannot stop a thread: a call past its timeout is abandoned (reported as an error, counted in
+    `num_timeouts`) and keeps its thread until it returns, if ever; a new worker takes that thread's place, so
+    hung calls never starve the others and every call is answered within about its timeout of starting. An
+    abandoned call's thread ends when the call returns. The workers are daemon threads, so a hung call never
+    keeps the process from exiting."""
 
     def __init__(self, workers: int, timeout_s: float):
         self.timeout_s = timeout_s
+        self.num_timeouts = 0
         self._calls: dict[Future, _Call] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._workers = [threading.Thread(target=self._work, name="rlx-env", daemon=True) for _ in range(workers)]
-        for worker in self._workers:
-            worker.start()
+        self._lock = threading.Lock()
+        self._workers: list[threading.Thread] = []
+        for _ in range(workers):
+            self._add_worker()
+
+    def _add_worker(self) -> None:
+        worker = threading.Thread(target=self._work, name="rlx-env", daemon=True)
+        self._workers.append(worker)
+        worker.start()
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             call, future = item
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(call())
+                    result, error = call(), None
                 except BaseException as e:  # handed to the waiting side, which reports it
-                    future.set_exception(e)
+                    result, error = None, e
+                retire = False
+                if isinstance(call, _Call):  # (`submit` also takes plain callables, never abandoned)
+                    with self._lock:
+                        call.returned = True
+                        retire = call.abandoned
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(error)
+                if retire:  # a worker took this thread's place when the call was abandoned
+                    return
             # an idle worker holds nothing: a daemon thread that frees tensors while the interpreter finalizes
             # aborts the process ("terminate called without an active exception")
             del item, call, future
+
+    def _abandon(self, call: _Call) -> bool:
+        """Give up on a call past its timeout and start a worker in its thread's place (False: it just returned)."""
+        with self._lock:
+            if call.returned:
+                return False
+            call.abandoned = True
+            if call.worker in self._workers:
+                self._workers.remove(call.worker)
+        self.num_timeouts += 1
+        self._add_worker()
+        return True
 
     def submit(self, call: Callable[[], Any]) -> Future:
         future: Future = Future()
@@ -232,7 +279,7 @@ class CallPool:
             now = time.monotonic()
             for future in futures - done:
                 call = self._calls[future]
-                if call.started is not None and now - call.started > self.timeout_s:
+                if call.started is not None and now - call.started > self.timeout_s and self._abandon(call):
                     del self._calls[future]
                     error = f"{call.where} timed out after {self.timeout_s:g} s"
                     out.append((future, Outcome(error=error, seconds=self.timeout_s)))
@@ -276,9 +323,10 @@ class CallPool:
                 break
             if item is not None:
                 item[1].cancel()
-        for _ in self._workers:
+        workers = list(self._workers)  # without the threads of abandoned calls
+        for _ in workers:
             self._queue.put(None)
         # wait for the free workers to end (see `_work`); one still inside an abandoned call is left behind
         deadline = time.monotonic() + _JOIN_S
-        for worker in self._workers:
+        for worker in workers:
             worker.join(max(deadline - time.monotonic(), 0.0))

@@ -21,6 +21,8 @@ _SUMMED = (
     "rollout/tokens",
     "rollout/inserted_tokens",
     "env/errors",
+    "env/timeouts",
+    "env/dropped",
     "rollout/preemptions",
     "rollout/steps_ahead",
     "rollout/prefill_tokens",
@@ -41,6 +43,8 @@ def generate_multi_turn(
     records = runner.generate(local)
     parts = all_gather_objects((records, runner.last_stats)) if ctx else [(records, runner.last_stats)]
     records: list[RolloutRecord] = [r for part, _ in parts for r in part]
+    if prompts and not records:  # --on-env-error zero left every sample out (every process's: the same on each)
+        raise UserError("every sample failed before the model generated anything (see the line above): no records")
     return RolloutResult(records, multi_turn_stats(records, merge_stats([(len(part), s) for part, s in parts])))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from rlx.chat.trajectory import Trajectory
 from rlx.formats.records import MULTI_TURN_FINISH, PromptRecord, RolloutRecord
+from rlx.models.fingerprint import tokenizer_fingerprint
 
 FINISH_REASONS = MULTI_TURN_FINISH
 
@@ -25,9 +26,12 @@ def trajectory_record(
     env_reward: float,
     extra: dict | None = None,
     image_refs: list[str] | None = None,
+    tools: list[dict] | None = None,
+    tokenizer=None,
 ) -> RolloutRecord:
     """The record of one multi-turn sample (`extra`: more fields, e.g. env_error or segments; `image_refs`: its
-    images in token order, None without)."""
+    images in token order, None without; `tools`: the tools offered to the model, None without; `tokenizer`: the
+    tokenizer that made the ids, whose fingerprint the record keeps)."""
     if finish_reason not in FINISH_REASONS:
         raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {finish_reason!r}")
     return RolloutRecord(
@@ -43,10 +47,12 @@ def trajectory_record(
         temperature=temperature,
         data_source=prompt.data_source,
         ground_truth=prompt.ground_truth,
-        extra={**prompt.extra, **(extra or {})},
+        extra={**{k: v for k, v in prompt.extra.items() if k != "tools"}, **(extra or {})},
         loss_mask=trajectory.loss_mask,
         messages=trajectory.messages,
         num_turns=trajectory.num_turns,
         env_reward=float(env_reward),
         image_refs=image_refs,
+        tools=tools,
+        tokenizer=tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
     )

@@ -64,7 +64,7 @@ def load_model(
 def load_processor(source: ModelSource, options=None, config=None):
     """The image processor + tokenizer of a vision-language model (`VisionProcessor`, with a `VisionConfig`'s
     pixel limits), or None for a text-only model; a vision-language model dir without its processor files
-    (preprocessor_config.json) is a UserError naming the file."""
+    (preprocessor_config.json, or processor_config.json as transformers 5 writes it) is a UserError naming it."""
     from rlx.models.vision.families import is_vision_config
     from rlx.models.vision.processor import vision_processor_for
 

@@ -35,7 +35,7 @@ def reporting(command: str, on_interrupt: str = "") -> Iterator[None]:
     except BrokenPipeError:  # `rlx rollout --out - | head`: the reader went away
         sys.stderr.close()
         raise typer.Exit(0) from None
-    except (OSError, RuntimeError) as e:
+    except Exception as e:  # OSError, and writers' own errors (safetensors' SafetensorError) carrying the OS one
         message = _one_line(e)
         if message is None:
             raise

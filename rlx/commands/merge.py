@@ -18,7 +18,9 @@ def merge(
     ],
     out: Annotated[str, typer.Option(metavar="PATH", help="Hugging Face model folder to create (written atomically).")],
     dtype: Annotated[
-        str, typer.Option(metavar="DTYPE", help="Store weights as keep | float32 | bfloat16 | float16.")
+        str,
+        # the name given: typer 0.27 under click 8.5 names an option after a metavar that is its name in capitals
+        typer.Option("--dtype", metavar="DTYPE", help="Store weights as keep | float32 | bfloat16 | float16."),
     ] = "keep",
     overwrite: Annotated[bool, typer.Option(help="Replace --out if it exists.")] = False,
     adapter_only: Annotated[

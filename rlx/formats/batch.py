@@ -76,6 +76,9 @@ class BatchMeta:
     """Temperature the logprobs were computed at; training uses the same."""
     settings: dict = field(default_factory=dict)
     """Scoring settings (estimator, kl coefficient, reward spec ...), for provenance."""
+    tokenizer: str | None = None
+    """Fingerprint of the tokenizer that made the token ids (rlx.models.fingerprint); train-step checks it. None in
+    batches of older rlx versions (not checked)."""
 
 
 @dataclass(kw_only=True)
@@ -131,6 +134,11 @@ class TrainBatch:
     def save(self, path: str | Path, store_pixels: bool = False) -> None:
         """Write atomically as safetensors with the metadata in the header (`store_pixels`: the images' pixels
         too, else their references and grids)."""
+        with atomic_path(path) as tmp:
+            self.write(tmp, store_pixels)
+
+    def write(self, path: Path, store_pixels: bool = False) -> None:
+        """Write to local `path` as it is (not atomically: for a caller that stages several outputs itself)."""
         header = {
             "format": FORMAT,
             "format_version": str(FORMAT_VERSION),
@@ -141,9 +149,8 @@ class TrainBatch:
             vision_tensors, vision_header = to_tensors(self.images.vision, self.images.refs, store_pixels)
             tensors.update(vision_tensors)
             header.update(vision_header)
-        with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata=header)
-            apply_umask(tmp)  # safetensors makes its files 0600
+        save_file(tensors, str(path), metadata=header)
+        apply_umask(path)  # safetensors makes its files 0600
 
     @classmethod
     def load(cls, path: str | Path, processor=None) -> TrainBatch:

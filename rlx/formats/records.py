@@ -183,10 +183,11 @@ _ROLLOUT_KEYS = (
     "rollout_restarts",
     "policy_versions",
     "resumed_from",
+    "tokenizer",
 )
 _MULTI_TURN_KEYS = ("loss_mask", "messages", "num_turns", "env_reward", "image_refs")
 _ASYNC_KEYS = ("policy_version", "rollout_restarts", "resumed_from")
-_OPTIONAL_KEYS = _MULTI_TURN_KEYS + _ASYNC_KEYS + ("policy_versions",)
+_OPTIONAL_KEYS = _MULTI_TURN_KEYS + _ASYNC_KEYS + ("policy_versions", "tokenizer", "tools")
 
 
 def _is_messages(value: Any) -> bool:
@@ -251,6 +252,13 @@ class RolloutRecord:
     resumed_from: int | None = None
     """Asynchronous runs: set on the samples of the steps after a resume that the stopped run may have generated
     already (they are generated again): the checkpoint step the run resumed from."""
+    tools: list[dict] | None = None
+    """Multi-turn: the tools (OpenAI function schemas) offered to the model: the environment's `tools`, or those of
+    the agent's last request (its record's segment); None when none were offered. A single-turn line's `tools`
+    is one of the prompt's fields (in `extra`)."""
+    tokenizer: str | None = None
+    """A fingerprint of the tokenizer that made the token ids (rlx.models.fingerprint); `rlx score` checks it
+    against the actor's. None in lines of older rlx versions (not checked)."""
 
     @property
     def is_multi_turn(self) -> bool:
@@ -301,7 +309,11 @@ class RolloutRecord:
             policy_versions=f.get(
                 "policy_versions", "a list of [token index, policy version] pairs", _is_spans, required=False
             ),
+            tokenizer=f.get("tokenizer", "a string", lambda v: isinstance(v, str), required=False),
         )
+        if rec.is_multi_turn:
+            rec.tools = f.get("tools", "a list of function schemas (objects)", _is_tools, required=False)
+            rec.extra.pop("tools", None)
         if not rec.prompt_ids:
             raise f.fail("prompt_ids", "at least one token")
         if not rec.response_ids:
@@ -327,6 +339,10 @@ class RolloutRecord:
                 out[f.name] = getattr(self, f.name)
         out.update(self.extra)
         return out
+
+
+def _is_tools(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, dict) for t in value)
 
 
 def _is_spans(value: Any) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlx.formats.records import PromptRecord, RolloutRecord
+from rlx.models.fingerprint import tokenizer_fingerprint
 from rlx.models.vision.inputs import VisionInputs
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.prompts import PromptEncoder
@@ -101,4 +102,5 @@ def to_record(req: Request, gen: Generated, tokenizer, temperature: float) -> Ro
         data_source=p.data_source,
         ground_truth=p.ground_truth,
         extra=dict(p.extra),
+        tokenizer=tokenizer_fingerprint(tokenizer),
     )

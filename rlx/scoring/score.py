@@ -54,6 +54,9 @@ class ScoringModels:
     """The policy's VisionProcessor (vision-language models): the rollouts' images become the forwards' inputs."""
     model_config: object | None = None
     """The policy's config (image parts given to a text-only model are an error naming the sample)."""
+    tokenizer: str | None = None
+    """The fingerprint of the policy's tokenizer (rlx.models.fingerprint), written into the batch; None takes the
+    rollouts' own."""
 
 
 @dataclass
@@ -277,13 +280,10 @@ def build_batch(
     except ValueError as e:
         raise UserError(f"estimator {cfg.estimator!r}: {e}") from None
     meta = BatchMeta(
-        sample_ids=[r.id for r in rollouts],
-        group_ids=group_ids,
-        vocab_size=models.vocab_size,
-        pad_token_id=models.pad_token_id,
-        temperature=temperature,
-        settings=_settings(cfg),
-    )
+        sample_ids=[r.id for r in rollouts], group_ids=group_ids, vocab_size=models.vocab_size,
+        pad_token_id=models.pad_token_id, temperature=temperature, settings=_settings(cfg),
+        tokenizer=models.tokenizer or rollouts[0].tokenizer,  # the rollouts' own where the actor's is not known
+    )  # fmt: skip
     batch = TrainBatch(
         meta=meta,
         old_logprobs=old,

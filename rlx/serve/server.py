@@ -24,7 +24,7 @@ import json
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from urllib.parse import quote
 
 import uvicorn
@@ -74,6 +74,9 @@ class AgentServer:
         self.closed: list[SampleSession] = []
         """Sessions closed for idleness or over the cap (their `evicted` says which), in closing order."""
         self._sessions_lock = threading.Lock()
+        self._num_calls: Counter[str] = Counter()
+        """Requests per sample id as named by path or header, refused ones included (a refused request makes no
+        session, so the sessions alone cannot tell an agent that never called from one whose every call failed)."""
         # a fast tokenizer's Rust core may refuse calls from two threads at once ("Already borrowed")
         self.tokenizer_lock = threading.Lock()
         self.renders_tools: bool | None = None
@@ -99,6 +102,11 @@ class AgentServer:
     @property
     def num_requests(self) -> int:
         return sum(s.num_requests for s in self.all_sessions())
+
+    def num_calls(self, sample_id: str) -> int:
+        """How many requests named `sample_id` (answered or refused)."""
+        with self._sessions_lock:
+            return self._num_calls[sample_id]
 
     def all_sessions(self) -> list[SampleSession]:
         """Closed sessions then open ones."""
@@ -162,6 +170,8 @@ class AgentServer:
     async def answer(self, request: Request, endpoint: str) -> Response:
         """The reply to a chat, completion or Responses request: JSON, or server-sent events when it asked to
         stream."""
+        with self._sessions_lock:
+            self._num_calls[_sample_of(request, DEFAULT_SAMPLE)] += 1
         try:
             body = await _read_body(request, self.endpoint.max_request_bytes)
             previous = None

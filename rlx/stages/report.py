@@ -32,21 +32,40 @@ class PlotSpec:
     """Plot title."""
     keys: tuple[str, ...]
     """Metrics drawn as lines (absent ones are left out; no key present = no plot)."""
+    ylabel: str
+    """The y axis's label (what the values are, in which unit)."""
     band: tuple[str, str] | None = None
     """(mean, std): shade mean ± std."""
+    band_limits: tuple[str, str] | None = None
+    """(min, max) metrics: the band is clipped to them at each step where present (a bounded reward's band then
+    stays within its bounds, e.g. [0, 1], instead of drawing values no sample had)."""
 
 
 PLOTS = (
-    PlotSpec("reward", "reward (mean ± std)", ("reward/mean",), band=("reward/mean", "reward/std")),
-    PlotSpec("response_length", "response length (tokens)", ("response_length/mean", "response_length/max")),
-    PlotSpec("kl", "KL to the reference (actor/ref_kl)", ("actor/ref_kl",)),
-    PlotSpec("entropy", "policy entropy (actor/entropy)", ("actor/entropy",)),
-    PlotSpec("clip_frac", "clipped fraction (actor/pg_clipfrac)", ("actor/pg_clipfrac",)),
-    PlotSpec("mfu", "model FLOPs utilisation (perf/mfu)", ("perf/mfu",)),
-    PlotSpec("turns", "assistant turns per sample (multi-turn)", ("rollout/turns_mean",)),
-    PlotSpec("env_reward", "environment reward (multi-turn, env/reward_mean)", ("env/reward_mean",)),
-    PlotSpec("val", "held-out evaluation ([eval]: val/*)", ("val/pass@1", "val/reward_mean")),
-)
+    PlotSpec(
+        "reward", "reward (mean ± std)", ("reward/mean",), ylabel="reward per sample",
+        band=("reward/mean", "reward/std"), band_limits=("reward/min", "reward/max"),
+    ),
+    PlotSpec(
+        "response_length", "response length (tokens)", ("response_length/mean", "response_length/max"),
+        ylabel="tokens per response",
+    ),
+    PlotSpec("kl", "KL to the reference (actor/ref_kl)", ("actor/ref_kl",), ylabel="KL (nats per token)"),
+    PlotSpec("entropy", "policy entropy (actor/entropy)", ("actor/entropy",), ylabel="entropy (nats per token)"),
+    PlotSpec(
+        "clip_frac", "clipped fraction (actor/pg_clipfrac)", ("actor/pg_clipfrac",), ylabel="fraction of tokens"
+    ),
+    PlotSpec("mfu", "model FLOPs utilisation (perf/mfu)", ("perf/mfu",), ylabel="fraction of peak FLOPs"),
+    PlotSpec("turns", "assistant turns per sample (multi-turn)", ("rollout/turns_mean",), ylabel="turns per sample"),
+    PlotSpec(
+        "env_reward", "environment reward (multi-turn, env/reward_mean)", ("env/reward_mean",),
+        ylabel="environment reward per sample",
+    ),
+    PlotSpec(
+        "val", "held-out evaluation ([eval]: val/*)", ("val/pass@1", "val/reward_mean"),
+        ylabel="pass@1 / reward per prompt",
+    ),
+)  # fmt: skip
 MULTI_TURN = (("rollout/turns_mean", "turns per sample"), ("env/reward_mean", "environment reward"))
 """Multi-turn metrics the summary shows as first -> last window, when the run has them."""
 
@@ -102,21 +121,10 @@ def load_run(run_dir: Path) -> tuple[dict[int, dict], int | None]:
 
 def draw_plot(plt, spec: PlotSpec, steps: dict[int, dict], path: Path) -> bool:
     """Draw one metric group to `path` (PNG, atomically); False (nothing written) when no key is present."""
-    lines = [(key, *series(steps, key)) for key in spec.keys]
-    lines = [(key, xs, ys) for key, xs, ys in lines if xs]
-    if not lines:
+    fig = build_figure(plt, spec, steps)
+    if fig is None:
         return False
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
     try:
-        for key, xs, ys in lines:
-            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
-        if spec.band is not None:
-            _draw_band(ax, steps, *spec.band)
-        ax.set_title(spec.title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize="small")
-        fig.tight_layout()
         with atomic_path(path) as tmp:
             fig.savefig(tmp, format="png")
     finally:
@@ -124,12 +132,46 @@ def draw_plot(plt, spec: PlotSpec, steps: dict[int, dict], path: Path) -> bool:
     return True
 
 
-def _draw_band(ax, steps: dict[int, dict], mean_key: str, std_key: str) -> None:
-    rows = [(s, m[mean_key], m[std_key]) for s, m in steps.items() if _is_number(m.get(mean_key))]
-    rows = [(s, mean, std) for s, mean, std in rows if _is_number(std)]
-    if rows:
-        xs = [s for s, _, _ in rows]
-        ax.fill_between(xs, [m - d for _, m, d in rows], [m + d for _, m, d in rows], alpha=0.2, label=f"± {std_key}")
+def build_figure(plt, spec: PlotSpec, steps: dict[int, dict]):
+    """The matplotlib figure of one metric group (the caller closes it); None when no key is present."""
+    lines = [(key, *series(steps, key)) for key in spec.keys]
+    lines = [(key, xs, ys) for key, xs, ys in lines if xs]
+    if not lines:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    for key, xs, ys in lines:
+        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
+    if spec.band is not None:
+        xs, lower, upper = band(steps, *spec.band, limits=spec.band_limits)
+        if xs:
+            ax.fill_between(xs, lower, upper, alpha=0.2, label=f"± {spec.band[1]}")
+    ax.set_title(spec.title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(spec.ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def band(
+    steps: dict[int, dict], mean_key: str, std_key: str, limits: tuple[str, str] | None = None
+) -> tuple[list[int], list[float], list[float]]:
+    """(steps, lower, upper) of mean ± std, each clipped to the step's `limits` metrics (min, max) where present."""
+    xs, lower, upper = [], [], []
+    for step, m in steps.items():
+        mean, std = m.get(mean_key), m.get(std_key)
+        if not (_is_number(mean) and _is_number(std)):
+            continue
+        low, high = mean - std, mean + std
+        if limits is not None and _is_number(m.get(limits[0])):
+            low = max(low, m[limits[0]])
+        if limits is not None and _is_number(m.get(limits[1])):
+            high = min(high, m[limits[1]])
+        xs.append(step)
+        lower.append(low)
+        upper.append(high)
+    return xs, lower, upper
 
 
 def _mean(values: list[float]) -> float:

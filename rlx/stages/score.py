@@ -10,7 +10,8 @@ from rlx.checkpoints.loading import load_processor
 from rlx.checkpoints.meta import CheckpointMeta
 from rlx.checkpoints.registry import read_meta_or_default
 from rlx.errors import UserError
-from rlx.formats.records import read_rollouts, write_records
+from rlx.formats.records import read_rollouts
+from rlx.models.fingerprint import check_fingerprint, tokenizer_fingerprint
 from rlx.models.loading import load_config, load_tokenizer, resolve_source
 from rlx.observe.tracking import console, log_metrics
 from rlx.parallel.dist import context, setup
@@ -20,7 +21,7 @@ from rlx.scoring.score import ScoringModels, check_token_ids, score_rollouts
 from rlx.training.reference import shared_reference
 from rlx.utils.device import resolve_precision
 from rlx.utils.files import check_writable
-from rlx.utils.io import exists, is_remote, join, local
+from rlx.utils.io import atomic_path, exists, is_remote, join, local, write_jsonl
 
 
 def check_output_folder(out: str, names: tuple[str, ...], overwrite: bool) -> None:
@@ -32,6 +33,20 @@ def check_output_folder(out: str, names: tuple[str, ...], overwrite: bool) -> No
     if taken and not overwrite:
         raise UserError(f"{taken[0]}: already exists (choose another --out or pass --overwrite)")
     check_writable(join(out, names[0]))
+
+
+def write_score_outputs(out: str, batch, scores: list, store_pixels: bool) -> None:
+    """batch.safetensors and scores.jsonl as one: both are written to temporaries first and renamed only once
+    both are whole, so a failure (a full disk, a kill) leaves neither new file (nor a stale pair half-replaced)."""
+    with atomic_path(join(out, "batch.safetensors")) as batch_tmp, atomic_path(join(out, "scores.jsonl")) as tmp:
+        batch.write(batch_tmp, store_pixels)
+        write_jsonl(tmp, (r.to_json() for r in scores))
+
+
+def check_rollout_tokenizer(rollouts, rollouts_path: str, expected: str, actor: str) -> None:
+    """Every rollout's tokenizer fingerprint (where the line has one) is the actor's: a UserError naming both."""
+    for record in rollouts:
+        check_fingerprint(record.tokenizer, f"{rollouts_path}: sample {record.id!r}", expected, f"the actor {actor}")
 
 
 def rollout_temperature(rollouts, override: float | None, where: str) -> float:
@@ -59,10 +74,12 @@ def load_scoring_models(cfg: ScoreConfig, actor: str, ref: str | None, critic: s
     ctx = setup(cfg.device)
     actor_source = resolve_source(actor, "actor model")
     config = load_config(actor_source)
+    tokenizer = load_tokenizer(actor_source)
     models = ScoringModels(
         dtype=resolve_precision(cfg.precision, ctx.device),
         vocab_size=config.get_text_config().vocab_size,
-        pad_token_id=pad_token_id(load_tokenizer(actor_source)),
+        pad_token_id=pad_token_id(tokenizer),
+        tokenizer=tokenizer_fingerprint(tokenizer),
         processor=load_processor(actor_source, cfg.vision, config),
         model_config=config,
     )
@@ -104,6 +121,7 @@ def run_score(
     check_output_folder(out, ("scores.jsonl", "batch.safetensors"), overwrite)
     rollouts = read_rollouts(rollouts_path)
     models = load_scoring_models(cfg, actor, ref, critic)
+    check_rollout_tokenizer(rollouts, rollouts_path, models.tokenizer, actor)
     check_token_ids(rollouts, models.vocab_size, rollouts_path)
     result = score_rollouts(rollouts, cfg, models, rollout_temperature(rollouts, temperature, rollouts_path))
     if result.batch is None:
@@ -113,8 +131,7 @@ def run_score(
         )
     if not context().is_main:
         return
-    result.batch.save(join(out, "batch.safetensors"), store_pixels=cfg.vision.store_pixels)
-    write_records(join(out, "scores.jsonl"), result.scores)
+    write_score_outputs(out, result.batch, result.scores, cfg.vision.store_pixels)
     step = read_meta_or_default(resolve_source(actor).path).step + 1
     log_metrics(metrics_path, step, {**result.metrics, "timing/score_s": time.perf_counter() - start})
     errors = int(result.metrics.get("reward/num_errors", 0))

@@ -16,7 +16,8 @@ from rlx.checkpoints.meta import CheckpointMeta, is_checkpoint, provenance
 from rlx.checkpoints.registry import check_complete, save, trained_layout
 from rlx.errors import UserError
 from rlx.formats.batch import TrainBatch
-from rlx.models.loading import load_config, resolve_source
+from rlx.models.fingerprint import check_fingerprint, tokenizer_fingerprint
+from rlx.models.loading import load_config, load_tokenizer, resolve_source
 from rlx.models.lora_config import LoraConfig
 from rlx.models.value import check_value_config, is_value_config
 from rlx.observe.tracking import console, log_metrics
@@ -24,6 +25,18 @@ from rlx.parallel.dist import barrier
 from rlx.training.config import TrainConfig
 from rlx.utils.files import check_writable
 from rlx.utils.io import exists
+
+
+def check_batch_tokenizer(batch: TrainBatch, batch_path: str, source, checkpoint: str) -> None:
+    """The batch's tokenizer fingerprint (where it has one) is the checkpoint's: a UserError naming both. A
+    checkpoint without a tokenizer of its own is not checked."""
+    if batch.meta.tokenizer is None:
+        return
+    try:
+        expected = tokenizer_fingerprint(load_tokenizer(source))
+    except UserError:
+        return
+    check_fingerprint(batch.meta.tokenizer, str(batch_path), expected, f"the checkpoint {checkpoint}")
 
 
 def run_train_step(
@@ -58,7 +71,8 @@ def run_train_step(
     batch = TrainBatch.load(batch_path, load_processor(source, cfg.vision, config))
     backend = backend_for_checkpoint(meta).setup(cfg.device, checkpoint_degrees(meta, cfg.sp_degree))
     trainer = backend.load_trainer(cfg, source, **backend.lora_options(lora, "--lora-rank"))
-    trainer.check_batch(batch, batch_path)
+    trainer.check_batch(batch, batch_path)  # the vocabulary size first: the plainer message where it differs
+    check_batch_tokenizer(batch, batch_path, source, checkpoint)
     metrics = trainer.train_step(batch, meta.step)
     next_meta = CheckpointMeta(
         step=meta.step + 1,

@@ -11,8 +11,10 @@ Resize policy (documented for users): an image larger than `max_pixels` is scale
 ratio, until it fits; a smaller one than `min_pixels` is scaled up; sides are rounded to multiples of
 patch_size x merge_size. A prompt that is still longer than `max_prompt_tokens` is a UserError naming it.
 
-In a model dir the processor is `preprocessor_config.json` next to the tokenizer files (which hold the chat
-template); `load_vision_processor` reads it and names what is missing.
+In a model dir the image processor is `preprocessor_config.json` next to the tokenizer files (which hold the chat
+template), or, as a transformers 5 processor's `save_pretrained` writes it, the `image_processor` entry of
+`processor_config.json` (with the video processor's; there is no preprocessor_config.json then).
+`load_vision_processor` reads either and names what is missing.
 """
 
 from __future__ import annotations
@@ -30,6 +32,22 @@ from rlx.models.vision.inputs import VisionInputs
 from rlx.models.vision.positions import image_token_count
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
+PROCESSOR_FILE = "processor_config.json"
+"""A whole processor's settings (transformers 5): the image processor's nested under "image_processor"."""
+
+
+def image_processor_file(model_dir: Path) -> Path | None:
+    """The file holding the image processor's settings: preprocessor_config.json, else a processor_config.json
+    with an "image_processor" entry (what transformers' from_pretrained reads first when both exist); None."""
+    nested = model_dir / PROCESSOR_FILE
+    if nested.is_file():
+        try:
+            settings = json.loads(nested.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"{nested}: not a readable JSON file ({e})") from None
+        if isinstance(settings, dict) and isinstance(settings.get("image_processor"), dict):
+            return nested
+    return model_dir / PREPROCESSOR_FILE if (model_dir / PREPROCESSOR_FILE).is_file() else None
 
 
 @dataclass(frozen=True)
@@ -174,14 +192,16 @@ def load_vision_processor(model_dir: str | Path, config=None) -> VisionProcessor
     if config is None:
         config = AutoConfig.from_pretrained(str(model_dir))
     family = family_of(config)
-    if not (model_dir / PREPROCESSOR_FILE).is_file():
+    settings = image_processor_file(model_dir)
+    if settings is None:
         raise UserError(
-            f"{model_dir}: no {PREPROCESSOR_FILE}: the {family.title} image processor is missing from the model dir"
+            f"{model_dir}: no {PREPROCESSOR_FILE} (nor a {PROCESSOR_FILE} with an image_processor entry): the "
+            f"{family.title} image processor is missing from the model dir"
         )
     try:
         image_processor = family.load_image_processor_class().from_pretrained(str(model_dir))
     except (OSError, ValueError, TypeError) as e:
-        raise UserError(f"{model_dir / PREPROCESSOR_FILE}: not a {family.title} image processor config ({e})") from None
+        raise UserError(f"{settings}: not a {family.title} image processor config ({e})") from None
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = _chat_template_file(model_dir)
