@@ -171,7 +171,8 @@ class AgentServer:
         """The reply to a chat, completion or Responses request: JSON, or server-sent events when it asked to
         stream."""
         with self._sessions_lock:
-            self._num_calls[_sample_of(request, DEFAULT_SAMPLE)] += 1
+            named = request.path_params.get("sample") or request.headers.get(SESSION_HEADER) or DEFAULT_SAMPLE
+            self._num_calls[named[:512]] += 1
         try:
             body = await _read_body(request, self.endpoint.max_request_bytes)
             previous = None
