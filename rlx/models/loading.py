@@ -156,7 +156,7 @@ def load_config(source: ModelSource):
 
 def _check_known_family(source: ModelSource) -> None:
     """A family transformers cannot build here (e.g. Kimi-VL, remote code only) is named before AutoConfig fails."""
-    from rlx.models.vision.families import KNOWN_UNSUPPORTED, family_of
+    from rlx.models.vision.families import KNOWN_UNSUPPORTED, vision_family_of
 
     path = source.folder / "config.json"
     if source.is_gguf or not path.is_file():
@@ -167,7 +167,7 @@ def _check_known_family(source: ModelSource) -> None:
         return  # AutoConfig names the problem
     if model_type in KNOWN_UNSUPPORTED:
         try:
-            family_of(type("Config", (), {"model_type": model_type})())
+            vision_family_of(type("Config", (), {"model_type": model_type})())
         except UserError as e:
             raise UserError(f"{source.path}: {e}") from None
 

@@ -33,8 +33,8 @@ import torch
 from torch.profiler import record_function
 
 from rlx.errors import UserError
+from rlx.models.family import family_of
 from rlx.models.lora import is_lora_model
-from rlx.models.vision.families import is_vision_config
 from rlx.rollout.base import RolloutEngine, TokenStream, WeightSource, copy_weights
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.native.blocks import BlockManager, Sequence, Status
@@ -199,7 +199,7 @@ class NativeRolloutEngine(RolloutEngine):
         the cache sized for `num_seqs` sequences of `max_context` tokens (or what the budget allows)."""
         module = self._generating_module()  # before the cache is sized from the free memory
         runner = self._runner_for(module, max_context, num_seqs)
-        runner.images = NativeImages(module) if is_vision_config(module.config) else None  # this stream's images
+        runner.images = NativeImages(module) if family_of(module.config).takes_images else None  # this stream's images
         return NativeStream(self, runner, sampling)
 
     def _runner_for(self, module: torch.nn.Module, max_context: int, num_seqs: int) -> ModelRunner:
