@@ -3,7 +3,7 @@
 Stages and parallelism never branch on "is this a vision-language model?": they ask the family of the config once
 (`rlx.models.family.family_of`) and call the bundle. The base class is the plain decoder-only text family
 (Llama, Qwen, ...); `rlx.models.vision.families.VisionFamily` extends it with the vision tower, image inputs and
-3-D rotary positions.
+3-D rotary positions; `rlx.models.moe.MoeFamily` with the experts' weight layout.
 """
 
 from __future__ import annotations
@@ -49,6 +49,14 @@ class ModelFamily:
                 f"{type(model).__name__}: no decoder layer list found at {self.decoder_path(model)}.layers"
             )
         return layers
+
+    def module_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Weights as stored in a Hugging Face dir, renamed and reshaped to the module's parameters (as is here)."""
+        return weights
+
+    def hub_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The module's weights in the layout the hub's files (and `save_pretrained`) use (as is here)."""
+        return weights
 
     def tower_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """Blocks outside the decoder that are FSDP units of their own (a vision tower's); none here."""

@@ -240,11 +240,16 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All weight tensors of an HF-layout folder, exactly as stored (dtype kept)."""
+    """All weight tensors of an HF-layout folder with the model's parameter names, values exactly as stored (dtype
+    kept); a mixture-of-experts model's per-expert tensors are stacked into its fused expert parameters as
+    transformers loads them (rlx.models.moe)."""
+    from rlx.models.moe import moe_family_of_folder
+
     state = {}
     for path in weight_files(folder):
         state.update(read_safetensors(path))
-    return state
+    family = moe_family_of_folder(folder)
+    return family.module_weights(state) if family is not None else state
 
 
 def tied_keys(model) -> set[str]:
