@@ -150,3 +150,18 @@ def test_lora_on_attention_and_a_critic(tmp_path, moe_ckpt, moe_rollouts):
     assert not torch.equal(
         before["model.layers.0.mlp.experts.down_proj"], after["model.layers.0.mlp.experts.down_proj"]
     )
+
+
+@pytest.mark.parametrize("engine", ["hf", "native"])
+def test_rollout_logprobs_equal_transformers_forward(tmp_path, moe_dir, moe_ckpt, prompts_file, engine):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "r.jsonl"
+    cli_ok(*rollout_args(moe_ckpt, prompts_file, out, "--engine", engine))
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    for record in read_jsonl(out):
+        prompt, response = record["prompt_ids"], record["response_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        want = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(record["rollout_logprobs"]), want, atol=1e-4), record["id"]
