@@ -165,3 +165,35 @@ def test_rollout_logprobs_equal_transformers_forward(tmp_path, moe_dir, moe_ckpt
             logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
         want = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(record["rollout_logprobs"]), want, atol=1e-4), record["id"]
+
+
+def test_router_probe_aux_loss_matches_transformers_and_expert_load_counts_every_slot():
+    from transformers import AutoModelForCausalLM
+
+    from rlx.models.moe import RouterProbe, moe_sizes, tiny_moe_config
+
+    config = tiny_moe_config(19, num_hidden_layers=1, output_router_logits=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11]])
+    num_experts, top_k = moe_sizes(config)
+    with torch.no_grad(), RouterProbe(model) as probe:
+        out = model(input_ids=ids)
+    # transformers' loss counts each of the k slots as a whole token (uniform load gives k); ours averages them
+    assert torch.allclose(probe.aux_loss(num_experts, top_k) * top_k, out.aux_loss, atol=1e-6)
+    load = probe.expert_load(num_experts)
+    assert load.sum() == ids.numel() * top_k and load.shape == (num_experts,)
+
+
+def test_load_balancing_loss_option_trains_the_routers(tmp_path, moe_ckpt, moe_rollouts):
+    reward = write_length_reward(tmp_path)
+    cli_ok("score", "--rollouts", moe_rollouts, "--actor", moe_ckpt, "--reward", f"{reward}:score", "--out", tmp_path)
+    batch, gates = tmp_path / "batch.safetensors", {}
+    for coef in ("0", "1.0"):
+        metrics = tmp_path / f"m{coef}.jsonl"
+        cli_ok("train-step", "--checkpoint", moe_ckpt, "--batch", batch, "--out", tmp_path / f"s{coef}", "--lr", "1e-2",
+               "--moe-aux-loss-coef", coef, "--metrics", metrics)  # fmt: skip
+        line = read_jsonl(metrics)[0]
+        assert line["actor/moe_aux_loss"] > 0 and line["actor/moe_max_expert_load"] >= 1.0
+        gates[coef] = read_weights(tmp_path / f"s{coef}")["model.layers.0.mlp.gate.weight"]
+    assert not torch.equal(gates["0"], gates["1.0"])  # the loss reaches the routers

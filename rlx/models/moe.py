@@ -128,3 +128,67 @@ def write_tiny_moe_model_dir(out: str | Path, model_type: str = "qwen3_moe", see
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The routers of `model`'s MoE layers, in layer order: transformers' `*TopKRouter` modules (Qwen3-MoE,
+    Qwen2-MoE, Mixtral, OLMoE), each returning (router_logits [N, E], top-k weights [N, k], top-k experts [N, k])."""
+    return [m for _, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+class RouterProbe:
+    """While open, forward hooks on every router keep each forward's router logits [N, E] (with their graph) and
+    the experts each token was sent to [N, k]; `aux_loss` and `expert_load` read them. Nothing is changed in the
+    forward. Under activation checkpointing a layer's recomputed forward calls the hook again: only the first
+    call of each router per `reset` counts."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.routers = router_modules(model)
+        self.logits: dict[int, torch.Tensor] = {}
+        self.experts: dict[int, torch.Tensor] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> RouterProbe:
+        self.reset()
+        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def reset(self) -> None:
+        self.logits, self.experts = {}, {}
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            if index not in self.logits:  # a recomputation (activation checkpointing) is not a second forward
+                self.logits[index], self.experts[index] = output[0], output[2].detach()
+
+        return hook
+
+    def aux_loss(self, num_experts: int, top_k: int) -> torch.Tensor:
+        """The Switch-Transformer load-balancing loss averaged over layers: E * sum_e f_e * p_e, where f_e is the
+        fraction of routed (token, slot) pairs sent to expert e and p_e its mean router probability (1.0 when the
+        load is uniform). Every routed token counts (packed rows have no padding)."""
+        losses = []
+        for index, logits in self.logits.items():
+            probs = torch.softmax(logits.float(), dim=-1)  # [N, E]
+            chosen = torch.nn.functional.one_hot(self.experts[index], num_experts).float()  # [N, k, E]
+            fraction = chosen.sum(dim=(0, 1)) / max(chosen.shape[0] * top_k, 1)
+            losses.append(num_experts * (fraction * probs.mean(0)).sum())
+        return torch.stack(losses).mean() if losses else torch.zeros(())
+
+    def expert_load(self, num_experts: int) -> torch.Tensor:
+        """Routed (token, slot) pairs per expert, summed over layers: [E] float."""
+        counts = [torch.bincount(e.flatten(), minlength=num_experts).float() for e in self.experts.values()]
+        return torch.stack(counts).sum(0) if counts else torch.zeros(num_experts)
+
+
+def moe_sizes(config) -> tuple[int, int] | None:
+    """(number of experts, experts per token) of an MoE config, or None for a dense model."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    return (int(experts), int(top_k)) if experts and top_k else None
