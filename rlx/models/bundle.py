@@ -24,6 +24,8 @@ class ModelFamily:
     """Human name used in messages."""
     takes_images: ClassVar[bool] = False
     """Whether the model reads image inputs (a vision-language model: images in its batches, 3-D mRoPE positions)."""
+    routed_experts: ClassVar[bool] = False
+    """Whether the model's MLPs are routed experts (a mixture-of-experts model)."""
     attention_scope: ClassVar[str] = "model"
     """Which modules the packed / sequence-parallel attention replaces: 'model' (all of them) or 'decoder' (the
     language model only; a vision tower keeps its own attention per image)."""

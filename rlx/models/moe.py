@@ -16,6 +16,7 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -26,6 +27,7 @@ from rlx.models.bundle import ModelFamily
 class MoeFamily(ModelFamily):
     """A text decoder whose MLPs are routed experts (a `ModelFamily` with the expert weight layout)."""
 
+    routed_experts: ClassVar[bool] = True
     model_type: str
     """config.model_type of the family."""
 
@@ -192,3 +194,33 @@ def moe_sizes(config) -> tuple[int, int] | None:
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None)
     return (int(experts), int(top_k)) if experts and top_k else None
+
+
+def write_tiny_moe_config_dir(out: str | Path, model_type: str = "qwen3_moe", **config_kwargs) -> Path:
+    """config.json + the character tokenizer of a tiny MoE (no weights: `init = "random"` initialises them)."""
+    from rlx.models.tiny import build_char_tokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer()
+    tiny_moe_config(len(tokenizer), model_type, **config_kwargs).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a tiny MoE's config.json and tokenizer (no weights).")
+    parser.add_argument("--out", required=True, help="folder to write")
+    parser.add_argument("--model-type", default="qwen3_moe", choices=list(MOE_FAMILIES))
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-experts", type=int, default=4)
+    args = parser.parse_args()
+    write_tiny_moe_config_dir(
+        args.out, args.model_type, num_experts=args.num_experts, hidden_size=args.hidden_size, moe_intermediate_size=64
+    )
+
+
+if __name__ == "__main__":
+    main()

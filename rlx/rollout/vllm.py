@@ -126,6 +126,11 @@ class VLLMRolloutEngine(RolloutEngine):
             raise UserError(f"rollout tp {cfg.tp}: launch {cfg.tp} processes with torchrun (one per device)")
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if self.device.type == "cpu" and family_of(config).routed_experts:
+            raise UserError(
+                f"vLLM's CPU backend fails to load mixture-of-experts weights ({config.model_type}) in rlx's engine; "
+                f"use engine 'hf' or 'native'"
+            )
         if self.device.type == "cpu" and head_dim < 32:
             raise UserError(f"vLLM's CPU attention needs head_dim >= 32; this model's is {head_dim} (use engine 'hf')")
         self.max_model_len = cfg.max_model_len or int(model.config.max_position_embeddings)
