@@ -94,7 +94,9 @@ class ActorTrainer(Trainer):
             logp, entropy = self.logprobs(t, part)
         loss = self.micro_loss(t, logp, entropy, norm, sums)
         if probe is not None:
-            loss = loss + self.moe_loss(probe, t, norm, sums)
+            aux = self.moe_aux_loss(probe, t, norm, sums)
+            if self.cfg.moe_aux_loss_coef > 0:
+                loss = loss + self.cfg.moe_aux_loss_coef * aux
         (loss * weight).backward()
 
     @functools.cached_property
@@ -102,9 +104,9 @@ class ActorTrainer(Trainer):
         """Hooks on the routers of an MoE actor (None for a dense one)."""
         return RouterProbe(self.model) if moe_sizes(self.config) is not None else None
 
-    def moe_loss(self, probe: RouterProbe, t: dict[str, torch.Tensor], norm: LossNorm, sums: dict) -> torch.Tensor:
-        """The routers' load-balancing loss x moe_aux_loss_coef, weighted by the micro-batch's share of the
-        mini-batch's trained tokens (so accumulated micro-batches give about one batch's value); metric sums."""
+    def moe_aux_loss(self, probe: RouterProbe, t: dict[str, torch.Tensor], norm: LossNorm, sums: dict) -> torch.Tensor:
+        """The routers' load-balancing loss of the micro-batch, weighted by its share of the mini-batch's trained
+        tokens (so accumulated micro-batches give about one batch's value); its metric sums added to `sums`."""
         num_experts, top_k = moe_sizes(self.config)
         share = t["loss_mask"].sum() / norm.num_tokens
         aux = probe.aux_loss(num_experts, top_k) * share
@@ -112,7 +114,7 @@ class ActorTrainer(Trainer):
             load = probe.expert_load(num_experts)
             sums["moe_aux_loss"] += aux.detach()
             sums["moe_max_expert_load"] += (load.max() / load.mean().clamp(min=1e-9)) * share  # 1.0 = balanced
-        return self.cfg.moe_aux_loss_coef * aux if self.cfg.moe_aux_loss_coef > 0 else aux.detach() * 0
+        return aux
 
     def micro_loss(
         self, t: dict[str, torch.Tensor], logp: torch.Tensor, entropy: torch.Tensor, norm: LossNorm, sums: dict
