@@ -197,3 +197,11 @@ def test_load_balancing_loss_option_trains_the_routers(tmp_path, moe_ckpt, moe_r
         assert line["actor/moe_aux_loss"] > 0 and line["actor/moe_max_expert_load"] >= 1.0
         gates[coef] = read_weights(tmp_path / f"s{coef}")["model.layers.0.mlp.gate.weight"]
     assert not torch.equal(gates["0"], gates["1.0"])  # the loss reaches the routers
+
+
+def test_a_negative_load_balancing_coefficient_is_a_user_error(tmp_path, moe_ckpt):
+    from tests.conftest import cli
+
+    result = cli("train-step", "--checkpoint", moe_ckpt, "--batch", tmp_path / "b.safetensors", "--out", tmp_path / "o",
+                 "--moe-aux-loss-coef", "-1")  # fmt: skip
+    assert result.exit_code == 1 and "--moe-aux-loss-coef: must be >= 0" in result.stderr
