@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from rlx.kernels.logprob_entropy import IGNORE_INDEX, logprob_entropy, resolve_impl
 from rlx.models.attention import PACKED_ATTENTION, PackedBatch, enable_packed_attention
-from rlx.models.vision.families import is_vision_config
+from rlx.models.family import family_of
 from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.parallel.ulysses import (
     ULYSSES_ATTENTION,
@@ -444,5 +444,7 @@ class ModuleScorer:
         if not max_tokens or self.ctx.sp_degree > 1:
             return 0
         if self.module.config.get_text_config()._attn_implementation not in (PACKED_ATTENTION, ULYSSES_ATTENTION):
-            enable_packed_attention(self.module, decoder_only=is_vision_config(self.module.config))
+            enable_packed_attention(
+                self.module, decoder_only=family_of(self.module.config).attention_scope == "decoder"
+            )
         return max_tokens

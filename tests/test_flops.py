@@ -92,8 +92,8 @@ def test_head_dim_defaults_to_hidden_over_heads():
 def test_bad_configs_are_named():
     with pytest.raises(UserError, match="'vocab_size' must be a positive integer"):
         count_flops({k: v for k, v in TINY.items() if k != "vocab_size"}, [3], "forward")
-    with pytest.raises(UserError, match="dense models only; this config has num_experts=8"):
-        count_flops({**TINY, "num_experts": 8}, [3], "forward")
+    with pytest.raises(UserError, match="Mixtral / OLMoE routing only; this config has n_routed_experts=8"):
+        count_flops({**TINY, "n_routed_experts": 8}, [3], "forward")
     with pytest.raises(ValueError, match="mode must be one of forward, train"):
         count_flops(TINY, [3], "backward")
 
@@ -156,3 +156,11 @@ def test_mfu():
     assert mfu(989e12, 1.0, 989e12, num_devices=4) == 0.25
     with pytest.raises(ValueError, match="peak > 0"):
         mfu(1e12, 1.0, device_peak_flops("unknown gpu"))
+
+
+def test_moe_layers_count_the_router_and_the_top_k_experts():
+    moe = {**TINY, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": [0]}
+    h, layers = TINY["hidden_size"], TINY["num_hidden_layers"]
+    dense_mlp, routed_mlp = 3 * 2 * h * TINY["intermediate_size"], 2 * h * 8 + 2 * 3 * 2 * h * 16
+    routed = layers - 1  # layer 0 stays dense
+    assert count_flops(moe, [1], "forward") - count_flops(TINY, [1], "forward") == routed * (routed_mlp - dense_mlp)

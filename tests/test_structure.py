@@ -138,3 +138,13 @@ def test_every_environment_variable_rlx_reads_is_documented():
         names.update(re.findall(r"\b(RLX_[A-Z0-9_]+)\b", path.read_text()))
     missing = sorted(n for n in names if n not in readme)
     assert not missing, missing
+
+
+def test_only_the_model_families_ask_whether_a_config_is_vision_language():
+    """Callers ask `rlx.models.family.family_of(config)` and call its bundle; `is_vision_config` stays in rlx.models."""
+    users = [
+        name
+        for name, path in MODULES.items()
+        if not name.startswith("rlx.models") and "is_vision_config" in path.read_text()
+    ]
+    assert not users, users

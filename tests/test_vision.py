@@ -15,7 +15,7 @@ from rlx.errors import UserError
 from rlx.logprobs import logprobs_from_logits, packed_response_logprobs
 from rlx.models.attention import PACKED_ATTENTION, enable_packed_attention
 from rlx.models.vision.config import VisionConfig
-from rlx.models.vision.families import FAMILIES, family_for_prompt, family_of, freeze_vision_tower
+from rlx.models.vision.families import FAMILIES, family_for_prompt, freeze_vision_tower, vision_family_of
 from rlx.models.vision.images import data_uri, image_refs, load_image, resolve_ref
 from rlx.models.vision.inputs import VisionInputs, from_tensors, to_tensors
 from rlx.models.vision.packing import VisionRow, set_decoder_attention, vision_forward
@@ -110,16 +110,16 @@ def packed_logprobs(model, batch, impl: str = "naive"):
 
 def test_family_of_supported_and_unsupported_models():
     for name in FAMILY_NAMES:
-        family = family_of(tiny_vision_config(name))
+        family = vision_family_of(tiny_vision_config(name))
         assert family.name == name and family.model_type == tiny_vision_config(name).model_type
     with pytest.raises(UserError, match=r"Kimi-VL .*remote code only"):
-        family_of(type("KimiVLConfig", (), {"model_type": "kimi_vl"})())
+        vision_family_of(type("KimiVLConfig", (), {"model_type": "kimi_vl"})())
     from transformers import LlamaConfig, LlavaConfig
 
     with pytest.raises(UserError, match=r"'llama' is a text-only model: it cannot take image parts"):
-        family_of(LlamaConfig())
+        vision_family_of(LlamaConfig())
     with pytest.raises(UserError, match=r"vision-language model type 'llava' is not supported by rlx yet"):
-        family_of(LlavaConfig())
+        vision_family_of(LlavaConfig())
 
 
 def test_image_parts_need_a_vision_model():
@@ -271,7 +271,7 @@ def test_frozen_vision_tower_gets_no_gradient(name):
     model, processor = build_tiny_vision_model(name)
     enable_packed_attention(model)
     batch = micro_batch(processor)
-    tower = {id(p) for m in family_of(model.config).vision_tower(model) for p in m.parameters()}
+    tower = {id(p) for m in vision_family_of(model.config).vision_tower(model) for p in m.parameters()}
     for frozen in (True, False):
         model.zero_grad(set_to_none=True)
         assert freeze_vision_tower(model, frozen) == len(tower)

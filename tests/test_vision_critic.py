@@ -18,7 +18,7 @@ from rlx.logprobs import ModuleScorer, batched_response_values, packed_response_
 from rlx.models.attention import enable_packed_attention
 from rlx.models.loading import ModelSource, read_weights
 from rlx.models.value import build_value_model, load_value_model, value_model_class
-from rlx.models.vision.families import family_of, freeze_vision_tower
+from rlx.models.vision.families import freeze_vision_tower, vision_family_of
 from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.models.vision.tiny import build_tiny_vision_model, write_tiny_vision_model_dir
 from rlx.parallel.dist import DistContext
@@ -89,7 +89,7 @@ def test_the_critics_frozen_tower_gets_no_gradient():
     critic = build_value_model(policy, seed=0)
     enable_packed_attention(critic, decoder_only=True)
     batch = micro_batch(processor)
-    tower = {id(p) for m in family_of(critic.config).vision_tower(critic) for p in m.parameters()}
+    tower = {id(p) for m in vision_family_of(critic.config).vision_tower(critic) for p in m.parameters()}
     row = VisionRow.from_padded(**batch["tensors"], vision=batch["vision"], config=critic.config)
     for frozen in (True, False):
         critic.zero_grad(set_to_none=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from rlx.errors import UserError
-from rlx.models.vision.families import is_vision_config
+from rlx.models.family import family_of
 from rlx.models.vision.images import ImageError, image_refs, resolve_ref
 from rlx.models.vision.inputs import VisionInputs
 from rlx.models.vision.positions import find_image_offsets, image_token_count
@@ -153,6 +153,6 @@ def why_no_images(engine) -> str:
     """Why a rollout engine without an image processor takes no images: a text-only model, or a vision-language
     model loaded without its processor."""
     config = getattr(engine.model, "config", None)
-    if config is not None and is_vision_config(config):
+    if config is not None and family_of(config).takes_images:
         return "no image processor was loaded for the model"
     return f"model type {getattr(config, 'model_type', None)!r} is a text-only model"

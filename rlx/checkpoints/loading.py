@@ -16,6 +16,7 @@ import torch
 from rlx.checkpoints.files import aux_files, generated_aux
 from rlx.checkpoints.registry import is_hf_dir, read_full_weights, read_lora, read_meta_or_default
 from rlx.errors import UserError
+from rlx.models.family import family_of
 from rlx.models.loading import (
     ModelSource,
     causal_lm_class,
@@ -29,7 +30,6 @@ from rlx.models.loading import (
     weight_files,
 )
 from rlx.models.value import build_value_model, check_value_config, load_value_model, value_model_class
-from rlx.models.vision.families import is_vision_config
 
 _MODEL_FILES = ("config.json", "generation_config.json")  # the policy's own; a critic's config is written anew
 
@@ -65,13 +65,12 @@ def load_processor(source: ModelSource, options=None, config=None):
     """The image processor + tokenizer of a vision-language model (`VisionProcessor`, with a `VisionConfig`'s
     pixel limits), or None for a text-only model; a vision-language model dir without its processor files
     (preprocessor_config.json, or processor_config.json as transformers 5 writes it) is a UserError naming it."""
-    from rlx.models.vision.families import is_vision_config
     from rlx.models.vision.processor import vision_processor_for
 
     if source.is_gguf:
         return None
     config = config if config is not None else load_config(source)
-    return vision_processor_for(source.folder, config, options) if is_vision_config(config) else None
+    return vision_processor_for(source.folder, config, options) if family_of(config).takes_images else None
 
 
 def load_initial_policy(path: str | Path, init: str = "pretrained", seed: int = 0):
@@ -123,7 +122,7 @@ def build_critic_files(
     with its config.json in place of the policy's, so its checkpoints read their batches' images as the policy's do."""
     critic = build_value_model(policy, seed)
     aux = generated_aux(critic, tokenizer)
-    if is_vision_config(critic.config) and policy_aux:
+    if family_of(critic.config).takes_images and policy_aux:
         aux = {**{k: v for k, v in policy_aux.items() if k not in _MODEL_FILES}, "config.json": aux["config.json"]}
     return critic, aux
 

@@ -20,7 +20,8 @@ import torch
 
 from rlx.errors import UserError
 from rlx.formats.records import RolloutRecord
-from rlx.models.vision.families import family_for_prompt, is_vision_config
+from rlx.models.family import family_of
+from rlx.models.vision.families import family_for_prompt
 from rlx.models.vision.images import image_refs
 from rlx.models.vision.inputs import VisionInputs
 from rlx.models.vision.positions import find_image_offsets, image_token_count
@@ -44,7 +45,7 @@ def rollout_images(rollouts: list[RolloutRecord], processor, config) -> BatchIma
     then must have no image), or None when no prompt has one. Errors name the sample."""
     refs = [sample_image_refs(r) for r in rollouts]
     for rollout, sample_refs in zip(rollouts, refs):
-        if sample_refs and rollout.is_multi_turn and not is_vision_config(config):
+        if sample_refs and rollout.is_multi_turn and not family_of(config).takes_images:
             model_type = getattr(config, "model_type", None) or type(config).__name__
             raise UserError(f"sample {rollout.id!r} has images, but model type {model_type!r} is a text-only model")
         if sample_refs:

@@ -156,7 +156,7 @@ def load_config(source: ModelSource):
 
 def _check_known_family(source: ModelSource) -> None:
     """A family transformers cannot build here (e.g. Kimi-VL, remote code only) is named before AutoConfig fails."""
-    from rlx.models.vision.families import KNOWN_UNSUPPORTED, family_of
+    from rlx.models.vision.families import KNOWN_UNSUPPORTED, vision_family_of
 
     path = source.folder / "config.json"
     if source.is_gguf or not path.is_file():
@@ -167,7 +167,7 @@ def _check_known_family(source: ModelSource) -> None:
         return  # AutoConfig names the problem
     if model_type in KNOWN_UNSUPPORTED:
         try:
-            family_of(type("Config", (), {"model_type": model_type})())
+            vision_family_of(type("Config", (), {"model_type": model_type})())
         except UserError as e:
             raise UserError(f"{source.path}: {e}") from None
 
@@ -240,11 +240,16 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All weight tensors of an HF-layout folder, exactly as stored (dtype kept)."""
+    """All weight tensors of an HF-layout folder with the model's parameter names, values exactly as stored (dtype
+    kept); a mixture-of-experts model's per-expert tensors are stacked into its fused expert parameters as
+    transformers loads them (rlx.models.moe)."""
+    from rlx.models.moe import moe_family_of_folder
+
     state = {}
     for path in weight_files(folder):
         state.update(read_safetensors(path))
-    return state
+    family = moe_family_of_folder(folder)
+    return family.module_weights(state) if family is not None else state
 
 
 def tied_keys(model) -> set[str]:

@@ -100,9 +100,9 @@ def linear_module_names(model: torch.nn.Module) -> list[str]:
 
 def vision_tower_names(model: torch.nn.Module) -> tuple[str, ...]:
     """Module paths of a vision-language model's vision tower (its family's); () for a text model."""
-    from rlx.models.vision.families import family_of, is_vision_config
+    from rlx.models.vision.families import is_vision_config, vision_family_of
 
-    return family_of(model.config).vision_modules if is_vision_config(model.config) else ()
+    return vision_family_of(model.config).vision_modules if is_vision_config(model.config) else ()
 
 
 def resolve_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:

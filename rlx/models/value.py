@@ -15,7 +15,7 @@ import torch
 
 from rlx.errors import UserError
 from rlx.models.loading import ModelSource, load_config, quiet_transformers
-from rlx.models.vision.families import family_of, is_vision_config
+from rlx.models.vision.families import is_vision_config, vision_family_of
 from rlx.models.vision.value import value_architecture, vision_value_class
 
 
@@ -25,7 +25,7 @@ def value_config(config):
     out.num_labels = 1
     out.classifier_dropout = 0.0
     if is_vision_config(config):
-        out.architectures = [value_architecture(family_of(config))]
+        out.architectures = [value_architecture(vision_family_of(config))]
         return out
     base = config.architectures[0] if getattr(config, "architectures", None) else type(config).__name__
     family = base.replace("ForCausalLM", "").replace("ForTokenClassification", "").replace("Config", "")

@@ -6,6 +6,9 @@ Convention (the one of the PaLM/Megatron MFU papers, with exact causal attention
 - per token and layer: Q, K, V and output projections, 2*h*(q + 2*kv + q) with q = heads*head_dim
   and kv = kv_heads*head_dim (grouped-query attention shrinks K and V); the MLP, 2*h*i per matrix,
   3 matrices when gated (gate, up, down: Llama, Qwen) and 2 for Apertus (up, down);
+- mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE) count what one token runs: the router,
+  2*h*experts, its top-k experts' gated MLPs, 3*2*h*i_expert each, and a shared expert where there is one
+  (Qwen2-MoE: 3*2*h*i_shared plus its 1-output gate, 2*h); dense layers between them count as dense;
 - per token: the LM head, 2*h*vocab, whether or not it is tied to the embedding (tying changes the
   parameter count, not the matmul work);
 - causal attention of a sequence of L tokens: query i attends to keys 0..i, L*(L+1)/2 pairs, and
@@ -28,6 +31,7 @@ MODES = {"forward": 1.0, "train": 3.0}
 # families whose MLP has no gate (up -> activation -> down)
 UNGATED_MLP_FAMILIES = ("apertus",)
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_COUNTED_MOE_KEYS = ("num_experts", "num_local_experts")  # Qwen2/Qwen3-MoE and OLMoE; Mixtral
 
 
 def _get(config: Any, key: str, default: Any = None) -> Any:
@@ -40,8 +44,11 @@ def _shape(config: Any) -> dict[str, int]:
     if hasattr(config, "get_text_config"):  # a vision-language model: its decoder (the vision tower is not counted)
         config = config.get_text_config()
     for key in _MOE_KEYS:
-        if _get(config, key, 0):
-            raise UserError(f"FLOPs counting supports dense models only; this config has {key}={_get(config, key)}")
+        if _get(config, key, 0) and (key not in _COUNTED_MOE_KEYS or not _get(config, "num_experts_per_tok", 0)):
+            raise UserError(
+                f"FLOPs counting supports dense models and Qwen-MoE / Mixtral / OLMoE routing only; this config has "
+                f"{key}={_get(config, key)}"
+            )
     shape = {}
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         value = _get(config, key)
@@ -60,7 +67,34 @@ def layer_flops_per_token(config: Any) -> float:
     h, q, kv = s["hidden_size"], s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
     attention_proj = 2 * h * q + 2 * 2 * h * kv + 2 * q * h
     mlp = s["mlp_matrices"] * 2 * h * s["intermediate_size"]
-    return float(s["num_hidden_layers"] * (attention_proj + mlp))
+    routed = _routed_layers(config, s["num_hidden_layers"])
+    dense = s["num_hidden_layers"] - routed
+    moe = routed * _moe_mlp_flops(config, h) if routed else 0
+    return float(s["num_hidden_layers"] * attention_proj + dense * mlp + moe)
+
+
+def _text(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _routed_layers(config: Any, num_layers: int) -> int:
+    """How many layers route to experts: every layer of Mixtral and OLMoE; Qwen-MoE's every `decoder_sparse_step`-th
+    layer outside `mlp_only_layers`; none for a dense model."""
+    config = _text(config)
+    if not any(_get(config, key, 0) for key in _COUNTED_MOE_KEYS):
+        return 0
+    step, dense_only = int(_get(config, "decoder_sparse_step", 1)), set(_get(config, "mlp_only_layers", []))
+    return sum(1 for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+
+
+def _moe_mlp_flops(config: Any, h: int) -> float:
+    """One token through one MoE layer: router, top-k gated experts, the shared expert and its gate if any."""
+    config = _text(config)
+    experts = int(_get(config, "num_experts", 0) or _get(config, "num_local_experts", 0))
+    expert_size = int(_get(config, "moe_intermediate_size", 0) or _get(config, "intermediate_size"))
+    shared = int(_get(config, "shared_expert_intermediate_size", 0))
+    top_k = int(_get(config, "num_experts_per_tok"))
+    return 2 * h * experts + top_k * 3 * 2 * h * expert_size + (3 * 2 * h * shared + 2 * h if shared else 0)
 
 
 def lm_head_flops_per_token(config: Any) -> float:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from rlx.errors import UserError
-from rlx.models.vision.families import is_vision_config
+from rlx.models.family import family_of
 from rlx.parallel.dist import DistContext
 from rlx.parallel.fsdp import apply_fsdp, decoder_layers
 from rlx.parallel.ulysses import enable_ulysses_attention, validate_sp
@@ -48,7 +48,7 @@ def apply_parallelism(model: torch.nn.Module, ctx: DistContext, plan: ParallelPl
         raise UserError("param_offload needs FSDP: launch with torchrun (--nproc_per_node 1 is fine)")
     if plan.packed_attention:
         validate_sp(model.config, ctx.sp_degree)
-        enable_ulysses_attention(model, decoder_only=is_vision_config(model.config))
+        enable_ulysses_attention(model, decoder_only=family_of(model.config).attention_scope == "decoder")
     if plan.compile:
         steady_compile_settings()
         for layer in decoder_layers(model):

@@ -19,28 +19,13 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from rlx.models.vision.families import family_of, is_vision_config
+from rlx.models.family import family_of
 from rlx.parallel.dist import DistContext
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder blocks of an HF causal LM (or value model): the base model's `layers` list; for a
-    vision-language model its language model's."""
-    if is_vision_config(model.config):
-        base, where = family_of(model.config).decoder(model), family_of(model.config).language_model
-    else:
-        base, where = getattr(model, model.base_model_prefix, model), model.base_model_prefix
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"{type(model).__name__}: no decoder layer list found at {where}.layers")
-    return layers
-
-
-def vision_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """A vision-language model's vision-tower blocks (each its own FSDP unit), else none."""
-    if not is_vision_config(model.config):
-        return []
-    return [block for tower in family_of(model.config).vision_tower(model) for block in getattr(tower, "blocks", [])]
+    """The decoder blocks of an HF causal LM (or value model): its family's decoder's `layers` list."""
+    return family_of(model.config).decoder_layers(model)
 
 
 def apply_fsdp(model: torch.nn.Module, ctx: DistContext, param_dtype: torch.dtype, offload: bool = False):
@@ -51,7 +36,7 @@ def apply_fsdp(model: torch.nn.Module, ctx: DistContext, param_dtype: torch.dtyp
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
         "offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if offload else OffloadPolicy(),
     }
-    for layer in [*vision_blocks(model), *decoder_layers(model)]:
+    for layer in family_of(model.config).fsdp_units(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model

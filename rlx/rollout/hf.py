@@ -18,7 +18,7 @@ from collections import deque
 import torch
 
 from rlx.models.attention import PACKED_ATTENTION, attention_implementation
-from rlx.models.vision.families import family_of, is_vision_config
+from rlx.models.family import family_of
 from rlx.models.vision.inputs import VisionInputs
 from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.models.vision.positions import left_padded_positions
@@ -42,7 +42,7 @@ class HFRolloutEngine(RolloutEngine):
     def __init__(self, model, tokenizer, cfg, ctx, processor=None):
         super().__init__(model.to(ctx.device), tokenizer, cfg, ctx, processor)
         self.pad_id = pad_token_id(tokenizer)
-        self.family = family_of(model.config) if is_vision_config(model.config) else None
+        self.family = family_of(model.config)
 
     def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> TokenStream:
         return HFStream(self, sampling)
@@ -86,7 +86,7 @@ class HFRolloutEngine(RolloutEngine):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions}
         row = None
-        if self.family is not None:  # [3, b, width] mRoPE positions and the rows' images in row order
+        if self.family.takes_images:  # [3, b, width] mRoPE positions and the rows' images in row order
             vision = [v if v is not None else VisionInputs.empty(1) for v in vision or [None] * b]
             images = VisionInputs.concat(vision)
             config = self.model.config

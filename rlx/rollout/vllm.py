@@ -57,9 +57,9 @@ from pathlib import Path
 import torch
 
 from rlx.errors import UserError
+from rlx.models.family import family_of
 from rlx.models.lora import ADAPTER, hf_name, is_adapter_param, is_lora_model
 from rlx.models.lora_merge import save_peft_adapter, write_peft_weights
-from rlx.models.vision.families import is_vision_config
 from rlx.parallel.dist import all_reduce
 from rlx.parallel.fsdp import gathered_weights
 from rlx.rollout.base import LocalGeneration, ModuleWeights, RolloutEngine, TokenStream, WeightSource
@@ -108,7 +108,7 @@ class VLLMRolloutEngine(RolloutEngine):
     name = "vllm"
 
     def __init__(self, model, tokenizer, cfg, ctx, processor=None):
-        if is_vision_config(model.config):
+        if family_of(model.config).takes_images:
             raise UserError(VISION_UNSUPPORTED.format(model_type=model.config.model_type))
         if ctx.device.type == "cuda" and not ctx.distributed and (ctx.device.index or 0) != 0:
             # vLLM's one-process executor places its worker by its own rank (0), not by the current device
@@ -130,6 +130,11 @@ class VLLMRolloutEngine(RolloutEngine):
             )
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if self.device.type == "cpu" and family_of(config).routed_experts:
+            raise UserError(
+                f"vLLM's CPU backend fails to load mixture-of-experts weights ({config.model_type}) in rlx's engine; "
+                f"use engine 'hf' or 'native'"
+            )
         if self.device.type == "cpu" and head_dim < 32:
             raise UserError(f"vLLM's CPU attention needs head_dim >= 32; this model's is {head_dim} (use engine 'hf')")
         self.max_model_len = cfg.max_model_len or int(model.config.max_position_embeddings)

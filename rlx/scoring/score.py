@@ -16,7 +16,7 @@ from rlx.errors import UserError
 from rlx.formats.batch import BatchMeta, TrainBatch, collate
 from rlx.formats.images import rollout_images
 from rlx.formats.records import RolloutRecord, ScoreRecord
-from rlx.models.vision.families import is_vision_config
+from rlx.models.family import family_of
 from rlx.observe.tracking import console
 from rlx.scoring.config import ScoreConfig
 from rlx.scoring.rewards import RewardFunctions
@@ -212,7 +212,7 @@ def _forward_options(cfg, models: ScoringModels, temperature: float, images) -> 
                    impl=cfg.logprob_impl, max_tokens=max_tokens)  # fmt: skip
     if images is not None:
         critic_config = getattr(models.critic, "config", None)
-        if critic_config is not None and not is_vision_config(critic_config):
+        if critic_config is not None and not family_of(critic_config).takes_images:
             raise UserError(
                 f"the samples have images, but the critic is a text-only model ({critic_config.model_type}); make "
                 f"the critic from the vision-language policy (`rlx shard --role critic --model POLICY`)"

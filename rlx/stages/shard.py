@@ -19,6 +19,7 @@ from rlx.checkpoints.loading import build_critic_files, load_initial_policy, loa
 from rlx.checkpoints.meta import META_NAME, CheckpointMeta, is_checkpoint, provenance
 from rlx.checkpoints.registry import get_layout, layout_names, read_full_weights, read_lora, read_meta
 from rlx.errors import UserError
+from rlx.models.family import family_of
 from rlx.models.loading import ModelSource, build_empty_model, check_weights_match, load_config, resolve_source
 from rlx.models.lora_config import LoraConfig
 from rlx.models.value import is_value_config
@@ -187,7 +188,8 @@ def merge_checkpoint(
     check_new_output(out, overwrite)
     if adapter_only:
         return _merge_adapters(folder, meta, out, dtype, overwrite)
-    weights = _cast(read_full_weights(folder), dtype)
+    family = family_of(load_config(resolve_source(str(folder), "checkpoint")))
+    weights = family.hub_weights(_cast(read_full_weights(folder), dtype))  # e.g. an MoE's experts one by one
     aux = _set_config_dtype(aux_files(folder), dtype)
     with atomic_dir(out, overwrite=overwrite, marker="config.json") as tmp:
         write_aux(tmp, aux)

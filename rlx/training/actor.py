@@ -4,6 +4,9 @@ entropy bonus, aggregated with mini-batch normalisers. Every term and metric is 
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 from rlx.algorithms.core import masked_sum
@@ -13,6 +16,7 @@ from rlx.algorithms.rollout_correction import RolloutCorrection, correct
 from rlx.errors import UserError
 from rlx.formats.batch import TrainBatch
 from rlx.logprobs import MODEL_INPUTS, packed_response_logprobs, response_logprobs
+from rlx.models.moe import RouterProbe, moe_sizes
 from rlx.training.trainer import Trainer
 
 
@@ -20,7 +24,7 @@ class ActorTrainer(Trainer):
     """The trainable policy: a causal LM and its AdamW optimizer."""
 
     role = "actor"
-    loss_keys = ("loss", "pg_loss", "kl_loss", "entropy_loss")
+    loss_keys = ("loss", "pg_loss", "kl_loss", "entropy_loss", "moe_aux_loss", "moe_max_expert_load")
 
     @property
     def loss_params(self) -> PolicyLossParams:
@@ -85,8 +89,32 @@ class ActorTrainer(Trainer):
     def micro_step(
         self, t: dict[str, torch.Tensor], part: TrainBatch, norm: LossNorm, sums: dict[str, float], weight: float
     ) -> None:
-        logp, entropy = self.logprobs(t, part)
-        (self.micro_loss(t, logp, entropy, norm, sums) * weight).backward()
+        probe = self.router_probe
+        with probe if probe is not None else contextlib.nullcontext():
+            logp, entropy = self.logprobs(t, part)
+        loss = self.micro_loss(t, logp, entropy, norm, sums)
+        if probe is not None:
+            aux = self.moe_aux_loss(probe, t, norm, sums)
+            if self.cfg.moe_aux_loss_coef > 0:
+                loss = loss + self.cfg.moe_aux_loss_coef * aux
+        (loss * weight).backward()
+
+    @functools.cached_property
+    def router_probe(self) -> RouterProbe | None:
+        """Hooks on the routers of an MoE actor (None for a dense one)."""
+        return RouterProbe(self.model) if moe_sizes(self.config) is not None else None
+
+    def moe_aux_loss(self, probe: RouterProbe, t: dict[str, torch.Tensor], norm: LossNorm, sums: dict) -> torch.Tensor:
+        """The routers' load-balancing loss of the micro-batch, weighted by its share of the mini-batch's trained
+        tokens (so accumulated micro-batches give about one batch's value); its metric sums added to `sums`."""
+        num_experts, top_k = moe_sizes(self.config)
+        share = t["loss_mask"].sum() / norm.num_tokens
+        aux = probe.aux_loss(num_experts, top_k) * share
+        with torch.no_grad():
+            load = probe.expert_load(num_experts)
+            sums["moe_aux_loss"] += aux.detach()
+            sums["moe_max_expert_load"] += (load.max() / load.mean().clamp(min=1e-9)) * share  # 1.0 = balanced
+        return aux
 
     def micro_loss(
         self, t: dict[str, torch.Tensor], logp: torch.Tensor, entropy: torch.Tensor, norm: LossNorm, sums: dict

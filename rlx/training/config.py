@@ -81,6 +81,9 @@ class TrainConfig:
     """KL estimator for the KL loss term ('k3' is verl's low_var_kl)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight (loss -= entropy_coef * aggregated token entropy)."""
+    moe_aux_loss_coef: float = 0.0
+    """Mixture-of-experts actors: weight of the routers' load-balancing loss (0 = off); the metrics
+    actor/moe_aux_loss and actor/moe_max_expert_load are logged for any MoE actor."""
     cliprange_value: float = 0.5
     """Critic: value predictions are clipped to old value +/- cliprange_value."""
     rollout_is: Literal["none", "token", "sequence"] = "none"
@@ -152,6 +155,7 @@ class TrainConfig:
         check(self.tau_pos > 0 and self.tau_neg > 0, "tau_pos", "SAPO temperatures must be > 0")
         check(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
         check(self.kl_loss_coef >= 0, "kl_loss_coef", f"must be >= 0, got {self.kl_loss_coef}")
+        check(self.moe_aux_loss_coef >= 0, "moe_aux_loss_coef", f"must be >= 0, got {self.moe_aux_loss_coef}")
         check(self.cliprange_value > 0, "cliprange_value", f"must be > 0, got {self.cliprange_value}")
         check(self.rollout_is_threshold > 0, "rollout_is_threshold", f"must be > 0, got {self.rollout_is_threshold}")
         check(self.loss_scale_factor >= 0, "loss_scale_factor", f"must be >= 0, got {self.loss_scale_factor}")

@@ -28,10 +28,10 @@ from rlx.errors import UserError
 from rlx.formats.batch import TrainBatch
 from rlx.logprobs import ModuleScorer, PackedRows
 from rlx.models import lora_state
+from rlx.models.family import family_of
 from rlx.models.loading import tied_keys
 from rlx.models.lora import apply_lora, is_lora_model
 from rlx.models.lora_merge import iter_merged_weights, merged_weights
-from rlx.models.vision.families import freeze_vision_tower, is_vision_config
 from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.parallel.apply import ParallelPlan, apply_parallelism, shards_models
 from rlx.parallel.batching import balanced_partition, count_micro_batches, token_budget_micro_batches
@@ -78,8 +78,7 @@ class Trainer:
     ):
         self.cfg, self.device = cfg, device
         self.ctx = ctx or DistContext(device=device)
-        if is_vision_config(model.config):  # before the optimizer and FSDP see which parameters train
-            freeze_vision_tower(model, cfg.vision.freeze_vision_tower)
+        family_of(model.config).prepare(model, cfg.vision.freeze_vision_tower)  # before the optimizer and FSDP
         self.lora = lora
         if lora is not None and not is_lora_model(model):
             apply_lora(model, lora.config, dtype, seed=cfg.seed)
@@ -208,7 +207,7 @@ class Trainer:
         top = int(torch.maximum(batch.prompt_ids.max(), batch.response_ids.max()))
         if top >= vocab:
             raise UserError(f"{where}: batch contains token id {top}, outside the model's vocabulary of {vocab}")
-        if batch.images is not None and not is_vision_config(self.config):
+        if batch.images is not None and not family_of(self.config).takes_images:
             raise UserError(f"{where}: the batch has images, but the model ({self.config.model_type}) is text-only")
 
     def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """One bundle per vision-language family: its transformers classes, image tokens, positions and vision tower.
 
-`family_of(config)` maps a model config to its `VisionFamily`; everything else in `rlx.models.vision`
+`vision_family_of(config)` maps a model config to its `VisionFamily`; everything else in `rlx.models.vision`
 asks the bundle instead of branching on the model type. Supported (transformers 5.17): Qwen2-VL,
 Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4.1V ('glm4v') and GLM-4.5V ('glm4v_moe'). Families transformers
 lacks (Kimi-VL is remote code only) or that rlx does not handle yet are a UserError naming the family; a
@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from rlx.errors import UserError
+from rlx.models.bundle import ModelFamily
 from rlx.models.vision.images import image_refs
 
 # model types transformers does not ship (remote code only) that users may reasonably try
@@ -30,9 +32,12 @@ KNOWN_UNSUPPORTED = {
 }
 
 
-@dataclass(frozen=True)
-class VisionFamily:
-    """How rlx drives one vision-language family of transformers."""
+@dataclass(frozen=True, kw_only=True)
+class VisionFamily(ModelFamily):
+    """How rlx drives one vision-language family of transformers (a `ModelFamily` with a vision tower)."""
+
+    takes_images: ClassVar[bool] = True
+    attention_scope: ClassVar[str] = "decoder"
 
     name: str
     """Short name, e.g. 'qwen2_vl'."""
@@ -94,6 +99,17 @@ class VisionFamily:
     def decoder(self, model: torch.nn.Module) -> torch.nn.Module:
         """The decoder of `model` that receives the merged embeddings (hooked by the packed forward)."""
         return model.get_submodule(self.language_model)
+
+    def decoder_path(self, model: torch.nn.Module) -> str:
+        return self.language_model
+
+    def tower_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The vision tower's blocks (each its own FSDP unit)."""
+        return [block for tower in self.vision_tower(model) for block in getattr(tower, "blocks", [])]
+
+    def prepare(self, model: torch.nn.Module, freeze_tower: bool = True) -> None:
+        """Freeze (or unfreeze) the vision tower before the optimizer and FSDP see which parameters train."""
+        freeze_vision_tower(model, freeze_tower)
 
     def image_token_id(self, config) -> int:
         """Id of the image placeholder token in `config`."""
@@ -161,7 +177,7 @@ def is_vision_config(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def family_of(config) -> VisionFamily:
+def vision_family_of(config) -> VisionFamily:
     """The bundle of `config`'s family; UserError for a text-only model or a family rlx cannot train."""
     model_type = getattr(config, "model_type", None) or type(config).__name__
     if model_type in FAMILIES:
@@ -181,7 +197,7 @@ def family_for_prompt(config, prompt, prompt_id=None) -> VisionFamily | None:
     """The family that will read `prompt` (None for a text-only model and a prompt without images); image parts
     given to a text-only model are a UserError naming the prompt."""
     if is_vision_config(config) or getattr(config, "model_type", None) in KNOWN_UNSUPPORTED:
-        return family_of(config)
+        return vision_family_of(config)
     if image_refs(prompt, prompt_id):
         model_type = getattr(config, "model_type", None) or type(config).__name__
         raise UserError(f"prompt {prompt_id!r} has image parts, but model type {model_type!r} is a text-only model")
@@ -191,7 +207,7 @@ def family_for_prompt(config, prompt, prompt_id=None) -> VisionFamily | None:
 def freeze_vision_tower(model: torch.nn.Module, frozen: bool = True) -> int:
     """Stop (or restart, `frozen=False`) gradients of the vision tower's parameters; returns how many
     parameter tensors it covers. The decoder and LM head are left as they are."""
-    family = family_of(model.config)
+    family = vision_family_of(model.config)
     count = 0
     for module in family.vision_tower(model):
         for param in module.parameters():

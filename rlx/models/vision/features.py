@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlx.models.vision.families import family_of
+from rlx.models.vision.families import vision_family_of
 from rlx.models.vision.inputs import VisionInputs
 
 
@@ -33,7 +33,7 @@ class ImageFeatures:
 def image_features(model: torch.nn.Module, vision: VisionInputs) -> ImageFeatures:
     """Run `model`'s vision tower on the images of `vision` (pixels moved to the model's device; gradients reach
     the tower where it trains)."""
-    family = family_of(model.config)
+    family = vision_family_of(model.config)
     backbone = getattr(model, model.base_model_prefix)
     device = next(backbone.parameters()).device
     vision = vision.to(device)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from rlx.errors import UserError
-from rlx.models.vision.families import VisionFamily, family_of
+from rlx.models.vision.families import VisionFamily, vision_family_of
 from rlx.models.vision.features import image_features
 from rlx.models.vision.inputs import VisionInputs
 from rlx.models.vision.positions import mrope_positions
@@ -70,7 +70,7 @@ class VisionRow:
         prompt, default all) and their images -> a packed row."""
         if len(sequences) != vision.num_samples:
             raise ValueError(f"{len(sequences)} sequences but vision inputs for {vision.num_samples} samples")
-        family = family_of(config)
+        family = vision_family_of(config)
         token, merge = family.image_token_id(config), family.merge_size(config)
         ids = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
         lengths = prompt_lengths if prompt_lengths is not None else [len(s) for s in ids]
@@ -144,7 +144,7 @@ def set_decoder_attention(model: torch.nn.Module, name: str) -> None:
     "rlx_varlen", "rlx_ulysses"); the vision tower keeps its own (sdpa or flash attention per image), which is
     what it needs on GPUs. Switching the whole model works too: the tower then calls `name` once per image."""
     model.set_attn_implementation({"text_config": name})
-    if family_of(model.config).decoder(model).config._attn_implementation != name:
+    if vision_family_of(model.config).decoder(model).config._attn_implementation != name:
         raise UserError(f"{type(model).__name__}: its decoder does not take the attention function {name!r}")
 
 
@@ -169,7 +169,7 @@ def vision_forward(model: torch.nn.Module, row: VisionRow, sp_rank: int = 0, sp_
     rank's slice under sequence parallelism `sp_rank` of `sp_size`; or the padded batch of `VisionRow.padded`) run
     as the vision-language forward of `row`, which must hold the same samples (it is moved to the model's
     device)."""
-    family: VisionFamily = family_of(model.config)
+    family: VisionFamily = vision_family_of(model.config)
     backbone = getattr(model, model.base_model_prefix)
     row = row.to(next(model.parameters()).device)  # a no-op when it is there already
     held: dict = {}

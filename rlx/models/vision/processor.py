@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from rlx.errors import UserError
-from rlx.models.vision.families import VisionFamily, family_of
+from rlx.models.vision.families import VisionFamily, vision_family_of
 from rlx.models.vision.images import image_refs, image_size, load_image, resolve_ref
 from rlx.models.vision.inputs import VisionInputs
 from rlx.models.vision.positions import image_token_count
@@ -191,7 +191,7 @@ def load_vision_processor(model_dir: str | Path, config=None) -> VisionProcessor
     model_dir = Path(model_dir)
     if config is None:
         config = AutoConfig.from_pretrained(str(model_dir))
-    family = family_of(config)
+    family = vision_family_of(config)
     settings = image_processor_file(model_dir)
     if settings is None:
         raise UserError(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from rlx.errors import UserError
-from rlx.models.vision.families import VisionFamily, family_of
+from rlx.models.vision.families import VisionFamily, vision_family_of
 
 _CLASSES: dict[str, type] = {}
 
@@ -86,7 +86,7 @@ def _backbone_class(family: VisionFamily, config) -> type:
 def vision_value_class(config) -> type:
     """The value-model class of `config`'s vision-language family (built once per family); UserError naming the
     family when rlx cannot build one."""
-    family = family_of(config)
+    family = vision_family_of(config)
     if family.name not in _CLASSES:
         policy = family.load_model_class()
         attrs = {

@@ -39,8 +39,8 @@ import torch
 from torch.profiler import record_function
 
 from rlx.errors import UserError
+from rlx.models.family import family_of
 from rlx.models.lora import is_lora_model
-from rlx.models.vision.families import is_vision_config
 from rlx.parallel.dist import TensorParallelGroup, all_reduce, shard_range, tensor_parallel_group
 from rlx.rollout.base import RolloutEngine, TokenStream, WeightSource, copy_weights
 from rlx.rollout.config import SamplingParams
@@ -232,7 +232,7 @@ class NativeRolloutEngine(RolloutEngine):
         the cache sized for `num_seqs` sequences of `max_context` tokens (or what the budget allows)."""
         module = self._generating_module()  # before the cache is sized from the free memory
         runner = self._runner_for(module, max_context, num_seqs)
-        runner.images = NativeImages(module) if is_vision_config(module.config) else None  # this stream's images
+        runner.images = NativeImages(module) if family_of(module.config).takes_images else None  # this stream's images
         return NativeStream(self, runner, sampling)
 
     def _runner_for(self, module: torch.nn.Module, max_context: int, num_seqs: int) -> ModelRunner:
@@ -375,7 +375,7 @@ def _tensor_parallel(model, cfg, ctx) -> TensorParallelGroup | None:
     splits (a UserError naming what does not)."""
     if cfg.tp_degree == 1:
         return None
-    if is_vision_config(model.config):
+    if family_of(model.config).takes_images:
         raise UserError(f"tp_degree {cfg.tp_degree}: the native engine splits text models only")
     if is_lora_model(model) and cfg.lora_rollout != "merged":
         raise UserError(f"tp_degree {cfg.tp_degree}: a LoRA policy decodes split with lora_rollout = 'merged' only")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from rlx.kernels.paged_attention import paged_decode_attention, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
-from rlx.models.vision.families import family_of, is_vision_config
+from rlx.models.family import family_of
 from rlx.rollout.native.blocks import BlockManager, Sequence
 from rlx.rollout.native.fused import fused_head_step, fused_layer_step, merged_layers
 from rlx.rollout.native.inputs import DecodeStaging, last_token
@@ -140,9 +140,7 @@ def _prefill_attention(q, k_cache, v_cache, ctx: PagedContext, scale: float | No
 def _decoder_parts(model):
     """(embed_tokens, rotary_emb, layers, norm, lm_head) of a Llama-family causal LM (a vision-language model's
     language model), or None for others."""
-    backbone = (
-        family_of(model.config).decoder(model) if is_vision_config(model.config) else getattr(model, "model", None)
-    )
+    backbone = family_of(model.config).decoder(model)
     parts = [getattr(backbone, n, None) for n in ("embed_tokens", "rotary_emb", "layers", "norm")]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return None if backbone is None or head is None or any(p is None for p in parts) else (*parts, head)
@@ -216,7 +214,7 @@ class ModelRunner:
         attention and MLP outputs over this group too."""
         config = model.config.get_text_config()
         self.model, self.device, self.dtype, self.blocks = model, device, dtype, blocks
-        self.is_mrope = is_vision_config(model.config)  # 3-D rotary positions: [1, T] expanded to [3, 1, T]
+        self.is_mrope = family_of(model.config).takes_images  # 3-D rotary positions: [1, T] expanded to [3, 1, T]
         self.images: NativeImages | None = None
         """The current generate call's images (a vision-language model; set by the engine per call)."""
         self.attention, self.use_compile = attention, compile

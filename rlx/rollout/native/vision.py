@@ -20,7 +20,7 @@ import hashlib
 
 import torch
 
-from rlx.models.vision.families import family_of
+from rlx.models.family import family_of
 from rlx.models.vision.features import ImageFeatures, image_features
 from rlx.models.vision.inputs import VisionInputs
 from rlx.models.vision.positions import find_image_offsets, image_token_count, mrope_positions

@@ -1,0 +1,226 @@
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): their weight layout on disk and in memory.
+
+transformers 5.17 keeps each MoE layer's experts as fused parameters (`mlp.experts.gate_up_proj` [E, 2I, H] and
+`mlp.experts.down_proj` [E, H, I]) but the hub's files (and `save_pretrained`) hold one tensor per expert
+(`mlp.experts.N.{gate,up,down}_proj.weight`; Mixtral's `block_sparse_moe.experts.N.w{1,2,3}.weight`).
+transformers converts between the two with its per-model-type conversion mapping (`WeightConverter` /
+`WeightRenaming` in `transformers.core_model_loading`); `MoeFamily` applies that same mapping to plain
+state dicts, so rlx holds the module's (fused) names everywhere inside (checkpoints, training, scoring) and
+writes the hub's per-expert layout back on `rlx merge`. Both directions only stack / split tensors, so
+shard -> merge is bit-exact.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from rlx.models.bundle import ModelFamily
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeFamily(ModelFamily):
+    """A text decoder whose MLPs are routed experts (a `ModelFamily` with the expert weight layout)."""
+
+    routed_experts: ClassVar[bool] = True
+    model_type: str
+    """config.model_type of the family."""
+
+    def _transforms(self, reverse: bool) -> list:
+        """transformers' conversion mapping of this model type (hub -> module), reversed for module -> hub."""
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        transforms = get_checkpoint_conversion_mapping(self.model_type) or []
+        return [t.reverse_transform() for t in transforms[::-1]] if reverse else transforms
+
+    def module_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`weights` with the module's (fused) names and shapes; a dict already in that layout comes back as is."""
+        return _apply(weights, self._transforms(reverse=False), reverse=False)
+
+    def hub_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`weights` (module names) in the hub's per-expert layout, as `save_pretrained` writes it."""
+        return _apply(weights, self._transforms(reverse=True), reverse=True)
+
+
+def _apply(weights: dict[str, torch.Tensor], transforms: list, reverse: bool) -> dict[str, torch.Tensor]:
+    """Run transformers' weight transforms over a flat state dict: rename each key, gather the keys one converter
+    merges (experts in natural order: 0, 1, ..., 10), and convert each group. Keys no transform matches pass."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    if not converters and not renamings:
+        return dict(weights)
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    groups, out = {}, {}
+    for key in sorted(weights, key=dot_natural_key):
+        target, pattern = rename_source_key(key, renamings, converters, reverse=reverse)
+        if pattern is None:
+            out[target] = weights[key]
+            continue
+        group = groups.setdefault(target, copy.deepcopy(by_pattern[pattern]))
+        group.add_tensor(target, key, pattern, weights[key])
+    for target, converter in groups.items():
+        for name, tensor in converter.convert(target).items():
+            out[name] = tensor[0] if isinstance(tensor, list) else tensor
+    return out
+
+
+MOE_FAMILIES: dict[str, MoeFamily] = {
+    f.model_type: f
+    for f in (
+        MoeFamily(name="qwen3_moe", title="Qwen3-MoE", model_type="qwen3_moe"),
+        MoeFamily(name="qwen2_moe", title="Qwen2-MoE", model_type="qwen2_moe"),
+        MoeFamily(name="mixtral", title="Mixtral", model_type="mixtral"),
+        MoeFamily(name="olmoe", title="OLMoE", model_type="olmoe"),
+    )
+}
+"""The MoE families rlx drives (transformers' fused experts with a per-expert hub layout)."""
+
+
+def moe_family_of_folder(folder: Path) -> MoeFamily | None:
+    """The MoE family named by `folder`'s config.json (model_type), or None (no config, another family)."""
+    path = Path(folder) / "config.json"
+    try:
+        model_type = json.loads(path.read_text()).get("model_type") if path.is_file() else None
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+        return None
+    return MOE_FAMILIES.get(model_type)
+
+
+def tiny_moe_config(vocab_size: int, model_type: str = "qwen3_moe", num_experts: int = 4, top_k: int = 2, **sizes):
+    """A small MoE config of `model_type` (every layer routed, tied embeddings) whose special ids match
+    `rlx.models.tiny.build_char_tokenizer`; `sizes` override hidden_size (32), num_hidden_layers (2) etc."""
+    import transformers
+
+    if model_type not in MOE_FAMILIES:
+        raise ValueError(f"no tiny MoE config for {model_type!r} (known: {', '.join(MOE_FAMILIES)})")
+    experts = {"mixtral": "num_local_experts"}.get(model_type, "num_experts")
+    kwargs = dict(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, num_experts_per_tok=top_k, **{experts: num_experts},
+    )  # fmt: skip
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        kwargs.update(moe_intermediate_size=16, decoder_sparse_step=1, mlp_only_layers=[])
+    if model_type == "qwen2_moe":
+        kwargs.update(shared_expert_intermediate_size=16)
+    kwargs.update(sizes)
+    return transformers.AutoConfig.for_model(model_type, **kwargs)
+
+
+def write_tiny_moe_model_dir(out: str | Path, model_type: str = "qwen3_moe", seed: int = 0, **config_kwargs) -> Path:
+    """A tiny MoE Hugging Face dir with random weights (seed), written by transformers' `save_pretrained` in the
+    hub's per-expert layout, and the character tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from rlx.models.tiny import build_char_tokenizer
+
+    out = Path(out)
+    tokenizer = build_char_tokenizer()
+    config = tiny_moe_config(len(tokenizer), model_type, **config_kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The routers of `model`'s MoE layers, in layer order: transformers' `*TopKRouter` modules (Qwen3-MoE,
+    Qwen2-MoE, Mixtral, OLMoE), each returning (router_logits [N, E], top-k weights [N, k], top-k experts [N, k])."""
+    return [m for _, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+class RouterProbe:
+    """While open, forward hooks on every router keep each forward's router logits [N, E] (with their graph) and
+    the experts each token was sent to [N, k]; `aux_loss` and `expert_load` read them. Nothing is changed in the
+    forward. Under activation checkpointing a layer's recomputed forward calls the hook again: only the first
+    call of each router per `reset` counts."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.routers = router_modules(model)
+        self.logits: dict[int, torch.Tensor] = {}
+        self.experts: dict[int, torch.Tensor] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> RouterProbe:
+        self.reset()
+        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def reset(self) -> None:
+        self.logits, self.experts = {}, {}
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            if index not in self.logits:  # a recomputation (activation checkpointing) is not a second forward
+                self.logits[index], self.experts[index] = output[0], output[2].detach()
+
+        return hook
+
+    def aux_loss(self, num_experts: int, top_k: int) -> torch.Tensor:
+        """The Switch-Transformer load-balancing loss averaged over layers: E * sum_e f_e * p_e, where f_e is the
+        fraction of routed (token, slot) pairs sent to expert e and p_e its mean router probability (1.0 when the
+        load is uniform). Every routed token counts (packed rows have no padding)."""
+        losses = []
+        for index, logits in self.logits.items():
+            probs = torch.softmax(logits.float(), dim=-1)  # [N, E]
+            chosen = torch.nn.functional.one_hot(self.experts[index], num_experts).float()  # [N, k, E]
+            fraction = chosen.sum(dim=(0, 1)) / max(chosen.shape[0] * top_k, 1)
+            losses.append(num_experts * (fraction * probs.mean(0)).sum())
+        return torch.stack(losses).mean() if losses else torch.zeros(())
+
+    def expert_load(self, num_experts: int) -> torch.Tensor:
+        """Routed (token, slot) pairs per expert, summed over layers: [E] float."""
+        counts = [torch.bincount(e.flatten(), minlength=num_experts).float() for e in self.experts.values()]
+        return torch.stack(counts).sum(0) if counts else torch.zeros(num_experts)
+
+
+def moe_sizes(config) -> tuple[int, int] | None:
+    """(number of experts, experts per token) of an MoE config, or None for a dense model."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    return (int(experts), int(top_k)) if experts and top_k else None
+
+
+def write_tiny_moe_config_dir(out: str | Path, model_type: str = "qwen3_moe", **config_kwargs) -> Path:
+    """config.json + the character tokenizer of a tiny MoE (no weights: `init = "random"` initialises them)."""
+    from rlx.models.tiny import build_char_tokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer()
+    tiny_moe_config(len(tokenizer), model_type, **config_kwargs).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a tiny MoE's config.json and tokenizer (no weights).")
+    parser.add_argument("--out", required=True, help="folder to write")
+    parser.add_argument("--model-type", default="qwen3_moe", choices=list(MOE_FAMILIES))
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-experts", type=int, default=4)
+    args = parser.parse_args()
+    write_tiny_moe_config_dir(
+        args.out, args.model_type, num_experts=args.num_experts, hidden_size=args.hidden_size, moe_intermediate_size=64
+    )
+
+
+if __name__ == "__main__":
+    main()
