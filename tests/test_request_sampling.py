@@ -51,8 +51,8 @@ def test_row_filters_equal_each_rows_scalar_filters():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
     stream = RolloutConfig(temperature=1.0).sampling()
-    rows = [dataclasses.replace(stream, **own) for own in (
-        {"temperature": 0.3}, {"top_k": 5}, {"top_p": 0.6, "temperature": 2.0}, {"top_k": -1, "top_p": 0.9})]  # fmt: skip
+    asked = ({"temperature": 0.3}, {"top_k": 5}, {"top_p": 0.6, "temperature": 2.0}, {"top_k": -1, "top_p": 0.9})
+    rows = [dataclasses.replace(stream, **own) for own in asked]
     per_row = batch_sampling(rows, stream)
     assert isinstance(per_row.temperature, torch.Tensor)
     assert batch_sampling([stream, stream], stream).temperature == 1.0  # alike rows keep the scalar path
