@@ -64,3 +64,5 @@ def test_row_filters_equal_each_rows_scalar_filters():
         scaled = logits[i : i + 1] / r.train_temperature
         kept = filter_logits(scaled, per_row.top_k[i : i + 1], per_row.top_p[i : i + 1]).isfinite()
         assert torch.equal(kept, filter_logits(scaled, max(r.top_k, 0), r.top_p).isfinite())
+    with pytest.raises(ValueError, match="top_p 0 is out of range"):
+        TokenRequest("k", [1], 1, top_p=0)

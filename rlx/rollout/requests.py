@@ -55,6 +55,13 @@ class TokenRequest:
     top_k: int | None = None
     """The request's own top-k filter (0 or -1 = off) when it is not the stream's."""
 
+    def __post_init__(self):
+        ranges = {"temperature": lambda t: t >= 0, "top_p": lambda p: 0 < p <= 1, "top_k": lambda k: k >= -1}
+        for name, valid in ranges.items():
+            value = getattr(self, name)
+            if value is not None and not valid(value):
+                raise ValueError(f"token request {self.key!r}: {name} {value} is out of range")
+
     def sampling_of(self, stream: SamplingParams) -> SamplingParams:
         """The stream's sampling with this request's own temperature, top_p, top_k and seed where it has them."""
         own = {k: v for k in ("temperature", "top_p", "top_k", "seed") if (v := getattr(self, k)) is not None}
