@@ -288,14 +288,14 @@ def test_streaming_equals_non_streamed(endpoint):
 
 HONOURED = {
     "model": "rlx", "max_tokens": 2, "max_completion_tokens": 2, "seed": 11, "stop": ["\n\n"], "stream": False,
-    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "logprobs": True, "return_token_ids": True, "n": 2,
+    "temperature": 0.7, "top_p": 0.9, "top_k": 5, "logprobs": True, "return_token_ids": True, "n": 2,
     "tool_choice": "none", "user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
     "safety_identifier": "s", "prompt_cache_key": "p", "prompt_cache_retention": "24h", "parallel_tool_calls": True,
     "response_format": {"type": "text"}, "modalities": ["text"], "frequency_penalty": 0, "presence_penalty": 0.0,
     "logit_bias": {}, "top_logprobs": 0, "tools": [CALCULATOR_TOOL],
 }  # fmt: skip
 REFUSED = {
-    "temperature": 0.5, "top_p": 0.9, "top_k": 5, "max_tokens": 10_000, "max_completion_tokens": 10_000, "n": 17,
+    "temperature": -0.5, "top_p": 1.5, "top_k": 2.5, "max_tokens": 10_000, "max_completion_tokens": 10_000, "n": 17,
     "top_logprobs": 3, "tool_choice": "required", "response_format": {"type": "json_object"},
     "frequency_penalty": 0.5, "presence_penalty": 1.0, "logit_bias": {"5": 10}, "audio": {"voice": "x"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
@@ -304,6 +304,35 @@ REFUSED = {
     "stop": [1], "seed": -1, "logprobs": "yes", "stream": "yes", "return_token_ids": 1, "model": "other",
     "unknown_field": 1,
 }  # fmt: skip
+
+
+def test_per_request_sampling_overrides_the_servers():
+    """A request's temperature 0 or top_k 1 answers as a greedy server does; a seeded request with its own
+    temperature is reproducible (a second server, the same sample), and its seed and temperature are the ones used."""
+    model = random_chat_model(stop_bias=-10.0)  # replies run to max_tokens: long enough to tell draws apart
+    greedy_server = start(model, RolloutConfig(max_new_tokens=6, temperature=0.0, seed=3))
+    servers = [start(model), start(model)]
+
+    def tokens(server, sample: str, **asked) -> list[int]:
+        body = {"messages": HI, "return_token_ids": True, **asked}
+        status, reply = post(f"{server.url}/v1/chat/completions", body, {"X-Session-ID": sample})
+        assert status == 200, reply
+        return reply["choices"][0]["token_ids"]
+
+    try:
+        greedy = tokens(greedy_server, "g")
+        assert tokens(servers[0], "t0", temperature=0) == greedy == tokens(servers[0], "k1", top_k=1)
+        assert servers[0].sessions["t0"].current.turn_settings[0]["temperature"] == 0
+        hot = [tokens(s, "s", temperature=1.5, seed=7) for s in servers]
+        assert hot[0] == hot[1] != greedy
+        assert tokens(servers[0], "r", temperature=1.5, seed=8) != tokens(servers[1], "r", temperature=1.5, seed=7)
+        # the same draws at another temperature: the logprobs are each turn's own temperature's
+        tokens(servers[0], "u", seed=7), tokens(servers[1], "u", temperature=1.5, seed=7)
+        logprobs = [s.sessions["u"].current.trajectory.rollout_logprobs for s in servers]
+        assert logprobs[0] != pytest.approx(logprobs[1], abs=1e-3)
+    finally:
+        for server in (greedy_server, *servers):
+            stop(server)
 
 
 def test_every_chat_completions_field_is_honoured_or_refused_by_name():
@@ -329,6 +358,7 @@ def test_every_chat_completions_field_is_honoured_or_refused_by_name():
         assert reply["choices"][1]["token_ids"] == server.sessions["all~1"].current.trajectory.response_ids
         turn = server.sessions["all"].current.turn_settings[0]
         assert turn["seed"] == 11 and turn["stop"] == ["\n\n"] and turn["tool_choice"] == "none"
+        assert (turn["temperature"], turn["top_p"], turn["top_k"]) == (0.7, 0.9, 5)  # the request's own sampling
         assert {k: turn[k] for k in METADATA_FIELDS} == {k: HONOURED[k] for k in METADATA_FIELDS}
         events = httpx.post(url, json={"messages": HI, "n": 2, "stream": True}, timeout=60).text.split("\n\n")
         chunks = [json.loads(e.removeprefix("data: ")) for e in events if e.startswith("data: {")]
@@ -347,6 +377,11 @@ def test_every_chat_completions_field_is_honoured_or_refused_by_name():
         assert status == 400 and "'seed': this rollout samples with the run's seed" in reply["error"]["message"]
         status, reply = post(f"{strict.url}/v1/chat/completions", {"messages": HI, "n": 2})
         assert status == 400 and reply["error"]["param"] == "n"
+        for name, value in {"temperature": 0.5, "top_p": 0.9, "top_k": 5}.items():  # the run's sampling governs
+            status, reply = post(f"{strict.url}/v1/chat/completions", {"messages": HI, name: value})
+            assert status == 400 and reply["error"]["param"] == name and "the run's" in reply["error"]["message"]
+        body = {"messages": HI, "temperature": 1.0, "top_p": 1.0, "top_k": -1}  # the run's own values pass
+        assert post(f"{strict.url}/v1/chat/completions", body)[0] == 200
     finally:
         stop(strict)
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -126,6 +127,22 @@ def test_same_seed_same_samples_other_seed_other_samples(engine):
     # a sample's tokens do not depend on the other requests sent with it
     alone = generate(engine, PROMPTS[1:2], cfg)
     assert [r.response_ids for r in alone] == a[4:8]
+
+
+def test_each_request_samples_with_its_own_settings(engine, hf_model):
+    """Per-request temperature / top_k / seed in one stream: a request's tokens are those it gets alone in a stream
+    started with its settings, and its logprobs are under its own temperature."""
+    model, tokenizer = hf_model
+    stream = RolloutConfig(max_new_tokens=6, temperature=1.0, seed=2, chat_template="off").sampling()
+    prompts = [tokenizer(p.prompt)["input_ids"] for p in PROMPTS[:3]]
+    own = [{"temperature": 0.5}, {"temperature": 1.7, "top_k": 8, "seed": 5}, {"temperature": 0.0}]
+    requests = [TokenRequest(f"s{i}", ids, 6, **o) for i, (ids, o) in enumerate(zip(prompts, own))]
+    together = engine.generate_tokens(requests, stream)
+    for request, got in zip(requests, together):
+        plain = dataclasses.replace(request, temperature=None, top_k=None, seed=None)
+        assert got.response_ids == engine.generate_tokens([plain], request.sampling_of(stream))[0].response_ids
+    record = SimpleNamespace(prompt_ids=prompts[0], response_ids=together[0].response_ids)
+    assert torch.allclose(torch.tensor(together[0].logprobs), forward_logprobs(model, record, 0.5), atol=1e-5)
 
 
 def test_sleep_releases_memory_and_wake_loads_new_weights(engine, hf_model, tmp_path):

@@ -28,7 +28,14 @@ from rlx.rollout.base import RolloutEngine, TokenStream
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.prompts import pad_token_id
 from rlx.rollout.requests import Generated, TokenRequest
-from rlx.rollout.sampling import draw_tokens, filter_logits, request_uniforms
+from rlx.rollout.sampling import (
+    BatchSampling,
+    batch_sampling,
+    draw_tokens,
+    filter_logits,
+    request_uniforms,
+    scale_logits,
+)
 from rlx.rollout.stops import StopStrings
 from rlx.utils.device import autocast
 
@@ -63,10 +70,12 @@ class HFRolloutEngine(RolloutEngine):
         """Decode one batch to its end (each row to its own max_new_tokens or first stop token). Draws are made for
         the call's max_new_tokens, so ranks in lockstep run the same number of steps whatever their requests."""
         uniforms = request_uniforms(requests, cfg.seed, cfg.max_new_tokens)  # [b, W] float64 CPU
-        greedy = torch.tensor([r.greedy or cfg.temperature == 0 for r in requests])
+        own = [r.sampling_of(cfg) for r in requests]  # each request's sampling (a served client's own values)
+        greedy = torch.tensor([r.greedy or o.temperature == 0 for r, o in zip(requests, own)])
         limits = torch.tensor([r.max_new_tokens for r in requests])
         ids, vision = [r.prompt_ids for r in requests], [r.vision for r in requests]
-        tokens, logprobs = self._decode(ids, uniforms, greedy, limits, cfg, vision)
+        rows = batch_sampling(own, cfg, self.device)
+        tokens, logprobs = self._decode(ids, uniforms, greedy, limits, cfg, vision, rows)
         generated = self._unpack(tokens, logprobs, limits.tolist())
         if cfg.stop:  # drop the tokens after a stop string
             stops = StopStrings(self.tokenizer, cfg.stop)
@@ -103,11 +112,12 @@ class HFRolloutEngine(RolloutEngine):
 
     def _decode(
         self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, limits: torch.Tensor,
-        cfg: SamplingParams, vision: list | None = None,
+        cfg: SamplingParams, vision: list | None = None, rows: BatchSampling | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Tokens and logprobs [b, steps] (CPU).  uniforms: [b, width]; greedy: [b] bool rows that take the argmax;
         limits: [b] each row's max_new_tokens (a row past its limit is done); vision: each prompt's VisionInputs
-        or None."""
+        or None; rows: each row's temperature / top_k / top_p (None: the call's)."""
+        rows = rows or batch_sampling([], cfg)
         b = len(prompt_ids)
         inputs, row = self._prefill_inputs(prompt_ids, vision)
         mask, positions = inputs["attention_mask"], inputs["position_ids"]
@@ -126,11 +136,11 @@ class HFRolloutEngine(RolloutEngine):
             positions = positions.amax(dim=0, keepdim=True).expand(3, -1, -1)
         for step in range(uniforms.shape[1]):
             logits = out.logits[:, -1, :].float()  # [b, V]
-            scaled = logits / cfg.train_temperature
+            scaled = scale_logits(logits, rows.temperature)
             token_logprobs = torch.log_softmax(scaled, dim=-1)
             token = logits.argmax(dim=-1)
             if not bool(greedy.all()):
-                sampled = draw_tokens(filter_logits(scaled, cfg.top_k, cfg.top_p), uniforms[:, step])
+                sampled = draw_tokens(filter_logits(scaled, rows.top_k, rows.top_p), uniforms[:, step])
                 token = torch.where(greedy, token, sampled)
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             tokens.append(token)

@@ -3,6 +3,7 @@ token-level call), what comes back for each, and how a prompt request becomes a 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from rlx.formats.records import PromptRecord, RolloutRecord
@@ -48,6 +49,24 @@ class TokenRequest:
     seed: int | None = None
     """The seed of the request's random stream when it is not the call's (SamplingParams.seed): an asynchronous
     rollout rank generates several steps, each with its own seed, in one stream."""
+    temperature: float | None = None
+    """The request's own temperature (0: greedy) when it is not the stream's (a served client's request)."""
+    top_p: float | None = None
+    """The request's own nucleus threshold when it is not the stream's."""
+    top_k: int | None = None
+    """The request's own top-k filter (0 or -1 = off) when it is not the stream's."""
+
+    def __post_init__(self):
+        ranges = {"temperature": lambda t: t >= 0, "top_p": lambda p: 0 < p <= 1, "top_k": lambda k: k >= -1}
+        for name, valid in ranges.items():
+            value = getattr(self, name)
+            if value is not None and not valid(value):
+                raise ValueError(f"token request {self.key!r}: {name} {value} is out of range")
+
+    def sampling_of(self, stream: SamplingParams) -> SamplingParams:
+        """The stream's sampling with this request's own temperature, top_p, top_k and seed where it has them."""
+        own = {k: v for k in ("temperature", "top_p", "top_k", "seed") if (v := getattr(self, k)) is not None}
+        return dataclasses.replace(stream, **own) if own else stream
 
 
 @dataclass

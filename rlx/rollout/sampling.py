@@ -2,18 +2,59 @@
 
 Each sample's random numbers come from a CPU generator seeded by (seed, prompt id, sample index),
 so a sample's tokens do not depend on which other samples share its batch, on the batch size, or on
-how prompts are split across ranks. On CUDA the draw runs as one float32 Triton kernel
-(rlx/kernels/sampling.py), elsewhere in float64 PyTorch: the same rule, so a device's engines (hf and
+how prompts are split across ranks. A batch whose requests sample differently (a served client's own temperature,
+top_p or top_k: TokenRequest.sampling_of) filters and scales each row by its own settings (`batch_sampling`
+gives [B] tensors); a batch that samples as its stream keeps the scalar path. On CUDA the draw runs as one float32
+Triton kernel (rlx/kernels/sampling.py), elsewhere in float64 PyTorch: the same rule, so a device's engines (hf and
 native both call `draw_tokens`) draw the same tokens, while CPU and GPU may differ at near-ties.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rlx.kernels.paged_attention import triton_available
 from rlx.kernels.sampling import draw_tokens_triton
+from rlx.rollout.config import SamplingParams
 from rlx.utils.device import derive_seed
+
+
+@dataclass(frozen=True)
+class BatchSampling:
+    """How a batch's rows are scaled and filtered: scalars when every row samples alike, else [B] tensors."""
+
+    temperature: float | torch.Tensor
+    """What logits are divided by (1 for a greedy row): a float, or float32 [B]."""
+    top_k: int | torch.Tensor
+    """Top-k filter (0 or -1 = off): an int, or int64 [B]."""
+    top_p: float | torch.Tensor
+    """Nucleus threshold (1 = off): a float, or float32 [B]."""
+
+
+def batch_sampling(rows: list[SamplingParams], stream: SamplingParams, device=None) -> BatchSampling:
+    """The settings of a batch whose row i samples as `rows[i]` (TokenRequest.sampling_of): the stream's scalars
+    when every row samples as the stream does (the batched fast path), else per-row tensors on `device`."""
+    if all(samples_alike(r, stream) for r in rows):
+        return BatchSampling(stream.train_temperature, stream.top_k, stream.top_p)
+    temperature = torch.tensor([r.train_temperature for r in rows], dtype=torch.float32, device=device)
+    top_k = torch.tensor([max(r.top_k, 0) for r in rows], dtype=torch.long, device=device)
+    top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device)
+    return BatchSampling(temperature, top_k, top_p)
+
+
+def samples_alike(row: SamplingParams, stream: SamplingParams) -> bool:
+    """Whether `row` scales and filters logits as `stream` does (seeds aside)."""
+    same_k = max(row.top_k, 0) == max(stream.top_k, 0)
+    return row.train_temperature == stream.train_temperature and same_k and row.top_p == stream.top_p
+
+
+def scale_logits(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """logits [B, V] as float32 divided by the temperature (a float, or each row's: [B])."""
+    if isinstance(temperature, torch.Tensor):
+        return logits.float() / temperature.to(logits.device).unsqueeze(-1)
+    return logits.float() / temperature
 
 
 def sample_uniforms(seed: int, sample_ids: list[str], num_steps: int) -> torch.Tensor:
@@ -33,8 +74,11 @@ def request_uniforms(requests, seed: int, num_steps: int) -> torch.Tensor:
     return torch.cat(rows) if rows else sample_uniforms(seed, [], num_steps)
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask tokens outside top-k / top-p with -inf.  logits: [B, V] float32, already temperature-scaled."""
+def filter_logits(logits: torch.Tensor, top_k: int | torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """Mask tokens outside top-k / top-p with -inf.  logits: [B, V] float32, already temperature-scaled; top_k,
+    top_p: scalars, or each row's ([B] tensors, BatchSampling)."""
+    if isinstance(top_k, torch.Tensor):
+        return _filter_rows(logits, top_k.to(logits.device), top_p.to(logits.device))
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -43,6 +87,22 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the tokens ranked before it already reach top_p (the top token always stays)
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _filter_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`filter_logits` with each row's own top_k [B] (0 = off) and top_p [B]: the same masks row by row."""
+    width = logits.shape[-1]
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k.clamp(max=width), width)  # [B]; off: keep all
+        kth = torch.sort(logits, dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if bool((top_p < 1.0).any()):
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop_sorted = ((probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -72,16 +132,19 @@ def sample_next(
     logits: torch.Tensor,
     uniforms: torch.Tensor | None,
     greedy: torch.Tensor | None,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    temperature: float | torch.Tensor,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B], logprobs [B] float32 after temperature) for logits [B, V], as the hf engine samples.
 
-    uniforms: [B] draws (None: every row greedy); greedy: [B] bool rows that take the argmax (None: none).
+    uniforms: [B] draws (None: every row greedy); greedy: [B] bool rows that take the argmax (None: none);
+    temperature, top_k, top_p: scalars, or each row's [B] (BatchSampling: no fused kernel then).
     The tokens of `draw_tokens(filter_logits(logits.float() / temperature, ...), uniforms)`; on CUDA without
     filters one kernel reads the logits (twice) for the draw and the log-normaliser, with no float32 copy."""
-    if uniforms is not None and logits.is_cuda and triton_available() and top_k <= 0 and top_p >= 1.0:
+    per_row = isinstance(temperature, torch.Tensor)
+    fusable = not per_row and logits.is_cuda and triton_available() and top_k <= 0 and top_p >= 1.0
+    if uniforms is not None and fusable:
         # PyTorch's CUDA division by a scalar multiplies by its float32 reciprocal
         inverse = float(torch.tensor(1.0) / torch.tensor(float(temperature)))
         tokens, _, lse = draw_tokens_triton(logits, uniforms, inverse)
@@ -89,7 +152,7 @@ def sample_next(
             tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float() * inverse
         return tokens, chosen - lse
-    scaled = logits.float() / temperature
+    scaled = scale_logits(logits, temperature)
     tokens = logits.argmax(dim=-1)
     if uniforms is not None:
         sampled = draw_tokens(filter_logits(scaled, top_k, top_p), uniforms)

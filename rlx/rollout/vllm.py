@@ -44,7 +44,6 @@ version.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -380,7 +379,7 @@ class VLLMStream(TokenStream):
             )
         request_id = f"rlx-{self.engine.num_requests}"
         self.engine.num_requests += 1
-        sampling = self.sampling if request.seed is None else dataclasses.replace(self.sampling, seed=request.seed)
+        sampling = request.sampling_of(self.sampling)  # its own temperature / top_p / top_k / seed where it has them
         params = self.engine.params(request.key, request.max_new_tokens, request.greedy, sampling)
         salt = f"rlx-weights-{self.engine.weights_version}"
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids), cache_salt=salt)

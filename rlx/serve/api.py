@@ -8,18 +8,19 @@ silently ignored what it asked for. How each field is treated is in docs/serve.m
   most the server's --max-new-tokens), seed, stop, stream (+ stream_options.include_usage), tools, tool_choice
   'none'/'auto', logprobs (the sampled tokens' own; top_logprobs 0), echo, return_token_ids (vLLM's extension),
   and metadata that changes no token (user, metadata, store, service_tier, ...: recorded with the turn);
-- the sampling the server was started with (temperature, top_p, top_k) is accepted only as that value;
+- temperature (0: greedy), top_p and top_k: the request's own where it sends them (the server's flags otherwise);
 - n > 1 in `rlx serve`: choice i > 0 is recorded as its own sample, `<sample_id>~i` (at most MAX_CHOICES);
 - refused: top_logprobs > 0, tool_choice 'required' or a named function, response_format other than text,
   penalties, logit_bias, audio, predictions, reasoning effort, web search, the deprecated functions, and any field
   OpenAI does not define.
 
-Under `rlx rollout --agent` (`strict`), the run's sampling governs: a request asking for another seed, stop
-strings or n > 1 is refused too, as training needs every turn sampled as the run says.
+Under `rlx rollout --agent` (`strict`), the run's sampling governs: a request asking for another temperature, top_p,
+top_k, seed, stop strings or n > 1 is refused too, as training needs every turn sampled as the run says.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from rlx.rollout.config import SamplingParams
@@ -57,6 +58,10 @@ class Settings:
     n: int = 1
     """Choices: choice i > 0 is recorded as sample `<sample_id>~i` (server.py)."""
     seed: int | None = None
+    temperature: float | None = None
+    """The request's own sampling (None: the server's): TokenRequest's per-request fields."""
+    top_p: float | None = None
+    top_k: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
@@ -142,16 +147,27 @@ def _bool(body: dict, name: str) -> bool:
     return bool(value)
 
 
-def _sampling_as_started(body: dict, limits: Limits) -> None:
-    for name, flag in (("temperature", "--temperature"), ("top_p", "--top-p"), ("top_k", "--top-k")):
+SAMPLING_FIELDS = {  # name: (what a value must be, whether it is, the run's flag)
+    "temperature": ("a number >= 0", lambda v: math.isfinite(v) and v >= 0, "--temperature"),
+    "top_p": ("a number in (0, 1]", lambda v: 0 < v <= 1, "--top-p"),
+    "top_k": ("an integer >= -1 (0 or -1: off)", lambda v: isinstance(v, int) and v >= -1, "--top-k"),
+}
+
+
+def _sampling_asked(body: dict, limits: Limits) -> dict:
+    """The request's own temperature / top_p / top_k (those it sends); under `strict` only the run's values pass."""
+    asked = {}
+    for name, (kind, valid, flag) in SAMPLING_FIELDS.items():
         value, started = body.get(name), getattr(limits.sampling, name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RequestError(400, f"'{name}' must be a number, got {value!r:.80}", param=name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(value):
+            raise RequestError(400, f"'{name}' must be {kind}, got {value!r:.80}", param=name)
         same = value == started or (name == "top_k" and value in (0, -1) and started in (0, -1))
-        if not same:
-            raise refuse(name, f"this server samples with {name} = {started} ({flag} when it started), got {value}")
+        if limits.strict and not same:
+            raise refuse(name, f"this rollout samples with the run's {name} = {started} ({flag}), got {value}")
+        asked[name] = value
+    return asked
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -166,7 +182,7 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 
 def _settings(body: dict, limits: Limits, max_key: str) -> Settings:
-    _sampling_as_started(body, limits)
+    own = _sampling_asked(body, limits)
     model = body.get("model")
     if model is not None and model != limits.model_name:
         raise RequestError(404, f"model {model!r:.80} does not exist; this server serves {limits.model_name!r}",
@@ -194,14 +210,13 @@ def _settings(body: dict, limits: Limits, max_key: str) -> Settings:
     if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise refuse("stream_options", "only {'include_usage': bool} with stream=true is supported")
     settings = Settings(
-        max_tokens=asked[0][1] if asked else limit, n=n, seed=seed, stop=stop, stream=stream,
+        max_tokens=asked[0][1] if asked else limit, n=n, seed=seed, stop=stop, stream=stream, **own,
         include_usage=bool((options or {}).get("include_usage")), return_token_ids=_bool(body, "return_token_ids"),
     )  # fmt: skip
     settings.recorded = {
         "max_tokens": settings.max_tokens,
-        "temperature": limits.sampling.temperature,
-        "top_p": limits.sampling.top_p,
-        "top_k": limits.sampling.top_k,
+        **{k: getattr(limits.sampling, k) for k in SAMPLING_FIELDS},
+        **own,
         "seed": limits.sampling.seed if seed is None else seed,
         **({"stop": list(stop)} if stop else {}),
         **({"n": n} if n > 1 else {}),

@@ -66,8 +66,9 @@ def _token_request(server, session: SampleSession, plan: Plan, call) -> TokenReq
         )
     limit = min(call.settings.max_tokens, room)
     key = f"{session.sample_id}/{session.num_requests}"
-    greedy = server.sampling.temperature == 0
-    return TokenRequest(key, context_ids, limit, greedy, vision=plan.vision, seed=call.settings.seed)
+    settings = call.settings  # its own temperature / top_p / top_k / seed (None: the server's); temperature 0: greedy
+    own = {"temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k}
+    return TokenRequest(key, context_ids, limit, vision=plan.vision, seed=settings.seed, **own)
 
 
 def _commit(server, session: SampleSession, plan: Plan, gen: Generated, call) -> Turn:

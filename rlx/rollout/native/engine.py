@@ -284,8 +284,10 @@ class NativeStream(TokenStream):
     def submit(self, tag, request: TokenRequest) -> None:
         self.check(request)
         draws = request_uniforms([request], self.sampling.seed, self.sampling.max_new_tokens)
-        greedy = request.greedy or self.sampling.temperature == 0
-        seq = Sequence(self.sampler.add_rows(draws), list(request.prompt_ids), request.max_new_tokens, greedy=greedy)
+        own = request.sampling_of(self.sampling)  # a served client's own temperature / top_p / top_k, if any
+        greedy = request.greedy or own.temperature == 0
+        row = self.sampler.add_rows(draws, own)
+        seq = Sequence(row, list(request.prompt_ids), request.max_new_tokens, greedy=greedy)
         if self.runner.images is not None:  # a vision-language model: mRoPE positions, the request's images
             self.runner.images.add(seq, request.prompt_ids, request.vision)
         elif request.vision is not None:

@@ -6,6 +6,8 @@ that copy. In between, the engine can launch the next decode step, whose input t
 device from the launched step's `tokens`. The per-sample uniforms live on the device for the whole call and
 are indexed there (row: the sequence, column: the token's index in its response), so no step's inputs depend
 on the host having read the step before; sequences submitted later (a stream's next turns) add their rows.
+A row that samples otherwise than the stream (TokenRequest.sampling_of) keeps its settings here, and a step with
+such a row scales and filters each row by its own (`batch_sampling`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.native.blocks import Sequence
 from rlx.rollout.native.inputs import PinnedPair
-from rlx.rollout.sampling import sample_next
+from rlx.rollout.sampling import batch_sampling, sample_next, samples_alike
 
 
 @dataclass
@@ -40,12 +42,15 @@ class StepSampler:
         self.cfg, self.device = sampling, device
         self.uniforms = torch.zeros(0, sampling.max_new_tokens, dtype=torch.float64, device=device)
         self.num_rows = 0
+        self.own: dict[int, SamplingParams] = {}
+        """The rows that sample otherwise than the stream, with their settings."""
         rows = max(max_num_seqs, 1)
         self.inputs = PinnedPair(3 * rows, torch.long, device)
         self.outputs = PinnedPair(2 * rows, torch.float64, device)
 
-    def add_rows(self, uniforms: torch.Tensor) -> int:
-        """Append draws [k, max_new_tokens] (float64, CPU) for k new sequences; returns the first one's row."""
+    def add_rows(self, uniforms: torch.Tensor, own: SamplingParams | None = None) -> int:
+        """Append draws [k, max_new_tokens] (float64, CPU) for k new sequences (sampling as `own` where given, else
+        as the stream); returns the first one's row."""
         first, needed = self.num_rows, self.num_rows + uniforms.shape[0]
         if needed > self.uniforms.shape[0]:  # grow by doubling: queued steps keep reading the old buffer
             grown = torch.zeros(max(needed, 2 * self.uniforms.shape[0]), *self.uniforms.shape[1:],
@@ -54,6 +59,8 @@ class StepSampler:
             self.uniforms = grown
         self.uniforms[first:needed] = uniforms.to(self.device)
         self.num_rows = needed
+        if own is not None and not samples_alike(own, self.cfg):
+            self.own.update(dict.fromkeys(range(first, needed), own))
         return first
 
     def launch(self, seqs: list[Sequence], logits: torch.Tensor, decode: bool, ahead: bool) -> Launched:
@@ -70,7 +77,8 @@ class StepSampler:
             draws = self.uniforms[staged[0], staged[1]]
             if any(greedy):
                 mask = staged[2].bool()
-        tokens, chosen = sample_next(logits, draws, mask, self.cfg.train_temperature, self.cfg.top_k, self.cfg.top_p)
+        rows = batch_sampling([self.own.get(s.index, self.cfg) for s in seqs], self.cfg, self.device)
+        tokens, chosen = sample_next(logits, draws, mask, rows.temperature, rows.top_k, rows.top_p)
         host = self.outputs.next(2 * b)
         host.copy_(torch.cat([tokens.double(), chosen.double()]), non_blocking=True)
         ready = None
