@@ -9,13 +9,17 @@ huge bodies (declared and undeclared lengths), deeply nested JSON, hostile image
 symlink out of the root, `zip://...::http://127.0.0.1:PORT`, http URLs, s3://), unknown fields, wrong methods and
 routes, a missing or wrong API key, raw garbage bytes on the socket, and half-sent requests. Every request is
 bounded (a 20 s timeout) and only 127.0.0.1 is contacted; a local listener counts any connection the server
-makes (there must be none). Checks, printed as one JSON line: no 5xx answer, no connection to the listener, and
-a plain chat request answered 200 at the end. Exit code 1 when a check fails.
+makes (there must be none), and an audit hook (`sys.addaudithook`, event "open") records every file the process
+opens while the requests run. Checks, printed as one JSON line: no 5xx answer, no connection to the listener, no
+file opened under /etc or /dev (but /dev/null and /dev/urandom) or through the FIFO or the symlink out of the root,
+the process's resident memory back within 256 MiB of its level after the first answered request, and a plain chat
+request answered 200 at the end. Exit code 1 when a check fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import http.server
 import json
 import os
@@ -96,6 +100,34 @@ def hostile_bodies(port: int, root: Path) -> list:
     return out
 
 
+class OpenedFiles:
+    """Paths the process opens while `recording` (builtins.open, os.open, io.open: the audit event "open")."""
+
+    def __init__(self):
+        self.paths: list[str] = []
+        self.recording = False
+        sys.addaudithook(self._hook)
+
+    def _hook(self, event: str, args) -> None:
+        if self.recording and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+            self.paths.append(os.fsdecode(args[0]))
+
+    def forbidden(self, root: Path) -> list[str]:
+        """Opened paths a request could only have reached by escaping the image root."""
+        allowed = {"/dev/null", "/dev/urandom"}
+        escapes = {str(root / "fifo.png"), str(root / "out.png"), "/etc/hostname", "/etc/passwd"}
+        bad = [p for p in self.paths if p in escapes or (p.startswith(("/etc/", "/dev/")) and p not in allowed)]
+        return sorted(set(bad))
+
+
+def rss_mib() -> float:
+    """Resident memory of this process (Linux /proc)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def raw_socket(port: int, data: bytes) -> None:
     """Garbage or a half-sent request straight on the socket (bounded: 2 s)."""
     with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
@@ -129,7 +161,13 @@ def main() -> int:
         failures: list[str] = []
         began, sent = time.monotonic(), 0
         headers = {"Authorization": f"Bearer {key}"}
+        opened = OpenedFiles()
         with httpx.Client(base_url=server.url, timeout=20) as client:
+            last = {"messages": [{"role": "user", "content": "still there?"}], "max_tokens": 2}
+            client.post("/v1/chat/completions", headers=headers, json=last)  # warm: the first answer's memory
+            gc.collect()
+            rss_before = rss_mib()
+            opened.recording = True
             while sent < args.count and time.monotonic() - began < args.seconds:
                 sent += 1
                 pick = rng.random()
@@ -148,8 +186,11 @@ def main() -> int:
                 statuses[status] = statuses.get(status, 0) + 1
                 if status >= 500 or status < 0:
                     failures.append(f"{status} {path} {name}")
-            last = {"messages": [{"role": "user", "content": "still there?"}], "max_tokens": 2}
             final = client.post("/v1/chat/completions", headers=headers, json=last)
+            opened.recording = False
+            gc.collect()
+            rss_after = rss_mib()
+        forbidden = opened.forbidden(root)
         server.close()
         server.backend.close()
     report = {
@@ -159,10 +200,13 @@ def main() -> int:
         "server_errors": sum(v for k, v in statuses.items() if k >= 500),
         "listener_hits": _Listener.hits,
         "final_status": final.status_code,
+        "rss_mib_before_after": [round(rss_before), round(rss_after)],
+        "forbidden_opens": forbidden,
         "failures": sorted(set(failures))[:20],
     }
     print(json.dumps(report))
     ok = report["server_errors"] == 0 and report["listener_hits"] == 0 and final.status_code == 200
+    ok = ok and not forbidden and rss_after - rss_before < 256
     return 0 if ok else 1
 
 
