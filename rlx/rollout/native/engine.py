@@ -258,7 +258,7 @@ class NativeRolloutEngine(RolloutEngine):
         width += 1 + width // _HEADROOM  # block-table room for longer prompts next time
         self._runner = ModelRunner(
             module, self.device, self.dtype, blocks, width, graphs, cfg.compile, cfg.paged_attention, self.releasable,
-            tp_group=None if self.tp is None else self.tp.group,
+            tp_group=None if self.tp is None else self.tp.group, merged=cfg.merged_projections,
         )  # fmt: skip
         return self._runner
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -189,11 +188,6 @@ def _without_duck_sizing(compiled):
     return run
 
 
-def _fused_on() -> bool:
-    """Whether decode steps take the merged projections where the model has them (RLX_NATIVE_FUSED=0: never)."""
-    return os.environ.get("RLX_NATIVE_FUSED", "1") != "0"
-
-
 class ModelRunner:
     """The KV cache of one model and the forward of one scheduled step.
 
@@ -204,14 +198,15 @@ class ModelRunner:
     def __init__(
         self, model, device: torch.device, dtype: torch.dtype, blocks: BlockManager, max_blocks_per_seq: int,
         max_batch: int = 0, compile: bool = True, attention: str = "auto", releasable: bool = False,
-        tp_group=None,
+        tp_group=None, merged: bool = True,
     ):  # fmt: skip
         """`max_batch`: capture decode CUDA graphs up to this batch size (0: none); `compile`: torch.compile the
         layers inside them; `attention`: the paged decode kernel ('auto', 'torch', 'triton'); `releasable` (CUDA):
         the KV cache in a VirtualBuffer (rlx.utils.vmm), so `release` can hand its memory back and `restore` take it
         again at the same addresses, the captured graphs still valid. `tp_group`: `model` is a tensor-parallel
         rank's slice (tensor_parallel.py; its own layers all-reduce through hooks): the merged decode step sums its
-        attention and MLP outputs over this group too."""
+        attention and MLP outputs over this group too. `merged`: decode through merged projections where the model's
+        parameters are laid out for them (fused.py); off: the model's own layers."""
         config = model.config.get_text_config()
         self.model, self.device, self.dtype, self.blocks = model, device, dtype, blocks
         self.is_mrope = family_of(model.config).takes_images  # 3-D rotary positions: [1, T] expanded to [3, 1, T]
@@ -237,7 +232,7 @@ class ModelRunner:
         register_attention(PAGED_ATTENTION, paged_attention_forward, packed_attention_mask)
         self.parts = _decoder_parts(model)
         # decode through merged projections where the model's parameters are laid out for them (fused.py)
-        self.fused = merged_layers(model) if self.parts is not None and not self.is_mrope and _fused_on() else None
+        self.fused = merged_layers(model) if self.parts is not None and not self.is_mrope and merged else None
         if self.fused is not None:
             attn = self._layers()[0].self_attn
             self.fused_dims = (config.num_attention_heads, kv_heads, head_dim)
