@@ -175,7 +175,7 @@ class EnvRollout:
             key=f"{ep.sample_id}/{traj.num_turns}",
             prompt_ids=traj.token_ids(),
             max_new_tokens=min(self.sampling.max_new_tokens, room),
-            greedy=self.sampling.temperature == 0,
+            greedy=self.sampling.is_greedy,
             vision=ep.images.vision(),
         )
         stream.submit(ep, request)

@@ -68,7 +68,7 @@ class StreamEval:
         self.sampling = eval_cfg.rollout_config().sampling()
         self.requests = build_requests(prompts, engine.encoder, self.sampling)
         engine.check_requests(self.requests, self.sampling)
-        greedy = self.sampling.temperature == 0
+        greedy = self.sampling.is_greedy
         self.tokens = [
             dataclasses.replace(t, seed=self.sampling.seed, greedy=t.greedy or greedy)
             for t in token_requests(self.requests, self.sampling)

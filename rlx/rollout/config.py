@@ -40,9 +40,14 @@ class SamplingParams:
     """Stop strings: a response ends where one first appears (finish_reason 'stop'; the text is cut before it)."""
 
     @property
+    def is_greedy(self) -> bool:
+        """Temperature 0: every token is the argmax."""
+        return self.temperature == 0
+
+    @property
     def train_temperature(self) -> float:
         """Temperature the training side divides logits by (1 for greedy rollouts)."""
-        return self.temperature if self.temperature > 0 else 1.0
+        return 1.0 if self.is_greedy else self.temperature
 
 
 @dataclass(kw_only=True)

@@ -71,7 +71,7 @@ class HFRolloutEngine(RolloutEngine):
         the call's max_new_tokens, so ranks in lockstep run the same number of steps whatever their requests."""
         uniforms = request_uniforms(requests, cfg.seed, cfg.max_new_tokens)  # [b, W] float64 CPU
         own = [r.sampling_of(cfg) for r in requests]  # each request's sampling (a served client's own values)
-        greedy = torch.tensor([r.greedy or o.temperature == 0 for r, o in zip(requests, own)])
+        greedy = torch.tensor([r.greedy or o.is_greedy for r, o in zip(requests, own)])
         limits = torch.tensor([r.max_new_tokens for r in requests])
         ids, vision = [r.prompt_ids for r in requests], [r.vision for r in requests]
         rows = batch_sampling(own, cfg, self.device)

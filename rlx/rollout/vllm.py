@@ -327,7 +327,7 @@ class VLLMRolloutEngine(RolloutEngine):
         """vLLM's sampling parameters of one request (its seed derived from `key` and `cfg.seed`)."""
         import vllm
 
-        greedy = greedy or cfg.temperature == 0
+        greedy = greedy or cfg.is_greedy
         return vllm.SamplingParams(
             n=1,
             temperature=0.0 if greedy else cfg.temperature,

@@ -285,7 +285,7 @@ class NativeStream(TokenStream):
         self.check(request)
         draws = request_uniforms([request], self.sampling.seed, self.sampling.max_new_tokens)
         own = request.sampling_of(self.sampling)  # a served client's own temperature / top_p / top_k, if any
-        greedy = request.greedy or own.temperature == 0
+        greedy = request.greedy or own.is_greedy
         row = self.sampler.add_rows(draws, own)
         seq = Sequence(row, list(request.prompt_ids), request.max_new_tokens, greedy=greedy)
         if self.runner.images is not None:  # a vision-language model: mRoPE positions, the request's images
