@@ -455,12 +455,11 @@ class ModuleScorer:
         to another expert set (over every rank)."""
         from rlx.models.moe import moe_sizes
         from rlx.models.routing import RouterReplay
-
-        moe_top_k = lambda config: (moe_sizes(config) or (0, 0))[1]  # noqa: E731        from rlx.parallel.dist import all_reduce
+        from rlx.parallel.dist import all_reduce
 
         max_tokens = self._packing(max_tokens)
         with RouterReplay(self.module, force=router_replay == "rollout") as replay:
-            replay.check_shape(tuple(tensors[ROUTES].shape[2:]), moe_top_k(self.module.config))
+            replay.check_shape(tuple(tensors[ROUTES].shape[2:]), (moe_sizes(self.module.config) or (0, 0))[1])
             logp = batched_response_logprobs(
                 self.module, tensors, temperature, self.ctx.device, dtype, micro_batch_size, desc, impl, self.ctx,
                 max_tokens, vision, replay,
