@@ -82,6 +82,10 @@ class BatchMeta:
     tokenizer: str | None = None
     """Fingerprint of the tokenizer that made the token ids (rlx.models.fingerprint); train-step checks it. None in
     batches of older rlx versions (not checked)."""
+    routing_mismatch: float | None = None
+    """MoE rollouts with routed_experts: moe/routing_mismatch of the scoring forward (the share of response tokens
+    x MoE layers its routers sent to another expert set than the rollout's); train-step logs it again. None
+    without routing."""
 
 
 @dataclass(kw_only=True)
@@ -270,14 +274,15 @@ def collate(rollouts: list[RolloutRecord], pad_id: int) -> dict[str, torch.Tenso
 def collate_routes(rollouts: list[RolloutRecord], p: int, r_len: int) -> torch.Tensor | None:
     """The records' routed experts in the batch layout [B, p + r_len, L, k] int16 (entry i of a record at the
     column before its response token i; -1 elsewhere), or None when no record has them."""
-    shapes = {tuple(r.routed_experts.shape[1:]) for r in rollouts if r.routed_experts is not None}
+    routed = [getattr(r, "routed_experts", None) for r in rollouts]  # SFT samples have none
+    shapes = {tuple(r.shape[1:]) for r in routed if r is not None}
     if not shapes:
         return None
     if len(shapes) > 1:
         raise UserError(f"rollouts record routed_experts of different [layers, k] shapes: {sorted(shapes)}")
     layers, k = shapes.pop()
     out = torch.full((len(rollouts), p + r_len, layers, k), -1, dtype=torch.int16)
-    for row, rec in enumerate(rollouts):
-        if rec.routed_experts is not None:
-            out[row, p - 1 : p - 1 + len(rec.response_ids)] = rec.routed_experts
+    for row, routes in enumerate(routed):
+        if routes is not None:
+            out[row, p - 1 : p - 1 + len(routes)] = routes
     return out

@@ -297,6 +297,7 @@ def build_batch(
         sample_ids=[r.id for r in rollouts], group_ids=group_ids, vocab_size=models.vocab_size,
         pad_token_id=models.pad_token_id, temperature=temperature, settings=_settings(cfg),
         tokenizer=models.tokenizer or rollouts[0].tokenizer,  # the rollouts' own where the actor's is not known
+        routing_mismatch=routing.get("moe/routing_mismatch"),
     )  # fmt: skip
     batch = TrainBatch(
         meta=meta,

@@ -75,7 +75,9 @@ class ActorTrainer(Trainer):
         metrics = super().train_step(batch, step)
         mismatched, compared = metrics.pop("actor/routing_mismatched", None), metrics.pop("actor/routing_compared", 0)
         if mismatched is not None:  # both divided by the same token count
-            metrics["moe/routing_mismatch"] = mismatched / compared if compared else 0.0
+            metrics["actor/moe_routing_mismatch"] = mismatched / compared if compared else 0.0
+        if batch.meta.routing_mismatch is not None:  # the scoring forward's, as rlx score logged it
+            metrics["moe/routing_mismatch"] = batch.meta.routing_mismatch
         if self.correction.active:  # what the correction did, over the whole batch
             metrics.update(correct(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, self.correction)[2])
         return metrics
