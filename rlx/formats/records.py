@@ -14,7 +14,6 @@ from typing import Any
 
 from rlx.errors import UserError
 from rlx.formats.parquet import is_parquet, read_parquet_rows
-from rlx.models.routing import decode_routes, encode_routes
 from rlx.models.vision.images import folder_of, resolve_prompt_images
 from rlx.utils.io import read_jsonl, write_jsonl
 
@@ -348,6 +347,8 @@ class RolloutRecord:
             ):
                 out[f.name] = getattr(self, f.name)
         if self.routed_experts is not None:
+            from rlx.models.routing import encode_routes  # torch: not at import (rlx --help stays fast)
+
             out["routed_experts"] = encode_routes(self.routed_experts)
             out["routed_experts_shape"] = list(self.routed_experts.shape)
         out.update(self.extra)
@@ -364,6 +365,8 @@ def _read_routes(f: _Fields, response_len: int):
         and v[0] == response_len,
     )  # fmt: skip
     text = f.get("routed_experts", "a base64 string", lambda v: isinstance(v, str))
+    from rlx.models.routing import decode_routes
+
     try:
         return decode_routes(text, tuple(shape))
     except ValueError as e:

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from rlx.formats.records import PromptRecord, RolloutRecord
 from rlx.models.fingerprint import tokenizer_fingerprint
 from rlx.models.vision.inputs import VisionInputs
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.prompts import PromptEncoder
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
