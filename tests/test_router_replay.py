@@ -53,6 +53,24 @@ def test_routes_encode_to_base64_int16_and_back():
         decode_routes(encode_routes(routes), (3, 2, 2))
 
 
+def test_a_malformed_routed_experts_field_is_a_user_error():
+    from rlx.errors import UserError
+    from rlx.formats.records import RolloutRecord
+
+    line = {"id": "0/0", "prompt_id": "0", "sample_index": 0, "prompt": "1+1", "response": "2", "prompt_ids": [1],
+            "response_ids": [5, 2], "rollout_logprobs": [-1.0, -0.5], "finish_reason": "stop",
+            "temperature": 1.0}  # fmt: skip
+    routes = torch.tensor([[[0, 1]], [[2, 3]]], dtype=torch.int16)
+    good = {**line, "routed_experts": encode_routes(routes), "routed_experts_shape": [2, 1, 2]}
+    record = RolloutRecord.from_json(good, "r.jsonl:1")
+    assert torch.equal(record.routed_experts, routes) and record.to_json()["routed_experts"] == good["routed_experts"]
+    for bad, field in (({"routed_experts_shape": [3, 1, 2]}, "routed_experts_shape"),
+                       ({"routed_experts": "not base64!"}, "routed_experts"),
+                       ({"routed_experts_shape": [2, 2, 2]}, "routed_experts")):  # fmt: skip
+        with pytest.raises(UserError, match=f"r.jsonl:1: field '{field}'"):
+            RolloutRecord.from_json({**good, **bad}, "r.jsonl:1")
+
+
 def test_rollout_records_the_routers_own_choice_and_replaying_it_changes_nothing(tmp_path, moe_ckpt, prompts_file):
     out = tmp_path / "r.jsonl"
     cli_ok(*rollout_args(moe_ckpt, write_jsonl(tmp_path / "p.jsonl", read_jsonl(prompts_file)[:4]), out))

@@ -77,6 +77,7 @@ class HFRolloutEngine(RolloutEngine):
         ids, vision = [r.prompt_ids for r in requests], [r.vision for r in requests]
         rows = batch_sampling(own, cfg, self.device)
         recorder = RouterRecorder(self.model) if self.family.routed_experts else None
+        recorder = recorder if recorder is not None and recorder.routers else None
         with recorder if recorder is not None else contextlib.nullcontext():
             tokens, logprobs, routes = self._decode(ids, uniforms, greedy, limits, cfg, vision, rows, recorder)
         generated = self._unpack(tokens, logprobs, limits.tolist(), routes)
