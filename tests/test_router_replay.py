@@ -161,3 +161,7 @@ def test_rollout_score_train_step_with_router_replay(tmp_path, moe_ckpt, prompts
     ])  # fmt: skip
     result = cli(*score[:2], plain, *score[3:], "--out", tmp_path / "s2", "--router-replay", "rollout")
     assert result.exit_code == 1 and "routed_experts" in result.stdout + result.stderr
+    cli_ok(*score[:2], plain, *score[3:], "--out", tmp_path / "s3")  # no routing: no replay, no metric
+    result = cli("train-step", "--checkpoint", moe_ckpt, "--batch", tmp_path / "s3" / "batch.safetensors", "--out",
+                 tmp_path / "bad", "--router-replay", "rollout")  # fmt: skip
+    assert result.exit_code == 1 and "routed_experts" in result.stdout + result.stderr
