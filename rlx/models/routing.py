@@ -84,8 +84,8 @@ class RouterReplay:
         self.routers = router_modules(model)
         self.force = force
         self.routes: torch.Tensor | None = None
-        self.mismatched = torch.zeros((), dtype=torch.long)
-        self.compared = torch.zeros((), dtype=torch.long)
+        self.mismatched: torch.Tensor | int = 0  # device tensors once counted: no host sync per forward
+        self.compared: torch.Tensor | int = 0
         self._handles: list = []
         self._counted: set[int] = set()
 
@@ -130,8 +130,8 @@ class RouterReplay:
             if index not in self._counted:  # a recomputation (activation checkpointing) is not a second forward
                 self._counted.add(index)
                 differs = (recorded.sort(-1).values != experts.sort(-1).values).any(-1)
-                self.mismatched += int((differs & has).sum())
-                self.compared += int(has.sum())
+                self.mismatched = self.mismatched + (differs & has).sum()
+                self.compared = self.compared + has.sum()
             if not self.force:
                 return None
             chosen = torch.where(has[:, None], recorded, experts)

@@ -112,7 +112,7 @@ class ActorTrainer(Trainer):
             if replay is not None:
                 routes = flat_routes(t[ROUTES], t["prompt_mask"], t["response_mask"], self.cfg.use_packing)
                 replay.set_routes(routes)
-                before = (int(replay.mismatched), int(replay.compared))
+                before = (replay.mismatched, replay.compared)
             with probe if probe is not None else contextlib.nullcontext():
                 logp, entropy = self.logprobs(t, part)
             loss = self.micro_loss(t, logp, entropy, norm, sums)
@@ -122,8 +122,8 @@ class ActorTrainer(Trainer):
                     loss = loss + self.cfg.moe_aux_loss_coef * aux
             (loss * weight).backward()
         if replay is not None:
-            sums["routing_mismatched"] += int(replay.mismatched) - before[0]
-            sums["routing_compared"] += int(replay.compared) - before[1]
+            sums["routing_mismatched"] += replay.mismatched - before[0]  # device tensors: no sync here
+            sums["routing_compared"] += replay.compared - before[1]
 
     @functools.cached_property
     def router_replay(self) -> RouterReplay | None:
