@@ -323,6 +323,15 @@ def sharded_forward(
 
 MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 _ROW = "row_index"  # a micro-batch's row numbers in the whole batch (picks its images)
+ROUTES = "routed_experts"  # [B, P+R, L, k] the rollout's experts (rlx.models.routing)
+
+
+def flat_routes(routes: torch.Tensor, prompt_mask: torch.Tensor, response_mask: torch.Tensor, packed: bool):
+    """A micro-batch's recorded experts [b, P+R, L, k] in the order its forward flattens tokens: every column
+    (padded: [b*(P+R), L, k]) or the real tokens only, row after row (packed, as `PackedRows` lays them out)."""
+    if not packed:
+        return routes.flatten(0, 1)
+    return routes[torch.cat([prompt_mask, response_mask], dim=1).bool()]
 
 
 @torch.no_grad()
@@ -338,21 +347,29 @@ def batched_response_logprobs(
     ctx=None,
     max_tokens: int = 0,
     vision=None,
+    replay=None,
 ) -> torch.Tensor:
     """Logprobs [B, R] (float32, CPU, zero at masked positions) computed in micro-batches without grad,
     split across ranks under a launcher (see `sharded_forward`); with `max_tokens`, each micro-batch runs as one
     packed row of at most that many tokens (the model's attention must be the packed one); `vision`: the rows'
-    VisionInputs (a packed micro-batch takes its rows' images through `vision_forward`)."""
+    VisionInputs (a packed micro-batch takes its rows' images through `vision_forward`); `replay`: an open
+    `RouterReplay` given each micro-batch's `tensors["routed_experts"]`."""
     compute = packed_response_logprobs if max_tokens else response_logprobs
 
     def forward(part):
+        routes = part.pop(ROUTES, None)
+        if replay is not None:
+            replay.set_routes(flat_routes(routes, part["prompt_mask"], part["response_mask"], bool(max_tokens)))
         with _micro_batch_images(model, part, vision, max_tokens) as images:
             part = {k: part[k].to(device) for k in MODEL_INPUTS}
             padded_images = {"vision": images} if images is not None and not max_tokens else {}
             logp, _ = compute(model, **part, temperature=temperature, dtype=dtype, impl=impl, **padded_images)
         return (logp * part["response_mask"]).cpu()
 
-    return _eval_forward(model, forward, _with_rows(tensors, vision), micro_batch_size, ctx, desc, max_tokens)
+    inputs = _with_rows(tensors, vision)
+    if replay is not None:
+        inputs[ROUTES] = tensors[ROUTES]
+    return _eval_forward(model, forward, inputs, micro_batch_size, ctx, desc, max_tokens)
 
 
 @torch.no_grad()
@@ -401,7 +418,7 @@ def _eval_forward(model, forward, tensors, micro_batch_size: int, ctx, desc: str
     was_training = model.training
     model.eval()
     try:
-        inputs = {k: tensors[k] for k in (*MODEL_INPUTS, _ROW) if k in tensors}
+        inputs = {k: tensors[k] for k in (*MODEL_INPUTS, _ROW, ROUTES) if k in tensors}
         return sharded_forward(forward, inputs, micro_batch_size, ctx, desc, max_tokens)
     finally:
         model.train(was_training)
@@ -429,6 +446,28 @@ class ModuleScorer:
             self.module, tensors, temperature, self.ctx.device, dtype, micro_batch_size, desc, impl, self.ctx,
             max_tokens, vision,
         )  # fmt: skip
+
+    def replayed_logprobs(self, tensors: dict[str, torch.Tensor], router_replay: str, temperature: float,
+                          dtype: torch.dtype, micro_batch_size: int, impl: str = "auto", desc: str = "logprobs",
+                          max_tokens: int = 0, vision=None) -> tuple[torch.Tensor, float]:  # fmt: skip
+        """As `logprobs` for an MoE module and a batch with `routed_experts`: with router_replay 'rollout' the
+        recorded experts are forced; also the share of recorded (token, layer) pairs the module's own routers sent
+        to another expert set (over every rank)."""
+        from rlx.models.moe import moe_sizes
+        from rlx.models.routing import RouterReplay
+        from rlx.parallel.dist import all_reduce
+
+        max_tokens = self._packing(max_tokens)
+        with RouterReplay(self.module, force=router_replay == "rollout") as replay:
+            replay.check_shape(tuple(tensors[ROUTES].shape[2:]), (moe_sizes(self.module.config) or (0, 0))[1])
+            logp = batched_response_logprobs(
+                self.module, tensors, temperature, self.ctx.device, dtype, micro_batch_size, desc, impl, self.ctx,
+                max_tokens, vision, replay,
+            )  # fmt: skip
+        counts = [float(replay.mismatched), float(replay.compared)]
+        if self.ctx is not None and self.ctx.distributed:
+            counts = [all_reduce(c, "sum", device=self.ctx.device) for c in counts]
+        return logp, float(counts[0]) / max(float(counts[1]), 1.0)
 
     def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int,
                max_tokens: int = 0, vision=None) -> torch.Tensor:  # fmt: skip

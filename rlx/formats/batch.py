@@ -16,6 +16,9 @@ Tensors (B samples, P prompt columns left-padded, R response columns right-padde
     advantages        [B, R] float32
     returns           [B, R] float32
     rewards           [B]    float32  sequence reward (before any KL penalty)
+    routed_experts    [B, P+R, L, k] int16  MoE rollouts that recorded routing: the experts each of the L MoE layers
+                                      routed each position to at rollout (-1: not recorded; recorded are the
+                                      positions that predict response tokens), replayed by router_replay
 
 The header metadata holds the format version, sample ids, prompt ids, vocabulary size, pad id,
 temperature and the scoring settings, as JSON. A batch of a vision-language model adds its samples' images
@@ -57,7 +60,7 @@ _TOKEN_TENSORS = (
     "advantages",
     "returns",
 )
-_OPTIONAL = ("ref_logprobs", "values", "loss_mask")
+_OPTIONAL = ("ref_logprobs", "values", "loss_mask", "routed_experts")
 
 
 @dataclass(kw_only=True)
@@ -79,6 +82,10 @@ class BatchMeta:
     tokenizer: str | None = None
     """Fingerprint of the tokenizer that made the token ids (rlx.models.fingerprint); train-step checks it. None in
     batches of older rlx versions (not checked)."""
+    routing_mismatch: float | None = None
+    """MoE rollouts with routed_experts: moe/routing_mismatch of the scoring forward (the share of response tokens
+    x MoE layers its routers sent to another expert set than the rollout's); train-step logs it again. None
+    without routing."""
 
 
 @dataclass(kw_only=True)
@@ -102,6 +109,8 @@ class TrainBatch:
     """The samples' images (vision-language models), row for row; None when no sample has one."""
     loss_mask: torch.Tensor | None = None
     """[B, R] bool: the trained tokens (None given: the response tokens, as single-turn batches have it)."""
+    routed_experts: torch.Tensor | None = None
+    """[B, P+R, L, k] int16: the rollout's experts per position and MoE layer (-1: not recorded); None without."""
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -212,6 +221,12 @@ class TrainBatch:
                 raise UserError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {(b, r)}")
         if bool((self.loss_mask.bool() & ~self.response_mask.bool()).any()):
             raise UserError(f"{where}: tensor loss_mask marks positions that hold no response token")
+        routes = self.routed_experts
+        if routes is not None and (routes.dim() != 4 or tuple(routes.shape[:2]) != (b, self.prompt_ids.shape[1] + r)):
+            raise UserError(
+                f"{where}: tensor routed_experts has shape {tuple(routes.shape)}, expected "
+                f"({b}, {self.prompt_ids.shape[1] + r}, layers, k)"
+            )
         if tuple(self.rewards.shape) != (b,):
             raise UserError(f"{where}: tensor rewards has shape {tuple(self.rewards.shape)}, expected {(b,)}")
         if len(self.meta.sample_ids) != b or len(self.meta.group_ids) != b:
@@ -250,4 +265,24 @@ def collate(rollouts: list[RolloutRecord], pad_id: int) -> dict[str, torch.Tenso
         out["response_mask"][row, :n_r] = True
         out["loss_mask"][row, :n_r] = torch.tensor(rec.trained_mask, dtype=torch.bool)
         out["rollout_logprobs"][row, :n_r] = torch.tensor(rec.rollout_logprobs, dtype=torch.float32)
+    routes = collate_routes(rollouts, p, r_len)
+    if routes is not None:
+        out["routed_experts"] = routes
+    return out
+
+
+def collate_routes(rollouts: list[RolloutRecord], p: int, r_len: int) -> torch.Tensor | None:
+    """The records' routed experts in the batch layout [B, p + r_len, L, k] int16 (entry i of a record at the
+    column before its response token i; -1 elsewhere), or None when no record has them."""
+    routed = [getattr(r, "routed_experts", None) for r in rollouts]  # SFT samples have none
+    shapes = {tuple(r.shape[1:]) for r in routed if r is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise UserError(f"rollouts record routed_experts of different [layers, k] shapes: {sorted(shapes)}")
+    layers, k = shapes.pop()
+    out = torch.full((len(rollouts), p + r_len, layers, k), -1, dtype=torch.int16)
+    for row, routes in enumerate(routed):
+        if routes is not None:
+            out[row, p - 1 : p - 1 + len(routes)] = routes
     return out

@@ -184,10 +184,12 @@ _ROLLOUT_KEYS = (
     "policy_versions",
     "resumed_from",
     "tokenizer",
+    "routed_experts",
+    "routed_experts_shape",
 )
 _MULTI_TURN_KEYS = ("loss_mask", "messages", "num_turns", "env_reward", "image_refs")
 _ASYNC_KEYS = ("policy_version", "rollout_restarts", "resumed_from")
-_OPTIONAL_KEYS = _MULTI_TURN_KEYS + _ASYNC_KEYS + ("policy_versions", "tokenizer", "tools")
+_OPTIONAL_KEYS = _MULTI_TURN_KEYS + _ASYNC_KEYS + ("policy_versions", "tokenizer", "tools", "routed_experts")
 
 
 def _is_messages(value: Any) -> bool:
@@ -259,6 +261,10 @@ class RolloutRecord:
     tokenizer: str | None = None
     """A fingerprint of the tokenizer that made the token ids (rlx.models.fingerprint); `rlx score` checks it
     against the actor's. None in lines of older rlx versions (not checked)."""
+    routed_experts: Any = None
+    """MoE models (hf engine): int16 tensor [len(response_ids), layers, k], entry i the experts each MoE layer
+    routed the position that predicts response token i to (-1: not recorded); on disk one base64 string of
+    little-endian int16 (`routed_experts`) and its shape (`routed_experts_shape`). See rlx/models/routing.py."""
 
     @property
     def is_multi_turn(self) -> bool:
@@ -311,6 +317,7 @@ class RolloutRecord:
             ),
             tokenizer=f.get("tokenizer", "a string", lambda v: isinstance(v, str), required=False),
         )
+        rec.routed_experts = _read_routes(f, len(rec.response_ids))
         if rec.is_multi_turn:
             rec.tools = f.get("tools", "a list of function schemas (objects)", _is_tools, required=False)
             rec.extra.pop("tools", None)
@@ -335,10 +342,35 @@ class RolloutRecord:
     def to_json(self) -> dict:
         out = {"format_version": FORMAT_VERSION}
         for f in dataclasses.fields(self):
-            if f.name != "extra" and not (f.name in _OPTIONAL_KEYS and getattr(self, f.name) is None):
+            if f.name not in ("extra", "routed_experts") and not (
+                f.name in _OPTIONAL_KEYS and getattr(self, f.name) is None
+            ):
                 out[f.name] = getattr(self, f.name)
+        if self.routed_experts is not None:
+            from rlx.models.routing import encode_routes  # torch: not at import (rlx --help stays fast)
+
+            out["routed_experts"] = encode_routes(self.routed_experts)
+            out["routed_experts_shape"] = list(self.routed_experts.shape)
         out.update(self.extra)
         return out
+
+
+def _read_routes(f: _Fields, response_len: int):
+    """The line's routed_experts as int16 [R, layers, k] (validated against routed_experts_shape), or None."""
+    if "routed_experts" not in f.obj:
+        return None
+    shape = f.get(
+        "routed_experts_shape", f"[{response_len}, layers, k] (positive integers)",
+        lambda v: isinstance(v, list) and len(v) == 3 and all(_is_count(x) and x > 0 for x in v)
+        and v[0] == response_len,
+    )  # fmt: skip
+    text = f.get("routed_experts", "a base64 string", lambda v: isinstance(v, str))
+    from rlx.models.routing import decode_routes
+
+    try:
+        return decode_routes(text, tuple(shape))
+    except ValueError as e:
+        raise f.fail("routed_experts", f"base64 of int16 of shape {shape} ({e})") from None
 
 
 def _is_tools(value: Any) -> bool:

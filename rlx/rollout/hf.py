@@ -19,6 +19,7 @@ import torch
 
 from rlx.models.attention import PACKED_ATTENTION, attention_implementation
 from rlx.models.family import family_of
+from rlx.models.routing import RouterRecorder
 from rlx.models.vision.inputs import VisionInputs
 from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.models.vision.positions import left_padded_positions
@@ -75,8 +76,11 @@ class HFRolloutEngine(RolloutEngine):
         limits = torch.tensor([r.max_new_tokens for r in requests])
         ids, vision = [r.prompt_ids for r in requests], [r.vision for r in requests]
         rows = batch_sampling(own, cfg, self.device)
-        tokens, logprobs = self._decode(ids, uniforms, greedy, limits, cfg, vision, rows)
-        generated = self._unpack(tokens, logprobs, limits.tolist())
+        recorder = RouterRecorder(self.model) if self.family.routed_experts else None
+        recorder = recorder if recorder is not None and recorder.routers else None
+        with recorder if recorder is not None else contextlib.nullcontext():
+            tokens, logprobs, routes = self._decode(ids, uniforms, greedy, limits, cfg, vision, rows, recorder)
+        generated = self._unpack(tokens, logprobs, limits.tolist(), routes)
         if cfg.stop:  # drop the tokens after a stop string
             stops = StopStrings(self.tokenizer, cfg.stop)
             generated = [stops.cut(g) for g in generated]
@@ -113,10 +117,13 @@ class HFRolloutEngine(RolloutEngine):
     def _decode(
         self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, limits: torch.Tensor,
         cfg: SamplingParams, vision: list | None = None, rows: BatchSampling | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Tokens and logprobs [b, steps] (CPU).  uniforms: [b, width]; greedy: [b] bool rows that take the argmax;
-        limits: [b] each row's max_new_tokens (a row past its limit is done); vision: each prompt's VisionInputs
-        or None; rows: each row's temperature / top_k / top_p (None: the call's)."""
+        recorder: RouterRecorder | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """Tokens and logprobs [b, steps] (CPU), and with an open `recorder` (an MoE model) the experts [b, steps,
+        L, k] int16 of the position that predicted each token (rlx.models.routing), else None.  uniforms: [b, width];
+        greedy: [b] bool rows that take the argmax; limits: [b] each row's max_new_tokens (a row past its limit is
+        done); vision: each prompt's VisionInputs or None; rows: each row's temperature / top_k / top_p (None: the
+        call's)."""
         rows = rows or batch_sampling([], cfg)
         b = len(prompt_ids)
         inputs, row = self._prefill_inputs(prompt_ids, vision)
@@ -129,6 +136,8 @@ class HFRolloutEngine(RolloutEngine):
         images = vision_forward(self.model, row) if row is not None else contextlib.nullcontext()
         with images, autocast(self.device, self.dtype):
             out = self.model(**inputs, use_cache=True)
+        # [b, L, k]: the experts of each prompt's last token (every prompt ends at the last column)
+        routes = [recorder.pop().unflatten(0, (b, -1))[:, -1]] if recorder is not None else []
         # the next token's position: one past the prompt's largest (an image's rows and columns may exceed its
         # last token's, mRoPE; text positions: the last + 1)
         positions = positions.amax(dim=-1, keepdim=True) + 1
@@ -160,7 +169,10 @@ class HFRolloutEngine(RolloutEngine):
                     past_key_values=out.past_key_values,
                     use_cache=True,
                 )
-        return torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).float().cpu()
+            if recorder is not None:
+                routes.append(recorder.pop())  # [b, L, k]: the experts of the token just fed
+        routed = torch.stack(routes, 1).cpu() if routes else None
+        return torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).float().cpu(), routed
 
     def _stop_string_hits(self, stops: StopStrings, tokens: list[torch.Tensor], done: torch.Tensor) -> torch.Tensor:
         """[b] bool: rows not yet done whose response so far contains a stop string."""
@@ -173,15 +185,19 @@ class HFRolloutEngine(RolloutEngine):
         finished = bool(done.all())
         return bool(all_reduce(float(finished), "min", device=self.device)) if self.ctx else finished
 
-    def _unpack(self, tokens: torch.Tensor, logprobs: torch.Tensor, limits: list[int]) -> list[Generated]:
-        """Cut each row at its limit, then after its first stop token.  tokens, logprobs: [b, steps]."""
+    def _unpack(
+        self, tokens: torch.Tensor, logprobs: torch.Tensor, limits: list[int], routes: torch.Tensor | None = None
+    ) -> list[Generated]:
+        """Cut each row at its limit, then after its first stop token.  tokens, logprobs: [b, steps]; routes:
+        [b, steps, L, k] or None."""
         out = []
-        for row_tokens, row_logprobs, limit in zip(tokens.tolist(), logprobs.tolist(), limits):
+        for i, (row_tokens, row_logprobs, limit) in enumerate(zip(tokens.tolist(), logprobs.tolist(), limits)):
             row_tokens = row_tokens[:limit]
             end = next((i + 1 for i, t in enumerate(row_tokens) if t in self.stop_ids), None)
             reason = "stop" if end is not None else "length"
             end = end or len(row_tokens)
-            out.append(Generated(row_tokens[:end], row_logprobs[:end], reason))
+            routed = routes[i, :end] if routes is not None else None
+            out.append(Generated(row_tokens[:end], row_logprobs[:end], reason, routed_experts=routed))
         return out
 
 

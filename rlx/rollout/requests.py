@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rlx.formats.records import PromptRecord, RolloutRecord
 from rlx.models.fingerprint import tokenizer_fingerprint
 from rlx.models.vision.inputs import VisionInputs
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.prompts import PromptEncoder
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -78,6 +82,9 @@ class Generated:
     finish_reason: str
     stop_string: str | None = None
     """The stop string that ended it (rollout.stop): the response text is cut before it."""
+    routed_experts: torch.Tensor | None = None
+    """MoE models on engines that record routing: int16 [len(response_ids), layers, k], the experts of the
+    position that predicted each token (rlx.models.routing); None otherwise."""
 
 
 def build_requests(prompts: list[PromptRecord], encoder: PromptEncoder, sampling: SamplingParams) -> list[Request]:
@@ -122,4 +129,5 @@ def to_record(req: Request, gen: Generated, tokenizer, temperature: float) -> Ro
         ground_truth=p.ground_truth,
         extra=dict(p.extra),
         tokenizer=tokenizer_fingerprint(tokenizer),
+        routed_experts=gen.routed_experts,
     )

@@ -51,4 +51,5 @@ class StopStrings:
             else:
                 lo = mid + 1
         stop = self.first(self._text(ids[:lo]))
-        return Generated(ids[:lo], gen.logprobs[:lo], "stop", stop_string=stop)
+        routed = gen.routed_experts[:lo] if gen.routed_experts is not None else None
+        return Generated(ids[:lo], gen.logprobs[:lo], "stop", stop_string=stop, routed_experts=routed)

@@ -75,6 +75,10 @@ class ScoreConfig:
     max_tokens_per_micro_batch (as train.use_packing)."""
     max_tokens_per_micro_batch: int = 16384
     """With use_packing: prompt + response tokens per forward pass."""
+    router_replay: Literal["off", "rollout"] = "off"
+    """Mixture-of-experts actors: 'rollout' forces the experts the rollout recorded (routed_experts) in the
+    old-logprob forward (as train.router_replay); moe/routing_mismatch is logged whenever the rollouts carry
+    routing."""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     """Where to run the actor, reference, critic and reward models."""
     precision: Literal["auto", "float32", "bfloat16"] = "auto"

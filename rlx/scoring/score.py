@@ -221,6 +221,19 @@ def _forward_options(cfg, models: ScoringModels, temperature: float, images) -> 
     return forward
 
 
+def _old_logprobs(actor: Scorer, tensors: dict, cfg: ScoreConfig, forward: dict) -> tuple[torch.Tensor, dict]:
+    """The actor's logprobs of the batch, and moe/routing_mismatch when the rollouts recorded their routing (the
+    recorded experts forced with cfg.router_replay = 'rollout')."""
+    if "routed_experts" not in tensors:
+        if cfg.router_replay != "off":
+            raise UserError("router_replay = 'rollout' needs rollouts with routed_experts (an MoE model, engine hf)")
+        return actor.logprobs(tensors, desc="old logprobs", **forward), {}
+    if not hasattr(actor, "replayed_logprobs"):
+        raise UserError("the rollouts carry routed_experts, but this actor's backend cannot replay MoE routing")
+    old, mismatch = actor.replayed_logprobs(tensors, cfg.router_replay, desc="old logprobs", **forward)
+    return old, {"moe/routing_mismatch": mismatch}
+
+
 def build_batch(
     rollouts: list[RolloutRecord],
     rewards: Rewards,
@@ -238,8 +251,9 @@ def build_batch(
     images = rollout_images(rollouts, models.processor, models.model_config)
     forward = _forward_options(cfg, models, temperature, images)
     old = tensors["rollout_logprobs"].clone()
+    routing = {}
     if models.actor is not None:
-        old = models.actor.logprobs(tensors, desc="old logprobs", **forward)
+        old, routing = _old_logprobs(models.actor, tensors, cfg, forward)
     ref = models.ref.logprobs(tensors, desc="ref logprobs", **forward) if models.ref else None
     values = None
     if models.critic is not None:  # the same rows, packing and images as the logprobs
@@ -248,7 +262,7 @@ def build_batch(
     token_rewards = torch.zeros_like(old)
     last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)  # [B] each row's last trained token
     token_rewards[torch.arange(len(rollouts)), last] = rewards.scores
-    metrics = mismatch_metrics(old, tensors["rollout_logprobs"], mask)
+    metrics = {**mismatch_metrics(old, tensors["rollout_logprobs"], mask), **routing}
     next_kl_coef = None
     if ref is not None:
         kl = kl_estimate(old, ref, cfg.kl_estimator) * mask
@@ -283,6 +297,7 @@ def build_batch(
         sample_ids=[r.id for r in rollouts], group_ids=group_ids, vocab_size=models.vocab_size,
         pad_token_id=models.pad_token_id, temperature=temperature, settings=_settings(cfg),
         tokenizer=models.tokenizer or rollouts[0].tokenizer,  # the rollouts' own where the actor's is not known
+        routing_mismatch=routing.get("moe/routing_mismatch"),
     )  # fmt: skip
     batch = TrainBatch(
         meta=meta,

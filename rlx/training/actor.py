@@ -15,8 +15,9 @@ from rlx.algorithms.losses import LossNorm, PolicyLossParams, aggregate, compute
 from rlx.algorithms.rollout_correction import RolloutCorrection, correct
 from rlx.errors import UserError
 from rlx.formats.batch import TrainBatch
-from rlx.logprobs import MODEL_INPUTS, packed_response_logprobs, response_logprobs
+from rlx.logprobs import MODEL_INPUTS, ROUTES, flat_routes, packed_response_logprobs, response_logprobs
 from rlx.models.moe import RouterProbe, moe_sizes
+from rlx.models.routing import RouterReplay
 from rlx.training.trainer import Trainer
 
 
@@ -58,9 +59,25 @@ class ActorTrainer(Trainer):
         super().check_batch(batch, where)
         if self.cfg.kl_loss_coef > 0 and batch.ref_logprobs is None:
             raise UserError(f"{where}: kl_loss_coef > 0 needs ref logprobs in the batch (run rlx score with --ref)")
+        if self.cfg.router_replay != "off" and batch.routed_experts is None:
+            raise UserError(
+                f"{where}: router_replay = 'rollout' needs a batch with routed_experts (MoE rollouts of engine hf)"
+            )
+        if batch.routed_experts is not None and self.router_replay is not None:
+            if self.ctx.sp_degree > 1:
+                raise UserError(f"{where}: MoE routing replay does not run under sequence parallelism (sp_degree > 1)")
+            try:
+                self.router_replay.check_shape(tuple(batch.routed_experts.shape[2:]), moe_sizes(self.config)[1])
+            except UserError as e:
+                raise UserError(f"{where}: {e}") from None
 
     def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
         metrics = super().train_step(batch, step)
+        mismatched, compared = metrics.pop("actor/routing_mismatched", None), metrics.pop("actor/routing_compared", 0)
+        if mismatched is not None:  # both divided by the same token count
+            metrics["actor/moe_routing_mismatch"] = mismatched / compared if compared else 0.0
+        if batch.meta.routing_mismatch is not None:  # the scoring forward's, as rlx score logged it
+            metrics["moe/routing_mismatch"] = batch.meta.routing_mismatch
         if self.correction.active:  # what the correction did, over the whole batch
             metrics.update(correct(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, self.correction)[2])
         return metrics
@@ -89,15 +106,32 @@ class ActorTrainer(Trainer):
     def micro_step(
         self, t: dict[str, torch.Tensor], part: TrainBatch, norm: LossNorm, sums: dict[str, float], weight: float
     ) -> None:
-        probe = self.router_probe
-        with probe if probe is not None else contextlib.nullcontext():
-            logp, entropy = self.logprobs(t, part)
-        loss = self.micro_loss(t, logp, entropy, norm, sums)
-        if probe is not None:
-            aux = self.moe_aux_loss(probe, t, norm, sums)
-            if self.cfg.moe_aux_loss_coef > 0:
-                loss = loss + self.cfg.moe_aux_loss_coef * aux
-        (loss * weight).backward()
+        probe, replay = self.router_probe, self.router_replay if ROUTES in t else None
+        # the replay stays open through the backward: activation checkpointing's recomputation is forced alike
+        with replay if replay is not None else contextlib.nullcontext():
+            if replay is not None:
+                routes = flat_routes(t[ROUTES], t["prompt_mask"], t["response_mask"], self.cfg.use_packing)
+                replay.set_routes(routes)
+                before = (replay.mismatched, replay.compared)
+            with probe if probe is not None else contextlib.nullcontext():
+                logp, entropy = self.logprobs(t, part)
+            loss = self.micro_loss(t, logp, entropy, norm, sums)
+            if probe is not None:
+                aux = self.moe_aux_loss(probe, t, norm, sums)
+                if self.cfg.moe_aux_loss_coef > 0:
+                    loss = loss + self.cfg.moe_aux_loss_coef * aux
+            (loss * weight).backward()
+        if replay is not None:
+            sums["routing_mismatched"] += replay.mismatched - before[0]  # device tensors: no sync here
+            sums["routing_compared"] += replay.compared - before[1]
+
+    @functools.cached_property
+    def router_replay(self) -> RouterReplay | None:
+        """Hooks that compare (and with train.router_replay = 'rollout' force) an MoE actor's routing with the
+        batch's routed_experts (None for a dense actor)."""
+        if moe_sizes(self.config) is None:
+            return None
+        return RouterReplay(self.model, force=self.cfg.router_replay == "rollout")
 
     @functools.cached_property
     def router_probe(self) -> RouterProbe | None:

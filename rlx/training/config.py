@@ -84,6 +84,10 @@ class TrainConfig:
     moe_aux_loss_coef: float = 0.0
     """Mixture-of-experts actors: weight of the routers' load-balancing loss (0 = off); the metrics
     actor/moe_aux_loss and actor/moe_max_expert_load are logged for any MoE actor."""
+    router_replay: Literal["off", "rollout"] = "off"
+    """Mixture-of-experts actors: 'rollout' routes each response token to the experts the rollout recorded
+    (rollouts' routed_experts; R3) in the training forward, keeping the router's weights for them; 'off' routes
+    normally. moe/routing_mismatch is logged whenever the batch carries routing."""
     cliprange_value: float = 0.5
     """Critic: value predictions are clipped to old value +/- cliprange_value."""
     rollout_is: Literal["none", "token", "sequence"] = "none"
