@@ -224,7 +224,8 @@ def test_processor_round_trips_through_a_model_dir(tmp_path):
     limited = vision_processor_for(tmp_path / "m", options=VisionConfig(max_pixels=8 * 16))
     assert limited.encode(PROMPTS[1], prompt_id=1).vision.image_grid_thw.tolist() == [[1, 2, 2]]  # 16x16 -> 8x8
     (tmp_path / "m" / "preprocessor_config.json").unlink()
-    with pytest.raises(UserError, match=r"no preprocessor_config.json: the GLM-4.1V image processor is missing"):
+    missing = r"no preprocessor_config.json \(nor a processor_config.json .*\): the GLM-4.1V image processor is missing"
+    with pytest.raises(UserError, match=missing):
         load_vision_processor(tmp_path / "m")
 
 
