@@ -9,51 +9,17 @@ checked here, and a failure names the sample and the method.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from rlx.errors import UserError
 from rlx.observe.tracking import console
-
-
-def load_object(spec: str, option: str) -> Any:
-    """The object `NAME` of `path/file.py:NAME` or `package.module:NAME`; errors start with `option spec`."""
-    module_name, _, attr = spec.rpartition(":")
-    where = f"{option} {spec!r}"
-    if not module_name or not attr:
-        raise UserError(f"{where}: expected path/file.py:NAME or package.module:NAME")
-    if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise UserError(f"{where}: no such file {path}")
-        mod_spec = importlib.util.spec_from_file_location(f"rlx_user_env_{path.stem}", path)
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[mod_spec.name] = module
-        try:
-            mod_spec.loader.exec_module(module)
-        except Exception as e:
-            raise UserError(f"{where}: importing {path} failed: {type(e).__name__}: {e}") from None
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise UserError(f"{where}: cannot import module {module_name!r} ({e})") from None
-    if not hasattr(module, attr):
-        raise UserError(f"{where}: {module_name} has no attribute {attr!r}")
-    value = getattr(module, attr)
-    if not callable(value):
-        raise UserError(f"{where}: {module_name}.{attr} is not callable")
-    return value
+from rlx.utils.user_code import load_object
 
 
 def report_dropped(reasons: list[str], num_samples: int) -> None:

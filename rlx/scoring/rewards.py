@@ -11,16 +11,13 @@ with 'score' (its other entries are kept in scores.jsonl; metrics average the nu
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from rlx.errors import UserError
 from rlx.formats.records import RolloutRecord
 from rlx.scoring import reasoning_gym, rules
+from rlx.utils.user_code import load_object
 
 BUILTIN: dict[str, Callable] = {
     "arith": rules.arith,
@@ -36,32 +33,6 @@ DATA_SOURCE_ALIASES = {
     "DigitalLearningGmbH/MATH-lighteval": "math",
     "HuggingFaceH4/MATH-500": "math",
 }
-
-
-def _load_callable(spec: str) -> Callable:
-    module_name, _, attr = spec.rpartition(":")
-    if not module_name or not attr:
-        raise UserError(f"--reward {spec!r}: expected a built-in name ({', '.join(BUILTIN)}) or module:function")
-    if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise UserError(f"--reward {spec!r}: no such file {path}")
-        mod_spec = importlib.util.spec_from_file_location(f"rlx_user_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[mod_spec.name] = module
-        try:
-            mod_spec.loader.exec_module(module)
-        except Exception as e:
-            raise UserError(f"--reward {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from None
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise UserError(f"--reward {spec!r}: cannot import module {module_name!r} ({e})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise UserError(f"--reward {spec!r}: module {module_name!r} has no function {attr!r}")
-    return fn
 
 
 def parse_spec(text: str) -> tuple[str, float]:
@@ -100,7 +71,11 @@ class RewardFunctions:
         self.fixed: list[RewardFunction] = []
         for text in specs:
             spec, weight = parse_spec(text)
-            fn = BUILTIN[spec] if spec in BUILTIN else _load_callable(spec)
+            fn = (
+                BUILTIN[spec]
+                if spec in BUILTIN
+                else load_object(spec, "--reward", f"a built-in name ({', '.join(BUILTIN)}) or module:function")
+            )
             self.fixed.append(RewardFunction(spec if spec in BUILTIN else spec.rpartition(":")[2], fn, weight))
 
     def for_sample(self, rollout: RolloutRecord) -> list[RewardFunction]:
