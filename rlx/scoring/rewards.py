@@ -74,7 +74,9 @@ class RewardFunctions:
             fn = (
                 BUILTIN[spec]
                 if spec in BUILTIN
-                else load_object(spec, "--reward", f"a built-in name ({', '.join(BUILTIN)}) or module:function")
+                else load_object(
+                    spec, "--reward", f"a built-in name ({', '.join(BUILTIN)}) or module:function", "reward"
+                )
             )
             self.fixed.append(RewardFunction(spec if spec in BUILTIN else spec.rpartition(":")[2], fn, weight))
 

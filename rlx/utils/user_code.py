@@ -12,9 +12,12 @@ from typing import Any
 from rlx.errors import UserError
 
 
-def load_object(spec: str, option: str, expected: str = "path/file.py:NAME or package.module:NAME") -> Any:
+def load_object(
+    spec: str, option: str, expected: str = "path/file.py:NAME or package.module:NAME", kind: str = "env"
+) -> Any:
     """The callable `NAME` of `path/file.py:NAME` or `package.module:NAME` (user code: environments, agents, reward
-    functions); a UserError starting with `option spec` otherwise, `expected` saying what the option takes."""
+    functions); a UserError starting with `option spec` otherwise, `expected` saying what the option takes. A file is
+    imported as module `rlx_user_<kind>_<stem>`."""
     module_name, _, attr = spec.rpartition(":")
     where = f"{option} {spec!r}"
     if not module_name or not attr:
@@ -23,7 +26,7 @@ def load_object(spec: str, option: str, expected: str = "path/file.py:NAME or pa
         path = Path(module_name)
         if not path.is_file():
             raise UserError(f"{where}: no such file {path}")
-        mod_spec = importlib.util.spec_from_file_location(f"rlx_user_{path.stem}", path)
+        mod_spec = importlib.util.spec_from_file_location(f"rlx_user_{kind}_{path.stem}", path)
         module = importlib.util.module_from_spec(mod_spec)
         sys.modules[mod_spec.name] = module
         try:
