@@ -121,7 +121,9 @@ def extra_sets(args) -> list[str]:
 
 
 def env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1"}
+    """The runs' environment: this checkout first on the path, the caller's PYTHONPATH after it."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "TQDM_DISABLE": "1"}
 
 
 def run(recipe: Path, gpus: int, run_dir: Path, args, limit_s: float) -> tuple[list[dict], list[float], str]:

@@ -226,3 +226,16 @@ def test_a_kill_during_a_background_checkpoint_write_resumes_bit_exactly(tmp_pat
     assert not list((run / "checkpoints").glob(".step_*"))  # the killed write's temporary folder is gone
     assert_same_weights(reference / "checkpoints" / "step_000006", run / "checkpoints" / "step_000006")
     assert stable(read_jsonl(reference / "metrics.jsonl")) == stable(read_jsonl(run / "metrics.jsonl"))
+
+
+def test_the_device_is_read_before_the_fast_path_fills_the_engine(monkeypatch):
+    """On CUDA, `rollout.tp_degree = 2` with no engine named validates only after the fast path chose the native
+    engine: `rlx ppo` must not build (and validate) the config before it knows the device."""
+    from rlx.commands import ppo as command
+
+    recipe, overrides = REPO / "recipes" / "quickstart.toml", ["rollout.tp_degree=2"]
+    assert command._train_device(recipe, overrides) == "auto"
+    assert command._train_device(recipe, [*overrides, "train.device=cpu"]) == "cpu"
+    assert load_recipe(recipe, overrides, "cuda").rollout.engine == "native"
+    with pytest.raises(Exception, match="tensor parallel rollout needs engine"):
+        load_recipe(recipe, overrides, "cpu")

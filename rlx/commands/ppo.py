@@ -63,7 +63,7 @@ def ppo(
             raise UserError("--resume continues the run in --out and --overwrite replaces it: give one of them")
         if plan or gpus is not None or gpu_memory_gib is not None:
             return _print_plan(recipe, set_ or [], plan, gpus, gpu_memory_gib)
-        device_type = resolve_device(load_recipe(recipe, set_ or []).train.device).type
+        device_type = resolve_device(_train_device(recipe, set_ or [])).type
         if device_type == "cuda":
             run_dir = Path(out) if out else Path("runs") / recipe.stem
             set_ = [*(set_ or []), *_planned(recipe, set_ or [], run_dir if resume else None)]
@@ -95,6 +95,14 @@ def _recipe_tree(recipe: Path, overrides: list[str]) -> dict:
     from rlx.config import apply_overrides, load_toml
 
     return apply_overrides(load_toml(recipe), overrides)
+
+
+def _train_device(recipe: Path, overrides: list[str]) -> str:
+    """The recipe's `train.device` before the config is built: the fast path it selects may fill keys (e.g.
+    rollout.engine = "native") that other settings (rollout.tp_degree > 1) need to validate."""
+    tree = _recipe_tree(recipe, overrides)
+    train = tree.get("train") if isinstance(tree.get("train"), dict) else {}
+    return str(train.get("device", "auto"))
 
 
 def _announce_defaults(device_type: str, recipe: Path, overrides: list[str]) -> None:
