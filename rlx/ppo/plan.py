@@ -14,16 +14,18 @@ rlx/rollout/native/engine.py):
 - the native engine's bfloat16 replica (a whole copy) and its KV cache, sized for this rank's share of the step's
   sequences at their longest plus 1/8; both released between rollouts with rollout.sleep;
 - activations of a train micro-batch: per token and layer about 20*hidden + 8*kv_width + 8*intermediate bytes in
-  bfloat16 (norm inputs in float32, q/k/v, attention output, the gated MLP's three intermediates); with
-  gradient checkpointing only the layer inputs (2*hidden bytes) stay, plus one layer recomputed at a time.
+  bfloat16 (norm inputs in float32, q/k/v, attention output, the gated MLP's intermediates: 4*intermediate when
+  train.compile fuses the layers, since Inductor keeps only the two projections); with gradient checkpointing only
+  the layer inputs (2*hidden bytes) stay, plus one layer recomputed at a time.
 Around it: torch's allocator keeps some memory it cannot hand out (fragmentation) and the CUDA context and NCCL
 buffers sit outside torch's count; both are taken off the device's memory before the estimates are compared.
 
 Calibrated against a Qwen2.5-7B-shaped model on 4 x H100 80 GB (issue 34; 32 prompts x 8, 128 + 256 tokens, no
 reference as in bench/grpo_step.py): the fast path's settings (engine resident, 6,144-token micro-batches, no
 checkpointing) ran out of memory at 74.7 GiB allocated in the first train step (estimated: 121 GiB); with
-rollout.sleep and gradient checkpointing it ran (estimated: 71 GiB of 72.9 usable). Not yet checked against measured
-peaks of other shapes: bench/scale.py prints the plan beside rank 0's measured peak.
+rollout.sleep and gradient checkpointing it ran (estimated: 71 GiB of 72.9 usable). Checked against the measured peaks
+of the Qwen2-0.5B shape (bench/scale.py, 1 and 2 x H100, fast path with compile): 45.6 and 38.1 GiB measured; the
+estimates were 56.4 and 54.0 GiB before the compiled MLP term (8*intermediate), 42.2 and 39.7 with it (-7%, +4%).
 """
 
 from __future__ import annotations
@@ -221,9 +223,10 @@ def _trained_gib(shape: ModelShape, work: Workload, settings: Settings, world: i
     return models * shape.params * per_param / GIB
 
 
-def _activation_bytes_per_token(shape: ModelShape, checkpointing: bool) -> float:
-    """Bytes a train micro-batch keeps per token for the backward (bfloat16, norms' inputs float32)."""
-    per_layer = 20 * shape.hidden + 8 * shape.kv_width + 8 * shape.intermediate
+def _activation_bytes_per_token(shape: ModelShape, checkpointing: bool, compiled: bool = False) -> float:
+    """Bytes a train micro-batch keeps per token for the backward (bfloat16, norms' inputs float32). Compiled
+    layers keep only the gated MLP's two projections (Inductor recomputes the activation and the product)."""
+    per_layer = 20 * shape.hidden + 8 * shape.kv_width + (4 if compiled else 8) * shape.intermediate
     head = 16 * shape.hidden  # final norm, hidden-state gradients around the fused logprobs
     if checkpointing:
         return shape.layers * 2 * shape.hidden + per_layer + head
@@ -240,7 +243,7 @@ def _train_gib(shape: ModelShape, work: Workload, settings: Settings, world: int
     # keeps a bfloat16 copy of every weight for the backward
     gathered = shape.layer_params * 12 + shape.root_params * 6 if world > 1 else shape.params * 2
     tokens = min(settings.train_tokens, tokens_per_rank)
-    activations = tokens * _activation_bytes_per_token(shape, settings.gradient_checkpointing)
+    activations = tokens * _activation_bytes_per_token(shape, settings.gradient_checkpointing, settings.compile)
     return {
         "activations": activations / GIB,
         "gathered": gathered / GIB,
