@@ -11,11 +11,10 @@ everything else left to rlx (the fast path and the memory plan, printed at its s
 
 For each shape and GPU count: `rlx ppo --plan` first (a shape that does not fit is reported, not run), then the run.
 Per run: first step (process start to the first metrics line), median and p90 of the later steps, tokens/s per GPU
-(prompt + response tokens of the median step / its seconds / GPUs), MFU per GPU of the median step (perf/mfu / GPUs),
-rank 0's peak
-device memory over the phases (metrics.jsonl), and the plan's estimated peak beside it. Each run is stopped after
---timeout-s, and nothing runs past --deadline-s (most GPUs first: the 4-GPU run is the headline). A compact table
-at the end; --json keeps everything.
+(prompt + response tokens of the median step / its seconds / GPUs), MFU of the median step (perf/mfu: over all
+the GPUs' peak), rank 0's peak device memory over the phases (metrics.jsonl), and the plan's estimated peak beside
+it. Each run is stopped after --timeout-s, and nothing runs past --deadline-s (most GPUs first: the 4-GPU run is the
+headline). A compact table at the end; --json keeps everything.
 """
 
 from __future__ import annotations
@@ -167,8 +166,7 @@ def summarize(metrics: list[dict], arrivals: list[float], gpus: int) -> dict:
         "median_s": median,
         "p90_s": p90,
         "tokens_per_s_per_gpu": tokens / median / gpus if median else 0.0,
-        # perf/mfu divides the step's FLOPs (all ranks' samples) by one device's peak: per GPU, divide by the GPUs
-        "mfu": m["perf/mfu"] / gpus if m.get("perf/mfu") is not None else None,
+        "mfu": m.get("perf/mfu"),  # the step's FLOPs (all ranks' samples) over all the run's GPUs' peak
         "peak_gib_rank0": max(peaks, default=0.0),
         "phases_of_median_s": {k: m.get(f"timing/{k}_s") for k in ("weight_sync", "rollout", "score", "train", "save")},
         "final_save_s": metrics[-1].get("timing/save_s"),

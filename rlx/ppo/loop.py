@@ -45,7 +45,7 @@ from rlx.observe.memory import (
     reset_device_peak,
 )
 from rlx.observe.tracking import Tracker, console, read_metrics, select_traces
-from rlx.parallel.dist import barrier
+from rlx.parallel.dist import barrier, context
 from rlx.ppo.config import PPOConfig
 from rlx.ppo.dynamic_sampling import GroupFilter, sampling_metrics
 from rlx.ppo.models import CRITIC_DIR, build_run_models
@@ -249,7 +249,8 @@ class PPORun:
         result.batch.save(out / "batch.safetensors", store_pixels=store_pixels)
 
     def _flops_metrics(self, rollouts: list[RolloutRecord], metrics: dict) -> dict:
-        """Model FLOPs of the step (generation, scoring forwards, training) and MFU against the device peak."""
+        """Model FLOPs of the step (generation, scoring forwards, training: every rank's samples) and MFU against the
+        peak of all the run's devices (one device's peak x the world size)."""
         config = self.trainer.config
         prompt_lens = [len(r.prompt_ids) for r in rollouts]
         response_lens = [len(r.response_ids) for r in rollouts]
@@ -263,7 +264,7 @@ class PPORun:
             "train": train_passes * count_flops(config, lengths, "train"),
         }
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
-        peak = device_peak_flops(name)
+        peak = device_peak_flops(name) * context().world
         out = {"perf/flops": sum(phases.values())}
         for phase, flops in phases.items():
             seconds = metrics.get(f"timing/{phase}_s", 0.0)
