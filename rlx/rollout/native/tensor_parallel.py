@@ -13,7 +13,7 @@ The decoder a rank runs is a Hugging Face model of the same class built from a c
 width divided by T (`sliced_config`); forward hooks on o_proj and down_proj add the all-reduce to its own layers
 (prefill and eager decode), and the merged decode step (fused.py) all-reduces itself. Its weights come from the
 full model one parameter at a time (`rank_slice` of each gathered parameter): a trainer's FSDP shards are gathered
-parameter by parameter, never the whole model at once.
+parameter by parameter, never the whole model at once. Mixture-of-experts models are refused (not split yet).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from rlx.errors import UserError
+from rlx.models.moe import MOE_FAMILIES
 from rlx.rollout.native.fused import FAMILIES
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -37,6 +38,11 @@ def check_splittable(config, degree: int) -> None:
     """A UserError unless a model of `config` splits over `degree` ranks: a Llama-family text decoder whose
     attention heads, key/value heads and MLP width are multiples of `degree`."""
     model_type = getattr(config, "model_type", None)
+    if model_type in MOE_FAMILIES:
+        raise UserError(
+            f"tp_degree {degree}: the native engine does not split mixture-of-experts models ({model_type}) across "
+            f"ranks; use tp_degree = 1 (each rank decodes the whole model)"
+        )
     if model_type not in FAMILIES:
         raise UserError(
             f"tp_degree {degree}: the native engine splits {', '.join(FAMILIES)} models only, not {model_type!r}"

@@ -1,0 +1,179 @@
+"""The native engine on mixture-of-experts models, CPU: grouped expert GEMMs equal transformers' expert modules,
+compile without graph breaks, native rollouts equal the hf engine's (tokens, logprobs and recorded routing), replay
+of the native routing gives the rollout's logprobs, tensor parallelism is refused, and bench/moe_step.py runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlx.formats.batch import collate_routes
+from rlx.formats.records import PromptRecord
+from rlx.kernels.grouped_experts import routed_experts_mlp
+from rlx.logprobs import ModuleScorer
+from rlx.models.moe import tiny_moe_config
+from rlx.parallel.dist import DistContext
+from rlx.rollout.config import RolloutConfig
+from rlx.rollout.native.moe import routed_mlp
+from tests.conftest import REPO, generate, make_engine
+
+PROMPTS = [PromptRecord(id=f"p{i}", prompt=text) for i, text in enumerate(["1+2=", "3*4=", "12+7=", "9-5=", "0+0="])]
+
+
+def _model(model_type: str = "qwen3_moe", vocab: int = 64, seed: int = 0, **sizes):
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(tiny_moe_config(vocab, model_type, **sizes)).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_moe():
+    from rlx.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    return _model(vocab=len(tokenizer), max_position_embeddings=128), tokenizer
+
+
+def _grouped_mm_on_cpu() -> bool:
+    try:
+        torch._grouped_mm(torch.ones(2, 4), torch.ones(1, 4, 4), offs=torch.tensor([2], dtype=torch.int32))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+def test_routed_layer_equals_the_expert_module_padded_tokens_included(model_type):
+    model = _model(model_type, hidden_size=32, moe_intermediate_size=16, intermediate_size=16, num_experts=8)
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(1))
+    x[4:] = 0.0  # a CUDA graph's padded entries
+    impls = ["padded", "auto"] + (["grouped"] if _grouped_mm_on_cpu() else [])
+    with torch.no_grad():
+        for layer in model.model.layers:
+            want = layer.mlp(x[None])[0]
+            _, _, chosen = layer.mlp.gate(x)
+            for impl in impls:
+                got, experts = routed_mlp(layer.mlp, x, impl)
+                assert torch.equal(experts, chosen)
+                assert torch.allclose(got, want, atol=1e-6), (impl, (got - want).abs().max())
+
+
+def test_experts_every_token_to_one_expert_and_empty_experts():
+    """Skewed routing: all tokens to expert 3 (the others get none), against a per-token reference."""
+    gen = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(5, 8, 6, generator=gen), torch.randn(5, 6, 4, generator=gen)
+    x = torch.randn(7, 6, generator=gen)
+    experts = torch.tensor([[3, 1]] * 7)
+    weights = torch.rand(7, 2, generator=gen)
+    want = torch.zeros(7, 6)
+    for t in range(7):
+        for j in range(2):
+            gate, up = (gate_up[experts[t, j]] @ x[t]).chunk(2)
+            want[t] += weights[t, j] * (down[experts[t, j]] @ (torch.nn.functional.silu(gate) * up))
+    got = routed_experts_mlp(x, experts, weights, gate_up, down, torch.nn.functional.silu, "padded")
+    assert torch.allclose(got, want, atol=1e-5)
+    with pytest.raises(ValueError, match="experts impl"):
+        routed_experts_mlp(x, experts, weights, gate_up, down, torch.nn.functional.silu, "loop")
+
+
+def test_routed_layer_compiles_into_one_graph():
+    """fullgraph=True: no data-dependent Python control flow, shapes dynamic in the token count (the decode graphs'
+    ladder); the grouped GEMM traces in bf16 (its meta function's dtype)."""
+    model = _model("qwen2_moe", hidden_size=32, moe_intermediate_size=16)
+    mlp = model.model.layers[0].mlp
+    cases = [("padded", torch.float32)] + ([("grouped", torch.bfloat16)] if _grouped_mm_on_cpu() else [])
+    for impl, dtype in cases:
+        mlp = mlp.to(dtype)
+        step = torch.compile(functools.partial(routed_mlp, impl=impl), fullgraph=True, dynamic=True,
+                             backend="aot_eager")  # fmt: skip
+        with torch.no_grad():
+            for tokens in (5, 9):
+                x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+                got, experts = step(mlp, x)
+                want, chosen = routed_mlp(mlp, x, impl)
+                assert torch.equal(experts, chosen) and torch.allclose(got, want, atol=1e-6), impl
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(n=2, max_new_tokens=10, temperature=0),
+        dict(n=3, max_new_tokens=10, temperature=1.0, seed=4),
+        # a tiny cache, few sequences at once: refills and preemption (the preempted sequences' routes recomputed)
+        dict(n=3, max_new_tokens=20, temperature=1.0, seed=1, max_num_seqs=3, block_size=2, kv_cache_gib=1e-5),
+    ],
+)
+def test_native_equals_hf_tokens_logprobs_and_routes(tiny_moe, settings):
+    model, tokenizer = tiny_moe
+    cfg = RolloutConfig(engine="native", chat_template="off", **settings)
+    ours = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
+    theirs = generate(make_engine(model, tokenizer, dataclasses.replace(cfg, engine="hf")), PROMPTS, cfg)
+    assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
+        assert a.routed_experts.dtype == torch.int16 and a.routed_experts.shape == (len(a.response_ids), 2, 2)
+        assert torch.equal(a.routed_experts, b.routed_experts), a.id
+
+
+def _batch(records):
+    p, r = max(len(x.prompt_ids) for x in records), max(len(x.response_ids) for x in records)
+    out = {k: torch.zeros(len(records), w, dtype=torch.long) for k, w in
+           (("prompt_ids", p), ("prompt_mask", p), ("response_ids", r), ("response_mask", r))}  # fmt: skip
+    rollout = torch.zeros(len(records), r)
+    for i, x in enumerate(records):
+        out["prompt_ids"][i, p - len(x.prompt_ids) :], out["prompt_mask"][i, p - len(x.prompt_ids) :] = (
+            torch.tensor(x.prompt_ids), 1)  # fmt: skip
+        out["response_ids"][i, : len(x.response_ids)], out["response_mask"][i, : len(x.response_ids)] = (
+            torch.tensor(x.response_ids), 1)  # fmt: skip
+        rollout[i, : len(x.response_ids)] = torch.tensor(x.rollout_logprobs)
+    out["routed_experts"] = collate_routes(records, p, r)
+    return out, rollout
+
+
+def test_replaying_native_routes_gives_the_rollout_logprobs(tiny_moe):
+    """The trainer's forward over a native rollout routes as recorded and, with replay, gives the rollout's logprobs;
+    routes recorded one position off would not (the record's entry i belongs to the position predicting token i)."""
+    model, tokenizer = tiny_moe
+    cfg = RolloutConfig(engine="native", chat_template="off", n=2, max_new_tokens=8, temperature=1.0, seed=7)
+    records = generate(make_engine(model, tokenizer, cfg), PROMPTS[:3], cfg)
+    tensors, rollout = _batch(records)
+    mask = tensors["response_mask"].bool()
+    scorer = ModuleScorer(model, DistContext(device=torch.device("cpu")))
+    for replay in ("off", "rollout"):
+        logprobs, mismatch = scorer.replayed_logprobs(tensors, replay, 1.0, torch.float32, micro_batch_size=3,
+                                                      impl="naive")  # fmt: skip
+        assert mismatch == 0.0 and torch.allclose(logprobs[mask], rollout[mask], atol=1e-5), replay
+    shifted = dict(tensors, routed_experts=tensors["routed_experts"].roll(1, dims=1))  # routes one position late
+    logprobs, mismatch = scorer.replayed_logprobs(shifted, "rollout", 1.0, torch.float32, micro_batch_size=3,
+                                                  impl="naive")  # fmt: skip
+    assert mismatch > 0 and not torch.allclose(logprobs[mask], rollout[mask], atol=1e-3)
+
+
+def test_tensor_parallel_refuses_moe_models():
+    from rlx.errors import UserError
+    from rlx.rollout.native.tensor_parallel import check_splittable
+
+    with pytest.raises(UserError, match="mixture-of-experts"):
+        check_splittable(tiny_moe_config(64), 2)
+
+
+def test_moe_bench_runs_on_the_tiny_shape(tmp_path):
+    cmd = [sys.executable, str(REPO / "bench" / "moe_step.py"), "--shape", "tiny", "--skip", "grpo_step",
+           "--rollout-prompts", "2", "--n", "2", "--prompt-len", "6", "--response-len", "6",
+           "--work", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [(x["measurement"], x.get("engine") or x.get("router_replay")) for x in lines] == [
+        ("rollout", "native"), ("rollout", "hf"), ("routing_mismatch", "off"), ("routing_mismatch", "rollout")
+    ]  # fmt: skip
+    assert all(x["tokens_per_s"] > 0 for x in lines[:2]) and lines[3]["routing_mismatch"] == 0.0
