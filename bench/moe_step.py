@@ -6,10 +6,10 @@
 
 The model: Qwen3-30B-A3B's layer (hidden 2048, 32 query / 4 key-value heads of 128, 128 experts of width 768, 8 per
 token, renormalised) and vocabulary (151,936), `--layers` of them, random init from a config (no download), the
-character tokenizer (prompts of random characters, one token each). 12 layers hold 8.1B parameters (0.6B active per
-token): bf16 rollout needs 16 GB, but a GRPO step keeps float32 weights, gradients and AdamW state (16 bytes a
-parameter: 130 GB), so on one 80 GB GPU the step is checked with `rlx ppo --plan` first and reported as not fitting
-(use --layers 4: 3.1B parameters).
+character tokenizer (prompts of random characters, one token each). 12 layers hold 8.1B parameters (0.7B active
+per token besides the embeddings): bf16 rollout needs 16 GB, but a GRPO step keeps float32 weights, gradients and
+AdamW state (16 bytes a parameter: 130 GB), so on one 80 GB GPU the step is checked with `rlx ppo --plan` first and
+reported as not fitting (use --layers 4: 3.1B parameters).
 
 One JSON line per measurement:
 - `rollout` (engine native, then hf): response tokens/s of a generate call (`--rollout-prompts` x `--n` samples,
@@ -25,6 +25,7 @@ One JSON line per measurement:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -85,6 +86,8 @@ def rollout_config(args, engine: str, max_new_tokens: int):
 
 def measure_rollouts(model, tokenizer, device, args) -> list:
     """`rollout` lines for native then hf; returns the native records (for the mismatch measurement)."""
+    import torch
+
     from rlx.formats.records import PromptRecord
     from rlx.parallel.dist import DistContext
     from rlx.rollout.base import build_engine
@@ -108,9 +111,11 @@ def measure_rollouts(model, tokenizer, device, args) -> list:
               "tokens_per_s": round(tokens / seconds, 1), "device": device_name(device)})  # fmt: skip
         if name == "native":
             kept = records
-        if hasattr(engine, "close"):
-            engine.close()
+        engine.close()
         del engine
+        gc.collect()  # the native engine's KV cache goes before the hf engine runs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return kept
 
 
