@@ -1,6 +1,7 @@
 """The native engine on mixture-of-experts models, CPU: grouped expert GEMMs equal transformers' expert modules,
 compile without graph breaks, native rollouts equal the hf engine's (tokens, logprobs and recorded routing), replay
-of the native routing gives the rollout's logprobs, tensor parallelism is refused, and bench/moe_step.py runs."""
+of the native routing gives the rollout's logprobs, two tensor-parallel ranks decode as one engine, and
+bench/moe_step.py runs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import functools
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from rlx.models.moe import tiny_moe_config
 from rlx.parallel.dist import DistContext
 from rlx.rollout.config import RolloutConfig
 from rlx.rollout.native.moe import routed_mlp
-from tests.conftest import REPO, generate, make_engine
+from tests.conftest import REPO, generate, make_engine, run_torchrun
 
 PROMPTS = [PromptRecord(id=f"p{i}", prompt=text) for i, text in enumerate(["1+2=", "3*4=", "12+7=", "9-5=", "0+0="])]
 
@@ -156,12 +158,70 @@ def test_replaying_native_routes_gives_the_rollout_logprobs(tiny_moe):
     assert mismatch > 0 and not torch.allclose(logprobs[mask], rollout[mask], atol=1e-3)
 
 
-def test_tensor_parallel_refuses_moe_models():
-    from rlx.errors import UserError
-    from rlx.rollout.native.tensor_parallel import check_splittable
+TP_SCRIPT = textwrap.dedent("""
+    import copy, dataclasses, sys
+    sys.path.insert(0, {repo!r})
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from rlx.formats.records import PromptRecord
+    from rlx.models.moe import tiny_moe_config
+    from rlx.models.tiny import build_char_tokenizer
+    from rlx.parallel.dist import DistContext, exit_process, setup
+    from rlx.rollout.base import build_engine
+    from rlx.rollout.config import RolloutConfig
 
-    with pytest.raises(UserError, match="mixture-of-experts"):
-        check_splittable(tiny_moe_config(64), 2)
+    ctx = setup("cpu")
+    tokenizer = build_char_tokenizer()
+    prompts = [PromptRecord(id=f"p{{i}}", prompt=t) for i, t in enumerate(["1+2=", "3*4=", "12+7=", "9-5="])]
+    cfg = RolloutConfig(engine="native", chat_template="off", n=2, max_new_tokens=10, seed=5, temperature=1.0,
+                        max_num_seqs=4, block_size=2, kv_cache_gib=1e-4, precision="float32")
+    for model_type in ("qwen3_moe", "qwen2_moe"):  # qwen2_moe: a shared expert and q/k/v biases
+        torch.manual_seed(1)
+        config = tiny_moe_config(len(tokenizer), model_type, num_experts=4, max_position_embeddings=128)
+        model = AutoModelForCausalLM.from_config(config).requires_grad_(False)
+        engines, results = [], []
+        for tp_degree, context in ((2, ctx), (1, DistContext(device=ctx.device))):
+            engines.append(build_engine(dataclasses.replace(cfg, tp_degree=tp_degree), copy.deepcopy(model),
+                                        tokenizer, context))
+            results.append(engines[-1].generate(prompts, cfg.sampling(), progress=False).records)
+        tp, single = results
+        experts = engines[0]._replica.model.layers[0].mlp.experts  # this rank's half of each expert
+        assert experts.gate_up_proj.shape == (4, config.moe_intermediate_size, config.hidden_size), model_type
+        assert [r.response_ids for r in tp] == [r.response_ids for r in single], model_type
+        for a, b in zip(tp, single):
+            diff = (torch.tensor(a.rollout_logprobs) - torch.tensor(b.rollout_logprobs)).abs().max().item()
+            assert diff <= 1e-5 and torch.equal(a.routed_experts, b.routed_experts), (model_type, diff)
+    print(f"rank {{ctx.rank}}: MoE tensor parallel == one engine", flush=True)
+    exit_process(0)
+""")
+
+
+def test_two_tensor_parallel_ranks_decode_an_moe_as_one_engine(tmp_path):
+    """Experts split by width over two gloo ranks: the same tokens, logprobs (1e-5) and routes as one engine."""
+    script = tmp_path / "tp_moe.py"
+    script.write_text(TP_SCRIPT.format(repo=str(REPO)))
+    out = run_torchrun(2, script, timeout=300)
+    assert "rank 0: MoE tensor parallel == one engine" in out.stdout
+    assert "rank 1: MoE tensor parallel == one engine" in out.stdout
+
+
+def test_tensor_parallel_slices_experts_by_width_and_refuses_olmoe():
+    from rlx.errors import UserError
+    from rlx.rollout.native.tensor_parallel import check_splittable, rank_slice, sliced_config
+
+    gate_up = torch.arange(2 * 8 * 3).reshape(2, 8, 3)  # [E, 2I, H], I = 4: gate rows 0-3, up rows 4-7
+    first = rank_slice("model.layers.0.mlp.experts.gate_up_proj", gate_up, 2, 1)
+    assert torch.equal(first, gate_up[:, [2, 3, 6, 7]])  # rank 1: the second half of the gate rows and of up's
+    down = torch.arange(2 * 3 * 4).reshape(2, 3, 4)
+    assert torch.equal(rank_slice("model.layers.0.mlp.experts.down_proj", down, 2, 1), down[:, :, 2:])
+    config = tiny_moe_config(64, "qwen2_moe")
+    sliced = sliced_config(config, 2)
+    assert (sliced.moe_intermediate_size, sliced.shared_expert_intermediate_size) == (8, 8)
+    with pytest.raises(UserError, match="moe_intermediate_size \\(5\\) is not a multiple"):
+        check_splittable(tiny_moe_config(64, moe_intermediate_size=5), 2)
+    with pytest.raises(UserError, match="not 'olmoe'"):
+        check_splittable(tiny_moe_config(64, "olmoe"), 2)
 
 
 def test_moe_bench_runs_on_the_tiny_shape(tmp_path):

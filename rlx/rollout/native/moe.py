@@ -20,6 +20,7 @@ model (Qwen3-MoE's `mlp_only_layers`) run their own MLP and record nothing, as t
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlx.kernels.grouped_experts import ExpertsImpl, routed_experts_mlp
@@ -52,12 +53,18 @@ def native_moe_layers(model, layers) -> list[bool] | None:
     return routed
 
 
-def routed_mlp(mlp: torch.nn.Module, x: torch.Tensor, impl: ExpertsImpl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def routed_mlp(
+    mlp: torch.nn.Module, x: torch.Tensor, impl: ExpertsImpl = "auto", tp_group=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A routed block on x [T, H] -> (output [T, H], experts [T, k] int64), as the block's own forward in eval mode
-    (Mixtral's router jitter is a training-time noise)."""
+    (Mixtral's router jitter is a training-time noise). `tp_group`: the block is a tensor-parallel rank's (each
+    expert at 1/T of its width, tensor_parallel.py): the routed output is summed over the group (the shared
+    expert's down_proj sums itself, through its hook)."""
     _, weights, experts = mlp.gate(x)
     out = routed_experts_mlp(x, experts, weights, mlp.experts.gate_up_proj, mlp.experts.down_proj,
                              mlp.experts.act_fn, impl)  # fmt: skip
+    if tp_group is not None:
+        dist.all_reduce(out, group=tp_group)
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None:  # Qwen2-MoE
         out = out + F.sigmoid(mlp.shared_expert_gate(x)) * shared(x)
@@ -65,10 +72,18 @@ def routed_mlp(mlp: torch.nn.Module, x: torch.Tensor, impl: ExpertsImpl = "auto"
 
 
 def moe_layer_step(
-    layer, hidden: torch.Tensor, position_ids: torch.Tensor, rope, paged, routed: bool, impl: ExpertsImpl = "auto"
+    layer,
+    hidden: torch.Tensor,
+    position_ids: torch.Tensor,
+    rope,
+    paged,
+    routed: bool,
+    impl: ExpertsImpl = "auto",
+    tp_group=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decoder layer (the families' shared pre-norm shape): hidden [1, T, H] -> ([1, T, H], experts [T, k] of a
-    routed layer or None). The attention is the layer's own (the paged attention function through `paged`)."""
+    routed layer or None). The attention is the layer's own (the paged attention function through `paged`; a
+    tensor-parallel rank's o_proj sums itself through its hook, as does a dense MLP's down_proj)."""
     attn, _ = layer.self_attn(
         hidden_states=layer.input_layernorm(hidden), attention_mask=None, position_ids=position_ids,
         position_embeddings=rope, paged=paged,
@@ -77,5 +92,5 @@ def moe_layer_step(
     x = layer.post_attention_layernorm(hidden)
     if not routed:
         return hidden + layer.mlp(x), None
-    out, experts = routed_mlp(layer.mlp, x[0], impl)
+    out, experts = routed_mlp(layer.mlp, x[0], impl, tp_group)
     return hidden + out.unsqueeze(0), experts

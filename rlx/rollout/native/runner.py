@@ -307,7 +307,7 @@ class ModelRunner:
         step = _compiled_moe() if ctx.decode and self.compiled else moe_layer_step
         routes = []
         for i, (layer, routed) in enumerate(zip(self._layers(), self.routed_layers)):
-            hidden, experts = step(layer, hidden, position_ids, rope, ctx.for_layer(i), routed)
+            hidden, experts = step(layer, hidden, position_ids, rope, ctx.for_layer(i), routed, "auto", *self.tp_args)
             if experts is not None:
                 routes.append(experts)
         _, _, _, norm, head = self.parts
