@@ -50,8 +50,8 @@ def check_splittable(config, degree: int) -> None:
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES + MOE_SPLITTABLE:
         raise UserError(
-            f"tp_degree {degree}: the native engine splits {', '.join(FAMILIES + MOE_SPLITTABLE)} models only, not "
-            f"{model_type!r}"
+            f"tp_degree {degree}: the native engine splits {', '.join(FAMILIES)} models only, not {model_type!r} "
+            f"(and of the mixture-of-experts families {', '.join(MOE_SPLITTABLE)})"
         )
     sizes = {name: getattr(config, name, None) or config.num_attention_heads
              for name in ("num_attention_heads", "num_key_value_heads")}  # fmt: skip
