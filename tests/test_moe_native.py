@@ -124,6 +124,36 @@ def test_native_equals_hf_tokens_logprobs_and_routes(tiny_moe, settings):
         assert torch.equal(a.routed_experts, b.routed_experts), a.id
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with RLX_TEST_GPU=1)")
+def test_grouped_gemm_and_compiled_decode_graphs_on_cuda(tiny_moe):
+    """bf16 on the GPU: `torch._grouped_mm` equals the expert module; fp32 decode graphs with the compiled MoE layer
+    inside give the hf engine's tokens and routes (one near-tie may flip)."""
+    import copy
+
+    from rlx.kernels.grouped_experts import grouped_mm_supported
+
+    cuda = torch.device("cuda")
+    mlp = _model(hidden_size=64, moe_intermediate_size=32, num_experts=8).model.layers[0].mlp.to(cuda, torch.bfloat16)
+    x = torch.randn(37, 64, device=cuda, dtype=torch.bfloat16)
+    assert grouped_mm_supported(x, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+    with torch.no_grad():
+        want = mlp(x[None])[0].float()
+        got = routed_mlp(mlp, x, "grouped")[0].float()
+    assert torch.allclose(got, want, atol=2e-2 * want.abs().max().item()), (got - want).abs().max()
+    model, tokenizer = tiny_moe
+    model = copy.deepcopy(model).to(cuda)
+    cfg = RolloutConfig(engine="native", chat_template="off", n=4, max_new_tokens=20, seed=3, precision="float32",
+                        max_num_seqs=8)  # fmt: skip
+    engine = make_engine(model, tokenizer, cfg, cuda)
+    ours = generate(engine, PROMPTS, cfg)
+    assert engine._runner.graphs and engine._runner.compiled and engine._runner.routed_layers == [True, True]
+    theirs = generate(make_engine(model, tokenizer, dataclasses.replace(cfg, engine="hf"), cuda), PROMPTS, cfg)
+    same = [a for a, b in zip(ours, theirs) if a.response_ids == b.response_ids and
+            torch.equal(a.routed_experts, b.routed_experts)]  # fmt: skip
+    assert len(same) >= len(ours) - 1
+
+
 def _batch(records):
     p, r = max(len(x.prompt_ids) for x in records), max(len(x.response_ids) for x in records)
     out = {k: torch.zeros(len(records), w, dtype=torch.long) for k, w in
