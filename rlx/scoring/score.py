@@ -226,7 +226,9 @@ def _old_logprobs(actor: Scorer, tensors: dict, cfg: ScoreConfig, forward: dict)
     recorded experts forced with cfg.router_replay = 'rollout')."""
     if "routed_experts" not in tensors:
         if cfg.router_replay != "off":
-            raise UserError("router_replay = 'rollout' needs rollouts with routed_experts (an MoE model, engine hf)")
+            raise UserError(
+                "router_replay = 'rollout' needs rollouts with routed_experts (an MoE model, engine hf or native)"
+            )
         return actor.logprobs(tensors, desc="old logprobs", **forward), {}
     if not hasattr(actor, "replayed_logprobs"):
         raise UserError("the rollouts carry routed_experts, but this actor's backend cannot replay MoE routing")

@@ -61,7 +61,8 @@ class ActorTrainer(Trainer):
             raise UserError(f"{where}: kl_loss_coef > 0 needs ref logprobs in the batch (run rlx score with --ref)")
         if self.cfg.router_replay != "off" and batch.routed_experts is None:
             raise UserError(
-                f"{where}: router_replay = 'rollout' needs a batch with routed_experts (MoE rollouts of engine hf)"
+                f"{where}: router_replay = 'rollout' needs a batch with routed_experts (MoE rollouts of engine hf or "
+                "native)"
             )
         if batch.routed_experts is not None and self.router_replay is not None:
             if self.ctx.sp_degree > 1:

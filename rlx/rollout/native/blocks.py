@@ -37,6 +37,8 @@ class Sequence:
     greedy: bool = False
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    routed_experts: list = field(default_factory=list)
+    """An MoE model's: per output token, the experts [L, k] (int16) of the position that predicted it."""
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     """Tokens whose keys and values are in the cache."""

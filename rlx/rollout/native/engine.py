@@ -322,24 +322,26 @@ class NativeStream(TokenStream):
             with record_function("rlx/finish"):
                 finished = self._finish(inflight)
         self.inflight = launched
-        return [(self.tags.pop(s), Generated(s.output_ids, s.logprobs, s.finish_reason)) for s in finished]
+        return [(self.tags.pop(s), _generated(s)) for s in finished]
 
     def _launch(self, seqs: list[Sequence], decode: bool, prev) -> Launched:
         with record_function("rlx/decode" if decode else "rlx/prefill"):
-            logits = self.runner.forward(seqs, decode=decode, prev=prev)
+            logits, routes = self.runner.forward(seqs, decode=decode, prev=prev)
         with record_function("rlx/sample"):
-            return self.sampler.launch(seqs, logits, decode, ahead=prev is not None)
+            return self.sampler.launch(seqs, logits, decode, ahead=prev is not None, routes=routes)
 
     def _finish(self, step: Launched) -> list[Sequence]:
         """Append each sequence's sampled token; finish stopped sequences and return them."""
         tokens, logprobs = self.sampler.collect(step)
         stop_ids, finished = self.engine.stop_ids, []
-        for seq, token, logprob in zip(step.seqs, tokens, logprobs):
+        for row, (seq, token, logprob) in enumerate(zip(step.seqs, tokens, logprobs)):
             if seq.status is not Status.RUNNING:
                 continue  # it stopped at the step before: this token was computed ahead and is discarded
             seq.num_computed = len(seq)
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
+            if step.routes is not None:  # the experts of the position that predicted this token
+                seq.routed_experts.append(step.routes[row])
             stopped = token in stop_ids or (self.stops is not None and self.stops.hit(seq.output_ids))
             if stopped or len(seq.output_ids) >= seq.max_tokens:
                 self.scheduler.finish(seq, "stop" if stopped else "length")
@@ -383,6 +385,12 @@ def _tensor_parallel(model, cfg, ctx) -> TensorParallelGroup | None:
         raise UserError(f"tp_degree {cfg.tp_degree}: a LoRA policy decodes split with lora_rollout = 'merged' only")
     check_splittable(model.config, cfg.tp_degree)
     return tensor_parallel_group(cfg.tp_degree, ctx)
+
+
+def _generated(seq: Sequence) -> Generated:
+    """A finished sequence's result (an MoE model's with its routing: [R, L, k] int16)."""
+    routes = torch.stack(seq.routed_experts) if seq.routed_experts else None
+    return Generated(seq.output_ids, seq.logprobs, seq.finish_reason, routed_experts=routes)
 
 
 def _param_dtype(model: torch.nn.Module) -> torch.dtype:

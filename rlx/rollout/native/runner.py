@@ -8,6 +8,8 @@ for prefill (the new tokens after any cached prefix), the paged decode kernel fo
 write, as the custom op `rlx::paged_decode`). The model's own modules and weights do everything else, so
 the trainer's module can generate directly; on CUDA its decoder layers run under torch.compile inside the
 decode CUDA graphs (rollout.compile = false: eager), and each step's inputs go in one pinned-buffer copy.
+An MoE model's layers run their routed experts as grouped GEMMs and return the experts chosen (moe.py), so each
+step also yields the routing of its kept positions.
 A decode step can run one token ahead of the host (`prev`): each sequence's input token is then gathered on
 the device from the previous step's sampled tokens, which the host has not read yet.
 """
@@ -28,6 +30,7 @@ from rlx.models.family import family_of
 from rlx.rollout.native.blocks import BlockManager, Sequence
 from rlx.rollout.native.fused import fused_head_step, fused_layer_step, merged_layers
 from rlx.rollout.native.inputs import DecodeStaging, last_token
+from rlx.rollout.native.moe import moe_layer_step, native_moe_layers
 from rlx.rollout.native.vision import NativeImages
 from rlx.utils.device import autocast
 from rlx.utils.vmm import VirtualBuffer, carve
@@ -173,6 +176,12 @@ def _compiled_fused():
     return tuple(_without_duck_sizing(torch.compile(f, dynamic=True)) for f in (fused_layer_step, fused_head_step))
 
 
+@functools.lru_cache(maxsize=1)
+def _compiled_moe():
+    """moe.py's decoder layer step under torch.compile (dynamic batch), made once per process."""
+    return _without_duck_sizing(torch.compile(moe_layer_step, dynamic=True))
+
+
 def _without_duck_sizing(compiled):
     """`compiled`, traced without duck sizing. With it, dimensions of equal size at the first trace are assumed
     equal for good: the largest captured batch is the size of the buffers the decode inputs are views of, so the
@@ -233,12 +242,14 @@ class ModelRunner:
         self.parts = _decoder_parts(model)
         # decode through merged projections where the model's parameters are laid out for them (fused.py)
         self.fused = merged_layers(model) if self.parts is not None and not self.is_mrope and merged else None
+        # an MoE model: its routed layers through grouped expert GEMMs, recording the experts (moe.py)
+        self.routed_layers = native_moe_layers(model, self._layers()) if self.parts is not None else None
         if self.fused is not None:
             attn = self._layers()[0].self_attn
             self.fused_dims = (config.num_attention_heads, kv_heads, head_dim)
             self.fused_eps = float(self._layers()[0].input_layernorm.variance_epsilon)
             self.fused_scale = float(attn.scaling)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.sizes: list[int] = []
         self.compiled = False
         if max_batch and device.type == "cuda" and self.parts is not None:
@@ -266,24 +277,41 @@ class ModelRunner:
     def _layers(self):
         return self.parts[2][: self.model.config.get_text_config().num_hidden_layers]
 
-    def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: PagedContext, keep: torch.Tensor):
-        """Logits [len(keep), V] (model dtype) of the kept positions of the row."""
+    def _run(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: PagedContext, keep: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [len(keep), V] (model dtype) of the kept positions of the row, and for an MoE model the experts
+        each routed layer chose there ([len(keep), L, k] int16; else None)."""
         with attention_implementation(self.model, PAGED_ATTENTION), autocast(self.device, self.dtype):
             if self.parts is None:
                 out = self.model(
                     input_ids=input_ids, position_ids=position_ids, use_cache=False, paged=ctx, logits_to_keep=keep
                 )
-                return out.logits[0]
+                return out.logits[0], None
             embed, rotary, _, norm, head = self.parts
             if ctx.decode and self.fused is not None:
                 hidden = embed(input_ids[0])  # [T, C], not a view: every layer's input alike (one compiled graph)
-                return self._run_fused(hidden, rotary(hidden, position_ids=position_ids), ctx, keep)
+                return self._run_fused(hidden, rotary(hidden, position_ids=position_ids), ctx, keep), None
             hidden = embed(input_ids)
             rope = rotary(hidden, position_ids=position_ids.expand(3, -1, -1) if self.is_mrope else position_ids)
             steps = _compiled() if ctx.decode and self.compiled else (_layer_step, _head_step)
+            if self.routed_layers is not None:
+                return self._run_moe(hidden, position_ids, rope, ctx, keep, steps[1])
             for i, layer in enumerate(self._layers()):
                 hidden = steps[0](layer, hidden, position_ids, rope, ctx.for_layer(i))
-            return steps[1](norm, head, hidden, keep)
+            return steps[1](norm, head, hidden, keep), None
+
+    def _run_moe(self, hidden, position_ids, rope, ctx: PagedContext, keep: torch.Tensor, head_step):
+        """An MoE model's layers (moe.py): hidden [1, T, C] -> (logits [len(keep), V], experts [len(keep), L, k]
+        int16 of its L routed layers)."""
+        step = _compiled_moe() if ctx.decode and self.compiled else moe_layer_step
+        routes = []
+        for i, (layer, routed) in enumerate(zip(self._layers(), self.routed_layers)):
+            hidden, experts = step(layer, hidden, position_ids, rope, ctx.for_layer(i), routed, "auto", *self.tp_args)
+            if experts is not None:
+                routes.append(experts)
+        _, _, _, norm, head = self.parts
+        return head_step(norm, head, hidden, keep), torch.stack(routes, 1)[keep].to(torch.int16)
 
     def _run_fused(self, hidden: torch.Tensor, rope, ctx: PagedContext, keep: torch.Tensor) -> torch.Tensor:
         """A decode step through the merged projections (fused.py): hidden [T, C] -> logits [len(keep), V]."""
@@ -326,9 +354,9 @@ class ModelRunner:
             self._warm_up(b)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._run(*self._graph_args(b))
+                outputs = self._run(*self._graph_args(b))
             pool = graph.pool()
-            self.graphs[b] = (graph, logits)
+            self.graphs[b] = (graph, outputs)
 
     def _warm_up(self, b: int) -> None:
         """Run batch size b once outside the graph (compilation, kernel selection, lazy inits); where
@@ -350,8 +378,9 @@ class ModelRunner:
     @torch.no_grad()
     def forward(
         self, seqs: list[Sequence], decode: bool, prev: tuple[torch.Tensor, list[int]] | None = None
-    ) -> torch.Tensor:
-        """Logits [B, V] (model dtype) of each sequence's last token after running its uncomputed tokens.
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B, V] (model dtype) of each sequence's last token after running its uncomputed tokens, and for an
+        MoE model the experts its routed layers chose at that token ([B, L, k] int16, else None).
 
         prev (decode only): (tokens [B'] on the device, row of each sequence in them): the step runs one token
         ahead, each sequence's input being its token sampled by the previous step, not yet on the host."""
@@ -392,17 +421,17 @@ class ModelRunner:
             return self._prefill_with_images(seqs, input_ids, ctx, torch.tensor(keep, device=self.device))
         return self._run(input_ids, position_ids, ctx, torch.tensor(keep, device=self.device))
 
-    def _prefill_with_images(self, seqs: list[Sequence], input_ids, ctx: PagedContext, keep) -> torch.Tensor:
+    def _prefill_with_images(self, seqs: list[Sequence], input_ids, ctx: PagedContext, keep):
         """A vision-language model's prefill: its decoder's own forward on the row's embeddings with the image rows
-        placed and 3-D positions (vision.py), then the head at `keep`.  -> logits [len(keep), V]."""
+        placed and 3-D positions (vision.py), then the head at `keep`.  -> (logits [len(keep), V], None)."""
         embed, _, _, _, head = self.parts
         decoder = family_of(self.model.config).decoder(self.model)
         with attention_implementation(self.model, PAGED_ATTENTION), autocast(self.device, self.dtype):
             inputs = self.images.prefill_inputs(seqs, input_ids, embed)
             hidden = decoder(**inputs, paged=ctx, use_cache=False).last_hidden_state
-            return head(hidden[:, keep])[0]
+            return head(hidden[:, keep])[0], None
 
-    def _decode(self, seqs: list[Sequence], prev: tuple[torch.Tensor, list[int]] | None) -> torch.Tensor:
+    def _decode(self, seqs: list[Sequence], prev: tuple[torch.Tensor, list[int]] | None):
         b = len(seqs)
         graph_size = next((g for g in self.sizes if g >= b), None) if self.graphs else None
         if graph_size is None:
@@ -414,11 +443,11 @@ class ModelRunner:
         self.g_tables[:graph_size].copy_(staged.tables[:graph_size], non_blocking=True)
         if prev is not None:  # [b] input tokens gathered from the previous step's, on the device
             self.g_meta[0, :b] = prev[0][self.g_meta[4, :b]]
-        graph, logits = self.graphs[graph_size]
+        graph, (logits, routes) = self.graphs[graph_size]
         graph.replay()
-        return logits[:b]
+        return logits[:b], None if routes is None else routes[:b]
 
-    def _decode_eager(self, seqs: list[Sequence], prev: tuple[torch.Tensor, list[int]] | None) -> torch.Tensor:
+    def _decode_eager(self, seqs: list[Sequence], prev: tuple[torch.Tensor, list[int]] | None):
         size, lag = self.blocks.block_size, 0 if prev is None else 1
         positions = [len(s) - 1 + lag for s in seqs]
         width = max(len(s.block_table) for s in seqs)

@@ -33,6 +33,8 @@ class Launched:
     host: torch.Tensor
     """[2 * B] float64 on the host: tokens then logprobs, once `ready` (token ids are exact in float64)."""
     ready: torch.cuda.Event | None
+    routes: torch.Tensor | None = None
+    """An MoE model's step: [B, L, k] int16 on the host (once `ready`), the experts of each sequence's position."""
 
 
 class StepSampler:
@@ -63,8 +65,12 @@ class StepSampler:
             self.own.update(dict.fromkeys(range(first, needed), own))
         return first
 
-    def launch(self, seqs: list[Sequence], logits: torch.Tensor, decode: bool, ahead: bool) -> Launched:
-        """Queue the draw of each sequence's next token (`ahead`: the token after one still on the device)."""
+    def launch(
+        self, seqs: list[Sequence], logits: torch.Tensor, decode: bool, ahead: bool, routes: torch.Tensor | None = None
+    ) -> Launched:
+        """Queue the draw of each sequence's next token (`ahead`: the token after one still on the device) and, for an
+        MoE model, the copy of the step's `routes` [B, L, k] to the host (queued before the next step can overwrite
+        a graph's output buffer)."""
         b, greedy = len(seqs), [s.greedy for s in seqs]
         draws, mask = None, None
         if not all(greedy):
@@ -81,11 +87,13 @@ class StepSampler:
         tokens, chosen = sample_next(logits, draws, mask, rows.temperature, rows.top_k, rows.top_p)
         host = self.outputs.next(2 * b)
         host.copy_(torch.cat([tokens.double(), chosen.double()]), non_blocking=True)
+        if routes is not None:
+            routes = routes.to("cpu", non_blocking=True) if routes.device.type != "cpu" else routes.clone()
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return Launched(seqs, decode, tokens, host, ready)
+        return Launched(seqs, decode, tokens, host, ready, routes)
 
     @staticmethod
     def collect(step: Launched) -> tuple[list[int], list[float]]:

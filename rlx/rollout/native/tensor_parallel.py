@@ -14,6 +14,13 @@ width divided by T (`sliced_config`); forward hooks on o_proj and down_proj add 
 (prefill and eager decode), and the merged decode step (fused.py) all-reduces itself. Its weights come from the
 full model one parameter at a time (`rank_slice` of each gathered parameter): a trainer's FSDP shards are gathered
 parameter by parameter, never the whole model at once.
+
+Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) split every expert the way a dense MLP splits: each rank
+holds all E experts at 1/T of their width (the gate and up halves of `experts.gate_up_proj` [E, 2I, H] by rows,
+`experts.down_proj` [E, H, I] by columns) and the router whole, so every rank routes each token alike and the
+routed output is a partial sum, all-reduced like the dense MLP's (moe.py; a forward hook on the experts module for
+the model's own layers). Qwen2-MoE's shared expert is a dense MLP (split the same way). OLMoE is refused: its query
+and key norms span all heads.
 """
 
 from __future__ import annotations
@@ -31,18 +38,25 @@ COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 """Projections split by output features (their weight's rows, and their bias)."""
 ROW_PARALLEL = ("o_proj", "down_proj")
 """Projections split by input features (their weight's columns); their outputs are summed over the group."""
+MOE_SPLITTABLE = ("qwen3_moe", "qwen2_moe", "mixtral")
+"""MoE model types whose experts split by width (OLMoE's query/key norms over all heads do not split by head)."""
+_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+"""MLP widths a rank takes 1/T of, where the config has them (dense, routed expert, shared expert)."""
 
 
 def check_splittable(config, degree: int) -> None:
-    """A UserError unless a model of `config` splits over `degree` ranks: a Llama-family text decoder whose
-    attention heads, key/value heads and MLP width are multiples of `degree`."""
+    """A UserError unless a model of `config` splits over `degree` ranks: a Llama-family text decoder (or an MoE
+    one of `MOE_SPLITTABLE`) whose attention heads, key/value heads and MLP widths are multiples of `degree`."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
+    if model_type not in FAMILIES + MOE_SPLITTABLE:
         raise UserError(
-            f"tp_degree {degree}: the native engine splits {', '.join(FAMILIES)} models only, not {model_type!r}"
+            f"tp_degree {degree}: the native engine splits {', '.join(FAMILIES)} models only, not {model_type!r} "
+            f"(and of the mixture-of-experts families {', '.join(MOE_SPLITTABLE)})"
         )
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(config, name, None) or config.num_attention_heads
+    sizes = {name: getattr(config, name, None) or config.num_attention_heads
+             for name in ("num_attention_heads", "num_key_value_heads")}  # fmt: skip
+    sizes.update({name: getattr(config, name) for name in _WIDTHS if getattr(config, name, None)})
+    for name, value in sizes.items():
         if value % degree:
             raise UserError(
                 f"tp_degree {degree}: the model's {name} ({value}) is not a multiple of it (each rank takes an equal "
@@ -59,15 +73,22 @@ def sliced_config(config, degree: int):
     out.head_dim = head_dim
     out.num_attention_heads = config.num_attention_heads // degree
     out.num_key_value_heads = kv_heads // degree
-    out.intermediate_size = config.intermediate_size // degree
+    for name in _WIDTHS:
+        if getattr(config, name, None):
+            setattr(out, name, getattr(config, name) // degree)
     return out
 
 
 def rank_slice(name: str, value: torch.Tensor, degree: int, rank: int) -> torch.Tensor:
     """The part of full parameter `name` (Hugging Face name, `value` its whole tensor) that rank `rank` of
     `degree` holds: a view of rows or columns for split projections, zeros for a row-parallel bias off rank 0,
-    the whole tensor for everything else."""
+    the whole tensor for everything else. Fused experts: each expert's gate and up rows (a copy), or its down
+    projection's columns."""
     *_, module, kind = name.split(".")
+    if module == "experts" and kind == "gate_up_proj":  # [E, 2I, H]: the rank's share of the gate rows, then up's
+        return value.unflatten(1, (2, -1)).chunk(degree, dim=2)[rank].flatten(1, 2)
+    if module == "experts" and kind == "down_proj":  # [E, H, I]
+        return value.chunk(degree, dim=2)[rank]
     if module in COLUMN_PARALLEL:
         return value.chunk(degree, dim=0)[rank]
     if module in ROW_PARALLEL:
@@ -90,7 +111,12 @@ def _reduce_output(module, args, output, group):
 
 def add_row_parallel_reduce(model: torch.nn.Module, group) -> None:
     """Sum the outputs of every layer's o_proj and down_proj over `group` (forward hooks: the model's own layers
-    then compute the full hidden state from the rank's slices)."""
+    then compute the full hidden state from the rank's slices); an MoE layer's experts module and shared expert's
+    down_proj alike."""
     for layer in model.model.layers:
-        for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        mlp = layer.mlp
+        partial = [mlp.down_proj] if hasattr(mlp, "down_proj") else [mlp.experts]
+        if hasattr(mlp, "shared_expert"):
+            partial.append(mlp.shared_expert.down_proj)
+        for module in (layer.self_attn.o_proj, *partial):
             module.register_forward_hook(functools.partial(_reduce_output, group=group))
