@@ -195,3 +195,13 @@ def test_reserved_host_buffers_are_the_ones_the_first_snapshot_copies_into():
     host_copy.wait_copied()
     for key in tensors:
         assert copies[key] is buffers[key] and torch.equal(copies[key], expected[key])
+
+
+def test_the_fast_path_leaves_compile_off_for_a_mixture_of_experts_model():
+    """The MoE quickstart's model (routed experts in config.json) gets the native engine and packing on CUDA, not
+    train.compile; a dense model's recipe still gets it."""
+    from rlx.ppo.config import load_recipe
+
+    moe = load_recipe(REPO / "recipes" / "moe_quickstart.toml", [], "cuda")
+    assert (moe.rollout.engine, moe.train.use_packing, moe.train.compile) == ("native", True, False)
+    assert load_recipe(REPO / "recipes" / "quickstart.toml", [], "cuda").train.compile
