@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP endpoint (starlette on uvicorn) whose every request lands in a sample's trajectory.
 
 Routes (bodies as OpenAI's API takes them; see docs/serve.md for every field):
-    /v1/chat/completions, /v1/completions   POST; `stream: true` answers server-sent events
+    /v1/chat/completions, /v1/completions   POST; `stream: true` answers server-sent events as tokens come (live.py)
     /v1/models, /v1/models/{id}             GET: the served model (another id: 404 naming the served one)
     /v1/responses                           POST: OpenAI's Responses API over the chat path (responses.py)
     /s/<sample_id>/v1/...                   the same, for the sample named in the path
@@ -39,12 +39,13 @@ from rlx.rollout.config import SamplingParams
 from rlx.rollout.stops import StopStrings
 from rlx.serve.api import Limits, RequestError, read_chat, read_completion
 from rlx.serve.config import EndpointConfig
-from rlx.serve.replies import Turn, chat_chunks, chat_reply, completion_chunks, completion_reply, sse
+from rlx.serve.live import LiveReply
+from rlx.serve.replies import Turn, chat_reply, completion_reply
 from rlx.serve.request_images import ImagePolicy, RequestImages
 from rlx.serve.responses import ResponseStore, response_object, to_chat
 from rlx.serve.sessions import SampleSession
 from rlx.serve.stream import StreamBackend
-from rlx.serve.turns import generate_turns
+from rlx.serve.turns import generate_turns, prepare_turns
 
 DEFAULT_SAMPLE = "default"
 SESSION_HEADER = "x-session-id"
@@ -184,11 +185,18 @@ class AgentServer:
             call = read(body, self.limits)
             names = [sample] + [f"{sample}~{i}" for i in range(1, call.settings.n)]
             sessions = self._hold([self.session(name) for name in names])
+            is_live = False
             try:
+                if call.settings.stream and endpoint != "responses":  # sent as the tokens come (live.py)
+                    live = LiveReply(self, sessions, call, await prepare_turns(self, sessions, call))
+                    is_live = True  # the reply's task releases the sessions once their turns are recorded
+                    headers = {"Cache-Control": "no-cache"}
+                    return StreamingResponse(live.events(), media_type="text/event-stream", headers=headers)
                 turns = await generate_turns(self, sessions, call)
             finally:
-                for session in sessions:
-                    session.lock.release()
+                if not is_live:
+                    for session in sessions:
+                        session.lock.release()
         except RequestError as e:
             return _error(e.status, str(e), e.code, e.param)
         except UserError as e:  # e.g. a template that cannot render the messages, an image that cannot be read
@@ -220,11 +228,7 @@ class AgentServer:
 
     def _respond(self, turns: list[Turn], endpoint: str) -> Response:
         name = self.model_name
-        if not turns[0].settings.stream:
-            reply = chat_reply(turns, name) if endpoint == "chat" else completion_reply(turns, name)
-            return JSONResponse(reply)
-        chunks = chat_chunks(turns, name) if endpoint == "chat" else completion_chunks(turns, name)
-        return StreamingResponse(sse(chunks), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(chat_reply(turns, name) if endpoint == "chat" else completion_reply(turns, name))
 
     def models(self, request: Request) -> Response:
         wanted = request.path_params.get("model_id")

@@ -91,13 +91,39 @@ def _commit(server, session: SampleSession, plan: Plan, gen: Generated, call) ->
     return turn
 
 
+async def prepare_turns(server, sessions: list[SampleSession], call) -> list[tuple[Plan, TokenRequest]]:
+    """Plan `call` in each of `sessions` (one per choice) and the token request of each (a RequestError for one
+    the server refuses: nothing is generated or recorded then)."""
+    plans = [await run_in_threadpool(_plan, server, session, call) for session in sessions]
+    return [(plan, _token_request(server, session, plan, call)) for session, plan in zip(sessions, plans)]
+
+
+async def run_turns(
+    server, sessions: list[SampleSession], call, prepared: list[tuple[Plan, TokenRequest]], on_tokens=None
+) -> list[Turn]:
+    """Generate the prepared requests together on the engine stream and record each in its session; the turns to
+    reply with, in choice order. `on_tokens(index, ids)`: choice `index`'s tokens so far, each time there are
+    more (called on the event loop; streamed replies)."""
+    loop = asyncio.get_running_loop()
+
+    def listener(index: int):
+        def heard(ids: list[int]) -> None:  # on the engine worker's thread
+            try:
+                loop.call_soon_threadsafe(on_tokens, index, ids)
+            except RuntimeError:  # the loop is closed: the server is shutting down
+                pass
+
+        return heard if on_tokens is not None else None
+
+    futures = [server.backend.submit(request, listener(i)) for i, (_, request) in enumerate(prepared)]
+    gens = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+    return [
+        await run_in_threadpool(_commit, server, session, plan, gen, call)
+        for session, (plan, _), gen in zip(sessions, prepared, gens)
+    ]
+
+
 async def generate_turns(server, sessions: list[SampleSession], call: ChatCall | CompletionCall) -> list[Turn]:
     """Plan `call` in each of `sessions` (one per choice), generate them together on the engine stream, record
     each in its session; the turns to reply with, in choice order."""
-    plans = [await run_in_threadpool(_plan, server, session, call) for session in sessions]
-    requests = [_token_request(server, session, plan, call) for session, plan in zip(sessions, plans)]
-    gens = await asyncio.gather(*(asyncio.wrap_future(server.backend.submit(r)) for r in requests))
-    return [
-        await run_in_threadpool(_commit, server, session, plan, gen, call)
-        for session, plan, gen in zip(sessions, plans, gens)
-    ]
+    return await run_turns(server, sessions, call, await prepare_turns(server, sessions, call))

@@ -358,6 +358,9 @@ class NativeStream(TokenStream):
         ahead = set(self.inflight.seqs) if self.inflight is not None else set()
         return {tag: len(seq.output_ids) + (seq in ahead) for seq, tag in self.tags.items()}
 
+    def partial(self) -> dict[object, list[int]]:
+        return {tag: list(seq.output_ids) for seq, tag in self.tags.items() if seq.output_ids}
+
     def weights_changed(self) -> None:
         """Refill the replica in place (the captured graphs read its storage) and stop reusing cached prefixes."""
         module = self.engine._generating_module()
