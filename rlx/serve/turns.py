@@ -8,6 +8,7 @@ event loop, so many samples generate together while the loop keeps answering.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from starlette.concurrency import run_in_threadpool
 
@@ -108,10 +109,8 @@ async def run_turns(
 
     def listener(index: int):
         def heard(ids: list[int]) -> None:  # on the engine worker's thread
-            try:
+            with contextlib.suppress(RuntimeError):  # a closed loop: the server is shutting down
                 loop.call_soon_threadsafe(on_tokens, index, ids)
-            except RuntimeError:  # the loop is closed: the server is shutting down
-                pass
 
         return heard if on_tokens is not None else None
 
