@@ -4,6 +4,7 @@ Routes (bodies as OpenAI's API takes them; see docs/serve.md for every field):
     /v1/chat/completions, /v1/completions   POST; `stream: true` answers server-sent events as tokens come (live.py)
     /v1/models, /v1/models/{id}             GET: the served model (another id: 404 naming the served one)
     /v1/responses                           POST: OpenAI's Responses API over the chat path (responses.py)
+    /inference/v1/generate                  POST: vLLM's token-in/token-out route (generate.py; verifiers' trainer)
     /s/<sample_id>/v1/...                   the same, for the sample named in the path
 A request belongs to the sample its path names, else the one its `X-Session-ID` header names, else 'default'
 (ids may hold '/', raw or %2F-encoded); with n > 1, choice i > 0 belongs to sample `<id>~i`. `base_url(sample_id)`
@@ -39,6 +40,7 @@ from rlx.rollout.config import SamplingParams
 from rlx.rollout.stops import StopStrings
 from rlx.serve.api import Limits, RequestError, read_chat, read_completion
 from rlx.serve.config import EndpointConfig
+from rlx.serve.generate import generate_reply, read_generate
 from rlx.serve.live import LiveReply
 from rlx.serve.replies import Turn, chat_reply, completion_reply
 from rlx.serve.request_images import ImagePolicy, RequestImages
@@ -181,8 +183,10 @@ class AgentServer:
                 given = body.get("previous_response_id")
                 body, previous = to_chat(body, self.responses)
             sample = _sample_of(request, previous or DEFAULT_SAMPLE)
-            read = read_completion if endpoint == "completion" else read_chat
-            call = read(body, self.limits)
+            if endpoint == "generate":
+                call = read_generate(body, self.limits, self.stop_ids)
+            else:
+                call = (read_completion if endpoint == "completion" else read_chat)(body, self.limits)
             names = [sample] + [f"{sample}~{i}" for i in range(1, call.settings.n)]
             sessions = self._hold([self.session(name) for name in names])
             is_live = False
@@ -203,6 +207,8 @@ class AgentServer:
             return _error(400, str(e), "invalid_request")
         except Exception as e:  # the template, the engine: reported to the client, the server keeps serving
             return _error(500, f"the server failed on this request ({type(e).__name__})", "server_error")
+        if endpoint == "generate":
+            return JSONResponse(generate_reply(turns[0]))
         if endpoint == "responses":
             reply = response_object(turns[0], self.model_name, given)
             if body.get("store") is not False:
@@ -294,26 +300,24 @@ def _app(server: AgentServer) -> Starlette:
 
         return endpoint
 
-    async def chat(request: Request) -> Response:
-        return await server.answer(request, "chat")
+    def answering(endpoint: str):
+        async def handler(request: Request) -> Response:
+            return await server.answer(request, endpoint)
 
-    async def completions(request: Request) -> Response:
-        return await server.answer(request, "completion")
+        return handler
 
     async def models(request: Request) -> Response:
         return server.models(request)
 
-    async def responses(request: Request) -> Response:
-        return await server.answer(request, "responses")
-
     routes = []
     for prefix in ("", "/s/{sample:path}"):
         routes += [
-            Route(f"{prefix}/v1/chat/completions", guarded(chat), methods=["POST"]),
-            Route(f"{prefix}/v1/completions", guarded(completions), methods=["POST"]),
+            Route(f"{prefix}/v1/chat/completions", guarded(answering("chat")), methods=["POST"]),
+            Route(f"{prefix}/v1/completions", guarded(answering("completion")), methods=["POST"]),
             Route(f"{prefix}/v1/models", guarded(models), methods=["GET"]),
             Route(f"{prefix}/v1/models/{{model_id:path}}", guarded(models), methods=["GET"]),
-            Route(f"{prefix}/v1/responses", guarded(responses), methods=["POST"]),
+            Route(f"{prefix}/v1/responses", guarded(answering("responses")), methods=["POST"]),
+            Route(f"{prefix}/inference/v1/generate", guarded(answering("generate")), methods=["POST"]),
         ]
 
     async def not_found(request: Request, exc) -> Response:
