@@ -148,3 +148,36 @@ def test_generate_route_is_token_in_token_out_as_verifiers_calls_it():
     assert [trajectory.response_ids[i] for i in masked] == [t for turn in turns for t in turn["token_ids"]]
     logprobs = [e["logprob"] for turn in turns for e in turn["logprobs"]["content"]]
     assert [trajectory.rollout_logprobs[i] for i in masked] == pytest.approx(logprobs)
+
+
+@pytest.mark.parametrize("engine", ["hf", "native"])
+def test_top_logprobs_in_openai_format(engine):
+    """Chat top_logprobs and completions logprobs=k: greedy, the sampled token is each position's most likely one
+    with the same logprob; the alternatives come most likely first; more than OpenAI allows is refused by name."""
+    model, tokenizer = random_chat_model(stop_bias=-10.0)
+    greedy = RolloutConfig(max_new_tokens=4, temperature=0.0, seed=3)
+    built = token_engine(model, tokenizer, engine, **({"kv_cache_gib": 0.01} if engine == "native" else {}))
+    cfg = AgentConfig(max_total_tokens=500)
+    backend = StreamBackend(built, greedy.sampling(), cfg.max_total_tokens)
+    server = AgentServer(backend, tokenizer, built.stop_ids, greedy.sampling(), cfg).start()
+    try:
+        client = openai.OpenAI(base_url=server.base_url("top"), api_key="k", max_retries=0)
+        chat = client.chat.completions.create(model="rlx", messages=[{"role": "user", "content": "hi"}],
+                                              logprobs=True, top_logprobs=3)  # fmt: skip
+        content = chat.choices[0].logprobs.content
+        assert len(content) == 4
+        for entry in content:
+            alternatives = [t.logprob for t in entry.top_logprobs]
+            assert len(alternatives) == 3 and alternatives == sorted(alternatives, reverse=True)
+            assert entry.token == entry.top_logprobs[0].token
+            assert entry.logprob == pytest.approx(alternatives[0])
+        text = client.completions.create(model="rlx", prompt="12+3=", max_tokens=3, logprobs=2).choices[0].logprobs
+        assert len(text.top_logprobs) == 3 and all(1 <= len(top) <= 2 for top in text.top_logprobs)
+        assert all(top[token] == pytest.approx(lp) for top, token, lp in
+                   zip(text.top_logprobs, text.tokens, text.token_logprobs))  # fmt: skip
+        for body, name in [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": 2}, "logprobs")]:
+            status, error = post(f"{server.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                                        **body})  # fmt: skip
+            assert status == 400 and error["error"]["param"] == "top_logprobs" and name in error["error"]["message"]
+    finally:
+        _stop(server)

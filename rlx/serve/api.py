@@ -6,11 +6,12 @@ silently ignored what it asked for. How each field is treated is in docs/serve.m
 
 - honoured: messages/prompt, model (must be the served name: 404 otherwise), max_tokens/max_completion_tokens (at
   most the server's --max-new-tokens), seed, stop, stream (+ stream_options.include_usage), tools, tool_choice
-  'none'/'auto', logprobs (the sampled tokens' own; top_logprobs 0), echo, return_token_ids (vLLM's extension),
+  'none'/'auto', logprobs and top_logprobs (chat: at most MAX_TOP_LOGPROBS; completions: logprobs = how many
+  alternatives, at most MAX_COMPLETION_LOGPROBS; engines hf and native), echo, return_token_ids (vLLM's extension),
   and metadata that changes no token (user, metadata, store, service_tier, ...: recorded with the turn);
 - temperature (0: greedy), top_p and top_k: the request's own where it sends them (the server's flags otherwise);
 - n > 1 in `rlx serve`: choice i > 0 is recorded as its own sample, `<sample_id>~i` (at most MAX_CHOICES);
-- refused: top_logprobs > 0, tool_choice 'required' or a named function, response_format other than text,
+- refused: tool_choice 'required' or a named function, response_format other than text,
   penalties, logit_bias, audio, predictions, reasoning effort, web search, the deprecated functions, and any field
   OpenAI does not define.
 
@@ -27,6 +28,10 @@ from rlx.rollout.config import SamplingParams
 
 MAX_CHOICES = 16
 """Most choices (n) one request may ask for."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per position a chat request may ask for (top_logprobs), as OpenAI's API allows."""
+MAX_COMPLETION_LOGPROBS = 5
+"""Most alternatives per position a completions request may ask for (logprobs), as OpenAI's API allows."""
 
 
 class RequestError(Exception):
@@ -48,6 +53,8 @@ class Limits:
     sampling: SamplingParams
     model_name: str
     strict: bool = False
+    has_top_logprobs: bool = True
+    """Whether the engine reports the most likely alternatives of each token (top_logprobs)."""
 
 
 @dataclass
@@ -66,6 +73,8 @@ class Settings:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    """Alternatives per position to report with the logprobs (chat top_logprobs, completions logprobs = k)."""
     return_token_ids: bool = False
     recorded: dict = field(default_factory=dict)
     """What the turn used, as the record keeps it (sampling and the request's metadata)."""
@@ -105,7 +114,6 @@ _OFF = {
     "modalities": (None, ["text"]),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "top_logprobs": (None, 0),
 }
 """Fields honoured only at their neutral value (any other is refused by name)."""
 _COMMON = {
@@ -225,11 +233,22 @@ def _settings(body: dict, limits: Limits, max_key: str) -> Settings:
     return settings
 
 
+def _top(limits: Limits, name: str, count: int, most: int) -> int:
+    if count > most:
+        raise refuse(name, f"at most {most} alternatives per token, got {count}")
+    if count and not limits.has_top_logprobs:
+        raise refuse(name, "this server's engine does not report alternatives (engines hf and native do); ask 0")
+    return count
+
+
 def read_chat(body: dict, limits: Limits) -> ChatCall:
     """A chat-completions body as a typed call (RequestError naming the field it cannot honour)."""
     _check_known(body, CHAT_FIELDS)
     settings = _settings(body, limits, "max_completion_tokens")
     settings.logprobs = _bool(body, "logprobs")
+    settings.top_logprobs = _top(limits, "top_logprobs", _int(body, "top_logprobs") or 0, MAX_TOP_LOGPROBS)
+    if settings.top_logprobs and not settings.logprobs:
+        raise refuse("top_logprobs", "needs logprobs: true")
     messages, tools = body.get("messages"), body.get("tools") or None
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "'messages' must be a non-empty list", param="messages")
@@ -253,9 +272,8 @@ def read_completion(body: dict, limits: Limits) -> CompletionCall:
     _check_known(body, COMPLETION_FIELDS)
     settings = _settings(body, limits, "max_tokens")
     logprobs = _int(body, "logprobs")
-    if logprobs:
-        raise refuse("logprobs", f"0 (the sampled tokens' own logprobs) is supported, not {logprobs} alternatives")
-    settings.logprobs = logprobs == 0
+    settings.logprobs = logprobs is not None
+    settings.top_logprobs = _top(limits, "logprobs", logprobs or 0, MAX_COMPLETION_LOGPROBS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]

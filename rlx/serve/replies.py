@@ -32,6 +32,8 @@ class Turn:
     """completions: the reply's text (the prompt first, with echo)."""
     token_texts: list[str] = field(default_factory=list)
     """Each sampled token decoded alone (for logprobs and stream pieces)."""
+    top_logprobs: list[list[tuple[str, float]]] = field(default_factory=list)
+    """At each position, the most likely tokens (decoded alone) and their logprobs, when the request asked."""
     id: str = field(default_factory=lambda: f"rlx-{time.monotonic_ns()}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -43,9 +45,14 @@ def _head(turn: Turn, kind: str, model: str) -> dict:
 def _chat_logprobs(turn: Turn) -> dict | None:
     if not turn.settings.logprobs:
         return None
+
+    def entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    tops = turn.top_logprobs or [[] for _ in turn.token_texts]
     content = [
-        {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
-        for text, logprob in zip(turn.token_texts, turn.logprobs)
+        {**entry(text, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
+        for text, logprob, top in zip(turn.token_texts, turn.logprobs, tops)
     ]
     return {"content": content, "refusal": None}
 
@@ -57,7 +64,8 @@ def _completion_logprobs(turn: Turn) -> dict | None:
     for text in turn.token_texts:
         offsets.append(max(at, 0))
         at += len(text)
-    return {"tokens": turn.token_texts, "token_logprobs": turn.logprobs, "top_logprobs": None, "text_offset": offsets}
+    top = [dict(pairs) for pairs in turn.top_logprobs] if turn.settings.top_logprobs else None
+    return {"tokens": turn.token_texts, "token_logprobs": turn.logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 def chat_finish_reason(turn: Turn) -> str:

@@ -66,7 +66,7 @@ class AgentServer:
         self.backend, self.tokenizer, self.stop_ids = backend, tokenizer, set(stop_ids)
         self.sampling, self.cfg, self.model_name = sampling, cfg, model_name
         self.endpoint = endpoint or EndpointConfig()
-        self.limits = Limits(sampling, model_name, strict)
+        self.limits = Limits(sampling, model_name, strict, getattr(backend.engine, "gives_top_logprobs", False))
         policy = ImagePolicy.of(self.endpoint.image_root, self.endpoint.max_image_bytes, known_image_refs)
         self.images = RequestImages.of_engine(backend.engine, policy)
         """What the engine makes of image parts: shared by the samples (one processed copy of each image)."""

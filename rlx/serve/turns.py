@@ -69,7 +69,8 @@ def _token_request(server, session: SampleSession, plan: Plan, call) -> TokenReq
     key = f"{session.sample_id}/{session.num_requests}"
     settings = call.settings  # its own temperature / top_p / top_k / seed (None: the server's); temperature 0: greedy
     own = {"temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k}
-    return TokenRequest(key, context_ids, limit, vision=plan.vision, seed=settings.seed, **own)
+    return TokenRequest(key, context_ids, limit, vision=plan.vision, seed=settings.seed,
+                        num_top_logprobs=settings.top_logprobs, **own)  # fmt: skip
 
 
 def _commit(server, session: SampleSession, plan: Plan, gen: Generated, call) -> Turn:
@@ -81,10 +82,12 @@ def _commit(server, session: SampleSession, plan: Plan, gen: Generated, call) ->
         reply, _ = session.commit(plan, gen, parse_tools=parse, settings=settings.recorded)
         wants_pieces = settings.stream or settings.logprobs
         texts = [server.tokenizer.decode([t]) for t in gen.response_ids] if wants_pieces else []
+        top = [[(server.tokenizer.decode([t]), lp) for t, lp in pairs] for pairs in gen.top_logprobs or []]
         echoed = ""
         if isinstance(call, CompletionCall) and call.echo:
             echoed = call.prompt if isinstance(call.prompt, str) else server.tokenizer.decode(call.prompt)
-    turn = Turn(settings, plan.context_ids, gen.response_ids, gen.logprobs, gen.finish_reason, token_texts=texts)
+    turn = Turn(settings, plan.context_ids, gen.response_ids, gen.logprobs, gen.finish_reason, token_texts=texts,
+                top_logprobs=top)  # fmt: skip
     if isinstance(call, ChatCall):
         turn.message = reply
     else:

@@ -37,6 +37,9 @@ class Sequence:
     greedy: bool = False
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    num_top_logprobs: int = 0
+    """The most likely tokens to report at each position (TokenRequest.num_top_logprobs)."""
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     """Tokens whose keys and values are in the cache."""

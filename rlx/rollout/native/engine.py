@@ -68,6 +68,7 @@ class NativeRolloutEngine(RolloutEngine):
     from its shards, see replica.py) through a paged KV cache."""
 
     name = "native"
+    gives_top_logprobs = True
     takes_images = True
 
     def __init__(self, model, tokenizer, cfg, ctx, processor=None):
@@ -287,7 +288,8 @@ class NativeStream(TokenStream):
         own = request.sampling_of(self.sampling)  # a served client's own temperature / top_p / top_k, if any
         greedy = request.greedy or own.is_greedy
         row = self.sampler.add_rows(draws, own)
-        seq = Sequence(row, list(request.prompt_ids), request.max_new_tokens, greedy=greedy)
+        seq = Sequence(row, list(request.prompt_ids), request.max_new_tokens, greedy=greedy,
+                       num_top_logprobs=request.num_top_logprobs)  # fmt: skip
         if self.runner.images is not None:  # a vision-language model: mRoPE positions, the request's images
             self.runner.images.add(seq, request.prompt_ids, request.vision)
         elif request.vision is not None:
@@ -322,7 +324,7 @@ class NativeStream(TokenStream):
             with record_function("rlx/finish"):
                 finished = self._finish(inflight)
         self.inflight = launched
-        return [(self.tags.pop(s), Generated(s.output_ids, s.logprobs, s.finish_reason)) for s in finished]
+        return [(self.tags.pop(s), _generated(s)) for s in finished]
 
     def _launch(self, seqs: list[Sequence], decode: bool, prev) -> Launched:
         with record_function("rlx/decode" if decode else "rlx/prefill"):
@@ -334,12 +336,14 @@ class NativeStream(TokenStream):
         """Append each sequence's sampled token; finish stopped sequences and return them."""
         tokens, logprobs = self.sampler.collect(step)
         stop_ids, finished = self.engine.stop_ids, []
-        for seq, token, logprob in zip(step.seqs, tokens, logprobs):
+        for row, (seq, token, logprob) in enumerate(zip(step.seqs, tokens, logprobs)):
             if seq.status is not Status.RUNNING:
                 continue  # it stopped at the step before: this token was computed ahead and is discarded
             seq.num_computed = len(seq)
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
+            if seq.num_top_logprobs:
+                seq.top_logprobs.append(step.top[row])
             stopped = token in stop_ids or (self.stops is not None and self.stops.hit(seq.output_ids))
             if stopped or len(seq.output_ids) >= seq.max_tokens:
                 self.scheduler.finish(seq, "stop" if stopped else "length")
@@ -373,6 +377,11 @@ class NativeStream(TokenStream):
             self.sampler.collect(self.inflight)
             self.inflight = None
         self.module.train(self.was_training)
+
+
+def _generated(seq: Sequence) -> Generated:
+    top = seq.top_logprobs if seq.num_top_logprobs else None
+    return Generated(seq.output_ids, seq.logprobs, seq.finish_reason, top_logprobs=top)
 
 
 def _tensor_parallel(model, cfg, ctx) -> TensorParallelGroup | None:

@@ -19,7 +19,7 @@ import torch
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.native.blocks import Sequence
 from rlx.rollout.native.inputs import PinnedPair
-from rlx.rollout.sampling import batch_sampling, sample_next, samples_alike
+from rlx.rollout.sampling import batch_sampling, sample_next, samples_alike, top_logprobs
 
 
 @dataclass
@@ -33,6 +33,8 @@ class Launched:
     host: torch.Tensor
     """[2 * B] float64 on the host: tokens then logprobs, once `ready` (token ids are exact in float64)."""
     ready: torch.cuda.Event | None
+    top: list[list[tuple[int, float]]] | None = None
+    """Each sequence's most likely (token id, logprob) pairs, for steps with a sequence that asks for them."""
 
 
 class StepSampler:
@@ -79,13 +81,18 @@ class StepSampler:
                 mask = staged[2].bool()
         rows = batch_sampling([self.own.get(s.index, self.cfg) for s in seqs], self.cfg, self.device)
         tokens, chosen = sample_next(logits, draws, mask, rows.temperature, rows.top_k, rows.top_p)
+        top = None
+        if any(s.num_top_logprobs for s in seqs):  # a served request asked (rare): read back at once
+            values, ids = top_logprobs(logits, rows.temperature, max(s.num_top_logprobs for s in seqs))
+            pairs = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+            top = [row[: s.num_top_logprobs] for s, row in zip(seqs, pairs)]
         host = self.outputs.next(2 * b)
         host.copy_(torch.cat([tokens.double(), chosen.double()]), non_blocking=True)
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return Launched(seqs, decode, tokens, host, ready)
+        return Launched(seqs, decode, tokens, host, ready, top)
 
     @staticmethod
     def collect(step: Launched) -> tuple[list[int], list[float]]:
