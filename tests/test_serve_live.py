@@ -4,12 +4,15 @@ route as verifiers' trainer calls it, and the text pieces a stream may send (nev
 
 from __future__ import annotations
 
+import json
+import math
+import sys
 import threading
 
 import openai
 import pytest
 from agent_helpers import random_chat_model, token_engine
-from test_serve_endpoint import post
+from test_serve_endpoint import post, start
 
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import RolloutConfig
@@ -179,5 +182,73 @@ def test_top_logprobs_in_openai_format(engine):
             status, error = post(f"{server.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                                         **body})  # fmt: skip
             assert status == 400 and error["error"]["param"] == "top_logprobs" and name in error["error"]["message"]
+    finally:
+        _stop(server)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("engine", ["hf", "native"])
+def test_response_format_samples_within_the_json_grammar(engine, monkeypatch):
+    """A random model answers json_schema requests with JSON that follows the schema, streamed or not, recorded with
+    finite logprobs, and json_object ones with an object; under an RL run's agents, or without llguidance, the request
+    is refused naming response_format."""
+    model, tokenizer = random_chat_model(stop_bias=-10.0)  # left alone, it would not stop or write JSON
+    sampling = RolloutConfig(max_new_tokens=24, temperature=1.0, seed=3)
+    built = token_engine(model, tokenizer, engine, **({"kv_cache_gib": 0.01} if engine == "native" else {}))
+    cfg = AgentConfig(max_total_tokens=500)
+    backend = StreamBackend(built, sampling.sampling(), cfg.max_total_tokens)
+    server = AgentServer(backend, tokenizer, built.stop_ids, sampling.sampling(), cfg).start()
+    schema_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    try:
+        client = openai.OpenAI(base_url=server.base_url("json"), api_key="k", max_retries=0)
+        messages = [{"role": "user", "content": "ok?"}]
+        reply = client.chat.completions.create(model="rlx", messages=messages, response_format=schema_format)
+        assert reply.choices[0].finish_reason == "stop"
+        assert set(json.loads(reply.choices[0].message.content)) == {"ok"}
+        other = openai.OpenAI(base_url=server.base_url("s"), api_key="k", max_retries=0)
+        stream = other.chat.completions.create(
+            model="rlx", messages=messages, stream=True, response_format=schema_format
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert set(json.loads(streamed)) == {"ok"}
+        # any object: its keys may run past max_tokens, but it is an object from its first character on
+        anything = client.chat.completions.create(
+            model="rlx", messages=messages, response_format={"type": "json_object"}
+        )
+        assert anything.choices[0].message.content.startswith("{")
+        trajectory = server.sessions["s"].current.trajectory
+        assert trajectory.messages[-1]["content"] == streamed
+        assert all(math.isfinite(lp) for lp in trajectory.rollout_logprobs)
+        assert server.sessions["json"].segments[0].turn_settings[0]["response_format"] == schema_format
+        monkeypatch.setitem(sys.modules, "llguidance", None)  # as if the extra were not installed
+        status, error = post(
+            f"{server.url}/v1/chat/completions", {"messages": messages, "response_format": schema_format}
+        )
+        assert (
+            status == 400
+            and error["error"]["param"] == "response_format"
+            and "rlx[grammar]" in error["error"]["message"]
+        )
+    finally:
+        _stop(server)
+
+
+def test_response_format_is_refused_under_an_rl_runs_agents():
+    server = start(strict=True)
+    try:
+        body = {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}
+        status, error = post(f"{server.url}/v1/chat/completions", body)
+        assert (
+            status == 400
+            and error["error"]["param"] == "response_format"
+            and "distribution" in error["error"]["message"]
+        )
     finally:
         _stop(server)

@@ -223,6 +223,8 @@ class RolloutEngine(ABC):
     """Whether the engine generates from prompts with images (vision-language models)."""
     gives_top_logprobs: ClassVar[bool] = False
     """Whether the engine fills Generated.top_logprobs for token requests that ask (TokenRequest.num_top_logprobs)."""
+    takes_constraints: ClassVar[bool] = False
+    """Whether the engine samples a token request within its grammar (TokenRequest.constraint)."""
 
     def __init__(self, model, tokenizer, cfg: RolloutConfig, ctx, processor=None):
         """`processor`: a vision-language model's VisionProcessor (prompts with image parts need it)."""

@@ -27,6 +27,7 @@ from rlx.parallel.dist import all_reduce
 from rlx.parallel.ulysses import ULYSSES_ATTENTION
 from rlx.rollout.base import RolloutEngine, TokenStream
 from rlx.rollout.config import SamplingParams
+from rlx.rollout.constraints import mask_constrained
 from rlx.rollout.prompts import pad_token_id
 from rlx.rollout.requests import Generated, TokenRequest
 from rlx.rollout.sampling import (
@@ -46,6 +47,7 @@ class HFRolloutEngine(RolloutEngine):
 
     name = "hf"
     gives_top_logprobs = True
+    takes_constraints = True
     takes_images = True
 
     def __init__(self, model, tokenizer, cfg, ctx, processor=None):
@@ -82,7 +84,9 @@ class HFRolloutEngine(RolloutEngine):
         num_top = max(r.num_top_logprobs for r in requests)
         top = (num_top, []) if num_top else None
         with recorder if recorder is not None else contextlib.nullcontext():
-            tokens, logprobs, routes = self._decode(ids, uniforms, greedy, limits, cfg, vision, rows, recorder, top)
+            tokens, logprobs, routes = self._decode(
+                ids, uniforms, greedy, limits, cfg, vision, rows, recorder, top, [r.constraint for r in requests]
+            )
         generated = self._unpack(tokens, logprobs, limits.tolist(), routes)
         if top is not None:
             _add_top_logprobs(generated, requests, top[1])
@@ -122,13 +126,15 @@ class HFRolloutEngine(RolloutEngine):
     def _decode(
         self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, limits: torch.Tensor,
         cfg: SamplingParams, vision: list | None = None, rows: BatchSampling | None = None,
-        recorder: RouterRecorder | None = None, top: tuple[int, list] | None = None,
+        recorder: RouterRecorder | None = None, top: tuple[int, list] | None = None, constraints: list | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """Tokens and logprobs [b, steps] (CPU), and with an open `recorder` (an MoE model) the experts [b, steps,
         L, k] int16 of the position that predicted each token (rlx.models.routing), else None.  uniforms: [b, width];
         greedy: [b] bool rows that take the argmax; limits: [b] each row's max_new_tokens (a row past its limit is
         done); vision: each prompt's VisionInputs or None; rows: each row's temperature / top_k / top_p (None: the
-        call's); top: (k, list) to append each step's k most likely (logprobs [b, k], ids [b, k]) to."""
+        call's); top: (k, list) to append each step's k most likely (logprobs [b, k], ids [b, k]) to; constraints:
+        each row's grammar (rlx.rollout.constraints) or None."""
+        constraints = constraints if constraints and any(constraints) else None
         rows = rows or batch_sampling([], cfg)
         b = len(prompt_ids)
         inputs, row = self._prefill_inputs(prompt_ids, vision)
@@ -150,6 +156,8 @@ class HFRolloutEngine(RolloutEngine):
             positions = positions.amax(dim=0, keepdim=True).expand(3, -1, -1)
         for step in range(uniforms.shape[1]):
             logits = out.logits[:, -1, :].float()  # [b, V]
+            if constraints is not None:
+                logits = mask_constrained(logits, constraints)
             scaled = scale_logits(logits, rows.temperature)
             token_logprobs = torch.log_softmax(scaled, dim=-1)
             if top is not None:
@@ -159,6 +167,10 @@ class HFRolloutEngine(RolloutEngine):
                 sampled = draw_tokens(filter_logits(scaled, rows.top_k, rows.top_p), uniforms[:, step])
                 token = torch.where(greedy, token, sampled)
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
+            if constraints is not None:
+                for constraint, row_token, row_done in zip(constraints, token.tolist(), done.tolist()):
+                    if constraint is not None and not row_done:
+                        constraint.advance(row_token)
             tokens.append(token)
             logprobs.append(token_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1))
             done = done | torch.isin(token, stop) | (limits <= step + 1)

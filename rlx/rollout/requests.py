@@ -16,6 +16,8 @@ from rlx.rollout.prompts import PromptEncoder
 if TYPE_CHECKING:
     import torch
 
+    from rlx.rollout.constraints import GrammarConstraint
+
 
 @dataclass
 class Request:
@@ -59,6 +61,9 @@ class TokenRequest:
     """The request's own nucleus threshold when it is not the stream's."""
     top_k: int | None = None
     """The request's own top-k filter (0 or -1 = off) when it is not the stream's."""
+    constraint: GrammarConstraint | None = None
+    """A grammar the tokens must follow (rlx.rollout.constraints; engines hf and native): its state is advanced as
+    the request is generated, so a constrained request is submitted once."""
     num_top_logprobs: int = 0
     """Also return, at each sampled position, the most likely tokens and their logprobs (Generated.top_logprobs):
     how many (0 = none; engines hf and native)."""

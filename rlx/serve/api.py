@@ -11,12 +11,15 @@ silently ignored what it asked for. How each field is treated is in docs/serve.m
   and metadata that changes no token (user, metadata, store, service_tier, ...: recorded with the turn);
 - temperature (0: greedy), top_p and top_k: the request's own where it sends them (the server's flags otherwise);
 - n > 1 in `rlx serve`: choice i > 0 is recorded as its own sample, `<sample_id>~i` (at most MAX_CHOICES);
-- refused: tool_choice 'required' or a named function, response_format other than text,
+- response_format json_object / json_schema: sampled within the JSON grammar (rlx.rollout.constraints: llguidance,
+  the extra rlx[grammar]; engines hf and native);
+- refused: tool_choice 'required' or a named function,
   penalties, logit_bias, audio, predictions, reasoning effort, web search, the deprecated functions, and any field
   OpenAI does not define.
 
 Under `rlx rollout --agent` (`strict`), the run's sampling governs: a request asking for another temperature, top_p,
-top_k, seed, stop strings or n > 1 is refused too, as training needs every turn sampled as the run says.
+top_k, seed, stop strings, n > 1 or a response_format other than text is refused too, as training needs every turn
+sampled from the policy as the run says (a grammar changes the distribution sampled from).
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class Limits:
     strict: bool = False
     has_top_logprobs: bool = True
     """Whether the engine reports the most likely alternatives of each token (top_logprobs)."""
+    has_grammars: bool = True
+    """Whether the engine samples within a grammar (response_format json_*); the library is checked per request."""
 
 
 @dataclass
@@ -76,6 +81,8 @@ class Settings:
     top_logprobs: int = 0
     """Alternatives per position to report with the logprobs (chat top_logprobs, completions logprobs = k)."""
     return_token_ids: bool = False
+    json_schema: dict | None = None
+    """response_format json_schema's schema ({} for json_object: any JSON object); None: free text."""
     recorded: dict = field(default_factory=dict)
     """What the turn used, as the record keeps it (sampling and the request's metadata)."""
 
@@ -241,6 +248,32 @@ def _top(limits: Limits, name: str, count: int, most: int) -> int:
     return count
 
 
+def _json_schema(response_format, limits: Limits) -> dict | None:
+    """The schema a response_format asks the reply to follow ({}: any JSON object), None for text."""
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if response_format is None or response_format == {"type": "text"}:
+        return None
+    if kind not in ("json_object", "json_schema"):
+        raise refuse("response_format", f"'text', 'json_object' or 'json_schema' are supported, got {kind!r:.80}")
+    from rlx.rollout.constraints import EXTRA, grammar_library_available  # torch: not at the module's import
+
+    if limits.strict:
+        why = "a grammar changes the distribution sampled from, so its turns are not the policy's samples this run "
+        raise refuse("response_format", why + "trains on; ask for text and validate the reply instead")
+    if not limits.has_grammars:
+        raise refuse("response_format", "this server's engine does not sample within a grammar (hf and native do)")
+    if not grammar_library_available():
+        raise refuse("response_format", f"constrained sampling needs llguidance: {EXTRA}")
+    if kind == "json_object":
+        return {}
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise RequestError(400, "'response_format.json_schema.schema' must be a JSON schema object",
+                           param="response_format")  # fmt: skip
+    return schema
+
+
 def read_chat(body: dict, limits: Limits) -> ChatCall:
     """A chat-completions body as a typed call (RequestError naming the field it cannot honour)."""
     _check_known(body, CHAT_FIELDS)
@@ -259,9 +292,9 @@ def read_chat(body: dict, limits: Limits) -> ChatCall:
     choice = body.get("tool_choice")
     if choice not in (None, "none", "auto"):
         raise refuse("tool_choice", f"'none' and 'auto' are supported (no constrained decoding), got {choice!r:.80}")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise refuse("response_format", "only {'type': 'text'} is supported (no constrained decoding)")
+    settings.json_schema = _json_schema(body.get("response_format"), limits)
+    if settings.json_schema is not None:
+        settings.recorded["response_format"] = body["response_format"]
     if choice == "none":
         settings.recorded["tool_choice"] = "none"
     return ChatCall(messages, tools, settings, parse_tools=choice != "none")

@@ -37,6 +37,7 @@ from starlette.routing import Route
 from rlx.errors import UserError
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import SamplingParams
+from rlx.rollout.constraints import Grammars
 from rlx.rollout.stops import StopStrings
 from rlx.serve.api import Limits, RequestError, read_chat, read_completion
 from rlx.serve.config import EndpointConfig
@@ -66,7 +67,11 @@ class AgentServer:
         self.backend, self.tokenizer, self.stop_ids = backend, tokenizer, set(stop_ids)
         self.sampling, self.cfg, self.model_name = sampling, cfg, model_name
         self.endpoint = endpoint or EndpointConfig()
-        self.limits = Limits(sampling, model_name, strict, getattr(backend.engine, "gives_top_logprobs", False))
+        engine = backend.engine
+        self.limits = Limits(sampling, model_name, strict, getattr(engine, "gives_top_logprobs", False),
+                             getattr(engine, "takes_constraints", False))  # fmt: skip
+        self.grammars: Grammars | None = None
+        """Compiles response_format grammars (made on the first request with one)."""
         policy = ImagePolicy.of(self.endpoint.image_root, self.endpoint.max_image_bytes, known_image_refs)
         self.images = RequestImages.of_engine(backend.engine, policy)
         """What the engine makes of image parts: shared by the samples (one processed copy of each image)."""
@@ -139,6 +144,14 @@ class AgentServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def grammar_for(self, schema: dict):
+        """A fresh grammar constraint for JSON following `schema` ({}: any JSON object)."""
+        with self.tokenizer_lock:
+            if self.grammars is None:
+                vocab_size = self.backend.engine.model.config.get_text_config().vocab_size
+                self.grammars = Grammars(self.tokenizer, vocab_size, self.stop_ids)
+            return self.grammars.for_json(schema)
 
     def session(self, sample_id: str) -> SampleSession:
         with self._sessions_lock:

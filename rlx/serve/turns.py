@@ -99,7 +99,11 @@ async def prepare_turns(server, sessions: list[SampleSession], call) -> list[tup
     """Plan `call` in each of `sessions` (one per choice) and the token request of each (a RequestError for one
     the server refuses: nothing is generated or recorded then)."""
     plans = [await run_in_threadpool(_plan, server, session, call) for session in sessions]
-    return [(plan, _token_request(server, session, plan, call)) for session, plan in zip(sessions, plans)]
+    prepared = [(plan, _token_request(server, session, plan, call)) for session, plan in zip(sessions, plans)]
+    if call.settings.json_schema is not None:  # response_format: each choice samples within its own grammar
+        for _, request in prepared:
+            request.constraint = await run_in_threadpool(server.grammar_for, call.settings.json_schema)
+    return prepared
 
 
 async def run_turns(

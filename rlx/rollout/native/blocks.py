@@ -40,6 +40,8 @@ class Sequence:
     num_top_logprobs: int = 0
     """The most likely tokens to report at each position (TokenRequest.num_top_logprobs)."""
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    constraint: object | None = None
+    """The request's grammar (rlx.rollout.constraints.GrammarConstraint), or None."""
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     """Tokens whose keys and values are in the cache."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from rlx.rollout.config import SamplingParams
+from rlx.rollout.constraints import mask_constrained
 from rlx.rollout.native.blocks import Sequence
 from rlx.rollout.native.inputs import PinnedPair
 from rlx.rollout.sampling import batch_sampling, sample_next, samples_alike, top_logprobs
@@ -80,6 +81,8 @@ class StepSampler:
             if any(greedy):
                 mask = staged[2].bool()
         rows = batch_sampling([self.own.get(s.index, self.cfg) for s in seqs], self.cfg, self.device)
+        if any(s.constraint is not None for s in seqs):  # grammars: their rows keep the allowed tokens only
+            logits = mask_constrained(logits, [s.constraint for s in seqs])
         tokens, chosen = sample_next(logits, draws, mask, rows.temperature, rows.top_k, rows.top_p)
         top = None
         if any(s.num_top_logprobs for s in seqs):  # a served request asked (rare): read back at once
