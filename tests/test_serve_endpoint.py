@@ -296,7 +296,7 @@ HONOURED = {
 }  # fmt: skip
 REFUSED = {
     "temperature": -0.5, "top_p": 1.5, "top_k": 2.5, "max_tokens": 10_000, "max_completion_tokens": 10_000, "n": 17,
-    "top_logprobs": 3, "tool_choice": "required", "response_format": {"type": "json_object"},
+    "top_logprobs": 21, "tool_choice": "required", "response_format": {"type": "grammar"},
     "frequency_penalty": 0.5, "presence_penalty": 1.0, "logit_bias": {"5": 10}, "audio": {"voice": "x"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
     "verbosity": "low", "web_search_options": {}, "functions": [{"name": "f"}], "function_call": {"name": "f"},

@@ -169,6 +169,12 @@ class TokenStream(ABC):
         finish whole batches within one `step` (nothing is ever partly generated between steps)."""
         return {}
 
+    def partial(self) -> dict[Any, list[int]]:
+        """The tokens sampled so far (read back to the host) by each submitted request that has not finished, by
+        tag, for callers that show a reply as it is generated (rlx serve's token streaming); a request absent has
+        none yet. The default suits streams that finish whole batches within one `step`."""
+        return {}
+
     def weights_changed(self) -> None:
         """The engine's weights were updated while this stream is open (async.partial_rollouts = 'continue'):
         generate with the new ones from the next step on; keys and values computed with the old ones are not
@@ -215,6 +221,10 @@ class RolloutEngine(ABC):
     name: ClassVar[str]
     takes_images: ClassVar[bool] = False
     """Whether the engine generates from prompts with images (vision-language models)."""
+    gives_top_logprobs: ClassVar[bool] = False
+    """Whether the engine fills Generated.top_logprobs for token requests that ask (TokenRequest.num_top_logprobs)."""
+    takes_constraints: ClassVar[bool] = False
+    """Whether the engine samples a token request within its grammar (TokenRequest.constraint)."""
 
     def __init__(self, model, tokenizer, cfg: RolloutConfig, ctx, processor=None):
         """`processor`: a vision-language model's VisionProcessor (prompts with image parts need it)."""

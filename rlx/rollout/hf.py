@@ -27,6 +27,7 @@ from rlx.parallel.dist import all_reduce
 from rlx.parallel.ulysses import ULYSSES_ATTENTION
 from rlx.rollout.base import RolloutEngine, TokenStream
 from rlx.rollout.config import SamplingParams
+from rlx.rollout.constraints import mask_constrained
 from rlx.rollout.prompts import pad_token_id
 from rlx.rollout.requests import Generated, TokenRequest
 from rlx.rollout.sampling import (
@@ -45,6 +46,8 @@ class HFRolloutEngine(RolloutEngine):
     """Samples responses with a causal LM held in this process (the trainer's own model in `rlx ppo`)."""
 
     name = "hf"
+    gives_top_logprobs = True
+    takes_constraints = True
     takes_images = True
 
     def __init__(self, model, tokenizer, cfg, ctx, processor=None):
@@ -78,9 +81,15 @@ class HFRolloutEngine(RolloutEngine):
         rows = batch_sampling(own, cfg, self.device)
         recorder = RouterRecorder(self.model) if self.family.routed_experts else None
         recorder = recorder if recorder is not None and recorder.routers else None
+        num_top = max(r.num_top_logprobs for r in requests)
+        top = (num_top, []) if num_top else None
         with recorder if recorder is not None else contextlib.nullcontext():
-            tokens, logprobs, routes = self._decode(ids, uniforms, greedy, limits, cfg, vision, rows, recorder)
+            tokens, logprobs, routes = self._decode(
+                ids, uniforms, greedy, limits, cfg, vision, rows, recorder, top, [r.constraint for r in requests]
+            )
         generated = self._unpack(tokens, logprobs, limits.tolist(), routes)
+        if top is not None:
+            _add_top_logprobs(generated, requests, top[1])
         if cfg.stop:  # drop the tokens after a stop string
             stops = StopStrings(self.tokenizer, cfg.stop)
             generated = [stops.cut(g) for g in generated]
@@ -117,13 +126,15 @@ class HFRolloutEngine(RolloutEngine):
     def _decode(
         self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, limits: torch.Tensor,
         cfg: SamplingParams, vision: list | None = None, rows: BatchSampling | None = None,
-        recorder: RouterRecorder | None = None,
+        recorder: RouterRecorder | None = None, top: tuple[int, list] | None = None, constraints: list | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """Tokens and logprobs [b, steps] (CPU), and with an open `recorder` (an MoE model) the experts [b, steps,
         L, k] int16 of the position that predicted each token (rlx.models.routing), else None.  uniforms: [b, width];
         greedy: [b] bool rows that take the argmax; limits: [b] each row's max_new_tokens (a row past its limit is
         done); vision: each prompt's VisionInputs or None; rows: each row's temperature / top_k / top_p (None: the
-        call's)."""
+        call's); top: (k, list) to append each step's k most likely (logprobs [b, k], ids [b, k]) to; constraints:
+        each row's grammar (rlx.rollout.constraints) or None."""
+        constraints = constraints if constraints and any(constraints) else None
         rows = rows or batch_sampling([], cfg)
         b = len(prompt_ids)
         inputs, row = self._prefill_inputs(prompt_ids, vision)
@@ -145,13 +156,21 @@ class HFRolloutEngine(RolloutEngine):
             positions = positions.amax(dim=0, keepdim=True).expand(3, -1, -1)
         for step in range(uniforms.shape[1]):
             logits = out.logits[:, -1, :].float()  # [b, V]
+            if constraints is not None:
+                logits = mask_constrained(logits, constraints)
             scaled = scale_logits(logits, rows.temperature)
             token_logprobs = torch.log_softmax(scaled, dim=-1)
+            if top is not None:
+                top[1].append(token_logprobs.topk(min(top[0], token_logprobs.shape[-1]), dim=-1))
             token = logits.argmax(dim=-1)
             if not bool(greedy.all()):
                 sampled = draw_tokens(filter_logits(scaled, rows.top_k, rows.top_p), uniforms[:, step])
                 token = torch.where(greedy, token, sampled)
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
+            if constraints is not None:
+                for constraint, row_token, row_done in zip(constraints, token.tolist(), done.tolist()):
+                    if constraint is not None and not row_done:
+                        constraint.advance(row_token)
             tokens.append(token)
             logprobs.append(token_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1))
             done = done | torch.isin(token, stop) | (limits <= step + 1)
@@ -199,6 +218,18 @@ class HFRolloutEngine(RolloutEngine):
             routed = routes[i, :end] if routes is not None else None
             out.append(Generated(row_tokens[:end], row_logprobs[:end], reason, routed_experts=routed))
         return out
+
+
+def _add_top_logprobs(generated: list[Generated], requests: list[TokenRequest], steps: list) -> None:
+    """Give each generated row that asked for them its top (token id, logprob) pairs.  steps: per decode step,
+    (logprobs [b, k], ids [b, k])."""
+    values = torch.stack([v for v, _ in steps], 1).tolist()  # [b, steps, k]
+    ids = torch.stack([i for _, i in steps], 1).tolist()
+    for row, (gen, request) in enumerate(zip(generated, requests)):
+        k = request.num_top_logprobs
+        if k:
+            pairs = zip(ids[row][: len(gen.response_ids)], values[row])
+            gen.top_logprobs = [list(zip(i[:k], v[:k])) for i, v in pairs]
 
 
 class HFStream(TokenStream):

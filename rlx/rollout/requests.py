@@ -16,6 +16,8 @@ from rlx.rollout.prompts import PromptEncoder
 if TYPE_CHECKING:
     import torch
 
+    from rlx.rollout.constraints import GrammarConstraint
+
 
 @dataclass
 class Request:
@@ -59,6 +61,12 @@ class TokenRequest:
     """The request's own nucleus threshold when it is not the stream's."""
     top_k: int | None = None
     """The request's own top-k filter (0 or -1 = off) when it is not the stream's."""
+    constraint: GrammarConstraint | None = None
+    """A grammar the tokens must follow (rlx.rollout.constraints; engines hf and native): its state is advanced as
+    the request is generated, so a constrained request is submitted once."""
+    num_top_logprobs: int = 0
+    """Also return, at each sampled position, the most likely tokens and their logprobs (Generated.top_logprobs):
+    how many (0 = none; engines hf and native)."""
 
     def __post_init__(self):
         ranges = {"temperature": lambda t: t >= 0, "top_p": lambda p: 0 < p <= 1, "top_k": lambda k: k >= -1}
@@ -85,6 +93,9 @@ class Generated:
     routed_experts: torch.Tensor | None = None
     """MoE models on engines that record routing: int16 [len(response_ids), layers, k], the experts of the
     position that predicted each token (rlx.models.routing); None otherwise."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With TokenRequest.num_top_logprobs = k: at each position, the k most likely (token id, logprob) pairs, most
+    likely first, from the distribution `logprobs` are taken from (after temperature, before top-k/top-p)."""
 
 
 def build_requests(prompts: list[PromptRecord], encoder: PromptEncoder, sampling: SamplingParams) -> list[Request]:

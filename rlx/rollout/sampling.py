@@ -128,6 +128,12 @@ def draw_tokens_torch(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     return tokens
 
 
+def top_logprobs(logits: torch.Tensor, temperature: float | torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row and their logprobs after temperature (the distribution the sampled
+    tokens' logprobs come from): (logprobs [B, k] float32, token ids [B, k]), most likely first.  logits: [B, V]."""
+    return torch.log_softmax(scale_logits(logits, temperature), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+
+
 def sample_next(
     logits: torch.Tensor,
     uniforms: torch.Tensor | None,

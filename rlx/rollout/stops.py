@@ -52,4 +52,5 @@ class StopStrings:
                 lo = mid + 1
         stop = self.first(self._text(ids[:lo]))
         routed = gen.routed_experts[:lo] if gen.routed_experts is not None else None
-        return Generated(ids[:lo], gen.logprobs[:lo], "stop", stop_string=stop, routed_experts=routed)
+        top = gen.top_logprobs[:lo] if gen.top_logprobs is not None else None
+        return Generated(ids[:lo], gen.logprobs[:lo], "stop", stop_string=stop, routed_experts=routed, top_logprobs=top)

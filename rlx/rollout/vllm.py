@@ -365,6 +365,8 @@ class VLLMStream(TokenStream):
         """vLLM's own id of each request in flight (its scheduler's key)."""
         self.num_generated: dict[str, int] = {}
         """Tokens each request in flight has returned so far."""
+        self.sampled: dict[str, list[int]] = {}
+        """The token ids each request in flight has returned so far (vLLM's cumulative list, copied when read)."""
         self.step_all = False
 
     def submit(self, tag, request: TokenRequest) -> None:
@@ -408,10 +410,12 @@ class VLLMStream(TokenStream):
         for output in self.core.step():
             if output.finished:
                 del self.internal[output.request_id], self.num_generated[output.request_id]
+                self.sampled.pop(output.request_id, None)
                 self.engine.num_in_flight -= 1
                 finished.append((self.tags.pop(output.request_id), _generated(output.outputs[0])))
             elif output.request_id in self.num_generated:  # cumulative outputs: every token so far
                 self.num_generated[output.request_id] = len(output.outputs[0].token_ids)
+                self.sampled[output.request_id] = output.outputs[0].token_ids
         return finished
 
     def progress(self) -> dict[object, int]:
@@ -424,6 +428,9 @@ class VLLMStream(TokenStream):
             for request_id, tag in self.tags.items()
         }
 
+    def partial(self) -> dict[object, list[int]]:
+        return {self.tags[request_id]: list(ids) for request_id, ids in self.sampled.items() if ids}
+
     def weights_changed(self) -> None:
         """Nothing to do: `update_weights` reloaded vLLM's weights in place (requests in flight go on under them
         from their next token, with the keys and values computed so far) and moved the prefix-cache salt of later
@@ -435,7 +442,7 @@ class VLLMStream(TokenStream):
         if self.tags and self.engine.llm is not None:
             self.core.abort_request(list(self.tags))
         self.engine.num_in_flight -= len(self.tags)
-        self.tags, self.internal, self.num_generated = {}, {}, {}
+        self.tags, self.internal, self.num_generated, self.sampled = {}, {}, {}, {}
 
 
 def _scheduler_requests(llm_engine) -> dict:

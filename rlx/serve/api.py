@@ -6,16 +6,20 @@ silently ignored what it asked for. How each field is treated is in docs/serve.m
 
 - honoured: messages/prompt, model (must be the served name: 404 otherwise), max_tokens/max_completion_tokens (at
   most the server's --max-new-tokens), seed, stop, stream (+ stream_options.include_usage), tools, tool_choice
-  'none'/'auto', logprobs (the sampled tokens' own; top_logprobs 0), echo, return_token_ids (vLLM's extension),
+  'none'/'auto', logprobs and top_logprobs (chat: at most MAX_TOP_LOGPROBS; completions: logprobs = how many
+  alternatives, at most MAX_COMPLETION_LOGPROBS; engines hf and native), echo, return_token_ids (vLLM's extension),
   and metadata that changes no token (user, metadata, store, service_tier, ...: recorded with the turn);
 - temperature (0: greedy), top_p and top_k: the request's own where it sends them (the server's flags otherwise);
 - n > 1 in `rlx serve`: choice i > 0 is recorded as its own sample, `<sample_id>~i` (at most MAX_CHOICES);
-- refused: top_logprobs > 0, tool_choice 'required' or a named function, response_format other than text,
+- response_format json_object / json_schema: sampled within the JSON grammar (rlx.rollout.constraints: llguidance,
+  the extra rlx[grammar]; engines hf and native);
+- refused: tool_choice 'required' or a named function,
   penalties, logit_bias, audio, predictions, reasoning effort, web search, the deprecated functions, and any field
   OpenAI does not define.
 
 Under `rlx rollout --agent` (`strict`), the run's sampling governs: a request asking for another temperature, top_p,
-top_k, seed, stop strings or n > 1 is refused too, as training needs every turn sampled as the run says.
+top_k, seed, stop strings, n > 1 or a response_format other than text is refused too, as training needs every turn
+sampled from the policy as the run says (a grammar changes the distribution sampled from).
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ from rlx.rollout.config import SamplingParams
 
 MAX_CHOICES = 16
 """Most choices (n) one request may ask for."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per position a chat request may ask for (top_logprobs), as OpenAI's API allows."""
+MAX_COMPLETION_LOGPROBS = 5
+"""Most alternatives per position a completions request may ask for (logprobs), as OpenAI's API allows."""
 
 
 class RequestError(Exception):
@@ -48,6 +56,10 @@ class Limits:
     sampling: SamplingParams
     model_name: str
     strict: bool = False
+    has_top_logprobs: bool = True
+    """Whether the engine reports the most likely alternatives of each token (top_logprobs)."""
+    has_grammars: bool = True
+    """Whether the engine samples within a grammar (response_format json_*); the library is checked per request."""
 
 
 @dataclass
@@ -66,7 +78,11 @@ class Settings:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    """Alternatives per position to report with the logprobs (chat top_logprobs, completions logprobs = k)."""
     return_token_ids: bool = False
+    json_schema: dict | None = None
+    """response_format json_schema's schema ({} for json_object: any JSON object); None: free text."""
     recorded: dict = field(default_factory=dict)
     """What the turn used, as the record keeps it (sampling and the request's metadata)."""
 
@@ -105,7 +121,6 @@ _OFF = {
     "modalities": (None, ["text"]),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "top_logprobs": (None, 0),
 }
 """Fields honoured only at their neutral value (any other is refused by name)."""
 _COMMON = {
@@ -225,11 +240,48 @@ def _settings(body: dict, limits: Limits, max_key: str) -> Settings:
     return settings
 
 
+def _top(limits: Limits, name: str, count: int, most: int) -> int:
+    if count > most:
+        raise refuse(name, f"at most {most} alternatives per token, got {count}")
+    if count and not limits.has_top_logprobs:
+        raise refuse(name, "this server's engine does not report alternatives (engines hf and native do); ask 0")
+    return count
+
+
+def _json_schema(response_format, limits: Limits) -> dict | None:
+    """The schema a response_format asks the reply to follow ({}: any JSON object), None for text."""
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if response_format is None or response_format == {"type": "text"}:
+        return None
+    if kind not in ("json_object", "json_schema"):
+        raise refuse("response_format", f"'text', 'json_object' or 'json_schema' are supported, got {kind!r:.80}")
+    from rlx.rollout.constraints import EXTRA, grammar_library_available  # torch: not at the module's import
+
+    if limits.strict:
+        why = "a grammar changes the distribution sampled from, so its turns are not the policy's samples this run "
+        raise refuse("response_format", why + "trains on; ask for text and validate the reply instead")
+    if not limits.has_grammars:
+        raise refuse("response_format", "this server's engine does not sample within a grammar (hf and native do)")
+    if not grammar_library_available():
+        raise refuse("response_format", f"constrained sampling needs llguidance: {EXTRA}")
+    if kind == "json_object":
+        return {}
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise RequestError(400, "'response_format.json_schema.schema' must be a JSON schema object",
+                           param="response_format")  # fmt: skip
+    return schema
+
+
 def read_chat(body: dict, limits: Limits) -> ChatCall:
     """A chat-completions body as a typed call (RequestError naming the field it cannot honour)."""
     _check_known(body, CHAT_FIELDS)
     settings = _settings(body, limits, "max_completion_tokens")
     settings.logprobs = _bool(body, "logprobs")
+    settings.top_logprobs = _top(limits, "top_logprobs", _int(body, "top_logprobs") or 0, MAX_TOP_LOGPROBS)
+    if settings.top_logprobs and not settings.logprobs:
+        raise refuse("top_logprobs", "needs logprobs: true")
     messages, tools = body.get("messages"), body.get("tools") or None
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "'messages' must be a non-empty list", param="messages")
@@ -240,9 +292,9 @@ def read_chat(body: dict, limits: Limits) -> ChatCall:
     choice = body.get("tool_choice")
     if choice not in (None, "none", "auto"):
         raise refuse("tool_choice", f"'none' and 'auto' are supported (no constrained decoding), got {choice!r:.80}")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise refuse("response_format", "only {'type': 'text'} is supported (no constrained decoding)")
+    settings.json_schema = _json_schema(body.get("response_format"), limits)
+    if settings.json_schema is not None:
+        settings.recorded["response_format"] = body["response_format"]
     if choice == "none":
         settings.recorded["tool_choice"] = "none"
     return ChatCall(messages, tools, settings, parse_tools=choice != "none")
@@ -253,9 +305,8 @@ def read_completion(body: dict, limits: Limits) -> CompletionCall:
     _check_known(body, COMPLETION_FIELDS)
     settings = _settings(body, limits, "max_tokens")
     logprobs = _int(body, "logprobs")
-    if logprobs:
-        raise refuse("logprobs", f"0 (the sampled tokens' own logprobs) is supported, not {logprobs} alternatives")
-    settings.logprobs = logprobs == 0
+    settings.logprobs = logprobs is not None
+    settings.top_logprobs = _top(limits, "logprobs", logprobs or 0, MAX_COMPLETION_LOGPROBS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]

@@ -1,16 +1,15 @@
 """Finished turns as OpenAI's replies: a chat.completion or text_completion object (one choice per turn: the
 request's n), or its stream of chunks.
 
-Streaming sends the turn once it is generated (the engine stream hands whole turns back), in OpenAI's chunk
-format: a first chunk with the role, the content in pieces (one per sampled token where the content is the
-decoded text), tool calls as deltas (one per call: id, name, the whole arguments), a last chunk with the
-finish_reason, a usage chunk when `stream_options.include_usage` asked for it, and `data: [DONE]`. The
+A streamed reply (live.py) sends its content as the tokens are sampled; once the turn is generated, the chunks here
+follow: the rest of the content (in pieces, one per sampled token, when nothing was sent before), tool calls as
+deltas (one per call: id, name, the whole arguments), a last chunk with the finish_reason (and the logprobs and
+token ids asked for), a usage chunk when `stream_options.include_usage` asked for it; then `data: [DONE]`. The
 trajectory is recorded exactly as for the same request without `stream`.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,6 +32,8 @@ class Turn:
     """completions: the reply's text (the prompt first, with echo)."""
     token_texts: list[str] = field(default_factory=list)
     """Each sampled token decoded alone (for logprobs and stream pieces)."""
+    top_logprobs: list[list[tuple[str, float]]] = field(default_factory=list)
+    """At each position, the most likely tokens (decoded alone) and their logprobs, when the request asked."""
     id: str = field(default_factory=lambda: f"rlx-{time.monotonic_ns()}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -44,9 +45,14 @@ def _head(turn: Turn, kind: str, model: str) -> dict:
 def _chat_logprobs(turn: Turn) -> dict | None:
     if not turn.settings.logprobs:
         return None
+
+    def entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    tops = turn.top_logprobs or [[] for _ in turn.token_texts]
     content = [
-        {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
-        for text, logprob in zip(turn.token_texts, turn.logprobs)
+        {**entry(text, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
+        for text, logprob, top in zip(turn.token_texts, turn.logprobs, tops)
     ]
     return {"content": content, "refusal": None}
 
@@ -58,7 +64,8 @@ def _completion_logprobs(turn: Turn) -> dict | None:
     for text in turn.token_texts:
         offsets.append(max(at, 0))
         at += len(text)
-    return {"tokens": turn.token_texts, "token_logprobs": turn.logprobs, "top_logprobs": None, "text_offset": offsets}
+    top = [dict(pairs) for pairs in turn.top_logprobs] if turn.settings.top_logprobs else None
+    return {"tokens": turn.token_texts, "token_logprobs": turn.logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 def chat_finish_reason(turn: Turn) -> str:
@@ -122,16 +129,26 @@ def _last_choice(turn: Turn, head: dict, index: int, finish: str, logprobs: dict
     return last
 
 
-def chat_chunks(turns: list[Turn], model: str) -> Iterator[dict]:
-    """The chat.completion.chunk objects of a streamed reply: each choice in turn, then the usage."""
+def _rest(content: str, turn: Turn, sent: str | None) -> list[str]:
+    """The pieces of `content` still to send after `sent` (None or '': all of it, a piece per token)."""
+    if not sent:
+        return _pieces(content, turn.token_texts)
+    rest = content[len(sent) :] if content.startswith(sent) else ""
+    return [rest] if rest else []
+
+
+def chat_chunks(turns: list[Turn], model: str, sent: list[str] | None = None) -> Iterator[dict]:
+    """The chat.completion.chunk objects of a streamed reply: each choice in turn, then the usage. `sent`: the
+    content each choice streamed already (its role chunk too), None when nothing was sent."""
     head = _head(turns[0], "chat.completion.chunk", model)
 
     def chunk(index: int, delta: dict) -> dict:
         return {**head, "choices": [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}]}
 
     for index, turn in enumerate(turns):
-        yield chunk(index, {"role": "assistant", "content": ""})
-        for piece in _pieces(turn.message.get("content") or "", turn.token_texts):
+        if sent is None:
+            yield chunk(index, {"role": "assistant", "content": ""})
+        for piece in _rest(turn.message.get("content") or "", turn, sent[index] if sent else None):
             yield chunk(index, {"content": piece})
         for number, call in enumerate(turn.message.get("tool_calls") or []):
             yield chunk(index, {"tool_calls": [{"index": number, **call}]})
@@ -140,19 +157,13 @@ def chat_chunks(turns: list[Turn], model: str) -> Iterator[dict]:
         yield {**head, "choices": [], "usage": _usage(turns)}
 
 
-def completion_chunks(turns: list[Turn], model: str) -> Iterator[dict]:
-    """The text_completion chunks of a streamed reply: each choice in turn, then the usage."""
+def completion_chunks(turns: list[Turn], model: str, sent: list[str] | None = None) -> Iterator[dict]:
+    """The text_completion chunks of a streamed reply: each choice in turn, then the usage. `sent`: the text each
+    choice streamed already."""
     head = _head(turns[0], "text_completion", model)
     for index, turn in enumerate(turns):
-        for piece in _pieces(turn.text, turn.token_texts):
+        for piece in _rest(turn.text, turn, sent[index] if sent else None):
             yield {**head, "choices": [{"index": index, "text": piece, "finish_reason": None, "logprobs": None}]}
         yield _last_choice(turn, head, index, turn.finish_reason, _completion_logprobs(turn), text="")
     if turns[0].settings.include_usage:
         yield {**head, "choices": [], "usage": _usage(turns)}
-
-
-async def sse(chunks: Iterator[dict]):
-    """Server-sent events: one `data:` line per chunk, then `data: [DONE]`."""
-    for chunk in chunks:
-        yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-    yield "data: [DONE]\n\n"

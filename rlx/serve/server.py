@@ -1,9 +1,10 @@
 """An OpenAI-compatible HTTP endpoint (starlette on uvicorn) whose every request lands in a sample's trajectory.
 
 Routes (bodies as OpenAI's API takes them; see docs/serve.md for every field):
-    /v1/chat/completions, /v1/completions   POST; `stream: true` answers server-sent events
+    /v1/chat/completions, /v1/completions   POST; `stream: true` answers server-sent events as tokens come (live.py)
     /v1/models, /v1/models/{id}             GET: the served model (another id: 404 naming the served one)
     /v1/responses                           POST: OpenAI's Responses API over the chat path (responses.py)
+    /inference/v1/generate                  POST: vLLM's token-in/token-out route (generate.py; verifiers' trainer)
     /s/<sample_id>/v1/...                   the same, for the sample named in the path
 A request belongs to the sample its path names, else the one its `X-Session-ID` header names, else 'default'
 (ids may hold '/', raw or %2F-encoded); with n > 1, choice i > 0 belongs to sample `<id>~i`. `base_url(sample_id)`
@@ -36,15 +37,18 @@ from starlette.routing import Route
 from rlx.errors import UserError
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import SamplingParams
+from rlx.rollout.constraints import Grammars
 from rlx.rollout.stops import StopStrings
 from rlx.serve.api import Limits, RequestError, read_chat, read_completion
 from rlx.serve.config import EndpointConfig
-from rlx.serve.replies import Turn, chat_chunks, chat_reply, completion_chunks, completion_reply, sse
+from rlx.serve.generate import generate_reply, read_generate
+from rlx.serve.live import LiveReply
+from rlx.serve.replies import Turn, chat_reply, completion_reply
 from rlx.serve.request_images import ImagePolicy, RequestImages
 from rlx.serve.responses import ResponseStore, response_object, to_chat
 from rlx.serve.sessions import SampleSession
 from rlx.serve.stream import StreamBackend
-from rlx.serve.turns import generate_turns
+from rlx.serve.turns import generate_turns, prepare_turns
 
 DEFAULT_SAMPLE = "default"
 SESSION_HEADER = "x-session-id"
@@ -63,7 +67,11 @@ class AgentServer:
         self.backend, self.tokenizer, self.stop_ids = backend, tokenizer, set(stop_ids)
         self.sampling, self.cfg, self.model_name = sampling, cfg, model_name
         self.endpoint = endpoint or EndpointConfig()
-        self.limits = Limits(sampling, model_name, strict)
+        engine = backend.engine
+        self.limits = Limits(sampling, model_name, strict, getattr(engine, "gives_top_logprobs", False),
+                             getattr(engine, "takes_constraints", False))  # fmt: skip
+        self.grammars: Grammars | None = None
+        """Compiles response_format grammars (made on the first request with one)."""
         policy = ImagePolicy.of(self.endpoint.image_root, self.endpoint.max_image_bytes, known_image_refs)
         self.images = RequestImages.of_engine(backend.engine, policy)
         """What the engine makes of image parts: shared by the samples (one processed copy of each image)."""
@@ -137,6 +145,14 @@ class AgentServer:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def grammar_for(self, schema: dict):
+        """A fresh grammar constraint for JSON following `schema` ({}: any JSON object)."""
+        with self.tokenizer_lock:
+            if self.grammars is None:
+                vocab_size = self.backend.engine.model.config.get_text_config().vocab_size
+                self.grammars = Grammars(self.tokenizer, vocab_size, self.stop_ids)
+            return self.grammars.for_json(schema)
+
     def session(self, sample_id: str) -> SampleSession:
         with self._sessions_lock:
             self._evict(making=sample_id not in self.sessions)
@@ -180,21 +196,32 @@ class AgentServer:
                 given = body.get("previous_response_id")
                 body, previous = to_chat(body, self.responses)
             sample = _sample_of(request, previous or DEFAULT_SAMPLE)
-            read = read_completion if endpoint == "completion" else read_chat
-            call = read(body, self.limits)
+            if endpoint == "generate":
+                call = read_generate(body, self.limits, self.stop_ids)
+            else:
+                call = (read_completion if endpoint == "completion" else read_chat)(body, self.limits)
             names = [sample] + [f"{sample}~{i}" for i in range(1, call.settings.n)]
             sessions = self._hold([self.session(name) for name in names])
+            is_live = False
             try:
+                if call.settings.stream and endpoint != "responses":  # sent as the tokens come (live.py)
+                    live = LiveReply(self, sessions, call, await prepare_turns(self, sessions, call))
+                    is_live = True  # the reply's task releases the sessions once their turns are recorded
+                    headers = {"Cache-Control": "no-cache"}
+                    return StreamingResponse(live.events(), media_type="text/event-stream", headers=headers)
                 turns = await generate_turns(self, sessions, call)
             finally:
-                for session in sessions:
-                    session.lock.release()
+                if not is_live:
+                    for session in sessions:
+                        session.lock.release()
         except RequestError as e:
             return _error(e.status, str(e), e.code, e.param)
         except UserError as e:  # e.g. a template that cannot render the messages, an image that cannot be read
             return _error(400, str(e), "invalid_request")
         except Exception as e:  # the template, the engine: reported to the client, the server keeps serving
             return _error(500, f"the server failed on this request ({type(e).__name__})", "server_error")
+        if endpoint == "generate":
+            return JSONResponse(generate_reply(turns[0]))
         if endpoint == "responses":
             reply = response_object(turns[0], self.model_name, given)
             if body.get("store") is not False:
@@ -220,11 +247,7 @@ class AgentServer:
 
     def _respond(self, turns: list[Turn], endpoint: str) -> Response:
         name = self.model_name
-        if not turns[0].settings.stream:
-            reply = chat_reply(turns, name) if endpoint == "chat" else completion_reply(turns, name)
-            return JSONResponse(reply)
-        chunks = chat_chunks(turns, name) if endpoint == "chat" else completion_chunks(turns, name)
-        return StreamingResponse(sse(chunks), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(chat_reply(turns, name) if endpoint == "chat" else completion_reply(turns, name))
 
     def models(self, request: Request) -> Response:
         wanted = request.path_params.get("model_id")
@@ -290,26 +313,24 @@ def _app(server: AgentServer) -> Starlette:
 
         return endpoint
 
-    async def chat(request: Request) -> Response:
-        return await server.answer(request, "chat")
+    def answering(endpoint: str):
+        async def handler(request: Request) -> Response:
+            return await server.answer(request, endpoint)
 
-    async def completions(request: Request) -> Response:
-        return await server.answer(request, "completion")
+        return handler
 
     async def models(request: Request) -> Response:
         return server.models(request)
 
-    async def responses(request: Request) -> Response:
-        return await server.answer(request, "responses")
-
     routes = []
     for prefix in ("", "/s/{sample:path}"):
         routes += [
-            Route(f"{prefix}/v1/chat/completions", guarded(chat), methods=["POST"]),
-            Route(f"{prefix}/v1/completions", guarded(completions), methods=["POST"]),
+            Route(f"{prefix}/v1/chat/completions", guarded(answering("chat")), methods=["POST"]),
+            Route(f"{prefix}/v1/completions", guarded(answering("completion")), methods=["POST"]),
             Route(f"{prefix}/v1/models", guarded(models), methods=["GET"]),
             Route(f"{prefix}/v1/models/{{model_id:path}}", guarded(models), methods=["GET"]),
-            Route(f"{prefix}/v1/responses", guarded(responses), methods=["POST"]),
+            Route(f"{prefix}/v1/responses", guarded(answering("responses")), methods=["POST"]),
+            Route(f"{prefix}/inference/v1/generate", guarded(answering("generate")), methods=["POST"]),
         ]
 
     async def not_found(request: Request, exc) -> Response:

@@ -6,6 +6,10 @@ queued into the stream, so a request that arrives while others decode joins them
 (the native engine's next prefill, vLLM's next step; the hf engine decodes a batch to its end, so a request
 arriving meanwhile joins the next batch). When the stream is idle the worker waits for a request, then
 `gather_s` more for others to join it.
+
+A request submitted with `on_tokens` hears its tokens as they are sampled: after each engine step the worker hands
+it every token so far whenever there are more (engines whose stream reads tokens back step by step: native, vllm;
+the hf engine decodes a batch to its end, so its requests hear nothing before they finish).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from rlx.rollout.base import RolloutEngine, TokenStream
@@ -42,18 +47,22 @@ class StreamBackend:
         self._closing = threading.Event()
         self._opened = threading.Event()
         self._failure: BaseException | None = None
+        self._listeners: dict[Future, tuple[Callable[[list[int]], None], list[int]]] = {}
+        """Requests that hear their tokens as they come: the callback and how many it has heard (worker only)."""
         self._thread = threading.Thread(target=self._run, name="rlx-serve-backend", daemon=True)
         self._thread.start()
         self._opened.wait()
         if self._failure is not None:
             raise self._failure
 
-    def submit(self, request: TokenRequest) -> Future:
+    def submit(self, request: TokenRequest, on_tokens: Callable[[list[int]], None] | None = None) -> Future:
+        """Queue `request`; its future gives the Generated. `on_tokens(ids)`, called on the worker thread (it must
+        be quick), gets the tokens sampled so far each time there are more, before the future is set."""
         future: Future = Future()
         if self._closing.is_set():
             future.set_exception(RuntimeError("the server is shutting down"))
         else:
-            self._queue.put((request, future))
+            self._queue.put((request, future, on_tokens))
         return future
 
     def generate(self, request: TokenRequest) -> Generated:
@@ -69,7 +78,7 @@ class StreamBackend:
     def _fail_queued(self, error: BaseException) -> None:
         while True:
             try:
-                _, future = self._queue.get_nowait()
+                _, future, _ = self._queue.get_nowait()
             except queue.Empty:
                 return
             future.set_exception(error)
@@ -90,8 +99,10 @@ class StreamBackend:
                     continue
                 finished = stream.step()
                 self.num_steps += 1
+                self._tell(stream)
                 for future, generated in finished:
                     in_flight.discard(future)
+                    self._listeners.pop(future, None)
                     future.set_result(generated)
         except BaseException as e:  # the engine failed: every waiting request hears it; nothing more is served
             self._closing.set()
@@ -100,6 +111,16 @@ class StreamBackend:
             self._fail_queued(e)
         finally:
             stream.close()
+
+    def _tell(self, stream: TokenStream) -> None:
+        """Hand each listening request its tokens so far, where it has more than it heard."""
+        if not self._listeners:
+            return
+        for future, ids in stream.partial().items():
+            listener = self._listeners.get(future)
+            if listener is not None and len(ids) > listener[1][0]:
+                listener[1][0] = len(ids)
+                listener[0](ids)
 
     def _take(self, stream: TokenStream, in_flight: set[Future]) -> None:
         """Move queued requests into the stream: without waiting while it works, else wait for one (a short poll
@@ -119,12 +140,14 @@ class StreamBackend:
             except queue.Empty:
                 return
             first = False
-            request, future = item
+            request, future, on_tokens = item
             try:
                 stream.submit(future, request)
             except Exception as e:  # this request cannot run (e.g. too long for the cache): its caller hears why
                 future.set_exception(e)
                 continue
             in_flight.add(future)
+            if on_tokens is not None:
+                self._listeners[future] = (on_tokens, [0])
             self.num_requests += 1
             self.largest_batch = max(self.largest_batch, len(in_flight))

@@ -8,6 +8,7 @@ event loop, so many samples generate together while the loop keeps answering.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from starlette.concurrency import run_in_threadpool
 
@@ -68,7 +69,8 @@ def _token_request(server, session: SampleSession, plan: Plan, call) -> TokenReq
     key = f"{session.sample_id}/{session.num_requests}"
     settings = call.settings  # its own temperature / top_p / top_k / seed (None: the server's); temperature 0: greedy
     own = {"temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k}
-    return TokenRequest(key, context_ids, limit, vision=plan.vision, seed=settings.seed, **own)
+    return TokenRequest(key, context_ids, limit, vision=plan.vision, seed=settings.seed,
+                        num_top_logprobs=settings.top_logprobs, **own)  # fmt: skip
 
 
 def _commit(server, session: SampleSession, plan: Plan, gen: Generated, call) -> Turn:
@@ -80,10 +82,12 @@ def _commit(server, session: SampleSession, plan: Plan, gen: Generated, call) ->
         reply, _ = session.commit(plan, gen, parse_tools=parse, settings=settings.recorded)
         wants_pieces = settings.stream or settings.logprobs
         texts = [server.tokenizer.decode([t]) for t in gen.response_ids] if wants_pieces else []
+        top = [[(server.tokenizer.decode([t]), lp) for t, lp in pairs] for pairs in gen.top_logprobs or []]
         echoed = ""
         if isinstance(call, CompletionCall) and call.echo:
             echoed = call.prompt if isinstance(call.prompt, str) else server.tokenizer.decode(call.prompt)
-    turn = Turn(settings, plan.context_ids, gen.response_ids, gen.logprobs, gen.finish_reason, token_texts=texts)
+    turn = Turn(settings, plan.context_ids, gen.response_ids, gen.logprobs, gen.finish_reason, token_texts=texts,
+                top_logprobs=top)  # fmt: skip
     if isinstance(call, ChatCall):
         turn.message = reply
     else:
@@ -91,13 +95,41 @@ def _commit(server, session: SampleSession, plan: Plan, gen: Generated, call) ->
     return turn
 
 
+async def prepare_turns(server, sessions: list[SampleSession], call) -> list[tuple[Plan, TokenRequest]]:
+    """Plan `call` in each of `sessions` (one per choice) and the token request of each (a RequestError for one
+    the server refuses: nothing is generated or recorded then)."""
+    plans = [await run_in_threadpool(_plan, server, session, call) for session in sessions]
+    prepared = [(plan, _token_request(server, session, plan, call)) for session, plan in zip(sessions, plans)]
+    if call.settings.json_schema is not None:  # response_format: each choice samples within its own grammar
+        for _, request in prepared:
+            request.constraint = await run_in_threadpool(server.grammar_for, call.settings.json_schema)
+    return prepared
+
+
+async def run_turns(
+    server, sessions: list[SampleSession], call, prepared: list[tuple[Plan, TokenRequest]], on_tokens=None
+) -> list[Turn]:
+    """Generate the prepared requests together on the engine stream and record each in its session; the turns to
+    reply with, in choice order. `on_tokens(index, ids)`: choice `index`'s tokens so far, each time there are
+    more (called on the event loop; streamed replies)."""
+    loop = asyncio.get_running_loop()
+
+    def listener(index: int):
+        def heard(ids: list[int]) -> None:  # on the engine worker's thread
+            with contextlib.suppress(RuntimeError):  # a closed loop: the server is shutting down
+                loop.call_soon_threadsafe(on_tokens, index, ids)
+
+        return heard if on_tokens is not None else None
+
+    futures = [server.backend.submit(request, listener(i)) for i, (_, request) in enumerate(prepared)]
+    gens = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+    return [
+        await run_in_threadpool(_commit, server, session, plan, gen, call)
+        for session, (plan, _), gen in zip(sessions, prepared, gens)
+    ]
+
+
 async def generate_turns(server, sessions: list[SampleSession], call: ChatCall | CompletionCall) -> list[Turn]:
     """Plan `call` in each of `sessions` (one per choice), generate them together on the engine stream, record
     each in its session; the turns to reply with, in choice order."""
-    plans = [await run_in_threadpool(_plan, server, session, call) for session in sessions]
-    requests = [_token_request(server, session, plan, call) for session, plan in zip(sessions, plans)]
-    gens = await asyncio.gather(*(asyncio.wrap_future(server.backend.submit(r)) for r in requests))
-    return [
-        await run_in_threadpool(_commit, server, session, plan, gen, call)
-        for session, plan, gen in zip(sessions, plans, gens)
-    ]
+    return await run_turns(server, sessions, call, await prepare_turns(server, sessions, call))

@@ -39,6 +39,11 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     routed_experts: list = field(default_factory=list)
     """An MoE model's: per output token, the experts [L, k] (int16) of the position that predicted it."""
+    num_top_logprobs: int = 0
+    """The most likely tokens to report at each position (TokenRequest.num_top_logprobs)."""
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    constraint: object | None = None
+    """The request's grammar (rlx.rollout.constraints.GrammarConstraint), or None."""
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     """Tokens whose keys and values are in the cache."""

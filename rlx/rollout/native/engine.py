@@ -68,6 +68,8 @@ class NativeRolloutEngine(RolloutEngine):
     from its shards, see replica.py) through a paged KV cache."""
 
     name = "native"
+    gives_top_logprobs = True
+    takes_constraints = True
     takes_images = True
 
     def __init__(self, model, tokenizer, cfg, ctx, processor=None):
@@ -279,6 +281,8 @@ class NativeStream(TokenStream):
         self.tags: dict[Sequence, object] = {}
         self.inflight: Launched | None = None
         self.num_ahead = 0
+        self.num_constrained = 0
+        """Submitted sequences with a grammar that have not finished."""
         self.stops = StopStrings(engine.tokenizer, sampling.stop) if sampling.stop else None
 
     def submit(self, tag, request: TokenRequest) -> None:
@@ -287,7 +291,8 @@ class NativeStream(TokenStream):
         own = request.sampling_of(self.sampling)  # a served client's own temperature / top_p / top_k, if any
         greedy = request.greedy or own.is_greedy
         row = self.sampler.add_rows(draws, own)
-        seq = Sequence(row, list(request.prompt_ids), request.max_new_tokens, greedy=greedy)
+        seq = Sequence(row, list(request.prompt_ids), request.max_new_tokens, greedy=greedy,
+                       num_top_logprobs=request.num_top_logprobs, constraint=request.constraint)  # fmt: skip
         if self.runner.images is not None:  # a vision-language model: mRoPE positions, the request's images
             self.runner.images.add(seq, request.prompt_ids, request.vision)
         elif request.vision is not None:
@@ -297,6 +302,7 @@ class NativeStream(TokenStream):
         except ValueError as e:
             raise UserError(f"request {request.key}: {e}; raise rollout.kv_cache_gib") from None
         self.tags[seq] = tag
+        self.num_constrained += request.constraint is not None
 
     @property
     def has_work(self) -> bool:
@@ -306,7 +312,9 @@ class NativeStream(TokenStream):
         """Launch the next model step (a decode step's successor is queued before its tokens are read where the
         scheduler can plan it from lengths alone), then finish the step launched before; the finished requests."""
         scheduler, inflight, launched = self.scheduler, self.inflight, None
-        if inflight is not None and inflight.decode and self.engine.cfg.overlap:
+        # a grammar's next mask needs the token before it: while a constrained sequence runs, steps are synchronous
+        ahead_ok = self.engine.cfg.overlap and not self.num_constrained
+        if inflight is not None and inflight.decode and ahead_ok:
             with record_function("rlx/schedule"):
                 ahead = scheduler.schedule_ahead(inflight.seqs)
             if ahead is not None:
@@ -342,10 +350,15 @@ class NativeStream(TokenStream):
             seq.logprobs.append(logprob)
             if step.routes is not None:  # the experts of the position that predicted this token
                 seq.routed_experts.append(step.routes[row])
+            if seq.num_top_logprobs:
+                seq.top_logprobs.append(step.top[row])
+            if seq.constraint is not None:
+                seq.constraint.advance(token)
             stopped = token in stop_ids or (self.stops is not None and self.stops.hit(seq.output_ids))
             if stopped or len(seq.output_ids) >= seq.max_tokens:
                 self.scheduler.finish(seq, "stop" if stopped else "length")
                 finished.append(seq)
+                self.num_constrained -= seq.constraint is not None
         return finished
 
     def stats(self) -> dict[str, int]:
@@ -359,6 +372,9 @@ class NativeStream(TokenStream):
     def progress(self) -> dict[object, int]:
         ahead = set(self.inflight.seqs) if self.inflight is not None else set()
         return {tag: len(seq.output_ids) + (seq in ahead) for seq, tag in self.tags.items()}
+
+    def partial(self) -> dict[object, list[int]]:
+        return {tag: list(seq.output_ids) for seq, tag in self.tags.items() if seq.output_ids}
 
     def weights_changed(self) -> None:
         """Refill the replica in place (the captured graphs read its storage) and stop reusing cached prefixes."""
@@ -388,9 +404,11 @@ def _tensor_parallel(model, cfg, ctx) -> TensorParallelGroup | None:
 
 
 def _generated(seq: Sequence) -> Generated:
-    """A finished sequence's result (an MoE model's with its routing: [R, L, k] int16)."""
+    """A finished sequence's result (an MoE model's with its routing: [R, L, k] int16; the top logprobs a served
+    request asked for)."""
     routes = torch.stack(seq.routed_experts) if seq.routed_experts else None
-    return Generated(seq.output_ids, seq.logprobs, seq.finish_reason, routed_experts=routes)
+    top = seq.top_logprobs if seq.num_top_logprobs else None
+    return Generated(seq.output_ids, seq.logprobs, seq.finish_reason, routed_experts=routes, top_logprobs=top)
 
 
 def _param_dtype(model: torch.nn.Module) -> torch.dtype:

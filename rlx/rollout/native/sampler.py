@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from rlx.rollout.config import SamplingParams
+from rlx.rollout.constraints import mask_constrained
 from rlx.rollout.native.blocks import Sequence
 from rlx.rollout.native.inputs import PinnedPair
-from rlx.rollout.sampling import batch_sampling, sample_next, samples_alike
+from rlx.rollout.sampling import batch_sampling, sample_next, samples_alike, top_logprobs
 
 
 @dataclass
@@ -35,6 +36,8 @@ class Launched:
     ready: torch.cuda.Event | None
     routes: torch.Tensor | None = None
     """An MoE model's step: [B, L, k] int16 on the host (once `ready`), the experts of each sequence's position."""
+    top: list[list[tuple[int, float]]] | None = None
+    """Each sequence's most likely (token id, logprob) pairs, for steps with a sequence that asks for them."""
 
 
 class StepSampler:
@@ -84,7 +87,14 @@ class StepSampler:
             if any(greedy):
                 mask = staged[2].bool()
         rows = batch_sampling([self.own.get(s.index, self.cfg) for s in seqs], self.cfg, self.device)
+        if any(s.constraint is not None for s in seqs):  # grammars: their rows keep the allowed tokens only
+            logits = mask_constrained(logits, [s.constraint for s in seqs])
         tokens, chosen = sample_next(logits, draws, mask, rows.temperature, rows.top_k, rows.top_p)
+        top = None
+        if any(s.num_top_logprobs for s in seqs):  # a served request asked (rare): read back at once
+            values, ids = top_logprobs(logits, rows.temperature, max(s.num_top_logprobs for s in seqs))
+            pairs = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+            top = [row[: s.num_top_logprobs] for s, row in zip(seqs, pairs)]
         host = self.outputs.next(2 * b)
         host.copy_(torch.cat([tokens.double(), chosen.double()]), non_blocking=True)
         if routes is not None:
@@ -93,7 +103,7 @@ class StepSampler:
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return Launched(seqs, decode, tokens, host, ready, routes)
+        return Launched(seqs, decode, tokens, host, ready, routes=routes, top=top)
 
     @staticmethod
     def collect(step: Launched) -> tuple[list[int], list[float]]:

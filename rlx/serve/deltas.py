@@ -1,0 +1,59 @@
+"""The text of a reply streamed as its tokens are sampled, never sending what the finished turn takes back.
+
+A choice's text so far is its tokens decoded (special tokens skipped, as the finished turn's text is). What is sent
+is the longest start of it that the finished reply's content must begin with: it stops before a stop string or a
+tool-call block (the finished turn cuts the first, and moves the second into `tool_calls`), holds back a tail that
+may be the start of one, and an incomplete UTF-8 character. Where tool calls are read, trailing whitespace waits too
+(a reply with tool calls has its content stripped), and a reply that begins with whitespace is sent only once
+finished (stripped or not depends on calls not yet sampled). When the turn finishes, the rest of its content
+follows, so the pieces always add up to the reply's content exactly.
+"""
+
+from __future__ import annotations
+
+TOOL_CALL_OPEN = "<tool_call>"
+"""Where a tool-call block begins in the text (every parser of rlx.chat.tool_calls reads such blocks)."""
+
+
+class TextDeltas:
+    """What of one choice's text has been sent, and what may be sent next."""
+
+    def __init__(self, markers: tuple[str, ...], hold_whitespace: bool):
+        """`markers`: strings the finished content ends before (stop strings, the tool-call opening);
+        `hold_whitespace`: tool calls are read (content around them is stripped)."""
+        self.markers, self.hold_whitespace = tuple(m for m in markers if m), hold_whitespace
+        self.sent = ""
+        self.is_closed = False
+        """A marker (or leading whitespace under `hold_whitespace`) was seen: nothing more until the turn ends."""
+
+    def feed(self, text: str) -> str:
+        """The next piece to send, given the choice's whole text so far ('' when nothing more is safe yet)."""
+        if self.is_closed:
+            return ""
+        safe = self._safe(text)
+        if not safe.startswith(self.sent):  # cannot happen for a decoded prefix; never send what contradicts
+            self.is_closed = True
+            return ""
+        piece, self.sent = safe[len(self.sent) :], safe
+        return piece
+
+    def finish(self, content: str) -> str:
+        """The rest of the finished reply's `content` (what was sent is always its start)."""
+        return content[len(self.sent) :] if content.startswith(self.sent) else ""
+
+    def _safe(self, text: str) -> str:
+        if self.hold_whitespace and text[:1].isspace():
+            self.is_closed = True
+            return self.sent
+        end = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes as U+FFFD until its last byte
+        for marker in self.markers:
+            at = text.find(marker)
+            if at >= 0:
+                self.is_closed, end = True, min(end, at)
+        text = text[:end]
+        for marker in self.markers:  # a tail that may become a marker waits
+            for size in range(min(len(marker) - 1, len(text)), 0, -1):
+                if text.endswith(marker[:size]):
+                    text = text[:-size]
+                    break
+        return text.rstrip() if self.hold_whitespace else text
