@@ -38,8 +38,9 @@ class Launched:
 class StepSampler:
     """Launches the sampling of steps and collects their results, for one `generate` call."""
 
-    def __init__(self, sampling: SamplingParams, max_num_seqs: int, device: torch.device):
-        self.cfg, self.device = sampling, device
+    def __init__(self, sampling: SamplingParams, max_num_seqs: int, device: torch.device, exact: bool = False):
+        """`exact`: logprobs from the fixed-order log-softmax (exact mode: the trainer's, bit for bit)."""
+        self.cfg, self.device, self.exact = sampling, device, exact
         self.uniforms = torch.zeros(0, sampling.max_new_tokens, dtype=torch.float64, device=device)
         self.num_rows = 0
         self.own: dict[int, SamplingParams] = {}
@@ -78,7 +79,7 @@ class StepSampler:
             if any(greedy):
                 mask = staged[2].bool()
         rows = batch_sampling([self.own.get(s.index, self.cfg) for s in seqs], self.cfg, self.device)
-        tokens, chosen = sample_next(logits, draws, mask, rows.temperature, rows.top_k, rows.top_p)
+        tokens, chosen = sample_next(logits, draws, mask, rows.temperature, rows.top_k, rows.top_p, exact=self.exact)
         host = self.outputs.next(2 * b)
         host.copy_(torch.cat([tokens.double(), chosen.double()]), non_blocking=True)
         ready = None
