@@ -19,7 +19,7 @@ from rlx.models.exact import exact_forward
 from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
 from rlx.rollout.config import RolloutConfig
 from rlx.rollout.requests import TokenRequest
-from tests.conftest import cli, cli_ok, make_engine, read_jsonl
+from tests.conftest import cli, cli_ok, make_engine, read_jsonl, write_length_reward
 
 NEW_TOKENS = 6
 PROBE = [1, 7, 5, 9, 4, 12, 6, 8, 10, 5]  # prompt token ids (vocabulary of the character tokenizer)
@@ -138,6 +138,11 @@ def test_exact_flag_refused_by_other_engines(tmp_path, tiny_dir, prompts_file):
         result = cli("rollout", "--model", tiny_dir, "--prompts", prompts_file, "--out", tmp_path / "r.jsonl",
                      "--engine", engine, "--exact")  # fmt: skip
         assert result.exit_code == 1 and "exact" in result.stderr and "native" in result.stderr, result
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(RECIPE.format(model=tiny_dir, prompts=prompts_file, mini_batch=0, packing="false", reward="x")
+                      .replace('engine = "native"', 'engine = "hf"'))  # fmt: skip
+    result = cli("ppo", recipe, "--out", tmp_path / "run")
+    assert result.exit_code == 1 and "rollout.engine: exact = true needs engine 'native'" in result.stderr, result
 
 
 RECIPE = """
@@ -157,7 +162,7 @@ max_new_tokens = 4
 block_size = 4
 kv_cache_gib = 0.01
 [score]
-reward = "arith"
+reward = "{reward}:score"
 use_packing = {packing}
 [train]
 lr = 1e-2
@@ -172,11 +177,33 @@ def test_ppo_exact_rollout_correction_is_zero(tmp_path, tiny_dir, prompts_file, 
     """Two mini-batches: the score phase runs the actor's exact forward, and the rollout_corr/* mismatch is 0 at
     each step (after an update too). One mini-batch: the rollout's logprobs are the old ones, without a forward."""
     recipe = tmp_path / "recipe.toml"
-    recipe.write_text(RECIPE.format(model=tiny_dir, prompts=prompts_file, mini_batch=mini_batch, packing=packing))
+    reward = write_length_reward(tmp_path)  # non-zero advantages: step 2 samples from updated weights
+    recipe.write_text(RECIPE.format(model=tiny_dir, prompts=prompts_file, mini_batch=mini_batch, packing=packing,
+                                    reward=reward))  # fmt: skip
     cli_ok("ppo", recipe, "--out", tmp_path / "run")
     lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert len(lines) == 2
+    assert len(lines) == 2 and lines[0]["actor/grad_norm"] > 0
     for line in lines:
         assert line["score/old_logprobs_from_rollout"] == float(mini_batch == 0)
         assert line["rollout_corr/logprob_abs_diff_max"] == 0.0, line
         assert line["rollout_corr/kl_k1"] == 0.0
+
+
+def test_exact_commands_by_hand(tmp_path, tiny_ckpt, prompts_file):
+    """`rlx rollout --exact` then `rlx score --exact` (packed): the old logprobs equal the sampler's; `rlx eval
+    --exact` and `rlx train-step --exact` run on the native engine's and the trainer's exact paths."""
+    rollouts, scored, metrics = tmp_path / "rollouts.jsonl", tmp_path / "scored", tmp_path / "metrics.jsonl"
+    cli_ok("rollout", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", rollouts, "--n", "3",
+           "--max-new-tokens", "4", "--num-prompts", "3", "--engine", "native", "--exact", "--block-size", "4")  # fmt: skip
+    reward = write_length_reward(tmp_path)
+    cli_ok("score", "--rollouts", rollouts, "--out", scored, "--actor", tiny_ckpt, "--reward", f"{reward}:score",
+           "--exact", "--use-packing", "--metrics", metrics)  # fmt: skip
+    line = read_jsonl(metrics)[-1]
+    assert line["rollout_corr/logprob_abs_diff_max"] == 0.0, line
+    cli_ok("train-step", "--checkpoint", tiny_ckpt, "--batch", scored / "batch.safetensors", "--out",
+           tmp_path / "step1", "--exact", "--lr", "1e-3", "--metrics", metrics)  # fmt: skip
+    assert read_jsonl(metrics)[-1]["actor/ppo_kl"] == 0.0  # one update: the new logprobs are the old ones exactly
+    cli_ok("eval", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "eval", "--engine", "native",
+           "--exact", "--max-new-tokens", "3")  # fmt: skip
+    result = cli("eval", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "eval2", "--exact")
+    assert result.exit_code == 1 and "needs engine 'native'" in result.stderr, result
