@@ -61,8 +61,8 @@ def collate(requests, generated):
     """Left-padded prompts, right-padded responses (as rlx score collates them)."""
     width_p = max(len(r.prompt_ids) for r in requests)
     width_r = max(max(len(g.response_ids) for g in generated), 1)
-    t = {k: torch.zeros(len(requests), w, dtype=torch.long) for k, w in
-         (("prompt_ids", width_p), ("prompt_mask", width_p), ("response_ids", width_r), ("response_mask", width_r))}  # fmt: skip
+    widths = {"prompt_ids": width_p, "prompt_mask": width_p, "response_ids": width_r, "response_mask": width_r}
+    t = {k: torch.zeros(len(requests), w, dtype=torch.long) for k, w in widths.items()}
     rollout = torch.zeros(len(requests), width_r)
     for i, (r, g) in enumerate(zip(requests, generated)):
         p, n = len(r.prompt_ids), len(g.response_ids)

@@ -81,8 +81,8 @@ def _tensors(requests, generated, rows: list[int]):
     """prompt_ids/mask [b, P] left-padded and response_ids/mask [b, R] right-padded of the rows `rows`."""
     width_p = max(len(requests[i].prompt_ids) for i in rows)
     width_r = max(len(generated[i].response_ids) for i in rows)
-    out = {k: torch.zeros(len(rows), w, dtype=torch.long) for k, w in
-           (("prompt_ids", width_p), ("prompt_mask", width_p), ("response_ids", width_r), ("response_mask", width_r))}  # fmt: skip
+    widths = {"prompt_ids": width_p, "prompt_mask": width_p, "response_ids": width_r, "response_mask": width_r}
+    out = {k: torch.zeros(len(rows), w, dtype=torch.long) for k, w in widths.items()}
     for j, i in enumerate(rows):
         prompt, response = requests[i].prompt_ids, generated[i].response_ids
         out["prompt_ids"][j, width_p - len(prompt) :] = torch.tensor(prompt)
@@ -194,7 +194,7 @@ def test_exact_commands_by_hand(tmp_path, tiny_ckpt, prompts_file):
     --exact` and `rlx train-step --exact` run on the native engine's and the trainer's exact paths."""
     rollouts, scored, metrics = tmp_path / "rollouts.jsonl", tmp_path / "scored", tmp_path / "metrics.jsonl"
     cli_ok("rollout", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", rollouts, "--n", "3",
-           "--max-new-tokens", "4", "--num-prompts", "3", "--engine", "native", "--exact", "--block-size", "4")  # fmt: skip
+           "--max-new-tokens", "4", "--num-prompts", "3", "--engine", "native", "--exact")  # fmt: skip
     reward = write_length_reward(tmp_path)
     cli_ok("score", "--rollouts", rollouts, "--out", scored, "--actor", tiny_ckpt, "--reward", f"{reward}:score",
            "--exact", "--use-packing", "--metrics", metrics)  # fmt: skip

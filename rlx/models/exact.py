@@ -141,7 +141,8 @@ def exact_attention_forward(
         attention_mask, position_ids, cu_seq_lens_q, max_length_q, batch, length, query.device
     )
     dtype = compute_dtype(query)
-    q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[-1]).to(dtype) for t in (query, key, value))
+    flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[-1]) for t in (query, key, value)]
+    q, k, v = (t.to(dtype) for t in flat)  # [N, heads, D]
     if kept is not None:
         q, k, v = q[kept], k[kept], v[kept]
     slots, lengths = sequence_slots(cu_seqlens.to(query.device), q.shape[0])
