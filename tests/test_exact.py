@@ -207,3 +207,39 @@ def test_exact_commands_by_hand(tmp_path, tiny_ckpt, prompts_file):
            "--exact", "--max-new-tokens", "3")  # fmt: skip
     result = cli("eval", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "eval2", "--exact")
     assert result.exit_code == 1 and "needs engine 'native'" in result.stderr, result
+
+
+def _run_turns(engine, sampling, tool_reply: list[int]) -> list:
+    """Two turns of one sample through one stream: [(context, Generated)]; the second turn's context is the first's
+    context, its response and `tool_reply` (its blocks cached in the stream by the first turn)."""
+    stream = engine.open_stream(sampling, 64, 2)
+    turns, context = [], PROBE
+    try:
+        for turn in range(2):
+            stream.submit(turn, TokenRequest(key=f"t/{turn}", prompt_ids=context, max_new_tokens=NEW_TOKENS))
+            done = []
+            while not done:
+                done = stream.step()
+            turns.append((context, done[0][1]))
+            context = context + done[0][1].response_ids + tool_reply
+        assert stream.stats()["cached_prefix_tokens"] > 0  # the second turn read the first one's blocks
+    finally:
+        stream.close()
+    return turns
+
+
+def test_exact_multi_turn_reads_cached_turns_alike(model):
+    """A second turn whose context begins with the first turn (its blocks cached in the stream) gets the logprobs of
+    the same context generated fresh and of the training forward over it."""
+    cfg = RolloutConfig(engine="native", exact=True, block_size=4, max_new_tokens=NEW_TOKENS, kv_cache_gib=0.01)
+    engine = make_engine(model, build_char_tokenizer(), cfg)
+    sampling = cfg.sampling(seed=5)
+    (_, first), (context, second) = _run_turns(engine, sampling, [11, 12, 13, 14, 15])
+    assert len(context) > len(PROBE) + len(first.response_ids)
+    request = TokenRequest(key="t/1", prompt_ids=context, max_new_tokens=NEW_TOKENS)
+    fresh = engine.generate_tokens([request], sampling)[0]
+    assert fresh.response_ids == second.response_ids
+    assert torch.equal(torch.tensor(fresh.logprobs), torch.tensor(second.logprobs))
+    with exact_forward(model):
+        trained = _trainer_logprobs(model, [request], [second], 0, 1, packed=True)
+    assert torch.equal(trained, torch.tensor(second.logprobs, dtype=torch.float32))
