@@ -20,8 +20,7 @@ import torch
 import torch.distributed as torch_dist
 from tqdm import tqdm
 
-from rlx.kernels.exact import entropy_from_log_probs
-from rlx.kernels.exact import log_softmax as exact_log_softmax
+from rlx.kernels.exact import target_logprobs
 from rlx.kernels.logprob_entropy import IGNORE_INDEX, logprob_entropy, resolve_impl
 from rlx.models.attention import PACKED_ATTENTION, PackedBatch, enable_packed_attention
 from rlx.models.exact import EXACT_ATTENTION, is_exact
@@ -42,13 +41,14 @@ def logprobs_from_logits(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits: [..., V], targets: [...] -> (logprob of each target, entropy of each row), float32. Inside an
     `exact_forward` block, with the fixed-order log-softmax (rlx/kernels/exact.py), as exact-mode rollouts."""
+    if is_exact():
+        return target_logprobs(logits, targets, temperature, with_entropy)
     scaled = logits.float() / temperature
-    exact = is_exact()
-    log_probs = exact_log_softmax(scaled) if exact else torch.log_softmax(scaled, dim=-1)
+    log_probs = torch.log_softmax(scaled, dim=-1)
     picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
-        entropy = entropy_from_log_probs(log_probs) if exact else -(log_probs.exp() * log_probs).sum(dim=-1)
+        entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
     return picked, entropy
 
 

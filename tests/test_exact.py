@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from rlx.kernels.exact import ROW_BLOCK, blocked_linear, log_softmax, tree_sum
+from rlx.kernels.exact import ROW_BLOCK, blocked_linear, log_softmax, target_logprobs, tree_sum
 from rlx.logprobs import packed_response_logprobs, response_logprobs
 from rlx.models.attention import enable_packed_attention
 from rlx.models.exact import exact_forward
@@ -40,6 +40,15 @@ def test_blocked_gemm_rows_do_not_depend_on_their_neighbours():
     x = torch.randn(5, 37)
     torch.testing.assert_close(tree_sum(x, -1), x.sum(-1))
     torch.testing.assert_close(log_softmax(x), torch.log_softmax(x, -1))
+    logits, targets = torch.randn(3, 2000, 37, requires_grad=True), torch.randint(0, 37, (3, 2000))
+    picked, entropy = target_logprobs(logits, targets, 0.7, with_entropy=True)  # chunked, recomputed in backward
+    (picked.sum() + entropy.sum()).backward()
+    leaf = logits.detach().clone().requires_grad_()
+    plain = torch.log_softmax(leaf / 0.7, -1)
+    expected = plain.gather(-1, targets[..., None])[..., 0]
+    torch.testing.assert_close(picked, expected)
+    (expected.sum() - (plain.exp() * plain).sum()).backward()
+    torch.testing.assert_close(logits.grad, leaf.grad)
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +179,14 @@ mini_batch_size = {mini_batch}
 micro_batch_size = 2
 use_packing = {packing}
 """
+
+
+def test_gpu_fast_path_leaves_compile_off_in_exact_mode():
+    from rlx.ppo.defaults import fast_path_defaults
+
+    assert fast_path_defaults("cuda", {})["train.compile"] is True
+    exact = fast_path_defaults("cuda", {"exact": True})
+    assert "train.compile" not in exact and exact["rollout.engine"] == "native"
 
 
 @pytest.mark.parametrize("mini_batch,packing", [(3, "true"), (0, "false")])

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 ROW_BLOCK = 64
 """Rows per GEMM call (every call has exactly this many rows)."""
@@ -83,6 +84,33 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 def entropy_from_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
     """-sum p log p over the last dimension, in a fixed order."""
     return -tree_sum(pointwise(torch.exp, log_probs) * log_probs, -1)
+
+
+def target_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = False, chunk_rows: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprob of each target, entropy or None) float32 for logits [..., V] and targets [...], with `log_softmax`,
+    `chunk_rows` rows at a time (every operation is per row: the chunking changes no value). Under autograd each
+    chunk is recomputed in the backward rather than keeping its [rows, V] intermediates."""
+    flat, picks = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1, 1)
+    grad = torch.is_grad_enabled() and flat.requires_grad
+    parts = []
+    for rows, wanted in zip(flat.split(chunk_rows), picks.split(chunk_rows)):
+        if grad:
+            parts.append(checkpoint(_chunk_logprobs, rows, wanted, temperature, with_entropy, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(rows, wanted, temperature, with_entropy))
+    picked = torch.cat([p[0] for p in parts]).view(targets.shape) if parts else flat.new_zeros(targets.shape)
+    entropy = None
+    if with_entropy:
+        entropy = torch.cat([p[1] for p in parts]).view(targets.shape) if parts else flat.new_zeros(targets.shape)
+    return picked.float(), entropy if entropy is None else entropy.float()
+
+
+def _chunk_logprobs(rows, wanted, temperature: float, with_entropy: bool):
+    log_probs = log_softmax(rows.float() / temperature)
+    picked = log_probs.gather(-1, wanted).squeeze(-1)
+    return picked, entropy_from_log_probs(log_probs) if with_entropy else picked
 
 
 def key_slots(rows: torch.Tensor, tables: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
