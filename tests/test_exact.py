@@ -260,3 +260,31 @@ def test_exact_multi_turn_reads_cached_turns_alike(model):
     with exact_forward(model):
         trained = _trainer_logprobs(model, [request], [second], 0, 1, packed=True)
     assert torch.equal(trained, torch.tensor(second.logprobs, dtype=torch.float32))
+
+
+def test_exact_attention_matches_sdpa_with_gradients():
+    """The "rlx_exact" attention function on a padded batch: the values and gradients of SDPA's causal attention, up
+    to rounding (the backward goes through recomputation)."""
+    from rlx.models.exact import exact_attention_forward
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :7] = 0  # left padding
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = exact_attention_forward(torch.nn.Module(), *leaves, mask)
+    assert not out[1, :7].detach().any()  # padded positions are 0
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = []
+    for row, start in ((0, 0), (1, 7)):
+        qr, kr, vr = (t[row : row + 1, :, start:] for t in ref_leaves)
+        o = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=True)
+        ref.append((o.transpose(1, 2)[0], row, start))
+    total = sum((o * weights[row, start:]).sum() for o, row, start in ref)
+    total.backward()
+    for o, row, start in ref:
+        torch.testing.assert_close(out[row, start:], o, atol=1e-5, rtol=1e-4)
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-4, rtol=1e-3)

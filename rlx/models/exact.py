@@ -25,6 +25,7 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
 
 from rlx.errors import UserError
 from rlx.kernels.exact import KEY_BLOCK, blocked_attention, blocked_linear, rms_norm
@@ -131,7 +132,8 @@ def exact_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The "rlx_exact" attention function (transformers' signature): query [B, H, T, D], key/value [B, Hkv, T, D],
-    attention_mask None or [B, T] -> ([B, T, H, Dv], None), zeros at padded positions. Causal, no dropout."""
+    attention_mask None or [B, T] -> ([B, T, H, Dv], None), zeros at padded positions. Causal, no dropout. Under
+    autograd the attention is recomputed in the backward (its key blocks' float32 work is not kept)."""
     if sliding_window:
         raise ValueError(f"{EXACT_ATTENTION} attention has no sliding window")
     batch, heads, length, _ = query.shape
@@ -147,7 +149,10 @@ def exact_attention_forward(
         q, k, v = q[kept], k[kept], v[kept]
     slots, lengths = sequence_slots(cu_seqlens.to(query.device), q.shape[0])
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = blocked_attention(q, k, v, slots, lengths, scale)
+    if torch.is_grad_enabled() and q.requires_grad:  # keep q, k, v for the backward, not every key block's work
+        out = checkpoint(blocked_attention, q, k, v, slots, lengths, scale, use_reentrant=False)
+    else:
+        out = blocked_attention(q, k, v, slots, lengths, scale)
     if kept is not None:
         out = out.new_zeros(batch * length, heads, out.shape[-1]).index_copy(0, kept, out)
     return out.view(batch, length, heads, -1), None
