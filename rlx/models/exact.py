@@ -87,7 +87,8 @@ def exact_forward(model, attention: bool = True) -> Iterator[None]:
             if attention:
                 register_attention(EXACT_ATTENTION, exact_attention_forward, packed_attention_mask)
                 stack.enter_context(attention_implementation(model, EXACT_ATTENTION))
-            torch.set_num_threads(1)
+            if next(model.parameters()).device.type == "cpu":
+                torch.set_num_threads(1)
             stack.enter_context(_BlockedLinear())
             yield
     finally:
