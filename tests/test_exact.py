@@ -288,3 +288,13 @@ def test_exact_attention_matches_sdpa_with_gradients():
         torch.testing.assert_close(out[row, start:], o, atol=1e-5, rtol=1e-4)
     for got, want in zip(leaves, ref_leaves):
         torch.testing.assert_close(got.grad, want.grad, atol=1e-4, rtol=1e-3)
+
+
+def test_exact_mode_refuses_unsupported_models():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlx.errors import UserError
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=20, n_positions=16))
+    with pytest.raises(UserError, match="model type 'gpt2' is not supported"), exact_forward(model):
+        pass
