@@ -59,10 +59,9 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """`F.linear` over the flattened rows of x [..., K] in calls of exactly ROW_BLOCK rows.  -> [..., N]."""
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
-    pad = (-count) % ROW_BLOCK
-    if pad or count == 0:
-        rows = torch.cat([rows, rows.new_zeros(pad or ROW_BLOCK, rows.shape[1])])
-    out = torch.cat([F.linear(block, weight, bias) for block in rows.split(ROW_BLOCK)])
+    # a fresh buffer: every block starts at the same alignment (GEMM libraries may pick kernels by pointer alignment)
+    padded = torch.cat([rows, rows.new_zeros(-(-max(count, 1) // ROW_BLOCK) * ROW_BLOCK - count, rows.shape[1])])
+    out = torch.cat([F.linear(block, weight, bias) for block in padded.split(ROW_BLOCK)])
     return out[:count].view(*x.shape[:-1], out.shape[-1])
 
 
