@@ -20,7 +20,8 @@ initial weights from a saved folder.
 
 Per tool: first-step time (process start to the end of step 1, what a user waits for), median and p90 of the
 steady steps (every step after the first), tokens/s of the median step (prompt + response tokens), peak device
-memory, and for rlx the phase split of the median step.
+memory, and for rlx the phase split of the median step. `--exact` adds the row rlx-exact: rlx in exact mode
+(`exact = true`, the native engine; docs/exact.md), with the largest |rollout - old logprob| of each rlx row.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def run_rlx(args, work: Path, tool: str = "rlx") -> dict:
     ]
     if args.cpu:
         cmd += ["--set", 'train.device="cpu"', "--set", 'rollout.device="cpu"']
+    if tool == "rlx-exact":  # exact (batch-invariant) mode: the native engine's logprobs equal the trainer's
+        cmd += ["--set", "exact=true", "--set", 'rollout.engine="native"']
     if tool == "rlx-vllm":
         cmd += ["--set", 'rollout.engine="vllm"', "--set", f"rollout.sleep={str(args.vllm_sleep == 'on').lower()}"]
         cmd += ["--set", f"rollout.gpu_memory_utilization={args.vllm_gpu_memory_utilization}"]
@@ -151,6 +154,8 @@ def run_rlx(args, work: Path, tool: str = "rlx") -> dict:
     out["first_step_phases"] = {k: metrics[0].get(f"timing/{k}_s") for k in first}
     peaks = [v for m in metrics for k, v in m.items() if k.startswith("memory/") and k.endswith("_device_peak_gb")]
     out["peak_memory_gb"] = max(peaks, default=0.0)
+    diffs = [m["rollout_corr/logprob_abs_diff_max"] for m in metrics if "rollout_corr/logprob_abs_diff_max" in m]
+    out["rollout_corr_abs_diff_max"] = max(diffs, default=None)  # the sampler's logprobs vs the trainer's old ones
     out["rollout_tokens_per_s_median"] = statistics.median(
         m["perf/rollout_tokens_per_s"] for m in metrics[1:] or metrics
     )
@@ -262,7 +267,9 @@ def summarize(tool: str, first_step_s: float, steps: list[float], tokens: list[f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tools", default="rlx,trl", help="comma-separated: rlx, trl, rlx-vllm, trl-vllm")
+    parser.add_argument("--tools", default="rlx,trl", help="comma-separated: rlx, trl, rlx-vllm, trl-vllm, rlx-exact")
+    parser.add_argument("--exact", action="store_true", help="also run rlx in exact mode (exact = true, the native "
+                        "engine): the row rlx-exact, beside the others")  # fmt: skip
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--num-generations", type=int, default=8)
@@ -286,8 +293,10 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="rlx-grpo-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     results = []
-    runners = {"rlx": run_rlx, "rlx-vllm": run_rlx, "trl": run_trl, "trl-vllm": run_trl}
+    runners = {"rlx": run_rlx, "rlx-vllm": run_rlx, "rlx-exact": run_rlx, "trl": run_trl, "trl-vllm": run_trl}
     tools = args.tools.split(",")
+    if args.exact and "rlx-exact" not in tools:
+        tools.append("rlx-exact")
     unknown = [t for t in tools if t not in runners]
     if unknown:
         parser.error(f"unknown tools {unknown}: choose from {', '.join(runners)}")
@@ -302,10 +311,10 @@ def main() -> None:
         print(f"{r['tool']:<8} {r['first_step_s']:>10.1f}s {r['steady_median_s']:>7.2f}s {r['steady_p90_s']:>7.2f}s "
               f"{r['p90_over_median']:>8.2f} {r['tokens_per_s']:>10,.0f} {r['peak_memory_gb']:>8.1f}")  # fmt: skip
     by = {r["tool"]: r for r in results}
-    for ours, theirs in (("rlx", "trl"), ("rlx-vllm", "trl-vllm"), ("rlx", "trl-vllm")):
+    for ours, theirs in (("rlx", "trl"), ("rlx-vllm", "trl-vllm"), ("rlx", "trl-vllm"), ("rlx-exact", "rlx")):
         if ours in by and theirs in by:
             print(f"{ours} / {theirs} tokens/s: {by[ours]['tokens_per_s'] / by[theirs]['tokens_per_s']:.2f}x")
-    for tool in ("rlx", "rlx-vllm"):
+    for tool in ("rlx", "rlx-vllm", "rlx-exact"):
         if tool in by:
             print(f"{tool} median step phases:", {k: round(v, 3) for k, v in by[tool]["phases_of_median_step"].items()})
             print(f"{tool} first step phases:",

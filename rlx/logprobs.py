@@ -20,8 +20,10 @@ import torch
 import torch.distributed as torch_dist
 from tqdm import tqdm
 
+from rlx.kernels.exact import target_logprobs
 from rlx.kernels.logprob_entropy import IGNORE_INDEX, logprob_entropy, resolve_impl
 from rlx.models.attention import PACKED_ATTENTION, PackedBatch, enable_packed_attention
+from rlx.models.exact import EXACT_ATTENTION, is_exact
 from rlx.models.family import family_of
 from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.parallel.ulysses import (
@@ -37,7 +39,10 @@ from rlx.utils.device import autocast
 def logprobs_from_logits(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits: [..., V], targets: [...] -> (logprob of each target, entropy of each row), float32."""
+    """logits: [..., V], targets: [...] -> (logprob of each target, entropy of each row), float32. Inside an
+    `exact_forward` block, with the fixed-order log-softmax (rlx/kernels/exact.py), as exact-mode rollouts."""
+    if is_exact():
+        return target_logprobs(logits, targets, temperature, with_entropy)
     scaled = logits.float() / temperature
     log_probs = torch.log_softmax(scaled, dim=-1)
     picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -45,6 +50,11 @@ def logprobs_from_logits(
     if with_entropy:
         entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
     return picked, entropy
+
+
+def _resolve(impl: str, device: torch.device) -> str:
+    """The logprob implementation to run: 'naive' in exact mode (the model's head through its blocked GEMMs)."""
+    return "naive" if is_exact() else resolve_impl(impl, device)
 
 
 def lm_head_weight(model) -> torch.Tensor | None:
@@ -93,7 +103,7 @@ def _padded_logprobs(model, inputs: dict, response_ids, response_mask, temperatu
     """`response_logprobs` of the model inputs of a padded micro-batch."""
     input_ids = inputs["input_ids"]
     r = response_ids.shape[1]
-    impl = resolve_impl(impl, input_ids.device)
+    impl = _resolve(impl, input_ids.device)
     weight = lm_head_weight(model) if impl != "naive" else None
     if weight is None:
         with autocast(input_ids.device, dtype):
@@ -217,7 +227,7 @@ def packed_response_logprobs(
     if rows is None:
         rows = PackedRows.build(prompt_ids, prompt_mask, response_ids, response_mask, *group_rank_size(sp_group))
     local, keep = rows.local_targets, rows.keep
-    impl = resolve_impl(impl, device)
+    impl = _resolve(impl, device)
     fused = impl != "naive" and lm_head_weight(model) is not None
     with autocast(device, dtype):
         hidden, logits = hidden_states(model, None if fused else keep, **packed_model_inputs(rows, sp_group))
@@ -482,7 +492,8 @@ class ModuleScorer:
         ranks share each row), with the packed attention plugged into the module."""
         if not max_tokens or self.ctx.sp_degree > 1:
             return 0
-        if self.module.config.get_text_config()._attn_implementation not in (PACKED_ATTENTION, ULYSSES_ATTENTION):
+        packed = (PACKED_ATTENTION, ULYSSES_ATTENTION, EXACT_ATTENTION)  # exact attention takes packed rows too
+        if self.module.config.get_text_config()._attn_implementation not in packed:
             enable_packed_attention(
                 self.module, decoder_only=family_of(self.module.config).attention_scope == "decoder"
             )

@@ -48,6 +48,7 @@ def eval_(
     precision: Annotated[
         str, typer.Option(metavar="auto|float32|bfloat16", help=help_for(R, "precision"))
     ] = R.precision,
+    exact: Annotated[bool, typer.Option(help=help_for(R, "exact"))] = R.exact,
     metrics: Annotated[
         str | None,
         typer.Option(metavar="FILE", help="Append the val/* metrics line (at the checkpoint's step) to this file."),
@@ -81,6 +82,7 @@ def eval_(
             chat_template=chat_template,
             device=device,
             precision=precision,
+            exact=exact,
             max_prompt_length=max_prompt_length,
             on_long_prompt=on_long_prompt,
         )

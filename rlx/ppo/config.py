@@ -141,6 +141,10 @@ class PPOConfig:
     'memory', the sharded 'fsdp' layout of the fsdp backend (every rank writes its own shards in parallel, in the
     background; `rlx merge` makes a Hugging Face dir of it), else the backend's own layout ('single' for fsdp:
     full weights gathered on rank 0, a Hugging Face dir as it is); or a layout name ('single', 'fsdp', ...)."""
+    exact: bool = False
+    """Batch-invariant mode for the whole loop (rollout.exact, score.exact and train.exact): the native engine's
+    logprobs equal the trainer's bit for bit, and with one update per batch (train.epochs = 1, one mini-batch) the
+    score phase takes the rollout's logprobs as the old ones without a forward (docs/exact.md)."""
     model: ModelConfig
     """The policy."""
     sft: SFTConfig | None = None
@@ -221,6 +225,9 @@ class PPOConfig:
                 f"decay over the run's {self.steps} steps needs steps > warmup_steps (or set lr_decay_steps)",
             )
         self._share_vision()
+        if self.exact:  # one switch for the three stages (each also takes its own, as the commands do)
+            self._check_exact()
+            self.rollout.exact = self.score.exact = self.train.exact = True
         has_lora = self.lora is not None or (self.critic is not None and self.critic.lora is not None)
         check(
             not has_lora or self.backend_name != "megatron",
@@ -231,6 +238,15 @@ class PPOConfig:
         check(self.use_ref or not needs_ref, "use_ref", "score.kl_coef or train.kl_loss_coef > 0 needs use_ref = true")
         if self.async_ is not None:
             self._check_async()
+
+    def _check_exact(self) -> None:
+        """What exact = true needs of the stages' tables (the checks their own `exact` fields make)."""
+        engine = self.rollout.engine
+        check(engine == "native", "rollout.engine", f"exact = true needs engine 'native' (got {engine!r})")
+        check(self.rollout.tp_degree == 1, "rollout.tp_degree", "must be 1 with exact = true")
+        check(self.train.sp_degree == 1, "train.sp_degree", "must be 1 with exact = true")
+        check(not self.train.compile, "train.compile", "must be false with exact = true (eager layers)")
+        check(self.backend_name != "megatron", "backend", "exact = true runs on the fsdp backend only")
 
     def _check_async(self) -> None:
         """What [async] does not support yet (each a clear error rather than a silently synchronous run)."""

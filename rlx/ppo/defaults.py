@@ -63,7 +63,8 @@ def fast_path_defaults(device_type: str, recipe: dict, recipe_dir: Path | None =
     chosen = dict(_ALWAYS)
     budget = micro_batch_token_budget(model_config_of(recipe, recipe_dir))
     chosen.update({key: budget for key in chosen if key[-1] == "max_tokens_per_micro_batch"})
-    if "megatron" not in recipe and not _routed_experts(model_config_of(recipe, recipe_dir)):
+    compiled = not _routed_experts(model_config_of(recipe, recipe_dir)) and not recipe.get("exact")
+    if "megatron" not in recipe and compiled:  # exact mode runs its layers eagerly (docs/exact.md)
         chosen.update(_WITHOUT_MEGATRON)
     if isinstance(recipe.get("critic"), dict):  # the critic trains as the actor does
         chosen.update({("critic", "train", *key[1:]): v for key, v in chosen.items() if key[0] == "train"})

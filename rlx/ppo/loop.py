@@ -209,8 +209,13 @@ class PPORun:
         with measure_phase("score", self.device) as phase:
             score_cfg = dataclasses.replace(self.score_cfg, kl_coef=self.kl_coef, filter_groups=False)
             models = self.models.scoring
+            from_rollout = self._old_logprobs_from_rollout(rollouts)
+            if from_rollout:  # exact mode, one update: the actor's forward would give the rollout's logprobs again
+                models = dataclasses.replace(models, actor=None)
             result = score_rollouts(rollouts, score_cfg, models, cfg.rollout.train_temperature, rewards=rewards)
         metrics.update(result.metrics)
+        if cfg.exact:
+            metrics["score/old_logprobs_from_rollout"] = float(from_rollout)
         metrics.update(phase)
         if result.next_kl_coef is not None:
             self.kl_coef = result.next_kl_coef
@@ -241,6 +246,17 @@ class PPORun:
         log(step, metrics, traces)  # before the checkpoint is published: a kill in between resumes from an earlier one
         if commit is not None:
             self.writer.submit(commit)
+
+    def _old_logprobs_from_rollout(self, rollouts: list[RolloutRecord]) -> bool:
+        """Whether the score phase skips the actor's forward: in exact mode the rollout's logprobs are the actor's
+        bit for bit, and with one update per batch (one epoch, one mini-batch) the policy has not changed since (not
+        under [async]: its rollouts may come from an older policy)."""
+        train = self.cfg.train
+        if self.cfg.async_ is not None:
+            return False
+        rows = sum(not r.is_greedy_baseline for r in rollouts)
+        one_update = train.epochs == 1 and (train.mini_batch_size == 0 or train.mini_batch_size >= rows)
+        return self.cfg.exact and one_update and self.models.scoring.actor is not None
 
     @staticmethod
     def _write_artifacts(out: Path, rollouts: list[RolloutRecord], result: ScoreResult, store_pixels: bool) -> None:

@@ -133,6 +133,9 @@ class RolloutConfig(AgentConfig):
     merged_projections: bool = True
     """native: decode Llama-family layers through merged q/k/v and gate/up projections (views of one tensor, no
     extra memory; off: through the model's own layers, for A/B benchmarks)."""
+    exact: bool = False
+    """native: batch-invariant mode: each token's logprob computed with reductions in a fixed order, equal bit for bit
+    to the trainer's forward in exact mode (`rlx score --exact`, `rlx train-step --exact`); slower (docs/exact.md)."""
     vision: VisionConfig = field(default_factory=VisionConfig)
     """Vision-language models: image sizes and the prompt token limit (options --min-pixels, --max-pixels,
     --max-prompt-tokens; `rlx ppo` takes them from the recipe's [vision] table)."""
@@ -178,6 +181,12 @@ class RolloutConfig(AgentConfig):
         check(self.max_prefill_tokens >= 1, "max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         check(self.max_prompt_length >= 0, "max_prompt_length", f"must be >= 0, got {self.max_prompt_length}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(
+            not self.exact or self.engine == "native",
+            "exact",
+            f"needs engine 'native' (the {self.engine!r} engine is not batch-invariant): pass --engine native",
+        )
+        check(not self.exact or self.tp_degree == 1, "exact", "runs with tp_degree = 1 only")
         check(self.sync_bucket_mib >= 1, "sync_bucket_mib", f"must be at least 1, got {self.sync_bucket_mib}")
 
     def _take_old_tp(self) -> None:

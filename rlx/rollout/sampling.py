@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlx.kernels.exact import log_softmax as exact_log_softmax
 from rlx.kernels.paged_attention import triton_available
 from rlx.kernels.sampling import draw_tokens_triton
 from rlx.rollout.config import SamplingParams
@@ -141,15 +142,17 @@ def sample_next(
     temperature: float | torch.Tensor,
     top_k: int | torch.Tensor = 0,
     top_p: float | torch.Tensor = 1.0,
+    exact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B], logprobs [B] float32 after temperature) for logits [B, V], as the hf engine samples.
 
     uniforms: [B] draws (None: every row greedy); greedy: [B] bool rows that take the argmax (None: none);
     temperature, top_k, top_p: scalars, or each row's [B] (BatchSampling: no fused kernel then).
     The tokens of `draw_tokens(filter_logits(logits.float() / temperature, ...), uniforms)`; on CUDA without
-    filters one kernel reads the logits (twice) for the draw and the log-normaliser, with no float32 copy."""
+    filters one kernel reads the logits (twice) for the draw and the log-normaliser, with no float32 copy. `exact`:
+    the logprobs from the fixed-order log-softmax of exact mode (rlx/kernels/exact.py), as the trainer computes them."""
     per_row = isinstance(temperature, torch.Tensor)
-    fusable = not per_row and logits.is_cuda and triton_available() and top_k <= 0 and top_p >= 1.0
+    fusable = not exact and not per_row and logits.is_cuda and triton_available() and top_k <= 0 and top_p >= 1.0
     if uniforms is not None and fusable:
         # PyTorch's CUDA division by a scalar multiplies by its float32 reciprocal
         inverse = float(torch.tensor(1.0) / torch.tensor(float(temperature)))
@@ -163,5 +166,5 @@ def sample_next(
     if uniforms is not None:
         sampled = draw_tokens(filter_logits(scaled, top_k, top_p), uniforms)
         tokens = sampled if greedy is None else torch.where(greedy, tokens, sampled)
-    logprobs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return tokens, logprobs
+    log_probs = exact_log_softmax(scaled) if exact else torch.log_softmax(scaled, dim=-1)
+    return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

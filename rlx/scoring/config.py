@@ -79,6 +79,9 @@ class ScoreConfig:
     """Mixture-of-experts actors: 'rollout' forces the experts the rollout recorded (routed_experts) in the
     old-logprob forward (as train.router_replay); moe/routing_mismatch is logged whenever the rollouts carry
     routing."""
+    exact: bool = False
+    """Batch-invariant old logprobs: the actor's forward in exact mode, equal bit for bit to an exact-mode rollout's
+    logprobs (`rlx rollout --exact`; docs/exact.md). Padded or packed alike; fsdp/single-device actors only."""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     """Where to run the actor, reference, critic and reward models."""
     precision: Literal["auto", "float32", "bfloat16"] = "auto"

@@ -16,6 +16,7 @@ from rlx.errors import UserError
 from rlx.formats.batch import BatchMeta, TrainBatch, collate
 from rlx.formats.images import rollout_images
 from rlx.formats.records import RolloutRecord, ScoreRecord
+from rlx.models.exact import exact_forward
 from rlx.models.family import family_of
 from rlx.observe.tracking import console
 from rlx.scoring.config import ScoreConfig
@@ -224,6 +225,16 @@ def _forward_options(cfg, models: ScoringModels, temperature: float, images) -> 
 def _old_logprobs(actor: Scorer, tensors: dict, cfg: ScoreConfig, forward: dict) -> tuple[torch.Tensor, dict]:
     """The actor's logprobs of the batch, and moe/routing_mismatch when the rollouts recorded their routing (the
     recorded experts forced with cfg.router_replay = 'rollout')."""
+    if cfg.exact:
+        module = getattr(actor, "module", None)
+        if module is None:
+            raise UserError("--exact: this actor's backend has no batch-invariant forward (fsdp or single layouts)")
+        with exact_forward(module):
+            return _actor_logprobs(actor, tensors, cfg, forward)
+    return _actor_logprobs(actor, tensors, cfg, forward)
+
+
+def _actor_logprobs(actor: Scorer, tensors: dict, cfg: ScoreConfig, forward: dict) -> tuple[torch.Tensor, dict]:
     if "routed_experts" not in tensors:
         if cfg.router_replay != "off":
             raise UserError(

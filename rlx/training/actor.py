@@ -16,6 +16,7 @@ from rlx.algorithms.rollout_correction import RolloutCorrection, correct
 from rlx.errors import UserError
 from rlx.formats.batch import TrainBatch
 from rlx.logprobs import MODEL_INPUTS, ROUTES, flat_routes, packed_response_logprobs, response_logprobs
+from rlx.models.exact import exact_forward
 from rlx.models.moe import RouterProbe, moe_sizes
 from rlx.models.routing import RouterReplay
 from rlx.training.trainer import Trainer
@@ -93,6 +94,11 @@ class ActorTrainer(Trainer):
         )
 
     def logprobs(self, t: dict[str, torch.Tensor], part: TrainBatch):
+        """New logprobs and entropy [B, R] of a micro-batch (train.exact: the batch-invariant forward)."""
+        with exact_forward(self.model) if self.cfg.exact else contextlib.nullcontext():
+            return self._logprobs(t, part)
+
+    def _logprobs(self, t: dict[str, torch.Tensor], part: TrainBatch):
         inputs = {k: t[k] for k in MODEL_INPUTS}
         common = {"temperature": part.meta.temperature, "dtype": self.dtype, "with_entropy": True}
         if self.cfg.use_packing:

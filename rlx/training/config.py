@@ -119,6 +119,9 @@ class TrainConfig:
     logprob_impl: Literal["auto", "naive", "chunked", "triton"] = "auto"
     """Logprob/entropy computation: fused Triton kernels ('auto' picks them on CUDA with Triton), chunked
     PyTorch (bounded memory anywhere), or naive full logits ('auto' on CPU)."""
+    exact: bool = False
+    """Batch-invariant forward for the actor's logprobs (padded or packed): a batch scored and sampled in exact mode
+    starts each update with new logprobs equal to the old ones bit for bit (docs/exact.md); sp_degree 1, no compile."""
     seed: int = 0
     """Seed for mini-batch shuffling, dropout and clip-cov's random pick; combined with the step number."""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
@@ -170,6 +173,8 @@ class TrainConfig:
         )
         check(self.sp_degree >= 1, "sp_degree", f"must be at least 1, got {self.sp_degree}")
         check(self.sp_degree == 1 or self.use_packing, "sp_degree", "sequence parallelism needs use_packing = true")
+        check(not self.exact or self.sp_degree == 1, "exact", "runs with sp_degree = 1 only")
+        check(not self.exact or not self.compile, "exact", "runs the layers eagerly: set compile = false")
 
     def lr_at(self, step: int) -> float:
         """Learning rate for the update that follows `step` completed updates.

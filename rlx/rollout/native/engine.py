@@ -85,6 +85,10 @@ class NativeRolloutEngine(RolloutEngine):
         # float32 master weights) or is merged: filled in place after each update, so the decode graphs keep
         # pointing at it
         self.use_replica = self.tp is not None or self.sharded or self.merges or _param_dtype(self.model) != self.dtype
+        # exact mode generates with the trainer's parameter dtype under the same autocast (the trainer's arithmetic)
+        self.replica_dtype = _param_dtype(self.model) if cfg.exact else self.dtype
+        if cfg.exact:
+            self.use_replica = self.sharded or self.merges
         if not self.use_replica and not any(p.requires_grad for p in self.model.parameters()):
             # a model nothing trains (no parameter requires grad): its q/k/v and gate/up weights become rows of merged
             # tensors (same Parameters, same values) and decode steps run one GEMM for each group (fused.py)
@@ -105,8 +109,9 @@ class NativeRolloutEngine(RolloutEngine):
 
     @classmethod
     def model_dtype(cls, cfg, device: torch.device) -> torch.dtype:
-        """The rollout dtype itself: a model the engine owns needs no replica."""
-        return resolve_precision(cfg.precision, device)
+        """The rollout dtype itself: a model the engine owns needs no replica (exact mode: float32, the trainer's
+        parameters, computing under the rollout dtype's autocast as the trainer does)."""
+        return torch.float32 if cfg.exact else resolve_precision(cfg.precision, device)
 
     def counters(self) -> dict[str, float]:
         replica = self._replica.parameters() if self._replica is not None else ()
@@ -177,7 +182,7 @@ class NativeRolloutEngine(RolloutEngine):
         if self._replica is None:
             adapters = is_lora_model(self.model) and not self.merges
             self._replica, self._replica_memory = build_replica(
-                self.model, self.device, self.dtype, adapters, releasable=self.releasable,
+                self.model, self.device, self.replica_dtype, adapters, releasable=self.releasable,
                 config=None if self.tp is None else self.rank_config,
             )  # fmt: skip
             if self.tp is not None:
@@ -260,7 +265,7 @@ class NativeRolloutEngine(RolloutEngine):
         width += 1 + width // _HEADROOM  # block-table room for longer prompts next time
         self._runner = ModelRunner(
             module, self.device, self.dtype, blocks, width, graphs, cfg.compile, cfg.paged_attention, self.releasable,
-            tp_group=None if self.tp is None else self.tp.group, merged=cfg.merged_projections,
+            tp_group=None if self.tp is None else self.tp.group, merged=cfg.merged_projections, exact=cfg.exact,
         )  # fmt: skip
         return self._runner
 
@@ -274,7 +279,7 @@ class NativeStream(TokenStream):
         self.engine, self.runner = engine, runner
         cfg = engine.cfg
         self.scheduler = Scheduler(runner.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens)
-        self.sampler = StepSampler(sampling, cfg.max_num_seqs, engine.device)
+        self.sampler = StepSampler(sampling, cfg.max_num_seqs, engine.device, exact=cfg.exact)
         self.module = runner.model
         self.was_training = self.module.training
         self.module.eval()

@@ -16,6 +16,7 @@ the device from the previous step's sampled tokens, which the host has not read 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -24,8 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rlx.kernels.exact import KEY_BLOCK, blocked_attention, key_slots
 from rlx.kernels.paged_attention import paged_decode_attention, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
+from rlx.models.exact import exact_forward
 from rlx.models.family import family_of
 from rlx.rollout.native.blocks import BlockManager, Sequence
 from rlx.rollout.native.fused import fused_head_step, fused_layer_step, merged_layers
@@ -64,6 +67,10 @@ class PagedContext:
     v_cache: torch.Tensor | None = None
     impl: str = "auto"
     """The paged decode kernel: 'auto' (Triton on CUDA), 'torch' or 'triton'."""
+    exact: bool = False
+    """Exact mode: decode and prefill both attend through `blocked_attention` (rlx/kernels/exact.py)."""
+    positions: torch.Tensor | None = None
+    """Exact prefill: [T] each token's position in its sequence."""
 
     def for_layer(self, index: int) -> PagedContext:
         return dataclasses.replace(self, k_cache=self.kv[index][0], v_cache=self.kv[index][1])
@@ -105,6 +112,9 @@ def paged_attention_forward(
     k_cache, v_cache = paged.kv[module.layer_idx] if paged.k_cache is None else (paged.k_cache, paged.v_cache)
     q = query[0].transpose(0, 1).to(k_cache.dtype)
     k, v = (t[0].transpose(0, 1).to(k_cache.dtype) for t in (key, value))
+    if paged.exact:
+        write_kv(k_cache, v_cache, paged.slot_mapping, k, v)
+        return _exact_attention(q, k_cache, v_cache, paged, scaling).unsqueeze(0), None
     if paged.decode:
         out = paged_decode(
             q,
@@ -137,6 +147,20 @@ def _prefill_attention(q, k_cache, v_cache, ctx: PagedContext, scale: float | No
         enable_gqa=True,
     )  # fmt: skip
     return out.transpose(1, 2)[ctx.q_rows, ctx.q_cols]
+
+
+def _exact_attention(q, k_cache, v_cache, ctx: PagedContext, scale: float | None) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D]: exact mode's attention over the cache (the step's keys written first), the same
+    arithmetic as the trainer's "rlx_exact" forward (rlx/models/exact.py) for a token at the same position."""
+    if ctx.decode:  # one token per sequence, its last
+        rows, lengths = torch.arange(q.shape[0], device=q.device), ctx.context_lens.long()
+    else:
+        rows, lengths = ctx.q_rows, ctx.positions + 1
+    block_size = k_cache.shape[1]
+    width = ctx.block_tables.shape[1] * block_size
+    slots = key_slots(rows, ctx.block_tables, block_size, -(-width // KEY_BLOCK) * KEY_BLOCK)
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    return blocked_attention(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), slots, lengths, scale)
 
 
 def _decoder_parts(model):
@@ -207,7 +231,7 @@ class ModelRunner:
     def __init__(
         self, model, device: torch.device, dtype: torch.dtype, blocks: BlockManager, max_blocks_per_seq: int,
         max_batch: int = 0, compile: bool = True, attention: str = "auto", releasable: bool = False,
-        tp_group=None, merged: bool = True,
+        tp_group=None, merged: bool = True, exact: bool = False,
     ):  # fmt: skip
         """`max_batch`: capture decode CUDA graphs up to this batch size (0: none); `compile`: torch.compile the
         layers inside them; `attention`: the paged decode kernel ('auto', 'torch', 'triton'); `releasable` (CUDA):
@@ -215,13 +239,15 @@ class ModelRunner:
         again at the same addresses, the captured graphs still valid. `tp_group`: `model` is a tensor-parallel
         rank's slice (tensor_parallel.py; its own layers all-reduce through hooks): the merged decode step sums its
         attention and MLP outputs over this group too. `merged`: decode through merged projections where the model's
-        parameters are laid out for them (fused.py); off: the model's own layers."""
+        parameters are laid out for them (fused.py); off: the model's own layers. `exact`: every step batch-invariant
+        (rlx/models/exact.py): the model's own layers, eagerly, no decode graphs."""
         config = model.config.get_text_config()
         self.model, self.device, self.dtype, self.blocks = model, device, dtype, blocks
         self.is_mrope = family_of(model.config).takes_images  # 3-D rotary positions: [1, T] expanded to [3, 1, T]
         self.images: NativeImages | None = None
         """The current generate call's images (a vision-language model; set by the engine per call)."""
-        self.attention, self.use_compile = attention, compile
+        self.exact = exact
+        self.attention, self.use_compile = attention, compile and not exact
         self.max_blocks, self.max_batch = max_blocks_per_seq, max_batch
         self.tp_args = () if tp_group is None else (tp_group,)  # the merged decode step's extra argument
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -241,7 +267,8 @@ class ModelRunner:
         register_attention(PAGED_ATTENTION, paged_attention_forward, packed_attention_mask)
         self.parts = _decoder_parts(model)
         # decode through merged projections where the model's parameters are laid out for them (fused.py)
-        self.fused = merged_layers(model) if self.parts is not None and not self.is_mrope and merged else None
+        use_merged = self.parts is not None and not self.is_mrope and merged and not exact
+        self.fused = merged_layers(model) if use_merged else None
         # an MoE model: its routed layers through grouped expert GEMMs, recording the experts (moe.py)
         self.routed_layers = native_moe_layers(model, self._layers()) if self.parts is not None else None
         if self.fused is not None:
@@ -252,7 +279,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.sizes: list[int] = []
         self.compiled = False
-        if max_batch and device.type == "cuda" and self.parts is not None:
+        if max_batch and device.type == "cuda" and self.parts is not None and not exact:
             self._capture(max_batch)
 
     def release(self) -> int:
@@ -282,7 +309,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [len(keep), V] (model dtype) of the kept positions of the row, and for an MoE model the experts
         each routed layer chose there ([len(keep), L, k] int16; else None)."""
-        with attention_implementation(self.model, PAGED_ATTENTION), autocast(self.device, self.dtype):
+        exact = exact_forward(self.model, attention=False) if self.exact else contextlib.nullcontext()
+        with attention_implementation(self.model, PAGED_ATTENTION), autocast(self.device, self.dtype), exact:
             if self.parts is None:
                 out = self.model(
                     input_ids=input_ids, position_ids=position_ids, use_cache=False, paged=ctx, logits_to_keep=keep
@@ -410,6 +438,8 @@ class ModelRunner:
             q_cols=torch.tensor(q_cols).to(self.device),
             max_query_len=int(query_lens.max()),
             impl=self.attention,
+            exact=self.exact,
+            positions=torch.tensor(positions).to(self.device) if self.exact else None,
         )
         key_pos = torch.arange(width * self.blocks.block_size)
         query_pos = (context - query_lens).unsqueeze(1) + torch.arange(ctx.max_query_len)  # [B, Qmax]
@@ -459,6 +489,7 @@ class ModelRunner:
             torch.tensor([p + 1 for p in positions], dtype=torch.int32).to(self.device),
             decode=True,
             impl=self.attention,
+            exact=self.exact,
         )
         if prev is None:
             ids = torch.tensor([[last_token(s) for s in seqs]]).to(self.device)

@@ -43,8 +43,9 @@ class Launched:
 class StepSampler:
     """Launches the sampling of steps and collects their results, for one `generate` call."""
 
-    def __init__(self, sampling: SamplingParams, max_num_seqs: int, device: torch.device):
-        self.cfg, self.device = sampling, device
+    def __init__(self, sampling: SamplingParams, max_num_seqs: int, device: torch.device, exact: bool = False):
+        """`exact`: logprobs from the fixed-order log-softmax (exact mode: the trainer's, bit for bit)."""
+        self.cfg, self.device, self.exact = sampling, device, exact
         self.uniforms = torch.zeros(0, sampling.max_new_tokens, dtype=torch.float64, device=device)
         self.num_rows = 0
         self.own: dict[int, SamplingParams] = {}
@@ -89,7 +90,7 @@ class StepSampler:
         rows = batch_sampling([self.own.get(s.index, self.cfg) for s in seqs], self.cfg, self.device)
         if any(s.constraint is not None for s in seqs):  # grammars: their rows keep the allowed tokens only
             logits = mask_constrained(logits, [s.constraint for s in seqs])
-        tokens, chosen = sample_next(logits, draws, mask, rows.temperature, rows.top_k, rows.top_p)
+        tokens, chosen = sample_next(logits, draws, mask, rows.temperature, rows.top_k, rows.top_p, exact=self.exact)
         top = None
         if any(s.num_top_logprobs for s in seqs):  # a served request asked (rare): read back at once
             values, ids = top_logprobs(logits, rows.temperature, max(s.num_top_logprobs for s in seqs))

@@ -1,0 +1,159 @@
+"""Exact (batch-invariant) mode for a Hugging Face Llama-family causal LM: `exact_forward(model)`.
+
+Inside the block, the model's forward computes every token's outputs with rlx/kernels/exact.py's fixed-order
+arithmetic, so a token's logits do not depend on the batch size, its position in the batch, packing, or (with the
+native engine's paged attention in exact mode, rlx/rollout/native/runner.py) whether a KV cache held its context:
+
+- every `F.linear` call (each projection, the MLP, the LM head) runs as `blocked_linear`, through a torch function
+  mode (no module's forward is replaced);
+- every RMSNorm's output is recomputed by `rms_norm` in a forward hook;
+- attention runs "rlx_exact" (registered with transformers' attention interface): padded batches (a 2D mask) and
+  packed rows (cu_seqlens or restarting positions) alike, by `blocked_attention` over each sample's keys;
+- on the CPU, one intra-op thread: PyTorch splits large elementwise loops between threads at boundaries that
+  depend on the tensor's size, and a scalar tail at such a boundary may round a transcendental differently.
+
+`is_exact()` tells code below the model (the logprob computation, rlx/logprobs.py) to use the exact log-softmax.
+Supported: the text decoders of `EXACT_FAMILIES` without sliding-window attention; others raise a UserError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
+
+from rlx.errors import UserError
+from rlx.kernels.exact import KEY_BLOCK, blocked_attention, blocked_linear, rms_norm
+from rlx.models.attention import _segments, attention_implementation, packed_attention_mask, register_attention
+
+EXACT_ATTENTION = "rlx_exact"
+EXACT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+"""model_type values exact mode supports (Llama-family decoders: plain linear layers, RMSNorm, rotary)."""
+
+_ACTIVE: ContextVar[bool] = ContextVar("rlx_exact", default=False)
+
+
+def is_exact() -> bool:
+    """Whether an `exact_forward` block is open in this context."""
+    return _ACTIVE.get()
+
+
+def check_exact_model(model, where: str = "exact mode") -> None:
+    """A UserError unless `model` is one exact mode supports (see the module doc)."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in EXACT_FAMILIES:
+        raise UserError(
+            f"{where}: model type {model_type!r} is not supported (exact mode runs {', '.join(EXACT_FAMILIES)})"
+        )
+    if getattr(config, "use_sliding_window", False) or (model_type == "mistral" and config.sliding_window):
+        raise UserError(f"{where}: sliding-window attention is not supported in exact mode")
+
+
+class _BlockedLinear(TorchFunctionMode):
+    """Every `F.linear` call inside as `blocked_linear` (fixed-shape GEMMs)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return blocked_linear(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _norm_hook(module, args, kwargs, output):
+    hidden = args[0] if args else kwargs["hidden_states"]
+    return rms_norm(hidden, module.weight, module.variance_epsilon)
+
+
+def _rms_norms(model) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon")]
+
+
+@contextlib.contextmanager
+def exact_forward(model, attention: bool = True) -> Iterator[None]:
+    """Run `model` batch-invariantly inside the block (see the module doc). `attention`: switch its attention to
+    "rlx_exact" (off where the caller runs its own exact attention: the native engine's paged one)."""
+    check_exact_model(model)
+    handles = [m.register_forward_hook(_norm_hook, with_kwargs=True) for m in _rms_norms(model)]
+    threads = torch.get_num_threads()
+    token = _ACTIVE.set(True)
+    try:
+        with contextlib.ExitStack() as stack:
+            if attention:
+                register_attention(EXACT_ATTENTION, exact_attention_forward, packed_attention_mask)
+                stack.enter_context(attention_implementation(model, EXACT_ATTENTION))
+            if next(model.parameters()).device.type == "cpu":
+                torch.set_num_threads(1)
+            stack.enter_context(_BlockedLinear())
+            yield
+    finally:
+        torch.set_num_threads(threads)
+        _ACTIVE.reset(token)
+        for handle in handles:
+            handle.remove()
+
+
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in: autocast's where it is on (as for SDPA), else the tensor's."""
+    if torch.is_autocast_enabled(tensor.device.type):
+        return torch.get_autocast_dtype(tensor.device.type)
+    return tensor.dtype
+
+
+def sequence_slots(cu_seqlens: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots [N, L], lengths [N]) of `blocked_attention` for N packed tokens whose samples start at cu_seqlens:
+    each token's keys are its sample's tokens from the sample's start (L: the longest sample, whole key blocks)."""
+    device = cu_seqlens.device
+    cu = cu_seqlens.long()
+    sample = torch.bucketize(torch.arange(count, device=device), cu[1:], right=True)  # [N] each token's sample
+    starts = cu[sample]
+    position = torch.arange(count, device=device) - starts
+    width = -(-int((cu[1:] - cu[:-1]).max()) // KEY_BLOCK) * KEY_BLOCK if count else KEY_BLOCK
+    slots = (starts[:, None] + torch.arange(width, device=device)).clamp(max=max(count - 1, 0))
+    return slots, position + 1
+
+
+def exact_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The "rlx_exact" attention function (transformers' signature): query [B, H, T, D], key/value [B, Hkv, T, D],
+    attention_mask None or [B, T] -> ([B, T, H, Dv], None), zeros at padded positions. Causal, no dropout. Under
+    autograd the attention is recomputed in the backward (its key blocks' float32 work is not kept)."""
+    if sliding_window:
+        raise ValueError(f"{EXACT_ATTENTION} attention has no sliding window")
+    batch, heads, length, _ = query.shape
+    if key.shape[2] != length:
+        raise ValueError(f"{EXACT_ATTENTION} attention needs as many keys as queries: call with use_cache=False")
+    kept, cu_seqlens, _ = _segments(
+        attention_mask, position_ids, cu_seq_lens_q, max_length_q, batch, length, query.device
+    )
+    dtype = compute_dtype(query)
+    flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[-1]) for t in (query, key, value)]
+    q, k, v = (t.to(dtype) for t in flat)  # [N, heads, D]
+    if kept is not None:
+        q, k, v = q[kept], k[kept], v[kept]
+    slots, lengths = sequence_slots(cu_seqlens.to(query.device), q.shape[0])
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if torch.is_grad_enabled() and q.requires_grad:  # keep q, k, v for the backward, not every key block's work
+        out = checkpoint(blocked_attention, q, k, v, slots, lengths, scale, use_reentrant=False)
+    else:
+        out = blocked_attention(q, k, v, slots, lengths, scale)
+    if kept is not None:
+        out = out.new_zeros(batch * length, heads, out.shape[-1]).index_copy(0, kept, out)
+    return out.view(batch, length, heads, -1), None
