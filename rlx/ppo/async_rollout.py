@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlx.agent.generate import multi_turn_runner, multi_turn_stats, refuse_images
+from rlx.agent.generate import build_rollout
 from rlx.checkpoints.loading import load_initial_policy, load_processor
 from rlx.evaluation.evaluate import eval_due, evaluate
 from rlx.formats.data import take_prompts
@@ -119,6 +119,8 @@ class RolloutWorker:
         processor = load_processor(resolve_source(cfg.model.path), cfg.vision)
         ctx = DistContext(device=roles.device)  # no process group: this rank generates on its own
         self.engine = build_engine(cfg.rollout, model.requires_grad_(False), self.tokenizer, ctx, processor)
+        self.rollout = build_rollout(cfg.rollout, self.engine)
+        """The engine, or episodes on it (multi-turn): the latter generate a step at a time, not in the stream."""
         self.version = -1
         self.weight_wait_s = 0.0
         self.start_step = 0
@@ -163,7 +165,7 @@ class RolloutWorker:
         finish), new weights are taken as they are published (in-flight samples continue under them, or are
         dropped and started again: async.partial_rollouts), and each step's share is put in the store as soon as
         its last sample finishes."""
-        if self.cfg.rollout.is_multi_turn:
+        if self.rollout is not self.engine:  # episodes take new weights between steps only: one step at a time
             for step in steps:
                 self._produce_episodes(step, start)
             return
@@ -223,12 +225,10 @@ class RolloutWorker:
             prompts, position, sampling = self._step_prompts(step)
             work = _StepWork(step, position, sampling, [], [], start, self.version)
             work.draws = draws
-            refuse_images(prompts, self.cfg.rollout, type(self.engine))  # engines without images refuse them
-            runner = multi_turn_runner(self.engine, self.tokenizer, self.cfg.rollout, sampling)
-            records = runner.generate(prompts)
-            for record in records:
+            result = self.rollout.generate(prompts, sampling)
+            for record in result.records:
                 record.policy_version, record.rollout_restarts = self.version, 0
-            if self._finish(work, records, multi_turn_stats(records, runner.last_stats)):
+            if self._finish(work, result.records, result.stats):
                 return
 
     def _step_prompts(self, step: int) -> tuple[list, int, SamplingParams]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from rlx.agent.generate import generate_multi_turn
+from rlx.agent.generate import build_rollout
 from rlx.backends.base import Degrees
 from rlx.backends.registry import backend_class
 from rlx.checkpoints import catalog
@@ -101,6 +101,7 @@ class PPORun:
         self.trainer, self.critic = self.models.actor, self.models.critic
         models_built = time.perf_counter()
         self.engine = self._build_engine()
+        self.rollout = build_rollout(self.cfg.rollout, self.engine)  # the engine, or episodes on it (multi-turn)
         # where a start's time goes, reported with the first step: models (load or init, parallelism), engine
         self.setup_metrics |= {
             "timing/setup_models_s": models_built - started,
@@ -295,10 +296,7 @@ class PPORun:
         while True:
             prompts = take_prompts(self.prompts, self.data_position, want, cfg.seed if cfg.data.shuffle else None)
             self.data_position += len(prompts)
-            if cfg.rollout.is_multi_turn:  # episodes of an environment or runs of an agent, on the same engine
-                result = generate_multi_turn(self.engine, self.models.tokenizer, prompts, cfg.rollout, sampling)
-            else:
-                result = self.engine.generate(prompts, sampling, progress=False)
+            result = self.rollout.generate(prompts, sampling, progress=False)
             rollouts, stats = result.records, stats + result.stats
             if not cfg.score.filter_groups:
                 return rollouts, None, stats.metrics()
