@@ -93,7 +93,7 @@ class AsyncPPORun(PPORun):
     def _push(self, version: int) -> float:
         dtype = resolve_precision(self.cfg.rollout.precision, self.device)
         bucket_bytes = self.cfg.rollout.sync_bucket_mib << 20
-        return push_weights(self.roles, self.channel, version, self.trainer, bucket_bytes, dtype)
+        return push_weights(self.roles, self.channel, version, self.trainer.weights(), bucket_bytes, dtype)
 
     def _refresh_engine(self, step: int) -> None:
         return None  # the weights went out right after the update (_train)

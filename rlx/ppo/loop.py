@@ -182,7 +182,7 @@ class PPORun:
         start = time.perf_counter()
         if self.engine_stale:
             self.engine.wake()
-            self.engine.update_weights(self.trainer)
+            self.engine.update_weights(self.trainer.weights())
             self.engine_stale = False
         samples, metrics = evaluate(self.cfg.eval, self.engine, self.eval_prompts)
         if self.ctx.is_main:
@@ -280,7 +280,7 @@ class PPORun:
         if not self.engine_stale:
             return
         self.engine.wake()
-        source = self.trainer
+        source = self.trainer.weights()
         if self.cfg.rollout.weight_sync == "disk":
             source = CheckpointWeights(checkpoint_dir(self.run_dir, step - 1))
         self.engine.update_weights(source)
@@ -344,7 +344,7 @@ class PPORun:
         own_layout = self._save_layout()
         meta = CheckpointMeta(
             step=step,
-            layout=trained_layout(self.trainer, own_layout),
+            layout=trained_layout(self.trainer.state(), own_layout),
             data_position=self.data_position,
             optimizer=self.trainer.optimizer_meta(),
             kl_coef=self.kl_coef,
@@ -354,13 +354,13 @@ class PPORun:
         if self.critic is not None:
             critic_meta = dataclasses.replace(
                 meta,
-                layout=trained_layout(self.critic, own_layout),
+                layout=trained_layout(self.critic.state(), own_layout),
                 optimizer=self.critic.optimizer_meta(),
                 kl_coef=None,
             )
-            nested[CRITIC_DIR] = CheckpointPart(self.critic, self.models.critic_aux, critic_meta)
+            nested[CRITIC_DIR] = CheckpointPart(self.critic.state(), self.models.critic_aux, critic_meta)
         out = checkpoint_dir(self.run_dir, step)
-        write = prepare_save(out, self.trainer, self.models.aux, meta, overwrite=True, nested=nested)
+        write = prepare_save(out, self.trainer.state(), self.models.aux, meta, overwrite=True, nested=nested)
 
         def commit() -> None:
             write()
