@@ -96,9 +96,9 @@ def run(engine_name: str, model, tokenizer, device, args, env_file: Path) -> tup
     if device.type == "cuda":
         torch.cuda.synchronize()
     began = time.perf_counter()
-    records = runner.generate(prompts)
+    result = runner.generate(prompts)
     seconds = time.perf_counter() - began
-    stats = dict(runner.last_stats)
+    records, stats = result.records, result.stats.metrics()
     turns = sum(r.num_turns for r in records)
     out = {
         "tokens_per_s": sum(sum(r.loss_mask) for r in records) / seconds,

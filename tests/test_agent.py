@@ -227,7 +227,8 @@ def test_env_rollout_is_token_exact(envs_file, style):
     model, tokenizer = random_chat_model(style)
     kwargs = {"enable_thinking": False} if style == "qwen3" else {}
     runner = rollout((model, tokenizer), f"{envs_file}:Echo", max_total_tokens=400, chat_template_kwargs=kwargs)
-    records = [r.to_json() for r in runner.generate(QUESTIONS)]
+    result = runner.generate(QUESTIONS)
+    records = [r.to_json() for r in result.records]
     assert [r["id"] for r in records] == ["q0/0", "q0/1", "q1/0", "q1/1"]
     gen_prompt = "<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if style == "qwen3" else "")
     turns, requests = [], []  # every model turn, generated again from the tokens before it (one batch)
@@ -256,23 +257,23 @@ def test_env_rollout_is_token_exact(envs_file, style):
         text = tokenizer.decode(rec["prompt_ids"] + ids).replace(gen_prompt, "<|im_start|>assistant\n")
         rendered = build_chat_tokenizer("qwen2.5").apply_chat_template(rec["messages"], tokenize=False)
         assert rendered.startswith(text) and rendered[len(text) :] in ("\n", "<|im_end|>\n")
-    assert runner.last_stats["rollout/finish_env_done"] + runner.last_stats["rollout/finish_length"] == 4
-    assert runner.last_stats["rollout/tokens"] == sum(sum(r["loss_mask"]) for r in records)
+    assert result.stats.episodes.finish_env_done + result.stats.episodes.finish_length == 4
+    assert result.stats.tokens == sum(sum(r["loss_mask"]) for r in records)
 
 
 def test_limits_end_episodes(envs_file):
     model = random_chat_model()
-    capped = rollout(model, f"{envs_file}:Echo", max_turns=2).generate(QUESTIONS)
+    capped = rollout(model, f"{envs_file}:Echo", max_turns=2).generate(QUESTIONS).records
     for rec in capped:
         assert rec.finish_reason in ("max_turns", "length") and rec.num_turns <= 2
         if rec.finish_reason == "max_turns":  # the last reply is in the messages, not in the tokens
             assert rec.messages[-1] == {"role": "user", "content": "again"}
             assert rec.loss_mask[-1] == 1 and rec.env_reward == 0.5  # both turns were stepped
-    short = rollout(model, f"{envs_file}:Echo", max_total_tokens=60).generate(QUESTIONS)
+    short = rollout(model, f"{envs_file}:Echo", max_total_tokens=60).generate(QUESTIONS).records
     assert {r.finish_reason for r in short} == {"length"}
     assert all(len(r.prompt_ids) + len(r.response_ids) <= 60 for r in short)
     one_token = RolloutConfig(n=1, max_new_tokens=1, temperature=1.0, seed=0)
-    cut = rollout(random_chat_model(stop_bias=-10.0), f"{envs_file}:Echo", one_token).generate(QUESTIONS)
+    cut = rollout(random_chat_model(stop_bias=-10.0), f"{envs_file}:Echo", one_token).generate(QUESTIONS).records
     assert [(r.finish_reason, len(r.response_ids)) for r in cut] == [("length", 1), ("length", 1)]
     reward = RewardFunctions(["env"]).compute(capped[0])
     assert reward.error is None and reward.score == capped[0].env_reward > 0
@@ -285,7 +286,8 @@ def test_malformed_tool_call_goes_back_to_the_model(envs_file):
     environment is never stepped, and the episode ends at max_turns."""
     model, tokenizer = bigram_chat_model("\n<tool_call>x</tool_call><|im_end|>")
     sampling = RolloutConfig(n=1, max_new_tokens=8, temperature=0.0)
-    [rec] = rollout((model, tokenizer), f"{envs_file}:NeverStepped", sampling, max_turns=2).generate(QUESTIONS[:1])
+    runner = rollout((model, tokenizer), f"{envs_file}:NeverStepped", sampling, max_turns=2)
+    [rec] = runner.generate(QUESTIONS[:1]).records
     assert rec.finish_reason == "max_turns" and rec.num_turns == 2 and rec.env_reward == 0
     roles = [m["role"] for m in rec.messages]
     assert roles == ["system", "user", "assistant", "tool", "assistant", "tool"]
@@ -304,7 +306,7 @@ def test_tool_calls_reach_the_environment():
     sampling = RolloutConfig(n=1, max_new_tokens=16, temperature=1.0)
     question = PromptRecord(id="c", prompt="12*34", ground_truth="408")
     runner = rollout((model, tokenizer), "rlx.tasks.calculator:CalculatorEnv", sampling, max_turns=2)
-    [rec] = runner.generate([question])
+    [rec] = runner.generate([question]).records
     assert (rec.finish_reason, rec.num_turns, rec.env_reward) == ("max_turns", 2, 0.0)
     call = {"name": "calculator", "arguments": '{"expression": "12*34"}'}
     assert rec.messages[1:] == [
@@ -336,11 +338,12 @@ def test_failing_environment_steps(envs_file, name, message):
     with pytest.raises(UserError, match=message):
         rollout(model, f"{envs_file}:{name}", sampling, env_timeout_s=0.2).generate(QUESTIONS)
     runner = rollout(model, f"{envs_file}:{name}", sampling, env_timeout_s=0.2, on_env_error="zero")
-    records = runner.generate(QUESTIONS)
+    result = runner.generate(QUESTIONS)
+    records = result.records
     stepped = [r for r in records if r.finish_reason != "length"]  # a turn cut by max_new_tokens is not stepped
     assert stepped and all(r.finish_reason == "env_done" and r.env_reward == 0 for r in stepped)
     assert all(r.extra["env_error"].startswith(f"environment {envs_file}:{name} for sample") for r in stepped)
-    assert runner.last_stats["env/errors"] == len(stepped)
+    assert result.stats.episodes.env_errors == len(stepped)
 
 
 def test_failing_environment_start(envs_file):

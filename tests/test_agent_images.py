@@ -127,9 +127,9 @@ def test_agent_with_images_equals_the_environment_and_transformers(files):
     out = {}
     for engine_name in ("hf", "native"):
         engine, cfg = vlm_engine(model, processor, engine_name, env=f"{files}/files.py:LookTwice")
-        from_env = EnvRollout(engine, processor.tokenizer, cfg.sampling(), cfg).generate(prompts)
+        from_env = EnvRollout(engine, processor.tokenizer, cfg.sampling(), cfg).generate(prompts).records
         runner = AgentRollout(engine, processor.tokenizer, cfg.sampling(), cfg, f"{files}/files.py:look_twice")
-        out[engine_name] = runner.generate(prompts)
+        out[engine_name] = runner.generate(prompts).records
         assert sum(r.num_turns == 2 for r in from_env) >= 4
         for env_rec, agent_rec in zip(from_env, out[engine_name]):
             assert (agent_rec.prompt_ids, agent_rec.response_ids) == (env_rec.prompt_ids, env_rec.response_ids)
@@ -297,9 +297,9 @@ def test_an_unusable_image_from_the_environment_is_an_environment_error(files, t
     model, processor = build_tiny_vision_model("qwen2_vl")
     engine, cfg = vlm_engine(model, processor, "hf", env=f"{files}/files.py:Broken", on_env_error="zero")
     runner = EnvRollout(engine, processor.tokenizer, cfg.sampling(), cfg)
-    records = runner.generate(image_prompts())
-    failed = [r for r in records if "env_error" in r.extra]
-    assert runner.last_stats["env/errors"] == len(failed) >= 4
+    result = runner.generate(image_prompts())
+    failed = [r for r in result.records if "env_error" in r.extra]
+    assert result.stats.episodes.env_errors == len(failed) >= 4
     assert {(r.finish_reason, r.env_reward, r.num_turns) for r in failed} == {("env_done", 0.0, 1)}
     errors = {r.extra["env_error"].split(": ", 2)[-1] for r in failed}
     assert any(f"image '{tmp_path / 'gone.png'}' does not exist" in e for e in errors)

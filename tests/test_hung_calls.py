@@ -19,6 +19,7 @@ from rlx.agent.environment import CallPool
 from rlx.agent.generate import generate_multi_turn
 from rlx.errors import UserError
 from rlx.rollout.agent_config import AgentConfig
+from rlx.rollout.base import RolloutResult
 from rlx.rollout.config import RolloutConfig
 
 ENVS = '''
@@ -68,13 +69,13 @@ def envs(tmp_path):
         module.RELEASE.set()
 
 
-def finish(runner) -> list:
+def finish(runner) -> RolloutResult:
     """runner.generate(QUESTIONS) in a thread that must end within BOUND_S (re-raising its error)."""
     out: dict = {}
 
     def run():
         try:
-            out["records"] = runner.generate(QUESTIONS)
+            out["result"] = runner.generate(QUESTIONS)
         except BaseException as e:
             out["error"] = e
 
@@ -84,7 +85,7 @@ def finish(runner) -> list:
     assert not thread.is_alive(), "the rollout did not end"
     if "error" in out:
         raise out["error"]
-    return out["records"]
+    return out["result"]
 
 
 def env_rollout(model, env: str, **cfg) -> EnvRollout:
@@ -94,13 +95,13 @@ def env_rollout(model, env: str, **cfg) -> EnvRollout:
 
 def test_more_hung_steps_than_workers_end_the_rollout(envs):
     model = random_chat_model()
-    runner = env_rollout(model, f"{envs}:HangsInStep", on_env_error="zero")
-    records = finish(runner)
+    result = finish(env_rollout(model, f"{envs}:HangsInStep", on_env_error="zero"))
+    records, stats = result.records, result.stats.episodes
     assert len(records) == 6
     stepped = [r for r in records if r.finish_reason != "length"]  # a turn cut by max_new_tokens is not stepped
     assert len(stepped) > 2  # more hung calls than the 2 workers
     assert all(r.env_reward == 0 and "step() timed out after 0.5 s" in r.extra["env_error"] for r in stepped)
-    assert runner.last_stats["env/timeouts"] == len(stepped) == runner.last_stats["env/errors"]
+    assert stats.env_timeouts == len(stepped) == stats.env_errors
     assert all(r.tools[0]["function"]["name"] == "noop" for r in records)  # the environment's tools are kept
     assert all(r.to_json()["tools"] == r.tools for r in records)
 
@@ -109,10 +110,10 @@ def test_hung_resets_leave_their_samples_out(envs):
     model = random_chat_model()
     with pytest.raises(UserError, match=r"sample 'q1/0': reset\(\) timed out after 0.5 s"):
         finish(env_rollout(model, f"{envs}:HangsInResetForQ1"))
-    runner = env_rollout(model, f"{envs}:HangsInResetForQ1", on_env_error="zero")
-    records = finish(runner)
+    result = finish(env_rollout(model, f"{envs}:HangsInResetForQ1", on_env_error="zero"))
+    records = result.records
     assert [r.id for r in records] == ["q0/0", "q0/1", "q0/2"]  # q1's samples have no opening prompt
-    assert runner.last_stats["env/timeouts"] == 3 == runner.last_stats["env/dropped"]
+    assert result.stats.episodes.env_timeouts == 3 == result.stats.episodes.env_dropped
 
 
 def test_pool_replaces_the_workers_of_abandoned_calls():
@@ -153,14 +154,15 @@ def test_more_hung_agents_than_workers_end_the_rollout():
     # 3 s: time for q0's request to generate on a busy machine before its agent hangs
     runner = agent_rollout(random_chat_model(), hangs, agent_timeout_s=3, on_env_error="zero")
     try:
-        records = finish(runner)
+        result = finish(runner)
     finally:
         release.set()
+    records = result.records
     assert [r.id for r in records] == ["q0/0", "q0/1", "q0/2"]
     assert all(r.env_reward == 0 and "timed out after 3 s" in r.extra["env_error"] for r in records)
     assert all(r.tools == [TOOL] for r in records)  # the tools of the request
-    stats = runner.last_stats
-    assert stats["env/timeouts"] == 6 and stats["env/dropped"] == 3 and stats["env/errors"] == 6
+    stats = result.stats.episodes
+    assert stats.env_timeouts == 6 and stats.env_dropped == 3 and stats.env_errors == 6
 
 
 def test_refused_requests_are_not_mistaken_for_an_agent_that_never_called():
@@ -175,18 +177,18 @@ def test_refused_requests_are_not_mistaken_for_an_agent_that_never_called():
     model = random_chat_model()
     with pytest.raises(UserError, match=r"sample q1/0: every one of its 1 request\(s\) to its base_url was refused"):
         finish(agent_rollout(model, refused_for_q1, agent_timeout_s=60))
-    runner = agent_rollout(model, refused_for_q1, agent_timeout_s=60, on_env_error="zero")
-    records = finish(runner)
+    result = finish(agent_rollout(model, refused_for_q1, agent_timeout_s=60, on_env_error="zero"))
+    records = result.records
     assert [r.id for r in records] == ["q0/0", "q0/1", "q0/2"] and all(r.env_reward == 1.0 for r in records)
-    assert runner.last_stats["env/dropped"] == 3 and runner.last_stats["env/timeouts"] == 0
+    assert result.stats.episodes.env_dropped == 3 and result.stats.episodes.env_timeouts == 0
 
     def silent(record, base_url):
         return 1.0
 
     with pytest.raises(UserError, match="agent silent for sample q0/0: it never called its base_url"):
         finish(agent_rollout(model, silent))
-    runner = agent_rollout(model, silent, on_env_error="zero")
-    assert finish(runner) == [] and runner.last_stats["env/dropped"] == 6
+    result = finish(agent_rollout(model, silent, on_env_error="zero"))
+    assert result.records == [] and result.stats.episodes.env_dropped == 6
     cfg = RolloutConfig(n=3, max_new_tokens=4, agent="tests.test_hung_calls:silent_agent", on_env_error="zero")
     with pytest.raises(UserError, match="every sample failed before the model generated anything"):
         generate_multi_turn(token_engine(*model), model[1], QUESTIONS, cfg, SAMPLING)

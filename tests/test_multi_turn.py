@@ -67,7 +67,8 @@ def episodes(model_and_tokenizer, env: str, engine: str, temperature: float, **a
         RolloutConfig(n=2, max_new_tokens=12, temperature=temperature, seed=7).sampling(),
         AgentConfig(env=env, max_total_tokens=400, **agent),
     )
-    return runner.generate(QUESTIONS), runner.last_stats
+    result = runner.generate(QUESTIONS)
+    return result.records, result.stats.episodes
 
 
 @pytest.mark.parametrize(("style", "temperature"), [("qwen2.5", 0.0), ("qwen2.5", 1.0), ("qwen3", 1.0)])
@@ -91,9 +92,9 @@ def test_native_trajectories_equal_the_hf_engine(envs_file, style, temperature):
         assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs))
     # every turn's context is prefilled or found cached; later turns find their earlier turns' full blocks
     contexts = sum(len(r.prompt_ids) + lo for r in native for lo, _, on in spans(r.loss_mask) if on)
-    assert stats["rollout/preemptions"] == 0
-    assert stats["rollout/prefill_tokens"] + stats["rollout/cached_prefix_tokens"] == contexts
-    assert stats["rollout/cached_prefix_tokens"] > contexts / 2
+    assert stats.preemptions == 0
+    assert stats.prefill_tokens + stats.cached_prefix_tokens == contexts
+    assert stats.cached_prefix_tokens > contexts / 2
 
 
 @pytest.mark.parametrize("engine", ["hf", "native"])
@@ -108,7 +109,7 @@ def test_a_slow_environment_never_stalls_the_other_samples(envs_file, engine):
     stepped_three_times = {s for s, turn, _ in fast if turn == 3}
     assert {s for s, _, _ in fast} == {"say 1", "say 2"} and stepped_three_times == {"say 1", "say 2"}
     assert all(end < slow_first_end for _, _, end in fast)  # done before q0's environment answered once
-    assert stats["timing/env_wait_s"] > 0.8  # the engine idled while only q0 was left, waiting on it
+    assert stats.env_wait_s > 0.8  # the engine idled while only q0 was left, waiting on it
     steps.clear()
     importlib.invalidate_caches()
 
@@ -125,7 +126,7 @@ def test_a_stop_string_ends_the_turn_and_is_cut_from_its_message(envs_file, engi
         RolloutConfig(n=1, max_new_tokens=12, temperature=0.0, stop=("XY",)).sampling(),
         AgentConfig(env=f"{envs_file}/envs.py:Echo", max_total_tokens=400),
     )
-    record = runner.generate(QUESTIONS[:1])[0]
+    record = runner.generate(QUESTIONS[:1]).records[0]
     replies = [m["content"] for m in record.messages if m["role"] == "assistant"]
     assert replies == ["ab", "ab", "ab"] and record.finish_reason == "env_done"
     model_spans = [record.response_ids[lo:hi] for lo, hi, on in spans(record.loss_mask) if on]

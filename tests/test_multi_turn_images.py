@@ -121,7 +121,8 @@ def run_episodes(model, processor, envs, env: str, engine: str, temperature: flo
                         kv_cache_gib=0.01, block_size=4, **settings)  # fmt: skip
     engine = build_engine(cfg, model, processor.tokenizer, DistContext(device=torch.device("cpu")), processor)
     runner = EnvRollout(engine, processor.tokenizer, cfg.sampling(), cfg)
-    return runner.generate(image_prompts()), runner.last_stats
+    result = runner.generate(image_prompts())
+    return result.records, result.stats.episodes
 
 
 def whole_sequence_logprobs(model, processor, record) -> torch.Tensor:
@@ -143,7 +144,7 @@ def test_episodes_with_images_are_token_exact_and_equal_transformers(envs):
     records, stats = run_episodes(model, processor, envs, "ShowsPictures", "hf", 1.0)
     token = processor.image_token_id
     full = [r for r in records if r.num_turns == 3]
-    assert len(full) >= 3 and stats["rollout/inserted_tokens"] > 0
+    assert len(full) >= 3 and stats.inserted_tokens > 0
     checked = 0
     for record in records:
         refs = record.image_refs or []
@@ -176,8 +177,8 @@ def test_hf_and_native_engines_agree_on_episodes_with_images(envs, name):
             assert (a.response_ids, a.loss_mask, a.image_refs) == (b.response_ids, b.loss_mask, b.image_refs), a.id
             assert all(math.isclose(x, y, abs_tol=2e-5) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs))
         contexts = sum(len(r.prompt_ids) + lo for r in native for lo, _, on in spans(r.loss_mask) if on)
-        assert stats["rollout/prefill_tokens"] + stats["rollout/cached_prefix_tokens"] == contexts
-        assert stats["rollout/cached_prefix_tokens"] > contexts / 3  # later turns find their earlier turns' blocks
+        assert stats.prefill_tokens + stats.cached_prefix_tokens == contexts
+        assert stats.cached_prefix_tokens > contexts / 3  # later turns find their earlier turns' blocks
 
 
 def test_equal_tokens_with_other_images_never_share_blocks():

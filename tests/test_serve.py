@@ -82,9 +82,9 @@ def test_openai_agent_matches_the_python_environment(files, style, temperature, 
     sampling = RolloutConfig(n=2, max_new_tokens=12, temperature=temperature, seed=3).sampling()
     kwargs = {"chat_template_kwargs": {"enable_thinking": False}} if style == "qwen3" else {}
     cfg = AgentConfig(env=f"{files}/envs.py:Echo", max_total_tokens=400, **kwargs)
-    from_env = EnvRollout(engine, tokenizer, sampling, cfg).generate(QUESTIONS)
-    runner = AgentRollout(engine, tokenizer, sampling, cfg, f"{files}/agent.py:echo_agent")
-    from_agent = runner.generate(QUESTIONS)
+    from_env = EnvRollout(engine, tokenizer, sampling, cfg).generate(QUESTIONS).records
+    result = AgentRollout(engine, tokenizer, sampling, cfg, f"{files}/agent.py:echo_agent").generate(QUESTIONS)
+    from_agent = result.records
     assert [r.id for r in from_agent] == [r.id for r in from_env]
     for env_rec, agent_rec in zip(from_env, from_agent):
         assert agent_rec.prompt_ids == env_rec.prompt_ids
@@ -104,7 +104,7 @@ def test_openai_agent_matches_the_python_environment(files, style, temperature, 
         rerendered = tokenizer.apply_chat_template(rec.messages, tokenize=False)
         assert tokenizer.decode(rec.prompt_ids + rec.response_ids).count("<think>") == rec.num_turns > 1
         assert rerendered.count("<think>") == 1  # only the last assistant turn keeps it
-    assert runner.last_stats["serve/largest_batch"] > 1  # 4 agents at once: their requests were batched
+    assert result.stats.episodes.serve_largest_batch > 1  # 4 agents at once: their requests were batched
 
 
 def calculator_agent(record, base_url):
@@ -128,8 +128,8 @@ def test_tool_calls_in_replies_match_the_python_environment():
     sampling = RolloutConfig(n=1, max_new_tokens=16, temperature=1.0).sampling()
     cfg = AgentConfig(env="rlx.tasks.calculator:CalculatorEnv", max_turns=2)
     question = [PromptRecord(id="c", prompt="12*34", ground_truth="408")]
-    [from_env] = EnvRollout(engine, tokenizer, sampling, cfg).generate(question)
-    [from_agent] = AgentRollout(engine, tokenizer, sampling, cfg, calculator_agent).generate(question)
+    [from_env] = EnvRollout(engine, tokenizer, sampling, cfg).generate(question).records
+    [from_agent] = AgentRollout(engine, tokenizer, sampling, cfg, calculator_agent).generate(question).records
     assert from_agent.num_turns == 2  # both replies came back with finish_reason 'tool_calls'
     assert from_agent.prompt_ids == from_env.prompt_ids and from_agent.response_ids == from_env.response_ids
     assert from_agent.loss_mask == from_env.loss_mask
@@ -144,9 +144,9 @@ def test_a_stop_string_is_cut_from_replies_as_from_environment_messages(files):
     engine = token_engine(model, tokenizer)
     sampling = RolloutConfig(n=1, max_new_tokens=12, temperature=0.0, stop=("XY",)).sampling()
     cfg = AgentConfig(env=f"{files}/envs.py:Echo", max_total_tokens=400)
-    [from_env] = EnvRollout(engine, tokenizer, sampling, cfg).generate(QUESTIONS[:1])
-    [from_agent] = AgentRollout(engine, tokenizer, sampling, cfg, f"{files}/agent.py:echo_agent").generate(
-        QUESTIONS[:1]
+    [from_env] = EnvRollout(engine, tokenizer, sampling, cfg).generate(QUESTIONS[:1]).records
+    [from_agent] = (
+        AgentRollout(engine, tokenizer, sampling, cfg, f"{files}/agent.py:echo_agent").generate(QUESTIONS[:1]).records
     )
     assert [m["content"] for m in from_agent.messages if m["role"] == "assistant"] == ["ab"] * 3
     assert from_agent.messages == [normalize_message(m) for m in from_env.messages]
@@ -283,7 +283,7 @@ def test_agent_errors_name_the_sample():
     sampling = RolloutConfig(n=1, max_new_tokens=4, temperature=1.0).sampling()
 
     def run(agent, **cfg):
-        return AgentRollout(engine, model[1], sampling, AgentConfig(**cfg), agent).generate(QUESTIONS)
+        return AgentRollout(engine, model[1], sampling, AgentConfig(**cfg), agent).generate(QUESTIONS).records
 
     def silent(record, base_url):
         return 1.0

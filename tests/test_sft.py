@@ -44,7 +44,7 @@ def test_demonstration_tokens_are_those_of_a_rollout_of_the_same_conversation(tm
     engine = token_engine(model, tokenizer)
     agent = AgentConfig(env="rlx.tasks.calculator:CalculatorEnv", max_turns=2)
     runner = EnvRollout(engine, tokenizer, RolloutConfig(n=1, max_new_tokens=24).sampling(), agent)
-    [rec] = runner.generate([PromptRecord(id="c", prompt="12*34", ground_truth="408")])
+    [rec] = runner.generate([PromptRecord(id="c", prompt="12*34", ground_truth="408")]).records
     assert rec.num_turns == 2 and rec.messages[1]["tool_calls"] and rec.messages[2]["content"] == "408"
     line = {"messages": rec.messages, "tools": CalculatorEnv.tools}
     demos = read_demonstrations(str(write_jsonl(tmp_path / "d.jsonl", [line])))

@@ -386,7 +386,7 @@ def test_multi_turn_episodes_through_the_token_stream(tmp_path):
     prompts = [PromptRecord(id=f"q{i}", prompt=f"say {i}") for i in range(3)]
     engine = make_engine(model, tokenizer, RolloutConfig(engine="vllm", kv_cache_gib=0.25))
     try:
-        records = EnvRollout(engine, tokenizer, sampling, agent).generate(prompts)
+        records = EnvRollout(engine, tokenizer, sampling, agent).generate(prompts).records
     finally:
         engine.close()
     assert len(records) == 6 and sum(r.num_turns for r in records) > len(records)

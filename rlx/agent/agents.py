@@ -22,8 +22,9 @@ from rlx.errors import UserError
 from rlx.formats.records import PromptRecord, RolloutRecord
 from rlx.models.vision.images import image_refs
 from rlx.rollout.agent_config import AgentConfig
-from rlx.rollout.base import RolloutEngine
+from rlx.rollout.base import RolloutEngine, RolloutResult, RolloutStats
 from rlx.rollout.config import SamplingParams
+from rlx.rollout.stats import EpisodeStats
 from rlx.serve.config import EndpointConfig
 from rlx.serve.server import AgentServer
 from rlx.serve.sessions import SampleSession
@@ -40,12 +41,12 @@ class AgentRollout:
         self.sampling, self.cfg = sampling, cfg
         self.name = agent if isinstance(agent, str) else getattr(agent, "__name__", repr(agent))
         self.agent = load_object(agent, "--agent") if isinstance(agent, str) else agent
-        self.last_stats: dict[str, float] = {}
 
-    def generate(self, prompts: list[PromptRecord]) -> list[RolloutRecord]:
-        """`sampling.n` agent runs per prompt, in prompt order then sample order. Under --on-env-error zero, a
-        sample whose agent made no request that generated (it never called, every request was refused, or it
-        failed first) has no model token to train on: it is left out, counted in env/errors and env/dropped."""
+    def generate(self, prompts: list[PromptRecord]) -> RolloutResult:
+        """`sampling.n` agent runs per prompt, in prompt order then sample order, and what they did. Under
+        --on-env-error zero, a sample whose agent made no request that generated (it never called, every request was
+        refused, or it failed first) has no model token to train on: it is left out, counted in env/errors and
+        env/dropped."""
         began = time.perf_counter()
         samples = [(p, i) for p in prompts for i in range(self.sampling.n)]
         backend = StreamBackend(self.engine, self.sampling, self.cfg.max_total_tokens, max(len(samples), 1))
@@ -77,13 +78,10 @@ class AgentRollout:
             with session.lock:  # a timed-out agent's last request may still be finishing
                 records.append(self._record(prompt, index, session, outcome.value, outcome.error))
         report_dropped(dropped, len(samples))
-        self.last_stats = {
-            **_stats(records, errors + len(dropped), backend),
-            "env/timeouts": float(pool.num_timeouts),
-            "env/dropped": float(len(dropped)),
-            "timing/generate_s": time.perf_counter() - began,
-        }
-        return records
+        stats = _stats(records, errors + len(dropped), backend)
+        stats.env_timeouts, stats.env_dropped = pool.num_timeouts, len(dropped)
+        tokens = sum(sum(r.loss_mask) for r in records)
+        return RolloutResult(records, RolloutStats(tokens, time.perf_counter() - began, episodes=stats))
 
     def _no_trajectory(self, server: AgentServer, sample_id: str, error: str | None) -> str:
         """Why sample `sample_id` has no trajectory (its agent's error, or what became of its requests); a
@@ -136,14 +134,13 @@ class AgentRollout:
         )
 
 
-def _stats(records: list[RolloutRecord], errors: int, backend: StreamBackend) -> dict[str, float]:
+def _stats(records: list[RolloutRecord], errors: int, backend: StreamBackend) -> EpisodeStats:
     count = max(len(records), 1)
-    return {
-        "rollout/tokens": float(sum(sum(r.loss_mask) for r in records)),
-        "rollout/turns_mean": sum(r.num_turns for r in records) / count,
-        "rollout/segments_mean": sum(r.extra["num_segments"] for r in records) / count,
-        "env/reward_mean": sum(r.env_reward for r in records) / count,
-        "env/errors": float(errors),
-        "serve/engine_steps": float(backend.num_steps),
-        "serve/largest_batch": float(backend.largest_batch),
-    }
+    return EpisodeStats(
+        turns_mean=sum(r.num_turns for r in records) / count,
+        segments_mean=sum(r.extra["num_segments"] for r in records) / count,
+        env_reward_mean=sum(r.env_reward for r in records) / count,
+        env_errors=errors,
+        serve_engine_steps=backend.num_steps,
+        serve_largest_batch=backend.largest_batch,
+    )

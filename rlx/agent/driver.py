@@ -31,9 +31,10 @@ from rlx.errors import UserError
 from rlx.formats.records import PromptRecord, RolloutRecord
 from rlx.models.vision.images import ImageError
 from rlx.rollout.agent_config import AgentConfig
-from rlx.rollout.base import RolloutEngine, TokenStream
+from rlx.rollout.base import RolloutEngine, RolloutResult, RolloutStats, TokenStream
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.requests import Generated, TokenRequest, cut_response
+from rlx.rollout.stats import EpisodeStats
 from rlx.rollout.stops import StopStrings
 
 LOCKSTEP_POLL_S = 0.01
@@ -81,15 +82,15 @@ class EnvRollout:
         self.envs = envs or EnvironmentFactory(cfg.env)
         self.parse = get_tool_call_parser(cfg.tool_parser)
         self.stops = StopStrings(tokenizer, sampling.stop) if sampling.stop else None
-        self.last_stats: dict[str, float] = {}
         self._seconds: dict[str, float] = {}
         self._images: ImageCache | None = None
 
-    def generate(self, prompts: list[PromptRecord]) -> list[RolloutRecord]:
-        """`sampling.n` episodes per prompt, in prompt order then sample order (this process's prompts)."""
+    def generate(self, prompts: list[PromptRecord]) -> RolloutResult:
+        """`sampling.n` episodes per prompt, in prompt order then sample order (this process's prompts), and what
+        they did."""
         return self.run_episodes([Episode(p, i) for p in prompts for i in range(self.sampling.n)])
 
-    def run_episodes(self, episodes: list[Episode]) -> list[RolloutRecord]:
+    def run_episodes(self, episodes: list[Episode]) -> RolloutResult:
         self._seconds = {"generate": 0.0, "env": 0.0, "env_wait": 0.0, "render": 0.0, "total": 0.0}
         began = time.perf_counter()
         pool = CallPool(self.cfg.env_workers, self.cfg.env_timeout_s)
@@ -109,11 +110,11 @@ class EnvRollout:
         self._seconds["total"] = time.perf_counter() - began
         kept = [ep for ep in episodes if ep.trajectory is not None]  # the others' environments failed to start
         report_dropped([ep.env_error for ep in episodes if ep.trajectory is None], len(episodes))
-        self.last_stats = self._stats(kept, stream.stats())
-        num_dropped = float(len(episodes) - len(kept))
-        self.last_stats.update({"env/timeouts": float(pool.num_timeouts), "env/dropped": num_dropped})
-        self.last_stats["env/errors"] += num_dropped
-        return [self._record(ep) for ep in kept]
+        stats = self._stats(kept, stream.stats())
+        num_dropped = len(episodes) - len(kept)
+        stats.episodes.env_timeouts, stats.episodes.env_dropped = pool.num_timeouts, num_dropped
+        stats.episodes.env_errors += num_dropped
+        return RolloutResult([self._record(ep) for ep in kept], stats)
 
     def _loop(self, stream: TokenStream, pool: CallPool, episodes: list[Episode]) -> None:
         """Step the engine; hand finished turns to their environments; submit the turns of answered episodes.
@@ -265,25 +266,22 @@ class EnvRollout:
             tokenizer=self.tokenizer,
         )
 
-    def _stats(self, episodes: list[Episode], engine_stats: dict) -> dict[str, float]:
+    def _stats(self, episodes: list[Episode], engine_stats: dict[str, int]) -> RolloutStats:
         model_tokens = sum(sum(ep.trajectory.loss_mask) for ep in episodes)
         inserted = sum(len(ep.trajectory.loss_mask) for ep in episodes) - model_tokens
         count, seconds = max(len(episodes), 1), self._seconds
-        stats = {
-            "rollout/tokens": float(model_tokens),
-            "rollout/inserted_tokens": float(inserted),
-            "rollout/turns_mean": sum(ep.trajectory.num_turns for ep in episodes) / count,
-            "env/reward_mean": sum(ep.env_reward for ep in episodes) / count,
-            "env/errors": float(sum(ep.env_error is not None for ep in episodes)),
-            "timing/generate_s": seconds["total"],
-            "timing/engine_s": seconds["generate"],
-            "timing/env_s": seconds["env"],
-            "timing/env_wait_s": seconds["env_wait"],
-            "timing/render_s": seconds["render"],
-            "perf/rollout_tokens_per_s": model_tokens / max(seconds["total"], 1e-9),
-            "perf/env_wait_share": seconds["env_wait"] / max(seconds["total"], 1e-9),
-        }
-        stats.update({f"rollout/{k}": float(v) for k, v in engine_stats.items()})
-        for reason in FINISH_REASONS:
-            stats[f"rollout/finish_{reason}"] = float(sum(ep.finish_reason == reason for ep in episodes))
-        return stats
+        finished = {reason: sum(ep.finish_reason == reason for ep in episodes) for reason in FINISH_REASONS}
+        stats = EpisodeStats(
+            inserted_tokens=inserted,
+            turns_mean=sum(ep.trajectory.num_turns for ep in episodes) / count,
+            env_reward_mean=sum(ep.env_reward for ep in episodes) / count,
+            env_errors=sum(ep.env_error is not None for ep in episodes),
+            engine_s=seconds["generate"],
+            env_s=seconds["env"],
+            env_wait_s=seconds["env_wait"],
+            render_s=seconds["render"],
+            env_wait_share=seconds["env_wait"] / max(seconds["total"], 1e-9),
+            **{f"finish_{reason}": n for reason, n in finished.items()},
+        )
+        stats.set_engine_counters(engine_stats)
+        return RolloutStats(model_tokens, seconds["total"], episodes=stats)

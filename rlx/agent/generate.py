@@ -16,18 +16,25 @@ from rlx.models.vision.images import image_refs
 from rlx.parallel.dist import all_gather_objects, shard_range
 from rlx.rollout.base import RolloutEngine, RolloutResult, RolloutStats
 from rlx.rollout.config import RolloutConfig, SamplingParams
+from rlx.rollout.stats import EpisodeStats
 
-_SUMMED = (
-    "rollout/tokens",
-    "rollout/inserted_tokens",
-    "env/errors",
-    "env/timeouts",
-    "env/dropped",
-    "rollout/preemptions",
-    "rollout/steps_ahead",
-    "rollout/prefill_tokens",
-    "rollout/cached_prefix_tokens",
-)
+
+def build_rollout(cfg: RolloutConfig, engine: RolloutEngine) -> RolloutEngine | EpisodeRollout:
+    """What generates a run's samples: the engine itself, or with `cfg.env` / `cfg.agent` an EpisodeRollout on it.
+    Both answer `generate(prompts, sampling) -> RolloutResult`."""
+    return EpisodeRollout(engine, cfg) if cfg.is_multi_turn else engine
+
+
+class EpisodeRollout:
+    """Multi-turn rollouts on an engine: episodes of `cfg.env`, or runs of the agent `cfg.agent`, built per call."""
+
+    def __init__(self, engine: RolloutEngine, cfg: RolloutConfig):
+        self.engine, self.cfg = engine, cfg
+
+    def generate(self, prompts: list[PromptRecord], sampling: SamplingParams, progress: bool = True) -> RolloutResult:
+        """`sampling.n` samples per prompt, in prompt order then sample order, on every process; the stats hold
+        the episodes' metrics. (`progress`: no bar is shown for episodes.)"""
+        return generate_multi_turn(self.engine, self.engine.tokenizer, prompts, self.cfg, sampling)
 
 
 def generate_multi_turn(
@@ -38,14 +45,12 @@ def generate_multi_turn(
     refuse_images(prompts, cfg, type(engine))
     ctx = engine.ctx
     mine = shard_range(len(prompts), ctx.rank, ctx.world) if ctx else range(len(prompts))
-    local = [prompts[i] for i in mine]
-    runner = multi_turn_runner(engine, tokenizer, cfg, sampling)
-    records = runner.generate(local)
-    parts = all_gather_objects((records, runner.last_stats)) if ctx else [(records, runner.last_stats)]
+    local = multi_turn_runner(engine, tokenizer, cfg, sampling).generate([prompts[i] for i in mine])
+    parts = all_gather_objects((local.records, local.stats)) if ctx else [(local.records, local.stats)]
     records: list[RolloutRecord] = [r for part, _ in parts for r in part]
     if prompts and not records:  # --on-env-error zero left every sample out (every process's: the same on each)
         raise UserError("every sample failed before the model generated anything (see the line above): no records")
-    return RolloutResult(records, multi_turn_stats(records, merge_stats([(len(part), s) for part, s in parts])))
+    return RolloutResult(records, merge_stats([(len(part), stats) for part, stats in parts]))
 
 
 def multi_turn_runner(engine: RolloutEngine, tokenizer, cfg: RolloutConfig, sampling: SamplingParams):
@@ -55,12 +60,15 @@ def multi_turn_runner(engine: RolloutEngine, tokenizer, cfg: RolloutConfig, samp
     return EnvRollout(engine, tokenizer, sampling, cfg)
 
 
-def multi_turn_stats(records: list[RolloutRecord], stats: dict[str, float]) -> RolloutStats:
-    """A runner's `last_stats` as the call's RolloutStats (the multi-turn metrics in `extra`)."""
-    stats = dict(stats)
-    seconds = stats.pop("timing/generate_s", 0.0)
-    tokens = int(stats.pop("rollout/tokens", sum(sum(r.loss_mask) for r in records)))
-    return RolloutStats(tokens, seconds, extra=stats)
+def merge_stats(parts: list[tuple[int, RolloutStats]]) -> RolloutStats:
+    """One RolloutStats for several processes' (number of samples, multi-turn stats): tokens add up, the time is
+    the slowest process's, the episodes' metrics merge as EpisodeStats.merge says."""
+    episodes = [(n, s.episodes) for n, s in parts if s.episodes is not None]
+    return RolloutStats(
+        sum(s.tokens for _, s in parts),
+        max((s.seconds for _, s in parts), default=0.0),
+        episodes=EpisodeStats.merge(episodes) if episodes else None,
+    )
 
 
 def refuse_images(prompts: list[PromptRecord], cfg: RolloutConfig, engine_class: type[RolloutEngine]) -> None:
@@ -74,19 +82,3 @@ def refuse_images(prompts: list[PromptRecord], cfg: RolloutConfig, engine_class:
             f"prompt {with_images.id!r} has image parts, which engine {engine_class.name!r} does not take in "
             f"multi-turn rollouts (use engine 'hf' or 'native')"
         )
-
-
-def merge_stats(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
-    """One stats dict for several processes' (count, stats): counts add up, timings take the slowest process,
-    means are weighted by each process's number of samples."""
-    total = max(sum(n for n, _ in parts), 1)
-    out: dict[str, float] = {}
-    for key in sorted({k for _, s in parts for k in s}):
-        values = [(n, s[key]) for n, s in parts if key in s]
-        if key in _SUMMED or key.startswith("rollout/finish_"):
-            out[key] = sum(v for _, v in values)
-        elif key.startswith("timing/"):
-            out[key] = max(v for _, v in values)
-        else:
-            out[key] = sum(n * v for n, v in values) / total
-    return out

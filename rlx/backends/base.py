@@ -5,8 +5,8 @@ handed to the rollout engine, whatever holds them (FSDP2 over Hugging Face modul
     trainer = backend.build_trainer(model, train_cfg)               # or backend.load_trainer(cfg, checkpoint)
     trainer.train_step(batch, step)                                 # one PPO update
     trainer.scoring_model().logprobs(...)                           # old logprobs / values from the trained model
-    checkpoints.save(out, trainer, aux, meta)                       # a trainer is a checkpoints TrainedState
-    engine.update_weights(trainer)                                  # and a rollout WeightSource
+    checkpoints.save(out, trainer.state(), aux, meta)               # its view a checkpoints TrainedState
+    engine.update_weights(trainer.weights())                        # its view a rollout WeightSource
 
 Stage runners and the `rlx ppo` loop only use these calls, so they never branch on a backend.
 """
@@ -26,6 +26,7 @@ from rlx.formats.batch import TrainBatch
 from rlx.models.loading import ModelSource
 from rlx.scoring.score import Scorer
 from rlx.training.config import TrainConfig
+from rlx.training.views import TrainerState, TrainerWeights
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,12 @@ class Trainer(Protocol):
     world: int
     lora: object | None
     """With LoRA, the adapters' settings and base (a LoraSpec; backends with `supports_lora`); else None."""
+
+    def weights(self) -> TrainerWeights:
+        """What a rollout engine's weight sync reads (a rollout WeightSource)."""
+
+    def state(self) -> TrainerState:
+        """What checkpoint layouts save and restore (a checkpoints TrainedState)."""
 
     def check_batch(self, batch: TrainBatch, where: str) -> None: ...
     def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]: ...

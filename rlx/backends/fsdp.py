@@ -38,7 +38,7 @@ class FSDPBackend(TrainingBackend):
         trainer_cls = CriticTrainer if cfg.role == "critic" else ActorTrainer
         device = self.ctx.device
         trainer = trainer_cls(model, cfg, device, resolve_precision(cfg.precision, device), self.ctx, lora=lora)
-        trainer.load_optimizer_state(optimizer_state, where)
+        trainer.state().load_optimizer_state(optimizer_state, where)
         return trainer
 
     def load_trainer(self, cfg: TrainConfig, source: ModelSource, lora: LoraConfig | None = None):

@@ -20,7 +20,8 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from rlx.evaluation.evaluate import EvalConfig, EvalSample, grade
+from rlx.evaluation.evaluate import EvalConfig, EvalSample, eval_due, evaluate, grade
+from rlx.parallel.dist import shard_range
 from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.requests import Generated, build_requests, to_record, token_requests
 from rlx.rollout.stops import StopStrings
@@ -112,3 +113,69 @@ class StreamEval:
 def is_eval_tag(tag) -> bool:
     """Whether a stream result's tag is an eval request's (StreamEval.submit) rather than a training sample's."""
     return tag[0] == "eval"
+
+
+class RankEval:
+    """A rollout rank's [eval] of the versions due (a part of async_rollout.RolloutWorker, whose state it uses): in
+    the open stream next to the training samples, or on the drain path; the graded shares go into the store."""
+
+    def _eval_share_work(self, version: int) -> StreamEval:
+        """This rank's share of the held-out prompts as stream requests of `version`."""
+        mine = shard_range(len(self.eval_prompts), self.roles.rank_in_role, self.roles.num_rollout)
+        prompts = [self.eval_prompts[i] for i in mine]
+        return StreamEval(version, self.cfg.eval, self.engine, prompts, self.eval_received)
+
+    def _eval_drained(self, active: dict) -> bool:
+        """Start a pending [eval]: its requests for the stream (submitted by `_submit_eval`), or on the drain path
+        once nothing is in flight; True when the drain path ran it (the caller's loop starts over)."""
+        if self.eval_pending is None or self.eval_work is not None:
+            return False
+        if not self.eval_in_stream:
+            if active:
+                return False
+            self._evaluate_pending()
+            return True
+        self.eval_work = self._eval_share_work(self.eval_pending)
+        if self.eval_work.is_done:  # no held-out prompt falls to this rank
+            self._put_eval(self.eval_work.finish(self.tokenizer))
+        return False
+
+    def _submit_eval(self) -> None:
+        """The pending eval's requests into the stream (opened for them when there is none), once."""
+        if self.eval_work is None or self.eval_work.is_submitted:
+            return
+        if self.stream is None:
+            per_step = len(shard_range(self.cfg.data.prompts_per_step, self.roles.rank_in_role, self.roles.num_rollout))
+            slots = max(len(self.eval_work.tokens), per_step * self.cfg.rollout.n)
+            self._open(self.cfg.rollout.sampling(seed=self.cfg.seed), self.eval_context, slots)
+        self.eval_work.submit(self.stream)
+
+    def _put_eval(self, share: EvalShare) -> None:
+        self.channel.put(f"e/{self.eval_pending}/{self.roles.rank_in_role}", share)
+        self.eval_pending, self.eval_work = None, None
+
+    def _evaluate_pending(self) -> None:
+        """[eval] of the version due: one in the stream is stepped to its end (training samples in flight go on
+        meanwhile); else, with no samples in flight (the drain path), this rank's share of the held-out prompts is
+        answered alone. The graded share goes into the store for the trainers."""
+        if self.eval_pending is None:
+            return
+        if self.eval_work is not None:
+            self._submit_eval()
+            while self.eval_pending is not None:
+                self._step_stream()
+            return
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+        mine = shard_range(len(self.eval_prompts), self.roles.rank_in_role, self.roles.num_rollout)
+        samples = evaluate(self.cfg.eval, self.engine, [self.eval_prompts[i] for i in mine])[0] if mine else []
+        self._put_eval(EvalShare(samples, time.perf_counter() - self.eval_received))
+
+    def _evaluate_last_versions(self) -> None:
+        """The versions after the last step's samples that are due for [eval] (the trainers push only those)."""
+        for version in range(self.version + 1, self.cfg.steps + 1):
+            if eval_due(self.cfg.eval, version, self.start_step, self.cfg.steps):
+                self.channel.wait(f"w/{version}/0", f"policy version {version} from the trainers", stop_aware=True)
+                self._receive(version)
+                self._evaluate_pending()

@@ -40,24 +40,24 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlx.agent.generate import multi_turn_runner, multi_turn_stats, refuse_images
+from rlx.agent.generate import build_rollout
 from rlx.checkpoints.loading import load_initial_policy, load_processor
-from rlx.evaluation.evaluate import eval_due, evaluate
+from rlx.evaluation.evaluate import eval_due
 from rlx.formats.data import take_prompts
 from rlx.formats.records import RolloutRecord
 from rlx.models.loading import resolve_source
 from rlx.parallel.dist import DistContext, shard_range
 from rlx.parallel.roles import Roles
-from rlx.ppo.async_eval import EvalShare, StreamEval, is_eval_tag, shares_stream, stream_sampling
+from rlx.ppo.async_eval import RankEval, StreamEval, is_eval_tag, shares_stream, stream_sampling
 from rlx.ppo.async_transport import BroadcastWeights, Channel, StopSignal
 from rlx.ppo.config import PPOConfig
-from rlx.ppo.dynamic_sampling import GroupFilter, kept_groups
+from rlx.ppo.dynamic_sampling import Draws, RankDrawing
 from rlx.ppo.start import check_run_inputs
 from rlx.rollout.base import RolloutStats, build_engine
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.requests import Generated, build_requests, to_record, token_requests
 from rlx.rollout.stops import StopStrings
-from rlx.scoring.score import Rewards, compute_rewards
+from rlx.scoring.score import Rewards
 
 
 @dataclass
@@ -74,16 +74,6 @@ class BatchShare:
     """Dynamic sampling: the rule rewards of the records (those of the informative groups this rank keeps)."""
     batch_sizes: list[int] | None = None
     """Dynamic sampling: how many of the records came from each batch drawn (one entry per batch)."""
-
-
-@dataclass
-class _Draws:
-    """Dynamic sampling of the step being generated: the informative groups of its batches so far, every rank's
-    count of them per batch, and the batches' statistics."""
-
-    groups: GroupFilter
-    counts: list[list[int]] = dataclasses.field(default_factory=list)
-    stats: RolloutStats = dataclasses.field(default_factory=lambda: RolloutStats(0, 0.0))
 
 
 class _StepWork:
@@ -103,11 +93,11 @@ class _StepWork:
         self.began = time.perf_counter()
         self.start = start
         """Where the trainers started (a resume's checkpoint step)."""
-        self.draws: _Draws | None = None
+        self.draws: Draws | None = None
         """Dynamic sampling: the step's batches so far (shared by the works of one step's batches)."""
 
 
-class RolloutWorker:
+class RolloutWorker(RankEval, RankDrawing):
     """The loop of one rollout rank."""
 
     def __init__(self, cfg: PPOConfig, run_dir: Path, roles: Roles):
@@ -119,6 +109,8 @@ class RolloutWorker:
         processor = load_processor(resolve_source(cfg.model.path), cfg.vision)
         ctx = DistContext(device=roles.device)  # no process group: this rank generates on its own
         self.engine = build_engine(cfg.rollout, model.requires_grad_(False), self.tokenizer, ctx, processor)
+        self.rollout = build_rollout(cfg.rollout, self.engine)
+        """The engine, or episodes on it (multi-turn): the latter generate a step at a time, not in the stream."""
         self.version = -1
         self.weight_wait_s = 0.0
         self.start_step = 0
@@ -163,7 +155,7 @@ class RolloutWorker:
         finish), new weights are taken as they are published (in-flight samples continue under them, or are
         dropped and started again: async.partial_rollouts), and each step's share is put in the store as soon as
         its last sample finishes."""
-        if self.cfg.rollout.is_multi_turn:
+        if self.rollout is not self.engine:  # episodes take new weights between steps only: one step at a time
             for step in steps:
                 self._produce_episodes(step, start)
             return
@@ -223,12 +215,10 @@ class RolloutWorker:
             prompts, position, sampling = self._step_prompts(step)
             work = _StepWork(step, position, sampling, [], [], start, self.version)
             work.draws = draws
-            refuse_images(prompts, self.cfg.rollout, type(self.engine))  # engines without images refuse them
-            runner = multi_turn_runner(self.engine, self.tokenizer, self.cfg.rollout, sampling)
-            records = runner.generate(prompts)
-            for record in records:
+            result = self.rollout.generate(prompts, sampling)
+            for record in result.records:
                 record.policy_version, record.rollout_restarts = self.version, 0
-            if self._finish(work, records, multi_turn_stats(records, runner.last_stats)):
+            if self._finish(work, result.records, result.stats):
                 return
 
     def _step_prompts(self, step: int) -> tuple[list, int, SamplingParams]:
@@ -251,20 +241,6 @@ class RolloutWorker:
         work = _StepWork(step, position, sampling, requests, tokens, start)
         work.draws = self._new_draws()
         return work
-
-    def _next_batch(self, work: _StepWork, start: dict) -> _StepWork:
-        """Dynamic sampling: the step's next batch, in the stream (nothing else is in flight: reopened if its
-        prompts are longer than the stream was sized for); a version due for [eval] is evaluated first on the drain
-        path, or goes on in the stream."""
-        if not self.eval_in_stream:
-            self._evaluate_pending()
-        following = self._prepare(work.step, start)
-        following.draws = work.draws
-        if self.stream is not None and following.longest > self.stream_context:
-            self._evaluate_pending()  # the stream is reopened: an eval in it finishes first
-            self.stream.close()
-            self.stream = None
-        return self._submit(following)
 
     def _submit(self, work: _StepWork) -> _StepWork:
         """Queue the step's requests in the open stream (opened, sized for the bound's steps, when there is none)
@@ -334,45 +310,13 @@ class RolloutWorker:
         seconds = time.perf_counter() - work.began
         return self._finish(work, records, RolloutStats(sum(len(g.response_ids) for g in results), seconds))
 
-    def _new_draws(self) -> _Draws | None:
-        if not self.cfg.score.filter_groups:
-            return None
-        return _Draws(GroupFilter(self.cfg.data.prompts_per_step, self.cfg.data.max_gen_batches))
-
     def _finish(self, work: _StepWork, records: list[RolloutRecord], stats: RolloutStats) -> bool:
         """A finished batch of step `work.step`: delivered (True), or with dynamic sampling its informative groups
         kept and False when the ranks draw another batch (every rank decides alike from everyone's counts)."""
-        draws = work.draws
-        if draws is None:
+        if work.draws is None:
             self._deliver(work, records, stats)
             return True
-        draws.stats = draws.stats + stats
-        count = draws.groups.add(records, compute_rewards(records, self.score_cfg))
-        draws.counts.append(self._batch_counts(work.step, draws.groups.num_batches - 1, count))
-        if draws.groups.needs_more(sum(map(sum, draws.counts))):
-            return False
-        mine = kept_groups(draws.counts, self.roles.rank_in_role, self.cfg.data.prompts_per_step)
-        kept, rewards, sizes = draws.groups.take(mine)
-        self._deliver(work, kept, draws.stats, rewards, sizes)
-        return True
-
-    def _batch_counts(self, step: int, batch: int, count: int) -> list[int]:
-        """Every rollout rank's count of informative groups in batch `batch` of step `step` (this rank's is
-        `count`). While waiting, with nothing in flight, it takes new weights and evaluates as between steps (a
-        weight broadcast the others have joined waits for this rank)."""
-        self.channel.put(f"g/{step}/{batch}/{self.roles.rank_in_role}", count)
-
-        def between_batches() -> None:
-            self._evaluate_pending()
-            if self._update_waiting():
-                self._new_weights({})
-
-        counts = []
-        for r in range(self.roles.num_rollout):
-            key, what = f"g/{step}/{batch}/{r}", f"rollout rank {r}'s dynamic sampling of step {step}"
-            self.channel.wait(key, what, stop_aware=True, idle=between_batches)
-            counts.append(self.channel.take(key, what, keep=True))
-        return counts
+        return self._add_batch(work, records, stats)
 
     def _deliver(self, work: _StepWork, records: list[RolloutRecord], stats: RolloutStats,
                  rewards: Rewards | None = None, batch_sizes: list[int] | None = None) -> None:  # fmt: skip
@@ -392,67 +336,6 @@ class RolloutWorker:
         self.version = version
         if eval_due(self.cfg.eval, version, self.start_step, self.cfg.steps):
             self.eval_pending, self.eval_received = version, time.perf_counter()
-
-    def _eval_share_work(self, version: int) -> StreamEval:
-        """This rank's share of the held-out prompts as stream requests of `version`."""
-        mine = shard_range(len(self.eval_prompts), self.roles.rank_in_role, self.roles.num_rollout)
-        prompts = [self.eval_prompts[i] for i in mine]
-        return StreamEval(version, self.cfg.eval, self.engine, prompts, self.eval_received)
-
-    def _eval_drained(self, active: dict[int, _StepWork]) -> bool:
-        """Start a pending [eval]: its requests for the stream (submitted by `_submit_eval`), or on the drain path
-        once nothing is in flight; True when the drain path ran it (the caller's loop starts over)."""
-        if self.eval_pending is None or self.eval_work is not None:
-            return False
-        if not self.eval_in_stream:
-            if active:
-                return False
-            self._evaluate_pending()
-            return True
-        self.eval_work = self._eval_share_work(self.eval_pending)
-        if self.eval_work.is_done:  # no held-out prompt falls to this rank
-            self._put_eval(self.eval_work.finish(self.tokenizer))
-        return False
-
-    def _submit_eval(self) -> None:
-        """The pending eval's requests into the stream (opened for them when there is none), once."""
-        if self.eval_work is None or self.eval_work.is_submitted:
-            return
-        if self.stream is None:
-            per_step = len(shard_range(self.cfg.data.prompts_per_step, self.roles.rank_in_role, self.roles.num_rollout))
-            slots = max(len(self.eval_work.tokens), per_step * self.cfg.rollout.n)
-            self._open(self.cfg.rollout.sampling(seed=self.cfg.seed), self.eval_context, slots)
-        self.eval_work.submit(self.stream)
-
-    def _put_eval(self, share: EvalShare) -> None:
-        self.channel.put(f"e/{self.eval_pending}/{self.roles.rank_in_role}", share)
-        self.eval_pending, self.eval_work = None, None
-
-    def _evaluate_pending(self) -> None:
-        """[eval] of the version due: one in the stream is stepped to its end (training samples in flight go on
-        meanwhile); else, with no samples in flight (the drain path), this rank's share of the held-out prompts is
-        answered alone. The graded share goes into the store for the trainers."""
-        if self.eval_pending is None:
-            return
-        if self.eval_work is not None:
-            self._submit_eval()
-            while self.eval_pending is not None:
-                self._step_stream()
-            return
-        if self.stream is not None:
-            self.stream.close()
-            self.stream = None
-        mine = shard_range(len(self.eval_prompts), self.roles.rank_in_role, self.roles.num_rollout)
-        samples = evaluate(self.cfg.eval, self.engine, [self.eval_prompts[i] for i in mine])[0] if mine else []
-        self._put_eval(EvalShare(samples, time.perf_counter() - self.eval_received))
-
-    def _evaluate_last_versions(self) -> None:
-        """The versions after the last step's samples that are due for [eval] (the trainers push only those)."""
-        for version in range(self.version + 1, self.cfg.steps + 1):
-            if eval_due(self.cfg.eval, version, self.start_step, self.cfg.steps):
-                self.channel.wait(f"w/{version}/0", f"policy version {version} from the trainers", stop_aware=True)
-                self._receive(version)
-                self._evaluate_pending()
 
     def _update_waiting(self) -> bool:
         return self.channel.has(f"w/{self.version + 1}/0")

@@ -33,7 +33,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rlx.agent.generate import merge_stats
 from rlx.evaluation.evaluate import EVAL_FILE, graded_metrics
 from rlx.formats.records import RolloutRecord
 from rlx.parallel.dist import broadcast_object
@@ -45,6 +44,7 @@ from rlx.ppo.dynamic_sampling import merge_kept, sampling_metrics
 from rlx.ppo.loop import PPORun
 from rlx.ppo.rundir import step_dir
 from rlx.rollout.base import RolloutStats
+from rlx.rollout.stats import EpisodeStats
 from rlx.utils.device import resolve_precision
 from rlx.utils.io import write_jsonl
 
@@ -93,7 +93,7 @@ class AsyncPPORun(PPORun):
     def _push(self, version: int) -> float:
         dtype = resolve_precision(self.cfg.rollout.precision, self.device)
         bucket_bytes = self.cfg.rollout.sync_bucket_mib << 20
-        return push_weights(self.roles, self.channel, version, self.trainer, bucket_bytes, dtype)
+        return push_weights(self.roles, self.channel, version, self.trainer.weights(), bucket_bytes, dtype)
 
     def _refresh_engine(self, step: int) -> None:
         return None  # the weights went out right after the update (_train)
@@ -165,10 +165,9 @@ class AsyncPPORun(PPORun):
 def _rollout_metrics(shares: list[BatchShare]) -> dict[str, float]:
     """The step's generation statistics over the rollout ranks (they generate in parallel: the slowest one's time)."""
     tokens = sum(s.stats.tokens for s in shares)
-    metrics = RolloutStats(tokens, max(s.stats.seconds for s in shares)).metrics()
-    extra = [(len(s.records), s.stats.extra) for s in shares if s.stats.extra]  # multi-turn: turns, env reward, ...
-    if extra:
-        metrics = {**merge_stats(extra), **metrics}
+    episodes = [(len(s.records), s.stats.episodes) for s in shares if s.stats.episodes is not None]  # multi-turn
+    merged = EpisodeStats.merge(episodes) if episodes else None
+    metrics = RolloutStats(tokens, max(s.stats.seconds for s in shares), episodes=merged).metrics()
     metrics["async/rollout_weight_wait_s"] = max(s.weight_wait_s for s in shares)
     return metrics
 

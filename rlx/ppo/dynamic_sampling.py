@@ -13,11 +13,15 @@ step's samples, in its order.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
 from rlx.errors import UserError
 from rlx.formats.records import RolloutRecord
-from rlx.scoring.score import Rewards, informative_groups
+from rlx.rollout.base import RolloutStats
+from rlx.scoring.score import Rewards, compute_rewards, informative_groups
 
 
 class GroupFilter:
@@ -109,3 +113,70 @@ def sampling_metrics(step: int, records: list[RolloutRecord], num_batches: int) 
         "dynamic_sampling/gen_batches": float(num_batches),
         "dynamic_sampling/kept_groups": float(len({r.prompt_id for r in records})),
     }
+
+
+@dataclass
+class Draws:
+    """Dynamic sampling of the step being generated: the informative groups of its batches so far, every rank's
+    count of them per batch, and the batches' statistics."""
+
+    groups: GroupFilter
+    counts: list[list[int]] = dataclasses.field(default_factory=list)
+    stats: RolloutStats = dataclasses.field(default_factory=lambda: RolloutStats(0, 0.0))
+
+
+class RankDrawing:
+    """A rollout rank's dynamic sampling (a part of async_rollout.RolloutWorker, whose state it uses): the batches of
+    a step after the first, and the exchange of informative-group counts that decides, alike on every rank, when
+    the step is full."""
+
+    def _add_batch(self, work, records: list[RolloutRecord], stats: RolloutStats) -> bool:
+        """A finished batch of a dynamically sampled step: its informative groups kept; the step's share delivered
+        (True), or False when the ranks draw another batch (every rank decides alike from everyone's counts)."""
+        draws = work.draws
+        draws.stats = draws.stats + stats
+        count = draws.groups.add(records, compute_rewards(records, self.score_cfg))
+        draws.counts.append(self._batch_counts(work.step, draws.groups.num_batches - 1, count))
+        if draws.groups.needs_more(sum(map(sum, draws.counts))):
+            return False
+        mine = kept_groups(draws.counts, self.roles.rank_in_role, self.cfg.data.prompts_per_step)
+        kept, rewards, sizes = draws.groups.take(mine)
+        self._deliver(work, kept, draws.stats, rewards, sizes)
+        return True
+
+    def _next_batch(self, work, start: dict):
+        """Dynamic sampling: the step's next batch, in the stream (nothing else is in flight: reopened if its
+        prompts are longer than the stream was sized for); a version due for [eval] is evaluated first on the drain
+        path, or goes on in the stream."""
+        if not self.eval_in_stream:
+            self._evaluate_pending()
+        following = self._prepare(work.step, start)
+        following.draws = work.draws
+        if self.stream is not None and following.longest > self.stream_context:
+            self._evaluate_pending()  # the stream is reopened: an eval in it finishes first
+            self.stream.close()
+            self.stream = None
+        return self._submit(following)
+
+    def _new_draws(self) -> Draws | None:
+        if not self.cfg.score.filter_groups:
+            return None
+        return Draws(GroupFilter(self.cfg.data.prompts_per_step, self.cfg.data.max_gen_batches))
+
+    def _batch_counts(self, step: int, batch: int, count: int) -> list[int]:
+        """Every rollout rank's count of informative groups in batch `batch` of step `step` (this rank's is
+        `count`). While waiting, with nothing in flight, it takes new weights and evaluates as between steps (a
+        weight broadcast the others have joined waits for this rank)."""
+        self.channel.put(f"g/{step}/{batch}/{self.roles.rank_in_role}", count)
+
+        def between_batches() -> None:
+            self._evaluate_pending()
+            if self._update_waiting():
+                self._new_weights({})
+
+        counts = []
+        for r in range(self.roles.num_rollout):
+            key, what = f"g/{step}/{batch}/{r}", f"rollout rank {r}'s dynamic sampling of step {step}"
+            self.channel.wait(key, what, stop_aware=True, idle=between_batches)
+            counts.append(self.channel.take(key, what, keep=True))
+        return counts

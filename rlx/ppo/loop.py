@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from rlx.agent.generate import generate_multi_turn
+from rlx.agent.generate import build_rollout
 from rlx.backends.base import Degrees
 from rlx.backends.registry import backend_class
 from rlx.checkpoints import catalog
@@ -101,6 +101,7 @@ class PPORun:
         self.trainer, self.critic = self.models.actor, self.models.critic
         models_built = time.perf_counter()
         self.engine = self._build_engine()
+        self.rollout = build_rollout(self.cfg.rollout, self.engine)  # the engine, or episodes on it (multi-turn)
         # where a start's time goes, reported with the first step: models (load or init, parallelism), engine
         self.setup_metrics |= {
             "timing/setup_models_s": models_built - started,
@@ -181,7 +182,7 @@ class PPORun:
         start = time.perf_counter()
         if self.engine_stale:
             self.engine.wake()
-            self.engine.update_weights(self.trainer)
+            self.engine.update_weights(self.trainer.weights())
             self.engine_stale = False
         samples, metrics = evaluate(self.cfg.eval, self.engine, self.eval_prompts)
         if self.ctx.is_main:
@@ -296,7 +297,7 @@ class PPORun:
         if not self.engine_stale:
             return
         self.engine.wake()
-        source = self.trainer
+        source = self.trainer.weights()
         if self.cfg.rollout.weight_sync == "disk":
             source = CheckpointWeights(checkpoint_dir(self.run_dir, step - 1))
         self.engine.update_weights(source)
@@ -312,10 +313,7 @@ class PPORun:
         while True:
             prompts = take_prompts(self.prompts, self.data_position, want, cfg.seed if cfg.data.shuffle else None)
             self.data_position += len(prompts)
-            if cfg.rollout.is_multi_turn:  # episodes of an environment or runs of an agent, on the same engine
-                result = generate_multi_turn(self.engine, self.models.tokenizer, prompts, cfg.rollout, sampling)
-            else:
-                result = self.engine.generate(prompts, sampling, progress=False)
+            result = self.rollout.generate(prompts, sampling, progress=False)
             rollouts, stats = result.records, stats + result.stats
             if not cfg.score.filter_groups:
                 return rollouts, None, stats.metrics()
@@ -363,7 +361,7 @@ class PPORun:
         own_layout = self._save_layout()
         meta = CheckpointMeta(
             step=step,
-            layout=trained_layout(self.trainer, own_layout),
+            layout=trained_layout(self.trainer.state(), own_layout),
             data_position=self.data_position,
             optimizer=self.trainer.optimizer_meta(),
             kl_coef=self.kl_coef,
@@ -373,13 +371,13 @@ class PPORun:
         if self.critic is not None:
             critic_meta = dataclasses.replace(
                 meta,
-                layout=trained_layout(self.critic, own_layout),
+                layout=trained_layout(self.critic.state(), own_layout),
                 optimizer=self.critic.optimizer_meta(),
                 kl_coef=None,
             )
-            nested[CRITIC_DIR] = CheckpointPart(self.critic, self.models.critic_aux, critic_meta)
+            nested[CRITIC_DIR] = CheckpointPart(self.critic.state(), self.models.critic_aux, critic_meta)
         out = checkpoint_dir(self.run_dir, step)
-        write = prepare_save(out, self.trainer, self.models.aux, meta, overwrite=True, nested=nested)
+        write = prepare_save(out, self.trainer.state(), self.models.aux, meta, overwrite=True, nested=nested)
 
         def commit() -> None:
             write()

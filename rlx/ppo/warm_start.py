@@ -74,4 +74,4 @@ def _fine_tune(cfg: PPOConfig, run_dir: Path, out: Path, ctx: DistContext) -> No
         console(f"[sft] fine-tuning the initial policy on {len(samples)} demonstrations ({sft.data}), {where}")
     trainer, metrics = fine_tune(model, tokenizer, samples, sft, ctx, run_dir / SFT_METRICS)
     origin = provenance("rlx ppo [sft]", cfg.model.path, data=sft.data, init=cfg.model.init, seed=cfg.seed)
-    save(out, trainer, aux, CheckpointMeta(step=0, layout=catalog.DEFAULT, provenance=origin), overwrite=True)
+    save(out, trainer.state(), aux, CheckpointMeta(step=0, layout=catalog.DEFAULT, provenance=origin), overwrite=True)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -44,6 +44,7 @@ from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.lengths import limit_reason, model_context
 from rlx.rollout.prompts import PromptEncoder, context_limit, stop_token_ids
 from rlx.rollout.requests import Generated, Request, TokenRequest, build_requests, to_record, token_requests
+from rlx.rollout.stats import EpisodeStats
 from rlx.rollout.stops import StopStrings
 from rlx.utils.device import resolve_precision
 
@@ -60,8 +61,8 @@ class RolloutStats:
     """Sequences evicted from the KV cache and recomputed (engines that preempt; this process's count)."""
     steps_ahead: int | None = None
     """Decode steps queued before the previous one's tokens were read (engines that overlap host and device)."""
-    extra: dict[str, float] = field(default_factory=dict)
-    """More metrics of the call (multi-turn: turns, environment reward and time, ...), named as in metrics.jsonl."""
+    episodes: EpisodeStats | None = None
+    """Multi-turn rollouts: what the episodes did (turns, environment reward and time, ...)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -78,25 +79,24 @@ class RolloutStats:
             out["rollout/preemptions"] = float(self.preemptions)
         if self.steps_ahead is not None:
             out["rollout/steps_ahead"] = float(self.steps_ahead)
-        return {**self.extra, **out}
+        return {**(self.episodes.metrics() if self.episodes is not None else {}), **out}
 
     def __add__(self, other: RolloutStats) -> RolloutStats:
-        """Two calls together (e.g. the batches of one dynamic-sampling step); extra timings add up, other extra
+        """Two calls together (e.g. the batches of one dynamic-sampling step); episode timings add up, other episode
         metrics are the later call's."""
 
         def add(a, b):
             return None if a is None and b is None else (a or 0) + (b or 0)
 
-        extra = {**self.extra, **other.extra}
-        for key in set(self.extra) & set(other.extra):
-            if key.startswith("timing/"):
-                extra[key] = self.extra[key] + other.extra[key]
+        episodes = self.episodes if other.episodes is None else other.episodes
+        if self.episodes is not None and other.episodes is not None:
+            episodes = self.episodes + other.episodes
         return RolloutStats(
             self.tokens + other.tokens,
             self.seconds + other.seconds,
             add(self.preemptions, other.preemptions),
             add(self.steps_ahead, other.steps_ahead),
-            extra,
+            episodes,
         )
 
 

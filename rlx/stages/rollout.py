@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlx.agent.generate import generate_multi_turn, refuse_images
+from rlx.agent.generate import build_rollout, refuse_images
 from rlx.checkpoints.loading import load_model, load_processor
 from rlx.checkpoints.registry import read_meta_or_default
 from rlx.errors import UserError
@@ -14,7 +14,7 @@ from rlx.formats.records import PromptRecord, read_prompts, write_records
 from rlx.models.loading import load_config, load_tokenizer, resolve_source
 from rlx.observe.tracking import console, log_metrics
 from rlx.parallel.dist import setup
-from rlx.rollout.base import build_engine
+from rlx.rollout.base import RolloutResult, RolloutStats, build_engine
 from rlx.rollout.config import RolloutConfig
 from rlx.rollout.lengths import limit_prompts, model_context
 from rlx.rollout.registry import engine_class
@@ -49,34 +49,20 @@ def run_rollout(
     records = read_prompts(prompts_path)
     if num_prompts < 0 or data_position < 0:
         raise UserError("--num-prompts and --data-position must be >= 0")
-    if cfg.is_multi_turn:  # episodes of an environment or runs of an agent (they build each sample's context)
-        if num_prompts or data_position or shuffle_seed is not None:
-            check_window(num_prompts, len(records), prompts_path, "--num-prompts")
-            records = take_prompts(records, data_position, num_prompts or len(records), shuffle_seed)
-
-        run_multi_turn_rollout(cfg, model_path, records, out, metrics_path)
-        return
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
     config = load_config(source)
-    context = model_context(config)
     processor = load_processor(source, cfg.vision, config)  # a vision-language model's images (None for text models)
-    # 'filter' changes which prompts a window takes: filter the whole file first, as `rlx ppo` does; 'error'
-    # leaves the list alone, so only the prompts this rollout takes are checked (the same outcome for them)
-    if cfg.on_long_prompt == "filter":
-        records = limit_prompts(records, tokenizer, cfg, context, prompts_path, config=config, processor=processor)
-    if num_prompts or data_position or shuffle_seed is not None:
-        check_window(num_prompts, len(records), prompts_path, "--num-prompts")
-        records = take_prompts(records, data_position, num_prompts or len(records), shuffle_seed)
-    if cfg.on_long_prompt == "error":
-        records = limit_prompts(records, tokenizer, cfg, context, prompts_path, config=config, processor=processor)
+    is_window = num_prompts or data_position or shuffle_seed is not None
+    window = (data_position, num_prompts, shuffle_seed) if is_window else None
+    records = _choose_prompts(cfg, records, prompts_path, window, tokenizer, config, processor)
     ctx = setup(cfg.device)
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
     # a LoRA checkpoint: its base with the adapters, as `rlx ppo` generates
     model = load_model(source, dtype=dtype, adapters=True).requires_grad_(False)  # generation only
     engine = build_engine(cfg, model, tokenizer, ctx, processor)
     try:
-        result = engine.generate(records, cfg.sampling())
+        result = build_rollout(cfg, engine).generate(records, cfg.sampling())
     finally:
         engine.close()
     if not ctx.is_main:
@@ -85,37 +71,41 @@ def run_rollout(
     stats = result.stats
     step = read_meta_or_default(source.path).step + 1
     log_metrics(metrics_path, step, {**stats.metrics(), "timing/rollout_s": stats.seconds})
-    where = "stdout" if out == "-" else out
-    console(
-        f"rlx rollout: {len(result.records)} responses to {len(records)} prompts -> {where} "
-        f"({stats.tokens:.0f} tokens, {stats.tokens_per_s:.0f} tok/s)"
-    )
+    console(f"rlx rollout: {_summary(result, len(records))} -> {'stdout' if out == '-' else out} ({_detail(stats)})")
 
 
-def run_multi_turn_rollout(
-    cfg: RolloutConfig, model_path: str, records: list[PromptRecord], out: str, metrics_path: Path | None = None
-) -> dict[str, float]:
-    """Episodes of `cfg.env`, or runs of the served `cfg.agent`, for the prompt records; writes rollouts.jsonl
-    (rank 0 under a launcher) and returns the metrics."""
-    refuse_images(records, cfg, engine_class(cfg.engine))  # before the model loads
-    source = resolve_source(model_path)
-    tokenizer = load_tokenizer(source)
-    processor = load_processor(source, cfg.vision)  # a vision-language model's images (None for a text model)
-    ctx = setup(cfg.device)
-    dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
-    engine = build_engine(cfg, load_model(source, dtype=dtype).requires_grad_(False), tokenizer, ctx, processor)
-    try:
-        result = generate_multi_turn(engine, tokenizer, records, cfg, cfg.sampling())
-    finally:
-        engine.close()
-    metrics = result.stats.metrics()
-    if not ctx.is_main:
-        return metrics
-    write_records(out, result.records)
-    log_metrics(metrics_path, read_meta_or_default(source.path).step + 1, metrics)
-    where = "stdout" if out == "-" else out
-    console(
-        f"rlx rollout: {len(result.records)} multi-turn samples for {len(records)} prompts -> {where} "
-        f"({metrics['rollout/turns_mean']:.2f} turns each, env reward {metrics['env/reward_mean']:.3f})"
-    )
-    return metrics
+def _choose_prompts(
+    cfg: RolloutConfig, records: list[PromptRecord], where: str, window: tuple | None, tokenizer, config, processor
+) -> list[PromptRecord]:
+    """The prompts the rollout takes: the window (data position, count, shuffle seed) when one is given, with the
+    long-prompt limits applied to prompts the engine encodes itself. 'filter' changes which prompts a window takes:
+    the whole file is filtered first, as `rlx ppo` does; 'error' leaves the list alone, so only the prompts this
+    rollout takes are checked (the same outcome for them). Episodes (--env, --agent) start from what their
+    environment or agent sends: the limits are theirs (max_total_tokens), and images are refused up front by an
+    engine that cannot take them (before the model loads)."""
+    context = model_context(config)
+    limits = not cfg.is_multi_turn
+    if limits and cfg.on_long_prompt == "filter":
+        records = limit_prompts(records, tokenizer, cfg, context, where, config=config, processor=processor)
+    if window is not None:
+        position, count, seed = window
+        check_window(count, len(records), where, "--num-prompts")
+        records = take_prompts(records, position, count or len(records), seed)
+    if limits and cfg.on_long_prompt == "error":
+        records = limit_prompts(records, tokenizer, cfg, context, where, config=config, processor=processor)
+    if not limits:
+        refuse_images(records, cfg, engine_class(cfg.engine))
+    return records
+
+
+def _summary(result: RolloutResult, num_prompts: int) -> str:
+    if result.stats.episodes is not None:
+        return f"{len(result.records)} multi-turn samples for {num_prompts} prompts"
+    return f"{len(result.records)} responses to {num_prompts} prompts"
+
+
+def _detail(stats: RolloutStats) -> str:
+    episodes = stats.episodes
+    if episodes is not None:
+        return f"{episodes.turns_mean:.2f} turns each, env reward {episodes.env_reward_mean:.3f}"
+    return f"{stats.tokens:.0f} tokens, {stats.tokens_per_s:.0f} tok/s"

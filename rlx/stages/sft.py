@@ -59,7 +59,7 @@ def run_sft(cfg: SFTConfig, model: str, out: str, init: str = "pretrained", over
         layout=catalog.DEFAULT,
         provenance=provenance("rlx sft", source.path, data=cfg.data, init=init, seed=cfg.seed),
     )
-    save(out, trainer, aux, meta, overwrite=overwrite)
+    save(out, trainer.state(), aux, meta, overwrite=overwrite)
     if ctx.is_main:
         console(f"rlx sft: {len(samples)} demonstrations, loss {metrics.get('sft/loss', float('nan')):.4f} -> {out}")
     barrier()

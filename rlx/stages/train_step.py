@@ -76,14 +76,14 @@ def run_train_step(
     metrics = trainer.train_step(batch, meta.step)
     next_meta = CheckpointMeta(
         step=meta.step + 1,
-        layout=trained_layout(trainer, meta.layout),
+        layout=trained_layout(trainer.state(), meta.layout),
         tp_degree=meta.tp_degree,
         pp_degree=meta.pp_degree,
         data_position=meta.data_position,
         optimizer=trainer.optimizer_meta(),
         provenance=provenance("rlx train-step", checkpoint, batch=str(batch_path)),
     )
-    save(out, trainer, aux_files(source.path), next_meta, overwrite=overwrite)
+    save(out, trainer.state(), aux_files(source.path), next_meta, overwrite=overwrite)
     if trainer.is_main:
         log_metrics(metrics_path, next_meta.step, metrics)
         loss = metrics.get(f"{cfg.role}/loss", metrics.get(f"{cfg.role}/vf_loss", float("nan")))

@@ -46,6 +46,7 @@ from rlx.training.optim import (
     sharded_optimizer_state,
 )
 from rlx.training.reference import BaseModelScorer
+from rlx.training.views import TrainerState, TrainerWeights
 from rlx.utils.device import derive_seed
 from rlx.utils.host_copy import before_update, layout, snapshot
 
@@ -99,6 +100,14 @@ class Trainer:
         self.optimizer = build_adamw(self.model, cfg)
 
     # --- what checkpoints, scoring and rollouts take from a trainer -----------------------------------
+
+    def weights(self) -> TrainerWeights:
+        """The view a rollout engine's weight sync reads (`engine.update_weights(trainer.weights())`)."""
+        return TrainerWeights(self)
+
+    def state(self) -> TrainerState:
+        """The view checkpoint layouts save (`checkpoints.save(out, trainer.state(), ...)`) and restore into."""
+        return TrainerState(self)
 
     @property
     def config(self):

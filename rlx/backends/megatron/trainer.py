@@ -221,5 +221,5 @@ def build_megatron_trainer(hf_config, train_cfg: TrainConfig, ctx: MegatronConte
     stage = load_stage(hf_config, state, ctx, where)
     trainer_cls = MegatronCriticTrainer if is_critic_config(hf_config) else MegatronActorTrainer
     trainer = trainer_cls(stage, hf_config, train_cfg, ctx, resolve_precision(train_cfg.precision, ctx.device))
-    trainer.load_optimizer_state(optimizer_state, where)
+    trainer.state().load_optimizer_state(optimizer_state, where)
     return trainer
