@@ -90,3 +90,18 @@ def test_bad_ep_degree_is_one_line(tmp_path, moe_ckpt, moe_batch):
     result = cli("train-step", "--checkpoint", moe_ckpt, "--batch", moe_batch, "--out", tmp_path / "d",
                  "--ep-degree", "2")  # fmt: skip
     assert result.exit_code == 1 and "ep_degree 2 must divide the number of processes (1" in result.stderr, result
+
+
+def test_router_z_loss_changes_the_update_only_when_on(tmp_path, moe_ckpt, moe_batch, single):
+    """The z-loss and expert-load metrics are logged with the z-loss off (the `single` step) and on; only with it
+    on does the update shrink the router logits' log-sum-exp (the second mini-batch's z-loss is lower) and the
+    routers move differently."""
+    cli_ok("train-step", "--checkpoint", moe_ckpt, "--batch", moe_batch, "--out", tmp_path / "c", *TRAIN,
+           "--router-z-loss-coef", "1.0", "--metrics", tmp_path / "m.jsonl")  # fmt: skip
+    off, on = read_jsonl(single / "m.jsonl")[0], read_jsonl(tmp_path / "m.jsonl")[0]
+    assert 0 < on["actor/moe_router_z_loss"] < off["actor/moe_router_z_loss"]
+    assert off["actor/loss"] == off["actor/pg_loss"]  # nothing added while off
+    assert 1.0 <= off["moe/expert_load_max"] and off["moe/expert_load_cv"] >= 0
+    before, plain, with_z = (read_full_weights(p) for p in (moe_ckpt, single / "c", tmp_path / "c"))
+    gate = "model.layers.0.mlp.gate.weight"
+    assert not torch.equal(plain[gate], with_z[gate]) and not torch.equal(before[gate], with_z[gate])
