@@ -195,21 +195,26 @@ def _run_local_experts(experts, shard: ExpertShard, tokens: torch.Tensor, counts
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` for parameters whose DTensors live on several device meshes (the dense
-    model's and the experts' (edp, ep) mesh): the norm of each mesh's gradients is reduced over its own mesh,
-    then combined. Returns the total norm (a plain tensor, the same on every rank)."""
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
-    squares = []
-    for grads in by_mesh.values():  # as torch's clip_grad_norm_: per-tensor norms stacked, one reduction per mesh
-        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]).float())
-        squares.append((total.full_tensor() if isinstance(total, DTensor) else total) ** 2)
-    total_norm = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    """`torch.nn.utils.clip_grad_norm_` for FSDP-sharded parameters whose DTensors live on several device meshes
+    (the dense model's and the experts' (edp, ep) mesh). Every gradient element lies in exactly one rank's shard
+    (FSDP and EP only shard), so the squared norm is the sum of each rank's local squares, reduced once over all
+    ranks. Returns the total norm (the same on every rank)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not all(isinstance(g, DTensor) and _only_sharded(g) for g in grads):
+        raise ValueError("clip_grad_norm takes sharded DTensor gradients only (FSDP2 under expert parallelism)")
+    local = [g.to_local() for g in grads]
+    squares = torch.stack([n.float() for n in torch._foreach_norm(local)]).square().sum() if local else None
+    squares = squares if squares is not None else torch.zeros((), device=torch.device("cpu"))
+    if dist.is_initialized():
+        dist.all_reduce(squares)
+    total_norm = squares.sqrt()
     scale = max_norm / (float(total_norm) + 1e-6)  # as torch: the coefficient clamped at 1
     if scale < 1:
-        for grads in by_mesh.values():
-            for g in grads:
-                g.mul_(scale)
+        torch._foreach_mul_(local, scale)
     return total_norm
+
+
+def _only_sharded(tensor: DTensor) -> bool:
+    """Whether each element of `tensor` lies on one rank only (sharded on every mesh dimension, FSDP's strided
+    shards included)."""
+    return not any(p.is_replicate() or p.is_partial() for p in tensor.placements)
