@@ -249,7 +249,8 @@ def test_moe_sizes_and_the_plan_suggests_expert_parallelism():
     user = {"train.max_tokens_per_micro_batch": 4096, "train.gradient_checkpointing": False}
     plan = plan_memory(QWEN3_30B_A3B, with_fast_path(ISSUE_RECIPE), user, 8, 139.0)
     assert plan.fits and plan.chosen["train.ep_degree"] in (2, 4, 8), plan.summary()
-    assert "3.35B active per token" in plan.summary() and f"ep_degree {plan.chosen['train.ep_degree']}" in plan.summary()
+    summary = plan.summary()
+    assert "3.35B active per token" in summary and f"ep_degree {plan.chosen['train.ep_degree']}" in summary
     kept = plan_memory(QWEN3_30B_A3B, with_fast_path(ISSUE_RECIPE), {**user, "train.ep_degree": 1}, 8, 139.0)
     assert "train.ep_degree" not in kept.chosen and kept.settings.ep_degree == 1
     assert plan_memory(QWEN25_7B, with_fast_path(ISSUE_RECIPE), {}, 4, H100_GIB).settings.ep_degree == 1  # dense
