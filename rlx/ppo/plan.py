@@ -355,7 +355,6 @@ class MemoryPlan:
             f"  chosen (keys the recipe leaves out): {settings}" + (f"\n  {self.message}" if self.message else "")
         )
 
-
     def _moe_line(self) -> str:
         """A mixture of experts' sizes and expert parallelism (empty for a dense model)."""
         shape = self.shape
