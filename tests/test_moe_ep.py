@@ -105,3 +105,32 @@ def test_router_z_loss_changes_the_update_only_when_on(tmp_path, moe_ckpt, moe_b
     before, plain, with_z = (read_full_weights(p) for p in (moe_ckpt, single / "c", tmp_path / "c"))
     gate = "model.layers.0.mlp.gate.weight"
     assert not torch.equal(plain[gate], with_z[gate]) and not torch.equal(before[gate], with_z[gate])
+
+
+def test_ep_forward_equals_transformers_experts(tmp_path):
+    """The EP forward over a one-rank group (the dispatch, the local experts' loop, the combine) equals transformers'
+    experts forward, outputs and gradients; an experts module left unsplit falls back to transformers' loop."""
+    import torch.distributed as dist
+
+    from rlx.models.moe import MOE_FAMILIES, tiny_moe_config
+    from rlx.models.tiny import build_char_tokenizer
+    from rlx.parallel.experts import ExpertShard, expert_parallel_forward
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_moe_config(len(build_char_tokenizer()), num_experts=4))
+        experts = MOE_FAMILIES["qwen3_moe"].expert_modules(model)[0]
+        hidden = torch.randn(7, 32, requires_grad=True)
+        top_k_index, top_k_weights = torch.randint(0, 4, (7, 2)), torch.rand(7, 2)
+        want = experts(hidden, top_k_index, top_k_weights)
+        (want_grad,) = torch.autograd.grad(want.square().sum(), experts.down_proj)
+        assert torch.allclose(expert_parallel_forward(experts, hidden, top_k_index, top_k_weights), want, atol=1e-6)
+        experts.expert_shard = ExpertShard(dist.group.WORLD, 1, 0, 4)
+        got = expert_parallel_forward(experts, hidden, top_k_index, top_k_weights)
+        (got_grad,) = torch.autograd.grad(got.square().sum(), experts.down_proj)
+        assert torch.allclose(got, want, atol=1e-6) and torch.allclose(got_grad, want_grad, atol=1e-6)
+    finally:
+        dist.destroy_process_group()

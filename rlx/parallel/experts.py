@@ -159,8 +159,10 @@ def expert_parallel_forward(experts, hidden_states, top_k_index, top_k_weights) 
 
     Each (token, slot) pair is sorted by expert, sent to the EP rank holding that expert, run there, and sent
     back; the routing weights are applied where the token lives (so the router's gradient stays local)."""
-    shard: ExpertShard = experts.expert_shard
-    num_tokens, top_k = top_k_index.shape
+    shard: ExpertShard | None = getattr(experts, "expert_shard", None)
+    if shard is None:  # another model built from the same config object (not split): transformers' own loop
+        return type(experts).forward.__wrapped__(experts, hidden_states, top_k_index, top_k_weights)
+    top_k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)  # [N k]
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, so by destination rank
     counts = torch.bincount(flat, minlength=shard.num_experts)  # [E]

@@ -170,12 +170,13 @@ class ActorTrainer(Trainer):
     def expert_load_metrics(self) -> dict[str, float]:
         """The step's routed (token, slot) pairs per expert (summed over MoE layers and all ranks) as
         moe/expert_load_max (the busiest expert over the mean, 1.0 = balanced) and moe/expert_load_cv (standard
-        deviation over mean, 0 = balanced); a collective under a launcher."""
+        deviation over mean, population, 0 = balanced); a collective under a launcher."""
         load = torch.as_tensor(self.step_expert_load, dtype=torch.float64, device=self.ctx.device)
         if self.ctx.distributed and self.ctx.world > 1:  # every rank routed its own tokens (sequence slices too)
             torch_dist.all_reduce(load)
         mean = load.mean().clamp(min=1e-9)
-        return {"moe/expert_load_max": float(load.max() / mean), "moe/expert_load_cv": float(load.std(0) / mean)}
+        cv = load.std(correction=0) / mean
+        return {"moe/expert_load_max": float(load.max() / mean), "moe/expert_load_cv": float(cv)}
 
     def micro_loss(
         self, t: dict[str, torch.Tensor], logp: torch.Tensor, entropy: torch.Tensor, norm: LossNorm, sums: dict
