@@ -42,16 +42,17 @@ def single(moe_ckpt, moe_batch, tmp_path_factory):
     return out
 
 
-def _ep_step(tmp_path, ranks: int, ep: int, moe_ckpt, moe_batch):
+def _ep_step(tmp_path, ranks: int, ep: int, moe_ckpt, moe_batch, *extra: str):
     torchrun(ranks, "train-step", "--checkpoint", moe_ckpt, "--batch", moe_batch, "--out", tmp_path / "c", *TRAIN,
-             "--ep-degree", str(ep), "--metrics", tmp_path / "m.jsonl")  # fmt: skip
+             "--ep-degree", str(ep), "--metrics", tmp_path / "m.jsonl", *extra)  # fmt: skip
     return tmp_path / "c", read_jsonl(tmp_path / "m.jsonl")[0]
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_ep2_equals_one_process(tmp_path, moe_ckpt, moe_batch, single, ranks):
-    """2 ranks: one EP group; 4 ranks: two EP groups, each expert FSDP-sharded over the 2 ranks holding it."""
-    ckpt, metrics = _ep_step(tmp_path, ranks, 2, moe_ckpt, moe_batch)
+@pytest.mark.parametrize("ranks, extra", [(2, []), (4, ["--gradient-checkpointing"])])
+def test_ep2_equals_one_process(tmp_path, moe_ckpt, moe_batch, single, ranks, extra):
+    """2 ranks: one EP group; 4 ranks: two EP groups, each expert FSDP-sharded over the 2 ranks holding it (and
+    the layers recomputed in the backward, all-to-all included)."""
+    ckpt, metrics = _ep_step(tmp_path, ranks, 2, moe_ckpt, moe_batch, *extra)
     want = read_jsonl(single / "m.jsonl")[0]
     assert max_diff(single / "c", ckpt) < 1e-5
     keys = ("actor/loss", "actor/pg_loss", "actor/grad_norm", "moe/expert_load_max", "moe/expert_load_cv")
