@@ -110,7 +110,8 @@ def test_router_z_loss_changes_the_update_only_when_on(tmp_path, moe_ckpt, moe_b
 
 def test_ep_forward_equals_transformers_experts(tmp_path):
     """The EP forward over a one-rank group (the dispatch, the local experts' loop, the combine) equals transformers'
-    experts forward, outputs and gradients; an experts module left unsplit falls back to transformers' loop."""
+    experts forward, outputs and gradients, and gives zero gradients when no token comes; an experts module left
+    unsplit falls back to transformers' loop."""
     import torch.distributed as dist
 
     from rlx.models.moe import MOE_FAMILIES, tiny_moe_config
@@ -133,5 +134,9 @@ def test_ep_forward_equals_transformers_experts(tmp_path):
         got = expert_parallel_forward(experts, hidden, top_k_index, top_k_weights)
         (got_grad,) = torch.autograd.grad(got.square().sum(), experts.down_proj)
         assert torch.allclose(got, want, atol=1e-6) and torch.allclose(got_grad, want_grad, atol=1e-6)
+        # a rank no token was sent to still gets (zero) gradients: FSDP's reduce-scatter over its peers lines up
+        empty = expert_parallel_forward(experts, hidden[:0], top_k_index[:0], top_k_weights[:0])
+        (idle_grad,) = torch.autograd.grad(empty.sum(), experts.down_proj)
+        assert empty.shape == (0, 32) and idle_grad.shape == (4, 32, 16) and not idle_grad.any()
     finally:
         dist.destroy_process_group()

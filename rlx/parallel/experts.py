@@ -195,6 +195,8 @@ def _run_local_experts(experts, shard: ExpertShard, tokens: torch.Tensor, counts
         outputs.append(torch.nn.functional.linear(hidden, down[index]))  # [n, H]
     out = torch.empty_like(tokens)
     out[order] = torch.cat(outputs) if outputs else tokens[:0]
+    if not sum(sizes):  # no token for any of this rank's experts: zero gradients still, so FSDP's reduce lines up
+        out = out + (gate_up[:0].sum() + down[:0].sum()).to(out.dtype)
     return out
 
 
