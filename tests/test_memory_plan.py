@@ -227,3 +227,30 @@ def test_the_score_budget_shrinks_only_when_the_score_phase_is_over():
     assert _fit_score(shape, work, replace(huge, score_tokens=6144), {}, 4, H100_GIB, 1024).score_tokens == 6144
     kept = _fit_score(shape, work, huge, {"score.max_tokens_per_micro_batch": 1 << 20}, 4, H100_GIB, 1024)
     assert kept.score_tokens == 1 << 20
+
+
+QWEN3_30B_A3B = dict(  # Qwen3-30B-A3B's shape: 128 experts, 8 per token
+    model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+    head_dim=128, moe_intermediate_size=768, intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
+    vocab_size=151936, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def test_moe_sizes_and_the_plan_suggests_expert_parallelism():
+    shape = model_shape(QWEN3_30B_A3B)
+    assert shape.params == pytest.approx(30.5e9, rel=1e-2) and shape.active_params == pytest.approx(3.3e9, rel=3e-2)
+    assert shape.expert_params == 48 * 128 * 3 * 2048 * 768
+    work = Workload.from_recipe(with_fast_path(ISSUE_RECIPE))
+    one, eight = (estimate(shape, work, Settings(train_tokens=4096, ep_degree=ep), 8, 139.0) for ep in (1, 8))
+    experts_gib = shape.expert_params * 7 / 8 / 2**30  # what a rank no longer holds whole
+    assert one.parts["accumulated_grads"] - eight.parts["accumulated_grads"] == pytest.approx(4 * experts_gib)
+    assert one.parts["trained_state"] == eight.parts["trained_state"]  # FSDP shards the experts either way
+    # small micro-batches accumulate float32 gradients of every expert: 8 x H200 fit only with the experts split
+    user = {"train.max_tokens_per_micro_batch": 4096, "train.gradient_checkpointing": False}
+    plan = plan_memory(QWEN3_30B_A3B, with_fast_path(ISSUE_RECIPE), user, 8, 139.0)
+    assert plan.fits and plan.chosen["train.ep_degree"] in (2, 4, 8), plan.summary()
+    summary = plan.summary()
+    assert "3.35B active per token" in summary and f"ep_degree {plan.chosen['train.ep_degree']}" in summary
+    kept = plan_memory(QWEN3_30B_A3B, with_fast_path(ISSUE_RECIPE), {**user, "train.ep_degree": 1}, 8, 139.0)
+    assert "train.ep_degree" not in kept.chosen and kept.settings.ep_degree == 1
+    assert plan_memory(QWEN25_7B, with_fast_path(ISSUE_RECIPE), {}, 4, H100_GIB).settings.ep_degree == 1  # dense

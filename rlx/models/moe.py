@@ -38,6 +38,15 @@ class MoeFamily(ModelFamily):
         transforms = get_checkpoint_conversion_mapping(self.model_type) or []
         return [t.reverse_transform() for t in transforms[::-1]] if reverse else transforms
 
+    def expert_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The routed-experts modules of `model`'s MoE layers, in layer order: transformers' `*Experts` modules
+        holding the fused `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] (a shared expert is not one)."""
+        return [
+            m
+            for m in model.modules()
+            if type(m).__name__.endswith("Experts") and all(hasattr(m, n) for n in ("gate_up_proj", "down_proj"))
+        ]
+
     def module_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`weights` with the module's (fused) names and shapes; a dict already in that layout comes back as is."""
         return _apply(weights, self._transforms(reverse=False), reverse=False)
@@ -180,6 +189,12 @@ class RouterProbe:
             chosen = torch.nn.functional.one_hot(self.experts[index], num_experts).float()  # [N, k, E]
             fraction = chosen.sum(dim=(0, 1)) / max(chosen.shape[0] * top_k, 1)
             losses.append(num_experts * (fraction * probs.mean(0)).sum())
+        return torch.stack(losses).mean() if losses else torch.zeros(())
+
+    def z_loss(self) -> torch.Tensor:
+        """The router z-loss (ST-MoE) averaged over layers: the mean over routed tokens of logsumexp(logits)^2,
+        which keeps the router logits small (float32)."""
+        losses = [torch.logsumexp(logits.float(), dim=-1).square().mean() for logits in self.logits.values()]
         return torch.stack(losses).mean() if losses else torch.zeros(())
 
     def expert_load(self, num_experts: int) -> torch.Tensor:

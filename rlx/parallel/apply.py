@@ -7,7 +7,8 @@ place and one order (models stay single-device code; this runs after they are bu
    outside the compiled code);
 3. activation checkpointing of each decoder layer (recomputed in the backward);
 4. FSDP2: `fully_shard` per decoder layer, then the root, with mixed precision and optional CPU offload
-   (under a launcher only; a lone process keeps the plain module).
+   (under a launcher only; a lone process keeps the plain module); with ep_degree > 1 each MoE layer's experts
+   are first split over expert-parallel groups and sharded as units of their own (rlx/parallel/experts.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class ParallelPlan:
     """FSDP's compute dtype for gathered parameters (gradients reduce in float32)."""
     offload: bool = False
     """FSDP: keep parameter shards, gradients and optimizer state on the CPU."""
+    ep_degree: int = 1
+    """Expert parallelism of MoE models: ranks per group splitting each layer's experts (rlx/parallel/experts.py)."""
 
 
 def apply_parallelism(model: torch.nn.Module, ctx: DistContext, plan: ParallelPlan, where: str = "model"):
@@ -46,6 +49,10 @@ def apply_parallelism(model: torch.nn.Module, ctx: DistContext, plan: ParallelPl
         raise UserError(f"sequence parallelism (sp_degree {ctx.sp_degree}) needs use_packing ({where})")
     if plan.offload and not ctx.distributed:
         raise UserError("param_offload needs FSDP: launch with torchrun (--nproc_per_node 1 is fine)")
+    if plan.ep_degree > 1:
+        from rlx.parallel.experts import validate_ep
+
+        validate_ep(model, ctx, plan.ep_degree)
     if plan.packed_attention:
         validate_sp(model.config, ctx.sp_degree)
         enable_ulysses_attention(model, decoder_only=family_of(model.config).attention_scope == "decoder")
@@ -56,7 +63,7 @@ def apply_parallelism(model: torch.nn.Module, ctx: DistContext, plan: ParallelPl
     if plan.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if shards_models(ctx, plan.offload):
-        apply_fsdp(model, ctx, plan.param_dtype, plan.offload)
+        apply_fsdp(model, ctx, plan.param_dtype, plan.offload, plan.ep_degree)
     return model
 
 

@@ -28,14 +28,20 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return family_of(model.config).decoder_layers(model)
 
 
-def apply_fsdp(model: torch.nn.Module, ctx: DistContext, param_dtype: torch.dtype, offload: bool = False):
-    """Shard `model` over all ranks of `ctx` (in place) and return it."""
-    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+def apply_fsdp(
+    model: torch.nn.Module, ctx: DistContext, param_dtype: torch.dtype, offload: bool = False, ep_degree: int = 1
+):
+    """Shard `model` over all ranks of `ctx` (in place) and return it; with `ep_degree` > 1 the MoE experts are
+    split over expert-parallel groups first (rlx/parallel/experts.py), each its own FSDP unit."""
     kwargs = {
-        "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
         "offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if offload else OffloadPolicy(),
     }
+    if ep_degree > 1:
+        from rlx.parallel.experts import apply_expert_parallel
+
+        apply_expert_parallel(model, ctx, ep_degree, kwargs)
+    kwargs["mesh"] = init_device_mesh(ctx.device.type, (ctx.world,))
     for layer in family_of(model.config).fsdp_units(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)

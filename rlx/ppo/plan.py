@@ -17,6 +17,10 @@ rlx/rollout/native/engine.py):
   bfloat16 (norm inputs in float32, q/k/v, attention output, the gated MLP's intermediates: 4*intermediate when
   train.compile fuses the layers, since Inductor keeps only the two projections); with gradient checkpointing only
   the layer inputs (2*hidden bytes) stay, plus one layer recomputed at a time.
+- a mixture of experts with train.ep_degree (rlx/parallel/experts.py): a rank gathers, and accumulates unsharded
+  gradients for, 1 / ep_degree of each layer's experts; its sharded state is the same (FSDP shards the experts over
+  the other ranks). When the recipe leaves ep_degree out, the plan tries each degree dividing the GPUs and the
+  experts per layer, smallest first, before the next (costlier) rung of settings; CPU offload keeps ep_degree 1.
 Around it: torch's allocator keeps some memory it cannot hand out (fragmentation) and the CUDA context and NCCL
 buffers sit outside torch's count; both are taken off the device's memory before the estimates are compared.
 
@@ -69,6 +73,26 @@ class ModelShape:
     """One decoder layer's parameters (what FSDP gathers at a time)."""
     root_params: int
     """Embeddings, LM head and final norm (FSDP's root, gathered for a whole forward and backward)."""
+    layer_expert_params: int = 0
+    """One decoder layer's routed experts (a mixture of experts; 0 for a dense model): under expert parallelism a
+    rank gathers 1 / ep_degree of them."""
+    active_params: int = 0
+    """The parameters one token passes through (all of them for a dense model; 0 = params)."""
+    num_experts: int = 0
+    """Routed experts per layer (0 for a dense model)."""
+
+    @property
+    def expert_params(self) -> int:
+        """Every layer's routed experts."""
+        return self.layers * self.layer_expert_params
+
+    def local_params(self, ep_degree: int) -> int:
+        """The parameters a rank holds whole under expert parallelism: the experts divided by ep_degree."""
+        return self.params - self.expert_params + self.expert_params // ep_degree
+
+    def local_layer_params(self, ep_degree: int) -> int:
+        """One decoder layer's parameters as a rank gathers them (its share of the experts)."""
+        return self.layer_params - self.layer_expert_params + self.layer_expert_params // ep_degree
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -93,26 +117,30 @@ def model_shape(config: dict) -> ModelShape:
     )
     attention = hidden * heads * head_dim * 2 + 2 * hidden * kv_width
     attention += (heads * head_dim + 2 * kv_width) if has_bias else 0
-    mlp_total, mlp_active = _mlp_params(text, hidden)
+    mlp_total, mlp_active, experts, routed = _mlp_params(text, hidden)
     layer_params = attention + mlp_total + 2 * hidden
     tied = bool(_get(text, "tie_word_embeddings", config.get("tie_word_embeddings", False)))
     root = vocab * hidden * (1 if tied else 2) + hidden
     active_intermediate = mlp_active // (3 * hidden)
-    return ModelShape(layers, hidden, active_intermediate, kv_width, vocab, layers * layer_params + root,
-                      layer_params, root)  # fmt: skip
+    params = layers * layer_params + root
+    active = params - layers * (mlp_total - mlp_active - hidden * experts)  # every token runs the router
+    return ModelShape(layers, hidden, active_intermediate, kv_width, vocab, params, layer_params, root,
+                      layer_expert_params=routed, active_params=active, num_experts=experts)  # fmt: skip
 
 
-def _mlp_params(text: dict, hidden: int) -> tuple[int, int]:
-    """(parameters of one layer's MLP, parameters a token passes through): dense, or experts + router (+ shared)."""
+def _mlp_params(text: dict, hidden: int) -> tuple[int, int, int, int]:
+    """(parameters of one layer's MLP, those of its experts a token passes through, routed experts, the routed
+    experts' parameters): dense, or experts + router (+ shared)."""
     experts = next((int(text[k]) for k in _MOE_KEYS if _get(text, k, 0)), 0)
     dense = int(_get(text, "intermediate_size", 4 * hidden))
     if not experts:
-        return 3 * hidden * dense, 3 * hidden * dense
+        return 3 * hidden * dense, 3 * hidden * dense, 0, 0
     width = int(_get(text, "moe_intermediate_size", dense))
     per_token = int(_get(text, "num_experts_per_tok", 2))
     shared = int(_get(text, "shared_expert_intermediate_size", 0))
-    total = experts * 3 * hidden * width + hidden * experts + 3 * hidden * shared
-    return total, per_token * 3 * hidden * width + 3 * hidden * shared
+    routed = experts * 3 * hidden * width
+    total = routed + hidden * experts + 3 * hidden * shared
+    return total, per_token * 3 * hidden * width + 3 * hidden * shared, experts, routed
 
 
 @dataclass(frozen=True)
@@ -176,6 +204,9 @@ class Settings:
     param_offload: bool = False
     kv_cache_gib: float = 0.0
     """The native engine's KV cache; 0: what a step needs plus 1/8."""
+    ep_degree: int = 1
+    """train.ep_degree: a mixture of experts' experts split over this many ranks (gathered and accumulated
+    gradients hold 1 / ep_degree of them)."""
 
 
 @dataclass
@@ -237,11 +268,12 @@ def _train_gib(shape: ModelShape, work: Workload, settings: Settings, world: int
     """The train phase's transient parts: activations, gathered layers and root, accumulated gradients."""
     tokens_per_rank = math.ceil(work.sequences / work.optimizer_steps / world) * work.sample_tokens
     micro_batches = math.ceil(tokens_per_rank / settings.train_tokens)
-    models = 2 if work.has_critic else 1
-    accumulated = models * shape.params * 4 if micro_batches > 1 and world > 1 and not work.has_lora else 0
+    ep = settings.ep_degree  # the actor's experts; a critic (its own module) is not expert-parallel
+    whole = shape.local_params(ep) + (shape.params if work.has_critic else 0)
+    accumulated = whole * 4 if micro_batches > 1 and world > 1 and not work.has_lora else 0
     # FSDP: two layers gathered in bf16 and their fp32 gradients, the root for the whole pass; one process: autocast
     # keeps a bfloat16 copy of every weight for the backward
-    gathered = shape.layer_params * 12 + shape.root_params * 6 if world > 1 else shape.params * 2
+    gathered = shape.local_layer_params(ep) * 12 + shape.root_params * 6 if world > 1 else shape.params * 2
     tokens = min(settings.train_tokens, tokens_per_rank)
     activations = tokens * _activation_bytes_per_token(shape, settings.gradient_checkpointing, settings.compile)
     return {
@@ -260,7 +292,7 @@ def estimate(shape: ModelShape, work: Workload, settings: Settings, world: int, 
     rollout = _trained_gib(shape, work, settings, world, "rollout") + ref + engine + prefill
     score_tokens = settings.score_tokens
     forward = score_tokens * (16 * shape.hidden + 8 * shape.intermediate) / GIB
-    gathered = (shape.layer_params * 4 + shape.root_params * 2) / GIB if world > 1 else 0.0
+    gathered = (shape.local_layer_params(settings.ep_degree) * 4 + shape.root_params * 2) / GIB if world > 1 else 0.0
     score = _trained_gib(shape, work, settings, world, "score") + ref + resident_engine + forward + gathered
     train_parts = {
         "trained_state": _trained_gib(shape, work, settings, world, "train"),
@@ -285,6 +317,7 @@ _CHOICES = {  # dotted recipe key -> Settings field
     "train.compile": "compile",
     "train.param_offload": "param_offload",
     "rollout.kv_cache_gib": "kv_cache_gib",
+    "train.ep_degree": "ep_degree",
 }
 _LADDER = [  # in order of cost: the first that fits wins
     {},
@@ -308,6 +341,8 @@ class MemoryPlan:
     settings: Settings
     message: str = ""
     """Why nothing fits and what would (empty when it fits)."""
+    shape: ModelShape | None = None
+    """The model's sizes (a mixture of experts' line in the summary: total, active, in experts)."""
 
     def summary(self) -> str:
         """One compact block: the hardware, the chosen settings, the per-phase peaks against the usable memory."""
@@ -318,9 +353,20 @@ class MemoryPlan:
         verdict = "fits" if self.fits else "DOES NOT FIT"
         return (
             f"{head}: {verdict}; peak GiB per rank {phases} of {usable_gib(self.gpu_memory_gib):.1f} usable\n"
-            f"  train peak: {parts}\n"
+            + self._moe_line()
+            + f"  train peak: {parts}\n"
             f"  chosen (keys the recipe leaves out): {settings}" + (f"\n  {self.message}" if self.message else "")
         )
+
+    def _moe_line(self) -> str:
+        """A mixture of experts' sizes and expert parallelism (empty for a dense model)."""
+        shape = self.shape
+        if shape is None or not shape.num_experts:
+            return ""
+        billions = f"{shape.params / 1e9:.2f}B parameters, {shape.active_params / 1e9:.2f}B active per token"
+        experts = f"{shape.expert_params / 1e9:.2f}B in {shape.num_experts} experts per layer"
+        ep = self.settings.ep_degree
+        return f"  MoE: {billions}, {experts}; ep_degree {ep}: a rank gathers 1/{ep} of each layer's experts\n"
 
 
 def _literal(value: Any) -> str:
@@ -365,6 +411,7 @@ def _settings_of(tree: dict) -> Settings:
         compile=bool(train.get("compile", False)),
         param_offload=bool(train.get("param_offload", False)),
         kv_cache_gib=float(rollout.get("kv_cache_gib", 0.0)),
+        ep_degree=int(train.get("ep_degree", 1)),
     )
 
 
@@ -376,10 +423,11 @@ def _search(shape: ModelShape, work: Workload, base: Settings, user: dict, world
     floor = math.ceil(work.sample_tokens / 1024) * 1024
     last = None
     for minimum in (min(MIN_GOOD_BUDGET, base.train_tokens), floor):
-        for rung in _LADDER:
-            if world == 1 and rung.get("param_offload"):  # FSDP's CPU offload needs a launcher
+        for rung, ep in ((r, ep) for r in _LADDER for ep in _ep_degrees(shape, world, base, user)):
+            settings = _fixed(user, replace(base, **rung, ep_degree=ep))
+            # FSDP's CPU offload needs a launcher, and does not combine with expert parallelism
+            if settings.param_offload and (world == 1 or settings.ep_degree > 1):
                 continue
-            settings = _fixed(user, replace(base, **rung))
             budgets = [settings.train_tokens] if "train.max_tokens_per_micro_batch" in user else None
             for tokens in budgets or _budgets(base.train_tokens, max(minimum, floor), tokens_per_rank):
                 trial = _fit_score(shape, work, replace(settings, train_tokens=tokens), user, world, gpu_gib, floor)
@@ -387,6 +435,14 @@ def _search(shape: ModelShape, work: Workload, base: Settings, user: dict, world
                 if last.peak <= usable:
                     return _plan(world, gpu_gib, True, trial, last, base, user, shape, work)
     return _plan(world, gpu_gib, False, trial, last, base, user, shape, work)
+
+
+def _ep_degrees(shape: ModelShape, world: int, base: Settings, user: dict) -> list[int]:
+    """The train.ep_degree values to try, smallest first: the recipe's own (or 1 for a dense model), else every
+    divisor of the number of GPUs that divides the experts per layer."""
+    if "train.ep_degree" in user or not shape.num_experts:
+        return [base.ep_degree]
+    return [d for d in range(1, world + 1) if world % d == 0 and shape.num_experts % d == 0]
 
 
 def _fit_score(shape: ModelShape, work: Workload, settings: Settings, user: dict, world: int, gpu_gib: float,
@@ -412,7 +468,7 @@ def _plan(world, gpu_gib, fits, settings, est, base, user, shape, work) -> Memor
             chosen[key] = value
     if "rollout.sleep" not in user and "rollout.sleep" not in chosen and work.engine == "native":
         chosen["rollout.sleep"] = settings.sleep
-    return MemoryPlan(world, gpu_gib, fits, chosen, est, settings)
+    return MemoryPlan(world, gpu_gib, fits, chosen, est, settings, shape=shape)
 
 
 def _what_fits(shape: ModelShape, work: Workload, base: Settings, user: dict, world: int, gpu_gib: float) -> str:

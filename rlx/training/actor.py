@@ -8,6 +8,7 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as torch_dist
 
 from rlx.algorithms.core import masked_sum
 from rlx.algorithms.kl import kl_estimate
@@ -26,7 +27,11 @@ class ActorTrainer(Trainer):
     """The trainable policy: a causal LM and its AdamW optimizer."""
 
     role = "actor"
-    loss_keys = ("loss", "pg_loss", "kl_loss", "entropy_loss", "moe_aux_loss", "moe_max_expert_load")
+    loss_keys = (
+        "loss", "pg_loss", "kl_loss", "entropy_loss", "moe_aux_loss", "moe_router_z_loss", "moe_max_expert_load"
+    )  # fmt: skip
+    step_expert_load: torch.Tensor = torch.zeros(())
+    """Routed (token, slot) pairs per expert [E] over the current train step (this rank's tokens)."""
 
     @property
     def loss_params(self) -> PolicyLossParams:
@@ -74,7 +79,10 @@ class ActorTrainer(Trainer):
                 raise UserError(f"{where}: {e}") from None
 
     def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
+        self.step_expert_load = torch.zeros(())
         metrics = super().train_step(batch, step)
+        if self.router_probe is not None:
+            metrics.update(self.expert_load_metrics())
         mismatched, compared = metrics.pop("actor/routing_mismatched", None), metrics.pop("actor/routing_compared", 0)
         if mismatched is not None:  # both divided by the same token count
             metrics["actor/moe_routing_mismatch"] = mismatched / compared if compared else 0.0
@@ -124,9 +132,7 @@ class ActorTrainer(Trainer):
                 logp, entropy = self.logprobs(t, part)
             loss = self.micro_loss(t, logp, entropy, norm, sums)
             if probe is not None:
-                aux = self.moe_aux_loss(probe, t, norm, sums)
-                if self.cfg.moe_aux_loss_coef > 0:
-                    loss = loss + self.cfg.moe_aux_loss_coef * aux
+                loss = loss + self.moe_loss(probe, t, norm, sums if weight else None)
             (loss * weight).backward()
         if replay is not None:
             sums["routing_mismatched"] += replay.mismatched - before[0]  # device tensors: no sync here
@@ -145,17 +151,39 @@ class ActorTrainer(Trainer):
         """Hooks on the routers of an MoE actor (None for a dense one)."""
         return RouterProbe(self.model) if moe_sizes(self.config) is not None else None
 
-    def moe_aux_loss(self, probe: RouterProbe, t: dict[str, torch.Tensor], norm: LossNorm, sums: dict) -> torch.Tensor:
-        """The routers' load-balancing loss of the micro-batch, weighted by its share of the mini-batch's trained
-        tokens (so accumulated micro-batches give about one batch's value); its metric sums added to `sums`."""
+    def moe_loss(self, probe: RouterProbe, t: dict[str, torch.Tensor], norm: LossNorm, sums: dict | None):
+        """The routers' load-balancing and z-loss terms of the micro-batch (each times its coefficient; 0 when
+        both are off), weighted by its share of the mini-batch's trained tokens (so accumulated micro-batches give
+        about one batch's value); their metric sums added to `sums` and the routed tokens per expert to the step's
+        load (None: a padding micro-batch, nothing counted)."""
         num_experts, top_k = moe_sizes(self.config)
         share = t["loss_mask"].sum() / norm.num_tokens
         aux = probe.aux_loss(num_experts, top_k) * share
-        with torch.no_grad():
-            load = probe.expert_load(num_experts)
-            sums["moe_aux_loss"] += aux.detach()
-            sums["moe_max_expert_load"] += (load.max() / load.mean().clamp(min=1e-9)) * share  # 1.0 = balanced
-        return aux
+        z_loss = probe.z_loss() * share
+        if sums is not None:
+            with torch.no_grad():
+                load = probe.expert_load(num_experts)
+                self.step_expert_load = self.step_expert_load + load.double()
+                sums["moe_aux_loss"] += aux.detach()
+                sums["moe_router_z_loss"] += z_loss.detach()
+                sums["moe_max_expert_load"] += (load.max() / load.mean().clamp(min=1e-9)) * share  # 1.0 = balanced
+        loss = torch.zeros((), device=aux.device)
+        if self.cfg.moe_aux_loss_coef > 0:
+            loss = loss + self.cfg.moe_aux_loss_coef * aux
+        if self.cfg.router_z_loss_coef > 0:
+            loss = loss + self.cfg.router_z_loss_coef * z_loss
+        return loss
+
+    def expert_load_metrics(self) -> dict[str, float]:
+        """The step's routed (token, slot) pairs per expert (summed over MoE layers and all ranks) as
+        moe/expert_load_max (the busiest expert over the mean, 1.0 = balanced) and moe/expert_load_cv (standard
+        deviation over mean, population, 0 = balanced); a collective under a launcher."""
+        load = torch.as_tensor(self.step_expert_load, dtype=torch.float64, device=self.ctx.device)
+        if self.ctx.distributed and self.ctx.world > 1:  # every rank routed its own tokens (sequence slices too)
+            torch_dist.all_reduce(load)
+        mean = load.mean().clamp(min=1e-9)
+        cv = load.std(correction=0) / mean
+        return {"moe/expert_load_max": float(load.max() / mean), "moe/expert_load_cv": float(cv)}
 
     def micro_loss(
         self, t: dict[str, torch.Tensor], logp: torch.Tensor, entropy: torch.Tensor, norm: LossNorm, sums: dict

@@ -84,6 +84,12 @@ class TrainConfig:
     moe_aux_loss_coef: float = 0.0
     """Mixture-of-experts actors: weight of the routers' load-balancing loss (0 = off); the metrics
     actor/moe_aux_loss and actor/moe_max_expert_load are logged for any MoE actor."""
+    router_z_loss_coef: float = 0.0
+    """Mixture-of-experts actors: weight of the routers' z-loss, the mean squared log-sum-exp of the router logits
+    (0 = off; ST-MoE uses 1e-3); actor/moe_router_z_loss is logged for any MoE actor."""
+    ep_degree: int = 1
+    """Mixture-of-experts models under FSDP: expert-parallel degree, ranks per group splitting each MoE layer's
+    experts (tokens travel by all-to-all); must divide the number of processes and of experts (docs/moe.md)."""
     router_replay: Literal["off", "rollout"] = "off"
     """Mixture-of-experts actors: 'rollout' routes each response token to the experts the rollout recorded
     (rollouts' routed_experts; R3) in the training forward, keeping the router's weights for them; 'off' routes
@@ -163,6 +169,10 @@ class TrainConfig:
         check(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
         check(self.kl_loss_coef >= 0, "kl_loss_coef", f"must be >= 0, got {self.kl_loss_coef}")
         check(self.moe_aux_loss_coef >= 0, "moe_aux_loss_coef", f"must be >= 0, got {self.moe_aux_loss_coef}")
+        check(self.router_z_loss_coef >= 0, "router_z_loss_coef", f"must be >= 0, got {self.router_z_loss_coef}")
+        check(self.ep_degree >= 1, "ep_degree", f"must be at least 1, got {self.ep_degree}")
+        check(self.ep_degree == 1 or not self.param_offload, "ep_degree", "expert parallelism with param_offload "
+              "is not supported yet")  # fmt: skip
         check(self.cliprange_value > 0, "cliprange_value", f"must be > 0, got {self.cliprange_value}")
         check(self.rollout_is_threshold > 0, "rollout_is_threshold", f"must be > 0, got {self.rollout_is_threshold}")
         check(self.loss_scale_factor >= 0, "loss_scale_factor", f"must be >= 0, got {self.loss_scale_factor}")

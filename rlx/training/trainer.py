@@ -36,6 +36,7 @@ from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.parallel.apply import ParallelPlan, apply_parallelism, shards_models
 from rlx.parallel.batching import balanced_partition, count_micro_batches, token_budget_micro_batches
 from rlx.parallel.dist import DistContext, all_reduce
+from rlx.parallel.experts import clip_grad_norm
 from rlx.parallel.fsdp import activation_offload, full_tensor, gathered_weights, model_weights
 from rlx.training.config import TrainConfig
 from rlx.training.optim import (
@@ -89,7 +90,10 @@ class Trainer:
             activation_checkpointing=cfg.gradient_checkpointing,
             param_dtype=dtype,
             offload=cfg.param_offload,
+            ep_degree=cfg.ep_degree,
         )
+        if lora is not None and cfg.ep_degree > 1:
+            raise UserError("expert parallelism (ep_degree > 1) does not train LoRA adapters yet")
         self.model = apply_parallelism(model, self.ctx, plan, self.role)
         self.sp_group = self.ctx.sp_group if self.ctx.sp_degree > 1 else None
         # FSDP's mixed precision casts the parameters (no autocast on top) and averages gradients over ranks
@@ -305,7 +309,10 @@ class Trainer:
         self.accumulate_gradients(mini, sums)
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        if self.cfg.ep_degree > 1:  # the experts' gradients live on a mesh of their own
+            grad_norm = float(clip_grad_norm(params, max_norm))
+        else:
+            grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
         if math.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -218,6 +218,8 @@ def build_megatron_trainer(hf_config, train_cfg: TrainConfig, ctx: MegatronConte
                            optimizer_state: dict | None = None):  # fmt: skip
     """This rank's stage loaded from its megatron `state`, as the actor's or the critic's trainer (by the
     config: a `*ForTokenClassification` config is a critic), with its AdamW state when given."""
+    if train_cfg.ep_degree > 1:
+        raise UserError(f"{where}: ep_degree {train_cfg.ep_degree}: expert parallelism runs on the fsdp backend only")
     stage = load_stage(hf_config, state, ctx, where)
     trainer_cls = MegatronCriticTrainer if is_critic_config(hf_config) else MegatronActorTrainer
     trainer = trainer_cls(stage, hf_config, train_cfg, ctx, resolve_precision(train_cfg.precision, ctx.device))
