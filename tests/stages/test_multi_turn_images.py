@@ -15,7 +15,6 @@ import string
 
 import pytest
 import torch
-from agent_helpers import random_chat_model, spans, token_engine
 from PIL import Image
 from safetensors import safe_open
 
@@ -38,8 +37,9 @@ from rlx.rollout.registry import engine_class
 from rlx.rollout.requests import TokenRequest
 from rlx.tasks.shapes import generate_shapes
 from rlx.tasks.shapes_look import LookAgainEnv, is_correct
+from tests.agent_helpers import random_chat_model, spans, token_engine
 from tests.conftest import cli, cli_ok, read_jsonl, torchrun, write_jsonl
-from tests.test_vision_stages import assert_same_gradients, assert_same_weights
+from tests.stages.test_vision_stages import assert_same_gradients, assert_same_weights
 
 ENVS = '''
 import random
@@ -405,7 +405,7 @@ def test_bad_images_in_episodes(envs, vlm_episodes, tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"sample 'q/0': the environment's step\(\) message 0 \(tool\) has image parts, "
                                         "but model type 'llama' is a text-only model"):  # fmt: skip
         runner.generate([PromptRecord(id="q", prompt="hi")])
-    # engines without images refuse prompts with images up front (agents: tests/test_agent_images.py)
+    # engines without images refuse prompts with images up front (agents: tests/stages/test_agent_images.py)
     prompts = image_prompts(1)
 
     class NoImages(engine_class("hf")):

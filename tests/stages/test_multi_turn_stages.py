@@ -14,14 +14,14 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from agent_helpers import random_chat_model
 from safetensors.torch import load_file, save_file
 
 from rlx.algorithms.advantages import ESTIMATORS
 from rlx.algorithms.losses import POLICY_LOSSES
 from rlx.models.loading import read_weights
+from tests.agent_helpers import random_chat_model
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, torchrun
-from tests.test_ppo import assert_same_weights, stable
+from tests.stages.test_ppo import assert_same_weights, stable
 
 TURNS_ENV = '''
 class Turns:

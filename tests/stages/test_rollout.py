@@ -214,7 +214,7 @@ def test_triton_draw_in_the_interpreter():
     """The GPU's two draw kernels (rlx/kernels/sampling.py), run by Triton's interpreter on the CPU: the float64
     reference's tokens, the first argmax and the log-normaliser, on rows with filtered slices, one token left, a
     repeated max and the mass at a slice boundary."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run(
         [sys.executable, "-c", DRAW_CHECK.format(repo=str(repo))], env=env, capture_output=True, text=True, cwd=repo

@@ -15,7 +15,7 @@ from rlx.models.moe import write_tiny_moe_model_dir
 from rlx.models.routing import RouterRecorder, RouterReplay, decode_routes, encode_routes
 from rlx.parallel.dist import DistContext
 from tests.conftest import cli, cli_ok, read_jsonl, rollout_args, write_jsonl, write_length_reward
-from tests.test_moe import _batch
+from tests.stages.test_moe import _batch
 
 CPU = DistContext(device=torch.device("cpu"))
 ROWS = [([1, 5, 6], [7, 8, 9, 2]), ([1, 10, 11, 12, 13], [4, 2]), ([1, 3], [5, 6, 7, 8, 9, 10])]

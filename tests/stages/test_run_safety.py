@@ -17,7 +17,7 @@ import pytest
 
 from rlx.tasks.arith import generate_arith
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, write_jsonl
-from tests.test_ppo import assert_same_weights
+from tests.stages.test_ppo import assert_same_weights
 
 QUICKSTART = REPO / "recipes" / "quickstart.toml"
 TINY = ["--set", "data.prompts_per_step=4", "--set", "rollout.n=2", "--set", "steps=2"]

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from agent_helpers import bigram_chat_model, token_engine
 
 from rlx.agent.driver import EnvRollout
 from rlx.checkpoints.registry import read_meta
@@ -24,6 +23,7 @@ from rlx.sft.config import SFTConfig
 from rlx.sft.data import read_demonstrations, tokenize_demonstrations
 from rlx.stages.sft import fine_tune
 from rlx.tasks.calculator import CalculatorEnv, demonstration, generate_calculator
+from tests.agent_helpers import bigram_chat_model, token_engine
 from tests.conftest import REPO, cli, cli_ok, max_diff, read_jsonl, torchrun, write_jsonl
 
 TINY_CHAT = REPO / "recipes" / "tiny-chat"

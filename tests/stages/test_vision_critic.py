@@ -24,9 +24,9 @@ from rlx.models.vision.tiny import build_tiny_vision_model, write_tiny_vision_mo
 from rlx.parallel.dist import DistContext
 from rlx.tasks.shapes import generate_shapes, write_shapes
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, torchrun, write_length_reward
-from tests.test_ppo import stable
-from tests.test_vision import chat, image_part, micro_batch
-from tests.test_vision_stages import assert_same_gradients, assert_same_weights, tower_keys
+from tests.stages.test_ppo import stable
+from tests.stages.test_vision_stages import assert_same_gradients, assert_same_weights, tower_keys
+from tests.unit.test_vision import chat, image_part, micro_batch
 
 CPU = DistContext(device=torch.device("cpu"))
 PROCESSOR_FILES = ("preprocessor_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -267,7 +267,8 @@ def test_ppo_with_a_critic_equals_the_shell_pipeline_and_resumes(tmp_path):
             REPO / "recipes" / "tiny-vlm" / name
         ).read_bytes()
     # the driver's reference is a copy of the initial policy, `rlx score --ref` of the actor's own checkpoint shares
-    # the actor's module: their KL differs by float noise (the same without a critic, tests/test_vision_stages.py)
+    # the actor's module: their KL differs by float noise (the same without a critic,
+    # tests/stages/test_vision_stages.py)
     lines, shell_lines = (stable(read_jsonl(run / "metrics.jsonl")) for run in (ppo, sh))
     for step in (1, 2):
         assert abs(lines[step].pop("actor/ref_kl") - shell_lines[step].pop("actor/ref_kl")) < 1e-6

@@ -29,7 +29,7 @@ from rlx.rollout.base import build_engine
 from rlx.rollout.config import RolloutConfig
 from rlx.tasks.shapes import generate_shapes, write_shapes
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, torchrun, write_jsonl, write_length_reward
-from tests.test_vision import chat, image_part, random_image
+from tests.unit.test_vision import chat, image_part, random_image
 
 FAMILY_NAMES = [f.name for f in FAMILIES.values()]
 RECIPE = REPO / "recipes" / "tiny_vlm_shapes.toml"
@@ -202,7 +202,7 @@ def test_shard_merge_carries_the_processor_files(tmp_path):
 @pytest.mark.slow  # 4 fresh processes of the shell pipeline: ~45 s on 2 shared CPU cores
 def test_ppo_equals_the_shell_pipeline(tmp_path):
     """recipes/tiny_vlm_shapes.sh, stage by stage, gives the rollouts, scores and weights of `rlx ppo` on its recipe
-    (one step: the seeds and data positions of later steps are the quickstart's, tests/test_ppo.py)."""
+    (one step: the seeds and data positions of later steps are the quickstart's, tests/stages/test_ppo.py)."""
     env = {**os.environ, "STEPS": "1", "SEED": "3", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     script = REPO / "recipes" / "tiny_vlm_shapes.sh"
     subprocess.run(["bash", str(script), str(tmp_path / "sh")], env=env, check=True, capture_output=True)

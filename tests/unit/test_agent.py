@@ -7,16 +7,6 @@ import json
 import math
 
 import pytest
-from agent_helpers import (
-    CALC_PIECES,
-    CALC_SCRIPT,
-    ENVS,
-    QUESTIONS,
-    bigram_chat_model,
-    random_chat_model,
-    spans,
-    token_engine,
-)
 
 from rlx.agent.driver import EnvRollout
 from rlx.agent.environment import EnvironmentFactory
@@ -31,6 +21,16 @@ from rlx.rollout.config import RolloutConfig
 from rlx.rollout.requests import TokenRequest
 from rlx.scoring.rewards import RewardFunctions
 from rlx.tasks import calculator
+from tests.agent_helpers import (
+    CALC_PIECES,
+    CALC_SCRIPT,
+    ENVS,
+    QUESTIONS,
+    bigram_chat_model,
+    random_chat_model,
+    spans,
+    token_engine,
+)
 from tests.conftest import cli, cli_ok
 
 

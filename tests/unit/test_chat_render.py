@@ -13,7 +13,7 @@ from rlx.chat.trajectory import _ANCHORS, ChatRenderer
 from rlx.errors import UserError
 from rlx.models.tiny_chat import build_chat_tokenizer
 from rlx.tasks.calculator import CalculatorEnv
-from tests.test_agent import STRICT_TEMPLATE
+from tests.unit.test_agent import STRICT_TEMPLATE
 
 PLAIN_TEMPLATE = (
     "{%- for m in messages %}{{- m.role + ': ' + m.content + '\\n' }}{%- endfor %}"

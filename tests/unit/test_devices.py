@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # A stand-in for torch_npu: registers the 'npu' device type the way the real package does and
 # exposes the torch.npu calls rlx makes, recording them.

@@ -11,7 +11,6 @@ import threading
 
 import openai
 import pytest
-from agent_helpers import QUESTIONS, random_chat_model, token_engine
 
 from rlx.agent.agents import AgentRollout
 from rlx.agent.driver import EnvRollout
@@ -20,6 +19,7 @@ from rlx.agent.generate import generate_multi_turn
 from rlx.errors import UserError
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import RolloutConfig
+from tests.agent_helpers import QUESTIONS, random_chat_model, token_engine
 
 ENVS = '''
 import threading
@@ -187,7 +187,7 @@ def test_refused_requests_are_not_mistaken_for_an_agent_that_never_called():
         finish(agent_rollout(model, silent))
     runner = agent_rollout(model, silent, on_env_error="zero")
     assert finish(runner) == [] and runner.last_stats["env/dropped"] == 6
-    cfg = RolloutConfig(n=3, max_new_tokens=4, agent="tests.test_hung_calls:silent_agent", on_env_error="zero")
+    cfg = RolloutConfig(n=3, max_new_tokens=4, agent="tests.unit.test_hung_calls:silent_agent", on_env_error="zero")
     with pytest.raises(UserError, match="every sample failed before the model generated anything"):
         generate_multi_turn(token_engine(*model), model[1], QUESTIONS, cfg, SAMPLING)
 

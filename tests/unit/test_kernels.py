@@ -92,7 +92,7 @@ TRITON_CHECK = textwrap.dedent("""
     from rlx.kernels.logprob_entropy import naive_logprob_entropy
     from rlx.kernels.triton_logprob import TritonLogprobEntropy
     sys.path.insert(0, {repo!r})
-    from tests.test_kernels import problem, run
+    from tests.unit.test_kernels import problem, run
     worst = 0.0
     for temperature in (1.0, 0.6):
         hidden, weight, targets, up = problem(n=37, h=32, v=300)
@@ -184,7 +184,7 @@ VOCAB_PARALLEL = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     from rlx.parallel.dist import exit_process
     from rlx.kernels.logprob_entropy import naive_logprob_entropy, vocab_parallel_logprob_entropy
-    from tests.test_kernels import problem, run
+    from tests.unit.test_kernels import problem, run
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     hidden, weight, targets, up = problem(n=21, h=16, v=103)

@@ -29,7 +29,7 @@ from rlx.training.actor import ActorTrainer
 from rlx.training.config import TrainConfig
 from rlx.training.critic import CriticTrainer
 from tests.conftest import REPO, run_torchrun
-from tests.test_packing import tiny_config
+from tests.unit.test_packing import tiny_config
 
 peft = pytest.importorskip("peft")
 FAMILIES = ("llama", "qwen2")  # tied embeddings, no biases / untied head, q/k/v biases
@@ -385,7 +385,7 @@ FSDP_SCRIPT = textwrap.dedent("""
     from rlx.models.lora_merge import merged_weights
     from rlx.models.lora_state import adapter_state
     from rlx.models.value import build_value_model
-    from tests.test_lora import inputs, make_batch, plain, with_lora
+    from tests.unit.test_lora import inputs, make_batch, plain, with_lora
 
     ctx = setup("cpu")
     cpu, targets = torch.device("cpu"), ["q_proj", "v_proj", "down_proj"]

@@ -9,7 +9,6 @@ import math
 import sys
 
 import pytest
-from agent_helpers import ENVS, bigram_chat_model, random_chat_model, spans, token_engine
 
 from rlx.agent.driver import EnvRollout
 from rlx.formats.records import PromptRecord
@@ -17,6 +16,7 @@ from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import RolloutConfig
 from rlx.rollout.native.blocks import BlockManager, Sequence
 from rlx.rollout.requests import TokenRequest
+from tests.agent_helpers import ENVS, bigram_chat_model, random_chat_model, spans, token_engine
 
 QUESTIONS = [PromptRecord(id=f"q{i}", prompt=f"say {i}") for i in range(3)]
 

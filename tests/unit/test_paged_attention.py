@@ -22,7 +22,7 @@ from rlx.kernels.paged_attention import (
     write_kv,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -166,7 +166,7 @@ TRITON_CHECK = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import torch
     from rlx.kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton, write_kv
-    from tests.test_paged_attention import make_problem, rope_error
+    from tests.unit.test_paged_attention import make_problem, rope_error
     worst = 0.0
     for lens, heads, kv_heads, head_dim, block_size, block_n in [
         ([1, 4, 8, 13, 0], 4, 2, 32, 4, 16),  # context 0 gives zeros in both

@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 import torch
-from agent_helpers import random_chat_model, token_engine
 
 from rlx.rollout.config import RolloutConfig
 from rlx.rollout.requests import TokenRequest
 from rlx.rollout.sampling import batch_sampling, filter_logits, sample_next
+from tests.agent_helpers import random_chat_model, token_engine
 
 OWN = [  # (temperature, top_p, top_k, seed) of each request; None: the stream's
     (0.5, None, None, None),

@@ -12,16 +12,6 @@ import urllib.request
 
 import openai
 import pytest
-from agent_helpers import (
-    CALC_PIECES,
-    CALC_SCRIPT,
-    ENVS,
-    QUESTIONS,
-    bigram_chat_model,
-    random_chat_model,
-    spans,
-    token_engine,
-)
 
 from rlx.agent.agents import AgentRollout
 from rlx.agent.driver import EnvRollout
@@ -34,6 +24,16 @@ from rlx.serve.server import AgentServer
 from rlx.serve.sessions import normalize_message
 from rlx.serve.stream import StreamBackend
 from rlx.tasks.calculator import CALCULATOR_TOOL, evaluate
+from tests.agent_helpers import (
+    CALC_PIECES,
+    CALC_SCRIPT,
+    ENVS,
+    QUESTIONS,
+    bigram_chat_model,
+    random_chat_model,
+    spans,
+    token_engine,
+)
 
 AGENT = '''
 from openai import OpenAI

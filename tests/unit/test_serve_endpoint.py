@@ -19,8 +19,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from agent_helpers import CALC_PIECES, CALC_SCRIPT, bigram_chat_model, random_chat_model, token_engine
-from conftest import cli, read_jsonl
 
 from rlx.chat.tool_calls import parse_json_list, parser_for_template
 from rlx.errors import UserError
@@ -34,6 +32,8 @@ from rlx.serve.server import AgentServer
 from rlx.serve.stream import StreamBackend
 from rlx.stages.serve import session_record
 from rlx.tasks.calculator import CALCULATOR_TOOL
+from tests.agent_helpers import CALC_PIECES, CALC_SCRIPT, bigram_chat_model, random_chat_model, token_engine
+from tests.conftest import cli, read_jsonl
 
 SAMPLING = RolloutConfig(max_new_tokens=6, temperature=1.0, seed=3)
 HI = [{"role": "user", "content": "hi"}]

@@ -358,7 +358,7 @@ SEQUENCE_PARALLEL = textwrap.dedent("""
     from rlx.parallel.ulysses import enable_ulysses_attention
     from rlx.models.vision.packing import VisionRow, set_decoder_attention, vision_forward
     from rlx.models.vision.tiny import build_tiny_vision_model
-    from tests.test_vision import straddling_micro_batch
+    from tests.unit.test_vision import straddling_micro_batch
 
     dist.init_process_group("gloo")
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
@@ -394,7 +394,7 @@ SEQUENCE_PARALLEL = textwrap.dedent("""
     # MLA (Kimi's decoder): Ulysses all-to-alls carry values narrower than queries and keys
     from rlx.parallel.ulysses import sequence_parallel_forward
     from rlx.models.attention import pack
-    from tests.test_vision import tiny_mla_model
+    from tests.unit.test_vision import tiny_mla_model
 
     model = tiny_mla_model()
     enable_ulysses_attention(model)

@@ -260,7 +260,7 @@ def test_eval_in_the_stream_equals_the_eval_alone(engine, hf_model, eval_setting
     drawing with its own seed, not the stream's) equal `evaluate` alone, greedy and sampled."""
     from rlx.evaluation.evaluate import EvalConfig, evaluate
     from rlx.formats.records import read_prompts
-    from tests.test_async_eval import PROMPTS, run_in_stream
+    from tests.unit.test_async_eval import PROMPTS, run_in_stream
 
     model, _ = hf_model
     varied = type(model)(model.config).eval()
@@ -361,13 +361,13 @@ def test_multi_turn_episodes_through_the_token_stream(tmp_path):
     """~30 s (a vLLM engine start). Sampled episodes of a Python environment through vLLM's token-level stream:
     several turns, environment tokens out of the mask, and every model token's logprob equal to the training
     forward over the whole trajectory (the context of each turn is the earlier tokens verbatim)."""
-    from agent_helpers import ENVS
     from transformers import AutoModelForCausalLM
 
     from rlx.agent.driver import EnvRollout
     from rlx.models.tiny import SPECIAL_TOKENS
     from rlx.models.tiny_chat import MARKUP_TOKENS, build_chat_tokenizer, tiny_chat_config
     from rlx.rollout.agent_config import AgentConfig
+    from tests.agent_helpers import ENVS
 
     tokenizer = build_chat_tokenizer("qwen2.5")
     config = tiny_chat_config(tokenizer, num_heads=2, num_kv_heads=1, max_positions=512)  # head_dim 32 for vLLM
