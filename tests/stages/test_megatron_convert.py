@@ -5,7 +5,6 @@ read a model (rollout, score) accepting it. Conversion needs no megatron-core, s
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from rlx.checkpoints.meta import CheckpointMeta
 from rlx.checkpoints.registry import read_full_optimizer
 from rlx.models.loading import read_weights
 from rlx.models.tiny import build_char_tokenizer
-from tests.conftest import REPO, cli, cli_ok, read_jsonl, rollout_args, run_torchrun, save_tiny_hf
+from tests.conftest import WORKERS, cli, cli_ok, read_jsonl, rollout_args, run_torchrun, save_tiny_hf
 
 AUX = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -184,39 +183,13 @@ def test_read_rank_state_and_optimizer_reshard(tmp_path):
     assert read_rank_optimizer(tmp_path / "fresh", 0, 0) is None
 
 
-COLLECTIVE_WRITE = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {repo!r})
-    import torch
-    import torch.distributed as dist
-    from rlx.checkpoints.files import aux_files
-    from rlx.checkpoints.megatron import read_rank_state, save_megatron_rank_checkpoint
-    from rlx.checkpoints.meta import CheckpointMeta
-    from rlx.parallel.dist import exit_process, setup
-
-    ctx = setup("cpu")
-    tp_rank, dp_rank = ctx.rank % 2, ctx.rank // 2  # tp 2 x dp 2, tensor-parallel neighbours adjacent
-    state = read_rank_state({source!r}, tp_rank, 0)
-    optimizer = {{f"{{n}}::exp_avg": torch.full_like(v, float(dp_rank)) for n, v in state.items()}}
-    meta = CheckpointMeta(layout="megatron", tp_degree=2, pp_degree=1, step=1)
-    save_megatron_rank_checkpoint(
-        {out!r}, state, optimizer, aux_files({source!r}), meta, ctx, tp_rank, 0, dp_rank
-    )
-    dist.barrier()
-    dist.destroy_process_group()
-    exit_process(0)
-""")
-
-
 def test_collective_writer_with_data_parallel_replicas(tmp_path):
     hf = save_tiny_hf(tmp_path / "hf", tie=False)
     source = shard_megatron(hf, tmp_path / "ckpt", 2, 1)
-    script = tmp_path / "write.py"
-    script.write_text(COLLECTIVE_WRITE.format(repo=str(REPO), source=str(source), out=str(tmp_path / "next")))
-    run_torchrun(4, script, timeout=300)
+    run_torchrun(4, WORKERS / "megatron_write.py", source, tmp_path / "next", timeout=300)
     meta = CheckpointMeta.read(tmp_path / "next")
     assert (meta.step, meta.tp_degree) == (1, 2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf", "next", "write.py"]  # no temporaries
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf", "next"]  # no temporaries
     for t in range(2):
         assert all(float(v.abs().max()) == 0.0 for v in read_rank_optimizer(tmp_path / "next", t, 0).values())
     assert_bit_equal(read_weights(hf), read_full_weights(tmp_path / "next"))

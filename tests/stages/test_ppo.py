@@ -167,22 +167,6 @@ def test_run_with_tracking_traces_and_mfu(tmp_path):
     assert 0 < line["perf/mfu"] < 1
 
 
-KILL_DURING_WRITE = """
-import os, signal, sys
-from rlx.checkpoints import single
-write_files = single.write_files
-def dying(folder, weights, aux, meta, optimizer=None):
-    if meta.step == 4 and not folder.name == "critic":  # half of step 4's files, then a kill -9 in the writer thread
-        (folder / "config.json").write_bytes(aux["config.json"])
-        os.kill(os.getpid(), signal.SIGKILL)
-    write_files(folder, weights, aux, meta, optimizer)
-single.write_files = dying
-from rlx.cli import main
-sys.argv = ["rlx", *sys.argv[1:]]
-main()
-"""
-
-
 def test_snapshot_buffers_are_pinned_ahead_only_for_the_layout_that_copies_them(monkeypatch):
     """The first checkpoint's host buffers are reserved for trainers whose state the default layout copies
     (`snapshot_state`); a backend with a layout of its own (megatron's stages) reserves nothing."""
@@ -214,8 +198,7 @@ def test_a_kill_during_a_background_checkpoint_write_resumes_bit_exactly(tmp_pat
     cli_ok("ppo", QUICKSTART, "--out", reference, *args)
     assert reserved == [("actor/weights", {}), ("actor/optimizer", {})]
     run = tmp_path / "killed"
-    script = tmp_path / "dying.py"
-    script.write_text(KILL_DURING_WRITE)
+    script = Path(__file__).parent / "workers" / "kill_during_write.py"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, str(script), "ppo", str(QUICKSTART), "--out", str(run), *args], env=env,
                           capture_output=True, text=True)  # fmt: skip

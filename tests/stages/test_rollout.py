@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 from rlx.rollout.sampling import draw_tokens, filter_logits, sample_uniforms
-from tests.conftest import cli_ok, read_jsonl, rollout_args, write_jsonl
+from tests.conftest import cli_ok, read_jsonl, rollout_args, run_script, write_jsonl
 
 ROLLOUT_FIELDS = {
     "format_version",
@@ -184,39 +180,10 @@ def test_inverse_cdf_draws_follow_the_distribution():
     assert torch.equal(sample_uniforms(3, ["a/0"], 5), sample_uniforms(3, ["b/1", "a/0"], 5)[1:])
 
 
-DRAW_CHECK = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {repo!r})
-    import torch
-    from rlx.rollout.sampling import draw_tokens_torch
-    from rlx.kernels.sampling import SLICE, draw_tokens_triton
-    g = torch.Generator().manual_seed(0)
-    vocab = 2 * SLICE + 1000  # two full slices and a partial one
-    x = torch.randn(8, vocab, generator=g) * 3
-    x[1, SLICE:] = float("-inf")  # filtered tokens (top-k / top-p): whole slices without probability
-    x[2, :] = float("-inf"); x[2, 5] = 0.0  # one token left
-    x[3, 7] = x[3, SLICE + 9] = 40.0  # the max twice, in two slices: the first one is the argmax
-    x[4, SLICE - 1] = 30.0; x[4, SLICE] = 30.0  # two tokens hold (almost) all the mass, across a slice boundary
-    u = torch.tensor([0.0, 0.3, 0.7, 0.999999, 0.49999, 0.5, 0.9, 0.12], dtype=torch.float64)
-    scale = float(torch.tensor(1.0) / torch.tensor(0.7))
-    tokens, argmax, lse = draw_tokens_triton(x.bfloat16(), u, scale)
-    scaled = x.bfloat16().float() * scale
-    assert tokens.tolist() == draw_tokens_torch(scaled, u).tolist(), (tokens, draw_tokens_torch(scaled, u))
-    assert argmax.tolist() == scaled.argmax(-1).tolist() and argmax[3] == 7
-    assert torch.allclose(lse, torch.logsumexp(scaled, -1), rtol=1e-5)
-    assert tokens[4] in (SLICE - 1, SLICE) and tokens[2] == 5
-    print("ok")
-""")
-
-
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_triton_draw_in_the_interpreter():
     """The GPU's two draw kernels (rlx/kernels/sampling.py), run by Triton's interpreter on the CPU: the float64
     reference's tokens, the first argmax and the log-normaliser, on rows with filtered slices, one token left, a
     repeated max and the mass at a slice boundary."""
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", DRAW_CHECK.format(repo=str(repo))], env=env, capture_output=True, text=True, cwd=repo
-    )
+    out = run_script(Path(__file__).parent / "workers" / "triton_draw_check.py", {"TRITON_INTERPRET": "1"})
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -87,20 +87,11 @@ def test_a_start_that_completed_no_step_can_be_started_again(tmp_path):
     assert ppo(out, "--resume", "--overwrite").exit_code == 1
 
 
-HOLD_LOCK = """
-import sys, time
-from pathlib import Path
-from rlx.parallel.dist import DistContext
-from rlx.ppo.start import RunLock
-lock = RunLock.take(Path(sys.argv[1]), DistContext())
-print("locked", flush=True)
-time.sleep(120)
-"""
-
-
 def test_a_second_run_on_a_locked_folder_names_the_holder(tmp_path):
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    script = Path(__file__).parent / "workers" / "hold_lock.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    holder = subprocess.Popen([sys.executable, script, str(out)], stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
     try:
         assert holder.stdout.readline().strip() == "locked"
         busy = ppo(out, "--resume")

@@ -12,29 +12,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# A stand-in for torch_npu: registers the 'npu' device type the way the real package does and
-# exposes the torch.npu calls rlx makes, recording them.
-FAKE_TORCH_NPU = """
-import types
-import torch
-
-torch.utils.rename_privateuse1_backend("npu")
-calls = []
-torch.npu = types.SimpleNamespace(
-    is_available=lambda: True,
-    device_count=lambda: 8,
-    current_device=lambda: 0,
-    set_device=lambda index: calls.append(("set_device", index)),
-)
-"""
+FAKE_NPU = Path(__file__).parent / "workers" / "fake_npu"  # a stand-in torch_npu package
 
 
 def run_python(code: str, tmp_path: Path, env: dict | None = None, fake_npu: bool = False, timeout: int = 120):
     path = [str(REPO)]
     if fake_npu:
-        (tmp_path / "fake" / "torch_npu").mkdir(parents=True)
-        (tmp_path / "fake" / "torch_npu" / "__init__.py").write_text(FAKE_TORCH_NPU)
-        path.insert(0, str(tmp_path / "fake"))
+        path.insert(0, str(FAKE_NPU))
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1", **(env or {})}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS", "SLURM_PROCID"):
         if env is None or key not in env:
@@ -86,26 +70,7 @@ def test_without_torch_npu_npu_is_a_clear_error_and_cpu_gets_gloo(tmp_path):
 
 def test_collective_timeout_is_a_one_line_error(tmp_path):
     """A rank that stalls makes the others fail after $RLX_COLLECTIVE_TIMEOUT_S with a clear message."""
-    script = tmp_path / "stall.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import sys, time
-            import typer
-            from rlx.commands._common import reporting
-            from rlx.parallel.dist import barrier, setup
-
-            try:
-                with reporting("test"):
-                    ctx = setup("cpu")
-                    if ctx.rank == 1:
-                        time.sleep(60)
-                    barrier()
-            except typer.Exit as e:
-                sys.exit(e.exit_code)
-            """
-        )
-    )
+    script = REPO / "tests" / "distributed" / "workers" / "stall_then_barrier.py"
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),

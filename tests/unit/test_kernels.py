@@ -4,10 +4,7 @@ gives the same logprobs and updates as the naive head."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +15,7 @@ from rlx.kernels.logprob_entropy import (
     naive_logprob_entropy,
     resolve_impl,
 )
-from tests.conftest import REPO, run_torchrun
+from tests.conftest import WORKERS, run_script, run_torchrun
 
 HAS_TRITON = __import__("importlib").util.find_spec("triton") is not None
 
@@ -87,34 +84,13 @@ def test_impl_resolution():
         resolve_impl("fast", torch.device("cpu"))
 
 
-TRITON_CHECK = textwrap.dedent("""
-    import torch, sys
-    from rlx.kernels.logprob_entropy import naive_logprob_entropy
-    from rlx.kernels.triton_logprob import TritonLogprobEntropy
-    sys.path.insert(0, {repo!r})
-    from tests.unit.test_kernels import problem, run
-    worst = 0.0
-    for temperature in (1.0, 0.6):
-        hidden, weight, targets, up = problem(n=37, h=32, v=300)
-        h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
-        want = run(lambda h, w, t: naive_logprob_entropy(h, w, t, temperature), h64, w64, targets, up)
-        got = run(lambda h, w, t: TritonLogprobEntropy.apply(h, w, t, temperature, -100, None), hidden, weight,
-                  targets, up)
-        worst = max(worst, *[(a.double() - b.double()).abs().max().item() for a, b in zip(got, want)])
-        assert (got[0][[3, 7]] == 0).all()
-    print(worst)
-""")
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 @pytest.mark.parametrize("fwd,bwd", [("fused", "fused"), ("cublas", "cublas")])
 def test_triton_kernels_in_the_interpreter(fwd, bwd):
     """The Triton kernels themselves (not a fallback), run by Triton's interpreter on the CPU, against a
     float64 reference: fused matmul kernels, and the cuBLAS-logits + Triton-elementwise variant."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "RLX_LOGPROB_FWD": fwd, "RLX_LOGPROB_BWD": bwd}
-    out = subprocess.run(
-        [sys.executable, "-c", TRITON_CHECK.format(repo=str(REPO))], env=env, capture_output=True, text=True, cwd=REPO
-    )
+    env = {"TRITON_INTERPRET": "1", "RLX_LOGPROB_FWD": fwd, "RLX_LOGPROB_BWD": bwd}
+    out = run_script(Path(__file__).parent / "workers" / "triton_logprob_check.py", env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert float(out.stdout.strip().splitlines()[-1]) < 1e-5
 
@@ -176,36 +152,7 @@ def test_model_path_equals_the_naive_head(tie):
         assert torch.allclose(g_n[name], g_c[name], atol=1e-5), name
 
 
-VOCAB_PARALLEL = textwrap.dedent("""
-    import os, sys
-    if {impl!r} == "triton":
-        os.environ["TRITON_INTERPRET"] = "1"  # the Triton kernels on the CPU
-    import torch, torch.distributed as dist
-    sys.path.insert(0, {repo!r})
-    from rlx.parallel.dist import exit_process
-    from rlx.kernels.logprob_entropy import naive_logprob_entropy, vocab_parallel_logprob_entropy
-    from tests.unit.test_kernels import problem, run
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    hidden, weight, targets, up = problem(n=21, h=16, v=103)
-    want = run(lambda h, w, t: naive_logprob_entropy(h, w, t, 0.8), hidden, weight, targets, up)
-    bounds = [0, 40, 103] if world == 2 else [0, 30, 55, 80, 103]
-    lo, hi = bounds[rank], bounds[rank + 1]
-    shard = weight.detach()[lo:hi].clone().requires_grad_()
-    h = hidden.detach().clone().requires_grad_()
-    got = run(lambda h_, w_, t: vocab_parallel_logprob_entropy(h_, w_, t, lo, temperature=0.8, chunk=17,
-                                                               impl={impl!r}), h, shard, targets, up)
-    err = max((got[i] - want[i]).abs().max().item() for i in range(3))
-    err = max(err, (got[3] - want[3][lo:hi]).abs().max().item())
-    assert err < 1e-5, (rank, err)
-    dist.barrier()
-    dist.destroy_process_group()
-    exit_process(0)
-""")
-
-
 @pytest.mark.parametrize("world,impl", [(2, "chunked"), (4, "chunked"), (2, "triton")])
 def test_vocab_parallel_equals_the_full_vocabulary(tmp_path, world, impl):
-    script = tmp_path / "vp.py"
-    script.write_text(VOCAB_PARALLEL.format(repo=str(REPO), impl=impl))
-    run_torchrun(world, script, timeout=300)
+    env = {"TRITON_INTERPRET": "1"} if impl == "triton" else {}  # the Triton kernels on the CPU
+    run_torchrun(world, WORKERS / "vocab_parallel.py", impl, timeout=300, env=env)

@@ -5,10 +5,6 @@ CPU, CUDA when present) equals the reference."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,8 +17,8 @@ from rlx.kernels.paged_attention import (
     resolve_impl,
     write_kv,
 )
+from tests.conftest import run_script
 
-REPO = Path(__file__).resolve().parents[2]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -161,51 +157,12 @@ def rope_error(kernel, device="cpu", dtype=torch.float32, **kwargs) -> float:
     return worst
 
 
-TRITON_CHECK = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {repo!r})
-    import torch
-    from rlx.kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton, write_kv
-    from tests.unit.test_paged_attention import make_problem, rope_error
-    worst = 0.0
-    for lens, heads, kv_heads, head_dim, block_size, block_n in [
-        ([1, 4, 8, 13, 0], 4, 2, 32, 4, 16),  # context 0 gives zeros in both
-        ([1, 16, 37], 14, 2, 64, 16, 32),  # Qwen2-0.5B heads, several steps per sequence
-        ([3, 10], 6, 2, 24, 3, 16),  # padded head_dim, group of 3, block_size not a power of 2
-    ]:
-        q, kc, vc, tables, ctx = make_problem(lens, heads, kv_heads, head_dim, block_size)
-        want = paged_decode_attention_torch(q, kc, vc, tables, ctx, head_dim**-0.5)
-        got = paged_decode_attention_triton(q, kc, vc, tables, ctx, head_dim**-0.5, block_n=block_n)
-        worst = max(worst, (got - want).abs().max().item())
-    # the kernel writes each sequence's new key and value at its last position first (new_kv), as write_kv does
-    q, kc, vc, tables, ctx = make_problem([5, 12, 1], 4, 2, 32, 4)
-    slots = torch.stack([tables[b, (n - 1) // 4].long() * 4 + (n - 1) % 4 for b, n in enumerate(ctx.tolist())])
-    new_k, new_v = torch.randn(2, 3, 2, 32).unbind(0)
-    kc2, vc2 = kc.clone(), vc.clone()
-    got = paged_decode_attention_triton(q, kc, vc, tables, ctx, 0.2, block_n=16, new_kv=(new_k, new_v, slots))
-    write_kv(kc2, vc2, slots, new_k, new_v)
-    want = paged_decode_attention_torch(q, kc2, vc2, tables, ctx, 0.2)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
-    worst = max(worst, (got - want).abs().max().item())
-    # flash-decoding: contexts split in 2 and 3 parts (a part may be empty), combined by the reduce kernel
-    q, kc, vc, tables, ctx = make_problem([5, 40, 1, 33, 0], 4, 2, 32, 4)
-    want = paged_decode_attention_torch(q, kc, vc, tables, ctx, 0.2)
-    for splits in (2, 3):
-        got = paged_decode_attention_triton(q, kc, vc, tables, ctx, 0.2, block_n=16, num_splits=splits)
-        worst = max(worst, (got - want).abs().max().item())
-    worst = max(worst, rope_error(paged_decode_attention_triton, block_n=16))
-    print(worst)
-""")
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_triton_kernel_in_the_interpreter():
     """The Triton kernel itself, run by Triton's interpreter on the CPU (TRITON_INTERPRET=1 set before triton is
     imported, hence a subprocess), against the float32 reference."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", TRITON_CHECK.format(repo=str(REPO))], env=env, capture_output=True, text=True, cwd=REPO
-    )
+    env = {"TRITON_INTERPRET": "1"}
+    out = run_script(Path(__file__).parent / "workers" / "triton_paged_attention_check.py", env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert float(out.stdout.strip().splitlines()[-1]) < 1e-4
 
