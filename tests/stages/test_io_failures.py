@@ -5,6 +5,7 @@ prompt limits (max_prompt_length, the model's context) and the prompts a step ta
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ import pytest
 from rlx.formats.data import take_prompts
 from rlx.formats.records import read_prompts
 from rlx.utils import files, io
-from tests.conftest import REPO, cli, cli_ok, read_jsonl, rollout_args, write_jsonl
+from tests.conftest import REPO, cli, cli_ok, read_jsonl, rollout_args, run_script, write_jsonl
 
 QUICKSTART = REPO / "recipes" / "quickstart.toml"
 SMOLLM2_PROMPTS = REPO / "recipes" / "data" / "arith_chat.jsonl"
@@ -212,41 +213,33 @@ def test_temporary_names_carry_host_and_pid(tmp_path):
     assert files._temp_owner(".notes.tmp") is None and files._temp_owner("x.rlx-h-1-a.tmp") is None
 
 
-def _limit_file_size(limit: int):
-    """preexec_fn: every file the command writes may grow to `limit` bytes (RLIMIT_FSIZE; Python ignores SIGXFSZ,
-    so a write past it fails with EFBIG, as a full disk fails with ENOSPC)."""
-    import resource
-
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return apply
-
-
 def test_a_file_size_limit_is_one_line_for_every_tensor_writer(tmp_path, tiny_ckpt, prompts_file):
     """safetensors reports EFBIG as its own SafetensorError (not an OSError): merge, train-step, shard and score
-    still end with one line and exit 1, and leave no output (nor a temporary) behind."""
+    still end with one line and exit 1, and leave no output (nor a temporary) behind. The four commands run in one
+    subprocess (the file-size limit holds for a whole process), see tests/stages/workers/file_size_limit.py."""
     rollouts = tmp_path / "r.jsonl"
     cli_ok(*rollout_args(tiny_ckpt, prompts_file, rollouts))
     cli_ok("score", "--rollouts", rollouts, "--actor", tiny_ckpt, "--reward", "arith", "--out", tmp_path / "s")
     batch = tmp_path / "s" / "batch.safetensors"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
-    for name, args in {
+    commands = {
         "merge": ["merge", "--checkpoint", tiny_ckpt],
         "train-step": ["train-step", "--checkpoint", tiny_ckpt, "--batch", batch],
         "shard": ["shard", "--model", tiny_ckpt],
         "score": ["score", "--rollouts", rollouts, "--actor", tiny_ckpt, "--reward", "arith"],
-    }.items():
-        out_dir = tmp_path / f"limited-{name}"
-        out_dir.mkdir()
-        command = [sys.executable, "-m", "rlx", *map(str, args), "--out", str(out_dir / "out")]
-        done = subprocess.run(
-            command, capture_output=True, text=True, env=env, timeout=300, preexec_fn=_limit_file_size(2048)
-        )
-        assert done.returncode == 1, (name, done.stderr[-3000:])
-        lines = [line for line in done.stderr.splitlines() if line.startswith(f"rlx {name}: error:")]
-        assert len(lines) == 1 and "file too large" in lines[0] and "Traceback" not in done.stderr, done.stderr
-        left = [p for p in out_dir.rglob("*") if not p.is_dir()]  # score's --out folder may stay, empty
+    }
+    for name in commands:
+        (tmp_path / f"limited-{name}").mkdir()
+    argv = [[*map(str, args), "--out", str(tmp_path / f"limited-{name}" / "out")] for name, args in commands.items()]
+    env = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    done = run_script(Path(__file__).parent / "workers" / "file_size_limit.py", env, "2048", json.dumps(argv))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["command"] for r in results] == list(commands), done.stdout[-3000:]
+    for name, result in zip(commands, results):
+        assert result["code"] == 1, (name, result["stderr"][-3000:])
+        lines = [line for line in result["stderr"].splitlines() if line.startswith(f"rlx {name}: error:")]
+        assert len(lines) == 1 and "file too large" in lines[0] and "Traceback" not in result["stderr"], result
+        left = [p for p in (tmp_path / f"limited-{name}").rglob("*") if not p.is_dir()]  # score's --out may stay
         assert left == [], (name, left)
 
 
