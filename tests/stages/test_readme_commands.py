@@ -1,18 +1,21 @@
-"""The README's commands work verbatim on a fresh clone: the "one GRPO step by hand" block runs as written (each
-`rlx` and `python` through this interpreter), and the guides' one-line commands that a new user copies first name
-options and files that exist."""
+"""The README's commands work verbatim on a fresh clone: the "one GRPO step by hand" block runs as written (`rlx`
+lines through this process's rlx, `python` through this interpreter), and the guides' one-line commands that a new
+user copies first name options and files that exist."""
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, cli
+
+SHELL_SYNTAX = re.compile(r"""[|&;<>$`(){}*?~\\'"]""")  # what only a shell would read: such lines go to bash
 
 
 def bash_blocks(text: str) -> list[str]:
@@ -31,16 +34,25 @@ def command_lines(block: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_grpo_step_by_hand_runs_verbatim(tmp_path):
+def test_the_grpo_step_by_hand_runs_verbatim(tmp_path, monkeypatch):
+    """Each `rlx` line that is one plain command (no pipe, redirection or variable) runs in this process, from its
+    words as the shell splits them (no interpreter start-up each); the others through the shell."""
     (tmp_path / "recipes").symlink_to(REPO / "recipes")
+    monkeypatch.chdir(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     ran = 0
     for line in command_lines(block_under("## One GRPO step by hand")):
         if line.startswith("jq ") and shutil.which("jq") is None:
             continue
-        line = re.sub(r"^(rlx|python) ", lambda m: f"{sys.executable} " + ("-m rlx " if m[1] == "rlx" else ""), line)
-        done = subprocess.run(line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, f"{line}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+        if line.startswith("rlx ") and not SHELL_SYNTAX.search(line):
+            result = cli(*shlex.split(line)[1:])
+            assert result.exit_code == 0, f"{line}\n{result}"
+        else:
+            line = re.sub(
+                r"^(rlx|python) ", lambda m: f"{sys.executable} " + ("-m rlx " if m[1] == "rlx" else ""), line
+            )
+            done = subprocess.run(line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, f"{line}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
         ran += 1
     assert ran >= 7
     assert (tmp_path / "hf-model" / "config.json").exists()
