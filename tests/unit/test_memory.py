@@ -3,15 +3,16 @@ test (skipped without CUDA) checks the device peak of each phase."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlx.observe.memory import host_rss_bytes, measure_phase
+from tests.conftest import run_script
 
 MIB = 2**20
 
@@ -44,21 +45,8 @@ def test_graphs_compiled_in_a_phase_are_counted():
 def test_inductor_cache_hits_and_misses_are_counted(tmp_path):
     """A graph Inductor compiles on a cold cache is a miss; the same graph compiled again (dynamo reset, as in a
     new process) is found in the cache: a hit."""
-    script = """
-import torch
-from rlx.observe.memory import measure_phase
-def f(x):
-    return torch.sin(x) * 2 + 1
-with measure_phase("cold") as cold:
-    torch.compile(f)(torch.ones(8))
-torch._dynamo.reset()
-with measure_phase("warm") as warm:
-    torch.compile(f)(torch.ones(8))
-print(cold["compile/cold_cache_misses"], cold["compile/cold_cache_hits"], warm["compile/warm_cache_hits"],
-      warm["compile/warm_cache_misses"])
-"""
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, **env})
+    out = run_script(Path(__file__).parent / "workers" / "inductor_cache_counts.py", env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert [float(v) for v in out.stdout.split()] == [1, 0, 1, 0]
 
