@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml Makefile
 # its torchvision/torchaudio/torchcodec break `import vllm` and are removed). With a GPU, install vllm yourself.
 # And a real megatron-core (the megatron layout and backend; its CPU gaps are bridged by rlx/models/megatron/compat.py),
 # and reasoning-gym (~45 MB, ~20 s; pure Python, leaves torch alone) for the generated-task tests.
-# And typer and click at pyproject's floors, in a folder of their own (tests/test_cli_help.py puts it first on the path).
+# And typer and click at pyproject's floors, in a folder of their own (tests/stages/test_cli_help.py puts it first on the path).
 setup-test: $(TEST_STAMP)
 
 $(TEST_STAMP): $(STAMP)

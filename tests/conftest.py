@@ -21,6 +21,7 @@ from rlx.models.tiny import build_char_tokenizer, tiny_llama_config, write_tiny_
 from rlx.tasks.arith import generate_arith
 
 REPO = Path(__file__).resolve().parents[1]
+WORKERS = REPO / "tests" / "distributed" / "workers"  # the scripts the torchrun tests launch
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 
@@ -66,6 +67,13 @@ def run_torchrun(
     if check:
         assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
     return out
+
+
+def run_script(script: Path, env: dict | None = None, *args: str) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` in a fresh interpreter (rlx and tests importable); `env`: extra environment variables."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    command = [sys.executable, str(script), *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO, timeout=600)
 
 
 def torchrun(n: int, *args, timeout: int = 600) -> subprocess.CompletedProcess:

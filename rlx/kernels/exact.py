@@ -5,7 +5,7 @@ Three schemes, all plain PyTorch (the same code on CPU and CUDA):
 
 - GEMMs (`blocked_linear`): the rows are cut into blocks of exactly `ROW_BLOCK` rows (the last one zero-padded),
   so every call has the same shape, hence the same kernel and the same reduction order over K for every row (a
-  row's result is measured not to depend on its position within the block: tests/test_exact.py).
+  row's result is measured not to depend on its position within the block: tests/stages/test_exact.py).
 - Reductions over a row (`tree_sum`; RMSNorm, log-softmax): elementwise additions only, halving a zero-padded
   power-of-two width, so a fixed pairwise order whatever the other dimensions are. A max needs no care (exact).
 - Attention (`blocked_attention`): for each query, its keys in blocks of `KEY_BLOCK` aligned at position 0, taken

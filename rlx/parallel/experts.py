@@ -15,7 +15,7 @@ The forward plugs in through transformers' experts-function registry (`ExpertsIn
 router stays in place (routing replay and the router probes keep working), and the registered function reads the
 `ExpertShard` that `apply_expert_parallel` leaves on each experts module. It targets transformers 5.17's experts
 modules (the decorator's `_apply_gate`, `has_bias`, `is_transposed` and the undecorated `forward.__wrapped__`);
-tests/test_moe_ep.py compares it with transformers' own experts forward and fails when those change.
+tests/distributed/test_moe_ep.py compares it with transformers' own experts forward and fails when those change.
 
 Gradients: every rank's loss is scaled by the world size and FSDP averages over the ranks that share a parameter.
 A dense parameter is shared by all ranks (world / world = 1); an expert's weights receive the gradients of every

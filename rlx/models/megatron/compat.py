@@ -11,7 +11,7 @@ megatron-core assumes CUDA in a few spots that rlx reaches:
 - its RNG tracker forks CUDA generators; rlx uses no dropout inside megatron modules (attention is
   rlx's own core-attention module), so the tracker is never entered.
 
-`apply()` is idempotent; `tests/test_megatron.py` checks that the patched method still has the
+`apply()` is idempotent; `tests/distributed/test_megatron.py` checks that the patched method still has the
 upstream source this module was written against, so an upgrade that changes it fails loudly.
 """
 

@@ -5,7 +5,7 @@ three rows. An image whose grid is (t, h, w) patches occupies t * (h/m) * (w/m) 
 (m = the spatial merge size); starting from the running index s, its tokens get temporal s (a still
 image has t = 1), height s + row and width s + column of the merged grid, and the running index then
 advances by max(h, w) / m. This equals the models' own `get_rope_index` for images (checked per family
-in tests/test_vision.py); rlx computes it per sample on the CPU, so packed rows simply concatenate the
+in tests/unit/test_vision.py); rlx computes it per sample on the CPU, so packed rows simply concatenate the
 samples' positions, which restart at 0 for every sample.
 
 Which placeholder tokens are images: a single-turn sample's are its prompt's (a placeholder sampled into the

@@ -1,0 +1,261 @@
+"""Data-parallel commands under torchrun (gloo, CPU): FSDP2 train steps equal one process; packing,
+token budgets, offload and checkpointing change nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli_ok, max_diff, rollout_args, run_torchrun, torchrun, write_length_reward
+
+TRAIN = ["--lr", "1e-4", "--mini-batch-size", "12", "--micro-batch-size", "3", "--epochs", "2"]
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory, tiny_ckpt, prompts_file):
+    d = tmp_path_factory.mktemp("dist")
+    reward = write_length_reward(d)
+    cli_ok(*rollout_args(tiny_ckpt, prompts_file, d / "r.jsonl", "--max-new-tokens", "5", "--num-prompts", "6"))
+    cli_ok(
+        "score",
+        "--rollouts",
+        d / "r.jsonl",
+        "--actor",
+        tiny_ckpt,
+        "--ref",
+        tiny_ckpt,
+        "--reward",
+        f"{reward}:score",
+        "--out",
+        d,
+    )
+    return d / "batch.safetensors"
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, tiny_ckpt, batch):
+    out = tmp_path_factory.mktemp("single") / "c1"
+    cli_ok("train-step", "--checkpoint", tiny_ckpt, "--batch", batch, "--out", out, "--kl-loss-coef", "0.1", *TRAIN)
+    return out
+
+
+def test_two_ranks_equal_one(tmp_path, tiny_ckpt, batch, single):
+    torchrun(
+        2,
+        "train-step",
+        "--checkpoint",
+        tiny_ckpt,
+        "--batch",
+        batch,
+        "--out",
+        tmp_path / "c",
+        "--kl-loss-coef",
+        "0.1",
+        *TRAIN,
+        "--metrics",
+        tmp_path / "m.jsonl",
+    )
+    assert max_diff(single, tmp_path / "c") < 1e-6
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 1  # rank 0 alone writes
+
+
+def test_packing_and_token_budget_equal_padded_micro_batches(tmp_path, tiny_ckpt, batch, single):
+    cli_ok(
+        "train-step",
+        "--checkpoint",
+        tiny_ckpt,
+        "--batch",
+        batch,
+        "--out",
+        tmp_path / "c",
+        "--kl-loss-coef",
+        "0.1",
+        *TRAIN,
+        "--use-packing",
+        "--max-tokens-per-micro-batch",
+        "30",
+    )
+    assert max_diff(single, tmp_path / "c") < 1e-6
+
+
+def test_offload_and_checkpointing_equal_plain_under_fsdp(tmp_path, tiny_ckpt, batch, single):
+    torchrun(
+        2,
+        "train-step",
+        "--checkpoint",
+        tiny_ckpt,
+        "--batch",
+        batch,
+        "--out",
+        tmp_path / "c",
+        "--kl-loss-coef",
+        "0.1",
+        *TRAIN,
+        "--param-offload",
+        "--activation-offload",
+        "--gradient-checkpointing",
+        "--use-packing",
+    )
+    assert max_diff(single, tmp_path / "c") < 1e-6
+
+
+def test_four_ranks_with_token_budget(tmp_path, tiny_ckpt, batch, single):
+    torchrun(
+        4,
+        "train-step",
+        "--checkpoint",
+        tiny_ckpt,
+        "--batch",
+        batch,
+        "--out",
+        tmp_path / "c",
+        "--kl-loss-coef",
+        "0.1",
+        *TRAIN,
+        "--max-tokens-per-micro-batch",
+        "25",
+    )
+    assert max_diff(single, tmp_path / "c") < 1e-6
+
+
+def test_rollout_and_score_split_across_ranks(tmp_path, tiny_ckpt, prompts_file):
+    """Each rank samples and scores its share; rank 0 writes files equal to a single process's."""
+    from rlx.formats.batch import TrainBatch
+
+    args = ["--num-samples", "3", "--num-prompts", "5", "--max-new-tokens", "4", "--batch-size", "4"]
+    cli_ok("rollout", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "r1.jsonl", *args)
+    torchrun(2, "rollout", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "r2.jsonl", *args)
+    one = [line.split('"rollout_logprobs"')[0] for line in (tmp_path / "r1.jsonl").read_text().splitlines()]
+    two = [line.split('"rollout_logprobs"')[0] for line in (tmp_path / "r2.jsonl").read_text().splitlines()]
+    assert one == two  # same samples (ids, tokens, text) in the same order
+    score = ["--actor", tiny_ckpt, "--ref", tiny_ckpt, "--reward", "arith", "--micro-batch-size", "4"]
+    cli_ok("score", "--rollouts", tmp_path / "r1.jsonl", "--out", tmp_path / "s1", *score)
+    torchrun(2, "score", "--rollouts", tmp_path / "r1.jsonl", "--out", tmp_path / "s2", *score)
+    assert (tmp_path / "s1" / "scores.jsonl").read_text() == (tmp_path / "s2" / "scores.jsonl").read_text()
+    a, b = (
+        TrainBatch.load(tmp_path / "s1" / "batch.safetensors"),
+        TrainBatch.load(tmp_path / "s2" / "batch.safetensors"),
+    )
+    for name, tensor in a.tensors().items():
+        assert (tensor.float() - b.tensors()[name].float()).abs().max() < 1e-6, name
+
+
+def test_ppo_on_two_ranks_equals_one_and_resumes(tmp_path):
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.toml"
+    small = ["--set", "data.prompts_per_step=6", "--set", "rollout.n=4", "--set", "save_every=1"]
+    cli_ok("ppo", recipe, "--out", tmp_path / "one", "--set", "steps=3", *small)
+    torchrun(2, "ppo", recipe, "--out", tmp_path / "two", "--set", "steps=2", *small)
+    torchrun(2, "ppo", recipe, "--out", tmp_path / "two", "--set", "steps=3", *small, "--resume")
+    final = Path("checkpoints") / "step_000003"
+    assert max_diff(tmp_path / "one" / final, tmp_path / "two" / final) < 1e-5
+    one = [
+        line["reward/mean"]
+        for line in map(__import__("json").loads, (tmp_path / "one" / "metrics.jsonl").read_text().splitlines())
+    ]
+    two = [
+        line["reward/mean"]
+        for line in map(__import__("json").loads, (tmp_path / "two" / "metrics.jsonl").read_text().splitlines())
+    ]
+    assert one == two  # same samples, same rewards, step by step
+
+
+def test_fsdp_layout_writes_shards_per_rank_and_reloads_at_another_world_size(tmp_path, tiny_ckpt, batch, single):
+    """A 2-rank step on the 'fsdp' (DCP) layout writes the same weights as the 'single' layout; a
+    1-process step then resumes from those shards (weights and Adam state) as from the single copy."""
+    cli_ok("shard", "--model", tiny_ckpt, "--out", tmp_path / "s", "--layout", "fsdp")
+    step = ["--batch", batch, "--kl-loss-coef", "0.1", *TRAIN]
+    torchrun(2, "train-step", "--checkpoint", tmp_path / "s", "--out", tmp_path / "c", *step)
+    assert sorted(p.name for p in (tmp_path / "c" / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (tmp_path / "c" / "model.safetensors").exists()
+    cli_ok("merge", "--checkpoint", tmp_path / "c", "--out", tmp_path / "m")
+    assert max_diff(single, tmp_path / "m") < 1e-6
+    cli_ok("train-step", "--checkpoint", tmp_path / "c", "--out", tmp_path / "c2", *step)
+    cli_ok("train-step", "--checkpoint", single, "--out", tmp_path / "d2", *step)
+    cli_ok("merge", "--checkpoint", tmp_path / "c2", "--out", tmp_path / "m2")
+    assert max_diff(tmp_path / "d2", tmp_path / "m2") < 1e-6
+
+
+@pytest.mark.parametrize(
+    "ranks,extra",
+    [
+        (2, ["--sp-degree", "2"]),
+        (4, ["--sp-degree", "2", "--max-tokens-per-micro-batch", "40", "--logprob-impl", "chunked"]),
+    ],
+    ids=["sp2", "dp2xsp2-chunked"],
+)
+def test_sequence_parallel_equals_one_rank(tmp_path, tiny_ckpt, batch, single, ranks, extra):
+    """Ulysses SP: each rank of a group runs a slice of the packed row; the step equals one process."""
+    step = ["--batch", batch, "--kl-loss-coef", "0.1", *TRAIN, "--use-packing", *extra]
+    torchrun(ranks, "train-step", "--checkpoint", tiny_ckpt, "--out", tmp_path / "c", *step)
+    assert max_diff(single, tmp_path / "c") < 1e-6
+
+
+def test_ppo_with_critic_under_sequence_parallelism_equals_one_process(tmp_path):
+    """Actor and critic both packed and split over an SP group of 2 (the rollout meanwhile decodes with
+    SDPA and a KV cache on the same model): the same run as one process."""
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart_gae.toml"
+    sets = ["data.prompts_per_step=4", "rollout.n=4", "steps=2", "train.use_packing=true"]
+    sets += ["critic.train.use_packing=true", "train.mini_batch_size=8", "critic.train.mini_batch_size=8"]
+    args = [a for s in sets for a in ("--set", s)]
+    cli_ok("ppo", recipe, "--out", tmp_path / "one", *args)
+    sp = ["--set", "train.sp_degree=2", "--set", "critic.train.sp_degree=2"]
+    torchrun(2, "ppo", recipe, "--out", tmp_path / "two", *args, *sp)
+    final = Path("checkpoints") / "step_000002"
+    assert max_diff(tmp_path / "one" / final, tmp_path / "two" / final) < 1e-5
+    assert max_diff(tmp_path / "one" / final / "critic", tmp_path / "two" / final / "critic") < 1e-5
+
+
+def test_compiled_decoder_layers_equal_eager(tmp_path, tiny_ckpt, batch, single):
+    """--compile wraps each decoder layer's forward in torch.compile (attention stays eager)."""
+    step = ["--batch", batch, "--kl-loss-coef", "0.1", *TRAIN, "--use-packing", "--compile"]
+    cli_ok("train-step", "--checkpoint", tiny_ckpt, "--out", tmp_path / "c", *step)
+    assert max_diff(single, tmp_path / "c") < 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "apertus"])
+def test_other_families_train_under_fsdp_and_sp(tmp_path, family, prompts_file):
+    """Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Apertus (xIELU MLP, untied head): a 2-rank packed
+    step with SP=2 equals one process."""
+    import transformers
+
+    from rlx.models.tiny import build_char_tokenizer
+
+    if not hasattr(transformers, "ApertusConfig") and family == "apertus":
+        pytest.skip("this transformers has no Apertus")
+    tokenizer = build_char_tokenizer()
+    classes = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "apertus": "ApertusConfig"}
+    config = getattr(transformers, classes[family])(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        tie_word_embeddings=family != "apertus", pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    cli_ok("shard", "--model", tmp_path / "src", "--init", "random", "--out", tmp_path / "ck")
+    cli_ok(*rollout_args(tmp_path / "ck", prompts_file, tmp_path / "r.jsonl", "--num-prompts", "4"))
+    score = ["--rollouts", tmp_path / "r.jsonl", "--actor", tmp_path / "ck", "--reward", "arith"]
+    cli_ok("score", *score, "--out", tmp_path)
+    step = ["--checkpoint", tmp_path / "ck", "--batch", tmp_path / "batch.safetensors", *TRAIN, "--use-packing"]
+    cli_ok("train-step", *step, "--out", tmp_path / "one")
+    torchrun(2, "train-step", *step, "--out", tmp_path / "two", "--sp-degree", "2")
+    assert max_diff(tmp_path / "one", tmp_path / "two") < 1e-6
+
+
+def test_ppo_stops_when_one_rank_fails(tmp_path):
+    """A rank that fails mid-run leaves at once (no final barrier the others never reach): the launcher stops
+    the others and the error is reported, instead of every rank waiting out the collective timeout."""
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.toml"
+    reward = tmp_path / "rw.py"
+    reward.write_text(
+        "import os\n"
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise ConnectionError('reward server unreachable')\n"
+        "    return 0.0\n"
+    )
+    args = ["--set", "steps=2", "--set", "data.prompts_per_step=4", "--set", f"score.reward={reward}:score"]
+    out = run_torchrun(2, "-m", "rlx", "ppo", recipe, "--out", tmp_path / "run", *args, timeout=300, check=False,
+                       env={"RLX_COLLECTIVE_TIMEOUT_S": "600"})  # fmt: skip
+    assert out.returncode != 0
+    assert "reward server unreachable" in out.stdout + out.stderr, out.stderr[-3000:]

@@ -1,0 +1,254 @@
+"""Agent clients end to end: replies streamed as the engine samples them (native engine), vLLM's token-in/token-out
+route as verifiers' trainer calls it, and the text pieces a stream may send (never one the finished turn takes back).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+
+import openai
+import pytest
+
+from rlx.rollout.agent_config import AgentConfig
+from rlx.rollout.config import RolloutConfig
+from rlx.rollout.requests import TokenRequest
+from rlx.serve.deltas import TOOL_CALL_OPEN, TextDeltas
+from rlx.serve.server import AgentServer
+from rlx.serve.stream import StreamBackend
+from tests.agent_helpers import random_chat_model, token_engine
+from tests.unit.test_serve_endpoint import post, start
+
+SAMPLING = RolloutConfig(max_new_tokens=12, temperature=1.0, seed=3)
+
+
+def _native_server(model, tokenizer) -> AgentServer:
+    engine = token_engine(model, tokenizer, "native", kv_cache_gib=0.01)
+    cfg = AgentConfig(max_total_tokens=500)
+    backend = StreamBackend(engine, SAMPLING.sampling(), cfg.max_total_tokens)
+    return AgentServer(backend, tokenizer, engine.stop_ids, SAMPLING.sampling(), cfg).start()
+
+
+def _stop(server: AgentServer) -> None:
+    server.close()
+    server.backend.close()
+
+
+def test_text_deltas_never_send_what_the_finished_turn_takes_back():
+    stops = TextDeltas(("STOP",), hold_whitespace=False)
+    assert [stops.feed(t) for t in ("ab", "ab S", "ab STO", "ab STOP and more")] == ["ab", " ", "", ""]
+    assert stops.is_closed and stops.finish("ab ") == ""
+    tools = TextDeltas((TOOL_CALL_OPEN,), hold_whitespace=True)
+    assert [tools.feed(t) for t in ("Hi", "Hi ", "Hi <tool", "Hi <tool_call>{")] == ["Hi", "", "", ""]
+    assert tools.finish("Hi") == ""  # the content once the call is parsed out: stripped
+    assert TextDeltas((TOOL_CALL_OPEN,), True).feed("\nHi") == ""  # stripped or not depends on later calls
+    utf8 = TextDeltas((), hold_whitespace=False)
+    assert utf8.feed("caf\ufffd") == "caf" and utf8.feed("café") == "é" and utf8.finish("café!") == "!"
+
+
+def test_backend_hands_each_request_its_tokens_as_they_are_sampled():
+    model, tokenizer = random_chat_model(stop_bias=-10.0)
+    engine = token_engine(model, tokenizer, "native", kv_cache_gib=0.01)
+    backend = StreamBackend(engine, SAMPLING.sampling(), 200)
+    heard: list[tuple[list[int], bool]] = []
+    try:
+        request = TokenRequest("s/0", tokenizer("hello")["input_ids"], 8)
+        future = None
+
+        def on_tokens(ids: list[int]) -> None:
+            heard.append((ids, future is not None and future.done()))
+
+        future = backend.submit(request, on_tokens)
+        generated = future.result(timeout=120)
+    finally:
+        backend.close()
+    assert len(generated.response_ids) == 8
+    assert len(heard) >= 2  # several updates before the turn finished
+    assert all(ids == generated.response_ids[: len(ids)] and not done for ids, done in heard)
+    assert [len(ids) for ids, _ in heard] == sorted({len(ids) for ids, _ in heard})
+
+
+def test_openai_stream_arrives_while_the_turn_is_generated_and_is_recorded_token_exactly():
+    """The engine is held after a few decode steps: the openai client's first content chunk arrives while the turn
+    is unfinished and unrecorded; the pieces add up to the recorded reply, usage and token ids match the record."""
+    model, tokenizer = random_chat_model(stop_bias=-10.0)  # runs to max_tokens
+    server = _native_server(model, tokenizer)
+    release, forwards = threading.Event(), [0]
+
+    def hold(module, inputs, output):
+        forwards[0] += 1
+        if forwards[0] == 4:  # prefill + 3 decode steps, then wait for the test
+            release.wait(timeout=120)
+
+    handle = server.backend.engine._runner.model.get_input_embeddings().register_forward_hook(hold)
+    try:
+        client = openai.OpenAI(base_url=server.base_url("live/0"), api_key="k", max_retries=0)
+        stream = client.chat.completions.create(
+            model="rlx", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=10, logprobs=True,
+            tool_choice="none", stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        pieces, usage, last = [], None, None
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                if not pieces:  # the turn is still being generated: nothing recorded yet
+                    assert not release.is_set() and server.sessions["live/0"].num_requests == 0
+                    release.set()
+                pieces.append(chunk.choices[0].delta.content)
+            if chunk.choices and chunk.choices[0].finish_reason:
+                last = chunk.choices[0]
+            usage = chunk.usage or usage
+    finally:
+        release.set()
+        handle.remove()
+        _stop(server)
+    session = server.sessions["live/0"]
+    trajectory = session.current.trajectory
+    assert len(pieces) > 1 and "".join(pieces) == trajectory.messages[-1]["content"]
+    assert usage.completion_tokens == len(trajectory.response_ids) == 10
+    assert last.model_extra["token_ids"] == trajectory.response_ids[-10:]
+    assert [t.logprob for t in last.logprobs.content] == pytest.approx(trajectory.rollout_logprobs[-10:])
+
+
+def test_generate_route_is_token_in_token_out_as_verifiers_calls_it():
+    """POST /inference/v1/generate (vLLM's route, verifiers 0.4's trainer): token ids in, sampled ids and their
+    logprobs out; a second turn extending the first continues the same record; fields it cannot honour are 400."""
+    model, tokenizer = random_chat_model()
+    server = _native_server(model, tokenizer)
+    url, header = f"{server.url}/inference/v1/generate", {"X-Session-ID": "vf/0"}
+    stop_ids = sorted(server.stop_ids)
+    params = {"temperature": 1.0, "max_tokens": 6, "logprobs": 1, "stop_token_ids": stop_ids,
+              "skip_special_tokens": False}  # fmt: skip
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        status, first = post(url, {"model": "rlx", "token_ids": prompt, "sampling_params": params}, header)
+        assert status == 200, first
+        choice = first["choices"][0]
+        assert first["prompt_token_ids"] == prompt and choice["finish_reason"] in ("stop", "length")
+        assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+        more = tokenizer("\nuser: again\n")["input_ids"]
+        status, second = post(url, {"token_ids": prompt + choice["token_ids"] + more, "sampling_params": params},
+                              header)  # fmt: skip
+        assert status == 200, second
+        for bad, name in [({"repetition_penalty": 1.2}, "repetition_penalty"), ({"stop_token_ids": [5]}, "stop")]:
+            status, error = post(
+                url, {"token_ids": prompt, "sampling_params": {**params, **bad}}, {"X-Session-ID": "x"}
+            )
+            assert status == 400 and name in error["error"]["message"], error
+        status, error = post(url, {"token_ids": prompt, "features": {}}, {"X-Session-ID": "y"})
+        assert status == 400 and "features" in error["error"]["message"]
+    finally:
+        _stop(server)
+    session = server.sessions["vf/0"]
+    assert len(session.segments) == 1  # the second turn extended the first
+    trajectory = session.current.trajectory
+    turns = [first["choices"][0], second["choices"][0]]
+    assert trajectory.token_ids() == second["prompt_token_ids"] + turns[1]["token_ids"]
+    masked = [i for i, m in enumerate(trajectory.loss_mask) if m]
+    assert [trajectory.response_ids[i] for i in masked] == [t for turn in turns for t in turn["token_ids"]]
+    logprobs = [e["logprob"] for turn in turns for e in turn["logprobs"]["content"]]
+    assert [trajectory.rollout_logprobs[i] for i in masked] == pytest.approx(logprobs)
+
+
+@pytest.mark.parametrize("engine", ["hf", "native"])
+def test_top_logprobs_in_openai_format(engine):
+    """Chat top_logprobs and completions logprobs=k: greedy, the sampled token is each position's most likely one
+    with the same logprob; the alternatives come most likely first; more than OpenAI allows is refused by name."""
+    model, tokenizer = random_chat_model(stop_bias=-10.0)
+    greedy = RolloutConfig(max_new_tokens=4, temperature=0.0, seed=3)
+    built = token_engine(model, tokenizer, engine, **({"kv_cache_gib": 0.01} if engine == "native" else {}))
+    cfg = AgentConfig(max_total_tokens=500)
+    backend = StreamBackend(built, greedy.sampling(), cfg.max_total_tokens)
+    server = AgentServer(backend, tokenizer, built.stop_ids, greedy.sampling(), cfg).start()
+    try:
+        client = openai.OpenAI(base_url=server.base_url("top"), api_key="k", max_retries=0)
+        chat = client.chat.completions.create(model="rlx", messages=[{"role": "user", "content": "hi"}],
+                                              logprobs=True, top_logprobs=3)  # fmt: skip
+        content = chat.choices[0].logprobs.content
+        assert len(content) == 4
+        for entry in content:
+            alternatives = [t.logprob for t in entry.top_logprobs]
+            assert len(alternatives) == 3 and alternatives == sorted(alternatives, reverse=True)
+            assert entry.token == entry.top_logprobs[0].token
+            assert entry.logprob == pytest.approx(alternatives[0])
+        text = client.completions.create(model="rlx", prompt="12+3=", max_tokens=3, logprobs=2).choices[0].logprobs
+        assert len(text.top_logprobs) == 3 and all(1 <= len(top) <= 2 for top in text.top_logprobs)
+        assert all(top[token] == pytest.approx(lp) for top, token, lp in
+                   zip(text.top_logprobs, text.tokens, text.token_logprobs))  # fmt: skip
+        for body, name in [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": 2}, "logprobs")]:
+            status, error = post(f"{server.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                                        **body})  # fmt: skip
+            assert status == 400 and error["error"]["param"] == "top_logprobs" and name in error["error"]["message"]
+    finally:
+        _stop(server)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("engine", ["hf", "native"])
+def test_response_format_samples_within_the_json_grammar(engine, monkeypatch):
+    """A random model answers json_schema requests with JSON that follows the schema, streamed or not, recorded with
+    finite logprobs, and json_object ones with an object; under an RL run's agents, or without llguidance, the request
+    is refused naming response_format."""
+    model, tokenizer = random_chat_model(stop_bias=-10.0)  # left alone, it would not stop or write JSON
+    sampling = RolloutConfig(max_new_tokens=24, temperature=1.0, seed=3)
+    built = token_engine(model, tokenizer, engine, **({"kv_cache_gib": 0.01} if engine == "native" else {}))
+    cfg = AgentConfig(max_total_tokens=500)
+    backend = StreamBackend(built, sampling.sampling(), cfg.max_total_tokens)
+    server = AgentServer(backend, tokenizer, built.stop_ids, sampling.sampling(), cfg).start()
+    schema_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    try:
+        client = openai.OpenAI(base_url=server.base_url("json"), api_key="k", max_retries=0)
+        messages = [{"role": "user", "content": "ok?"}]
+        reply = client.chat.completions.create(model="rlx", messages=messages, response_format=schema_format)
+        assert reply.choices[0].finish_reason == "stop"
+        assert set(json.loads(reply.choices[0].message.content)) == {"ok"}
+        other = openai.OpenAI(base_url=server.base_url("s"), api_key="k", max_retries=0)
+        stream = other.chat.completions.create(
+            model="rlx", messages=messages, stream=True, response_format=schema_format
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert set(json.loads(streamed)) == {"ok"}
+        # any object: its keys may run past max_tokens, but it is an object from its first character on
+        anything = client.chat.completions.create(
+            model="rlx", messages=messages, response_format={"type": "json_object"}
+        )
+        assert anything.choices[0].message.content.startswith("{")
+        trajectory = server.sessions["s"].current.trajectory
+        assert trajectory.messages[-1]["content"] == streamed
+        assert all(math.isfinite(lp) for lp in trajectory.rollout_logprobs)
+        assert server.sessions["json"].segments[0].turn_settings[0]["response_format"] == schema_format
+        monkeypatch.setitem(sys.modules, "llguidance", None)  # as if the extra were not installed
+        status, error = post(
+            f"{server.url}/v1/chat/completions", {"messages": messages, "response_format": schema_format}
+        )
+        assert (
+            status == 400
+            and error["error"]["param"] == "response_format"
+            and "rlx[grammar]" in error["error"]["message"]
+        )
+    finally:
+        _stop(server)
+
+
+def test_response_format_is_refused_under_an_rl_runs_agents():
+    server = start(strict=True)
+    try:
+        body = {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}
+        status, error = post(f"{server.url}/v1/chat/completions", body)
+        assert (
+            status == 400
+            and error["error"]["param"] == "response_format"
+            and "distribution" in error["error"]["message"]
+        )
+    finally:
+        _stop(server)

