@@ -187,6 +187,7 @@ def test_gpu_fast_path_leaves_compile_off_in_exact_mode():
     assert fast_path_defaults("cuda", {})["train.compile"] is True
     exact = fast_path_defaults("cuda", {"exact": True})
     assert "train.compile" not in exact and exact["rollout.engine"] == "native"
+    assert exact["train.max_tokens_per_micro_batch"] == exact["score.max_tokens_per_micro_batch"] == 8192
 
 
 @pytest.mark.parametrize("mini_batch,packing", [(3, "true"), (0, "false")])
