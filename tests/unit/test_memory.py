@@ -52,12 +52,18 @@ def test_inductor_cache_hits_and_misses_are_counted(tmp_path):
 
 
 def test_host_rss_sees_an_allocation():
-    before = host_rss_bytes()
-    with measure_phase("score") as phase:
-        block = b"\x01" * (128 * MIB)  # written, so resident
-    grown = phase["memory/score_host_rss_gb"] * 2**30 - before
-    del block
-    assert grown > 100 * MIB
+    """RSS is the whole process's: in a test worker other threads left by earlier tests may free memory in the same
+    moment (seen once in the suite: the growth read 0), so the allocation gets three tries to show."""
+    grown = []
+    for _ in range(3):
+        before = host_rss_bytes()
+        with measure_phase("score") as phase:
+            block = b"\x01" * (128 * MIB)  # written, so resident
+        grown.append(phase["memory/score_host_rss_gb"] * 2**30 - before)
+        del block
+        if grown[-1] > 100 * MIB:
+            break
+    assert max(grown) > 100 * MIB, grown
 
 
 def test_rss_fallback_without_psutil_agrees(monkeypatch):
