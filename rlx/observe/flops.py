@@ -30,7 +30,8 @@ from rlx.errors import UserError
 MODES = {"forward": 1.0, "train": 3.0}
 # families whose MLP has no gate (up -> activation -> down)
 UNGATED_MLP_FAMILIES = ("apertus",)
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""config.json keys whose non-zero value marks a mixture-of-experts model (the plan and the fast path read them too)."""
 _COUNTED_MOE_KEYS = ("num_experts", "num_local_experts")  # Qwen2/Qwen3-MoE and OLMoE; Mixtral
 
 
@@ -43,7 +44,7 @@ def _shape(config: Any) -> dict[str, int]:
     """The sizes the count needs, with a UserError naming a missing key or an unsupported (MoE) model."""
     if hasattr(config, "get_text_config"):  # a vision-language model: its decoder (the vision tower is not counted)
         config = config.get_text_config()
-    for key in _MOE_KEYS:
+    for key in MOE_KEYS:
         if _get(config, key, 0) and (key not in _COUNTED_MOE_KEYS or not _get(config, "num_experts_per_tok", 0)):
             raise UserError(
                 f"FLOPs counting supports dense models and Qwen-MoE / Mixtral / OLMoE routing only; this config has "

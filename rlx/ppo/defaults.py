@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlx.observe.flops import MOE_KEYS
+
 _ALWAYS: dict[tuple[str, ...], Any] = {
     ("rollout", "engine"): "native",  # paged KV cache, continuous batching, CUDA graphs
     ("train", "use_packing"): True,  # no padding in the forward/backward
@@ -75,14 +77,11 @@ def fast_path_defaults(device_type: str, recipe: dict, recipe_dir: Path | None =
     return {".".join(key): value for key, value in chosen.items() if not _has(recipe, key)}
 
 
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
 def _routed_experts(model_config: dict | None) -> bool:
     """A mixture-of-experts config: the fast path leaves train.compile off for it (on an H100, Inductor's backward of
     transformers' grouped-GEMM experts failed with an index assertion: bench/RESULTS.md, "Mixture of experts")."""
     text = (model_config or {}).get("text_config") or model_config or {}
-    return any(text.get(key) for key in _MOE_KEYS)
+    return any(text.get(key) for key in MOE_KEYS)
 
 
 def async_defaults(recipe: dict) -> dict[str, Any]:

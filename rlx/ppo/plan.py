@@ -38,6 +38,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rlx.observe.flops import MOE_KEYS
+
 GIB = float(2**30)
 FRAGMENTATION = 0.06
 """Share of the device's memory torch's caching allocator holds but cannot hand out (measured 4-8% on long runs)."""
@@ -53,7 +55,6 @@ ASSUMED_PROMPT_TOKENS = 512
 MIN_GOOD_BUDGET = 4096
 """Micro-batches smaller than this spend more time gathering FSDP shards than computing on a 7B-class model: the
 plan prefers releasing the engine or checkpointing activations over going below it."""
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def model_shape(config: dict) -> ModelShape:
 def _mlp_params(text: dict, hidden: int) -> tuple[int, int, int, int]:
     """(parameters of one layer's MLP, those of its experts a token passes through, routed experts, the routed
     experts' parameters): dense, or experts + router (+ shared)."""
-    experts = next((int(text[k]) for k in _MOE_KEYS if _get(text, k, 0)), 0)
+    experts = next((int(text[k]) for k in MOE_KEYS if _get(text, k, 0)), 0)
     dense = int(_get(text, "intermediate_size", 4 * hidden))
     if not experts:
         return 3 * hidden * dense, 3 * hidden * dense, 0, 0
