@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlx.algorithms.config import LossConfig
 from rlx.config import from_dict
 from rlx.errors import UserError
 from rlx.formats.batch import BatchMeta, TrainBatch
@@ -26,7 +27,7 @@ from rlx.models.tiny import tiny_llama_config
 from rlx.models.value import build_value_model
 from rlx.parallel.fsdp import decoder_layers
 from rlx.training.actor import ActorTrainer
-from rlx.training.config import TrainConfig
+from rlx.training.config import OptimConfig, TrainConfig
 from rlx.training.critic import CriticTrainer
 from tests.conftest import REPO, run_torchrun
 from tests.test_packing import tiny_config
@@ -347,7 +348,7 @@ def test_actor_train_step_changes_only_the_adapters(use_packing, gradient_checkp
     model = with_lora(plain(), dropout=0.1)  # default init: B = 0, the policy starts as the base
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     cfg = TrainConfig(
-        lr=1e-2, micro_batch_size=2, kl_loss_coef=0.1, use_packing=use_packing,
+        optim=OptimConfig(lr=1e-2), micro_batch_size=2, loss=LossConfig(kl_loss_coef=0.1), use_packing=use_packing,
         gradient_checkpointing=gradient_checkpointing,
     )  # fmt: skip
     trainer = ActorTrainer(model, cfg, torch.device("cpu"), torch.float32)
@@ -365,7 +366,9 @@ def test_actor_train_step_changes_only_the_adapters(use_packing, gradient_checkp
 def test_critic_train_step_changes_adapters_and_head_only():
     model = with_lora(build_value_model(plain(), seed=0))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = CriticTrainer(model, TrainConfig(role="critic", lr=1e-2), torch.device("cpu"), torch.float32)
+    trainer = CriticTrainer(
+        model, TrainConfig(role="critic", optim=OptimConfig(lr=1e-2)), torch.device("cpu"), torch.float32
+    )
     trainer.train_step(make_batch(with_lora(plain())), 0)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert changed == {n for n, _ in model.named_parameters() if ".lora_" in n or n.startswith("score.")}
@@ -379,7 +382,8 @@ FSDP_SCRIPT = textwrap.dedent("""
     from rlx.logprobs import packed_response_logprobs
     from rlx.parallel.dist import exit_process, setup
     from rlx.training.actor import ActorTrainer
-    from rlx.training.config import TrainConfig
+    from rlx.algorithms.config import LossConfig
+    from rlx.training.config import OptimConfig, TrainConfig
     from rlx.training.critic import CriticTrainer
     from rlx.models.lora import adapters_disabled
     from rlx.models.lora_merge import merged_weights
@@ -410,7 +414,9 @@ FSDP_SCRIPT = textwrap.dedent("""
     def train_actor(dtype, distributed):
         model = with_lora(plain(), dtype=dtype, target_modules=targets)
         before = frozen(model)
-        cfg = TrainConfig(lr=1e-2, micro_batch_size=1, kl_loss_coef=0.1, use_packing=True)
+        cfg = TrainConfig(
+            optim=OptimConfig(lr=1e-2), micro_batch_size=1, loss=LossConfig(kl_loss_coef=0.1), use_packing=True
+        )
         trainer = ActorTrainer(model, cfg, cpu, dtype, ctx if distributed else None)
         with torch.no_grad(), adapters_disabled(model):  # the sharded model's first forward: the reference
             ref, _ = packed_response_logprobs(model, **inputs(), temperature=1.0, dtype=trainer.dtype)
@@ -434,9 +440,8 @@ FSDP_SCRIPT = textwrap.dedent("""
 
     critic = with_lora(build_value_model(plain(), seed=0), dtype=torch.bfloat16, target_modules=targets)
     before = frozen(critic)
-    CriticTrainer(critic, TrainConfig(role="critic", lr=1e-2, micro_batch_size=1), cpu, torch.bfloat16, ctx).train_step(
-        batch, 0
-    )
+    critic_cfg = TrainConfig(role="critic", optim=OptimConfig(lr=1e-2), micro_batch_size=1)
+    CriticTrainer(critic, critic_cfg, cpu, torch.bfloat16, ctx).train_step(batch, 0)
     check_frozen(critic, before, torch.bfloat16)
     assert all(torch.isfinite(t).all() for t in adapter_state(critic).values())
     print(f"rank {{ctx.rank}}: 2 ranks == 1 rank within {{diff:.2e}}", flush=True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlx.config import ConfigError
+from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import RolloutConfig
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, rollout_args, run_torchrun, torchrun
 
@@ -43,7 +44,7 @@ SCRIPT = textwrap.dedent("""
 
     def records(model, cfg, context):
         engine = build_engine(cfg, model, tokenizer, context)
-        return engine, engine.generate(prompts, cfg.sampling(), progress=False).records
+        return engine, engine.generate(prompts, cfg.sampling, progress=False).records
 
     def same(tp, single, what):
         assert [r.response_ids for r in tp] == [r.response_ids for r in single], what
@@ -60,12 +61,18 @@ SCRIPT = textwrap.dedent("""
                 p.data.normal_(0, 0.5)
         return model
 
-    cfg = RolloutConfig(engine="native", chat_template="off", n=3, max_new_tokens=12, seed=5, max_num_seqs=4,
-                        block_size=2, kv_cache_gib=1e-4, precision="float32")
+    cfg = RolloutConfig(
+        engine="native",
+        chat_template="off",
+        kv_cache_gib=1e-4,
+        precision="float32",
+        sampling=SamplingParams(n=3, max_new_tokens=12, seed=5),
+        native=NativeConfig(max_num_seqs=4, block_size=2),
+    )
     for family in families:
         model = build(family).requires_grad_(False)
         for temperature in (0.0, 1.0):
-            cfg = dataclasses.replace(cfg, temperature=temperature)
+            cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, temperature=temperature))
             engine, tp = records(copy.deepcopy(model), dataclasses.replace(cfg, tp_degree=2), ctx)
             _, single = records(copy.deepcopy(model), cfg, one)
             same(tp, single, (family, temperature))
@@ -137,7 +144,7 @@ def test_tp_degree_errors(tmp_path, tiny_ckpt, prompts_file, capsys):
     with pytest.raises(ConfigError, match="old name of tp_degree: give one of them"):
         RolloutConfig(engine="vllm", tp=2, tp_degree=4)
     with pytest.raises(ConfigError, match="single-turn rollouts only"):
-        RolloutConfig(engine="native", tp_degree=2, env="envs.py:Env")
+        RolloutConfig(engine="native", tp_degree=2, agent=AgentConfig(env="envs.py:Env"))
     result = cli(*rollout_args(tiny_ckpt, prompts_file, tmp_path / "r.jsonl", "--engine", "hf", "--tp-degree", "2"))
     assert result.exit_code == 1 and "--tp-degree: tensor parallel rollout needs engine 'vllm' or 'native'" in (
         result.stderr
@@ -170,7 +177,7 @@ def test_heads_that_do_not_split_are_refused():
 @pytest.mark.slow
 def test_ppo_with_tp_degree_2(tmp_path):
     recipe = Path(REPO) / "recipes" / "quickstart.toml"
-    sets = ["--set", "data.prompts_per_step=4", "--set", "rollout.n=2", "--set", "steps=2"]
+    sets = ["--set", "data.prompts_per_step=4", "--set", "rollout.sampling.n=2", "--set", "steps=2"]
     sets += ["--set", "rollout.engine=native", "--set", "rollout.kv_cache_gib=0.001"]
     cli_ok("ppo", recipe, "--out", tmp_path / "one", *sets)
     torchrun(2, "ppo", recipe, "--out", tmp_path / "tp", *sets, "--set", "rollout.tp_degree=2")

@@ -137,7 +137,7 @@ class RolloutWorker:
         self.next_position = 0
         """The data position the next batch of prompts starts at."""
         self.score_cfg = dataclasses.replace(
-            cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
+            cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.sampling.max_new_tokens
         )
 
     def run(self) -> None:
@@ -163,7 +163,7 @@ class RolloutWorker:
         finish), new weights are taken as they are published (in-flight samples continue under them, or are
         dropped and started again: async.partial_rollouts), and each step's share is put in the store as soon as
         its last sample finishes."""
-        if self.cfg.rollout.is_multi_turn:
+        if self.cfg.rollout.agent.is_multi_turn:
             for step in steps:
                 self._produce_episodes(step, start)
             return
@@ -210,8 +210,9 @@ class RolloutWorker:
             self.ready = None
 
     def _produce_episodes(self, step: int, start: dict) -> None:
-        """Multi-turn (rollout.env / rollout.agent): step `step`'s episodes with the newest weights published, at
-        least those the bound needs; weights change only between steps, so every episode is one policy's."""
+        """Multi-turn (rollout.agent.env / rollout.agent.agent): step `step`'s episodes with the newest weights
+        published, at least those the bound needs; weights change only between steps, so every episode is one
+        policy's."""
         self._evaluate_pending()
         while self.version < step - 1 - self.cfg.async_.max_staleness or self._update_waiting():
             what = f"policy version {self.version + 1} from the trainers"
@@ -239,7 +240,11 @@ class RolloutWorker:
         prompts = take_prompts(self.prompts, self.next_position, want, cfg.seed if cfg.data.shuffle else None)
         self.next_position += want
         mine = shard_range(len(prompts), self.roles.rank_in_role, self.roles.num_rollout)
-        return [prompts[i] for i in mine], self.next_position, cfg.rollout.sampling(seed=cfg.seed + step)
+        return (
+            [prompts[i] for i in mine],
+            self.next_position,
+            dataclasses.replace(cfg.rollout.sampling, seed=cfg.seed + step),
+        )
 
     def _prepare(self, step: int, start: dict) -> _StepWork:
         """Step `step`'s next prompts (and seed) exactly as the synchronous loop takes them, this rank's slice, as
@@ -420,8 +425,8 @@ class RolloutWorker:
             return
         if self.stream is None:
             per_step = len(shard_range(self.cfg.data.prompts_per_step, self.roles.rank_in_role, self.roles.num_rollout))
-            slots = max(len(self.eval_work.tokens), per_step * self.cfg.rollout.n)
-            self._open(self.cfg.rollout.sampling(seed=self.cfg.seed), self.eval_context, slots)
+            slots = max(len(self.eval_work.tokens), per_step * self.cfg.rollout.sampling.n)
+            self._open(dataclasses.replace(self.cfg.rollout.sampling, seed=self.cfg.seed), self.eval_context, slots)
         self.eval_work.submit(self.stream)
 
     def _put_eval(self, share: EvalShare) -> None:

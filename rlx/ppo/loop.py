@@ -112,7 +112,7 @@ class PPORun:
         self.gc_pauses = GcPauses()
         self.prompts, self.eval_prompts = inputs.prompts, inputs.eval_prompts
         self.score_cfg = dataclasses.replace(
-            cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
+            cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.sampling.max_new_tokens
         )
         self.stop = StopRequest()
 
@@ -209,7 +209,9 @@ class PPORun:
         with measure_phase("score", self.device) as phase:
             score_cfg = dataclasses.replace(self.score_cfg, kl_coef=self.kl_coef, filter_groups=False)
             models = self.models.scoring
-            result = score_rollouts(rollouts, score_cfg, models, cfg.rollout.train_temperature, rewards=rewards)
+            result = score_rollouts(
+                rollouts, score_cfg, models, cfg.rollout.sampling.train_temperature, rewards=rewards
+            )
         metrics.update(result.metrics)
         metrics.update(phase)
         if result.next_kl_coef is not None:
@@ -289,13 +291,13 @@ class PPORun:
         """Rollouts for the step.  With score.filter_groups (DAPO dynamic sampling, dynamic_sampling.py), batches
         of prompts are sampled until prompts_per_step informative groups are collected (or max_gen_batches)."""
         cfg = self.cfg
-        sampling = cfg.rollout.sampling(seed=cfg.seed + step)
+        sampling = dataclasses.replace(cfg.rollout.sampling, seed=cfg.seed + step)
         want, stats = cfg.data.prompts_per_step, RolloutStats(0, 0.0)
         groups = GroupFilter(want, cfg.data.max_gen_batches)
         while True:
             prompts = take_prompts(self.prompts, self.data_position, want, cfg.seed if cfg.data.shuffle else None)
             self.data_position += len(prompts)
-            if cfg.rollout.is_multi_turn:  # episodes of an environment or runs of an agent, on the same engine
+            if cfg.rollout.agent.is_multi_turn:  # episodes of an environment or runs of an agent, on the same engine
                 result = generate_multi_turn(self.engine, self.models.tokenizer, prompts, cfg.rollout, sampling)
             else:
                 result = self.engine.generate(prompts, sampling, progress=False)

@@ -49,7 +49,7 @@ def run_rollout(
     records = read_prompts(prompts_path)
     if num_prompts < 0 or data_position < 0:
         raise UserError("--num-prompts and --data-position must be >= 0")
-    if cfg.is_multi_turn:  # episodes of an environment or runs of an agent (they build each sample's context)
+    if cfg.agent.is_multi_turn:  # episodes of an environment or runs of an agent (they build each sample's context)
         if num_prompts or data_position or shuffle_seed is not None:
             check_window(num_prompts, len(records), prompts_path, "--num-prompts")
             records = take_prompts(records, data_position, num_prompts or len(records), shuffle_seed)
@@ -76,7 +76,7 @@ def run_rollout(
     model = load_model(source, dtype=dtype, adapters=True).requires_grad_(False)  # generation only
     engine = build_engine(cfg, model, tokenizer, ctx, processor)
     try:
-        result = engine.generate(records, cfg.sampling())
+        result = engine.generate(records, cfg.sampling)
     finally:
         engine.close()
     if not ctx.is_main:
@@ -95,8 +95,8 @@ def run_rollout(
 def run_multi_turn_rollout(
     cfg: RolloutConfig, model_path: str, records: list[PromptRecord], out: str, metrics_path: Path | None = None
 ) -> dict[str, float]:
-    """Episodes of `cfg.env`, or runs of the served `cfg.agent`, for the prompt records; writes rollouts.jsonl
-    (rank 0 under a launcher) and returns the metrics."""
+    """Episodes of `cfg.agent.env`, or runs of the served `cfg.agent.agent`, for the prompt records; writes
+    rollouts.jsonl (rank 0 under a launcher) and returns the metrics."""
     refuse_images(records, cfg, engine_class(cfg.engine))  # before the model loads
     source = resolve_source(model_path)
     tokenizer = load_tokenizer(source)
@@ -105,7 +105,7 @@ def run_multi_turn_rollout(
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
     engine = build_engine(cfg, load_model(source, dtype=dtype).requires_grad_(False), tokenizer, ctx, processor)
     try:
-        result = generate_multi_turn(engine, tokenizer, records, cfg, cfg.sampling())
+        result = generate_multi_turn(engine, tokenizer, records, cfg, cfg.sampling)
     finally:
         engine.close()
     metrics = result.stats.metrics()
