@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent("""
     from rlx.models.tiny import build_char_tokenizer
     from rlx.parallel.dist import DistContext, exit_process, setup
     from rlx.rollout.base import build_engine
-    from rlx.rollout.config import RolloutConfig
+    from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 
     ctx = setup(sys.argv[1])  # cpu: gloo; cuda: nccl, decode steps in CUDA graphs with torch.compile inside
     tokenizer = build_char_tokenizer()
