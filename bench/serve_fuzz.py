@@ -57,7 +57,7 @@ def build_server(root: Path, key: str):
     from rlx.parallel.dist import DistContext
     from rlx.rollout.agent_config import AgentConfig
     from rlx.rollout.base import build_engine
-    from rlx.rollout.config import RolloutConfig
+    from rlx.rollout.config import RolloutConfig, SamplingParams
     from rlx.serve.config import EndpointConfig
     from rlx.serve.server import AgentServer
     from rlx.serve.stream import StreamBackend
@@ -65,12 +65,12 @@ def build_server(root: Path, key: str):
     tokenizer = build_chat_tokenizer("qwen2.5")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_chat_config(tokenizer)).eval()
-    cfg = RolloutConfig(max_new_tokens=4, temperature=1.0)
+    cfg = RolloutConfig(sampling=SamplingParams(max_new_tokens=4, temperature=1.0))
     engine = build_engine(cfg, model, tokenizer, DistContext(device=torch.device("cpu")))
     agent = AgentConfig(max_total_tokens=512)
-    backend = StreamBackend(engine, cfg.sampling(), agent.max_total_tokens)
+    backend = StreamBackend(engine, cfg.sampling, agent.max_total_tokens)
     endpoint = EndpointConfig(api_key=key, max_request_mib=1 / 16, image_root=str(root), max_sessions=64)
-    return AgentServer(backend, tokenizer, engine.stop_ids, cfg.sampling(), agent, endpoint=endpoint).start()
+    return AgentServer(backend, tokenizer, engine.stop_ids, cfg.sampling, agent, endpoint=endpoint).start()
 
 
 def hostile_bodies(port: int, root: Path) -> list:

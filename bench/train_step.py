@@ -41,7 +41,7 @@ from rlx.formats.batch import BatchMeta, TrainBatch  # noqa: E402
 from rlx.observe import flops as F  # noqa: E402
 from rlx.parallel.dist import setup, teardown  # noqa: E402
 from rlx.training.actor import ActorTrainer  # noqa: E402
-from rlx.training.config import TrainConfig  # noqa: E402
+from rlx.training.config import OptimConfig, TrainConfig  # noqa: E402
 
 QWEN2_05B = dict(
     hidden_size=896,
@@ -137,7 +137,7 @@ def timed_steps(step_fn, device, steps: int, warmup: int) -> list[float]:
 def run_rlx(args, shape, batch, ctx) -> dict:
     model = build_model(shape)
     cfg = TrainConfig(
-        lr=1e-6,
+        optim=OptimConfig(lr=1e-6),
         mini_batch_size=batch.size,
         use_packing=True,
         max_tokens_per_micro_batch=args.tokens_per_micro_batch,

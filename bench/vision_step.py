@@ -114,17 +114,21 @@ def rlx_rollout(ckpt: Path, prompts: Path, args, device, engine: str) -> tuple[d
     from rlx.models.loading import load_tokenizer, resolve_source
     from rlx.parallel.dist import DistContext
     from rlx.rollout.base import build_engine
-    from rlx.rollout.config import RolloutConfig
+    from rlx.rollout.config import RolloutConfig, SamplingParams
     from rlx.rollout.registry import engine_class
 
-    cfg = RolloutConfig(engine=engine, n=args.n, max_new_tokens=args.max_new_tokens, batch_size=args.prompts * args.n,
-                        device=device.type, seed=1)  # fmt: skip
+    cfg = RolloutConfig(
+        engine=engine,
+        batch_size=args.prompts * args.n,
+        device=device.type,
+        sampling=SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, seed=1),
+    )
     source = resolve_source(str(ckpt))
     model = load_model(source, dtype=engine_class(engine).model_dtype(cfg, device))
     built = build_engine(cfg, model, load_tokenizer(source), DistContext(device=device), load_processor(source))
     records = read_prompts(str(prompts))
-    built.generate(records, cfg.sampling(), progress=False)  # warm-up: graphs, caches, kernels
-    result = built.generate(records, cfg.sampling(), progress=False)
+    built.generate(records, cfg.sampling, progress=False)  # warm-up: graphs, caches, kernels
+    result = built.generate(records, cfg.sampling, progress=False)
     return {"tokens": result.stats.tokens, "seconds": result.stats.seconds,
             "tokens_per_s": result.stats.tokens_per_s}, result.records  # fmt: skip
 
@@ -178,11 +182,12 @@ def rlx_train(ckpt: Path, batch_path: Path, args, device, fast_path: bool = Fals
     from rlx.formats.batch import TrainBatch
     from rlx.models.loading import load_config, resolve_source
     from rlx.models.vision.config import VisionConfig
-    from rlx.training.config import TrainConfig
+    from rlx.training.config import OptimConfig, TrainConfig
 
     fast = dict(compile=True, max_tokens_per_micro_batch=args.train_budget) if fast_path else {}
-    cfg = TrainConfig(lr=1e-6, micro_batch_size=args.baseline_rows, use_packing=True, device=device.type,
-                      vision=VisionConfig(freeze_vision_tower=not args.train_tower), **fast)  # fmt: skip
+    cfg = TrainConfig(optim=OptimConfig(lr=1e-6), micro_batch_size=args.baseline_rows, use_packing=True,
+                      device=device.type, vision=VisionConfig(freeze_vision_tower=not args.train_tower),
+                      **fast)  # fmt: skip
     source = resolve_source(str(ckpt), "checkpoint")
     meta = check_complete(source.path)
     batch = TrainBatch.load(str(batch_path), load_processor(source, cfg.vision, load_config(source)))

@@ -124,7 +124,7 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
         if name not in fields:
             valid = ", ".join(sorted(fields))
             raise ConfigError(key, f"unknown key (valid keys here: {valid})")
-        kwargs[name] = _coerce(value, hints[name], key)
+        kwargs[name] = _coerce(_over_default(fields[name], value), hints[name], key)
     for name, f in fields.items():
         if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             key = f"{prefix}.{name}" if prefix else name
@@ -135,6 +135,59 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
         if prefix and not e.key.startswith(prefix + "."):
             raise ConfigError(f"{prefix}.{e.key}", e.message) from None
         raise
+
+
+def _over_default(f: dataclasses.Field, value: Any) -> Any:
+    """A table given for a field whose default is a config built by its factory (`OptimConfig(lr=1e-5)`): the keys
+    it leaves out keep that default's values, not its class's."""
+    if not isinstance(value, dict) or f.default_factory is dataclasses.MISSING:
+        return value
+    default = f.default_factory()
+    if not dataclasses.is_dataclass(default):
+        return value
+    kept = {g.name: getattr(default, g.name) for g in dataclasses.fields(default) if g.init and g.name not in value}
+    return {**kept, **value}
+
+
+def move_keys(data: dict, moved: dict[str, str]) -> list[tuple[str, str]]:
+    """Move each old dotted key of `moved` that nested dict `data` holds to its new dotted key (in place), e.g.
+    `train.lr` -> `train.optim.lr`; returns the (old, new) pairs moved. An old key whose value is a table while the
+    new key lies under it (`rollout.agent` -> `rollout.agent.agent`) is already the new layout and stays."""
+    done = []
+    into_itself = sorted(moved, key=lambda old: not moved[old].startswith(old + "."))  # `agent` before `env`
+    for old in into_itself:
+        new = moved[old]
+        *path, name = old.split(".")
+        node = _table_at(data, path)
+        if node is None or name not in node or (isinstance(node[name], dict) and new.startswith(old + ".")):
+            continue
+        value = node.pop(name)
+        *new_path, new_name = new.split(".")
+        target = data
+        for part in new_path:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(".".join(new_path), f"expected a table (it holds {old}'s new key {new})")
+        if new_name in target:
+            raise ConfigError(old, f"give {new} only (the old key {old} and the new one are both set)")
+        target[new_name] = value
+        done.append((old, new))
+    return done
+
+
+def moved_override(text: str, moved: dict[str, str]) -> tuple[str, tuple[str, str] | None]:
+    """A `--set old.key=value` override rewritten to its new key (the override, (old, new) or None)."""
+    key, sep, value = text.partition("=")
+    old = key.strip()
+    if sep and old in moved:
+        return f"{moved[old]}={value}", (old, moved[old])
+    return text, None
+
+
+def _table_at(data: dict, path: list[str]) -> dict | None:
+    for part in path:
+        data = data.get(part) if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
 
 
 def to_dict(obj: Any) -> Any:
@@ -153,7 +206,7 @@ def to_dict(obj: Any) -> Any:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Parse `a.b.c=value`: the value is read as a TOML literal, else taken as a plain string."""
     if "=" not in text:
-        raise UserError(f"--set {text!r}: expected KEY=VALUE, e.g. --set train.lr=1e-5")
+        raise UserError(f"--set {text!r}: expected KEY=VALUE, e.g. --set train.optim.lr=1e-5")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key or any(not part for part in key.split(".")):

@@ -68,9 +68,9 @@ def bigram_chat_model(script: str, style: str | None = "qwen2.5", extra_tokens: 
 def token_engine(model, tokenizer, engine: str = "hf", **settings):
     """A rollout engine (`engine`: hf, native) around the model in this process: its token-level call."""
     from rlx.rollout.config import RolloutConfig
-    from tests.conftest import make_engine
+    from tests.conftest import flat_config, make_engine
 
-    return make_engine(model, tokenizer, RolloutConfig(engine=engine, **settings))
+    return make_engine(model, tokenizer, flat_config(RolloutConfig, engine=engine, **settings))
 
 
 ENVS = '''

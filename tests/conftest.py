@@ -81,6 +81,17 @@ def torchrun(n: int, *args, timeout: int = 600) -> subprocess.CompletedProcess:
     return run_torchrun(n, "-m", "rlx", *args, timeout=timeout)
 
 
+def flat_config(cls, **flat):
+    """Config `cls` from flat field names, as its command's flags name them (`n=2`, `max_num_seqs=4`, `env=...` for
+    RolloutConfig's sampling, native and agent tables), through the commands' own option builder."""
+    from rlx.commands._options import build_from_options, field_options
+
+    defaults = {p.name: p.default for p in field_options(cls)}
+    unknown = set(flat) - set(defaults)
+    assert not unknown, f"{cls.__name__} has no flat option {sorted(unknown)}"
+    return build_from_options(cls, {**defaults, **flat})
+
+
 def make_engine(model, tokenizer, cfg, device: torch.device | str = "cpu"):
     """The rollout engine `cfg.engine` around `model` in this process (no process group)."""
     from rlx.parallel.dist import DistContext
@@ -91,7 +102,7 @@ def make_engine(model, tokenizer, cfg, device: torch.device | str = "cpu"):
 
 def generate(engine, prompts, cfg):
     """The records of `engine.generate` with `cfg`'s sampling settings."""
-    return engine.generate(prompts, cfg.sampling(), progress=False).records
+    return engine.generate(prompts, cfg.sampling, progress=False).records
 
 
 def replayed_logprobs(prompt_ids: list[int], response_ids: list[int], runs: list[list[int]], policy) -> torch.Tensor:

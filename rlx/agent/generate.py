@@ -40,8 +40,8 @@ class EpisodeRollout:
 def generate_multi_turn(
     engine: RolloutEngine, tokenizer, prompts: list[PromptRecord], cfg: RolloutConfig, sampling: SamplingParams
 ) -> RolloutResult:
-    """`sampling.n` episodes of `cfg.env` (or runs of the agent `cfg.agent`) per prompt, in prompt order then
-    sample order, on every process; the stats hold the multi-turn metrics."""
+    """`sampling.n` episodes of `cfg.agent.env` (or runs of the agent `cfg.agent.agent`) per prompt, in prompt order
+    then sample order, on every process; the stats hold the multi-turn metrics."""
     refuse_images(prompts, cfg, type(engine))
     ctx = engine.ctx
     mine = shard_range(len(prompts), ctx.rank, ctx.world) if ctx else range(len(prompts))
@@ -54,10 +54,11 @@ def generate_multi_turn(
 
 
 def multi_turn_runner(engine: RolloutEngine, tokenizer, cfg: RolloutConfig, sampling: SamplingParams):
-    """The runner of `cfg.agent` (an agent over the OpenAI-compatible endpoint) or `cfg.env` (an environment)."""
-    if cfg.agent:
-        return AgentRollout(engine, tokenizer, sampling, cfg, cfg.agent)
-    return EnvRollout(engine, tokenizer, sampling, cfg)
+    """The runner of `cfg.agent.agent` (an agent over the OpenAI-compatible endpoint) or `cfg.agent.env` (an
+    environment)."""
+    if cfg.agent.agent:
+        return AgentRollout(engine, tokenizer, sampling, cfg.agent, cfg.agent.agent)
+    return EnvRollout(engine, tokenizer, sampling, cfg.agent)
 
 
 def merge_stats(parts: list[tuple[int, RolloutStats]]) -> RolloutStats:

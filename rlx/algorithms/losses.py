@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlx.algorithms.config import LossConfig
 from rlx.algorithms.core import masked_mean, masked_sum
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -29,22 +30,6 @@ class LossNorm:
     """Sequences with at least one unmasked token in the mini-batch."""
     scale_factor: float
     """Constant length for 'seq-mean-token-sum-norm' (Dr.GRPO's MAX_TOKENS)."""
-
-
-@dataclass
-class PolicyLossParams:
-    """Hyper-parameters of the policy losses (see TrainConfig for their meaning and defaults)."""
-
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float | None = 3.0
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
-    clip_cov_ratio: float = 0.0002
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 1.0
 
 
 @dataclass
@@ -94,23 +79,23 @@ def _sums(mask: torch.Tensor, log_ratio: torch.Tensor, clipped=None, clipped_low
         }
 
 
-def ppo(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
+def ppo(logp, old, adv, mask, p: LossConfig) -> PolicyLossOutput:
     """PPO clip (verl 'vanilla'): max(-A r, -A clip(r, 1-low, 1+high)), and for A < 0 capped at
-    -A * clip_ratio_c (dual-clip; None turns it off). r = exp(clamp(logp - old, -20, 20))."""
+    -A * clip_ratio_c (dual-clip; 0 turns it off). r = exp(clamp(logp - old, -20, 20))."""
     log_ratio = _log_ratio(logp, old)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1 - p.clip_ratio_low, 1 + p.clip_ratio_high)
     loss = torch.maximum(unclipped, clipped)
     is_clipped, is_lower = clipped > unclipped, torch.zeros_like(mask)
-    if p.clip_ratio_c is not None:
+    if p.clip_ratio_c:
         cap = -adv * p.clip_ratio_c
         is_lower = (loss > cap) & (adv < 0)
         loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
     return PolicyLossOutput(token_loss=loss, sums=_sums(mask, log_ratio, is_clipped, is_lower))
 
 
-def gspo(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
+def gspo(logp, old, adv, mask, p: LossConfig) -> PolicyLossOutput:
     """GSPO (verl 'gspo'): sequence ratio s = exp(mean_t(logp - old)), applied per token as
     sg[s] * pi / sg[pi] (log clamped at 10), clipped like PPO. Aggregated with the configured loss_agg_mode
     as verl 0.9.1 does; the GSPO paper's sequence-level objective is seq-mean-token-mean."""
@@ -124,7 +109,7 @@ def gspo(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
     return PolicyLossOutput(token_loss=loss, sums=_sums(mask, log_ratio, clipped > unclipped))
 
 
-def cispo(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
+def cispo(logp, old, adv, mask, p: LossConfig) -> PolicyLossOutput:
     """CISPO (MiniMax-M1; verl 'cispo'): -sg(clip(r, 1-low, 1+high)) * A * logp: the importance
     weight is clipped and detached, so every token keeps its gradient through logp."""
     log_ratio = _log_ratio(logp, old)
@@ -134,7 +119,7 @@ def cispo(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
     return PolicyLossOutput(token_loss=loss, sums=_sums(mask, log_ratio, weight != ratio.detach()))
 
 
-def sapo(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
+def sapo(logp, old, adv, mask, p: LossConfig) -> PolicyLossOutput:
     """SAPO (verl 'sapo'): -f(r) * A with the soft gate f(r) = sigmoid(tau (r - 1)) * 4 / tau,
     tau = tau_pos for A > 0 else tau_neg; always seq-mean-token-mean."""
     log_ratio = _log_ratio(logp, old)
@@ -144,12 +129,12 @@ def sapo(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
     return PolicyLossOutput(token_loss=-gate * adv, agg_mode="seq-mean-token-mean", sums=_sums(mask, log_ratio))
 
 
-def gpg(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
+def gpg(logp, old, adv, mask, p: LossConfig) -> PolicyLossOutput:
     """GPG (verl 'gpg'): plain policy gradient -logp * A, no ratio and no clipping."""
     return PolicyLossOutput(token_loss=-logp * adv, sums=_sums(mask, _log_ratio(logp, old).detach()))
 
 
-def clip_cov(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
+def clip_cov(logp, old, adv, mask, p: LossConfig) -> PolicyLossOutput:
     """Clip-Cov (verl 'clip_cov'): PPO without dual-clip, and a random clip_cov_ratio share of the
     tokens whose centred covariance (A - mean A)(logp - mean logp) lies in (lb, ub) get no gradient.
     Means and the random pick are over the micro-batch (as verl); the pick uses torch's seeded RNG."""
@@ -170,7 +155,7 @@ def clip_cov(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
     return PolicyLossOutput(token_loss=loss, sums=_sums(mask, log_ratio, keep == 0))
 
 
-def kl_cov(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
+def kl_cov(logp, old, adv, mask, p: LossConfig) -> PolicyLossOutput:
     """KL-Cov (verl 'kl_cov'): -A r, plus ppo_kl_coef * |logp - old| on the kl_cov_ratio share of
     tokens with the largest centred covariance (A - mean A)(logp - mean logp) (over the micro-batch)."""
     log_ratio = logp - old
@@ -186,7 +171,7 @@ def kl_cov(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
     return PolicyLossOutput(token_loss=loss, sums=_sums(mask, _log_ratio(logp, old).detach()))
 
 
-def geo_mean(logp, old, adv, mask, p: PolicyLossParams) -> PolicyLossOutput:
+def geo_mean(logp, old, adv, mask, p: LossConfig) -> PolicyLossOutput:
     """GMPO (verl 'geo_mean'): per-token log ratios clipped to [-low, high] on the side the advantage
     sign makes pessimistic, ratio = exp(mean_t clipped log ratio), loss = -mean_t(A) * ratio per
     sequence, averaged over sequences (sequence-level advantages)."""
@@ -223,7 +208,7 @@ def compute_policy_loss(
     mask: torch.Tensor,
     norm: LossNorm,
     agg_mode: str = "token-mean",
-    params: PolicyLossParams | None = None,
+    params: LossConfig | None = None,
     is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Policy loss `name` aggregated over a micro-batch with mini-batch normalisers.  Tensors [B, R].
@@ -235,7 +220,7 @@ def compute_policy_loss(
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r} (valid: {', '.join(POLICY_LOSSES)})")
     mask = mask.bool()
-    out = POLICY_LOSSES[name](logprobs, old_logprobs, advantages, mask, params or PolicyLossParams())
+    out = POLICY_LOSSES[name](logprobs, old_logprobs, advantages, mask, params or LossConfig())
     if out.seq_loss is not None:
         seq_loss = out.seq_loss
         if is_weights is not None:

@@ -11,33 +11,16 @@ are bounded to [exp(-20), exp(20)] before use (as verl).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from rlx.algorithms.config import CorrectionConfig
 from rlx.algorithms.core import masked_mean, masked_sum
 
 _BOUND = 20.0
 
 
-@dataclass
-class RolloutCorrection:
-    """Settings (see TrainConfig's rollout_* fields)."""
-
-    is_level: str = "none"
-    is_threshold: float = 2.0
-    rs_level: str = "none"
-    rs_threshold: float | None = None
-    rs_threshold_lower: float | None = None
-    veto_threshold: float | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.is_level != "none" or self.rs_level != "none" or self.veto_threshold is not None
-
-
 def correct(
-    old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, cfg: RolloutCorrection
+    old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, cfg: CorrectionConfig
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """(IS weights [B, R] or None, the mask after rejection [B, R], metrics).  All inputs [B, R]."""
     mask = mask.bool()
@@ -45,25 +28,25 @@ def correct(
     seq_log = log_ratio.sum(dim=-1)
     lengths = mask.sum(dim=-1).clamp(min=1)
     weights = None
-    if cfg.is_level == "token":
-        weights = torch.exp(log_ratio).clamp(max=cfg.is_threshold) * mask
-    elif cfg.is_level == "sequence":
-        seq_w = torch.exp(torch.clamp(seq_log, -_BOUND, _BOUND)).clamp(max=cfg.is_threshold)
+    if cfg.rollout_is == "token":
+        weights = torch.exp(log_ratio).clamp(max=cfg.rollout_is_threshold) * mask
+    elif cfg.rollout_is == "sequence":
+        seq_w = torch.exp(torch.clamp(seq_log, -_BOUND, _BOUND)).clamp(max=cfg.rollout_is_threshold)
         weights = seq_w.unsqueeze(-1) * mask
     keep = mask.clone()
-    if cfg.rs_level != "none":
-        upper = cfg.rs_threshold if cfg.rs_threshold is not None else cfg.is_threshold
-        lower = cfg.rs_threshold_lower if cfg.rs_threshold_lower is not None else 1.0 / upper
-        if cfg.rs_level == "token":
+    if cfg.rollout_rs != "none":
+        upper = cfg.rollout_rs_threshold or cfg.rollout_is_threshold
+        lower = cfg.rollout_rs_threshold_lower or 1.0 / upper
+        if cfg.rollout_rs == "token":
             ratio = torch.exp(log_ratio)
             keep &= (ratio >= lower) & (ratio <= upper)
         else:
-            log_seq = seq_log if cfg.rs_level == "sequence" else seq_log / lengths
+            log_seq = seq_log if cfg.rollout_rs == "sequence" else seq_log / lengths
             ratio = torch.exp(torch.clamp(log_seq, -_BOUND, _BOUND))
             keep &= ((ratio >= lower) & (ratio <= upper)).unsqueeze(-1)
-    if cfg.veto_threshold is not None:
+    if cfg.rollout_veto_threshold > 0:
         raw = torch.exp(torch.clamp(old - rollout, max=_BOUND))
-        vetoed = ((raw < cfg.veto_threshold) & mask).any(dim=-1, keepdim=True)
+        vetoed = ((raw < cfg.rollout_veto_threshold) & mask).any(dim=-1, keepdim=True)
         keep &= ~vetoed
     metrics = {
         "rollout_corr/rejected_token_frac": 1.0 - float(keep.sum()) / max(float(mask.sum()), 1.0),

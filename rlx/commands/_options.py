@@ -1,8 +1,10 @@
 """Command options derived from config dataclasses: each field of a stage's config (`RolloutConfig`,
 `ScoreConfig`, `TrainConfig`) is one typer option, with the field's name, type, default and docstring (as the
 help), so a field added to a config appears in its command and `--help` with no second edit. A field that is
-itself a config table (e.g. `vision: VisionConfig`) contributes its own fields as options (`--max-pixels`), from
-which the wrapper builds the table.
+itself a config table (e.g. `vision: VisionConfig`, `optim: OptimConfig`, `sampling: SamplingParams`) contributes its
+own fields as flat options (`--max-pixels`, `--lr`, `--temperature`), from which the wrapper builds the table; their
+defaults are those of the config the field's factory builds (SFTConfig's `optim` has lr 1e-5, EvalConfig's
+`sampling` temperature 0), so the flags a recipe's `[train.optim]` or `[rollout.sampling]` table sets stay flat.
 
     @config_command(ScoreConfig, "score", metavars={"reward": "NAME[=W]"})
     def score(cfg: ScoreConfig, rollouts: Annotated[str, typer.Option(...)], ...) -> None:
@@ -13,7 +15,8 @@ keyword per config field, builds the config (validation errors name the option) 
 A field that is itself a config dataclass (`lora: LoraConfig | None`, a recipe's `[lora]` table) is flattened into
 options prefixed with its name (`--lora-rank`, `--lora-alpha`, ...): an optional one is built only when one of its
 options is given (else it stays None: the table is absent). `nested_config("lora", LoraConfig)` does the same for a
-command whose config class has no such field (the function then receives `lora=`).
+command whose config class has no such field (the function then receives `lora=`), and `config_fields` takes some
+fields of another config as options (`rlx eval`: the rollout engine's settings).
 No torch import: `rlx --help` stays instant.
 """
 
@@ -46,8 +49,8 @@ def _option_type(tp: Any) -> tuple[Any, str | None] | None:
         return str | None, "JSON"
     if origin is typing.Literal:
         return str, "|".join(str(a) for a in get_args(tp))
-    if origin is list:
-        (item,) = get_args(tp)
+    if origin in (list, tuple):  # repeat the option; a tuple[str, ...] field gets a tuple of the values
+        item = get_args(tp)[0]
         return list[item] | None, None
     if origin in (Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
@@ -80,20 +83,36 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}_{name}" if prefix else name
 
 
+def _table_default(f: dataclasses.Field, base: Any) -> Any:
+    """The config a table field starts from: the parent default's (`base`), else what the field's factory builds
+    (SFTConfig's `optim` is `OptimConfig(lr=1e-5)`, not `OptimConfig()`), else None (the class's own defaults)."""
+    if base is not None:
+        return getattr(base, f.name)
+    return None if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
+def _is_sequence(tp: Any) -> bool:
+    """A list or tuple field (a repeated option): left out, it keeps its default."""
+    return get_origin(tp) in (list, tuple)
+
+
 def field_options(cls: type, exclude=(), metavars: dict | None = None, decls: dict | None = None,
-                  help_extra: dict | None = None, prefix: str = "") -> list[inspect.Parameter]:  # fmt: skip
+                  help_extra: dict | None = None, prefix: str = "",
+                  base: Any = None) -> list[inspect.Parameter]:  # fmt: skip
     """One keyword-only typer parameter per CLI-able field of dataclass `cls`, in field order; a table field (a
     config dataclass such as `vision`) gives its own fields in its place under their own names, and an optional
     nested config field's fields follow as `<field>_<name>` (`--lora-rank`). With a `prefix` (nested fields), every
-    option defaults to None (so a given one can be told from a left-out one) and the help names the default."""
+    option defaults to None (so a given one can be told from a left-out one) and the help names the default. A table's
+    defaults are those of the config its field's factory builds (`base`, passed down)."""
     hints, out, tables = get_type_hints(cls), [], _tables(cls)
     metavars, decls, help_extra = metavars or {}, decls or {}, help_extra or {}
     own = cls.__dict__.get("__annotations__", {})
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):  # the class's own fields first
-        if f.name in exclude:
+        if f.name in tables:  # a table is never left out whole: `exclude` names its fields
+            table_base = _table_default(f, base)
+            out += field_options(tables[f.name], exclude, metavars, decls, help_extra, prefix, table_base)
             continue
-        if f.name in tables:
-            out += field_options(tables[f.name], exclude, metavars, decls, help_extra, prefix)
+        if f.name in exclude:
             continue
         nested = nested_class(hints[f.name])
         if nested is not None:
@@ -104,6 +123,12 @@ def field_options(cls: type, exclude=(), metavars: dict | None = None, decls: di
             continue
         tp, metavar = found
         default = None if f.default is dataclasses.MISSING else f.default
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and not prefix:
+            default = inspect.Parameter.empty  # a required field: a required option
+        if base is not None and f.default_factory is dataclasses.MISSING:
+            default = getattr(base, f.name)
+        if _is_sequence(hints[f.name]):
+            default = None
         kwargs = {"help": help_for(cls, f.name) + help_extra.get(f.name, "")}
         if prefix:
             shown = default if f.default_factory is dataclasses.MISSING else f.default_factory()
@@ -117,14 +142,15 @@ def field_options(cls: type, exclude=(), metavars: dict | None = None, decls: di
     return out
 
 
-def build_from_options(cls: type, values: dict, prefix: str = "", optional: bool = False):
-    """Config `cls` from the option values `field_options(cls, prefix=prefix)` declared (popped from `values`);
-    None when `optional` and none of its options was given. Validation errors name the option (`lora_rank`)."""
+def build_from_options(cls: type, values: dict, prefix: str = "", optional: bool = False, base: Any = None):
+    """Config `cls` from the option values `field_options(cls, prefix=prefix)` declared (popped from `values`), the
+    options left out keeping `base`'s values; None when `optional` and none of its options was given. Validation
+    errors name the option (`lora_rank`)."""
     hints, kwargs, tables = get_type_hints(cls), {}, _tables(cls)
     for f in dataclasses.fields(cls):
         key = _join(prefix, f.name)
         if f.name in tables:  # a table's options sit beside its parent's, under the same prefix
-            kwargs[f.name] = build_from_options(tables[f.name], values, prefix)
+            kwargs[f.name] = build_from_options(tables[f.name], values, prefix, base=_table_default(f, base))
             continue
         nested = nested_class(hints[f.name])
         if nested is not None:
@@ -136,12 +162,14 @@ def build_from_options(cls: type, values: dict, prefix: str = "", optional: bool
             value = values.pop(key)
             if isinstance(value, str) and (hints[f.name] is dict or get_origin(hints[f.name]) is dict):
                 value = _json_object(value, key)
-            if value is not None or not (prefix or _has_factory(cls, f.name)):
+            if isinstance(value, list) and get_origin(hints[f.name]) is tuple:
+                value = tuple(value)
+            if value is not None or not (prefix or _has_factory(cls, f.name) or _is_sequence(hints[f.name])):
                 kwargs[f.name] = value
     if optional and not kwargs:
         return None
     try:
-        return cls(**kwargs)
+        return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
     except ConfigError as e:
         raise ConfigError(_join(prefix, e.key), e.message) from None
 
@@ -184,7 +212,8 @@ def _build(cls: type, values: dict, prefix: str = "", optional: bool = False):
     try:
         return build_from_options(cls, values, prefix, optional)
     except ConfigError as e:
-        raise UserError(f"--{e.key.replace('_', '-')}: {e.message}") from None
+        flag = e.key.rsplit(".", 1)[-1]  # flags are flat: `sampling.n` (a check of the parent's) is --n
+        raise UserError(f"--{flag.replace('_', '-')}: {e.message}") from None
 
 
 def _set_signature(command: Callable, params: list[inspect.Parameter]) -> None:
@@ -192,6 +221,30 @@ def _set_signature(command: Callable, params: list[inspect.Parameter]) -> None:
     command.__signature__ = inspect.Signature(params)
     command.__annotations__ = {p.name: p.annotation for p in params}
     del command.__wrapped__  # typer must see the new signature, not the wrapped function's
+
+
+def config_fields(name: str, cls: type, include: tuple[str, ...], **options) -> Callable:
+    """Decorator: the fields `include` of config `cls` as options under their own names (`--engine`, `--device`),
+    checked by building `cls` from them (errors name the option); the function receives `<name>=` a dict of their
+    values (`rlx eval` takes a rollout engine's settings so)."""
+
+    def wrap(fn: Callable) -> Callable:
+        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != name]
+        left_out = [f.name for f in dataclasses.fields(cls) if f.name not in include]
+        fields = [p for p in field_options(cls, exclude=left_out, **options) if p.name in include]
+        names = [p.name for p in fields]
+
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            values = {k: kwargs.pop(k) for k in names if k in kwargs}
+            with reporting(fn.__name__.rstrip("_").replace("_", "-")):
+                _build(cls, dict(values))  # option errors name the option before any model is loaded
+            return fn(*args, **{name: values}, **kwargs)
+
+        _set_signature(command, own + fields)
+        return command
+
+    return wrap
 
 
 def config_command(cls: type, name: str, **options) -> Callable:

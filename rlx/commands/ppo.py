@@ -22,7 +22,8 @@ def ppo(
     set_: Annotated[
         list[str] | None,
         typer.Option(
-            "--set", help="Override a recipe key, e.g. --set train.lr=1e-5 (repeatable; values are TOML literals)."
+            "--set",
+            help="Override a recipe key, e.g. --set train.optim.lr=1e-5 (repeatable; values are TOML literals).",
         ),
     ] = None,
     out: Annotated[
@@ -91,10 +92,12 @@ def ppo(
 
 
 def _recipe_tree(recipe: Path, overrides: list[str]) -> dict:
-    """The recipe's TOML tree with the --set overrides (what the user gave)."""
+    """The recipe's TOML tree with the --set overrides (what the user gave), old keys moved to their new places."""
     from rlx.config import apply_overrides, load_toml
+    from rlx.ppo.config import move_old_keys
 
-    return apply_overrides(load_toml(recipe), overrides)
+    tree = load_toml(recipe)
+    return apply_overrides(tree, move_old_keys(tree, overrides, recipe))
 
 
 def _train_device(recipe: Path, overrides: list[str]) -> str:
@@ -116,7 +119,7 @@ def _announce_defaults(device_type: str, recipe: Path, overrides: list[str]) -> 
         settings = ", ".join(f"{k}={v}" for k, v in chosen.items())
         console(f"rlx ppo: fast path on {device_type} (keys the recipe leaves out): {settings}")
     if async_defaults(tree):
-        console('rlx ppo: [async] samples are off-policy: train.rollout_is = "token" (set it to opt out)')
+        console('rlx ppo: [async] samples are off-policy: train.correction.rollout_is = "token" (set it to opt out)')
 
 
 def _print_plan(recipe: Path, overrides: list[str], plan: bool, gpus: int | None, gpu_memory_gib: float | None) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from rlx.config import check, check_choices
 from rlx.formats.records import FORMAT_VERSION
+from rlx.rollout.config import SamplingParams
 
 EVAL_FILE = "eval.jsonl"
 
@@ -35,20 +36,10 @@ class EvalConfig:
     """`rlx ppo`: evaluate after every this many steps (0 = after the last step only)."""
     before_training: bool = False
     """`rlx ppo`: also evaluate the initial policy (logged at step 0)."""
-    n: int = 1
-    """Responses per prompt (pass@k and mean@n need n > 1 and a temperature > 0)."""
-    temperature: float = 0.0
-    """Sampling temperature; 0 = greedy."""
-    top_p: float = 1.0
-    """Nucleus sampling (1 = off)."""
-    top_k: int = 0
-    """Keep only the top_k most likely tokens (0 = off)."""
-    max_new_tokens: int = 256
-    """Longest response, in tokens."""
-    stop: list[str] = field(default_factory=list)
-    """Stop strings, as rollout.stop (the response ends before the first one)."""
-    seed: int = 0
-    """Sampling seed (each sample has its own stream, as in `rlx rollout`)."""
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    """How responses are sampled, greedy by default (the recipe's [eval.sampling] table; flat flags --n,
+    --temperature, --top-p, --top-k, --max-new-tokens, --stop, --seed). pass@k and mean@n need n > 1 and a
+    temperature > 0; each sample has its own stream, as in `rlx rollout`."""
     reward: list[str] = field(default_factory=list)
     """Reward functions as in `rlx score --reward`; empty = the built-in named by each prompt's data_source."""
     correct_threshold: float = 1.0
@@ -60,26 +51,20 @@ class EvalConfig:
         check_choices(self)
         check(bool(self.prompts), "prompts", "must name a prompts file")
         check(self.every >= 0, "every", f"must be >= 0, got {self.every}")
-        check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
-        check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        check(not self.sampling.remax_baseline, "sampling.remax_baseline", "is a rollout setting (ReMax), not eval's")
+        n, temperature = self.sampling.n, self.sampling.temperature
         check(
-            self.n == 1 or self.temperature > 0,
-            "n",
-            f"n = {self.n} greedy responses would all be the same: give a temperature > 0 for pass@k",
+            n == 1 or temperature > 0,
+            "sampling.n",
+            f"n = {n} greedy responses would all be the same: give a temperature > 0 for pass@k",
         )
-        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        check(self.top_k >= -1, "top_k", f"must be >= 0 (or -1 for off), got {self.top_k}")
-        check(self.max_new_tokens >= 1, "max_new_tokens", f"must be at least 1, got {self.max_new_tokens}")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
 
     def rollout_config(self, **engine_settings):
         """The RolloutConfig that samples these responses; `engine_settings` are its other fields (engine,
         device, precision, batch_size...)."""
         from rlx.rollout.config import RolloutConfig
 
-        names = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "seed", "stop")
-        sampling = {k: getattr(self, k) for k in names}
-        return RolloutConfig(**sampling, **engine_settings)
+        return RolloutConfig(sampling=self.sampling, **engine_settings)
 
 
 # ---- metric math (pure functions) ----
@@ -199,8 +184,8 @@ def grade(rollouts: list, cfg: EvalConfig) -> list[EvalSample]:
 
 def evaluate(cfg: EvalConfig, engine, prompts: list) -> tuple[list[EvalSample], dict[str, float]]:
     """Graded samples and val/* metrics of `prompts` answered by a resident rollout engine (`rlx ppo`'s [eval]).
-    Every sample draws from its own stream seeded by cfg.seed: nothing of the training stream is used."""
-    samples = grade(engine.generate(prompts, cfg.rollout_config().sampling(), progress=False).records, cfg)
+    Every sample draws from its own stream seeded by cfg.sampling.seed: nothing of the training stream is used."""
+    samples = grade(engine.generate(prompts, cfg.sampling, progress=False).records, cfg)
     return samples, graded_metrics(samples)
 
 

@@ -154,7 +154,7 @@ class WandbBackend:
 class MlflowBackend:
     """An MLflow run in a local file store under RUN_DIR/mlflow (`mlflow ui --backend-store-uri file://...`).
 
-    The experiment is named after `project`; the config becomes flat params (`train.lr`). MLflow 3
+    The experiment is named after `project`; the config becomes flat params (`train.optim.lr`). MLflow 3
     refuses file stores unless MLFLOW_ALLOW_FILE_STORE is true; this backend sets it (when unset)
     for the process. The run id is kept in RUN_DIR/mlflow/rlx-run-id so a resumed rlx run continues
     the same MLflow run. Traces are not sent to MLflow (they are in traces.jsonl).

@@ -42,23 +42,24 @@ class EvalShare:
 def shares_stream(eval_cfg: EvalConfig, rollout_cfg: RolloutConfig) -> bool:
     """Whether the eval's requests can run in a stream opened with the training's sampling settings and give the
     tokens `evaluate` gives: greedy, or the same temperature, top_p and top_k; and the same stop strings."""
-    if tuple(eval_cfg.stop) != tuple(rollout_cfg.stop) or rollout_cfg.is_multi_turn:
+    mine, theirs = eval_cfg.sampling, rollout_cfg.sampling
+    if mine.stop != theirs.stop or rollout_cfg.agent.is_multi_turn:
         return False
-    if eval_cfg.temperature == 0:
+    if mine.temperature == 0:
         return True
-    same = (eval_cfg.temperature, eval_cfg.top_p, eval_cfg.top_k) == (
-        rollout_cfg.temperature,
-        rollout_cfg.top_p,
-        rollout_cfg.top_k,
+    same = (mine.temperature, mine.top_p, mine.top_k) == (
+        theirs.temperature,
+        theirs.top_p,
+        theirs.top_k,
     )
-    return same and rollout_cfg.temperature > 0
+    return same and theirs.temperature > 0
 
 
 def stream_sampling(sampling: SamplingParams, eval_cfg: EvalConfig | None) -> SamplingParams:
     """The setting a stream is opened with: the training's, its draws wide enough for eval responses too."""
-    if eval_cfg is None or eval_cfg.max_new_tokens <= sampling.max_new_tokens:
+    if eval_cfg is None or eval_cfg.sampling.max_new_tokens <= sampling.max_new_tokens:
         return sampling
-    return dataclasses.replace(sampling, max_new_tokens=eval_cfg.max_new_tokens)
+    return dataclasses.replace(sampling, max_new_tokens=eval_cfg.sampling.max_new_tokens)
 
 
 class StreamEval:
@@ -66,7 +67,7 @@ class StreamEval:
 
     def __init__(self, version: int, eval_cfg: EvalConfig, engine, prompts: list, received: float):
         self.version, self.cfg, self.received = version, eval_cfg, received
-        self.sampling = eval_cfg.rollout_config().sampling()
+        self.sampling = eval_cfg.sampling
         self.requests = build_requests(prompts, engine.encoder, self.sampling)
         engine.check_requests(self.requests, self.sampling)
         greedy = self.sampling.is_greedy

@@ -129,7 +129,7 @@ class RolloutWorker(RankEval, RankDrawing):
         self.next_position = 0
         """The data position the next batch of prompts starts at."""
         self.score_cfg = dataclasses.replace(
-            cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
+            cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.sampling.max_new_tokens
         )
 
     def run(self) -> None:
@@ -202,8 +202,9 @@ class RolloutWorker(RankEval, RankDrawing):
             self.ready = None
 
     def _produce_episodes(self, step: int, start: dict) -> None:
-        """Multi-turn (rollout.env / rollout.agent): step `step`'s episodes with the newest weights published, at
-        least those the bound needs; weights change only between steps, so every episode is one policy's."""
+        """Multi-turn (rollout.agent.env / rollout.agent.agent): step `step`'s episodes with the newest weights
+        published, at least those the bound needs; weights change only between steps, so every episode is one
+        policy's."""
         self._evaluate_pending()
         while self.version < step - 1 - self.cfg.async_.max_staleness or self._update_waiting():
             what = f"policy version {self.version + 1} from the trainers"
@@ -229,7 +230,11 @@ class RolloutWorker(RankEval, RankDrawing):
         prompts = take_prompts(self.prompts, self.next_position, want, cfg.seed if cfg.data.shuffle else None)
         self.next_position += want
         mine = shard_range(len(prompts), self.roles.rank_in_role, self.roles.num_rollout)
-        return [prompts[i] for i in mine], self.next_position, cfg.rollout.sampling(seed=cfg.seed + step)
+        return (
+            [prompts[i] for i in mine],
+            self.next_position,
+            dataclasses.replace(cfg.rollout.sampling, seed=cfg.seed + step),
+        )
 
     def _prepare(self, step: int, start: dict) -> _StepWork:
         """Step `step`'s next prompts (and seed) exactly as the synchronous loop takes them, this rank's slice, as

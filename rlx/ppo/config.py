@@ -3,22 +3,34 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from rlx.algorithms.config import CorrectionConfig, LossConfig
 from rlx.checkpoints.catalog import BUILT_IN
-from rlx.config import ConfigError, apply_overrides, check, check_choices, from_dict, load_toml
+from rlx.config import (
+    ConfigError,
+    apply_overrides,
+    check,
+    check_choices,
+    from_dict,
+    load_toml,
+    move_keys,
+    moved_override,
+)
 from rlx.errors import UserError
 from rlx.evaluation.evaluate import EvalConfig
 from rlx.models.lora_config import LoraConfig
 from rlx.models.vision.config import VisionConfig
 from rlx.observe.tracking import TrackingConfig
 from rlx.ppo.defaults import apply_defaults, async_defaults, fast_path_defaults
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.agent_config import AgentConfig
+from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams, VllmConfig
 from rlx.scoring.config import ScoreConfig
 from rlx.sft.config import SFTConfig
-from rlx.training.config import TrainConfig
+from rlx.training.config import OptimConfig, TrainConfig
 
 
 @dataclass(kw_only=True)
@@ -42,7 +54,7 @@ class DataConfig:
     prompts: str
     """prompts.jsonl, or verl's .parquet (relative paths are resolved against the recipe's folder)."""
     prompts_per_step: int = 8
-    """Prompts per step; each gets rollout.n responses."""
+    """Prompts per step; each gets rollout.sampling.n responses."""
     shuffle: bool = False
     """Visit prompts in a new seeded order every epoch (else file order)."""
     max_gen_batches: int = 1
@@ -123,7 +135,7 @@ class PPOConfig:
     steps: int = 10
     """Number of rollout -> score -> train-step iterations."""
     use_ref: bool = True
-    """Keep a frozen copy of the initial policy as reference (KL metrics, score.kl_coef, train.kl_loss_coef)."""
+    """Keep a frozen copy of the initial policy as reference (KL metrics, score.kl_coef, train.loss.kl_loss_coef)."""
     save_every: int = 1
     """Write a checkpoint every this many steps (and always after the last step)."""
     keep_checkpoints: int = 2
@@ -183,7 +195,11 @@ class PPOConfig:
         check(self.write_mib_per_s >= 0, "write_mib_per_s", f"must be >= 0 (0: no pace), got {self.write_mib_per_s}")
         known = ", ".join(BUILT_IN)
         check(self.checkpoint_layout in (None, *BUILT_IN), "checkpoint_layout", f"must be one of {known} (or unset)")
-        check(self.rollout.seed == 0, "rollout.seed", "set the top-level 'seed' instead (step k samples with seed + k)")
+        check(
+            self.rollout.sampling.seed == 0,
+            "rollout.sampling.seed",
+            "set the top-level 'seed' instead (step k samples with seed + k)",
+        )
         check(self.train.seed == 0, "train.seed", "set the top-level 'seed' instead")
         check(self.sft is None or bool(self.sft.data), "sft.data", "the demonstrations file is required")
         check(self.sft is None or self.sft.seed == 0, "sft.seed", "set the top-level 'seed' instead")
@@ -223,10 +239,11 @@ class PPOConfig:
             f"a [megatron] table sets the megatron backend's degrees; backend {self.backend!r} does not use it",
         )
         for key, train in (("train", self.train), ("critic.train", self.critic.train if self.critic else None)):
-            decays_over_run = train is not None and train.lr_schedule != "constant" and not train.lr_decay_steps
+            optim = train.optim if train is not None else None
+            decays_over_run = optim is not None and optim.lr_schedule != "constant" and not optim.lr_decay_steps
             check(
-                not decays_over_run or self.steps > train.warmup_steps,
-                f"{key}.lr_decay_steps",
+                not decays_over_run or self.steps > optim.warmup_steps,
+                f"{key}.optim.lr_decay_steps",
                 f"decay over the run's {self.steps} steps needs steps > warmup_steps (or set lr_decay_steps)",
             )
         self._share_vision()
@@ -239,8 +256,12 @@ class PPOConfig:
             "lora",
             "LoRA is not supported by the megatron backend (drop [megatron] or the [lora] tables)",
         )
-        needs_ref = self.score.kl_coef > 0 or self.train.kl_loss_coef > 0
-        check(self.use_ref or not needs_ref, "use_ref", "score.kl_coef or train.kl_loss_coef > 0 needs use_ref = true")
+        needs_ref = self.score.kl_coef > 0 or self.train.loss.kl_loss_coef > 0
+        check(
+            self.use_ref or not needs_ref,
+            "use_ref",
+            "score.kl_coef or train.loss.kl_loss_coef > 0 needs use_ref = true",
+        )
         if self.async_ is not None:
             self._check_async()
 
@@ -287,11 +308,68 @@ class PPOConfig:
         return "megatron" if self.megatron is not None else "fsdp"
 
 
+def _moved_keys() -> dict[str, str]:
+    """Recipe keys that moved into a section table, old dotted key -> new (`train.lr` -> `train.optim.lr`); the old
+    keys are accepted, with a notice, until the next release."""
+    sections = {
+        "train": {"optim": OptimConfig, "loss": LossConfig, "correction": CorrectionConfig},
+        "critic.train": {"optim": OptimConfig, "loss": LossConfig, "correction": CorrectionConfig},
+        "sft": {"optim": OptimConfig},
+        "rollout": {"sampling": SamplingParams, "native": NativeConfig, "vllm": VllmConfig, "agent": AgentConfig},
+        "eval": {"sampling": SamplingParams},
+    }
+    return {
+        f"{table}.{f.name}": f"{table}.{name}.{f.name}"
+        for table, tables in sections.items()
+        for name, cls in tables.items()
+        for f in dataclasses.fields(cls)
+        if (table, f.name) != ("eval", "remax_baseline")  # never an [eval] key
+    }
+
+
+MOVED_KEYS = _moved_keys()
+
+
+_NOTICES_SHOWN: set[str] = set()
+
+
+def _notice(text: str) -> None:
+    """One line on stderr, once per process (the recipe is read more than once)."""
+    if text not in _NOTICES_SHOWN:
+        _NOTICES_SHOWN.add(text)
+        print(text, file=sys.stderr)
+
+
+def move_old_keys(data: dict, overrides: list[str], path: Path) -> list[str]:
+    """Move the recipe's old keys (in place) and the overrides' to their new places, a notice line on stderr for
+    each; returns the overrides."""
+
+    def table_key(dotted: str) -> str:
+        table, _, name = dotted.rpartition(".")
+        return f"[{table}] {name}"
+
+    try:
+        moved = move_keys(data, MOVED_KEYS)
+    except ConfigError as e:
+        raise UserError(f"{path}: {e}") from None
+    for old, new in moved:
+        _notice(f"{path}: {table_key(old)} is now {table_key(new)}; the old key works until the next release")
+    out = []
+    for text in overrides:
+        text, change = moved_override(text, MOVED_KEYS)
+        if change is not None:
+            _notice(f"--set {change[0]} is now --set {change[1]}; the old key works until the next release")
+        out.append(text)
+    return out
+
+
 def load_recipe(path: str | Path, overrides: list[str] = (), device_type: str | None = None) -> PPOConfig:
-    """Read a recipe, apply `--set` overrides, resolve relative data/model paths against the recipe; with
-    `device_type`, fill the keys the recipe leaves out with that device's fast path (rlx/ppo/defaults.py)."""
+    """Read a recipe, move old keys to their sections (MOVED_KEYS), apply `--set` overrides, resolve relative
+    data/model paths against the recipe; with `device_type`, fill the keys the recipe leaves out with that device's
+    fast path (rlx/ppo/defaults.py)."""
     path = Path(path)
     data = load_toml(path)
+    overrides = move_old_keys(data, list(overrides), path)
     tables = ("model", "data", "eval", "sft")
     original = {name: dict(data[name]) for name in tables if isinstance(data.get(name), dict)}
     data = apply_overrides(data, list(overrides))

@@ -107,7 +107,7 @@ def sampling_metrics(step: int, records: list[RolloutRecord], num_batches: int) 
     if not records:
         raise UserError(
             f"step {step}: dynamic sampling found no prompt whose samples got different rewards "
-            f"in {num_batches} batch(es); raise data.max_gen_batches or rollout.n"
+            f"in {num_batches} batch(es); raise data.max_gen_batches or rollout.sampling.n"
         )
     return {
         "dynamic_sampling/gen_batches": float(num_batches),

@@ -113,7 +113,7 @@ class PPORun:
         self.gc_pauses = GcPauses()
         self.prompts, self.eval_prompts = inputs.prompts, inputs.eval_prompts
         self.score_cfg = dataclasses.replace(
-            cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.max_new_tokens
+            cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.sampling.max_new_tokens
         )
         self.stop = StopRequest()
 
@@ -213,7 +213,9 @@ class PPORun:
             from_rollout = self._old_logprobs_from_rollout(rollouts)
             if from_rollout:  # exact mode, one update: the actor's forward would give the rollout's logprobs again
                 models = dataclasses.replace(models, actor=None)
-            result = score_rollouts(rollouts, score_cfg, models, cfg.rollout.train_temperature, rewards=rewards)
+            result = score_rollouts(
+                rollouts, score_cfg, models, cfg.rollout.sampling.train_temperature, rewards=rewards
+            )
         metrics.update(result.metrics)
         if cfg.exact:
             metrics["score/old_logprobs_from_rollout"] = float(from_rollout)
@@ -307,7 +309,7 @@ class PPORun:
         """Rollouts for the step.  With score.filter_groups (DAPO dynamic sampling, dynamic_sampling.py), batches
         of prompts are sampled until prompts_per_step informative groups are collected (or max_gen_batches)."""
         cfg = self.cfg
-        sampling = cfg.rollout.sampling(seed=cfg.seed + step)
+        sampling = dataclasses.replace(cfg.rollout.sampling, seed=cfg.seed + step)
         want, stats = cfg.data.prompts_per_step, RolloutStats(0, 0.0)
         groups = GroupFilter(want, cfg.data.max_gen_batches)
         while True:

@@ -34,10 +34,12 @@ estimates were 56.4 and 54.0 GiB before the compiled MLP term (8*intermediate), 
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rlx.config import move_keys
 from rlx.observe.flops import MOE_KEYS
 
 GIB = float(2**30)
@@ -149,7 +151,7 @@ class Workload:
     """What the recipe asks of each step (a recipe tree after --set, with the fast path's keys filled in)."""
 
     sequences: int
-    """Samples per step: prompts_per_step * rollout.n."""
+    """Samples per step: prompts_per_step * rollout.sampling.n."""
     prompt_tokens: int
     response_tokens: int
     optimizer_steps: int
@@ -170,26 +172,36 @@ class Workload:
 
     @classmethod
     def from_recipe(cls, tree: dict) -> Workload:
+        """The workload of a recipe tree (its old flat keys read at their new places, MOVED_KEYS)."""
+        from rlx.ppo.config import MOVED_KEYS
+
+        tree = copy.deepcopy(tree)
+        move_keys(tree, MOVED_KEYS)
+
         def table(name: str) -> dict:
             return tree.get(name) if isinstance(tree.get(name), dict) else {}
 
         rollout, train, data = table("rollout"), table("train"), table("data")
-        sequences = int(data.get("prompts_per_step", 8)) * int(rollout.get("n", 1))
+        sampling, native, agent = (rollout.get(k) if isinstance(rollout.get(k), dict) else {} for k in _ROLLOUT_TABLES)
+        sequences = int(data.get("prompts_per_step", 8)) * int(sampling.get("n", 1))
         mini = int(train.get("mini_batch_size", 0))
         return cls(
             sequences=sequences,
             prompt_tokens=int(rollout.get("max_prompt_length") or ASSUMED_PROMPT_TOKENS),
-            response_tokens=int(rollout.get("max_new_tokens", 256)),
+            response_tokens=int(sampling.get("max_new_tokens", 256)),
             optimizer_steps=max(1, math.ceil(sequences / mini)) if mini else 1,
             engine=str(rollout.get("engine", "hf")),
             use_ref=bool(tree.get("use_ref", True)) and "lora" not in tree,
             has_critic="critic" in tree,
             has_lora="lora" in tree,
-            max_prefill_tokens=int(rollout.get("max_prefill_tokens", 16384)),
+            max_prefill_tokens=int(native.get("max_prefill_tokens", 16384)),
             vllm_memory_fraction=float(rollout.get("gpu_memory_utilization", 0.5)),
             # an episode's context (earlier turns, tool output) can outgrow prompt + response: not bounded then
-            prompt_known=bool(rollout.get("max_prompt_length")) and not (rollout.get("env") or rollout.get("agent")),
+            prompt_known=bool(rollout.get("max_prompt_length")) and not (agent.get("env") or agent.get("agent")),
         )
+
+
+_ROLLOUT_TABLES = ("sampling", "native", "agent")  # a recipe tree's [rollout.*] tables the plan reads (old keys moved)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,11 @@ import shutil
 from pathlib import Path
 
 from rlx.checkpoints.meta import is_checkpoint
+from rlx.config import move_keys
 from rlx.errors import UserError
 from rlx.observe.tracking import console, truncate_metrics
 from rlx.parallel.dist import barrier
+from rlx.ppo.config import MOVED_KEYS
 from rlx.utils.io import write_json
 
 RECIPE_NAME = "recipe.json"
@@ -67,6 +69,7 @@ def prepare_run_dir(
         )
     if recipe_path.exists() and not restart:
         saved = json.loads(recipe_path.read_text())
+        move_keys(saved, MOVED_KEYS)  # a run started before the config sections ([train.optim], ...)
         saved["steps"] = recipe["steps"]  # a resumed run may be extended
         saved["tracking"] = recipe["tracking"]  # and logged elsewhere
         _add_unused_new_tables(saved, recipe)

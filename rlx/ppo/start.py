@@ -74,8 +74,8 @@ def check_run_inputs(cfg: PPOConfig, run_dir: Path) -> RunInputs:
     if cfg.eval is not None:
         eval_prompts = read_prompts(cfg.eval.prompts)
         eval_prompts = limit_prompts(
-            eval_prompts, tokenizer, cfg.rollout, context, cfg.eval.prompts, max_new_tokens=cfg.eval.max_new_tokens,
-            config=config, processor=processor,
+            eval_prompts, tokenizer, cfg.rollout, context, cfg.eval.prompts,
+            max_new_tokens=cfg.eval.sampling.max_new_tokens, config=config, processor=processor,
         )  # fmt: skip
         check_rewards(cfg.eval.reward, eval_prompts, None)
     return RunInputs(prompts, eval_prompts)

@@ -61,7 +61,7 @@ def sft_settings(cfg: PPOConfig) -> SFTConfig:
     none (the demonstrations are rendered as the rollouts will be)."""
     sft = cfg.sft.with_seed(cfg.seed)
     if not sft.chat_template_kwargs:
-        sft = dataclasses.replace(sft, chat_template_kwargs=dict(cfg.rollout.chat_template_kwargs))
+        sft = dataclasses.replace(sft, chat_template_kwargs=dict(cfg.rollout.agent.chat_template_kwargs))
     return sft
 
 

@@ -1,7 +1,7 @@
 """AgentConfig: the limits and options of multi-turn rollouts (environments and served agents); no torch import.
 
-RolloutConfig extends it, so these are `rlx rollout` options (--env, --agent, --max-turns, ...) and keys of a
-recipe's [rollout] table; the agent package reads them from whichever of the two it is given.
+RolloutConfig holds it as its `agent` table: these are `rlx rollout` options (--env, --agent, --max-turns, ...) and
+keys of a recipe's [rollout.agent] table; the agent package (and `rlx serve`'s endpoint) is given this table.
 """
 
 from __future__ import annotations

@@ -235,7 +235,9 @@ class RolloutEngine(ABC):
         self.stop_ids = stop_token_ids(model, tokenizer)
         config = getattr(model, "config", None)  # None: an engine holding no HF model (vllm from a folder)
         limit = context_limit(config, cfg.vision.max_prompt_tokens) if processor is not None else 0
-        self.encoder = PromptEncoder(tokenizer, cfg.chat_template, processor, config, limit, cfg.chat_template_kwargs)
+        self.encoder = PromptEncoder(
+            tokenizer, cfg.chat_template, processor, config, limit, cfg.agent.chat_template_kwargs
+        )
 
     @classmethod
     def model_dtype(cls, cfg: RolloutConfig, device: torch.device) -> torch.dtype:

@@ -37,8 +37,8 @@ def limit_reason(length: int, cfg: RolloutConfig, max_new_tokens: int, context: 
 def _prompt_length(record: PromptRecord, tokenizer, cfg: RolloutConfig, processor) -> int:
     """Tokens of the encoded prompt (a vision-language prompt's images expanded when `processor` is given)."""
     if processor is not None and cfg.chat_template != "off" and image_refs(record.prompt, record.id):
-        return processor.prompt_length(record.prompt, record.id, cfg.chat_template_kwargs)
-    return len(encode_prompt(tokenizer, record, cfg.chat_template, cfg.chat_template_kwargs))
+        return processor.prompt_length(record.prompt, record.id, cfg.agent.chat_template_kwargs)
+    return len(encode_prompt(tokenizer, record, cfg.chat_template, cfg.agent.chat_template_kwargs))
 
 
 def limit_prompts(
@@ -55,7 +55,7 @@ def limit_prompts(
     or are left out, counted on the console ('filter'). `max_new_tokens` defaults to cfg's. With the model's
     `config`, image parts given to a text-only model are an error naming the prompt; with a vision-language model's
     `processor`, a prompt's image tokens count (from the images' sizes, as the engine will expand them)."""
-    max_new_tokens = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
+    max_new_tokens = cfg.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
     if not cfg.max_prompt_length and context is None:
         return records
     kept, dropped = [], []

@@ -18,7 +18,7 @@ def has_chat_template(tokenizer) -> bool:
 
 def encode_prompt(tokenizer, record: PromptRecord, mode: str, template_kwargs: dict | None = None) -> list[int]:
     """Token ids for one prompt.  mode: 'auto' | 'on' | 'off' (see RolloutConfig.chat_template); `template_kwargs`:
-    extra variables for the chat template (RolloutConfig.chat_template_kwargs)."""
+    extra variables for the chat template (RolloutConfig.agent.chat_template_kwargs)."""
     use_template = mode == "on" or (mode == "auto" and has_chat_template(tokenizer))
     if use_template and not has_chat_template(tokenizer):
         raise UserError("--chat-template on: the tokenizer has no chat template")
@@ -54,7 +54,7 @@ class PromptEncoder:
     max_prompt_tokens: int = 0
     """Longest prompt with images, in tokens (0 = no limit): a longer one is an error naming it."""
     template_kwargs: dict | None = None
-    """Extra variables for the chat template (RolloutConfig.chat_template_kwargs)."""
+    """Extra variables for the chat template (RolloutConfig.agent.chat_template_kwargs)."""
 
     def encode(self, record: PromptRecord):
         """(token ids, the prompt's VisionInputs or None when it has no image)."""

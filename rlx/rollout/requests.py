@@ -89,7 +89,7 @@ class Generated:
     logprobs: list[float]
     finish_reason: str
     stop_string: str | None = None
-    """The stop string that ended it (rollout.stop): the response text is cut before it."""
+    """The stop string that ended it (rollout.sampling.stop): the response text is cut before it."""
     routed_experts: torch.Tensor | None = None
     """MoE models on engines that record routing: int16 [len(response_ids), layers, k], the experts of the
     position that predicted each token (rlx.models.routing); None otherwise."""
@@ -115,7 +115,7 @@ def token_requests(requests: list[Request], sampling: SamplingParams) -> list[To
 
 
 def cut_response(text: str, stop: str | None) -> str:
-    """The response text up to (not including) its first `stop` (rollout.stop; see stops.py)."""
+    """The response text up to (not including) its first `stop` (rollout.sampling.stop; see stops.py)."""
     if not stop:
         return text
     at = text.find(stop)

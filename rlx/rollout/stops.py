@@ -1,4 +1,4 @@
-"""Stop strings (`rollout.stop`, `--stop`): a response ends where one of them first appears in its text.
+"""Stop strings (`rollout.sampling.stop`, `--stop`): a response ends where one of them first appears in its text.
 
 Every engine ends such a sequence early (hf and native check the decoded tail after each token, vllm gets the
 strings itself), and the shared outline then cuts every response the same way (`cut`), so the engines agree:

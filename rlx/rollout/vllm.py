@@ -136,7 +136,7 @@ class VLLMRolloutEngine(RolloutEngine):
             )
         if self.device.type == "cpu" and head_dim < 32:
             raise UserError(f"vLLM's CPU attention needs head_dim >= 32; this model's is {head_dim} (use engine 'hf')")
-        self.max_model_len = cfg.max_model_len or int(model.config.max_position_embeddings)
+        self.max_model_len = cfg.vllm.max_model_len or int(model.config.max_position_embeddings)
         self.native_sleep = current_platform.is_sleep_mode_available()
         self.asleep, self.kv_asleep = False, False
         self._released: list[tuple[torch.UntypedStorage, int]] = []

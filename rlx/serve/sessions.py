@@ -131,7 +131,7 @@ class SampleSession:
         self.images = images or RequestImages(None, "?", False, "the server was started without image support")
         """What the engine makes of image parts (request_images.py)."""
         self.stops = stops
-        """rollout.stop: a reply's text ends before its stop string (its tokens keep it)."""
+        """rollout.sampling.stop: a reply's text ends before its stop string (its tokens keep it)."""
         self.parse = get_tool_call_parser(cfg.tool_parser, getattr(tokenizer, "chat_template", None))
         self.segments: list[Segment] = []
         self.num_requests = 0

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rlx.config import check, check_choices
-from rlx.training.config import TrainConfig
+from rlx.training.config import OptimConfig, TrainConfig
 
 
 @dataclass(kw_only=True)
@@ -22,8 +22,9 @@ class SFTConfig:
     """Passes over the demonstrations."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0 = when the epochs are done)."""
-    lr: float = 1e-5
-    """AdamW learning rate (after warm-up)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """AdamW and its learning-rate schedule (the recipe's [sft.optim] table; steps are optimizer steps, and
+    lr_decay_steps 0 decays over the run's last step)."""
     batch_size: int = 32
     """Demonstrations per optimizer step (the last step of an epoch takes what is left)."""
     micro_batch_size: int = 8
@@ -38,19 +39,6 @@ class SFTConfig:
     [rollout]'s are used when [sft] gives none, so demonstrations are rendered as the rollouts will be)."""
     shuffle: bool = True
     """Visit the demonstrations in a new seeded order every epoch (else file order)."""
-    warmup_steps: int = 0
-    """Linear learning-rate warm-up over this many optimizer steps."""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning rate after warm-up: constant, or decayed linearly / by a half cosine to lr * min_lr_ratio at
-    lr_decay_steps (default: the last step)."""
-    lr_decay_steps: int = 0
-    """Optimizer steps (warm-up included) after which linear/cosine decay reaches its floor; 0 = the run's steps."""
-    min_lr_ratio: float = 0.0
-    """Floor of the linear/cosine decay as a fraction of lr."""
-    weight_decay: float = 0.01
-    """AdamW decoupled weight decay."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this value; 0 = no clipping."""
     use_packing: bool = False
     """Concatenate each micro-batch's demonstrations into one row (no padding, attention kept per sample)."""
     gradient_checkpointing: bool = False
@@ -66,15 +54,9 @@ class SFTConfig:
         check_choices(self)
         check(self.epochs >= 1, "epochs", f"must be at least 1, got {self.epochs}")
         check(self.max_steps >= 0, "max_steps", f"must be >= 0, got {self.max_steps}")
-        check(self.lr >= 0, "lr", f"must be >= 0, got {self.lr}")
         check(self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}")
         check(self.micro_batch_size >= 1, "micro_batch_size", f"must be at least 1, got {self.micro_batch_size}")
         check(self.max_length >= 0, "max_length", f"must be >= 0, got {self.max_length}")
-        check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        check(self.lr_decay_steps >= 0, "lr_decay_steps", f"must be >= 0, got {self.lr_decay_steps}")
-        check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
-        check(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
 
     def num_steps(self, num_samples: int) -> int:
         """Optimizer steps over `num_samples` demonstrations: epochs x batches, capped by max_steps."""
@@ -83,21 +65,14 @@ class SFTConfig:
 
     def train_config(self, num_steps: int) -> TrainConfig:
         """The trainer's settings: one optimizer step per call, the learning-rate schedule over `num_steps`."""
-        decays = self.lr_schedule != "constant"
-        decay_steps = self.lr_decay_steps or num_steps
+        optim = self.optim.with_decay_length(num_steps)
         check(
-            not decays or decay_steps > self.warmup_steps,
-            "warmup_steps",
-            f"a decaying lr needs more steps ({decay_steps}) than warm-up steps ({self.warmup_steps})",
+            optim.lr_schedule == "constant" or optim.lr_decay_steps > optim.warmup_steps,
+            "optim.warmup_steps",
+            f"a decaying lr needs more steps ({optim.lr_decay_steps}) than warm-up steps ({optim.warmup_steps})",
         )
         return TrainConfig(
-            lr=self.lr,
-            warmup_steps=self.warmup_steps,
-            lr_schedule=self.lr_schedule,
-            lr_decay_steps=decay_steps if decays else 0,
-            min_lr_ratio=self.min_lr_ratio,
-            weight_decay=self.weight_decay,
-            max_grad_norm=self.max_grad_norm,
+            optim=optim,
             micro_batch_size=self.micro_batch_size,
             use_packing=self.use_packing,
             gradient_checkpointing=self.gradient_checkpointing,

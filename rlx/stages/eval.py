@@ -17,7 +17,7 @@ def generate(cfg: EvalConfig, rollout_cfg, model, tokenizer, prompts: list, ctx=
 
     engine = build_engine(rollout_cfg, model, tokenizer, ctx, processor)
     try:
-        return engine.generate(prompts, rollout_cfg.sampling()).records
+        return engine.generate(prompts, rollout_cfg.sampling).records
     finally:
         engine.close()
 
@@ -68,7 +68,7 @@ def run_eval(
     log_metrics(metrics_path, step, {**metrics, "timing/eval_s": time.perf_counter() - start})
     pass_keys = [k for k in metrics if k.startswith("val/pass@")]
     console(
-        f"rlx eval: {len(prompts)} prompts x {cfg.n}: reward mean {metrics['val/reward_mean']:.3f}, "
+        f"rlx eval: {len(prompts)} prompts x {cfg.sampling.n}: reward mean {metrics['val/reward_mean']:.3f}, "
         + ", ".join(f"{k[4:]} {metrics[k]:.3f}" for k in pass_keys)
         + f" -> {target}"
     )

@@ -62,7 +62,7 @@ def run_rollout(
     model = load_model(source, dtype=dtype, adapters=True).requires_grad_(False)  # generation only
     engine = build_engine(cfg, model, tokenizer, ctx, processor)
     try:
-        result = build_rollout(cfg, engine).generate(records, cfg.sampling())
+        result = build_rollout(cfg, engine).generate(records, cfg.sampling)
     finally:
         engine.close()
     if not ctx.is_main:
@@ -84,7 +84,7 @@ def _choose_prompts(
     environment or agent sends: the limits are theirs (max_total_tokens), and images are refused up front by an
     engine that cannot take them (before the model loads)."""
     context = model_context(config)
-    limits = not cfg.is_multi_turn
+    limits = not cfg.agent.is_multi_turn
     if limits and cfg.on_long_prompt == "filter":
         records = limit_prompts(records, tokenizer, cfg, context, where, config=config, processor=processor)
     if window is not None:

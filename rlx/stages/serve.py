@@ -34,7 +34,7 @@ def run_serve(
 ) -> list[RolloutRecord]:
     """Serve `model_path` on `cfg.endpoint.host`:`port` until interrupted (or `max_requests` answered); returns
     (and with `out`, writes) the samples' trajectories. SIGTERM: Terminated once they are written."""
-    if cfg.env or cfg.agent:
+    if cfg.agent.is_multi_turn:
         raise UserError("rlx serve takes no --env or --agent: clients drive the conversation")
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {port}")
@@ -47,11 +47,18 @@ def run_serve(
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
     model = load_model(source, dtype=dtype).requires_grad_(False)
     engine = build_engine(cfg, model, tokenizer, ctx, processor)
-    sampling = cfg.sampling()
-    backend = StreamBackend(engine, sampling, max_context(cfg, model), cfg.max_num_seqs)
+    sampling = cfg.sampling
+    backend = StreamBackend(engine, sampling, max_context(cfg, model), cfg.native.max_num_seqs)
     try:
         server = AgentServer(
-            backend, tokenizer, set(engine.stop_ids), sampling, cfg, model_name=name, port=port, endpoint=cfg.endpoint
+            backend,
+            tokenizer,
+            set(engine.stop_ids),
+            sampling,
+            cfg.agent,
+            model_name=name,
+            port=port,
+            endpoint=cfg.endpoint,
         )
     except OSError as e:
         backend.close()
@@ -71,7 +78,7 @@ def run_serve(
 
 def max_context(cfg: ServeConfig, model) -> int:
     """The longest context a sample may reach: max_total_tokens, the model's context and vllm's max_model_len."""
-    limits = [cfg.max_total_tokens, getattr(model.config, "max_position_embeddings", 0), cfg.max_model_len]
+    limits = [cfg.agent.max_total_tokens, getattr(model.config, "max_position_embeddings", 0), cfg.vllm.max_model_len]
     return min(limit for limit in limits if limit and limit > 0)
 
 

@@ -48,9 +48,9 @@ def run_train_step(
     metrics_path: Path | None = None,
     lora: LoraConfig | None = None,
 ) -> dict:
-    if cfg.lr_schedule != "constant" and not cfg.lr_decay_steps:
+    if cfg.optim.lr_schedule != "constant" and not cfg.optim.lr_decay_steps:
         raise UserError(
-            f"--lr-decay-steps: lr schedule {cfg.lr_schedule!r} needs the decay length in train steps "
+            f"--lr-decay-steps: lr schedule {cfg.optim.lr_schedule!r} needs the decay length in train steps "
             f"(`rlx ppo` uses the run's steps; a hand-run train-step must give it)"
         )
     source = resolve_source(checkpoint, "checkpoint")

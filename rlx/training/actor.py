@@ -12,8 +12,8 @@ import torch.distributed as torch_dist
 
 from rlx.algorithms.core import masked_sum
 from rlx.algorithms.kl import kl_estimate
-from rlx.algorithms.losses import LossNorm, PolicyLossParams, aggregate, compute_policy_loss
-from rlx.algorithms.rollout_correction import RolloutCorrection, correct
+from rlx.algorithms.losses import LossNorm, aggregate, compute_policy_loss
+from rlx.algorithms.rollout_correction import correct
 from rlx.errors import UserError
 from rlx.formats.batch import TrainBatch
 from rlx.logprobs import MODEL_INPUTS, ROUTES, flat_routes, packed_response_logprobs, response_logprobs
@@ -33,37 +33,9 @@ class ActorTrainer(Trainer):
     step_expert_load: torch.Tensor = torch.zeros(())
     """Routed (token, slot) pairs per expert [E] over the current train step (this rank's tokens)."""
 
-    @property
-    def loss_params(self) -> PolicyLossParams:
-        c = self.cfg
-        return PolicyLossParams(
-            clip_ratio_low=c.clip_ratio_low,
-            clip_ratio_high=c.clip_ratio_high,
-            clip_ratio_c=c.clip_ratio_c or None,
-            tau_pos=c.tau_pos,
-            tau_neg=c.tau_neg,
-            clip_cov_ratio=c.clip_cov_ratio,
-            clip_cov_lb=c.clip_cov_lb,
-            clip_cov_ub=c.clip_cov_ub,
-            kl_cov_ratio=c.kl_cov_ratio,
-            ppo_kl_coef=c.ppo_kl_coef,
-        )
-
-    @property
-    def correction(self) -> RolloutCorrection:
-        c = self.cfg
-        return RolloutCorrection(
-            is_level=c.rollout_is,
-            is_threshold=c.rollout_is_threshold,
-            rs_level=c.rollout_rs,
-            rs_threshold=c.rollout_rs_threshold or None,
-            rs_threshold_lower=c.rollout_rs_threshold_lower or None,
-            veto_threshold=c.rollout_veto_threshold or None,
-        )
-
     def check_batch(self, batch: TrainBatch, where: str) -> None:
         super().check_batch(batch, where)
-        if self.cfg.kl_loss_coef > 0 and batch.ref_logprobs is None:
+        if self.cfg.loss.kl_loss_coef > 0 and batch.ref_logprobs is None:
             raise UserError(f"{where}: kl_loss_coef > 0 needs ref logprobs in the batch (run rlx score with --ref)")
         if self.cfg.router_replay != "off" and batch.routed_experts is None:
             raise UserError(
@@ -88,17 +60,17 @@ class ActorTrainer(Trainer):
             metrics["actor/moe_routing_mismatch"] = mismatched / compared if compared else 0.0
         if batch.meta.routing_mismatch is not None:  # the scoring forward's, as rlx score logged it
             metrics["moe/routing_mismatch"] = batch.meta.routing_mismatch
-        if self.correction.active:  # what the correction did, over the whole batch
-            metrics.update(correct(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, self.correction)[2])
+        if self.cfg.correction.active:  # what the correction did, over the whole batch
+            metrics.update(correct(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, self.cfg.correction)[2])
         return metrics
 
     def loss_norm(self, mini: TrainBatch) -> LossNorm:
         """Normalisers over the tokens the rollout correction keeps (rejection removes tokens)."""
-        _, keep, _ = correct(mini.old_logprobs, mini.rollout_logprobs, mini.loss_mask, self.correction)
+        _, keep, _ = correct(mini.old_logprobs, mini.rollout_logprobs, mini.loss_mask, self.cfg.correction)
         return LossNorm(
             num_tokens=float(keep.sum().clamp(min=1)),
             num_seqs=float((keep.sum(-1) > 0).sum().clamp(min=1)),
-            scale_factor=float(self.cfg.loss_scale_factor or mini.response_ids.shape[1]),
+            scale_factor=float(self.cfg.loss.loss_scale_factor or mini.response_ids.shape[1]),
         )
 
     def logprobs(self, t: dict[str, torch.Tensor], part: TrainBatch):
@@ -168,10 +140,10 @@ class ActorTrainer(Trainer):
                 sums["moe_router_z_loss"] += z_loss.detach()
                 sums["moe_max_expert_load"] += (load.max() / load.mean().clamp(min=1e-9)) * share  # 1.0 = balanced
         loss = torch.zeros((), device=aux.device)
-        if self.cfg.moe_aux_loss_coef > 0:
-            loss = loss + self.cfg.moe_aux_loss_coef * aux
-        if self.cfg.router_z_loss_coef > 0:
-            loss = loss + self.cfg.router_z_loss_coef * z_loss
+        if self.cfg.loss.moe_aux_loss_coef > 0:
+            loss = loss + self.cfg.loss.moe_aux_loss_coef * aux
+        if self.cfg.loss.router_z_loss_coef > 0:
+            loss = loss + self.cfg.loss.router_z_loss_coef * z_loss
         return loss
 
     def expert_load_metrics(self) -> dict[str, float]:
@@ -189,8 +161,8 @@ class ActorTrainer(Trainer):
         self, t: dict[str, torch.Tensor], logp: torch.Tensor, entropy: torch.Tensor, norm: LossNorm, sums: dict
     ) -> torch.Tensor:
         """The micro-batch's loss from its logprobs and entropy [B, R] (metric sums added to `sums`)."""
-        cfg = self.cfg
-        weights, mask, _ = correct(t["old_logprobs"], t["rollout_logprobs"], t["loss_mask"], self.correction)
+        cfg = self.cfg.loss
+        weights, mask, _ = correct(t["old_logprobs"], t["rollout_logprobs"], t["loss_mask"], self.cfg.correction)
         pg_loss, pg_sums = compute_policy_loss(
             cfg.policy_loss,
             logp,
@@ -199,7 +171,7 @@ class ActorTrainer(Trainer):
             mask,
             norm,
             cfg.loss_agg_mode,
-            self.loss_params,
+            cfg,
             weights,
         )
         loss = pg_loss

@@ -48,8 +48,8 @@ class CriticTrainer(Trainer):
             t["returns"],
             t["loss_mask"],
             norm,
-            self.cfg.cliprange_value,
-            self.cfg.loss_agg_mode,
+            self.cfg.loss.cliprange_value,
+            self.cfg.loss.loss_agg_mode,
         )
         sums["vf_loss"] += loss.detach()
         sums["vpred_mean"] += masked_sum(values.detach(), t["loss_mask"]).detach()

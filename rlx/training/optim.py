@@ -24,7 +24,10 @@ _FULL_ON_DEVICE = StateDictOptions(full_state_dict=True)
 def build_adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW over every trainable parameter (tied parameters once)."""
     params = [p for _, p in model.named_parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    optim = cfg.optim
+    return torch.optim.AdamW(
+        params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
+    )
 
 
 def optimizer_tensors(

@@ -227,7 +227,7 @@ class Trainer:
         """One update on `batch`; `step` is the number of updates already applied."""
         cfg, start = self.cfg, time.perf_counter()
         before_update()  # a checkpoint snapshot still copying these tensors off the device finishes first
-        lr = cfg.lr_at(step)
+        lr = cfg.optim.lr_at(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         torch.manual_seed(derive_seed("train", self.role, cfg.seed, step, self.ctx.rank))
@@ -308,7 +308,7 @@ class Trainer:
         """Accumulate the mini-batch's gradient, then one optimizer step.  Returns the grad norm."""
         self.accumulate_gradients(mini, sums)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else float("inf")
         if self.cfg.ep_degree > 1:  # the experts' gradients live on a mesh of their own
             grad_norm = float(clip_grad_norm(params, max_norm))
         else:
@@ -346,7 +346,7 @@ class Trainer:
         return LossNorm(
             num_tokens=float(mask.sum().clamp(min=1)),
             num_seqs=float((mask.sum(-1) > 0).sum().clamp(min=1)),
-            scale_factor=float(self.cfg.loss_scale_factor or mini.response_ids.shape[1]),
+            scale_factor=float(self.cfg.loss.loss_scale_factor or mini.response_ids.shape[1]),
         )
 
     def vision_row(self, part: TrainBatch) -> VisionRow | None:

@@ -118,7 +118,7 @@ def test_staleness_bound_and_resume_after_a_kill(tmp_path):
     max_staleness 1, killed after step 3 and resumed: every step trains its own prompts' samples exactly once,
     each within the bound, and the regenerated ones say so."""
     recipe = write_recipe(tmp_path, "max_staleness = 1\nrollout_ranks = 2")
-    sets = ["steps=8", "rollout.max_new_tokens=48", 'rollout.engine="native"']
+    sets = ["steps=8", "rollout.sampling.max_new_tokens=48", 'rollout.engine="native"']
     run = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--rdzv-endpoint=localhost:0"]
     command += ["--rdzv-backend=c10d"]
@@ -154,7 +154,12 @@ def test_partial_rollouts_on_the_native_engine(tmp_path, mode):
     'drop' records restarts and no mixed-policy samples, 'continue' never restarts and records where each
     policy's tokens begin."""
     run = tmp_path / "run"
-    sets = ["steps=5", "rollout.max_new_tokens=48", 'rollout.engine="native"', f'async.partial_rollouts="{mode}"']
+    sets = [
+        "steps=5",
+        "rollout.sampling.max_new_tokens=48",
+        'rollout.engine="native"',
+        f'async.partial_rollouts="{mode}"',
+    ]
     ppo_torchrun(2, write_recipe(tmp_path, "max_staleness = 2"), run, *sets)
     check_staleness(run, 5, 2)
     prompts = [json.loads(line)["id"] for line in (REPO / "recipes/data/arith_quickstart.jsonl").open()]
@@ -200,7 +205,9 @@ def test_eval_on_the_rollout_ranks(tmp_path):
     overlap = {m["step"]: m["async/eval_overlap_samples"] for m in lines[1] if "val/pass@1" in m}
     assert overlap[0] == overlap[2] == 8 * 4 and overlap[4] == 0  # the next step's samples ran next to the eval's
     run = tmp_path / "lag1"
-    ppo_torchrun(2, recipe, run, "async.max_staleness=1", 'rollout.engine="native"', "rollout.max_new_tokens=24")
+    ppo_torchrun(
+        2, recipe, run, "async.max_staleness=1", 'rollout.engine="native"', "rollout.sampling.max_new_tokens=24"
+    )
     check_staleness(run, 4, 1)
     evaluated = [m for m in read_jsonl(run / "metrics.jsonl") if "val/pass@1" in m]
     assert [m["async/eval_overlap_samples"] for m in evaluated][:2] == [2 * 8 * 4, 8 * 4]
@@ -256,7 +263,13 @@ def test_multi_turn_episodes_asynchronously(tmp_path):
 def test_megatron_trainers(tmp_path):
     """1 rollout rank + 2 megatron trainers (tp 2) at max_staleness 0: the merged weights of the one-process
     synchronous run (2% of lr, as the megatron tests compare), and the same rewards."""
-    sets = ["steps=3", "data.prompts_per_step=4", "rollout.n=4", "train.mini_batch_size=8", "train.use_packing=true"]
+    sets = [
+        "steps=3",
+        "data.prompts_per_step=4",
+        "rollout.sampling.n=4",
+        "train.mini_batch_size=8",
+        "train.use_packing=true",
+    ]
     args = [a for s in sets for a in ("--set", s)]
     cli_ok("ppo", REPO / "recipes" / "quickstart.toml", "--out", tmp_path / "one", *args)
     ppo_torchrun(3, REPO / "recipes" / "quickstart.toml", tmp_path / "async", *sets, "megatron.tp_degree=2",
@@ -467,7 +480,7 @@ def test_bench_async_step_arguments_and_length_caps():
     import async_step
 
     from rlx.formats.records import PromptRecord
-    from rlx.rollout.config import RolloutConfig
+    from rlx.rollout.config import SamplingParams
     from rlx.rollout.requests import Request
 
     args = async_step.parse_args(["--modes", "sync,async2", "--steps", "3"])
@@ -476,7 +489,7 @@ def test_bench_async_step_arguments_and_length_caps():
     assert (small.long_len, small.short_len, small.prompt_len) == (200, 16, 16)
     with pytest.raises(SystemExit):
         async_step.parse_args(["--modes", "sync,bogus"])
-    sampling = RolloutConfig(n=16, max_new_tokens=100).sampling()
+    sampling = SamplingParams(n=16, max_new_tokens=100)
     prompts = [PromptRecord(id=f"p{i}", prompt="x") for i in range(8)]
     requests = [Request(p, i, [1, 2]) for p in prompts for i in range(16)]
     caps = [r.max_new_tokens for r in async_step.capped_token_requests(4, 64, 16)(requests, sampling)]

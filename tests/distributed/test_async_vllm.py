@@ -57,7 +57,7 @@ def lagged_run(tmp_path_factory) -> tuple[Path, Path]:
     generates them ('continue')."""
     folder = tmp_path_factory.mktemp("lagged")
     recipe = write_recipe(folder, "max_staleness = 1")
-    ppo_torchrun(2, recipe, folder / "run", "rollout.max_new_tokens=48")
+    ppo_torchrun(2, recipe, folder / "run", "rollout.sampling.max_new_tokens=48")
     return recipe, folder / "run"
 
 
@@ -67,7 +67,7 @@ def test_within_the_bound_with_the_native_engines_artifacts(lagged_run, tmp_path
     recipe, run = lagged_run
     check_staleness(run, 4, 1)
     native = tmp_path / "native"
-    ppo_torchrun(2, recipe, native, "rollout.max_new_tokens=48", 'rollout.engine="native"')
+    ppo_torchrun(2, recipe, native, "rollout.sampling.max_new_tokens=48", 'rollout.engine="native"')
     files = [sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file()) for folder in (run, native)]
     assert files[0] == files[1]
     ours, theirs = (read_jsonl(folder / "metrics.jsonl") for folder in (run, native))
@@ -100,7 +100,7 @@ def test_drop_restarts_samples_under_the_new_weights(tmp_path):
     forward (a dropped sample is aborted in vLLM and generated again from its start under the new weights)."""
     run = tmp_path / "run"
     recipe = write_recipe(tmp_path, 'max_staleness = 2\npartial_rollouts = "drop"')
-    ppo_torchrun(2, recipe, run, "rollout.max_new_tokens=48", "steps=5")
+    ppo_torchrun(2, recipe, run, "rollout.sampling.max_new_tokens=48", "steps=5")
     check_staleness(run, 5, 2)
     restarted, policy = 0, checkpoint_policies(run)
     for step in range(4, 6):
@@ -118,7 +118,7 @@ def test_resume_goes_on_within_the_bound(lagged_run, tmp_path):
     """~15 s: the finished run resumed for two more steps (their samples generated again, marked resumed_from)."""
     recipe, run = lagged_run
     shutil.copytree(run, tmp_path / "run")
-    ppo_torchrun(2, recipe, tmp_path / "run", "rollout.max_new_tokens=48", "steps=6", "--resume")
+    ppo_torchrun(2, recipe, tmp_path / "run", "rollout.sampling.max_new_tokens=48", "steps=6", "--resume")
     check_staleness(tmp_path / "run", 6, 1)
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == list(range(1, 7))
     for step in (5, 6):

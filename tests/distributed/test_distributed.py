@@ -143,7 +143,7 @@ def test_rollout_and_score_split_across_ranks(tmp_path, tiny_ckpt, prompts_file)
 
 def test_ppo_on_two_ranks_equals_one_and_resumes(tmp_path):
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.toml"
-    small = ["--set", "data.prompts_per_step=6", "--set", "rollout.n=4", "--set", "save_every=1"]
+    small = ["--set", "data.prompts_per_step=6", "--set", "rollout.sampling.n=4", "--set", "save_every=1"]
     cli_ok("ppo", recipe, "--out", tmp_path / "one", "--set", "steps=3", *small)
     torchrun(2, "ppo", recipe, "--out", tmp_path / "two", "--set", "steps=2", *small)
     torchrun(2, "ppo", recipe, "--out", tmp_path / "two", "--set", "steps=3", *small, "--resume")
@@ -195,7 +195,7 @@ def test_ppo_with_critic_under_sequence_parallelism_equals_one_process(tmp_path)
     """Actor and critic both packed and split over an SP group of 2 (the rollout meanwhile decodes with
     SDPA and a KV cache on the same model): the same run as one process."""
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart_gae.toml"
-    sets = ["data.prompts_per_step=4", "rollout.n=4", "steps=2", "train.use_packing=true"]
+    sets = ["data.prompts_per_step=4", "rollout.sampling.n=4", "steps=2", "train.use_packing=true"]
     sets += ["critic.train.use_packing=true", "train.mini_batch_size=8", "critic.train.mini_batch_size=8"]
     args = [a for s in sets for a in ("--set", s)]
     cli_ok("ppo", recipe, "--out", tmp_path / "one", *args)

@@ -134,7 +134,12 @@ def test_ppo_with_critic_on_megatron_equals_one_process_and_resumes(tmp_path):
     """`rlx ppo` with [megatron] tp 2 (actor and critic as megatron stages, rollouts on the synced HF
     replica), killed after step 2 and resumed from its megatron checkpoint, equals the one-process run."""
     recipe = REPO / "recipes" / "quickstart_gae.toml"
-    sets = ["data.prompts_per_step=4", "rollout.n=4", "train.mini_batch_size=8", "critic.train.mini_batch_size=8"]
+    sets = [
+        "data.prompts_per_step=4",
+        "rollout.sampling.n=4",
+        "train.mini_batch_size=8",
+        "critic.train.mini_batch_size=8",
+    ]
     sets += ["train.use_packing=true", "critic.train.use_packing=true"]  # megatron stages always run packed
     args = [a for s in sets for a in ("--set", s)]
     cli_ok("ppo", recipe, "--out", tmp_path / "one", "--set", "steps=3", *args)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlx.config import ConfigError
+from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import RolloutConfig
 from tests.conftest import REPO, WORKERS, cli, cli_ok, read_jsonl, rollout_args, run_torchrun, torchrun
 
@@ -50,7 +51,7 @@ def test_tp_degree_errors(tmp_path, tiny_ckpt, prompts_file, capsys):
     with pytest.raises(ConfigError, match="old name of tp_degree: give one of them"):
         RolloutConfig(engine="vllm", tp=2, tp_degree=4)
     with pytest.raises(ConfigError, match="single-turn rollouts only"):
-        RolloutConfig(engine="native", tp_degree=2, env="envs.py:Env")
+        RolloutConfig(engine="native", tp_degree=2, agent=AgentConfig(env="envs.py:Env"))
     result = cli(*rollout_args(tiny_ckpt, prompts_file, tmp_path / "r.jsonl", "--engine", "hf", "--tp-degree", "2"))
     assert result.exit_code == 1 and "--tp-degree: tensor parallel rollout needs engine 'vllm' or 'native'" in (
         result.stderr
@@ -83,7 +84,7 @@ def test_heads_that_do_not_split_are_refused():
 @pytest.mark.slow
 def test_ppo_with_tp_degree_2(tmp_path):
     recipe = Path(REPO) / "recipes" / "quickstart.toml"
-    sets = ["--set", "data.prompts_per_step=4", "--set", "rollout.n=2", "--set", "steps=2"]
+    sets = ["--set", "data.prompts_per_step=4", "--set", "rollout.sampling.n=2", "--set", "steps=2"]
     sets += ["--set", "rollout.engine=native", "--set", "rollout.kv_cache_gib=0.001"]
     cli_ok("ppo", recipe, "--out", tmp_path / "one", *sets)
     torchrun(2, "ppo", recipe, "--out", tmp_path / "tp", *sets, "--set", "rollout.tp_degree=2")

@@ -17,7 +17,7 @@ from rlx.checkpoints.registry import read_full_optimizer, read_full_weights
 from tests.conftest import REPO, cli, cli_ok, torchrun
 
 RECIPE = REPO / "recipes" / "quickstart.toml"
-SMALL = ["--set", "data.prompts_per_step=6", "--set", "rollout.n=4", "--set", "save_every=1"]
+SMALL = ["--set", "data.prompts_per_step=6", "--set", "rollout.sampling.n=4", "--set", "save_every=1"]
 
 
 def rewards(run: Path) -> list[float]:

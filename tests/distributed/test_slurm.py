@@ -82,7 +82,7 @@ def test_a_run_folder_with_a_run_is_resumed_and_extra_args_follow(tmp_path):
     run.mkdir(parents=True)
     (run / "recipe.json").write_text("{}")
     _, argv = dry_run(
-        tmp_path, GPUS_PER_NODE="8", MASTER_PORT="31337", EXTRA_ARGS="--set train.lr=1e-6  --set steps=200"
+        tmp_path, GPUS_PER_NODE="8", MASTER_PORT="31337", EXTRA_ARGS="--set train.optim.lr=1e-6  --set steps=200"
     )
     assert option(argv, "--nproc_per_node") == "8" and option(argv, "--rdzv_endpoint") == "node-a17:31337"
     assert argv[argv.index("--out") :] == [
@@ -90,7 +90,7 @@ def test_a_run_folder_with_a_run_is_resumed_and_extra_args_follow(tmp_path):
         str(run),
         "--resume",
         "--set",
-        "train.lr=1e-6",
+        "train.optim.lr=1e-6",
         "--set",
         "steps=200",
     ]

@@ -35,13 +35,13 @@ from rlx.models.vision.tiny import build_tiny_vision_model, write_tiny_vision_mo
 from rlx.parallel.dist import DistContext
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.base import build_engine
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.registry import engine_class
 from rlx.serve.config import EndpointConfig, ServeConfig
 from rlx.serve.server import AgentServer
 from rlx.serve.stream import StreamBackend
 from rlx.stages.serve import run_serve
-from tests.conftest import cli_ok, read_jsonl, write_jsonl
+from tests.conftest import cli_ok, flat_config, read_jsonl, write_jsonl
 from tests.stages.test_multi_turn_images import STOPS, image_prompts, whole_sequence_logprobs
 
 FILES = '''
@@ -113,9 +113,9 @@ def files(tmp_path_factory):
 
 
 def vlm_engine(model, processor, engine: str, **settings):
-    cfg = RolloutConfig(engine=engine, n=2, max_new_tokens=6, temperature=1.0, seed=5, precision="float32",
-                        stop=STOPS, max_total_tokens=500, kv_cache_gib=0.01, block_size=4, max_num_seqs=8,
-                        **settings)  # fmt: skip
+    flat = dict(n=2, max_new_tokens=6, temperature=1.0, seed=5, stop=list(STOPS), max_total_tokens=500, block_size=4)
+    cfg = flat_config(RolloutConfig, engine=engine, precision="float32", kv_cache_gib=0.01, max_num_seqs=8, **flat,
+                      **settings)  # fmt: skip
     return build_engine(cfg, model, processor.tokenizer, DistContext(device=torch.device("cpu")), processor), cfg
 
 
@@ -127,8 +127,8 @@ def test_agent_with_images_equals_the_environment_and_transformers(files):
     out = {}
     for engine_name in ("hf", "native"):
         engine, cfg = vlm_engine(model, processor, engine_name, env=f"{files}/files.py:LookTwice")
-        from_env = EnvRollout(engine, processor.tokenizer, cfg.sampling(), cfg).generate(prompts).records
-        runner = AgentRollout(engine, processor.tokenizer, cfg.sampling(), cfg, f"{files}/files.py:look_twice")
+        from_env = EnvRollout(engine, processor.tokenizer, cfg.sampling, cfg.agent).generate(prompts).records
+        runner = AgentRollout(engine, processor.tokenizer, cfg.sampling, cfg.agent, f"{files}/files.py:look_twice")
         out[engine_name] = runner.generate(prompts).records
         assert sum(r.num_turns == 2 for r in from_env) >= 4
         for env_rec, agent_rec in zip(from_env, out[engine_name]):
@@ -165,7 +165,7 @@ def vlm_server(engine_type=None, image_root=None) -> tuple[AgentServer, StreamBa
     """A server of a tiny Qwen2-VL on the hf engine (or `engine_type`, a subclass of it); clients may name files
     under `image_root`."""
     model, processor = build_tiny_vision_model("qwen2_vl")
-    sampling = RolloutConfig(max_new_tokens=4, temperature=1.0, seed=1, stop=STOPS).sampling()
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=1, stop=STOPS)
     cfg = AgentConfig(max_total_tokens=400)
     engine_type = engine_type or engine_class("hf")
     ctx = DistContext(device=torch.device("cpu"))
@@ -287,16 +287,18 @@ def test_engines_and_models_without_images_refuse_them(files):
         server.close()
         backend.close()
     prompts = image_prompts(1)
-    refuse_images(prompts, RolloutConfig(agent="a.py:run"), engine_class("hf"))  # agents take images now
+    refuse_images(
+        prompts, RolloutConfig(agent=AgentConfig(agent="a.py:run")), engine_class("hf")
+    )  # agents take images now
     with pytest.raises(UserError, match="prompt 'shapes-0' has image parts, which engine 'vllm' does not take"):
-        refuse_images(prompts, RolloutConfig(agent="a.py:run"), engine_class("vllm"))
+        refuse_images(prompts, RolloutConfig(agent=AgentConfig(agent="a.py:run")), engine_class("vllm"))
 
 
 def test_an_unusable_image_from_the_environment_is_an_environment_error(files, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model, processor = build_tiny_vision_model("qwen2_vl")
     engine, cfg = vlm_engine(model, processor, "hf", env=f"{files}/files.py:Broken", on_env_error="zero")
-    runner = EnvRollout(engine, processor.tokenizer, cfg.sampling(), cfg)
+    runner = EnvRollout(engine, processor.tokenizer, cfg.sampling, cfg.agent)
     result = runner.generate(image_prompts())
     failed = [r for r in result.records if "env_error" in r.extra]
     assert result.stats.episodes.env_errors == len(failed) >= 4
@@ -308,7 +310,7 @@ def test_an_unusable_image_from_the_environment_is_an_environment_error(files, t
                for e in (r.extra["env_error"] for r in failed))  # fmt: skip
     engine, cfg = vlm_engine(model, processor, "hf", env=f"{files}/files.py:Broken")
     with pytest.raises(UserError, match=r"cannot be used: .* \(--on-env-error zero scores such episodes 0 instead\)"):
-        EnvRollout(engine, processor.tokenizer, cfg.sampling(), cfg).generate(image_prompts(1))
+        EnvRollout(engine, processor.tokenizer, cfg.sampling, cfg.agent).generate(image_prompts(1))
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +368,11 @@ def test_rlx_serve_takes_images(vlm_checkpoint, tmp_path):
     thread = threading.Thread(target=client)
     thread.start()
     try:
-        cfg = ServeConfig(max_new_tokens=3, precision="float32", endpoint=EndpointConfig(image_root=str(tmp_path)))
+        cfg = ServeConfig(
+            precision="float32",
+            endpoint=EndpointConfig(image_root=str(tmp_path)),
+            sampling=SamplingParams(max_new_tokens=3),
+        )
         records = run_serve(cfg, str(ckpt), port, str(tmp_path / "served.jsonl"), max_requests=1)
     finally:
         thread.join()

@@ -396,7 +396,7 @@ def test_mismatch_metrics_are_logged_every_step(tmp_path, tiny_ckpt, rollouts):
 
 def test_driver_with_critic_resumes(tmp_path):
     recipe = REPO / "recipes" / "quickstart_gae.toml"
-    args = ["steps=4", "save_every=2", "data.prompts_per_step=4", "rollout.n=4", "critic.warmup_steps=1"]
+    args = ["steps=4", "save_every=2", "data.prompts_per_step=4", "rollout.sampling.n=4", "critic.warmup_steps=1"]
     run_ppo(load_recipe(recipe, args), tmp_path / "a")
     lines = read_jsonl(tmp_path / "a" / "metrics.jsonl")
     assert "actor/loss" not in lines[0] and "actor/loss" in lines[1] and "critic/vf_loss" in lines[0]

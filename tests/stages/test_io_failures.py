@@ -177,7 +177,7 @@ def test_prompt_limits_in_ppo(tmp_path):
     rows = [{"prompt": f"{i}+1", "ground_truth": str(i + 1)} for i in range(5)] + [long]
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
     args = ["--set", f"data.prompts='{prompts}'", "--set", "data.prompts_per_step=5", "--set", "steps=1"]
-    refused = cli("ppo", QUICKSTART, "--out", tmp_path / "a", *args, "--set", "rollout.max_new_tokens=8")
+    refused = cli("ppo", QUICKSTART, "--out", tmp_path / "a", *args, "--set", "rollout.sampling.max_new_tokens=8")
     assert refused.exit_code == 1 and "prompt 'long'" in refused.stderr and not (tmp_path / "a").exists()
     ok = cli_ok("ppo", QUICKSTART, "--out", tmp_path / "b", *args, "--set", "rollout.on_long_prompt='filter'",
                 "--set", "rollout.max_prompt_length=10")  # fmt: skip

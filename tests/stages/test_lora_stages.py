@@ -7,6 +7,7 @@ missing or different base, --adapter-only on full weights, LoRA with the megatro
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -29,14 +30,14 @@ from rlx.models.tiny import build_char_tokenizer
 from rlx.ppo.config import load_recipe
 from rlx.ppo.loop import run_ppo
 from rlx.rollout.base import ModuleWeights
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 from rlx.rollout.requests import TokenRequest
 from tests.conftest import REPO, cli, cli_ok, generate, make_engine, read_jsonl, rollout_args, torchrun
 from tests.stages.test_ppo import stable
 
 peft = pytest.importorskip("peft")
 RECIPE = REPO / "recipes" / "quickstart_lora.toml"
-SMALL = ["--set", "data.prompts_per_step=8", "--set", "rollout.n=4", "--set", "save_every=1"]
+SMALL = ["--set", "data.prompts_per_step=8", "--set", "rollout.sampling.n=4", "--set", "save_every=1"]
 LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
 
 
@@ -187,8 +188,8 @@ def test_native_engine_follows_the_adapters_in_both_modes(run, mode):
     model = load_model(ModelSource(run / "lora1"), adapters=True)
     tokenizer = build_char_tokenizer()
     prompts = [PromptRecord(id=f"p{i}", prompt=f"{i}+{i + 1}=") for i in range(4)]
-    hf_cfg = RolloutConfig(n=3, max_new_tokens=4, seed=3, chat_template="off")
-    native_cfg = RolloutConfig(engine="native", lora_rollout=mode, kv_cache_gib=0.01, **_sampling(hf_cfg))
+    hf_cfg = RolloutConfig(chat_template="off", sampling=SamplingParams(n=3, max_new_tokens=4, seed=3))
+    native_cfg = dataclasses.replace(hf_cfg, engine="native", kv_cache_gib=0.01, native=NativeConfig(lora_rollout=mode))
     native = make_engine(model, tokenizer, native_cfg)
     for _ in range(2):  # before and after an update of the adapters alone
         expected = generate(make_engine(model, tokenizer, hf_cfg), prompts, hf_cfg)
@@ -202,10 +203,6 @@ def test_native_engine_follows_the_adapters_in_both_modes(run, mode):
                     param.mul_(-3.0)
         native.update_weights(ModuleWeights(model))  # the live module: nothing to ship, refreshed at generate
     assert native.merges == (mode == "merged")
-
-
-def _sampling(cfg: RolloutConfig) -> dict:
-    return {k: getattr(cfg, k) for k in ("n", "max_new_tokens", "seed", "chat_template")}
 
 
 # --- rlx ppo ---------------------------------------------------------------------------------------------------
@@ -405,16 +402,16 @@ def test_vllm_generates_with_the_adapters_and_syncs_only_them(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_vllm_model(tmp_path / "m"), dtype=torch.float32)
     model = apply_lora(copy.deepcopy(base), LoraConfig(rank=8, init="random"))
     tokenizer = build_char_tokenizer()
-    cfg = RolloutConfig(n=2, max_new_tokens=6, temperature=0, chat_template="off")
-    engine = make_engine(model, tokenizer, RolloutConfig(engine="vllm", kv_cache_gib=0.25, **_sampling(cfg)))
+    cfg = RolloutConfig(chat_template="off", sampling=SamplingParams(n=2, max_new_tokens=6, temperature=0))
+    engine = make_engine(model, tokenizer, dataclasses.replace(cfg, engine="vllm", kv_cache_gib=0.25))
     try:
         pushes = []
         engine._reload = lambda weights: pushes.append(list(weights))
         for _ in range(2):  # the initial adapters, then new ones pushed alone
             expected = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
             assert [r.response_ids for r in generate(engine, PROMPTS, cfg)] == [r.response_ids for r in expected]
-            requests = [TokenRequest(r.id, r.prompt_ids, cfg.max_new_tokens) for r in expected]
-            streamed = engine.generate_tokens(requests, cfg.sampling())  # the token stream (multi-turn) too
+            requests = [TokenRequest(r.id, r.prompt_ids, cfg.sampling.max_new_tokens) for r in expected]
+            streamed = engine.generate_tokens(requests, cfg.sampling)  # the token stream (multi-turn) too
             assert [g.response_ids for g in streamed] == [r.response_ids for r in expected]
             with torch.no_grad():
                 for name, param in model.named_parameters():

@@ -31,14 +31,14 @@ from rlx.models.vision.tiny import build_tiny_vision_model, write_tiny_vision_mo
 from rlx.parallel.dist import DistContext
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.base import build_engine
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.native.blocks import BlockManager, Sequence
 from rlx.rollout.registry import engine_class
 from rlx.rollout.requests import TokenRequest
 from rlx.tasks.shapes import generate_shapes
 from rlx.tasks.shapes_look import LookAgainEnv, is_correct
 from tests.agent_helpers import random_chat_model, spans, token_engine
-from tests.conftest import cli, cli_ok, read_jsonl, torchrun, write_jsonl
+from tests.conftest import cli, cli_ok, flat_config, read_jsonl, torchrun, write_jsonl
 from tests.stages.test_vision_stages import assert_same_gradients, assert_same_weights
 
 ENVS = '''
@@ -116,11 +116,12 @@ def image_prompts(num: int = 3) -> list[PromptRecord]:
 
 
 def run_episodes(model, processor, envs, env: str, engine: str, temperature: float, **settings):
-    cfg = RolloutConfig(engine=engine, n=2, max_new_tokens=6, temperature=temperature, seed=5, precision="float32",
-                        stop=STOPS, env=f"{envs}/envs.py:{env}", max_total_tokens=settings.pop("max_total_tokens", 500),
-                        kv_cache_gib=0.01, block_size=4, **settings)  # fmt: skip
+    flat = dict(n=2, max_new_tokens=6, temperature=temperature, seed=5, stop=list(STOPS), block_size=4)
+    settings = {"max_total_tokens": 500, **settings}
+    cfg = flat_config(RolloutConfig, engine=engine, precision="float32", kv_cache_gib=0.01, env=f"{envs}/envs.py:{env}",
+                      **flat, **settings)  # fmt: skip
     engine = build_engine(cfg, model, processor.tokenizer, DistContext(device=torch.device("cpu")), processor)
-    runner = EnvRollout(engine, processor.tokenizer, cfg.sampling(), cfg)
+    runner = EnvRollout(engine, processor.tokenizer, cfg.sampling, cfg.agent)
     result = runner.generate(image_prompts())
     return result.records, result.stats.episodes
 
@@ -216,7 +217,7 @@ def test_image_offsets_place_images_and_sampled_placeholders_stay_text():
     first, second = (VisionInputs(torch.cat([pixels[:16], pixels[k * 16 : k * 16 + 16]]), grids[[0, k]], (2,),
                                   offsets) for k in (1, 2))  # fmt: skip
     requests = [TokenRequest(key, ids, 5, vision=v) for key, v in (("r0", first), ("r1", second), ("r0", first))]
-    sampling = RolloutConfig(max_new_tokens=5, temperature=1.0, seed=3).sampling()
+    sampling = SamplingParams(max_new_tokens=5, temperature=1.0, seed=3)
     out = {}
     for engine in ("hf", "native"):
         settings = {"block_size": 4, "kv_cache_gib": 0.01} if engine == "native" else {}
@@ -401,7 +402,7 @@ def test_bad_images_in_episodes(envs, vlm_episodes, tmp_path, monkeypatch):
     # a text-only model: the sample and the message are named
     chat_model, tokenizer = random_chat_model(stop_bias=3.0)
     runner = EnvRollout(token_engine(chat_model, tokenizer), tokenizer,
-                        RolloutConfig(n=1, max_new_tokens=4, temperature=1.0).sampling(),
+                        SamplingParams(n=1, max_new_tokens=4, temperature=1.0),
                         AgentConfig(env=f"{envs}/envs.py:ShowsPictures", max_total_tokens=300))  # fmt: skip
     with pytest.raises(UserError, match=r"sample 'q/0': the environment's step\(\) message 0 \(tool\) has image parts, "
                                         "but model type 'llama' is a text-only model"):  # fmt: skip
@@ -413,7 +414,7 @@ def test_bad_images_in_episodes(envs, vlm_episodes, tmp_path, monkeypatch):
         name, takes_images = "text-engine", False
 
     with pytest.raises(UserError, match="which engine 'text-engine' does not take in multi-turn rollouts"):
-        refuse_images(prompts, RolloutConfig(env="e.py:Env"), NoImages)
+        refuse_images(prompts, RolloutConfig(agent=AgentConfig(env="e.py:Env")), NoImages)
     result = cli("rollout", "--model", vlm_episodes["ckpt"], "--prompts", vlm_episodes["prompts"], "--out",
                  tmp_path / "r.jsonl", "--env", f"{envs}/envs.py:ShowsPictures", "--engine", "vllm")  # fmt: skip
     assert result.exit_code == 1 and "which engine 'vllm' does not take in multi-turn rollouts" in result.stderr

@@ -196,7 +196,7 @@ def test_calculator_shell_pipeline_equals_ppo(tmp_path):
     done = subprocess.run(["bash", str(script), str(tmp_path / "sh")], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     recipe = REPO / "recipes" / "calculator.toml"
-    small = ["--set", "data.prompts_per_step=4", "--set", "rollout.n=2", "--set", "save_every=1"]
+    small = ["--set", "data.prompts_per_step=4", "--set", "rollout.sampling.n=2", "--set", "save_every=1"]
     cli_ok("ppo", recipe, "--out", tmp_path / "ppo", "--set", "steps=1", "--set", "seed=2", "--set", "sft.max_steps=2",
            *small)  # fmt: skip
     sh, ppo = tmp_path / "sh", tmp_path / "ppo"
@@ -218,7 +218,7 @@ def test_calculator_recipes_load_and_chat_prompts_keep_the_system_message(tmp_pa
 
     for name, env in (("calculator.toml", "ToolChoiceCalculatorEnv"), ("smollm2_calculator.toml", "CalculatorEnv")):
         recipe = load_recipe(REPO / "recipes" / name)
-        assert recipe.rollout.env == f"rlx.tasks.calculator:{env}" and recipe.score.reward == ["env"]
+        assert recipe.rollout.agent.env == f"rlx.tasks.calculator:{env}" and recipe.score.reward == ["env"]
     record = read_jsonl(REPO / "recipes" / "data" / "calculator_chat.jsonl")[0]
     env = CalculatorEnv(record)
     assert env.reset() == record["prompt"] and record["prompt"][0] == {"role": "system", "content": SYSTEM}
@@ -233,9 +233,10 @@ def test_ppo_with_a_critic_on_the_calculator_environment(tmp_path):
     """`rlx ppo` multi-turn with GAE and a critic: two steps, the turns and environment reward on the metrics line,
     the critic's values read over the model's tokens only."""
     recipe = REPO / "recipes" / "calculator.toml"
-    small = ["--set", "data.prompts_per_step=2", "--set", "rollout.n=2", "--set", "rollout.max_new_tokens=12",
+    small = ["--set", "data.prompts_per_step=2", "--set", "rollout.sampling.n=2",
+             "--set", "rollout.sampling.max_new_tokens=12",
              "--set", "sft.max_steps=1"]  # fmt: skip
-    gae = ["--set", "score.estimator=gae", "--set", "critic.train.lr=1e-3"]
+    gae = ["--set", "score.estimator=gae", "--set", "critic.train.optim.lr=1e-3"]
     cli_ok("ppo", recipe, "--out", tmp_path / "run", "--set", "steps=2", *small, *gae)
     lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     merged = stable(lines)

@@ -54,7 +54,7 @@ def test_every_command_honours_the_umask(tmp_path, tiny_dir, prompts_file, umask
            "--metrics", out / "metrics.jsonl")  # fmt: skip
     cli_ok("train-step", "--checkpoint", out / "fsdp", "--batch", batch, "--out", out / "fsdp1")
     cli_ok("merge", "--checkpoint", out / "megatron", "--out", out / "merged")
-    sets = ["steps=2", "data.prompts_per_step=4", "rollout.n=2"]
+    sets = ["steps=2", "data.prompts_per_step=4", "rollout.sampling.n=2"]
     cli_ok("ppo", REPO / "recipes" / "quickstart.toml", "--out", out / "run", *[a for s in sets for a in ("--set", s)])
     cli_ok("report", out / "run")
     expected = ["ckpt/model.safetensors", "fsdp/dcp", "megatron/mp_rank_01_000/model.safetensors",

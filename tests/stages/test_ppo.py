@@ -20,7 +20,7 @@ from rlx.ppo.loop import run_ppo
 from tests.conftest import REPO, cli, cli_ok, read_jsonl
 
 QUICKSTART = REPO / "recipes" / "quickstart.toml"
-SMALL = ["--set", "data.prompts_per_step=8", "--set", "rollout.n=4", "--set", "save_every=1"]
+SMALL = ["--set", "data.prompts_per_step=8", "--set", "rollout.sampling.n=4", "--set", "save_every=1"]
 
 
 def stable(metrics: list[dict]) -> dict[int, dict]:
@@ -76,8 +76,8 @@ def test_run_writes_the_artifacts_of_every_stage(tmp_path):
         "ppo", QUICKSTART, "--out", run, "--set", "steps=3", "--set", "keep_checkpoints=2", *SMALL, "--resume"
     )
     assert "all 3 steps are done" in done.stderr
-    other = cli("ppo", QUICKSTART, "--out", run, "--set", "steps=3", "--set", "train.lr=0.1", *SMALL, "--resume")
-    assert other.exit_code == 1 and "train.lr" in other.stderr
+    other = cli("ppo", QUICKSTART, "--out", run, "--set", "steps=3", "--set", "train.optim.lr=0.1", *SMALL, "--resume")
+    assert other.exit_code == 1 and "train.optim.lr" in other.stderr
 
 
 def test_a_run_from_before_a_new_optional_table_resumes(tmp_path):
@@ -90,8 +90,9 @@ def test_a_run_from_before_a_new_optional_table_resumes(tmp_path):
     (run / "recipe.json").write_text(json.dumps(saved))
     cli_ok("ppo", QUICKSTART, "--out", run, "--resume", "--set", "steps=2", *SMALL)
     assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2]
-    changed = cli("ppo", QUICKSTART, "--out", run, "--resume", "--set", "steps=3", "--set", "train.lr=0.5", *SMALL)
-    assert changed.exit_code == 1 and "differs from the run's at 'train.lr'" in changed.stderr, changed
+    sets = ["--set", "steps=3", "--set", "train.optim.lr=0.5"]
+    changed = cli("ppo", QUICKSTART, "--out", run, "--resume", *sets, *SMALL)
+    assert changed.exit_code == 1 and "differs from the run's at 'train.optim.lr'" in changed.stderr, changed
 
 
 def test_resume_after_kill_gives_the_same_weights(tmp_path):

@@ -100,7 +100,7 @@ def test_bad_run_folders_exit_1_with_one_line(tmp_path):
 
 def test_report_on_a_real_ppo_run(tmp_path):
     run = tmp_path / "run"
-    small = ["--set", "steps=3", "--set", "data.prompts_per_step=4", "--set", "rollout.n=2"]
+    small = ["--set", "steps=3", "--set", "data.prompts_per_step=4", "--set", "rollout.sampling.n=2"]
     cli_ok("ppo", QUICKSTART, "--out", run, *small)
     cli_ok("report", run)
     report = run / "report"

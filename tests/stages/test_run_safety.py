@@ -20,7 +20,7 @@ from tests.conftest import REPO, cli, cli_ok, read_jsonl, write_jsonl
 from tests.stages.test_ppo import assert_same_weights
 
 QUICKSTART = REPO / "recipes" / "quickstart.toml"
-TINY = ["--set", "data.prompts_per_step=4", "--set", "rollout.n=2", "--set", "steps=2"]
+TINY = ["--set", "data.prompts_per_step=4", "--set", "rollout.sampling.n=2", "--set", "steps=2"]
 
 
 def ppo(out: Path, *args) -> object:
@@ -153,7 +153,16 @@ def test_eval_during_training_leaves_the_training_stream_alone(tmp_path):
 @pytest.mark.slow
 def test_sigterm_stops_after_a_checkpoint_and_resume_finishes(tmp_path):
     out = tmp_path / "run"
-    args = ["--set", "steps=40", "--set", "save_every=100", "--set", "data.prompts_per_step=4", "--set", "rollout.n=2"]
+    args = [
+        "--set",
+        "steps=40",
+        "--set",
+        "save_every=100",
+        "--set",
+        "data.prompts_per_step=4",
+        "--set",
+        "rollout.sampling.n=2",
+    ]
     command = [sys.executable, "-m", "rlx", "ppo", str(QUICKSTART), "--out", str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)

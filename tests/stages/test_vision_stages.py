@@ -26,7 +26,7 @@ from rlx.models.vision.images import data_uri
 from rlx.models.vision.tiny import build_tiny_vision_model, write_tiny_vision_model_dir
 from rlx.parallel.dist import DistContext
 from rlx.rollout.base import build_engine
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 from rlx.tasks.shapes import generate_shapes, write_shapes
 from tests.conftest import REPO, cli, cli_ok, read_jsonl, torchrun, write_jsonl, write_length_reward
 from tests.unit.test_vision import chat, image_part, random_image
@@ -134,10 +134,16 @@ def test_hf_and_native_engines_agree(name):
     for temperature in (0.0, 1.0):
         results = {}
         for engine in ("hf", "native"):
-            cfg = RolloutConfig(engine=engine, n=2, max_new_tokens=6, temperature=temperature, seed=5,
-                                precision="float32", batch_size=3, kv_cache_gib=0.01, block_size=4)  # fmt: skip
+            cfg = RolloutConfig(
+                engine=engine,
+                precision="float32",
+                batch_size=3,
+                kv_cache_gib=0.01,
+                sampling=SamplingParams(n=2, max_new_tokens=6, temperature=temperature, seed=5),
+                native=NativeConfig(block_size=4),
+            )
             built = build_engine(cfg, model, processor.tokenizer, DistContext(device=torch.device("cpu")), processor)
-            results[engine] = built.generate(prompts, cfg.sampling(), progress=False).records
+            results[engine] = built.generate(prompts, cfg.sampling, progress=False).records
         for hf, native in zip(results["hf"], results["native"]):
             assert hf.response_ids == native.response_ids, (name, temperature, hf.id)
             torch.testing.assert_close(

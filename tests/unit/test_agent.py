@@ -17,7 +17,7 @@ from rlx.errors import UserError
 from rlx.formats.records import PromptRecord
 from rlx.models.tiny_chat import build_chat_tokenizer
 from rlx.rollout.agent_config import AgentConfig
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.requests import TokenRequest
 from rlx.scoring.rewards import RewardFunctions
 from rlx.tasks import calculator
@@ -45,9 +45,9 @@ def rollout(
     model_and_tokenizer, env: str, sampling: RolloutConfig | None = None, engine: str = "hf", **agent
 ) -> EnvRollout:
     model, tokenizer = model_and_tokenizer
-    sampling = sampling or RolloutConfig(n=2, max_new_tokens=12, temperature=1.0, seed=3)
+    sampling = sampling or RolloutConfig(sampling=SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=3))
     return EnvRollout(
-        token_engine(model, tokenizer, engine), tokenizer, sampling.sampling(), AgentConfig(env=env, **agent)
+        token_engine(model, tokenizer, engine), tokenizer, sampling.sampling, AgentConfig(env=env, **agent)
     )
 
 
@@ -272,7 +272,7 @@ def test_limits_end_episodes(envs_file):
     short = rollout(model, f"{envs_file}:Echo", max_total_tokens=60).generate(QUESTIONS).records
     assert {r.finish_reason for r in short} == {"length"}
     assert all(len(r.prompt_ids) + len(r.response_ids) <= 60 for r in short)
-    one_token = RolloutConfig(n=1, max_new_tokens=1, temperature=1.0, seed=0)
+    one_token = RolloutConfig(sampling=SamplingParams(n=1, max_new_tokens=1, temperature=1.0, seed=0))
     cut = rollout(random_chat_model(stop_bias=-10.0), f"{envs_file}:Echo", one_token).generate(QUESTIONS).records
     assert [(r.finish_reason, len(r.response_ids)) for r in cut] == [("length", 1), ("length", 1)]
     reward = RewardFunctions(["env"]).compute(capped[0])
@@ -285,7 +285,7 @@ def test_malformed_tool_call_goes_back_to_the_model(envs_file):
     """A model whose every turn is `<tool_call>x</tool_call>`: each gets a tool error message, the
     environment is never stepped, and the episode ends at max_turns."""
     model, tokenizer = bigram_chat_model("\n<tool_call>x</tool_call><|im_end|>")
-    sampling = RolloutConfig(n=1, max_new_tokens=8, temperature=0.0)
+    sampling = RolloutConfig(sampling=SamplingParams(n=1, max_new_tokens=8, temperature=0.0))
     runner = rollout((model, tokenizer), f"{envs_file}:NeverStepped", sampling, max_turns=2)
     [rec] = runner.generate(QUESTIONS[:1]).records
     assert rec.finish_reason == "max_turns" and rec.num_turns == 2 and rec.env_reward == 0
@@ -303,7 +303,7 @@ def test_tool_calls_reach_the_environment():
     """A model whose every turn calls the calculator: the calls are parsed, run by CalculatorEnv, and its
     results enter the trajectory as inserted tokens; the model's own tokens stay as it wrote them."""
     model, tokenizer = bigram_chat_model(CALC_SCRIPT, extra_tokens=CALC_PIECES)
-    sampling = RolloutConfig(n=1, max_new_tokens=16, temperature=1.0)
+    sampling = RolloutConfig(sampling=SamplingParams(n=1, max_new_tokens=16, temperature=1.0))
     question = PromptRecord(id="c", prompt="12*34", ground_truth="408")
     runner = rollout((model, tokenizer), "rlx.tasks.calculator:CalculatorEnv", sampling, max_turns=2)
     [rec] = runner.generate([question]).records
@@ -334,7 +334,7 @@ def test_tool_calls_reach_the_environment():
 )
 def test_failing_environment_steps(envs_file, name, message):
     model = random_chat_model()
-    sampling = RolloutConfig(n=1, max_new_tokens=4, temperature=1.0)
+    sampling = RolloutConfig(sampling=SamplingParams(n=1, max_new_tokens=4, temperature=1.0))
     with pytest.raises(UserError, match=message):
         rollout(model, f"{envs_file}:{name}", sampling, env_timeout_s=0.2).generate(QUESTIONS)
     runner = rollout(model, f"{envs_file}:{name}", sampling, env_timeout_s=0.2, on_env_error="zero")

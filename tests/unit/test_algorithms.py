@@ -15,10 +15,11 @@ import torch
 
 from rlx.algorithms import losses
 from rlx.algorithms.advantages import ESTIMATORS, AdvantageInputs, compute_advantages
+from rlx.algorithms.config import CorrectionConfig, LossConfig
 from rlx.algorithms.core import group_rows, masked_mean, masked_sum, masked_var, masked_whiten
 from rlx.algorithms.kl import adaptive_kl_coef, kl_estimate
-from rlx.algorithms.losses import AGG_MODES, LossNorm, PolicyLossParams, aggregate, compute_policy_loss
-from rlx.algorithms.rollout_correction import RolloutCorrection, correct, mismatch_metrics
+from rlx.algorithms.losses import AGG_MODES, LossNorm, aggregate, compute_policy_loss
+from rlx.algorithms.rollout_correction import correct, mismatch_metrics
 
 F64 = torch.float64
 EPS = 1e-6
@@ -69,7 +70,7 @@ def norm_of(mask: torch.Tensor, scale: float = 7.0) -> LossNorm:
 
 def loss_of(name, logp, old, adv, mask, mode="token-mean", norm=None, **params) -> torch.Tensor:
     norm = norm or norm_of(mask)
-    return compute_policy_loss(name, logp, old, adv, mask, norm, mode, PolicyLossParams(**params))[0]
+    return compute_policy_loss(name, logp, old, adv, mask, norm, mode, LossConfig(**params))[0]
 
 
 def pad(x: torch.Tensor, cols: int, fill: float | None = None) -> torch.Tensor:
@@ -266,13 +267,13 @@ def test_ppo_by_hand_with_clip_fractions():
 
 
 def test_ppo_dual_clip_caps_negative_advantages():
-    """For A < 0 the per-token loss never exceeds -A * clip_ratio_c; with clip_ratio_c=None it does."""
+    """For A < 0 the per-token loss never exceeds -A * clip_ratio_c; with clip_ratio_c=0 (off) it does."""
     logp = torch.linspace(-3, 5, 60, dtype=F64).unsqueeze(0)
     old, mask = torch.zeros_like(logp), torch.ones_like(logp, dtype=torch.bool)
     adv = -torch.rand(1, 60, dtype=F64) - 0.1
-    capped = losses.ppo(logp, old, adv, mask, PolicyLossParams(clip_ratio_c=3.0)).token_loss
+    capped = losses.ppo(logp, old, adv, mask, LossConfig(clip_ratio_c=3.0)).token_loss
     assert (capped <= -adv * 3.0 + 1e-12).all() and torch.isclose(capped, -adv * 3.0).any()
-    free = losses.ppo(logp, old, adv, mask, PolicyLossParams(clip_ratio_c=None)).token_loss
+    free = losses.ppo(logp, old, adv, mask, LossConfig(clip_ratio_c=0)).token_loss
     close(free[0, -1], -adv[0, -1] * math.exp(5.0))
     assert (free > -adv * 3.0).any()
 
@@ -444,13 +445,13 @@ def test_rollout_is_weights_by_hand():
     """Token: min(e^(old - rollout), threshold); sequence: min(e^(sum), threshold) broadcast; 0 on padding."""
     old, rollout, mask = rc_case()
     e = math.exp
-    weights, keep, _ = correct(old, rollout, mask, RolloutCorrection(is_level="token", is_threshold=2.0))
+    weights, keep, _ = correct(old, rollout, mask, CorrectionConfig(rollout_is="token", rollout_is_threshold=2.0))
     close(weights, [[e(0.1), 2.0, e(-0.2)], [2.0, e(0.3), 0.0], [e(-3.0), e(0.05), e(0.05)]])
     assert torch.equal(keep, mask)
-    weights, _, metrics = correct(old, rollout, mask, RolloutCorrection(is_level="sequence", is_threshold=2.5))
+    weights, _, metrics = correct(old, rollout, mask, CorrectionConfig(rollout_is="sequence", rollout_is_threshold=2.5))
     close(weights, [[e(0.8)] * 3, [2.5, 2.5, 0.0], [e(-2.9)] * 3])
     assert metrics["rollout_corr/is_weight_max"] == pytest.approx(2.5)
-    assert correct(old, rollout, mask, RolloutCorrection())[0] is None
+    assert correct(old, rollout, mask, CorrectionConfig())[0] is None
 
 
 def test_rollout_rejection_masks_and_veto_by_hand():
@@ -458,14 +459,17 @@ def test_rollout_rejection_masks_and_veto_by_hand():
     is_threshold); the veto drops whole sequences holding an unmasked token with ratio below the floor."""
     old, rollout, mask = rc_case()
     cases = [
-        (RolloutCorrection(rs_level="token", is_threshold=2.0), [[1, 0, 1], [0, 1, 0], [0, 1, 1]]),
+        (CorrectionConfig(rollout_rs="token", rollout_is_threshold=2.0), [[1, 0, 1], [0, 1, 0], [0, 1, 1]]),
         # sequence ratios e^0.8 = 2.23, e^1.0 = 2.72, e^-2.9 = 0.055 against [0.4, 2.5]
-        (RolloutCorrection(rs_level="sequence", rs_threshold=2.5, rs_threshold_lower=0.4), [[1] * 3, [0] * 3, [0] * 3]),
+        (
+            CorrectionConfig(rollout_rs="sequence", rollout_rs_threshold=2.5, rollout_rs_threshold_lower=0.4),
+            [[1] * 3, [0] * 3, [0] * 3],
+        ),
         # geometric means over response tokens e^(0.8/3) = 1.31, e^(1.0/2) = 1.65, e^(-2.9/3) = 0.38 against [2/3, 1.5]
-        (RolloutCorrection(rs_level="geometric", rs_threshold=1.5), [[1] * 3, [0] * 3, [0] * 3]),
-        (RolloutCorrection(rs_level="geometric", rs_threshold=1.7), [[1] * 3, [1, 1, 0], [0] * 3]),
+        (CorrectionConfig(rollout_rs="geometric", rollout_rs_threshold=1.5), [[1] * 3, [0] * 3, [0] * 3]),
+        (CorrectionConfig(rollout_rs="geometric", rollout_rs_threshold=1.7), [[1] * 3, [1, 1, 0], [0] * 3]),
         # e^-3 = 0.0498 < 0.1 vetoes row 2; row 1's padded e^-50 is ignored
-        (RolloutCorrection(veto_threshold=0.1), [[1] * 3, [1, 1, 0], [0] * 3]),
+        (CorrectionConfig(rollout_veto_threshold=0.1), [[1] * 3, [1, 1, 0], [0] * 3]),
     ]
     for cfg, expected in cases:
         weights, keep, metrics = correct(old, rollout, mask, cfg)

@@ -12,7 +12,8 @@ from rlx.checkpoints.loading import load_initial_policy
 from rlx.evaluation.evaluate import EvalConfig, evaluate
 from rlx.formats.records import read_prompts
 from rlx.ppo.async_eval import StreamEval, is_eval_tag, shares_stream, stream_sampling
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.agent_config import AgentConfig
+from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.requests import build_requests, token_requests
 from tests.conftest import REPO, make_engine
 
@@ -33,10 +34,14 @@ def policy():
 def run_in_stream(engine, rollout: RolloutConfig, eval_cfg: EvalConfig, prompts, train_prompts):
     """The eval of `prompts` in a stream opened with the training's sampling, `train_prompts`' samples (another seed)
     submitted before and after it; returns the graded eval share and how many training samples came back."""
-    train = rollout.sampling(seed=11)
+    train = dataclasses.replace(rollout.sampling, seed=11)
     tokens = [dataclasses.replace(t, seed=train.seed)
               for t in token_requests(build_requests(train_prompts, engine.encoder, train), train)]  # fmt: skip
-    longest = max(len(t.prompt_ids) for t in tokens) + max(rollout.max_new_tokens, eval_cfg.max_new_tokens) + 64
+    longest = (
+        max(len(t.prompt_ids) for t in tokens)
+        + max(rollout.sampling.max_new_tokens, eval_cfg.sampling.max_new_tokens)
+        + 64
+    )
     stream = engine.open_stream(stream_sampling(train, eval_cfg), longest, len(tokens) + 8)
     work = StreamEval(2, eval_cfg, engine, prompts, 0.0)
     half = len(tokens) // 2
@@ -79,8 +84,8 @@ def test_eval_in_the_stream_equals_the_eval_alone(policy, engine_name, eval_sett
     graded samples equal `evaluate`'s on an engine of its own, tokens included."""
     model, tokenizer = policy
     prompts = read_prompts(PROMPTS)
-    eval_cfg = EvalConfig(prompts=str(PROMPTS), reward=["arith"], seed=5, **eval_settings)
-    rollout = RolloutConfig(engine=engine_name, n=4, **rollout_settings)
+    eval_cfg = EvalConfig(prompts=str(PROMPTS), reward=["arith"], sampling=SamplingParams(seed=5, **eval_settings))
+    rollout = RolloutConfig(engine=engine_name, sampling=SamplingParams(n=4, **rollout_settings))
     assert shares_stream(eval_cfg, rollout)
     alone, _ = evaluate(eval_cfg, make_engine(model, tokenizer, rollout), prompts[:6])
     engine = make_engine(model, tokenizer, rollout)
@@ -93,16 +98,23 @@ def test_eval_in_the_stream_equals_the_eval_alone(policy, engine_name, eval_sett
 def test_which_evals_share_the_training_stream():
     """Greedy evals share it; a sampled eval only at the training's temperature, top_p and top_k; stop strings must be
     the training's; multi-turn runs keep the drain path."""
-    rollout = RolloutConfig(temperature=1.0, stop=["\n"])
-    assert shares_stream(EvalConfig(prompts="p", stop=["\n"]), rollout)
+    rollout = RolloutConfig(sampling=SamplingParams(temperature=1.0, stop=["\n"]))
+    assert shares_stream(EvalConfig(prompts="p", sampling=SamplingParams(stop=["\n"])), rollout)
     assert not shares_stream(EvalConfig(prompts="p"), rollout)  # different stop strings
-    assert shares_stream(EvalConfig(prompts="p", temperature=1.0, n=2, stop=["\n"]), rollout)
-    assert not shares_stream(EvalConfig(prompts="p", temperature=0.7, n=2, stop=["\n"]), rollout)
-    assert not shares_stream(EvalConfig(prompts="p", temperature=1.0, top_p=0.9, n=2, stop=["\n"]), rollout)
-    greedy_rollout = RolloutConfig(temperature=0.0)
-    assert not shares_stream(EvalConfig(prompts="p", temperature=1.0, n=2), greedy_rollout)
-    multi_turn = RolloutConfig(env="rlx.tasks.calculator:CalculatorEnv")
+    assert shares_stream(EvalConfig(prompts="p", sampling=SamplingParams(temperature=1.0, n=2, stop=["\n"])), rollout)
+    assert not shares_stream(
+        EvalConfig(prompts="p", sampling=SamplingParams(temperature=0.7, n=2, stop=["\n"])), rollout
+    )
+    assert not shares_stream(
+        EvalConfig(prompts="p", sampling=SamplingParams(temperature=1.0, top_p=0.9, n=2, stop=["\n"])), rollout
+    )
+    greedy_rollout = RolloutConfig(sampling=SamplingParams(temperature=0.0))
+    assert not shares_stream(EvalConfig(prompts="p", sampling=SamplingParams(temperature=1.0, n=2)), greedy_rollout)
+    multi_turn = RolloutConfig(agent=AgentConfig(env="rlx.tasks.calculator:CalculatorEnv"))
     assert not shares_stream(EvalConfig(prompts="p"), multi_turn)
-    base = rollout.sampling(seed=1)
-    assert stream_sampling(base, EvalConfig(prompts="p", max_new_tokens=1000)).max_new_tokens == 1000
-    assert stream_sampling(base, EvalConfig(prompts="p", max_new_tokens=3)) == base
+    base = dataclasses.replace(rollout.sampling, seed=1)
+    assert (
+        stream_sampling(base, EvalConfig(prompts="p", sampling=SamplingParams(max_new_tokens=1000))).max_new_tokens
+        == 1000
+    )
+    assert stream_sampling(base, EvalConfig(prompts="p", sampling=SamplingParams(max_new_tokens=3))) == base

@@ -18,16 +18,16 @@ BASE = {"model": {"path": "m"}, "data": {"prompts": "p.jsonl"}}
 
 
 def test_unknown_key_is_named_with_its_path():
-    with pytest.raises(ConfigError, match=r"rollout\.temprature: unknown key") as info:
-        from_dict(PPOConfig, {**BASE, "rollout": {"temprature": 0.5}})
+    with pytest.raises(ConfigError, match=r"rollout\.sampling\.temprature: unknown key") as info:
+        from_dict(PPOConfig, {**BASE, "rollout": {"sampling": {"temprature": 0.5}}})
     assert "temperature" in str(info.value)  # the valid keys are listed
 
 
 def test_wrong_type_and_bad_value_are_named():
-    with pytest.raises(ConfigError, match=r"rollout\.n: expected int"):
-        from_dict(PPOConfig, {**BASE, "rollout": {"n": "eight"}})
-    with pytest.raises(ConfigError, match=r"rollout\.top_p: must be in \(0, 1\]"):
-        from_dict(PPOConfig, {**BASE, "rollout": {"top_p": 1.5}})
+    with pytest.raises(ConfigError, match=r"rollout\.sampling\.n: expected int"):
+        from_dict(PPOConfig, {**BASE, "rollout": {"sampling": {"n": "eight"}}})
+    with pytest.raises(ConfigError, match=r"rollout\.sampling\.top_p: must be in \(0, 1\]"):
+        from_dict(PPOConfig, {**BASE, "rollout": {"sampling": {"top_p": 1.5}}})
     with pytest.raises(ConfigError, match=r"score\.kl_estimator: expected one of"):
         from_dict(PPOConfig, {**BASE, "score": {"kl_estimator": "k9"}})
 
@@ -40,20 +40,20 @@ def test_missing_required_key():
 
 
 def test_int_accepted_for_float_and_defaults_fill_in():
-    cfg = from_dict(PPOConfig, {**BASE, "train": {"lr": 1}})
-    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    cfg = from_dict(PPOConfig, {**BASE, "train": {"optim": {"lr": 1}}})
+    assert cfg.train.optim.lr == 1.0 and isinstance(cfg.train.optim.lr, float)
     assert cfg.rollout == RolloutConfig()
 
 
 def test_overrides_parse_toml_literals():
-    assert parse_override("train.lr=1e-5") == (["train", "lr"], 1e-5)
+    assert parse_override("train.optim.lr=1e-5") == (["train", "optim", "lr"], 1e-5)
     assert parse_override("score.reward=arith") == (["score", "reward"], "arith")
     assert parse_override("train.shuffle=true") == (["train", "shuffle"], True)
-    assert parse_override("train.betas=[0.9, 0.95]") == (["train", "betas"], [0.9, 0.95])
-    data = apply_overrides(BASE, ["rollout.n=4", "steps=3"])
-    assert data["rollout"]["n"] == 4 and data["steps"] == 3 and "rollout" not in BASE
+    assert parse_override("train.optim.betas=[0.9, 0.95]") == (["train", "optim", "betas"], [0.9, 0.95])
+    data = apply_overrides(BASE, ["rollout.sampling.n=4", "steps=3"])
+    assert data["rollout"]["sampling"]["n"] == 4 and data["steps"] == 3 and "rollout" not in BASE
     with pytest.raises(UserError, match="expected KEY=VALUE"):
-        parse_override("train.lr")
+        parse_override("train.optim.lr")
 
 
 def test_recipe_paths_are_relative_to_the_recipe(tmp_path):
@@ -69,8 +69,8 @@ def test_recipe_paths_are_relative_to_the_recipe(tmp_path):
 
 def test_recipe_errors_name_the_file(tmp_path):
     recipe = tmp_path / "r.toml"
-    recipe.write_text('[model]\npath = "m"\n[data]\nprompts = "p"\n[train]\nlr = -1\n')
-    with pytest.raises(UserError, match=r"r\.toml: train\.lr: must be >= 0"):
+    recipe.write_text('[model]\npath = "m"\n[data]\nprompts = "p"\n[train.optim]\nlr = -1\n')
+    with pytest.raises(UserError, match=r"r\.toml: train\.optim\.lr: must be >= 0"):
         load_recipe(recipe)
     recipe.write_text("[model\n")
     with pytest.raises(UserError, match="invalid TOML"):
@@ -139,11 +139,12 @@ def test_async_recipes_correct_stale_samples_unless_the_recipe_says_otherwise():
     from rlx.ppo.config import load_recipe
 
     recipe = REPO / "recipes" / "quickstart.toml"
-    assert load_recipe(recipe, ["async.max_staleness=1"], "cpu").train.rollout_is == "token"
-    assert load_recipe(recipe, ["async.rollout_ranks=1"], "cpu").train.rollout_is == "token"  # staleness 1 default
-    assert load_recipe(recipe, ["async.max_staleness=0"], "cpu").train.rollout_is == "none"  # the synchronous loop
-    assert load_recipe(recipe, ["async.max_staleness=2", 'train.rollout_is="none"'], "cpu").train.rollout_is == "none"
-    assert load_recipe(recipe, [], "cpu").train.rollout_is == "none"
+    assert load_recipe(recipe, ["async.max_staleness=1"], "cpu").train.correction.rollout_is == "token"
+    assert load_recipe(recipe, ["async.rollout_ranks=1"], "cpu").train.correction.rollout_is == "token"  # staleness 1
+    assert load_recipe(recipe, ["async.max_staleness=0"], "cpu").train.correction.rollout_is == "none"  # synchronous
+    mine = load_recipe(recipe, ["async.max_staleness=2", 'train.correction.rollout_is="none"'], "cpu")
+    assert mine.train.correction.rollout_is == "none"
+    assert load_recipe(recipe, [], "cpu").train.correction.rollout_is == "none"
 
 
 def test_compile_caches_live_under_rlx_cache(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ from rlx.agent.generate import generate_multi_turn
 from rlx.errors import UserError
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.base import RolloutResult
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import RolloutConfig, SamplingParams
 from tests.agent_helpers import QUESTIONS, random_chat_model, token_engine
 
 ENVS = '''
@@ -54,7 +54,9 @@ class HangsInResetForQ1(HangsInStep):
         return [], 1.0, True
 '''
 
-SAMPLING = RolloutConfig(n=3, max_new_tokens=4, temperature=1.0, seed=1).sampling()  # 2 prompts: 6 samples
+SAMPLING = RolloutConfig(
+    sampling=SamplingParams(n=3, max_new_tokens=4, temperature=1.0, seed=1)
+).sampling  # 2 prompts: 6 samples
 BOUND_S = 120.0
 """Liveness bound for a rollout that must end (it takes about a second; without the fix it never ends)."""
 
@@ -189,7 +191,10 @@ def test_refused_requests_are_not_mistaken_for_an_agent_that_never_called():
         finish(agent_rollout(model, silent))
     result = finish(agent_rollout(model, silent, on_env_error="zero"))
     assert result.records == [] and result.stats.episodes.env_dropped == 6
-    cfg = RolloutConfig(n=3, max_new_tokens=4, agent="tests.unit.test_hung_calls:silent_agent", on_env_error="zero")
+    cfg = RolloutConfig(
+        sampling=SamplingParams(n=3, max_new_tokens=4),
+        agent=AgentConfig(agent="tests.unit.test_hung_calls:silent_agent", on_env_error="zero"),
+    )
     with pytest.raises(UserError, match="every sample failed before the model generated anything"):
         generate_multi_turn(token_engine(*model), model[1], QUESTIONS, cfg, SAMPLING)
 

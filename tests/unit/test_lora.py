@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlx.algorithms.config import LossConfig
 from rlx.config import from_dict
 from rlx.errors import UserError
 from rlx.formats.batch import BatchMeta, TrainBatch
@@ -25,7 +26,7 @@ from rlx.models.tiny import tiny_llama_config
 from rlx.models.value import build_value_model
 from rlx.parallel.fsdp import decoder_layers
 from rlx.training.actor import ActorTrainer
-from rlx.training.config import TrainConfig
+from rlx.training.config import OptimConfig, TrainConfig
 from rlx.training.critic import CriticTrainer
 from tests.conftest import WORKERS, run_torchrun
 from tests.unit.test_packing import tiny_config
@@ -346,7 +347,7 @@ def test_actor_train_step_changes_only_the_adapters(use_packing, gradient_checkp
     model = with_lora(plain(), dropout=0.1)  # default init: B = 0, the policy starts as the base
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     cfg = TrainConfig(
-        lr=1e-2, micro_batch_size=2, kl_loss_coef=0.1, use_packing=use_packing,
+        optim=OptimConfig(lr=1e-2), micro_batch_size=2, loss=LossConfig(kl_loss_coef=0.1), use_packing=use_packing,
         gradient_checkpointing=gradient_checkpointing,
     )  # fmt: skip
     trainer = ActorTrainer(model, cfg, torch.device("cpu"), torch.float32)
@@ -364,7 +365,9 @@ def test_actor_train_step_changes_only_the_adapters(use_packing, gradient_checkp
 def test_critic_train_step_changes_adapters_and_head_only():
     model = with_lora(build_value_model(plain(), seed=0))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = CriticTrainer(model, TrainConfig(role="critic", lr=1e-2), torch.device("cpu"), torch.float32)
+    trainer = CriticTrainer(
+        model, TrainConfig(role="critic", optim=OptimConfig(lr=1e-2)), torch.device("cpu"), torch.float32
+    )
     trainer.train_step(make_batch(with_lora(plain())), 0)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert changed == {n for n, _ in model.named_parameters() if ".lora_" in n or n.startswith("score.")}

@@ -13,7 +13,7 @@ import pytest
 from rlx.agent.driver import EnvRollout
 from rlx.formats.records import PromptRecord
 from rlx.rollout.agent_config import AgentConfig
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import SamplingParams
 from rlx.rollout.native.blocks import BlockManager, Sequence
 from rlx.rollout.requests import TokenRequest
 from tests.agent_helpers import ENVS, bigram_chat_model, random_chat_model, spans, token_engine
@@ -64,7 +64,7 @@ def episodes(model_and_tokenizer, env: str, engine: str, temperature: float, **a
     runner = EnvRollout(
         token_engine(model, tokenizer, engine, **settings),
         tokenizer,
-        RolloutConfig(n=2, max_new_tokens=12, temperature=temperature, seed=7).sampling(),
+        SamplingParams(n=2, max_new_tokens=12, temperature=temperature, seed=7),
         AgentConfig(env=env, max_total_tokens=400, **agent),
     )
     result = runner.generate(QUESTIONS)
@@ -123,7 +123,7 @@ def test_a_stop_string_ends_the_turn_and_is_cut_from_its_message(envs_file, engi
     runner = EnvRollout(
         token_engine(model, tokenizer, engine),
         tokenizer,
-        RolloutConfig(n=1, max_new_tokens=12, temperature=0.0, stop=("XY",)).sampling(),
+        SamplingParams(n=1, max_new_tokens=12, temperature=0.0, stop=("XY",)),
         AgentConfig(env=f"{envs_file}/envs.py:Echo", max_total_tokens=400),
     )
     record = runner.generate(QUESTIONS[:1]).records[0]
@@ -138,7 +138,7 @@ def test_token_requests_keep_their_own_limits_and_streams():
     model, tokenizer = random_chat_model(stop_bias=-10.0)  # never stops: limits end every request
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("ab", "abc", "xyz!")]
     requests = [TokenRequest(f"k{i}", ids, limit) for i, (ids, limit) in enumerate(zip(prompts, (3, 7, 5)))]
-    sampling = RolloutConfig(max_new_tokens=8, temperature=1.0, seed=2).sampling()
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, seed=2)
     out = {}
     for name in ("hf", "native"):
         engine = token_engine(model, tokenizer, name)

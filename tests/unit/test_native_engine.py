@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from rlx.formats.records import PromptRecord
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 from rlx.rollout.native.blocks import BlockManager, Sequence, Status
 from rlx.rollout.native.scheduler import Scheduler
-from tests.conftest import cli_ok, generate, make_engine, read_jsonl, rollout_args
+from tests.conftest import cli_ok, flat_config, generate, make_engine, read_jsonl, rollout_args
 
 CPU = torch.device("cpu")
 
@@ -166,7 +166,7 @@ def tiny(tmp_path_factory):
 )
 def test_native_equals_the_hf_engine(tiny, settings):
     model, tokenizer = tiny
-    cfg = RolloutConfig(engine="native", chat_template="off", **settings)
+    cfg = flat_config(RolloutConfig, engine="native", chat_template="off", **settings)
     ours = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
     theirs = generate(make_engine(model, tokenizer, dataclasses.replace(cfg, engine="hf")), PROMPTS, cfg)
     assert [r.id for r in ours] == [r.id for r in theirs]
@@ -203,8 +203,13 @@ def test_merged_projections_decode_as_the_model_s_layers(tiny, family):
     model = _family_model(family, len(tokenizer))
     owned = copy.deepcopy(model).requires_grad_(False)
     before = {name: id(p) for name, p in owned.named_parameters()}
-    cfg = RolloutConfig(engine="native", chat_template="off", n=4, max_new_tokens=24, temperature=1.0, seed=2,
-                        max_num_seqs=6, block_size=2, kv_cache_gib=2e-5)  # fmt: skip
+    cfg = RolloutConfig(
+        engine="native",
+        chat_template="off",
+        kv_cache_gib=2e-5,
+        sampling=SamplingParams(n=4, max_new_tokens=24, temperature=1.0, seed=2),
+        native=NativeConfig(max_num_seqs=6, block_size=2),
+    )
     engine = make_engine(owned, tokenizer, cfg)
     ours = generate(engine, PROMPTS, cfg)
     trainer = make_engine(model, tokenizer, cfg)
@@ -227,10 +232,13 @@ def test_decoding_ahead_of_the_host_changes_no_token(tiny):
     runs = {}
     for overlap in (False, True):
         cfg = RolloutConfig(
-            engine="native", chat_template="off", n=8, max_new_tokens=40, temperature=1.5, seed=1, max_num_seqs=5,
-            block_size=2, kv_cache_gib=4e-5, overlap=overlap,
-        )  # fmt: skip
-        result = make_engine(model, tokenizer, cfg).generate(PROMPTS, cfg.sampling(), progress=False)
+            engine="native",
+            chat_template="off",
+            kv_cache_gib=4e-5,
+            sampling=SamplingParams(n=8, max_new_tokens=40, temperature=1.5, seed=1),
+            native=NativeConfig(max_num_seqs=5, block_size=2, overlap=overlap),
+        )
+        result = make_engine(model, tokenizer, cfg).generate(PROMPTS, cfg.sampling, progress=False)
         runs[overlap] = (result.records, result.stats)
     (sync, sync_stats), (ahead, ahead_stats) = runs[False], runs[True]
     assert sync_stats.steps_ahead == 0 and ahead_stats.steps_ahead > 50
@@ -260,11 +268,15 @@ def test_native_equals_the_hf_engine_on_cuda(tiny, graphs, merged):
     cuda = torch.device("cuda")
     model = copy.deepcopy(model).to(cuda).requires_grad_(not merged)
     cfg = RolloutConfig(
-        engine="native", chat_template="off", n=4, max_new_tokens=20, seed=3, cuda_graphs=graphs, precision="float32"
+        engine="native",
+        chat_template="off",
+        precision="float32",
+        sampling=SamplingParams(n=4, max_new_tokens=20, seed=3),
+        native=NativeConfig(cuda_graphs=graphs),
     )
-    cfg.max_num_seqs = 8  # fewer sequences than requests: graphs of several sizes replay, slots refill
+    cfg.native.max_num_seqs = 8  # fewer sequences than requests: graphs of several sizes replay, slots refill
     engine = make_engine(model, tokenizer, cfg, cuda)
-    result = engine.generate(PROMPTS, cfg.sampling(), progress=False)
+    result = engine.generate(PROMPTS, cfg.sampling, progress=False)
     assert (engine._runner.fused is not None) == merged
     ours = result.records
     theirs = generate(make_engine(model, tokenizer, dataclasses.replace(cfg, engine="hf"), cuda), PROMPTS, cfg)
@@ -294,7 +306,7 @@ def test_ppo_on_two_fsdp_ranks_generates_with_a_gathered_replica(tmp_path):
     from tests.conftest import REPO, max_diff, run_torchrun
 
     recipe = REPO / "recipes" / "quickstart.toml"
-    small = ["--set", "steps=3", "--set", "data.prompts_per_step=6", "--set", "rollout.n=4"]
+    small = ["--set", "steps=3", "--set", "data.prompts_per_step=6", "--set", "rollout.sampling.n=4"]
     cli_ok("ppo", recipe, "--out", tmp_path / "one", *small, "--set", "rollout.engine=hf")
     run_torchrun(2, "-m", "rlx", "ppo", recipe, "--out", tmp_path / "two", *small, "--set", "rollout.engine=native")
     one, two = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("one", "two"))
@@ -313,7 +325,7 @@ def test_ppo_on_two_fsdp_ranks_generates_with_a_gathered_replica(tmp_path):
 def test_capture_ladder_compiles_the_decoder_layer_once(tiny, merged):
     """The decode CUDA graphs of every batch size share one compiled decoder layer (no recompilation from sizes
     that happened to be equal at the first trace), through merged projections (the replica's, fused.py) or the
-    model's layers (rollout.merged_projections off). The head may compile twice here: Inductor guards this tiny
+    model's layers (rollout.native.merged_projections off). The head may compile twice here: Inductor guards this tiny
     model's head on the batch being >= 64; on the 0.5B shape the ladder compiles 2 graphs in all (bench/RESULTS.md).
     """
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -322,12 +334,17 @@ def test_capture_ladder_compiles_the_decoder_layer_once(tiny, merged):
 
     model, tokenizer = tiny
     cuda = torch.device("cuda")
-    cfg = RolloutConfig(engine="native", chat_template="off", n=4, max_new_tokens=8, seed=3, precision="bfloat16")
-    cfg.merged_projections = merged
-    cfg.max_num_seqs = 64  # the ladder 2, 4, 8, 16, 32, 64
+    cfg = RolloutConfig(
+        engine="native",
+        chat_template="off",
+        precision="bfloat16",
+        sampling=SamplingParams(n=4, max_new_tokens=8, seed=3),
+    )
+    cfg.native.merged_projections = merged
+    cfg.native.max_num_seqs = 64  # the ladder 2, 4, 8, 16, 32, 64
     torch._dynamo.reset()
     prompts = [PromptRecord(id=f"q{i}", prompt=p.prompt) for i, p in enumerate(PROMPTS * 8)]
-    result = make_engine(model.to(cuda), tokenizer, cfg, cuda).generate(prompts, cfg.sampling(), progress=False)
+    result = make_engine(model.to(cuda), tokenizer, cfg, cuda).generate(prompts, cfg.sampling, progress=False)
     model.to(CPU)
     assert len(result.records) == len(prompts) * 4
     step = fused.fused_layer_step if merged else runner._layer_step
@@ -365,7 +382,12 @@ def test_a_persistent_engine_follows_weight_updates_and_keeps_its_cache(tiny):
 
     model, tokenizer = tiny
     live = copy.deepcopy(model)
-    cfg = RolloutConfig(engine="native", chat_template="off", n=3, max_new_tokens=10, seed=4, precision="bfloat16")
+    cfg = RolloutConfig(
+        engine="native",
+        chat_template="off",
+        precision="bfloat16",
+        sampling=SamplingParams(n=3, max_new_tokens=10, seed=4),
+    )
     engine = make_engine(live, tokenizer, cfg)
     assert engine.use_replica  # float32 trainer weights, bf16 rollouts
     # the replica decodes through merged projections (fused.py), refilled in place through its Parameters below
@@ -390,7 +412,12 @@ def test_a_kept_cache_takes_the_next_steps_slightly_longer_prompts(tiny):
     """Prompt lengths vary from step to step: the cache is built with headroom, so a next call whose prompts are
     a few tokens longer reuses it (and its decode graphs) instead of building a bigger one."""
     model, tokenizer = tiny
-    cfg = RolloutConfig(engine="native", chat_template="off", n=4, max_new_tokens=30, seed=2, block_size=4)
+    cfg = RolloutConfig(
+        engine="native",
+        chat_template="off",
+        sampling=SamplingParams(n=4, max_new_tokens=30, seed=2),
+        native=NativeConfig(block_size=4),
+    )
     engine = make_engine(model, tokenizer, cfg)
     generate(engine, PROMPTS, cfg)
     longer = [dataclasses.replace(p, prompt=p.prompt + "1+1") for p in PROMPTS]
@@ -424,12 +451,12 @@ def test_a_requests_own_seed_replaces_the_streams(tiny, engine_name):
     from rlx.rollout.requests import TokenRequest
 
     model, tokenizer = tiny
-    cfg = RolloutConfig(engine=engine_name, chat_template="off", max_new_tokens=12, seed=3)
+    cfg = RolloutConfig(engine=engine_name, chat_template="off", sampling=SamplingParams(max_new_tokens=12, seed=3))
     engine = make_engine(model, tokenizer, cfg)
     ids = tokenizer("12+7=")["input_ids"]
-    own = run_stream(engine, [TokenRequest("a", ids, 12, seed=7)], cfg.sampling())["a"]
-    other = run_stream(engine, [TokenRequest("a", ids, 12)], cfg.sampling(seed=7))["a"]
-    plain = run_stream(engine, [TokenRequest("a", ids, 12)], cfg.sampling())["a"]
+    own = run_stream(engine, [TokenRequest("a", ids, 12, seed=7)], cfg.sampling)["a"]
+    other = run_stream(engine, [TokenRequest("a", ids, 12)], dataclasses.replace(cfg.sampling, seed=7))["a"]
+    plain = run_stream(engine, [TokenRequest("a", ids, 12)], cfg.sampling)["a"]
     assert own == other and own != plain
 
 
@@ -444,8 +471,13 @@ def test_an_open_stream_continues_under_new_weights(tiny):
     from rlx.rollout.requests import TokenRequest
 
     model, tokenizer = tiny
-    cfg = RolloutConfig(engine="native", chat_template="off", max_new_tokens=16, seed=4, precision="bfloat16",
-                        block_size=4)  # fmt: skip
+    cfg = RolloutConfig(
+        engine="native",
+        chat_template="off",
+        precision="bfloat16",
+        sampling=SamplingParams(max_new_tokens=16, seed=4),
+        native=NativeConfig(block_size=4),
+    )
     live = copy.deepcopy(model)
     old = copy.deepcopy(live).to(torch.bfloat16)
     engine = make_engine(live, tokenizer, cfg)
@@ -463,11 +495,11 @@ def test_an_open_stream_continues_under_new_weights(tiny):
             stream.weights_changed()
             stream.submit("b", second)
 
-    ours = run_stream(engine, [first], cfg.sampling(), update_after_4_tokens)
+    ours = run_stream(engine, [first], cfg.sampling, update_after_4_tokens)
     at = switched["at"]
-    before = run_stream(make_engine(old, tokenizer, cfg), [first], cfg.sampling())["a"]
+    before = run_stream(make_engine(old, tokenizer, cfg), [first], cfg.sampling)["a"]
     after = run_stream(make_engine(copy.deepcopy(live).to(torch.bfloat16), tokenizer, cfg), [second],
-                       cfg.sampling())["b"]  # fmt: skip
+                       cfg.sampling)["b"]  # fmt: skip
     assert 4 <= at < len(ours["a"].response_ids)
     assert ours["a"].response_ids[:at] == before.response_ids[:at]
     assert ours["a"].logprobs[:at] == before.logprobs[:at]
@@ -510,8 +542,13 @@ def test_sleep_on_cuda_keeps_the_graphs_and_releases_the_memory(tiny):
     model, tokenizer = tiny
     cuda = torch.device("cuda")
     live = copy.deepcopy(model).to(cuda)
-    cfg = RolloutConfig(engine="native", chat_template="off", n=3, max_new_tokens=10, seed=4, precision="bfloat16",
-                        sleep=True)  # fmt: skip
+    cfg = RolloutConfig(
+        engine="native",
+        chat_template="off",
+        precision="bfloat16",
+        sleep=True,
+        sampling=SamplingParams(n=3, max_new_tokens=10, seed=4),
+    )
     assert not make_engine(live, tokenizer, dataclasses.replace(cfg, sleep=None), cuda).releasable  # kept by default
     engine = make_engine(live, tokenizer, cfg, cuda)
     assert engine.releasable and engine.use_replica

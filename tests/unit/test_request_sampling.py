@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import SamplingParams
 from rlx.rollout.requests import TokenRequest
 from rlx.rollout.sampling import batch_sampling, filter_logits, sample_next
 from tests.agent_helpers import random_chat_model, token_engine
@@ -26,7 +26,7 @@ OWN = [  # (temperature, top_p, top_k, seed) of each request; None: the stream's
 def test_each_request_samples_as_it_would_alone_with_its_settings(name):
     model, tokenizer = random_chat_model(stop_bias=-10.0)  # never stops: every request runs to its limit
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("ab", "abc", "xyz!", "ba", "cab")]
-    stream = RolloutConfig(max_new_tokens=6, temperature=1.0, seed=2).sampling()
+    stream = SamplingParams(max_new_tokens=6, temperature=1.0, seed=2)
     requests = [
         TokenRequest(f"k{i}", ids, 6, temperature=t, top_p=p, top_k=k, seed=s)
         for i, (ids, (t, p, k, s)) in enumerate(zip(prompts, OWN))
@@ -50,7 +50,7 @@ def test_each_request_samples_as_it_would_alone_with_its_settings(name):
 def test_row_filters_equal_each_rows_scalar_filters():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
-    stream = RolloutConfig(temperature=1.0).sampling()
+    stream = SamplingParams(temperature=1.0)
     asked = ({"temperature": 0.3}, {"top_k": 5}, {"top_p": 0.6, "temperature": 2.0}, {"top_k": -1, "top_p": 0.9})
     rows = [dataclasses.replace(stream, **own) for own in asked]
     per_row = batch_sampling(rows, stream)

@@ -18,7 +18,7 @@ from rlx.agent.driver import EnvRollout
 from rlx.errors import UserError
 from rlx.formats.records import PromptRecord
 from rlx.rollout.agent_config import AgentConfig
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.requests import TokenRequest
 from rlx.serve.server import AgentServer
 from rlx.serve.sessions import normalize_message
@@ -53,7 +53,7 @@ def echo_agent(record, base_url):
     return 1.5
 '''
 
-SAMPLING = RolloutConfig(n=2, max_new_tokens=12, temperature=1.0, seed=3)
+SAMPLING = RolloutConfig(sampling=SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=3))
 
 
 @pytest.fixture
@@ -66,8 +66,8 @@ def files(tmp_path):
 def serve(model_and_tokenizer, sampling: RolloutConfig = SAMPLING, **agent) -> tuple[AgentServer, StreamBackend]:
     model, tokenizer = model_and_tokenizer
     engine, cfg = token_engine(model, tokenizer), AgentConfig(**agent)
-    backend = StreamBackend(engine, sampling.sampling(), cfg.max_total_tokens)
-    return AgentServer(backend, tokenizer, engine.stop_ids, sampling.sampling(), cfg).start(), backend
+    backend = StreamBackend(engine, sampling.sampling, cfg.max_total_tokens)
+    return AgentServer(backend, tokenizer, engine.stop_ids, sampling.sampling, cfg).start(), backend
 
 
 @pytest.mark.parametrize(
@@ -79,7 +79,7 @@ def test_openai_agent_matches_the_python_environment(files, style, temperature, 
     re-renders without the generation prompt's think block, and rlx must not care."""
     model, tokenizer = random_chat_model(style, stop_bias=stop_bias)
     engine = token_engine(model, tokenizer)
-    sampling = RolloutConfig(n=2, max_new_tokens=12, temperature=temperature, seed=3).sampling()
+    sampling = SamplingParams(n=2, max_new_tokens=12, temperature=temperature, seed=3)
     kwargs = {"chat_template_kwargs": {"enable_thinking": False}} if style == "qwen3" else {}
     cfg = AgentConfig(env=f"{files}/envs.py:Echo", max_total_tokens=400, **kwargs)
     from_env = EnvRollout(engine, tokenizer, sampling, cfg).generate(QUESTIONS).records
@@ -125,7 +125,7 @@ def calculator_agent(record, base_url):
 def test_tool_calls_in_replies_match_the_python_environment():
     model, tokenizer = bigram_chat_model(CALC_SCRIPT, extra_tokens=CALC_PIECES)
     engine = token_engine(model, tokenizer)
-    sampling = RolloutConfig(n=1, max_new_tokens=16, temperature=1.0).sampling()
+    sampling = SamplingParams(n=1, max_new_tokens=16, temperature=1.0)
     cfg = AgentConfig(env="rlx.tasks.calculator:CalculatorEnv", max_turns=2)
     question = [PromptRecord(id="c", prompt="12*34", ground_truth="408")]
     [from_env] = EnvRollout(engine, tokenizer, sampling, cfg).generate(question).records
@@ -142,7 +142,7 @@ def test_a_stop_string_is_cut_from_replies_as_from_environment_messages(files):
     environment does, and the trajectories are the same."""
     model, tokenizer = bigram_chat_model("\nabXYcd<|im_end|>")
     engine = token_engine(model, tokenizer)
-    sampling = RolloutConfig(n=1, max_new_tokens=12, temperature=0.0, stop=("XY",)).sampling()
+    sampling = SamplingParams(n=1, max_new_tokens=12, temperature=0.0, stop=("XY",))
     cfg = AgentConfig(env=f"{files}/envs.py:Echo", max_total_tokens=400)
     [from_env] = EnvRollout(engine, tokenizer, sampling, cfg).generate(QUESTIONS[:1]).records
     [from_agent] = (
@@ -223,14 +223,14 @@ def test_backend_batches_concurrent_requests():
     engine = token_engine(model, tokenizer)
     prompts = [tokenizer(f"{i}+{i}=", add_special_tokens=False)["input_ids"] for i in range(6)]
     requests = [TokenRequest(f"r{i}", ids, 8) for i, ids in enumerate(prompts)]
-    backend = StreamBackend(engine, SAMPLING.sampling(), 64, gather_s=1.0)
+    backend = StreamBackend(engine, SAMPLING.sampling, 64, gather_s=1.0)
     try:
         futures = [backend.submit(r) for r in requests]
         together = [f.result() for f in futures]
     finally:
         backend.close()
     assert backend.num_steps == 1 and backend.largest_batch == 6  # the hf engine: one batch
-    alone = [engine.generate_tokens([r], SAMPLING.sampling())[0] for r in requests]
+    alone = [engine.generate_tokens([r], SAMPLING.sampling)[0] for r in requests]
     assert [g.response_ids for g in together] == [g.response_ids for g in alone]
 
 
@@ -280,7 +280,7 @@ def test_bad_requests_get_openai_style_errors():
 def test_agent_errors_name_the_sample():
     model = random_chat_model()
     engine = token_engine(*model)
-    sampling = RolloutConfig(n=1, max_new_tokens=4, temperature=1.0).sampling()
+    sampling = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)
 
     def run(agent, **cfg):
         return AgentRollout(engine, model[1], sampling, AgentConfig(**cfg), agent).generate(QUESTIONS).records

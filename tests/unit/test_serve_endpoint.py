@@ -24,7 +24,7 @@ from rlx.chat.tool_calls import parse_json_list, parser_for_template
 from rlx.errors import UserError
 from rlx.models.vision.images import ImageError, read_image_bytes
 from rlx.rollout.agent_config import AgentConfig
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.serve.api import CHAT_FIELDS, METADATA_FIELDS
 from rlx.serve.config import EndpointConfig
 from rlx.serve.request_images import ImagePolicy
@@ -35,16 +35,16 @@ from rlx.tasks.calculator import CALCULATOR_TOOL
 from tests.agent_helpers import CALC_PIECES, CALC_SCRIPT, bigram_chat_model, random_chat_model, token_engine
 from tests.conftest import cli, read_jsonl
 
-SAMPLING = RolloutConfig(max_new_tokens=6, temperature=1.0, seed=3)
+SAMPLING = RolloutConfig(sampling=SamplingParams(max_new_tokens=6, temperature=1.0, seed=3))
 HI = [{"role": "user", "content": "hi"}]
 
 
 def start(model=None, sampling: RolloutConfig = SAMPLING, strict: bool = False, **endpoint) -> AgentServer:
     model, tokenizer = model or random_chat_model()
     engine, cfg = token_engine(model, tokenizer), AgentConfig(max_total_tokens=500)
-    backend = StreamBackend(engine, sampling.sampling(), cfg.max_total_tokens)
+    backend = StreamBackend(engine, sampling.sampling, cfg.max_total_tokens)
     server = AgentServer(
-        backend, tokenizer, engine.stop_ids, sampling.sampling(), cfg, endpoint=EndpointConfig(**endpoint),
+        backend, tokenizer, engine.stop_ids, sampling.sampling, cfg, endpoint=EndpointConfig(**endpoint),
         strict=strict,
     )  # fmt: skip
     return server.start()
@@ -251,7 +251,7 @@ def test_streaming_equals_non_streamed(endpoint):
     """The openai client's stream (text, tool-call deltas, usage, finish) and the recorded trajectory equal the same
     request answered without streaming on a second server of the same model and seed."""
     model = bigram_chat_model(CALC_SCRIPT, extra_tokens=CALC_PIECES) if endpoint == "tools" else random_chat_model()
-    sampling = RolloutConfig(max_new_tokens=16, temperature=1.0, seed=3)
+    sampling = RolloutConfig(sampling=SamplingParams(max_new_tokens=16, temperature=1.0, seed=3))
     servers = [start(model, sampling), start(model, sampling)]
     try:
         clients = [openai.OpenAI(base_url=s.base_url("x/0"), api_key="k", max_retries=0) for s in servers]
@@ -310,7 +310,7 @@ def test_per_request_sampling_overrides_the_servers():
     """A request's temperature 0 or top_k 1 answers as a greedy server does; a seeded request with its own
     temperature is reproducible (a second server, the same sample), and its seed and temperature are the ones used."""
     model = random_chat_model(stop_bias=-10.0)  # replies run to max_tokens: long enough to tell draws apart
-    greedy_server = start(model, RolloutConfig(max_new_tokens=6, temperature=0.0, seed=3))
+    greedy_server = start(model, RolloutConfig(sampling=SamplingParams(max_new_tokens=6, temperature=0.0, seed=3)))
     servers = [start(model), start(model)]
 
     def tokens(server, sample: str, **asked) -> list[int]:
@@ -463,7 +463,7 @@ def test_responses_api_continues_the_sample_by_previous_response_id_or_full_inpu
     """/v1/responses through the openai client: text and function tools; a follow-up by previous_response_id or by
     the full input extends the same trajectory token-exactly; what it cannot do is refused by name."""
     model = bigram_chat_model(CALC_SCRIPT, extra_tokens=CALC_PIECES)
-    server = start(model, RolloutConfig(max_new_tokens=16, temperature=1.0, seed=3))
+    server = start(model, RolloutConfig(sampling=SamplingParams(max_new_tokens=16, temperature=1.0, seed=3)))
     client = openai.OpenAI(base_url=server.base_url("r/0"), api_key="k", max_retries=0)
     tool = {"type": "function", **CALCULATOR_TOOL["function"]}
     try:

@@ -10,7 +10,7 @@ import torch
 
 from rlx.formats.records import PromptRecord
 from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.requests import Generated
 from rlx.rollout.stops import StopStrings
 from tests.conftest import cli_ok, generate, make_engine, read_jsonl, rollout_args
@@ -41,8 +41,8 @@ def test_cut_by_hand():
 @pytest.mark.parametrize("engine", ["hf", "native"])
 def test_engines_stop_at_the_first_stop_string(model_and_tokenizer, engine):
     model, tokenizer = model_and_tokenizer
-    plain = RolloutConfig(engine=engine, n=3, max_new_tokens=12, seed=2, device="cpu")
-    with_stop = dataclasses.replace(plain, stop=["1", "2"])
+    plain = RolloutConfig(engine=engine, device="cpu", sampling=SamplingParams(n=3, max_new_tokens=12, seed=2))
+    with_stop = dataclasses.replace(plain, sampling=dataclasses.replace(plain.sampling, stop=("1", "2")))
     free = generate(make_engine(model, tokenizer, plain), PROMPTS, plain)
     stopped = generate(make_engine(model, tokenizer, with_stop), PROMPTS, with_stop)
     hf = generate(make_engine(model, tokenizer, dataclasses.replace(with_stop, engine="hf")), PROMPTS, with_stop)

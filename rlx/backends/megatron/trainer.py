@@ -115,7 +115,7 @@ class MegatronTraining:
             total += grad.detach().double().pow(2).sum()
         dist.all_reduce(total, group=self.ctx.mp_group)
         norm = float(total.sqrt())
-        max_norm = self.cfg.max_grad_norm
+        max_norm = self.cfg.optim.max_grad_norm
         if max_norm > 0 and math.isfinite(norm):
             coef = max_norm / (norm + 1e-6)
             if coef < 1:

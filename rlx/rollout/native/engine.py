@@ -17,7 +17,7 @@ Host and device overlap (as vLLM's async scheduling): after a decode step is que
 is planned from lengths alone and queued before the host reads the first one's tokens (its input tokens are
 gathered on the device), so the device computes step t+1 while the host does step t's bookkeeping. A
 sequence that stopped at step t (EOS) then has one extra token computed at t+1, which is discarded. Prefill
-steps, preemption and a due prefill go through the synchronous path. rollout.overlap = false turns it off.
+steps, preemption and a due prefill go through the synchronous path. rollout.native.overlap = false turns it off.
 
 Everything runs through a stream (`open_stream`): `generate` submits its requests at once, multi-turn episodes
 and served agents submit each turn when its context is ready, and it joins the running batch at the next
@@ -79,8 +79,9 @@ class NativeRolloutEngine(RolloutEngine):
         self.rank_config = self.model.config if self.tp is None else sliced_config(self.model.config, self.tp.degree)
         """The config of the decoder this rank runs (a tensor-parallel rank's: its share of the heads and MLP)."""
         self.sharded = is_sharded(self.model)
-        # a LoRA policy: decode with a plain replica of the merged weights, or with the adapters (rollout.lora_rollout)
-        self.merges = is_lora_model(self.model) and cfg.lora_rollout == "merged"
+        # a LoRA policy: decode with a plain replica of the merged weights, or with the adapters
+        # (rollout.native.lora_rollout)
+        self.merges = is_lora_model(self.model) and cfg.native.lora_rollout == "merged"
         # a replica in the rollout dtype (bf16 on GPUs) when the model is sharded, holds other weights (a trainer's
         # float32 master weights) or is merged: filled in place after each update, so the decode graphs keep
         # pointing at it
@@ -100,7 +101,7 @@ class NativeRolloutEngine(RolloutEngine):
         # released at their addresses and taken back there (rlx.utils.vmm): the decode graphs are not captured again
         self.releasable = bool(cfg.sleep) and vmm.supported(self.device)
         self._replica_filled = False  # a merged replica holds the frozen weights (written once)
-        self.block_size = cfg.block_size
+        self.block_size = cfg.native.block_size
         self._runner: ModelRunner | None = None
         self._capped = False  # whether the cache was cut to the memory budget (then reused whatever it holds)
         self.cache_builds = 0  # KV caches (with their decode graphs) allocated so far: kept across calls when they fit
@@ -246,7 +247,7 @@ class NativeRolloutEngine(RolloutEngine):
         """The KV cache (and decode graphs) of the last call when they fit, else new ones; the block manager
         always starts empty (cached keys and values belong to the weights of their call)."""
         width = -(-max(max_context, 1) // self.block_size)
-        cfg = self.cfg
+        cfg = self.cfg.native
         graphs = min(cfg.max_num_seqs, num_seqs) if cfg.cuda_graphs else 0  # only the batch sizes this call can use
         old = self._runner
         if (
@@ -265,7 +266,7 @@ class NativeRolloutEngine(RolloutEngine):
         width += 1 + width // _HEADROOM  # block-table room for longer prompts next time
         self._runner = ModelRunner(
             module, self.device, self.dtype, blocks, width, graphs, cfg.compile, cfg.paged_attention, self.releasable,
-            tp_group=None if self.tp is None else self.tp.group, merged=cfg.merged_projections, exact=cfg.exact,
+            tp_group=None if self.tp is None else self.tp.group, merged=cfg.merged_projections, exact=self.cfg.exact,
         )  # fmt: skip
         return self._runner
 
@@ -277,9 +278,9 @@ class NativeStream(TokenStream):
     def __init__(self, engine: NativeRolloutEngine, runner: ModelRunner, sampling: SamplingParams):
         super().__init__(sampling, engine.device)
         self.engine, self.runner = engine, runner
-        cfg = engine.cfg
+        cfg = engine.cfg.native
         self.scheduler = Scheduler(runner.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens)
-        self.sampler = StepSampler(sampling, cfg.max_num_seqs, engine.device, exact=cfg.exact)
+        self.sampler = StepSampler(sampling, cfg.max_num_seqs, engine.device, exact=engine.cfg.exact)
         self.module = runner.model
         self.was_training = self.module.training
         self.module.eval()
@@ -318,7 +319,7 @@ class NativeStream(TokenStream):
         scheduler can plan it from lengths alone), then finish the step launched before; the finished requests."""
         scheduler, inflight, launched = self.scheduler, self.inflight, None
         # a grammar's next mask needs the token before it: while a constrained sequence runs, steps are synchronous
-        ahead_ok = self.engine.cfg.overlap and not self.num_constrained
+        ahead_ok = self.engine.cfg.native.overlap and not self.num_constrained
         if inflight is not None and inflight.decode and ahead_ok:
             with record_function("rlx/schedule"):
                 ahead = scheduler.schedule_ahead(inflight.seqs)
@@ -402,7 +403,7 @@ def _tensor_parallel(model, cfg, ctx) -> TensorParallelGroup | None:
         return None
     if family_of(model.config).takes_images:
         raise UserError(f"tp_degree {cfg.tp_degree}: the native engine splits text models only")
-    if is_lora_model(model) and cfg.lora_rollout != "merged":
+    if is_lora_model(model) and cfg.native.lora_rollout != "merged":
         raise UserError(f"tp_degree {cfg.tp_degree}: a LoRA policy decodes split with lora_rollout = 'merged' only")
     check_splittable(model.config, cfg.tp_degree)
     return tensor_parallel_group(cfg.tp_degree, ctx)

@@ -3,6 +3,7 @@ process; frozen base weights keep their dtype and values."""
 
 import torch
 
+from rlx.algorithms.config import LossConfig
 from rlx.logprobs import packed_response_logprobs
 from rlx.models.lora import adapters_disabled
 from rlx.models.lora_merge import merged_weights
@@ -10,7 +11,7 @@ from rlx.models.lora_state import adapter_state
 from rlx.models.value import build_value_model
 from rlx.parallel.dist import exit_process, setup
 from rlx.training.actor import ActorTrainer
-from rlx.training.config import TrainConfig
+from rlx.training.config import OptimConfig, TrainConfig
 from rlx.training.critic import CriticTrainer
 from tests.unit.test_lora import inputs, make_batch, plain, with_lora
 
@@ -40,7 +41,9 @@ def check_frozen(model, before, dtype):
 def train_actor(dtype, distributed):
     model = with_lora(plain(), dtype=dtype, target_modules=targets)
     before = frozen(model)
-    cfg = TrainConfig(lr=1e-2, micro_batch_size=1, kl_loss_coef=0.1, use_packing=True)
+    cfg = TrainConfig(
+        optim=OptimConfig(lr=1e-2), micro_batch_size=1, loss=LossConfig(kl_loss_coef=0.1), use_packing=True
+    )
     trainer = ActorTrainer(model, cfg, cpu, dtype, ctx if distributed else None)
     with torch.no_grad(), adapters_disabled(model):  # the sharded model's first forward: the reference
         ref, _ = packed_response_logprobs(model, **inputs(), temperature=1.0, dtype=trainer.dtype)
@@ -66,9 +69,8 @@ assert all(torch.isfinite(t).all() and t.dtype == torch.float32 for t in bf16.va
 
 critic = with_lora(build_value_model(plain(), seed=0), dtype=torch.bfloat16, target_modules=targets)
 before = frozen(critic)
-CriticTrainer(critic, TrainConfig(role="critic", lr=1e-2, micro_batch_size=1), cpu, torch.bfloat16, ctx).train_step(
-    batch, 0
-)
+critic_cfg = TrainConfig(role="critic", optim=OptimConfig(lr=1e-2), micro_batch_size=1)
+CriticTrainer(critic, critic_cfg, cpu, torch.bfloat16, ctx).train_step(batch, 0)
 check_frozen(critic, before, torch.bfloat16)
 assert all(torch.isfinite(t).all() for t in adapter_state(critic).values())
 print(f"rank {ctx.rank}: 2 ranks == 1 rank within {diff:.2e}", flush=True)

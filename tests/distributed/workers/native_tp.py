@@ -14,7 +14,7 @@ from rlx.formats.records import PromptRecord
 from rlx.models.tiny import build_char_tokenizer
 from rlx.parallel.dist import DistContext, exit_process, setup
 from rlx.rollout.base import build_engine
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 
 ctx = setup(sys.argv[1])  # cpu: gloo; cuda: nccl, decode steps in CUDA graphs with torch.compile inside
 tokenizer = build_char_tokenizer()
@@ -44,7 +44,7 @@ one = DistContext(device=ctx.device)  # a lone engine over the whole model, in t
 
 def records(model, cfg, context):
     engine = build_engine(cfg, model, tokenizer, context)
-    return engine, engine.generate(prompts, cfg.sampling(), progress=False).records
+    return engine, engine.generate(prompts, cfg.sampling, progress=False).records
 
 
 def same(tp, single, what):
@@ -67,18 +67,15 @@ def build(family):
 cfg = RolloutConfig(
     engine="native",
     chat_template="off",
-    n=3,
-    max_new_tokens=12,
-    seed=5,
-    max_num_seqs=4,
-    block_size=2,
     kv_cache_gib=1e-4,
     precision="float32",
+    sampling=SamplingParams(n=3, max_new_tokens=12, seed=5),
+    native=NativeConfig(max_num_seqs=4, block_size=2),
 )
 for family in families:
     model = build(family).requires_grad_(False)
     for temperature in (0.0, 1.0):
-        cfg = dataclasses.replace(cfg, temperature=temperature)
+        cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, temperature=temperature))
         engine, tp = records(copy.deepcopy(model), dataclasses.replace(cfg, tp_degree=2), ctx)
         _, single = records(copy.deepcopy(model), cfg, one)
         same(tp, single, (family, temperature))
