@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -33,7 +34,7 @@ from rlx.models.exact import exact_forward  # noqa: E402
 from rlx.models.tiny import build_char_tokenizer  # noqa: E402
 from rlx.parallel.dist import DistContext  # noqa: E402
 from rlx.rollout.base import build_engine  # noqa: E402
-from rlx.rollout.config import RolloutConfig  # noqa: E402
+from rlx.rollout.config import RolloutConfig, SamplingParams  # noqa: E402
 from rlx.rollout.requests import TokenRequest  # noqa: E402
 
 SHAPES = {"0.5b": QWEN2_05B, "small": dict(QWEN2_05B, hidden_size=128, intermediate_size=256, num_hidden_layers=2)}
@@ -85,11 +86,12 @@ def trainer_logprobs(model, tensors, dtype, micro_batch: int, exact: bool, devic
 
 def measure(model, tokenizer, args, device, dtype, exact: bool, batch: int) -> dict:
     precision = "bfloat16" if dtype == torch.bfloat16 else "float32"
-    cfg = RolloutConfig(engine="native", exact=exact, precision=precision, max_new_tokens=args.response_len,
-                        device=device.type, kv_cache_gib=args.kv_cache_gib)  # fmt: skip
+    sampling = SamplingParams(max_new_tokens=args.response_len)
+    cfg = RolloutConfig(engine="native", exact=exact, precision=precision, device=device.type,
+                        kv_cache_gib=args.kv_cache_gib, sampling=sampling)  # fmt: skip
     engine = build_engine(cfg, model, tokenizer, DistContext(device=device))
     requests = make_requests(batch, args.prompt_len, args.response_len, model.config.vocab_size)
-    sampling = cfg.sampling(seed=0)
+    sampling = dataclasses.replace(cfg.sampling, seed=0)
     engine.generate_tokens(requests[:2], sampling)  # warm-up (kernels, lazy inits)
     start = time.perf_counter()
     generated = engine.generate_tokens(requests, sampling)

@@ -9,7 +9,7 @@ single tokens on a KV cache of --context tokens) and one prefill (--batch x --co
 model and of the model with unmerged adapters. The break-even is the number of decode steps after which
 the unmerged adapters have cost more than one merge.
 
---engine-rollout adds the end-to-end comparison that picks `rollout.lora_rollout`'s default: the native engine
+--engine-rollout adds the end-to-end comparison that picks `rollout.native.lora_rollout`'s default: the native engine
 over the LoRA model as `rlx ppo` runs it, per step: the adapters change (a train step), the engine wakes,
 generates --rollout-prompts x --rollout-n samples of --rollout-tokens tokens from --context-token prompts (a
 random model rarely stops early), and sleeps. 'merged' refills its merged replica (the adapted weights; the replica,

@@ -20,8 +20,8 @@ the model's arrival on the device to the last step.
 Weight sync (after the steps): the time to hand the updated policy to a rollout engine. `vllm` (when installed):
 `VLLMRolloutEngine.update_weights(trainer)`: all weights through vLLM's reload for full fine-tuning, the adapters
 alone (a PEFT folder, loaded in place) for LoRA. `native_replica`: filling a plain bf16 replica: every weight for
-full fine-tuning (what a replica-based engine copies), the merged adapted weights for LoRA (rollout.lora_rollout =
-'merged', after the replica's first fill).
+full fine-tuning (what a replica-based engine copies), the merged adapted weights for LoRA
+(rollout.native.lora_rollout = 'merged', after the replica's first fill).
 """
 
 from __future__ import annotations

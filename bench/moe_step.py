@@ -78,10 +78,10 @@ def prompt_texts(count: int, length: int, seed: int = 0) -> list[str]:
 
 
 def rollout_config(args, engine: str, max_new_tokens: int):
-    from rlx.rollout.config import RolloutConfig
+    from rlx.rollout.config import RolloutConfig, SamplingParams
 
-    return RolloutConfig(engine=engine, chat_template="off", n=args.n, max_new_tokens=max_new_tokens,
-                         temperature=1.0, seed=0, kv_cache_gib=args.kv_cache_gib)  # fmt: skip
+    sampling = SamplingParams(n=args.n, max_new_tokens=max_new_tokens, temperature=1.0, seed=0)
+    return RolloutConfig(engine=engine, chat_template="off", sampling=sampling, kv_cache_gib=args.kv_cache_gib)
 
 
 def measure_rollouts(model, tokenizer, device, args) -> list:
@@ -99,10 +99,10 @@ def measure_rollouts(model, tokenizer, device, args) -> list:
         cfg = rollout_config(args, name, args.response_len)
         engine = build_engine(cfg, model, tokenizer, DistContext(device=device))
         warm = cfg if name == "native" else rollout_config(args, name, 2)  # native: capture its graphs
-        engine.generate(prompts, warm.sampling(), progress=False)
+        engine.generate(prompts, warm.sampling, progress=False)
         sync(device)
         start = time.perf_counter()
-        records = engine.generate(prompts, cfg.sampling(), progress=False).records
+        records = engine.generate(prompts, cfg.sampling, progress=False).records
         sync(device)
         seconds = time.perf_counter() - start
         tokens = sum(len(r.response_ids) for r in records)
@@ -177,16 +177,18 @@ prompts = "{work / "prompts.jsonl"}"
 prompts_per_step = {args.num_prompts}
 [rollout]
 engine = "native"
+chat_template = "off"
+[rollout.sampling]
 n = {args.n}
 max_new_tokens = {args.response_len}
 temperature = 1.0
-chat_template = "off"
 [score]
 reward = "{work / "reward.py"}:score"
 router_replay = "rollout"
 [train]
-lr = 1e-6
 router_replay = "rollout"
+[train.optim]
+lr = 1e-6
 """)
     return path
 

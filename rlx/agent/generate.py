@@ -20,13 +20,14 @@ from rlx.rollout.stats import EpisodeStats
 
 
 def build_rollout(cfg: RolloutConfig, engine: RolloutEngine) -> RolloutEngine | EpisodeRollout:
-    """What generates a run's samples: the engine itself, or with `cfg.env` / `cfg.agent` an EpisodeRollout on it.
-    Both answer `generate(prompts, sampling) -> RolloutResult`."""
-    return EpisodeRollout(engine, cfg) if cfg.is_multi_turn else engine
+    """What generates a run's samples: the engine itself, or with `cfg.agent.env` / `cfg.agent.agent` an EpisodeRollout
+    on it. Both answer `generate(prompts, sampling) -> RolloutResult`."""
+    return EpisodeRollout(engine, cfg) if cfg.agent.is_multi_turn else engine
 
 
 class EpisodeRollout:
-    """Multi-turn rollouts on an engine: episodes of `cfg.env`, or runs of the agent `cfg.agent`, built per call."""
+    """Multi-turn rollouts on an engine: episodes of `cfg.agent.env`, or runs of the agent `cfg.agent.agent`, built per
+    call."""
 
     def __init__(self, engine: RolloutEngine, cfg: RolloutConfig):
         self.engine, self.cfg = engine, cfg

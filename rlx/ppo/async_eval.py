@@ -4,11 +4,12 @@ policy version join the stream next to the training samples instead of draining 
 A stream samples with one setting (temperature, top_p, top_k, stop strings: the training's). Eval requests fit it when
 they are greedy (TokenRequest.greedy: the argmax whatever the stream's temperature) or sample with the training's
 settings; in both cases their stop strings must be the training's, since the engines stop at the stream's during
-generation (`shares_stream`). Each eval request carries its own key (the sample id) and seed (eval.seed), so its
-draws are those of `rlx.evaluation.evaluate.evaluate` whatever runs next to it; a stream's draws are made
-`max_new_tokens` wide and a narrower request reads a prefix of the same per-sample stream, so the stream is opened as
-wide as the longer of the training and eval responses (`stream_sampling`). Evaluations that do not fit keep the
-drain path (RolloutWorker._evaluate_pending), as do multi-turn runs, whose weights change only between steps anyway.
+generation (`shares_stream`). Each eval request carries its own key (the sample id) and seed
+(eval.sampling.seed), so its draws are those of `rlx.evaluation.evaluate.evaluate` whatever runs next to it; a
+stream's draws are made `max_new_tokens` wide and a narrower request reads a prefix of the same per-sample stream,
+so the stream is opened as wide as the longer of the training and eval responses (`stream_sampling`). Evaluations
+that do not fit keep the drain path (RolloutWorker._evaluate_pending), as do multi-turn runs, whose weights change
+only between steps anyway.
 
     EvalShare       what a rollout rank puts in the store for an evaluated version (e/STEP/RANK)
     StreamEval      one version's eval requests while they are in the stream, and their graded samples
@@ -147,8 +148,8 @@ class RankEval:
             return
         if self.stream is None:
             per_step = len(shard_range(self.cfg.data.prompts_per_step, self.roles.rank_in_role, self.roles.num_rollout))
-            slots = max(len(self.eval_work.tokens), per_step * self.cfg.rollout.n)
-            self._open(self.cfg.rollout.sampling(seed=self.cfg.seed), self.eval_context, slots)
+            slots = max(len(self.eval_work.tokens), per_step * self.cfg.rollout.sampling.n)
+            self._open(dataclasses.replace(self.cfg.rollout.sampling, seed=self.cfg.seed), self.eval_context, slots)
         self.eval_work.submit(self.stream)
 
     def _put_eval(self, share: EvalShare) -> None:

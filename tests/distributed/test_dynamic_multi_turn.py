@@ -1,4 +1,4 @@
-"""score.filter_groups (DAPO dynamic sampling) with an environment (rollout.env): the synchronous loop and [async]
+"""score.filter_groups (DAPO dynamic sampling) with an environment (rollout.agent.env): the synchronous loop and [async]
 keep only informative groups of token-exact episodes, and at max_staleness 0 the asynchronous run is the
 synchronous one."""
 

@@ -20,7 +20,7 @@ from rlx.kernels.grouped_experts import routed_experts_mlp
 from rlx.logprobs import ModuleScorer
 from rlx.models.moe import tiny_moe_config
 from rlx.parallel.dist import DistContext
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 from rlx.rollout.native.moe import routed_mlp
 from tests.conftest import REPO, generate, make_engine, run_torchrun
 
@@ -143,8 +143,8 @@ def test_grouped_gemm_and_compiled_decode_graphs_on_cuda(tiny_moe):
     assert torch.allclose(got, want, atol=2e-2 * want.abs().max().item()), (got - want).abs().max()
     model, tokenizer = tiny_moe
     model = copy.deepcopy(model).to(cuda)
-    cfg = RolloutConfig(engine="native", chat_template="off", n=4, max_new_tokens=20, seed=3, precision="float32",
-                        max_num_seqs=8)  # fmt: skip
+    cfg = RolloutConfig(engine="native", chat_template="off", precision="float32", native=NativeConfig(max_num_seqs=8),
+                        sampling=SamplingParams(n=4, max_new_tokens=20, seed=3))  # fmt: skip
     engine = make_engine(model, tokenizer, cfg, cuda)
     ours = generate(engine, PROMPTS, cfg)
     assert engine._runner.graphs and engine._runner.compiled and engine._runner.routed_layers == [True, True]
@@ -173,7 +173,9 @@ def test_replaying_native_routes_gives_the_rollout_logprobs(tiny_moe):
     """The trainer's forward over a native rollout routes as recorded and, with replay, gives the rollout's logprobs;
     routes recorded one position off would not (the record's entry i belongs to the position predicting token i)."""
     model, tokenizer = tiny_moe
-    cfg = RolloutConfig(engine="native", chat_template="off", n=2, max_new_tokens=8, temperature=1.0, seed=7)
+    cfg = RolloutConfig(
+        engine="native", chat_template="off", sampling=SamplingParams(n=2, max_new_tokens=8, temperature=1.0, seed=7)
+    )
     records = generate(make_engine(model, tokenizer, cfg), PROMPTS[:3], cfg)
     tensors, rollout = _batch(records)
     mask = tensors["response_mask"].bool()
@@ -199,13 +201,14 @@ TP_SCRIPT = textwrap.dedent("""
     from rlx.models.tiny import build_char_tokenizer
     from rlx.parallel.dist import DistContext, exit_process, setup
     from rlx.rollout.base import build_engine
-    from rlx.rollout.config import RolloutConfig
+    from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 
     ctx = setup("cpu")
     tokenizer = build_char_tokenizer()
     prompts = [PromptRecord(id=f"p{{i}}", prompt=t) for i, t in enumerate(["1+2=", "3*4=", "12+7=", "9-5="])]
-    cfg = RolloutConfig(engine="native", chat_template="off", n=2, max_new_tokens=10, seed=5, temperature=1.0,
-                        max_num_seqs=4, block_size=2, kv_cache_gib=1e-4, precision="float32")
+    cfg = RolloutConfig(engine="native", chat_template="off", kv_cache_gib=1e-4, precision="float32",
+                        sampling=SamplingParams(n=2, max_new_tokens=10, seed=5, temperature=1.0),
+                        native=NativeConfig(max_num_seqs=4, block_size=2))
     for model_type in ("qwen3_moe", "qwen2_moe"):  # qwen2_moe: a shared expert and q/k/v biases
         torch.manual_seed(1)
         config = tiny_moe_config(len(tokenizer), model_type, num_experts=4, max_position_embeddings=128)
@@ -214,7 +217,7 @@ TP_SCRIPT = textwrap.dedent("""
         for tp_degree, context in ((2, ctx), (1, DistContext(device=ctx.device))):
             engines.append(build_engine(dataclasses.replace(cfg, tp_degree=tp_degree), copy.deepcopy(model),
                                         tokenizer, context))
-            results.append(engines[-1].generate(prompts, cfg.sampling(), progress=False).records)
+            results.append(engines[-1].generate(prompts, cfg.sampling, progress=False).records)
         tp, single = results
         experts = engines[0]._replica.model.layers[0].mlp.experts  # this rank's half of each expert
         assert experts.gate_up_proj.shape == (4, config.moe_intermediate_size, config.hidden_size), model_type

@@ -7,6 +7,7 @@ rows: with exact mode every logprob is torch.equal; without it some differ (so t
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -17,7 +18,7 @@ from rlx.logprobs import packed_response_logprobs, response_logprobs
 from rlx.models.attention import enable_packed_attention
 from rlx.models.exact import exact_forward
 from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 from rlx.rollout.requests import TokenRequest
 from tests.conftest import cli, cli_ok, make_engine, read_jsonl, write_length_reward
 
@@ -79,10 +80,16 @@ def _requests(batch: int, at: int) -> list[TokenRequest]:
 
 
 def _generate(model, exact: bool, batch: int, at: int):
-    cfg = RolloutConfig(engine="native", exact=exact, block_size=4, max_new_tokens=NEW_TOKENS, kv_cache_gib=0.01)
+    cfg = RolloutConfig(
+        engine="native",
+        exact=exact,
+        kv_cache_gib=0.01,
+        sampling=SamplingParams(max_new_tokens=NEW_TOKENS),
+        native=NativeConfig(block_size=4),
+    )
     engine = make_engine(model, build_char_tokenizer(), cfg)
     requests = _requests(batch, at)
-    generated = engine.generate_tokens(requests, cfg.sampling(seed=3))
+    generated = engine.generate_tokens(requests, dataclasses.replace(cfg.sampling, seed=3))
     return requests, generated
 
 
@@ -166,18 +173,21 @@ prompts = "{prompts}"
 prompts_per_step = 2
 [rollout]
 engine = "native"
+kv_cache_gib = 0.01
+[rollout.sampling]
 n = 3
 max_new_tokens = 4
+[rollout.native]
 block_size = 4
-kv_cache_gib = 0.01
 [score]
 reward = "{reward}:score"
 use_packing = {packing}
 [train]
-lr = 1e-2
 mini_batch_size = {mini_batch}
 micro_batch_size = 2
 use_packing = {packing}
+[train.optim]
+lr = 1e-2
 """
 
 
@@ -249,9 +259,15 @@ def _run_turns(engine, sampling, tool_reply: list[int]) -> list:
 def test_exact_multi_turn_reads_cached_turns_alike(model):
     """A second turn whose context begins with the first turn (its blocks cached in the stream) gets the logprobs of
     the same context generated fresh and of the training forward over it."""
-    cfg = RolloutConfig(engine="native", exact=True, block_size=4, max_new_tokens=NEW_TOKENS, kv_cache_gib=0.01)
+    cfg = RolloutConfig(
+        engine="native",
+        exact=True,
+        kv_cache_gib=0.01,
+        sampling=SamplingParams(max_new_tokens=NEW_TOKENS),
+        native=NativeConfig(block_size=4),
+    )
     engine = make_engine(model, build_char_tokenizer(), cfg)
-    sampling = cfg.sampling(seed=5)
+    sampling = dataclasses.replace(cfg.sampling, seed=5)
     (_, first), (context, second) = _run_turns(engine, sampling, [11, 12, 13, 14, 15])
     assert len(context) > len(PROBE) + len(first.response_ids)
     request = TokenRequest(key="t/1", prompt_ids=context, max_new_tokens=NEW_TOKENS)

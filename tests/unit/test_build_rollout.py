@@ -7,8 +7,9 @@ import pytest
 
 from rlx.agent.generate import EpisodeRollout, build_rollout
 from rlx.formats.records import PromptRecord
+from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.base import RolloutResult, RolloutStats
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.stats import EpisodeStats
 from tests.agent_helpers import ENVS, random_chat_model, token_engine
 
@@ -22,16 +23,19 @@ def model():
 
 def test_single_turn_gets_the_engine_itself(model):
     engine = token_engine(*model)
-    assert build_rollout(RolloutConfig(n=2, max_new_tokens=4), engine) is engine
+    assert build_rollout(RolloutConfig(sampling=SamplingParams(n=2, max_new_tokens=4)), engine) is engine
 
 
 def test_multi_turn_gets_episodes_with_typed_stats(model, tmp_path):
     (tmp_path / "envs.py").write_text(ENVS)
     engine = token_engine(*model)
-    cfg = RolloutConfig(n=2, max_new_tokens=6, temperature=1.0, seed=3, env=f"{tmp_path}/envs.py:Echo")
+    cfg = RolloutConfig(
+        sampling=SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=3),
+        agent=AgentConfig(env=f"{tmp_path}/envs.py:Echo"),
+    )
     rollout = build_rollout(cfg, engine)
     assert isinstance(rollout, EpisodeRollout) and rollout.engine is engine
-    result = rollout.generate(QUESTIONS, cfg.sampling(), progress=False)
+    result = rollout.generate(QUESTIONS, cfg.sampling, progress=False)
     assert isinstance(result, RolloutResult) and [r.id for r in result.records] == ["q0/0", "q0/1", "q1/0", "q1/1"]
     stats = result.stats.episodes
     assert isinstance(stats, EpisodeStats)

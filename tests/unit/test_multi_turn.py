@@ -116,7 +116,7 @@ def test_a_slow_environment_never_stalls_the_other_samples(envs_file, engine):
 
 @pytest.mark.parametrize("engine", ["hf", "native"])
 def test_a_stop_string_ends_the_turn_and_is_cut_from_its_message(envs_file, engine):
-    """rollout.stop in multi-turn: the turn ends at the token that completes the stop string (that token is
+    """rollout.sampling.stop in multi-turn: the turn ends at the token that completes the stop string (that token is
     trained), the message the environment reads ends before it (as in single-turn text), and the next turn
     follows the template's end of turn."""
     model, tokenizer = bigram_chat_model("\nabXYcd<|im_end|>")

@@ -138,7 +138,7 @@ def test_tool_calls_in_replies_match_the_python_environment():
 
 
 def test_a_stop_string_is_cut_from_replies_as_from_environment_messages(files):
-    """rollout.stop through the server: the agent reads the reply up to the stop string, as the Python
+    """rollout.sampling.stop through the server: the agent reads the reply up to the stop string, as the Python
     environment does, and the trajectories are the same."""
     model, tokenizer = bigram_chat_model("\nabXYcd<|im_end|>")
     engine = token_engine(model, tokenizer)

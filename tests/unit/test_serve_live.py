@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from rlx.rollout.agent_config import AgentConfig
-from rlx.rollout.config import RolloutConfig
+from rlx.rollout.config import SamplingParams
 from rlx.rollout.requests import TokenRequest
 from rlx.serve.deltas import TOOL_CALL_OPEN, TextDeltas
 from rlx.serve.server import AgentServer
@@ -21,14 +21,14 @@ from rlx.serve.stream import StreamBackend
 from tests.agent_helpers import random_chat_model, token_engine
 from tests.unit.test_serve_endpoint import post, start
 
-SAMPLING = RolloutConfig(max_new_tokens=12, temperature=1.0, seed=3)
+SAMPLING = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
 
 
 def _native_server(model, tokenizer) -> AgentServer:
     engine = token_engine(model, tokenizer, "native", kv_cache_gib=0.01)
     cfg = AgentConfig(max_total_tokens=500)
-    backend = StreamBackend(engine, SAMPLING.sampling(), cfg.max_total_tokens)
-    return AgentServer(backend, tokenizer, engine.stop_ids, SAMPLING.sampling(), cfg).start()
+    backend = StreamBackend(engine, SAMPLING, cfg.max_total_tokens)
+    return AgentServer(backend, tokenizer, engine.stop_ids, SAMPLING, cfg).start()
 
 
 def _stop(server: AgentServer) -> None:
@@ -51,7 +51,7 @@ def test_text_deltas_never_send_what_the_finished_turn_takes_back():
 def test_backend_hands_each_request_its_tokens_as_they_are_sampled():
     model, tokenizer = random_chat_model(stop_bias=-10.0)
     engine = token_engine(model, tokenizer, "native", kv_cache_gib=0.01)
-    backend = StreamBackend(engine, SAMPLING.sampling(), 200)
+    backend = StreamBackend(engine, SAMPLING, 200)
     heard: list[tuple[list[int], bool]] = []
     try:
         request = TokenRequest("s/0", tokenizer("hello")["input_ids"], 8)
@@ -158,11 +158,11 @@ def test_top_logprobs_in_openai_format(engine):
     """Chat top_logprobs and completions logprobs=k: greedy, the sampled token is each position's most likely one
     with the same logprob; the alternatives come most likely first; more than OpenAI allows is refused by name."""
     model, tokenizer = random_chat_model(stop_bias=-10.0)
-    greedy = RolloutConfig(max_new_tokens=4, temperature=0.0, seed=3)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0, seed=3)
     built = token_engine(model, tokenizer, engine, **({"kv_cache_gib": 0.01} if engine == "native" else {}))
     cfg = AgentConfig(max_total_tokens=500)
-    backend = StreamBackend(built, greedy.sampling(), cfg.max_total_tokens)
-    server = AgentServer(backend, tokenizer, built.stop_ids, greedy.sampling(), cfg).start()
+    backend = StreamBackend(built, greedy, cfg.max_total_tokens)
+    server = AgentServer(backend, tokenizer, built.stop_ids, greedy, cfg).start()
     try:
         client = openai.OpenAI(base_url=server.base_url("top"), api_key="k", max_retries=0)
         chat = client.chat.completions.create(model="rlx", messages=[{"role": "user", "content": "hi"}],
@@ -200,11 +200,11 @@ def test_response_format_samples_within_the_json_grammar(engine, monkeypatch):
     finite logprobs, and json_object ones with an object; under an RL run's agents, or without llguidance, the request
     is refused naming response_format."""
     model, tokenizer = random_chat_model(stop_bias=-10.0)  # left alone, it would not stop or write JSON
-    sampling = RolloutConfig(max_new_tokens=24, temperature=1.0, seed=3)
+    sampling = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3)
     built = token_engine(model, tokenizer, engine, **({"kv_cache_gib": 0.01} if engine == "native" else {}))
     cfg = AgentConfig(max_total_tokens=500)
-    backend = StreamBackend(built, sampling.sampling(), cfg.max_total_tokens)
-    server = AgentServer(backend, tokenizer, built.stop_ids, sampling.sampling(), cfg).start()
+    backend = StreamBackend(built, sampling, cfg.max_total_tokens)
+    server = AgentServer(backend, tokenizer, built.stop_ids, sampling, cfg).start()
     schema_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
     try:
         client = openai.OpenAI(base_url=server.base_url("json"), api_key="k", max_retries=0)

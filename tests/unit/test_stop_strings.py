@@ -1,5 +1,5 @@
-"""Stop strings (--stop / rollout.stop): every engine ends a response at the token that completes the first stop
-string, finish_reason 'stop', the response text ends before the stop string; without it nothing changes."""
+"""Stop strings (--stop / rollout.sampling.stop): every engine ends a response at the token that completes the first
+stop string, finish_reason 'stop', the response text ends before the stop string; without it nothing changes."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ slots of their sequences and attends over each sequence's blocks: a padded batch
 for prefill (the new tokens after any cached prefix), the paged decode kernel for decode (with the cache
 write, as the custom op `rlx::paged_decode`). The model's own modules and weights do everything else, so
 the trainer's module can generate directly; on CUDA its decoder layers run under torch.compile inside the
-decode CUDA graphs (rollout.compile = false: eager), and each step's inputs go in one pinned-buffer copy.
+decode CUDA graphs (rollout.native.compile = false: eager), and each step's inputs go in one pinned-buffer copy.
 An MoE model's layers run their routed experts as grouped GEMMs and return the experts chosen (moe.py), so each
 step also yields the routing of its kept positions.
 A decode step can run one token ahead of the host (`prev`): each sequence's input token is then gathered on
