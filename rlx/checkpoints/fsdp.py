@@ -198,7 +198,7 @@ class FsdpLayout(Layout):
         if is_remote(out):
             raise UserError(f"--out {out}: the fsdp layout is written to local (or mounted) storage only")
 
-    def read_full_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+    def read_full_weights(self, folder: Path, config=None) -> dict[str, torch.Tensor]:
         return read_full_weights(folder)
 
     def read_full_optimizer(self, folder: Path) -> dict[str, torch.Tensor] | None:

@@ -86,13 +86,14 @@ def load_base(base: LoraBase, role: str, where: str) -> torch.nn.Module:
     """The base model (float32, CPU) as it was when the adapters were made; UserError when it is missing or differs."""
     try:
         source = resolve_source(base.path, "base model")
-        is_value_model = not source.is_gguf and is_value_config(load_config(source))
+        config = None if source.is_gguf else load_config(source)
+        is_value_model = config is not None and is_value_config(config)
     except UserError as e:
         raise UserError(f"{where}: the adapters' base model is not available: {e}") from None
     if role == "critic" and is_value_model and base.init == "pretrained":
-        model = load_model(source, "critic")
+        model = load_model(source, "critic", config=config)
     else:
-        model = load_initial_policy(base.path, base.init, base.seed)[0]
+        model = load_initial_policy(source, base.init, base.seed, config)[0]
         if role == "critic":
             model = build_value_model(model, base.seed)
     check_base_identity(base.identity, model, f"{where} (base {base.path})")

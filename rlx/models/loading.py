@@ -337,15 +337,15 @@ def init_random_model(config, seed: int):
     return model
 
 
-def load_causal_lm(source: ModelSource, dtype: torch.dtype | None = torch.float32):
+def load_causal_lm(source: ModelSource, dtype: torch.dtype | None = torch.float32, config=None):
     """Load a causal LM (a vision-language model with its vision tower) from a Hugging Face dir or a GGUF file
-    (CPU, `dtype`)."""
+    (CPU, `dtype`). `config`: the source's config where the caller has read it (else it is read here)."""
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
     auto = AutoModelForCausalLM
     if not source.is_gguf:
-        auto = causal_lm_class(load_config(source))
+        auto = causal_lm_class(config if config is not None else load_config(source))
         for path in weight_files(source.path):
             _check_safetensors_header(path)
     try:

@@ -78,10 +78,11 @@ def check_value_config(config, where) -> None:
         )
 
 
-def load_value_model(source: ModelSource, dtype: torch.dtype = torch.float32):
-    """Load a value model from a Hugging Face dir (see `check_value_config`)."""
+def load_value_model(source: ModelSource, dtype: torch.dtype = torch.float32, config=None):
+    """Load a value model from a Hugging Face dir (see `check_value_config`); `config`: the source's config where
+    the caller has read it (a copy is given to the model)."""
     quiet_transformers()
-    config = load_config(source)
+    config = copy.deepcopy(config) if config is not None else load_config(source)
     check_value_config(config, source.path)
     try:
         model, info = value_model_class(config).from_pretrained(

@@ -26,7 +26,7 @@ from rlx.checkpoints.registry import check_complete
 from rlx.errors import Terminated, UserError
 from rlx.formats.data import check_window
 from rlx.formats.records import PromptRecord, read_prompts
-from rlx.models.loading import load_config, load_tokenizer, resolve_source, weight_files
+from rlx.models.loading import ModelSource, load_config, load_tokenizer, resolve_source, weight_files
 from rlx.observe.tracking import console
 from rlx.parallel.dist import all_gather_objects, all_reduce
 from rlx.ppo.config import PPOConfig
@@ -44,6 +44,10 @@ class RunInputs:
 
     prompts: list[PromptRecord]
     eval_prompts: list[PromptRecord] | None
+    source: ModelSource
+    """The recipe's model, resolved once for the whole start."""
+    config: object
+    """Its transformers config, read once."""
 
 
 def check_run_inputs(cfg: PPOConfig, run_dir: Path) -> RunInputs:
@@ -78,7 +82,7 @@ def check_run_inputs(cfg: PPOConfig, run_dir: Path) -> RunInputs:
             config=config, processor=processor,
         )  # fmt: skip
         check_rewards(cfg.eval.reward, eval_prompts, None)
-    return RunInputs(prompts, eval_prompts)
+    return RunInputs(prompts, eval_prompts, source, config)
 
 
 def check_rewards(specs: list[str], prompts: list[PromptRecord], reward_model: str | None) -> None:

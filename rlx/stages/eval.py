@@ -58,7 +58,8 @@ def run_eval(
     limits = dict(config=config, processor=processor)
     prompts = limit_prompts(prompts, tokenizer, rollout_cfg, model_context(config), cfg.prompts, **limits)
     ctx = setup(rollout_cfg.device)
-    rollouts = generate(cfg, rollout_cfg, load_model(source).requires_grad_(False), tokenizer, prompts, ctx, processor)
+    model = load_model(source, config=config).requires_grad_(False)
+    rollouts = generate(cfg, rollout_cfg, model, tokenizer, prompts, ctx, processor)
     if not ctx.is_main:
         return {}
     samples = grade(rollouts, cfg)

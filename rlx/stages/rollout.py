@@ -73,7 +73,7 @@ def run_rollout(
     ctx = setup(cfg.device)
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
     # a LoRA checkpoint: its base with the adapters, as `rlx ppo` generates
-    model = load_model(source, dtype=dtype, adapters=True).requires_grad_(False)  # generation only
+    model = load_model(source, dtype=dtype, adapters=True, config=config).requires_grad_(False)  # generation only
     engine = build_engine(cfg, model, tokenizer, ctx, processor)
     try:
         result = engine.generate(records, cfg.sampling())
@@ -99,11 +99,13 @@ def run_multi_turn_rollout(
     (rank 0 under a launcher) and returns the metrics."""
     refuse_images(records, cfg, engine_class(cfg.engine))  # before the model loads
     source = resolve_source(model_path)
+    config = None if source.is_gguf else load_config(source)  # a GGUF file's config: only where a loader needs it
     tokenizer = load_tokenizer(source)
-    processor = load_processor(source, cfg.vision)  # a vision-language model's images (None for a text model)
+    processor = load_processor(source, cfg.vision, config)  # a vision-language model's images (None for a text model)
     ctx = setup(cfg.device)
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
-    engine = build_engine(cfg, load_model(source, dtype=dtype).requires_grad_(False), tokenizer, ctx, processor)
+    model = load_model(source, dtype=dtype, config=config).requires_grad_(False)
+    engine = build_engine(cfg, model, tokenizer, ctx, processor)
     try:
         result = generate_multi_turn(engine, tokenizer, records, cfg, cfg.sampling())
     finally:

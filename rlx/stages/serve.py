@@ -18,7 +18,7 @@ from rlx.chat.records import trajectory_record
 from rlx.checkpoints.loading import load_model, load_processor
 from rlx.errors import Terminated, UserError
 from rlx.formats.records import PromptRecord, RolloutRecord, write_records
-from rlx.models.loading import load_tokenizer, resolve_source
+from rlx.models.loading import load_config, load_tokenizer, resolve_source
 from rlx.observe.tracking import console
 from rlx.parallel.dist import setup
 from rlx.rollout.base import build_engine
@@ -39,13 +39,14 @@ def run_serve(
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {port}")
     source = resolve_source(model_path)
+    config = None if source.is_gguf else load_config(source)  # a GGUF file's config: only where a loader needs it
     tokenizer = load_tokenizer(source)
-    processor = load_processor(source, cfg.vision)  # a vision-language model's images (None for a text model)
+    processor = load_processor(source, cfg.vision, config)  # a vision-language model's images (None for a text model)
     ctx = setup(cfg.device)
     if ctx.world > 1:
         raise UserError("rlx serve runs in one process: start it without torchrun")
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
-    model = load_model(source, dtype=dtype).requires_grad_(False)
+    model = load_model(source, dtype=dtype, config=config).requires_grad_(False)
     engine = build_engine(cfg, model, tokenizer, ctx, processor)
     sampling = cfg.sampling()
     backend = StreamBackend(engine, sampling, max_context(cfg, model), cfg.max_num_seqs)

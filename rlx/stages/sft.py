@@ -51,7 +51,7 @@ def run_sft(cfg: SFTConfig, model: str, out: str, init: str = "pretrained", over
     source = resolve_source(model)
     check_init(source, init)
     ctx = setup(cfg.device)
-    policy, tokenizer, aux = load_initial_policy(model, init, cfg.seed)
+    policy, tokenizer, aux = load_initial_policy(source, init, cfg.seed)
     samples = load_samples(cfg, tokenizer, policy.config, stop_token_ids(policy, tokenizer), quiet=not ctx.is_main)
     trainer, metrics = fine_tune(policy, tokenizer, samples, cfg, ctx, metrics_path)
     meta = CheckpointMeta(
