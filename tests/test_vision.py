@@ -366,10 +366,10 @@ SEQUENCE_PARALLEL = textwrap.dedent("""
     def run(model, batch, sp_group):
         t = batch["tensors"]
         row = VisionRow.from_padded(**t, vision=batch["vision"], config=model.config)
-        sp_rank, sp_size = (rank, world) if sp_group is not None else (0, 1)
+        sp_rank, sp_degree = (rank, world) if sp_group is not None else (0, 1)
         rows = PackedRows.build(t["prompt_ids"], t["prompt_mask"], t["response_ids"], t["response_mask"],
-                                sp_rank, sp_size)
-        with vision_forward(model, row, sp_rank, sp_size):
+                                sp_rank, sp_degree)
+        with vision_forward(model, row, sp_rank, sp_degree):
             logprob, entropy = packed_response_logprobs(model, **t, temperature=1.0, dtype=torch.float32,
                                                         with_entropy=True, sp_group=sp_group, rows=rows)
         ((logprob + 0.1 * entropy) * t["response_mask"]).sum().backward()
