@@ -8,9 +8,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import cli_ok, rollout_args
 
 import rlx.models.loading as loading
+from tests.conftest import cli_ok, rollout_args
 
 
 @pytest.fixture

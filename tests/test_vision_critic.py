@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from rlx.errors import UserError
 from rlx.logprobs import ModuleScorer, batched_response_values, packed_response_values
 from rlx.models.attention import enable_packed_attention
-from rlx.models.loading import ModelSource, read_weights
-from rlx.models.value import build_value_model, load_value_model, value_model_class
+from rlx.models.loading import ModelSource, model_class, read_weights
+from rlx.models.value import build_value_model, load_value_model
 from rlx.models.vision.families import freeze_vision_tower, vision_family_of
 from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.models.vision.tiny import build_tiny_vision_model, write_tiny_vision_model_dir
@@ -119,7 +119,7 @@ def test_a_family_without_a_value_model_is_named():
     from transformers import LlavaConfig
 
     with pytest.raises(UserError, match="'llava' is not supported by rlx"):
-        value_model_class(LlavaConfig())
+        model_class(LlavaConfig(), "critic")
 
 
 # --- through the commands ----------------------------------------------------------------------------------------

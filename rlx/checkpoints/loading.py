@@ -20,23 +20,19 @@ from rlx.errors import UserError
 from rlx.models.family import family_of
 from rlx.models.loading import (
     ModelSource,
-    causal_lm_class,
     check_weights_match,
     init_random_model,
     load_causal_lm,
     load_config,
     load_tokenizer,
+    model_class,
     quiet_transformers,
     resolve_source,
     weight_files,
 )
-from rlx.models.value import build_value_model, check_value_config, load_value_model, value_model_class
+from rlx.models.value import build_value_model, check_value_config, load_value_model
 
 _MODEL_FILES = ("config.json", "generation_config.json")  # the policy's own; a critic's config is written anew
-
-
-def _auto_class(role: str, config):
-    return value_model_class(config) if role == "critic" else causal_lm_class(config)
 
 
 def load_model(
@@ -63,7 +59,7 @@ def load_model(
         return load_causal_lm(source, dtype, config)
     quiet_transformers()
     config = copy.deepcopy(config)  # the model keeps (and may change) its own
-    model = _auto_class(role, config).from_config(config, dtype=torch.float32)
+    model = model_class(config, role).from_config(config, dtype=torch.float32)
     weights = read_full_weights(source.path, config)
     check_weights_match(model, weights, source.path)
     model.load_state_dict(weights, strict=False)

@@ -285,36 +285,40 @@ def check_weights_match(model, state: dict[str, torch.Tensor], where: Path) -> N
             )
 
 
-def causal_lm_class(config):
-    """The transformers auto class of `config`'s policy: AutoModelForImageTextToText for vision-language models
-    (their ...ForConditionalGeneration, which AutoModelForCausalLM does not map), else AutoModelForCausalLM."""
+def model_class(config, role: str = "actor"):
+    """The one rule for the class that builds (`from_config`) and loads (`from_pretrained`) a model of `config`:
+    role 'actor' (a policy): AutoModelForImageTextToText for a vision-language model (its
+    ...ForConditionalGeneration, which AutoModelForCausalLM does not map), else AutoModelForCausalLM; role 'critic'
+    (a value model): AutoModelForTokenClassification, or rlx's own class for a vision-language family, which
+    transformers has none of (UserError naming a family rlx cannot build one for)."""
     import transformers
 
     from rlx.models.vision.families import is_vision_config
 
+    if role not in ("actor", "critic"):
+        raise ValueError(f"role {role!r}: expected 'actor' or 'critic'")
+    if role == "critic":
+        if is_vision_config(config):
+            from rlx.models.vision.value import vision_value_class
+
+            return vision_value_class(config)
+        return transformers.AutoModelForTokenClassification
     if is_vision_config(config):
         return transformers.AutoModelForImageTextToText
     return transformers.AutoModelForCausalLM
 
 
 def build_empty_model(config):
-    """The architecture of `config` on the meta device (no memory), for checking weight layouts."""
+    """The architecture of `config` on the meta device (no memory), for checking weight layouts: a value model's
+    (`*ForTokenClassification`), a reward model's (`*ForSequenceClassification`) or a policy's."""
     import transformers
 
-    from rlx.models.vision.families import is_vision_config
-
     archs = getattr(config, "architectures", None) or []
-    auto = causal_lm_class(config)
-    for suffix, cls in (
-        ("ForTokenClassification", transformers.AutoModelForTokenClassification),
-        ("ForSequenceClassification", transformers.AutoModelForSequenceClassification),
-    ):
-        if any(a.endswith(suffix) for a in archs):
-            auto = cls
-    if auto is transformers.AutoModelForTokenClassification and is_vision_config(config):  # a VLM's critic: rlx's own
-        from rlx.models.vision.value import vision_value_class
-
-        auto = vision_value_class(config)
+    auto = model_class(config, "actor")
+    if any(a.endswith("ForTokenClassification") for a in archs):
+        auto = model_class(config, "critic")
+    elif any(a.endswith("ForSequenceClassification") for a in archs):
+        auto = transformers.AutoModelForSequenceClassification
     with torch.device("meta"):
         return auto.from_config(config)
 
@@ -331,7 +335,7 @@ def init_random_model(config, seed: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # a constructor that draws (outside the init functions) draws the same numbers
         with no_init_weights():
-            model = causal_lm_class(config).from_config(config, dtype=torch.float32)
+            model = model_class(config).from_config(config, dtype=torch.float32)
         init_modules(model, seed)
     model.tie_weights()
     return model
@@ -345,7 +349,7 @@ def load_causal_lm(source: ModelSource, dtype: torch.dtype | None = torch.float3
     quiet_transformers()
     auto = AutoModelForCausalLM
     if not source.is_gguf:
-        auto = causal_lm_class(config if config is not None else load_config(source))
+        auto = model_class(config if config is not None else load_config(source))
         for path in weight_files(source.path):
             _check_safetensors_header(path)
     try:
