@@ -46,10 +46,6 @@ def _quiet():
         yield
 
 
-def is_dcp_checkpoint(folder: str | Path) -> bool:
-    return (Path(folder) / DCP_DIR / ".metadata").is_file()
-
-
 def _metadata(folder: Path):
     try:
         return dcp.FileSystemReader(str(folder / DCP_DIR)).read_metadata()

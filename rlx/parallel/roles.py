@@ -43,10 +43,6 @@ class Roles:
     timeout_s: float
 
     @property
-    def num_trainers(self) -> int:
-        return self.world - self.num_rollout
-
-    @property
     def rank_in_role(self) -> int:
         return self.rank if self.is_rollout else self.rank - self.num_rollout
 
