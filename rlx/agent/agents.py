@@ -27,7 +27,7 @@ from rlx.rollout.config import SamplingParams
 from rlx.serve.config import EndpointConfig
 from rlx.serve.server import AgentServer
 from rlx.serve.sessions import SampleSession
-from rlx.serve.stream import StreamBackend
+from rlx.serve.stream import StreamWorker
 
 
 class AgentRollout:
@@ -48,13 +48,13 @@ class AgentRollout:
         failed first) has no model token to train on: it is left out, counted in env/errors and env/dropped."""
         began = time.perf_counter()
         samples = [(p, i) for p in prompts for i in range(self.sampling.n)]
-        backend = StreamBackend(self.engine, self.sampling, self.cfg.max_total_tokens, max(len(samples), 1))
+        worker = StreamWorker(self.engine, self.sampling, self.cfg.max_total_tokens, max(len(samples), 1))
         # the run's sampling governs every request; samples stay open until the rollout ends; agents may send back
         # the prompts' own image references (and data: URIs)
         endpoint = EndpointConfig(session_idle_s=0, max_sessions=0)
         known = {ref for p in prompts for ref in image_refs(p.prompt, p.id)}
         server = AgentServer(
-            backend, self.tokenizer, self.stop_ids, self.sampling, self.cfg, endpoint=endpoint, strict=True,
+            worker, self.tokenizer, self.stop_ids, self.sampling, self.cfg, endpoint=endpoint, strict=True,
             known_image_refs=known,
         ).start()  # fmt: skip
         pool = CallPool(self.cfg.env_workers, self.cfg.agent_timeout_s)
@@ -64,7 +64,7 @@ class AgentRollout:
         finally:
             pool.close()
             server.close()
-            backend.close()
+            worker.close()
         records, errors, dropped = [], 0, []
         for (prompt, index), outcome in zip(samples, outcomes):
             session = server.sessions.get(f"{prompt.id}/{index}")
@@ -78,7 +78,7 @@ class AgentRollout:
                 records.append(self._record(prompt, index, session, outcome.value, outcome.error))
         report_dropped(dropped, len(samples))
         self.last_stats = {
-            **_stats(records, errors + len(dropped), backend),
+            **_stats(records, errors + len(dropped), worker),
             "env/timeouts": float(pool.num_timeouts),
             "env/dropped": float(len(dropped)),
             "timing/generate_s": time.perf_counter() - began,
@@ -136,7 +136,7 @@ class AgentRollout:
         )
 
 
-def _stats(records: list[RolloutRecord], errors: int, backend: StreamBackend) -> dict[str, float]:
+def _stats(records: list[RolloutRecord], errors: int, worker: StreamWorker) -> dict[str, float]:
     count = max(len(records), 1)
     return {
         "rollout/tokens": float(sum(sum(r.loss_mask) for r in records)),
@@ -144,6 +144,6 @@ def _stats(records: list[RolloutRecord], errors: int, backend: StreamBackend) ->
         "rollout/segments_mean": sum(r.extra["num_segments"] for r in records) / count,
         "env/reward_mean": sum(r.env_reward for r in records) / count,
         "env/errors": float(errors),
-        "serve/engine_steps": float(backend.num_steps),
-        "serve/largest_batch": float(backend.largest_batch),
+        "serve/engine_steps": float(worker.num_steps),
+        "serve/largest_batch": float(worker.largest_batch),
     }

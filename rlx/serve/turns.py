@@ -53,7 +53,7 @@ def _plan(server, session: SampleSession, call: ChatCall | CompletionCall) -> Pl
 
 def _token_request(server, session: SampleSession, plan: Plan, call) -> TokenRequest:
     context_ids = plan.context_ids
-    max_context = min(server.cfg.max_total_tokens, server.backend.max_context)
+    max_context = min(server.cfg.max_total_tokens, server.worker.max_context)
     room = max_context - len(context_ids)
     if room < 1:
         session.hit_token_limit = True
@@ -96,7 +96,7 @@ async def generate_turns(server, sessions: list[SampleSession], call: ChatCall |
     each in its session; the turns to reply with, in choice order."""
     plans = [await run_in_threadpool(_plan, server, session, call) for session in sessions]
     requests = [_token_request(server, session, plan, call) for session, plan in zip(sessions, plans)]
-    gens = await asyncio.gather(*(asyncio.wrap_future(server.backend.submit(r)) for r in requests))
+    gens = await asyncio.gather(*(asyncio.wrap_future(server.worker.submit(r)) for r in requests))
     return [
         await run_in_threadpool(_commit, server, session, plan, gen, call)
         for session, plan, gen in zip(sessions, plans, gens)

@@ -26,7 +26,7 @@ from rlx.rollout.registry import engine_class
 from rlx.serve.config import ServeConfig
 from rlx.serve.server import AgentServer
 from rlx.serve.sessions import SampleSession
-from rlx.serve.stream import StreamBackend
+from rlx.serve.stream import StreamWorker
 
 
 def run_serve(
@@ -49,18 +49,18 @@ def run_serve(
     model = load_model(source, dtype=dtype, config=config).requires_grad_(False)
     engine = build_engine(cfg, model, tokenizer, ctx, processor)
     sampling = cfg.sampling()
-    backend = StreamBackend(engine, sampling, max_context(cfg, model), cfg.max_num_seqs)
+    worker = StreamWorker(engine, sampling, max_context(cfg, model), cfg.max_num_seqs)
     try:
         server = AgentServer(
-            backend, tokenizer, set(engine.stop_ids), sampling, cfg, model_name=name, port=port, endpoint=cfg.endpoint
+            worker, tokenizer, set(engine.stop_ids), sampling, cfg, model_name=name, port=port, endpoint=cfg.endpoint
         )
     except OSError as e:
-        backend.close()
+        worker.close()
         raise UserError(f"cannot listen on {cfg.endpoint.host}:{port}: {e.strerror or e}") from None
     except UserError:
-        backend.close()
+        worker.close()
         raise
-    terminated = _serve_until_stopped(server, backend, engine, max_requests)
+    terminated = _serve_until_stopped(server, worker, engine, max_requests)
     records = [session_record(s, sampling.temperature) for s in server.all_sessions() if s.segments]
     if out:
         write_records(out, records)
@@ -76,7 +76,7 @@ def max_context(cfg: ServeConfig, model) -> int:
     return min(limit for limit in limits if limit and limit > 0)
 
 
-def _serve_until_stopped(server: AgentServer, backend: StreamBackend, engine, max_requests: int) -> bool:
+def _serve_until_stopped(server: AgentServer, worker: StreamWorker, engine, max_requests: int) -> bool:
     """Serve until Ctrl-C, SIGTERM (returns True) or `max_requests` answered; then close everything."""
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -92,7 +92,7 @@ def _serve_until_stopped(server: AgentServer, backend: StreamBackend, engine, ma
     finally:
         signal.signal(signal.SIGTERM, previous)
         server.close()
-        backend.close()
+        worker.close()
         engine.close()
     return stop.is_set()
 
