@@ -51,14 +51,14 @@ class PlainBackend(TrainingBackend):
         trainer.load_optimizer_state(optimizer_state, where)
         return trainer
 
-    def load_trainer(self, cfg, source, config=None):
+    def load_trainer(self, cfg, source, config):
         model = load_model(source, cfg.role, config=config)
         return self.build_trainer(model, cfg, str(source.path), read_full_optimizer(source.path))
 
     def build_reference(self, model):
         return ModuleScorer(model.requires_grad_(False).eval(), self.ctx)
 
-    def load_scoring_model(self, source, role, config=None):
+    def load_scoring_model(self, source, role, config):
         return ModuleScorer(load_model(source, role, config=config), self.ctx)
 
 

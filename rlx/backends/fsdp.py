@@ -41,7 +41,7 @@ class FSDPBackend(TrainingBackend):
         trainer.load_optimizer_state(optimizer_state, where)
         return trainer
 
-    def load_trainer(self, cfg: TrainConfig, source: ModelSource, config=None, lora: LoraConfig | None = None):
+    def load_trainer(self, cfg: TrainConfig, source: ModelSource, config, lora: LoraConfig | None = None):
         """A LoRA checkpoint continues its adapters (`lora`, when given, must agree with them); `lora` on a
         checkpoint of full weights puts fresh adapters on it, its weights becoming the frozen base."""
         where = str(source.path)
@@ -59,6 +59,6 @@ class FSDPBackend(TrainingBackend):
     def build_reference(self, model: torch.nn.Module) -> ModuleScorer:
         return ModuleScorer(model.requires_grad_(False).to(self.ctx.device).eval(), self.ctx)
 
-    def load_scoring_model(self, source: ModelSource, role: str, config=None) -> ModuleScorer:
+    def load_scoring_model(self, source: ModelSource, role: str, config) -> ModuleScorer:
         """A LoRA checkpoint keeps its adapters as PEFT layers (the numbers of the trainer's module)."""
         return ModuleScorer(load_model(source, role, adapters=True, config=config).to(self.ctx.device), self.ctx)

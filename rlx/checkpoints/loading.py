@@ -55,8 +55,8 @@ def load_model(
         return lora.build_model(dtype or torch.float32)
     if source.is_gguf or is_hf_dir(source.path):
         if role == "critic":
-            return load_value_model(source, dtype, config)
-        return load_causal_lm(source, dtype, config)
+            return load_value_model(source, config, dtype)
+        return load_causal_lm(source, config, dtype)
     quiet_transformers()
     config = copy.deepcopy(config)  # the model keeps (and may change) its own
     model = model_class(config, role).from_config(config, dtype=torch.float32)

@@ -22,7 +22,7 @@ import torch
 from rlx.checkpoints.loading import load_initial_policy, load_model
 from rlx.config import ConfigError, check, check_choices, from_dict, to_dict
 from rlx.errors import UserError
-from rlx.models.loading import PACKAGE_SCHEME, load_config, resolve_source
+from rlx.models.loading import PACKAGE_SCHEME, resolve_model
 from rlx.models.lora_config import LoraConfig
 from rlx.models.lora_state import base_identity, check_base_identity
 from rlx.models.value import build_value_model, is_value_config
@@ -85,9 +85,8 @@ def lora_spec(config: LoraConfig | None, path: str | Path, init: str, seed: int,
 def load_base(base: LoraBase, role: str, where: str) -> torch.nn.Module:
     """The base model (float32, CPU) as it was when the adapters were made; UserError when it is missing or differs."""
     try:
-        source = resolve_source(base.path, "base model")
-        config = None if source.is_gguf else load_config(source)
-        is_value_model = config is not None and is_value_config(config)
+        source, config = resolve_model(base.path, "base model")
+        is_value_model = not source.is_gguf and is_value_config(config)
     except UserError as e:
         raise UserError(f"{where}: the adapters' base model is not available: {e}") from None
     if role == "critic" and is_value_model and base.init == "pretrained":

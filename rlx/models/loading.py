@@ -154,6 +154,13 @@ def load_config(source: ModelSource):
     return config
 
 
+def resolve_model(path: str | Path, what: str = "model"):
+    """(source, config): what a stage learns of a model path at its boundary, once (`resolve_source`, then
+    `load_config`); the stage passes both down, so no layer below resolves the path or reads its config again."""
+    source = resolve_source(path, what)
+    return source, load_config(source)
+
+
 def _check_known_family(source: ModelSource) -> None:
     """A family transformers cannot build here (e.g. Kimi-VL, remote code only) is named before AutoConfig fails."""
     from rlx.models.vision.families import KNOWN_UNSUPPORTED, vision_family_of
@@ -341,15 +348,15 @@ def init_random_model(config, seed: int):
     return model
 
 
-def load_causal_lm(source: ModelSource, dtype: torch.dtype | None = torch.float32, config=None):
+def load_causal_lm(source: ModelSource, config, dtype: torch.dtype | None = torch.float32):
     """Load a causal LM (a vision-language model with its vision tower) from a Hugging Face dir or a GGUF file
-    (CPU, `dtype`). `config`: the source's config where the caller has read it (else it is read here)."""
+    (CPU, `dtype`); `config`: the source's config, read by the caller (it picks the class; unused for GGUF)."""
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
     auto = AutoModelForCausalLM
     if not source.is_gguf:
-        auto = model_class(config if config is not None else load_config(source))
+        auto = model_class(config)
         for path in weight_files(source.path):
             _check_safetensors_header(path)
     try:

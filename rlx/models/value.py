@@ -14,7 +14,7 @@ import copy
 import torch
 
 from rlx.errors import UserError
-from rlx.models.loading import ModelSource, load_config, model_class, quiet_transformers
+from rlx.models.loading import ModelSource, model_class, quiet_transformers
 from rlx.models.vision.families import is_vision_config, vision_family_of
 from rlx.models.vision.value import value_architecture
 
@@ -67,11 +67,11 @@ def check_value_config(config, where) -> None:
         )
 
 
-def load_value_model(source: ModelSource, dtype: torch.dtype = torch.float32, config=None):
-    """Load a value model from a Hugging Face dir (see `check_value_config`); `config`: the source's config where
-    the caller has read it (a copy is given to the model)."""
+def load_value_model(source: ModelSource, config, dtype: torch.dtype = torch.float32):
+    """Load a value model from a Hugging Face dir (see `check_value_config`); `config`: the source's config, read
+    by the caller (the model gets a copy)."""
     quiet_transformers()
-    config = copy.deepcopy(config) if config is not None else load_config(source)
+    config = copy.deepcopy(config)
     check_value_config(config, source.path)
     try:
         model, info = model_class(config, "critic").from_pretrained(

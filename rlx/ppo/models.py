@@ -18,7 +18,7 @@ from rlx.backends.base import Trainer, TrainingBackend
 from rlx.checkpoints.files import aux_files
 from rlx.checkpoints.loading import build_critic_files, load_initial_policy, load_model, load_processor
 from rlx.checkpoints.lora_base import lora_spec
-from rlx.models.loading import ModelSource, load_config, load_tokenizer, resolve_source
+from rlx.models.loading import ModelSource, load_tokenizer, resolve_model
 from rlx.ppo.config import PPOConfig
 from rlx.rollout.prompts import pad_token_id
 from rlx.rollout.registry import engine_class
@@ -53,10 +53,7 @@ def build_run_models(
     config) of the model they start from where the caller has resolved it (else it is resolved here)."""
     train_cfg = dataclasses.replace(cfg.train, seed=cfg.seed).with_decay_length(cfg.steps)
     copy_ref = cfg.use_ref and cfg.lora is None  # with LoRA the reference is the actor's base: no copy
-    if policy is None:
-        source = resolve_source(start_ckpt if start_ckpt is not None else cfg.model.path)  # the policy's, once
-        policy = source, None if source.is_gguf else load_config(source)
-    source, config = policy
+    source, config = policy or resolve_model(start_ckpt if start_ckpt is not None else cfg.model.path)  # once
     if start_ckpt is None:
         model, tokenizer, aux = load_initial_policy(source, cfg.model.init, cfg.seed, config)
         spec = lora_spec(cfg.lora, cfg.model.path, cfg.model.init, cfg.seed, model)  # before adapters and shards
@@ -98,12 +95,12 @@ def _critic(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None, p
     train_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed).with_decay_length(cfg.steps)
     lora = cfg.critic.lora
     if start_ckpt is not None:
-        source = resolve_source(start_ckpt / CRITIC_DIR)
-        trainer = backend.load_trainer(train_cfg, source, None, **backend.lora_options(lora, "critic.lora"))
+        source, config = resolve_model(start_ckpt / CRITIC_DIR)
+        trainer = backend.load_trainer(train_cfg, source, config, **backend.lora_options(lora, "critic.lora"))
         return trainer, aux_files(source.folder)
     if cfg.critic.path:
-        source = resolve_source(cfg.critic.path, "critic")
-        model = load_model(source, "critic")
+        source, config = resolve_model(cfg.critic.path, "critic")
+        model = load_model(source, "critic", config=config)
         spec = lora_spec(lora, cfg.critic.path, "pretrained", cfg.seed, model, "critic")
         trainer = backend.build_trainer(model, train_cfg, str(source.path), **backend.lora_options(spec, "critic.lora"))
         return trainer, aux_files(source.folder)
@@ -117,5 +114,5 @@ def _reward_model(cfg: PPOConfig, device: torch.device):
         return None
     from rlx.models.reward_model import RewardModel
 
-    source = resolve_source(cfg.score.reward_model, "reward model")
-    return RewardModel(source, device, resolve_precision(cfg.score.precision, device))
+    source, config = resolve_model(cfg.score.reward_model, "reward model")
+    return RewardModel(source, config, device, resolve_precision(cfg.score.precision, device))

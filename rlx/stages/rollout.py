@@ -11,7 +11,7 @@ from rlx.checkpoints.registry import read_meta_or_default
 from rlx.errors import UserError
 from rlx.formats.data import check_window, take_prompts
 from rlx.formats.records import PromptRecord, read_prompts, write_records
-from rlx.models.loading import load_config, load_tokenizer, resolve_source
+from rlx.models.loading import load_tokenizer, resolve_model
 from rlx.observe.tracking import console, log_metrics
 from rlx.parallel.dist import setup
 from rlx.rollout.base import build_engine
@@ -56,9 +56,8 @@ def run_rollout(
 
         run_multi_turn_rollout(cfg, model_path, records, out, metrics_path)
         return
-    source = resolve_source(model_path)
+    source, config = resolve_model(model_path)
     tokenizer = load_tokenizer(source)
-    config = load_config(source)
     context = model_context(config)
     processor = load_processor(source, cfg.vision, config)  # a vision-language model's images (None for text models)
     # 'filter' changes which prompts a window takes: filter the whole file first, as `rlx ppo` does; 'error'
@@ -98,8 +97,7 @@ def run_multi_turn_rollout(
     """Episodes of `cfg.env`, or runs of the served `cfg.agent`, for the prompt records; writes rollouts.jsonl
     (rank 0 under a launcher) and returns the metrics."""
     refuse_images(records, cfg, engine_class(cfg.engine))  # before the model loads
-    source = resolve_source(model_path)
-    config = None if source.is_gguf else load_config(source)  # a GGUF file's config: only where a loader needs it
+    source, config = resolve_model(model_path)
     tokenizer = load_tokenizer(source)
     processor = load_processor(source, cfg.vision, config)  # a vision-language model's images (None for a text model)
     ctx = setup(cfg.device)

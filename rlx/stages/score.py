@@ -12,7 +12,7 @@ from rlx.checkpoints.registry import read_meta_or_default
 from rlx.errors import UserError
 from rlx.formats.records import read_rollouts
 from rlx.models.fingerprint import check_fingerprint, tokenizer_fingerprint
-from rlx.models.loading import PACKAGE_SCHEME, ModelSource, load_config, load_tokenizer, resolve_source
+from rlx.models.loading import PACKAGE_SCHEME, ModelSource, load_tokenizer, resolve_model
 from rlx.observe.tracking import console, log_metrics
 from rlx.parallel.dist import context, setup
 from rlx.rollout.prompts import pad_token_id
@@ -66,16 +66,16 @@ def rollout_temperature(rollouts, override: float | None, where: str) -> float:
 
 
 def load_scoring_models(
-    cfg: ScoreConfig, actor_source: ModelSource, ref: str | None, critic: str | None
+    cfg: ScoreConfig, actor: tuple[ModelSource, object], ref: str | None, critic: str | None
 ) -> ScoringModels:
-    """The models `rlx score` needs (the actor's source resolved by the caller; every other path resolved and its
-    config read once here); each runs on the backend that holds its checkpoint's layout (falling back to the merged
-    Hugging Face model where that backend cannot run here). A LoRA actor's base as the reference is the actor's own
-    module with its adapters off (scoring/reference.py)."""
+    """The models `rlx score` needs (`actor`: the actor's source and config, from `resolve_model`; every other path
+    resolved and its config read once here); each runs on the backend that holds its checkpoint's layout (falling
+    back to the merged Hugging Face model where that backend cannot run here). A LoRA actor's base as the reference
+    is the actor's own module with its adapters off (scoring/reference.py)."""
     from rlx.models.reward_model import RewardModel
 
     ctx = setup(cfg.device)
-    config = load_config(actor_source)
+    actor_source, config = actor
     tokenizer = load_tokenizer(actor_source)
     models = ScoringModels(
         dtype=resolve_precision(cfg.precision, ctx.device),
@@ -88,18 +88,16 @@ def load_scoring_models(
     if cfg.old_logprobs == "actor":
         models.actor = _load(actor_source, config, "actor", cfg, ctx.world)
     if ref:
-        is_actor = _same_path(ref, actor_source)
-        ref_source = actor_source if is_actor else resolve_source(ref, "reference model")
-        ref_config = config if is_actor else load_config(ref_source)
+        ref_source, ref_config = actor if _same_path(ref, actor_source) else resolve_model(ref, "reference model")
         vocab = ref_config.get_text_config().vocab_size
         if vocab != models.vocab_size:
             raise UserError(f"--ref {ref}: vocabulary of {vocab} tokens, but the actor has {models.vocab_size}")
         shared = shared_reference(models.actor, ref_source.path, actor_source.path)
         models.ref = shared or _load(ref_source, ref_config, "actor", cfg, ctx.world)
     if critic:
-        models.critic = _load(resolve_source(critic, "critic"), None, "critic", cfg, ctx.world)
+        models.critic = _load(*resolve_model(critic, "critic"), "critic", cfg, ctx.world)
     if cfg.reward_model:
-        models.reward_model = RewardModel(resolve_source(cfg.reward_model, "reward model"), ctx.device, models.dtype)
+        models.reward_model = RewardModel(*resolve_model(cfg.reward_model, "reward model"), ctx.device, models.dtype)
     return models
 
 
@@ -132,8 +130,8 @@ def run_score(
     start = time.perf_counter()
     check_output_folder(out, ("scores.jsonl", "batch.safetensors"), overwrite)
     rollouts = read_rollouts(rollouts_path)
-    actor_source = resolve_source(actor, "actor model")
-    models = load_scoring_models(cfg, actor_source, ref, critic)
+    actor_source, actor_config = resolve_model(actor, "actor model")
+    models = load_scoring_models(cfg, (actor_source, actor_config), ref, critic)
     check_rollout_tokenizer(rollouts, rollouts_path, models.tokenizer, actor)
     check_token_ids(rollouts, models.vocab_size, rollouts_path)
     result = score_rollouts(rollouts, cfg, models, rollout_temperature(rollouts, temperature, rollouts_path))

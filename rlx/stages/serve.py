@@ -18,7 +18,7 @@ from rlx.chat.records import trajectory_record
 from rlx.checkpoints.loading import load_model, load_processor
 from rlx.errors import Terminated, UserError
 from rlx.formats.records import PromptRecord, RolloutRecord, write_records
-from rlx.models.loading import load_config, load_tokenizer, resolve_source
+from rlx.models.loading import load_tokenizer, resolve_model
 from rlx.observe.tracking import console
 from rlx.parallel.dist import setup
 from rlx.rollout.base import build_engine
@@ -38,8 +38,7 @@ def run_serve(
         raise UserError("rlx serve takes no --env or --agent: clients drive the conversation")
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {port}")
-    source = resolve_source(model_path)
-    config = None if source.is_gguf else load_config(source)  # a GGUF file's config: only where a loader needs it
+    source, config = resolve_model(model_path)
     tokenizer = load_tokenizer(source)
     processor = load_processor(source, cfg.vision, config)  # a vision-language model's images (None for a text model)
     ctx = setup(cfg.device)

@@ -20,7 +20,7 @@ from rlx.checkpoints.meta import META_NAME, CheckpointMeta, is_checkpoint, prove
 from rlx.checkpoints.registry import get_layout, layout_names, read_full_weights, read_lora, read_meta
 from rlx.errors import UserError
 from rlx.models.family import family_of
-from rlx.models.loading import ModelSource, build_empty_model, check_weights_match, load_config, resolve_source
+from rlx.models.loading import ModelSource, build_empty_model, check_weights_match, resolve_model, resolve_source
 from rlx.models.lora_config import LoraConfig
 from rlx.models.value import is_value_config
 from rlx.observe.tracking import console
@@ -113,8 +113,7 @@ def shard_model(
     options = ShardOptions(tp_degree, pp_degree)
     _check_options(options, target)
     fields = target.shard_fields(options)
-    source = resolve_source(path)
-    config = load_config(source)  # read once (a GGUF file's is converted once and kept for its loaders)
+    source, config = resolve_model(path)  # a GGUF file's config is converted once and kept for its loaders
     target.check_model(config, fields, str(path))  # fail before the weights are read
     weights, aux, config = _source_files(source, config, init, seed, role)
     config, aux = target.prepare_files(config, aux)
@@ -147,9 +146,8 @@ def _shard_lora(path: str, out: str, lora: LoraConfig, init: str, seed: int, dty
 
     if dtype != "keep":
         raise UserError(f"--dtype {dtype}: a LoRA checkpoint stores float32 adapters (the base stays where it is)")
-    source = resolve_source(path)
-    config = None if source.is_gguf else load_config(source)
-    from_value_model = config is not None and is_value_config(config)
+    source, config = resolve_model(path)
+    from_value_model = not source.is_gguf and is_value_config(config)
     if role == "actor" and from_value_model:
         raise UserError(f"{source.path}: this is a value model; shard it with --role critic")
     model, aux = _source_model(source, config, init, seed, role, from_value_model and init == "pretrained")
@@ -189,7 +187,7 @@ def merge_checkpoint(
     check_new_output(out, overwrite)
     if adapter_only:
         return _merge_adapters(folder, meta, out, dtype, overwrite)
-    config = load_config(resolve_source(folder, "checkpoint"))  # a remote checkpoint: its local copy
+    config = resolve_model(folder, "checkpoint")[1]  # a remote checkpoint: its local copy
     weights = family_of(config).hub_weights(_cast(read_full_weights(folder, config), dtype))  # e.g. MoE experts
     aux = _set_config_dtype(aux_files(folder), dtype)
     with atomic_dir(out, overwrite=overwrite, marker="config.json") as tmp:
