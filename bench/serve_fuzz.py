@@ -60,7 +60,7 @@ def build_server(root: Path, key: str):
     from rlx.rollout.config import RolloutConfig, SamplingParams
     from rlx.serve.config import EndpointConfig
     from rlx.serve.server import AgentServer
-    from rlx.serve.stream import StreamBackend
+    from rlx.serve.stream import StreamWorker
 
     tokenizer = build_chat_tokenizer("qwen2.5")
     torch.manual_seed(0)
@@ -68,9 +68,9 @@ def build_server(root: Path, key: str):
     cfg = RolloutConfig(sampling=SamplingParams(max_new_tokens=4, temperature=1.0))
     engine = build_engine(cfg, model, tokenizer, DistContext(device=torch.device("cpu")))
     agent = AgentConfig(max_total_tokens=512)
-    backend = StreamBackend(engine, cfg.sampling, agent.max_total_tokens)
+    worker = StreamWorker(engine, cfg.sampling, agent.max_total_tokens)
     endpoint = EndpointConfig(api_key=key, max_request_mib=1 / 16, image_root=str(root), max_sessions=64)
-    return AgentServer(backend, tokenizer, engine.stop_ids, cfg.sampling, agent, endpoint=endpoint).start()
+    return AgentServer(worker, tokenizer, engine.stop_ids, cfg.sampling, agent, endpoint=endpoint).start()
 
 
 def hostile_bodies(port: int, root: Path) -> list:
@@ -192,7 +192,7 @@ def main() -> int:
             rss_after = rss_mib()
         forbidden = opened.forbidden(root)
         server.close()
-        server.backend.close()
+        server.worker.close()
     report = {
         "sent": sent,
         "seconds": round(time.monotonic() - began, 1),

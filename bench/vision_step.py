@@ -191,7 +191,8 @@ def rlx_train(ckpt: Path, batch_path: Path, args, device, fast_path: bool = Fals
     source = resolve_source(str(ckpt), "checkpoint")
     meta = check_complete(source.path)
     batch = TrainBatch.load(str(batch_path), load_processor(source, cfg.vision, load_config(source)))
-    trainer = backend_for_checkpoint(meta).setup(cfg.device, checkpoint_degrees(meta, 1)).load_trainer(cfg, source)
+    backend = backend_for_checkpoint(meta).setup(cfg.device, checkpoint_degrees(meta, 1))
+    trainer = backend.load_trainer(cfg, source, load_config(source))
     times = []
     for step in range(args.steps + 1):
         metrics = {}

@@ -28,7 +28,7 @@ from rlx.rollout.stats import EpisodeStats
 from rlx.serve.config import EndpointConfig
 from rlx.serve.server import AgentServer
 from rlx.serve.sessions import SampleSession
-from rlx.serve.stream import StreamBackend
+from rlx.serve.stream import StreamWorker
 
 
 class AgentRollout:
@@ -49,13 +49,13 @@ class AgentRollout:
         env/dropped."""
         began = time.perf_counter()
         samples = [(p, i) for p in prompts for i in range(self.sampling.n)]
-        backend = StreamBackend(self.engine, self.sampling, self.cfg.max_total_tokens, max(len(samples), 1))
+        worker = StreamWorker(self.engine, self.sampling, self.cfg.max_total_tokens, max(len(samples), 1))
         # the run's sampling governs every request; samples stay open until the rollout ends; agents may send back
         # the prompts' own image references (and data: URIs)
         endpoint = EndpointConfig(session_idle_s=0, max_sessions=0)
         known = {ref for p in prompts for ref in image_refs(p.prompt, p.id)}
         server = AgentServer(
-            backend, self.tokenizer, self.stop_ids, self.sampling, self.cfg, endpoint=endpoint, strict=True,
+            worker, self.tokenizer, self.stop_ids, self.sampling, self.cfg, endpoint=endpoint, strict=True,
             known_image_refs=known,
         ).start()  # fmt: skip
         pool = CallPool(self.cfg.env_workers, self.cfg.agent_timeout_s)
@@ -65,7 +65,7 @@ class AgentRollout:
         finally:
             pool.close()
             server.close()
-            backend.close()
+            worker.close()
         records, errors, dropped = [], 0, []
         for (prompt, index), outcome in zip(samples, outcomes):
             session = server.sessions.get(f"{prompt.id}/{index}")
@@ -78,7 +78,7 @@ class AgentRollout:
             with session.lock:  # a timed-out agent's last request may still be finishing
                 records.append(self._record(prompt, index, session, outcome.value, outcome.error))
         report_dropped(dropped, len(samples))
-        stats = _stats(records, errors + len(dropped), backend)
+        stats = _stats(records, errors + len(dropped), worker)
         stats.env_timeouts, stats.env_dropped = pool.num_timeouts, len(dropped)
         tokens = sum(sum(r.loss_mask) for r in records)
         return RolloutResult(records, RolloutStats(tokens, time.perf_counter() - began, episodes=stats))
@@ -134,13 +134,13 @@ class AgentRollout:
         )
 
 
-def _stats(records: list[RolloutRecord], errors: int, backend: StreamBackend) -> EpisodeStats:
+def _stats(records: list[RolloutRecord], errors: int, worker: StreamWorker) -> EpisodeStats:
     count = max(len(records), 1)
     return EpisodeStats(
         turns_mean=sum(r.num_turns for r in records) / count,
         segments_mean=sum(r.extra["num_segments"] for r in records) / count,
         env_reward_mean=sum(r.env_reward for r in records) / count,
         env_errors=errors,
-        serve_engine_steps=backend.num_steps,
-        serve_largest_batch=backend.largest_batch,
+        serve_engine_steps=worker.num_steps,
+        serve_largest_batch=worker.largest_batch,
     )

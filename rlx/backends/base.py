@@ -112,13 +112,15 @@ class TrainingBackend(ABC):
         """A trainer (actor or critic, by `cfg.role`) starting from a Hugging Face model's weights, fresh optimizer."""
 
     @abstractmethod
-    def load_trainer(self, cfg: TrainConfig, source: ModelSource) -> Trainer:
-        """A trainer continuing from a checkpoint (weights and optimizer state) or a Hugging Face dir."""
+    def load_trainer(self, cfg: TrainConfig, source: ModelSource, config) -> Trainer:
+        """A trainer continuing from a checkpoint (weights and optimizer state) or a Hugging Face dir; `config`: the
+        source's transformers config, read once by the caller (`resolve_model`)."""
 
     @abstractmethod
     def build_reference(self, model: torch.nn.Module) -> Scorer:
         """A frozen copy of `model` (the initial policy) for reference logprobs."""
 
     @abstractmethod
-    def load_scoring_model(self, source: ModelSource, role: str) -> Scorer:
-        """A model of `source` for scoring only (role 'actor': logprobs, 'critic': values)."""
+    def load_scoring_model(self, source: ModelSource, role: str, config) -> Scorer:
+        """A model of `source` for scoring only (role 'actor': logprobs, 'critic': values); `config` as for
+        `load_trainer`."""

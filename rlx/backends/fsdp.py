@@ -41,7 +41,7 @@ class FSDPBackend(TrainingBackend):
         trainer.state().load_optimizer_state(optimizer_state, where)
         return trainer
 
-    def load_trainer(self, cfg: TrainConfig, source: ModelSource, lora: LoraConfig | None = None):
+    def load_trainer(self, cfg: TrainConfig, source: ModelSource, config, lora: LoraConfig | None = None):
         """A LoRA checkpoint continues its adapters (`lora`, when given, must agree with them); `lora` on a
         checkpoint of full weights puts fresh adapters on it, its weights becoming the frozen base."""
         where = str(source.path)
@@ -50,7 +50,7 @@ class FSDPBackend(TrainingBackend):
             check_same_config(lora, adapters.spec.config, where)
             model = adapters.build_model(resolve_precision(cfg.precision, self.ctx.device))
             return self.build_trainer(model, cfg, where, adapters.optimizer(), lora=adapters.spec)
-        model = load_model(source, cfg.role)
+        model = load_model(source, cfg.role, config=config)
         if lora is not None:  # the full checkpoint's optimizer state belongs to its full weights: not carried over
             spec = lora_spec(lora, source.path, "pretrained", cfg.seed, model, cfg.role)
             return self.build_trainer(model, cfg, where, lora=spec)
@@ -59,6 +59,6 @@ class FSDPBackend(TrainingBackend):
     def build_reference(self, model: torch.nn.Module) -> ModuleScorer:
         return ModuleScorer(model.requires_grad_(False).to(self.ctx.device).eval(), self.ctx)
 
-    def load_scoring_model(self, source: ModelSource, role: str) -> ModuleScorer:
+    def load_scoring_model(self, source: ModelSource, role: str, config) -> ModuleScorer:
         """A LoRA checkpoint keeps its adapters as PEFT layers (the numbers of the trainer's module)."""
-        return ModuleScorer(load_model(source, role, adapters=True).to(self.ctx.device), self.ctx)
+        return ModuleScorer(load_model(source, role, adapters=True, config=config).to(self.ctx.device), self.ctx)

@@ -26,10 +26,6 @@ def register_backend(name: str, backend: object) -> None:
     _BACKENDS[name] = backend
 
 
-def backend_names() -> list[str]:
-    return list(_BACKENDS)
-
-
 def backend_class(name: str) -> type[TrainingBackend]:
     if name not in _BACKENDS:
         raise UserError(f"unknown training backend {name!r} (available: {', '.join(_BACKENDS)})")

@@ -106,9 +106,9 @@ class Layout(ABC):
         """Raise a UserError when this layout cannot be written to `out` (e.g. a URL)."""
         return None  # nothing to check by default
 
-    def check_model(self, load_config: Callable[[], object], fields: dict, where: str) -> None:
-        """Raise a UserError when the model (its config from `load_config()`) cannot take this layout with these
-        rlx.json `fields`; called before the weights are read."""
+    def check_model(self, config, fields: dict, where: str) -> None:
+        """Raise a UserError when the model of `config` (its transformers config) cannot take this layout with
+        these rlx.json `fields`; called before the weights are read."""
         return None  # every model fits by default
 
     def prepare_files(self, config, aux: dict[str, bytes]) -> tuple[object, dict[str, bytes]]:
@@ -122,8 +122,9 @@ class Layout(ABC):
     # --- reading ----------------------------------------------------------------------------------
 
     @abstractmethod
-    def read_full_weights(self, folder: Path) -> dict[str, torch.Tensor]:
-        """All weights, unsharded, with Hugging Face names and their stored dtypes."""
+    def read_full_weights(self, folder: Path, config=None) -> dict[str, torch.Tensor]:
+        """All weights, unsharded, with Hugging Face names and their stored dtypes (`config`: the folder's
+        config where the caller has read it)."""
 
     def read_full_optimizer(self, folder: Path) -> dict[str, torch.Tensor] | None:
         """Unsharded optimizer tensors keyed '<param>::<state key>' (Hugging Face names), or None."""

@@ -46,10 +46,6 @@ def _quiet():
         yield
 
 
-def is_dcp_checkpoint(folder: str | Path) -> bool:
-    return (Path(folder) / DCP_DIR / ".metadata").is_file()
-
-
 def _metadata(folder: Path):
     try:
         return dcp.FileSystemReader(str(folder / DCP_DIR)).read_metadata()
@@ -198,7 +194,7 @@ class FsdpLayout(Layout):
         if is_remote(out):
             raise UserError(f"--out {out}: the fsdp layout is written to local (or mounted) storage only")
 
-    def read_full_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+    def read_full_weights(self, folder: Path, config=None) -> dict[str, torch.Tensor]:
         return read_full_weights(folder)
 
     def read_full_optimizer(self, folder: Path) -> dict[str, torch.Tensor] | None:

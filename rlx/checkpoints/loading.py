@@ -8,6 +8,7 @@ from bit-identical weights.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,42 +20,47 @@ from rlx.errors import UserError
 from rlx.models.family import family_of
 from rlx.models.loading import (
     ModelSource,
-    causal_lm_class,
     check_weights_match,
     init_random_model,
     load_causal_lm,
     load_config,
     load_tokenizer,
+    model_class,
     quiet_transformers,
     resolve_source,
     weight_files,
 )
-from rlx.models.value import build_value_model, check_value_config, load_value_model, value_model_class
+from rlx.models.value import build_value_model, check_value_config, load_value_model
 
 _MODEL_FILES = ("config.json", "generation_config.json")  # the policy's own; a critic's config is written anew
 
 
-def _auto_class(role: str, config):
-    return value_model_class(config) if role == "critic" else causal_lm_class(config)
-
-
 def load_model(
-    source: ModelSource, role: str = "actor", dtype: torch.dtype | None = torch.float32, adapters: bool = False
+    source: ModelSource,
+    role: str = "actor",
+    dtype: torch.dtype | None = torch.float32,
+    adapters: bool = False,
+    config=None,
 ):
     """The causal LM (role 'actor') or value model (role 'critic') of `source`, on the CPU in `dtype`. A LoRA
     checkpoint gives its merged weights, or with `adapters` its base (in `dtype`) with the adapters in as PEFT
-    layers (float32): what the trainer computed with."""
+    layers (float32): what the trainer computed with. `config`: the source's config where the caller has read it
+    (else it is read here, once)."""
+    if config is None and (role == "critic" or not source.is_gguf):  # a GGUF policy needs none (seconds to convert)
+        config = load_config(source)
     if role == "critic":
-        check_value_config(load_config(source), source.path)
+        check_value_config(config, source.path)
     lora = read_lora(source.path) if adapters and not source.is_gguf else None
     if lora is not None:
         return lora.build_model(dtype or torch.float32)
     if source.is_gguf or is_hf_dir(source.path):
-        return load_value_model(source, dtype) if role == "critic" else load_causal_lm(source, dtype)
+        if role == "critic":
+            return load_value_model(source, config, dtype)
+        return load_causal_lm(source, config, dtype)
     quiet_transformers()
-    config = load_config(source)
-    model = _auto_class(role, config).from_config(config, dtype=torch.float32)
-    weights = read_full_weights(source.path)
+    config = copy.deepcopy(config)  # the model keeps (and may change) its own
+    model = model_class(config, role).from_config(config, dtype=torch.float32)
+    weights = read_full_weights(source.path, config)
     check_weights_match(model, weights, source.path)
     model.load_state_dict(weights, strict=False)
     model.tie_weights()
@@ -73,21 +79,22 @@ def load_processor(source: ModelSource, options=None, config=None):
     return vision_processor_for(source.folder, config, options) if family_of(config).takes_images else None
 
 
-def load_initial_policy(path: str | Path, init: str = "pretrained", seed: int = 0):
+def load_initial_policy(path: str | Path | ModelSource, init: str = "pretrained", seed: int = 0, config=None):
     """(model float32 on CPU, tokenizer, aux files) for a training start point.
 
     init='pretrained' loads the weights of an HF dir, checkpoint or GGUF file; init='random'
-    initialises from the folder's config.json with `seed` (weights in the folder are ignored).
+    initialises from the folder's config.json with `seed` (weights in the folder are ignored). `path` may be the
+    source a stage resolved already, and `config` its config where read.
     """
-    source = resolve_source(path)
+    source = path if isinstance(path, ModelSource) else resolve_source(path)
     check_init(source, init)
     tokenizer = load_tokenizer(source)
     if init == "random":
-        model = init_random_model(load_config(source), seed)
+        model = init_random_model(copy.deepcopy(config) if config is not None else load_config(source), seed)
         return model, tokenizer, aux_files(source.folder)
     if init != "pretrained":
         raise UserError(f"unknown init {init!r} (expected 'pretrained' or 'random')")
-    model = load_model(source)
+    model = load_model(source, config=config)
     aux = generated_aux(model, tokenizer) if source.is_gguf else aux_files(source.folder)
     return model, tokenizer, aux
 
@@ -106,12 +113,6 @@ def check_init(source: ModelSource, init: str) -> None:
             f"weights; use init 'pretrained' to start from its weights, or give the folder with only config.json "
             f"and the tokenizer"
         )
-
-
-def load_trained_policy(source: ModelSource, role: str = "actor"):
-    """(model float32 on CPU, tokenizer, aux files) of a checkpoint or HF dir to continue from; role 'critic'
-    loads a value model (see rlx.models.value)."""
-    return load_model(source, role), load_tokenizer(source), aux_files(source.folder)
 
 
 def build_critic_files(

@@ -106,7 +106,7 @@ class LoraLayout(Layout):
             if not (Path(folder) / name).is_file():
                 raise UserError(f"{folder}: LoRA checkpoint without {name}")
 
-    def read_full_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+    def read_full_weights(self, folder: Path, config=None) -> dict[str, torch.Tensor]:
         return merged_weights(read_lora(folder).build_model())
 
     def read_lora(self, folder: Path) -> LoraCheckpoint:

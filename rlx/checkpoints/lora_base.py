@@ -22,7 +22,7 @@ import torch
 from rlx.checkpoints.loading import load_initial_policy, load_model
 from rlx.config import ConfigError, check, check_choices, from_dict, to_dict
 from rlx.errors import UserError
-from rlx.models.loading import PACKAGE_SCHEME, load_config, resolve_source
+from rlx.models.loading import PACKAGE_SCHEME, resolve_model
 from rlx.models.lora_config import LoraConfig
 from rlx.models.lora_state import base_identity, check_base_identity
 from rlx.models.value import build_value_model, is_value_config
@@ -85,14 +85,14 @@ def lora_spec(config: LoraConfig | None, path: str | Path, init: str, seed: int,
 def load_base(base: LoraBase, role: str, where: str) -> torch.nn.Module:
     """The base model (float32, CPU) as it was when the adapters were made; UserError when it is missing or differs."""
     try:
-        source = resolve_source(base.path, "base model")
-        is_value_model = not source.is_gguf and is_value_config(load_config(source))
+        source, config = resolve_model(base.path, "base model")
+        is_value_model = not source.is_gguf and is_value_config(config)
     except UserError as e:
         raise UserError(f"{where}: the adapters' base model is not available: {e}") from None
     if role == "critic" and is_value_model and base.init == "pretrained":
-        model = load_model(source, "critic")
+        model = load_model(source, "critic", config=config)
     else:
-        model = load_initial_policy(base.path, base.init, base.seed)[0]
+        model = load_initial_policy(source, base.init, base.seed, config)[0]
         if role == "critic":
             model = build_value_model(model, base.seed)
     check_base_identity(base.identity, model, f"{where} (base {base.path})")

@@ -161,11 +161,12 @@ def _reshard_optimizer(stored: dict, config, source: tuple[int, int], target: tu
     return out
 
 
-def read_full_weights(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The full Hugging Face weights of a 'megatron' checkpoint (every shard read; stored dtypes kept)."""
+def read_full_weights(folder: str | Path, config=None) -> dict[str, torch.Tensor]:
+    """The full Hugging Face weights of a 'megatron' checkpoint (every shard read; stored dtypes kept); `config`:
+    its config where the caller has read it."""
     folder = Path(folder)
     meta = _read_meta(folder)
-    config = load_config(ModelSource(folder))
+    config = config if config is not None else load_config(ModelSource(folder))
     check_supported(config, meta.tp_degree, meta.pp_degree, where=str(folder))
     shards = {
         (t, p): _stored_rank_weights(folder, meta, t, p) for p in range(meta.pp_degree) for t in range(meta.tp_degree)
@@ -313,8 +314,8 @@ class MegatronLayout(Layout):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"{path}: layout 'megatron' needs '{name}' (a positive integer), got {value!r}")
 
-    def check_model(self, load_config, fields: dict, where: str) -> None:
-        config = name_architecture(load_config(), {})[0]
+    def check_model(self, config, fields: dict, where: str) -> None:
+        config = name_architecture(config, {})[0]
         check_supported(config, fields["tp_degree"], fields["pp_degree"], where=where)
 
     def prepare_files(self, config, aux: dict[str, bytes]):
@@ -323,8 +324,8 @@ class MegatronLayout(Layout):
     def check_complete(self, folder: Path) -> None:
         check_complete(folder)
 
-    def read_full_weights(self, folder: Path) -> dict[str, torch.Tensor]:
-        return read_full_weights(folder)
+    def read_full_weights(self, folder: Path, config=None) -> dict[str, torch.Tensor]:
+        return read_full_weights(folder, config)
 
     def read_local_state(self, folder: Path, kind: str, coords: dict[str, int]) -> LocalState:
         if kind != "megatron":

@@ -86,12 +86,13 @@ def check_complete(folder: str | Path) -> CheckpointMeta:
     return meta
 
 
-def read_full_weights(folder: str | Path) -> dict[str, torch.Tensor]:
-    """Full weights with Hugging Face names (stored dtypes) of a model dir or a checkpoint of any layout."""
+def read_full_weights(folder: str | Path, config=None) -> dict[str, torch.Tensor]:
+    """Full weights with Hugging Face names (stored dtypes) of a model dir or a checkpoint of any layout;
+    `config`: the folder's config where the caller has read it (a layout that needs it reads it otherwise)."""
     folder = Path(folder)
     if not is_checkpoint(folder):
         return read_weights(folder)
-    return layout_of(folder).read_full_weights(folder)
+    return layout_of(folder).read_full_weights(folder, config)
 
 
 def read_full_optimizer(folder: str | Path) -> dict[str, torch.Tensor] | None:

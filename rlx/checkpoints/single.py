@@ -69,7 +69,7 @@ class SingleLayout(Layout):
     name = "single"
     is_hf_dir = True
 
-    def read_full_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+    def read_full_weights(self, folder: Path, config=None) -> dict[str, torch.Tensor]:
         return read_weights(Path(folder))
 
     def read_full_optimizer(self, folder: Path) -> dict[str, torch.Tensor] | None:

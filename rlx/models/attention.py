@@ -5,7 +5,7 @@ transformers already reads that packing from the position ids, but with `sdpa` i
 `[T, T]` block-diagonal mask. `enable_packed_attention(model)` instead switches the model to the
 attention function "rlx_varlen" (registered with `transformers.AttentionInterface`, plus a mask
 function in `AttentionMaskInterface` that never builds a mask), which attends within each sample
-using cumulative sequence lengths (`cu_seqlens`), on the first available backend:
+using cumulative sequence lengths (`cu_seqlens`), on the first available kernel:
 
 1. flash-attn's `flash_attn_varlen_func` (CUDA, fp16/bf16, when the package is installed),
 2. torch's `torch.nn.attention.varlen.varlen_attn` (CUDA, fp16/bf16, no dropout, when torch has it),
@@ -34,8 +34,8 @@ from rlx.errors import UserError
 from rlx.models.vision.packing import set_decoder_attention
 
 PACKED_ATTENTION = "rlx_varlen"
-BACKEND_ENV = "RLX_PACKED_ATTENTION_BACKEND"
-BACKENDS = ("flash_attn", "torch_varlen", "sdpa")
+KERNEL_ENV = "RLX_PACKED_ATTENTION_BACKEND"  # the variable keeps its published name
+KERNELS = ("flash_attn", "torch_varlen", "sdpa")
 
 try:  # optional CUDA kernel package
     from flash_attn import flash_attn_varlen_func
@@ -135,12 +135,12 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
     return cu_seqlens, int(cu_seqlens.diff().max())
 
 
-def select_backend(query: torch.Tensor, dropout: float) -> str:
-    """The backend `varlen_attention` uses for this query: the environment's choice, else the first that fits."""
-    forced = os.environ.get(BACKEND_ENV, "auto")
+def select_kernel(query: torch.Tensor, dropout: float) -> str:
+    """The kernel `varlen_attention` uses for this query: the environment's choice, else the first that fits."""
+    forced = os.environ.get(KERNEL_ENV, "auto")
     if forced != "auto":
-        if forced not in BACKENDS:
-            raise ValueError(f"{BACKEND_ENV}={forced!r}: expected auto or one of {', '.join(BACKENDS)}")
+        if forced not in KERNELS:
+            raise ValueError(f"{KERNEL_ENV}={forced!r}: expected auto or one of {', '.join(KERNELS)}")
         return forced
     is_half = query.dtype in (torch.float16, torch.bfloat16)
     if flash_attn_varlen_func is not None and query.is_cuda and is_half:
@@ -313,22 +313,22 @@ def varlen_attention(
     if torch.is_autocast_enabled(query.device.type):  # as autocast treats SDPA: rotary may have upcast q, k
         compute = torch.get_autocast_dtype(query.device.type)
         query, key, value = (t.to(compute) for t in (query, key, value))
-    backend = select_backend(query, dropout)
+    kernel = select_kernel(query, dropout)
     cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
     value_dim = value.shape[-1]
-    if backend != "sdpa" and value_dim < query.shape[-1]:  # the varlen kernels take one head size
+    if kernel != "sdpa" and value_dim < query.shape[-1]:  # the varlen kernels take one head size
         value = F.pad(value, (0, query.shape[-1] - value_dim))
         out = varlen_attention(
             query, key, value, cu_seqlens, max_len, scale=scale, dropout=dropout, is_causal=is_causal,
             sliding_window=sliding_window,
         )  # fmt: skip
         return out[..., :value_dim]
-    if backend == "flash_attn":
+    if kernel == "flash_attn":
         return flash_attn_varlen_func(
             query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, dropout_p=dropout, softmax_scale=scale,
             causal=is_causal, window_size=_window(sliding_window, is_causal),
         )  # fmt: skip
-    if backend == "torch_varlen":
+    if kernel == "torch_varlen":
         if dropout:
             raise ValueError("torch's varlen_attn has no dropout: use flash_attn or sdpa")
         return _torch_varlen(query, key, value, cu_seqlens, max_len, scale, is_causal, sliding_window)
@@ -381,9 +381,9 @@ def packed_attention_forward(
     decoder layer is one graph (torch's varlen kernel and the sdpa fallback are operators). Everything else (a
     padding mask, boundaries read from the positions, flash-attn's kernel, dropout) runs eagerly: a graph break.
     """
-    backend = select_backend(query, dropout)
+    kernel = select_kernel(query, dropout)
     direct = attention_mask is None and cu_seq_lens_q is not None and max_length_q is not None
-    if not direct or query.shape[0] != 1 or backend == "flash_attn" or dropout:
+    if not direct or query.shape[0] != 1 or kernel == "flash_attn" or dropout:
         return _packed_attention_eager(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
             sliding_window=sliding_window, position_ids=position_ids, cu_seq_lens_q=cu_seq_lens_q,

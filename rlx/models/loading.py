@@ -154,6 +154,13 @@ def load_config(source: ModelSource):
     return config
 
 
+def resolve_model(path: str | Path, what: str = "model"):
+    """(source, config): what a stage learns of a model path at its boundary, once (`resolve_source`, then
+    `load_config`); the stage passes both down, so no layer below resolves the path or reads its config again."""
+    source = resolve_source(path, what)
+    return source, load_config(source)
+
+
 def _check_known_family(source: ModelSource) -> None:
     """A family transformers cannot build here (e.g. Kimi-VL, remote code only) is named before AutoConfig fails."""
     from rlx.models.vision.families import KNOWN_UNSUPPORTED, vision_family_of
@@ -285,36 +292,40 @@ def check_weights_match(model, state: dict[str, torch.Tensor], where: Path) -> N
             )
 
 
-def causal_lm_class(config):
-    """The transformers auto class of `config`'s policy: AutoModelForImageTextToText for vision-language models
-    (their ...ForConditionalGeneration, which AutoModelForCausalLM does not map), else AutoModelForCausalLM."""
+def model_class(config, role: str = "actor"):
+    """The one rule for the class that builds (`from_config`) and loads (`from_pretrained`) a model of `config`:
+    role 'actor' (a policy): AutoModelForImageTextToText for a vision-language model (its
+    ...ForConditionalGeneration, which AutoModelForCausalLM does not map), else AutoModelForCausalLM; role 'critic'
+    (a value model): AutoModelForTokenClassification, or rlx's own class for a vision-language family, which
+    transformers has none of (UserError naming a family rlx cannot build one for)."""
     import transformers
 
     from rlx.models.vision.families import is_vision_config
 
+    if role not in ("actor", "critic"):
+        raise ValueError(f"role {role!r}: expected 'actor' or 'critic'")
+    if role == "critic":
+        if is_vision_config(config):
+            from rlx.models.vision.value import vision_value_class
+
+            return vision_value_class(config)
+        return transformers.AutoModelForTokenClassification
     if is_vision_config(config):
         return transformers.AutoModelForImageTextToText
     return transformers.AutoModelForCausalLM
 
 
 def build_empty_model(config):
-    """The architecture of `config` on the meta device (no memory), for checking weight layouts."""
+    """The architecture of `config` on the meta device (no memory), for checking weight layouts: a value model's
+    (`*ForTokenClassification`), a reward model's (`*ForSequenceClassification`) or a policy's."""
     import transformers
 
-    from rlx.models.vision.families import is_vision_config
-
     archs = getattr(config, "architectures", None) or []
-    auto = causal_lm_class(config)
-    for suffix, cls in (
-        ("ForTokenClassification", transformers.AutoModelForTokenClassification),
-        ("ForSequenceClassification", transformers.AutoModelForSequenceClassification),
-    ):
-        if any(a.endswith(suffix) for a in archs):
-            auto = cls
-    if auto is transformers.AutoModelForTokenClassification and is_vision_config(config):  # a VLM's critic: rlx's own
-        from rlx.models.vision.value import vision_value_class
-
-        auto = vision_value_class(config)
+    auto = model_class(config, "actor")
+    if any(a.endswith("ForTokenClassification") for a in archs):
+        auto = model_class(config, "critic")
+    elif any(a.endswith("ForSequenceClassification") for a in archs):
+        auto = transformers.AutoModelForSequenceClassification
     with torch.device("meta"):
         return auto.from_config(config)
 
@@ -331,21 +342,21 @@ def init_random_model(config, seed: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # a constructor that draws (outside the init functions) draws the same numbers
         with no_init_weights():
-            model = causal_lm_class(config).from_config(config, dtype=torch.float32)
+            model = model_class(config).from_config(config, dtype=torch.float32)
         init_modules(model, seed)
     model.tie_weights()
     return model
 
 
-def load_causal_lm(source: ModelSource, dtype: torch.dtype | None = torch.float32):
+def load_causal_lm(source: ModelSource, config, dtype: torch.dtype | None = torch.float32):
     """Load a causal LM (a vision-language model with its vision tower) from a Hugging Face dir or a GGUF file
-    (CPU, `dtype`)."""
+    (CPU, `dtype`); `config`: the source's config, read by the caller (it picks the class; unused for GGUF)."""
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
     auto = AutoModelForCausalLM
     if not source.is_gguf:
-        auto = causal_lm_class(load_config(source))
+        auto = model_class(config)
         for path in weight_files(source.path):
             _check_safetensors_header(path)
     try:

@@ -9,18 +9,18 @@ from __future__ import annotations
 import torch
 
 from rlx.errors import UserError
-from rlx.models.loading import ModelSource, load_config, load_tokenizer, quiet_transformers
+from rlx.models.loading import ModelSource, load_tokenizer, quiet_transformers
 from rlx.utils.device import autocast
 
 
 class RewardModel:
     """A sequence-classification reward model held on `device`."""
 
-    def __init__(self, source: ModelSource, device: torch.device, dtype: torch.dtype):
+    def __init__(self, source: ModelSource, config, device: torch.device, dtype: torch.dtype):
+        """`config`: the source's transformers config, read by the caller (`resolve_model`)."""
         from transformers import AutoModelForSequenceClassification
 
         quiet_transformers()
-        config = load_config(source)
         archs = getattr(config, "architectures", None) or []
         if not any(a.endswith("ForSequenceClassification") for a in archs):
             raise UserError(

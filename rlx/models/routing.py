@@ -20,8 +20,6 @@ import torch
 
 from rlx.models.moe import router_modules
 
-NOT_RECORDED = -1
-
 
 def encode_routes(routes: torch.Tensor) -> str:
     """[R, L, k] integer experts -> base64 of little-endian int16."""

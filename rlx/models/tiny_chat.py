@@ -15,7 +15,6 @@ are listed compactly, one `name(arg, ...)` line each, to keep contexts short for
 from __future__ import annotations
 
 import string
-from pathlib import Path
 
 from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
 
@@ -118,13 +117,3 @@ def tiny_chat_config(tokenizer, **config_kwargs):
     config = tiny_llama_config(len(tokenizer), **{"max_positions": 1024, **config_kwargs})
     config.eos_token_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
     return config
-
-
-def write_tiny_chat_model_dir(out: str | Path, style: str | None = "qwen2.5", **config_kwargs) -> Path:
-    """Write config.json + the chat tokenizer files (no weights) into `out`."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_chat_tokenizer(style)
-    tiny_chat_config(tokenizer, **config_kwargs).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out

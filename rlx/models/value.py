@@ -4,7 +4,7 @@ A value model is a Hugging Face `*ForTokenClassification` model with `num_labels
 classifier dropout, so it saves, loads, shards and merges like any HF model. `build_value_model`
 makes one from a policy: the backbone weights are copied, the head is initialised with a seed. A vision-language
 policy's critic is rlx's own class of that shape (`rlx.models.vision.value`): its backbone holds the vision tower, so
-its values see the images; `value_model_class` picks the class for a config.
+its values see the images; `rlx.models.loading.model_class(config, 'critic')` picks the class for a config.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import copy
 import torch
 
 from rlx.errors import UserError
-from rlx.models.loading import ModelSource, load_config, quiet_transformers
+from rlx.models.loading import ModelSource, model_class, quiet_transformers
 from rlx.models.vision.families import is_vision_config, vision_family_of
-from rlx.models.vision.value import value_architecture, vision_value_class
+from rlx.models.vision.value import value_architecture
 
 
 def value_config(config):
@@ -33,17 +33,6 @@ def value_config(config):
     return out
 
 
-def value_model_class(config):
-    """The class that builds (`from_config`) and loads (`from_pretrained`) value models of `config`'s family:
-    transformers' AutoModelForTokenClassification, or rlx's class for a vision-language family (UserError naming a
-    family rlx cannot build one for)."""
-    if is_vision_config(config):
-        return vision_value_class(config)
-    from transformers import AutoModelForTokenClassification
-
-    return AutoModelForTokenClassification
-
-
 def is_value_config(config) -> bool:
     archs = getattr(config, "architectures", None) or []
     return any(a.endswith("ForTokenClassification") for a in archs) and getattr(config, "num_labels", 0) == 1
@@ -54,7 +43,7 @@ def build_value_model(policy: torch.nn.Module, seed: int) -> torch.nn.Module:
     decoder) and whose head is freshly initialised."""
     quiet_transformers()
     config = value_config(policy.config)
-    cls = value_model_class(config)
+    cls = model_class(config, "critic")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
@@ -78,13 +67,14 @@ def check_value_config(config, where) -> None:
         )
 
 
-def load_value_model(source: ModelSource, dtype: torch.dtype = torch.float32):
-    """Load a value model from a Hugging Face dir (see `check_value_config`)."""
+def load_value_model(source: ModelSource, config, dtype: torch.dtype = torch.float32):
+    """Load a value model from a Hugging Face dir (see `check_value_config`); `config`: the source's config, read
+    by the caller (the model gets a copy)."""
     quiet_transformers()
-    config = load_config(source)
+    config = copy.deepcopy(config)
     check_value_config(config, source.path)
     try:
-        model, info = value_model_class(config).from_pretrained(
+        model, info = model_class(config, "critic").from_pretrained(
             source.folder, config=config, dtype=dtype, output_loading_info=True
         )
     except (OSError, ValueError, RuntimeError) as e:

@@ -1,10 +1,10 @@
-"""Experiment-tracker backends for `Tracker`: TensorBoard, Weights & Biases (offline) and MLflow (local files).
+"""Experiment-tracker sinks for `Tracker`: TensorBoard, Weights & Biases (offline) and MLflow (local files).
 
-Each backend writes under the run dir and needs no network. Each imports its library inside its
+Each sink writes under the run dir and needs no network. Each imports its library inside its
 constructor, so this module (and `rlx.observe.tracking`) imports without torch or the trackers; a
-backend chosen but not installed raises a UserError naming the pip package to install.
+tracker chosen but not installed raises a UserError naming the pip package to install.
 
-Every backend has the same three methods, fed by `Tracker`:
+Every sink has the same three methods, fed by `Tracker`:
   log(step, metrics)        finite numbers only, names as in metrics.jsonl (`reward/mean`, `perf/mfu`)
   log_traces(step, rows)    a table of rollout samples (columns: TRACE_COLUMNS); a no-op where unsupported
   close()                   flush and finish the run
@@ -24,16 +24,16 @@ TRACE_COLUMNS = ("step", "id", "prompt", "response", "reward", "advantage")
 _RUN_ID_FILE = "rlx-run-id"
 
 
-def require(module: str, backend: str, package: str):
-    """Import `module` for tracking backend `backend`, or raise a UserError naming the pip package."""
+def require(module: str, tracker: str, package: str):
+    """Import `module` for tracker `tracker`, or raise a UserError naming the pip package."""
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError:
         raise UserError(
-            f"tracking backend '{backend}' needs the {package} package: pip install {package} "
-            f"(or pip install 'rlx[tracking]'), or remove '{backend}' from tracking.backends"
+            f"tracker '{tracker}' needs the {package} package: pip install {package} "
+            f"(or pip install 'rlx[tracking]'), or remove '{tracker}' from tracking.backends"
         ) from None
 
 
@@ -80,7 +80,7 @@ def flatten(config: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
-class TensorBoardBackend:
+class TensorBoardSink:
     """SummaryWriter event files under RUN_DIR/tensorboard: scalars, the config and trace tables as text.
 
     Uses torch.utils.tensorboard; without torch, tensorboard's own (scalar-only) writer, and traces
@@ -117,7 +117,7 @@ class TensorBoardBackend:
         self.writer.close()
 
 
-class WandbBackend:
+class WandbSink:
     """A Weights & Biases run in offline mode under RUN_DIR/wandb (never touches the network).
 
     Upload later with `wandb sync RUN_DIR/wandb/offline-run-*`. The run id is kept in
@@ -151,11 +151,11 @@ class WandbBackend:
         self.run.finish()
 
 
-class MlflowBackend:
+class MlflowSink:
     """An MLflow run in a local file store under RUN_DIR/mlflow (`mlflow ui --backend-store-uri file://...`).
 
     The experiment is named after `project`; the config becomes flat params (`train.optim.lr`). MLflow 3
-    refuses file stores unless MLFLOW_ALLOW_FILE_STORE is true; this backend sets it (when unset)
+    refuses file stores unless MLFLOW_ALLOW_FILE_STORE is true; this sink sets it (when unset)
     for the process. The run id is kept in RUN_DIR/mlflow/rlx-run-id so a resumed rlx run continues
     the same MLflow run. Traces are not sent to MLflow (they are in traces.jsonl).
     """

@@ -1,11 +1,11 @@
 """Metrics: one JSON line per step in metrics.jsonl, a one-line console summary, and experiment trackers.
 
 Metric names are namespaced (`reward/mean`, `actor/pg_clipfrac`, `timing/rollout_s`, `perf/mfu`) and
-are the same in every backend. Non-finite values are written as null (JSON has no NaN).
+are the same in every tracker. Non-finite values are written as null (JSON has no NaN).
 
-`Tracker` is what a run logs through: metrics.jsonl always, plus the backends of `TrackingConfig`
+`Tracker` is what a run logs through: metrics.jsonl always, plus the trackers of `TrackingConfig`
 (console, tensorboard, wandb, mlflow; see rlx.observe.sinks), and rollout traces
-(a few samples per step) to RUN_DIR/traces.jsonl and the table-capable backends. This module
+(a few samples per step) to RUN_DIR/traces.jsonl and the table-capable trackers. This module
 imports no torch and no tracker library.
 """
 
@@ -115,7 +115,8 @@ def console(text: str) -> None:
 # ---------------------------------------------------------------------------------------------------
 # experiment tracking
 
-BACKENDS = ("console", "tensorboard", "wandb", "mlflow")
+TRACKERS = ("console", "tensorboard", "wandb", "mlflow")
+"""What `tracking.backends` may list (the recipe key keeps its name; these are trackers, not training backends)."""
 METRICS_FILE = "metrics.jsonl"
 TRACES_FILE = "traces.jsonl"
 
@@ -139,10 +140,10 @@ class TrackingConfig:
         check(
             "jsonl" not in self.backends and "metrics.jsonl" not in self.backends,
             "backends",
-            f"metrics.jsonl is always written; list only the extra backends (valid backends: {', '.join(BACKENDS)})",
+            f"metrics.jsonl is always written; list only the extra trackers (valid trackers: {', '.join(TRACKERS)})",
         )
         for name in self.backends:
-            check(name in BACKENDS, "backends", f"unknown backend {name!r} (valid backends: {', '.join(BACKENDS)})")
+            check(name in TRACKERS, "backends", f"unknown tracker {name!r} (valid trackers: {', '.join(TRACKERS)})")
         repeated = sorted({b for b in self.backends if self.backends.count(b) > 1})
         check(not repeated, "backends", f"{', '.join(repeated)} listed twice")
         check(bool(self.project.strip()), "project", "must not be empty")
@@ -150,7 +151,7 @@ class TrackingConfig:
         check(self.traces_per_step >= 0, "traces_per_step", f"must be >= 0, got {self.traces_per_step}")
 
 
-class ConsoleBackend:
+class ConsoleSink:
     """The one-line step summary on stderr (`step_line`)."""
 
     def __init__(self, total_steps: int):
@@ -166,39 +167,39 @@ class ConsoleBackend:
         pass
 
 
-def build_backend(name: str, run_dir: Path, config: dict, cfg: TrackingConfig, total_steps: int, start_step: int):
-    """One backend by name (the heavy library is imported here, with a pip hint when missing)."""
+def build_sink(name: str, run_dir: Path, config: dict, cfg: TrackingConfig, total_steps: int, start_step: int):
+    """One tracker's sink by name (the heavy library is imported here, with a pip hint when missing)."""
     from rlx.observe import sinks as tb
 
     run_name = cfg.run_name or run_dir.resolve().name
     if name == "console":
-        return ConsoleBackend(total_steps)
+        return ConsoleSink(total_steps)
     if name == "tensorboard":
-        return tb.TensorBoardBackend(run_dir, config, start_step)
+        return tb.TensorBoardSink(run_dir, config, start_step)
     if name == "wandb":
-        return tb.WandbBackend(run_dir, config, cfg.project, run_name)
+        return tb.WandbSink(run_dir, config, cfg.project, run_name)
     if name == "mlflow":
-        return tb.MlflowBackend(run_dir, config, cfg.project, run_name)
-    raise ValueError(f"unknown tracking backend {name!r}")
+        return tb.MlflowSink(run_dir, config, cfg.project, run_name)
+    raise ValueError(f"unknown tracker {name!r}")
 
 
 def numeric(metrics: dict) -> dict[str, float]:
-    """The finite numbers of a metrics dict (what the tracker backends accept), keys sorted."""
+    """The finite numbers of a metrics dict (what the trackers accept), keys sorted."""
     return {k: v for k, v in clean(metrics).items() if isinstance(v, float)}
 
 
 class Tracker:
-    """A run's metrics sink: metrics.jsonl always, plus the configured backends and rollout traces.
+    """A run's metrics sink: metrics.jsonl always, plus the configured trackers and rollout traces.
 
     Tracker(cfg, run_dir, config, total_steps=None, start_step=0)
       cfg          TrackingConfig
-      run_dir      the run folder; metrics.jsonl, traces.jsonl and the backends' folders go in it
+      run_dir      the run folder; metrics.jsonl, traces.jsonl and the trackers' folders go in it
       config       the resolved recipe as a plain dict (to_dict(PPOConfig)): W&B config, MLflow params,
                    TensorBoard text
       total_steps  for the console line `step k/N`; default config["steps"]
       start_step   last completed step when resuming: traces.jsonl rows after it are dropped and
                    TensorBoard purges later events (metrics.jsonl is truncated by the loop)
-    Backends are opened here, so a missing package fails before any work (UserError with a pip hint).
+    Trackers are opened here, so a missing package fails before any work (UserError with a pip hint).
     Use as a context manager or call close().
     """
 
@@ -216,21 +217,21 @@ class Tracker:
         total = total_steps if total_steps is not None else int(config.get("steps") or 0)
         if start_step:
             truncate_traces(self.run_dir / TRACES_FILE, start_step)
-        self.backends: list = []
+        self.sinks: list = []
         try:
             for name in cfg.backends:
-                self.backends.append(build_backend(name, self.run_dir, config, cfg, total, start_step))
+                self.sinks.append(build_sink(name, self.run_dir, config, cfg, total, start_step))
         except BaseException:
             self.close()
             raise
 
     def log(self, step: int, metrics: dict) -> None:
-        """Append {"step", **metrics} to metrics.jsonl, then send the finite numbers to every backend
-        (the console backend prints the step line from the full dict)."""
+        """Append {"step", **metrics} to metrics.jsonl, then send the finite numbers to every tracker
+        (the console tracker prints the step line from the full dict)."""
         log_metrics(self.run_dir / METRICS_FILE, step, metrics)
         values = numeric(metrics)
-        for backend in self.backends:
-            backend.log(step, metrics if isinstance(backend, ConsoleBackend) else values)
+        for sink in self.sinks:
+            sink.log(step, metrics if isinstance(sink, ConsoleSink) else values)
 
     def log_traces(self, step: int, rows: list[dict]) -> None:
         """Append rows (id, prompt, response, reward, advantage; `step` is added) to traces.jsonl, and
@@ -241,14 +242,14 @@ class Tracker:
         rows = [{"step": step, **{k: v for k, v in row.items() if k != "step"}} for row in rows]
         for row in rows:
             append_jsonl(self.run_dir / TRACES_FILE, clean_row(row))
-        for backend in self.backends:
-            backend.log_traces(step, rows)
+        for sink in self.sinks:
+            sink.log_traces(step, rows)
 
     def close(self) -> None:
-        """Flush and finish every backend (idempotent)."""
-        backends, self.backends = self.backends, []
-        for backend in backends:
-            backend.close()
+        """Flush and finish every tracker (idempotent)."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
 
     def __enter__(self) -> Tracker:
         return self

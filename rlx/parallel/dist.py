@@ -3,7 +3,7 @@
 One process per device. `setup()` reads the launcher's environment: torchrun's RANK / WORLD_SIZE /
 LOCAL_RANK / MASTER_ADDR, or SLURM's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID when srun starts
 the processes itself (MASTER_ADDR must then be exported, e.g. by recipes/slurm/ppo.sbatch). Without
-either, the process is alone and nothing is initialised. The backend follows the device: nccl on
+either, the process is alone and nothing is initialised. The collective library follows the device: nccl on
 CUDA, hccl on Ascend NPUs (torch_npu is imported only then), gloo on CPU. A collective that waits
 longer than `timeout_s` ($RLX_COLLECTIVE_TIMEOUT_S, default 1800) raises instead of hanging;
 commands turn that into a one-line error.
@@ -26,7 +26,8 @@ import torch.distributed as dist
 from rlx.errors import UserError
 from rlx.utils.device import resolve_device
 
-BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+COLLECTIVES = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+"""The collective-communication library (torch.distributed's process-group backend) of each device type."""
 
 
 @dataclass
@@ -40,7 +41,8 @@ class DistContext:
     world: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    backend: str | None = None
+    collectives: str | None = None
+    """The process group's collective library (nccl, hccl, gloo); None outside a launcher."""
     sp_degree: int = 1
     dp_group: object = None
     sp_group: object = None
@@ -52,7 +54,7 @@ class DistContext:
     @property
     def distributed(self) -> bool:
         """True under a launcher (torchrun / srun), even with one process: models are then FSDP-sharded."""
-        return self.backend is not None
+        return self.collectives is not None
 
     @property
     def dp_size(self) -> int:
@@ -107,10 +109,10 @@ def setup(device_name: str = "auto", sp_degree: int = 1, timeout_s: float | None
     if world % sp_degree:
         raise UserError(f"{world} processes cannot be split into sequence-parallel groups of {sp_degree}")
     device = rank_device(device_name, local_rank)
-    backend = BACKENDS[device.type]
+    collectives = COLLECTIVES[device.type]
     if not dist.is_initialized():
         dist.init_process_group(
-            backend,
+            collectives,
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -121,7 +123,7 @@ def setup(device_name: str = "auto", sp_degree: int = 1, timeout_s: float | None
         world=world,
         local_rank=local_rank,
         device=device,
-        backend=backend,
+        collectives=collectives,
         sp_degree=sp_degree,
         **_groups(world, sp_degree, rank),
     )
@@ -234,7 +236,7 @@ def exit_process(code: int = 0) -> NoReturn:
     returns; a release that needs the GIL while the interpreter finalizes kills the process with SIGABRT
     ("terminate called without an active exception") after all its work succeeded, and the launcher
     reports a failed run. So: Python's atexit handlers (log flushing, temporary files) run, then C's
-    `exit()`, which runs the C atexit handlers and C++ static destructors (vLLM's CPU backend unlinks
+    `exit()`, which runs the C atexit handlers and C++ static destructors (vLLM on CPU unlinks
     its shared-memory segments there; without them the next tensor-parallel run on the machine fails)
     but not the interpreter's finalization. It is called with the GIL held, so no Python thread runs
     while the process ends.

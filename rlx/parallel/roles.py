@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from rlx.errors import UserError
-from rlx.parallel.dist import BACKENDS, collective_timeout_s, launcher_env, rank_device
+from rlx.parallel.dist import COLLECTIVES, collective_timeout_s, launcher_env, rank_device
 
 
 @dataclass
@@ -41,10 +41,6 @@ class Roles:
     bridge: object | None
     """The weight-broadcast group (rollout ranks + first trainer); None on the other trainers."""
     timeout_s: float
-
-    @property
-    def num_trainers(self) -> int:
-        return self.world - self.num_rollout
 
     @property
     def rank_in_role(self) -> int:
@@ -95,10 +91,10 @@ def split_roles(num_rollout: int, device_name: str = "auto", sp_degree: int = 1)
     device = rank_device(device_name, local_rank)
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
     is_rollout = rank < num_rollout
-    backend = BACKENDS[device.type]
+    collectives = COLLECTIVES[device.type]
     if not is_rollout:
         dist.init_process_group(
-            backend,
+            collectives,
             store=dist.PrefixStore("rlx-trainers", store),
             rank=rank - num_rollout,
             world_size=world - num_rollout,
@@ -108,19 +104,20 @@ def split_roles(num_rollout: int, device_name: str = "auto", sp_degree: int = 1)
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank - num_rollout), str(world - num_rollout)
     bridge = None
     if rank <= num_rollout:  # the rollout ranks and the first trainer
-        bridge = _bridge_group(backend, dist.PrefixStore("rlx-bridge", store), rank, num_rollout + 1, timeout, device)
+        bridge_store = dist.PrefixStore("rlx-bridge", store)
+        bridge = _bridge_group(collectives, bridge_store, rank, num_rollout + 1, timeout, device)
     return Roles(is_rollout, rank, world, num_rollout, device, store, bridge, timeout_s)
 
 
-def _bridge_group(backend: str, store, rank: int, size: int, timeout: datetime.timedelta, device: torch.device):
+def _bridge_group(collectives: str, store, rank: int, size: int, timeout: datetime.timedelta, device: torch.device):
     """A process group outside torch.distributed's registry (the default group is the trainers' own)."""
-    if backend == "gloo":
+    if collectives == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
-    if backend == "nccl":
+    if collectives == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
-    raise UserError(f"[async] does not support the {backend} backend yet (devices: cuda, cpu)")
+    raise UserError(f"[async] does not support {collectives} collectives yet (devices: cuda, cpu)")
 
 
 def broadcast(group, tensor: torch.Tensor, root: int) -> None:

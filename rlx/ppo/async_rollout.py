@@ -45,7 +45,6 @@ from rlx.checkpoints.loading import load_initial_policy, load_processor
 from rlx.evaluation.evaluate import eval_due
 from rlx.formats.data import take_prompts
 from rlx.formats.records import RolloutRecord
-from rlx.models.loading import resolve_source
 from rlx.parallel.dist import DistContext, shard_range
 from rlx.parallel.roles import Roles
 from rlx.ppo.async_eval import RankEval, StreamEval, is_eval_tag, shares_stream, stream_sampling
@@ -105,8 +104,8 @@ class RolloutWorker(RankEval, RankDrawing):
         self.channel = Channel(roles.store, roles.timeout_s)
         inputs = check_run_inputs(cfg, run_dir)
         self.prompts, self.eval_prompts = inputs.prompts, inputs.eval_prompts
-        model, self.tokenizer, _ = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
-        processor = load_processor(resolve_source(cfg.model.path), cfg.vision)
+        model, self.tokenizer, _ = load_initial_policy(inputs.source, cfg.model.init, cfg.seed, inputs.config)
+        processor = load_processor(inputs.source, cfg.vision, inputs.config)
         ctx = DistContext(device=roles.device)  # no process group: this rank generates on its own
         self.engine = build_engine(cfg.rollout, model.requires_grad_(False), self.tokenizer, ctx, processor)
         self.rollout = build_rollout(cfg.rollout, self.engine)

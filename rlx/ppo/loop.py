@@ -97,7 +97,9 @@ class PPORun:
         initial = warm_start(cfg, self.run_dir, self.start_step, self.ctx)  # [sft]: the step-0 checkpoint
         started = time.perf_counter()
         self.setup_metrics["timing/setup_inputs_s"] = started - self.setup_t0  # data checks, run folder, warm start
-        self.models = build_run_models(initial, self.backend, start_ckpt)
+        fresh = start_ckpt is None and initial is cfg  # starts from the recipe's model, resolved by the checks
+        policy = (inputs.source, inputs.config) if fresh else None
+        self.models = build_run_models(initial, self.backend, start_ckpt, policy)
         self.trainer, self.critic = self.models.actor, self.models.critic
         models_built = time.perf_counter()
         self.engine = self._build_engine()

@@ -18,7 +18,7 @@ from rlx.backends.base import Trainer, TrainingBackend
 from rlx.checkpoints.files import aux_files
 from rlx.checkpoints.loading import build_critic_files, load_initial_policy, load_model, load_processor
 from rlx.checkpoints.lora_base import lora_spec
-from rlx.models.loading import load_tokenizer, resolve_source
+from rlx.models.loading import ModelSource, load_tokenizer, resolve_model
 from rlx.ppo.config import PPOConfig
 from rlx.rollout.prompts import pad_token_id
 from rlx.rollout.registry import engine_class
@@ -46,29 +46,31 @@ class RunModels:
     """A vision-language policy's VisionProcessor (images of prompts and rollouts); None for a text model."""
 
 
-def build_run_models(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None) -> RunModels:
-    """The run's models at its start (`start_ckpt` None) or when resuming from `start_ckpt`."""
+def build_run_models(
+    cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None, policy: tuple[ModelSource, object] | None = None
+) -> RunModels:
+    """The run's models at its start (`start_ckpt` None) or when resuming from `start_ckpt`; `policy`: (source,
+    config) of the model they start from where the caller has resolved it (else it is resolved here)."""
     train_cfg = dataclasses.replace(cfg.train, seed=cfg.seed).with_decay_length(cfg.steps)
     copy_ref = cfg.use_ref and cfg.lora is None  # with LoRA the reference is the actor's base: no copy
+    source, config = policy or resolve_model(start_ckpt if start_ckpt is not None else cfg.model.path)  # once
     if start_ckpt is None:
-        model, tokenizer, aux = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)
+        model, tokenizer, aux = load_initial_policy(source, cfg.model.init, cfg.seed, config)
         spec = lora_spec(cfg.lora, cfg.model.path, cfg.model.init, cfg.seed, model)  # before adapters and shards
         ref = copy.deepcopy(model) if copy_ref else None
         critic, critic_aux = _critic(cfg, backend, None, model, tokenizer, aux)  # before the actor shards the model
         actor = backend.build_trainer(model, train_cfg, "the initial policy", **backend.lora_options(spec, "lora"))
     else:
-        source = resolve_source(start_ckpt)
         tokenizer, aux = load_tokenizer(source), aux_files(source.folder)
         ref = load_initial_policy(cfg.model.path, cfg.model.init, cfg.seed)[0] if copy_ref else None
         critic, critic_aux = _critic(cfg, backend, start_ckpt, None, tokenizer)
-        actor = backend.load_trainer(train_cfg, source, **backend.lora_options(cfg.lora, "lora"))
+        actor = backend.load_trainer(train_cfg, source, config, **backend.lora_options(cfg.lora, "lora"))
         model = None
-    policy_source = resolve_source(start_ckpt if start_ckpt is not None else cfg.model.path)
-    processor = load_processor(policy_source, cfg.vision)
+    processor = load_processor(source, cfg.vision, config)
     rollout_model, device = actor.module, backend.ctx.device
     if rollout_model is None:  # a replica for the engine: the initial policy, or the checkpoint's weights, in the
         # dtype the engine generates in (no float32 copy for a bf16 engine to keep a second replica of)
-        rollout_model = model if model is not None else load_model(resolve_source(start_ckpt))
+        rollout_model = model if model is not None else load_model(source, config=config)
         rollout_model = rollout_model.to(device, engine_class(cfg.rollout.engine).model_dtype(cfg.rollout, device))
         rollout_model.requires_grad_(False)  # generation only: the engine may lay its weights out for decoding
     scoring = ScoringModels(
@@ -93,12 +95,12 @@ def _critic(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None, p
     train_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed).with_decay_length(cfg.steps)
     lora = cfg.critic.lora
     if start_ckpt is not None:
-        source = resolve_source(start_ckpt / CRITIC_DIR)
-        trainer = backend.load_trainer(train_cfg, source, **backend.lora_options(lora, "critic.lora"))
+        source, config = resolve_model(start_ckpt / CRITIC_DIR)
+        trainer = backend.load_trainer(train_cfg, source, config, **backend.lora_options(lora, "critic.lora"))
         return trainer, aux_files(source.folder)
     if cfg.critic.path:
-        source = resolve_source(cfg.critic.path, "critic")
-        model = load_model(source, "critic")
+        source, config = resolve_model(cfg.critic.path, "critic")
+        model = load_model(source, "critic", config=config)
         spec = lora_spec(lora, cfg.critic.path, "pretrained", cfg.seed, model, "critic")
         trainer = backend.build_trainer(model, train_cfg, str(source.path), **backend.lora_options(spec, "critic.lora"))
         return trainer, aux_files(source.folder)
@@ -112,5 +114,5 @@ def _reward_model(cfg: PPOConfig, device: torch.device):
         return None
     from rlx.models.reward_model import RewardModel
 
-    source = resolve_source(cfg.score.reward_model, "reward model")
-    return RewardModel(source, device, resolve_precision(cfg.score.precision, device))
+    source, config = resolve_model(cfg.score.reward_model, "reward model")
+    return RewardModel(source, config, device, resolve_precision(cfg.score.precision, device))

@@ -26,7 +26,7 @@ from rlx.checkpoints.registry import check_complete
 from rlx.errors import Terminated, UserError
 from rlx.formats.data import check_window
 from rlx.formats.records import PromptRecord, read_prompts
-from rlx.models.loading import load_config, load_tokenizer, resolve_source, weight_files
+from rlx.models.loading import ModelSource, load_tokenizer, resolve_model, weight_files
 from rlx.observe.tracking import console
 from rlx.parallel.dist import all_gather_objects, all_reduce
 from rlx.ppo.config import PPOConfig
@@ -44,6 +44,10 @@ class RunInputs:
 
     prompts: list[PromptRecord]
     eval_prompts: list[PromptRecord] | None
+    source: ModelSource
+    """The recipe's model, resolved once for the whole start."""
+    config: object
+    """Its transformers config, read once."""
 
 
 def check_run_inputs(cfg: PPOConfig, run_dir: Path) -> RunInputs:
@@ -51,9 +55,8 @@ def check_run_inputs(cfg: PPOConfig, run_dir: Path) -> RunInputs:
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--out {run_dir}: is a file; expected a run folder (new, or one holding a run)")
     check_writable(run_dir / "recipe.json", "run folder")
-    source = resolve_source(cfg.model.path)
+    source, config = resolve_model(cfg.model.path)
     check_init(source, cfg.model.init)
-    config = load_config(source)
     tokenizer = load_tokenizer(source)
     if cfg.model.init == "pretrained" and not source.is_gguf:
         if is_checkpoint(source.path):
@@ -78,7 +81,7 @@ def check_run_inputs(cfg: PPOConfig, run_dir: Path) -> RunInputs:
             max_new_tokens=cfg.eval.sampling.max_new_tokens, config=config, processor=processor,
         )  # fmt: skip
         check_rewards(cfg.eval.reward, eval_prompts, None)
-    return RunInputs(prompts, eval_prompts)
+    return RunInputs(prompts, eval_prompts, source, config)
 
 
 def check_rewards(specs: list[str], prompts: list[PromptRecord], reward_model: str | None) -> None:

@@ -131,7 +131,7 @@ class VLLMRolloutEngine(RolloutEngine):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         if self.device.type == "cpu" and family_of(config).routed_experts:
             raise UserError(
-                f"vLLM's CPU backend fails to load mixture-of-experts weights ({config.model_type}) in rlx's engine; "
+                f"vLLM on CPU fails to load mixture-of-experts weights ({config.model_type}) in rlx's engine; "
                 f"use engine 'hf' or 'native'"
             )
         if self.device.type == "cpu" and head_dim < 32:

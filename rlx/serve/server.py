@@ -47,7 +47,7 @@ from rlx.serve.replies import Turn, chat_reply, completion_reply
 from rlx.serve.request_images import ImagePolicy, RequestImages
 from rlx.serve.responses import ResponseStore, response_object, to_chat
 from rlx.serve.sessions import SampleSession
-from rlx.serve.stream import StreamBackend
+from rlx.serve.stream import StreamWorker
 from rlx.serve.turns import generate_turns, prepare_turns
 
 DEFAULT_SAMPLE = "default"
@@ -55,25 +55,25 @@ SESSION_HEADER = "x-session-id"
 
 
 class AgentServer:
-    """The HTTP server, its sessions (one per sample id) and the backend that generates for it."""
+    """The HTTP server, its sessions (one per sample id) and the stream worker that generates for it."""
 
     def __init__(
-        self, backend: StreamBackend, tokenizer, stop_ids: set[int], sampling: SamplingParams, cfg: AgentConfig,
+        self, worker: StreamWorker, tokenizer, stop_ids: set[int], sampling: SamplingParams, cfg: AgentConfig,
         model_name: str = "rlx", port: int = 0, endpoint: EndpointConfig | None = None, strict: bool = False,
         known_image_refs=(),
     ):  # fmt: skip
         """`strict`: the run's sampling governs (rollout --agent); `known_image_refs`: image references clients may
         send besides data: URIs and files under `endpoint.image_root` (the prompts' own)."""
-        self.backend, self.tokenizer, self.stop_ids = backend, tokenizer, set(stop_ids)
+        self.worker, self.tokenizer, self.stop_ids = worker, tokenizer, set(stop_ids)
         self.sampling, self.cfg, self.model_name = sampling, cfg, model_name
         self.endpoint = endpoint or EndpointConfig()
-        engine = backend.engine
+        engine = worker.engine
         self.limits = Limits(sampling, model_name, strict, getattr(engine, "gives_top_logprobs", False),
                              getattr(engine, "takes_constraints", False))  # fmt: skip
         self.grammars: Grammars | None = None
         """Compiles response_format grammars (made on the first request with one)."""
         policy = ImagePolicy.of(self.endpoint.image_root, self.endpoint.max_image_bytes, known_image_refs)
-        self.images = RequestImages.of_engine(backend.engine, policy)
+        self.images = RequestImages.of_engine(worker.engine, policy)
         """What the engine makes of image parts: shared by the samples (one processed copy of each image)."""
         self.sessions: OrderedDict[str, SampleSession] = OrderedDict()
         """Open sessions, the least recently used first."""
@@ -149,7 +149,7 @@ class AgentServer:
         """A fresh grammar constraint for JSON following `schema` ({}: any JSON object)."""
         with self.tokenizer_lock:
             if self.grammars is None:
-                vocab_size = self.backend.engine.model.config.get_text_config().vocab_size
+                vocab_size = self.worker.engine.model.config.get_text_config().vocab_size
                 self.grammars = Grammars(self.tokenizer, vocab_size, self.stop_ids)
             return self.grammars.for_json(schema)
 

@@ -30,7 +30,7 @@ _IDLE_S = 0.1
 """How long an idle worker waits for a request before checking whether the server is closing."""
 
 
-class StreamBackend:
+class StreamWorker:
     """One worker thread that drives an engine stream with the requests handed to `submit`."""
 
     def __init__(
@@ -49,7 +49,7 @@ class StreamBackend:
         self._failure: BaseException | None = None
         self._listeners: dict[Future, tuple[Callable[[list[int]], None], list[int]]] = {}
         """Requests that hear their tokens as they come: the callback and how many it has heard (worker only)."""
-        self._thread = threading.Thread(target=self._run, name="rlx-serve-backend", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="rlx-serve-worker", daemon=True)
         self._thread.start()
         self._opened.wait()
         if self._failure is not None:

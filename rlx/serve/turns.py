@@ -54,7 +54,7 @@ def _plan(server, session: SampleSession, call: ChatCall | CompletionCall) -> Pl
 
 def _token_request(server, session: SampleSession, plan: Plan, call) -> TokenRequest:
     context_ids = plan.context_ids
-    max_context = min(server.cfg.max_total_tokens, server.backend.max_context)
+    max_context = min(server.cfg.max_total_tokens, server.worker.max_context)
     room = max_context - len(context_ids)
     if room < 1:
         session.hit_token_limit = True
@@ -121,7 +121,7 @@ async def run_turns(
 
         return heard if on_tokens is not None else None
 
-    futures = [server.backend.submit(request, listener(i)) for i, (_, request) in enumerate(prepared)]
+    futures = [server.worker.submit(request, listener(i)) for i, (_, request) in enumerate(prepared)]
     gens = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     return [
         await run_in_threadpool(_commit, server, session, plan, gen, call)

@@ -35,7 +35,7 @@ def run_eval(
     from rlx.checkpoints.loading import load_model, load_processor
     from rlx.checkpoints.registry import read_meta_or_default
     from rlx.formats.records import read_prompts
-    from rlx.models.loading import load_config, load_tokenizer, resolve_source
+    from rlx.models.loading import load_tokenizer, resolve_model
     from rlx.observe.tracking import console, log_metrics
     from rlx.parallel.dist import setup
     from rlx.rollout.lengths import limit_prompts, model_context
@@ -51,14 +51,14 @@ def run_eval(
     check_writable(target)
     prompts = read_prompts(cfg.prompts)
     rollout_cfg = cfg.rollout_config(**(engine_settings or {}))
-    source = resolve_source(model_path)
+    source, config = resolve_model(model_path)
     tokenizer = load_tokenizer(source)
-    config = load_config(source)
     processor = load_processor(source, rollout_cfg.vision, config)
     limits = dict(config=config, processor=processor)
     prompts = limit_prompts(prompts, tokenizer, rollout_cfg, model_context(config), cfg.prompts, **limits)
     ctx = setup(rollout_cfg.device)
-    rollouts = generate(cfg, rollout_cfg, load_model(source).requires_grad_(False), tokenizer, prompts, ctx, processor)
+    model = load_model(source, config=config).requires_grad_(False)
+    rollouts = generate(cfg, rollout_cfg, model, tokenizer, prompts, ctx, processor)
     if not ctx.is_main:
         return {}
     samples = grade(rollouts, cfg)

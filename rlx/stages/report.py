@@ -3,7 +3,7 @@
 Reads RUN_DIR/metrics.jsonl (a cut last line is skipped; lines of one step are merged) and
 RUN_DIR/recipe.json (for the planned number of steps), and writes into RUN_DIR/report/:
 one PNG per metric group present (PLOTS) and summary.md. Every file is written atomically.
-matplotlib (the `report` extra) is imported inside `write_report`, with the Agg backend.
+matplotlib (the `report` extra) is imported inside `write_report`, with the non-interactive Agg renderer.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from rlx.checkpoints.registry import read_meta_or_default
 from rlx.errors import UserError
 from rlx.formats.data import check_window, take_prompts
 from rlx.formats.records import PromptRecord, read_prompts, write_records
-from rlx.models.loading import load_config, load_tokenizer, resolve_source
+from rlx.models.loading import load_tokenizer, resolve_model
 from rlx.observe.tracking import console, log_metrics
 from rlx.parallel.dist import setup
 from rlx.rollout.base import RolloutResult, RolloutStats, build_engine
@@ -49,9 +49,8 @@ def run_rollout(
     records = read_prompts(prompts_path)
     if num_prompts < 0 or data_position < 0:
         raise UserError("--num-prompts and --data-position must be >= 0")
-    source = resolve_source(model_path)
+    source, config = resolve_model(model_path)
     tokenizer = load_tokenizer(source)
-    config = load_config(source)
     processor = load_processor(source, cfg.vision, config)  # a vision-language model's images (None for text models)
     is_window = num_prompts or data_position or shuffle_seed is not None
     window = (data_position, num_prompts, shuffle_seed) if is_window else None
@@ -59,7 +58,7 @@ def run_rollout(
     ctx = setup(cfg.device)
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
     # a LoRA checkpoint: its base with the adapters, as `rlx ppo` generates
-    model = load_model(source, dtype=dtype, adapters=True).requires_grad_(False)  # generation only
+    model = load_model(source, dtype=dtype, adapters=True, config=config).requires_grad_(False)  # generation only
     engine = build_engine(cfg, model, tokenizer, ctx, processor)
     try:
         result = build_rollout(cfg, engine).generate(records, cfg.sampling)

@@ -12,7 +12,7 @@ from rlx.checkpoints.registry import read_meta_or_default
 from rlx.errors import UserError
 from rlx.formats.records import read_rollouts
 from rlx.models.fingerprint import check_fingerprint, tokenizer_fingerprint
-from rlx.models.loading import load_config, load_tokenizer, resolve_source
+from rlx.models.loading import PACKAGE_SCHEME, ModelSource, load_tokenizer, resolve_model
 from rlx.observe.tracking import console, log_metrics
 from rlx.parallel.dist import context, setup
 from rlx.rollout.prompts import pad_token_id
@@ -65,15 +65,17 @@ def rollout_temperature(rollouts, override: float | None, where: str) -> float:
     return temp if temp > 0 else 1.0
 
 
-def load_scoring_models(cfg: ScoreConfig, actor: str, ref: str | None, critic: str | None) -> ScoringModels:
-    """The models `rlx score` needs; each runs on the backend that holds its checkpoint's layout (falling back to
-    the merged Hugging Face model where that backend cannot run here). A LoRA actor's base as the reference is the
-    actor's own module with its adapters off (scoring/reference.py)."""
+def load_scoring_models(
+    cfg: ScoreConfig, actor: tuple[ModelSource, object], ref: str | None, critic: str | None
+) -> ScoringModels:
+    """The models `rlx score` needs (`actor`: the actor's source and config, from `resolve_model`; every other path
+    resolved and its config read once here); each runs on the backend that holds its checkpoint's layout (falling
+    back to the merged Hugging Face model where that backend cannot run here). A LoRA actor's base as the reference
+    is the actor's own module with its adapters off (scoring/reference.py)."""
     from rlx.models.reward_model import RewardModel
 
     ctx = setup(cfg.device)
-    actor_source = resolve_source(actor, "actor model")
-    config = load_config(actor_source)
+    actor_source, config = actor
     tokenizer = load_tokenizer(actor_source)
     models = ScoringModels(
         dtype=resolve_precision(cfg.precision, ctx.device),
@@ -84,26 +86,34 @@ def load_scoring_models(cfg: ScoreConfig, actor: str, ref: str | None, critic: s
         model_config=config,
     )
     if cfg.old_logprobs == "actor":
-        models.actor = _load(actor_source, "actor", cfg, ctx.world)
+        models.actor = _load(actor_source, config, "actor", cfg, ctx.world)
     if ref:
-        ref_source = resolve_source(ref, "reference model")
-        vocab = load_config(ref_source).get_text_config().vocab_size
+        ref_source, ref_config = actor if _same_path(ref, actor_source) else resolve_model(ref, "reference model")
+        vocab = ref_config.get_text_config().vocab_size
         if vocab != models.vocab_size:
             raise UserError(f"--ref {ref}: vocabulary of {vocab} tokens, but the actor has {models.vocab_size}")
         shared = shared_reference(models.actor, ref_source.path, actor_source.path)
-        models.ref = shared or _load(ref_source, "actor", cfg, ctx.world)
+        models.ref = shared or _load(ref_source, ref_config, "actor", cfg, ctx.world)
     if critic:
-        models.critic = _load(resolve_source(critic, "critic"), "critic", cfg, ctx.world)
+        models.critic = _load(*resolve_model(critic, "critic"), "critic", cfg, ctx.world)
     if cfg.reward_model:
-        models.reward_model = RewardModel(resolve_source(cfg.reward_model, "reward model"), ctx.device, models.dtype)
+        models.reward_model = RewardModel(*resolve_model(cfg.reward_model, "reward model"), ctx.device, models.dtype)
     return models
 
 
-def _load(source, role: str, cfg: ScoreConfig, world: int):
-    """A scoring model of `source` on the backend that runs its layout here."""
+def _same_path(path: str, source: ModelSource) -> bool:
+    """Whether `path` is the local file or folder `source` was resolved from (a remote or package path: no)."""
+    if is_remote(path) or path.startswith(PACKAGE_SCHEME):
+        return False
+    return local(path).resolve() == source.path.resolve()
+
+
+def _load(source: ModelSource, config, role: str, cfg: ScoreConfig, world: int):
+    """A scoring model of `source` (`config`: its config where read already) on the backend that runs its layout
+    here."""
     meta = CheckpointMeta() if source.is_gguf else read_meta_or_default(source.path)
     backend_cls, degrees = scoring_backend(meta, world, str(source.path))
-    return backend_cls.setup(cfg.device, degrees).load_scoring_model(source, role)
+    return backend_cls.setup(cfg.device, degrees).load_scoring_model(source, role, config)
 
 
 def run_score(
@@ -120,7 +130,8 @@ def run_score(
     start = time.perf_counter()
     check_output_folder(out, ("scores.jsonl", "batch.safetensors"), overwrite)
     rollouts = read_rollouts(rollouts_path)
-    models = load_scoring_models(cfg, actor, ref, critic)
+    actor_source, actor_config = resolve_model(actor, "actor model")
+    models = load_scoring_models(cfg, (actor_source, actor_config), ref, critic)
     check_rollout_tokenizer(rollouts, rollouts_path, models.tokenizer, actor)
     check_token_ids(rollouts, models.vocab_size, rollouts_path)
     result = score_rollouts(rollouts, cfg, models, rollout_temperature(rollouts, temperature, rollouts_path))
@@ -132,7 +143,7 @@ def run_score(
     if not context().is_main:
         return
     write_score_outputs(out, result.batch, result.scores, cfg.vision.store_pixels)
-    step = read_meta_or_default(resolve_source(actor).path).step + 1
+    step = read_meta_or_default(actor_source.path).step + 1
     log_metrics(metrics_path, step, {**result.metrics, "timing/score_s": time.perf_counter() - start})
     errors = int(result.metrics.get("reward/num_errors", 0))
     console(

@@ -18,7 +18,7 @@ from rlx.chat.records import trajectory_record
 from rlx.checkpoints.loading import load_model, load_processor
 from rlx.errors import Terminated, UserError
 from rlx.formats.records import PromptRecord, RolloutRecord, write_records
-from rlx.models.loading import load_tokenizer, resolve_source
+from rlx.models.loading import load_tokenizer, resolve_model
 from rlx.observe.tracking import console
 from rlx.parallel.dist import setup
 from rlx.rollout.base import build_engine
@@ -26,7 +26,7 @@ from rlx.rollout.registry import engine_class
 from rlx.serve.config import ServeConfig
 from rlx.serve.server import AgentServer
 from rlx.serve.sessions import SampleSession
-from rlx.serve.stream import StreamBackend
+from rlx.serve.stream import StreamWorker
 
 
 def run_serve(
@@ -38,20 +38,20 @@ def run_serve(
         raise UserError("rlx serve takes no --env or --agent: clients drive the conversation")
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {port}")
-    source = resolve_source(model_path)
+    source, config = resolve_model(model_path)
     tokenizer = load_tokenizer(source)
-    processor = load_processor(source, cfg.vision)  # a vision-language model's images (None for a text model)
+    processor = load_processor(source, cfg.vision, config)  # a vision-language model's images (None for a text model)
     ctx = setup(cfg.device)
     if ctx.world > 1:
         raise UserError("rlx serve runs in one process: start it without torchrun")
     dtype = engine_class(cfg.engine).model_dtype(cfg, ctx.device)
-    model = load_model(source, dtype=dtype).requires_grad_(False)
+    model = load_model(source, dtype=dtype, config=config).requires_grad_(False)
     engine = build_engine(cfg, model, tokenizer, ctx, processor)
     sampling = cfg.sampling
-    backend = StreamBackend(engine, sampling, max_context(cfg, model), cfg.native.max_num_seqs)
+    worker = StreamWorker(engine, sampling, max_context(cfg, model), cfg.native.max_num_seqs)
     try:
         server = AgentServer(
-            backend,
+            worker,
             tokenizer,
             set(engine.stop_ids),
             sampling,
@@ -61,12 +61,12 @@ def run_serve(
             endpoint=cfg.endpoint,
         )
     except OSError as e:
-        backend.close()
+        worker.close()
         raise UserError(f"cannot listen on {cfg.endpoint.host}:{port}: {e.strerror or e}") from None
     except UserError:
-        backend.close()
+        worker.close()
         raise
-    terminated = _serve_until_stopped(server, backend, engine, max_requests)
+    terminated = _serve_until_stopped(server, worker, engine, max_requests)
     records = [session_record(s, sampling.temperature) for s in server.all_sessions() if s.segments]
     if out:
         write_records(out, records)
@@ -82,7 +82,7 @@ def max_context(cfg: ServeConfig, model) -> int:
     return min(limit for limit in limits if limit and limit > 0)
 
 
-def _serve_until_stopped(server: AgentServer, backend: StreamBackend, engine, max_requests: int) -> bool:
+def _serve_until_stopped(server: AgentServer, worker: StreamWorker, engine, max_requests: int) -> bool:
     """Serve until Ctrl-C, SIGTERM (returns True) or `max_requests` answered; then close everything."""
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -98,7 +98,7 @@ def _serve_until_stopped(server: AgentServer, backend: StreamBackend, engine, ma
     finally:
         signal.signal(signal.SIGTERM, previous)
         server.close()
-        backend.close()
+        worker.close()
         engine.close()
     return stop.is_set()
 

@@ -20,7 +20,7 @@ from rlx.checkpoints.loading import check_init, load_initial_policy
 from rlx.checkpoints.meta import CheckpointMeta, provenance
 from rlx.checkpoints.registry import save
 from rlx.formats.batch import BatchMeta, TrainBatch, collate
-from rlx.models.loading import resolve_source
+from rlx.models.loading import resolve_model
 from rlx.observe.tracking import console, log_metrics
 from rlx.parallel.dist import DistContext, barrier, setup
 from rlx.rollout.lengths import model_context
@@ -48,10 +48,10 @@ def run_sft(cfg: SFTConfig, model: str, out: str, init: str = "pretrained", over
             metrics_path: str | None = None) -> dict:  # fmt: skip
     """`rlx sft`: fine-tune `model` on `cfg.data` and write the result to `out`; returns the last step's metrics."""
     check_new_output(out, overwrite)
-    source = resolve_source(model)
+    source, config = resolve_model(model)
     check_init(source, init)
     ctx = setup(cfg.device)
-    policy, tokenizer, aux = load_initial_policy(model, init, cfg.seed)
+    policy, tokenizer, aux = load_initial_policy(source, init, cfg.seed, config)
     samples = load_samples(cfg, tokenizer, policy.config, stop_token_ids(policy, tokenizer), quiet=not ctx.is_main)
     trainer, metrics = fine_tune(policy, tokenizer, samples, cfg, ctx, metrics_path)
     meta = CheckpointMeta(

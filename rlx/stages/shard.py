@@ -20,7 +20,7 @@ from rlx.checkpoints.meta import META_NAME, CheckpointMeta, is_checkpoint, prove
 from rlx.checkpoints.registry import get_layout, layout_names, read_full_weights, read_lora, read_meta
 from rlx.errors import UserError
 from rlx.models.family import family_of
-from rlx.models.loading import ModelSource, build_empty_model, check_weights_match, load_config, resolve_source
+from rlx.models.loading import ModelSource, build_empty_model, check_weights_match, resolve_model, resolve_source
 from rlx.models.lora_config import LoraConfig
 from rlx.models.value import is_value_config
 from rlx.observe.tracking import console
@@ -58,27 +58,26 @@ def _set_config_dtype(aux: dict[str, bytes], dtype: str) -> dict[str, bytes]:
     return {**aux, "config.json": (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()}
 
 
-def _source_files(source: ModelSource, init: str, seed: int, role: str):
-    """(weights, aux, config) of the model to lay out: the source's stored tensors, or a model built
-    by `load_initial_policy` (random init, GGUF) and turned into a critic for role 'critic'."""
-    config = None if source.is_gguf else load_config(source)
-    from_value_model = config is not None and is_value_config(config)
+def _source_files(source: ModelSource, config, init: str, seed: int, role: str):
+    """(weights, aux, config) of the model to lay out (`config`: the source's): the source's stored tensors, or a
+    model built by `load_initial_policy` (random init, GGUF) and turned into a critic for role 'critic'."""
+    from_value_model = not source.is_gguf and is_value_config(config)
     if role == "actor" and from_value_model:
         raise UserError(f"{source.path}: this is a value model; shard it with --role critic")
     if init == "pretrained" and not source.is_gguf and (role == "actor" or from_value_model):
-        weights = read_full_weights(source.path)
+        weights = read_full_weights(source.path, config)
         check_weights_match(build_empty_model(config), weights, source.path)
         return weights, aux_files(source.path), config
-    model, aux = _source_model(source, init, seed, role, from_value_model=False)
+    model, aux = _source_model(source, config, init, seed, role, from_value_model=False)
     return model_weights(model), aux, model.config
 
 
-def _source_model(source: ModelSource, init: str, seed: int, role: str, from_value_model: bool):
+def _source_model(source: ModelSource, config, init: str, seed: int, role: str, from_value_model: bool):
     """(model float32 on CPU, aux files) to lay out: a value model source as it is, else the policy
     (`load_initial_policy`), turned into a critic with a head seeded by `seed` for role 'critic'."""
     if from_value_model:
-        return load_model(source, "critic"), aux_files(source.folder)
-    model, tokenizer, aux = load_initial_policy(source.path, init, seed)
+        return load_model(source, "critic", config=config), aux_files(source.folder)
+    model, tokenizer, aux = load_initial_policy(source, init, seed, config)
     if role == "critic":
         model, aux = build_critic_files(model, tokenizer, seed, aux)
     return model, aux
@@ -114,9 +113,9 @@ def shard_model(
     options = ShardOptions(tp_degree, pp_degree)
     _check_options(options, target)
     fields = target.shard_fields(options)
-    source = resolve_source(path)
-    target.check_model(lambda: load_config(source), fields, str(path))  # fail before the weights are read
-    weights, aux, config = _source_files(source, init, seed, role)
+    source, config = resolve_model(path)  # a GGUF file's config is converted once and kept for its loaders
+    target.check_model(config, fields, str(path))  # fail before the weights are read
+    weights, aux, config = _source_files(source, config, init, seed, role)
     config, aux = target.prepare_files(config, aux)
     meta = CheckpointMeta(
         step=0,
@@ -147,11 +146,11 @@ def _shard_lora(path: str, out: str, lora: LoraConfig, init: str, seed: int, dty
 
     if dtype != "keep":
         raise UserError(f"--dtype {dtype}: a LoRA checkpoint stores float32 adapters (the base stays where it is)")
-    source = resolve_source(path)
-    from_value_model = not source.is_gguf and is_value_config(load_config(source))
+    source, config = resolve_model(path)
+    from_value_model = not source.is_gguf and is_value_config(config)
     if role == "actor" and from_value_model:
         raise UserError(f"{source.path}: this is a value model; shard it with --role critic")
-    model, aux = _source_model(source, init, seed, role, from_value_model and init == "pretrained")
+    model, aux = _source_model(source, config, init, seed, role, from_value_model and init == "pretrained")
     spec = lora_spec(lora, path, init, seed, model, role)
     apply_lora(model, lora, torch.float32, seed)
     tensors = adapter_state(model)
@@ -188,8 +187,8 @@ def merge_checkpoint(
     check_new_output(out, overwrite)
     if adapter_only:
         return _merge_adapters(folder, meta, out, dtype, overwrite)
-    family = family_of(load_config(resolve_source(str(folder), "checkpoint")))
-    weights = family.hub_weights(_cast(read_full_weights(folder), dtype))  # e.g. an MoE's experts one by one
+    config = resolve_model(folder, "checkpoint")[1]  # a remote checkpoint: its local copy
+    weights = family_of(config).hub_weights(_cast(read_full_weights(folder, config), dtype))  # e.g. MoE experts
     aux = _set_config_dtype(aux_files(folder), dtype)
     with atomic_dir(out, overwrite=overwrite, marker="config.json") as tmp:
         write_aux(tmp, aux)

@@ -365,8 +365,8 @@ class Trainer:
         row = self.vision_row(part)
         if row is None:
             return contextlib.nullcontext()
-        sp_rank, sp_size = (self.ctx.sp_rank, self.ctx.sp_degree) if self.sp_group is not None else (0, 1)
-        return vision_forward(self.model, row, sp_rank, sp_size)
+        sp_rank, sp_degree = (self.ctx.sp_rank, self.ctx.sp_degree) if self.sp_group is not None else (0, 1)
+        return vision_forward(self.model, row, sp_rank, sp_degree)
 
     def packed_rows(self, part: TrainBatch) -> PackedRows:
         """The micro-batch as one packed row (this rank's sequence slice), indexed on the CPU, then moved."""

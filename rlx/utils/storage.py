@@ -36,7 +36,7 @@ ATOMIC_RENAME_PROTOCOLS = ("file", "local", "hdfs", "arrow_hdfs", "webhdfs")
 
 
 def _fs(url: str):
-    """(filesystem, path inside it) for a URL or local path; a missing fsspec backend is a UserError."""
+    """(filesystem, path inside it) for a URL or local path; a missing fsspec filesystem package is a UserError."""
     try:
         return fsspec.core.url_to_fs(str(url))
     except ImportError as e:

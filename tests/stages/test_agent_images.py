@@ -39,7 +39,7 @@ from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.registry import engine_class
 from rlx.serve.config import EndpointConfig, ServeConfig
 from rlx.serve.server import AgentServer
-from rlx.serve.stream import StreamBackend
+from rlx.serve.stream import StreamWorker
 from rlx.stages.serve import run_serve
 from tests.conftest import cli_ok, flat_config, read_jsonl, write_jsonl
 from tests.stages.test_multi_turn_images import STOPS, image_prompts, whole_sequence_logprobs
@@ -161,7 +161,7 @@ def png_bytes(seed: int, size: int = 16) -> bytes:
     return base64.b64decode(data_uri(Image.fromarray(pixels.numpy())).split(",", 1)[1])
 
 
-def vlm_server(engine_type=None, image_root=None) -> tuple[AgentServer, StreamBackend]:
+def vlm_server(engine_type=None, image_root=None) -> tuple[AgentServer, StreamWorker]:
     """A server of a tiny Qwen2-VL on the hf engine (or `engine_type`, a subclass of it); clients may name files
     under `image_root`."""
     model, processor = build_tiny_vision_model("qwen2_vl")
@@ -170,9 +170,9 @@ def vlm_server(engine_type=None, image_root=None) -> tuple[AgentServer, StreamBa
     engine_type = engine_type or engine_class("hf")
     ctx = DistContext(device=torch.device("cpu"))
     engine = engine_type(model, processor.tokenizer, RolloutConfig(precision="float32"), ctx, processor=processor)
-    backend = StreamBackend(engine, sampling, cfg.max_total_tokens)
+    worker = StreamWorker(engine, sampling, cfg.max_total_tokens)
     endpoint = EndpointConfig(image_root=str(image_root or ""))
-    return AgentServer(backend, processor.tokenizer, engine.stop_ids, sampling, cfg, endpoint=endpoint).start(), backend
+    return AgentServer(worker, processor.tokenizer, engine.stop_ids, sampling, cfg, endpoint=endpoint).start(), worker
 
 
 def image_url(url: str) -> dict:
@@ -190,7 +190,7 @@ def test_images_are_compared_by_content_whatever_the_url(tmp_path):
     as_bmp = data_uri(Image.open(io.BytesIO(first)), "BMP")  # other bytes, the same pixels
     assert base64.b64decode(as_bmp.split(",", 1)[1]) != first
     tmp_path = Path(os.path.realpath(tmp_path))  # as the server resolves its image root
-    server, backend = vlm_server(image_root=tmp_path)
+    server, worker = vlm_server(image_root=tmp_path)
     client = openai.OpenAI(base_url=server.base_url("v/0"), api_key="unused", max_retries=0)
     try:
         messages = [{"role": "user", "content": [{"type": "text", "text": "see"}, image_url(str(tmp_path / "a.png"))]}]
@@ -227,7 +227,7 @@ def test_images_are_compared_by_content_whatever_the_url(tmp_path):
         assert segment.to_json()["image_refs"] == segment.image_refs  # an earlier segment in the agent's record
     finally:
         server.close()
-        backend.close()
+        worker.close()
 
 
 def post(url: str, body: dict) -> tuple[int, dict]:
@@ -241,7 +241,7 @@ def post(url: str, body: dict) -> tuple[int, dict]:
 
 def test_bad_images_get_http_400_and_the_server_keeps_serving(tmp_path):
     tmp_path = Path(os.path.realpath(tmp_path))
-    server, backend = vlm_server(image_root=tmp_path)
+    server, worker = vlm_server(image_root=tmp_path)
     url = f"{server.base_url('b/0')}/chat/completions"
 
     def ask(*parts, role="user"):
@@ -270,14 +270,14 @@ def test_bad_images_get_http_400_and_the_server_keeps_serving(tmp_path):
         assert status == 200 and server.sessions["b/0"].segments[0].image_refs
     finally:
         server.close()
-        backend.close()
+        worker.close()
 
 
 def test_engines_and_models_without_images_refuse_them(files):
     class NoImages(engine_class("hf")):
         name, takes_images = "text-engine", False
 
-    server, backend = vlm_server(engine_type=NoImages)
+    server, worker = vlm_server(engine_type=NoImages)
     try:
         picture = image_url(data_uri(Image.new("RGB", (8, 8))))
         status, reply = post(f"{server.base_url('e/0')}/chat/completions",
@@ -285,7 +285,7 @@ def test_engines_and_models_without_images_refuse_them(files):
         assert status == 400 and "which engine 'text-engine' does not take (use engine 'hf' or 'native')" in str(reply)
     finally:
         server.close()
-        backend.close()
+        worker.close()
     prompts = image_prompts(1)
     refuse_images(
         prompts, RolloutConfig(agent=AgentConfig(agent="a.py:run")), engine_class("hf")

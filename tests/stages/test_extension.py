@@ -51,14 +51,15 @@ class PlainBackend(TrainingBackend):
         trainer.load_optimizer_state(optimizer_state, where)
         return trainer
 
-    def load_trainer(self, cfg, source):
-        return self.build_trainer(load_model(source, cfg.role), cfg, str(source.path), read_full_optimizer(source.path))
+    def load_trainer(self, cfg, source, config):
+        model = load_model(source, cfg.role, config=config)
+        return self.build_trainer(model, cfg, str(source.path), read_full_optimizer(source.path))
 
     def build_reference(self, model):
         return ModuleScorer(model.requires_grad_(False).eval(), self.ctx)
 
-    def load_scoring_model(self, source, role):
-        return ModuleScorer(load_model(source, role), self.ctx)
+    def load_scoring_model(self, source, role, config):
+        return ModuleScorer(load_model(source, role, config=config), self.ctx)
 
 
 class PerTensorLayout(Layout):
@@ -66,7 +67,7 @@ class PerTensorLayout(Layout):
 
     name = "per-tensor"
 
-    def read_full_weights(self, folder):
+    def read_full_weights(self, folder, config=None):
         return {p.stem: load_file(p)["t"] for p in sorted((folder / "tensors").glob("*.safetensors"))}
 
     def write_full(self, out, weights, aux, meta, config, overwrite):

@@ -9,8 +9,9 @@ from collections import defaultdict
 import pytest
 import torch
 
+from rlx.checkpoints.loading import load_model
 from rlx.formats.batch import TrainBatch
-from rlx.models.loading import load_causal_lm, read_weights, resolve_source
+from rlx.models.loading import read_weights, resolve_source
 from rlx.training.actor import ActorTrainer
 from rlx.training.config import OptimConfig, TrainConfig
 from tests.conftest import cli, cli_ok, rollout_args, write_length_reward
@@ -38,7 +39,7 @@ def batch_path(tmp_path_factory, tiny_ckpt, prompts_file):
 
 
 def gradients(ckpt, batch: TrainBatch, **cfg) -> dict[str, torch.Tensor]:
-    trainer = ActorTrainer(load_causal_lm(resolve_source(ckpt)), TrainConfig(**cfg), torch.device("cpu"), torch.float32)
+    trainer = ActorTrainer(load_model(resolve_source(ckpt)), TrainConfig(**cfg), torch.device("cpu"), torch.float32)
     trainer.accumulate_gradients(batch, defaultdict(float))
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
 
@@ -88,7 +89,7 @@ def test_two_cli_steps_equal_two_resident_steps(tmp_path, tiny_ckpt, batch_path)
     cli_ok("train-step", "--checkpoint", tiny_ckpt, "--out", tmp_path / "c1", *args)
     cli_ok("train-step", "--checkpoint", tmp_path / "c1", "--out", tmp_path / "c2", *args)
     trainer = ActorTrainer(
-        load_causal_lm(resolve_source(tiny_ckpt)),
+        load_model(resolve_source(tiny_ckpt)),
         TrainConfig(optim=OptimConfig(lr=1e-2, warmup_steps=3), mini_batch_size=4),
         torch.device("cpu"),
         torch.float32,
@@ -167,7 +168,7 @@ def test_a_step_improves_the_rewarded_sequences(tmp_path, tiny_ckpt, batch_path)
     batch = TrainBatch.load(batch_path)
     tensors = batch.tensors()
     after = batched_response_logprobs(
-        load_causal_lm(resolve_source(tmp_path / "c1")),
+        load_model(resolve_source(tmp_path / "c1")),
         tensors,
         batch.meta.temperature,
         torch.device("cpu"),
@@ -201,7 +202,7 @@ def test_a_checkpoint_prepared_before_an_update_holds_the_weights_of_before(tmp_
     from rlx.checkpoints.registry import prepare_save, read_full_optimizer
 
     cfg = TrainConfig(optim=OptimConfig(lr=1e-2))
-    trainer = ActorTrainer(load_causal_lm(resolve_source(tiny_ckpt)), cfg, torch.device("cpu"), torch.float32)
+    trainer = ActorTrainer(load_model(resolve_source(tiny_ckpt)), cfg, torch.device("cpu"), torch.float32)
     batch = TrainBatch.load(batch_path)
     trainer.train_step(batch, 0)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}

@@ -13,11 +13,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from rlx.checkpoints.loading import load_model
 from rlx.errors import UserError
 from rlx.logprobs import ModuleScorer, batched_response_values, packed_response_values
 from rlx.models.attention import enable_packed_attention
-from rlx.models.loading import ModelSource, read_weights
-from rlx.models.value import build_value_model, load_value_model, value_model_class
+from rlx.models.loading import ModelSource, model_class, read_weights
+from rlx.models.value import build_value_model
 from rlx.models.vision.families import freeze_vision_tower, vision_family_of
 from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.models.vision.tiny import build_tiny_vision_model, write_tiny_vision_model_dir
@@ -110,7 +111,7 @@ def test_every_family_builds_saves_and_loads_a_critic(tmp_path):
         policy, _ = build_tiny_vision_model(name, num_layers=1)
         critic = build_value_model(policy, seed=0)
         critic.save_pretrained(tmp_path / name)
-        loaded = load_value_model(ModelSource(tmp_path / name))
+        loaded = load_model(ModelSource(tmp_path / name), "critic")
         assert type(loaded) is type(critic) and loaded.config.architectures == critic.config.architectures
         assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), critic.state_dict().values()))
 
@@ -119,7 +120,7 @@ def test_a_family_without_a_value_model_is_named():
     from transformers import LlavaConfig
 
     with pytest.raises(UserError, match="'llava' is not supported by rlx"):
-        value_model_class(LlavaConfig())
+        model_class(LlavaConfig(), "critic")
 
 
 # --- through the commands ----------------------------------------------------------------------------------------
@@ -165,7 +166,7 @@ def test_critic_checkpoint_is_the_policy_backbone_with_the_processor_files(vlm, 
         assert_same_weights(vlm["critic"], tmp_path / f"merged-{layout}")
         for name in (*PROCESSOR_FILES, "config.json"):
             assert (tmp_path / f"merged-{layout}" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
-    loaded = load_value_model(ModelSource(tmp_path / "merged-fsdp"))
+    loaded = load_model(ModelSource(tmp_path / "merged-fsdp"), "critic")
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in critic.items())
 
 

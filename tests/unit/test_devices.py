@@ -44,7 +44,7 @@ def test_npu_is_found_lazily_and_gets_hccl(tmp_path):
         assert resolve_device("auto").type == "npu"
         ctx = rd.setup("npu")
         import torch_npu
-        print(seen["backend"], ctx.backend, ctx.device, ctx.rank, ctx.world, torch_npu.calls, seen["device_id"])
+        print(seen["backend"], ctx.collectives, ctx.device, ctx.rank, ctx.world, torch_npu.calls, seen["device_id"])
     """
     env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "1"}
     out = run_python(code, tmp_path, env=env, fake_npu=True)
@@ -55,10 +55,10 @@ def test_npu_is_found_lazily_and_gets_hccl(tmp_path):
 def test_without_torch_npu_npu_is_a_clear_error_and_cpu_gets_gloo():
     """In this process (no torch_npu installed, the GPUs hidden by tests/conftest.py)."""
     from rlx.errors import UserError
-    from rlx.parallel.dist import BACKENDS
+    from rlx.parallel.dist import COLLECTIVES
     from rlx.utils.device import resolve_device
 
-    assert resolve_device("auto").type == "cpu" and BACKENDS["cpu"] == "gloo" and BACKENDS["cuda"] == "nccl"
+    assert resolve_device("auto").type == "cpu" and COLLECTIVES["cpu"] == "gloo" and COLLECTIVES["cuda"] == "nccl"
     with pytest.raises(UserError, match="torch_npu is not installed or no NPU is available"):
         resolve_device("npu")
 

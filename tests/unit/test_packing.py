@@ -12,7 +12,7 @@ from rlx.models.attention import (
     enable_packed_attention,
     next_token_targets,
     pack,
-    select_backend,
+    select_kernel,
     unpack,
     varlen_attention,
 )
@@ -155,7 +155,7 @@ def test_varlen_attention_gqa_matches_dense_block_mask():
         q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
         attn_mask=allowed,
     ).transpose(0, 1)  # fmt: skip
-    assert select_backend(q, 0.0) == "sdpa"  # CPU
+    assert select_kernel(q, 0.0) == "sdpa"  # CPU
     got = varlen_attention(q, k, v, cu_seqlens, 5)
     assert torch.allclose(got, dense, atol=1e-6)
 
@@ -275,7 +275,7 @@ def test_cuda_kernels_match_the_loop(backend, monkeypatch):
     for window in (None, 4):  # a small window: an off-by-one in its convention would show
         results = {}
         for name in (backend, "sdpa"):
-            monkeypatch.setenv(attention.BACKEND_ENV, name)
+            monkeypatch.setenv(attention.KERNEL_ENV, name)
             q, k, v = (t.detach().requires_grad_() for t in inputs)
             out = varlen_attention(q, k, v, cu_seqlens, 236, scale=0.125, sliding_window=window)
             out.float().square().sum().backward()

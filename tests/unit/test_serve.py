@@ -22,7 +22,7 @@ from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.requests import TokenRequest
 from rlx.serve.server import AgentServer
 from rlx.serve.sessions import normalize_message
-from rlx.serve.stream import StreamBackend
+from rlx.serve.stream import StreamWorker
 from rlx.tasks.calculator import CALCULATOR_TOOL, evaluate
 from tests.agent_helpers import (
     CALC_PIECES,
@@ -63,11 +63,11 @@ def files(tmp_path):
     return tmp_path
 
 
-def serve(model_and_tokenizer, sampling: RolloutConfig = SAMPLING, **agent) -> tuple[AgentServer, StreamBackend]:
+def serve(model_and_tokenizer, sampling: RolloutConfig = SAMPLING, **agent) -> tuple[AgentServer, StreamWorker]:
     model, tokenizer = model_and_tokenizer
     engine, cfg = token_engine(model, tokenizer), AgentConfig(**agent)
-    backend = StreamBackend(engine, sampling.sampling, cfg.max_total_tokens)
-    return AgentServer(backend, tokenizer, engine.stop_ids, sampling.sampling, cfg).start(), backend
+    worker = StreamWorker(engine, sampling.sampling, cfg.max_total_tokens)
+    return AgentServer(worker, tokenizer, engine.stop_ids, sampling.sampling, cfg).start(), worker
 
 
 @pytest.mark.parametrize(
@@ -154,7 +154,7 @@ def test_a_stop_string_is_cut_from_replies_as_from_environment_messages(files):
 
 
 def test_rewritten_history_starts_a_new_segment():
-    server, backend = serve(random_chat_model())
+    server, worker = serve(random_chat_model())
     client = openai.OpenAI(base_url=server.base_url("a/0"), api_key="unused", max_retries=0)
     try:
         messages = [{"role": "user", "content": "hi"}]
@@ -190,11 +190,11 @@ def test_rewritten_history_starts_a_new_segment():
         )
     finally:
         server.close()
-        backend.close()
+        worker.close()
 
 
 def test_completions_extend_token_exactly():
-    server, backend = serve(random_chat_model())
+    server, worker = serve(random_chat_model())
     client = openai.OpenAI(base_url=server.base_url("c/0"), api_key="unused", max_retries=0)
     tokenizer = server.tokenizer
     try:
@@ -215,21 +215,21 @@ def test_completions_extend_token_exactly():
         assert server.sessions["c/0"].num_requests == 4
     finally:
         server.close()
-        backend.close()
+        worker.close()
 
 
-def test_backend_batches_concurrent_requests():
+def test_worker_batches_concurrent_requests():
     model, tokenizer = random_chat_model()
     engine = token_engine(model, tokenizer)
     prompts = [tokenizer(f"{i}+{i}=", add_special_tokens=False)["input_ids"] for i in range(6)]
     requests = [TokenRequest(f"r{i}", ids, 8) for i, ids in enumerate(prompts)]
-    backend = StreamBackend(engine, SAMPLING.sampling, 64, gather_s=1.0)
+    worker = StreamWorker(engine, SAMPLING.sampling, 64, gather_s=1.0)
     try:
-        futures = [backend.submit(r) for r in requests]
+        futures = [worker.submit(r) for r in requests]
         together = [f.result() for f in futures]
     finally:
-        backend.close()
-    assert backend.num_steps == 1 and backend.largest_batch == 6  # the hf engine: one batch
+        worker.close()
+    assert worker.num_steps == 1 and worker.largest_batch == 6  # the hf engine: one batch
     alone = [engine.generate_tokens([r], SAMPLING.sampling)[0] for r in requests]
     assert [g.response_ids for g in together] == [g.response_ids for g in alone]
 
@@ -244,7 +244,7 @@ def _post(url: str, body: bytes) -> tuple[int, dict]:
 
 
 def test_bad_requests_get_openai_style_errors():
-    server, backend = serve(random_chat_model(), max_total_tokens=20)
+    server, worker = serve(random_chat_model(), max_total_tokens=20)
     client = openai.OpenAI(base_url=server.base_url("b/0"), api_key="unused", max_retries=0)
     try:
         assert [m.id for m in client.models.list()] == ["rlx"]
@@ -274,7 +274,7 @@ def test_bad_requests_get_openai_style_errors():
         assert reply.choices[0].message.role == "assistant"  # text parts alone are read
     finally:
         server.close()
-        backend.close()
+        worker.close()
 
 
 def test_agent_errors_name_the_sample():

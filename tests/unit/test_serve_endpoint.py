@@ -29,7 +29,7 @@ from rlx.serve.api import CHAT_FIELDS, METADATA_FIELDS
 from rlx.serve.config import EndpointConfig
 from rlx.serve.request_images import ImagePolicy
 from rlx.serve.server import AgentServer
-from rlx.serve.stream import StreamBackend
+from rlx.serve.stream import StreamWorker
 from rlx.stages.serve import session_record
 from rlx.tasks.calculator import CALCULATOR_TOOL
 from tests.agent_helpers import CALC_PIECES, CALC_SCRIPT, bigram_chat_model, random_chat_model, token_engine
@@ -42,9 +42,9 @@ HI = [{"role": "user", "content": "hi"}]
 def start(model=None, sampling: RolloutConfig = SAMPLING, strict: bool = False, **endpoint) -> AgentServer:
     model, tokenizer = model or random_chat_model()
     engine, cfg = token_engine(model, tokenizer), AgentConfig(max_total_tokens=500)
-    backend = StreamBackend(engine, sampling.sampling, cfg.max_total_tokens)
+    worker = StreamWorker(engine, sampling.sampling, cfg.max_total_tokens)
     server = AgentServer(
-        backend, tokenizer, engine.stop_ids, sampling.sampling, cfg, endpoint=EndpointConfig(**endpoint),
+        worker, tokenizer, engine.stop_ids, sampling.sampling, cfg, endpoint=EndpointConfig(**endpoint),
         strict=strict,
     )  # fmt: skip
     return server.start()
@@ -52,7 +52,7 @@ def start(model=None, sampling: RolloutConfig = SAMPLING, strict: bool = False, 
 
 def stop(server: AgentServer) -> None:
     server.close()
-    server.backend.close()
+    server.worker.close()
 
 
 def post(url: str, body, headers: dict | None = None) -> tuple[int, dict]:
@@ -190,7 +190,7 @@ def test_64_concurrent_clients_are_all_answered_and_kept_apart():
         assert len(server.sessions) == 64
         assert all(server.sessions[f"client/{i}"].segments[0].trajectory.messages[0]["content"] == f"q{i}"
                    for i in range(64))  # fmt: skip
-        assert server.backend.largest_batch > 1
+        assert server.worker.largest_batch > 1
         more = [{"role": "user", "content": "q5"}, {"role": "user", "content": "again"}]
         status, _ = post(f"{server.base_url('client/5')}/chat/completions", {"messages": more, "max_tokens": 1})
         assert status == 200 and server.sessions["client/5"].num_requests == 2  # %2F in the path: the same sample

@@ -51,7 +51,7 @@ def traces(n: int) -> tuple[list[Rollout], list[Score]]:
 @pytest.mark.parametrize(
     "backends,message",
     [
-        (["console", "neptune"], "unknown backend 'neptune' (valid backends: console, tensorboard, wandb, mlflow)"),
+        (["console", "neptune"], "unknown tracker 'neptune' (valid trackers: console, tensorboard, wandb, mlflow)"),
         (["jsonl"], "metrics.jsonl is always written"),
         (["wandb", "wandb"], "wandb listed twice"),
     ],
@@ -164,7 +164,7 @@ def test_resume_continues_the_tracker_runs(tmp_path):
 @pytest.mark.parametrize("backend,package", [("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow")])
 def test_a_backend_that_is_not_installed_names_its_package(tmp_path, monkeypatch, backend, package):
     monkeypatch.setitem(sys.modules, package, None)  # import now raises ImportError
-    with pytest.raises(UserError, match=f"tracking backend '{backend}' needs the {package} package: pip install"):
+    with pytest.raises(UserError, match=f"tracker '{backend}' needs the {package} package: pip install"):
         Tracker(TrackingConfig(backends=["console", backend]), tmp_path, RECIPE)
 
 

@@ -399,7 +399,7 @@ def test_cuda_varlen_kernels_take_mla_value_heads(monkeypatch):
     inputs = [torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16) for s in shapes]
     results = {}
     for name in [*backends, "sdpa"]:
-        monkeypatch.setenv(attention.BACKEND_ENV, name)
+        monkeypatch.setenv(attention.KERNEL_ENV, name)
         q, k, v = (t.detach().requires_grad_() for t in inputs)
         out = attention.varlen_attention(q, k, v, cu_seqlens, 137, scale=192**-0.5)
         out.float().square().sum().backward()

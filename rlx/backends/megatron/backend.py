@@ -7,6 +7,8 @@ update; the reference is frozen stages cut from the initial policy, so no rank k
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from rlx.backends.base import Degrees, TrainingBackend
@@ -15,7 +17,7 @@ from rlx.backends.megatron.stage import MegatronScoringModel, load_stage
 from rlx.backends.megatron.trainer import build_megatron_trainer
 from rlx.checkpoints.registry import check_complete, read_local_state
 from rlx.errors import UserError
-from rlx.models.loading import ModelSource, load_config, tied_keys
+from rlx.models.loading import ModelSource, tied_keys
 from rlx.models.megatron.convert import hf_to_megatron_shard
 from rlx.models.megatron.model import is_critic_config
 from rlx.training.config import TrainConfig
@@ -44,8 +46,8 @@ class MegatronBackend(TrainingBackend):
     def build_trainer(self, model: torch.nn.Module, cfg: TrainConfig, where: str = "the initial policy"):
         return build_megatron_trainer(model.config, cfg, self.ctx, self._rank_state(model), where)
 
-    def load_trainer(self, cfg: TrainConfig, source: ModelSource):
-        hf_config = load_config(source)
+    def load_trainer(self, cfg: TrainConfig, source: ModelSource, config):
+        hf_config = copy.deepcopy(config)  # the trainer keeps its own
         critic = is_critic_config(hf_config)
         if critic != (cfg.role == "critic"):
             what = "a value model" if critic else "a causal LM"
@@ -58,8 +60,8 @@ class MegatronBackend(TrainingBackend):
         stage = load_stage(model.config, self._rank_state(model), self.ctx, "the reference policy")
         return MegatronScoringModel(stage.requires_grad_(False).eval(), model.config, self.ctx)
 
-    def load_scoring_model(self, source: ModelSource, role: str) -> MegatronScoringModel:
-        config = load_config(source)
+    def load_scoring_model(self, source: ModelSource, role: str, config) -> MegatronScoringModel:
+        config = copy.deepcopy(config)  # the model keeps its own
         if is_critic_config(config) != (role == "critic"):
             expected = "a value model (make one with `rlx shard --role critic`)" if role == "critic" else "a causal LM"
             raise UserError(f"{source.path}: expected {expected}")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rlx.errors import UserError
-from rlx.parallel.dist import BACKENDS, DistContext, setup
+from rlx.parallel.dist import COLLECTIVES, DistContext, setup
 
 
 @dataclass
@@ -55,7 +55,7 @@ def _lone_process_group(device: torch.device) -> None:
     """A one-rank default group for a process started without a launcher."""
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="rlx-megatron-"), "store"), 1)
     dist.init_process_group(
-        BACKENDS[device.type], store=store, rank=0, world_size=1, timeout=datetime.timedelta(minutes=30)
+        COLLECTIVES[device.type], store=store, rank=0, world_size=1, timeout=datetime.timedelta(minutes=30)
     )
 
 
@@ -91,7 +91,7 @@ def setup_megatron(device_name: str, tp_degree: int, pp_degree: int) -> Megatron
         world=base.world,
         local_rank=base.local_rank,
         device=base.device,
-        backend=base.backend,
+        collectives=base.collectives,
         tp_degree=tp_degree,
         pp_degree=pp_degree,
         tp_rank=ps.get_tensor_model_parallel_rank(),

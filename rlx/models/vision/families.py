@@ -50,7 +50,7 @@ class VisionFamily(ModelFamily):
     config_class: str
     """transformers config class, e.g. 'Qwen2VLConfig'."""
     image_processor_class: str
-    """'module:Class' of the image processor that runs without torchvision (the PIL backend)."""
+    """'module:Class' of the image processor that runs without torchvision (PIL-based)."""
     image_token: str
     """The placeholder token repeated once per merged patch of an image."""
     image_start: str

@@ -164,16 +164,16 @@ def _merged_embeddings(model: torch.nn.Module, row: VisionRow, held: dict) -> to
 
 
 @contextmanager
-def vision_forward(model: torch.nn.Module, row: VisionRow, sp_rank: int = 0, sp_size: int = 1):
+def vision_forward(model: torch.nn.Module, row: VisionRow, sp_rank: int = 0, sp_degree: int = 1):
     """While open, forwards of `model` over `row`'s layout (packed rows as rlx's packed path builds them, this
-    rank's slice under sequence parallelism `sp_rank` of `sp_size`; or the padded batch of `VisionRow.padded`) run
+    rank's slice under sequence parallelism `sp_rank` of `sp_degree`; or the padded batch of `VisionRow.padded`) run
     as the vision-language forward of `row`, which must hold the same samples (it is moved to the model's
     device)."""
     family: VisionFamily = vision_family_of(model.config)
     backbone = getattr(model, model.base_model_prefix)
     row = row.to(next(model.parameters()).device)  # a no-op when it is there already
     held: dict = {}
-    local_len = -(-row.total_len // sp_size)
+    local_len = -(-row.total_len // sp_degree)
 
     def on_backbone(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -189,7 +189,7 @@ def vision_forward(model: torch.nn.Module, row: VisionRow, sp_rank: int = 0, sp_
 
     def on_decoder(module, args, kwargs):
         kwargs.update(held)
-        return args, _local_decoder_inputs(kwargs, row, sp_rank, sp_size)
+        return args, _local_decoder_inputs(kwargs, row, sp_rank, sp_degree)
 
     handles = [
         backbone.register_forward_pre_hook(on_backbone, with_kwargs=True),

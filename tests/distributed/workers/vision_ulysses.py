@@ -19,9 +19,11 @@ group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
 def run(model, batch, sp_group):
     t = batch["tensors"]
     row = VisionRow.from_padded(**t, vision=batch["vision"], config=model.config)
-    sp_rank, sp_size = (rank, world) if sp_group is not None else (0, 1)
-    rows = PackedRows.build(t["prompt_ids"], t["prompt_mask"], t["response_ids"], t["response_mask"], sp_rank, sp_size)
-    with vision_forward(model, row, sp_rank, sp_size):
+    sp_rank, sp_degree = (rank, world) if sp_group is not None else (0, 1)
+    rows = PackedRows.build(
+        t["prompt_ids"], t["prompt_mask"], t["response_ids"], t["response_mask"], sp_rank, sp_degree
+    )
+    with vision_forward(model, row, sp_rank, sp_degree):
         logprob, entropy = packed_response_logprobs(
             model, **t, temperature=1.0, dtype=torch.float32, with_entropy=True, sp_group=sp_group, rows=rows
         )
