@@ -17,7 +17,7 @@ from rlx.rollout.config import SamplingParams
 from rlx.rollout.requests import TokenRequest
 from rlx.serve.deltas import TOOL_CALL_OPEN, TextDeltas
 from rlx.serve.server import AgentServer
-from rlx.serve.stream import StreamBackend
+from rlx.serve.stream import StreamWorker
 from tests.agent_helpers import random_chat_model, token_engine
 from tests.unit.test_serve_endpoint import post, start
 
@@ -27,13 +27,13 @@ SAMPLING = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
 def _native_server(model, tokenizer) -> AgentServer:
     engine = token_engine(model, tokenizer, "native", kv_cache_gib=0.01)
     cfg = AgentConfig(max_total_tokens=500)
-    backend = StreamBackend(engine, SAMPLING, cfg.max_total_tokens)
-    return AgentServer(backend, tokenizer, engine.stop_ids, SAMPLING, cfg).start()
+    worker = StreamWorker(engine, SAMPLING, cfg.max_total_tokens)
+    return AgentServer(worker, tokenizer, engine.stop_ids, SAMPLING, cfg).start()
 
 
 def _stop(server: AgentServer) -> None:
     server.close()
-    server.backend.close()
+    server.worker.close()
 
 
 def test_text_deltas_never_send_what_the_finished_turn_takes_back():
@@ -48,10 +48,10 @@ def test_text_deltas_never_send_what_the_finished_turn_takes_back():
     assert utf8.feed("caf\ufffd") == "caf" and utf8.feed("café") == "é" and utf8.finish("café!") == "!"
 
 
-def test_backend_hands_each_request_its_tokens_as_they_are_sampled():
+def test_worker_hands_each_request_its_tokens_as_they_are_sampled():
     model, tokenizer = random_chat_model(stop_bias=-10.0)
     engine = token_engine(model, tokenizer, "native", kv_cache_gib=0.01)
-    backend = StreamBackend(engine, SAMPLING, 200)
+    worker = StreamWorker(engine, SAMPLING, 200)
     heard: list[tuple[list[int], bool]] = []
     try:
         request = TokenRequest("s/0", tokenizer("hello")["input_ids"], 8)
@@ -60,10 +60,10 @@ def test_backend_hands_each_request_its_tokens_as_they_are_sampled():
         def on_tokens(ids: list[int]) -> None:
             heard.append((ids, future is not None and future.done()))
 
-        future = backend.submit(request, on_tokens)
+        future = worker.submit(request, on_tokens)
         generated = future.result(timeout=120)
     finally:
-        backend.close()
+        worker.close()
     assert len(generated.response_ids) == 8
     assert len(heard) >= 2  # several updates before the turn finished
     assert all(ids == generated.response_ids[: len(ids)] and not done for ids, done in heard)
@@ -82,7 +82,7 @@ def test_openai_stream_arrives_while_the_turn_is_generated_and_is_recorded_token
         if forwards[0] == 4:  # prefill + 3 decode steps, then wait for the test
             release.wait(timeout=120)
 
-    handle = server.backend.engine._runner.model.get_input_embeddings().register_forward_hook(hold)
+    handle = server.worker.engine._runner.model.get_input_embeddings().register_forward_hook(hold)
     try:
         client = openai.OpenAI(base_url=server.base_url("live/0"), api_key="k", max_retries=0)
         stream = client.chat.completions.create(
@@ -161,8 +161,8 @@ def test_top_logprobs_in_openai_format(engine):
     greedy = SamplingParams(max_new_tokens=4, temperature=0.0, seed=3)
     built = token_engine(model, tokenizer, engine, **({"kv_cache_gib": 0.01} if engine == "native" else {}))
     cfg = AgentConfig(max_total_tokens=500)
-    backend = StreamBackend(built, greedy, cfg.max_total_tokens)
-    server = AgentServer(backend, tokenizer, built.stop_ids, greedy, cfg).start()
+    worker = StreamWorker(built, greedy, cfg.max_total_tokens)
+    server = AgentServer(worker, tokenizer, built.stop_ids, greedy, cfg).start()
     try:
         client = openai.OpenAI(base_url=server.base_url("top"), api_key="k", max_retries=0)
         chat = client.chat.completions.create(model="rlx", messages=[{"role": "user", "content": "hi"}],
@@ -203,8 +203,8 @@ def test_response_format_samples_within_the_json_grammar(engine, monkeypatch):
     sampling = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3)
     built = token_engine(model, tokenizer, engine, **({"kv_cache_gib": 0.01} if engine == "native" else {}))
     cfg = AgentConfig(max_total_tokens=500)
-    backend = StreamBackend(built, sampling, cfg.max_total_tokens)
-    server = AgentServer(backend, tokenizer, built.stop_ids, sampling, cfg).start()
+    worker = StreamWorker(built, sampling, cfg.max_total_tokens)
+    server = AgentServer(worker, tokenizer, built.stop_ids, sampling, cfg).start()
     schema_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
     try:
         client = openai.OpenAI(base_url=server.base_url("json"), api_key="k", max_retries=0)
