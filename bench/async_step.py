@@ -94,13 +94,14 @@ prompts = "{work / "prompts.jsonl"}"
 prompts_per_step = {args.num_prompts}
 [rollout]
 engine = "native"
+chat_template = "off"
+[rollout.sampling]
 n = {args.num_generations}
 max_new_tokens = {args.long_len}
 temperature = 1.0
-chat_template = "off"
 [score]
 reward = "{work / "reward.py"}:score"
-[train]
+[train.optim]
 lr = 1e-6
 {table}"""
     path = work / f"recipe_{staleness}.toml"

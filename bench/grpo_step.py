@@ -92,13 +92,14 @@ init = "random"
 prompts = "{work / "prompts.jsonl"}"
 prompts_per_step = {args.num_prompts}
 [rollout]
+chat_template = "off"
+[rollout.sampling]
 n = {args.num_generations}
 max_new_tokens = {args.response_len}
 temperature = 1.0
-chat_template = "off"
 [score]
 reward = "{work / "reward.py"}:score"
-[train]
+[train.optim]
 lr = 1e-6
 """
     path = work / "recipe.toml"

@@ -88,14 +88,15 @@ init = "random"
 prompts = "{work / "prompts.jsonl"}"
 prompts_per_step = {args.num_prompts}
 [rollout]
-n = {args.num_generations}
 max_prompt_length = {args.prompt_len}
+chat_template = "off"
+[rollout.sampling]
+n = {args.num_generations}
 max_new_tokens = {args.response_len}
 temperature = 1.0
-chat_template = "off"
 [score]
 reward = "{work / "reward.py"}:score"
-[train]
+[train.optim]
 lr = 1e-6
 """)
     return path

@@ -31,14 +31,15 @@ init = "random"
 [data]
 prompts = "{REPO / "recipes" / "data" / "arith_quickstart.jsonl"}"
 prompts_per_step = 8
-[rollout]
+[rollout.sampling]
 n = 4
 max_new_tokens = 3
 [score]
 reward = "arith"
 [train]
-lr = 1e-3
 mini_batch_size = 128
+[train.optim]
+lr = 1e-3
 """
 
 
@@ -179,8 +180,9 @@ EVAL_TABLE = f"""
 prompts = "{REPO / "recipes" / "data" / "arith_quickstart.jsonl"}"
 every = 2
 before_training = true
-max_new_tokens = 3
 reward = ["arith"]
+[eval.sampling]
+max_new_tokens = 3
 """
 
 
@@ -232,17 +234,19 @@ init = "random"
 [data]
 prompts = "{REPO / "recipes" / "data" / "calculator.jsonl"}"
 prompts_per_step = 4
-[rollout]
+[rollout.agent]
 env = "rlx.tasks.calculator:CalculatorEnv"
-n = 2
-max_new_tokens = 8
 max_turns = 2
 max_total_tokens = 320
+[rollout.sampling]
+n = 2
+max_new_tokens = 8
 [score]
 reward = "env"
 [train]
-lr = 1e-3
 mini_batch_size = 128
+[train.optim]
+lr = 1e-3
 """
 
 

@@ -46,18 +46,20 @@ init = "random"
 prompts = "{REPO / "recipes" / "data" / "calculator.jsonl"}"
 prompts_per_step = 4
 max_gen_batches = 0
-[rollout]
+[rollout.agent]
 env = "{folder / "envs.py"}:Parity"
-n = 2
-max_new_tokens = 6
 max_turns = 2
 max_total_tokens = 320
+[rollout.sampling]
+n = 2
+max_new_tokens = 6
 [score]
 reward = "env"
 filter_groups = true
 [train]
-lr = 1e-3
 mini_batch_size = 128
+[train.optim]
+lr = 1e-3
 """
     path = folder / "recipe.toml"
     path.write_text(recipe + (f"[async]\n{async_table}\n" if async_table is not None else ""))

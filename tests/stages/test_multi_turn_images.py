@@ -364,18 +364,20 @@ path = "{vlm_episodes["ckpt"]}"
 [data]
 prompts = "{vlm_episodes["root"] / "shapes.jsonl"}"
 prompts_per_step = 2
-[rollout]
+[rollout.sampling]
 n = 2
 max_new_tokens = 6
+stop = {json.dumps(list(STOPS))}
+[rollout.agent]
 env = "rlx.tasks.shapes_look:LookAgainEnv"
 max_total_tokens = 500
-stop = {json.dumps(list(STOPS))}
 [score]
 reward = "env"
 [train]
-lr = 1e-3
 mini_batch_size = 4
 micro_batch_size = 4
+[train.optim]
+lr = 1e-3
 """)
     cli_ok("ppo", recipe, "--out", tmp_path / "run")
     records = read_jsonl(tmp_path / "run" / "step_000001" / "rollouts.jsonl")
