@@ -135,7 +135,8 @@ def test_eval_during_training_leaves_the_training_stream_alone(tmp_path):
     held_out = write_jsonl(tmp_path / "held_out.jsonl", generate_arith(6, seed=9, max_value=4, id_prefix="val"))
     steps = ["--set", "steps=3", "--set", "save_every=3"]
     plain = cli_ok("ppo", QUICKSTART, "--out", tmp_path / "plain", *TINY, *steps)
-    evals = [f"eval={{prompts='{held_out}', every=2, before_training=true, max_new_tokens=3, reward=['arith']}}"]
+    table = f"prompts='{held_out}', every=2, before_training=true, sampling={{max_new_tokens=3}}, reward=['arith']"
+    evals = [f"eval={{{table}}}"]
     with_eval = cli_ok("ppo", QUICKSTART, "--out", tmp_path / "eval", *TINY, *steps, "--set", *evals)
     assert "val pass@1" in with_eval.stderr and "val pass@1" not in plain.stderr
     a, b = tmp_path / "plain", tmp_path / "eval"
