@@ -22,7 +22,7 @@ from rlx.models.moe import tiny_moe_config
 from rlx.parallel.dist import DistContext
 from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 from rlx.rollout.native.moe import routed_mlp
-from tests.conftest import REPO, generate, make_engine, run_torchrun
+from tests.conftest import REPO, flat_config, generate, make_engine, run_torchrun
 
 PROMPTS = [PromptRecord(id=f"p{i}", prompt=text) for i, text in enumerate(["1+2=", "3*4=", "12+7=", "9-5=", "0+0="])]
 
@@ -114,7 +114,7 @@ def test_routed_layer_compiles_into_one_graph():
 )
 def test_native_equals_hf_tokens_logprobs_and_routes(tiny_moe, settings):
     model, tokenizer = tiny_moe
-    cfg = RolloutConfig(engine="native", chat_template="off", **settings)
+    cfg = flat_config(RolloutConfig, engine="native", chat_template="off", **settings)
     ours = generate(make_engine(model, tokenizer, cfg), PROMPTS, cfg)
     theirs = generate(make_engine(model, tokenizer, dataclasses.replace(cfg, engine="hf")), PROMPTS, cfg)
     assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
