@@ -29,6 +29,21 @@ from rlx.utils.device import resolve_device
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
 
+def limit_cpu_threads(device: torch.device) -> None:
+    """One intra-op CPU thread for a process that computes on an accelerator, as torchrun gives each of its processes,
+    unless OMP_NUM_THREADS is set. A plain process otherwise spins one thread per core in its small CPU ops: four
+    such processes on a 64-core, 4-GPU host each took 3x their time alone (bench/RESULTS.md, scale), and alone the
+    process was no faster than with one thread."""
+    if device.type != "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
+def group_backend(device: torch.device) -> str:
+    """The process group's backend string for `device`: on CUDA, gloo for CPU tensors beside nccl, so collectives on
+    CPU-offloaded parameters and gradients (train.param_offload: the grad norm of FSDP2's CPU shards) have a backend."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else BACKENDS[device.type]
+
+
 @dataclass
 class DistContext:
     """Where this process stands: global rank and size, its device, and the data/sequence-parallel groups.
@@ -102,6 +117,7 @@ def setup(device_name: str = "auto", sp_degree: int = 1, timeout_s: float | None
         if sp_degree != 1:
             raise UserError(f"sp_degree {sp_degree} needs {sp_degree} processes (launch with torchrun)")
         _CONTEXT = DistContext(device=resolve_device(device_name))
+        limit_cpu_threads(_CONTEXT.device)
         return _CONTEXT
     rank, world, local_rank = found
     if world % sp_degree:
@@ -110,7 +126,7 @@ def setup(device_name: str = "auto", sp_degree: int = 1, timeout_s: float | None
     backend = BACKENDS[device.type]
     if not dist.is_initialized():
         dist.init_process_group(
-            backend,
+            group_backend(device),
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from rlx.errors import UserError
-from rlx.parallel.dist import BACKENDS, collective_timeout_s, launcher_env, rank_device
+from rlx.parallel.dist import BACKENDS, collective_timeout_s, group_backend, launcher_env, rank_device
 
 
 @dataclass
@@ -98,7 +98,7 @@ def split_roles(num_rollout: int, device_name: str = "auto", sp_degree: int = 1)
     backend = BACKENDS[device.type]
     if not is_rollout:
         dist.init_process_group(
-            backend,
+            group_backend(device),
             store=dist.PrefixStore("rlx-trainers", store),
             rank=rank - num_rollout,
             world_size=world - num_rollout,
