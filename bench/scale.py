@@ -42,6 +42,11 @@ SHAPES = {
     "14b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=5120, intermediate_size=13824,
                 num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
                 tie_word_embeddings=False),
+    "moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
+                moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[]),
+    # Qwen3-30B-A3B's layer with 12 of its 48 layers (7.7B parameters, 0.9B active per token: issue 36)
     "small": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=512,
                   tie_word_embeddings=True),
@@ -63,14 +68,20 @@ def write_model_dir(folder: Path, shape: str) -> Path:
     return folder
 
 
-def write_recipe(work: Path, shape: str, args) -> Path:
+def prompts_per_step(args, gpus: int) -> int:
+    """The fixed work (strong scaling), or --num-prompts per GPU with --weak (weak scaling)."""
+    return args.num_prompts * gpus if args.weak else args.num_prompts
+
+
+def write_recipe(work: Path, shape: str, args, gpus: int = 1) -> Path:
     """The minimal recipe (the issue's work) on the shape's model dir."""
     import random
 
     model = write_model_dir(work / f"model-{shape}", shape)
     rng = random.Random(0)
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789+-*= "
-    count = args.num_prompts * args.steps
+    per_step = prompts_per_step(args, gpus)
+    count = per_step * args.steps
     lines = [json.dumps({"id": f"p{i}", "prompt": "".join(rng.choice(alphabet) for _ in range(args.prompt_len - 1))})
              for i in range(count)]  # fmt: skip
     (work / "prompts.jsonl").write_text("\n".join(lines) + "\n")
@@ -86,7 +97,7 @@ path = "{model}"
 init = "random"
 [data]
 prompts = "{work / "prompts.jsonl"}"
-prompts_per_step = {args.num_prompts}
+prompts_per_step = {per_step}
 [rollout]
 max_prompt_length = {args.prompt_len}
 chat_template = "off"
@@ -129,7 +140,8 @@ def env() -> dict:
 def run(recipe: Path, gpus: int, run_dir: Path, args, limit_s: float) -> tuple[list[dict], list[float], str]:
     """`rlx ppo` on `gpus` processes (torchrun; a plain process for 1), noting when each metrics line appears;
     stopped (SIGTERM) after `limit_s`. Returns (metrics, arrival seconds, log tail)."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 else []
+    launched = gpus > 1 or args.torchrun_one
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if launched else []
     cmd = [sys.executable, *launcher, "-m", "rlx", "ppo", str(recipe), "--out", str(run_dir), *extra_sets(args)]
     log_path = run_dir.parent / f"{run_dir.name}.log"
     metrics_file, start, arrivals = run_dir / "metrics.jsonl", time.time(), []
@@ -175,8 +187,13 @@ def summarize(metrics: list[dict], arrivals: list[float], gpus: int) -> dict:
 
 
 def measure(shape: str, gpus: int, work: Path, args, deadline: float) -> dict:
-    recipe = write_recipe(work, shape, args)
-    row = {"shape": shape, "gpus": gpus, "plan": plan(recipe, gpus, args)}
+    recipe = write_recipe(work, shape, args, gpus)
+    row = {
+        "shape": shape,
+        "gpus": gpus,
+        "prompts_per_step": prompts_per_step(args, gpus),
+        "plan": plan(recipe, gpus, args),
+    }
     print(row["plan"]["text"], flush=True)
     left = deadline - time.time()
     if not row["plan"]["fits"] or left < 60:
@@ -216,10 +233,12 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="7b", help="comma-separated: 0.5b, 7b, 14b")
+    parser.add_argument("--shapes", default="7b", help="comma-separated: 0.5b, 7b, 14b, moe (Qwen3-30B-A3B, 12 layers)")
     parser.add_argument("--gpus", default="1,2,4", help="comma-separated GPU counts")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int, default=32, help="prompts per step (per GPU with --weak)")
+    parser.add_argument("--weak", action="store_true", help="weak scaling: --num-prompts per GPU, not in all")
+    parser.add_argument("--torchrun-one", action="store_true", help="launch one GPU under torchrun too (its overhead)")
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--response-len", type=int, default=256)

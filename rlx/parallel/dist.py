@@ -30,6 +30,22 @@ COLLECTIVES = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 """The collective-communication library (torch.distributed's process-group backend) of each device type."""
 
 
+def limit_cpu_threads(device: torch.device) -> None:
+    """One intra-op CPU thread for a process that computes on an accelerator, as torchrun gives each of its processes,
+    unless OMP_NUM_THREADS is set. A plain process otherwise spins one thread per core in its small CPU ops: four
+    such processes on a 64-core, 4-GPU host each took 3x their time alone (bench/RESULTS.md, scale), and alone the
+    process was no faster than with one thread."""
+    if device.type != "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
+def group_collectives(device: torch.device) -> str:
+    """The process group's collectives for `device` (torch's backend string): on CUDA, gloo for CPU tensors beside
+    nccl, so collectives on CPU-offloaded parameters and gradients (train.param_offload: the grad norm of FSDP2's
+    CPU shards) have a library to run on."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else COLLECTIVES[device.type]
+
+
 @dataclass
 class DistContext:
     """Where this process stands: global rank and size, its device, and the data/sequence-parallel groups.
@@ -104,6 +120,7 @@ def setup(device_name: str = "auto", sp_degree: int = 1, timeout_s: float | None
         if sp_degree != 1:
             raise UserError(f"sp_degree {sp_degree} needs {sp_degree} processes (launch with torchrun)")
         _CONTEXT = DistContext(device=resolve_device(device_name))
+        limit_cpu_threads(_CONTEXT.device)
         return _CONTEXT
     rank, world, local_rank = found
     if world % sp_degree:
@@ -112,7 +129,7 @@ def setup(device_name: str = "auto", sp_degree: int = 1, timeout_s: float | None
     collectives = COLLECTIVES[device.type]
     if not dist.is_initialized():
         dist.init_process_group(
-            collectives,
+            group_collectives(device),
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from rlx.errors import UserError
-from rlx.parallel.dist import COLLECTIVES, collective_timeout_s, launcher_env, rank_device
+from rlx.parallel.dist import COLLECTIVES, collective_timeout_s, group_collectives, launcher_env, rank_device
 
 
 @dataclass
@@ -94,7 +94,7 @@ def split_roles(num_rollout: int, device_name: str = "auto", sp_degree: int = 1)
     collectives = COLLECTIVES[device.type]
     if not is_rollout:
         dist.init_process_group(
-            collectives,
+            group_collectives(device),
             store=dist.PrefixStore("rlx-trainers", store),
             rank=rank - num_rollout,
             world_size=world - num_rollout,

@@ -115,3 +115,27 @@ def test_launched_processes_exit_with_the_commands_code_and_run_atexit(tmp_path)
     assert "rlx merge: error:" in out.stderr and "missing" in out.stderr, out.stderr
     assert (tmp_path / "atexit").read_text() == "ran"
     assert not (tmp_path / "finalized").exists()
+
+
+def test_accelerator_process_gets_one_cpu_thread_unless_omp_is_set(monkeypatch):
+    import torch
+
+    from rlx.parallel.dist import group_collectives, limit_cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        limit_cpu_threads(torch.device("cuda", 0))
+        assert torch.get_num_threads() == 2  # the user's setting wins
+        limit_cpu_threads(torch.device("cpu"))
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        limit_cpu_threads(torch.device("cpu"))
+        assert torch.get_num_threads() == 2  # CPU compute keeps its threads
+        limit_cpu_threads(torch.device("cuda", 0))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    # CPU-offloaded shards (train.param_offload) reduce over gloo beside nccl on CUDA
+    assert group_collectives(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
+    assert group_collectives(torch.device("cpu")) == "gloo"
