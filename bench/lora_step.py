@@ -50,6 +50,7 @@ from rlx.parallel.dist import setup, teardown  # noqa: E402
 from rlx.rollout.native.replica import build_replica, fill_merged_replica, fill_replica  # noqa: E402
 from rlx.training.actor import ActorTrainer  # noqa: E402
 from rlx.training.config import OptimConfig, TrainConfig  # noqa: E402
+from rlx.training.reference import BaseModelScorer  # noqa: E402
 
 SHAPES = {
     "0.5B": QWEN2_05B,
@@ -73,7 +74,7 @@ def build_trainer(shape: dict, rank: int, args, ctx):
     lora = lora_spec(LoraConfig(rank=rank, alpha=2.0 * rank), "bench", "random", 0, model) if rank else None
     ref = None if lora else copy.deepcopy(model).requires_grad_(False).to(ctx.device).eval()
     trainer = ActorTrainer(model, cfg, ctx.device, dtype, ctx, lora=lora)
-    return trainer, trainer.reference_scorer() or ModuleScorer(ref, ctx)
+    return trainer, BaseModelScorer(trainer.model, ctx) if lora else ModuleScorer(ref, ctx)
 
 
 def measure_steps(trainer, reference, batch, args, ctx) -> list[float]:
@@ -81,7 +82,7 @@ def measure_steps(trainer, reference, batch, args, ctx) -> list[float]:
     dtype = trainer.dtype if ctx.device.type == "cpu" else torch.bfloat16
 
     def step(i: int) -> None:
-        for scorer in (trainer.scoring_model(), reference):
+        for scorer in (ModuleScorer(trainer.model, ctx), reference):
             scorer.logprobs(tensors, 1.0, dtype, args.score_micro_batch, desc="bench")
         trainer.train_step(batch, i)
 

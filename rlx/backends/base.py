@@ -4,7 +4,7 @@ handed to the rollout engine, whatever holds them (FSDP2 over Hugging Face modul
     backend = backend_class(name).setup(device, Degrees(...))       # process groups for its grid
     trainer = backend.build_trainer(model, train_cfg)               # or backend.load_trainer(cfg, checkpoint)
     trainer.train_step(batch, step)                                 # one PPO update
-    trainer.scoring_model().logprobs(...)                           # old logprobs / values from the trained model
+    backend.scorer(trainer).logprobs(...)                           # old logprobs / values from the trained model
     checkpoints.save(out, trainer.state(), aux, meta)               # its view a checkpoints TrainedState
     engine.update_weights(trainer.weights())                        # its view a rollout WeightSource
 
@@ -63,16 +63,12 @@ class Trainer(Protocol):
     def check_batch(self, batch: TrainBatch, where: str) -> None: ...
     def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]: ...
     def optimizer_meta(self) -> dict: ...
-    def scoring_model(self) -> Scorer: ...
     def full_weights(self) -> dict[str, torch.Tensor]: ...
     def full_optimizer_state(self) -> dict[str, torch.Tensor] | None: ...
     def local_state(self) -> LocalState: ...
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]: ...
     def adapter_state(self) -> dict[str, torch.Tensor] | None:
         """With LoRA, the adapters by stable name on every rank (a collective); else None."""
-
-    def reference_scorer(self) -> Scorer | None:
-        """With LoRA, the frozen base (adapters off) as the reference; else None."""
 
 
 class TrainingBackend(ABC):
@@ -115,6 +111,15 @@ class TrainingBackend(ABC):
     def load_trainer(self, cfg: TrainConfig, source: ModelSource, config) -> Trainer:
         """A trainer continuing from a checkpoint (weights and optimizer state) or a Hugging Face dir; `config`: the
         source's transformers config, read once by the caller (`resolve_model`)."""
+
+    @abstractmethod
+    def scorer(self, trainer: Trainer) -> Scorer:
+        """The trainer's model as scoring uses it (old logprobs or values), no copy."""
+
+    def base_reference(self, trainer: Trainer) -> Scorer | None:
+        """The reference policy inside the trainer's own model (its frozen base with the LoRA adapters off), or None
+        when the trainer trains every weight (the reference is then a copy: `build_reference`)."""
+        return None
 
     @abstractmethod
     def build_reference(self, model: torch.nn.Module) -> Scorer:

@@ -19,6 +19,7 @@ from rlx.parallel.dist import setup
 from rlx.training.actor import ActorTrainer
 from rlx.training.config import TrainConfig
 from rlx.training.critic import CriticTrainer
+from rlx.training.reference import BaseModelScorer
 from rlx.utils.device import resolve_precision
 
 
@@ -55,6 +56,13 @@ class FSDPBackend(TrainingBackend):
             spec = lora_spec(lora, source.path, "pretrained", cfg.seed, model, cfg.role)
             return self.build_trainer(model, cfg, where, lora=spec)
         return self.build_trainer(model, cfg, where, read_full_optimizer(source.path))
+
+    def scorer(self, trainer) -> ModuleScorer:
+        return ModuleScorer(trainer.model, self.ctx)
+
+    def base_reference(self, trainer) -> BaseModelScorer | None:
+        """With adapters, the trainer's module with them off: the reference policy without a second copy."""
+        return BaseModelScorer(trainer.model, self.ctx) if trainer.lora is not None else None
 
     def build_reference(self, model: torch.nn.Module) -> ModuleScorer:
         return ModuleScorer(model.requires_grad_(False).to(self.ctx.device).eval(), self.ctx)

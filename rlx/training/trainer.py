@@ -26,7 +26,7 @@ from rlx.checkpoints.base import LocalState
 from rlx.checkpoints.lora_base import LoraSpec
 from rlx.errors import UserError
 from rlx.formats.batch import TrainBatch
-from rlx.logprobs import ModuleScorer, PackedRows
+from rlx.logprobs import PackedRows
 from rlx.models import lora_state
 from rlx.models.family import family_of
 from rlx.models.loading import tied_keys
@@ -46,7 +46,6 @@ from rlx.training.optim import (
     sharded_model_state,
     sharded_optimizer_state,
 )
-from rlx.training.reference import BaseModelScorer
 from rlx.training.views import TrainerState, TrainerWeights
 from rlx.utils.device import derive_seed
 from rlx.utils.host_copy import before_update, layout, snapshot
@@ -63,7 +62,8 @@ class Trainer:
     With `lora` (LoRA) the model trains adapters on a frozen base: the adapters are put in first (unless the model
     already has them, e.g. from a LoRA checkpoint), the base is frozen in the compute dtype, and only the adapters
     (and a critic's head) get gradients and AdamW state. Checkpoints then hold the adapters (`adapter_state`), the
-    full weights are the merged ones, and the base with the adapters off is the reference (`reference_scorer`)."""
+    full weights are the merged ones, and the base with the adapters off is the reference (`base_reference` of the
+    backend)."""
 
     role = "model"
     loss_keys: tuple[str, ...] = ()
@@ -179,15 +179,6 @@ class Trainer:
         if self.lora is not None:
             return iter_merged_weights(self.model)
         return gathered_weights(self.model, bucket_bytes)
-
-    def scoring_model(self) -> ModuleScorer:
-        """The trained module as scoring uses it (old logprobs or values; no copy)."""
-        return ModuleScorer(self.model, self.ctx)
-
-    def reference_scorer(self) -> BaseModelScorer | None:
-        """With adapters, the frozen base as a scorer (the same module, adapters off): the reference policy
-        without a second copy; None for a model trained in full."""
-        return BaseModelScorer(self.model, self.ctx) if self.lora is not None else None
 
     def load_optimizer_state(self, tensors: dict[str, torch.Tensor] | None, where: str) -> None:
         if tensors:

@@ -56,6 +56,10 @@ class MegatronBackend(TrainingBackend):
         local = read_local_state(source.path, "megatron", self._coords())
         return build_megatron_trainer(hf_config, cfg, self.ctx, local.weights, str(source.path), local.optimizer)
 
+    def scorer(self, trainer) -> MegatronScoringModel:
+        """The trainer's stage as scoring uses megatron models (no copy)."""
+        return MegatronScoringModel(trainer.model, trainer.hf_config, self.ctx)
+
     def build_reference(self, model: torch.nn.Module) -> MegatronScoringModel:
         stage = load_stage(model.config, self._rank_state(model), self.ctx, "the reference policy")
         return MegatronScoringModel(stage.requires_grad_(False).eval(), model.config, self.ctx)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from rlx.backends.megatron.forward import head_logprobs, head_values
 from rlx.backends.megatron.parallel import MegatronContext
 from rlx.backends.megatron.schedule import run_pipeline
-from rlx.backends.megatron.stage import MegatronScoringModel, load_stage, micro_batches
+from rlx.backends.megatron.stage import load_stage, micro_batches
 from rlx.backends.megatron.weights import gather_hf_weights, stream_hf_weights
 from rlx.checkpoints.base import LocalState
 from rlx.errors import UserError
@@ -182,10 +182,6 @@ class MegatronTraining:
         """Full Hugging Face weights (float32) on this rank's device, gathered over the model-parallel group about
         `bucket_bytes` at a time (every rank drains it together; weights.py)."""
         return stream_hf_weights(self.model, self.hf_config, self.ctx, bucket_bytes)
-
-    def scoring_model(self) -> MegatronScoringModel:
-        """The trainer's stage as scoring uses megatron models (no copy)."""
-        return MegatronScoringModel(self.model, self.hf_config, self.ctx)
 
 
 def _all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
