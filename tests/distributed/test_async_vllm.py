@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]
 
 # the native-engine recipe of test_async.py on a model of our own, with vLLM on the rollout rank
 RECIPE = ASYNC_RECIPE.replace(str(REPO / "recipes" / "tiny-arith"), "MODEL").replace(
-    "max_new_tokens = 3\n", 'max_new_tokens = 3\nengine = "vllm"\nkv_cache_gib = 0.25\n'
+    "[rollout.sampling]\n", '[rollout]\nengine = "vllm"\nkv_cache_gib = 0.25\n[rollout.sampling]\n'
 )
 
 
