@@ -1,0 +1,101 @@
+"""verifiers 0.4 end to end against `rlx serve`: `vf-eval` (its own CLI, its built-in `null` harness, which streams
+every turn, and its relay client, which names each rollout by `X-Session-ID`) runs an in-memory arithmetic taskset
+(tests/stages/workers/verifiers_arith) on a tiny chat model; every rollout completes with its reward, and `--out`
+holds one token-exact record per rollout. The client lives in its own venv (.venv-verifiers, made by
+`make setup-test`: verifiers needs openai<3); without it the test is skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.agent_helpers import random_chat_model
+from tests.conftest import REPO, read_jsonl
+from tests.stages.test_multi_turn_stages import wait_for_url
+
+CLIENT_BIN = REPO / ".venv-verifiers" / "bin"
+TASKSETS = Path(__file__).parent / "workers"
+
+pytestmark = pytest.mark.skipif(
+    not (CLIENT_BIN / "vf-eval").exists(), reason="verifiers' client venv is absent (make setup-test makes it)"
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("vf") / "model"
+    model, tokenizer = random_chat_model(stop_bias=0.5)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def serve(model: Path, out: Path) -> tuple[subprocess.Popen, str]:
+    command = [sys.executable, "-m", "rlx", "serve", "--model", model, "--port", "0", "--out", out,
+               "--max-new-tokens", "8", "--seed", "1", "--engine", "native"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([str(c) for c in command], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    return proc, wait_for_url(proc)
+
+
+def vf_eval(url: str, output_dir: Path, *args: str) -> list[dict]:
+    """Runs vf-eval in the client's venv (its PATH first: the harness prepares its program with uv); the traces of
+    the episodes it wrote, each checked to have ended without error."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env |= {"PATH": f"{CLIENT_BIN}{os.pathsep}{env['PATH']}", "PYTHONPATH": str(TASKSETS), "OMP_NUM_THREADS": "1"}
+    command = [CLIENT_BIN / "vf-eval", *args, "--model", "rlx", "--client.base-url", f"{url}/v1",
+               "--env.agent.harness.id", "null", "--env.agent.runtime.type", "subprocess", "--sampling.max-tokens",
+               "8", "--no-rich", "--no-push", "--output-dir", output_dir]  # fmt: skip
+    done = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (written,) = output_dir.glob("*/traces.jsonl")
+    episodes = read_jsonl(written)
+    assert all(episode["ok"] and not episode["errors"] for episode in episodes), episodes
+    return [trace for episode in episodes for trace in episode["traces"]]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM, proc.stderr.read()
+
+
+@pytest.mark.slow
+def test_vf_eval_rollouts_are_recorded_token_exact_one_record_each(model_dir, tmp_path):
+    """~40 s: 3 questions x 2 rollouts, concurrent, each its own X-Session-ID (two share each prompt)."""
+    out = tmp_path / "served.jsonl"
+    proc, url = serve(model_dir, out)
+    try:
+        traces = vf_eval(url, tmp_path / "vf", "verifiers-arith", "-n", "3", "-r", "2")
+        stop(proc)
+    finally:
+        proc.kill()
+    assert len(traces) == 6
+    for trace in traces:
+        assert trace["is_completed"] and trace["ok"] and not trace["errors"], trace.get("errors")
+        assert trace["rewards"]["correct"]["score"] in (0.0, 1.0)
+    records = {record["prompt_id"]: record for record in read_jsonl(out)}
+    assert len(records) == len(read_jsonl(out)) == 6 and set(records) == {t["id"] for t in traces}
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for trace in traces:
+        record = records[trace["id"]]
+        assert record["num_segments"] == 1 and record["num_turns"] == 1
+        *sent, reply = [node["message"] for node in trace["nodes"]]
+        assert record["prompt_ids"] == tokenizer.apply_chat_template(sent, add_generation_prompt=True)["input_ids"]
+        ids = record["response_ids"]
+        if record["finish_reason"] == "stop":  # the stop token is sampled, kept in the record, not in the text
+            assert ids[-1] == tokenizer.eos_token_id
+            ids = ids[:-1]
+        assert reply["role"] == "assistant"  # an empty reply's trace node keeps no content
+        assert tokenizer.decode(ids) == reply.get("content", "") == record["response"]
+        assert len(record["rollout_logprobs"]) == len(record["response_ids"])
+        answer = str(trace["task"]["data"]["answer"])
+        assert trace["rewards"]["correct"]["score"] == float(answer in record["response"])
+    prompts = sorted(json.dumps(record["prompt"]) for record in records.values())
+    assert prompts[::2] == prompts[1::2] and len(set(prompts)) == 3  # two rollouts of each question, kept apart
