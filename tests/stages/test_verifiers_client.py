@@ -68,34 +68,49 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_vf_eval_rollouts_are_recorded_token_exact_one_record_each(model_dir, tmp_path):
-    """~40 s: 3 questions x 2 rollouts, concurrent, each its own X-Session-ID (two share each prompt)."""
+    """~60 s: one `rlx serve`; vf-eval's eval client (streamed chat completions) runs 3 questions x 2 rollouts
+    concurrently, each its own X-Session-ID (two share each prompt); then its train client (token in, token out
+    on /inference/v1/generate, the prompt rendered by verifiers' renderer from the model folder) 2 x 1."""
     out = tmp_path / "served.jsonl"
     proc, url = serve(model_dir, out)
     try:
-        traces = vf_eval(url, tmp_path / "vf", "verifiers-arith", "-n", "3", "-r", "2")
+        streamed = vf_eval(url, tmp_path / "eval", "verifiers-arith", "-n", "3", "-r", "2")
+        train = ["--client.type", "train", "--client.renderer-model-name", str(model_dir)]
+        rendered = vf_eval(url, tmp_path / "train", "verifiers-arith", "-n", "2", "-r", "1", *train)
         stop(proc)
     finally:
         proc.kill()
-    assert len(traces) == 6
-    for trace in traces:
-        assert trace["is_completed"] and trace["ok"] and not trace["errors"], trace.get("errors")
-        assert trace["rewards"]["correct"]["score"] in (0.0, 1.0)
     records = {record["prompt_id"]: record for record in read_jsonl(out)}
-    assert len(records) == len(read_jsonl(out)) == 6 and set(records) == {t["id"] for t in traces}
+    assert len(records) == len(read_jsonl(out)) == 8 and set(records) == {t["id"] for t in streamed + rendered}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    for trace in traces:
+    for trace in streamed + rendered:
+        assert trace["is_completed"] and trace["ok"] and not trace["errors"], trace.get("errors")
         record = records[trace["id"]]
         assert record["num_segments"] == 1 and record["num_turns"] == 1
-        *sent, reply = [node["message"] for node in trace["nodes"]]
-        assert record["prompt_ids"] == tokenizer.apply_chat_template(sent, add_generation_prompt=True)["input_ids"]
-        ids = record["response_ids"]
-        if record["finish_reason"] == "stop":  # the stop token is sampled, kept in the record, not in the text
-            assert ids[-1] == tokenizer.eos_token_id
-            ids = ids[:-1]
-        assert reply["role"] == "assistant"  # an empty reply's trace node keeps no content
-        assert tokenizer.decode(ids) == reply.get("content", "") == record["response"]
-        assert len(record["rollout_logprobs"]) == len(record["response_ids"])
         answer = str(trace["task"]["data"]["answer"])
         assert trace["rewards"]["correct"]["score"] == float(answer in record["response"])
-    prompts = sorted(json.dumps(record["prompt"]) for record in records.values())
+    for trace in streamed:
+        assert_same_text(trace, records[trace["id"]], tokenizer)
+    prompts = sorted(json.dumps(records[trace["id"]]["prompt"]) for trace in streamed)
     assert prompts[::2] == prompts[1::2] and len(set(prompts)) == 3  # two rollouts of each question, kept apart
+    for trace in rendered:  # the client's own token-exact trajectory is the record's
+        record = records[trace["id"]]
+        assert [i for node in trace["nodes"] for i in node["token_ids"]] == record["prompt_ids"] + record[
+            "response_ids"
+        ]
+        sampled = [lp for node in trace["nodes"] for lp in node["logprobs"]]
+        assert sampled == pytest.approx(record["rollout_logprobs"], abs=1e-3)
+
+
+def assert_same_text(trace: dict, record: dict, tokenizer) -> None:
+    """The record's prompt tokens are the chat template over what the client sent; its sampled tokens decode to
+    the reply the client got (a stop token is sampled and kept, but no text)."""
+    *sent, reply = [node["message"] for node in trace["nodes"]]
+    assert record["prompt_ids"] == tokenizer.apply_chat_template(sent, add_generation_prompt=True)["input_ids"]
+    ids = record["response_ids"]
+    if record["finish_reason"] == "stop":
+        assert ids[-1] == tokenizer.eos_token_id
+        ids = ids[:-1]
+    assert reply["role"] == "assistant"  # an empty reply's trace node keeps no content
+    assert tokenizer.decode(ids) == reply.get("content", "") == record["response"]
+    assert len(record["rollout_logprobs"]) == len(record["response_ids"])
