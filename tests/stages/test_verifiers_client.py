@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tests.agent_helpers import random_chat_model
+from tests.agent_helpers import bigram_chat_model, random_chat_model
 from tests.conftest import REPO, read_jsonl
 from tests.stages.test_multi_turn_stages import wait_for_url
 
 CLIENT_BIN = REPO / ".venv-verifiers" / "bin"
 TASKSETS = Path(__file__).parent / "workers"
+ADD_PIECES = ('{"name": ', '"add"', ', "arguments": ', '{"a": 1, "b": 2', "}}")
+ADD_SCRIPT = "\n<tool_call>" + "".join(ADD_PIECES) + "</tool_call><|im_end|>"  # every turn calls add(1, 2)
 
 pytestmark = pytest.mark.skipif(
     not (CLIENT_BIN / "vf-eval").exists(), reason="verifiers' client venv is absent (make setup-test makes it)"
@@ -37,22 +39,22 @@ def model_dir(tmp_path_factory) -> Path:
     return folder
 
 
-def serve(model: Path, out: Path) -> tuple[subprocess.Popen, str]:
+def serve(model: Path, out: Path, max_new_tokens: int = 8) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "rlx", "serve", "--model", model, "--port", "0", "--out", out,
-               "--max-new-tokens", "8", "--seed", "1", "--engine", "native"]  # fmt: skip
+               "--max-new-tokens", max_new_tokens, "--seed", "1", "--engine", "native"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([str(c) for c in command], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     return proc, wait_for_url(proc)
 
 
-def vf_eval(url: str, output_dir: Path, *args: str) -> list[dict]:
+def vf_eval(url: str, output_dir: Path, *args: str, max_tokens: int = 8) -> list[dict]:
     """Runs vf-eval in the client's venv (its PATH first: the harness prepares its program with uv); the traces of
     the episodes it wrote, each checked to have ended without error."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env |= {"PATH": f"{CLIENT_BIN}{os.pathsep}{env['PATH']}", "PYTHONPATH": str(TASKSETS), "OMP_NUM_THREADS": "1"}
     command = [CLIENT_BIN / "vf-eval", *args, "--model", "rlx", "--client.base-url", f"{url}/v1",
                "--env.agent.harness.id", "null", "--env.agent.runtime.type", "subprocess", "--sampling.max-tokens",
-               "8", "--no-rich", "--no-push", "--output-dir", output_dir]  # fmt: skip
+               max_tokens, "--no-rich", "--no-push", "--output-dir", output_dir]  # fmt: skip
     done = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     (written,) = output_dir.glob("*/traces.jsonl")
@@ -114,3 +116,53 @@ def assert_same_text(trace: dict, record: dict, tokenizer) -> None:
     assert reply["role"] == "assistant"  # an empty reply's trace node keeps no content
     assert tokenizer.decode(ids) == reply.get("content", "") == record["response"]
     assert len(record["rollout_logprobs"]) == len(record["response_ids"])
+
+
+@pytest.mark.slow
+def test_vf_eval_tool_rollout_is_one_token_exact_multi_turn_record(tmp_path):
+    """~60 s (verifiers starts the tool's MCP server in its own process): a model that calls `add` every turn; the
+    harness runs the tool and sends its result back until the rollout's 2 turns are used. One record holds both
+    turns as sampled, the tool result (out of the loss) as the chat template renders it."""
+    model_dir = tmp_path / "model"
+    model, tokenizer = bigram_chat_model(ADD_SCRIPT, extra_tokens=ADD_PIECES)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "served.jsonl"
+    proc, url = serve(model_dir, out, max_new_tokens=16)
+    try:
+        tools = ["--env.taskset.task.tools", "true", "--env.agent.max-turns", "2"]
+        (trace,) = vf_eval(url, tmp_path / "tools", "verifiers-arith", "-n", "1", "-r", "1", *tools, max_tokens=16)
+        stop(proc)
+    finally:
+        proc.kill()
+    assert trace["stop_condition"] == "max_turns" and trace["rewards"]["correct"]["score"] == 1.0
+    (record,) = read_jsonl(out)
+    assert record["prompt_id"] == trace["id"] and record["num_segments"] == 1 and record["num_turns"] == 2
+    sent = [node["message"] for node in trace["nodes"]]
+    assert (
+        [m["role"] for m in sent]
+        == [m["role"] for m in record["messages"]]
+        == ["user", "assistant", "tool", "assistant"]
+    )
+    assert sent[2]["content"] == record["messages"][2]["content"] == "3"
+    for seen, kept in zip(sent[1::2], record["messages"][1::2]):
+        assert [(c["name"], json.loads(c["arguments"])) for c in seen["tool_calls"]] == [("add", {"a": 1, "b": 2})]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in kept["tool_calls"]] == [
+            ("add", '{"a": 1, "b": 2}')
+        ]
+    offered = [
+        {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
+        for t in trace["tools"]
+    ]
+
+    def render(messages: list[dict]) -> list[int]:
+        return tokenizer.apply_chat_template(messages, tools=offered, add_generation_prompt=True)["input_ids"]
+
+    assert record["prompt_ids"] == render(sent[:1])
+    ids, mask = record["response_ids"], record["loss_mask"]
+    turn = tokenizer(ADD_SCRIPT.removeprefix("\n"), add_special_tokens=False)["input_ids"]  # the prompt ends in \n
+    assert ids[: len(turn)] == turn == ids[-len(turn) :] and mask == [1] * len(turn) + [0] * (
+        len(ids) - 2 * len(turn)
+    ) + [1] * len(turn)
+    between = ids[len(turn) : -len(turn)]  # the tool's result and the next turn's opening, as the template writes them
+    assert render(record["messages"][:3])[-len(between) :] == between
