@@ -55,7 +55,7 @@ def vf_eval(url: str, output_dir: Path, *args: str, max_tokens: int = 8) -> list
     command = [CLIENT_BIN / "vf-eval", *args, "--model", "rlx", "--client.base-url", f"{url}/v1",
                "--env.agent.harness.id", "null", "--env.agent.runtime.type", "subprocess", "--sampling.max-tokens",
                max_tokens, "--no-rich", "--no-push", "--output-dir", output_dir]  # fmt: skip
-    done = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, timeout=240)
+    done = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, timeout=480)
     assert done.returncode == 0, done.stderr[-3000:]
     (written,) = output_dir.glob("*/traces.jsonl")
     episodes = read_jsonl(written)
@@ -120,7 +120,7 @@ def assert_same_text(trace: dict, record: dict, tokenizer) -> None:
 
 @pytest.mark.slow
 def test_vf_eval_tool_rollout_is_one_token_exact_multi_turn_record(tmp_path):
-    """~60 s (verifiers starts the tool's MCP server in its own process): a model that calls `add` every turn; the
+    """~1-2 min (verifiers starts the tool's MCP server in its own process): a model that calls `add` every turn; the
     harness runs the tool and sends its result back until the rollout's 2 turns are used. One record holds both
     turns as sampled, the tool result (out of the loss) as the chat template renders it."""
     model_dir = tmp_path / "model"
