@@ -12,6 +12,11 @@ REASONING_GYM_VERSION := 0.1.25
 TYPER_OLDEST := 0.27.2
 CLICK_OLDEST := 8.5.0
 TEST_STAMP := $(VENV)/.test-stamp
+# verifiers' own client (tests/stages/test_verifiers_client.py) in a venv of its own: it needs openai<3, rlx's tests openai 3
+VERIFIERS_VERSION := 0.4.0
+UV_VERSION := 0.13.9
+VF_VENV := .venv-verifiers
+VF_STAMP := $(VF_VENV)/.installed-stamp
 
 .PHONY: setup setup-test quickstart test lint clean
 
@@ -31,7 +36,7 @@ $(STAMP): pyproject.toml Makefile
 # And a real megatron-core (the megatron layout and backend; its CPU gaps are bridged by rlx/models/megatron/compat.py),
 # and reasoning-gym (~45 MB, ~20 s; pure Python, leaves torch alone) for the generated-task tests.
 # And typer and click at pyproject's floors, in a folder of their own (tests/stages/test_cli_help.py puts it first on the path).
-setup-test: $(TEST_STAMP)
+setup-test: $(TEST_STAMP) $(VF_STAMP)
 
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet megatron-core==$(MEGATRON_CORE_VERSION)
@@ -44,6 +49,17 @@ $(TEST_STAMP): $(STAMP)
 		$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec; \
 	fi
 	touch $@
+
+# verifiers and its dependencies (~400 MB, no torch) by uv, ~20 s against pip's ~2.5 min; its harnesses run their
+# chat program through `uv sync --script` as well, so uv stays in the venv's bin (put it on PATH to run vf-eval).
+# verifiers needs Python >= 3.11 (rlx 3.10): on an older Python the venv is not made and the test skips.
+$(VF_STAMP): Makefile
+	if $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+		$(PYTHON) -m venv $(VF_VENV) && \
+		$(VF_VENV)/bin/python -m pip install --quiet uv==$(UV_VERSION) && \
+		$(VF_VENV)/bin/uv pip install --quiet --python $(VF_VENV)/bin/python verifiers==$(VERIFIERS_VERSION) && \
+		touch $@; \
+	else echo "verifiers needs Python >= 3.11: $(VF_VENV) not made"; fi
 
 quickstart: setup
 	rm -rf runs/quickstart
@@ -60,4 +76,4 @@ lint: setup
 	$(BIN)/ruff format --check rlx tests bench
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VF_VENV) runs .pytest_cache .ruff_cache *.egg-info
