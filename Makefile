@@ -58,7 +58,7 @@ $(VF_STAMP): Makefile
 		$(PYTHON) -m venv $(VF_VENV) && \
 		$(VF_VENV)/bin/python -m pip install --quiet uv==$(UV_VERSION) && \
 		$(VF_VENV)/bin/uv pip install --quiet --python $(VF_VENV)/bin/python verifiers==$(VERIFIERS_VERSION) && \
-		touch $@; \
+		touch $@ || echo "warning: $(VF_VENV) could not be made (the verifiers client test will skip, saying so)"; \
 	else echo "verifiers needs Python >= 3.11: $(VF_VENV) not made"; fi
 
 quickstart: setup
