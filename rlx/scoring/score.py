@@ -103,7 +103,7 @@ def compute_rewards(
     sample is scored here (a process whose rollouts are its own)."""
     sharded = replicas is not None and replicas.world > 1
     share = shard_range(len(rollouts), replicas.rank, replicas.world) if sharded else range(len(rollouts))
-    local = _reward_share([rollouts[i] for i in share], cfg, reward_model)
+    local = compute_reward_share([rollouts[i] for i in share], cfg, reward_model)
     parts: list[RewardShare] = all_gather_objects(local) if sharded else [local]
     failure = next((p.failure for p in parts if p.failure is not None), None)  # the first in sample order
     if failure is not None:
@@ -136,7 +136,7 @@ class RewardShare:
     """The share's first failure that stops scoring (on_reward_error 'raise', a sample with no reward function)."""
 
 
-def _reward_share(rollouts: list[RolloutRecord], cfg: ScoreConfig, reward_model) -> RewardShare:
+def compute_reward_share(rollouts: list[RolloutRecord], cfg: ScoreConfig, reward_model) -> RewardShare:
     """The reward functions and reward model over `rollouts` (a failure is returned, not raised: every process
     raises it together after the gather)."""
     functions = RewardFunctions(cfg.reward) if (cfg.reward or reward_model is None) else None
