@@ -68,22 +68,25 @@ def test_a_failing_reward_stops_both_ranks_with_the_same_error(tmp_path):
 
 
 def test_generate_on_two_ranks_gives_one_process_records(tmp_path):
-    """Each rank cuts at stop strings and decodes its own share; every rank's records equal one process's."""
+    """Each rank cuts at stop strings and decodes its own share only; every rank's records equal one process's."""
     from transformers import AutoModelForCausalLM
 
     from rlx.models.tiny import build_char_tokenizer
     from rlx.parallel.dist import DistContext
     from rlx.rollout.base import build_engine
     from rlx.rollout.config import RolloutConfig, SamplingParams
-    from tests.distributed.workers.shared_rewards import PROMPTS, SAMPLING
+    from tests.distributed.workers.shared_rewards import PROMPTS, SAMPLING, counting_decodes
 
     model_dir = save_tiny_hf(tmp_path / "model")
     run_torchrun(2, WORKER, "generate", tmp_path, model_dir, timeout=300)
     two = pickle.loads((tmp_path / "records.pkl").read_bytes())
     model = AutoModelForCausalLM.from_pretrained(model_dir).requires_grad_(False)
-    tokenizer = build_char_tokenizer()
+    tokenizer = counting_decodes(build_char_tokenizer())
     engine = build_engine(RolloutConfig(), model, tokenizer, DistContext())
     one = engine.generate(PROMPTS, SamplingParams(**SAMPLING), progress=False).records
     assert [r.to_json() for r in two] == [r.to_json() for r in one]
+    # each response decoded (stop strings checked, text made) on one rank only: the ranks' decodes add up to one
+    # process's, not twice as many
+    assert sum(int((tmp_path / f"decodes{rank}").read_text()) for rank in (0, 1)) == tokenizer.num_decodes
     cut = [r for r in one if tokenizer.decode(r.response_ids).endswith("5") and "5" not in r.response]
     assert cut and all(r.finish_reason == "stop" for r in cut)  # the stop string ended some responses

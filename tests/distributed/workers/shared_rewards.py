@@ -6,7 +6,7 @@ records, as the synchronous `rlx ppo` ranks do.
 - raise: the same with on_reward_error 'raise' and a function that fails on one sample of rank 1's share; every
   rank must stop with the same one-line error (reporting prints it).
 - generate: the hf engine on the tiny model MODEL (stop strings on); rank 0 pickles the records to
-  FOLDER/records.pkl.
+  FOLDER/records.pkl, each rank writes its count of tokenizer.decode calls to FOLDER/decodes<rank>.
 """
 
 import pickle
@@ -56,6 +56,19 @@ def score(folder: Path, ctx, on_reward_error: str) -> None:
         (folder / "rewards.pkl").write_bytes(pickle.dumps((records, rewards)))
 
 
+def counting_decodes(tokenizer):
+    """`tokenizer` with its `decode` calls counted (in `tokenizer.num_decodes`): the per-sample host work."""
+    decode = tokenizer.decode
+    tokenizer.num_decodes = 0
+
+    def counted(*args, **kwargs):
+        tokenizer.num_decodes += 1
+        return decode(*args, **kwargs)
+
+    tokenizer.decode = counted
+    return tokenizer
+
+
 def generate(folder: Path, model_dir: str, ctx) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -64,8 +77,10 @@ def generate(folder: Path, model_dir: str, ctx) -> None:
     from rlx.rollout.config import RolloutConfig, SamplingParams
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).requires_grad_(False)
-    engine = build_engine(RolloutConfig(), model, build_char_tokenizer(), ctx)
+    tokenizer = counting_decodes(build_char_tokenizer())
+    engine = build_engine(RolloutConfig(), model, tokenizer, ctx)
     records = engine.generate(PROMPTS, SamplingParams(**SAMPLING), progress=False).records
+    (folder / f"decodes{ctx.rank}").write_text(str(tokenizer.num_decodes))
     if ctx.is_main:
         (folder / "records.pkl").write_bytes(pickle.dumps(records))
 
