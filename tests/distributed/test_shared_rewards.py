@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import run_torchrun, save_tiny_hf
+from tests.conftest import cli_ok, read_jsonl, rollout_args, run_torchrun, save_tiny_hf, torchrun
 
 WORKER = Path(__file__).parent / "workers" / "shared_rewards.py"
 
@@ -90,3 +90,30 @@ def test_generate_on_two_ranks_gives_one_process_records(tmp_path):
     assert sum(int((tmp_path / f"decodes{rank}").read_text()) for rank in (0, 1)) == tokenizer.num_decodes
     cut = [r for r in one if tokenizer.decode(r.response_ids).endswith("5") and "5" not in r.response]
     assert cut and all(r.finish_reason == "stop" for r in cut)  # the stop string ended some responses
+
+
+def test_score_on_two_ranks_shares_the_reward_model(tmp_path, tiny_ckpt, prompts_file):
+    """`rlx score` under torchrun: each rank runs the reward model (a plain module on every rank) on its share; the
+    scores are one process's per-sample forwards."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
+
+    tokenizer = build_char_tokenizer()
+    config = tiny_llama_config(len(tokenizer))
+    config.num_labels, config.architectures = 1, ["LlamaForSequenceClassification"]
+    torch.manual_seed(3)
+    rm = AutoModelForSequenceClassification.from_config(config).eval()
+    rm.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    rollouts = tmp_path / "rollouts.jsonl"
+    cli_ok(*rollout_args(tiny_ckpt, prompts_file, rollouts, "--max-new-tokens", "4", "--num-prompts", "3"))
+    args = ["--actor", tiny_ckpt, "--reward", "arith=0.5", "--reward-model", tmp_path / "rm", "--micro-batch-size", "2"]
+    torchrun(2, "score", "--rollouts", rollouts, "--out", tmp_path / "s2", *args)
+    scores = read_jsonl(tmp_path / "s2" / "scores.jsonl")
+    assert len(scores) == len(read_jsonl(rollouts)) > 2
+    for record, score in zip(read_jsonl(rollouts), scores):
+        with torch.no_grad():
+            expected = rm(torch.tensor([tokenizer(record["prompt"] + record["response"])["input_ids"]])).logits
+        assert abs(score["rewards"]["reward_model"]["score"] - expected[0, 0].item()) < 1e-5
+        assert abs(score["reward"] - (0.5 * score["rewards"]["arith"]["score"] + expected[0, 0].item())) < 1e-5
