@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import cli_ok, read_jsonl, rollout_args, run_torchrun, save_tiny_hf, torchrun
+from tests.conftest import cli_ok, read_jsonl, rollout_args, run_torchrun, save_tiny_hf, torchrun, write_jsonl
 
 WORKER = Path(__file__).parent / "workers" / "shared_rewards.py"
 
@@ -117,3 +117,13 @@ def test_score_on_two_ranks_shares_the_reward_model(tmp_path, tiny_ckpt, prompts
             expected = rm(torch.tensor([tokenizer(record["prompt"] + record["response"])["input_ids"]])).logits
         assert abs(score["rewards"]["reward_model"]["score"] - expected[0, 0].item()) < 1e-5
         assert abs(score["reward"] - (0.5 * score["rewards"]["arith"]["score"] + expected[0, 0].item())) < 1e-5
+
+
+def test_eval_on_two_ranks_grades_in_shares_and_equals_one_process(tmp_path, tiny_ckpt, prompts_file):
+    """`rlx eval` under torchrun: every rank holds the answers and grades a share; rank 0 writes one process's file."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", read_jsonl(prompts_file)[:5])
+    args = ["--model", tiny_ckpt, "--prompts", prompts, "--reward", "arith", "--max-new-tokens", "3"]
+    cli_ok("eval", *args, "--out", tmp_path / "one")
+    torchrun(2, "eval", *args, "--out", tmp_path / "two")
+    one, two = read_jsonl(tmp_path / "one" / "eval.jsonl"), read_jsonl(tmp_path / "two" / "eval.jsonl")
+    assert len(one) == 5 and one == two
