@@ -153,12 +153,14 @@ class EvalSample:
         return out
 
 
-def grade(rollouts: list, cfg: EvalConfig) -> list[EvalSample]:
-    """Rewards of the responses (the scoring stage's reward functions) and whether each is correct."""
+def grade(rollouts: list, cfg: EvalConfig, replicas=None) -> list[EvalSample]:
+    """Rewards of the responses (the scoring stage's reward functions) and whether each is correct; `replicas`: the
+    processes holding these same rollouts, which share the reward functions' work (compute_rewards)."""
     from rlx.scoring.config import ScoreConfig
     from rlx.scoring.score import compute_rewards
 
-    rewards = compute_rewards(rollouts, ScoreConfig(reward=list(cfg.reward), on_reward_error=cfg.on_reward_error))
+    score_cfg = ScoreConfig(reward=list(cfg.reward), on_reward_error=cfg.on_reward_error)
+    rewards = compute_rewards(rollouts, score_cfg, replicas=replicas)
     samples = []
     for i, r in enumerate(rollouts):
         reward = float(rewards.scores[i])
@@ -185,7 +187,8 @@ def grade(rollouts: list, cfg: EvalConfig) -> list[EvalSample]:
 def evaluate(cfg: EvalConfig, engine, prompts: list) -> tuple[list[EvalSample], dict[str, float]]:
     """Graded samples and val/* metrics of `prompts` answered by a resident rollout engine (`rlx ppo`'s [eval]).
     Every sample draws from its own stream seeded by cfg.sampling.seed: nothing of the training stream is used."""
-    samples = grade(engine.generate(prompts, cfg.sampling, progress=False).records, cfg)
+    records = engine.generate(prompts, cfg.sampling, progress=False).records  # the same on every process of engine.ctx
+    samples = grade(records, cfg, engine.ctx)
     return samples, graded_metrics(samples)
 
 

@@ -52,6 +52,10 @@ from rlx.utils.io import write_jsonl
 class RemoteRollouts:
     """What a trainer holds in place of a rollout engine: the engine lives on the rollout ranks."""
 
+    ctx = None
+    """The step's records come from the rollout ranks (every trainer gets them all); the trainers score every sample
+    each (their ranks are not the whole launch, which a gather of shared rewards would take)."""
+
     def counters(self) -> dict[str, float]:
         return {}
 

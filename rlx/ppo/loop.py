@@ -215,9 +215,8 @@ class PPORun:
             from_rollout = self._old_logprobs_from_rollout(rollouts)
             if from_rollout:  # exact mode, one update: the actor's forward would give the rollout's logprobs again
                 models = dataclasses.replace(models, actor=None)
-            result = score_rollouts(
-                rollouts, score_cfg, models, cfg.rollout.sampling.train_temperature, rewards=rewards
-            )
+            temperature = cfg.rollout.sampling.train_temperature
+            result = score_rollouts(rollouts, score_cfg, models, temperature, rewards, replicas=self.engine.ctx)
         metrics.update(result.metrics)
         if cfg.exact:
             metrics["score/old_logprobs_from_rollout"] = float(from_rollout)
@@ -321,7 +320,8 @@ class PPORun:
             rollouts, stats = result.records, stats + result.stats
             if not cfg.score.filter_groups:
                 return rollouts, None, stats.metrics()
-            groups.add(rollouts, compute_rewards(rollouts, self.score_cfg, self.models.scoring.reward_model))
+            rewards = compute_rewards(rollouts, self.score_cfg, self.models.scoring.reward_model, self.engine.ctx)
+            groups.add(rollouts, rewards)
             if not groups.needs_more(len(groups.groups)):
                 break
         records, rewards, _ = groups.take(want)

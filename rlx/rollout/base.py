@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from rlx.errors import UserError
 from rlx.formats.records import PromptRecord, RolloutRecord
+from rlx.models.fingerprint import tokenizer_fingerprint
 from rlx.models.lora import is_lora_model
 from rlx.models.lora_state import adapter_state
 from rlx.parallel.dist import all_gather_objects, all_reduce, shard_range
@@ -43,7 +44,15 @@ from rlx.parallel.fsdp import gathered_weights
 from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.lengths import limit_reason, model_context
 from rlx.rollout.prompts import PromptEncoder, context_limit, stop_token_ids
-from rlx.rollout.requests import Generated, Request, TokenRequest, build_requests, to_record, token_requests
+from rlx.rollout.requests import (
+    Generated,
+    Request,
+    TokenRequest,
+    build_requests,
+    response_text,
+    to_record,
+    token_requests,
+)
 from rlx.rollout.stats import EpisodeStats
 from rlx.rollout.stops import StopStrings
 from rlx.utils.device import resolve_precision
@@ -255,20 +264,22 @@ class RolloutEngine(ABC):
         mine = self.local_share(len(requests))
         start = time.perf_counter()
         local = self.generate_local([requests[i] for i in mine], sampling, progress)
-        results: list[Generated | None] = [None] * len(requests)
-        for indices, generated in (
-            all_gather_objects((mine, local.generated)) if self.ctx else [(mine, local.generated)]
-        ):
-            for i, g in zip(indices, generated):
-                results[i] = g
+        finished = finish_generated(local.generated, self.tokenizer, sampling.stop)  # this share's texts, here
+        results: list[tuple[Generated, str] | None] = [None] * len(requests)
+        for indices, part in all_gather_objects((mine, finished)) if self.ctx else [(mine, finished)]:
+            for i, item in zip(indices, part):
+                results[i] = item
         stats = RolloutStats(
-            sum(len(g.response_ids) for g in results), time.perf_counter() - start, local.preemptions, local.steps_ahead
+            sum(len(g.response_ids) for g, _ in results),
+            time.perf_counter() - start,
+            local.preemptions,
+            local.steps_ahead,
         )
-        if sampling.stop:
-            stops = StopStrings(self.tokenizer, sampling.stop)
-            results = [stops.cut(g) for g in results]
-            stats.tokens = sum(len(g.response_ids) for g in results)
-        records = [to_record(r, g, self.tokenizer, sampling.temperature) for r, g in zip(requests, results)]
+        fingerprint = tokenizer_fingerprint(self.tokenizer)
+        records = [
+            to_record(r, g, self.tokenizer, sampling.temperature, response=text, fingerprint=fingerprint)
+            for r, (g, text) in zip(requests, results)
+        ]
         return RolloutResult(records, stats)
 
     def local_share(self, count: int) -> list[int]:
@@ -357,6 +368,16 @@ class RolloutEngine(ABC):
     def close(self) -> None:
         """Shut the engine down (after every collective of the command)."""
         return None
+
+
+def finish_generated(generated: list[Generated], tokenizer, stop: tuple[str, ...]) -> list[tuple[Generated, str]]:
+    """Each response cut at its first stop string (`stop`: rollout.sampling.stop), with its decoded text: the
+    per-sample CPU work of a process's own share, done before the shares are gathered (not by every process for
+    every sample)."""
+    if stop:
+        stops = StopStrings(tokenizer, stop)
+        generated = [stops.cut(g) for g in generated]
+    return [(g, response_text(g, tokenizer)) for g in generated]
 
 
 @torch.no_grad()

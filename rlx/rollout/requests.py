@@ -122,14 +122,28 @@ def cut_response(text: str, stop: str | None) -> str:
     return text if at < 0 else text[:at]
 
 
-def to_record(req: Request, gen: Generated, tokenizer, temperature: float) -> RolloutRecord:
+def response_text(gen: Generated, tokenizer) -> str:
+    """The decoded response (special tokens removed), cut before the stop string that ended it."""
+    return cut_response(tokenizer.decode(gen.response_ids, skip_special_tokens=True), gen.stop_string)
+
+
+def to_record(
+    req: Request,
+    gen: Generated,
+    tokenizer,
+    temperature: float,
+    response: str | None = None,
+    fingerprint: str | None = None,
+) -> RolloutRecord:
+    """The record of a prompt request; `response` (its `response_text`) and `fingerprint` (the tokenizer's) where
+    the caller has them already."""
     p = req.prompt
     return RolloutRecord(
         id=req.sample_id,
         prompt_id=p.id,
         sample_index=req.sample_index,
         prompt=p.prompt,
-        response=cut_response(tokenizer.decode(gen.response_ids, skip_special_tokens=True), gen.stop_string),
+        response=response_text(gen, tokenizer) if response is None else response,
         prompt_ids=req.prompt_ids,
         response_ids=gen.response_ids,
         rollout_logprobs=gen.logprobs,
@@ -139,6 +153,6 @@ def to_record(req: Request, gen: Generated, tokenizer, temperature: float) -> Ro
         data_source=p.data_source,
         ground_truth=p.ground_truth,
         extra=dict(p.extra),
-        tokenizer=tokenizer_fingerprint(tokenizer),
+        tokenizer=fingerprint or tokenizer_fingerprint(tokenizer),
         routed_experts=gen.routed_experts,
     )

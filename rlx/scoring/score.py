@@ -19,6 +19,7 @@ from rlx.formats.records import RolloutRecord, ScoreRecord
 from rlx.models.exact import exact_forward
 from rlx.models.family import family_of
 from rlx.observe.tracking import console
+from rlx.parallel.dist import DistContext, all_gather_objects, shard_range
 from rlx.scoring.config import ScoreConfig
 from rlx.scoring.rewards import RewardFunctions
 
@@ -90,29 +91,27 @@ class ScoreResult:
     """The in-reward KL coefficient for the next step (fixed or adaptive control); None without the penalty."""
 
 
-def compute_rewards(rollouts: list[RolloutRecord], cfg: ScoreConfig, reward_model=None) -> Rewards:
-    """Weighted rule/custom rewards + reward model + DAPO overlong shaping, for every sample."""
-    functions = RewardFunctions(cfg.reward) if (cfg.reward or reward_model is None) else None
-    scores, details, errors = [], [], []
-    for rollout in rollouts:
-        if functions is None:
-            scores.append(0.0), details.append({}), errors.append(None)
-            continue
-        result = functions.compute(rollout)
-        if result.error and cfg.on_reward_error == "raise":
-            raise UserError(
-                f"sample {rollout.id!r}: {result.error} "
-                f"(pass --on-reward-error zero to score such samples 0 and count them)"
-            )
-        scores.append(result.score), details.append(result.details), errors.append(result.error)
+def compute_rewards(
+    rollouts: list[RolloutRecord], cfg: ScoreConfig, reward_model=None, replicas: DistContext | None = None
+) -> Rewards:
+    """Weighted rule/custom rewards + reward model + DAPO overlong shaping, for every sample.
+
+    `replicas`: the processes that hold these same rollouts, in the same order (the synchronous `rlx ppo` ranks,
+    whose engine gathers every sample on each: RolloutEngine.ctx); each computes the rewards of a contiguous share
+    (reward functions and reward-model forwards once per sample over the processes), and every process gets all of
+    them. A failing sample (on_reward_error 'raise') then stops every process with the same error. None: every
+    sample is scored here (a process whose rollouts are its own)."""
+    sharded = replicas is not None and replicas.world > 1
+    share = shard_range(len(rollouts), replicas.rank, replicas.world) if sharded else range(len(rollouts))
+    local = compute_reward_share([rollouts[i] for i in share], cfg, reward_model)
+    parts: list[RewardShare] = all_gather_objects(local) if sharded else [local]
+    failure = next((p.failure for p in parts if p.failure is not None), None)  # the first in sample order
+    if failure is not None:
+        raise UserError(failure)
+    errors = [e for p in parts for e in p.errors]
     check_error_fraction(rollouts, errors, cfg.max_reward_error_fraction)
-    out = Rewards(torch.tensor(scores, dtype=torch.float32), details, errors)
-    if reward_model is not None:
-        rm = reward_model.score([(r.prompt, r.response) for r in rollouts], cfg.micro_batch_size)
-        out.scores = out.scores + cfg.reward_model_weight * rm
-        for d, value in zip(out.details, rm.tolist()):
-            d["reward_model"] = {"score": value}
-    out.task_scores = out.scores.clone()
+    out = Rewards(torch.tensor([s for p in parts for s in p.scores], dtype=torch.float32),
+                  [d for p in parts for d in p.details], errors)  # fmt: skip
     if cfg.overlong_buffer > 0:
         if cfg.max_response_length <= cfg.overlong_buffer:
             raise UserError("overlong shaping needs --max-response-length (the rollout's max_new_tokens)")
@@ -122,6 +121,47 @@ def compute_rewards(rollouts: list[RolloutRecord], cfg: ScoreConfig, reward_mode
             penalty = min(-(length - expected) / cfg.overlong_buffer * cfg.overlong_penalty, 0.0)
             out.scores[i] += penalty
             out.details[i]["overlong"] = {"score": penalty}
+    return out
+
+
+@dataclass
+class RewardShare:
+    """The rewards of one process's share of the samples, as they are gathered: each sample's weighted sum (reward
+    model included, before overlong shaping), details and error, or the error that stops the run."""
+
+    scores: list[float] = dataclasses.field(default_factory=list)
+    details: list[dict] = dataclasses.field(default_factory=list)
+    errors: list[str | None] = dataclasses.field(default_factory=list)
+    failure: str | None = None
+    """The share's first failure that stops scoring (on_reward_error 'raise', a sample with no reward function)."""
+
+
+def compute_reward_share(rollouts: list[RolloutRecord], cfg: ScoreConfig, reward_model) -> RewardShare:
+    """The reward functions and reward model over `rollouts` (a failure is returned, not raised: every process
+    raises it together after the gather)."""
+    functions = RewardFunctions(cfg.reward) if (cfg.reward or reward_model is None) else None
+    out = RewardShare()
+    try:
+        for rollout in rollouts:
+            result = functions.compute(rollout) if functions is not None else None
+            if result is None:
+                out.scores.append(0.0), out.details.append({}), out.errors.append(None)
+                continue
+            if result.error and cfg.on_reward_error == "raise":
+                out.failure = (
+                    f"sample {rollout.id!r}: {result.error} "
+                    f"(pass --on-reward-error zero to score such samples 0 and count them)"
+                )
+                return out
+            out.scores.append(result.score), out.details.append(result.details), out.errors.append(result.error)
+    except UserError as e:  # e.g. a sample whose data_source names no reward function
+        out.failure = str(e)
+        return out
+    if reward_model is not None and rollouts:  # a plain module on each process (not sharded): no collective inside
+        rm = reward_model.score([(r.prompt, r.response) for r in rollouts], cfg.micro_batch_size)
+        out.scores = (torch.tensor(out.scores, dtype=torch.float32) + cfg.reward_model_weight * rm).tolist()
+        for d, value in zip(out.details, rm.tolist()):
+            d["reward_model"] = {"score": value}
     return out
 
 
@@ -180,10 +220,12 @@ def score_rollouts(
     models: ScoringModels,
     temperature: float,
     rewards: Rewards | None = None,
+    replicas: DistContext | None = None,
 ) -> ScoreResult:
-    """Score rollouts and build the training batch (None when dynamic sampling leaves nothing)."""
+    """Score rollouts and build the training batch (None when dynamic sampling leaves nothing); `replicas`: the
+    processes holding these same rollouts, which share the reward computation (compute_rewards)."""
     check_setup(rollouts, cfg, models)
-    rewards = rewards or compute_rewards(rollouts, cfg, models.reward_model)
+    rewards = rewards or compute_rewards(rollouts, cfg, models.reward_model, replicas)
     trained = [i for i, r in enumerate(rollouts) if not r.is_greedy_baseline]
     baselines = {r.prompt_id: float(rewards.scores[i]) for i, r in enumerate(rollouts) if r.is_greedy_baseline}
     metrics = reward_metrics(rollouts, rewards)

@@ -59,9 +59,9 @@ def run_eval(
     ctx = setup(rollout_cfg.device)
     model = load_model(source, config=config).requires_grad_(False)
     rollouts = generate(cfg, rollout_cfg, model, tokenizer, prompts, ctx, processor)
+    samples = grade(rollouts, cfg, ctx)  # every process holds every record: each grades a share
     if not ctx.is_main:
         return {}
-    samples = grade(rollouts, cfg)
     metrics = graded_metrics(samples)
     write_jsonl(target, (s.to_json() for s in samples))
     step = read_meta_or_default(source.path).step

@@ -134,7 +134,8 @@ def run_score(
     models = load_scoring_models(cfg, (actor_source, actor_config), ref, critic)
     check_rollout_tokenizer(rollouts, rollouts_path, models.tokenizer, actor)
     check_token_ids(rollouts, models.vocab_size, rollouts_path)
-    result = score_rollouts(rollouts, cfg, models, rollout_temperature(rollouts, temperature, rollouts_path))
+    temperature = rollout_temperature(rollouts, temperature, rollouts_path)
+    result = score_rollouts(rollouts, cfg, models, temperature, replicas=context())  # each process read every sample
     if result.batch is None:
         raise UserError(
             f"{rollouts_path}: every prompt's samples got the same reward, so --filter-groups left "
