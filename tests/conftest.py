@@ -224,7 +224,15 @@ def chat_ckpt(tiny_dir, tmp_path_factory) -> Path:
     return out
 
 
+def load_slowest(path: Path = REPO / "tests" / "slowest.txt") -> dict[str, float]:
+    """Seconds each of the slowest tests took in the last full run, by node id (`SECONDS NODEID` lines)."""
+    lines = [line.split(maxsplit=1) for line in path.read_text().splitlines() if line and not line.startswith("#")]
+    return {nodeid.strip(): float(seconds) for seconds, nodeid in lines}
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests pinned to one worker (`xdist_group`, the vLLM tests) go first: under `-n 2 --dist loadgroup` that
-    worker starts on them while the other takes the rest, instead of running them alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)  # stable: file order otherwise
+    worker starts on them while the other takes the rest, instead of running them alone at the end. The others
+    start longest first (tests/slowest.txt), so the run does not end on one long test while a worker idles."""
+    slowest = load_slowest()
+    items.sort(key=lambda item: (item.get_closest_marker("xdist_group") is None, -slowest.get(item.nodeid, 0.0)))
