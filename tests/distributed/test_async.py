@@ -56,6 +56,12 @@ def ppo_torchrun(n: int, recipe: Path, out: Path, *sets: str, **kwargs) -> subpr
     return run_torchrun(n, "-m", "rlx", "ppo", recipe, "--out", out, *args, **kwargs)
 
 
+def ppo_one_process(recipe: Path, out: Path, *sets: str) -> None:
+    """`rlx ppo` without torchrun, in this process (the synchronous run the async ones are compared with: the
+    same numbers as one launched rank, without two interpreter start-ups)."""
+    cli_ok("ppo", recipe, "--out", out, *[a for s in sets for a in ([s] if s.startswith("--") else ["--set", s])])
+
+
 def check_staleness(run: Path, steps: int, bound: int) -> list[int]:
     """Every trained sample of every step within the bound (from rollouts.jsonl); the staleness per step."""
     worst = []
@@ -96,10 +102,10 @@ def test_bad_async_settings_are_one_line_errors(tmp_path):
 
 @pytest.mark.slow
 def test_max_staleness_0_is_the_synchronous_run(tmp_path):
-    """1 rollout rank + 1 trainer at max_staleness 0 == `rlx ppo` on one launched process: same weights, metrics."""
+    """1 rollout rank + 1 trainer at max_staleness 0 == `rlx ppo` in one process: same weights, metrics."""
     ppo_torchrun(2, write_recipe(tmp_path, "max_staleness = 0"), tmp_path / "async")
     (tmp_path / "sync").mkdir()
-    ppo_torchrun(1, write_recipe(tmp_path / "sync", None), tmp_path / "sync" / "run")
+    ppo_one_process(write_recipe(tmp_path / "sync", None), tmp_path / "sync" / "run")
     sync, run = tmp_path / "sync" / "run", tmp_path / "async"
     assert_same_weights(sync / "checkpoints" / "step_000004", run / "checkpoints" / "step_000004")
     assert check_staleness(run, 4, 0) == [0, 0, 0, 0]
@@ -195,7 +201,7 @@ def test_eval_on_the_rollout_ranks(tmp_path):
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(RECIPE + EVAL_TABLE)
     (tmp_path / "sync").mkdir()
-    ppo_torchrun(1, recipe, tmp_path / "sync" / "run")
+    ppo_one_process(recipe, tmp_path / "sync" / "run")
     ppo_torchrun(2, recipe, tmp_path / "lag0", "async.max_staleness=0")
     sync, lag0 = tmp_path / "sync" / "run", tmp_path / "lag0"
     lines = [read_jsonl(run / "metrics.jsonl") for run in (sync, lag0)]
@@ -292,7 +298,7 @@ def test_lora_trainer(tmp_path):
     the synchronous run's adapters bit for bit and its sampled tokens (the rollout logprobs differ in the 7th
     digit: merged weights against PEFT's unmerged adapter matmuls)."""
     recipe, sets = REPO / "recipes" / "quickstart_lora.toml", ["steps=2", "data.prompts_per_step=8"]
-    ppo_torchrun(1, recipe, tmp_path / "sync", *sets)
+    ppo_one_process(recipe, tmp_path / "sync", *sets)
     ppo_torchrun(2, recipe, tmp_path / "async", *sets, "async.max_staleness=0")
     final = Path("checkpoints") / "step_000002"
     assert (tmp_path / "async" / final / "adapter.safetensors").exists()
@@ -386,7 +392,7 @@ def test_dynamic_sampling_at_max_staleness_0_is_the_synchronous_run(tmp_path):
     synchronous run's samples in its order: the same weights, metrics and data positions."""
     sets = ["seed=1", "steps=3", "data.prompts_per_step=4", "score.filter_groups=true", "data.max_gen_batches=0"]
     (tmp_path / "sync").mkdir()
-    ppo_torchrun(1, write_recipe(tmp_path / "sync", None), tmp_path / "sync" / "run", *sets)
+    ppo_one_process(write_recipe(tmp_path / "sync", None), tmp_path / "sync" / "run", *sets)
     sync = tmp_path / "sync" / "run"
     theirs = read_jsonl(sync / "metrics.jsonl")
     assert max(m["dynamic_sampling/gen_batches"] for m in theirs) > 1
@@ -507,7 +513,7 @@ def assert_multi_turn_async_equals_sync(tmp_path: Path, keys: tuple[str, ...], *
     (tmp_path / "sync").mkdir()
     (tmp_path / "sync" / "recipe.toml").write_text(MULTI_TURN)
     (tmp_path / "recipe.toml").write_text(MULTI_TURN + "[async]\nmax_staleness = 0\n")
-    ppo_torchrun(1, tmp_path / "sync" / "recipe.toml", tmp_path / "sync" / "run", *sets)
+    ppo_one_process(tmp_path / "sync" / "recipe.toml", tmp_path / "sync" / "run", *sets)
     ppo_torchrun(2, tmp_path / "recipe.toml", tmp_path / "async", *sets)
     sync, run = tmp_path / "sync" / "run", tmp_path / "async"
     assert_same_weights(sync / "checkpoints" / "step_000003", run / "checkpoints" / "step_000003")

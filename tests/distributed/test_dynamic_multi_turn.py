@@ -11,7 +11,7 @@ import pytest
 
 from rlx.models.tiny_chat import build_chat_tokenizer
 from tests.conftest import REPO, read_jsonl
-from tests.distributed.test_async import check_staleness, ppo_torchrun, read_steps
+from tests.distributed.test_async import check_staleness, ppo_one_process, ppo_torchrun, read_steps
 from tests.stages.test_ppo import assert_same_weights
 
 ENV = '''
@@ -105,7 +105,7 @@ def test_dynamic_sampling_of_episodes_sync_and_async(tmp_path):
     max_staleness 1 with 2 rollout ranks every step still keeps informative whole episodes within the bound."""
     (tmp_path / "sync").mkdir()
     sync = tmp_path / "sync" / "run"
-    ppo_torchrun(1, write_recipe(tmp_path / "sync", None), sync)
+    ppo_one_process(write_recipe(tmp_path / "sync", None), sync)
     assert max(check_episodes(sync, 3)) > 1
     run = tmp_path / "async"
     ppo_torchrun(2, write_recipe(tmp_path, "max_staleness = 0"), run)
