@@ -122,20 +122,16 @@ def test_accelerator_process_gets_one_cpu_thread_unless_omp_is_set(monkeypatch):
 
     from rlx.parallel.dist import group_collectives, limit_cpu_threads
 
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        monkeypatch.setenv("OMP_NUM_THREADS", "2")
-        limit_cpu_threads(torch.device("cuda", 0))
-        assert torch.get_num_threads() == 2  # the user's setting wins
-        limit_cpu_threads(torch.device("cpu"))
-        monkeypatch.delenv("OMP_NUM_THREADS")
-        limit_cpu_threads(torch.device("cpu"))
-        assert torch.get_num_threads() == 2  # CPU compute keeps its threads
-        limit_cpu_threads(torch.device("cuda", 0))
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    limit_cpu_threads(torch.device("cuda", 0))
+    assert calls == []  # the user's setting wins
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    limit_cpu_threads(torch.device("cpu"))
+    assert calls == []  # CPU compute keeps its threads
+    limit_cpu_threads(torch.device("cuda", 0))
+    assert calls == [1]
     # CPU-offloaded shards (train.param_offload) reduce over gloo beside nccl on CUDA
     assert group_collectives(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
     assert group_collectives(torch.device("cpu")) == "gloo"
