@@ -55,6 +55,9 @@ class PlainBackend(TrainingBackend):
         model = load_model(source, cfg.role, config=config)
         return self.build_trainer(model, cfg, str(source.path), read_full_optimizer(source.path))
 
+    def scorer(self, trainer):
+        return ModuleScorer(trainer.model, self.ctx)
+
     def build_reference(self, model):
         return ModuleScorer(model.requires_grad_(False).eval(), self.ctx)
 

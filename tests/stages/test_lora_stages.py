@@ -381,7 +381,7 @@ def test_a_backend_without_lora_says_so():
 
     class Plain(TrainingBackend):
         name = "plain"
-        setup = build_trainer = load_trainer = build_reference = load_scoring_model = None
+        setup = build_trainer = load_trainer = scorer = build_reference = load_scoring_model = None
 
     assert Plain(None).lora_options(None, "lora") == {}
     with pytest.raises(UserError, match="lora: LoRA is not supported by the plain training backend"):
