@@ -52,15 +52,19 @@ def test_inductor_cache_hits_and_misses_are_counted(tmp_path):
 
 
 def test_host_rss_sees_an_allocation():
-    """RSS is the whole process's: in a test worker other threads left by earlier tests may free memory in the same
-    moment (seen once in the suite: the growth read 0), so the allocation gets three tries to show."""
+    """RSS is the whole process's: the block is a fresh anonymous mapping, written, so it adds resident pages (a
+    malloc'd block may reuse pages an earlier test freed, and the growth then read 0); in a test worker other threads
+    may free memory in the same moment, so the allocation gets three tries to show."""
+    import mmap
+
     grown = []
     for _ in range(3):
         before = host_rss_bytes()
         with measure_phase("score") as phase:
-            block = b"\x01" * (128 * MIB)  # written, so resident
+            block = mmap.mmap(-1, 128 * MIB)
+            block.write(b"\x01" * (128 * MIB))
         grown.append(phase["memory/score_host_rss_gb"] * 2**30 - before)
-        del block
+        block.close()
         if grown[-1] > 100 * MIB:
             break
     assert max(grown) > 100 * MIB, grown
