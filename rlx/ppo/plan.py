@@ -7,7 +7,8 @@ rlx/rollout/native/engine.py):
 - the trained model under FSDP2 mixed precision: float32 parameter shards (4 bytes per parameter / ranks), float32
   gradient shards (4 / ranks), AdamW's two float32 moments (8 / ranks); with train.param_offload all three stay on
   the CPU. Gradients of a mini-batch split into several micro-batches accumulate unsharded in float32 (FSDP2 with
-  reduce_dtype float32 and gradient sync off until the last micro-batch): 4 bytes per parameter, not sharded;
+  reduce_dtype float32 and gradient sync off until the last micro-batch): 4 bytes per parameter, not sharded; with
+  train.grad_accumulation = "sharded" each micro-batch reduce-scatters into the shards instead (no whole copy);
 - while a layer computes, its parameters gathered in bfloat16 (the next layer's prefetched), and the root's
   (embeddings, LM head) for the whole forward and backward;
 - the reference policy (use_ref, no LoRA): a whole float32 copy on every rank (not sharded);
@@ -217,6 +218,9 @@ class Settings:
     param_offload: bool = False
     kv_cache_gib: float = 0.0
     """The native engine's KV cache; 0: what a step needs plus 1/8."""
+    grad_accumulation: str = "unsharded"
+    """train.grad_accumulation: 'sharded' reduces every micro-batch's gradient into the shards (no whole float32
+    gradient per rank)."""
     ep_degree: int = 1
     """train.ep_degree: a mixture of experts' experts split over this many ranks (gathered and accumulated
     gradients hold 1 / ep_degree of them)."""
@@ -283,7 +287,8 @@ def _train_gib(shape: ModelShape, work: Workload, settings: Settings, world: int
     micro_batches = math.ceil(tokens_per_rank / settings.train_tokens)
     ep = settings.ep_degree  # the actor's experts; a critic (its own module) is not expert-parallel
     whole = shape.local_params(ep) + (shape.params if work.has_critic else 0)
-    accumulated = whole * 4 if micro_batches > 1 and world > 1 and not work.has_lora else 0
+    unsharded = settings.grad_accumulation == "unsharded"
+    accumulated = whole * 4 if micro_batches > 1 and world > 1 and unsharded and not work.has_lora else 0
     # FSDP: two layers gathered in bf16 and their fp32 gradients, the root for the whole pass; one process: autocast
     # keeps a bfloat16 copy of every weight for the backward
     gathered = shape.local_layer_params(ep) * 12 + shape.root_params * 6 if world > 1 else shape.params * 2
@@ -329,12 +334,14 @@ _CHOICES = {  # dotted recipe key -> Settings field
     "score.max_tokens_per_micro_batch": "score_tokens",
     "train.compile": "compile",
     "train.param_offload": "param_offload",
+    "train.grad_accumulation": "grad_accumulation",
     "rollout.kv_cache_gib": "kv_cache_gib",
     "train.ep_degree": "ep_degree",
 }
 _LADDER = [  # in order of cost: the first that fits wins
     {},
     {"sleep": True},
+    {"sleep": True, "grad_accumulation": "sharded"},
     {"sleep": True, "gradient_checkpointing": True},
     {"sleep": True, "gradient_checkpointing": True, "compile": False},
     {"sleep": True, "gradient_checkpointing": True, "compile": False, "param_offload": True},
@@ -423,6 +430,7 @@ def _settings_of(tree: dict) -> Settings:
         score_tokens=int(score.get("max_tokens_per_micro_batch") or 16384),
         compile=bool(train.get("compile", False)),
         param_offload=bool(train.get("param_offload", False)),
+        grad_accumulation=str(train.get("grad_accumulation", "unsharded")),
         kv_cache_gib=float(rollout.get("kv_cache_gib", 0.0)),
         ep_degree=int(train.get("ep_degree", 1)),
     )

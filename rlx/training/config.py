@@ -114,6 +114,11 @@ class TrainConfig:
     """Micro-batches by token budget (prompt + response tokens) instead of micro_batch_size (0 = off)."""
     gradient_checkpointing: bool = False
     """Recompute decoder-layer activations in the backward pass instead of storing them."""
+    grad_accumulation: Literal["unsharded", "sharded"] = "unsharded"
+    """FSDP with several micro-batches per optimizer step: 'unsharded' keeps a whole float32 gradient on every rank
+    and reduce-scatters it once after the last micro-batch (fewest collectives; 4 bytes per parameter more memory),
+    'sharded' reduce-scatters after every micro-batch into the gradient shards (no whole copy; one collective per
+    micro-batch, overlapped with the backward). `rlx ppo` on GPUs lets the memory plan choose when unset."""
     param_offload: bool = False
     """FSDP: keep parameter shards, gradients and AdamW state on the CPU (needs a launcher, e.g. torchrun)."""
     activation_offload: bool = False

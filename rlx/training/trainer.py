@@ -319,8 +319,8 @@ class Trainer:
             count = int(all_reduce(count, "max", group=self.ctx.dp_group, device=self.ctx.device))
         for i in range(count):
             dummy = i >= len(parts)  # keeps FSDP's collectives in step with busier ranks; contributes nothing
-            if self.is_sharded:  # FSDP accumulates unsharded float32 gradients, reduces after the last
-                self.model.set_requires_gradient_sync(i == count - 1)
+            if self.is_sharded:  # unsharded: FSDP accumulates whole float32 gradients, reduces after the last
+                self.model.set_requires_gradient_sync(i == count - 1 or self.cfg.grad_accumulation == "sharded")
             part = local.select(parts[0] if dummy else parts[i])
             with activation_offload(self.cfg.activation_offload, self.device):
                 self.micro_step(

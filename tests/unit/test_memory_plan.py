@@ -65,11 +65,18 @@ def test_the_issue_7b_fast_path_does_not_fit_and_sleep_with_checkpointing_does()
     assert estimate(shape, work, ran, 4, H100_GIB).peak <= usable_gib(H100_GIB)
 
 
-def test_the_plan_picks_sleep_and_checkpointing_for_the_issue_run():
+def test_the_plan_picks_sleep_and_sharded_gradients_for_the_issue_run():
+    """The 7B run: the engine sleeps, and micro-batches reduce-scatter their gradients (a whole float32 gradient
+    per rank, 28 GiB, is what would not fit) rather than recomputing activations; the recipe's own
+    grad_accumulation = "unsharded" makes it checkpoint activations instead."""
     tree = with_fast_path(ISSUE_RECIPE)
     plan = plan_memory(QWEN25_7B, tree, {"use_ref": False}, 4, H100_GIB)
     assert plan.fits
-    assert plan.chosen["rollout.sleep"] is True and plan.chosen["train.gradient_checkpointing"] is True
+    assert plan.chosen["rollout.sleep"] is True and plan.chosen["train.grad_accumulation"] == "sharded"
+    assert "train.gradient_checkpointing" not in plan.chosen and not plan.estimate.parts["accumulated_grads"]
+    tree["train"]["grad_accumulation"] = "unsharded"
+    kept = plan_memory(QWEN25_7B, tree, {"train.grad_accumulation": "unsharded"}, 4, H100_GIB)
+    assert kept.fits and kept.chosen["train.gradient_checkpointing"] is True
     assert "train.param_offload" not in plan.chosen
     assert plan.chosen["rollout.kv_cache_gib"] > 0
     episodes = {**tree, "rollout": {**tree["rollout"], "env": "envs.py:Game"}}  # contexts outgrow the prompt
@@ -88,8 +95,8 @@ def test_what_the_plan_picks_as_memory_shrinks():
     for gib in (1000.0, 160.0, 80.0, 60.0, 48.0):
         plan = plan_memory(QWEN25_7B, tree, {}, 4, gib)
         assert plan.fits, plan.summary()
-        rungs.append(sum(bool(plan.chosen.get(k)) for k in ("rollout.sleep", "train.gradient_checkpointing",
-                                                             "train.param_offload")))  # fmt: skip
+        keys = ("rollout.sleep", "train.gradient_checkpointing", "train.grad_accumulation", "train.param_offload")
+        rungs.append(sum(bool(plan.chosen.get(k)) for k in keys))
     assert rungs == sorted(rungs) and rungs[0] == 0 and rungs[-1] == 3
     assert plan_memory(QWEN25_7B, tree, {}, 4, 48.0).chosen["train.compile"] is False
     assert not plan_memory(QWEN25_7B, tree, {}, 1, 48.0).fits  # offload needs torchrun: not offered to one process
@@ -141,7 +148,7 @@ def test_plan_cli_fits_and_does_not_fit(tmp_path):
     fits = cli("ppo", recipe, "--plan", "--gpus", "4", "--gpu-memory-gib", "79.1")
     assert fits.exit_code == 0, fits
     assert "memory plan for 4 x 79 GiB: fits" in fits.stdout
-    assert "train.gradient_checkpointing=true" in fits.stdout
+    assert "train.grad_accumulation=sharded" in fits.stdout
     assert not (tmp_path / "runs").exists()
     small = cli("ppo", recipe, "--plan", "--gpus", "1", "--gpu-memory-gib", "24")
     assert small.exit_code == 1
@@ -155,10 +162,12 @@ def test_plan_cli_fits_and_does_not_fit(tmp_path):
         "train.gradient_checkpointing=false",
         "--set",
         "train.param_offload=false",
+        "--set",
+        'train.grad_accumulation="unsharded"',
     )
     user_set = cli("ppo", recipe, "--plan", "--gpus", "4", "--gpu-memory-gib", "79.1", *kept)
     assert user_set.exit_code == 1
-    assert "leave out rollout.sleep=false, train.gradient_checkpointing=false, train.param_offload=false" in (
+    assert "leave out rollout.sleep=false, train.gradient_checkpointing=false, train.param_offload=false, " in (
         user_set.stderr
     )
 
@@ -193,7 +202,7 @@ def test_a_cuda_run_that_does_not_fit_stops_before_loading_weights(tmp_path, mon
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setattr(command, "_device_memory_gib", lambda: 79.1)
     overrides = command._planned(recipe, [])
-    assert "rollout.sleep=true" in overrides and "train.gradient_checkpointing=true" in overrides
+    assert "rollout.sleep=true" in overrides and "train.grad_accumulation=sharded" in overrides
     assert command._planned(
         recipe, ["train.gradient_checkpointing=false"]
     ) == [] or "train.gradient_checkpointing=" not in " ".join(
