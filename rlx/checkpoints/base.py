@@ -152,6 +152,12 @@ class Layout(ABC):
         """Write a trained model (parts[""]) and nested ones (parts["critic"], ...) atomically; collective.
         `before_publish()` runs on the main process once every file is written, before the folder appears."""
 
+    def host_buffers(self, states: dict) -> list[tuple[dict, str]]:
+        """What `prepare_write` will copy into pinned host buffers for these trained states ({part name: state}, ""
+        for the trained model): [(shapes and dtypes, tag)] for `rlx.utils.host_copy.reserve` to pin ahead of the
+        first checkpoint; empty when the layout copies nothing there."""
+        return []
+
     def prepare_write(self, out: str, parts: dict[str, CheckpointPart], overwrite: bool,
                       before_publish: Callable[[], None] | None = None) -> Callable[[], None]:  # fmt: skip
         """The collective part of `write` now (every process), and the rest as a function that touches only files

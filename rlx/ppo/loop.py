@@ -28,7 +28,7 @@ from rlx.checkpoints import catalog
 from rlx.checkpoints.base import CheckpointPart
 from rlx.checkpoints.loading import CheckpointWeights
 from rlx.checkpoints.meta import CheckpointMeta, provenance
-from rlx.checkpoints.registry import layout_for_backend, prepare_save, read_meta, trained_layout
+from rlx.checkpoints.registry import get_layout, layout_for_backend, prepare_save, read_meta, trained_layout
 from rlx.config import to_dict
 from rlx.errors import Terminated, UserError
 from rlx.evaluation.evaluate import EVAL_FILE, eval_due, evaluate
@@ -339,13 +339,17 @@ class PPORun:
 
     def _reserve_snapshot_buffers(self) -> None:
         """Pin the host buffers of the first checkpoint's snapshots on the writer thread while the next steps run (that
-        checkpoint's step otherwise pinned them itself: 6 GB for the 0.5B bench, 1.8-4 s on an H100's host). Only the
-        default layout copies the trainers' live tensors (`snapshot_state`); a backend's own layout (megatron's
-        stages) writes its state otherwise, and pinned buffers would sit unused."""
-        if layout_for_backend(self.backend.name).name != catalog.DEFAULT:  # (under a launcher, where the sharded
-            return  # layout is saved, `snapshot_layout` is empty: nothing is pinned ahead)
-        trainers = [t for t in (self.trainer, self.critic) if t is not None]
-        layouts = [x for t in trainers for x in t.snapshot_layout()]
+        checkpoint's step otherwise pinned them itself: 6 GB for the 0.5B bench, 1.8-4 s on an H100's host). The
+        default layout copies the trainers' live tensors (`snapshot_state`), the sharded 'fsdp' layout each rank's
+        shards (`Layout.host_buffers`); a backend's own layout (megatron's stages) writes its state otherwise."""
+        layout = get_layout(self._save_layout())
+        if layout.name == catalog.DEFAULT:
+            trainers = [t for t in (self.trainer, self.critic) if t is not None]
+            layouts = [x for t in trainers for x in t.snapshot_layout()]
+        else:
+            states = {"": self.trainer.state(), **({CRITIC_DIR: self.critic.state()} if self.critic else {})}
+            layouts = layout.host_buffers(states)
+        layouts = [(shapes, tag) for shapes, tag in layouts if shapes]  # (only CUDA tensors are pinned)
         if layouts:
             self.writer.submit(lambda: [reserve(shapes, tag) for shapes, tag in layouts])
 

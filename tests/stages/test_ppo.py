@@ -170,7 +170,8 @@ def test_run_with_tracking_traces_and_mfu(tmp_path):
 
 def test_snapshot_buffers_are_pinned_ahead_only_for_the_layout_that_copies_them(monkeypatch):
     """The first checkpoint's host buffers are reserved for trainers whose state the default layout copies
-    (`snapshot_state`); a backend with a layout of its own (megatron's stages) reserves nothing."""
+    (`snapshot_state`); a backend with a layout of its own (megatron's stages) reserves nothing (the 'fsdp' layout's
+    own buffers: tests/unit/test_fsdp_host_buffers.py)."""
     from types import SimpleNamespace
 
     from rlx.ppo import loop
@@ -179,8 +180,9 @@ def test_snapshot_buffers_are_pinned_ahead_only_for_the_layout_that_copies_them(
     monkeypatch.setattr(loop, "reserve", lambda shapes, tag: reserved.append(tag) or 0)
     trainer = SimpleNamespace(snapshot_layout=lambda: [({"w": ((2, 3), torch.float32)}, "actor/weights")])
     writer = SimpleNamespace(submit=lambda job: submitted.append(job) or job())
-    for backend in ("fsdp", "megatron"):
-        run = SimpleNamespace(backend=SimpleNamespace(name=backend), trainer=trainer, critic=None, writer=writer)
+    trainer.state = lambda: None
+    for layout in ("single", "megatron"):
+        run = SimpleNamespace(_save_layout=lambda layout=layout: layout, trainer=trainer, critic=None, writer=writer)
         loop.PPORun._reserve_snapshot_buffers(run)
     assert len(submitted) == 1 and reserved == ["actor/weights"]
 
