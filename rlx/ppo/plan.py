@@ -84,6 +84,9 @@ class ModelShape:
     """The parameters one token passes through (all of them for a dense model; 0 = params)."""
     num_experts: int = 0
     """Routed experts per layer (0 for a dense model)."""
+    heads: int = 0
+    kv_heads: int = 0
+    """Attention and key/value heads (a tensor-parallel engine splits both)."""
 
     @property
     def expert_params(self) -> int:
@@ -128,8 +131,10 @@ def model_shape(config: dict) -> ModelShape:
     active_intermediate = mlp_active // (3 * hidden)
     params = layers * layer_params + root
     active = params - layers * (mlp_total - mlp_active - hidden * experts)  # every token runs the router
+    kv_heads = int(_get(text, "num_key_value_heads", heads))
     return ModelShape(layers, hidden, active_intermediate, kv_width, vocab, params, layer_params, root,
-                      layer_expert_params=routed, active_params=active, num_experts=experts)  # fmt: skip
+                      layer_expert_params=routed, active_params=active, num_experts=experts, heads=heads,
+                      kv_heads=kv_heads)  # fmt: skip
 
 
 def _mlp_params(text: dict, hidden: int) -> tuple[int, int, int, int]:
@@ -221,6 +226,9 @@ class Settings:
     grad_accumulation: str = "unsharded"
     """train.grad_accumulation: 'sharded' reduces every micro-batch's gradient into the shards (no whole float32
     gradient per rank)."""
+    tp_degree: int = 1
+    """rollout.tp_degree: the native engine's replica split over this many GPUs (its KV cache per rank is the same:
+    the group's sequences, a 1 / tp_degree share of the heads)."""
     ep_degree: int = 1
     """train.ep_degree: a mixture of experts' experts split over this many ranks (gathered and accumulated
     gradients hold 1 / ep_degree of them)."""
@@ -256,7 +264,7 @@ def _engine_gib(shape: ModelShape, work: Workload, settings: Settings, world: in
     kv = settings.kv_cache_gib or kv_cache_need_gib(shape, work, world)
     if work.engine == "hf":  # generates with the trained module: no replica, a dynamic cache
         return kv
-    return shape.params * 2 / GIB + kv
+    return shape.params * 2 / settings.tp_degree / GIB + kv
 
 
 def _trained_gib(shape: ModelShape, work: Workload, settings: Settings, world: int, phase: str) -> float:
@@ -337,13 +345,15 @@ _CHOICES = {  # dotted recipe key -> Settings field
     "train.grad_accumulation": "grad_accumulation",
     "rollout.kv_cache_gib": "kv_cache_gib",
     "train.ep_degree": "ep_degree",
+    "rollout.tp_degree": "tp_degree",
 }
 _LADDER = [  # in order of cost: the first that fits wins
     {},
     {"sleep": True},
     {"sleep": True, "grad_accumulation": "sharded"},
     {"sleep": True, "gradient_checkpointing": True},
-    {"sleep": True, "gradient_checkpointing": True, "compile": False},
+    {"sleep": True, "gradient_checkpointing": True, "grad_accumulation": "sharded"},
+    {"sleep": True, "gradient_checkpointing": True, "grad_accumulation": "sharded", "compile": False},
     {"sleep": True, "gradient_checkpointing": True, "compile": False, "param_offload": True},
 ]
 
@@ -433,6 +443,7 @@ def _settings_of(tree: dict) -> Settings:
         grad_accumulation=str(train.get("grad_accumulation", "unsharded")),
         kv_cache_gib=float(rollout.get("kv_cache_gib", 0.0)),
         ep_degree=int(train.get("ep_degree", 1)),
+        tp_degree=int(rollout.get("tp_degree", 1)),
     )
 
 
@@ -444,8 +455,9 @@ def _search(shape: ModelShape, work: Workload, base: Settings, user: dict, world
     floor = math.ceil(work.sample_tokens / 1024) * 1024
     last = None
     for minimum in (min(MIN_GOOD_BUDGET, base.train_tokens), floor):
-        for rung, ep in ((r, ep) for r in _LADDER for ep in _ep_degrees(shape, world, base, user)):
-            settings = _fixed(user, replace(base, **rung, ep_degree=ep))
+        tps = _tp_degrees(shape, work, world, base, user)
+        for rung, ep, tp in ((r, e, t) for r in _LADDER for e in _ep_degrees(shape, world, base, user) for t in tps):
+            settings = _fixed(user, replace(base, **rung, ep_degree=ep, tp_degree=tp))
             # FSDP's CPU offload needs a launcher, and does not combine with expert parallelism
             if settings.param_offload and (world == 1 or settings.ep_degree > 1):
                 continue
@@ -464,6 +476,15 @@ def _ep_degrees(shape: ModelShape, world: int, base: Settings, user: dict) -> li
     if "train.ep_degree" in user or not shape.num_experts:
         return [base.ep_degree]
     return [d for d in range(1, world + 1) if world % d == 0 and shape.num_experts % d == 0]
+
+
+def _tp_degrees(shape: ModelShape, work: Workload, world: int, base: Settings, user: dict) -> list[int]:
+    """The rollout.tp_degree values to try, smallest first: the recipe's own (or 1 for another engine than the
+    native one, or multi-turn rollouts), else every divisor of the number of GPUs that divides the heads and the
+    key/value heads."""
+    if "rollout.tp_degree" in user or work.engine != "native" or not work.prompt_known or not shape.kv_heads:
+        return [base.tp_degree]
+    return [d for d in range(1, world + 1) if world % d == 0 and shape.heads % d == 0 and shape.kv_heads % d == 0]
 
 
 def _fit_score(shape: ModelShape, work: Workload, settings: Settings, user: dict, world: int, gpu_gib: float,

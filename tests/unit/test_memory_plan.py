@@ -86,19 +86,20 @@ def test_the_plan_picks_sleep_and_sharded_gradients_for_the_issue_run():
 
 
 def test_what_the_plan_picks_as_memory_shrinks():
-    """Plenty of memory: nothing changes; less: the engine sleeps, then activations are checkpointed, then compile
-    goes, then FSDP's CPU offload (under a launcher only); the settings only ever get cheaper in memory."""
+    """Plenty of memory: nothing changes; less: the engine sleeps, then gradients reduce every micro-batch, then
+    activations are checkpointed (with gradients reduced every micro-batch next), then compile goes with FSDP's CPU
+    offload (under a launcher only); the settings only ever get cheaper in memory."""
     tree = with_fast_path(ISSUE_RECIPE)
     big = plan_memory(QWEN25_7B, tree, {}, 8, 1000.0)
     assert big.fits and big.chosen.get("rollout.sleep") is False and "train.gradient_checkpointing" not in big.chosen
     rungs = []
-    for gib in (1000.0, 160.0, 80.0, 60.0, 48.0):
+    for gib in (1000.0, 160.0, 80.0, 60.0, 48.0, 40.0):
         plan = plan_memory(QWEN25_7B, tree, {}, 4, gib)
         assert plan.fits, plan.summary()
         keys = ("rollout.sleep", "train.gradient_checkpointing", "train.grad_accumulation", "train.param_offload")
         rungs.append(sum(bool(plan.chosen.get(k)) for k in keys))
     assert rungs == sorted(rungs) and rungs[0] == 0 and rungs[-1] == 3
-    assert plan_memory(QWEN25_7B, tree, {}, 4, 48.0).chosen["train.compile"] is False
+    assert plan_memory(QWEN25_7B, tree, {}, 4, 40.0).chosen["train.compile"] is False
     assert not plan_memory(QWEN25_7B, tree, {}, 1, 48.0).fits  # offload needs torchrun: not offered to one process
 
 
@@ -107,11 +108,12 @@ def test_the_recipe_s_own_keys_are_kept_and_the_message_names_what_fits():
     out, the reference copy and the number of GPUs that would fit."""
     tree = with_fast_path({**ISSUE_RECIPE, "use_ref": True, "rollout": {**ISSUE_RECIPE["rollout"], "sleep": False}})
     tree["train"]["param_offload"] = False
-    user = {"rollout.sleep": False, "train.param_offload": False}
+    tree["rollout"]["tp_degree"] = 1
+    user = {"rollout.sleep": False, "train.param_offload": False, "rollout.tp_degree": 1}
     plan = plan_memory(QWEN25_7B, tree, user, 4, H100_GIB)
     assert not plan.fits
     assert "rollout.sleep" not in plan.chosen
-    assert "leave out rollout.sleep=false, train.param_offload=false" in plan.message
+    assert "leave out rollout.sleep=false, train.param_offload=false, rollout.tp_degree=1" in plan.message
     assert "use_ref=false" in plan.message
     assert "GPUs of 79 GiB" in plan.message
     assert "DOES NOT FIT" in plan.summary()
@@ -121,7 +123,14 @@ def test_14b_needs_more_than_one_gpu():
     tree = with_fast_path({**ISSUE_RECIPE, "model": {"path": "m"}})
     one = plan_memory(QWEN25_14B, tree, {}, 1, H100_GIB)
     assert not one.fits and "GPUs of 79 GiB" in one.message
-    assert plan_memory(QWEN25_14B, tree, {}, 4, H100_GIB).fits
+    four = plan_memory(QWEN25_14B, tree, {}, 4, H100_GIB)
+    assert four.fits
+    # the native engine's whole bfloat16 replica (27.5 GiB) beside the trained state does not fit: the plan splits
+    # it over two GPUs (rollout.tp_degree) and checkpoints activations with sharded gradients, not CPU offload
+    assert four.chosen["rollout.tp_degree"] == 2 and four.chosen["train.grad_accumulation"] == "sharded"
+    assert "train.param_offload" not in four.chosen
+    kept = plan_memory(QWEN25_14B, tree, {"rollout.tp_degree": 1}, 4, H100_GIB)
+    assert kept.fits and kept.chosen["train.param_offload"] is True  # the recipe's tp_degree 1 kept: offload then
 
 
 # --- the CLI ---------------------------------------------------------------------------------------------------
