@@ -144,6 +144,10 @@ def run(recipe: Path, gpus: int, run_dir: Path, args, limit_s: float) -> tuple[l
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if launched else []
     cmd = [sys.executable, *launcher, "-m", "rlx", "ppo", str(recipe), "--out", str(run_dir), *extra_sets(args)]
     log_path = run_dir.parent / f"{run_dir.name}.log"
+    stacks = run_dir.parent / f"{run_dir.name}.stacks"
+    if args.py_spy:  # every process's Python stacks sampled (idle threads left out), summarized after the run
+        cmd = [args.py_spy, "record", "--subprocesses", "--nonblocking", "--format", "raw", "--rate", "50",
+               "--output", str(stacks), "--", *cmd]  # fmt: skip
     metrics_file, start, arrivals = run_dir / "metrics.jsonl", time.time(), []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env())
@@ -160,7 +164,38 @@ def run(recipe: Path, gpus: int, run_dir: Path, args, limit_s: float) -> tuple[l
                 proc.kill()
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     arrivals += [time.time() - start] * (len(metrics) - len(arrivals))
+    if args.py_spy and stacks.exists():
+        summary = summarize_stacks(stacks.read_text())
+        (run_dir.parent / f"{run_dir.name}.profile.txt").write_text(summary)
+        print(summary[:6000], flush=True)
     return metrics, arrivals, log_path.read_text()[-2000:]
+
+
+def summarize_stacks(raw: str, top: int = 45) -> str:
+    """py-spy's collapsed stacks ('frame;frame;... count' per line, the process first) as, per process with rlx
+    frames, the rlx/torch functions with the largest share of its samples (inclusive: on the stack anywhere)."""
+    from collections import Counter, defaultdict
+
+    inclusive: dict[str, Counter] = defaultdict(Counter)
+    totals: Counter = Counter()
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        process = frames[0][:60]
+        totals[process] += int(count)
+        names = {re.sub(r":\d+\)$", ")", f) for f in frames[1:] if "rlx/" in f or "torch/" in f}
+        for name in names:
+            inclusive[process][name] += int(count)
+    out = []
+    for process, total in totals.most_common():
+        if not inclusive[process]:
+            continue
+        out.append(f"== {process}: {total} samples")
+        for name, count in inclusive[process].most_common(top):
+            out.append(f"{count / total:7.1%}  {name[:150]}")
+    return "\n".join(out) + "\n"
 
 
 def summarize(metrics: list[dict], arrivals: list[float], gpus: int) -> dict:
@@ -251,6 +286,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (with --small; plan for --gpu-memory-gib)")
     parser.add_argument("--work", type=Path, default=None, help="keep run folders and logs here")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--py-spy", default="", help="a py-spy binary: sample every process's Python stacks and "
+                        "print each rank's hottest rlx/torch functions (RUN.profile.txt beside the run)")  # fmt: skip
     args = parser.parse_args()
     if args.cpu and not args.gpu_memory_gib:
         args.gpu_memory_gib = 80.0
