@@ -84,6 +84,8 @@ class ModelShape:
     """The parameters one token passes through (all of them for a dense model; 0 = params)."""
     num_experts: int = 0
     """Routed experts per layer (0 for a dense model)."""
+    experts_per_token: int = 0
+    """Routed experts a token goes to (top-k)."""
     heads: int = 0
     kv_heads: int = 0
     """Attention and key/value heads (a tensor-parallel engine splits both)."""
@@ -132,8 +134,9 @@ def model_shape(config: dict) -> ModelShape:
     params = layers * layer_params + root
     active = params - layers * (mlp_total - mlp_active - hidden * experts)  # every token runs the router
     kv_heads = int(_get(text, "num_key_value_heads", heads))
+    top_k = int(_get(text, "num_experts_per_tok", 2)) if experts else 0
     return ModelShape(layers, hidden, active_intermediate, kv_width, vocab, params, layer_params, root,
-                      layer_expert_params=routed, active_params=active, num_experts=experts, heads=heads,
+                      layer_expert_params=routed, active_params=active, num_experts=experts, heads=heads, experts_per_token=top_k,
                       kv_heads=kv_heads)  # fmt: skip
 
 
@@ -283,6 +286,8 @@ def _activation_bytes_per_token(shape: ModelShape, checkpointing: bool, compiled
     """Bytes a train micro-batch keeps per token for the backward (bfloat16, norms' inputs float32). Compiled
     layers keep only the gated MLP's two projections (Inductor recomputes the activation and the product)."""
     per_layer = 20 * shape.hidden + 8 * shape.kv_width + (4 if compiled else 8) * shape.intermediate
+    # a mixture of experts keeps each token's hidden state once per routed expert: gathered in, out, weighted
+    per_layer += 6 * shape.experts_per_token * shape.hidden
     head = 16 * shape.hidden  # final norm, hidden-state gradients around the fused logprobs
     if checkpointing:
         return shape.layers * 2 * shape.hidden + per_layer + head

@@ -13,7 +13,7 @@ import pytest
 
 from rlx.models.tiny import write_tiny_model_dir
 from rlx.ppo.defaults import apply_defaults, fast_path_defaults
-from rlx.ppo.plan import Settings, Workload, estimate, model_shape, plan_memory, usable_gib
+from rlx.ppo.plan import Settings, Workload, _activation_bytes_per_token, estimate, model_shape, plan_memory, usable_gib
 from tests.conftest import cli
 
 H100_GIB = 79.1
@@ -52,7 +52,13 @@ def test_parameter_counts_by_shape():
     shape = model_shape(moe)
     mlp = 3 * 3584 * 2048
     assert shape.layer_params - model_shape(dict(QWEN25_7B, intermediate_size=0)).layer_params == 8 * mlp + 3584 * 8
-    assert shape.intermediate == 2 * 2048
+    assert shape.intermediate == 2 * 2048 and shape.experts_per_token == 2
+    # each token's hidden state is kept once per routed expert (gathered in, out, weighted): an MoE's train
+    # activations exceed a dense MLP of the same routed width (the 30B-A3B step ran out at a plan without this)
+    dense_like = replace(shape, experts_per_token=0, num_experts=0)
+    assert _activation_bytes_per_token(shape, False) - _activation_bytes_per_token(dense_like, False) == (
+        shape.layers * 6 * 2 * 3584
+    )
 
 
 def test_the_issue_7b_fast_path_does_not_fit_and_sleep_with_checkpointing_does():
