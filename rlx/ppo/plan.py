@@ -136,8 +136,8 @@ def model_shape(config: dict) -> ModelShape:
     kv_heads = int(_get(text, "num_key_value_heads", heads))
     top_k = int(_get(text, "num_experts_per_tok", 2)) if experts else 0
     return ModelShape(layers, hidden, active_intermediate, kv_width, vocab, params, layer_params, root,
-                      layer_expert_params=routed, active_params=active, num_experts=experts, heads=heads, experts_per_token=top_k,
-                      kv_heads=kv_heads)  # fmt: skip
+                      layer_expert_params=routed, active_params=active, num_experts=experts, heads=heads,
+                      experts_per_token=top_k, kv_heads=kv_heads)  # fmt: skip
 
 
 def _mlp_params(text: dict, hidden: int) -> tuple[int, int, int, int]:

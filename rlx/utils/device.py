@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from collections.abc import Iterator
 
 import torch
@@ -65,3 +66,11 @@ def derive_seed(*parts: object) -> int:
     """A 63-bit seed from any parts (e.g. seed, prompt id, sample index): stable across runs and machines."""
     digest = hashlib.blake2b("\x1f".join(str(p) for p in parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def host_cpus_per_process() -> int:
+    """This process's share of the CPUs it may run on: the usable cores over the processes the launcher started on
+    this machine (LOCAL_WORLD_SIZE, 1 without a launcher), at least 1. For CPU work that runs in threads of its own
+    (random init), where torch's intra-op count is held at 1 on accelerators (rlx.parallel.dist.limit_cpu_threads)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))

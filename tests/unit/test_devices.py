@@ -135,3 +135,17 @@ def test_accelerator_process_gets_one_cpu_thread_unless_omp_is_set(monkeypatch):
     # CPU-offloaded shards (train.param_offload) reduce over gloo beside nccl on CUDA
     assert group_collectives(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
     assert group_collectives(torch.device("cpu")) == "gloo"
+
+
+def test_host_cpus_are_shared_by_the_launchers_processes(monkeypatch):
+    """Random init draws in threads of its own: this process's share of the usable cores (torch's intra-op count
+    is 1 on accelerators), never below one."""
+    from rlx.utils.device import host_cpus_per_process
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert host_cpus_per_process() == 64
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert host_cpus_per_process() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "128")
+    assert host_cpus_per_process() == 1
