@@ -48,7 +48,11 @@ class EpisodeRollout:
 
 
 def generate_multi_turn(
-    engine: RolloutEngine, tokenizer, prompts: list[PromptRecord], cfg: RolloutConfig, sampling: SamplingParams,
+    engine: RolloutEngine,
+    tokenizer,
+    prompts: list[PromptRecord],
+    cfg: RolloutConfig,
+    sampling: SamplingParams,
     agent: Callable | None = None,
 ) -> RolloutResult:
     """`sampling.n` episodes of `cfg.agent.env` (or runs of the agent `cfg.agent.agent`) per prompt, in prompt order

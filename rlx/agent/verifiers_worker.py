@@ -28,7 +28,6 @@ def _protocol_out():
 def _load(argv: list[str]):
     """The eval config vf-eval would parse from `argv`, and its environment (errors: SystemExit with the reason)."""
     from pydantic_config import cli
-
     from verifiers.v1.cli.resolve import narrow_config, plugin_errors, with_positional_taskset
     from verifiers.v1.configs.cli.eval import EvalConfig
     from verifiers.v1.utils.loaders import load_environment

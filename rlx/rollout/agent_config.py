@@ -92,7 +92,8 @@ class AgentConfig:
             check(value == "" or ":" in value, key, f"expected path/file.py:NAME or package.module:NAME, got {value!r}")
         check(not (self.env and self.agent), "agent", "give an environment (env) or an agent, not both")
         if self.verifiers is not None:
-            check(self.agent == VERIFIERS_AGENT, "agent", f"the verifiers table is played by agent = {VERIFIERS_AGENT!r}")
+            why = f"the verifiers table is played by agent = {VERIFIERS_AGENT!r}"
+            check(self.agent == VERIFIERS_AGENT, "agent", why)
         if self.agent == VERIFIERS_AGENT:
             check(self.verifiers is not None, "verifiers", "this agent needs its table (env = the taskset id, ...)")
 

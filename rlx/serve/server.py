@@ -204,10 +204,7 @@ class AgentServer:
             else:
                 call = (read_completion if endpoint == "completion" else read_chat)(body, self.limits)
             names = [sample] + [f"{sample}~{i}" for i in range(1, call.settings.n)]
-            sessions = self._hold([self.session(name) for name in names])
-            if label is not None:
-                for session in sessions:
-                    session.add_client_label(label)
+            sessions = self._hold([self.session(name) for name in names], label)
             is_live = False
             try:
                 if call.settings.stream and endpoint != "responses":  # sent as the tokens come (live.py)
@@ -236,8 +233,9 @@ class AgentServer:
         return self._respond(turns, endpoint)
 
     @staticmethod
-    def _hold(sessions: list[SampleSession]) -> list[SampleSession]:
-        """`sessions` with their locks taken; HTTP 409 when one is answering another request (none is then held)."""
+    def _hold(sessions: list[SampleSession], label: str | None = None) -> list[SampleSession]:
+        """`sessions` with their locks taken, each keeping the client's `label` (its X-Session-ID, where the path named
+        the sample); HTTP 409 when one is answering another request (none is then held)."""
         for held, session in enumerate(sessions):
             if not session.lock.acquire(blocking=False):
                 for other in sessions[:held]:
@@ -249,6 +247,9 @@ class AgentServer:
                     f"merge into one trajectory; give each its own X-Session-ID header or /s/<id>/v1 base URL",
                     "session_busy",
                 )
+        if label is not None:
+            for session in sessions:
+                session.add_client_label(label)
         return sessions
 
     def _respond(self, turns: list[Turn], endpoint: str) -> Response:
