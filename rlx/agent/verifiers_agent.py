@@ -41,7 +41,8 @@ class VerifiersAgent(RunAgent):
         self.vf: VerifiersConfig = cfg.verifiers
         self._proc = _start_worker(self.vf)
         self._stderr: collections.deque[str] = collections.deque(maxlen=40)
-        threading.Thread(target=self._drain_stderr, name="rlx-verifiers-stderr", daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain_stderr, name="rlx-verifiers-stderr", daemon=True)
+        self._drainer.start()
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -91,10 +92,13 @@ class VerifiersAgent(RunAgent):
             self._proc.kill()
             raise UserError(f"rollout.agent.verifiers: the worker did not start {self.vf.env!r} within "
                             f"{self.vf.start_timeout_s:g} s (start_timeout_s)")  # fmt: skip
-        line = json.loads(answer[0]) if answer[0].strip() else {"fatal": self._last_error(wait=True)}
+        line = json.loads(answer[0]) if answer[0].strip() else {}
         if not line.get("ready"):
             self.close()
-            raise UserError(f"rollout.agent.verifiers: cannot load {self.vf.env!r}: {line.get('fatal')}")
+            why = " ".join(str(line.get("fatal") or self._last_error(wait=True)).split())  # one line
+            if "No module named 'verifiers'" in why or "No module named 'pydantic_config'" in why:
+                why += f" (verifiers 0.4 is not installed for {self.vf.python}: {SETUP})"
+            raise UserError(f"rollout.agent.verifiers: cannot load {self.vf.env!r}: {why}")
         return int(line["num_tasks"])
 
     def _read_replies(self) -> None:
@@ -115,8 +119,10 @@ class VerifiersAgent(RunAgent):
             self._stderr.append(line.rstrip())
 
     def _last_error(self, wait: bool = False) -> str:
+        """The worker's last line on stderr (`wait`: once it has exited and every line is read)."""
         if wait:
             self._proc.wait()
+            self._drainer.join(5)
         lines = [line for line in self._stderr if line.strip()]
         return lines[-1][:500] if lines else "no message"
 

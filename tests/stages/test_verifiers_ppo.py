@@ -27,14 +27,17 @@ needs_client = pytest.mark.skipif(
 )
 
 
-def write_recipe(root: Path, python: Path = CLIENT_PYTHON, args: tuple[str, ...] = ()) -> Path:
-    """A two-step recipe on a model that answers '3' to anything; prompts 0-2 name the taskset's three tasks."""
+def write_recipe(
+    root: Path, python: Path = CLIENT_PYTHON, env: str = "verifiers-arith", task_key: str = "verifiers_task"
+) -> Path:
+    """A two-step recipe on a model that answers '3' to anything; prompts 0-2 name the taskset's three tasks (in their
+    field `task_key`)."""
     model, tokenizer = bigram_chat_model("\n3<|im_end|>")
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    lines = [{"id": f"q{i}", "prompt": "(the verifiers task's own)", "verifiers_task": i} for i in range(3)]
+    lines = [{"id": f"q{i}", "prompt": "(the verifiers task's own)", task_key: i} for i in range(3)]
     (root / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    vf_args = ["--env.agent.harness.id", "null", "--env.agent.runtime.type", "subprocess", *args]
+    vf_args = ["--env.agent.harness.id", "null", "--env.agent.runtime.type", "subprocess"]
     recipe = f"""
 steps = 2
 [model]
@@ -52,7 +55,7 @@ temperature = 1.0
 agent = "{AGENT}"
 max_total_tokens = 64
 [rollout.agent.verifiers]
-env = "verifiers-arith"
+env = "{env}"
 python = "{python}"
 python_path = ["{TASKSETS}"]
 args = {json.dumps(vf_args)}
@@ -104,12 +107,22 @@ def test_ppo_trains_a_verifiers_environment_with_its_rewards(tmp_path):
 
 
 @needs_client
+@pytest.mark.slow
 def test_verifiers_agent_errors_name_the_problem(tmp_path):
-    """No such venv, or a taskset verifiers cannot find: one line each, before any step."""
+    """~45 s (two workers start): no such venv, a taskset verifiers cannot find, prompts that do not name their task:
+    one line each."""
     missing = cli("ppo", write_recipe(tmp_path, python=tmp_path / "none" / "python"), "--out", tmp_path / "a")
     assert missing.exit_code == 1 and "rollout.agent.verifiers.python: no such file" in missing.stderr
-    unknown = cli("ppo", write_recipe(tmp_path, args=("--env.taskset.id", "no-such-taskset")), "--out", tmp_path / "b")
-    assert unknown.exit_code == 1 and "cannot load 'verifiers-arith'" in unknown.stderr
+    unknown = cli("ppo", write_recipe(tmp_path, env="no-such-taskset"), "--out", tmp_path / "b")
+    assert unknown.exit_code == 1 and "cannot load 'no-such-taskset': taskset 'no-such-taskset' not found" in (
+        unknown.stderr
+    )
+    untold = cli("ppo", write_recipe(tmp_path, task_key="task"), "--out", tmp_path / "c")
+    assert untold.exit_code == 1
+    assert (
+        "prompt 'q0': field 'verifiers_task' must be the index of a task of 'verifiers-arith' (0 to 2), got None"
+        in (untold.stderr)
+    )
 
 
 def test_verifiers_table_goes_with_its_agent():
