@@ -15,60 +15,31 @@ from transformers import AutoTokenizer
 from rlx.errors import UserError
 from rlx.rollout.agent_config import AgentConfig, VerifiersConfig
 from tests.agent_helpers import bigram_chat_model
-from tests.conftest import REPO, cli, cli_ok, read_jsonl
+from tests.conftest import REPO, cli, read_jsonl
 
 CLIENT_PYTHON = REPO / ".venv-verifiers" / "bin" / "python"
 TASKSETS = Path(__file__).parent / "workers"
 ANSWERS = {"What is 1+2?": "3", "What is 2+2?": "4", "What is 3+4?": "7"}  # verifiers_arith's questions
 AGENT = "rlx.agent.verifiers_agent:VerifiersAgent"
+RECIPE = REPO / "recipes" / "verifiers_arith.toml"
 
 needs_client = pytest.mark.skipif(
     not CLIENT_PYTHON.exists(), reason="verifiers' client venv is absent (make setup-test makes it)"
 )
 
 
-def write_recipe(
-    root: Path, python: Path = CLIENT_PYTHON, env: str = "verifiers-arith", task_key: str = "verifiers_task"
-) -> Path:
-    """A two-step recipe on a model that answers '3' to anything; prompts 0-2 name the taskset's three tasks (in their
-    field `task_key`)."""
-    model, tokenizer = bigram_chat_model("\n3<|im_end|>")
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    lines = [{"id": f"q{i}", "prompt": "(the verifiers task's own)", task_key: i} for i in range(3)]
-    (root / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    vf_args = ["--env.agent.harness.id", "null", "--env.agent.runtime.type", "subprocess"]
-    recipe = f"""
-steps = 2
-[model]
-path = "model"
-[data]
-prompts = "prompts.jsonl"
-prompts_per_step = 3
-[rollout]
-engine = "native"
-[rollout.sampling]
-n = 2
-max_new_tokens = 4
-temperature = 1.0
-[rollout.agent]
-agent = "{AGENT}"
-max_total_tokens = 64
-[rollout.agent.verifiers]
-env = "{env}"
-python = "{python}"
-python_path = ["{TASKSETS}"]
-args = {json.dumps(vf_args)}
-[score]
-reward = "env"
-[train]
-mini_batch_size = 6
-micro_batch_size = 6
-[train.optim]
-lr = 1e-3
-"""
-    (root / "recipe.toml").write_text(recipe)
-    return root / "recipe.toml"
+def ppo(root: Path, *sets: str):
+    """`rlx ppo` on the shipped recipe for 2 steps of 3 tasks x 2 samples, on a tiny model that answers '3' to anything
+    (saved under `root` once); `sets` are more overrides."""
+    if not (root / "model").is_dir():
+        model, tokenizer = bigram_chat_model("\n3<|im_end|>")
+        model.save_pretrained(root / "model")
+        tokenizer.save_pretrained(root / "model")
+    defaults = [f"model.path={root / 'model'}", "model.init=pretrained", "steps=2", "rollout.sampling.n=2",
+                "rollout.sampling.max_new_tokens=4", "train.mini_batch_size=6", "train.micro_batch_size=6",
+                f"rollout.agent.verifiers.python={CLIENT_PYTHON}",
+                f"rollout.agent.verifiers.python_path={json.dumps([str(TASKSETS)])}"]  # fmt: skip
+    return cli("ppo", RECIPE, "--out", root / "run", *[a for s in [*defaults, *sets] for a in ("--set", s)])
 
 
 @needs_client
@@ -78,16 +49,16 @@ def test_ppo_trains_a_verifiers_environment_with_its_rewards(tmp_path):
     rollout verifiers played under its base URL (its trace id kept from X-Session-ID), its reward is verifiers' (1
     where the reply holds the task's answer), prompt tokens are the chat template over the task's question, sampled
     tokens decode to the reply."""
-    recipe = write_recipe(tmp_path)
-    cli_ok("ppo", recipe, "--out", tmp_path / "run")
+    done = ppo(tmp_path)
+    assert done.exit_code == 0, done.stderr[-3000:]
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
     records = [r for step in (1, 2) for r in read_jsonl(tmp_path / "run" / f"step_00000{step}" / "rollouts.jsonl")]
-    assert len(records) == 12 and {r["prompt_id"] for r in records} == {"q0", "q1", "q2"}
+    assert len(records) == 12 and {r["prompt_id"] for r in records} == {"arith-0", "arith-1", "arith-2"}
     trace_ids = set()
     for record in records:
         (asked,) = record["messages"][:1]
         question = asked["content"]
-        assert asked["role"] == "user" and question == list(ANSWERS)[int(record["prompt_id"][1:])]
+        assert asked["role"] == "user" and question == list(ANSWERS)[int(record["prompt_id"][-1])]
         assert record["env_reward"] == float(ANSWERS[question] in record["response"])
         assert record["num_segments"] == 1 and record["num_turns"] == 1 and "env_error" not in record
         (trace_id,) = record["client_session_ids"]  # verifiers' trace id for the rollout, one per sample
@@ -111,21 +82,25 @@ def test_ppo_trains_a_verifiers_environment_with_its_rewards(tmp_path):
 def test_verifiers_agent_errors_name_the_problem(tmp_path):
     """~45 s (two workers start): no such venv, a taskset verifiers cannot find, prompts that do not name their task:
     one line each."""
-    missing = cli("ppo", write_recipe(tmp_path, python=tmp_path / "none" / "python"), "--out", tmp_path / "a")
+    missing = ppo(tmp_path / "a", f"rollout.agent.verifiers.python={tmp_path / 'none' / 'python'}")
     assert missing.exit_code == 1 and "rollout.agent.verifiers.python: no such file" in missing.stderr
-    unknown = cli("ppo", write_recipe(tmp_path, env="no-such-taskset"), "--out", tmp_path / "b")
-    assert unknown.exit_code == 1 and "cannot load 'no-such-taskset': taskset 'no-such-taskset' not found" in (
-        unknown.stderr
-    )
-    untold = cli("ppo", write_recipe(tmp_path, task_key="task"), "--out", tmp_path / "c")
+    unknown = ppo(tmp_path / "b", "rollout.agent.verifiers.env=no-such-taskset")
+    assert unknown.exit_code == 1
+    assert "cannot load 'no-such-taskset': taskset 'no-such-taskset' not found" in unknown.stderr
+    untold = ppo(tmp_path / "c", "rollout.agent.verifiers.task_key=task")
     assert untold.exit_code == 1
-    assert (
-        "prompt 'q0': field 'verifiers_task' must be the index of a task of 'verifiers-arith' (0 to 2), got None"
-        in (untold.stderr)
+    assert "prompt 'arith-0': field 'task' must be the index of a task of 'verifiers-arith' (0 to 2), got None" in (
+        untold.stderr
     )
 
 
 def test_verifiers_table_goes_with_its_agent():
+    """The shipped recipe reads as documented; the table and the agent come together; rlx's own options are refused."""
+    from rlx.ppo.config import load_recipe
+
+    agent = load_recipe(RECIPE).rollout.agent
+    assert agent.agent == AGENT and agent.verifiers.env == "verifiers-arith"
+    assert agent.verifiers.args[:2] == ["--env.agent.harness.id", "null"]
     with pytest.raises(UserError, match="agent = 'rlx.agent.verifiers_agent:VerifiersAgent'"):
         AgentConfig(agent="a.py:f", verifiers=VerifiersConfig(env="x"))
     with pytest.raises(UserError, match="needs its table"):
