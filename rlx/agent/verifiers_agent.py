@@ -19,6 +19,7 @@ import subprocess
 import threading
 from concurrent.futures import Future
 from pathlib import Path
+from urllib.parse import unquote
 
 from rlx.agent.agents import RunAgent
 from rlx.agent.environment import EnvError
@@ -66,7 +67,9 @@ class VerifiersAgent(RunAgent):
             self._proc.stdin.flush()
         reply = future.result()
         if "error" in reply:
-            raise EnvError(f"verifiers episode of task {task} of {self.vf.env!r}: {reply['error']}")
+            sample = unquote(base_url.rpartition("/s/")[2].removesuffix("/v1"))  # AgentServer.base_url's form
+            raise EnvError(f"sample {sample!r}: the verifiers episode of task {task} of {self.vf.env!r} failed: "
+                           f"{reply['error']}")  # fmt: skip
         return reply["reward"]
 
     def close(self) -> None:

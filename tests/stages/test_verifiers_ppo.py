@@ -80,8 +80,8 @@ def test_ppo_trains_a_verifiers_environment_with_its_rewards(tmp_path):
 @needs_client
 @pytest.mark.slow
 def test_verifiers_agent_errors_name_the_problem(tmp_path):
-    """~45 s (two workers start): no such venv, a taskset verifiers cannot find, prompts that do not name their task:
-    one line each."""
+    """~70 s (three workers start): no such venv, a taskset verifiers cannot find, prompts that do not name their task,
+    a verifiers episode that fails (its client asks for another temperature than the run's): one line each."""
     missing = ppo(tmp_path / "a", f"rollout.agent.verifiers.python={tmp_path / 'none' / 'python'}")
     assert missing.exit_code == 1 and "rollout.agent.verifiers.python: no such file" in missing.stderr
     unknown = ppo(tmp_path / "b", "rollout.agent.verifiers.env=no-such-taskset")
@@ -92,6 +92,13 @@ def test_verifiers_agent_errors_name_the_problem(tmp_path):
     assert "prompt 'arith-0': field 'task' must be the index of a task of 'verifiers-arith' (0 to 2), got None" in (
         untold.stderr
     )
+    args = ["--env.agent.harness.id", "null", "--env.agent.runtime.type", "subprocess", "--sampling.temperature", "0.5"]
+    colder = ppo(tmp_path / "d", f"rollout.agent.verifiers.args={json.dumps(args)}")
+    assert (
+        colder.exit_code == 1
+        and "sample 'arith-0/0': the verifiers episode of task 0 of 'verifiers-arith' failed" in (colder.stderr)
+    )
+    assert "this rollout samples with the run's temperature = 1.0 (--temperature), got 0.5" in colder.stderr
 
 
 def test_verifiers_table_goes_with_its_agent():
