@@ -45,6 +45,9 @@ class VerifiersAgent(RunAgent):
         self._drainer = threading.Thread(target=self._drain_stderr, name="rlx-verifiers-stderr", daemon=True)
         self._drainer.start()
         self._pending: dict[int, Future] = {}
+        """Requests sent, by id, waiting for their reply."""
+        self._exited = False
+        """Set (under `_lock`) once the worker's stdout has closed: no reply will come."""
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.num_tasks = self._handshake()
@@ -59,12 +62,16 @@ class VerifiersAgent(RunAgent):
             )
         future: Future = Future()
         with self._lock:
-            if self._proc.poll() is not None:
-                raise EnvError(f"the verifiers worker has exited ({self._proc.returncode}): {self._last_error()}")
+            if self._exited:
+                raise EnvError(f"the verifiers worker has exited ({self._proc.poll()}): {self._last_error()}")
             request_id = next(self._ids)
             self._pending[request_id] = future
-            self._proc.stdin.write(json.dumps({"id": request_id, "task": task, "base_url": base_url}) + "\n")
-            self._proc.stdin.flush()
+            try:
+                self._proc.stdin.write(json.dumps({"id": request_id, "task": task, "base_url": base_url}) + "\n")
+                self._proc.stdin.flush()
+            except OSError as e:  # it exited since the check above
+                self._pending.pop(request_id)
+                raise EnvError(f"the verifiers worker has exited: {e}; {self._last_error()}") from None
         reply = future.result()
         if "error" in reply:
             sample = unquote(base_url.rpartition("/s/")[2].removesuffix("/v1"))  # AgentServer.base_url's form
@@ -113,7 +120,7 @@ class VerifiersAgent(RunAgent):
             if future is not None:
                 future.set_result(reply)
         with self._lock:
-            waiting, self._pending = list(self._pending.values()), {}
+            waiting, self._pending, self._exited = list(self._pending.values()), {}, True
         for future in waiting:
             future.set_result({"error": f"the worker exited ({self._proc.wait()}): {self._last_error()}"})
 

@@ -7,11 +7,10 @@ Routes (bodies as OpenAI's API takes them; see docs/serve.md for every field):
     /inference/v1/generate                  POST: vLLM's token-in/token-out route (generate.py; verifiers' trainer)
     /s/<sample_id>/v1/...                   the same, for the sample named in the path
 A request belongs to the sample its path names, else the one its `X-Session-ID` header names, else 'default'
-(ids may hold '/', raw or %2F-encoded); with n > 1, choice i > 0 belongs to sample `<id>~i`. Where the path names the
-sample, an `X-Session-ID` header is the client's own label for its conversation (verifiers sends its trace id on every
-request), not a second address: the path wins and the label is kept in the sample's `client_session_ids` (the
-record's extra). `base_url(sample_id)`
-is what an agent gives its OpenAI client.
+(ids may hold '/', raw or %2F-encoded); with n > 1, choice i > 0 belongs to sample `<id>~i`. `base_url(sample_id)`
+is what an agent gives its OpenAI client. Where the path names the sample, an `X-Session-ID` header is the client's
+own label for its conversation (verifiers sends its trace id on every request), not a second address: the path wins
+and the label is kept in the sample's `client_session_ids` (the record's extra).
 
 uvicorn runs its event loop in a thread of its own; a request's tokenizer and image work runs in starlette's
 thread pool and its generation is awaited as a future of the engine stream (stream.py), so no handler blocks the
