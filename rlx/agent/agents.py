@@ -5,6 +5,10 @@ makes (through the `openai` client or any HTTP client) lands in that sample's tr
 sample's record is its last trajectory segment; earlier segments (the agent rewrote its history)
 are kept in `segments` with the reason each began.
 
+An agent that needs the run's settings or holds a resource for the whole run (a worker process) is a subclass of
+`RunAgent`: the class named by `agent` is built once per run with the run's AgentConfig (`load_agent`), called per
+sample, and closed when the run ends (verifiers_agent.py is one).
+
 The record handed to the agent keeps its prompt's image parts (`{"type": "image", "image": REF}`); the agent may
 send them as they are or as OpenAI `image_url` parts (request_images.py). A sample's images, the prompt's and any
 the agent sent later, are kept in token order in the record's `image_refs`, as an environment episode's are.
@@ -31,6 +35,26 @@ from rlx.serve.sessions import SampleSession
 from rlx.serve.stream import StreamWorker
 
 
+class RunAgent:
+    """An agent built once per run with the run's AgentConfig: called as `agent(record, base_url) -> reward` for every
+    sample (from several threads at once), then closed."""
+
+    def __init__(self, cfg: AgentConfig):
+        self.cfg = cfg
+
+    def __call__(self, record: dict, base_url: str) -> float:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the agent holds (called once, after the run's last rollout)."""
+
+
+def load_agent(spec: str, cfg: AgentConfig) -> Callable:
+    """The agent `spec` names: a function as it is, a RunAgent subclass built with `cfg`."""
+    agent = load_object(spec, "--agent")
+    return agent(cfg) if isinstance(agent, type) and issubclass(agent, RunAgent) else agent
+
+
 class AgentRollout:
     """Runs an agent per sample against an in-process server and returns the samples' rollout records."""
 
@@ -39,8 +63,10 @@ class AgentRollout:
     ):
         self.engine, self.tokenizer, self.stop_ids = engine, tokenizer, set(engine.stop_ids)
         self.sampling, self.cfg = sampling, cfg
-        self.name = agent if isinstance(agent, str) else getattr(agent, "__name__", repr(agent))
-        self.agent = load_object(agent, "--agent") if isinstance(agent, str) else agent
+        self.name = agent if isinstance(agent, str) else getattr(agent, "__name__", type(agent).__name__)
+        self.agent = load_agent(agent, cfg) if isinstance(agent, str) else agent
+        self._owned = isinstance(agent, str) and isinstance(self.agent, RunAgent)
+        """A RunAgent built here (from its name) is closed after generate(); one given is its giver's."""
 
     def generate(self, prompts: list[PromptRecord]) -> RolloutResult:
         """`sampling.n` agent runs per prompt, in prompt order then sample order, and what they did. Under
@@ -66,6 +92,8 @@ class AgentRollout:
             pool.close()
             server.close()
             worker.close()
+            if self._owned:
+                self.agent.close()
         records, errors, dropped = [], 0, []
         for (prompt, index), outcome in zip(samples, outcomes):
             session = server.sessions.get(f"{prompt.id}/{index}")
@@ -119,6 +147,8 @@ class AgentRollout:
             extra["segments"] = [s.to_json() for s in session.segments[:-1]]
         if error:
             extra["env_error"] = error
+        if session.client_session_ids:  # the client's own names for its conversation (e.g. a verifiers trace id)
+            extra["client_session_ids"] = list(session.client_session_ids)
         return trajectory_record(
             prompt,
             index,

@@ -8,7 +8,10 @@ the same records.
 
 from __future__ import annotations
 
-from rlx.agent.agents import AgentRollout
+import weakref
+from collections.abc import Callable
+
+from rlx.agent.agents import AgentRollout, RunAgent, load_agent
 from rlx.agent.driver import EnvRollout
 from rlx.errors import UserError
 from rlx.formats.records import PromptRecord, RolloutRecord
@@ -27,26 +30,38 @@ def build_rollout(cfg: RolloutConfig, engine: RolloutEngine) -> RolloutEngine | 
 
 class EpisodeRollout:
     """Multi-turn rollouts on an engine: episodes of `cfg.agent.env`, or runs of the agent `cfg.agent.agent`, built per
-    call."""
+    call. The agent is loaded once, on the first call; a RunAgent (one holding a worker process) is closed when this
+    object goes, or at exit."""
 
     def __init__(self, engine: RolloutEngine, cfg: RolloutConfig):
         self.engine, self.cfg = engine, cfg
+        self.agent: Callable | None = None
 
     def generate(self, prompts: list[PromptRecord], sampling: SamplingParams, progress: bool = True) -> RolloutResult:
         """`sampling.n` samples per prompt, in prompt order then sample order, on every process; the stats hold
         the episodes' metrics. (`progress`: no bar is shown for episodes.)"""
-        return generate_multi_turn(self.engine, self.engine.tokenizer, prompts, self.cfg, sampling)
+        if self.cfg.agent.agent and self.agent is None:
+            self.agent = load_agent(self.cfg.agent.agent, self.cfg.agent)
+            if isinstance(self.agent, RunAgent):
+                weakref.finalize(self, self.agent.close)
+        return generate_multi_turn(self.engine, self.engine.tokenizer, prompts, self.cfg, sampling, self.agent)
 
 
 def generate_multi_turn(
-    engine: RolloutEngine, tokenizer, prompts: list[PromptRecord], cfg: RolloutConfig, sampling: SamplingParams
+    engine: RolloutEngine,
+    tokenizer,
+    prompts: list[PromptRecord],
+    cfg: RolloutConfig,
+    sampling: SamplingParams,
+    agent: Callable | None = None,
 ) -> RolloutResult:
     """`sampling.n` episodes of `cfg.agent.env` (or runs of the agent `cfg.agent.agent`) per prompt, in prompt order
-    then sample order, on every process; the stats hold the multi-turn metrics."""
+    then sample order, on every process; the stats hold the multi-turn metrics. `agent`: the agent loaded already
+    (else it is loaded for this call)."""
     refuse_images(prompts, cfg, type(engine))
     ctx = engine.ctx
     mine = shard_range(len(prompts), ctx.rank, ctx.world) if ctx else range(len(prompts))
-    local = multi_turn_runner(engine, tokenizer, cfg, sampling).generate([prompts[i] for i in mine])
+    local = multi_turn_runner(engine, tokenizer, cfg, sampling, agent).generate([prompts[i] for i in mine])
     parts = all_gather_objects((local.records, local.stats)) if ctx else [(local.records, local.stats)]
     records: list[RolloutRecord] = [r for part, _ in parts for r in part]
     if prompts and not records:  # --on-env-error zero left every sample out (every process's: the same on each)
@@ -54,11 +69,13 @@ def generate_multi_turn(
     return RolloutResult(records, merge_stats([(len(part), stats) for part, stats in parts]))
 
 
-def multi_turn_runner(engine: RolloutEngine, tokenizer, cfg: RolloutConfig, sampling: SamplingParams):
-    """The runner of `cfg.agent.agent` (an agent over the OpenAI-compatible endpoint) or `cfg.agent.env` (an
-    environment)."""
+def multi_turn_runner(
+    engine: RolloutEngine, tokenizer, cfg: RolloutConfig, sampling: SamplingParams, agent: Callable | None = None
+):
+    """The runner of `cfg.agent.agent` (an agent over the OpenAI-compatible endpoint; `agent`: it, loaded already) or
+    `cfg.agent.env` (an environment)."""
     if cfg.agent.agent:
-        return AgentRollout(engine, tokenizer, sampling, cfg.agent, cfg.agent.agent)
+        return AgentRollout(engine, tokenizer, sampling, cfg.agent, agent or cfg.agent.agent)
     return EnvRollout(engine, tokenizer, sampling, cfg.agent)
 
 

@@ -28,6 +28,7 @@ from rlx.serve.config import ServeConfig
         "env_timeout_s",
         "env_workers",
         "agent_timeout_s",
+        "verifiers",
         "batch_size",
         "remax_baseline",
         "chat_template",

@@ -11,6 +11,39 @@ from typing import Literal
 
 from rlx.config import check, check_choices
 
+VERIFIERS_AGENT = "rlx.agent.verifiers_agent:VerifiersAgent"
+"""The agent that plays a verifiers environment per sample (its settings: AgentConfig.verifiers)."""
+
+
+@dataclass(kw_only=True)
+class VerifiersConfig:
+    """A verifiers 0.4 environment trained as an agent (`agent = "rlx.agent.verifiers_agent:VerifiersAgent"`): one
+    worker process in verifiers' own venv plays one rollout of the record's task per sample (docs/verifiers.md)."""
+
+    env: str
+    """The verifiers taskset id, as `vf-eval ID` takes it (`verifiers-arith` imports the package `verifiers_arith`)."""
+    args: list[str] = field(default_factory=list)
+    """More vf-eval options for the environment, e.g. ["--env.agent.harness.id", "null", "--env.agent.runtime.type",
+    "subprocess"] ('--model' and '--client.base-url' are rlx's: the served model, each sample's base URL)."""
+    python: str = ".venv-verifiers/bin/python"
+    """The Python of the venv verifiers is installed in (a relative path: from the current directory); its folder goes
+    first on the worker's PATH (the harnesses run `uv`)."""
+    python_path: list[str] = field(default_factory=list)
+    """Folders put on the worker's PYTHONPATH: where a taskset package not installed in that venv lives."""
+    task_key: str = "verifiers_task"
+    """The prompt record field that holds its task: the index into the taskset's tasks (after the `--select.*`
+    options in `args`)."""
+    start_timeout_s: float = 300.0
+    """Longest the worker may take to load the environment and start its servers, in seconds."""
+
+    def __post_init__(self) -> None:
+        check(bool(self.env), "env", "give the verifiers taskset id, e.g. 'verifiers-arith'")
+        check(bool(self.task_key), "task_key", "must name a prompt record field")
+        check(self.start_timeout_s > 0, "start_timeout_s", f"must be > 0, got {self.start_timeout_s}")
+        for arg in self.args:
+            name = arg.split("=", 1)[0]
+            check(name not in ("--model", "-m", "--client.base-url"), "args", f"{name} is set by rlx, leave it out")
+
 
 @dataclass(kw_only=True)
 class AgentConfig:
@@ -40,6 +73,9 @@ class AgentConfig:
     """How tool calls are read from assistant text: 'qwen' (= 'hermes') for <tool_call>{json}</tool_call>
     blocks as Qwen2.5/Qwen3 templates write them, 'smollm2' for a JSON list of calls in <tool_call> blocks, 'none'
     for plain text; 'auto' chooses from the model's chat template where rlx serve renders it (else 'qwen')."""
+    verifiers: VerifiersConfig | None = None
+    """The verifiers environment that agent = "rlx.agent.verifiers_agent:VerifiersAgent" plays (a recipe's
+    [rollout.agent.verifiers] table); absent: none."""
     chat_template_kwargs: dict = field(default_factory=dict)
     """Extra variables for the chat template, single-turn prompts and multi-turn episodes alike, e.g.
     '{"enable_thinking": false}' on the command line or {enable_thinking = false} in a recipe for Qwen3 templates."""
@@ -55,6 +91,11 @@ class AgentConfig:
             value = getattr(self, key)
             check(value == "" or ":" in value, key, f"expected path/file.py:NAME or package.module:NAME, got {value!r}")
         check(not (self.env and self.agent), "agent", "give an environment (env) or an agent, not both")
+        if self.verifiers is not None:
+            why = f"the verifiers table is played by agent = {VERIFIERS_AGENT!r}"
+            check(self.agent == VERIFIERS_AGENT, "agent", why)
+        if self.agent == VERIFIERS_AGENT:
+            check(self.verifiers is not None, "verifiers", "this agent needs its table (env = the taskset id, ...)")
 
     @property
     def is_multi_turn(self) -> bool:

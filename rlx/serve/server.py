@@ -8,7 +8,9 @@ Routes (bodies as OpenAI's API takes them; see docs/serve.md for every field):
     /s/<sample_id>/v1/...                   the same, for the sample named in the path
 A request belongs to the sample its path names, else the one its `X-Session-ID` header names, else 'default'
 (ids may hold '/', raw or %2F-encoded); with n > 1, choice i > 0 belongs to sample `<id>~i`. `base_url(sample_id)`
-is what an agent gives its OpenAI client.
+is what an agent gives its OpenAI client. Where the path names the sample, an `X-Session-ID` header is the client's
+own label for its conversation (verifiers sends its trace id on every request), not a second address: the path wins
+and the label is kept in the sample's `client_session_ids` (the record's extra).
 
 uvicorn runs its event loop in a thread of its own; a request's tokenizer and image work runs in starlette's
 thread pool and its generation is awaited as a future of the engine stream (stream.py), so no handler blocks the
@@ -195,13 +197,13 @@ class AgentServer:
             if endpoint == "responses":
                 given = body.get("previous_response_id")
                 body, previous = to_chat(body, self.responses)
-            sample = _sample_of(request, previous or DEFAULT_SAMPLE)
+            sample, label = _sample_of(request, previous or DEFAULT_SAMPLE)
             if endpoint == "generate":
                 call = read_generate(body, self.limits, self.stop_ids)
             else:
                 call = (read_completion if endpoint == "completion" else read_chat)(body, self.limits)
             names = [sample] + [f"{sample}~{i}" for i in range(1, call.settings.n)]
-            sessions = self._hold([self.session(name) for name in names])
+            sessions = self._hold([self.session(name) for name in names], label)
             is_live = False
             try:
                 if call.settings.stream and endpoint != "responses":  # sent as the tokens come (live.py)
@@ -230,8 +232,9 @@ class AgentServer:
         return self._respond(turns, endpoint)
 
     @staticmethod
-    def _hold(sessions: list[SampleSession]) -> list[SampleSession]:
-        """`sessions` with their locks taken; HTTP 409 when one is answering another request (none is then held)."""
+    def _hold(sessions: list[SampleSession], label: str | None = None) -> list[SampleSession]:
+        """`sessions` with their locks taken, each keeping the client's `label` (its X-Session-ID, where the path named
+        the sample); HTTP 409 when one is answering another request (none is then held)."""
         for held, session in enumerate(sessions):
             if not session.lock.acquire(blocking=False):
                 for other in sessions[:held]:
@@ -243,6 +246,9 @@ class AgentServer:
                     f"merge into one trajectory; give each its own X-Session-ID header or /s/<id>/v1 base URL",
                     "session_busy",
                 )
+        if label is not None:
+            for session in sessions:
+                session.add_client_label(label)
         return sessions
 
     def _respond(self, turns: list[Turn], endpoint: str) -> Response:
@@ -260,15 +266,16 @@ class AgentServer:
         return JSONResponse(card)
 
 
-def _sample_of(request: Request, fallback: str = DEFAULT_SAMPLE) -> str:
-    """The sample the path names, else the X-Session-ID header, else `fallback`."""
+def _sample_of(request: Request, fallback: str = DEFAULT_SAMPLE) -> tuple[str, str | None]:
+    """(the sample the path names, else the X-Session-ID header, else `fallback`; the header where the path named the
+    sample: the client's own label, kept with the sample, else None)."""
     from_path, from_header = request.path_params.get("sample"), request.headers.get(SESSION_HEADER)
-    if from_path and from_header and from_path != from_header:
-        raise RequestError(400, f"the path names sample {from_path!r:.80} and X-Session-ID {from_header!r:.80}")
     sample = from_path or from_header or fallback
-    if len(sample) > 512 or not sample.isprintable():
-        raise RequestError(400, "a sample id must be printable and at most 512 characters")
-    return sample
+    label = from_header if from_path and from_header else None
+    for name in (sample, label):
+        if name is not None and (len(name) > 512 or not name.isprintable()):
+            raise RequestError(400, "a sample id (or X-Session-ID) must be printable and at most 512 characters")
+    return sample, label
 
 
 async def _read_body(request: Request, limit: int) -> dict:

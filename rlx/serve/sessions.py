@@ -142,6 +142,14 @@ class SampleSession:
         """time.monotonic() of the last request (for closing idle sessions)."""
         self.evicted: str | None = None
         """Why the server closed this session before it stopped (idle, over the cap), else None."""
+        self.client_session_ids: list[str] = []
+        """The X-Session-ID labels its client sent with requests addressed by path (/s/<id>/v1), distinct, in the order
+        first seen: e.g. the verifiers trace id of the rollout played under this sample."""
+
+    def add_client_label(self, label: str) -> None:
+        """Keep `label` (an X-Session-ID header of a request the path addressed) unless it is kept already."""
+        if label not in self.client_session_ids:
+            self.client_session_ids.append(label)
 
     @property
     def current(self) -> Segment | None:

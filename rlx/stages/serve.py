@@ -139,4 +139,6 @@ def _extra(session: SampleSession) -> dict:
         extra["turn_settings"] = last.turn_settings
     if session.evicted:
         extra["evicted"] = session.evicted
+    if session.client_session_ids:
+        extra["client_session_ids"] = session.client_session_ids
     return extra

@@ -500,3 +500,28 @@ def test_responses_api_continues_the_sample_by_previous_response_id_or_full_inpu
             client.responses.create(model="rlx", input="x", previous_response_id="resp_nope")
     finally:
         stop(server)
+
+
+def test_the_path_names_the_sample_and_x_session_id_is_kept_as_the_clients_label(tmp_path):
+    """A request to /s/<id>/v1 belongs to <id> whatever its X-Session-ID says (verifiers names each rollout by it while
+    `--agent` names the sample by the path): the header is kept, distinct and in order, in the sample's record; without
+    a path the header names the sample and is no label; a label that cannot be an id is refused."""
+    server = start()
+    try:
+        url = f"{server.base_url('p/0')}/chat/completions"
+        status, reply = post(url, {"messages": HI, "max_tokens": 1}, {"X-Session-ID": "trace-a"})
+        assert status == 200
+        more = [*HI, reply["choices"][0]["message"], {"role": "user", "content": "more"}]
+        for label in ("trace-a", "trace-b"):
+            assert post(url, {"messages": more, "max_tokens": 1}, {"X-Session-ID": label})[0] == 200
+        assert post(f"{server.url}/v1/chat/completions", {"messages": HI}, {"X-Session-ID": "p/1"})[0] == 200
+        status, reply = post(url, {"messages": HI}, {"X-Session-ID": "x" * 600})
+        assert status == 400 and "X-Session-ID" in reply["error"]["message"]
+        assert sorted(server.sessions) == ["p/0", "p/1"] and "trace-a" not in server.sessions
+        session = server.sessions["p/0"]
+        assert session.client_session_ids == ["trace-a", "trace-b"] and session.num_requests == 3
+        assert server.sessions["p/1"].client_session_ids == []
+        record = session_record(session, 1.0)
+        assert record.extra["client_session_ids"] == ["trace-a", "trace-b"]
+    finally:
+        stop(server)
