@@ -183,7 +183,8 @@ def summarize_stacks(raw: str, top: int = 45) -> str:
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        process = frames[0][:60]
+        process = [f for f in frames if f.startswith("process ")][-1:] or frames[:1]  # a child's stack: its own
+        process = process[0][:60]
         totals[process] += int(count)
         names = {re.sub(r":\d+\)$", ")", f) for f in frames[1:] if "rlx/" in f or "torch/" in f}
         for name in names:
