@@ -101,25 +101,6 @@ def test_bad_async_settings_are_one_line_errors(tmp_path):
 
 
 @pytest.mark.slow
-def test_max_staleness_0_is_the_synchronous_run(tmp_path):
-    """1 rollout rank + 1 trainer at max_staleness 0 == `rlx ppo` in one process: same weights, metrics."""
-    ppo_torchrun(2, write_recipe(tmp_path, "max_staleness = 0"), tmp_path / "async")
-    (tmp_path / "sync").mkdir()
-    ppo_one_process(write_recipe(tmp_path / "sync", None), tmp_path / "sync" / "run")
-    sync, run = tmp_path / "sync" / "run", tmp_path / "async"
-    assert_same_weights(sync / "checkpoints" / "step_000004", run / "checkpoints" / "step_000004")
-    assert check_staleness(run, 4, 0) == [0, 0, 0, 0]
-    for a, b in zip(read_jsonl(sync / "metrics.jsonl"), read_jsonl(run / "metrics.jsonl")):
-        for key in ("reward/mean", "actor/pg_loss", "actor/ref_kl", "actor/entropy"):
-            assert a[key] == b[key], key
-    for step in ("step_000001", "step_000004"):
-        ours = read_jsonl(run / step / "rollouts.jsonl")
-        assert [{k: v for k, v in r.items() if k not in ("policy_version", "rollout_restarts")} for r in ours] == (
-            read_jsonl(sync / step / "rollouts.jsonl")
-        )
-
-
-@pytest.mark.slow
 def test_staleness_bound_and_resume_after_a_kill(tmp_path):
     """2 rollout ranks (the native engine: samples in flight go on under new weights) + 1 trainer at
     max_staleness 1, killed after step 3 and resumed: every step trains its own prompts' samples exactly once,
@@ -192,18 +173,37 @@ max_new_tokens = 3
 """
 
 
+def assert_same_as_the_synchronous_run(sync: Path, run: Path) -> None:
+    """1 rollout rank + 1 trainer at max_staleness 0 (`run`) == `rlx ppo` in one process (`sync`), 4 steps: the same
+    weights, metrics and samples."""
+    assert_same_weights(sync / "checkpoints" / "step_000004", run / "checkpoints" / "step_000004")
+    assert check_staleness(run, 4, 0) == [0, 0, 0, 0]
+    steps = [[m for m in read_jsonl(r / "metrics.jsonl") if "actor/pg_loss" in m] for r in (sync, run)]
+    assert [m["step"] for m in steps[0]] == [m["step"] for m in steps[1]] == [1, 2, 3, 4]
+    for a, b in zip(*steps):
+        for key in ("reward/mean", "actor/pg_loss", "actor/ref_kl", "actor/entropy"):
+            assert a[key] == b[key], key
+    for step in ("step_000001", "step_000004"):
+        ours = read_jsonl(run / step / "rollouts.jsonl")
+        assert [{k: v for k, v in r.items() if k not in ("policy_version", "rollout_restarts")} for r in ours] == (
+            read_jsonl(sync / step / "rollouts.jsonl")
+        )
+
+
 @pytest.mark.slow
 def test_eval_on_the_rollout_ranks(tmp_path):
     """[eval] in an async run: the rollout rank evaluates exactly the weights after each due step. At max_staleness
-    0 the val/* metrics and eval.jsonl equal the synchronous run's; at 1 on the native engine (a stream across
-    steps, the eval's samples in it next to training samples) each step's eval.jsonl equals `rlx eval` of that
-    step's checkpoint."""
+    0 the run is the synchronous one (weights, metrics, samples: the check of a plain max_staleness 0 run, here with
+    the eval's samples next to the training ones) and its val/* metrics and eval.jsonl equal the synchronous run's;
+    at 1 on the native engine (a stream across steps, the eval's samples in it next to training samples) each step's
+    eval.jsonl equals `rlx eval` of that step's checkpoint."""
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(RECIPE + EVAL_TABLE)
     (tmp_path / "sync").mkdir()
     ppo_one_process(recipe, tmp_path / "sync" / "run")
     ppo_torchrun(2, recipe, tmp_path / "lag0", "async.max_staleness=0")
     sync, lag0 = tmp_path / "sync" / "run", tmp_path / "lag0"
+    assert_same_as_the_synchronous_run(sync, lag0)
     lines = [read_jsonl(run / "metrics.jsonl") for run in (sync, lag0)]
     val = [[{k: v for k, v in m.items() if k.startswith("val/")} for m in ms] for ms in lines]
     assert [m["step"] for m in lines[1] if "val/pass@1" in m] == [0, 2, 4]
