@@ -4,6 +4,7 @@ to the training forward, in-memory and on-disk weight updates, sleep/wake, torch
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import subprocess
@@ -334,9 +335,13 @@ def test_torchrun_data_and_tensor_parallel_equal_one_process(tmp_path, model_dir
     cli_ok("rollout", *common, "--out", tmp_path / "one.jsonl")
     run_torchrun(2, "-m", "rlx", "rollout", *common, "--out", tmp_path / "dp.jsonl")
     shm = set(Path("/dev/shm").glob("*cpushm*"))
-    for _ in range(2):  # vLLM's CPU backend unlinks its shared memory at exit, or the second run fails
-        run_torchrun(2, "-m", "rlx", "rollout", *common, "--tp", "2", "--out", tmp_path / "tp.jsonl", "--overwrite")
+    run_torchrun(2, "-m", "rlx", "rollout", *common, "--tp", "2", "--out", tmp_path / "tp.jsonl")
+    # vLLM's CPU backend unlinks its shared memory at exit (a segment left behind fails the next --tp 2 run with
+    # EEXIST): none is left, under the name vLLM gives its segments
     assert set(Path("/dev/shm").glob("*cpushm*")) == shm
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    assert "-cpushm" in inspect.getsource(_CPUSHMDistributed.make_group_name)
     one, dp, tp = (read_jsonl(tmp_path / f"{n}.jsonl") for n in ("one", "dp", "tp"))
     assert one == dp  # each rank sampled its share with its own engine
     assert [r["response_ids"] for r in one] == [r["response_ids"] for r in tp]
