@@ -327,7 +327,8 @@ def test_a_step_with_longer_prompts_waits_for_a_larger_stream(tmp_path):
 @pytest.mark.slow
 def test_quickstart_learns_asynchronously(tmp_path):
     run = tmp_path / "run"
-    sets = ["seed=1", "async.max_staleness=1", "keep_artifacts=true"]
+    # 100 of the recipe's 150 steps: the reward's gain (steps 1-5 -> 96-100) was 0.59 at seed 1 (0.84 at 150)
+    sets = ["seed=1", "steps=100", "async.max_staleness=1", "keep_artifacts=true"]
     ppo_torchrun(2, REPO / "recipes" / "quickstart.toml", run, *sets)
     metrics = read_jsonl(run / "metrics.jsonl")
     rewards = [m["reward/mean"] for m in metrics]

@@ -353,12 +353,13 @@ def test_torchrun_data_and_tensor_parallel_equal_one_process(tmp_path, model_dir
 def test_ppo_with_vllm_learns_and_logs_the_sync(tmp_path, model_dir):
     run = tmp_path / "run"
     config_dir = write_tiny_model_dir(tmp_path / "config", num_heads=2, num_kv_heads=1)  # init = "random"
-    sets = [f"model.path={config_dir}", "rollout.engine=vllm", "rollout.kv_cache_gib=0.25"]
+    # 100 of the recipe's 150 steps: the reward's gain (steps 1-5 -> 96-100) was 0.55 at seed 0 (0.66 at 150)
+    sets = [f"model.path={config_dir}", "rollout.engine=vllm", "rollout.kv_cache_gib=0.25", "steps=100"]
     args = [a for s in sets for a in ("--set", s)]
     _run([sys.executable, "-m", "rlx", "ppo", str(REPO / "recipes" / "quickstart.toml"), "--out", str(run), *args])
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rewards = [m["reward/mean"] for m in lines]
-    assert len(rewards) == 150 and sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 >= 0.3, rewards
+    assert len(rewards) == 100 and sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 >= 0.3, rewards
     later = lines[1:]
     assert all(m["timing/weight_sync_s"] > 0 for m in later)
     assert all(m["memory/rollout_engine_released_gb"] >= 0.25 for m in lines)
