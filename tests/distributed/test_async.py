@@ -388,9 +388,10 @@ def read_steps(run: Path, steps: int, name: str = "rollouts.jsonl") -> list[list
 @pytest.mark.slow
 def test_dynamic_sampling_at_max_staleness_0_is_the_synchronous_run(tmp_path):
     """score.filter_groups (DAPO dynamic sampling) until filled (max_gen_batches 0: 3-4 batches a step; at seed 1
-    step 3's batches hold 5 informative groups, of which the first 4 are kept): 1 rollout rank + 1 trainer, and 2
-    rollout ranks + 1 trainer (their counts exchanged, shares merged batch by batch), at max_staleness 0 train the
-    synchronous run's samples in its order: the same weights, metrics and data positions."""
+    step 3's batches hold 5 informative groups, of which the first 4 are kept): 2 rollout ranks + 1 trainer (their
+    counts exchanged, shares merged batch by batch) at max_staleness 0 train the synchronous run's samples in its
+    order: the same weights, metrics and data positions. One rollout rank with dynamic sampling at max_staleness 0:
+    tests/distributed/test_dynamic_multi_turn.py::test_dynamic_sampling_of_episodes_sync_and_async."""
     sets = ["seed=1", "steps=3", "data.prompts_per_step=4", "score.filter_groups=true", "data.max_gen_batches=0"]
     (tmp_path / "sync").mkdir()
     ppo_one_process(write_recipe(tmp_path / "sync", None), tmp_path / "sync" / "run", *sets)
@@ -399,26 +400,25 @@ def test_dynamic_sampling_at_max_staleness_0_is_the_synchronous_run(tmp_path):
     assert max(m["dynamic_sampling/gen_batches"] for m in theirs) > 1
     assert all(m["dynamic_sampling/kept_groups"] == 4 for m in theirs)
     recipe = write_recipe(tmp_path, "max_staleness = 0")
-    for ranks in (1, 2):
-        run = tmp_path / f"async{ranks}"
-        ppo_torchrun(1 + ranks, recipe, run, *sets, f"async.rollout_ranks={ranks}")
-        assert_same_weights(sync / "checkpoints" / "step_000003", run / "checkpoints" / "step_000003")
-        assert check_staleness(run, 3, 0) == [0, 0, 0]
-        for a, b in zip(theirs, read_jsonl(run / "metrics.jsonl"), strict=True):
-            keys = ("reward/mean", "actor/pg_loss", "actor/entropy", "batch/num_samples", "rollout/tokens")
-            for key in (*keys, "dynamic_sampling/gen_batches", "dynamic_sampling/kept_groups"):
-                assert a[key] == b[key], (ranks, key)
-        for ours, sync_records in zip(read_steps(run, 3), read_steps(sync, 3)):
-            assert [{k: v for k, v in r.items() if k not in ("policy_version", "rollout_restarts")} for r in ours] == (
-                sync_records
-            )
-        assert read_steps(run, 3, "scores.jsonl") == read_steps(sync, 3, "scores.jsonl")
-        for step in (1, 2, 3):
-            meta = (
-                run / "checkpoints" / f"step_{step:06d}" / "rlx.json",
-                sync / "checkpoints" / f"step_{step:06d}" / "rlx.json",
-            )
-            assert json.loads(meta[0].read_text())["data_position"] == json.loads(meta[1].read_text())["data_position"]
+    run = tmp_path / "async2"
+    ppo_torchrun(3, recipe, run, *sets, "async.rollout_ranks=2")
+    assert_same_weights(sync / "checkpoints" / "step_000003", run / "checkpoints" / "step_000003")
+    assert check_staleness(run, 3, 0) == [0, 0, 0]
+    for a, b in zip(theirs, read_jsonl(run / "metrics.jsonl"), strict=True):
+        keys = ("reward/mean", "actor/pg_loss", "actor/entropy", "batch/num_samples", "rollout/tokens")
+        for key in (*keys, "dynamic_sampling/gen_batches", "dynamic_sampling/kept_groups"):
+            assert a[key] == b[key], key
+    for ours, sync_records in zip(read_steps(run, 3), read_steps(sync, 3)):
+        assert [{k: v for k, v in r.items() if k not in ("policy_version", "rollout_restarts")} for r in ours] == (
+            sync_records
+        )
+    assert read_steps(run, 3, "scores.jsonl") == read_steps(sync, 3, "scores.jsonl")
+    for step in (1, 2, 3):
+        meta = (
+            run / "checkpoints" / f"step_{step:06d}" / "rlx.json",
+            sync / "checkpoints" / f"step_{step:06d}" / "rlx.json",
+        )
+        assert json.loads(meta[0].read_text())["data_position"] == json.loads(meta[1].read_text())["data_position"]
 
 
 @pytest.mark.slow
