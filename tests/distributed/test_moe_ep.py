@@ -42,17 +42,8 @@ def single(moe_ckpt, moe_batch, tmp_path_factory):
     return out
 
 
-def _ep_step(tmp_path, ranks: int, ep: int, moe_ckpt, moe_batch, *extra: str):
-    torchrun(ranks, "train-step", "--checkpoint", moe_ckpt, "--batch", moe_batch, "--out", tmp_path / "c", *TRAIN,
-             "--ep-degree", str(ep), "--metrics", tmp_path / "m.jsonl", *extra)  # fmt: skip
-    return tmp_path / "c", read_jsonl(tmp_path / "m.jsonl")[0]
-
-
-@pytest.mark.parametrize("ranks, extra", [(2, []), (4, ["--gradient-checkpointing"])])
-def test_ep2_equals_one_process(tmp_path, moe_ckpt, moe_batch, single, ranks, extra):
-    """2 ranks: one EP group; 4 ranks: two EP groups, each expert FSDP-sharded over the 2 ranks holding it (and
-    the layers recomputed in the backward, all-to-all included)."""
-    ckpt, metrics = _ep_step(tmp_path, ranks, 2, moe_ckpt, moe_batch, *extra)
+def assert_equals_single(ckpt, metrics: dict, single, moe_ckpt) -> None:
+    """An EP train step's checkpoint and metrics equal the one-process step's (`single`), the experts held whole."""
     want = read_jsonl(single / "m.jsonl")[0]
     assert max_diff(single / "c", ckpt) < 1e-5
     keys = ("actor/loss", "actor/pg_loss", "actor/grad_norm", "moe/expert_load_max", "moe/expert_load_cv")
@@ -64,13 +55,22 @@ def test_ep2_equals_one_process(tmp_path, moe_ckpt, moe_batch, single, ranks, ex
     assert not torch.equal(before[key][-1], after[key][-1])  # the last rank's experts trained too
 
 
-def test_ep_checkpoint_round_trips_to_the_hub_layout(tmp_path, moe_ckpt, moe_batch):
-    """An EP run writing the 'fsdp' layout (DCP shards): `rlx merge` gives the per-expert hub layout, which shards
-    back to the checkpoint's full fused weights bit for bit; the checkpoint trains on under EP (optimizer state
-    resharded onto the expert mesh)."""
+def test_ep2_equals_one_process(tmp_path, moe_ckpt, moe_batch, single):
+    """4 ranks: two EP groups, each expert FSDP-sharded over the 2 ranks holding it (and the layers recomputed in
+    the backward, all-to-all included). One EP group of 2 ranks: test_ep_checkpoint_round_trips_to_the_hub_layout."""
+    torchrun(4, "train-step", "--checkpoint", moe_ckpt, "--batch", moe_batch, "--out", tmp_path / "c", *TRAIN,
+             "--ep-degree", "2", "--metrics", tmp_path / "m.jsonl", "--gradient-checkpointing")  # fmt: skip
+    assert_equals_single(tmp_path / "c", read_jsonl(tmp_path / "m.jsonl")[0], single, moe_ckpt)
+
+
+def test_ep_checkpoint_round_trips_to_the_hub_layout(tmp_path, moe_ckpt, moe_batch, single):
+    """An EP run on 2 ranks (one EP group) writing the 'fsdp' layout (DCP shards) equals one process; `rlx merge`
+    gives the per-expert hub layout, which shards back to the checkpoint's full fused weights bit for bit; the
+    checkpoint trains on under EP (optimizer state resharded onto the expert mesh)."""
     cli_ok("shard", "--model", moe_ckpt, "--out", tmp_path / "dcp0", "--layout", "fsdp")
     torchrun(2, "train-step", "--checkpoint", tmp_path / "dcp0", "--batch", moe_batch, "--out", tmp_path / "dcp1",
-             *TRAIN, "--ep-degree", "2")  # fmt: skip
+             *TRAIN, "--ep-degree", "2", "--metrics", tmp_path / "m.jsonl")  # fmt: skip
+    assert_equals_single(tmp_path / "dcp1", read_jsonl(tmp_path / "m.jsonl")[0], single, moe_ckpt)
     cli_ok("merge", "--checkpoint", tmp_path / "dcp1", "--out", tmp_path / "hf")
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         assert "model.layers.1.mlp.experts.3.down_proj.weight" in set(f.keys())

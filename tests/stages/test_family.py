@@ -417,10 +417,15 @@ def test_driver_dynamic_sampling_consumes_more_prompts(tmp_path):
     assert meta["data_position"] == 8 * batches and all(m["batch/num_samples"] <= 64 for m in lines)
 
 
+# the recipes' first steps of 150 (constant lr). Gain of the mean reward, steps 1-5 -> the last 5, at seeds 0 / 1 / 2:
+# GAE at 100 steps 0.54 / 0.51 / 0.53 (0.69 at 150, seed 1); DAPO at 75 0.88 / 0.80 / 0.76 (1.07 at 150, seed 1)
+LEARN_STEPS = {"quickstart_gae.toml": 100, "dapo_quickstart.toml": 75}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["quickstart_gae.toml", "dapo_quickstart.toml"])
 def test_ppo_gae_and_dapo_learn(tmp_path, recipe):
-    run_ppo(load_recipe(REPO / "recipes" / recipe, ["seed=1"]), tmp_path)
+    run_ppo(load_recipe(REPO / "recipes" / recipe, ["seed=1", f"steps={LEARN_STEPS[recipe]}"]), tmp_path)
     rewards = [m["reward/mean"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last >= first + 0.3, (recipe, first, last)

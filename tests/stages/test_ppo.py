@@ -133,10 +133,11 @@ def test_shell_pipeline_equals_the_driver(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 3])  # two seeds: each run is ~35 s of CI time
+@pytest.mark.parametrize("seed", [1, 3])  # two seeds: each run is ~25 s of CI time
 def test_quickstart_learns_for_any_seed(tmp_path, seed):
+    # 100 of the recipe's 150 steps: the reward's gain (steps 1-5 -> 96-100) was 0.61 / 0.62 (0.78 / 0.78 at 150)
     run = tmp_path / "run"
-    run_ppo(load_recipe(QUICKSTART, [f"seed={seed}"]), run)
+    run_ppo(load_recipe(QUICKSTART, [f"seed={seed}", "steps=100"]), run)
     rewards = [m["reward/mean"] for m in read_jsonl(run / "metrics.jsonl")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last >= first + 0.3, (seed, first, last)

