@@ -227,6 +227,8 @@ def chat_ckpt(tiny_dir, tmp_path_factory) -> Path:
 # The slowest tests of the last full `make test` (seconds on one CI worker, 2 cores), by node id; refresh from
 # `pytest --durations=30` of a full run. A test missing here starts after these, in file order.
 SLOWEST = {
+    "tests/stages/test_verifiers_ppo.py::test_verifiers_agent_errors_name_the_problem": 65.0,
+    "tests/stages/test_verifiers_ppo.py::test_ppo_trains_a_verifiers_environment_with_its_rewards": 50.0,
     "tests/stages/test_vision_stages.py::test_tiny_vlm_recipe_learns": 168.5,
     "tests/distributed/test_megatron.py::test_pipeline_and_data_parallel_train_steps_equal_one_process": 114.1,
     "tests/unit/test_vllm.py::test_torchrun_data_and_tensor_parallel_equal_one_process": 83.2,
