@@ -378,6 +378,11 @@ def load_recipe(path: str | Path, overrides: list[str] = (), device_type: str | 
     tables = ("model", "data", "eval", "sft")
     original = {name: dict(data[name]) for name in tables if isinstance(data.get(name), dict)}
     data = apply_overrides(data, list(overrides))
+    try:  # old keys inside a whole table given with --set (`--set eval={max_new_tokens=3}`)
+        for old, new in move_keys(data, MOVED_KEYS):
+            _notice(f"--set: {old} is now {new}; the old key works until the next release")
+    except ConfigError as e:
+        raise UserError(f"--set: {e}") from None
     if device_type is not None:
         data = apply_defaults(data, {**fast_path_defaults(device_type, data, path.parent), **async_defaults(data)})
     if "async" in data:  # `async` is a Python keyword: the field is async_

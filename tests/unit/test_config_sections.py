@@ -103,6 +103,9 @@ def test_old_keys_in_set_overrides_move_too_and_both_ways_at_once_is_an_error(tm
     assert cfg.train.optim.lr == 0.5 and cfg.train.loss.entropy_coef == 0.01
     err = capsys.readouterr().err
     assert "--set train.lr is now --set train.optim.lr" in err and "train.loss.entropy_coef" in err
+    cfg = load_recipe(recipe, ["critic.train={lr=0.25, cliprange_value=0.4}"])  # old keys inside a whole table
+    assert cfg.critic.train.optim.lr == 0.25 and cfg.critic.train.loss.cliprange_value == 0.4
+    assert "--set: critic.train.lr is now critic.train.optim.lr" in capsys.readouterr().err
     recipe.write_text(NEW.replace("[train]\n", "[train]\nlr = 0.1\n"))
     with pytest.raises(UserError, match=r"train\.lr: give train\.optim\.lr only"):
         load_recipe(recipe)
