@@ -8,8 +8,12 @@ With `previous_response_id`, the messages of that response (its input and its re
 the request continues the same sample. The chat request then runs as any other (same segment rules, so a
 conversation continued either way extends its trajectory token-exactly) and its reply becomes a `response`
 object whose output holds a message item and one `function_call` item per tool call.
-Refused with HTTP 400 naming the field: streaming, non-function tools, structured text formats, reasoning,
-truncation other than 'disabled', and every field the Responses API does not define.
+With `stream: true` the reply is the Responses API's server-sent events (`response_events`): created, in progress,
+each output item added, its text or arguments as one delta and done, then `response.completed` (or
+`response.incomplete` when cut at max_output_tokens). They are sent once the turn is generated (chat completions and
+completions stream token by token; this endpoint does not yet), and the turn is recorded as without `stream`.
+Refused with HTTP 400 naming the field: non-function tools, structured text formats, reasoning, truncation other
+than 'disabled', and every field the Responses API does not define.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ MAX_STORED = 10000
 _FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "previous_response_id", "max_output_tokens",
            "temperature", "top_p", "stream", "store", "metadata", "user", "parallel_tool_calls", "text",
            "truncation", "reasoning", "include", "service_tier", "safety_identifier", "prompt_cache_key"}  # fmt: skip
-_NEUTRAL = {"stream": (None, False), "text": (None, {"format": {"type": "text"}}), "truncation": (None, "disabled"),
-            "reasoning": (None,), "include": (None, [])}  # fmt: skip
+_NEUTRAL = {"stream": (None, False, True), "text": (None, {"format": {"type": "text"}}),
+            "truncation": (None, "disabled"), "reasoning": (None,), "include": (None, [])}  # fmt: skip
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -158,3 +162,39 @@ def response_object(turn: Turn, model: str, previous: str | None) -> dict:
         "usage": {"input_tokens": len(turn.prompt_ids), "output_tokens": len(turn.response_ids),
                   "total_tokens": len(turn.prompt_ids) + len(turn.response_ids)},
     }  # fmt: skip
+
+
+def response_events(response: dict) -> list[dict]:
+    """The server-sent events of a finished `response` object, in the Responses API's streaming order (each with its
+    `type` and `sequence_number`)."""
+    events: list[dict] = []
+
+    def add(kind: str, **fields) -> None:
+        events.append({"type": kind, "sequence_number": len(events), **fields})
+
+    started = {**response, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
+    add("response.created", response=started)
+    add("response.in_progress", response=started)
+    for index, item in enumerate(response["output"]):
+        if item["type"] == "message":
+            _message_events(add, index, item)
+        else:
+            add("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                       "status": "in_progress"})  # fmt: skip
+            ids = {"item_id": item["id"], "output_index": index}
+            add("response.function_call_arguments.delta", **ids, delta=item["arguments"])
+            add("response.function_call_arguments.done", **ids, name=item["name"], arguments=item["arguments"])
+            add("response.output_item.done", output_index=index, item=item)
+    add("response.incomplete" if response["status"] == "incomplete" else "response.completed", response=response)
+    return events
+
+
+def _message_events(add, index: int, item: dict) -> None:
+    add("response.output_item.added", output_index=index, item={**item, "status": "in_progress", "content": []})
+    for part_index, part in enumerate(item["content"]):
+        ids = {"item_id": item["id"], "output_index": index, "content_index": part_index}
+        add("response.content_part.added", **ids, part={**part, "text": ""})
+        add("response.output_text.delta", **ids, delta=part["text"], logprobs=[])
+        add("response.output_text.done", **ids, text=part["text"], logprobs=[])
+        add("response.content_part.done", **ids, part=part)
+    add("response.output_item.done", output_index=index, item=item)

@@ -47,7 +47,7 @@ from rlx.serve.generate import generate_reply, read_generate
 from rlx.serve.live import LiveReply
 from rlx.serve.replies import Turn, chat_reply, completion_reply
 from rlx.serve.request_images import ImagePolicy, RequestImages
-from rlx.serve.responses import ResponseStore, response_object, to_chat
+from rlx.serve.responses import ResponseStore, response_events, response_object, to_chat
 from rlx.serve.sessions import SampleSession
 from rlx.serve.stream import StreamWorker
 from rlx.serve.turns import generate_turns, prepare_turns
@@ -195,7 +195,7 @@ class AgentServer:
             body = await _read_body(request, self.endpoint.max_request_bytes)
             previous = None
             if endpoint == "responses":
-                given = body.get("previous_response_id")
+                given, streams = body.get("previous_response_id"), body.get("stream") is True
                 body, previous = to_chat(body, self.responses)
             sample, label = _sample_of(request, previous or DEFAULT_SAMPLE)
             if endpoint == "generate":
@@ -225,11 +225,20 @@ class AgentServer:
         if endpoint == "generate":
             return JSONResponse(generate_reply(turns[0]))
         if endpoint == "responses":
-            reply = response_object(turns[0], self.model_name, given)
-            if body.get("store") is not False:
-                self.responses.put(reply["id"], sample, [*call.messages, turns[0].message])
-            return JSONResponse(reply)
+            return self._response(turns[0], call, sample, given, store=body.get("store") is not False, stream=streams)
         return self._respond(turns, endpoint)
+
+    def _response(self, turn, call, sample: str, previous: str | None, store: bool, stream: bool) -> Response:
+        """A Responses API reply: the `response` object, or its events when the request asked to stream; kept for
+        `previous_response_id` unless `store` is false."""
+        reply = response_object(turn, self.model_name, previous)
+        if store:
+            self.responses.put(reply["id"], sample, [*call.messages, turn.message])
+        if not stream:
+            return JSONResponse(reply)
+        events = "".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n"
+                         for e in response_events(reply))  # fmt: skip
+        return Response(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @staticmethod
     def _hold(sessions: list[SampleSession], label: str | None = None) -> list[SampleSession]:

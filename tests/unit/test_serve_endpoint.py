@@ -461,7 +461,8 @@ def test_tool_parser_follows_the_template_and_tools_a_template_drops_are_refused
 
 def test_responses_api_continues_the_sample_by_previous_response_id_or_full_input():
     """/v1/responses through the openai client: text and function tools; a follow-up by previous_response_id or by
-    the full input extends the same trajectory token-exactly; what it cannot do is refused by name."""
+    the full input extends the same trajectory token-exactly, streamed or not (the SDK's stream helper rebuilds the
+    response from the events); what it cannot do is refused by name."""
     model = bigram_chat_model(CALC_SCRIPT, extra_tokens=CALC_PIECES)
     server = start(model, RolloutConfig(sampling=SamplingParams(max_new_tokens=16, temperature=1.0, seed=3)))
     client = openai.OpenAI(base_url=server.base_url("r/0"), api_key="k", max_retries=0)
@@ -485,10 +486,20 @@ def test_responses_api_continues_the_sample_by_previous_response_id_or_full_inpu
                 {"type": "function_call_output", "call_id": call.call_id, "output": "408"}]  # fmt: skip
         full += [item.model_dump(exclude_none=True) for item in second.output]
         full.append({"role": "user", "content": [{"type": "input_text", "text": "thanks"}]})
-        client.responses.create(model="rlx", input=full, tools=[tool], max_output_tokens=2)
+        third = client.responses.create(model="rlx", input=full, tools=[tool], max_output_tokens=2)
         assert len(session.segments) == 1 and session.current.trajectory.num_turns == 3  # the same segment
+        before = len(session.segments), session.current.trajectory.num_turns
+        more = {"previous_response_id": third.id, "input": "more", "tools": [tool], "max_output_tokens": 2}
+        with client.responses.stream(model="rlx", **more) as stream:
+            events = list(stream)  # (cut at 2 tokens: the SDK's get_final_response waits for 'completed' only)
+        kinds, streamed = [event.type for event in events], events[-1].response
+        assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+        assert "response.output_item.added" in kinds and "response.output_item.done" in kinds
+        text = "".join(item.content[0].text for item in streamed.output if item.type == "message")
+        calls = [item.arguments for item in streamed.output if item.type == "function_call"]
+        assert text == "".join(streamed.output_text) and streamed.usage.output_tokens == 2 and (text or calls)
+        assert (len(session.segments), session.current.trajectory.num_turns) == (before[0], before[1] + 1)
         refused = [
-            ({"stream": True}, "stream"),
             ({"tools": [{"type": "web_search"}]}, "tools"),
             ({"text": {"format": {"type": "json_object"}}}, "text"),
             ({"background": True}, "background"),
