@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from rlx.serve.api import ChatCall
 from rlx.serve.deltas import TOOL_CALL_OPEN, TextDeltas
 from rlx.serve.replies import chat_chunks, completion_chunks
+from rlx.serve.responses import message_opening, numbered, output_events, response_object, start_events, text_delta
 from rlx.serve.turns import run_turns
 
 
@@ -63,6 +64,13 @@ class LiveReply:
         with self.server.tokenizer_lock:
             return self.server.tokenizer.decode(ids, skip_special_tokens=True)
 
+    async def _piece(self, index: int) -> str:
+        """What of choice `index`'s text may be sent now that it has new tokens ('' when nothing)."""
+        ids = self.latest.pop(index, None)
+        if ids is None or self.deltas[index].is_closed:
+            return ""
+        return self.deltas[index].feed(await run_in_threadpool(self._decode, ids))
+
     def _chunk(self, index: int, piece: str) -> dict:
         choice = {"index": index, "delta": {"content": piece}} if self.is_chat else {"index": index, "text": piece}
         return {**self.head, "choices": [{**choice, "finish_reason": None, "logprobs": None}]}
@@ -77,13 +85,9 @@ class LiveReply:
         while True:
             item = await self.queue.get()
             if item[0] == "tokens":
-                index = item[1]
-                ids = self.latest.pop(index, None)
-                if ids is None or self.deltas[index].is_closed:
-                    continue
-                piece = self.deltas[index].feed(await run_in_threadpool(self._decode, ids))
+                piece = await self._piece(item[1])
                 if piece:
-                    yield _event(self._chunk(index, piece))
+                    yield _event(self._chunk(item[1], piece))
                 continue
             if item[0] == "error":
                 error = {"message": f"the server failed on this request ({type(item[1]).__name__})",
@@ -98,3 +102,54 @@ class LiveReply:
                 yield _event(chunk)
             break
         yield "data: [DONE]\n\n"
+
+
+class LiveResponse(LiveReply):
+    """A streamed Responses API reply (/v1/responses with `stream: true`): the message's text as it is sampled, then
+    the function calls, the done events and the finished response (responses.py builds the events)."""
+
+    def __init__(self, server, sessions: list, call, prepared: list, previous: str | None, store: bool, sample: str):
+        super().__init__(server, sessions, call, prepared)
+        self.previous, self.store, self.sample = previous, store, sample
+        self.sequence = 0
+
+    def _sse(self, events: list[tuple[str, dict]]) -> str:
+        out = numbered(events, self.sequence)
+        self.sequence += len(out)
+        return "".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n" for e in out)
+
+    async def events(self):
+        rid, created = self.head["id"], self.head["created"]
+        item_id = f"msg_{rid}"
+        skeleton = {"id": f"resp_{rid}", "object": "response", "created_at": created, "model": self.server.model_name,
+                    "status": "in_progress", "incomplete_details": None, "output": [],
+                    "previous_response_id": self.previous, "error": None, "usage": None}  # fmt: skip
+        yield self._sse(start_events(skeleton))
+        opened = False
+        while True:
+            kind, value = await self.queue.get()
+            if kind == "tokens":
+                piece = await self._piece(value)
+                if piece:
+                    yield self._sse([*([] if opened else message_opening(0, item_id)), text_delta(0, item_id, piece)])
+                    opened = True
+                continue
+            if kind == "error":
+                message = f"the server failed on this request ({type(value).__name__})"
+                yield self._sse([("error", {"code": "server_error", "message": message, "param": None})])
+                return
+            yield self._sse(output_events(self._finished(value[0], opened), opened, self.deltas[0].sent))
+            return
+
+    def _finished(self, turn, opened: bool) -> dict:
+        """The response object of the generated turn (kept for previous_response_id unless store is false); a
+        message whose text was streamed stays its first output item."""
+        turn.id, turn.created = self.head["id"], self.head["created"]
+        reply = response_object(turn, self.server.model_name, self.previous)
+        if opened and reply["output"][0]["type"] != "message":
+            text = {"type": "output_text", "text": self.deltas[0].sent, "annotations": []}
+            reply["output"].insert(0, {"type": "message", "id": f"msg_{turn.id}", "role": "assistant",
+                                       "status": "completed", "content": [text]})  # fmt: skip
+        if self.store:
+            self.server.responses.put(reply["id"], self.sample, [*self.call.messages, turn.message])
+        return reply

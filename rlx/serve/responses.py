@@ -8,10 +8,10 @@ With `previous_response_id`, the messages of that response (its input and its re
 the request continues the same sample. The chat request then runs as any other (same segment rules, so a
 conversation continued either way extends its trajectory token-exactly) and its reply becomes a `response`
 object whose output holds a message item and one `function_call` item per tool call.
-With `stream: true` the reply is the Responses API's server-sent events (`response_events`): created, in progress,
-each output item added, its text or arguments as one delta and done, then `response.completed` (or
-`response.incomplete` when cut at max_output_tokens). They are sent once the turn is generated (chat completions and
-completions stream token by token; this endpoint does not yet), and the turn is recorded as without `stream`.
+With `stream: true` the reply is the Responses API's server-sent events: created, in progress, the message's text
+as the engine samples it (live.py, as chat completions stream), then each function call with its arguments, the
+done events and `response.completed` (or `response.incomplete` when cut at max_output_tokens); the turn is recorded
+as without `stream`.
 Refused with HTTP 400 naming the field: non-function tools, structured text formats, reasoning, truncation other
 than 'disabled', and every field the Responses API does not define.
 """
@@ -167,34 +167,55 @@ def response_object(turn: Turn, model: str, previous: str | None) -> dict:
 def response_events(response: dict) -> list[dict]:
     """The server-sent events of a finished `response` object, in the Responses API's streaming order (each with its
     `type` and `sequence_number`)."""
-    events: list[dict] = []
+    return numbered([*start_events(response), *output_events(response)])
 
-    def add(kind: str, **fields) -> None:
-        events.append({"type": kind, "sequence_number": len(events), **fields})
 
+def numbered(events: list[tuple[str, dict]], first: int = 0) -> list[dict]:
+    """(type, fields) pairs as event objects numbered from `first`."""
+    return [{"type": kind, "sequence_number": first + i, **fields} for i, (kind, fields) in enumerate(events)]
+
+
+def start_events(response: dict) -> list[tuple[str, dict]]:
+    """`response.created` and `response.in_progress`, with the response as it stands before any output."""
     started = {**response, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
-    add("response.created", response=started)
-    add("response.in_progress", response=started)
+    return [("response.created", {"response": started}), ("response.in_progress", {"response": started})]
+
+
+def message_opening(index: int, item_id: str) -> list[tuple[str, dict]]:
+    """A message output item and its text part, added before their text."""
+    item = {"type": "message", "id": item_id, "role": "assistant", "status": "in_progress", "content": []}
+    part = {"type": "output_text", "text": "", "annotations": []}
+    ids = {"item_id": item_id, "output_index": index, "content_index": 0}
+    return [("response.output_item.added", {"output_index": index, "item": item}),
+            ("response.content_part.added", {**ids, "part": part})]  # fmt: skip
+
+
+def text_delta(index: int, item_id: str, piece: str) -> tuple[str, dict]:
+    ids = {"item_id": item_id, "output_index": index, "content_index": 0}
+    return "response.output_text.delta", {**ids, "delta": piece, "logprobs": []}
+
+
+def output_events(response: dict, opened: bool = False, sent: str = "") -> list[tuple[str, dict]]:
+    """The rest of a response's events once it is finished: each output item's text (after `sent`, the text a
+    message already streamed, its item `opened`) or arguments and their done events, then `response.completed`
+    (`response.incomplete` when cut)."""
+    events: list[tuple[str, dict]] = []
     for index, item in enumerate(response["output"]):
         if item["type"] == "message":
-            _message_events(add, index, item)
+            text = item["content"][0]["text"]
+            events += [] if opened else message_opening(index, item["id"])
+            rest = text[len(sent) :] if text.startswith(sent) else ""
+            events += [text_delta(index, item["id"], rest)] if rest else []
+            ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            events += [("response.output_text.done", {**ids, "text": text, "logprobs": []}),
+                       ("response.content_part.done", {**ids, "part": item["content"][0]})]  # fmt: skip
         else:
-            add("response.output_item.added", output_index=index, item={**item, "arguments": "",
-                                                                       "status": "in_progress"})  # fmt: skip
             ids = {"item_id": item["id"], "output_index": index}
-            add("response.function_call_arguments.delta", **ids, delta=item["arguments"])
-            add("response.function_call_arguments.done", **ids, name=item["name"], arguments=item["arguments"])
-            add("response.output_item.done", output_index=index, item=item)
-    add("response.incomplete" if response["status"] == "incomplete" else "response.completed", response=response)
-    return events
-
-
-def _message_events(add, index: int, item: dict) -> None:
-    add("response.output_item.added", output_index=index, item={**item, "status": "in_progress", "content": []})
-    for part_index, part in enumerate(item["content"]):
-        ids = {"item_id": item["id"], "output_index": index, "content_index": part_index}
-        add("response.content_part.added", **ids, part={**part, "text": ""})
-        add("response.output_text.delta", **ids, delta=part["text"], logprobs=[])
-        add("response.output_text.done", **ids, text=part["text"], logprobs=[])
-        add("response.content_part.done", **ids, part=part)
-    add("response.output_item.done", output_index=index, item=item)
+            opening = {**item, "arguments": "", "status": "in_progress"}
+            events += [("response.output_item.added", {"output_index": index, "item": opening}),
+                       ("response.function_call_arguments.delta", {**ids, "delta": item["arguments"]}),
+                       ("response.function_call_arguments.done", {**ids, "name": item["name"],
+                                                                   "arguments": item["arguments"]})]  # fmt: skip
+        events.append(("response.output_item.done", {"output_index": index, "item": item}))
+    done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+    return [*events, (done, {"response": response})]

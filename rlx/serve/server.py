@@ -44,10 +44,10 @@ from rlx.rollout.stops import StopStrings
 from rlx.serve.api import Limits, RequestError, read_chat, read_completion
 from rlx.serve.config import EndpointConfig
 from rlx.serve.generate import generate_reply, read_generate
-from rlx.serve.live import LiveReply
+from rlx.serve.live import LiveReply, LiveResponse
 from rlx.serve.replies import Turn, chat_reply, completion_reply
 from rlx.serve.request_images import ImagePolicy, RequestImages
-from rlx.serve.responses import ResponseStore, response_events, response_object, to_chat
+from rlx.serve.responses import ResponseStore, response_object, to_chat
 from rlx.serve.sessions import SampleSession
 from rlx.serve.stream import StreamWorker
 from rlx.serve.turns import generate_turns, prepare_turns
@@ -206,8 +206,13 @@ class AgentServer:
             sessions = self._hold([self.session(name) for name in names], label)
             is_live = False
             try:
-                if call.settings.stream and endpoint != "responses":  # sent as the tokens come (live.py)
-                    live = LiveReply(self, sessions, call, await prepare_turns(self, sessions, call))
+                if call.settings.stream or endpoint == "responses" and streams:  # sent as the tokens come (live.py)
+                    prepared = await prepare_turns(self, sessions, call)
+                    live = (
+                        LiveReply(self, sessions, call, prepared)
+                        if endpoint != "responses"
+                        else LiveResponse(self, sessions, call, prepared, given, body.get("store") is not False, sample)
+                    )
                     is_live = True  # the reply's task releases the sessions once their turns are recorded
                     headers = {"Cache-Control": "no-cache"}
                     return StreamingResponse(live.events(), media_type="text/event-stream", headers=headers)
@@ -225,20 +230,16 @@ class AgentServer:
         if endpoint == "generate":
             return JSONResponse(generate_reply(turns[0]))
         if endpoint == "responses":
-            return self._response(turns[0], call, sample, given, store=body.get("store") is not False, stream=streams)
+            return self._response(turns[0], call, sample, given, store=body.get("store") is not False)
         return self._respond(turns, endpoint)
 
-    def _response(self, turn, call, sample: str, previous: str | None, store: bool, stream: bool) -> Response:
-        """A Responses API reply: the `response` object, or its events when the request asked to stream; kept for
-        `previous_response_id` unless `store` is false."""
+    def _response(self, turn, call, sample: str, previous: str | None, store: bool) -> Response:
+        """A Responses API reply (not streamed): the `response` object, kept for `previous_response_id` unless
+        `store` is false."""
         reply = response_object(turn, self.model_name, previous)
         if store:
             self.responses.put(reply["id"], sample, [*call.messages, turn.message])
-        if not stream:
-            return JSONResponse(reply)
-        events = "".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n"
-                         for e in response_events(reply))  # fmt: skip
-        return Response(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(reply)
 
     @staticmethod
     def _hold(sessions: list[SampleSession], label: str | None = None) -> list[SampleSession]:

@@ -111,6 +111,46 @@ def test_openai_stream_arrives_while_the_turn_is_generated_and_is_recorded_token
     assert [t.logprob for t in last.logprobs.content] == pytest.approx(trajectory.rollout_logprobs[-10:])
 
 
+def test_responses_stream_arrives_while_the_turn_is_generated():
+    """/v1/responses with stream: the first text delta arrives while the turn is unfinished and unrecorded; the
+    openai SDK's stream helper rebuilds the response from the events, its text is the recorded reply, and it is kept
+    for previous_response_id."""
+    model, tokenizer = random_chat_model(stop_bias=-10.0)  # runs to max_output_tokens
+    server = _native_server(model, tokenizer)
+    release, forwards = threading.Event(), [0]
+
+    def hold(module, inputs, output):
+        forwards[0] += 1
+        if forwards[0] == 4:  # prefill + 3 decode steps, then wait for the test
+            release.wait(timeout=120)
+
+    handle = server.worker.engine._runner.model.get_input_embeddings().register_forward_hook(hold)
+    try:
+        client = openai.OpenAI(base_url=server.base_url("resp/0"), api_key="k", max_retries=0)
+        kinds, pieces = [], []
+        with client.responses.stream(model="rlx", input="hi", max_output_tokens=10) as stream:
+            for event in stream:
+                kinds.append(event.type)
+                if event.type == "response.output_text.delta":
+                    if not pieces:  # the turn is still being generated: nothing recorded yet
+                        assert not release.is_set() and server.sessions["resp/0"].num_requests == 0
+                        release.set()
+                    pieces.append(event.delta)
+        final = [e for e in [event] if e.type in ("response.completed", "response.incomplete")][0].response
+        follow = client.responses.create(model="rlx", input="more", previous_response_id=final.id, max_output_tokens=2)
+    finally:
+        release.set()
+        handle.remove()
+        _stop(server)
+    session = server.sessions["resp/0"]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]  # fmt: skip
+    assert kinds[-1] == "response.incomplete" and len(pieces) > 1
+    assert "".join(pieces) == final.output[0].content[0].text == session.current.trajectory.messages[1]["content"]
+    assert final.usage.output_tokens == 10 and follow.status == "incomplete"
+    assert len(session.segments) == 1 and session.current.trajectory.num_turns == 2  # continued the same sample
+
+
 def test_generate_route_is_token_in_token_out_as_verifiers_calls_it():
     """POST /inference/v1/generate (vLLM's route, verifiers 0.4's trainer): token ids in, sampled ids and their
     logprobs out; a second turn extending the first continues the same record; fields it cannot honour are 400."""
