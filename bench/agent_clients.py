@@ -38,6 +38,8 @@ PINS = ("openai-agents==0.24.*", "langchain-openai==1.7.*", "smolagents==1.26.*"
 CLIENTS = ("openai-agents", "langchain-openai", "smolagents", "openenv-core")
 ADD_PIECES = ('{"name": ', '"add"', ', "arguments": ', '{"a": 1, "b": 2', "}}")
 ADD_SCRIPT = "\n<tool_call>" + "".join(ADD_PIECES) + "</tool_call><|im_end|>"
+ROW_MARK = "agent_clients row: "
+"""As bench/agent_clients_calls.py marks its rows."""
 CONTEXT = 16384
 """Positions of the tiny models and the servers' --max-total-tokens (smolagents' system prompt is ~8k characters)."""
 
@@ -69,7 +71,7 @@ def build_models(folder: Path) -> dict[str, Path]:
         text.model.embed_tokens.weight[:, 0] = 1.0  # a constant direction: the head reads it as a bias
         text.lm_head.weight[:, 0] = 0.0
         text.lm_head.weight[banned, 0] = -10.0
-        text.lm_head.weight[text_tokenizer.eos_token_id, 0] = 0.1
+        text.lm_head.weight[text_tokenizer.eos_token_id, 0] = 0.25
         for layer in tool.model.layers:  # the output depends on the last token alone
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
@@ -121,17 +123,17 @@ class _Forward(http.server.BaseHTTPRequestHandler):
 
         headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length", "connection")}
         reply = bytearray()
-        with httpx.Client(timeout=600) as client:
-            with client.stream(self.command, self.server.upstream + self.path, content=body, headers=headers) as r:
-                self.send_response(r.status_code)
-                for key, value in r.headers.items():
-                    if key.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
-                        self.send_header(key, value)
-                self.end_headers()
-                for chunk in r.iter_raw():
-                    reply += chunk
-                    self.wfile.write(chunk)
-                    self.wfile.flush()
+        url = self.server.upstream + self.path
+        with httpx.Client(timeout=600) as client, client.stream(self.command, url, content=body, headers=headers) as r:
+            self.send_response(r.status_code)
+            for key, value in r.headers.items():
+                if key.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
+                    self.send_header(key, value)
+            self.end_headers()
+            for chunk in r.iter_raw():
+                reply += chunk
+                self.wfile.write(chunk)
+                self.wfile.flush()
         parts = self.path.split("/")
         sample = parts[2] if len(parts) > 2 and parts[1] == "s" else self.headers.get("X-Session-ID", "default")
         route = self.path.split("/v1/", 1)[-1]
@@ -176,7 +178,7 @@ def run_client(python: Path, client: str, roots: dict[str, str]) -> list[dict]:
     script = REPO / "bench" / "agent_clients_calls.py"
     done = subprocess.run([str(python), str(script), client, roots["text"], roots["tool"]], capture_output=True,
                           text=True, env=env, timeout=1200)  # fmt: skip
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = [json.loads(line.split(ROW_MARK, 1)[1]) for line in done.stdout.splitlines() if ROW_MARK in line]
     if not rows:
         rows = [{"client": client, "version": "?", "path": "-", "server": "text", "sample": "-",
                  "result": f"client script failed ({done.returncode})", "note": done.stderr[-600:]}]  # fmt: skip
@@ -187,7 +189,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True, help="folder for the venv, models, records and rows")
     parser.add_argument("--clients", default=",".join(CLIENTS), help="comma-separated subset of " + ", ".join(CLIENTS))
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     from bench.agent_clients_check import check_sample, load_tokenizer
@@ -215,6 +217,10 @@ def main() -> int:
         exchanges = [e for e in recorders[server].exchanges if e[0] == row["sample"]]
         row["records_exact"] = check_sample(exchanges, records[server], row["sample"], tokenizers[server])
     (args.work / "rows.json").write_text(json.dumps(rows, indent=1))
+    for name, recorder in recorders.items():  # what the clients sent and got, to read a failure by
+        lines = [json.dumps({"sample": e[0], "route": e[1], "request": e[2].decode(errors="replace"), "status": e[3],
+                             "reply": e[4].decode(errors="replace")}) for e in recorder.exchanges]  # fmt: skip
+        (args.work / f"exchanges-{name}.jsonl").write_text("".join(line + "\n" for line in lines))
     print("| client | version | path | result | records exact |\n|---|---|---|---|---|")
     for row in rows:
         result = row["result"] if row["result"] == "ok" else row["result"].replace("|", "/")[:160]

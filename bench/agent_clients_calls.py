@@ -1,11 +1,11 @@
-"""The client side of bench/agent_clients.py: each client's ordinary calls, run in the clients' own venv (no rlx import).
+"""The client side of bench/agent_clients.py: each client's ordinary calls, run in the clients' venv (no rlx import).
 
     python bench/agent_clients_calls.py CLIENT TEXT_ROOT TOOL_ROOT
 
 CLIENT is openai-agents, langchain-openai, smolagents or openenv-core; TEXT_ROOT is the server of a model that writes
 short text, TOOL_ROOT the one of a model that calls `add(1, 2)` every turn (both `http://host:port`, through
 the bench's recording proxy). Each path talks to its own sample, `/s/<client>.<path>/v1` (openenv's client takes
-a host and a port only, so its paths use each server's `default` sample). One JSON line per path: client,
+a host and a port only, so its paths use each server's `default` sample). One line per path (ROW_MARK and JSON): client,
 version, path, server (text or tool), sample, result ('ok', or the error the client raised), note.
 """
 
@@ -45,8 +45,15 @@ def _url(root: str, client: str, path: str) -> str:
 
 
 def openai_agents_paths(text_root: str, tool_root: str) -> dict:
-    from agents import (Agent, MaxTurnsExceeded, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
-                        function_tool, set_tracing_disabled)  # fmt: skip
+    from agents import (
+        Agent,
+        MaxTurnsExceeded,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # its traces go to OpenAI's servers otherwise
@@ -63,7 +70,8 @@ def openai_agents_paths(text_root: str, tool_root: str) -> dict:
     def agent(root: str, path: str, api: str) -> Agent:
         client = AsyncOpenAI(base_url=_url(root, "openai-agents", path), api_key="unused")
         kind = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
-        return Agent(name="helper", instructions="Be brief.", tools=[add_tool], model=kind(model="rlx", openai_client=client))
+        model = kind(model="rlx", openai_client=client)
+        return Agent(name="helper", instructions="Be brief.", tools=[add_tool], model=model)
 
     async def run(root: str, path: str, api: str, streamed: bool = False) -> str:
         target = agent(root, path, api)
@@ -145,16 +153,19 @@ def smolagents_paths(text_root: str, tool_root: str) -> dict:
 
     adder = tool(add)
 
-    def run(path: str, **options) -> str:
-        model = OpenAIServerModel(model_id="rlx", api_base=_url(tool_root, "smolagents", path), api_key="unused")
+    def run(path: str, model_options: dict | None = None, **options) -> str:
+        url = _url(tool_root, "smolagents", path)
+        model = OpenAIServerModel(model_id="rlx", api_base=url, api_key="unused", **(model_options or {}))
         agent = ToolCallingAgent(tools=[adder], model=model, max_steps=2, verbosity_level=0, **options)
         answer = agent.run("What is 1 + 2?")
         errors = [str(step.error)[:120] for step in agent.memory.steps if getattr(step, "error", None)]
         return f"answer {str(answer)!r:.40}; step errors: {errors}"
 
-    paths = {"tools": ("tool", lambda: run("tools"))}
+    auto = {"tool_choice": "auto"}  # its default asks for 'required' (constrained decoding)
+    paths = {"tools": ("tool", lambda: run("tools")), "tools.auto": ("tool", lambda: run("tools.auto", auto))}
     if "stream_outputs" in inspect.signature(ToolCallingAgent.__init__).parameters:
         paths["tools.stream"] = ("tool", lambda: run("tools.stream", stream_outputs=True))
+        paths["tools.auto.stream"] = ("tool", lambda: run("tools.auto.stream", auto, stream_outputs=True))
     return paths
 
 
@@ -181,13 +192,16 @@ def openenv_paths(text_root: str, tool_root: str) -> dict:
         if not first.tool_calls:
             raise AssertionError(f"no tool call in {first.content!r}")
         call = first.tool_calls[0]
-        messages += [first.to_message_dict(), {"role": "tool", "tool_call_id": call.id, "content": str(add(**call.args))}]
+        result = {"role": "tool", "tool_call_id": call.id, "content": str(add(**call.args))}
+        messages += [first.to_message_dict(), result]
         second = await llm.complete_with_tools(messages, tools)
         return f"called {call.name}({call.args}), then {[c.name for c in second.tool_calls]}"
 
     return {"complete": ("text", complete), "tools": ("tool", lambda: asyncio.run(tool_round()))}
 
 
+ROW_MARK = "agent_clients row: "
+"""Starts each row's line (clients print to stdout too)."""
 CLIENTS = {
     "openai-agents": ("openai-agents", openai_agents_paths),
     "langchain-openai": ("langchain-openai", langchain_paths),
@@ -207,7 +221,7 @@ def main() -> None:
             row |= {"result": "ok", "note": call()}
         except Exception as e:  # noqa: BLE001 - a client's failure is the finding this row reports
             row |= {"result": _error(e), "note": traceback.format_exc(limit=-2)[-600:]}
-        print(json.dumps(row), flush=True)
+        print(ROW_MARK + json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

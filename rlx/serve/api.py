@@ -6,8 +6,9 @@ silently ignored what it asked for. How each field is treated is in docs/serve.m
 
 - honoured: messages/prompt, model (must be the served name: 404 otherwise), max_tokens/max_completion_tokens (at
   most the server's --max-new-tokens), seed, stop, stream (+ stream_options.include_usage), tools, tool_choice
-  'none'/'auto' (tool calls are read only where tools are offered and tool_choice is not 'none'), logprobs and top_logprobs (chat: at most MAX_TOP_LOGPROBS; completions: logprobs = how many
-  alternatives, at most MAX_COMPLETION_LOGPROBS; engines hf and native), echo, return_token_ids (vLLM's extension),
+  'none'/'auto' (tool calls are read only where tools are offered and tool_choice is not 'none'), logprobs and
+  top_logprobs (chat: at most MAX_TOP_LOGPROBS; completions: logprobs = how many alternatives, at most
+  MAX_COMPLETION_LOGPROBS; engines hf and native), echo, return_token_ids (vLLM's extension),
   and metadata that changes no token (user, metadata, store, service_tier, ...: recorded with the turn);
 - temperature (0: greedy), top_p and top_k: the request's own where it sends them (the server's flags otherwise);
 - n > 1 in `rlx serve`: choice i > 0 is recorded as its own sample, `<sample_id>~i` (at most MAX_CHOICES);
