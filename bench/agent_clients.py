@@ -71,7 +71,7 @@ def build_models(folder: Path) -> dict[str, Path]:
         text.model.embed_tokens.weight[:, 0] = 1.0  # a constant direction: the head reads it as a bias
         text.lm_head.weight[:, 0] = 0.0
         text.lm_head.weight[banned, 0] = -10.0
-        text.lm_head.weight[text_tokenizer.eos_token_id, 0] = 0.25
+        text.lm_head.weight[text_tokenizer.eos_token_id, 0] = 0.15
         for layer in tool.model.layers:  # the output depends on the last token alone
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
@@ -223,7 +223,7 @@ def main() -> int:
         (args.work / f"exchanges-{name}.jsonl").write_text("".join(line + "\n" for line in lines))
     print("| client | version | path | result | records exact |\n|---|---|---|---|---|")
     for row in rows:
-        result = row["result"] if row["result"] == "ok" else row["result"].replace("|", "/")[:160]
+        result = " ".join(row["result"].replace("|", "/").split())[:160]
         print(f"| {row['client']} | {row['version']} | {row['path']} | {result} | {row['records_exact']} |")
     return 0
 

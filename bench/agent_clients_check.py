@@ -134,5 +134,5 @@ def check_sample(exchanges: list[tuple], records: list[dict], sample: str, token
         if difference:
             return f"no: {difference}"
         first += count
-    reasons = [t.get("reason") for t in trajectories[1:]]
+    reasons = [t.get("reason", t.get("segment_reason")) for t in trajectories[1:]]  # the record's own: segment_reason
     return "yes" + (f" ({len(trajectories)} segments: new ones: {', '.join(map(str, reasons))})" if reasons else "")
