@@ -6,8 +6,9 @@ silently ignored what it asked for. How each field is treated is in docs/serve.m
 
 - honoured: messages/prompt, model (must be the served name: 404 otherwise), max_tokens/max_completion_tokens (at
   most the server's --max-new-tokens), seed, stop, stream (+ stream_options.include_usage), tools, tool_choice
-  'none'/'auto', logprobs and top_logprobs (chat: at most MAX_TOP_LOGPROBS; completions: logprobs = how many
-  alternatives, at most MAX_COMPLETION_LOGPROBS; engines hf and native), echo, return_token_ids (vLLM's extension),
+  'none'/'auto' (tool calls are read only where tools are offered and tool_choice is not 'none'), logprobs and
+  top_logprobs (chat: at most MAX_TOP_LOGPROBS; completions: logprobs = how many alternatives, at most
+  MAX_COMPLETION_LOGPROBS; engines hf and native), echo, return_token_ids (vLLM's extension),
   and metadata that changes no token (user, metadata, store, service_tier, ...: recorded with the turn);
 - temperature (0: greedy), top_p and top_k: the request's own where it sends them (the server's flags otherwise);
 - n > 1 in `rlx serve`: choice i > 0 is recorded as its own sample, `<sample_id>~i` (at most MAX_CHOICES);
@@ -93,7 +94,7 @@ class ChatCall:
     tools: list[dict] | None
     settings: Settings
     parse_tools: bool = True
-    """tool_choice 'none': the reply's text is not read for tool calls."""
+    """tool_choice 'none' or no tools: the reply's text is not read for tool calls."""
 
 
 @dataclass
@@ -297,7 +298,9 @@ def read_chat(body: dict, limits: Limits) -> ChatCall:
         settings.recorded["response_format"] = body["response_format"]
     if choice == "none":
         settings.recorded["tool_choice"] = "none"
-    return ChatCall(messages, tools, settings, parse_tools=choice != "none")
+    # no tools offered, no tool calls read (vLLM's default tool_choice 'none' then): a reply never names a function
+    # the client did not offer, and the text the model wrote stays its content
+    return ChatCall(messages, tools, settings, parse_tools=choice != "none" and tools is not None)
 
 
 def read_completion(body: dict, limits: Limits) -> CompletionCall:

@@ -286,6 +286,28 @@ def test_streaming_equals_non_streamed(endpoint):
             stop(server)
 
 
+def test_tool_calls_are_read_only_where_tools_are_offered():
+    """A model that writes a tool call every turn: offered the tool, the reply is a tool call; offered none (as
+    smolagents' last request, which asks for a final answer in text), the reply is the text the model wrote,
+    streamed or not, and a client never gets a call of a function it did not offer."""
+    model = bigram_chat_model(CALC_SCRIPT, extra_tokens=CALC_PIECES)
+    server = start(model, RolloutConfig(sampling=SamplingParams(max_new_tokens=16, temperature=1.0, seed=3)))
+    try:
+        client = openai.OpenAI(base_url=server.base_url("t"), api_key="k", max_retries=0)
+        messages = [{"role": "user", "content": "12*34"}]
+        offered = client.chat.completions.create(model="rlx", messages=messages, tools=[CALCULATOR_TOOL]).choices[0]
+        assert offered.finish_reason == "tool_calls" and offered.message.tool_calls[0].function.name == "calculator"
+        for kwargs in ({}, {"tool_choice": "auto"}):
+            client = openai.OpenAI(base_url=server.base_url(f"n{len(kwargs)}"), api_key="k", max_retries=0)
+            plain = client.chat.completions.create(model="rlx", messages=messages, **kwargs).choices[0]
+            written = CALC_SCRIPT.removeprefix("\n").removesuffix("<|im_end|>")
+            assert (plain.message.content, plain.message.tool_calls, plain.finish_reason) == (written, None, "stop")
+            streamed = client.chat.completions.create(model="rlx", messages=messages, stream=True, **kwargs)
+            assert _stream_text(streamed)[:2] == (written, [])
+    finally:
+        stop(server)
+
+
 HONOURED = {
     "model": "rlx", "max_tokens": 2, "max_completion_tokens": 2, "seed": 11, "stop": ["\n\n"], "stream": False,
     "temperature": 0.7, "top_p": 0.9, "top_k": 5, "logprobs": True, "return_token_ids": True, "n": 2,
