@@ -61,8 +61,25 @@ def _streamed(raw: bytes) -> dict:
     return {"content": content, "tool_calls": [calls[i] for i in sorted(calls)]}
 
 
+def _streamed_response(raw: bytes) -> tuple[str, list[dict]]:
+    """The text and function calls a Responses API stream adds up to (its text deltas, its finished call items)."""
+    text, calls = "", []
+    for line in raw.decode().splitlines():
+        if not line.startswith("data: "):
+            continue
+        event = json.loads(line[6:])
+        if event.get("type") == "response.output_text.delta":
+            text += event["delta"]
+        elif event.get("type") == "response.output_item.done" and event["item"]["type"] == "function_call":
+            calls.append({"function": event["item"]})
+    return text, calls
+
+
 def _reply(route: str, body: dict, raw: bytes) -> tuple[str, list[tuple[str, dict]]]:
     """(content, tool calls) of the reply the client got."""
+    if route.startswith("responses") and body.get("stream"):
+        text, calls = _streamed_response(raw)
+        return text, _calls(calls)
     if route.startswith("responses"):
         output = json.loads(raw)["output"]
         text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])

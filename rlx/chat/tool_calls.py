@@ -116,6 +116,31 @@ TOOL_CALL_PARSERS: dict[str, Callable[[str, int], ParsedTurn]] = {
 _LIST_IN_BLOCK = re.compile(r"<tool_call>(?:\s|\\n)*\[")  # a newline may be written as \n in a Jinja string
 
 
+_CALL_GRAMMAR = {  # the blocks each parser reads, around one call's JSON
+    "qwen": ('"<tool_call>\\n"', '"\\n</tool_call>"'),
+    "hermes": ('"<tool_call>\\n"', '"\\n</tool_call>"'),
+    "smollm2": ('"<tool_call>["', '"]</tool_call>"'),
+}
+
+
+def tool_call_grammar(tools: list[dict], parser: str) -> str:
+    """A grammar (llguidance's Lark syntax) for one tool call of one of `tools` (chat-completions function schemas)
+    in the block the named parser reads, and nothing else: what tool_choice 'required' or a named function
+    samples within. UserError for a parser that reads no tool calls."""
+    if parser not in _CALL_GRAMMAR:
+        raise UserError(f"the tool parser {parser!r} reads no tool calls, so none can be required")
+    calls = []
+    for tool in tools:
+        function = tool.get("function") or {}
+        arguments = function.get("parameters") or {"type": "object"}
+        calls.append({"type": "object", "properties": {"name": {"const": function.get("name")}, "arguments": arguments},
+                      "required": ["name", "arguments"], "additionalProperties": False})  # fmt: skip
+    layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    schema = {"anyOf": calls, "x-guidance": layout}
+    opening, closing = _CALL_GRAMMAR[parser]
+    return f"start: {opening} call {closing}\ncall: %json {json.dumps(schema)}\n"
+
+
 def parser_for_template(chat_template: str | None) -> str:
     """The parser name for the tool-call form a chat template asks the model for: 'smollm2' where it shows a JSON
     list inside <tool_call> (SmolLM2), else 'qwen' (<tool_call>{json}</tool_call>, also the form read by default)."""

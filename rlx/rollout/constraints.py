@@ -84,6 +84,21 @@ class Grammars:
         """A constraint to JSON following `schema` (None: any JSON object). UserError for a schema llguidance
         cannot compile (the message names why)."""
         import llguidance
+
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema or {"type": "object"}), _LAYOUT)
+        except ValueError as e:
+            raise UserError(f"the JSON schema cannot be compiled: {e}"[:300]) from None
+        return self._constraint(grammar, "the JSON schema")
+
+    def for_lark(self, grammar: str, what: str) -> GrammarConstraint:
+        """A constraint to a grammar in llguidance's Lark syntax (`what` names it in a UserError)."""
+        import llguidance
+
+        return self._constraint(llguidance.LLMatcher.grammar_from_lark(grammar), what)
+
+    def _constraint(self, grammar: str, what: str) -> GrammarConstraint:
+        import llguidance
         import llguidance.hf
 
         if self._view is None:
@@ -93,13 +108,9 @@ class Grammars:
             except ValueError:  # a decoder llguidance does not read (e.g. a word-level one): token by token
                 wrapper = llguidance.TokenizerWrapper(_TokenTable(self.tokenizer, self.vocab_size))
                 self._view = llguidance.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=self.stop_ids)
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema or {"type": "object"}), _LAYOUT)
-        except ValueError as e:
-            raise UserError(f"the JSON schema cannot be compiled: {e}"[:300]) from None
         matcher = llguidance.LLMatcher(self._view, grammar, log_level=0)
         if matcher.is_error():
-            raise UserError(f"the JSON schema cannot be compiled: {matcher.get_error()}"[:300])
+            raise UserError(f"{what} cannot be compiled: {matcher.get_error()}"[:300])
         return GrammarConstraint(matcher, self.vocab_size, self.stop_ids)
 
 

@@ -14,13 +14,15 @@ silently ignored what it asked for. How each field is treated is in docs/serve.m
 - n > 1 in `rlx serve`: choice i > 0 is recorded as its own sample, `<sample_id>~i` (at most MAX_CHOICES);
 - response_format json_object / json_schema: sampled within the JSON grammar (rlx.rollout.constraints: llguidance,
   the extra rlx[grammar]; engines hf and native);
-- refused: tool_choice 'required' or a named function,
-  penalties, logit_bias, audio, predictions, reasoning effort, web search, the deprecated functions, and any field
-  OpenAI does not define.
+- tool_choice 'required' or a named function: the turn is sampled within a grammar of one call of the offered (or
+  named) tools in the block the tool parser reads (rlx.chat.tool_calls.tool_call_grammar; llguidance, engines hf and
+  native), its logprobs those of the masked distribution;
+- refused: penalties, logit_bias, audio, predictions, reasoning effort, web search, the deprecated functions, and
+  any field OpenAI does not define.
 
 Under `rlx rollout --agent` (`strict`), the run's sampling governs: a request asking for another temperature, top_p,
-top_k, seed, stop strings, n > 1 or a response_format other than text is refused too, as training needs every turn
-sampled from the policy as the run says (a grammar changes the distribution sampled from).
+top_k, seed, stop strings, n > 1, a response_format other than text or a required tool call is refused too, as
+training needs every turn sampled from the policy as the run says (a grammar changes the distribution sampled from).
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ class Settings:
     return_token_ids: bool = False
     json_schema: dict | None = None
     """response_format json_schema's schema ({} for json_object: any JSON object); None: free text."""
+    required_tools: list[dict] | None = None
+    """tool_choice 'required' (every offered tool) or a named function (that one): the turn samples one call of
+    these within the tool-call grammar; None: the model chooses."""
     recorded: dict = field(default_factory=dict)
     """What the turn used, as the record keeps it (sampling and the request's metadata)."""
 
@@ -256,15 +261,7 @@ def _json_schema(response_format, limits: Limits) -> dict | None:
         return None
     if kind not in ("json_object", "json_schema"):
         raise refuse("response_format", f"'text', 'json_object' or 'json_schema' are supported, got {kind!r:.80}")
-    from rlx.rollout.constraints import EXTRA, grammar_library_available  # torch: not at the module's import
-
-    if limits.strict:
-        why = "a grammar changes the distribution sampled from, so its turns are not the policy's samples this run "
-        raise refuse("response_format", why + "trains on; ask for text and validate the reply instead")
-    if not limits.has_grammars:
-        raise refuse("response_format", "this server's engine does not sample within a grammar (hf and native do)")
-    if not grammar_library_available():
-        raise refuse("response_format", f"constrained sampling needs llguidance: {EXTRA}")
+    _check_grammars("response_format", limits, "ask for text and validate the reply instead")
     if kind == "json_object":
         return {}
     spec = response_format.get("json_schema")
@@ -273,6 +270,38 @@ def _json_schema(response_format, limits: Limits) -> dict | None:
         raise RequestError(400, "'response_format.json_schema.schema' must be a JSON schema object",
                            param="response_format")  # fmt: skip
     return schema
+
+
+def _check_grammars(name: str, limits: Limits, instead: str) -> None:
+    """Refuse `name` where this server cannot sample within a grammar, or must not (an RL run's agents)."""
+    from rlx.rollout.constraints import EXTRA, grammar_library_available  # torch: not at the module's import
+
+    if limits.strict:
+        why = "a grammar changes the distribution sampled from, so its turns are not the policy's samples this run "
+        raise refuse(name, f"{why}trains on; {instead}")
+    if not limits.has_grammars:
+        raise refuse(name, "this server's engine does not sample within a grammar (hf and native do)")
+    if not grammar_library_available():
+        raise refuse(name, f"constrained sampling needs llguidance: {EXTRA}")
+
+
+def _required_tools(choice, tools: list[dict] | None, limits: Limits) -> list[dict] | None:
+    """The tools a tool_choice makes the turn call one of ('required': any offered; a named function: that one),
+    None for 'none'/'auto'/unset."""
+    if choice in (None, "none", "auto"):
+        return None
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if choice != "required" and not (isinstance(choice, dict) and choice.get("type") == "function" and named):
+        raise refuse("tool_choice", f"'none', 'auto', 'required' or a named function, got {choice!r:.80}")
+    if not tools:
+        raise refuse("tool_choice", "a required tool call needs 'tools'")
+    _check_grammars("tool_choice", limits, "use 'auto' (the model then decides whether to call)")
+    if named is None:
+        return tools
+    chosen = [t for t in tools if (t.get("function") or {}).get("name") == named]
+    if not chosen:
+        raise refuse("tool_choice", f"names the function {named!r:.80}, which 'tools' does not offer")
+    return chosen
 
 
 def read_chat(body: dict, limits: Limits) -> ChatCall:
@@ -291,13 +320,14 @@ def read_chat(body: dict, limits: Limits) -> ChatCall:
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise RequestError(400, "'tools' must be a list of function schemas", param="tools")
     choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise refuse("tool_choice", f"'none' and 'auto' are supported (no constrained decoding), got {choice!r:.80}")
+    settings.required_tools = _required_tools(choice, tools, limits)
     settings.json_schema = _json_schema(body.get("response_format"), limits)
     if settings.json_schema is not None:
         settings.recorded["response_format"] = body["response_format"]
-    if choice == "none":
-        settings.recorded["tool_choice"] = "none"
+        if settings.required_tools is not None:
+            raise refuse("tool_choice", "a required tool call and a response_format cannot both constrain one turn")
+    if choice not in (None, "auto"):
+        settings.recorded["tool_choice"] = choice
     # no tools offered, no tool calls read (vLLM's default tool_choice 'none' then): a reply never names a function
     # the client did not offer, and the text the model wrote stays its content
     return ChatCall(messages, tools, settings, parse_tools=choice != "none" and tools is not None)

@@ -155,6 +155,21 @@ class AgentServer:
                 self.grammars = Grammars(self.tokenizer, vocab_size, self.stop_ids)
             return self.grammars.for_json(schema)
 
+    def tool_grammar_for(self, tools: list[dict], parser: str):
+        """A fresh grammar constraint for one call of one of `tools` in the block `parser` reads; a RequestError
+        naming tool_choice where the parser reads no tool calls."""
+        from rlx.chat.tool_calls import tool_call_grammar
+
+        try:
+            grammar = tool_call_grammar(tools, parser)
+        except UserError as e:
+            raise RequestError(400, str(e), "invalid_request", "tool_choice") from None
+        with self.tokenizer_lock:
+            if self.grammars is None:
+                vocab_size = self.worker.engine.model.config.get_text_config().vocab_size
+                self.grammars = Grammars(self.tokenizer, vocab_size, self.stop_ids)
+            return self.grammars.for_lark(grammar, "the tools' call grammar")
+
     def session(self, sample_id: str) -> SampleSession:
         with self._sessions_lock:
             self._evict(making=sample_id not in self.sessions)

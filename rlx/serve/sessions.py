@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from rlx.chat.images import EpisodeImages, RenderedImages
-from rlx.chat.tool_calls import get_tool_call_parser, parse_plain
+from rlx.chat.tool_calls import get_tool_call_parser, parse_plain, parser_for_template
 from rlx.chat.trajectory import ChatRenderer, Trajectory
 from rlx.errors import UserError
 from rlx.models.vision.inputs import VisionInputs
@@ -132,7 +132,10 @@ class SampleSession:
         """What the engine makes of image parts (request_images.py)."""
         self.stops = stops
         """rollout.sampling.stop: a reply's text ends before its stop string (its tokens keep it)."""
-        self.parse = get_tool_call_parser(cfg.tool_parser, getattr(tokenizer, "chat_template", None))
+        template = getattr(tokenizer, "chat_template", None)
+        self.parser_name = parser_for_template(template) if cfg.tool_parser == "auto" else cfg.tool_parser
+        """The tool parser reading this sample's replies (and the block a required tool call is sampled in)."""
+        self.parse = get_tool_call_parser(self.parser_name)
         self.segments: list[Segment] = []
         self.num_requests = 0
         self.hit_token_limit = False

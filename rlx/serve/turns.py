@@ -103,6 +103,10 @@ async def prepare_turns(server, sessions: list[SampleSession], call) -> list[tup
     if call.settings.json_schema is not None:  # response_format: each choice samples within its own grammar
         for _, request in prepared:
             request.constraint = await run_in_threadpool(server.grammar_for, call.settings.json_schema)
+    if call.settings.required_tools is not None:  # tool_choice 'required' or a named function
+        for (_, request), session in zip(prepared, sessions):
+            request.constraint = await run_in_threadpool(server.tool_grammar_for, call.settings.required_tools,
+                                                         session.parser_name)  # fmt: skip
     return prepared
 
 

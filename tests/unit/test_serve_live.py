@@ -292,3 +292,58 @@ def test_response_format_is_refused_under_an_rl_runs_agents():
         )
     finally:
         _stop(server)
+
+
+def _tool(name: str, prop: str, schema: dict) -> dict:
+    parameters = {"type": "object", "properties": {prop: schema}, "required": [prop], "additionalProperties": False}
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+FLIP, PICK = _tool("flip", "up", {"type": "boolean"}), _tool("pick", "side", {"enum": ["x", "y"]})
+
+
+@pytest.mark.parametrize("engine", ["hf", "native"])
+def test_tool_choice_required_or_named_samples_one_call_within_the_tools_grammar(engine):
+    """A random model (left alone it writes no call) answers tool_choice 'required' with a call of an offered tool
+    and a named function with that function, arguments following its schema, streamed or not, recorded with finite
+    logprobs; no tools, an unknown name or an RL run's agents are refused naming tool_choice."""
+    model, tokenizer = random_chat_model(stop_bias=-10.0)
+    sampling = SamplingParams(max_new_tokens=64, temperature=1.0, seed=3)  # a call of ~50 character tokens
+    built = token_engine(model, tokenizer, engine, **({"kv_cache_gib": 0.01} if engine == "native" else {}))
+    cfg = AgentConfig(max_total_tokens=500)
+    worker = StreamWorker(built, sampling, cfg.max_total_tokens)
+    server = AgentServer(worker, tokenizer, built.stop_ids, sampling, cfg).start()
+    messages = [{"role": "user", "content": "go"}]
+    try:
+        client = openai.OpenAI(base_url=server.base_url("req"), api_key="k", max_retries=0)
+        reply = client.chat.completions.create(model="rlx", messages=messages, tools=[FLIP, PICK],
+                                               tool_choice="required").choices[0]  # fmt: skip
+        [call] = reply.message.tool_calls
+        assert reply.finish_reason == "tool_calls" and call.function.name in ("flip", "pick")
+        assert set(json.loads(call.function.arguments)) == ({"up"} if call.function.name == "flip" else {"side"})
+        named = {"type": "function", "function": {"name": "pick"}}
+        other = openai.OpenAI(base_url=server.base_url("named"), api_key="k", max_retries=0)
+        stream = other.chat.completions.create(model="rlx", messages=messages, tools=[FLIP, PICK], tool_choice=named,
+                                               stream=True)  # fmt: skip
+        calls = [c.choices[0].delta.tool_calls for c in stream if c.choices and c.choices[0].delta.tool_calls]
+        [[streamed]] = calls
+        assert streamed.function.name == "pick" and json.loads(streamed.function.arguments)["side"] in ("x", "y")
+        trajectory = server.sessions["named"].current.trajectory
+        assert trajectory.messages[-1]["tool_calls"][0]["function"]["name"] == "pick"
+        assert all(math.isfinite(lp) for lp in trajectory.rollout_logprobs)
+        for body, why in [({"tool_choice": "required"}, "needs 'tools'"),
+                          ({"tools": [FLIP], "tool_choice": {"type": "function", "function": {"name": "pick"}}},
+                           "does not offer")]:  # fmt: skip
+            status, error = post(f"{server.url}/v1/chat/completions", {"messages": messages, **body})
+            assert status == 400 and error["error"]["param"] == "tool_choice" and why in error["error"]["message"]
+    finally:
+        _stop(server)
+    strict = start(strict=True)
+    try:
+        body = {"messages": messages, "tools": [FLIP], "tool_choice": "required"}
+        status, error = post(f"{strict.url}/v1/chat/completions", body)
+        assert (
+            status == 400 and error["error"]["param"] == "tool_choice" and "distribution" in error["error"]["message"]
+        )
+    finally:
+        _stop(strict)
