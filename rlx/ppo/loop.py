@@ -349,7 +349,6 @@ class PPORun:
         else:
             states = {"": self.trainer.state(), **({CRITIC_DIR: self.critic.state()} if self.critic else {})}
             layouts = layout.host_buffers(states)
-        layouts = [(shapes, tag) for shapes, tag in layouts if shapes]  # (only CUDA tensors are pinned)
         if layouts:
             self.writer.submit(lambda: [reserve(shapes, tag) for shapes, tag in layouts])
 
