@@ -116,29 +116,19 @@ TOOL_CALL_PARSERS: dict[str, Callable[[str, int], ParsedTurn]] = {
 _LIST_IN_BLOCK = re.compile(r"<tool_call>(?:\s|\\n)*\[")  # a newline may be written as \n in a Jinja string
 
 
-_CALL_GRAMMAR = {  # the blocks each parser reads, around one call's JSON
-    "qwen": ('"<tool_call>\\n"', '"\\n</tool_call>"'),
-    "hermes": ('"<tool_call>\\n"', '"\\n</tool_call>"'),
-    "smollm2": ('"<tool_call>["', '"]</tool_call>"'),
+_CALL_BLOCKS = {  # the block each parser reads around one call's JSON object: (opening, closing) text
+    "qwen": ("<tool_call>\n", "\n</tool_call>"),
+    "hermes": ("<tool_call>\n", "\n</tool_call>"),
+    "smollm2": ("<tool_call>[", "]</tool_call>"),
 }
 
 
-def tool_call_grammar(tools: list[dict], parser: str) -> str:
-    """A grammar (llguidance's Lark syntax) for one tool call of one of `tools` (chat-completions function schemas)
-    in the block the named parser reads, and nothing else: what tool_choice 'required' or a named function
-    samples within. UserError for a parser that reads no tool calls."""
-    if parser not in _CALL_GRAMMAR:
+def call_block(parser: str) -> tuple[str, str]:
+    """The text the named parser reads around one tool call's JSON object, as a required tool call is sampled in
+    it (rlx.rollout.constraints.Grammars.for_tool_call). UserError for a parser that reads no tool calls."""
+    if parser not in _CALL_BLOCKS:
         raise UserError(f"the tool parser {parser!r} reads no tool calls, so none can be required")
-    calls = []
-    for tool in tools:
-        function = tool.get("function") or {}
-        arguments = function.get("parameters") or {"type": "object"}
-        calls.append({"type": "object", "properties": {"name": {"const": function.get("name")}, "arguments": arguments},
-                      "required": ["name", "arguments"], "additionalProperties": False})  # fmt: skip
-    layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    schema = {"anyOf": calls, "x-guidance": layout}
-    opening, closing = _CALL_GRAMMAR[parser]
-    return f"start: {opening} call {closing}\ncall: %json {json.dumps(schema)}\n"
+    return _CALL_BLOCKS[parser]
 
 
 def parser_for_template(chat_template: str | None) -> str:

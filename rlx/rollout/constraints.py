@@ -91,11 +91,21 @@ class Grammars:
             raise UserError(f"the JSON schema cannot be compiled: {e}"[:300]) from None
         return self._constraint(grammar, "the JSON schema")
 
-    def for_lark(self, grammar: str, what: str) -> GrammarConstraint:
-        """A constraint to a grammar in llguidance's Lark syntax (`what` names it in a UserError)."""
+    def for_tool_call(self, tools: list[dict], block: tuple[str, str]) -> GrammarConstraint:
+        """A constraint to one call of one of `tools` (chat-completions function schemas): its JSON object
+        ({"name", "arguments" following the tool's parameters}) between `block`'s opening and closing text."""
         import llguidance
 
-        return self._constraint(llguidance.LLMatcher.grammar_from_lark(grammar), what)
+        calls = []
+        for tool in tools:
+            function = tool.get("function") or {}
+            arguments = function.get("parameters") or {"type": "object"}
+            calls.append({"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+                          "properties": {"name": {"const": function.get("name")}, "arguments": arguments}})  # fmt: skip
+        schema = {"anyOf": calls, "x-guidance": _LAYOUT}
+        opening, closing = (json.dumps(text) for text in block)  # Lark string literals take JSON's escapes
+        lark = f"start: {opening} call {closing}\ncall: %json {json.dumps(schema)}\n"
+        return self._constraint(llguidance.LLMatcher.grammar_from_lark(lark), "the tools' call grammar")
 
     def _constraint(self, grammar: str, what: str) -> GrammarConstraint:
         import llguidance

@@ -15,8 +15,8 @@ silently ignored what it asked for. How each field is treated is in docs/serve.m
 - response_format json_object / json_schema: sampled within the JSON grammar (rlx.rollout.constraints: llguidance,
   the extra rlx[grammar]; engines hf and native);
 - tool_choice 'required' or a named function: the turn is sampled within a grammar of one call of the offered (or
-  named) tools in the block the tool parser reads (rlx.chat.tool_calls.tool_call_grammar; llguidance, engines hf and
-  native), its logprobs those of the masked distribution;
+  named) tools in the block the tool parser reads (Grammars.for_tool_call in rlx.rollout.constraints; llguidance,
+  engines hf and native), its logprobs those of the masked distribution;
 - refused: penalties, logit_bias, audio, predictions, reasoning effort, web search, the deprecated functions, and
   any field OpenAI does not define.
 

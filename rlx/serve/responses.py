@@ -164,12 +164,6 @@ def response_object(turn: Turn, model: str, previous: str | None) -> dict:
     }  # fmt: skip
 
 
-def response_events(response: dict) -> list[dict]:
-    """The server-sent events of a finished `response` object, in the Responses API's streaming order (each with its
-    `type` and `sequence_number`)."""
-    return numbered([*start_events(response), *output_events(response)])
-
-
 def numbered(events: list[tuple[str, dict]], first: int = 0) -> list[dict]:
     """(type, fields) pairs as event objects numbered from `first`."""
     return [{"type": kind, "sequence_number": first + i, **fields} for i, (kind, fields) in enumerate(events)]

@@ -149,26 +149,26 @@ class AgentServer:
 
     def grammar_for(self, schema: dict):
         """A fresh grammar constraint for JSON following `schema` ({}: any JSON object)."""
-        with self.tokenizer_lock:
-            if self.grammars is None:
-                vocab_size = self.worker.engine.model.config.get_text_config().vocab_size
-                self.grammars = Grammars(self.tokenizer, vocab_size, self.stop_ids)
-            return self.grammars.for_json(schema)
+        return self._grammars(lambda grammars: grammars.for_json(schema))
 
     def tool_grammar_for(self, tools: list[dict], parser: str):
         """A fresh grammar constraint for one call of one of `tools` in the block `parser` reads; a RequestError
         naming tool_choice where the parser reads no tool calls."""
-        from rlx.chat.tool_calls import tool_call_grammar
+        from rlx.chat.tool_calls import call_block
 
         try:
-            grammar = tool_call_grammar(tools, parser)
+            block = call_block(parser)
         except UserError as e:
             raise RequestError(400, str(e), "invalid_request", "tool_choice") from None
+        return self._grammars(lambda grammars: grammars.for_tool_call(tools, block))
+
+    def _grammars(self, compile_one):
+        """`compile_one(Grammars)` under the tokenizer lock, the Grammars of this server's tokenizer made once."""
         with self.tokenizer_lock:
             if self.grammars is None:
                 vocab_size = self.worker.engine.model.config.get_text_config().vocab_size
                 self.grammars = Grammars(self.tokenizer, vocab_size, self.stop_ids)
-            return self.grammars.for_lark(grammar, "the tools' call grammar")
+            return compile_one(self.grammars)
 
     def session(self, sample_id: str) -> SampleSession:
         with self._sessions_lock:

@@ -31,6 +31,19 @@ def _native_server(model, tokenizer) -> AgentServer:
     return AgentServer(worker, tokenizer, engine.stop_ids, SAMPLING, cfg).start()
 
 
+def _held_after_three_decode_steps(server: AgentServer):
+    """(release, hook handle): the server's engine waits after its prefill and 3 decode steps until `release` is set
+    (or 120 s), so a test can see what a client got while the turn is unfinished."""
+    release, forwards = threading.Event(), [0]
+
+    def hold(module, inputs, output):
+        forwards[0] += 1
+        if forwards[0] == 4:
+            release.wait(timeout=120)
+
+    return release, server.worker.engine._runner.model.get_input_embeddings().register_forward_hook(hold)
+
+
 def _stop(server: AgentServer) -> None:
     server.close()
     server.worker.close()
@@ -75,14 +88,7 @@ def test_openai_stream_arrives_while_the_turn_is_generated_and_is_recorded_token
     is unfinished and unrecorded; the pieces add up to the recorded reply, usage and token ids match the record."""
     model, tokenizer = random_chat_model(stop_bias=-10.0)  # runs to max_tokens
     server = _native_server(model, tokenizer)
-    release, forwards = threading.Event(), [0]
-
-    def hold(module, inputs, output):
-        forwards[0] += 1
-        if forwards[0] == 4:  # prefill + 3 decode steps, then wait for the test
-            release.wait(timeout=120)
-
-    handle = server.worker.engine._runner.model.get_input_embeddings().register_forward_hook(hold)
+    release, handle = _held_after_three_decode_steps(server)
     try:
         client = openai.OpenAI(base_url=server.base_url("live/0"), api_key="k", max_retries=0)
         stream = client.chat.completions.create(
@@ -117,14 +123,7 @@ def test_responses_stream_arrives_while_the_turn_is_generated():
     for previous_response_id."""
     model, tokenizer = random_chat_model(stop_bias=-10.0)  # runs to max_output_tokens
     server = _native_server(model, tokenizer)
-    release, forwards = threading.Event(), [0]
-
-    def hold(module, inputs, output):
-        forwards[0] += 1
-        if forwards[0] == 4:  # prefill + 3 decode steps, then wait for the test
-            release.wait(timeout=120)
-
-    handle = server.worker.engine._runner.model.get_input_embeddings().register_forward_hook(hold)
+    release, handle = _held_after_three_decode_steps(server)
     try:
         client = openai.OpenAI(base_url=server.base_url("resp/0"), api_key="k", max_retries=0)
         kinds, pieces = [], []
