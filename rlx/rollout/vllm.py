@@ -153,6 +153,9 @@ class VLLMRolloutEngine(RolloutEngine):
         if kv_gib:
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * _GIB)
         self.lora_request = self._lora_options(model, kwargs)
+        self.direct_load = direct_load_safe(self.device, config, lora=self.lora_request is not None)
+        self.timings = dict.fromkeys(("wake_weights_s", "push_s", "wake_kv_s"), 0.0)
+        """The last weight update's parts (logged as rollout/<name> each step)."""
         self.llm = None
         self.weights_version = 0
         """Updates so far: a stream's requests salt their prefix-cache hashes with it."""
@@ -211,6 +214,13 @@ class VLLMRolloutEngine(RolloutEngine):
         return gathered_weights(model, self.cfg.sync_bucket_mib << 20)
 
     def _reload(self, weights) -> None:
+        """Copy checkpoint-named `weights` into vLLM's parameters: straight through the model's `load_weights` where
+        vLLM keeps its parameters as loaded (`direct_load`), else through vLLM's in-place reload, which first puts
+        every layer back on the meta device and processes it again after loading (needed where the parameters are
+        repacked after loading: vLLM's CPU GEMMs, quantized or MoE kernels, LoRA-wrapped layers)."""
+        if self.direct_load:
+            self.llm.collective_rpc(_load_weights, kwargs={"weights": weights})
+            return
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
 
     def _load_adapters(self, tensors: dict[str, torch.Tensor] | None) -> None:
@@ -241,10 +251,13 @@ class VLLMRolloutEngine(RolloutEngine):
         self.weights_version += 1  # later stream requests never reuse keys and values computed before
         if not self.num_in_flight:  # vLLM resets only a cache no request holds
             self.llm.reset_prefix_cache()  # cached prompt KV belongs to the old weights
+        pushed = _synchronized(self.device)
+        self.timings["push_s"] = pushed - start
         if self.kv_asleep:  # weights first, then the cache: the peak stays the weights plus one bucket
             _return_cached_blocks()
             self.llm.wake_up(tags=["kv_cache"])
             self.kv_asleep = False
+        self.timings["wake_kv_s"] = _synchronized(self.device) - pushed
         return time.perf_counter() - start
 
     def sleep(self) -> float:
@@ -265,6 +278,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def wake(self) -> None:
         """Take the memory back (vLLM's sleep mode: the weights now, the KV cache after `update_weights`)."""
+        start = time.perf_counter()
         if self.asleep and self.native_sleep:
             _return_cached_blocks()
             self.llm.wake_up(tags=["weights"])
@@ -274,6 +288,10 @@ class VLLMRolloutEngine(RolloutEngine):
                 storage.resize_(nbytes)
             self._released = []
         self.asleep = False
+        self.timings["wake_weights_s"] = _synchronized(self.device) - start
+
+    def counters(self) -> dict[str, float]:
+        return {f"weight_{name}": seconds for name, seconds in self.timings.items()}
 
     def _engine_tensors(self, with_weights: bool = True) -> list[torch.Tensor]:
         def collect(worker):
@@ -443,6 +461,28 @@ class VLLMStream(TokenStream):
             self.core.abort_request(list(self.tags))
         self.engine.num_in_flight -= len(self.tags)
         self.tags, self.internal, self.num_generated, self.sampled = {}, {}, {}, {}
+
+
+def direct_load_safe(device: torch.device, config, lora: bool) -> bool:
+    """Whether vLLM keeps this model's parameters exactly as its `load_weights` writes them, so new weights can be
+    copied straight in: on CUDA and dense (vLLM repacks CPU GEMM weights and may repack MoE expert weights after
+    loading), without LoRA layers (their wrappers rename the parameters). rlx's engine is never quantized (the
+    config it hands vLLM has no quantization_config: rlx holds floats)."""
+    return device.type == "cuda" and not family_of(config).routed_experts and not lora
+
+
+@torch.no_grad()
+def _load_weights(worker, weights) -> None:
+    """Run in vLLM's worker (this process): the model's own loader copies each checkpoint tensor into its (fused,
+    tensor-parallel sliced) parameter in place."""
+    worker.model_runner.get_model().load_weights(weights)
+
+
+def _synchronized(device: torch.device) -> float:
+    """perf_counter after the device's queued work is done (so a phase's seconds include its kernels)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _scheduler_requests(llm_engine) -> dict:
