@@ -61,8 +61,9 @@ def worker(argv: list[str]) -> None:
     wrapped = capped_token_requests(short, long, every)
     import rlx.ppo.async_rollout as async_rollout
     import rlx.rollout.base as base
+    import rlx.rollout.vllm as vllm_engine
 
-    base.token_requests = async_rollout.token_requests = wrapped
+    base.token_requests = async_rollout.token_requests = vllm_engine.token_requests = wrapped
     from rlx.cli import main
 
     sys.argv = ["rlx", "ppo", *argv]

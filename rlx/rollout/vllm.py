@@ -63,7 +63,7 @@ from rlx.parallel.dist import all_reduce
 from rlx.parallel.fsdp import gathered_weights
 from rlx.rollout.base import LocalGeneration, ModuleWeights, RolloutEngine, TokenStream, WeightSource
 from rlx.rollout.config import SamplingParams
-from rlx.rollout.requests import Generated, Request, TokenRequest
+from rlx.rollout.requests import Generated, Request, TokenRequest, token_requests
 from rlx.utils.device import derive_seed
 
 INSTALL_HINT = (
@@ -333,9 +333,10 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.asleep or self.kv_asleep:
             raise RuntimeError("the vllm engine is asleep: wake it and update its weights before generating")
         show = progress and (self.ctx is None or self.ctx.is_main) and sys.stderr.isatty()
+        tokens = token_requests(requests, sampling)  # keyed by sample id, as the other engines' streams
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests],
-            [self.params(r.sample_id, sampling.max_new_tokens, r.greedy, sampling) for r in requests],
+            [TokensPrompt(prompt_token_ids=t.prompt_ids) for t in tokens],
+            [self.params(t.key, t.max_new_tokens, t.greedy, sampling) for t in tokens],
             use_tqdm=show,
             lora_request=self.lora_request,
         )
