@@ -13,6 +13,7 @@ PREMUL_SUM reductions, which gloo lacks.)
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -91,4 +92,46 @@ def gathered_weights(model: torch.nn.Module, bucket_bytes: int) -> Iterator[tupl
 
 
 def _gathered(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    return [(n, t.full_tensor() if hasattr(t, "full_tensor") else t.detach()) for n, t in bucket]
+    """The bucket's full tensors: row-sharded ones of one mesh and dtype in one all-gather, the rest one by one."""
+    full: dict[int, torch.Tensor] = {}
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, t) in enumerate(bucket):
+        if _row_sharded(t):
+            groups.setdefault((id(t.device_mesh), t.dtype), []).append(i)
+    for indices in groups.values():
+        full.update(zip(indices, _all_gather_rows([bucket[i][1] for i in indices])))
+    return [
+        (n, full[i] if i in full else t.full_tensor() if hasattr(t, "full_tensor") else t.detach())
+        for i, (n, t) in enumerate(bucket)
+    ]
+
+
+def _row_sharded(t) -> bool:
+    """A DTensor split by rows over a one-dimensional mesh (FSDP2's layout of a parameter)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return isinstance(t, DTensor) and t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),) and t.ndim > 0
+
+
+def _all_gather_rows(tensors: list) -> list[torch.Tensor]:
+    """The full values of row-sharded DTensors of one mesh and dtype, in one all-gather: each rank sends its
+    shards padded to the full chunk (ceil(rows / ranks) rows, as torch.chunk and Shard(0) split), flattened."""
+    import torch.distributed as dist
+
+    mesh = tensors[0].device_mesh
+    ranks = mesh.size()
+    chunks = [-(-t.shape[0] // ranks) for t in tensors]  # rows of a full chunk
+    widths = [math.prod(t.shape[1:]) for t in tensors]  # elements per row
+    sizes = [c * w for c, w in zip(chunks, widths)]
+    local = [t.to_local().detach().reshape(-1) for t in tensors]
+    send = torch.cat([torch.nn.functional.pad(x, (0, size - x.numel())) for x, size in zip(local, sizes)])
+    out = send.new_empty(ranks * send.numel())
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 : before
+    gather(out, send, group=mesh.get_group())
+    per_rank = out.view(ranks, send.numel()).split(sizes, dim=1)
+    full = []
+    for t, chunk, width, pieces in zip(tensors, chunks, widths, per_rank):
+        rows = [max(0, min(chunk, t.shape[0] - r * chunk)) for r in range(ranks)]
+        parts = [pieces[r, : rows[r] * width] for r in range(ranks)]
+        full.append(torch.cat(parts).view(t.shape))
+    return full

@@ -262,3 +262,9 @@ def test_ppo_stops_when_one_rank_fails(tmp_path):
                        env={"RLX_COLLECTIVE_TIMEOUT_S": "600"})  # fmt: skip
     assert out.returncode != 0
     assert "reward server unreachable" in out.stdout + out.stderr, out.stderr[-3000:]
+
+
+def test_sharded_weights_gathered_by_bucket_equal_the_plain_model():
+    """What a rollout engine is handed from FSDP2 shards (rows split unevenly over 3 ranks, one all-gather a bucket)."""
+    done = run_torchrun(3, "tests/distributed/workers/gathered_weights.py", timeout=300)
+    assert "gathered weights equal" in done.stdout
