@@ -11,8 +11,10 @@ sample of its own (`/s/<id>/v1`, so no turn extends another's context), plain an
 --warmup pairs. A turn's latency is from sending the request to the last byte of the reply: the whole JSON body,
 or the stream's `data: [DONE]` (every chunk parsed, the pieces joined). Prints JSON: per mode the median, p90 and
 mean seconds, the stream's time to its first content piece, and `stream_overhead`: the streamed median over the
-plain one, minus 1 (also the median of the pairs' ratios, and of their differences per token). Both modes are
-checked to sample --max-tokens tokens, and every streamed turn to send content.
+plain one, minus 1 (also the median of the pairs' ratios, and of their differences per token), and the server's
+CPU time per turn in each mode (from /proc: what streaming costs the server, far less sensitive to other load on a
+shared machine than wall time). Both modes are checked to sample --max-tokens tokens, and every streamed turn to
+send content.
 """
 
 from __future__ import annotations
@@ -75,6 +77,15 @@ def start_server(model_dir: Path, args) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time the process has used (user + system, every thread), from /proc (0 where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def plain_turn(client: httpx.Client, url: str, sample: str, max_tokens: int) -> dict:
     began = time.perf_counter()
     reply = client.post(f"{url}/s/{sample}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": max_tokens})
@@ -114,15 +125,19 @@ def summary(values: list[float]) -> dict:
             "mean_s": statistics.fmean(ordered)}  # fmt: skip
 
 
-def measure(url: str, args) -> dict:
+def measure(url: str, pid: int, args) -> dict:
     plain, streamed, ratios, extra = [], [], [], []
+    cpu = {"plain": 0.0, "stream": 0.0}
     with httpx.Client(timeout=600) as client:
         for i in range(args.warmup + args.turns):
             kinds = ("plain", "stream") if i % 2 == 0 else ("stream", "plain")
             got = {}
             for kind in kinds:
                 turn = plain_turn if kind == "plain" else streamed_turn
+                used = cpu_seconds(pid)
                 got[kind] = turn(client, url, f"{kind}-{i}", args.max_tokens)
+                if i >= args.warmup:
+                    cpu[kind] += cpu_seconds(pid) - used
                 assert got[kind]["tokens"] == args.max_tokens, f"{kind} turn {i}: {got[kind]['tokens']} tokens"
             assert got["stream"]["text"], f"stream turn {i}: no content"
             if i >= args.warmup:
@@ -138,6 +153,9 @@ def measure(url: str, args) -> dict:
     out["stream_overhead_paired_median"] = statistics.median(ratios) - 1
     out["plain_ms_per_token"] = 1000 * out["plain"]["median_s"] / args.max_tokens
     out["stream_extra_ms_per_token_paired_median"] = 1000 * statistics.median(extra) / args.max_tokens
+    for kind in cpu:  # the server's CPU time (all its threads) per turn: far less sensitive to a busy machine
+        out[kind]["server_cpu_ms_per_turn"] = 1000 * cpu[kind] / args.turns
+    out["stream_extra_server_cpu_ms_per_token"] = 1000 * (cpu["stream"] - cpu["plain"]) / args.turns / args.max_tokens
     return out
 
 
@@ -154,7 +172,7 @@ def main() -> None:
     save_endless_model(model_dir, args.hidden_size, args.num_layers)
     proc, url = start_server(model_dir, args)
     try:
-        results = measure(url, args)
+        results = measure(url, proc.pid, args)
     finally:
         proc.terminate()
         proc.wait(60)
