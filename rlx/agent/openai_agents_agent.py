@@ -54,12 +54,13 @@ class OpenAIAgentsAgent(RunAgent):
         sample = unquote(base_url.rpartition("/s/")[2].removesuffix("/v1"))  # AgentServer.base_url's form
         if self.oa.input_key not in record:
             raise UserError(f"prompt {record.get('id')!r}: no field {self.oa.input_key!r} ({TABLE}.input_key)")
-        agent = self._agent_for(record)
         try:
-            output = asyncio.run(self._run(agent, record, base_url))
+            output = asyncio.run(self._run(self._agent_for(record), record, base_url))
         except self._sdk.MaxTurnsExceeded:
             output = None  # the episode ran out of turns: the reward function is told so
-        except Exception as e:
+        except UserError:
+            raise
+        except Exception as e:  # the SDK's, the server's (a refused request) or the agent function's
             raise EnvError(f"sample {sample!r}: the openai-agents run of {self.oa.agent} failed: {_describe(e)}") from e
         try:
             reward = self._reward(output, record)

@@ -106,8 +106,9 @@ def rollout(tmp_path: Path, model_dir: Path, agent: str, reward: str, *more: str
 
 def test_openai_agents_rollout_streams_on_both_models_and_names_failures(tmp_path, model_dir):
     """Streamed runs (Runner.run_streamed) on the Responses model give the same kind of records; a reward function
-    that raises stops the run naming the sample (--on-env-error raise) or scores it 0 with the error kept (zero); a
-    request the server refuses (the agent's own temperature) names the field; a function that gives no Agent says so."""
+    that raises, or a run that fails in the SDK, stops the run naming the sample and the cause (--on-env-error raise)
+    or scores that sample 0 with the error kept in its record (zero); a request the server refuses (the agent's own
+    temperature) names the field; a function that gives no Agent says so."""
     streamed = rollout(tmp_path / "s", model_dir, f"{USER_CODE}:agent", f"{USER_CODE}:reward",
                        "--openai-agents-api", "responses", "--openai-agents-stream")  # fmt: skip
     assert streamed.exit_code == 0, streamed.stderr[-3000:]
@@ -127,6 +128,20 @@ def test_openai_agents_rollout_streams_on_both_models_and_names_failures(tmp_pat
     by_id = {r["prompt_id"]: r for r in read_jsonl(tmp_path / "z" / "rollouts.jsonl")}
     assert [by_id[p]["env_reward"] for p in ("add-0", "add-1", "add-2")] == [1.0, 0.0, 1.0]
     assert "no reward for add-1" in by_id["add-1"]["env_error"] and "env_error" not in by_id["add-0"]
+
+    # a run the SDK fails (the model calls a tool the agent lacks): its record is kept, scored 0, with the error
+    without = f"{CASES}:without_add"
+    failed = rollout(tmp_path / "f", model_dir, without, f"{USER_CODE}:reward")
+    why = f"sample 'add-0/0': the openai-agents run of {without} failed: ModelBehaviorError: Tool add not found"
+    assert failed.exit_code == 1 and why in failed.stderr
+    kept = rollout(tmp_path / "k", model_dir, without, f"{USER_CODE}:reward", "--on-env-error", "zero")
+    assert kept.exit_code == 0, kept.stderr[-3000:]
+    for record in read_jsonl(tmp_path / "k" / "rollouts.jsonl"):
+        called = turns_of(record, tokenizer) == [CALL]
+        assert record["env_reward"] == 0.0 and ("env_error" in record) == called
+        assert record["finish_reason"] == ("env_done" if called else "stop")
+    errors = [r.get("env_error", "") for r in read_jsonl(tmp_path / "k" / "rollouts.jsonl")]
+    assert any("Tool add not found in agent mul only" in e for e in errors)
 
     colder = rollout(tmp_path / "c", model_dir, f"{CASES}:colder", f"{USER_CODE}:reward")
     assert colder.exit_code == 1
