@@ -7,6 +7,7 @@ run's final output. Skipped where openai-agents is not installed (pip install 'r
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,11 +87,16 @@ def test_ppo_trains_an_openai_agents_agent_with_its_tool_and_reward(tmp_path, mo
         assert [m["content"] for m in rest if m["role"] == "tool"] == ["3"] * (len(turns) - 1)
         env_text = tokenizer.decode([t for t, m in zip(record["response_ids"], record["loss_mask"]) if not m])
         assert env_text.count("<tool_response>\n3\n</tool_response>") == len(turns) - 1
+        if len(turns) == 2:  # between the turns: the template's rendering of the tool result, as the request sent it
+            request = tokenizer.apply_chat_template(
+                record["messages"][:-1], tools=record["tools"], add_generation_prompt=True, tokenize=False
+            )
+            assert env_text.startswith("\n<|im_start|>user\n<tool_response>") and request.endswith(env_text)
         answered = turns[-1] == ANSWER
         assert record["env_reward"] == float(answered and record["ground_truth"] == "3")
         assert len(record["rollout_logprobs"]) == len(record["response_ids"])
         num_calls += turns.count(CALL)
-    assert num_calls > 0 and any(r["env_reward"] == 1.0 for r in records)
+    assert num_calls > 0 and any(r["num_turns"] == 2 for r in records) and any(r["env_reward"] == 1.0 for r in records)
     assert any(r["env_reward"] == 0.0 for r in records)
     metrics = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "step" in m]
     assert sorted({m["step"] for m in metrics}) == [1, 2]
@@ -164,3 +170,20 @@ def test_openai_agents_table_goes_with_its_agent():
         AgentConfig(agent=AGENT)
     with pytest.raises(UserError, match="reward"):
         OpenAIAgentsConfig(agent="a.py:x", reward="nothing")
+
+
+def test_openai_agents_agent_set_up_errors_are_one_line(monkeypatch):
+    """Without openai-agents, or with an `agent` that is neither an Agent nor a function: a UserError naming it."""
+    from rlx.agent.openai_agents_agent import OpenAIAgentsAgent
+
+    def config(agent: str) -> AgentConfig:
+        table = OpenAIAgentsConfig(agent=agent, reward=f"{USER_CODE}:reward")
+        return AgentConfig(agent=AGENT, openai_agents=table)
+
+    with pytest.raises(UserError, match=r"rollout.agent.openai_agents.agent '.*:__doc__': expected an agents.Agent"):
+        OpenAIAgentsAgent(config(f"{CASES}:__doc__"))
+    with pytest.raises(UserError, match="no such file"):
+        OpenAIAgentsAgent(config("no/such/file.py:agent"))
+    monkeypatch.setitem(sys.modules, "agents", None)  # as if not installed
+    with pytest.raises(UserError, match=r"cannot import openai-agents .*pip install 'rlx\[agents\]'"):
+        OpenAIAgentsAgent(config(f"{USER_CODE}:agent"))
