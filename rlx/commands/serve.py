@@ -29,6 +29,7 @@ from rlx.serve.config import ServeConfig
         "env_workers",
         "agent_timeout_s",
         "verifiers",
+        "openai_agents",
         "batch_size",
         "remax_baseline",
         "chat_template",

@@ -328,7 +328,7 @@ def _moved_keys() -> dict[str, str]:
     }
 
 
-_BORN_IN_SECTIONS = frozenset({"router_z_loss_coef", "verifiers"})
+_BORN_IN_SECTIONS = frozenset({"router_z_loss_coef", "verifiers", "openai_agents"})
 """Section fields added after the sections came: never a flat recipe key, so no old key to move."""
 
 

@@ -13,6 +13,8 @@ from rlx.config import check, check_choices
 
 VERIFIERS_AGENT = "rlx.agent.verifiers_agent:VerifiersAgent"
 """The agent that plays a verifiers environment per sample (its settings: AgentConfig.verifiers)."""
+OPENAI_AGENTS_AGENT = "rlx.agent.openai_agents_agent:OpenAIAgentsAgent"
+"""The agent that runs a user's openai-agents Agent per sample (its settings: AgentConfig.openai_agents)."""
 
 
 @dataclass(kw_only=True)
@@ -46,6 +48,33 @@ class VerifiersConfig:
 
 
 @dataclass(kw_only=True)
+class OpenAIAgentsConfig:
+    """A user's openai-agents Agent trained as an agent (`agent = "rlx.agent.openai_agents_agent:OpenAIAgentsAgent"`):
+    one run of it per sample, its model pointed at the sample's base URL (docs/agents_openai.md)."""
+
+    agent: str
+    """The user's agent, `path/file.py:NAME` or `package.module:NAME`: an `agents.Agent`, or a function
+    record -> Agent (called once per sample, e.g. for tools holding per-sample state)."""
+    reward: str
+    """The reward, `path/file.py:NAME` or `package.module:NAME`: NAME(output, record) -> float, `output` the run's
+    final output (None when the run stopped at max_turns), `record` the prompt record (the run's context)."""
+    api: Literal["chat", "responses"] = "chat"
+    """The agent's model: 'chat' (OpenAIChatCompletionsModel) or 'responses' (OpenAIResponsesModel), over an
+    AsyncOpenAI client at the sample's base URL."""
+    stream: bool = False
+    """Run each sample with Runner.run_streamed (every turn streamed) instead of Runner.run."""
+    input_key: str = "prompt"
+    """The prompt record field given to the run as its input: a text, or chat messages with text content."""
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        for key in ("agent", "reward"):
+            value = getattr(self, key)
+            check(":" in value, key, f"expected path/file.py:NAME or package.module:NAME, got {value!r}")
+        check(bool(self.input_key), "input_key", "must name a prompt record field")
+
+
+@dataclass(kw_only=True)
 class AgentConfig:
     """How multi-turn episodes run (the per-turn token limit is the rollout's max_new_tokens)."""
 
@@ -76,6 +105,9 @@ class AgentConfig:
     verifiers: VerifiersConfig | None = None
     """The verifiers environment that agent = "rlx.agent.verifiers_agent:VerifiersAgent" plays (a recipe's
     [rollout.agent.verifiers] table); absent: none."""
+    openai_agents: OpenAIAgentsConfig | None = None
+    """The openai-agents Agent that agent = "rlx.agent.openai_agents_agent:OpenAIAgentsAgent" runs (a recipe's
+    [rollout.agent.openai_agents] table); absent: none."""
     chat_template_kwargs: dict = field(default_factory=dict)
     """Extra variables for the chat template, single-turn prompts and multi-turn episodes alike, e.g.
     '{"enable_thinking": false}' on the command line or {enable_thinking = false} in a recipe for Qwen3 templates."""
@@ -96,6 +128,11 @@ class AgentConfig:
             check(self.agent == VERIFIERS_AGENT, "agent", why)
         if self.agent == VERIFIERS_AGENT:
             check(self.verifiers is not None, "verifiers", "this agent needs its table (env = the taskset id, ...)")
+        if self.openai_agents is not None:
+            why = f"the openai_agents table is run by agent = {OPENAI_AGENTS_AGENT!r}"
+            check(self.agent == OPENAI_AGENTS_AGENT, "agent", why)
+        if self.agent == OPENAI_AGENTS_AGENT:
+            check(self.openai_agents is not None, "openai_agents", "this agent needs its table (agent, reward, ...)")
 
     @property
     def is_multi_turn(self) -> bool:

@@ -13,11 +13,15 @@ from rlx.errors import UserError
 
 
 def load_object(
-    spec: str, option: str, expected: str = "path/file.py:NAME or package.module:NAME", kind: str = "env"
+    spec: str,
+    option: str,
+    expected: str = "path/file.py:NAME or package.module:NAME",
+    kind: str = "env",
+    need_callable: bool = True,
 ) -> Any:
     """The callable `NAME` of `path/file.py:NAME` or `package.module:NAME` (user code: environments, agents, reward
-    functions); a UserError starting with `option spec` otherwise, `expected` saying what the option takes. A file is
-    imported as module `rlx_user_<kind>_<stem>`."""
+    functions; any object without `need_callable`); a UserError starting with `option spec` otherwise, `expected`
+    saying what the option takes. A file is imported as module `rlx_user_<kind>_<stem>`."""
     module_name, _, attr = spec.rpartition(":")
     where = f"{option} {spec!r}"
     if not module_name or not attr:
@@ -41,6 +45,6 @@ def load_object(
     if not hasattr(module, attr):
         raise UserError(f"{where}: {module_name} has no attribute {attr!r}")
     value = getattr(module, attr)
-    if not callable(value):
+    if need_callable and not callable(value):
         raise UserError(f"{where}: {module_name}.{attr} is not callable")
     return value
