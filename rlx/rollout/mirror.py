@@ -4,11 +4,13 @@ The ranks of a tensor-parallel rollout engine (vllm or native with rollout.tp_de
 them, so every rank must add the same requests at the same moments and step together. A single-turn batch does that
 by itself (every rank of a group holds the group's requests from the start); a multi-turn episode's next turn comes
 when its environment answers, which only one process may decide. So the group's first rank (the leader) runs the
-episodes (environments, tool calls, agents) and submits their turns to a LeaderStream; before each engine step its
-`keep_going` sends the requests submitted since the last one, in order, with whether it is busy, to the other ranks
-(one object broadcast over the group's gloo group, on any device). Each of those runs the same loop with no episodes
-of its own on a FollowerStream: it adds the leader's requests to its own copy of the engine in the same order, and
-steps when the leader steps. Closing sends what was submitted last, so every copy aborts the same requests.
+episodes (environments, tool calls, agents) and submits their turns to a LeaderStream. Its `keep_going` and its
+`step` each first send the requests submitted since the last message, in order (with keep_going's busy flag), to the
+other ranks: one object broadcast over the group's gloo group, on any device. Callers submit both after a step (the
+episode driver) and between keep_going and step (rlx serve's stream worker, which agents use), so both carry them.
+Each other rank runs the same loop with no episodes of its own on a FollowerStream: it adds the leader's requests to
+its own copy of the engine in the same order, and answers and steps as the leader does. Closing sends what was
+submitted last, so every copy aborts the same requests.
 
     stream = open_mirrored(group, engine.open_local_stream, sampling, max_context, num_seqs)
     leader:   stream.submit(tag, request) ... while stream.keep_going(busy): finished = stream.step()
@@ -29,7 +31,7 @@ from rlx.rollout.requests import Generated, TokenRequest
 
 @dataclass
 class _Turns:
-    """What the leader sends before each step (and at close): the requests it submitted since, in order."""
+    """What the leader sends in keep_going, step and close: the requests it submitted since, in order."""
 
     requests: list[TokenRequest] = field(default_factory=list)
     is_busy: bool = False
@@ -81,6 +83,7 @@ class LeaderStream(TokenStream):
         return self.stream.keep_going(busy)
 
     def step(self) -> list[tuple[Any, Generated]]:
+        self._send(True, False)
         return self.stream.step()
 
     @property
@@ -130,13 +133,16 @@ class FollowerStream(TokenStream):
         return turns
 
     def keep_going(self, busy: bool) -> bool:
-        """The leader's answer (`busy` is ignored): it closed (an error on its side), or the engine's own over the
-        leader's busy flag (a collective where the engine steps in lockstep)."""
+        """The leader's answer (`busy` is ignored): False once it closed (an error on its side), else the engine's
+        own over the leader's busy flag (a collective where the engine steps in lockstep)."""
+        if self.is_closed:
+            return False
         turns = self._receive()
         return not turns.is_closing and self.stream.keep_going(turns.is_busy)
 
     def step(self) -> list[tuple[Any, Generated]]:
-        self.stream.step()
+        if not self.is_closed and not self._receive().is_closing:
+            self.stream.step()
         return []
 
     @property
