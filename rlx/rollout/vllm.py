@@ -63,9 +63,9 @@ from rlx.models.lora import ADAPTER, hf_name, is_adapter_param, is_lora_model
 from rlx.models.lora_merge import save_peft_adapter, write_peft_weights
 from rlx.parallel.dist import all_reduce, tensor_parallel_group
 from rlx.parallel.fsdp import gathered_weights
+from rlx.rollout import mirror
 from rlx.rollout.base import LocalGeneration, ModuleWeights, RolloutEngine, TokenStream, WeightSource
 from rlx.rollout.config import SamplingParams
-from rlx.rollout.mirror import open_mirrored
 from rlx.rollout.requests import Generated, Request, TokenRequest
 from rlx.utils.device import derive_seed
 
@@ -351,7 +351,7 @@ class VLLMRolloutEngine(RolloutEngine):
         """A VLLMStream; with tp_degree > 1 the tp group's first rank submits and the others mirror it (mirror.py):
         the ranks of a group add the same requests to their copies of the engine in the same order and step
         together, as vLLM's external launcher needs."""
-        return open_mirrored(self.stream_group, self.open_local_stream, sampling, max_context, num_seqs)
+        return mirror.open_mirrored(self.stream_group, self.open_local_stream, sampling, max_context, num_seqs)
 
     def open_local_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> VLLMStream:
         if self.asleep or self.kv_asleep:
