@@ -25,10 +25,11 @@ def _build(tokenizer, seed: int, **config_kwargs):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def random_chat_model(style: str | None = "qwen2.5", seed: int = 0, stop_bias: float = 0.3):
-    """(model, tokenizer): random weights whose sampled turns end with <|im_end|> after a few tokens."""
+def random_chat_model(style: str | None = "qwen2.5", seed: int = 0, stop_bias: float = 0.3, **config_kwargs):
+    """(model, tokenizer): random weights whose sampled turns end with <|im_end|> after a few tokens
+    (`config_kwargs`: tiny_llama_config's, e.g. num_heads)."""
     tokenizer = build_chat_tokenizer(style)
-    model = _build(tokenizer, seed, max_positions=512)
+    model = _build(tokenizer, seed, **{"max_positions": 512, **config_kwargs})
     banned = tokenizer.convert_tokens_to_ids([*SPECIAL_TOKENS, "<|im_start|>", *MARKUP_TOKENS])
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 1.0  # a constant direction the head can read as a bias

@@ -250,6 +250,8 @@ SLOWEST = {
     "tests/stages/test_shard_merge.py::test_gguf_shard_matches_transformers_and_runs": 27.4,
     "tests/stages/test_family.py::test_ppo_gae_and_dapo_learn[dapo_quickstart.toml]": 26.5,
     "tests/distributed/test_megatron.py::test_actor_train_step_with_tp2_equals_one_process": 20.6,
+    "tests/unit/test_vllm.py::test_multi_turn_episodes_at_tp_2_equal_one_process": 50.0,
+    "tests/distributed/test_native_tp.py::test_agent_episodes_at_tp_degree_2_equal_one_process": 43.6,
     "tests/distributed/test_async.py::test_dynamic_sampling_at_max_staleness_0_is_the_synchronous_run": 18.3,
 }
 

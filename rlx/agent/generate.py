@@ -1,9 +1,10 @@
 """Multi-turn rollouts of a set of prompts on a resident engine, as `rlx rollout --env/--agent` and `rlx ppo` run them.
 
 Under a launcher each process runs the episodes (or agents) of its contiguous share of the prompts, all N
-samples of a prompt together, on its own engine stream; the records are gathered back in prompt order on every
-process. A sample's tokens depend only on its key (seed, sample id, turn), so any number of processes gives
-the same records.
+samples of a prompt together, on its own engine stream (with a tensor-parallel engine, the first rank of each group
+runs the group's share and the others' streams mirror it: rlx/rollout/mirror.py); the records are gathered back in
+prompt order on every process. A sample's tokens depend only on its key (seed, sample id, turn), so any number of
+processes gives the same records.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from rlx.agent.driver import EnvRollout
 from rlx.errors import UserError
 from rlx.formats.records import PromptRecord, RolloutRecord
 from rlx.models.vision.images import image_refs
-from rlx.parallel.dist import all_gather_objects, shard_range
+from rlx.parallel.dist import all_gather_objects
 from rlx.rollout.base import RolloutEngine, RolloutResult, RolloutStats
 from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.stats import EpisodeStats
@@ -60,7 +61,7 @@ def generate_multi_turn(
     (else it is loaded for this call)."""
     refuse_images(prompts, cfg, type(engine))
     ctx = engine.ctx
-    mine = shard_range(len(prompts), ctx.rank, ctx.world) if ctx else range(len(prompts))
+    mine = engine.stream_share(len(prompts))  # a tensor-parallel group's first rank runs the group's episodes
     local = multi_turn_runner(engine, tokenizer, cfg, sampling, agent).generate([prompts[i] for i in mine])
     parts = all_gather_objects((local.records, local.stats)) if ctx else [(local.records, local.stats)]
     records: list[RolloutRecord] = [r for part, _ in parts for r in part]

@@ -199,6 +199,13 @@ class TensorParallelGroup:
     index: int
     count: int
     group: object = None
+    objects: object = None
+    """The same ranks' group for Python objects (gloo: host memory on any device; `group` itself on the CPU)."""
+
+    @property
+    def leader(self) -> int:
+        """The global rank of the group's first rank."""
+        return self.index * self.degree
 
     def slicing(self) -> dict[str, int]:
         """{'degree', 'rank'}: how this rank slices a full tensor (rank_slice's keywords)."""
@@ -219,13 +226,15 @@ def tensor_parallel_group(degree: int, ctx: DistContext | None = None) -> Tensor
     if ctx.world % degree:
         raise UserError(f"tp_degree {degree} does not divide the {ctx.world} processes")
     if degree not in _TP_GROUPS:
-        mine = None
+        mine, objects = None, None
         for start in range(0, ctx.world, degree):
-            group = dist.new_group(list(range(start, start + degree)))
+            ranks = list(range(start, start + degree))
+            group = dist.new_group(ranks)
+            group_objects = group if ctx.collectives == "gloo" else dist.new_group(ranks, backend="gloo")
             if start <= ctx.rank < start + degree:
-                mine = group
+                mine, objects = group, group_objects
         _TP_GROUPS[degree] = TensorParallelGroup(degree, ctx.rank % degree, ctx.rank // degree, ctx.world // degree,
-                                                 mine)  # fmt: skip
+                                                 mine, objects)  # fmt: skip
     return _TP_GROUPS[degree]
 
 
@@ -281,12 +290,12 @@ def all_gather_objects(obj, group=None) -> list:
     return out
 
 
-def broadcast_object(obj, src: int = 0):
-    """`obj` of rank `src` on every rank."""
+def broadcast_object(obj, src: int = 0, group=None):
+    """`obj` of rank `src` (a global rank) on every rank of `group` (default: all)."""
     if not dist.is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 

@@ -39,7 +39,7 @@ from rlx.formats.records import PromptRecord, RolloutRecord
 from rlx.models.fingerprint import tokenizer_fingerprint
 from rlx.models.lora import is_lora_model
 from rlx.models.lora_state import adapter_state
-from rlx.parallel.dist import all_gather_objects, all_reduce, shard_range
+from rlx.parallel.dist import TensorParallelGroup, all_gather_objects, all_reduce, shard_range
 from rlx.parallel.fsdp import gathered_weights
 from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.lengths import limit_reason, model_context
@@ -234,6 +234,10 @@ class RolloutEngine(ABC):
     """Whether the engine fills Generated.top_logprobs for token requests that ask (TokenRequest.num_top_logprobs)."""
     takes_constraints: ClassVar[bool] = False
     """Whether the engine samples a token request within its grammar (TokenRequest.constraint)."""
+    stream_group: TensorParallelGroup | None = None
+    """The tensor-parallel group whose ranks hold one engine between them (vllm, native with tp_degree > 1): its first
+    rank submits the requests of the group's streams, the others mirror them (mirror.py); None: each process runs its
+    own stream."""
 
     def __init__(self, model, tokenizer, cfg: RolloutConfig, ctx, processor=None):
         """`processor`: a vision-language model's VisionProcessor (prompts with image parts need it)."""
@@ -286,6 +290,16 @@ class RolloutEngine(ABC):
         """The indices of the requests this process generates: a contiguous slice per rank."""
         return list(shard_range(count, self.ctx.rank, self.ctx.world) if self.ctx else range(count))
 
+    def stream_share(self, count: int) -> range:
+        """The items (prompts) whose episodes this process runs on its streams: a contiguous slice per process, or per
+        tensor-parallel group, whose first rank runs them all (its other ranks none: their streams mirror it)."""
+        group = self.stream_group
+        if self.ctx is None:
+            return range(count)
+        if group is None or group.degree == 1:
+            return shard_range(count, self.ctx.rank, self.ctx.world)
+        return shard_range(count, group.index, group.count) if group.rank == 0 else range(0)
+
     def _check_images(self, requests: list[Request]) -> None:
         with_images = next((r for r in requests if r.vision is not None), None)
         if with_images is not None and not self.takes_images:
@@ -320,7 +334,7 @@ class RolloutEngine(ABC):
     def run_stream(self, requests: list[TokenRequest], sampling: SamplingParams, on_finished=None) -> LocalGeneration:
         """Every request through one stream, in order; `on_finished(count)` after each step that finished some."""
         longest = max((len(r.prompt_ids) + r.max_new_tokens for r in requests), default=1)
-        stream = self.open_stream(sampling, longest, len(requests))
+        stream = self.open_local_stream(sampling, longest, len(requests))
         out: list[Generated | None] = [None] * len(requests)
         try:
             for i, request in enumerate(requests):
@@ -339,8 +353,16 @@ class RolloutEngine(ABC):
     def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> TokenStream:
         """A stream for token requests of this process (every process opens it together); `max_context` bounds
         any request's prompt + new tokens and `num_seqs` how many run at once (what a KV cache is sized for).
-        An engine implements this, or only `generate_local` (it then serves single-turn rollouts only)."""
+        Under a `stream_group` only its first rank submits: the others' streams mirror it (mirror.py), so their
+        callers run no episodes of their own (`stream_share`) and keep stepping. An engine implements this, or only
+        `generate_local` (it then serves single-turn rollouts only)."""
         raise UserError(f"rollout engine {self.name!r} has no token-level call: it cannot run multi-turn rollouts")
+
+    def open_local_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> TokenStream:
+        """A stream this process submits to itself, for requests every rank of a tensor-parallel group holds alike
+        from the start (`run_stream`'s batch); `open_stream` under a `stream_group` wraps it so the group's first rank
+        submits for all. The default: `open_stream` (an engine without tensor parallelism)."""
+        return self.open_stream(sampling, max_context, num_seqs)
 
     # --- memory and weights ------------------------------------------------------------------------
 

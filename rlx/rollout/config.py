@@ -135,7 +135,7 @@ class RolloutConfig:
     tp_degree: int = 1
     """vllm, native: tensor-parallel degree, the ranks that hold one engine between them (each a slice of every
     layer's heads and MLP); under torchrun it must divide the world size, and the world size / tp_degree groups each
-    generate their share of the prompts (single-turn rollouts only)."""
+    generate their share of the prompts (multi-turn episodes too: a group's first rank runs them)."""
     tp: int = 0
     """Deprecated: the old name of tp_degree, still accepted for one release (0 = not given)."""
     gpu_memory_utilization: float = 0.5
@@ -182,11 +182,6 @@ class RolloutConfig:
             self.tp_degree == 1 or self.engine in ("vllm", "native"),
             "tp_degree",
             f"tensor parallel rollout needs engine 'vllm' or 'native', got {self.engine!r}",
-        )
-        check(
-            self.tp_degree == 1 or not self.agent.is_multi_turn,
-            "tp_degree",
-            "tensor parallel rollout runs single-turn rollouts only (drop env/agent or set tp_degree = 1)",
         )
         check(
             0 < self.gpu_memory_utilization <= 1,

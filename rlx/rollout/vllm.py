@@ -17,7 +17,9 @@ The token-level call (multi-turn episodes, served agents) runs through vLLM's en
 as it comes (`add_request`) and the engine steps over everything added, so a request that waits on its
 environment never holds up the others; vLLM's prefix cache (on by default) keeps the blocks of a sample's
 earlier turns, so a turn prefills only its new tokens. Each request's seed is derived from its key (and its own
-seed where it has one, TokenRequest.seed), as the single-turn samples' are from their sample ids.
+seed where it has one, TokenRequest.seed), as the single-turn samples' are from their sample ids. With rollout
+tp_degree > 1 each rank of a tp group holds a copy of one engine (vLLM's external launcher) that must see the same
+requests in the same order: the group's first rank runs the episodes and the others' streams mirror it (mirror.py).
 
 New weights while a stream has requests in flight (an asynchronous run's rollout rank): vLLM's weights are reloaded
 in place and the requests go on under them from their next token, keeping the keys and values computed so far
@@ -59,8 +61,9 @@ from rlx.errors import UserError
 from rlx.models.family import family_of
 from rlx.models.lora import ADAPTER, hf_name, is_adapter_param, is_lora_model
 from rlx.models.lora_merge import save_peft_adapter, write_peft_weights
-from rlx.parallel.dist import all_reduce
+from rlx.parallel.dist import all_reduce, tensor_parallel_group
 from rlx.parallel.fsdp import gathered_weights
+from rlx.rollout import mirror
 from rlx.rollout.base import LocalGeneration, ModuleWeights, RolloutEngine, TokenStream, WeightSource
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.requests import Generated, Request, TokenRequest, token_requests
@@ -146,6 +149,8 @@ class VLLMRolloutEngine(RolloutEngine):
         written = json.loads(config_file.read_text())
         if written.pop("quantization_config", None) is not None:  # e.g. GGUF: rlx holds dequantised floats
             config_file.write_text(json.dumps(written))
+        if self.ctx is not None and cfg.tp_degree > 1:  # its first rank submits the turns of multi-turn episodes
+            self.stream_group = tensor_parallel_group(cfg.tp_degree, self.ctx)
         kwargs = {}
         if self.ctx is not None:  # each rank runs its own engine; tp ranks form one
             kwargs = {"distributed_executor_backend": "external_launcher", "data_parallel_size": world // cfg.tp_degree}
@@ -361,10 +366,13 @@ class VLLMRolloutEngine(RolloutEngine):
             **({"stop": list(cfg.stop), "include_stop_str_in_output": True} if cfg.stop else {}),
         )
 
-    def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> VLLMStream:
-        if self.cfg.tp_degree > 1:
-            raise UserError("multi-turn rollouts on the vllm engine need rollout tp = 1 (the tp ranks of one engine "
-                            "would have to submit the same turns at the same moments)")  # fmt: skip
+    def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> TokenStream:
+        """A VLLMStream; with tp_degree > 1 the tp group's first rank submits and the others mirror it (mirror.py):
+        the ranks of a group add the same requests to their copies of the engine in the same order and step
+        together, as vLLM's external launcher needs."""
+        return mirror.open_mirrored(self.stream_group, self.open_local_stream, sampling, max_context, num_seqs)
+
+    def open_local_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> VLLMStream:
         if self.asleep or self.kv_asleep:
             raise RuntimeError("the vllm engine is asleep: wake it and update its weights before generating")
         return VLLMStream(self, sampling)

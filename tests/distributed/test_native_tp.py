@@ -44,14 +44,54 @@ def test_rollout_command_with_tp_degree_2_equals_one_process(tmp_path, tiny_ckpt
         assert max(abs(x - y) for x, y in zip(a["rollout_logprobs"], b["rollout_logprobs"])) <= 1e-5
 
 
+AGENT = """
+import openai
+
+
+def twice(record, base_url):
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": record["prompt"]}]
+    for _ in range(2):
+        reply = client.chat.completions.create(model="rlx", messages=messages)
+        answer = {"role": "assistant", "content": reply.choices[0].message.content}
+        messages += [answer, {"role": "user", "content": "more"}]
+    return 0.5
+"""
+
+
+@pytest.mark.slow
+def test_agent_episodes_at_tp_degree_2_equal_one_process(tmp_path):
+    """~30 s. Runs of an agent (two chat requests each, over the OpenAI-compatible endpoint) at --tp-degree 2: the
+    group's first rank runs them and its peer mirrors its stream (rlx/rollout/mirror.py), whose requests arrive between
+    keep_going and step (rlx serve's stream worker); the records equal one process's, logprobs to 1e-5. (Environment
+    episodes, submitted after a step, are the vllm test's: tests/unit/test_vllm.py.)"""
+    from tests.agent_helpers import random_chat_model
+
+    model, tokenizer = random_chat_model(stop_bias=0.5)  # 4 heads, 2 key/value heads: they split over 2 ranks
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "agent.py").write_text(AGENT)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"id": "p{i}", "prompt": "say {i}"}}\n' for i in range(3)))
+    args = ["rollout", "--model", tmp_path / "model", "--prompts", prompts, "--engine", "native", "--agent",
+            f"{tmp_path}/agent.py:twice", "--num-samples", "2", "--max-new-tokens", "10", "--temperature", "1",
+            "--seed", "4", "--max-total-tokens", "200", "--kv-cache-gib", "0.01"]  # fmt: skip
+    cli_ok(*args, "--out", tmp_path / "one.jsonl")
+    torchrun(2, *args, "--tp-degree", "2", "--out", tmp_path / "tp.jsonl")
+    one, tp = read_jsonl(tmp_path / "one.jsonl"), read_jsonl(tmp_path / "tp.jsonl")
+    assert len(one) == len(tp) == 6 and all(r["num_turns"] == 2 and 0 in r["loss_mask"] for r in one)
+    for a, b in zip(one, tp):  # the split sums reorder float additions
+        la, lb = a.pop("rollout_logprobs"), b.pop("rollout_logprobs")
+        assert a == b and max(abs(x - y) for x, y in zip(la, lb)) <= 1e-5
+
+
 def test_tp_degree_errors(tmp_path, tiny_ckpt, prompts_file, capsys):
     # the old name still works for one release, with a notice
     assert RolloutConfig(engine="vllm", tp=2).tp_degree == 2
     assert "rollout.tp_degree" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="old name of tp_degree: give one of them"):
         RolloutConfig(engine="vllm", tp=2, tp_degree=4)
-    with pytest.raises(ConfigError, match="single-turn rollouts only"):
-        RolloutConfig(engine="native", tp_degree=2, agent=AgentConfig(env="envs.py:Env"))
+    assert RolloutConfig(engine="native", tp_degree=2, agent=AgentConfig(env="envs.py:Env")).agent.is_multi_turn
     result = cli(*rollout_args(tiny_ckpt, prompts_file, tmp_path / "r.jsonl", "--engine", "hf", "--tp-degree", "2"))
     assert result.exit_code == 1 and "--tp-degree: tensor parallel rollout needs engine 'vllm' or 'native'" in (
         result.stderr

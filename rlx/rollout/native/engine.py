@@ -27,7 +27,7 @@ blocks stay cached after they finish (blocks.py), so only the new tokens are pre
 With rollout.tp_degree = K > 1 (under torchrun) K consecutive ranks run one engine: each decodes with its slice of
 every layer's heads and MLP and its key/value heads' share of the cache, the partial sums all-reduced twice a layer
 (tensor_parallel.py); the group shares one slice of the requests and, computing the same logits, samples the same
-tokens on every rank.
+tokens on every rank. Multi-turn episodes run on the group's first rank, whose stream the others mirror (mirror.py).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from rlx.models.lora import is_lora_model
 from rlx.parallel.dist import TensorParallelGroup, all_reduce, shard_range, tensor_parallel_group
 from rlx.rollout.base import RolloutEngine, TokenStream, WeightSource, copy_weights
 from rlx.rollout.config import SamplingParams
+from rlx.rollout.mirror import open_mirrored
 from rlx.rollout.native.blocks import BlockManager, Sequence, Status
 from rlx.rollout.native.fused import merge_projections
 from rlx.rollout.native.replica import build_replica, fill_merged_replica, fill_replica, is_sharded
@@ -75,6 +76,7 @@ class NativeRolloutEngine(RolloutEngine):
     def __init__(self, model, tokenizer, cfg, ctx, processor=None):
         # tensor parallel: the full model stays where it is (each rank's replica takes its slice from it)
         self.tp = _tensor_parallel(model, cfg, ctx)
+        self.stream_group = self.tp  # multi-turn episodes: the group's first rank submits, the others mirror it
         super().__init__(model if self.tp is not None else model.to(ctx.device), tokenizer, cfg, ctx, processor)
         self.rank_config = self.model.config if self.tp is None else sliced_config(self.model.config, self.tp.degree)
         """The config of the decoder this rank runs (a tensor-parallel rank's: its share of the heads and MLP)."""
@@ -235,7 +237,11 @@ class NativeRolloutEngine(RolloutEngine):
             blocks = int(all_reduce(blocks, "min", group=self.tp.group, device=self.device))
         return blocks
 
-    def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> NativeStream:
+    def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> TokenStream:
+        """A NativeStream; with tp_degree > 1 the group's first rank submits and the others mirror it (mirror.py)."""
+        return open_mirrored(self.stream_group, self.open_local_stream, sampling, max_context, num_seqs)
+
+    def open_local_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> NativeStream:
         """A stream over the paged cache: the module (a sharded model's replica, gathered now on every rank) and
         the cache sized for `num_seqs` sequences of `max_context` tokens (or what the budget allows)."""
         module = self._generating_module()  # before the cache is sized from the free memory
