@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from rlx.kernels.exact import KEY_BLOCK, blocked_attention, key_slots
+from rlx.kernels.exact_triton import exact_attention, use_triton
 from rlx.kernels.paged_attention import paged_decode_attention, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
 from rlx.models.exact import exact_forward
@@ -151,15 +152,18 @@ def _prefill_attention(q, k_cache, v_cache, ctx: PagedContext, scale: float | No
 
 def _exact_attention(q, k_cache, v_cache, ctx: PagedContext, scale: float | None) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]: exact mode's attention over the cache (the step's keys written first), the same
-    arithmetic as the trainer's "rlx_exact" forward (rlx/models/exact.py) for a token at the same position."""
+    arithmetic as the trainer's "rlx_exact" forward (rlx/models/exact.py) for a token at the same position (on CUDA
+    the Triton kernel both use, reading the cache through the block tables)."""
     if ctx.decode:  # one token per sequence, its last
         rows, lengths = torch.arange(q.shape[0], device=q.device), ctx.context_lens.long()
     else:
         rows, lengths = ctx.q_rows, ctx.positions + 1
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    if use_triton(q):
+        return exact_attention(q, k_cache, v_cache, lengths, scale, rows=rows, block_tables=ctx.block_tables)
     block_size = k_cache.shape[1]
     width = ctx.block_tables.shape[1] * block_size
     slots = key_slots(rows, ctx.block_tables, block_size, -(-width // KEY_BLOCK) * KEY_BLOCK)
-    scale = scale if scale is not None else q.shape[-1] ** -0.5
     return blocked_attention(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), slots, lengths, scale)
 
 
