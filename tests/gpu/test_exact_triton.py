@@ -73,6 +73,7 @@ def _logprobs(model, exact: bool) -> dict[str, torch.Tensor]:
         engine = make_engine(model, tokenizer, cfg, device="cuda")
         requests = _requests(batch, at)
         generated = engine.generate_tokens(requests, dataclasses.replace(cfg.sampling, seed=3))
+        assert engine._runner.graphs, "decode ran eagerly: exact mode with triton replays CUDA graphs"
         out[f"rollout/{batch}"] = torch.tensor(generated[at].logprobs, dtype=torch.float32)
         tokens = tokens or generated[at].response_ids
         assert generated[at].response_ids == tokens or not exact

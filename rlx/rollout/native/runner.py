@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from rlx.kernels.exact import KEY_BLOCK, blocked_attention, key_slots
-from rlx.kernels.exact_triton import exact_attention, use_triton
+from rlx.kernels.exact_triton import HAS_TRITON, exact_attention, use_triton
 from rlx.kernels.paged_attention import paged_decode_attention, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
 from rlx.models.exact import exact_forward
@@ -244,7 +244,8 @@ class ModelRunner:
         rank's slice (tensor_parallel.py; its own layers all-reduce through hooks): the merged decode step sums its
         attention and MLP outputs over this group too. `merged`: decode through merged projections where the model's
         parameters are laid out for them (fused.py); off: the model's own layers. `exact`: every step batch-invariant
-        (rlx/models/exact.py): the model's own layers, eagerly, no decode graphs."""
+        (rlx/models/exact.py): the model's own layers, not compiled; decode graphs only with triton (the Triton
+        kernels need no host sync; the PyTorch scheme's attention reads the longest length on the host)."""
         config = model.config.get_text_config()
         self.model, self.device, self.dtype, self.blocks = model, device, dtype, blocks
         self.is_mrope = family_of(model.config).takes_images  # 3-D rotary positions: [1, T] expanded to [3, 1, T]
@@ -283,7 +284,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.sizes: list[int] = []
         self.compiled = False
-        if max_batch and device.type == "cuda" and self.parts is not None and not exact:
+        if max_batch and device.type == "cuda" and self.parts is not None and (HAS_TRITON or not exact):
             self._capture(max_batch)
 
     def release(self) -> int:
@@ -362,8 +363,9 @@ class ModelRunner:
         """The decode inputs of batch size b as views of the graph's buffers (the int32 copy is captured)."""
         meta = self.g_meta
         ctx = PagedContext(
-            self.kv, meta[2, :b], self.g_tables[:b], meta[3, :b].to(torch.int32), decode=True, impl=self.attention
-        )
+            self.kv, meta[2, :b], self.g_tables[:b], meta[3, :b].to(torch.int32), decode=True, impl=self.attention,
+            exact=self.exact,
+        )  # fmt: skip
         return meta[0:1, :b], meta[1:2, :b], ctx, self.g_keep[:b]
 
     @torch.no_grad()
