@@ -8,6 +8,9 @@ decode), so the rollout's and the trainer's logprobs stay equal bit for bit:
   accumulation, in autocast's dtype where autocast is on (as `F.linear` under autocast). It replaces the 64-row
   cuBLAS calls of `blocked_linear`. Differentiable (the backward is two ordinary matmuls: gradients need no
   batch invariance).
+- `exact_logprobs` / `exact_target_logprobs`: the log-probability of each row's target (and the row's entropy)
+  from float32 logits divided by the temperature, one program per row walking the vocabulary in fixed chunks: the
+  sampler's and the trainer's alike (the trainer's differentiable, its backward plain PyTorch).
 - `exact_attention`: per (query token, kv head), the token's keys in KEY_BLOCK blocks from position 0, from a paged
   KV cache (block tables) or from contiguous rows (a training forward's packed or padded samples); sequence
   lengths stay on the device (no host sync: CUDA-graph capturable). `exact_packed_attention` is the trainer's,
@@ -48,9 +51,9 @@ def _interpreting() -> bool:
 
 @functools.cache
 def _kernels():
-    from rlx.kernels.exact_triton_kernels import exact_attention_kernel, exact_matmul_kernel
+    from rlx.kernels.exact_triton_kernels import exact_attention_kernel, exact_logprob_kernel, exact_matmul_kernel
 
-    return exact_matmul_kernel, exact_attention_kernel
+    return exact_matmul_kernel, exact_attention_kernel, exact_logprob_kernel
 
 
 def _next_pow2(n: int) -> int:
@@ -196,3 +199,63 @@ def exact_packed_attention(
     """Causal attention of N packed tokens q [N, H, D], k/v [N, Hkv, D] whose samples start at cu_seqlens [B + 1]
     -> [N, H, D], with `exact_attention` (differentiable)."""
     return _ExactPackedAttention.apply(q, k, v, cu_seqlens, scale)
+
+
+_VOCAB_BLOCK, _INTERPRETER_VOCAB_BLOCK = 1024, 64
+
+
+def exact_logprobs(
+    scaled: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probability of each target [R], entropy [R] or None), float32, of scaled [R, V] (float32 logits already
+    divided by the temperature) and targets [R], batch-invariantly (no autograd)."""
+    scaled = scaled if scaled.stride(-1) == 1 else scaled.contiguous()
+    rows, vocab = scaled.shape
+    picked = scaled.new_empty(rows)
+    entropy = scaled.new_empty(rows) if with_entropy else None
+    if rows:
+        block = _VOCAB_BLOCK if scaled.device.type == "cuda" else _INTERPRETER_VOCAB_BLOCK
+        _kernels()[2][(rows,)](
+            scaled, targets.long().contiguous(), picked, picked if entropy is None else entropy, scaled.stride(0),
+            vocab, BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=4,
+        )  # fmt: skip
+    return picked, entropy
+
+
+class _ExactTargetLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, targets, temperature, with_entropy):
+        ctx.save_for_backward(rows, targets)
+        ctx.temperature = temperature
+        picked, entropy = exact_logprobs(rows.float() / temperature, targets, with_entropy)
+        return picked, entropy if entropy is not None else picked.new_zeros(0)
+
+    @staticmethod
+    def backward(ctx, grad_picked, grad_entropy):
+        rows, targets = ctx.saved_tensors
+        log_probs = torch.log_softmax(rows.float() / ctx.temperature, -1)  # [R, V]
+        probs = log_probs.exp()
+        grad = -probs * grad_picked.unsqueeze(-1)
+        grad.scatter_add_(-1, targets.unsqueeze(-1), grad_picked.unsqueeze(-1))
+        if grad_entropy is not None and grad_entropy.numel():  # dH/dz = -p (log p + H)
+            entropy = -(probs * log_probs).sum(-1, keepdim=True)
+            grad -= probs * (log_probs + entropy) * grad_entropy.unsqueeze(-1)
+        return (grad / ctx.temperature).to(rows.dtype), None, None, None
+
+
+def exact_target_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = False, chunk_rows: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprob of each target, entropy or None) float32 for logits [..., V] and targets [...] at `temperature`:
+    `exact_logprobs` of `logits.float() / temperature` (the sampler's scaling), `chunk_rows` rows at a time,
+    differentiable (the backward recomputes each chunk's softmax, nothing [rows, V] is kept)."""
+    flat, picks = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    parts = [
+        _ExactTargetLogprobs.apply(rows, wanted, temperature, with_entropy)
+        for rows, wanted in zip(flat.split(chunk_rows), picks.split(chunk_rows))
+    ]
+    picked = torch.cat([p[0] for p in parts]).view(targets.shape) if parts else flat.new_zeros(targets.shape).float()
+    if not with_entropy:
+        return picked, None
+    entropy = torch.cat([p[1] for p in parts]).view(targets.shape) if parts else picked.clone()
+    return picked, entropy

@@ -5,7 +5,9 @@ mode's Triton matmul and attention in Triton's interpreter. Each check raises on
 - attention: each (sequence, position)'s output the same bits from packed rows (batches of 1, 3 and 17 samples, in
   any order), padded rows, a paged cache's prefill and its decode; close to the PyTorch reference
   (`blocked_attention`);
-- the autograd paths: exact_linear's and exact_packed_attention's gradients close to the reference's.
+- log-probabilities: each row's the same bits at batch 1, 3 and 17, close to log_softmax (entropy too);
+- the autograd paths: exact_linear's, exact_target_logprobs's and exact_packed_attention's gradients close to the
+  reference's.
 """
 
 import sys
@@ -14,7 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from rlx.kernels.exact import blocked_attention, key_slots
-from rlx.kernels.exact_triton import exact_attention, exact_linear, exact_matmul, exact_packed_attention
+from rlx.kernels.exact_triton import (
+    exact_attention,
+    exact_linear,
+    exact_logprobs,
+    exact_matmul,
+    exact_packed_attention,
+    exact_target_logprobs,
+)
 
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}[sys.argv[1]]  # bfloat16: on CUDA only (see the test)
 TOL = 1e-5 if sys.argv[1] == "float32" else 2e-2
@@ -135,8 +144,37 @@ def check_gradients() -> None:
     assert all((a - e).abs().max() < 1e-4 for a, e in zip(got, want)), [(a - e).abs().max() for a, e in zip(got, want)]
 
 
+def check_logprobs() -> None:
+    scaled, targets = torch.randn(17, 150, generator=g) * 3, torch.randint(0, 150, (17,), generator=g)
+    full, entropy = exact_logprobs(scaled, targets, with_entropy=True)
+    for size, first in ((1, 0), (1, 16), (3, 7)):
+        part = exact_logprobs(scaled[first : first + size], targets[first : first + size], with_entropy=True)
+        assert torch.equal(part[0], full[first : first + size]) and torch.equal(part[1], entropy[first : first + size])
+    log_probs = torch.log_softmax(scaled, -1)
+    assert (full - log_probs.gather(-1, targets[:, None])[:, 0]).abs().max() < 1e-5
+    assert (entropy + (log_probs.exp() * log_probs).sum(-1)).abs().max() < 1e-5
+
+
+def check_logprob_gradients() -> None:
+    logits, targets = (
+        torch.randn(2, 9, 150, generator=g, requires_grad=True),
+        torch.randint(0, 150, (2, 9), generator=g),
+    )
+    weights = torch.randn(2, 2, 9, generator=g)
+    picked, entropy = exact_target_logprobs(logits, targets, 0.7, with_entropy=True, chunk_rows=4)
+    got = torch.autograd.grad((picked * weights[0] + entropy * weights[1]).sum(), logits)[0]
+    log_probs = torch.log_softmax(logits / 0.7, -1)
+    want_picked = log_probs.gather(-1, targets[..., None])[..., 0]
+    want_entropy = -(log_probs.exp() * log_probs).sum(-1)
+    assert (picked - want_picked).abs().max() < 1e-5 and (entropy - want_entropy).abs().max() < 1e-5
+    want = torch.autograd.grad((want_picked * weights[0] + want_entropy * weights[1]).sum(), logits)[0]
+    assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
+
+
 check_matmul()
+check_logprobs()
 check_attention()
 if sys.argv[1] == "float32":
     check_gradients()
+    check_logprob_gradients()
 print("ok")
