@@ -35,7 +35,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 MATMUL_TILES = (128, 128, 64, 8, 3)
 """BLOCK_M, BLOCK_N, BLOCK_K, warps, stages of the matmul on CUDA (fixed: every call has the same tiles)."""
 # the interpreter: one row a tile (NumPy's matmul, the interpreter's tl.dot, rounds a row by its position in the tile)
-_INTERPRETER_TILES = (1, 16, 16, 1, 1)
+_INTERPRETER_TILES = (1, 64, 64, 1, 1)
 _GROUP_M = 8
 _ATTENTION_WARPS = 4
 

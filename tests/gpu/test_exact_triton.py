@@ -102,3 +102,39 @@ def test_exact_rollout_logprobs_equal_the_trainers_through_triton():
         assert torch.equal(logp, reference), (name, (logp - reference).abs().max())
     plain = _logprobs(model, exact=False)
     assert any(not torch.equal(logp, plain["rollout/17"]) for logp in plain.values()), "the test could not fail"
+
+
+def test_exact_training_gradients_follow_the_default_forward():
+    """A training loss through exact mode's Triton path (matmul, attention and log-probabilities, each with its own
+    backward) on a left-padded batch under bfloat16 autocast: its value and gradients those of the default forward,
+    up to bfloat16 rounding."""
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    from rlx.logprobs import logprobs_from_logits
+    from rlx.models.exact import exact_forward
+
+    config = tiny_llama_config(len(build_char_tokenizer()), hidden_size=256, num_heads=4, num_kv_heads=2,
+                               intermediate_size=512)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda()
+    ids = torch.randint(3, config.vocab_size, (3, 40), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+
+    def loss_and_grads(exact: bool):
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16), exact_forward(model) if exact else contextlib.nullcontext():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            logp, entropy = logprobs_from_logits(logits[:, :-1], ids[:, 1:], 0.9, with_entropy=True)
+            weights = mask[:, 1:].float()
+            loss = -((logp + 0.1 * entropy) * weights).sum() / weights.sum()
+        loss.backward()
+        return loss.detach().float(), [p.grad.float().flatten() for p in model.parameters()]
+
+    exact_loss, exact_grads = loss_and_grads(True)
+    loss, grads = loss_and_grads(False)
+    torch.testing.assert_close(exact_loss, loss, rtol=1e-2, atol=1e-2)
+    for got, want in zip(exact_grads, grads):
+        assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.98

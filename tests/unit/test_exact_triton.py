@@ -44,3 +44,14 @@ def test_paged_and_contiguous_attention_compile_to_the_same_arithmetic():
     lines = [line.split() for line in out.stdout.strip().splitlines()]
     assert [(dtype, verdict) for dtype, _, verdict in lines] == [("bf16", "same"), ("fp32", "same")], out.stdout
     assert all(int(count) > 50 for _, count, _ in lines)  # the dots, exponentials and reductions were found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_exact_mode_end_to_end_through_the_triton_kernels_in_the_interpreter():
+    """The CUDA wiring on the CPU (`use_triton` patched on, the interpreter running the kernels): the native engine's
+    logprobs equal the trainer's padded and packed forwards bit for bit, and training gradients follow the default
+    forward's."""
+    out = run_script(Path(__file__).parent / "workers" / "exact_triton_wiring.py", {"TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "ok"
