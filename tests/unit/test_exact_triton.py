@@ -2,7 +2,7 @@
 results bit-identical at batch 1, 3 and 17, from packed rows, padded rows and a paged cache (prefill and decode),
 close to the PyTorch reference; gradients close to the reference's; and the attention kernel compiled for an H100
 (no GPU needed): its paged and contiguous variants the same floating-point instructions. The interpreter runs
-float32 only (its bfloat16 dots are wrong); tests/gpu/test_exact_triton.py checks bfloat16 and the engine against
+float32 only (its bfloat16 dots are wrong); tests/gpu/test_exact_cuda.py checks bfloat16 and the engine against
 the trainer on CUDA."""
 
 from __future__ import annotations
