@@ -7,7 +7,8 @@ A model of --shape (random init, float32 weights as a trainer holds them) genera
 of B prompts of --prompt-len random token ids (B from --batch-sizes, temperature 1) with the native engine; the
 training forward (rlx.logprobs, padded micro-batches of --micro-batch rows, the same precision) then scores the
 same tokens. Per (mode, B): the largest |rollout logprob - trainer logprob|, the share of bit-identical tokens,
-and the wall time of the rollout and of the forward. Exact mode (docs/exact.md) should give 0 and 100%.
+and the wall time of the rollout and of the forward. Exact mode (docs/exact.md) should give 0 and 100%; on CUDA
+with triton it runs the Triton kernels (rlx/kernels/exact_triton.py), elsewhere the PyTorch scheme.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.train_step import QWEN2_05B  # noqa: E402 (the Qwen2-0.5B shape of the other benchmarks)
+from rlx.kernels.exact_triton import HAS_TRITON  # noqa: E402
 from rlx.logprobs import response_logprobs  # noqa: E402
 from rlx.models.exact import exact_forward  # noqa: E402
 from rlx.models.tiny import build_char_tokenizer  # noqa: E402
@@ -132,7 +134,8 @@ def main() -> None:
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             rows.append(measure(model, tokenizer, args, device, dtype, exact, batch))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{args.shape} on {device.type} ({str(dtype).removeprefix('torch.')})")
+    kernels = "Triton kernels" if HAS_TRITON and device.type == "cuda" else "PyTorch scheme"  # docs/exact.md
+    print(f"\n{args.shape} on {device.type} ({str(dtype).removeprefix('torch.')}; exact mode: {kernels})")
     print(f"{'exact':<6} {'batch':>5} {'tokens':>7} {'max |diff|':>11} {'identical':>10} {'rollout':>9} {'forward':>9}")
     for r in rows:
         print(f"{str(r['exact']):<6} {r['batch']:>5} {r['tokens']:>7} {r['max_abs_diff']:>11.3g} "

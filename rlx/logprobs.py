@@ -21,6 +21,7 @@ import torch.distributed as torch_dist
 from tqdm import tqdm
 
 from rlx.kernels.exact import target_logprobs
+from rlx.kernels.exact_triton import exact_target_logprobs, use_triton
 from rlx.kernels.logprob_entropy import IGNORE_INDEX, logprob_entropy, resolve_impl
 from rlx.models.attention import PACKED_ATTENTION, PackedBatch, enable_packed_attention
 from rlx.models.exact import EXACT_ATTENTION, is_exact
@@ -40,9 +41,11 @@ def logprobs_from_logits(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits: [..., V], targets: [...] -> (logprob of each target, entropy of each row), float32. Inside an
-    `exact_forward` block, with the fixed-order log-softmax (rlx/kernels/exact.py), as exact-mode rollouts."""
+    `exact_forward` block, with the fixed-order log-softmax (rlx/kernels/exact.py; CUDA: its Triton kernel), as
+    exact-mode rollouts."""
     if is_exact():
-        return target_logprobs(logits, targets, temperature, with_entropy)
+        compute = exact_target_logprobs if use_triton(logits) else target_logprobs
+        return compute(logits, targets, temperature, with_entropy)
     scaled = logits.float() / temperature
     log_probs = torch.log_softmax(scaled, dim=-1)
     picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

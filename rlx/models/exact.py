@@ -4,11 +4,12 @@ Inside the block, the model's forward computes every token's outputs with rlx/ke
 arithmetic, so a token's logits do not depend on the batch size, its position in the batch, packing, or (with the
 native engine's paged attention in exact mode, rlx/rollout/native/runner.py) whether a KV cache held its context:
 
-- every `F.linear` call (each projection, the MLP, the LM head) runs as `blocked_linear`, through a torch function
-  mode (no module's forward is replaced);
+- every `F.linear` call (each projection, the MLP, the LM head) runs as `blocked_linear` (CUDA with triton:
+  `exact_linear`, rlx/kernels/exact_triton.py), through a torch function mode (no module's forward is replaced);
 - every RMSNorm's output is recomputed by `rms_norm` in a forward hook;
 - attention runs "rlx_exact" (registered with transformers' attention interface): padded batches (a 2D mask) and
-  packed rows (cu_seqlens or restarting positions) alike, by `blocked_attention` over each sample's keys;
+  packed rows (cu_seqlens or restarting positions) alike, by `blocked_attention` over each sample's keys (CUDA with
+  triton: `exact_packed_attention`, the same Triton kernel as the native engine's exact paged attention);
 - on the CPU, one intra-op thread: PyTorch splits large elementwise loops between threads at boundaries that
   depend on the tensor's size, and a scalar tail at such a boundary may round a transcendental differently.
 
@@ -29,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlx.errors import UserError
 from rlx.kernels.exact import KEY_BLOCK, blocked_attention, blocked_linear, rms_norm
+from rlx.kernels.exact_triton import exact_linear, exact_packed_attention, use_triton
 from rlx.models.attention import _segments, attention_implementation, packed_attention_mask, register_attention
 
 EXACT_ATTENTION = "rlx_exact"
@@ -56,12 +58,13 @@ def check_exact_model(model, where: str = "exact mode") -> None:
 
 
 class _BlockedLinear(TorchFunctionMode):
-    """Every `F.linear` call inside as `blocked_linear` (fixed-shape GEMMs)."""
+    """Every `F.linear` call inside as `blocked_linear` (fixed-shape GEMMs), on CUDA `exact_linear` (one Triton
+    launch with fixed tiles)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
-            return blocked_linear(*args, **kwargs)
+            return (exact_linear if use_triton(args[0]) else blocked_linear)(*args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -148,8 +151,13 @@ def exact_attention_forward(
     q, k, v = (t.to(dtype) for t in flat)  # [N, heads, D]
     if kept is not None:
         q, k, v = q[kept], k[kept], v[kept]
-    slots, lengths = sequence_slots(cu_seqlens.to(query.device), q.shape[0])
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if use_triton(q):
+        out = exact_packed_attention(q, k, v, cu_seqlens.to(query.device), scale)
+        if kept is not None:
+            out = out.new_zeros(batch * length, heads, out.shape[-1]).index_copy(0, kept, out)
+        return out.view(batch, length, heads, -1), None
+    slots, lengths = sequence_slots(cu_seqlens.to(query.device), q.shape[0])
     if torch.is_grad_enabled() and q.requires_grad:  # keep q, k, v for the backward, not every key block's work
         out = checkpoint(blocked_attention, q, k, v, slots, lengths, scale, use_reentrant=False)
     else:

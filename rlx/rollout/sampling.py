@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from rlx.kernels.exact import log_softmax as exact_log_softmax
+from rlx.kernels.exact_triton import exact_logprobs, use_triton
 from rlx.kernels.paged_attention import triton_available
 from rlx.kernels.sampling import draw_tokens_triton
 from rlx.rollout.config import SamplingParams
@@ -150,7 +151,8 @@ def sample_next(
     temperature, top_k, top_p: scalars, or each row's [B] (BatchSampling: no fused kernel then).
     The tokens of `draw_tokens(filter_logits(logits.float() / temperature, ...), uniforms)`; on CUDA without
     filters one kernel reads the logits (twice) for the draw and the log-normaliser, with no float32 copy. `exact`:
-    the logprobs from the fixed-order log-softmax of exact mode (rlx/kernels/exact.py), as the trainer computes them."""
+    the logprobs from the fixed-order log-softmax of exact mode (rlx/kernels/exact.py; CUDA: exact_triton.py's
+    kernel), as the trainer computes them."""
     per_row = isinstance(temperature, torch.Tensor)
     fusable = not exact and not per_row and logits.is_cuda and triton_available() and top_k <= 0 and top_p >= 1.0
     if uniforms is not None and fusable:
@@ -166,5 +168,7 @@ def sample_next(
     if uniforms is not None:
         sampled = draw_tokens(filter_logits(scaled, top_k, top_p), uniforms)
         tokens = sampled if greedy is None else torch.where(greedy, tokens, sampled)
+    if exact and use_triton(scaled):  # the trainer's kernel (rlx.logprobs in exact mode on CUDA)
+        return tokens, exact_logprobs(scaled, tokens)[0]
     log_probs = exact_log_softmax(scaled) if exact else torch.log_softmax(scaled, dim=-1)
     return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

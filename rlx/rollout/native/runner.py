@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from rlx.kernels.exact import KEY_BLOCK, blocked_attention, key_slots
+from rlx.kernels.exact_triton import HAS_TRITON, exact_attention, use_triton
 from rlx.kernels.paged_attention import paged_decode_attention, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
 from rlx.models.exact import exact_forward
@@ -151,15 +152,18 @@ def _prefill_attention(q, k_cache, v_cache, ctx: PagedContext, scale: float | No
 
 def _exact_attention(q, k_cache, v_cache, ctx: PagedContext, scale: float | None) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]: exact mode's attention over the cache (the step's keys written first), the same
-    arithmetic as the trainer's "rlx_exact" forward (rlx/models/exact.py) for a token at the same position."""
+    arithmetic as the trainer's "rlx_exact" forward (rlx/models/exact.py) for a token at the same position (on CUDA
+    the Triton kernel both use, reading the cache through the block tables)."""
     if ctx.decode:  # one token per sequence, its last
         rows, lengths = torch.arange(q.shape[0], device=q.device), ctx.context_lens.long()
     else:
         rows, lengths = ctx.q_rows, ctx.positions + 1
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    if use_triton(q):
+        return exact_attention(q, k_cache, v_cache, lengths, scale, rows=rows, block_tables=ctx.block_tables)
     block_size = k_cache.shape[1]
     width = ctx.block_tables.shape[1] * block_size
     slots = key_slots(rows, ctx.block_tables, block_size, -(-width // KEY_BLOCK) * KEY_BLOCK)
-    scale = scale if scale is not None else q.shape[-1] ** -0.5
     return blocked_attention(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), slots, lengths, scale)
 
 
@@ -240,7 +244,8 @@ class ModelRunner:
         rank's slice (tensor_parallel.py; its own layers all-reduce through hooks): the merged decode step sums its
         attention and MLP outputs over this group too. `merged`: decode through merged projections where the model's
         parameters are laid out for them (fused.py); off: the model's own layers. `exact`: every step batch-invariant
-        (rlx/models/exact.py): the model's own layers, eagerly, no decode graphs."""
+        (rlx/models/exact.py): the model's own layers, not compiled; decode graphs only with triton (the Triton
+        kernels need no host sync; the PyTorch scheme's attention reads the longest length on the host)."""
         config = model.config.get_text_config()
         self.model, self.device, self.dtype, self.blocks = model, device, dtype, blocks
         self.is_mrope = family_of(model.config).takes_images  # 3-D rotary positions: [1, T] expanded to [3, 1, T]
@@ -279,7 +284,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.sizes: list[int] = []
         self.compiled = False
-        if max_batch and device.type == "cuda" and self.parts is not None and not exact:
+        if max_batch and device.type == "cuda" and self.parts is not None and (HAS_TRITON or not exact):
             self._capture(max_batch)
 
     def release(self) -> int:
@@ -358,8 +363,9 @@ class ModelRunner:
         """The decode inputs of batch size b as views of the graph's buffers (the int32 copy is captured)."""
         meta = self.g_meta
         ctx = PagedContext(
-            self.kv, meta[2, :b], self.g_tables[:b], meta[3, :b].to(torch.int32), decode=True, impl=self.attention
-        )
+            self.kv, meta[2, :b], self.g_tables[:b], meta[3, :b].to(torch.int32), decode=True, impl=self.attention,
+            exact=self.exact,
+        )  # fmt: skip
         return meta[0:1, :b], meta[1:2, :b], ctx, self.g_keep[:b]
 
     @torch.no_grad()

@@ -1,0 +1,261 @@
+"""Exact mode's arithmetic on CUDA: a batch-invariant Triton matmul and attention (rlx/kernels/exact_triton_kernels.py).
+
+rlx/kernels/exact.py keeps the plain-PyTorch scheme (the CPU's, pinned by the CPU tests); on a CUDA device with
+triton, exact mode runs these instead (`use_triton`), in every path alike (trainer forward, engine prefill and
+decode), so the rollout's and the trainer's logprobs stay equal bit for bit:
+
+- `exact_linear`: `F.linear` as one launch for any number of rows, fixed BLOCK_M/N/K tiles and K order, float32
+  accumulation, in autocast's dtype where autocast is on (as `F.linear` under autocast). It replaces the 64-row
+  cuBLAS calls of `blocked_linear`. Differentiable (the backward is two ordinary matmuls: gradients need no
+  batch invariance).
+- `exact_logprobs` / `exact_target_logprobs`: the log-probability of each row's target (and the row's entropy)
+  from float32 logits divided by the temperature, one program per row walking the vocabulary in fixed chunks: the
+  sampler's and the trainer's alike (the trainer's differentiable, its backward plain PyTorch).
+- `exact_attention`: per (query token, kv head), the token's keys in KEY_BLOCK blocks from position 0, from a paged
+  KV cache (block tables) or from contiguous rows (a training forward's packed or padded samples); sequence
+  lengths stay on the device (no host sync: CUDA-graph capturable). `exact_packed_attention` is the trainer's,
+  differentiable (the backward recomputes the attention with SDPA on a padded layout).
+
+Both also run on the CPU under TRITON_INTERPRET=1 (the tests), with small tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from rlx.kernels.exact import KEY_BLOCK
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+MATMUL_TILES = (128, 128, 64, 8, 3)
+"""BLOCK_M, BLOCK_N, BLOCK_K, warps, stages of the matmul on CUDA (fixed: every call has the same tiles)."""
+# the interpreter: one row a tile (NumPy's matmul, the interpreter's tl.dot, rounds a row by its position in the tile)
+_INTERPRETER_TILES = (1, 64, 64, 1, 1)
+_GROUP_M = 8
+_ATTENTION_WARPS = 4
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether exact mode runs this module's kernels for `tensor` (a CUDA tensor, triton installed)."""
+    return HAS_TRITON and tensor.device.type == "cuda"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _kernels():
+    from rlx.kernels.exact_triton_kernels import exact_attention_kernel, exact_logprob_kernel, exact_matmul_kernel
+
+    return exact_matmul_kernel, exact_attention_kernel, exact_logprob_kernel
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def exact_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype, batch-invariantly (no autograd). x and
+    weight share a dtype (bfloat16, float16 or float32: IEEE float32 dots, no TF32)."""
+    if x.dtype != weight.dtype:
+        raise ValueError(f"exact_matmul: x is {x.dtype}, weight {weight.dtype}")
+    x, weight = x.contiguous(), weight.contiguous()
+    rows, depth = x.shape
+    out = x.new_empty(rows, weight.shape[0])
+    if rows == 0:
+        return out
+    tile_m, tile_n, tile_k, warps, stages = MATMUL_TILES if x.device.type == "cuda" else _INTERPRETER_TILES
+    grid = (_cdiv(rows, tile_m) * _cdiv(weight.shape[0], tile_n),)
+    _kernels()[0][grid](
+        x, weight, out if bias is None else bias.contiguous(), out, rows, weight.shape[0], depth, x.stride(0),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=tile_m, BLOCK_N=tile_n, BLOCK_K=tile_k,
+        GROUP_M=_GROUP_M, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+class _ExactLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return exact_matmul(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` over the flattened rows of x [..., K] with `exact_matmul` -> [..., N]; under
+    autocast the inputs are cast to autocast's dtype first (the dtype `F.linear` would compute in)."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    rows = x.reshape(-1, x.shape[-1]).to(dtype)
+    out = _ExactLinear.apply(rows, weight.to(dtype), None if bias is None else bias.to(dtype))
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def exact_attention(
+    q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, lengths: torch.Tensor, scale: float, *,
+    starts: torch.Tensor | None = None, rows: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Causal attention of each query token over its own keys, batch-invariantly (no autograd).
+
+    q [N, H, D]; lengths [N]: keys each query sees (its position + 1). Keys and values either contiguous, k_store
+    [S, Hkv, D] / v_store [S, Hkv, D] with `starts` [N] (the store row of each query's position 0), or a paged
+    cache, k_store [num_blocks, block_size, Hkv, D] with `block_tables` [B, max_blocks] and `rows` [N] (each query's
+    row of the tables). q and the stores share a dtype. -> [N, H, D] in q's dtype."""
+    paged = block_tables is not None
+    if paged == (starts is not None):
+        raise ValueError("exact_attention: give either starts (contiguous keys) or block_tables and rows (paged)")
+    n, heads, dim = q.shape
+    kv_heads = k_store.shape[-2]
+    q, k_store, v_store = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_store, v_store))
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if n == 0:
+        return out
+    lengths = lengths.to(torch.int32).clamp(min=1).contiguous()
+    if paged:
+        tables, token_rows, token_starts = block_tables.to(torch.int32).contiguous(), rows.long().contiguous(), out
+        block_size, strides = k_store.shape[1], (*k_store.stride()[:3], *v_store.stride()[:3])
+        bound = tables.shape[1] * block_size
+    else:
+        tables, token_rows, token_starts = lengths, lengths, starts.long().contiguous()
+        block_size, strides = 1, (0, *k_store.stride()[:2], 0, *v_store.stride()[:2])
+        bound = int(lengths.max()) if _interpreting() else 0  # a host sync only under the interpreter
+    _kernels()[1][(n, kv_heads)](
+        q, k_store, v_store, out, lengths, token_rows, token_starts, tables, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1), tables.stride(0),
+        PAGED=paged, BLOCK_SIZE=block_size, GROUP=heads // kv_heads, HEAD_DIM=dim,
+        GROUP_PAD=max(16, _next_pow2(heads // kv_heads)), DIM_PAD=max(16, _next_pow2(dim)), KEY_BLOCK=KEY_BLOCK,
+        IEEE=q.dtype == torch.float32, INTERPRET_KEYS=-(-bound // KEY_BLOCK) * KEY_BLOCK if _interpreting() else 0,
+        num_warps=_ATTENTION_WARPS,
+    )  # fmt: skip
+    return out
+
+
+def packed_positions(cu_seqlens: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts [N], lengths [N]) of `exact_attention` for N packed tokens whose samples start at cu_seqlens [B + 1]:
+    each token's sample start and its position + 1, computed on the device."""
+    cu = cu_seqlens.long()
+    index = torch.arange(count, device=cu.device)
+    starts = cu[torch.bucketize(index, cu[1:], right=True)]
+    return starts, index - starts + 1
+
+
+class _ExactPackedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale):
+        ctx.save_for_backward(q, k, v, cu_seqlens)
+        ctx.scale = scale
+        starts, lengths = packed_positions(cu_seqlens, q.shape[0])
+        return exact_attention(q, k, v, lengths, scale, starts=starts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, cu_seqlens = ctx.saved_tensors
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            out = _padded_sdpa(q, k, v, cu_seqlens, ctx.scale)
+            grads = torch.autograd.grad(out, (q, k, v), grad)
+        return *grads, None, None
+
+
+def _padded_sdpa(q, k, v, cu_seqlens, scale: float) -> torch.Tensor:
+    """The same causal attention by SDPA (differentiable, not batch-invariant): packed [N, H, D] -> padded
+    [B, H, T, D] -> packed."""
+    cu = cu_seqlens.long()
+    samples, longest = cu.numel() - 1, int((cu[1:] - cu[:-1]).max())
+    starts, lengths = packed_positions(cu, q.shape[0])
+    sample, position = torch.bucketize(torch.arange(q.shape[0], device=q.device), cu[1:], right=True), lengths - 1
+    group = q.shape[1] // k.shape[1]
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        padded = t.new_zeros(samples, longest, *t.shape[1:]).index_put((sample, position), t)
+        return padded.transpose(1, 2)
+
+    keys, values = (pad(t).repeat_interleave(group, dim=1) for t in (k, v))
+    out = F.scaled_dot_product_attention(pad(q), keys, values, is_causal=True, scale=scale)
+    return out.transpose(1, 2)[sample, position]
+
+
+def exact_packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of N packed tokens q [N, H, D], k/v [N, Hkv, D] whose samples start at cu_seqlens [B + 1]
+    -> [N, H, D], with `exact_attention` (differentiable)."""
+    return _ExactPackedAttention.apply(q, k, v, cu_seqlens, scale)
+
+
+_VOCAB_BLOCK, _INTERPRETER_VOCAB_BLOCK = 1024, 64
+
+
+def exact_logprobs(
+    scaled: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probability of each target [R], entropy [R] or None), float32, of scaled [R, V] (float32 logits already
+    divided by the temperature) and targets [R], batch-invariantly (no autograd)."""
+    scaled = scaled if scaled.stride(-1) == 1 else scaled.contiguous()
+    rows, vocab = scaled.shape
+    picked = scaled.new_empty(rows)
+    entropy = scaled.new_empty(rows) if with_entropy else None
+    if rows:
+        block = _VOCAB_BLOCK if scaled.device.type == "cuda" else _INTERPRETER_VOCAB_BLOCK
+        _kernels()[2][(rows,)](
+            scaled, targets.long().contiguous(), picked, picked if entropy is None else entropy, scaled.stride(0),
+            vocab, BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=4,
+        )  # fmt: skip
+    return picked, entropy
+
+
+class _ExactTargetLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, targets, temperature, with_entropy):
+        ctx.save_for_backward(rows, targets)
+        ctx.temperature = temperature
+        picked, entropy = exact_logprobs(rows.float() / temperature, targets, with_entropy)
+        return picked, entropy if entropy is not None else picked.new_zeros(0)
+
+    @staticmethod
+    def backward(ctx, grad_picked, grad_entropy):
+        rows, targets = ctx.saved_tensors
+        log_probs = torch.log_softmax(rows.float() / ctx.temperature, -1)  # [R, V]
+        probs = log_probs.exp()
+        grad = -probs * grad_picked.unsqueeze(-1)
+        grad.scatter_add_(-1, targets.unsqueeze(-1), grad_picked.unsqueeze(-1))
+        if grad_entropy is not None and grad_entropy.numel():  # dH/dz = -p (log p + H)
+            entropy = -(probs * log_probs).sum(-1, keepdim=True)
+            grad -= probs * (log_probs + entropy) * grad_entropy.unsqueeze(-1)
+        return (grad / ctx.temperature).to(rows.dtype), None, None, None
+
+
+def exact_target_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = False, chunk_rows: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprob of each target, entropy or None) float32 for logits [..., V] and targets [...] at `temperature`:
+    `exact_logprobs` of `logits.float() / temperature` (the sampler's scaling), `chunk_rows` rows at a time,
+    differentiable (the backward recomputes each chunk's softmax, nothing [rows, V] is kept)."""
+    flat, picks = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    parts = [
+        _ExactTargetLogprobs.apply(rows, wanted, temperature, with_entropy)
+        for rows, wanted in zip(flat.split(chunk_rows), picks.split(chunk_rows))
+    ]
+    picked = torch.cat([p[0] for p in parts]).view(targets.shape) if parts else flat.new_zeros(targets.shape).float()
+    if not with_entropy:
+        return picked, None
+    entropy = torch.cat([p[1] for p in parts]).view(targets.shape) if parts else picked.clone()
+    return picked, entropy

@@ -1,0 +1,164 @@
+"""The Triton kernels of exact mode on CUDA (rlx/kernels/exact_triton.py holds the host side). Imported on first use,
+so importing rlx needs no triton and TRITON_INTERPRET (read when these are defined) may be set until the first call.
+
+Both kernels are batch-invariant by construction: every program runs the same instruction sequence (the tile shapes
+and the loop orders are constexprs that never depend on how many rows or tokens a call holds), and a row's or a
+token's result depends only on its own inputs, so it is the same bits in a call of 1 row or 10,000.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["M"])
+def exact_matmul_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """out [M, N] = x [M, K] @ w[N, K].T (+ b [N]): one BLOCK_M x BLOCK_N tile per program, the K slices taken in
+    order into a float32 accumulator (no split-K), the bias added in float32, one rounding to out's dtype. M is not
+    specialised on (a call of 1 row and one of 4,096 compile the same code); tiles grouped GROUP_M along M so the
+    programs sharing a weight tile run together (the order of programs changes no value)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = (k + offs_k) < K
+        a = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + (k + offs_k)[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k + offs_k)[:, None],
+            mask=k_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(a, b, acc, input_precision="ieee") if IEEE else tl.dot(a, b, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
+@triton.jit
+def exact_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, len_ptr, row_ptr, start_ptr, bt_ptr, scale_log2,
+    stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_on, stride_oh,
+    stride_btb,
+    PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr, KEY_BLOCK: tl.constexpr, IEEE: tl.constexpr,
+    INTERPRET_KEYS: tl.constexpr,
+):  # fmt: skip
+    """One program per (query token, kv head): the token's GROUP query heads against its keys 0..length-1, taken in
+    blocks of KEY_BLOCK from position 0 in order, merged with an online softmax (base 2, float32 statistics).
+
+    Keys come from a paged cache (PAGED: position p of the token's sequence at block bt[row, p // BLOCK_SIZE], offset
+    p % BLOCK_SIZE) or from contiguous rows (position p at row start + p); the arithmetic per (query, key) is the
+    same either way. Scores: tl.dot of the [GROUP_PAD, DIM_PAD] queries with the [KEY_BLOCK, DIM_PAD] keys (input
+    dtype, float32 accumulation; IEEE float32 dots for float32 inputs); P @ V: float32 IEEE dots, or (16-bit
+    values) the probabilities split into a 16-bit head and tail, two dots summed (about 16 bits of the
+    probabilities kept). Under the interpreter the constexpr INTERPRET_KEYS bounds the loop instead of the loaded
+    length (NumPy refuses a 1-element array as a bound); the extra blocks are fully masked and change no bit."""
+    token = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    length = tl.load(len_ptr + token)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, DIM_PAD)
+    offs_n = tl.arange(0, KEY_BLOCK)
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    qd_mask = (offs_g < GROUP)[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + token * stride_qn + heads[:, None] * stride_qh + offs_d[None, :], mask=qd_mask, other=0.0)
+    if IEEE:
+        q = q.to(tl.float32)
+    if PAGED:
+        table = bt_ptr + tl.load(row_ptr + token).to(tl.int64) * stride_btb
+    else:
+        start = tl.load(start_ptr + token).to(tl.int64)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
+    for first in range(0, INTERPRET_KEYS if INTERPRET_KEYS > 0 else length, KEY_BLOCK):
+        pos = first + offs_n
+        n_mask = pos < length
+        if PAGED:
+            block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            k_rows = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt
+            v_rows = block * stride_vb + (pos % BLOCK_SIZE) * stride_vt
+        else:
+            k_rows = (start + pos) * stride_kt
+            v_rows = (start + pos) * stride_vt
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + (k_rows + kvh * stride_kh)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + (v_rows + kvh * stride_vh)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: position 0 is in every query's first block
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            p_head = p.to(v.dtype)
+            p_tail = (p - p_head.to(tl.float32)).to(v.dtype)
+            pv = tl.dot(p_head, v) + tl.dot(p_tail, v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + token * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=qd_mask,
+    )
+
+
+@triton.jit
+def exact_logprob_kernel(
+    x_ptr, t_ptr, logp_ptr, ent_ptr, stride_x, V, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr
+):  # fmt: skip
+    """One program per row of x [R, V] (float32, already divided by the temperature): the log-probability of the
+    row's target t [R] and (WITH_ENTROPY) the row's entropy. Two passes over the row in BLOCK_V chunks taken in
+    order: the max, then per-lane sums of exp(x - max) (and of exp(x - max) * (x - max)), reduced by one tl.sum at
+    the end; logprob = (x[t] - max) - log(sum). The same arithmetic for a row whatever the other rows are."""
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_x
+    offs = tl.arange(0, BLOCK_V)
+    lane_max = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
+    for first in range(0, V, BLOCK_V):
+        lane_max = tl.maximum(lane_max, tl.load(base + first + offs, mask=first + offs < V, other=float("-inf")))
+    top = tl.max(lane_max, 0)
+    sums = tl.zeros([BLOCK_V], dtype=tl.float32)
+    weighted = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for first in range(0, V, BLOCK_V):
+        mask = first + offs < V
+        shifted = tl.load(base + first + offs, mask=mask, other=float("-inf")) - top
+        p = tl.exp(shifted)
+        sums += p
+        if WITH_ENTROPY:
+            weighted += p * tl.where(mask, shifted, 0.0)  # masked lanes: 0 * 0, not 0 * -inf
+    total = tl.sum(sums, 0)
+    log_total = tl.log(total)
+    picked = tl.load(base + tl.load(t_ptr + row))
+    tl.store(logp_ptr + row, (picked - top) - log_total)
+    if WITH_ENTROPY:
+        tl.store(ent_ptr + row, log_total - tl.sum(weighted, 0) / total)

@@ -1,0 +1,140 @@
+"""Exact mode on CUDA, through its Triton kernels (rlx/kernels/exact_triton.py): the kernels' per-row results do not
+depend on the batch in bfloat16, and the native engine's rollout logprobs equal the training forward's, bit for bit,
+at rollout batch sizes 1, 3 and 17 and in padded and packed micro-batches (bfloat16 autocast, as on a GPU run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+
+from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
+from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
+from tests.conftest import make_engine
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or importlib.util.find_spec("triton") is None, reason="needs CUDA and triton"
+    ),
+]
+
+
+def test_triton_kernels_are_batch_invariant_in_bfloat16():
+    from rlx.kernels.exact import KEY_BLOCK
+    from rlx.kernels.exact_triton import exact_attention, exact_matmul, packed_positions
+
+    torch.manual_seed(0)
+    x, w = torch.randn(300, 896, device="cuda").bfloat16(), torch.randn(4864, 896, device="cuda").bfloat16()
+    bias = torch.randn(4864, device="cuda").bfloat16()
+    full = exact_matmul(x, w, bias)
+    for count, first in ((1, 0), (1, 200), (3, 77), (17, 130), (129, 171)):
+        assert torch.equal(exact_matmul(x[first : first + count], w, bias), full[first : first + count]), count
+    torch.testing.assert_close(full.float(), torch.nn.functional.linear(x, w, bias).float(), atol=0.5, rtol=2e-2)
+    # attention: 17 sequences packed, then the last 3 alone and from a paged cache (decode of each last token)
+    lengths = torch.tensor([1, 31, 32, 33, 64, 65, 100, 7, 2, 250, 9, 40, 3, 128, 5, 77, 300])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).cuda()
+    q = torch.randn(int(lengths.sum()), 14, 64, device="cuda").bfloat16()
+    k, v = (torch.randn(q.shape[0], 2, 64, device="cuda").bfloat16() for _ in range(2))
+    starts, keys = packed_positions(cu, q.shape[0])
+    out = exact_attention(q, k, v, keys, 0.125, starts=starts)
+    tail = slice(int(cu[14]), int(cu[17]))
+    starts3, keys3 = packed_positions(cu[14:] - cu[14], tail.stop - tail.start)
+    alone = exact_attention(q[tail], k[tail], v[tail], keys3, 0.125, starts=starts3)
+    assert torch.equal(alone, out[tail])
+    block_size = 16
+    tables = torch.arange(3 * 20, device="cuda", dtype=torch.int32).flip(0).view(3, 20)  # blocks in reverse order
+    k_cache, v_cache = (torch.zeros(60, block_size, 2, 64, device="cuda").bfloat16() for _ in range(2))
+    for row, seq in enumerate(range(14, 17)):
+        n, pos = int(lengths[seq]), torch.arange(int(lengths[seq]), device="cuda")
+        slots = tables[row].long()[pos // block_size] * block_size + pos % block_size
+        k_cache.view(-1, 2, 64)[slots] = k[cu[seq] : cu[seq] + n]
+        v_cache.view(-1, 2, 64)[slots] = v[cu[seq] : cu[seq] + n]
+    last = cu[15:] - 1
+    decode = exact_attention(q[last], k_cache, v_cache, lengths[14:].cuda(), 0.125, rows=torch.arange(3, device="cuda"),
+                             block_tables=tables)  # fmt: skip
+    assert torch.equal(decode, out[last])
+    assert KEY_BLOCK == 32
+
+
+def _logprobs(model, exact: bool) -> dict[str, torch.Tensor]:
+    from rlx.logprobs import packed_response_logprobs, response_logprobs
+    from rlx.models.exact import exact_forward
+    from tests.stages.test_exact import NEW_TOKENS, _requests, _tensors
+
+    out, tokens = {}, None
+    tokenizer = build_char_tokenizer()
+    for batch, at in ((1, 0), (3, 1), (17, 9)):
+        sampling = SamplingParams(max_new_tokens=NEW_TOKENS)
+        cfg = RolloutConfig(engine="native", exact=exact, precision="bfloat16", device="cuda", kv_cache_gib=0.05,
+                            sampling=sampling, native=NativeConfig(block_size=4))  # fmt: skip
+        engine = make_engine(model, tokenizer, cfg, device="cuda")
+        requests = _requests(batch, at)
+        generated = engine.generate_tokens(requests, dataclasses.replace(cfg.sampling, seed=3))
+        assert engine._runner.graphs, "decode ran eagerly: exact mode with triton replays CUDA graphs"
+        out[f"rollout/{batch}"] = torch.tensor(generated[at].logprobs, dtype=torch.float32)
+        tokens = tokens or generated[at].response_ids
+        assert generated[at].response_ids == tokens or not exact
+    for compute in (response_logprobs, packed_response_logprobs):
+        for batch in (1, 3, 17):
+            others = [i for i in range(len(requests)) if i != at][: batch - 1]
+            rows = others[: len(others) // 2] + [at] + others[len(others) // 2 :]
+            tensors = {k: t.cuda() for k, t in _tensors(requests, generated, rows).items()}
+            with torch.no_grad(), exact_forward(model) if exact else torch.no_grad():
+                logp, _ = compute(model, **tensors, temperature=1.0, dtype=torch.bfloat16)
+            out[f"{compute.__name__}/{batch}"] = logp[rows.index(at), : len(generated[at].response_ids)].float().cpu()
+    return out
+
+
+def test_exact_rollout_logprobs_equal_the_trainers_through_triton():
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_llama_config(len(build_char_tokenizer()), hidden_size=256, num_heads=4, num_kv_heads=2,
+                               intermediate_size=512)  # fmt: skip
+    config.initializer_range = 0.2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda().eval()
+    exact = _logprobs(model, exact=True)
+    reference = exact["rollout/1"]
+    for name, logp in exact.items():
+        assert torch.equal(logp, reference), (name, (logp - reference).abs().max())
+    plain = _logprobs(model, exact=False)
+    assert any(not torch.equal(logp, plain["rollout/17"]) for logp in plain.values()), "the test could not fail"
+
+
+def test_exact_training_gradients_follow_the_default_forward():
+    """A training loss through exact mode's Triton path (matmul, attention and log-probabilities, each with its own
+    backward) on a left-padded batch under bfloat16 autocast: its value and gradients those of the default forward,
+    up to bfloat16 rounding."""
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    from rlx.logprobs import logprobs_from_logits
+    from rlx.models.exact import exact_forward
+
+    config = tiny_llama_config(len(build_char_tokenizer()), hidden_size=256, num_heads=4, num_kv_heads=2,
+                               intermediate_size=512)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda()
+    ids = torch.randint(3, config.vocab_size, (3, 40), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+
+    def loss_and_grads(exact: bool):
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16), exact_forward(model) if exact else contextlib.nullcontext():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            logp, entropy = logprobs_from_logits(logits[:, :-1], ids[:, 1:], 0.9, with_entropy=True)
+            weights = mask[:, 1:].float()
+            loss = -((logp + 0.1 * entropy) * weights).sum() / weights.sum()
+        loss.backward()
+        return loss.detach().float(), [p.grad.float().flatten() for p in model.parameters()]
+
+    exact_loss, exact_grads = loss_and_grads(True)
+    loss, grads = loss_and_grads(False)
+    torch.testing.assert_close(exact_loss, loss, rtol=1e-2, atol=1e-2)
+    for got, want in zip(exact_grads, grads):
+        assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.98

@@ -1,0 +1,180 @@
+"""Subprocess of tests/unit/test_exact_triton.py (TRITON_INTERPRET=1 must be set before triton is imported): exact
+mode's Triton matmul and attention in Triton's interpreter. Each check raises on failure; prints 'ok' at the end.
+
+- matmul: each row's result the same bits at batch 1, 3 and 17 (and at any position in the batch), close to F.linear;
+- attention: each (sequence, position)'s output the same bits from packed rows (batches of 1, 3 and 17 samples, in
+  any order), padded rows, a paged cache's prefill and its decode; close to the PyTorch reference
+  (`blocked_attention`);
+- log-probabilities: each row's the same bits at batch 1, 3 and 17, close to log_softmax (entropy too);
+- the autograd paths: exact_linear's, exact_target_logprobs's and exact_packed_attention's gradients close to the
+  reference's.
+"""
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from rlx.kernels.exact import blocked_attention, key_slots
+from rlx.kernels.exact_triton import (
+    exact_attention,
+    exact_linear,
+    exact_logprobs,
+    exact_matmul,
+    exact_packed_attention,
+    exact_target_logprobs,
+)
+
+DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}[sys.argv[1]]  # bfloat16: on CUDA only (see the test)
+TOL = 1e-5 if sys.argv[1] == "float32" else 2e-2
+g = torch.Generator().manual_seed(0)
+
+
+def check_matmul() -> None:
+    x = torch.randn(17, 40, generator=g).to(DTYPE)
+    w, b = torch.randn(24, 40, generator=g).to(DTYPE), torch.randn(24, generator=g).to(DTYPE)
+    full = exact_matmul(x, w, b)
+    for size in (1, 3):
+        for first in range(0, 17 - size + 1, 5):
+            assert torch.equal(exact_matmul(x[first : first + size], w, b), full[first : first + size]), (size, first)
+    shuffled = torch.randperm(17, generator=g)
+    assert torch.equal(exact_matmul(x[shuffled], w, b), full[shuffled])
+    want = F.linear(x.float(), w.float(), b.float())
+    assert (full.float() - want).abs().max() < TOL * 10, (full.float() - want).abs().max()
+
+
+LENGTHS = [5, 33, 1, 2, 7, 3, 1, 2, 9, 2, 4, 1, 6, 3, 2, 1, 8]  # 17 sequences, one of 2 key blocks
+HEADS, KV_HEADS, DIM = 6, 2, 24  # a group of 3 and a head_dim below a power of 2: both padded in the kernel
+SCALE = DIM**-0.5
+SEQS = [
+    tuple(torch.randn(n, h, DIM, generator=g).to(DTYPE) for h in (HEADS, KV_HEADS, KV_HEADS)) for n in LENGTHS
+]  # per sequence (q [n, H, D], k, v [n, Hkv, D])
+
+
+def packed(order: list[int]) -> dict[tuple[int, int], torch.Tensor]:
+    """{(sequence, position): output [H, D]} of the sequences of `order` packed into one row."""
+    q, k, v = (torch.cat([SEQS[i][j] for i in order]) for j in range(3))
+    cu = torch.tensor([0, *torch.tensor([LENGTHS[i] for i in order]).cumsum(0).tolist()])
+    out = exact_packed_attention(q, k, v, cu, SCALE)
+    starts = cu[:-1].tolist()
+    return {(i, p): out[s + p] for i, s in zip(order, starts) for p in range(LENGTHS[i])}
+
+
+def padded(order: list[int]) -> dict[tuple[int, int], torch.Tensor]:
+    """The same from padded rows [B, T] (sample b's position 0 at row b * T; the padding never read)."""
+    width = max(LENGTHS[i] for i in order)
+    store = [torch.full((len(order) * width, *SEQS[0][j].shape[1:]), float("nan")).to(DTYPE) for j in range(3)]
+    for b, i in enumerate(order):
+        for j in range(3):
+            store[j][b * width : b * width + LENGTHS[i]] = SEQS[i][j]
+    keep = torch.tensor([b * width + p for b, i in enumerate(order) for p in range(LENGTHS[i])])
+    starts = torch.tensor([b * width for b, i in enumerate(order) for _ in range(LENGTHS[i])])
+    lengths = torch.tensor([p + 1 for i in order for p in range(LENGTHS[i])])
+    out = exact_attention(store[0][keep], store[1], store[2], lengths, SCALE, starts=starts)
+    return {key: out[n] for n, key in enumerate((i, p) for i in order for p in range(LENGTHS[i]))}
+
+
+def paged(order: list[int], prefill: bool, block_size: int = 4) -> dict[tuple[int, int], torch.Tensor]:
+    """The same from a paged cache (blocks shuffled): the prefill of every position (if `prefill`: else only the
+    last ones), then the decode of each last one."""
+    per_seq = [-(-LENGTHS[i] // block_size) for i in order]
+    blocks = torch.randperm(sum(per_seq) + 3, generator=g)
+    k_cache = torch.full((blocks.numel(), block_size, KV_HEADS, DIM), float("nan")).to(DTYPE)
+    v_cache = k_cache.clone()
+    tables = torch.zeros(len(order), max(per_seq), dtype=torch.int32)
+    used = 0
+    for b, i in enumerate(order):
+        tables[b, : per_seq[b]] = blocks[used : used + per_seq[b]].int()
+        used += per_seq[b]
+        slots = key_slots(torch.tensor([b]), tables, block_size, LENGTHS[i])[0]
+        k_cache.view(-1, KV_HEADS, DIM)[slots], v_cache.view(-1, KV_HEADS, DIM)[slots] = SEQS[i][1], SEQS[i][2]
+    keys = [(b, i, p) for b, i in enumerate(order) for p in range(LENGTHS[i] if prefill else 0)]
+    rows, positions = torch.tensor([b for b, _, _ in keys]), torch.tensor([p for _, _, p in keys])
+    q = torch.stack([SEQS[i][0][p] for _, i, p in keys]) if keys else SEQS[0][0][:0]
+    out = exact_attention(q, k_cache, v_cache, positions + 1, SCALE, rows=rows, block_tables=tables)
+    found = {(i, p): out[n] for n, (_, i, p) in enumerate(keys)}
+    last = torch.stack([SEQS[i][0][-1] for i in order])
+    decode = exact_attention(
+        last, k_cache, v_cache, torch.tensor([LENGTHS[i] for i in order]), SCALE,
+        rows=torch.arange(len(order)), block_tables=tables,
+    )  # fmt: skip
+    for b, i in enumerate(order):
+        found[(i, LENGTHS[i] - 1)] = found.get((i, LENGTHS[i] - 1), decode[b])
+        assert torch.equal(decode[b], found[(i, LENGTHS[i] - 1)]), ("decode", i)
+    return found
+
+
+def check_attention() -> None:
+    everything = list(range(17))
+    want = packed(everything)
+    shuffled = torch.randperm(17, generator=g).tolist()
+    for source in (packed([1]), packed([0, 9, 5]), packed(shuffled), padded([12, 1, 4])):
+        for key, value in source.items():
+            assert torch.equal(value, want[key]), key
+    for order, prefill in (([1], True), ([3, 16, 7], True), (shuffled, False)):
+        for key, value in paged(order, prefill).items():
+            assert torch.equal(value, want[key]), ("paged", key)
+    # the PyTorch reference (float32 arithmetic in another order): close
+    q, k, v = (torch.cat([s[j] for s in SEQS]) for j in range(3))
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
+    sample = torch.bucketize(torch.arange(q.shape[0]), cu[1:], right=True)
+    position = torch.arange(q.shape[0]) - cu[sample]
+    slots = (cu[sample][:, None] + torch.arange(64)).clamp(max=q.shape[0] - 1)
+    reference = blocked_attention(q, k, v, slots, position + 1, SCALE)
+    got = torch.stack([want[(int(s), int(p))] for s, p in zip(sample, position)])
+    assert (got.float() - reference.float()).abs().max() < TOL, (got.float() - reference.float()).abs().max()
+
+
+def check_gradients() -> None:
+    x = torch.randn(7, 40, generator=g, requires_grad=True)
+    w, b = torch.randn(24, 40, generator=g, requires_grad=True), torch.randn(24, generator=g, requires_grad=True)
+    weights = torch.randn(7, 24, generator=g)
+    got = torch.autograd.grad((exact_linear(x, w, b) * weights).sum(), (x, w, b))
+    want = torch.autograd.grad((F.linear(x, w, b) * weights).sum(), (x, w, b))
+    assert all((a - e).abs().max() < 1e-4 for a, e in zip(got, want))
+    q, k, v = (torch.cat([s[j] for s in SEQS[:4]]).float().requires_grad_() for j in range(3))
+    cu = torch.tensor([0, *torch.tensor(LENGTHS[:4]).cumsum(0).tolist()])
+    weights = torch.randn(q.shape, generator=g)
+    got = torch.autograd.grad((exact_packed_attention(q, k, v, cu, SCALE) * weights).sum(), (q, k, v))
+    sample = torch.bucketize(torch.arange(q.shape[0]), cu[1:], right=True)
+    position = torch.arange(q.shape[0]) - cu[sample]
+    slots = (cu[sample][:, None] + torch.arange(64)).clamp(max=q.shape[0] - 1)
+    reference = blocked_attention(q, k, v, slots, position + 1, SCALE)
+    want = torch.autograd.grad((reference * weights).sum(), (q, k, v))
+    assert all((a - e).abs().max() < 1e-4 for a, e in zip(got, want)), [(a - e).abs().max() for a, e in zip(got, want)]
+
+
+def check_logprobs() -> None:
+    scaled, targets = torch.randn(17, 150, generator=g) * 3, torch.randint(0, 150, (17,), generator=g)
+    full, entropy = exact_logprobs(scaled, targets, with_entropy=True)
+    for size, first in ((1, 0), (1, 16), (3, 7)):
+        part = exact_logprobs(scaled[first : first + size], targets[first : first + size], with_entropy=True)
+        assert torch.equal(part[0], full[first : first + size]) and torch.equal(part[1], entropy[first : first + size])
+    log_probs = torch.log_softmax(scaled, -1)
+    assert (full - log_probs.gather(-1, targets[:, None])[:, 0]).abs().max() < 1e-5
+    assert (entropy + (log_probs.exp() * log_probs).sum(-1)).abs().max() < 1e-5
+
+
+def check_logprob_gradients() -> None:
+    logits, targets = (
+        torch.randn(2, 9, 150, generator=g, requires_grad=True),
+        torch.randint(0, 150, (2, 9), generator=g),
+    )
+    weights = torch.randn(2, 2, 9, generator=g)
+    picked, entropy = exact_target_logprobs(logits, targets, 0.7, with_entropy=True, chunk_rows=4)
+    got = torch.autograd.grad((picked * weights[0] + entropy * weights[1]).sum(), logits)[0]
+    log_probs = torch.log_softmax(logits / 0.7, -1)
+    want_picked = log_probs.gather(-1, targets[..., None])[..., 0]
+    want_entropy = -(log_probs.exp() * log_probs).sum(-1)
+    assert (picked - want_picked).abs().max() < 1e-5 and (entropy - want_entropy).abs().max() < 1e-5
+    want = torch.autograd.grad((want_picked * weights[0] + want_entropy * weights[1]).sum(), logits)[0]
+    assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
+
+
+check_matmul()
+check_logprobs()
+check_attention()
+if sys.argv[1] == "float32":
+    check_gradients()
+    check_logprob_gradients()
+print("ok")
