@@ -3,8 +3,8 @@
 Ranks are laid out the megatron way (tensor-parallel neighbours adjacent, then data parallel, pipeline
 stages outermost). Expert parallelism (MoE models) splits the data-parallel ranks of a stage: ep_degree
 neighbours hold different experts of each layer and exchange tokens with all-to-all; the expert-data-parallel
-group joins the ranks holding the same experts. A lone process (no launcher) gets a one-rank process group so that megatron's
-parallel state exists; the degrees must then be 1.
+group joins the ranks holding the same experts. A lone process (no launcher) gets a one-rank process group so
+that megatron's parallel state exists; the degrees must then be 1.
 """
 
 from __future__ import annotations

@@ -56,13 +56,15 @@ def check_moe(hf_config, tp_degree: int, ep_degree: int, where: str) -> None:
     """Raise a UserError naming what of an MoE config (or an expert-parallel degree) the megatron backend lacks."""
     if not is_moe(hf_config):
         if ep_degree != 1:
-            raise UserError(f"{where}: ep_degree {ep_degree} needs a mixture-of-experts model ({', '.join(MOE_FAMILIES)})")
+            raise UserError(f"{where}: ep_degree {ep_degree} needs a mixture-of-experts model ({MOE_FAMILIES[0]})")
         return
     if tp_degree != 1:
         raise UserError(f"{where}: --tp {tp_degree} with an MoE model: megatron-core's MoE layer needs sequence "
                         "parallelism with tensor parallelism, which rlx does not run (use ep_degree)")  # fmt: skip
     if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
-        raise UserError(f"{where}: the megatron backend needs every layer routed (decoder_sparse_step 1, no mlp_only_layers)")
+        raise UserError(
+            f"{where}: the megatron backend needs every layer routed (decoder_sparse_step 1, no mlp_only_layers)"
+        )
     if ep_degree < 1 or hf_config.num_experts % ep_degree:
         raise UserError(f"{where}: ep_degree {ep_degree} must divide the {hf_config.num_experts} experts per layer")
 
@@ -71,7 +73,8 @@ def check_supported(hf_config, tp_degree: int, pp_degree: int, where: str = "mod
     """Raise a UserError naming what does not fit the megatron backend."""
     family = getattr(hf_config, "model_type", None)
     if family not in FAMILIES:
-        raise UserError(f"{where}: model type {family!r} is not supported by the megatron backend ({', '.join(FAMILIES)})")
+        names = ", ".join(FAMILIES)
+        raise UserError(f"{where}: model type {family!r} is not supported by the megatron backend ({names})")
     check_moe(hf_config, tp_degree, ep_degree, where)
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     if tp_degree < 1 or pp_degree < 1:
