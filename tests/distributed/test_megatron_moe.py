@@ -83,3 +83,29 @@ def test_ep2_train_step_equals_one_process(moe, tmp_path):
     before, after = read_full_weights(moe / "mg"), read_full_weights(tmp_path / "mg2")
     key = "model.layers.1.mlp.experts.down_proj"
     assert after[key].shape == before[key].shape and not torch.equal(after[key][-1], before[key][-1])
+
+
+def test_router_losses_give_fsdp_update(moe, tmp_path):
+    """--moe-aux-loss-coef and --router-z-loss-coef map onto megatron's moe_aux_loss_coeff / moe_z_loss_coeff (per
+    layer, weighted per micro-batch as the FSDP path weights them): the same update in one process."""
+    losses = [*TRAIN, "--moe-aux-loss-coef", "0.5", "--router-z-loss-coef", "0.1", "--batch", moe / "batch.safetensors"]
+    cli_ok("train-step", "--checkpoint", moe / "single", "--out", tmp_path / "fsdp", *losses)
+    cli_ok("train-step", "--checkpoint", moe / "mg", "--out", tmp_path / "mg", *losses)
+    cli_ok("train-step", "--checkpoint", moe / "mg", "--out", tmp_path / "plain", *TRAIN, "--batch",
+           moe / "batch.safetensors")  # fmt: skip
+    assert max_diff(tmp_path / "fsdp", tmp_path / "mg") < 2e-5  # 8e-6 seen (Adam's first step on small gradients)
+    assert max_diff(tmp_path / "plain", tmp_path / "mg") > 1e-3  # the losses do move the weights
+
+
+def test_unsupported_settings_are_one_line_errors(moe, tmp_path):
+    batch = moe / "batch.safetensors"
+    result = cli("shard", "--model", moe / "hf", "--out", tmp_path / "tp2", "--layout", "megatron", "--tp", "2")
+    assert result.exit_code == 1 and "--tp 2 with an MoE model" in result.stderr
+    result = cli(
+        "train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "x", "--ep-degree", "2"
+    )
+    assert result.exit_code == 1 and "ep_degree 2 must divide the 1 data-parallel process(es)" in result.stderr
+    result = cli("train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "y", "--router-replay",
+                 "rollout")  # fmt: skip
+    assert result.exit_code == 1 and "router_replay 'rollout' is not supported by the megatron backend" in result.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists() and not (tmp_path / "tp2").exists()
