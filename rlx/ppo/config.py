@@ -226,7 +226,7 @@ class PPOConfig:
         check(
             self.megatron is None or self.train.ep_degree == 1,
             "train.ep_degree",
-            "must be 1 with [megatron] (expert parallelism runs on the fsdp backend)",
+            "must be 1 with [megatron] (megatron's expert parallelism runs in rlx train-step only so far)",
         )
         check(
             self.megatron is None or self.rollout.weight_sync != "disk",

@@ -109,3 +109,22 @@ def test_unsupported_settings_are_one_line_errors(moe, tmp_path):
                  "rollout")  # fmt: skip
     assert result.exit_code == 1 and "router_replay 'rollout' is not supported by the megatron backend" in result.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists() and not (tmp_path / "tp2").exists()
+
+
+def test_moe_compat_layer_targets_the_upstream_code():
+    """The megatron-core MoE code the CPU shims stand in for still has the CUDA-only lines they cover."""
+    import inspect
+
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils, router, token_dispatcher
+
+    from rlx.models.megatron import compat
+
+    compat.moe_apply()
+    assert "torch.cuda.current_device()" in inspect.getsource(router.Router.gating)
+    assert "torch.cuda.Stream()" in inspect.getsource(token_dispatcher.MoEAlltoAllTokenDispatcher.__init__)
+    assert "torch.cuda.current_device()" in inspect.getsource(mappings._gather_along_first_dim)
+    assert "tensor.is_cuda" in inspect.getsource(compat.ORIGINALS["maybe_move_tensor_to_cpu"])
+    assert "te_general_gemm is not None" in inspect.getsource(moe_utils.RouterGatingLinearFunction.forward)
+    if not torch.cuda.is_available():
+        assert router.torch.cuda.current_device() == torch.device("cpu")
