@@ -62,7 +62,8 @@ def test_shard_and_merge_round_trip_bit_exactly(moe, tmp_path):
 @pytest.mark.slow
 def test_ep2_train_step_equals_one_process(moe, tmp_path):
     """megatron at ep 2 (2 ranks, the experts split) == megatron in one process == FSDP in one process == FSDP's
-    expert parallelism at 2 ranks: loss and weights after the step (1e-5); the checkpoint holds every expert."""
+    expert parallelism at 2 ranks: loss and weights after the step (1e-5); the checkpoint holds every expert, and
+    the next step from it at ep 1 equals the one from the ep 1 checkpoint at ep 2 (and FSDP's)."""
     batch, common = moe / "batch.safetensors", [*TRAIN, "--metrics"]
     cli_ok("train-step", "--checkpoint", moe / "single", "--batch", batch, "--out", tmp_path / "fsdp1", *common,
            tmp_path / "fsdp1.jsonl")  # fmt: skip
@@ -83,6 +84,13 @@ def test_ep2_train_step_equals_one_process(moe, tmp_path):
     before, after = read_full_weights(moe / "mg"), read_full_weights(tmp_path / "mg2")
     key = "model.layers.1.mlp.experts.down_proj"
     assert after[key].shape == before[key].shape and not torch.equal(after[key][-1], before[key][-1])
+    # the next step resumes the AdamW state (experts keyed by global index) at the other ep_degree
+    cli_ok("train-step", "--checkpoint", tmp_path / "mg2", "--batch", batch, "--out", tmp_path / "mg2_1", *TRAIN)
+    torchrun(2, "train-step", "--checkpoint", tmp_path / "mg1", "--batch", batch, "--out", tmp_path / "mg1_2", *TRAIN,
+             "--ep-degree", "2")  # fmt: skip
+    cli_ok("train-step", "--checkpoint", tmp_path / "fsdp1", "--batch", batch, "--out", tmp_path / "fsdp1_1", *TRAIN)
+    assert max_diff(tmp_path / "mg2_1", tmp_path / "mg1_2") < 1e-5
+    assert max_diff(tmp_path / "fsdp1_1", tmp_path / "mg1_2") < 1e-5
 
 
 def test_router_losses_give_fsdp_update(moe, tmp_path):
