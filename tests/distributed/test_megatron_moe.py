@@ -136,3 +136,14 @@ def test_moe_compat_layer_targets_the_upstream_code():
     assert "te_general_gemm is not None" in inspect.getsource(moe_utils.RouterGatingLinearFunction.forward)
     if not torch.cuda.is_available():
         assert router.torch.cuda.current_device() == torch.device("cpu")
+
+
+@pytest.mark.slow
+def test_pipeline_and_expert_parallel_equal_one_process(moe, tmp_path):
+    """pp 2 x ep 2 (4 ranks: each stage's experts split over 2 data-parallel ranks) == FSDP in one process."""
+    batch = ["--batch", moe / "batch.safetensors"]
+    cli_ok("shard", "--model", moe / "hf", "--out", tmp_path / "pp2", "--layout", "megatron", "--pp", "2")
+    cli_ok("train-step", "--checkpoint", moe / "single", "--out", tmp_path / "fsdp", *batch, *TRAIN)
+    torchrun(4, "train-step", "--checkpoint", tmp_path / "pp2", "--out", tmp_path / "mg", *batch, *TRAIN,
+             "--ep-degree", "2")  # fmt: skip
+    assert max_diff(tmp_path / "fsdp", tmp_path / "mg") < 1e-5
