@@ -105,6 +105,22 @@ def test_router_losses_give_fsdp_update(moe, tmp_path):
     assert max_diff(tmp_path / "plain", tmp_path / "mg") > 1e-3  # the losses do move the weights
 
 
+def test_score_equals_the_hf_path(moe, tmp_path):
+    """`rlx score` on the megatron checkpoint (its stages, their own routing: the rollouts' routed_experts are kept
+    for the batch but not compared) gives the Hugging Face path's logprobs and advantages."""
+    from safetensors.torch import load_file
+
+    args = ["--rollouts", moe / "r.jsonl", "--reward", f"{moe / 'length_reward.py'}:score"]
+    cli_ok("score", *args, "--actor", moe / "mg", "--ref", moe / "mg", "--out", tmp_path / "mg")
+    cli_ok("score", *args, "--actor", moe / "single", "--ref", moe / "single", "--out", tmp_path / "hf")
+    want, got = load_file(tmp_path / "hf" / "batch.safetensors"), load_file(tmp_path / "mg" / "batch.safetensors")
+    for key in ("old_logprobs", "ref_logprobs", "advantages"):
+        assert (want[key] - got[key]).abs().max().item() < 1e-5, key
+    assert torch.equal(want["routed_experts"], got["routed_experts"])
+    result = cli("score", *args, "--actor", moe / "mg", "--out", tmp_path / "x", "--router-replay", "rollout")
+    assert result.exit_code == 1 and "this actor's backend cannot replay MoE routing" in result.stderr
+
+
 def test_unsupported_settings_are_one_line_errors(moe, tmp_path):
     batch = moe / "batch.safetensors"
     result = cli("shard", "--model", moe / "hf", "--out", tmp_path / "tp2", "--layout", "megatron", "--tp", "2")

@@ -89,7 +89,8 @@ def check_supported(hf_config, tp_degree: int, pp_degree: int, where: str = "mod
         raise UserError(f"{where}: --pp {pp_degree} does not divide the {hf_config.num_hidden_layers} layers")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise UserError(f"{where}: activation {hf_config.hidden_act!r} is not supported (SwiGLU/silu only)")
-    if getattr(hf_config, "mlp_bias", False) or (family == "llama" and getattr(hf_config, "attention_bias", False)):
+    has_output_bias = family in ("llama", "qwen3_moe") and getattr(hf_config, "attention_bias", False)
+    if getattr(hf_config, "mlp_bias", False) or has_output_bias:
         raise UserError(f"{where}: biases on the MLP or attention output are not supported by the megatron backend")
     if getattr(hf_config, "use_sliding_window", False):
         raise UserError(f"{where}: sliding-window attention is not supported by the megatron backend")
@@ -244,7 +245,10 @@ def build_stage(hf_config, tp_degree: int, pp_degree: int, pp_rank: int, **moe):
     `moe_options`' arguments after the config (ep_degree, the loss coefficients).
 
     A critic config (`*ForTokenClassification`) gets `value_head` in place of the LM head."""
-    compat.moe_apply() if is_moe(hf_config) else compat.apply()
+    if is_moe(hf_config):
+        compat.moe_apply()
+    else:
+        compat.apply()
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     check_supported(hf_config, tp_degree, pp_degree, ep_degree=moe.get("ep_degree", 1))
