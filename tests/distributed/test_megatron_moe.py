@@ -14,6 +14,7 @@ pytest.importorskip("megatron.core")
 
 from rlx.checkpoints.registry import read_full_weights  # noqa: E402
 from tests.conftest import (  # noqa: E402
+    REPO,
     WORKERS,
     cli,
     cli_ok,
@@ -163,3 +164,31 @@ def test_pipeline_and_expert_parallel_equal_one_process(moe, tmp_path):
     torchrun(4, "train-step", "--checkpoint", tmp_path / "pp2", "--out", tmp_path / "mg", *batch, *TRAIN,
              "--ep-degree", "2")  # fmt: skip
     assert max_diff(tmp_path / "fsdp", tmp_path / "mg") < 1e-5
+
+
+@pytest.mark.slow
+def test_ppo_with_megatron_expert_parallelism_equals_one_process(tmp_path, prompts_file):
+    """`rlx ppo` of the MoE quickstart with [megatron] and train.ep_degree = 2 on 2 ranks (reference stages, scoring
+    and the rollout replica's weight sync under EP) == the one-process FSDP run (router losses off: they are
+    computed per rank's tokens)."""
+    from rlx.models.moe import write_tiny_moe_config_dir
+
+    model = write_tiny_moe_config_dir(tmp_path / "tiny-moe")
+    sets = [
+        f"model.path={model}", f"data.prompts={prompts_file}", "data.prompts_per_step=4", "rollout.sampling.n=4",
+        "train.mini_batch_size=8", "train.micro_batch_size=4", "score.micro_batch_size=8", "train.use_packing=true",
+        "steps=2", "save_every=2", "train.loss.moe_aux_loss_coef=0",
+    ]  # fmt: skip
+    args = [a for s in sets for a in ("--set", s)]
+    recipe = REPO / "recipes" / "moe_quickstart.toml"
+    cli_ok("ppo", recipe, "--out", tmp_path / "one", *args)
+    torchrun(2, "ppo", recipe, "--out", tmp_path / "two", *args, "--set", "megatron.pp_degree=1",
+             "--set", "train.ep_degree=2")  # fmt: skip
+    final = "checkpoints/step_000002"
+    meta = json.loads((tmp_path / "two" / final / "rlx.json").read_text())
+    assert meta["layout"] == "megatron"
+    assert max_diff(tmp_path / "one" / final, tmp_path / "two" / final) < 1e-5
+    one, two = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("one", "two"))
+    assert one[0]["actor/grad_norm"] > 0
+    for key in ("reward/mean", "actor/loss", "actor/grad_norm"):
+        assert all(abs(a[key] - b[key]) < 1e-5 for a, b in zip(one, two)), key

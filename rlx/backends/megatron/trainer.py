@@ -257,7 +257,7 @@ def build_megatron_trainer(hf_config, train_cfg: TrainConfig, ctx: MegatronConte
                            optimizer_state: dict | None = None):  # fmt: skip
     """This rank's stage loaded from its megatron `state`, as the actor's or the critic's trainer (by the
     config: a `*ForTokenClassification` config is a critic), with its AdamW state when given."""
-    if train_cfg.ep_degree != ctx.ep_degree:
+    if train_cfg.ep_degree != ctx.ep_degree and not is_critic_config(hf_config):  # a critic follows the actor's
         raise UserError(f"{where}: ep_degree {train_cfg.ep_degree} differs from the backend's {ctx.ep_degree}")
     losses = {}
     if is_moe(hf_config) and not is_critic_config(hf_config):
