@@ -31,6 +31,7 @@ from tests.conftest import (  # noqa: E402
 TRAIN = ["--lr", "1e-2", "--mini-batch-size", "16", "--micro-batch-size", "2", "--use-packing"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ep", [1, 2])
 def test_logprobs_equal_transformers(ep):
     out = run_torchrun(ep, WORKERS / "megatron_moe.py", str(ep), timeout=300)
