@@ -39,6 +39,9 @@ class Degrees:
     """Tensor parallel (megatron backend)."""
     pp_degree: int = 1
     """Pipeline parallel (megatron backend)."""
+    ep_degree: int = 1
+    """Expert parallel (megatron backend: megatron-core's expert_model_parallel_size; the FSDP backend reads
+    train.ep_degree from the trainer's config)."""
 
 
 class Trainer(Protocol):

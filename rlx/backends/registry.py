@@ -36,9 +36,12 @@ def backend_class(name: str) -> type[TrainingBackend]:
     return entry
 
 
-def checkpoint_degrees(meta: CheckpointMeta, sp_degree: int = 1) -> Degrees:
-    """The parallel grid a checkpoint was written for (its tensor x pipeline degrees, if any)."""
-    return Degrees(sp_degree=sp_degree, tp_degree=meta.tp_degree or 1, pp_degree=meta.pp_degree or 1)
+def checkpoint_degrees(meta: CheckpointMeta, sp_degree: int = 1, ep_degree: int = 1) -> Degrees:
+    """The parallel grid a checkpoint was written for (its tensor x pipeline degrees, if any), with the sequence and
+    expert parallel degrees the run asks for."""
+    return Degrees(
+        sp_degree=sp_degree, tp_degree=meta.tp_degree or 1, pp_degree=meta.pp_degree or 1, ep_degree=ep_degree
+    )
 
 
 def backend_for_checkpoint(meta: CheckpointMeta) -> type[TrainingBackend]:

@@ -224,11 +224,6 @@ class PPOConfig:
             "must be 1 with [megatron] (tensor parallelism splits the model instead)",
         )
         check(
-            self.megatron is None or self.train.ep_degree == 1,
-            "train.ep_degree",
-            "must be 1 with [megatron] (expert parallelism runs on the fsdp backend)",
-        )
-        check(
             self.megatron is None or self.rollout.weight_sync != "disk",
             "rollout.weight_sync",
             "must be 'memory' with [megatron] (the replica is synced from the stages in memory)",

@@ -68,7 +68,12 @@ class PPORun:
         self.setup_metrics = {"timing/setup_process_s": process_age_s()}  # interpreter, imports, recipe
         entered = time.perf_counter()
         grid = cfg.megatron or Degrees()  # [megatron] holds tp_degree and pp_degree
-        degrees = Degrees(sp_degree=cfg.train.sp_degree, tp_degree=grid.tp_degree, pp_degree=grid.pp_degree)
+        degrees = Degrees(
+            sp_degree=cfg.train.sp_degree,
+            tp_degree=grid.tp_degree,
+            pp_degree=grid.pp_degree,
+            ep_degree=cfg.train.ep_degree,  # the megatron backend's; FSDP reads it from the trainer's config
+        )
         self.backend = backend_class(cfg.backend_name).setup(cfg.train.device, degrees)
         self.ctx = self.backend.ctx
         self.device = self.ctx.device

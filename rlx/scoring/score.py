@@ -283,8 +283,10 @@ def _actor_logprobs(actor: Scorer, tensors: dict, cfg: ScoreConfig, forward: dic
                 "router_replay = 'rollout' needs rollouts with routed_experts (an MoE model, engine hf or native)"
             )
         return actor.logprobs(tensors, desc="old logprobs", **forward), {}
-    if not hasattr(actor, "replayed_logprobs"):
-        raise UserError("the rollouts carry routed_experts, but this actor's backend cannot replay MoE routing")
+    if not hasattr(actor, "replayed_logprobs"):  # e.g. megatron stages: their own routing, no mismatch metric
+        if cfg.router_replay != "off":
+            raise UserError("router_replay = 'rollout': this actor's backend cannot replay MoE routing")
+        return actor.logprobs(tensors, desc="old logprobs", **forward), {}
     old, mismatch = actor.replayed_logprobs(tensors, cfg.router_replay, desc="old logprobs", **forward)
     return old, {"moe/routing_mismatch": mismatch}
 

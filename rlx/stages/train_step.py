@@ -69,7 +69,7 @@ def run_train_step(
         raise UserError(f"{source.path}: --role actor but the checkpoint holds a value model")
     # a vision-language model's processor reloads the batch's images (unless it stores their pixels)
     batch = TrainBatch.load(batch_path, load_processor(source, cfg.vision, config))
-    backend = backend_for_checkpoint(meta).setup(cfg.device, checkpoint_degrees(meta, cfg.sp_degree))
+    backend = backend_for_checkpoint(meta).setup(cfg.device, checkpoint_degrees(meta, cfg.sp_degree, cfg.ep_degree))
     trainer = backend.load_trainer(cfg, source, config, **backend.lora_options(lora, "--lora-rank"))
     trainer.check_batch(batch, batch_path)  # the vocabulary size first: the plainer message where it differs
     check_batch_tokenizer(batch, batch_path, source, checkpoint)

@@ -31,7 +31,7 @@ class MegatronBackend(TrainingBackend):
     def setup(cls, device: str, degrees: Degrees) -> MegatronBackend:
         if degrees.sp_degree != 1:
             raise UserError(f"sp_degree {degrees.sp_degree}: the megatron backend uses tensor parallelism instead")
-        return cls(setup_megatron(device, degrees.tp_degree, degrees.pp_degree))
+        return cls(setup_megatron(device, degrees.tp_degree, degrees.pp_degree, degrees.ep_degree))
 
     @classmethod
     def unavailable(cls, degrees: Degrees, world: int) -> str | None:
@@ -41,6 +41,8 @@ class MegatronBackend(TrainingBackend):
             return "megatron-core is not installed"
         if world % (degrees.tp_degree * degrees.pp_degree):
             return f"tp {degrees.tp_degree} x pp {degrees.pp_degree} does not fit {world} process(es)"
+        if (world // (degrees.tp_degree * degrees.pp_degree)) % degrees.ep_degree:
+            return f"ep {degrees.ep_degree} does not divide the data-parallel ranks of {world} process(es)"
         return None
 
     def build_trainer(self, model: torch.nn.Module, cfg: TrainConfig, where: str = "the initial policy"):

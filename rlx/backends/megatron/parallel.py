@@ -1,8 +1,10 @@
-"""megatron-core's process groups (tensor, pipeline, data parallel) on top of rlx's distributed context.
+"""megatron-core's process groups (tensor, pipeline, data and expert parallel) on top of rlx's distributed context.
 
 Ranks are laid out the megatron way (tensor-parallel neighbours adjacent, then data parallel, pipeline
-stages outermost). A lone process (no launcher) gets a one-rank process group so that megatron's
-parallel state exists; the degrees must then be 1.
+stages outermost). Expert parallelism (MoE models) splits the data-parallel ranks of a stage: ep_degree
+neighbours hold different experts of each layer and exchange tokens with all-to-all; the expert-data-parallel
+group joins the ranks holding the same experts. A lone process (no launcher) gets a one-rank process group so
+that megatron's parallel state exists; the degrees must then be 1.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ class MegatronContext(DistContext):
     tp_group: object = None
     pp_group: object = None
     mp_group: object = None
+    ep_degree: int = 1
+    ep_rank: int = 0
+    ep_group: object = None
+    """The ranks whose experts one MoE layer's all-to-all spans (ep_degree of them)."""
+    expert_dp_group: object = None
+    """The ranks holding the same experts (their gradients are summed over it)."""
+    expert_mp_group: object = None
+    """expert x pipeline parallel ranks: every expert parameter of the model once (gradient norms)."""
     groups: dict = field(default_factory=dict)
 
     @property
@@ -59,8 +69,9 @@ def _lone_process_group(device: torch.device) -> None:
     )
 
 
-def setup_megatron(device_name: str, tp_degree: int, pp_degree: int) -> MegatronContext:
-    """Initialise (once) megatron's groups for tp x pp x dp over every process of the launch."""
+def setup_megatron(device_name: str, tp_degree: int, pp_degree: int, ep_degree: int = 1) -> MegatronContext:
+    """Initialise (once) megatron's groups for tp x pp x dp (ep_degree of the dp ranks splitting experts) over
+    every process of the launch."""
     from rlx.models.megatron import compat
 
     compat.require_megatron()
@@ -73,19 +84,30 @@ def setup_megatron(device_name: str, tp_degree: int, pp_degree: int) -> Megatron
             f"{world} process(es) cannot hold tensor parallel {tp_degree} x pipeline parallel {pp_degree}: "
             f"launch a multiple of {tp_degree * pp_degree} processes (torchrun --nproc-per-node N)"
         )
+    if (world // (tp_degree * pp_degree)) % ep_degree:
+        raise UserError(
+            f"ep_degree {ep_degree} must divide the {world // (tp_degree * pp_degree)} data-parallel process(es) "
+            f"of tensor parallel {tp_degree} x pipeline parallel {pp_degree}"
+        )
     if not dist.is_initialized():
         _lone_process_group(base.device)
     if ps.model_parallel_is_initialized():
         if (
             ps.get_tensor_model_parallel_world_size() != tp_degree
             or ps.get_pipeline_model_parallel_world_size() != pp_degree
+            or ps.get_expert_model_parallel_world_size() != ep_degree
         ):
             raise UserError(
-                f"tp {tp_degree} x pp {pp_degree} differs from the running "
+                f"tp {tp_degree} x pp {pp_degree} x ep {ep_degree} differs from the running "
                 f"tp {ps.get_tensor_model_parallel_world_size()} x pp {ps.get_pipeline_model_parallel_world_size()}"
+                f" x ep {ps.get_expert_model_parallel_world_size()}"
             )
     else:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp_degree, pipeline_model_parallel_size=pp_degree)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp_degree,
+            pipeline_model_parallel_size=pp_degree,
+            expert_model_parallel_size=ep_degree,
+        )
     return MegatronContext(
         rank=base.rank,
         world=base.world,
@@ -102,6 +124,11 @@ def setup_megatron(device_name: str, tp_degree: int, pp_degree: int) -> Megatron
         tp_group=ps.get_tensor_model_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group(),
         mp_group=ps.get_model_parallel_group(),
+        ep_degree=ep_degree,
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        expert_dp_group=ps.get_expert_data_parallel_group(),
+        expert_mp_group=ps.get_expert_tensor_model_pipeline_parallel_group(),
         groups={
             "prev": ps.get_pipeline_model_parallel_prev_rank(),
             "next": ps.get_pipeline_model_parallel_next_rank(),

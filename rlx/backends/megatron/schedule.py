@@ -30,6 +30,9 @@ class MicroBatch:
     """Packing of the micro-batch's rows (on the model's device)."""
     extra: object = None
     """What the last stage's head needs besides the hidden states (tensors, the batch part, weights)."""
+    is_filler: bool = False
+    """A one-token row run only so that every rank of an expert-parallel group takes part in each MoE layer's
+    all-to-all as often as the others (its output is dropped, its loss is zero)."""
 
 
 def stage_forward(model, rows: PackedRows, input_tensor: torch.Tensor | None) -> torch.Tensor:

@@ -11,12 +11,17 @@ from rlx.backends.megatron.parallel import MegatronContext
 from rlx.backends.megatron.schedule import MicroBatch, run_pipeline
 from rlx.errors import UserError
 from rlx.logprobs import MODEL_INPUTS, PackedRows
-from rlx.models.megatron.model import build_stage, is_critic_config, move_stage
+from rlx.models.megatron.convert import local_experts
+from rlx.models.megatron.model import build_stage, is_critic_config, is_moe, move_stage
 
 
-def load_stage(hf_config, state: dict[str, torch.Tensor], ctx: MegatronContext, where: str):
-    """Build this rank's stage and load its megatron state (float32 parameters on ctx.device)."""
-    model = build_stage(hf_config, ctx.tp_degree, ctx.pp_degree, ctx.pp_rank)
+def load_stage(hf_config, state: dict[str, torch.Tensor], ctx: MegatronContext, where: str, **losses):
+    """Build this rank's stage and load its megatron state (float32 parameters on ctx.device). An MoE stage keeps
+    this expert-parallel rank's experts of `state` (which holds all of them); `losses`: the MoE load-balancing
+    and z-loss coefficients (`moe_options`)."""
+    model = build_stage(hf_config, ctx.tp_degree, ctx.pp_degree, ctx.pp_rank, ep_degree=ctx.ep_degree, **losses)
+    if is_moe(hf_config):
+        state = local_experts(state, hf_config.num_experts, ctx.ep_degree, ctx.ep_rank)
     expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -40,6 +45,21 @@ def micro_batches(tensors: dict[str, torch.Tensor], parts: list[list[int]], devi
         rows = PackedRows.build(*(tensors[k][index] for k in MODEL_INPUTS)).to(device)
         out.append(MicroBatch(rows=rows, extra=index if extra is None else extra(index)))
     return out
+
+
+def even_micro_batches(micro: list[MicroBatch], ctx: MegatronContext) -> list[MicroBatch]:
+    """`micro` topped up with filler micro-batches to the most any rank of the expert-parallel group runs (each
+    MoE layer's all-to-all is a collective over that group); unchanged without expert parallelism."""
+    if ctx.ep_degree == 1:
+        return micro
+    count = torch.tensor([len(micro)], device=ctx.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ctx.ep_group)
+    one = torch.ones(1, 1, dtype=torch.long)
+    fillers = [
+        MicroBatch(rows=PackedRows.build(one * 0, one, one * 0, one).to(ctx.device), is_filler=True)
+        for _ in range(int(count) - len(micro))
+    ]
+    return micro + fillers
 
 
 def stage_forward_outputs(
@@ -69,6 +89,8 @@ def stage_forward_outputs(
     critic = is_critic_config(hf_config)
 
     def head(hidden, mb):
+        if mb.is_filler:
+            return
         part_shape = torch.Size((len(mb.extra), shape[1]))
         if critic:
             values = head_values(model, hidden, mb.rows, part_shape)
@@ -79,7 +101,8 @@ def stage_forward_outputs(
         result[mb.extra] = values.float().cpu()
 
     model.eval()
-    run_pipeline(model, ctx, micro_batches(tensors, parts, ctx.device), head, dtype, forward_only=True)
+    micro = even_micro_batches(micro_batches(tensors, parts, ctx.device), ctx)
+    run_pipeline(model, ctx, micro, head, dtype, forward_only=True)
     if ctx.pp_degree > 1:
         moved = result.to(ctx.device)
         dist.broadcast(moved, src=ctx.groups["last"], group=ctx.pp_group)

@@ -8,6 +8,12 @@ group (the losses are normalised by global token counts, so the sum is the mini-
 two copies of a tied embedding (first and last stage) are summed, and the global norm counts every
 parameter once (tensor-parallel replicas and the embedding copy only once). AdamW then updates each
 rank's own slices: elementwise, so the result equals the unsharded update.
+
+An MoE stage under expert parallelism holds its E / ep_degree experts of each layer: their gradients already
+hold every token of the expert-parallel group (the all-to-all's backward brings them), so they are summed over
+the ranks holding the same experts only (megatron's expert-data-parallel group) and count once per expert in the
+norm. Checkpoints and the optimizer state name experts by their global index and hold all of them (gathered
+over the expert-parallel group), so they do not depend on ep_degree.
 """
 
 from __future__ import annotations
@@ -21,12 +27,13 @@ import torch.distributed as dist
 from rlx.backends.megatron.forward import head_logprobs, head_values
 from rlx.backends.megatron.parallel import MegatronContext
 from rlx.backends.megatron.schedule import run_pipeline
-from rlx.backends.megatron.stage import load_stage, micro_batches
-from rlx.backends.megatron.weights import gather_hf_weights, stream_hf_weights
+from rlx.backends.megatron.stage import even_micro_batches, load_stage, micro_batches
+from rlx.backends.megatron.weights import gather_hf_weights, stream_hf_weights, with_all_experts
 from rlx.checkpoints.base import LocalState
 from rlx.errors import UserError
 from rlx.formats.batch import TrainBatch
-from rlx.models.megatron.model import is_critic_config
+from rlx.models.megatron.convert import local_experts
+from rlx.models.megatron.model import is_critic_config, is_moe
 from rlx.training.actor import ActorTrainer
 from rlx.training.config import TrainConfig
 from rlx.training.critic import CriticTrainer
@@ -47,8 +54,17 @@ class MegatronTraining:
         if cfg.sp_degree != 1:
             raise UserError(f"sp_degree {cfg.sp_degree}: the megatron backend uses tensor parallelism instead")
         self.cfg, self.ctx, self.device, self.hf_config = cfg, ctx, ctx.device, hf_config
+        if cfg.router_replay != "off":
+            raise UserError(f"router_replay {cfg.router_replay!r} is not supported by the megatron backend yet")
         self.model, self.dtype, self.gradient_scale, self.sp_group = model, dtype, 1.0, None
         self.optimizer = build_adamw(model, cfg)
+
+    router_probe = None  # the FSDP path's hooks on transformers' routers; megatron's router computes its own losses
+    router_replay = None
+
+    @property
+    def is_moe(self) -> bool:
+        return is_moe(self.hf_config)
 
     @property
     def vocab_size(self) -> int:
@@ -64,14 +80,18 @@ class MegatronTraining:
 
         micro = micro_batches(local.tensors(), self.micro_batches(local), self.device, batch_part)
         self.model.train()
-        run_pipeline(
-            self.model,
-            self.ctx,
-            micro,
-            lambda hidden, mb: self.head_loss(hidden, mb.rows, *mb.extra, norm, sums),
-            self.dtype,
-            forward_only=False,
-        )
+
+        def head(hidden, mb):
+            if mb.is_filler:  # an expert-parallel filler: zero gradients, but its all-to-alls run
+                return hidden.sum() * 0.0
+            t = mb.extra[0]
+            if self.is_moe:  # megatron adds the routers' losses in the backward, scaled by the tokens' share
+                from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+                MoEAuxLossAutoScaler.set_loss_scale(t["loss_mask"].sum().float() / norm.num_tokens)
+            return self.head_loss(hidden, mb.rows, *mb.extra, norm, sums)
+
+        run_pipeline(self.model, self.ctx, even_micro_batches(micro, self.ctx), head, self.dtype, forward_only=False)
 
     def _update(self, mini: TrainBatch, sums: dict[str, float]) -> float:
         self.accumulate_gradients(mini, sums)
@@ -89,11 +109,20 @@ class MegatronTraining:
                 p.grad = torch.zeros_like(p)
         return params
 
+    def _expert_params(self) -> set[int]:
+        """ids of the parameters of this rank's experts (split over the expert-parallel group)."""
+        return {id(p) for name, p in self.model.named_parameters() if ".mlp.experts." in name}
+
     def _sync_gradients(self) -> None:
-        """Sum gradients over data-parallel ranks, and over the tied embedding's two stages."""
-        params = self._params()
+        """Sum gradients over data-parallel ranks (an expert's over the ranks holding it), and over the tied
+        embedding's two stages."""
+        params, experts = self._params(), self._expert_params()
+        dense = [p.grad for p in params if id(p) not in experts]
         if self.ctx.dp_size > 1:
-            _all_reduce_coalesced([p.grad for p in params], self.ctx.dp_group)
+            _all_reduce_coalesced(dense, self.ctx.dp_group)
+        expert_grads = [p.grad for p in params if id(p) in experts]
+        if expert_grads and dist.get_world_size(self.ctx.expert_dp_group) > 1:
+            _all_reduce_coalesced(expert_grads, self.ctx.expert_dp_group)
         shared = [p for p in params if getattr(p, "shared_embedding", False)]
         group = self.ctx.groups.get("embedding")
         if shared and group is not None and self.ctx.pp_degree > 1:
@@ -103,18 +132,24 @@ class MegatronTraining:
         """Global gradient norm over the model-parallel group (each parameter once); clip in place."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        params = self._params()
+        params, experts = self._params(), self._expert_params()
         counted = [
-            p.grad
+            p
             for p in params
             if param_is_not_tensor_parallel_duplicate(p)
             and not (getattr(p, "shared", False) and not self.ctx.is_first_stage)  # the tied copy counts once
         ]
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for grad in counted:
-            total += grad.detach().double().pow(2).sum()
+        total, expert_total = (torch.zeros((), dtype=torch.float64, device=self.device) for _ in range(2))
+        for p in counted:
+            square = p.grad.detach().double().pow(2).sum()
+            if id(p) in experts:
+                expert_total += square
+            else:
+                total += square
         dist.all_reduce(total, group=self.ctx.mp_group)
-        norm = float(total.sqrt())
+        if experts:  # each expert once: summed over expert x pipeline parallel ranks
+            dist.all_reduce(expert_total, group=self.ctx.expert_mp_group)
+        norm = float((total + expert_total).sqrt())
         max_norm = self.cfg.optim.max_grad_norm
         if max_norm > 0 and math.isfinite(norm):
             coef = max_norm / (norm + 1e-6)
@@ -133,22 +168,30 @@ class MegatronTraining:
         return out
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
-        """This rank's AdamW state keyed '<megatron param name>::<key>'."""
+        """This stage's AdamW state keyed '<megatron param name>::<key>' (every expert, by its global index: a
+        collective over the expert-parallel group)."""
         out = {}
         for name, p in self.model.named_parameters():
             for key, value in self.optimizer.state.get(p, {}).items():
                 out[f"{name}{_SEP}{key}"] = (
                     value.detach().cpu() if torch.is_tensor(value) else torch.tensor(value, dtype=torch.float32)
                 )
-        return out
+        return self._all_experts(out)
 
     def load_optimizer_state(self, tensors: dict[str, torch.Tensor] | None, where: str) -> None:
+        if tensors and self.is_moe:
+            tensors = local_experts(tensors, self.hf_config.num_experts, self.ctx.ep_degree, self.ctx.ep_rank)
         if tensors:
             load_optimizer_tensors(self.model, self.optimizer, tensors, where)
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        """This rank's weights with megatron names (float32, on the CPU)."""
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+        """This stage's weights with megatron names (float32, on the CPU; every expert, by its global index: a
+        collective over the expert-parallel group)."""
+        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+        return self._all_experts(state)
+
+    def _all_experts(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return with_all_experts(state, self.hf_config, self.ctx)
 
     # --- what checkpoints, scoring and rollouts take from a trainer (see rlx/backends/base.py) ---------
 
@@ -214,9 +257,14 @@ def build_megatron_trainer(hf_config, train_cfg: TrainConfig, ctx: MegatronConte
                            optimizer_state: dict | None = None):  # fmt: skip
     """This rank's stage loaded from its megatron `state`, as the actor's or the critic's trainer (by the
     config: a `*ForTokenClassification` config is a critic), with its AdamW state when given."""
-    if train_cfg.ep_degree > 1:
-        raise UserError(f"{where}: ep_degree {train_cfg.ep_degree}: expert parallelism runs on the fsdp backend only")
-    stage = load_stage(hf_config, state, ctx, where)
+    if train_cfg.ep_degree != ctx.ep_degree and not is_critic_config(hf_config):  # a critic follows the actor's
+        raise UserError(f"{where}: ep_degree {train_cfg.ep_degree} differs from the backend's {ctx.ep_degree}")
+    losses = {}
+    if is_moe(hf_config) and not is_critic_config(hf_config):
+        losses = {"aux_loss_coef": train_cfg.loss.moe_aux_loss_coef, "z_loss_coef": train_cfg.loss.router_z_loss_coef}
+        if any(losses.values()) and ctx.pp_degree > 1:
+            raise UserError(f"{where}: the MoE load-balancing and z-losses run on the megatron backend with pp 1 only")
+    stage = load_stage(hf_config, state, ctx, where, **losses)
     trainer_cls = MegatronCriticTrainer if is_critic_config(hf_config) else MegatronActorTrainer
     trainer = trainer_cls(stage, hf_config, train_cfg, ctx, resolve_precision(train_cfg.precision, ctx.device))
     trainer.state().load_optimizer_state(optimizer_state, where)

@@ -11,7 +11,23 @@ import torch
 import torch.distributed as dist
 
 from rlx.backends.megatron.parallel import MegatronContext
-from rlx.models.megatron.convert import megatron_units, unit_of, unit_to_hf
+from rlx.models.megatron.convert import global_experts, megatron_units, unit_of, unit_to_hf
+from rlx.models.megatron.model import is_moe
+
+
+def with_all_experts(state: dict[str, torch.Tensor], hf_config, ctx: MegatronContext) -> dict[str, torch.Tensor]:
+    """A stage's state (or '<name>::<key>' optimizer state) holding this rank's experts -> holding every expert of
+    the stage under its global index, gathered over the expert-parallel group (a collective; as it is without
+    expert parallelism or for a dense model)."""
+    if not is_moe(hf_config) or ctx.ep_degree == 1:
+        return state
+    parts = [None] * ctx.ep_degree
+    dist.all_gather_object(parts, (ctx.ep_rank, {k: v.cpu() for k, v in state.items()}), group=ctx.ep_group)
+    out: dict[str, torch.Tensor] = {}
+    for rank, part in parts:
+        out |= global_experts(part, hf_config.num_experts, ctx.ep_degree, rank)
+    device = next(iter(state.values())).device if state else ctx.device
+    return {k: v.to(device) for k, v in out.items()}
 
 
 @torch.no_grad()
@@ -33,6 +49,7 @@ def stream_hf_weights(
     The tensors may be views of the stage's own parameters or of the bucket's buffers: read them before the next
     update (or the next bucket's)."""
     state = {k: v.detach() for k, v in stage.state_dict().items() if not k.endswith("_extra_state")}
+    state = with_all_experts(state, hf_config, ctx)  # every expert of the stage (gathered under EP)
     tp, pp = ctx.tp_degree, ctx.pp_degree
     if getattr(hf_config, "tie_word_embeddings", False):  # the last stage's copy of the tied embedding: not in HF
         state.pop("output_layer.weight", None)

@@ -10,6 +10,15 @@ megatron-core assumes CUDA in a few spots that rlx reaches:
   (rlx/backends/megatron/schedule.py), so nothing is patched for them.
 - its RNG tracker forks CUDA generators; rlx uses no dropout inside megatron modules (attention is
   rlx's own core-attention module), so the tracker is never entered.
+- mixture-of-experts layers (`moe_apply()`, only when an MoE model is built): the router moves its weight to
+  `torch.cuda.current_device()` when it sits on the CPU, the all-to-all token dispatcher creates a CUDA stream
+  for its device-to-host copies and syncs on it, and the collectives of `tensor_parallel.mappings` (all-gather,
+  all-to-all with uneven splits) allocate their outputs on the current CUDA device. Without CUDA those three
+  modules see a `torch` whose `cuda` namespace names the CPU and has no-op streams, and the dispatcher's
+  `maybe_move_tensor_to_cpu` (which turns the all-to-all splits into numpy arrays only for CUDA tensors) does so
+  for CPU tensors too; with CUDA nothing changes.
+  `moe_utils.router_gating_linear` reads `te_general_gemm`, which 0.16.1 leaves undefined without Transformer
+  Engine; it is set to None (the plain matmul branch).
 
 `apply()` is idempotent; `tests/distributed/test_megatron.py` checks that the patched method still has the
 upstream source this module was written against, so an upgrade that changes it fails loudly.
@@ -74,6 +83,102 @@ def _skip_initial_embedding_sync(original):
 
     setup_embeddings_and_output_layer.rlx_compat = True
     return setup_embeddings_and_output_layer
+
+
+class _NoStream:
+    """A CUDA stream / event stand-in on the CPU: nothing to wait for."""
+
+    def wait_stream(self, _stream) -> None:
+        pass
+
+    def record_event(self) -> _NoStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuCuda:
+    """`torch.cuda` as megatron's MoE code uses it, for a process without CUDA: the CPU is the current device."""
+
+    _stream = _NoStream()
+
+    @staticmethod
+    def current_device():
+        import torch
+
+        return torch.device("cpu")
+
+    def Stream(self) -> _NoStream:  # noqa: N802 (torch's name)
+        return self._stream
+
+    def current_stream(self) -> _NoStream:
+        return self._stream
+
+    @staticmethod
+    def stream(_stream):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name: str):
+        import torch
+
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu:
+    """The `torch` module with `cuda` replaced by `_CpuCuda` (everything else is torch's own)."""
+
+    cuda = _CpuCuda()
+
+    def __getattr__(self, name: str):
+        import torch
+
+        return getattr(torch, name)
+
+
+def _splits_to_numpy(original):
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        import torch
+
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy, record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
+MOE_MODULES = (
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.tensor_parallel.mappings",
+)
+"""The megatron-core modules whose `torch` is `_TorchOnCpu` in a process without CUDA."""
+_MOE_APPLIED = False
+
+
+def moe_apply() -> None:
+    """Make megatron-core's MoE layer (router, all-to-all dispatcher, their collectives) run without CUDA (once
+    per process; nothing changes where CUDA is available but the missing `te_general_gemm`)."""
+    global _MOE_APPLIED
+    apply()
+    if _MOE_APPLIED:
+        return
+    import importlib
+
+    import torch
+
+    utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(utils, "te_general_gemm"):
+        utils.te_general_gemm = None
+    if not torch.cuda.is_available():
+        for name in MOE_MODULES:
+            importlib.import_module(name).torch = _TorchOnCpu()
+        dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+        ORIGINALS["maybe_move_tensor_to_cpu"] = dispatcher.maybe_move_tensor_to_cpu
+        dispatcher.maybe_move_tensor_to_cpu = _splits_to_numpy(ORIGINALS["maybe_move_tensor_to_cpu"])
+    _MOE_APPLIED = True
 
 
 def apply() -> None:

@@ -12,6 +12,13 @@ to the pipeline stage. Per tensor-parallel rank:
     decoder.layers.i.mlp.linear_fc2.weight               [H, F/tp]      input columns split
     decoder.layers.i.{input_layernorm,pre_mlp_layernorm}.weight, decoder.final_layernorm.weight: replicated
     output_layer.weight                   [V_pad/tp, H]   last stage (also when tied and pp > 1: a copy)
+    A Qwen3-MoE layer (tp 1) has, in place of the dense MLP:
+    decoder.layers.i.self_attention.{q,k}_layernorm.weight   [D]   HF self_attn.{q,k}_norm.weight
+    decoder.layers.i.mlp.router.weight                       [E, H]  HF mlp.gate.weight
+    decoder.layers.i.mlp.experts.local_experts.e.linear_fc1.weight   [2*I, H]  HF mlp.experts.gate_up_proj[e]
+    decoder.layers.i.mlp.experts.local_experts.e.linear_fc2.weight   [H, I]    HF mlp.experts.down_proj[e]
+    with e the global expert index in checkpoints and these maps; an expert-parallel rank's own stage numbers
+    its experts from 0 (`local_experts` / `global_experts` renumber).
     value_head.score.{weight,bias}        [1, H], [1]     a critic's head, replicated
 
 Every map copies slices of the stored tensors (dtype kept), so HF -> megatron -> HF is bit-exact.
@@ -19,10 +26,12 @@ Every map copies slices of the stored tensors (dtype kept), so HF -> megatron ->
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from rlx.errors import UserError
-from rlx.models.megatron.model import check_supported, head_dim, is_critic_config, padded_vocab_size
+from rlx.models.megatron.model import check_supported, head_dim, is_critic_config, is_moe, padded_vocab_size
 
 HF_LAYER = "model.layers.{i}."
 MG_LAYER = "decoder.layers.{i}."
@@ -30,6 +39,54 @@ REPLICATED_LAYER = {
     "input_layernorm.weight": "input_layernorm.weight",
     "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
 }
+
+
+QK_NORMS = {"self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+            "self_attn.k_norm.weight": "self_attention.k_layernorm.weight"}  # fmt: skip
+EXPERT = "mlp.experts.local_experts.{e}."
+_EXPERT_NAME = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def _renumber(state: dict, shift: int, keep: range | None) -> dict:
+    out = {}
+    for name, tensor in state.items():
+        match = _EXPERT_NAME.match(name)
+        if match is None:
+            out[name] = tensor
+        elif keep is None or int(match[2]) in keep:
+            out[f"{match[1]}{int(match[2]) + shift}{match[3]}"] = tensor
+    return out
+
+
+def local_experts(state: dict, num_experts: int, ep_degree: int, ep_rank: int) -> dict:
+    """A stage's state (or '<name>::<key>' optimizer state) with all experts -> expert-parallel rank `ep_rank`'s:
+    its E / ep_degree experts, numbered from 0; other names unchanged."""
+    per = num_experts // ep_degree
+    return _renumber(state, -ep_rank * per, range(ep_rank * per, (ep_rank + 1) * per))
+
+
+def global_experts(state: dict, num_experts: int, ep_degree: int, ep_rank: int) -> dict:
+    """The inverse of `local_experts`: rank `ep_rank`'s experts under their global numbers."""
+    return _renumber(state, ep_rank * (num_experts // ep_degree), None)
+
+
+def _moe_to_megatron(weights: dict, config, hf: str, mg: str) -> dict[str, torch.Tensor]:
+    out = {mg + dst: _get(weights, hf + src) for src, dst in QK_NORMS.items()}
+    out[mg + "mlp.router.weight"] = _get(weights, hf + "mlp.gate.weight")
+    gate_up, down = _get(weights, hf + "mlp.experts.gate_up_proj"), _get(weights, hf + "mlp.experts.down_proj")
+    for e in range(config.num_experts):
+        out[mg + EXPERT.format(e=e) + "linear_fc1.weight"] = gate_up[e]  # [2I, H]: gate rows, then up rows
+        out[mg + EXPERT.format(e=e) + "linear_fc2.weight"] = down[e]  # [H, I]
+    return out
+
+
+def _moe_to_hf(state: dict, config, hf: str, mg: str) -> dict[str, torch.Tensor]:
+    out = {hf + dst: _get(state, mg + src) for dst, src in QK_NORMS.items()}
+    out[hf + "mlp.gate.weight"] = _get(state, mg + "mlp.router.weight")
+    for name, part in (("gate_up_proj", "linear_fc1"), ("down_proj", "linear_fc2")):
+        experts = [_get(state, f"{mg}{EXPERT.format(e=e)}{part}.weight") for e in range(config.num_experts)]
+        out[f"{hf}mlp.experts.{name}"] = torch.stack(experts)
+    return out
 
 
 def stage_layers(num_layers: int, pp_degree: int, pp_rank: int) -> range:
@@ -99,6 +156,9 @@ def hf_to_megatron_shard(
             bias = [_get(weights, f"{attn}{p}_proj.bias") for p in "qkv"]
             out[mg + "self_attention.linear_qkv.bias"] = rows(_qkv(*bias, config))
         out[mg + "self_attention.linear_proj.weight"] = cols(_get(weights, attn + "o_proj.weight"))
+        if is_moe(config):  # tp 1
+            out |= _moe_to_megatron(weights, config, hf, mg)
+            continue
         gate, up = _get(weights, hf + "mlp.gate_proj.weight"), _get(weights, hf + "mlp.up_proj.weight")
         out[mg + "mlp.linear_fc1.weight"] = torch.cat([rows(gate), rows(up)])
         out[mg + "mlp.linear_fc2.weight"] = cols(_get(weights, hf + "mlp.down_proj.weight"))
@@ -169,6 +229,8 @@ def unit_to_hf(shards: dict, config, tp_degree: int, pp_degree: int, pp_rank: in
         for proj, tensor in zip("qkv", (q, k, v)):
             out[f"{hf}self_attn.{proj}_proj.{kind}"] = tensor
     out[hf + "self_attn.o_proj.weight"] = cat(mg + "self_attention.linear_proj.weight", 1)
+    if is_moe(config):  # tp 1
+        return out | _moe_to_hf(shards[(0, p)], config, hf, mg)
     halves = [_get(shards[(t, p)], mg + "mlp.linear_fc1.weight").chunk(2) for t in range(tp_degree)]
     out[hf + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
     out[hf + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])

@@ -1,10 +1,16 @@
-"""Build a Llama-family model (Llama, Qwen2 with QKV bias) as a megatron-core `GPTModel` stage.
+"""Build a Llama-family model (Llama, Qwen2 with QKV bias) or a Qwen3-MoE as a megatron-core `GPTModel` stage.
 
 Each rank builds its own pipeline stage (`pre_process` on the first: embedding; `post_process` on
 the last: final norm and the LM head or a critic's scalar value head) with its tensor-parallel slice
 of every linear layer. Attention inside the layers is rlx's: `CoreAttention` attends within each
 packed sequence (megatron's THD format, `cu_seqlens`) with the kernels of rlx/models/attention.py
 (flash-attn varlen when installed, torch's varlen, or exact SDPA per sequence).
+
+A Qwen3-MoE (`qwen3_moe`) gets megatron-core's MoE layer in every decoder layer: its top-k router (softmax
+over the top-k logits when the model normalises its top-k probabilities, else top-k of the softmax: both
+are transformers' routing), SwiGLU experts run one after another (`SequentialMLP`, no grouped GEMM, so the
+CPU runs it), the all-to-all token dispatcher over `expert_model_parallel_size` ranks, and per-head RMSNorm on
+queries and keys (qk-layernorm); no shared expert.
 
 Only packed inputs are used: a micro-batch is one row of concatenated samples whose rotary positions
 restart per sample, so there is no padding to mask. The vocabulary is padded to a multiple of the
@@ -22,8 +28,14 @@ from rlx.errors import UserError
 from rlx.models.attention import varlen_attention
 from rlx.models.megatron import compat
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "qwen3_moe")
 """Hugging Face model types the megatron backend builds (as causal LMs, or value models)."""
+MOE_FAMILIES = ("qwen3_moe",)
+"""The mixture-of-experts ones among them (megatron-core's MoE layer in every decoder layer)."""
+
+
+def is_moe(hf_config) -> bool:
+    return getattr(hf_config, "model_type", None) in MOE_FAMILIES
 
 
 def padded_vocab_size(vocab_size: int, tp_degree: int) -> int:
@@ -40,11 +52,30 @@ def rope_theta(hf_config) -> float:
     return float(theta if theta is not None else getattr(hf_config, "rope_theta", 10000.0))
 
 
-def check_supported(hf_config, tp_degree: int, pp_degree: int, where: str = "model") -> None:
+def check_moe(hf_config, tp_degree: int, ep_degree: int, where: str) -> None:
+    """Raise a UserError naming what of an MoE config (or an expert-parallel degree) the megatron backend lacks."""
+    if not is_moe(hf_config):
+        if ep_degree != 1:
+            raise UserError(f"{where}: ep_degree {ep_degree} needs a mixture-of-experts model ({MOE_FAMILIES[0]})")
+        return
+    if tp_degree != 1:
+        raise UserError(f"{where}: --tp {tp_degree} with an MoE model: megatron-core's MoE layer needs sequence "
+                        "parallelism with tensor parallelism, which rlx does not run (use ep_degree)")  # fmt: skip
+    if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
+        raise UserError(
+            f"{where}: the megatron backend needs every layer routed (decoder_sparse_step 1, no mlp_only_layers)"
+        )
+    if ep_degree < 1 or hf_config.num_experts % ep_degree:
+        raise UserError(f"{where}: ep_degree {ep_degree} must divide the {hf_config.num_experts} experts per layer")
+
+
+def check_supported(hf_config, tp_degree: int, pp_degree: int, where: str = "model", ep_degree: int = 1) -> None:
     """Raise a UserError naming what does not fit the megatron backend."""
     family = getattr(hf_config, "model_type", None)
     if family not in FAMILIES:
-        raise UserError(f"{where}: model type {family!r} is not supported by the megatron backend (llama, qwen2)")
+        names = ", ".join(FAMILIES)
+        raise UserError(f"{where}: model type {family!r} is not supported by the megatron backend ({names})")
+    check_moe(hf_config, tp_degree, ep_degree, where)
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     if tp_degree < 1 or pp_degree < 1:
         raise UserError(f"{where}: tp and pp degrees must be at least 1 (got tp {tp_degree}, pp {pp_degree})")
@@ -52,13 +83,14 @@ def check_supported(hf_config, tp_degree: int, pp_degree: int, where: str = "mod
         raise UserError(f"{where}: --tp {tp_degree} does not divide the {heads} attention heads")
     if kv_heads % tp_degree:
         raise UserError(f"{where}: --tp {tp_degree} does not divide the {kv_heads} key/value heads")
-    if hf_config.intermediate_size % tp_degree:
+    if not is_moe(hf_config) and hf_config.intermediate_size % tp_degree:
         raise UserError(f"{where}: --tp {tp_degree} does not divide the MLP width {hf_config.intermediate_size}")
     if hf_config.num_hidden_layers % pp_degree:
         raise UserError(f"{where}: --pp {pp_degree} does not divide the {hf_config.num_hidden_layers} layers")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise UserError(f"{where}: activation {hf_config.hidden_act!r} is not supported (SwiGLU/silu only)")
-    if getattr(hf_config, "mlp_bias", False) or (family == "llama" and getattr(hf_config, "attention_bias", False)):
+    has_output_bias = family in ("llama", "qwen3_moe") and getattr(hf_config, "attention_bias", False)
+    if getattr(hf_config, "mlp_bias", False) or has_output_bias:
         raise UserError(f"{where}: biases on the MLP or attention output are not supported by the megatron backend")
     if getattr(hf_config, "use_sliding_window", False):
         raise UserError(f"{where}: sliding-window attention is not supported by the megatron backend")
@@ -73,8 +105,33 @@ def head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def transformer_config(hf_config, tp_degree: int, pp_degree: int):
-    """megatron-core's TransformerConfig for an HF Llama/Qwen2 config (float32 parameters: rlx autocasts)."""
+def moe_options(hf_config, ep_degree: int, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> dict:
+    """TransformerConfig fields of an MoE config: megatron-core's MoE layer as transformers routes (float32 router
+    softmax), experts split over `ep_degree` ranks. rlx's load-balancing and z-loss coefficients average over
+    layers, megatron's losses add up per layer: they are divided by the number of layers."""
+    if not is_moe(hf_config):
+        return {}
+    layers = hf_config.num_hidden_layers
+    return dict(
+        num_moe_experts=hf_config.num_experts,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_router_pre_softmax=not hf_config.norm_topk_prob,  # softmax over all, then top-k (not renormalised)
+        moe_router_dtype="fp32",
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="alltoall",
+        moe_permute_fusion=False,
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coef else "none",
+        moe_aux_loss_coeff=aux_loss_coef / layers,
+        moe_z_loss_coeff=(z_loss_coef / layers) if z_loss_coef else None,
+        expert_model_parallel_size=ep_degree,
+        qk_layernorm=True,
+    )
+
+
+def transformer_config(hf_config, tp_degree: int, pp_degree: int, **moe):
+    """megatron-core's TransformerConfig for an HF Llama/Qwen2/Qwen3-MoE config (float32 parameters: rlx
+    autocasts); `moe`: `moe_options`' arguments after the config (ep_degree, the loss coefficients)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -104,6 +161,7 @@ def transformer_config(hf_config, tp_degree: int, pp_degree: int):
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         pipeline_dtype=torch.float32,  # activations cross stages in float32 (rlx's schedule)
+        **moe_options(hf_config, **({"ep_degree": 1} | moe)),
     )
 
 
@@ -154,11 +212,15 @@ class CoreAttention(torch.nn.Module):
         return out.reshape(out.shape[0], -1)
 
 
-def layer_spec():
-    """megatron-core's local (no Transformer Engine) GPT layer with RMSNorm and rlx's core attention."""
+def layer_spec(hf_config=None):
+    """megatron-core's local (no Transformer Engine) GPT layer with RMSNorm and rlx's core attention; for an MoE
+    config its MoE layer (sequential experts) and qk-layernorm."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    moe = {}
+    if hf_config is not None and is_moe(hf_config):
+        moe = dict(num_experts=hf_config.num_experts, moe_grouped_gemm=False, qk_layernorm=True)
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", **moe))
     spec.submodules.self_attention.submodules.core_attention = CoreAttention
     return spec
 
@@ -178,19 +240,23 @@ def is_critic_config(hf_config) -> bool:
     return (getattr(hf_config, "architectures", None) or [""])[0].endswith("ForTokenClassification")
 
 
-def build_stage(hf_config, tp_degree: int, pp_degree: int, pp_rank: int):
-    """This rank's stage of the model (megatron's parallel state must already be initialised).
+def build_stage(hf_config, tp_degree: int, pp_degree: int, pp_rank: int, **moe):
+    """This rank's stage of the model (megatron's parallel state must already be initialised); `moe`:
+    `moe_options`' arguments after the config (ep_degree, the loss coefficients).
 
     A critic config (`*ForTokenClassification`) gets `value_head` in place of the LM head."""
-    compat.apply()
+    if is_moe(hf_config):
+        compat.moe_apply()
+    else:
+        compat.apply()
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    check_supported(hf_config, tp_degree, pp_degree)
+    check_supported(hf_config, tp_degree, pp_degree, ep_degree=moe.get("ep_degree", 1))
     critic = is_critic_config(hf_config)
     first, last = pp_rank == 0, pp_rank == pp_degree - 1
     model = GPTModel(
-        config=transformer_config(hf_config, tp_degree, pp_degree),
-        transformer_layer_spec=layer_spec(),
+        config=transformer_config(hf_config, tp_degree, pp_degree, **moe),
+        transformer_layer_spec=layer_spec(hf_config),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp_degree),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=first,

@@ -1,0 +1,113 @@
+"""torchrun worker of tests/distributed/test_megatron_moe.py (argv: ep_degree): a tiny Qwen3-MoE as megatron-core
+stages (its MoE layer, the experts split over ep_degree ranks) gives transformers' logprobs and entropy, with the
+router normalising its top-k or not, scores the same on every rank however rows are split, and gathers back the
+Hugging Face weights bit for bit; the gradient of a backward through ranks that run different numbers of
+micro-batches (fillers keep the all-to-alls in step) equals transformers'."""
+
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlx.backends.megatron.forward import head_logprobs
+from rlx.backends.megatron.parallel import setup_megatron
+from rlx.backends.megatron.schedule import MicroBatch, run_pipeline
+from rlx.backends.megatron.stage import MegatronScoringModel, even_micro_batches, load_stage, micro_batches
+from rlx.backends.megatron.weights import gather_hf_weights, with_all_experts
+from rlx.logprobs import PackedRows, packed_response_logprobs
+from rlx.models.attention import enable_packed_attention
+from rlx.models.megatron.convert import hf_to_megatron_shard, megatron_to_hf
+from rlx.models.moe import tiny_moe_config
+from rlx.parallel.dist import exit_process
+
+ep = int(sys.argv[1])
+ctx = setup_megatron("cpu", 1, 1, ep)
+B, P, R = 5, 7, 6
+g = torch.Generator().manual_seed(1)
+prompt_mask = torch.ones(B, P, dtype=torch.long)
+prompt_mask[0, :3] = 0
+response_mask = torch.ones(B, R, dtype=torch.long)
+response_mask[3, 2:] = 0
+
+
+def check(norm_topk_prob: bool) -> None:
+    config = tiny_moe_config(67, "qwen3_moe", num_experts=4, top_k=2, norm_topk_prob=norm_topk_prob)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():  # transformers initialises norms to 1: random ones check the qk-layernorm mapping
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    enable_packed_attention(hf)
+    weights = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied
+    stage = load_stage(config, hf_to_megatron_shard(weights, config, 1, 1, 0, 0), ctx, "test")
+    experts = [n for n in stage.state_dict() if ".mlp.experts.local_experts." in n and n.endswith("fc1.weight")]
+    assert len(experts) == config.num_hidden_layers * config.num_experts // ep, experts
+    ids = dict(
+        prompt_ids=torch.randint(3, 67, (B, P), generator=g),
+        prompt_mask=prompt_mask,
+        response_ids=torch.randint(3, 67, (B, R), generator=g),
+        response_mask=response_mask,
+    )
+    # each rank its own rows: the all-to-all carries tokens of different counts between ranks
+    mine = list(range(ctx.rank, B, ep))
+    local = {k: v[mine] for k, v in ids.items()}
+    rows = PackedRows.build(**local)
+    got = []
+
+    def head(hidden, mb):
+        got.append(head_logprobs(stage, ctx, hidden, mb.rows, (len(mine), R), 67, 0.7, torch.float32))
+
+    run_pipeline(stage, ctx, [MicroBatch(rows=rows)], head, torch.float32, forward_only=True)
+    want = packed_response_logprobs(hf, **local, temperature=0.7, dtype=torch.float32, with_entropy=True)
+    for a, b in zip(got[0], want):
+        err = ((a - b) * local["response_mask"]).abs().max().item()
+        assert err < 1e-5, (norm_topk_prob, ep, err)
+    # scoring splits rows over the data-parallel ranks (uneven micro-batch counts: fillers keep the all-to-alls
+    # in step) and gives every rank all rows
+    scored = MegatronScoringModel(stage, config, ctx).logprobs(ids, 0.7, torch.float32, micro_batch_size=2)
+    full = packed_response_logprobs(hf, **ids, temperature=0.7, dtype=torch.float32)[0]
+    assert ((scored - full) * response_mask).abs().max().item() < 1e-5
+    gathered = gather_hf_weights(stage, config, ctx)
+    assert gathered.keys() == weights.keys(), sorted(set(gathered) ^ set(weights))
+    assert all(torch.equal(gathered[k], weights[k]) for k in weights)
+    check_gradients(hf, stage, config, ids, local, mine)
+
+
+def check_gradients(hf, stage, config, ids: dict, local: dict, mine: list[int]) -> None:
+    """d(sum of response logprobs)/d(weights): rank 0 runs its rows as two micro-batches, the others as one (and
+    a filler at ep 2); dense gradients summed over the ranks, each expert's complete where it lives."""
+    parts = [[0], list(range(1, len(mine)))] if ctx.rank == 0 else [list(range(len(mine)))]
+    micro = even_micro_batches(micro_batches(local, parts, ctx.device), ctx)
+    assert len(micro) == 2 and micro[-1].is_filler == (ctx.rank > 0)
+    stage.zero_grad(set_to_none=True)
+
+    def head(hidden, mb):
+        if mb.is_filler:
+            return hidden.sum() * 0.0
+        shape = (len(mb.extra), R)
+        logp = head_logprobs(stage, ctx, hidden, mb.rows, shape, 67, 1.0, torch.float32)[0]
+        return (logp * local["response_mask"][mb.extra]).sum()
+
+    run_pipeline(stage, ctx, micro, head, torch.float32, forward_only=False)
+    grads = {}
+    for name, p in stage.named_parameters():
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        if ".mlp.experts." not in name:
+            torch.distributed.all_reduce(grad)  # data parallel: every rank's rows
+        grads[name] = grad
+    grads = megatron_to_hf({(0, 0): with_all_experts(grads, config, ctx)}, config, 1, 1)
+    hf.zero_grad(set_to_none=True)
+    logp = packed_response_logprobs(hf, **ids, temperature=1.0, dtype=torch.float32)[0]
+    (logp * ids["response_mask"]).sum().backward()
+    for name, p in hf.named_parameters():
+        if name in grads:
+            err = (grads[name] - p.grad).abs().max().item()
+            assert err < 1e-5, (name, err)
+
+
+for norm in (False, True):
+    check(norm)
+print("rank", ctx.rank, "ok")
+exit_process(0)
