@@ -302,7 +302,8 @@ class NativeStream(TokenStream):
         draws = request_uniforms([request], self.sampling.seed, self.sampling.max_new_tokens)
         own = request.sampling_of(self.sampling)  # a served client's own temperature / top_p / top_k, if any
         greedy = request.greedy or own.is_greedy
-        row = self.sampler.add_rows(draws, own)
+        special = bool(request.num_top_logprobs) or request.constraint is not None
+        row = self.sampler.add_rows(draws, own, special=special)
         seq = Sequence(row, list(request.prompt_ids), request.max_new_tokens, greedy=greedy,
                        num_top_logprobs=request.num_top_logprobs, constraint=request.constraint)  # fmt: skip
         if self.runner.images is not None:  # a vision-language model: mRoPE positions, the request's images

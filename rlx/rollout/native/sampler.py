@@ -50,13 +50,15 @@ class StepSampler:
         self.num_rows = 0
         self.own: dict[int, SamplingParams] = {}
         """The rows that sample otherwise than the stream, with their settings."""
+        self.special: set[int] = set()
+        """The rows with a grammar or asking for top logprobs (a step reads them only when one of these runs)."""
         rows = max(max_num_seqs, 1)
         self.inputs = PinnedPair(3 * rows, torch.long, device)
         self.outputs = PinnedPair(2 * rows, torch.float64, device)
 
-    def add_rows(self, uniforms: torch.Tensor, own: SamplingParams | None = None) -> int:
+    def add_rows(self, uniforms: torch.Tensor, own: SamplingParams | None = None, special: bool = False) -> int:
         """Append draws [k, max_new_tokens] (float64, CPU) for k new sequences (sampling as `own` where given, else
-        as the stream); returns the first one's row."""
+        as the stream; `special`: with a grammar or asking for top logprobs); returns the first one's row."""
         first, needed = self.num_rows, self.num_rows + uniforms.shape[0]
         if needed > self.uniforms.shape[0]:  # grow by doubling: queued steps keep reading the old buffer
             grown = torch.zeros(max(needed, 2 * self.uniforms.shape[0]), *self.uniforms.shape[1:],
@@ -67,6 +69,8 @@ class StepSampler:
         self.num_rows = needed
         if own is not None and not samples_alike(own, self.cfg):
             self.own.update(dict.fromkeys(range(first, needed), own))
+        if special:
+            self.special.update(range(first, needed))
         return first
 
     def launch(
@@ -87,12 +91,15 @@ class StepSampler:
             draws = self.uniforms[staged[0], staged[1]]
             if any(greedy):
                 mask = staged[2].bool()
-        rows = batch_sampling([self.own.get(s.index, self.cfg) for s in seqs], self.cfg, self.device)
-        if any(s.constraint is not None for s in seqs):  # grammars: their rows keep the allowed tokens only
+        # per-row work only where such rows exist: a plain step's host time is what bounds a small model's decode
+        rows = batch_sampling([self.own.get(s.index, self.cfg) for s in seqs], self.cfg, self.device) if self.own \
+            else batch_sampling([], self.cfg)  # fmt: skip
+        special = bool(self.special) and any(s.index in self.special for s in seqs)
+        if special and any(s.constraint is not None for s in seqs):  # grammars: their rows keep the allowed tokens
             logits = mask_constrained(logits, [s.constraint for s in seqs])
         tokens, chosen = sample_next(logits, draws, mask, rows.temperature, rows.top_k, rows.top_p, exact=self.exact)
         top = None
-        if any(s.num_top_logprobs for s in seqs):  # a served request asked (rare): read back at once
+        if special and any(s.num_top_logprobs for s in seqs):  # a served request asked (rare): read back at once
             values, ids = top_logprobs(logits, rows.temperature, max(s.num_top_logprobs for s in seqs))
             pairs = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
             top = [row[: s.num_top_logprobs] for s, row in zip(seqs, pairs)]
