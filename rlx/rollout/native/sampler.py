@@ -92,8 +92,8 @@ class StepSampler:
             if any(greedy):
                 mask = staged[2].bool()
         # per-row work only where such rows exist: a plain step's host time is what bounds a small model's decode
-        rows = batch_sampling([self.own.get(s.index, self.cfg) for s in seqs], self.cfg, self.device) if self.own \
-            else batch_sampling([], self.cfg)  # fmt: skip
+        own = [self.own.get(s.index, self.cfg) for s in seqs] if self.own else []  # []: the stream's scalars
+        rows = batch_sampling(own, self.cfg, self.device)
         special = bool(self.special) and any(s.index in self.special for s in seqs)
         if special and any(s.constraint is not None for s in seqs):  # grammars: their rows keep the allowed tokens
             logits = mask_constrained(logits, [s.constraint for s in seqs])
