@@ -2,6 +2,7 @@
 
     python bench/exact_check.py                          # GPU: Qwen2-0.5B shape, bf16 autocast, batches 1, 8, 64
     python bench/exact_check.py --shape small --cpu      # a quick check of the script
+    python bench/exact_check.py --shape 7b --batch-sizes 1,8,64   # GPU: the Qwen2.5-7B shape (float32 weights, 30 GB)
 
 A model of --shape (random init, float32 weights as a trainer holds them) generates --response-len tokens for each
 of B prompts of --prompt-len random token ids (B from --batch-sizes, temperature 1) with the native engine; the
@@ -39,7 +40,9 @@ from rlx.rollout.base import build_engine  # noqa: E402
 from rlx.rollout.config import RolloutConfig, SamplingParams  # noqa: E402
 from rlx.rollout.requests import TokenRequest  # noqa: E402
 
-SHAPES = {"0.5b": QWEN2_05B, "small": dict(QWEN2_05B, hidden_size=128, intermediate_size=256, num_hidden_layers=2)}
+QWEN25_7B = dict(QWEN2_05B, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                 num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)  # fmt: skip
+SHAPES = {"0.5b": QWEN2_05B, "7b": QWEN25_7B, "small": dict(QWEN2_05B, hidden_size=128, intermediate_size=256, num_hidden_layers=2)}
 SHAPES["small"].update(num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
 
 
@@ -48,7 +51,8 @@ def build_model(shape: str, device: torch.device):
 
     torch.manual_seed(0)
     config = Qwen2Config(**SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    return Qwen2ForCausalLM(config).to(device).eval()
+    with device:  # initialised where it runs (a 7B float32 init on the host takes minutes)
+        return Qwen2ForCausalLM(config).eval()
 
 
 def make_requests(count: int, prompt_len: int, response_len: int, vocab: int) -> list[TokenRequest]:
