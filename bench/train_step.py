@@ -144,6 +144,7 @@ def run_rlx(args, shape, batch, ctx) -> dict:
         gradient_checkpointing=args.gradient_checkpointing,
         compile=args.compile,
         device="cpu" if args.cpu else "cuda",
+        exact=args.exact,
     )
     dtype = torch.float32 if args.cpu else torch.bfloat16
     trainer = ActorTrainer(model, cfg, ctx.device, dtype, ctx)
@@ -230,6 +231,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--compile", action="store_true", help="rlx with torch.compile'd decoder layers")
+    parser.add_argument("--exact", action="store_true", help="rlx in exact (batch-invariant) mode (docs/exact.md)")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--small", action="store_true", help="a tiny model and batch (checks the script)")
     parser.add_argument("--cpu", action="store_true")
