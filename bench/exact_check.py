@@ -42,7 +42,11 @@ from rlx.rollout.requests import TokenRequest  # noqa: E402
 
 QWEN25_7B = dict(QWEN2_05B, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                  num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)  # fmt: skip
-SHAPES = {"0.5b": QWEN2_05B, "7b": QWEN25_7B, "small": dict(QWEN2_05B, hidden_size=128, intermediate_size=256, num_hidden_layers=2)}
+SHAPES = {
+    "0.5b": QWEN2_05B,
+    "7b": QWEN25_7B,
+    "small": dict(QWEN2_05B, hidden_size=128, intermediate_size=256, num_hidden_layers=2),
+}
 SHAPES["small"].update(num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
 
 

@@ -241,7 +241,9 @@ def main() -> None:
     parser.add_argument("--sync", type=int, default=0, metavar="N", help="after the timed calls, time N rounds of "
                         "sleep, wake and weight push (vllm: by part, direct load and in-place reload)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--profile", type=Path, help="profile one more call of each native engine; write the tables to PATH-ENGINE")
+    parser.add_argument(
+        "--profile", type=Path, help="profile one more call of each native engine; write the tables to PATH-ENGINE"
+    )
     args = parser.parse_args()
     if args.small:
         args.prompts, args.prompt_len, args.response_len = 8, 16, 16
