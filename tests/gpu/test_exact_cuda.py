@@ -104,10 +104,13 @@ def test_exact_rollout_logprobs_equal_the_trainers_through_triton():
     assert any(not torch.equal(logp, plain["rollout/17"]) for logp in plain.values()), "the test could not fail"
 
 
-def test_exact_training_gradients_follow_the_default_forward():
+def test_exact_training_gradients_follow_the_float32_forward():
     """A training loss through exact mode's Triton path (matmul, attention and log-probabilities, each with its own
-    backward) on a left-padded batch under bfloat16 autocast: its value and gradients those of the default forward,
-    up to bfloat16 rounding."""
+    backward) on a left-padded batch under bfloat16 autocast: its value and gradients those of the default forward in
+    float32, up to bfloat16 rounding; in float32, those of the default forward to float32 rounding.
+
+    (The reference is float32 because the default bf16 forward is the further one from it here: on an H100, cosine
+    0.963 for some MLP gradients of this left-padded batch against >= 0.9999 for exact mode's.)"""
     import contextlib
 
     from transformers import AutoModelForCausalLM
@@ -123,9 +126,10 @@ def test_exact_training_gradients_follow_the_default_forward():
     mask = torch.ones_like(ids)
     mask[1, :9] = 0
 
-    def loss_and_grads(exact: bool):
+    def loss_and_grads(exact: bool, bf16: bool):
         model.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16), exact_forward(model) if exact else contextlib.nullcontext():
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        with autocast, exact_forward(model) if exact else contextlib.nullcontext():
             logits = model(input_ids=ids, attention_mask=mask).logits
             logp, entropy = logprobs_from_logits(logits[:, :-1], ids[:, 1:], 0.9, with_entropy=True)
             weights = mask[:, 1:].float()
@@ -133,8 +137,9 @@ def test_exact_training_gradients_follow_the_default_forward():
         loss.backward()
         return loss.detach().float(), [p.grad.float().flatten() for p in model.parameters()]
 
-    exact_loss, exact_grads = loss_and_grads(True)
-    loss, grads = loss_and_grads(False)
-    torch.testing.assert_close(exact_loss, loss, rtol=1e-2, atol=1e-2)
-    for got, want in zip(exact_grads, grads):
-        assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.98
+    reference_loss, reference = loss_and_grads(exact=False, bf16=False)
+    for bf16, loss_tol, min_cosine in ((True, 2e-3, 0.999), (False, 1e-5, 0.99999)):
+        loss, grads = loss_and_grads(exact=True, bf16=bf16)
+        torch.testing.assert_close(loss, reference_loss, rtol=loss_tol, atol=loss_tol)
+        for got, want in zip(grads, reference):
+            assert torch.nn.functional.cosine_similarity(got, want, dim=0) > min_cosine, bf16
