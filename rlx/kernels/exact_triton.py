@@ -11,6 +11,8 @@ decode), so the rollout's and the trainer's logprobs stay equal bit for bit:
 - `exact_logprobs` / `exact_target_logprobs`: the log-probability of each row's target (and the row's entropy)
   from float32 logits divided by the temperature, one program per row walking the vocabulary in fixed chunks: the
   sampler's and the trainer's alike (the trainer's differentiable, its backward plain PyTorch).
+- `exact_rms_norm`: the Llama-family RMSNorm, one program per row (one kernel where the PyTorch scheme's
+  `tree_sum` takes about twenty); differentiable (the backward is the plain PyTorch formula).
 - `exact_attention`: per (query token, kv head), the token's keys in KEY_BLOCK blocks from position 0, from a paged
   KV cache (block tables) or from contiguous rows (a training forward's packed or padded samples); sequence
   lengths stay on the device (no host sync: CUDA-graph capturable). `exact_packed_attention` is the trainer's,
@@ -51,9 +53,14 @@ def _interpreting() -> bool:
 
 @functools.cache
 def _kernels():
-    from rlx.kernels.exact_triton_kernels import exact_attention_kernel, exact_logprob_kernel, exact_matmul_kernel
+    from rlx.kernels.exact_triton_kernels import (
+        exact_attention_kernel,
+        exact_logprob_kernel,
+        exact_matmul_kernel,
+        exact_rms_norm_kernel,
+    )
 
-    return exact_matmul_kernel, exact_attention_kernel, exact_logprob_kernel
+    return exact_matmul_kernel, exact_attention_kernel, exact_logprob_kernel, exact_rms_norm_kernel
 
 
 def _next_pow2(n: int) -> int:
@@ -259,3 +266,42 @@ def exact_target_logprobs(
         return picked, None
     entropy = torch.cat([p[1] for p in parts]).view(targets.shape) if parts else picked.clone()
     return picked, entropy
+
+
+def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Llama-family RMSNorm in plain PyTorch (the gradients' formula: they need no batch invariance)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class _ExactRmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        rows = x.reshape(-1, x.shape[-1])
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+        if rows.shape[0]:
+            _kernels()[3][(rows.shape[0],)](
+                rows, weight.contiguous(), out, rows.stride(0), out.stride(0), rows.shape[1], eps,
+                BLOCK=_next_pow2(rows.shape[1]), num_warps=4 if rows.shape[1] <= 4096 else 8,
+            )  # fmt: skip
+        return out.view(*x.shape[:-1], x.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x, weight = x.detach().requires_grad_(ctx.needs_input_grad[0]), weight.detach().requires_grad_()
+            out = _rms_norm_reference(x, weight, ctx.eps)
+            wanted = [t for t, need in zip((x, weight), ctx.needs_input_grad[:2]) if need]
+            grads = iter(torch.autograd.grad(out, wanted, grad))
+        return *(next(grads) if need else None for need in ctx.needs_input_grad[:2]), None
+
+
+def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * (x.float() * rsqrt(mean(x.float() ** 2) + eps)).to(x.dtype)` over the last dimension of x, one
+    program per row (batch-invariant), in torch's promotion of the two dtypes; differentiable."""
+    return _ExactRmsNorm.apply(x, weight, eps)

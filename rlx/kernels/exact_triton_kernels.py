@@ -1,7 +1,7 @@
 """The Triton kernels of exact mode on CUDA (rlx/kernels/exact_triton.py holds the host side). Imported on first use,
 so importing rlx needs no triton and TRITON_INTERPRET (read when these are defined) may be set until the first call.
 
-Both kernels are batch-invariant by construction: every program runs the same instruction sequence (the tile shapes
+The kernels are batch-invariant by construction: every program runs the same instruction sequence (the tile shapes
 and the loop orders are constexprs that never depend on how many rows or tokens a call holds), and a row's or a
 token's result depends only on its own inputs, so it is the same bits in a call of 1 row or 10,000.
 """
@@ -162,3 +162,20 @@ def exact_logprob_kernel(
     tl.store(logp_ptr + row, (picked - top) - log_total)
     if WITH_ENTROPY:
         tl.store(ent_ptr + row, log_total - tl.sum(weighted, 0) / total)
+
+
+@triton.jit
+def exact_rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):
+    """One program per row of x [R, N]: the Llama-family RMSNorm. The float32 mean of the row's squares is one
+    tl.sum over BLOCK >= N lanes (the padding lanes zero), h = x * rsqrt(mean + eps) is rounded to x's dtype, then
+    multiplied by the weight in out's dtype (torch's promotion of the weight's and x's dtypes), the product computed
+    in float32. A row's arithmetic does not depend on the other rows."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x * x, 0) / N
+    h = (x * tl.math.rsqrt(mean + eps)).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out = w * h.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)

@@ -6,7 +6,7 @@ native engine's paged attention in exact mode, rlx/rollout/native/runner.py) whe
 
 - every `F.linear` call (each projection, the MLP, the LM head) runs as `blocked_linear` (CUDA with triton:
   `exact_linear`, rlx/kernels/exact_triton.py), through a torch function mode (no module's forward is replaced);
-- every RMSNorm's output is recomputed by `rms_norm` in a forward hook;
+- every RMSNorm runs `rms_norm` instead of its own forward (CUDA with triton: `exact_rms_norm`, one kernel);
 - attention runs "rlx_exact" (registered with transformers' attention interface): padded batches (a 2D mask) and
   packed rows (cu_seqlens or restarting positions) alike, by `blocked_attention` over each sample's keys (CUDA with
   triton: `exact_packed_attention`, the same Triton kernel as the native engine's exact paged attention);
@@ -20,6 +20,7 @@ Supported: the text decoders of `EXACT_FAMILIES` without sliding-window attentio
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from contextvars import ContextVar
 
@@ -30,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlx.errors import UserError
 from rlx.kernels.exact import KEY_BLOCK, blocked_attention, blocked_linear, rms_norm
-from rlx.kernels.exact_triton import exact_linear, exact_packed_attention, use_triton
+from rlx.kernels.exact_triton import exact_linear, exact_packed_attention, exact_rms_norm, use_triton
 from rlx.models.attention import _segments, attention_implementation, packed_attention_mask, register_attention
 
 EXACT_ATTENTION = "rlx_exact"
@@ -59,18 +60,46 @@ def check_exact_model(model, where: str = "exact mode") -> None:
 
 class _BlockedLinear(TorchFunctionMode):
     """Every `F.linear` call inside as `blocked_linear` (fixed-shape GEMMs), on CUDA `exact_linear` (one Triton
-    launch with fixed tiles)."""
+    launch with fixed tiles). `casts`: weights and biases already cast to the compute dtype, by the id of the
+    parameter (the native engine's, rlx/rollout/native/runner.py): the same bits as `exact_linear`'s own cast."""
+
+    def __init__(self, casts: dict[int, torch.Tensor] | None = None):
+        super().__init__()
+        self.casts = casts or {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
-            return (exact_linear if use_triton(args[0]) else blocked_linear)(*args, **kwargs)
+            if use_triton(args[0]):
+                x, weight, bias = (*args, kwargs.get("bias"))[:3]
+                weight, bias = self.casts.get(id(weight), weight), self.casts.get(id(bias), bias)
+                return exact_linear(x, weight, bias)
+            return blocked_linear(*args, **kwargs)
         return func(*args, **kwargs)
 
 
-def _norm_hook(module, args, kwargs, output):
-    hidden = args[0] if args else kwargs["hidden_states"]
-    return rms_norm(hidden, module.weight, module.variance_epsilon)
+def _exact_norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm module's forward in exact mode."""
+    norm = exact_rms_norm if use_triton(hidden_states) else rms_norm
+    return norm(hidden_states, module.weight, module.variance_epsilon)
+
+
+@contextlib.contextmanager
+def _exact_norms(model) -> Iterator[None]:
+    """Every RMSNorm of `model` runs `_exact_norm` instead of its own forward inside the block (an instance
+    attribute over the class's forward, removed on exit)."""
+    norms = _rms_norms(model)
+    own = [m.__dict__.get("forward") for m in norms]
+    for module in norms:
+        module.forward = functools.partial(_exact_norm, module)
+    try:
+        yield
+    finally:
+        for module, forward in zip(norms, own):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
 
 
 def _rms_norms(model) -> list[torch.nn.Module]:
@@ -78,27 +107,26 @@ def _rms_norms(model) -> list[torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def exact_forward(model, attention: bool = True) -> Iterator[None]:
+def exact_forward(model, attention: bool = True, casts: dict[int, torch.Tensor] | None = None) -> Iterator[None]:
     """Run `model` batch-invariantly inside the block (see the module doc). `attention`: switch its attention to
-    "rlx_exact" (off where the caller runs its own exact attention: the native engine's paged one)."""
+    "rlx_exact" (off where the caller runs its own exact attention: the native engine's paged one). `casts`:
+    linear weights already in the compute dtype, by parameter id (see `_BlockedLinear`)."""
     check_exact_model(model)
-    handles = [m.register_forward_hook(_norm_hook, with_kwargs=True) for m in _rms_norms(model)]
     threads = torch.get_num_threads()
     token = _ACTIVE.set(True)
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_exact_norms(model))
             if attention:
                 register_attention(EXACT_ATTENTION, exact_attention_forward, packed_attention_mask)
                 stack.enter_context(attention_implementation(model, EXACT_ATTENTION))
             if next(model.parameters()).device.type == "cpu":
                 torch.set_num_threads(1)
-            stack.enter_context(_BlockedLinear())
+            stack.enter_context(_BlockedLinear(casts))
             yield
     finally:
         torch.set_num_threads(threads)
         _ACTIVE.reset(token)
-        for handle in handles:
-            handle.remove()
 
 
 def compute_dtype(tensor: torch.Tensor) -> torch.dtype:

@@ -55,3 +55,48 @@ def test_exact_mode_end_to_end_through_the_triton_kernels_in_the_interpreter():
     out = run_script(Path(__file__).parent / "workers" / "exact_triton_wiring.py", {"TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "ok"
+
+
+def test_exact_casts_hold_the_linear_weights_in_the_compute_dtype_at_fixed_addresses():
+    """The native engine's cast copies (exact mode on CUDA): every linear weight and bias in bfloat16, the same bits
+    as the cast `exact_linear` would make; recast in place after the weights change; and exact_forward's linear
+    layers are handed them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlx.kernels import exact_triton
+    from rlx.models import exact as exact_module
+    from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
+    from rlx.rollout.native.runner import ExactCasts
+
+    torch.manual_seed(0)
+    config = tiny_llama_config(len(build_char_tokenizer()), hidden_size=32, num_heads=4, num_kv_heads=2,
+                               intermediate_size=64, num_layers=1)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    casts = ExactCasts(model, torch.bfloat16, releasable=False)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    params = {id(m.weight) for m in linears} | {id(m.bias) for m in linears if m.bias is not None}
+    assert len(casts.params) == len(params)
+    for param, copy in zip(casts.params, casts.copies):
+        assert copy.dtype == torch.bfloat16 and torch.equal(copy, param.to(torch.bfloat16))
+    proj = model.model.layers[0].mlp.down_proj
+    address = casts.by_id[id(proj.weight)].data_ptr()
+    with torch.no_grad():
+        proj.weight.add_(1.0)
+    casts.refresh()
+    assert casts.by_id[id(proj.weight)].data_ptr() == address
+    assert torch.equal(casts.by_id[id(proj.weight)], proj.weight.to(torch.bfloat16))
+
+    seen = []
+    original = exact_module.exact_linear
+    try:  # the CUDA dispatch on the CPU: record which weight each linear call gets
+        exact_module.use_triton = lambda tensor: True
+        exact_module.exact_linear = lambda x, w, b=None: seen.append(w) or torch.nn.functional.linear(x, w.float(), b)
+        exact_module.exact_rms_norm = exact_module.rms_norm
+        with torch.no_grad(), exact_module.exact_forward(model, attention=False, casts=casts.by_id):
+            model(input_ids=torch.tensor([[3, 4, 5]]))
+    finally:
+        exact_module.use_triton = exact_triton.use_triton
+        exact_module.exact_linear = original
+        exact_module.exact_rms_norm = exact_triton.exact_rms_norm
+    assert any(w is casts.by_id[id(proj.weight)] for w in seen) and all(w.dtype == torch.bfloat16 for w in seen)

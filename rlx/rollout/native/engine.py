@@ -246,6 +246,7 @@ class NativeRolloutEngine(RolloutEngine):
         the cache sized for `num_seqs` sequences of `max_context` tokens (or what the budget allows)."""
         module = self._generating_module()  # before the cache is sized from the free memory
         runner = self._runner_for(module, max_context, num_seqs)
+        runner.weights_changed()  # exact mode's cast copies of the current weights
         runner.images = NativeImages(module) if family_of(module.config).takes_images else None  # this stream's images
         return NativeStream(self, runner, sampling)
 
@@ -393,6 +394,7 @@ class NativeStream(TokenStream):
         """Refill the replica in place (the captured graphs read its storage) and stop reusing cached prefixes."""
         module = self.engine._generating_module()
         assert module is self.module, "the replica was rebuilt under an open stream"
+        self.runner.weights_changed()
         self.runner.blocks.forget_cached()
 
     def close(self) -> None:

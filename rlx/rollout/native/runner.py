@@ -281,6 +281,8 @@ class ModelRunner:
             self.fused_dims = (config.num_attention_heads, kv_heads, head_dim)
             self.fused_eps = float(self._layers()[0].input_layernorm.variance_epsilon)
             self.fused_scale = float(attn.scaling)
+        self.casts = ExactCasts(model, dtype, releasable) if exact and use_triton(next(model.parameters())) else None
+        """Exact mode on CUDA: the linear weights in the compute dtype, cast once per call rather than every step."""
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.sizes: list[int] = []
         self.compiled = False
@@ -290,13 +292,19 @@ class ModelRunner:
     def release(self) -> int:
         """Hand a releasable KV cache's memory back (its addresses and the decode graphs are kept); the bytes freed
         (0 when the cache is not releasable or already released)."""
-        return self.kv_memory.release() if self.kv_memory is not None else 0
+        freed = self.kv_memory.release() if self.kv_memory is not None else 0
+        return freed + (self.casts.release() if self.casts is not None else 0)
 
     def restore(self) -> None:
         """Take a released KV cache's memory back, zeroed, at the same addresses."""
         if self.kv_memory is not None and not self.kv_memory.mapped:
             self.kv_memory.restore()
             self.kv_memory.zero_()
+
+    def weights_changed(self) -> None:
+        """The model's weights are new: recast exact mode's copies (in place: the captured graphs read them)."""
+        if self.casts is not None:
+            self.casts.refresh()
 
     @staticmethod
     def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
@@ -314,7 +322,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [len(keep), V] (model dtype) of the kept positions of the row, and for an MoE model the experts
         each routed layer chose there ([len(keep), L, k] int16; else None)."""
-        exact = exact_forward(self.model, attention=False) if self.exact else contextlib.nullcontext()
+        casts = None if self.casts is None else self.casts.by_id
+        exact = exact_forward(self.model, attention=False, casts=casts) if self.exact else contextlib.nullcontext()
         with attention_implementation(self.model, PAGED_ATTENTION), autocast(self.device, self.dtype), exact:
             if self.parts is None:
                 out = self.model(
@@ -503,3 +512,40 @@ class ModelRunner:
             ids = prev[0][torch.tensor(prev[1]).to(self.device)].unsqueeze(0)
         pos = torch.tensor([[p + s.position_offset for s, p in zip(seqs, positions)]]).to(self.device)
         return self._run(ids, pos, ctx, torch.arange(len(seqs), device=self.device))
+
+
+class ExactCasts:
+    """Exact mode's linear weights and biases in the compute dtype (the engine generates with the trainer's float32
+    parameters under autocast, and `exact_linear` would cast each weight at every decode step): copies made once
+    per rollout call (`refresh`) at fixed addresses, the same bits as the per-call cast. `releasable`: in a
+    VirtualBuffer whose memory goes with the KV cache's while the engine sleeps."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, releasable: bool):
+        seen: dict[int, torch.Tensor] = {}
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                for param in (module.weight, module.bias):
+                    if param is not None and param.dtype != dtype and param.is_floating_point():
+                        seen.setdefault(id(param), param)
+        self.params = list(seen.values())
+        shapes = [(tuple(p.shape), dtype) for p in self.params]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.memory: VirtualBuffer | None = None
+        if releasable and self.params:
+            self.memory, self.copies = carve(shapes, device)
+        else:
+            self.copies = [torch.empty(shape, dtype=dtype, device=device) for shape, _ in shapes]
+        self.by_id = {id(p): c for p, c in zip(self.params, self.copies)}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Cast the parameters' current values into the copies (after a sleep: into new memory, same addresses)."""
+        if self.memory is not None and not self.memory.mapped:
+            self.memory.restore()
+        with torch.no_grad():
+            for param, copy in zip(self.params, self.copies):
+                copy.copy_(param)
+
+    def release(self) -> int:
+        """Hand a releasable buffer's memory back; the bytes freed."""
+        return self.memory.release() if self.memory is not None and self.memory.mapped else 0

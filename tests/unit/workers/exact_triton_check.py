@@ -5,6 +5,7 @@ mode's Triton matmul and attention in Triton's interpreter. Each check raises on
 - attention: each (sequence, position)'s output the same bits from packed rows (batches of 1, 3 and 17 samples, in
   any order), padded rows, a paged cache's prefill and its decode; close to the PyTorch reference
   (`blocked_attention`);
+- RMSNorm: each row's the same bits at batch 1, 3 and 17, close to the Llama-family RMSNorm, gradients too;
 - log-probabilities: each row's the same bits at batch 1, 3 and 17, close to log_softmax (entropy too);
 - the autograd paths: exact_linear's, exact_target_logprobs's and exact_packed_attention's gradients close to the
   reference's.
@@ -22,6 +23,7 @@ from rlx.kernels.exact_triton import (
     exact_logprobs,
     exact_matmul,
     exact_packed_attention,
+    exact_rms_norm,
     exact_target_logprobs,
 )
 
@@ -171,7 +173,29 @@ def check_logprob_gradients() -> None:
     assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
 
 
+def check_rms_norm() -> None:
+    x = torch.randn(17, 48, generator=g).to(DTYPE)
+    weight = torch.randn(48, generator=g)  # float32, as a trainer holds it: the output promotes to float32
+    full = exact_rms_norm(x, weight, 1e-6)
+    assert full.dtype == torch.float32
+    for size in (1, 3):
+        for first in range(0, 17 - size + 1, 4):
+            assert torch.equal(exact_rms_norm(x[first : first + size], weight, 1e-6), full[first : first + size])
+    h = x.float()
+    want = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    assert (full - want).abs().max() < TOL * 10, (full - want).abs().max()
+    if sys.argv[1] == "float32":
+        x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        upstream = torch.randn(17, 48, generator=g)
+        got = torch.autograd.grad((exact_rms_norm(x, weight, 1e-6) * upstream).sum(), (x, weight))
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        expected = torch.autograd.grad(((weight * h) * upstream).sum(), (x, weight))
+        for a, b in zip(got, expected):
+            assert (a - b).abs().max() < 1e-4, (a - b).abs().max()
+
+
 check_matmul()
+check_rms_norm()
 check_logprobs()
 check_attention()
 if sys.argv[1] == "float32":
