@@ -1,12 +1,12 @@
-"""Exact mode's arithmetic on CUDA: a batch-invariant Triton matmul and attention (rlx/kernels/exact_triton_kernels.py).
+"""Exact mode's arithmetic on CUDA: batch-invariant Triton matmul, RMSNorm and attention (exact_triton_kernels.py).
 
 rlx/kernels/exact.py keeps the plain-PyTorch scheme (the CPU's, pinned by the CPU tests); on a CUDA device with
 triton, exact mode runs these instead (`use_triton`), in every path alike (trainer forward, engine prefill and
 decode), so the rollout's and the trainer's logprobs stay equal bit for bit:
 
-- `exact_linear`: `F.linear` as one launch for any number of rows, fixed BLOCK_M/N/K tiles and K order, float32
-  accumulation, in autocast's dtype where autocast is on (as `F.linear` under autocast). It replaces the 64-row
-  cuBLAS calls of `blocked_linear`. Differentiable (the backward is two ordinary matmuls: gradients need no
+- `exact_linear`: `F.linear` as one launch for any number of rows, BLOCK_M/N/K tiles fixed per weight shape, K in
+  order, float32 accumulation, in autocast's dtype where autocast is on (as `F.linear` under autocast). It replaces
+  the 64-row cuBLAS calls of `blocked_linear`. Differentiable (the backward is two ordinary matmuls: gradients need no
   batch invariance).
 - `exact_logprobs` / `exact_target_logprobs`: the log-probability of each row's target (and the row's entropy)
   from float32 logits divided by the temperature, one program per row walking the vocabulary in fixed chunks: the
@@ -35,7 +35,11 @@ from rlx.kernels.exact import KEY_BLOCK
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 MATMUL_TILES = (128, 128, 64, 8, 3)
-"""BLOCK_M, BLOCK_N, BLOCK_K, warps, stages of the matmul on CUDA (fixed: every call has the same tiles)."""
+"""BLOCK_M, BLOCK_N, BLOCK_K, warps, stages of the matmul on CUDA for weights of NARROW_N outputs or more."""
+NARROW_TILES, NARROW_N = (64, 64, 64, 4, 4), 2048
+"""The tiles for narrower weights (attention projections, a small model's MLP down projection): a decode step's few
+hundred rows then still spread over enough programs. The tiles depend on the weight's shape only, never on the
+number of rows, so a row's arithmetic stays the same in every call with that weight."""
 # the interpreter: one row a tile (NumPy's matmul, the interpreter's tl.dot, rounds a row by its position in the tile)
 _INTERPRETER_TILES = (1, 64, 64, 1, 1)
 _GROUP_M = 8
@@ -81,7 +85,8 @@ def exact_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     out = x.new_empty(rows, weight.shape[0])
     if rows == 0:
         return out
-    tile_m, tile_n, tile_k, warps, stages = MATMUL_TILES if x.device.type == "cuda" else _INTERPRETER_TILES
+    tiles = MATMUL_TILES if weight.shape[0] >= NARROW_N else NARROW_TILES
+    tile_m, tile_n, tile_k, warps, stages = tiles if x.device.type == "cuda" else _INTERPRETER_TILES
     grid = (_cdiv(rows, tile_m) * _cdiv(weight.shape[0], tile_n),)
     _kernels()[0][grid](
         x, weight, out if bias is None else bias.contiguous(), out, rows, weight.shape[0], depth, x.stride(0),

@@ -27,12 +27,14 @@ def test_triton_kernels_are_batch_invariant_in_bfloat16():
     from rlx.kernels.exact_triton import exact_attention, exact_matmul, packed_positions
 
     torch.manual_seed(0)
-    x, w = torch.randn(300, 896, device="cuda").bfloat16(), torch.randn(4864, 896, device="cuda").bfloat16()
-    bias = torch.randn(4864, device="cuda").bfloat16()
-    full = exact_matmul(x, w, bias)
-    for count, first in ((1, 0), (1, 200), (3, 77), (17, 130), (129, 171)):
-        assert torch.equal(exact_matmul(x[first : first + count], w, bias), full[first : first + count]), count
-    torch.testing.assert_close(full.float(), torch.nn.functional.linear(x, w, bias).float(), atol=0.5, rtol=2e-2)
+    x = torch.randn(300, 896, device="cuda").bfloat16()
+    for outputs in (4864, 896, 128):  # the wide tiles and the narrow ones (NARROW_N)
+        w, bias = torch.randn(outputs, 896, device="cuda").bfloat16(), torch.randn(outputs, device="cuda").bfloat16()
+        full = exact_matmul(x, w, bias)
+        for count, first in ((1, 0), (1, 200), (3, 77), (17, 130), (129, 171)):
+            assert torch.equal(exact_matmul(x[first : first + count], w, bias), full[first : first + count]), count
+        want = torch.nn.functional.linear(x, w, bias).float()
+        torch.testing.assert_close(full.float(), want, atol=0.5, rtol=2e-2)
     # attention: 17 sequences packed, then the last 3 alone and from a paged cache (decode of each last token)
     lengths = torch.tensor([1, 31, 32, 33, 64, 65, 100, 7, 2, 250, 9, 40, 3, 128, 5, 77, 300])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).cuda()
