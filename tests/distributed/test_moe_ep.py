@@ -109,9 +109,9 @@ def test_router_z_loss_changes_the_update_only_when_on(tmp_path, moe_ckpt, moe_b
 
 
 def test_ep_forward_equals_transformers_experts(tmp_path):
-    """The EP forward over a one-rank group (the dispatch, the local experts' loop, the combine) equals transformers'
-    experts forward, outputs and gradients, and gives zero gradients when no token comes; an experts module left
-    unsplit falls back to transformers' loop."""
+    """The EP forward over a one-rank group (the dispatch, the local experts' grouped GEMMs, the combine) equals
+    transformers' experts forward, outputs and gradients, and gives zero gradients when no token comes; an experts
+    module left unsplit falls back to transformers' own forward."""
     import torch.distributed as dist
 
     from rlx.models.moe import MOE_FAMILIES, tiny_moe_config

@@ -1,6 +1,7 @@
-"""The expert-parallel forward's local experts (rlx/parallel/experts.py): the grouped GEMMs equal the per-expert loop,
-values and gradients, in float32, bf16 and under autocast, with experts that get no rows; an EP rank's received rows
-(grouped by source rank) come back in their order; shapes the grouped kernel cannot take run the loop."""
+"""MoE experts train as grouped GEMMs. Under expert parallelism (rlx/parallel/experts.py) a rank's local experts: the
+grouped GEMMs equal the per-expert loop, values and gradients, in float32, bf16 and under autocast, with experts that
+get no rows; an EP rank's received rows (grouped by source rank) come back in their order; shapes the grouped kernel
+cannot take run the loop. Without EP: rlx's MoE models run transformers' grouped_mm experts, not its eager loop."""
 
 from __future__ import annotations
 
@@ -111,3 +112,23 @@ def test_rows_the_grouped_kernel_cannot_take_run_the_loop(dtype, intermediate):
     assert all(torch.equal(a, b) for a, b in zip(auto, loop, strict=True))
     with pytest.raises(ValueError, match="local experts impl 'padded'"):
         run_sorted_experts(experts, experts.gate_up_proj, experts.down_proj, rows, torch.tensor([4, 0, 5]), "padded")
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="torch < 2.10: no CPU grouped_mm")
+def test_one_process_moe_runs_transformers_grouped_gemms(monkeypatch):
+    """ep_degree 1: an MoE model built as rlx builds one from a checkpoint (`from_config`) keeps transformers' default
+    `grouped_mm` experts: each layer's forward runs torch's grouped GEMM twice (gate/up, down), not a per-expert loop,
+    and the experts get gradients."""
+    from rlx.models.loading import init_random_model
+    from rlx.models.moe import tiny_moe_config
+    from rlx.models.tiny import build_char_tokenizer
+
+    calls = []
+    grouped_mm = torch.nn.functional.grouped_mm
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
+    model = init_random_model(tiny_moe_config(len(build_char_tokenizer())), seed=0)
+    assert model.config._experts_implementation == "grouped_mm"
+    ids = torch.randint(3, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(5))
+    model(input_ids=ids).logits.square().mean().backward()
+    assert len(calls) == 2 * model.config.num_hidden_layers
+    assert all(layer.mlp.experts.down_proj.grad.any() for layer in model.model.layers)
