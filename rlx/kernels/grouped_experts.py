@@ -42,7 +42,10 @@ def grouped_mm_trains(device: torch.device, dtype: torch.dtype, *weights: torch.
     """Whether `grouped_linear` runs (forward and backward) on `device` in `dtype` for `weights` [E, out, in]:
     `torch.nn.functional.grouped_mm` (torch >= 2.10: a CPU kernel; on CUDA CUTLASS for bf16 on SM90/SM100, torch's
     per-group loop for float32) in float32 or bf16, or on older torch `torch._grouped_mm` for bf16 on Hopper; every
-    operand's rows a multiple of 16 bytes (the kernels' stride rule)."""
+    operand's rows a multiple of 16 bytes (the kernels' stride rule). Under torch.compile bf16 only (its fake-tensor
+    rule for grouped_mm refuses float32, torch 2.13)."""
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+        return False
     if hasattr(torch.nn.functional, "grouped_mm"):
         runs = device.type in ("cpu", "cuda") and dtype in (torch.float32, torch.bfloat16)
     else:  # torch 2.8's kernel: Hopper only

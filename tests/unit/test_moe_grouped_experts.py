@@ -114,6 +114,16 @@ def test_rows_the_grouped_kernel_cannot_take_run_the_loop(dtype, intermediate):
         run_sorted_experts(experts, experts.gate_up_proj, experts.down_proj, rows, torch.tensor([4, 0, 5]), "padded")
 
 
+def test_under_torch_compile_only_bf16_takes_the_grouped_kernel(monkeypatch):
+    """torch.compile's grouped_mm refuses float32: a compiled layer with float32 experts runs the loop."""
+    experts = build_experts(3, 32, 16, torch.float32)
+    weights = (experts.gate_up_proj, experts.down_proj)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not grouped_mm_trains(cpu, torch.float32, *weights)
+    assert grouped_mm_trains(cpu, torch.bfloat16, *weights) == hasattr(torch.nn.functional, "grouped_mm")
+
+
 @pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="torch < 2.10: no CPU grouped_mm")
 def test_one_process_moe_runs_transformers_grouped_gemms(monkeypatch):
     """ep_degree 1: an MoE model built as rlx builds one from a checkpoint (`from_config`) keeps transformers' default
