@@ -221,10 +221,10 @@ def run_sorted_experts(
         return grouped_linear(gated.to(dtype), down.to(dtype), offsets).to(rows.dtype)
     if impl != "loop":
         raise ValueError(f"local experts impl {impl!r}: expected auto, grouped or loop")
-    outputs = []
-    for index, chunk in enumerate(rows.split(sizes.tolist())):
-        hidden = experts._apply_gate(torch.nn.functional.linear(chunk, gate_up[index]))  # [n, I]
-        outputs.append(torch.nn.functional.linear(hidden, down[index]))  # [n, H]
+    outputs = []  # unbind, not gate_up[e]: its backward stacks the experts' gradients once, not E full-size zeros
+    for chunk, gate_up_e, down_e in zip(rows.split(sizes.tolist()), gate_up.unbind(0), down.unbind(0), strict=True):
+        hidden = experts._apply_gate(torch.nn.functional.linear(chunk, gate_up_e))  # [n, I]
+        outputs.append(torch.nn.functional.linear(hidden, down_e))  # [n, H]
     return torch.cat(outputs).to(rows.dtype)
 
 
