@@ -14,6 +14,9 @@ Both keep every shape a function of T alone (the expert counts are tensors, neve
 traces under torch.compile without graph breaks and replays inside a CUDA graph. Each token's k expert outputs
 are weighted and summed in float32, in a fixed order (no atomics): the result does not depend on the batch.
 Weights use transformers' fused layout: gate_up [E, 2I, H] (gate rows first), down [E, H, I].
+
+`grouped_linear` (with `grouped_mm_trains` saying where it runs) is the training side's building block: one grouped
+GEMM with autograd over rows already sorted by expert, used by the expert-parallel forward (rlx/parallel/experts.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,45 @@ def grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     if not hasattr(torch, "_grouped_mm") or x.device.type != "cuda" or gate_up.dtype != torch.bfloat16:
         return False
     return all(t.shape[-1] * t.element_size() % 16 == 0 for t in (gate_up, down))
+
+
+def grouped_mm_trains(device: torch.device, dtype: torch.dtype, *weights: torch.Tensor) -> bool:
+    """Whether `grouped_linear` runs (forward and backward) on `device` in `dtype` for `weights` [E, out, in]:
+    `torch.nn.functional.grouped_mm` (torch >= 2.10: a CPU kernel; on CUDA CUTLASS for bf16 on SM90/SM100, torch's
+    per-group loop for float32) in float32 or bf16, or on older torch `torch._grouped_mm` for bf16 on Hopper; every
+    operand's rows a multiple of 16 bytes (the kernels' stride rule). Under torch.compile bf16 only (its fake-tensor
+    rule for grouped_mm refuses float32, torch 2.13)."""
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+        return False
+    if hasattr(torch.nn.functional, "grouped_mm"):
+        runs = device.type in ("cpu", "cuda") and dtype in (torch.float32, torch.bfloat16)
+    else:  # torch 2.8's kernel: Hopper only
+        runs = hasattr(torch, "_grouped_mm") and device.type == "cuda" and dtype == torch.bfloat16
+        runs = runs and torch.cuda.get_device_capability(device)[0] == 9
+    return runs and all(size * dtype.itemsize % 16 == 0 for w in weights for size in w.shape[-2:])
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; the gradient made contiguous (grouped_mm's backward refuses broadcast gradients, such as
+    the one `out.sum()` gives)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """rows [N, in] sorted by expert, weight [E, out, in], offsets [E] int32 (the end row of each expert's group)
+    -> [N, out]: row r times its expert's weight transposed, as one grouped GEMM with autograd (torch's derivative of
+    grouped_mm: an expert with no rows gets a zero gradient). rows and weight share a dtype (see
+    `grouped_mm_trains`)."""
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    weight = weight if weight.data_ptr() % 16 == 0 else weight.clone()  # a view into a flat buffer (FSDP's)
+    return _ContiguousGrad.apply(grouped_mm(rows, weight.transpose(-2, -1), offs=offsets))
 
 
 def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

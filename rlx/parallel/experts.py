@@ -17,6 +17,11 @@ router stays in place (routing replay and the router probes keep working), and t
 modules (the decorator's `_apply_gate`, `has_bias`, `is_transposed` and the undecorated `forward.__wrapped__`);
 tests/distributed/test_moe_ep.py compares it with transformers' own experts forward and fails when those change.
 
+Local experts: the rows a rank receives are sorted by its local expert and run as one grouped GEMM per projection
+(gate/up, then down; `torch.nn.functional.grouped_mm` with per-expert row offsets computed on the device, with its
+autograd), so a layer costs no Python loop over experts and no host sync beyond the all-to-all's split sizes. Where
+the grouped kernel cannot run (dtype, row alignment, old torch) the experts run one by one (`run_sorted_experts`).
+
 Gradients: every rank's loss is scaled by the world size and FSDP averages over the ranks that share a parameter.
 A dense parameter is shared by all ranks (world / world = 1); an expert's weights receive the gradients of every
 token its EP group sent to it and are averaged over edp = world / ep ranks only, so their gradient is scaled by
@@ -33,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from rlx.errors import UserError
+from rlx.kernels.grouped_experts import grouped_linear, grouped_mm_trains
 from rlx.models.family import family_of
 from rlx.parallel.dist import DistContext
 
@@ -167,12 +173,13 @@ def expert_parallel_forward(experts, hidden_states, top_k_index, top_k_weights) 
     top_k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)  # [N k]
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, so by destination rank
-    counts = torch.bincount(flat, minlength=shard.num_experts)  # [E]
+    counts = torch.zeros(shard.num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]: a bincount of static size (no host sync)
     received_counts = torch.empty_like(counts)  # [ep * E/ep]: per source rank, its pairs for my experts
     dist.all_to_all_single(received_counts, counts, group=shard.group)
     received_counts = received_counts.view(shard.degree, shard.num_local)
-    send = counts.view(shard.degree, shard.num_local).sum(1).tolist()
-    receive = received_counts.sum(1).tolist()
+    sizes = torch.stack((counts.view(shard.degree, shard.num_local).sum(1), received_counts.sum(1)))  # [2, ep]
+    send, receive = sizes.tolist()  # the one host sync: all_to_all_single takes its split sizes as lists
     received = _AllToAll.apply(hidden_states[order // top_k], receive, send, shard.group)  # [M, H]
     outputs = _run_local_experts(experts, shard, received, received_counts)  # [M, H]
     returned = _AllToAll.apply(outputs, send, receive, shard.group)  # [N k, H] in `order`
@@ -186,18 +193,39 @@ def _run_local_experts(experts, shard: ExpertShard, tokens: torch.Tensor, counts
     experts; [M, H] in the same order."""
     gate_up, down = _local_weights(experts, shard)
     local_ids = torch.arange(shard.num_local, device=tokens.device).repeat(shard.degree)  # [ep * E/ep]
-    expert_of = local_ids.repeat_interleave(counts.flatten())  # [M]
-    order = expert_of.argsort(stable=True)
-    sizes = torch.bincount(expert_of, minlength=shard.num_local).tolist()
-    outputs = []
-    for index, chunk in enumerate(tokens[order].split(sizes)):
-        hidden = experts._apply_gate(torch.nn.functional.linear(chunk, gate_up[index]))  # [n, I]
-        outputs.append(torch.nn.functional.linear(hidden, down[index]))  # [n, H]
-    out = torch.empty_like(tokens)
-    out[order] = torch.cat(outputs) if outputs else tokens[:0]
-    if not sum(sizes):  # no token for any of this rank's experts: zero gradients still, so FSDP's reduce lines up
-        out = out + (gate_up[:0].sum() + down[:0].sum()).to(out.dtype)
-    return out
+    expert_of = local_ids.repeat_interleave(counts.flatten(), output_size=tokens.shape[0])  # [M]
+    order = expert_of.argsort(stable=True)  # rows by local expert, each expert's rows by source rank
+    outputs = run_sorted_experts(experts, gate_up, down, tokens[order], counts.sum(0))  # [M, H] in `order`
+    return torch.empty_like(outputs).index_copy(0, order, outputs)
+
+
+def run_sorted_experts(
+    experts, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor, sizes: torch.Tensor, impl: str = "auto"
+) -> torch.Tensor:
+    """rows [M, H] sorted by expert, `sizes` [E'] (each expert's rows, a device tensor) through the experts gate_up
+    [E', 2I, H] and down [E', H, I] (gated by `experts._apply_gate`) -> [M, H] in rows' dtype.
+
+    impl 'grouped': one grouped GEMM per projection (rlx.kernels.grouped_experts.grouped_linear), in autocast's
+    dtype where autocast is on (as `F.linear` would), else the weights'; 'loop': two `F.linear` per expert after one
+    host sync (the fallback); 'auto': grouped where `grouped_mm_trains`. No rows (an EP rank no token was sent to)
+    gives zero gradients for the weights all the same, so FSDP's reduce over the rank's peers lines up."""
+    if not rows.shape[0]:
+        return rows + (gate_up[:0].sum() + down[:0].sum()).to(rows.dtype)
+    device = rows.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else gate_up.dtype
+    if impl == "auto":
+        impl = "grouped" if grouped_mm_trains(device, dtype, gate_up, down) else "loop"
+    if impl == "grouped":
+        offsets = sizes.cumsum(0, dtype=torch.int32)  # [E']: the end row of each expert's group
+        gated = experts._apply_gate(grouped_linear(rows.to(dtype), gate_up.to(dtype), offsets))  # [M, I]
+        return grouped_linear(gated.to(dtype), down.to(dtype), offsets).to(rows.dtype)
+    if impl != "loop":
+        raise ValueError(f"local experts impl {impl!r}: expected auto, grouped or loop")
+    outputs = []  # unbind, not gate_up[e]: its backward stacks the experts' gradients once, not E full-size zeros
+    for chunk, gate_up_e, down_e in zip(rows.split(sizes.tolist()), gate_up.unbind(0), down.unbind(0), strict=True):
+        hidden = experts._apply_gate(torch.nn.functional.linear(chunk, gate_up_e))  # [n, I]
+        outputs.append(torch.nn.functional.linear(hidden, down_e))  # [n, H]
+    return torch.cat(outputs).to(rows.dtype)
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

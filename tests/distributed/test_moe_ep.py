@@ -109,11 +109,12 @@ def test_router_z_loss_changes_the_update_only_when_on(tmp_path, moe_ckpt, moe_b
 
 
 def test_ep_forward_equals_transformers_experts(tmp_path):
-    """The EP forward over a one-rank group (the dispatch, the local experts' loop, the combine) equals transformers'
-    experts forward, outputs and gradients, and gives zero gradients when no token comes; an experts module left
-    unsplit falls back to transformers' loop."""
+    """The EP forward over a one-rank group (the dispatch, the local experts' grouped GEMMs, the combine) equals
+    transformers' experts forward, outputs and gradients, and gives zero gradients when no token comes; an experts
+    module left unsplit falls back to transformers' own forward."""
     import torch.distributed as dist
 
+    from rlx.kernels.grouped_experts import grouped_mm_trains
     from rlx.models.moe import MOE_FAMILIES, tiny_moe_config
     from rlx.models.tiny import build_char_tokenizer
     from rlx.parallel.experts import ExpertShard, expert_parallel_forward
@@ -133,6 +134,8 @@ def test_ep_forward_equals_transformers_experts(tmp_path):
         want = experts(hidden, top_k_index, top_k_weights)
         (want_grad,) = torch.autograd.grad(want.square().sum(), experts.down_proj)
         assert torch.allclose(expert_parallel_forward(experts, hidden, top_k_index, top_k_weights), want, atol=1e-6)
+        if hasattr(torch.nn.functional, "grouped_mm"):  # the tiny experts' rows fit grouped_mm: the EP tests run it
+            assert grouped_mm_trains(hidden.device, torch.float32, experts.gate_up_proj, experts.down_proj)
         experts.expert_shard = ExpertShard(dist.group.WORLD, 1, 0, 4)
         got = expert_parallel_forward(experts, hidden, top_k_index, top_k_weights)
         (got_grad,) = torch.autograd.grad(got.square().sum(), experts.down_proj)
