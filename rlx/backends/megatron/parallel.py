@@ -107,6 +107,7 @@ def setup_megatron(device_name: str, tp_degree: int, pp_degree: int, ep_degree: 
             tensor_model_parallel_size=tp_degree,
             pipeline_model_parallel_size=pp_degree,
             expert_model_parallel_size=ep_degree,
+            expert_tensor_parallel_size=1,  # experts are whole on every rank (rlx/models/megatron/model.py)
         )
     return MegatronContext(
         rank=base.rank,
