@@ -144,7 +144,8 @@ def test_moe_compat_layer_targets_the_upstream_code():
     """The megatron-core MoE code the CPU shims stand in for still has the CUDA-only lines they cover."""
     import inspect
 
-    from megatron.core.tensor_parallel import mappings
+    from megatron.core import utils
+    from megatron.core.tensor_parallel import layers, mappings, random
     from megatron.core.transformer.moe import moe_utils, router, token_dispatcher
 
     from rlx.models.megatron import compat
@@ -155,6 +156,12 @@ def test_moe_compat_layer_targets_the_upstream_code():
     assert "torch.cuda.current_device()" in inspect.getsource(mappings._gather_along_first_dim)
     assert "tensor.is_cuda" in inspect.getsource(compat.ORIGINALS["maybe_move_tensor_to_cpu"])
     assert "te_general_gemm is not None" in inspect.getsource(moe_utils.RouterGatingLinearFunction.forward)
+    # sequence parallelism (tp > 1): the linear layers' all-gather buffer and reduce-scatter output, the RNG fork
+    assert "torch.cuda.current_device()" in inspect.getsource(utils.GlobalMemoryBuffer.get_tensor)
+    assert "torch.cuda.current_device()" in inspect.getsource(layers.LinearWithGradAccumulationAndAsyncCommunication)
+    assert "raise Exception" in inspect.getsource(random.CudaRNGStatesTracker.fork)
+    with random.get_cuda_rng_tracker().fork():  # the inference tracker's: nothing seeded, nothing to fork
+        pass
     if not torch.cuda.is_available():
         assert router.torch.cuda.current_device() == torch.device("cpu")
 
