@@ -34,13 +34,13 @@ TRAIN = ["--lr", "1e-2", "--mini-batch-size", "16", "--micro-batch-size", "2", "
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep,tp", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_logprobs_equal_transformers(ep, tp):
+@pytest.mark.parametrize("ep,tp,world", [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)])
+def test_logprobs_equal_transformers(ep, tp, world):
     """Logprobs, entropy, scoring, the gathered weights and the gradients of the megatron stages == transformers'
-    (tp 2: sequence parallel, the rows padded to an even length; tp 2 x ep 2: the expert-parallel group spans the
-    tensor-parallel ranks)."""
-    out = run_torchrun(ep * tp, WORKERS / "megatron_moe.py", str(ep), str(tp), timeout=300)
-    assert out.stdout.count("ok") == ep * tp
+    (tp 2: sequence parallel, the rows padded to an even length; tp 2 x ep 2 on 2 ranks: the expert-parallel group
+    is the tensor-parallel pair, each rank routing its half of the tokens to both ranks' experts)."""
+    out = run_torchrun(world, WORKERS / "megatron_moe.py", str(ep), str(tp), timeout=300)
+    assert out.stdout.count("ok") == world
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,7 @@ def test_unsupported_settings_are_one_line_errors(moe, tmp_path):
     result = cli(
         "train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "x", "--ep-degree", "2"
     )
-    assert result.exit_code == 1 and "ep_degree 2 must divide the 1 data-parallel process(es)" in result.stderr
+    assert result.exit_code == 1 and "ep_degree 2 must divide the 1 tensor x data parallel process(es)" in result.stderr
     result = cli("train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "y", "--router-replay",
                  "rollout")  # fmt: skip
     assert result.exit_code == 1 and "router_replay 'rollout' is not supported by the megatron backend" in result.stderr
@@ -208,8 +208,9 @@ def test_ppo_with_megatron_expert_parallelism_equals_one_process(tmp_path, promp
 @pytest.mark.slow
 def test_tensor_parallel_train_step_equals_one_process(moe, tmp_path):
     """tp 2 (2 ranks, sequence parallel: each rank routes half of the tokens through whole experts) and tp 2 x ep 2
-    (4 ranks) == FSDP in one process: loss and gradient norm (1e-5), weights after the step (2e-5); `rlx merge` of the
-    tp 2 x ep 2 checkpoint gives the same weights. The router losses stay refused under tp (the padding would be routed)."""
+    (4 ranks) == FSDP in one process: loss and gradient norm (1e-5), weights after the step (2e-5); `rlx merge` of
+    the tp 2 x ep 2 checkpoint gives the same weights. The router losses stay refused under tp (the padding would
+    be routed)."""
     batch, common = moe / "batch.safetensors", [*TRAIN, "--metrics"]
     cli_ok("shard", "--model", moe / "hf", "--out", tmp_path / "tp2", "--layout", "megatron", "--tp", "2")
     cli_ok("train-step", "--checkpoint", moe / "single", "--batch", batch, "--out", tmp_path / "fsdp", *common,

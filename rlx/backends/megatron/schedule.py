@@ -192,9 +192,7 @@ def run_pipeline(
         last = i == count - warmup - 1
         sends = [(grad_in, pipe.prev)] if grad_in is not None else []
         received = (
-            None
-            if last or ctx.is_first_stage
-            else _activation(model, micro_batches[warmup + i + 1].rows, ctx.device)
+            None if last or ctx.is_first_stage else _activation(model, micro_batches[warmup + i + 1].rows, ctx.device)
         )
         _exchange(sends, [(received, pipe.prev)] if received is not None else [])
     for i in range(count - warmup, count):  # cool-down: the remaining backwards

@@ -9,14 +9,14 @@ two copies of a tied embedding (first and last stage) are summed, and the global
 parameter once (tensor-parallel replicas and the embedding copy only once). AdamW then updates each
 rank's own slices: elementwise, so the result equals the unsharded update.
 
-An MoE stage under expert parallelism holds its E / ep_degree experts of each layer: their gradients already
-hold every token of the expert-parallel group (the all-to-all's backward brings them), so they are summed over
-the ranks holding the same experts only (megatron's expert-data-parallel group) and count once per expert in the
-norm. Under tensor parallelism an MoE stage runs sequence parallelism: each tensor-parallel rank runs its part of
-the tokens through the norms, the router and whole experts (not split by tp), so the replicated norm and router
-gradients are summed over the tensor-parallel group and the experts' over the expert-data-parallel group, which
-then joins the tensor-parallel ranks too. Checkpoints and the optimizer state name experts by their global index and hold all of them (gathered
-over the expert-parallel group), so they do not depend on ep_degree.
+An MoE stage under expert parallelism holds its E / ep_degree experts of each layer: their gradients already hold
+every token of the expert-parallel group (the all-to-all's backward brings them), so they are summed over the ranks
+holding the same experts only (megatron's expert-data-parallel group) and count once per expert in the norm. Under
+tensor parallelism an MoE stage runs sequence parallelism: each tensor-parallel rank runs its part of the tokens
+through the norms, the router and whole experts (not split by tp), so the replicated norm and router gradients are
+summed over the tensor-parallel group and the experts' over the expert-data-parallel group, which then joins the
+tensor-parallel ranks too. Checkpoints and the optimizer state name experts by their global index and hold all of
+them (gathered over the expert-parallel group), so they do not depend on ep_degree.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class MegatronTraining:
         counted = [
             p
             for p in params
-            if param_is_not_tensor_parallel_duplicate(p)
+            if (id(p) in experts or param_is_not_tensor_parallel_duplicate(p))  # experts: whole on every tp rank
             and not (getattr(p, "shared", False) and not self.ctx.is_first_stage)  # the tied copy counts once
         ]
         total, expert_total = (torch.zeros((), dtype=torch.float64, device=self.device) for _ in range(2))

@@ -18,10 +18,10 @@ runs its tokens through whole experts. The norms are `RMSNorm` below (megatron's
 parallelism); their and the router's weights see only their rank's tokens, so their gradients are summed over the
 tensor-parallel group (`tensor_parallel_partial`).
 
-Only packed inputs are used: a micro-batch is one row of concatenated samples whose rotary positions
-restart per sample, so there is no padding to mask (under sequence parallelism the row is padded to a multiple of
-tp with one more sample, dropped again at the head: rlx/backends/megatron/schedule.py). The vocabulary is padded to a multiple of the
-tensor-parallel degree; `vocab_size` says how many rows are real (rlx never reads the rest).
+Only packed inputs are used: a micro-batch is one row of concatenated samples whose rotary positions restart per
+sample, so there is no padding to mask (under sequence parallelism the row is padded to a multiple of tp with one
+more sample, dropped again at the head: rlx/backends/megatron/schedule.py). The vocabulary is padded to a multiple
+of the tensor-parallel degree; `vocab_size` says how many rows are real (rlx never reads the rest).
 """
 
 from __future__ import annotations
@@ -264,7 +264,8 @@ def stage_spec(hf_config, tp_degree: int, pp_degree: int):
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    return TransformerBlockSubmodules(layer_specs=[spec] * (hf_config.num_hidden_layers // pp_degree), layer_norm=RMSNorm)
+    layers = hf_config.num_hidden_layers // pp_degree
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
 
 
 class ValueHead(torch.nn.Module):

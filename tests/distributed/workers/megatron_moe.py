@@ -1,8 +1,8 @@
-"""torchrun worker of tests/distributed/test_megatron_moe.py (argv: ep_degree [tp_degree]): a tiny Qwen3-MoE as
-megatron-core stages (its MoE layer, the experts split over ep_degree ranks; under tensor parallelism sequence
-parallel, the packed rows padded to a multiple of tp) gives transformers' logprobs and entropy, with the
-router normalising its top-k or not, scores the same on every rank however rows are split, and gathers back the
-Hugging Face weights bit for bit; the gradient of a backward through ranks that run different numbers of
+"""torchrun worker of tests/distributed/test_megatron_moe.py (argv: ep_degree [tp_degree], any world size they fit):
+a tiny Qwen3-MoE as megatron-core stages (its MoE layer, the experts split over ep_degree ranks; under tensor
+parallelism sequence parallel, the packed rows padded to a multiple of tp) gives transformers' logprobs and entropy,
+with the router normalising its top-k or not, scores the same on every rank however rows are split, and gathers
+back the Hugging Face weights bit for bit; the gradient of a backward through ranks that run different numbers of
 micro-batches (fillers keep the all-to-alls in step) equals transformers'."""
 
 import sys
@@ -75,7 +75,8 @@ def check(norm_topk_prob: bool) -> None:
     assert ((scored - full) * response_mask).abs().max().item() < 1e-5
     gathered = gather_hf_weights(stage, config, ctx)
     assert gathered.keys() == weights.keys(), sorted(set(gathered) ^ set(weights))
-    assert all(torch.equal(gathered[k], weights[k]) for k in weights), [k for k in weights if not torch.equal(gathered[k], weights[k])]
+    differ = [k for k in weights if not torch.equal(gathered[k], weights[k])]
+    assert not differ, differ
     check_gradients(hf, stage, config, ids, local, mine)
 
 
