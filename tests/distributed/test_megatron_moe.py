@@ -178,10 +178,10 @@ def test_pipeline_and_expert_parallel_equal_one_process(moe, tmp_path):
 
 
 @pytest.mark.slow
-def test_ppo_with_megatron_expert_parallelism_equals_one_process(tmp_path, prompts_file):
-    """`rlx ppo` of the MoE quickstart with [megatron] and train.ep_degree = 2 on 2 ranks (reference stages, scoring
-    and the rollout replica's weight sync under EP) == the one-process FSDP run (router losses off: they are
-    computed per rank's tokens)."""
+def test_ppo_with_megatron_expert_and_tensor_parallelism_equals_one_process(tmp_path, prompts_file):
+    """`rlx ppo` of the MoE quickstart with [megatron] on 2 ranks, at train.ep_degree = 2 and at megatron.tp_degree =
+    2 (reference stages, scoring and the rollout replica's weight sync under EP, or TP with sequence parallelism) ==
+    the one-process FSDP run (router losses off: they are computed per rank's tokens)."""
     from rlx.models.moe import write_tiny_moe_config_dir
 
     model = write_tiny_moe_config_dir(tmp_path / "tiny-moe")
@@ -193,16 +193,19 @@ def test_ppo_with_megatron_expert_parallelism_equals_one_process(tmp_path, promp
     args = [a for s in sets for a in ("--set", s)]
     recipe = REPO / "recipes" / "moe_quickstart.toml"
     cli_ok("ppo", recipe, "--out", tmp_path / "one", *args)
-    torchrun(2, "ppo", recipe, "--out", tmp_path / "two", *args, "--set", "megatron.pp_degree=1",
-             "--set", "train.ep_degree=2")  # fmt: skip
+    runs = {"ep2": "train.ep_degree=2", "tp2": "megatron.tp_degree=2"}
+    for run, degree in runs.items():
+        torchrun(2, "ppo", recipe, "--out", tmp_path / run, *args, "--set", "megatron.pp_degree=1", "--set", degree)
     final = "checkpoints/step_000002"
-    meta = json.loads((tmp_path / "two" / final / "rlx.json").read_text())
-    assert meta["layout"] == "megatron"
-    assert max_diff(tmp_path / "one" / final, tmp_path / "two" / final) < 1e-5
-    one, two = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("one", "two"))
+    one = read_jsonl(tmp_path / "one" / "metrics.jsonl")
     assert one[0]["actor/grad_norm"] > 0
-    for key in ("reward/mean", "actor/loss", "actor/grad_norm"):
-        assert all(abs(a[key] - b[key]) < 1e-5 for a, b in zip(one, two)), key
+    for run in runs:
+        meta = json.loads((tmp_path / run / final / "rlx.json").read_text())
+        assert meta["layout"] == "megatron" and meta["tp_degree"] == (2 if run == "tp2" else 1)
+        assert max_diff(tmp_path / "one" / final, tmp_path / run / final) < 1e-5, run
+        two = read_jsonl(tmp_path / run / "metrics.jsonl")
+        for key in ("reward/mean", "actor/loss", "actor/grad_norm"):
+            assert all(abs(a[key] - b[key]) < 1e-5 for a, b in zip(one, two)), (run, key)
 
 
 @pytest.mark.slow
