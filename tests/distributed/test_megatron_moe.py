@@ -1,7 +1,9 @@
 """A Qwen3-MoE on the megatron backend (megatron-core's MoE layer, gloo on CPU): logprobs equal transformers' at
-expert parallel 1 and 2; `rlx shard --layout megatron` then `rlx merge` is byte-exact; a train step with the experts
-split over 2 ranks equals one process's (megatron and FSDP, FSDP's own expert parallelism too); the router's
-load-balancing and z-losses give FSDP's update; unsupported settings are one-line errors."""
+expert parallel 1 and 2, and under tensor parallelism 2 (sequence parallel) with either; `rlx shard --layout
+megatron` then `rlx merge` is byte-exact; a train step with the experts split over 2 ranks, or the model over 2
+tensor-parallel ranks (x 2 expert-parallel on 4), equals one process's (megatron and FSDP, FSDP's own expert
+parallelism too); the router's load-balancing and z-losses give FSDP's update; unsupported settings are one-line
+errors."""
 
 from __future__ import annotations
 
@@ -32,10 +34,13 @@ TRAIN = ["--lr", "1e-2", "--mini-batch-size", "16", "--micro-batch-size", "2", "
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep", [1, 2])
-def test_logprobs_equal_transformers(ep):
-    out = run_torchrun(ep, WORKERS / "megatron_moe.py", str(ep), timeout=300)
-    assert out.stdout.count("ok") == ep
+@pytest.mark.parametrize("ep,tp,world", [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)])
+def test_logprobs_equal_transformers(ep, tp, world):
+    """Logprobs, entropy, scoring, the gathered weights and the gradients of the megatron stages == transformers'
+    (tp 2: sequence parallel, the rows padded to an even length; tp 2 x ep 2 on 2 ranks: the expert-parallel group
+    is the tensor-parallel pair, each rank routing its half of the tokens to both ranks' experts)."""
+    out = run_torchrun(world, WORKERS / "megatron_moe.py", str(ep), str(tp), timeout=300)
+    assert out.stdout.count("ok") == world
 
 
 @pytest.fixture(scope="module")
@@ -125,23 +130,22 @@ def test_score_equals_the_hf_path(moe, tmp_path):
 
 def test_unsupported_settings_are_one_line_errors(moe, tmp_path):
     batch = moe / "batch.safetensors"
-    result = cli("shard", "--model", moe / "hf", "--out", tmp_path / "tp2", "--layout", "megatron", "--tp", "2")
-    assert result.exit_code == 1 and "--tp 2 with an MoE model" in result.stderr
     result = cli(
         "train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "x", "--ep-degree", "2"
     )
-    assert result.exit_code == 1 and "ep_degree 2 must divide the 1 data-parallel process(es)" in result.stderr
+    assert result.exit_code == 1 and "ep_degree 2 must divide the 1 tensor x data parallel process(es)" in result.stderr
     result = cli("train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "y", "--router-replay",
                  "rollout")  # fmt: skip
     assert result.exit_code == 1 and "router_replay 'rollout' is not supported by the megatron backend" in result.stderr
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists() and not (tmp_path / "tp2").exists()
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 def test_moe_compat_layer_targets_the_upstream_code():
     """The megatron-core MoE code the CPU shims stand in for still has the CUDA-only lines they cover."""
     import inspect
 
-    from megatron.core.tensor_parallel import mappings
+    from megatron.core import utils
+    from megatron.core.tensor_parallel import layers, mappings, random
     from megatron.core.transformer.moe import moe_utils, router, token_dispatcher
 
     from rlx.models.megatron import compat
@@ -152,26 +156,38 @@ def test_moe_compat_layer_targets_the_upstream_code():
     assert "torch.cuda.current_device()" in inspect.getsource(mappings._gather_along_first_dim)
     assert "tensor.is_cuda" in inspect.getsource(compat.ORIGINALS["maybe_move_tensor_to_cpu"])
     assert "te_general_gemm is not None" in inspect.getsource(moe_utils.RouterGatingLinearFunction.forward)
+    # sequence parallelism (tp > 1): the linear layers' all-gather buffer and reduce-scatter output, the RNG fork
+    assert "torch.cuda.current_device()" in inspect.getsource(utils.GlobalMemoryBuffer.get_tensor)
+    assert "torch.cuda.current_device()" in inspect.getsource(layers.LinearWithGradAccumulationAndAsyncCommunication)
+    assert "raise Exception" in inspect.getsource(random.CudaRNGStatesTracker.fork)
+    with random.get_cuda_rng_tracker().fork():  # the inference tracker's: nothing seeded, nothing to fork
+        pass
     if not torch.cuda.is_available():
         assert router.torch.cuda.current_device() == torch.device("cpu")
 
 
 @pytest.mark.slow
 def test_pipeline_and_expert_parallel_equal_one_process(moe, tmp_path):
-    """pp 2 x ep 2 (4 ranks: each stage's experts split over 2 data-parallel ranks) == FSDP in one process."""
+    """pp 2 x ep 2 (4 ranks: each stage's experts split over 2 data-parallel ranks) and pp 2 x tp 2 (sequence
+    parallel: half of the padded row's tokens cross between the stages on each tensor-parallel rank) == FSDP in one
+    process."""
     batch = ["--batch", moe / "batch.safetensors"]
     cli_ok("shard", "--model", moe / "hf", "--out", tmp_path / "pp2", "--layout", "megatron", "--pp", "2")
+    cli_ok("shard", "--model", moe / "hf", "--out", tmp_path / "pp2tp2", "--layout", "megatron", "--pp", "2", "--tp",
+           "2")  # fmt: skip
     cli_ok("train-step", "--checkpoint", moe / "single", "--out", tmp_path / "fsdp", *batch, *TRAIN)
     torchrun(4, "train-step", "--checkpoint", tmp_path / "pp2", "--out", tmp_path / "mg", *batch, *TRAIN,
              "--ep-degree", "2")  # fmt: skip
+    torchrun(4, "train-step", "--checkpoint", tmp_path / "pp2tp2", "--out", tmp_path / "mg_tp", *batch, *TRAIN)
     assert max_diff(tmp_path / "fsdp", tmp_path / "mg") < 1e-5
+    assert max_diff(tmp_path / "fsdp", tmp_path / "mg_tp") < 2e-5  # 1.6e-5 seen, as at tp 2 (one expert's down_proj)
 
 
 @pytest.mark.slow
-def test_ppo_with_megatron_expert_parallelism_equals_one_process(tmp_path, prompts_file):
-    """`rlx ppo` of the MoE quickstart with [megatron] and train.ep_degree = 2 on 2 ranks (reference stages, scoring
-    and the rollout replica's weight sync under EP) == the one-process FSDP run (router losses off: they are
-    computed per rank's tokens)."""
+def test_ppo_with_megatron_expert_and_tensor_parallelism_equals_one_process(tmp_path, prompts_file):
+    """`rlx ppo` of the MoE quickstart with [megatron] on 2 ranks, at train.ep_degree = 2 and at megatron.tp_degree =
+    2 (reference stages, scoring and the rollout replica's weight sync under EP, or TP with sequence parallelism) ==
+    the one-process FSDP run (router losses off: they are computed per rank's tokens)."""
     from rlx.models.moe import write_tiny_moe_config_dir
 
     model = write_tiny_moe_config_dir(tmp_path / "tiny-moe")
@@ -183,13 +199,46 @@ def test_ppo_with_megatron_expert_parallelism_equals_one_process(tmp_path, promp
     args = [a for s in sets for a in ("--set", s)]
     recipe = REPO / "recipes" / "moe_quickstart.toml"
     cli_ok("ppo", recipe, "--out", tmp_path / "one", *args)
-    torchrun(2, "ppo", recipe, "--out", tmp_path / "two", *args, "--set", "megatron.pp_degree=1",
-             "--set", "train.ep_degree=2")  # fmt: skip
+    runs = {"ep2": "train.ep_degree=2", "tp2": "megatron.tp_degree=2"}
+    for run, degree in runs.items():
+        torchrun(2, "ppo", recipe, "--out", tmp_path / run, *args, "--set", "megatron.pp_degree=1", "--set", degree)
     final = "checkpoints/step_000002"
-    meta = json.loads((tmp_path / "two" / final / "rlx.json").read_text())
-    assert meta["layout"] == "megatron"
-    assert max_diff(tmp_path / "one" / final, tmp_path / "two" / final) < 1e-5
-    one, two = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("one", "two"))
+    one = read_jsonl(tmp_path / "one" / "metrics.jsonl")
     assert one[0]["actor/grad_norm"] > 0
-    for key in ("reward/mean", "actor/loss", "actor/grad_norm"):
-        assert all(abs(a[key] - b[key]) < 1e-5 for a, b in zip(one, two)), key
+    for run in runs:
+        meta = json.loads((tmp_path / run / final / "rlx.json").read_text())
+        assert meta["layout"] == "megatron" and meta["tp_degree"] == (2 if run == "tp2" else 1)
+        assert max_diff(tmp_path / "one" / final, tmp_path / run / final) < 1e-5, run
+        two = read_jsonl(tmp_path / run / "metrics.jsonl")
+        for key in ("reward/mean", "actor/loss", "actor/grad_norm"):
+            assert all(abs(a[key] - b[key]) < 1e-5 for a, b in zip(one, two)), (run, key)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_train_step_equals_one_process(moe, tmp_path):
+    """tp 2 (2 ranks, sequence parallel: each rank routes half of the tokens through whole experts) and tp 2 x ep 2
+    (4 ranks) == FSDP in one process: loss and gradient norm (1e-5), weights after the step (2e-5); `rlx merge` of
+    the tp 2 x ep 2 checkpoint gives the same weights. The router losses stay refused under tp (the padding would
+    be routed)."""
+    batch, common = moe / "batch.safetensors", [*TRAIN, "--metrics"]
+    cli_ok("shard", "--model", moe / "hf", "--out", tmp_path / "tp2", "--layout", "megatron", "--tp", "2")
+    cli_ok("train-step", "--checkpoint", moe / "single", "--batch", batch, "--out", tmp_path / "fsdp", *common,
+           tmp_path / "fsdp.jsonl")  # fmt: skip
+    torchrun(2, "train-step", "--checkpoint", tmp_path / "tp2", "--batch", batch, "--out", tmp_path / "mg2", *common,
+             tmp_path / "mg2.jsonl")  # fmt: skip
+    torchrun(4, "train-step", "--checkpoint", tmp_path / "tp2", "--batch", batch, "--out", tmp_path / "mg4", *common,
+             tmp_path / "mg4.jsonl", "--ep-degree", "2")  # fmt: skip
+    meta = json.loads((tmp_path / "mg4" / "rlx.json").read_text())
+    assert (meta["layout"], meta["tp_degree"], meta["pp_degree"]) == ("megatron", 2, 1)
+    want = read_jsonl(tmp_path / "fsdp.jsonl")[0]
+    for run in ("mg2", "mg4"):  # 1.6e-5 seen: one expert's down_proj (Adam's first step on near-zero gradients)
+        assert max_diff(tmp_path / "fsdp", tmp_path / run) < 2e-5, run
+        got = read_jsonl(tmp_path / f"{run}.jsonl")[0]
+        for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm"):
+            assert abs(got[key] - want[key]) < 1e-5, (run, key, got[key], want[key])
+    cli_ok("merge", "--checkpoint", tmp_path / "mg4", "--out", tmp_path / "merged")
+    assert max_diff(tmp_path / "mg4", tmp_path / "merged") == 0
+    out = run_torchrun(2, "-m", "rlx", "train-step", "--checkpoint", tmp_path / "tp2", "--batch", batch, "--out",
+                       tmp_path / "x", *TRAIN, "--moe-aux-loss-coef", "0.5", check=False)  # fmt: skip
+    assert out.returncode != 0 and "z-losses run on the megatron backend with tp 1 and pp 1 only" in out.stderr
+    assert not (tmp_path / "x").exists()

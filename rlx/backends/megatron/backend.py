@@ -41,8 +41,8 @@ class MegatronBackend(TrainingBackend):
             return "megatron-core is not installed"
         if world % (degrees.tp_degree * degrees.pp_degree):
             return f"tp {degrees.tp_degree} x pp {degrees.pp_degree} does not fit {world} process(es)"
-        if (world // (degrees.tp_degree * degrees.pp_degree)) % degrees.ep_degree:
-            return f"ep {degrees.ep_degree} does not divide the data-parallel ranks of {world} process(es)"
+        if (world // degrees.pp_degree) % degrees.ep_degree:
+            return f"ep {degrees.ep_degree} does not divide the tensor x data parallel ranks of {world} process(es)"
         return None
 
     def build_trainer(self, model: torch.nn.Module, cfg: TrainConfig, where: str = "the initial policy"):

@@ -1,10 +1,12 @@
 """megatron-core's process groups (tensor, pipeline, data and expert parallel) on top of rlx's distributed context.
 
-Ranks are laid out the megatron way (tensor-parallel neighbours adjacent, then data parallel, pipeline
-stages outermost). Expert parallelism (MoE models) splits the data-parallel ranks of a stage: ep_degree
-neighbours hold different experts of each layer and exchange tokens with all-to-all; the expert-data-parallel
-group joins the ranks holding the same experts. A lone process (no launcher) gets a one-rank process group so
-that megatron's parallel state exists; the degrees must then be 1.
+Ranks are laid out the megatron way (tensor-parallel neighbours adjacent, then data parallel, pipeline stages
+outermost). Expert parallelism (MoE models) splits the ranks of a stage: ep_degree neighbours hold different experts
+of each layer and exchange tokens with all-to-all; the expert-data-parallel group joins the ranks holding the same
+experts. Experts are not split by tensor parallelism (expert tensor parallel 1), so under tp > 1 (sequence parallel:
+each tensor-parallel rank routes its own tokens) the expert-parallel group takes the tensor-parallel neighbours
+first, then data-parallel ranks: ep_degree divides tp x dp. A lone process (no launcher) gets a one-rank process
+group so that megatron's parallel state exists; the degrees must then be 1.
 """
 
 from __future__ import annotations
@@ -84,10 +86,10 @@ def setup_megatron(device_name: str, tp_degree: int, pp_degree: int, ep_degree: 
             f"{world} process(es) cannot hold tensor parallel {tp_degree} x pipeline parallel {pp_degree}: "
             f"launch a multiple of {tp_degree * pp_degree} processes (torchrun --nproc-per-node N)"
         )
-    if (world // (tp_degree * pp_degree)) % ep_degree:
+    if (world // pp_degree) % ep_degree:
         raise UserError(
-            f"ep_degree {ep_degree} must divide the {world // (tp_degree * pp_degree)} data-parallel process(es) "
-            f"of tensor parallel {tp_degree} x pipeline parallel {pp_degree}"
+            f"ep_degree {ep_degree} must divide the {world // pp_degree} tensor x data parallel process(es) of "
+            f"each of the {pp_degree} pipeline stage(s)"
         )
     if not dist.is_initialized():
         _lone_process_group(base.device)
@@ -107,6 +109,7 @@ def setup_megatron(device_name: str, tp_degree: int, pp_degree: int, ep_degree: 
             tensor_model_parallel_size=tp_degree,
             pipeline_model_parallel_size=pp_degree,
             expert_model_parallel_size=ep_degree,
+            expert_tensor_parallel_size=1,  # experts are whole on every rank (rlx/models/megatron/model.py)
         )
     return MegatronContext(
         rank=base.rank,

@@ -4,7 +4,8 @@ Every rank of a pipeline holds the same micro-batches (built from the same rows)
 the shape of what it will receive ([T, 1, H] activations of a packed row) without asking. The order is
 1F1B (one forward, one backward once the pipeline is full), so a stage keeps at most as many
 micro-batches' activations as there are stages; sends and receives between neighbours are issued
-together so that they cannot deadlock. Activations travel in float32. megatron-core's own schedules
+together so that they cannot deadlock. Activations travel in float32 (under sequence parallelism, an MoE model
+under tensor parallelism, each rank's 1/tp of the row padded to a multiple of tp). megatron-core's own schedules
 allocate on CUDA and are not used.
 """
 
@@ -18,7 +19,9 @@ import torch.distributed as dist
 
 from rlx.backends.megatron.parallel import MegatronContext
 from rlx.logprobs import PackedRows
+from rlx.models.attention import PackedBatch
 from rlx.models.megatron.model import packed_params, packed_rotary
+from rlx.parallel.ulysses import padded_length
 from rlx.utils.device import autocast
 
 
@@ -35,24 +38,69 @@ class MicroBatch:
     all-to-all as often as the others (its output is dropped, its loss is zero)."""
 
 
+def sequence_parallel_row(packed: PackedBatch, tp_degree: int) -> PackedBatch:
+    """A packed row padded to a multiple of `tp_degree` tokens for sequence parallelism: the padding (token 0,
+    positions 0, 1, ...) forms one more sample, so no real token attends to it; the head drops it again."""
+    total = padded_length(packed.total_len, tp_degree)
+    pad = total - packed.total_len
+    if not pad:
+        return packed
+    ids, positions = packed.input_ids, packed.position_ids
+    return PackedBatch(
+        input_ids=torch.cat([ids, ids.new_zeros(1, pad)], dim=1),
+        position_ids=torch.cat([positions, torch.arange(pad, device=positions.device)[None]], dim=1),
+        cu_seqlens=torch.cat([packed.cu_seqlens, packed.cu_seqlens.new_tensor([total])]),
+        max_len=max(packed.max_len, pad),
+        lengths=[*packed.lengths, pad],
+    )
+
+
+def stage_tokens(model, rows: PackedRows) -> int:
+    """Tokens of a packed row that this stage's rank holds between layers: all of them, or under sequence
+    parallelism its 1/tp of the padded row."""
+    config = model.config
+    if not config.sequence_parallel:
+        return rows.packed.total_len
+    tp = config.tensor_model_parallel_size
+    return padded_length(rows.packed.total_len, tp) // tp
+
+
 def stage_forward(model, rows: PackedRows, input_tensor: torch.Tensor | None) -> torch.Tensor:
-    """This stage's layers on a packed row: [T, 1, H] (after the final norm on the last stage)."""
-    packed = rows.packed
+    """This stage's layers on a packed row: [T, 1, H] (after the final norm on the last stage); under sequence
+    parallelism [T_pad / tp, 1, H] between stages, the last one gathering the whole row back."""
+    config = model.config
+    sequence_parallel, tp = config.sequence_parallel, config.tensor_model_parallel_size
+    packed = sequence_parallel_row(rows.packed, tp) if sequence_parallel else rows.packed
     if model.pre_process:
         hidden = model.embedding(input_ids=packed.input_ids, position_ids=packed.position_ids)  # [T, 1, H]
         if model.padding_idx is not None:  # as nn.Embedding(padding_idx=...): no gradient into that row
             is_pad = (packed.input_ids == model.padding_idx).transpose(0, 1)[..., None]  # [T, 1, 1]
+            if sequence_parallel:  # the embedding scattered the row: this rank's [T_pad / tp, 1, H]
+                is_pad = is_pad.chunk(tp)[_tp_rank()]
             hidden = torch.where(is_pad, hidden.detach(), hidden)
     else:
         model.set_input_tensor(input_tensor)
         hidden = None
     rotary = packed_rotary(model, packed.position_ids, packed.max_len)  # applied by rlx's core attention
     params = packed_params(packed.cu_seqlens.to(torch.int32), packed.max_len, rotary)
-    return model.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=None, packed_seq_params=params)
+    out = model.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=None, packed_seq_params=params)
+    if sequence_parallel and model.post_process:
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        # the heads compute every rank's full gradient of the row (vocab-parallel statistics all-reduced, a
+        # replicated value head): the backward keeps this rank's part
+        out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False)[: rows.packed.total_len]
+    return out
 
 
-def _activation(rows: PackedRows, hidden_size: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(rows.packed.total_len, 1, hidden_size, dtype=torch.float32, device=device)
+def _tp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
+def _activation(model, rows: PackedRows, device: torch.device) -> torch.Tensor:
+    return torch.empty(stage_tokens(model, rows), 1, model.config.hidden_size, dtype=torch.float32, device=device)
 
 
 def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
@@ -72,14 +120,13 @@ class _Pipeline:
     def __init__(self, model, ctx: MegatronContext, micro_batches, head, dtype, forward_only: bool):
         self.model, self.ctx, self.micro_batches, self.head = model, ctx, micro_batches, head
         self.dtype, self.forward_only = dtype, forward_only
-        self.hidden_size = model.config.hidden_size
         self.prev, self.next = ctx.groups["prev"], ctx.groups["next"]
         self.stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
 
     def recv_forward(self, i: int) -> torch.Tensor | None:
         if self.ctx.is_first_stage:
             return None
-        received = _activation(self.micro_batches[i].rows, self.hidden_size, self.ctx.device)
+        received = _activation(self.model, self.micro_batches[i].rows, self.ctx.device)
         _exchange([], [(received, self.prev)])
         return received
 
@@ -106,7 +153,7 @@ class _Pipeline:
         return None if received is None else received.grad.contiguous()
 
     def grad_buffer(self, i: int) -> torch.Tensor:
-        return _activation(self.micro_batches[i].rows, self.hidden_size, self.ctx.device)
+        return _activation(self.model, self.micro_batches[i].rows, self.ctx.device)
 
 
 def run_pipeline(
@@ -145,9 +192,7 @@ def run_pipeline(
         last = i == count - warmup - 1
         sends = [(grad_in, pipe.prev)] if grad_in is not None else []
         received = (
-            None
-            if last or ctx.is_first_stage
-            else _activation(micro_batches[warmup + i + 1].rows, pipe.hidden_size, ctx.device)
+            None if last or ctx.is_first_stage else _activation(model, micro_batches[warmup + i + 1].rows, ctx.device)
         )
         _exchange(sends, [(received, pipe.prev)] if received is not None else [])
     for i in range(count - warmup, count):  # cool-down: the remaining backwards

@@ -9,11 +9,14 @@ two copies of a tied embedding (first and last stage) are summed, and the global
 parameter once (tensor-parallel replicas and the embedding copy only once). AdamW then updates each
 rank's own slices: elementwise, so the result equals the unsharded update.
 
-An MoE stage under expert parallelism holds its E / ep_degree experts of each layer: their gradients already
-hold every token of the expert-parallel group (the all-to-all's backward brings them), so they are summed over
-the ranks holding the same experts only (megatron's expert-data-parallel group) and count once per expert in the
-norm. Checkpoints and the optimizer state name experts by their global index and hold all of them (gathered
-over the expert-parallel group), so they do not depend on ep_degree.
+An MoE stage under expert parallelism holds its E / ep_degree experts of each layer: their gradients already hold
+every token of the expert-parallel group (the all-to-all's backward brings them), so they are summed over the ranks
+holding the same experts only (megatron's expert-data-parallel group) and count once per expert in the norm. Under
+tensor parallelism an MoE stage runs sequence parallelism: each tensor-parallel rank runs its part of the tokens
+through the norms, the router and whole experts (not split by tp), so the replicated norm and router gradients are
+summed over the tensor-parallel group and the experts' over the expert-data-parallel group, which then joins the
+tensor-parallel ranks too. Checkpoints and the optimizer state name experts by their global index and hold all of
+them (gathered over the expert-parallel group), so they do not depend on ep_degree.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from rlx.checkpoints.base import LocalState
 from rlx.errors import UserError
 from rlx.formats.batch import TrainBatch
 from rlx.models.megatron.convert import local_experts
-from rlx.models.megatron.model import is_critic_config, is_moe
+from rlx.models.megatron.model import is_critic_config, is_moe, tensor_parallel_partial
 from rlx.training.actor import ActorTrainer
 from rlx.training.config import TrainConfig
 from rlx.training.critic import CriticTrainer
@@ -114,9 +117,13 @@ class MegatronTraining:
         return {id(p) for name, p in self.model.named_parameters() if ".mlp.experts." in name}
 
     def _sync_gradients(self) -> None:
-        """Sum gradients over data-parallel ranks (an expert's over the ranks holding it), and over the tied
+        """Sum gradients over data-parallel ranks (an expert's over the ranks holding it), over the tensor-parallel
+        ranks where each holds part of a replicated parameter's (sequence parallelism), and over the tied
         embedding's two stages."""
         params, experts = self._params(), self._expert_params()
+        partial = tensor_parallel_partial(self.model)
+        if partial and self.ctx.tp_degree > 1:
+            _all_reduce_coalesced([p.grad for p in partial], self.ctx.tp_group)
         dense = [p.grad for p in params if id(p) not in experts]
         if self.ctx.dp_size > 1:
             _all_reduce_coalesced(dense, self.ctx.dp_group)
@@ -136,7 +143,7 @@ class MegatronTraining:
         counted = [
             p
             for p in params
-            if param_is_not_tensor_parallel_duplicate(p)
+            if (id(p) in experts or param_is_not_tensor_parallel_duplicate(p))  # experts: whole on every tp rank
             and not (getattr(p, "shared", False) and not self.ctx.is_first_stage)  # the tied copy counts once
         ]
         total, expert_total = (torch.zeros((), dtype=torch.float64, device=self.device) for _ in range(2))
@@ -262,8 +269,10 @@ def build_megatron_trainer(hf_config, train_cfg: TrainConfig, ctx: MegatronConte
     losses = {}
     if is_moe(hf_config) and not is_critic_config(hf_config):
         losses = {"aux_loss_coef": train_cfg.loss.moe_aux_loss_coef, "z_loss_coef": train_cfg.loss.router_z_loss_coef}
-        if any(losses.values()) and ctx.pp_degree > 1:
-            raise UserError(f"{where}: the MoE load-balancing and z-losses run on the megatron backend with pp 1 only")
+        if any(losses.values()) and (ctx.pp_degree > 1 or ctx.tp_degree > 1):  # tp: the padding would be routed
+            raise UserError(
+                f"{where}: the MoE load-balancing and z-losses run on the megatron backend with tp 1 and pp 1 only"
+            )
     stage = load_stage(hf_config, state, ctx, where, **losses)
     trainer_cls = MegatronCriticTrainer if is_critic_config(hf_config) else MegatronActorTrainer
     trainer = trainer_cls(stage, hf_config, train_cfg, ctx, resolve_precision(train_cfg.precision, ctx.device))

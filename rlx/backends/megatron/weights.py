@@ -14,20 +14,25 @@ from rlx.backends.megatron.parallel import MegatronContext
 from rlx.models.megatron.convert import global_experts, megatron_units, unit_of, unit_to_hf
 from rlx.models.megatron.model import is_moe
 
+EXPERTS = ".mlp.experts."
+"""In the name of every expert's tensor (and of its optimizer state) in a stage's state dict."""
+
 
 def with_all_experts(state: dict[str, torch.Tensor], hf_config, ctx: MegatronContext) -> dict[str, torch.Tensor]:
     """A stage's state (or '<name>::<key>' optimizer state) holding this rank's experts -> holding every expert of
     the stage under its global index, gathered over the expert-parallel group (a collective; as it is without
-    expert parallelism or for a dense model)."""
+    expert parallelism or for a dense model). Only experts travel: the group may span tensor-parallel ranks, whose
+    other tensors are different slices."""
     if not is_moe(hf_config) or ctx.ep_degree == 1:
         return state
     parts = [None] * ctx.ep_degree
-    dist.all_gather_object(parts, (ctx.ep_rank, {k: v.cpu() for k, v in state.items()}), group=ctx.ep_group)
-    out: dict[str, torch.Tensor] = {}
-    for rank, part in parts:
-        out |= global_experts(part, hf_config.num_experts, ctx.ep_degree, rank)
+    experts = {k: v.cpu() for k, v in state.items() if EXPERTS in k}
+    dist.all_gather_object(parts, (ctx.ep_rank, experts), group=ctx.ep_group)
     device = next(iter(state.values())).device if state else ctx.device
-    return {k: v.to(device) for k, v in out.items()}
+    out = {k: v for k, v in state.items() if EXPERTS not in k}
+    for rank, part in parts:
+        out |= {k: v.to(device) for k, v in global_experts(part, hf_config.num_experts, ctx.ep_degree, rank).items()}
+    return out
 
 
 @torch.no_grad()

@@ -8,8 +8,9 @@ megatron-core assumes CUDA in a few spots that rlx reaches:
   checkpoint, so the initial all-reduce is skipped (the attributes marking them shared are kept).
 - its pipeline schedules allocate on "cuda" and sync CUDA streams; rlx runs its own schedule
   (rlx/backends/megatron/schedule.py), so nothing is patched for them.
-- its RNG tracker forks CUDA generators; rlx uses no dropout inside megatron modules (attention is
-  rlx's own core-attention module), so the tracker is never entered.
+- its RNG tracker forks CUDA generators (and refuses to fork a stream nobody seeded) around the embedding and the
+  decoder under sequence parallelism; rlx uses no dropout inside megatron modules (attention is rlx's own
+  core-attention module), so the tracker is megatron's inference one, whose fork does nothing.
 - mixture-of-experts layers (`moe_apply()`, only when an MoE model is built): the router moves its weight to
   `torch.cuda.current_device()` when it sits on the CPU, the all-to-all token dispatcher creates a CUDA stream
   for its device-to-host copies and syncs on it, and the collectives of `tensor_parallel.mappings` (all-gather,
@@ -17,6 +18,9 @@ megatron-core assumes CUDA in a few spots that rlx reaches:
   modules see a `torch` whose `cuda` namespace names the CPU and has no-op streams, and the dispatcher's
   `maybe_move_tensor_to_cpu` (which turns the all-to-all splits into numpy arrays only for CUDA tensors) does so
   for CPU tensors too; with CUDA nothing changes.
+  Under sequence parallelism (an MoE model under tensor parallelism) the linear layers' all-gather buffer
+  (`utils.GlobalMemoryBuffer`) and reduce-scatter output (`tensor_parallel.layers`) are allocated the same way, so
+  those two modules see that `torch` too.
   `moe_utils.router_gating_linear` reads `te_general_gemm`, which 0.16.1 leaves undefined without Transformer
   Engine; it is set to None (the plain matmul branch).
 
@@ -153,6 +157,8 @@ MOE_MODULES = (
     "megatron.core.transformer.moe.router",
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.utils",
 )
 """The megatron-core modules whose `torch` is `_TorchOnCpu` in a process without CUDA."""
 _MOE_APPLIED = False
@@ -189,6 +195,7 @@ def apply() -> None:
         return
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     ORIGINALS["get_emb"] = RotaryEmbedding.get_emb
     ORIGINALS["setup_embeddings_and_output_layer"] = LanguageModule.setup_embeddings_and_output_layer
@@ -196,4 +203,5 @@ def apply() -> None:
     LanguageModule.setup_embeddings_and_output_layer = _skip_initial_embedding_sync(
         ORIGINALS["setup_embeddings_and_output_layer"]
     )
+    initialize_rng_tracker(inference_rng_tracker=True)  # no dropout: nothing to fork
     _APPLIED = True

@@ -12,7 +12,8 @@ to the pipeline stage. Per tensor-parallel rank:
     decoder.layers.i.mlp.linear_fc2.weight               [H, F/tp]      input columns split
     decoder.layers.i.{input_layernorm,pre_mlp_layernorm}.weight, decoder.final_layernorm.weight: replicated
     output_layer.weight                   [V_pad/tp, H]   last stage (also when tied and pp > 1: a copy)
-    A Qwen3-MoE layer (tp 1) has, in place of the dense MLP:
+    A Qwen3-MoE layer has, in place of the dense MLP (replicated on every tensor-parallel rank: experts are not
+    split by tp):
     decoder.layers.i.self_attention.{q,k}_layernorm.weight   [D]   HF self_attn.{q,k}_norm.weight
     decoder.layers.i.mlp.router.weight                       [E, H]  HF mlp.gate.weight
     decoder.layers.i.mlp.experts.local_experts.e.linear_fc1.weight   [2*I, H]  HF mlp.experts.gate_up_proj[e]
@@ -156,7 +157,7 @@ def hf_to_megatron_shard(
             bias = [_get(weights, f"{attn}{p}_proj.bias") for p in "qkv"]
             out[mg + "self_attention.linear_qkv.bias"] = rows(_qkv(*bias, config))
         out[mg + "self_attention.linear_proj.weight"] = cols(_get(weights, attn + "o_proj.weight"))
-        if is_moe(config):  # tp 1
+        if is_moe(config):  # the same on every tp rank
             out |= _moe_to_megatron(weights, config, hf, mg)
             continue
         gate, up = _get(weights, hf + "mlp.gate_proj.weight"), _get(weights, hf + "mlp.up_proj.weight")
@@ -229,7 +230,7 @@ def unit_to_hf(shards: dict, config, tp_degree: int, pp_degree: int, pp_rank: in
         for proj, tensor in zip("qkv", (q, k, v)):
             out[f"{hf}self_attn.{proj}_proj.{kind}"] = tensor
     out[hf + "self_attn.o_proj.weight"] = cat(mg + "self_attention.linear_proj.weight", 1)
-    if is_moe(config):  # tp 1
+    if is_moe(config):  # replicated: tp rank 0's
         return out | _moe_to_hf(shards[(0, p)], config, hf, mg)
     halves = [_get(shards[(t, p)], mg + "mlp.linear_fc1.weight").chunk(2) for t in range(tp_degree)]
     out[hf + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])

@@ -10,11 +10,18 @@ A Qwen3-MoE (`qwen3_moe`) gets megatron-core's MoE layer in every decoder layer:
 over the top-k logits when the model normalises its top-k probabilities, else top-k of the softmax: both
 are transformers' routing), SwiGLU experts run one after another (`SequentialMLP`, no grouped GEMM, so the
 CPU runs it), the all-to-all token dispatcher over `expert_model_parallel_size` ranks, and per-head RMSNorm on
-queries and keys (qk-layernorm); no shared expert.
+queries and keys (qk-layernorm); no shared expert. Under tensor parallelism an MoE model runs megatron-core's
+sequence parallelism (as its MoE layer requires): between the attention and MoE blocks each tensor-parallel rank
+holds 1/tp of the packed row's tokens (the norms and router run on those, the attention's linear layers gather and
+reduce-scatter them); the experts are not split by tensor parallelism (`expert_tensor_parallel_size` 1): each rank
+runs its tokens through whole experts. The norms are `RMSNorm` below (megatron's torch fallback refuses sequence
+parallelism); their and the router's weights see only their rank's tokens, so their gradients are summed over the
+tensor-parallel group (`tensor_parallel_partial`).
 
-Only packed inputs are used: a micro-batch is one row of concatenated samples whose rotary positions
-restart per sample, so there is no padding to mask. The vocabulary is padded to a multiple of the
-tensor-parallel degree; `vocab_size` says how many rows are real (rlx never reads the rest).
+Only packed inputs are used: a micro-batch is one row of concatenated samples whose rotary positions restart per
+sample, so there is no padding to mask (under sequence parallelism the row is padded to a multiple of tp with one
+more sample, dropped again at the head: rlx/backends/megatron/schedule.py). The vocabulary is padded to a multiple
+of the tensor-parallel degree; `vocab_size` says how many rows are real (rlx never reads the rest).
 """
 
 from __future__ import annotations
@@ -58,9 +65,6 @@ def check_moe(hf_config, tp_degree: int, ep_degree: int, where: str) -> None:
         if ep_degree != 1:
             raise UserError(f"{where}: ep_degree {ep_degree} needs a mixture-of-experts model ({MOE_FAMILIES[0]})")
         return
-    if tp_degree != 1:
-        raise UserError(f"{where}: --tp {tp_degree} with an MoE model: megatron-core's MoE layer needs sequence "
-                        "parallelism with tensor parallelism, which rlx does not run (use ep_degree)")  # fmt: skip
     if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
         raise UserError(
             f"{where}: the megatron backend needs every layer routed (decoder_sparse_step 1, no mlp_only_layers)"
@@ -105,10 +109,17 @@ def head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
+def is_sequence_parallel(hf_config, tp_degree: int) -> bool:
+    """Whether the model runs megatron-core's sequence parallelism: an MoE model under tensor parallelism (dense
+    models keep the whole row on every tensor-parallel rank)."""
+    return is_moe(hf_config) and tp_degree > 1
+
+
 def moe_options(hf_config, ep_degree: int, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> dict:
     """TransformerConfig fields of an MoE config: megatron-core's MoE layer as transformers routes (float32 router
-    softmax), experts split over `ep_degree` ranks. rlx's load-balancing and z-loss coefficients average over
-    layers, megatron's losses add up per layer: they are divided by the number of layers."""
+    softmax), experts split over `ep_degree` ranks and not by tensor parallelism. rlx's load-balancing and z-loss
+    coefficients average over layers, megatron's losses add up per layer: they are divided by the number of
+    layers."""
     if not is_moe(hf_config):
         return {}
     layers = hf_config.num_hidden_layers
@@ -125,6 +136,7 @@ def moe_options(hf_config, ep_degree: int, aux_loss_coef: float = 0.0, z_loss_co
         moe_aux_loss_coeff=aux_loss_coef / layers,
         moe_z_loss_coeff=(z_loss_coef / layers) if z_loss_coef else None,
         expert_model_parallel_size=ep_degree,
+        expert_tensor_parallel_size=1,
         qk_layernorm=True,
     )
 
@@ -150,6 +162,7 @@ def transformer_config(hf_config, tp_degree: int, pp_degree: int, **moe):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_degree,
+        sequence_parallel=is_sequence_parallel(hf_config, tp_degree),
         pipeline_model_parallel_size=pp_degree,
         params_dtype=torch.float32,
         use_cpu_initialization=True,
@@ -212,17 +225,47 @@ class CoreAttention(torch.nn.Module):
         return out.reshape(out.shape[0], -1)
 
 
-def layer_spec(hf_config=None):
+class RMSNorm:
+    """megatron's norm slot filled with torch's RMSNorm, as its torch fallback (`WrappedTorchNorm`) fills it, but
+    allowed under sequence parallelism: the weight is tagged `sequence_parallel` then (as megatron's fused norms tag
+    theirs), its gradient being this rank's part (its tokens; for the q/k norms, its heads)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def layer_spec(hf_config=None, sequence_parallel: bool = False):
     """megatron-core's local (no Transformer Engine) GPT layer with RMSNorm and rlx's core attention; for an MoE
-    config its MoE layer (sequential experts) and qk-layernorm."""
+    config its MoE layer (sequential experts) and qk-layernorm; rlx's `RMSNorm` in every norm under sequence
+    parallelism."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     moe = {}
     if hf_config is not None and is_moe(hf_config):
         moe = dict(num_experts=hf_config.num_experts, moe_grouped_gemm=False, qk_layernorm=True)
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", **moe))
-    spec.submodules.self_attention.submodules.core_attention = CoreAttention
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = CoreAttention
+    if sequence_parallel:
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
+        if moe:
+            attention.q_layernorm = attention.k_layernorm = RMSNorm
     return spec
+
+
+def stage_spec(hf_config, tp_degree: int, pp_degree: int):
+    """The decoder spec of one pipeline stage: `layer_spec`, or under sequence parallelism the block of its layers
+    with rlx's `RMSNorm` as the final norm."""
+    sequence_parallel = is_sequence_parallel(hf_config, tp_degree)
+    spec = layer_spec(hf_config, sequence_parallel)
+    if not sequence_parallel:
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layers = hf_config.num_hidden_layers // pp_degree
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
 
 
 class ValueHead(torch.nn.Module):
@@ -256,7 +299,7 @@ def build_stage(hf_config, tp_degree: int, pp_degree: int, pp_rank: int, **moe):
     first, last = pp_rank == 0, pp_rank == pp_degree - 1
     model = GPTModel(
         config=transformer_config(hf_config, tp_degree, pp_degree, **moe),
-        transformer_layer_spec=layer_spec(hf_config),
+        transformer_layer_spec=stage_spec(hf_config, tp_degree, pp_degree),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp_degree),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=first,
@@ -291,6 +334,13 @@ def mark_tensor_parallel(model) -> None:
             param.tensor_model_parallel = True
             param.partition_dim = dim if name == "weight" else 0
             param.partition_stride = 1
+
+
+def tensor_parallel_partial(model) -> list[torch.nn.Parameter]:
+    """The parameters replicated over the tensor-parallel group whose gradient each rank holds only part of (under
+    sequence parallelism: the norms and routers, which see this rank's tokens; the q/k norms, its heads): their
+    gradients are summed over the group (megatron's `_allreduce_non_tensor_model_parallel_grads`)."""
+    return [p for p in model.parameters() if p.requires_grad and getattr(p, "sequence_parallel", False)]
 
 
 def move_stage(model, device: torch.device):

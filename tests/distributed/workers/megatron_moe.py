@@ -1,7 +1,8 @@
-"""torchrun worker of tests/distributed/test_megatron_moe.py (argv: ep_degree): a tiny Qwen3-MoE as megatron-core
-stages (its MoE layer, the experts split over ep_degree ranks) gives transformers' logprobs and entropy, with the
-router normalising its top-k or not, scores the same on every rank however rows are split, and gathers back the
-Hugging Face weights bit for bit; the gradient of a backward through ranks that run different numbers of
+"""torchrun worker of tests/distributed/test_megatron_moe.py (argv: ep_degree [tp_degree], any world size they fit):
+a tiny Qwen3-MoE as megatron-core stages (its MoE layer, the experts split over ep_degree ranks; under tensor
+parallelism sequence parallel, the packed rows padded to a multiple of tp) gives transformers' logprobs and entropy,
+with the router normalising its top-k or not, scores the same on every rank however rows are split, and gathers
+back the Hugging Face weights bit for bit; the gradient of a backward through ranks that run different numbers of
 micro-batches (fillers keep the all-to-alls in step) equals transformers'."""
 
 import sys
@@ -17,11 +18,13 @@ from rlx.backends.megatron.weights import gather_hf_weights, with_all_experts
 from rlx.logprobs import PackedRows, packed_response_logprobs
 from rlx.models.attention import enable_packed_attention
 from rlx.models.megatron.convert import hf_to_megatron_shard, megatron_to_hf
+from rlx.models.megatron.model import tensor_parallel_partial
 from rlx.models.moe import tiny_moe_config
 from rlx.parallel.dist import exit_process
 
 ep = int(sys.argv[1])
-ctx = setup_megatron("cpu", 1, 1, ep)
+tp = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+ctx = setup_megatron("cpu", tp, 1, ep)
 B, P, R = 5, 7, 6
 g = torch.Generator().manual_seed(1)
 prompt_mask = torch.ones(B, P, dtype=torch.long)
@@ -41,7 +44,8 @@ def check(norm_topk_prob: bool) -> None:
                 p.uniform_(0.5, 1.5)
     enable_packed_attention(hf)
     weights = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied
-    stage = load_stage(config, hf_to_megatron_shard(weights, config, 1, 1, 0, 0), ctx, "test")
+    stage = load_stage(config, hf_to_megatron_shard(weights, config, tp, 1, ctx.tp_rank, 0), ctx, "test")
+    assert stage.config.sequence_parallel == (tp > 1)
     experts = [n for n in stage.state_dict() if ".mlp.experts.local_experts." in n and n.endswith("fc1.weight")]
     assert len(experts) == config.num_hidden_layers * config.num_experts // ep, experts
     ids = dict(
@@ -50,8 +54,8 @@ def check(norm_topk_prob: bool) -> None:
         response_ids=torch.randint(3, 67, (B, R), generator=g),
         response_mask=response_mask,
     )
-    # each rank its own rows: the all-to-all carries tokens of different counts between ranks
-    mine = list(range(ctx.rank, B, ep))
+    # each data-parallel rank its own rows: the all-to-all carries tokens of different counts between ranks
+    mine = list(range(ctx.dp_rank, B, ctx.dp_size))
     local = {k: v[mine] for k, v in ids.items()}
     rows = PackedRows.build(**local)
     got = []
@@ -63,7 +67,7 @@ def check(norm_topk_prob: bool) -> None:
     want = packed_response_logprobs(hf, **local, temperature=0.7, dtype=torch.float32, with_entropy=True)
     for a, b in zip(got[0], want):
         err = ((a - b) * local["response_mask"]).abs().max().item()
-        assert err < 1e-5, (norm_topk_prob, ep, err)
+        assert err < 1e-5, (norm_topk_prob, ep, tp, err)
     # scoring splits rows over the data-parallel ranks (uneven micro-batch counts: fillers keep the all-to-alls
     # in step) and gives every rank all rows
     scored = MegatronScoringModel(stage, config, ctx).logprobs(ids, 0.7, torch.float32, micro_batch_size=2)
@@ -71,16 +75,20 @@ def check(norm_topk_prob: bool) -> None:
     assert ((scored - full) * response_mask).abs().max().item() < 1e-5
     gathered = gather_hf_weights(stage, config, ctx)
     assert gathered.keys() == weights.keys(), sorted(set(gathered) ^ set(weights))
-    assert all(torch.equal(gathered[k], weights[k]) for k in weights)
+    differ = [k for k in weights if not torch.equal(gathered[k], weights[k])]
+    assert not differ, differ
     check_gradients(hf, stage, config, ids, local, mine)
 
 
 def check_gradients(hf, stage, config, ids: dict, local: dict, mine: list[int]) -> None:
-    """d(sum of response logprobs)/d(weights): rank 0 runs its rows as two micro-batches, the others as one (and
-    a filler at ep 2); dense gradients summed over the ranks, each expert's complete where it lives."""
-    parts = [[0], list(range(1, len(mine)))] if ctx.rank == 0 else [list(range(len(mine)))]
+    """d(sum of response logprobs)/d(weights): data-parallel rank 0 runs its rows as two micro-batches, the others
+    as one (and a filler where the expert-parallel group spans data-parallel ranks); dense gradients summed over
+    the data-parallel ranks, the norms' and routers' over the tensor-parallel ones (sequence parallel: each rank
+    saw its part of the tokens), each expert's over the ranks holding it."""
+    parts = [[0], list(range(1, len(mine)))] if ctx.dp_rank == 0 else [list(range(len(mine)))]
     micro = even_micro_batches(micro_batches(local, parts, ctx.device), ctx)
-    assert len(micro) == 2 and micro[-1].is_filler == (ctx.rank > 0)
+    if tp == 1:
+        assert len(micro) == 2 and micro[-1].is_filler == (ctx.rank > 0)
     stage.zero_grad(set_to_none=True)
 
     def head(hidden, mb):
@@ -91,13 +99,19 @@ def check_gradients(hf, stage, config, ids: dict, local: dict, mine: list[int]) 
         return (logp * local["response_mask"][mb.extra]).sum()
 
     run_pipeline(stage, ctx, micro, head, torch.float32, forward_only=False)
+    partial = {id(p) for p in tensor_parallel_partial(stage)}
+    assert len(partial) == (0 if tp == 1 else 5 * config.num_hidden_layers + 1)  # 4 norms and the router per layer
     grads = {}
     for name, p in stage.named_parameters():
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        if ".mlp.experts." not in name:
-            torch.distributed.all_reduce(grad)  # data parallel: every rank's rows
+        is_expert = ".mlp.experts." in name
+        torch.distributed.all_reduce(grad, group=ctx.expert_dp_group if is_expert else ctx.dp_group)
+        if id(p) in partial:
+            torch.distributed.all_reduce(grad, group=ctx.tp_group)
         grads[name] = grad
-    grads = megatron_to_hf({(0, 0): with_all_experts(grads, config, ctx)}, config, 1, 1)
+    shards = [None] * tp
+    torch.distributed.all_gather_object(shards, with_all_experts(grads, config, ctx), group=ctx.tp_group)
+    grads = megatron_to_hf({(t, 0): shard for t, shard in enumerate(shards)}, config, tp, 1)
     hf.zero_grad(set_to_none=True)
     logp = packed_response_logprobs(hf, **ids, temperature=1.0, dtype=torch.float32)[0]
     (logp * ids["response_mask"]).sum().backward()
