@@ -81,6 +81,14 @@ def torchrun(n: int, *args, timeout: int = 600) -> subprocess.CompletedProcess:
     return run_torchrun(n, "-m", "rlx", *args, timeout=timeout)
 
 
+def torchrun_commands(n: int, *commands: list, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Several `rlx` commands (each a list of arguments), one after the other, in one launch of n processes (gloo on
+    CPU): the start-up and the imports are paid once (tests/distributed/workers/rlx_commands.py). Fails the test with
+    the output tail on error."""
+    args = [str(a) for command in commands for a in ("--then", *command)][1:]
+    return run_torchrun(n, WORKERS / "rlx_commands.py", *args, timeout=timeout)
+
+
 def flat_config(cls, **flat):
     """Config `cls` from flat field names, as its command's flags name them (`n=2`, `max_num_seqs=4`, `env=...` for
     RolloutConfig's sampling, native and agent tables), through the commands' own option builder."""
