@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_ok, max_diff, rollout_args, run_torchrun, torchrun, write_length_reward
+from tests.conftest import (
+    cli_ok,
+    max_diff,
+    rollout_args,
+    run_torchrun,
+    torchrun,
+    torchrun_commands,
+    write_length_reward,
+)
 
 TRAIN = ["--lr", "1e-4", "--mini-batch-size", "12", "--micro-batch-size", "3", "--epochs", "2"]
 
@@ -127,13 +135,16 @@ def test_rollout_and_score_split_across_ranks(tmp_path, tiny_ckpt, prompts_file)
 
     args = ["--num-samples", "3", "--num-prompts", "5", "--max-new-tokens", "4", "--batch-size", "4"]
     cli_ok("rollout", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "r1.jsonl", *args)
-    torchrun(2, "rollout", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "r2.jsonl", *args)
+    score = ["--actor", tiny_ckpt, "--ref", tiny_ckpt, "--reward", "arith", "--micro-batch-size", "4"]
+    torchrun_commands(  # both 2-rank commands in one launch
+        2,
+        ["rollout", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "r2.jsonl", *args],
+        ["score", "--rollouts", tmp_path / "r1.jsonl", "--out", tmp_path / "s2", *score],
+    )
     one = [line.split('"rollout_logprobs"')[0] for line in (tmp_path / "r1.jsonl").read_text().splitlines()]
     two = [line.split('"rollout_logprobs"')[0] for line in (tmp_path / "r2.jsonl").read_text().splitlines()]
     assert one == two  # same samples (ids, tokens, text) in the same order
-    score = ["--actor", tiny_ckpt, "--ref", tiny_ckpt, "--reward", "arith", "--micro-batch-size", "4"]
     cli_ok("score", "--rollouts", tmp_path / "r1.jsonl", "--out", tmp_path / "s1", *score)
-    torchrun(2, "score", "--rollouts", tmp_path / "r1.jsonl", "--out", tmp_path / "s2", *score)
     assert (tmp_path / "s1" / "scores.jsonl").read_text() == (tmp_path / "s2" / "scores.jsonl").read_text()
     a, b = (
         TrainBatch.load(tmp_path / "s1" / "batch.safetensors"),
