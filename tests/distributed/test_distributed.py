@@ -98,6 +98,50 @@ def test_four_ranks_with_token_budget_and_sequence_parallel(tmp_path, tiny_ckpt,
         assert max_diff(single, tmp_path / name) < 1e-6, name
 
 
+def test_rollout_and_score_split_across_ranks(tmp_path, tiny_ckpt, prompts_file):
+    """Each rank samples and scores its share; rank 0 writes files equal to a single process's."""
+    from rlx.formats.batch import TrainBatch
+
+    args = ["--num-samples", "3", "--num-prompts", "5", "--max-new-tokens", "4", "--batch-size", "4"]
+    cli_ok("rollout", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "r1.jsonl", *args)
+    score = ["--actor", tiny_ckpt, "--ref", tiny_ckpt, "--reward", "arith", "--micro-batch-size", "4"]
+    torchrun_commands(  # both 2-rank commands in one launch
+        2,
+        ["rollout", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "r2.jsonl", *args],
+        ["score", "--rollouts", tmp_path / "r1.jsonl", "--out", tmp_path / "s2", *score],
+    )
+    one = [line.split('"rollout_logprobs"')[0] for line in (tmp_path / "r1.jsonl").read_text().splitlines()]
+    two = [line.split('"rollout_logprobs"')[0] for line in (tmp_path / "r2.jsonl").read_text().splitlines()]
+    assert one == two  # same samples (ids, tokens, text) in the same order
+    cli_ok("score", "--rollouts", tmp_path / "r1.jsonl", "--out", tmp_path / "s1", *score)
+    assert (tmp_path / "s1" / "scores.jsonl").read_text() == (tmp_path / "s2" / "scores.jsonl").read_text()
+    a, b = (
+        TrainBatch.load(tmp_path / "s1" / "batch.safetensors"),
+        TrainBatch.load(tmp_path / "s2" / "batch.safetensors"),
+    )
+    for name, tensor in a.tensors().items():
+        assert (tensor.float() - b.tensors()[name].float()).abs().max() < 1e-6, name
+
+
+def test_ppo_on_two_ranks_equals_one_and_resumes(tmp_path):
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.toml"
+    small = ["--set", "data.prompts_per_step=6", "--set", "rollout.sampling.n=4", "--set", "save_every=1"]
+    cli_ok("ppo", recipe, "--out", tmp_path / "one", "--set", "steps=3", *small)
+    torchrun(2, "ppo", recipe, "--out", tmp_path / "two", "--set", "steps=2", *small)
+    torchrun(2, "ppo", recipe, "--out", tmp_path / "two", "--set", "steps=3", *small, "--resume")
+    final = Path("checkpoints") / "step_000003"
+    assert max_diff(tmp_path / "one" / final, tmp_path / "two" / final) < 1e-5
+    one = [
+        line["reward/mean"]
+        for line in map(__import__("json").loads, (tmp_path / "one" / "metrics.jsonl").read_text().splitlines())
+    ]
+    two = [
+        line["reward/mean"]
+        for line in map(__import__("json").loads, (tmp_path / "two" / "metrics.jsonl").read_text().splitlines())
+    ]
+    assert one == two  # same samples, same rewards, step by step
+
+
 def test_fsdp_layout_writes_shards_per_rank_and_reloads_at_another_world_size(tmp_path, tiny_ckpt, batch, single):
     """A 2-rank step on the 'fsdp' (DCP) layout writes the same weights as the 'single' layout; a
     1-process step then resumes from those shards (weights and Adam state) as from the single copy."""
