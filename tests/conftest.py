@@ -81,6 +81,14 @@ def torchrun(n: int, *args, timeout: int = 600) -> subprocess.CompletedProcess:
     return run_torchrun(n, "-m", "rlx", *args, timeout=timeout)
 
 
+def torchrun_commands(n: int, *commands: list, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Several `rlx` commands (each a list of arguments), one after the other, in one launch of n processes (gloo on
+    CPU): the start-up and the imports are paid once (tests/distributed/workers/rlx_commands.py). Fails the test with
+    the output tail on error."""
+    args = [str(a) for command in commands for a in ("--then", *command)][1:]
+    return run_torchrun(n, WORKERS / "rlx_commands.py", *args, timeout=timeout)
+
+
 def flat_config(cls, **flat):
     """Config `cls` from flat field names, as its command's flags name them (`n=2`, `max_num_seqs=4`, `env=...` for
     RolloutConfig's sampling, native and agent tables), through the commands' own option builder."""
@@ -230,7 +238,10 @@ SLOWEST = {
     "tests/stages/test_verifiers_ppo.py::test_verifiers_agent_errors_name_the_problem": 65.0,
     "tests/stages/test_verifiers_ppo.py::test_ppo_trains_a_verifiers_environment_with_its_rewards": 50.0,
     "tests/stages/test_vision_stages.py::test_tiny_vlm_recipe_learns": 168.5,
-    "tests/distributed/test_megatron.py::test_pipeline_and_data_parallel_train_steps_equal_one_process": 114.1,
+    "tests/distributed/test_megatron.py::test_pipeline_and_data_parallel_train_steps_equal_one_process": 88.9,
+    "tests/distributed/test_megatron.py::test_score_equals_the_hf_path": 79.4,
+    "tests/distributed/test_distributed.py::test_two_ranks_equal_one": 58.7,
+    "tests/distributed/test_distributed.py::test_four_ranks_with_token_budget_and_sequence_parallel": 58.5,
     "tests/unit/test_vllm.py::test_torchrun_data_and_tensor_parallel_equal_one_process": 83.2,
     "tests/distributed/test_megatron_moe.py::test_ep2_train_step_equals_one_process": 82.8,
     "tests/distributed/test_scale.py::test_sharded_background_checkpoints_resume_bit_exactly_and_two_nodes_equal_one": 72.4,  # noqa: E501
@@ -243,14 +254,17 @@ SLOWEST = {
     "tests/unit/test_vllm.py::test_ppo_with_vllm_learns_and_logs_the_sync": 56.8,
     "tests/distributed/test_async_vllm.py::test_multi_turn_episodes_at_max_staleness_0_are_the_synchronous_vllm_run": 55.7,  # noqa: E501
     "tests/distributed/test_async_vllm.py::test_max_staleness_0_is_the_synchronous_vllm_run": 54.7,
-    "tests/distributed/test_megatron.py::test_four_pipeline_stages_equal_one_process": 51.0,
-    "tests/stages/test_lora_stages.py::test_two_ranks_equal_one_for_train_step_and_ppo": 46.7,
+    "tests/stages/test_lora_stages.py::test_two_ranks_equal_one_for_train_step_and_ppo": 40.2,
+    "tests/stages/test_vision_stages.py::test_fsdp_and_sequence_parallel_train_steps_equal_one_process": 37.0,
+    "tests/distributed/test_megatron.py::test_actor_and_critic_train_steps_with_tp2_equal_one_process": 35.1,
+    "tests/distributed/test_distributed.py::test_rollout_and_score_split_across_ranks": 27.0,
+    "tests/stages/test_vision_critic.py::test_fsdp_and_sequence_parallel_critic_train_steps_equal_one_process": 26.1,
+    "tests/stages/test_multi_turn_images.py::test_fsdp_and_sequence_parallel_train_steps_on_episodes_equal_one_process": 22.0,  # noqa: E501
     "tests/distributed/test_moe_ep.py::test_ep2_equals_one_process": 46.2,
     "tests/stages/test_family.py::test_ppo_gae_and_dapo_learn[quickstart_gae.toml]": 39.5,
     "tests/distributed/test_async.py::test_quickstart_learns_asynchronously": 33.8,
     "tests/stages/test_shard_merge.py::test_gguf_shard_matches_transformers_and_runs": 27.4,
     "tests/stages/test_family.py::test_ppo_gae_and_dapo_learn[dapo_quickstart.toml]": 26.5,
-    "tests/distributed/test_megatron.py::test_actor_train_step_with_tp2_equals_one_process": 20.6,
     "tests/unit/test_vllm.py::test_multi_turn_episodes_at_tp_2_equal_one_process": 50.0,
     "tests/distributed/test_native_tp.py::test_agent_episodes_at_tp_degree_2_equal_one_process": 43.6,
     "tests/distributed/test_async.py::test_dynamic_sampling_at_max_staleness_0_is_the_synchronous_run": 18.3,

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_ok, max_diff, rollout_args, run_torchrun, torchrun, write_length_reward
+from tests.conftest import (
+    cli_ok,
+    max_diff,
+    rollout_args,
+    run_torchrun,
+    torchrun,
+    torchrun_commands,
+    write_length_reward,
+)
 
 TRAIN = ["--lr", "1e-4", "--mini-batch-size", "12", "--micro-batch-size", "3", "--epochs", "2"]
 
@@ -41,22 +49,18 @@ def single(tmp_path_factory, tiny_ckpt, batch):
 
 
 def test_two_ranks_equal_one(tmp_path, tiny_ckpt, batch, single):
-    torchrun(
+    """2-rank steps equal one process: plain FSDP; with parameter and activation offload and gradient checkpointing;
+    Ulysses SP 2 (each rank of the group runs a slice of the packed row). One launch runs the three."""
+    step = ["train-step", "--checkpoint", tiny_ckpt, "--batch", batch, "--kl-loss-coef", "0.1", *TRAIN]
+    torchrun_commands(
         2,
-        "train-step",
-        "--checkpoint",
-        tiny_ckpt,
-        "--batch",
-        batch,
-        "--out",
-        tmp_path / "c",
-        "--kl-loss-coef",
-        "0.1",
-        *TRAIN,
-        "--metrics",
-        tmp_path / "m.jsonl",
-    )
-    assert max_diff(single, tmp_path / "c") < 1e-6
+        [*step, "--out", tmp_path / "c", "--metrics", tmp_path / "m.jsonl"],
+        [*step, "--out", tmp_path / "offload", "--param-offload", "--activation-offload", "--gradient-checkpointing",
+         "--use-packing"],
+        [*step, "--out", tmp_path / "sp", "--use-packing", "--sp-degree", "2"],
+    )  # fmt: skip
+    for name in ("c", "offload", "sp"):
+        assert max_diff(single, tmp_path / name) < 1e-6, name
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 1  # rank 0 alone writes
 
 
@@ -79,46 +83,19 @@ def test_packing_and_token_budget_equal_padded_micro_batches(tmp_path, tiny_ckpt
     assert max_diff(single, tmp_path / "c") < 1e-6
 
 
-def test_offload_and_checkpointing_equal_plain_under_fsdp(tmp_path, tiny_ckpt, batch, single):
-    torchrun(
-        2,
-        "train-step",
-        "--checkpoint",
-        tiny_ckpt,
-        "--batch",
-        batch,
-        "--out",
-        tmp_path / "c",
-        "--kl-loss-coef",
-        "0.1",
-        *TRAIN,
-        "--param-offload",
-        "--activation-offload",
-        "--gradient-checkpointing",
-        "--use-packing",
-    )
-    assert max_diff(single, tmp_path / "c") < 1e-6
-
-
-def test_four_ranks_with_token_budget(tmp_path, tiny_ckpt, batch, single):
-    torchrun(
+def test_four_ranks_with_token_budget_and_sequence_parallel(tmp_path, tiny_ckpt, batch, single):
+    """4-rank steps equal one process: a token budget with every micro-batch reduce-scattered (two ranks above
+    accumulate unsharded); dp 2 x Ulysses SP 2, packed, with a token budget and chunked logprobs. One launch runs
+    both."""
+    step = ["train-step", "--checkpoint", tiny_ckpt, "--batch", batch, "--kl-loss-coef", "0.1", *TRAIN]
+    torchrun_commands(
         4,
-        "train-step",
-        "--checkpoint",
-        tiny_ckpt,
-        "--batch",
-        batch,
-        "--out",
-        tmp_path / "c",
-        "--kl-loss-coef",
-        "0.1",
-        *TRAIN,
-        "--max-tokens-per-micro-batch",
-        "25",
-        "--grad-accumulation",
-        "sharded",  # every micro-batch reduce-scatters (two ranks above accumulate unsharded)
-    )
-    assert max_diff(single, tmp_path / "c") < 1e-6
+        [*step, "--out", tmp_path / "c", "--max-tokens-per-micro-batch", "25", "--grad-accumulation", "sharded"],
+        [*step, "--out", tmp_path / "sp", "--use-packing", "--sp-degree", "2", "--max-tokens-per-micro-batch", "40",
+         "--logprob-impl", "chunked"],
+    )  # fmt: skip
+    for name in ("c", "sp"):
+        assert max_diff(single, tmp_path / name) < 1e-6, name
 
 
 def test_rollout_and_score_split_across_ranks(tmp_path, tiny_ckpt, prompts_file):
@@ -127,13 +104,16 @@ def test_rollout_and_score_split_across_ranks(tmp_path, tiny_ckpt, prompts_file)
 
     args = ["--num-samples", "3", "--num-prompts", "5", "--max-new-tokens", "4", "--batch-size", "4"]
     cli_ok("rollout", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "r1.jsonl", *args)
-    torchrun(2, "rollout", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "r2.jsonl", *args)
+    score = ["--actor", tiny_ckpt, "--ref", tiny_ckpt, "--reward", "arith", "--micro-batch-size", "4"]
+    torchrun_commands(  # both 2-rank commands in one launch
+        2,
+        ["rollout", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "r2.jsonl", *args],
+        ["score", "--rollouts", tmp_path / "r1.jsonl", "--out", tmp_path / "s2", *score],
+    )
     one = [line.split('"rollout_logprobs"')[0] for line in (tmp_path / "r1.jsonl").read_text().splitlines()]
     two = [line.split('"rollout_logprobs"')[0] for line in (tmp_path / "r2.jsonl").read_text().splitlines()]
     assert one == two  # same samples (ids, tokens, text) in the same order
-    score = ["--actor", tiny_ckpt, "--ref", tiny_ckpt, "--reward", "arith", "--micro-batch-size", "4"]
     cli_ok("score", "--rollouts", tmp_path / "r1.jsonl", "--out", tmp_path / "s1", *score)
-    torchrun(2, "score", "--rollouts", tmp_path / "r1.jsonl", "--out", tmp_path / "s2", *score)
     assert (tmp_path / "s1" / "scores.jsonl").read_text() == (tmp_path / "s2" / "scores.jsonl").read_text()
     a, b = (
         TrainBatch.load(tmp_path / "s1" / "batch.safetensors"),
@@ -177,21 +157,6 @@ def test_fsdp_layout_writes_shards_per_rank_and_reloads_at_another_world_size(tm
     cli_ok("train-step", "--checkpoint", single, "--out", tmp_path / "d2", *step)
     cli_ok("merge", "--checkpoint", tmp_path / "c2", "--out", tmp_path / "m2")
     assert max_diff(tmp_path / "d2", tmp_path / "m2") < 1e-6
-
-
-@pytest.mark.parametrize(
-    "ranks,extra",
-    [
-        (2, ["--sp-degree", "2"]),
-        (4, ["--sp-degree", "2", "--max-tokens-per-micro-batch", "40", "--logprob-impl", "chunked"]),
-    ],
-    ids=["sp2", "dp2xsp2-chunked"],
-)
-def test_sequence_parallel_equals_one_rank(tmp_path, tiny_ckpt, batch, single, ranks, extra):
-    """Ulysses SP: each rank of a group runs a slice of the packed row; the step equals one process."""
-    step = ["--batch", batch, "--kl-loss-coef", "0.1", *TRAIN, "--use-packing", *extra]
-    torchrun(ranks, "train-step", "--checkpoint", tiny_ckpt, "--out", tmp_path / "c", *step)
-    assert max_diff(single, tmp_path / "c") < 1e-6
 
 
 def test_ppo_with_critic_under_sequence_parallelism_equals_one_process(tmp_path):

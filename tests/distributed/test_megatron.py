@@ -23,6 +23,7 @@ from tests.conftest import (  # noqa: E402
     rollout_args,
     run_torchrun,
     torchrun,
+    torchrun_commands,
     write_length_reward,
 )
 
@@ -66,15 +67,21 @@ def models(tmp_path_factory, tiny_ckpt, prompts_file):
     return {"dir": d, "score": score, "batch": d / "hf" / "batch.safetensors"}
 
 
-@pytest.mark.parametrize("tp,pp,world", [(2, 1, 4), (2, 2, 4)])
-def test_score_equals_the_hf_path(models, tp, pp, world):
-    """old/ref logprobs, values and advantages of `rlx score` on megatron shards (dp = world / (tp pp))."""
-    d = models["dir"]
-    shards = ["--actor", d / f"actor_{tp}{pp}", "--ref", d / f"actor_{tp}{pp}", "--critic", d / f"critic_{tp}{pp}"]
-    torchrun(world, "score", *models["score"], *shards, "--micro-batch-size", "3", "--out", d / f"mg_{tp}{pp}")
-    want, got = load_file(models["batch"]), load_file(d / f"mg_{tp}{pp}" / "batch.safetensors")
-    for key in ("old_logprobs", "ref_logprobs", "values", "advantages", "returns"):
-        assert (want[key] - got[key]).abs().max().item() < 1e-5, key
+def test_score_equals_the_hf_path(models, tmp_path):
+    """old/ref logprobs, values and advantages of `rlx score` on megatron shards, at tp 2 x dp 2 and at tp 2 x pp 2
+    (dp = world / (tp pp)), both in one launch of 4 processes."""
+    d, commands = models["dir"], []
+    for tp, pp in ((2, 1), (2, 2)):
+        shards = ["--actor", d / f"actor_{tp}{pp}", "--ref", d / f"actor_{tp}{pp}", "--critic", d / f"critic_{tp}{pp}"]
+        commands.append(
+            ["score", *models["score"], *shards, "--micro-batch-size", "3", "--out", tmp_path / f"{tp}{pp}"]
+        )
+    torchrun_commands(4, *commands)
+    want = load_file(models["batch"])
+    for tp, pp in ((2, 1), (2, 2)):
+        got = load_file(tmp_path / f"{tp}{pp}" / "batch.safetensors")
+        for key in ("old_logprobs", "ref_logprobs", "values", "advantages", "returns"):
+            assert (want[key] - got[key]).abs().max().item() < 1e-5, (tp, pp, key)
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +95,17 @@ def one_process(models, tiny_ckpt, tmp_path_factory) -> Path:
     return d
 
 
-def test_actor_train_step_with_tp2_equals_one_process(models, one_process, tmp_path):
+def test_actor_and_critic_train_steps_with_tp2_equal_one_process(models, one_process, tmp_path):
+    """The actor's and the critic's train step at tp 2, in one launch of 2 processes."""
     d, batch = models["dir"], models["batch"]
-    torchrun(2, "train-step", "--checkpoint", d / "actor_21", "--batch", batch, "--out", tmp_path / "tp", *TRAIN,
-             "--metrics", tmp_path / "m.jsonl")  # fmt: skip
+    critic = ["--batch", batch, "--role", "critic", "--lr", "1e-4", "--micro-batch-size", "4"]
+    cli_ok("train-step", "--checkpoint", d / "critic", "--out", tmp_path / "critic_one", *critic)
+    torchrun_commands(
+        2,
+        ["train-step", "--checkpoint", d / "actor_21", "--batch", batch, "--out", tmp_path / "tp", *TRAIN,
+         "--metrics", tmp_path / "m.jsonl"],
+        ["train-step", "--checkpoint", d / "critic_21", "--out", tmp_path / "critic_tp", *critic],
+    )  # fmt: skip
     meta = json.loads((tmp_path / "tp" / "rlx.json").read_text())
     assert (meta["layout"], meta["tp_degree"], meta["pp_degree"], meta["step"]) == ("megatron", 2, 1, 1)
     assert sorted(p.name for p in (tmp_path / "tp").glob("mp_rank_*")) == ["mp_rank_00_000", "mp_rank_01_000"]
@@ -100,27 +114,37 @@ def test_actor_train_step_with_tp2_equals_one_process(models, one_process, tmp_p
     # float32 sums in another order across the TP ranks, through several AdamW updates of 1e-4: 1.03e-6 was seen
     assert max_diff(one_process / "s1", tmp_path / "merged") < 5e-6
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 1
+    cli_ok("merge", "--checkpoint", tmp_path / "critic_tp", "--out", tmp_path / "critic_merged")
+    assert max_diff(tmp_path / "critic_one", tmp_path / "critic_merged") < 1e-6
 
 
 def test_pipeline_and_data_parallel_train_steps_equal_one_process(models, one_process, tmp_path):
-    """tp 2 x pp 2 for two steps (the second resumes each rank's optimizer state), and pp 2 x dp 2 for
-    one, equal one process."""
+    """tp 2 x pp 2 for two steps (the second resumes each rank's optimizer state), pp 2 x dp 2 for one, and pp 4 on a
+    4-layer model (the middle stages' 1F1B traffic: activations forward, gradients back) equal one process. One
+    launch of 4 processes runs them all; the second tp 2 x pp 2 step runs last, after the others, so nothing but its
+    checkpoint carries the first step's state to it."""
+    from rlx.models.tiny import write_tiny_model_dir
+
     d, batch = models["dir"], models["batch"]
-    torchrun(4, "train-step", "--checkpoint", d / "actor_22", "--batch", batch, "--out", tmp_path / "a1", *TRAIN)
-    torchrun(4, "train-step", "--checkpoint", tmp_path / "a1", "--batch", batch, "--out", tmp_path / "a2", *TRAIN)
-    torchrun(4, "train-step", "--checkpoint", d / "actor_12", "--batch", batch, "--out", tmp_path / "b1", *TRAIN)
+    write_tiny_model_dir(tmp_path / "tiny", num_layers=4)
+    cli_ok("shard", "--model", tmp_path / "tiny", "--init", "random", "--seed", "1", "--out", tmp_path / "ck")
+    cli_ok("shard", "--model", tmp_path / "ck", "--out", tmp_path / "mg", "--layout", "megatron", "--pp", "4")
+    packed = ["--batch", batch, "--use-packing", *TRAIN]
+    cli_ok("train-step", "--checkpoint", tmp_path / "ck", "--out", tmp_path / "pp4_one", *packed)
+    torchrun_commands(
+        4,
+        ["train-step", "--checkpoint", d / "actor_22", "--batch", batch, "--out", tmp_path / "a1", *TRAIN],
+        ["train-step", "--checkpoint", d / "actor_12", "--batch", batch, "--out", tmp_path / "b1", *TRAIN],
+        ["train-step", "--checkpoint", tmp_path / "mg", "--out", tmp_path / "pp4", *packed],
+        ["train-step", "--checkpoint", tmp_path / "a1", "--batch", batch, "--out", tmp_path / "a2", *TRAIN],
+    )
     for name, want in (("a2", "s2"), ("b1", "s1")):
         cli_ok("merge", "--checkpoint", tmp_path / name, "--out", tmp_path / f"{name}_m")
         assert max_diff(one_process / want, tmp_path / f"{name}_m") < 5e-6, name  # as with tp 2 above
-
-
-def test_critic_train_step_with_tp2_equals_one_process(models, tmp_path):
-    d, batch = models["dir"], models["batch"]
-    args = ["--batch", batch, "--role", "critic", "--lr", "1e-4", "--micro-batch-size", "4"]
-    cli_ok("train-step", "--checkpoint", d / "critic", "--out", tmp_path / "one", *args)
-    torchrun(2, "train-step", "--checkpoint", d / "critic_21", "--out", tmp_path / "tp", *args)
-    cli_ok("merge", "--checkpoint", tmp_path / "tp", "--out", tmp_path / "merged")
-    assert max_diff(tmp_path / "one", tmp_path / "merged") < 1e-6
+    cli_ok("merge", "--checkpoint", tmp_path / "pp4", "--out", tmp_path / "pp4_m")
+    # 2% of lr: Adam's normalisation turns fp32 summation-order differences in near-zero gradients into updates of
+    # up to ~1% of lr (1.2e-6 at lr 1e-4 with this seed); a wrong stage exchange moves weights by ~lr
+    assert max_diff(tmp_path / "pp4_one", tmp_path / "pp4_m") < 2e-6
 
 
 def test_bad_degrees_and_missing_shards_are_clear_errors(models, tmp_path):
@@ -165,20 +189,3 @@ def test_ppo_with_critic_on_megatron_equals_one_process_and_resumes(tmp_path):
     # the reference's logprobs come from frozen megatron stages in the tp run, from a HF model in the other
     ref_kl = [(a["actor/ref_kl"], b["actor/ref_kl"]) for a, b in zip(one, two)]
     assert ref_kl[-1][0] > 0 and all(abs(a - b) <= 1e-6 + 1e-3 * abs(a) for a, b in ref_kl), ref_kl
-
-
-def test_four_pipeline_stages_equal_one_process(models, tmp_path):
-    """pp 4 on a 4-layer model: the middle stages' 1F1B traffic (activations forward, gradients back)."""
-    from rlx.models.tiny import write_tiny_model_dir
-
-    batch = models["batch"]
-    write_tiny_model_dir(tmp_path / "tiny", num_layers=4)
-    cli_ok("shard", "--model", tmp_path / "tiny", "--init", "random", "--seed", "1", "--out", tmp_path / "ck")
-    cli_ok("shard", "--model", tmp_path / "ck", "--out", tmp_path / "mg", "--layout", "megatron", "--pp", "4")
-    train = ["--batch", batch, "--use-packing", *TRAIN]
-    cli_ok("train-step", "--checkpoint", tmp_path / "ck", "--out", tmp_path / "one", *train)
-    torchrun(4, "train-step", "--checkpoint", tmp_path / "mg", "--out", tmp_path / "pp4", *train)
-    cli_ok("merge", "--checkpoint", tmp_path / "pp4", "--out", tmp_path / "merged")
-    # 2% of lr: Adam's normalisation turns fp32 summation-order differences in near-zero gradients into updates of
-    # up to ~1% of lr (1.2e-6 at lr 1e-4 with this seed); a wrong stage exchange moves weights by ~lr
-    assert max_diff(tmp_path / "one", tmp_path / "merged") < 2e-6

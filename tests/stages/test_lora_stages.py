@@ -32,7 +32,7 @@ from rlx.ppo.loop import run_ppo
 from rlx.rollout.base import ModuleWeights
 from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 from rlx.rollout.requests import TokenRequest
-from tests.conftest import REPO, cli, cli_ok, generate, make_engine, read_jsonl, rollout_args, torchrun
+from tests.conftest import REPO, cli, cli_ok, generate, make_engine, read_jsonl, rollout_args, torchrun_commands
 from tests.stages.test_ppo import stable
 
 peft = pytest.importorskip("peft")
@@ -294,13 +294,15 @@ def test_quickstart_with_lora_learns(tmp_path):
 def test_two_ranks_equal_one_for_train_step_and_ppo(run, tmp_path):
     batch = run / "s1" / "batch.safetensors"
     train = ["--checkpoint", run / "lora1", "--batch", batch, "--lr", "1e-2", "--micro-batch-size", "2"]
+    native = ["--set", "rollout.engine='native'", "--set", "rollout.kv_cache_gib=0.01", "--set", "steps=2", *SMALL]
+    # one launch of 2 ranks for both; the ppo run: FSDP-sharded adapters, merged replicas
+    torchrun_commands(
+        2, ["train-step", *train, "--out", tmp_path / "two"], ["ppo", RECIPE, "--out", tmp_path / "ppo2", *native]
+    )
     cli_ok("train-step", *train, "--out", tmp_path / "one")
-    torchrun(2, "train-step", *train, "--out", tmp_path / "two")
     one, two = adapters(tmp_path / "one"), adapters(tmp_path / "two")
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-6
-    native = ["--set", "rollout.engine='native'", "--set", "rollout.kv_cache_gib=0.01", "--set", "steps=2", *SMALL]
     cli_ok("ppo", RECIPE, "--out", tmp_path / "ppo1", *native)
-    torchrun(2, "ppo", RECIPE, "--out", tmp_path / "ppo2", *native)  # FSDP-sharded adapters, merged replicas
     final = Path("checkpoints") / "step_000002"
     one, two = adapters(tmp_path / "ppo1" / final), adapters(tmp_path / "ppo2" / final)
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-5

@@ -38,7 +38,7 @@ from rlx.rollout.requests import TokenRequest
 from rlx.tasks.shapes import generate_shapes
 from rlx.tasks.shapes_look import LookAgainEnv, is_correct
 from tests.agent_helpers import random_chat_model, spans, token_engine
-from tests.conftest import cli, cli_ok, flat_config, read_jsonl, torchrun, write_jsonl
+from tests.conftest import cli, cli_ok, flat_config, read_jsonl, torchrun_commands, write_jsonl
 from tests.stages.test_vision_stages import assert_same_gradients, assert_same_weights
 
 ENVS = '''
@@ -303,7 +303,7 @@ def test_score_and_train_step_rebuild_the_episodes_images(vlm_episodes, tmp_path
     assert_same_gradients(tmp_path / "padded", tmp_path / "packed_step")
 
 
-@pytest.mark.slow  # two torchruns of 2 processes: ~60 s on 2 CPU cores
+@pytest.mark.slow  # both steps in one launch of 2 processes: ~25 s on 2 shared CPU cores
 def test_fsdp_and_sequence_parallel_train_steps_on_episodes_equal_one_process(vlm_episodes, tmp_path):
     """Episodes with pictures in the replies (images inside response_ids, environment tokens masked) train the same
     under FSDP and Ulysses SP 2 (the images' tokens split across the ranks) as in one process."""
@@ -312,8 +312,7 @@ def test_fsdp_and_sequence_parallel_train_steps_on_episodes_equal_one_process(vl
     step = ["train-step", "--checkpoint", vlm_episodes["ckpt"], "--batch", tmp_path / "s" / "batch.safetensors",
             "--lr", "1e-2", "--use-packing", "--no-freeze-vision-tower"]  # fmt: skip
     cli_ok(*step, "--out", tmp_path / "one")
-    torchrun(2, *step, "--out", tmp_path / "fsdp")
-    torchrun(2, *step, "--out", tmp_path / "sp", "--sp-degree", "2")
+    torchrun_commands(2, [*step, "--out", tmp_path / "fsdp"], [*step, "--out", tmp_path / "sp", "--sp-degree", "2"])
     assert_same_weights(tmp_path / "one", tmp_path / "fsdp", atol=1e-4)  # Adam: see assert_same_gradients
     assert_same_weights(tmp_path / "one", tmp_path / "sp", atol=1e-4)
 

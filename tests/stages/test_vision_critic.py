@@ -24,7 +24,7 @@ from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.models.vision.tiny import build_tiny_vision_model, write_tiny_vision_model_dir
 from rlx.parallel.dist import DistContext
 from rlx.tasks.shapes import generate_shapes, write_shapes
-from tests.conftest import REPO, cli, cli_ok, read_jsonl, torchrun, write_length_reward
+from tests.conftest import REPO, cli, cli_ok, read_jsonl, torchrun_commands, write_length_reward
 from tests.stages.test_ppo import stable
 from tests.stages.test_vision_stages import assert_same_gradients, assert_same_weights, tower_keys
 from tests.unit.test_vision import chat, image_part, micro_batch
@@ -202,13 +202,12 @@ def test_score_and_critic_train_steps_with_images(vlm, tmp_path):
         assert not any(".visual." in k for k in f.keys())  # noqa: SIM118 - safe_open is not a mapping
 
 
-@pytest.mark.slow  # two launches of 2 ranks: ~35 s on 2 shared CPU cores
+@pytest.mark.slow  # both steps in one launch of 2 ranks: ~25 s on 2 shared CPU cores
 def test_fsdp_and_sequence_parallel_critic_train_steps_equal_one_process(vlm, tmp_path):
     step = ["train-step", "--role", "critic", "--checkpoint", vlm["critic"], "--batch", vlm["batch"], "--lr", "1e-2",
             "--use-packing", "--no-freeze-vision-tower"]  # fmt: skip
     cli_ok(*step, "--out", tmp_path / "one")
-    torchrun(2, *step, "--out", tmp_path / "fsdp")
-    torchrun(2, *step, "--out", tmp_path / "sp", "--sp-degree", "2")
+    torchrun_commands(2, [*step, "--out", tmp_path / "fsdp"], [*step, "--out", tmp_path / "sp", "--sp-degree", "2"])
     assert_same_weights(tmp_path / "one", tmp_path / "fsdp", atol=1e-4)  # Adam: see assert_same_gradients
     assert_same_weights(tmp_path / "one", tmp_path / "sp", atol=1e-4)
 

@@ -28,7 +28,7 @@ from rlx.parallel.dist import DistContext
 from rlx.rollout.base import build_engine
 from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 from rlx.tasks.shapes import generate_shapes, write_shapes
-from tests.conftest import REPO, cli, cli_ok, read_jsonl, torchrun, write_jsonl, write_length_reward
+from tests.conftest import REPO, cli, cli_ok, read_jsonl, torchrun_commands, write_jsonl, write_length_reward
 from tests.unit.test_vision import chat, image_part, random_image
 
 FAMILY_NAMES = [f.name for f in FAMILIES.values()]
@@ -329,15 +329,14 @@ def test_lora_adapts_the_language_model(vlm, tmp_path):
     assert critic and all(".language_model." in k for k in critic)
 
 
-@pytest.mark.slow  # two torchruns of 2 processes: ~60 s on 2 CPU cores
+@pytest.mark.slow  # both steps in one launch of 2 processes: ~35 s on 2 shared CPU cores
 def test_fsdp_and_sequence_parallel_train_steps_equal_one_process(vlm, tmp_path):
     cli_ok("score", "--rollouts", vlm["rollouts"], "--actor", vlm["ckpt"], "--reward", vlm["reward"], "--out",
            tmp_path / "s")  # fmt: skip
     step = ["train-step", "--checkpoint", vlm["ckpt"], "--batch", tmp_path / "s" / "batch.safetensors", "--lr", "1e-2",
             "--use-packing", "--no-freeze-vision-tower"]  # fmt: skip
     cli_ok(*step, "--out", tmp_path / "one")
-    torchrun(2, *step, "--out", tmp_path / "fsdp")
-    torchrun(2, *step, "--out", tmp_path / "sp", "--sp-degree", "2")
+    torchrun_commands(2, [*step, "--out", tmp_path / "fsdp"], [*step, "--out", tmp_path / "sp", "--sp-degree", "2"])
     assert_same_weights(tmp_path / "one", tmp_path / "fsdp", atol=1e-4)  # Adam: see assert_same_gradients
     assert_same_weights(tmp_path / "one", tmp_path / "sp", atol=1e-4)
 
