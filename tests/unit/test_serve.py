@@ -73,10 +73,13 @@ def serve(model_and_tokenizer, sampling: RolloutConfig = SAMPLING, **agent) -> t
 @pytest.mark.parametrize(
     ("style", "temperature", "stop_bias"), [("qwen2.5", 1.0, 0.3), ("qwen3", 1.0, 0.3), ("qwen2.5", 0.0, 0.05)]
 )
-def test_openai_agent_matches_the_python_environment(files, style, temperature, stop_bias):
+def test_openai_agent_matches_the_python_environment(files, style, temperature, stop_bias, monkeypatch):
     """Same tokens, mask, logprobs, messages and reward, sampled (each turn's random stream is keyed by
     sample and turn) or greedy; with the Qwen3-style template the history the agent sends back
-    re-renders without the generation prompt's think block, and rlx must not care."""
+    re-renders without the generation prompt's think block, and rlx must not care. (The worker's gathering window
+    is widened to 0.2 s so that the four agents' first requests meet in one batch on a loaded machine too: with
+    the default 5 ms the batching check failed once in a full suite run.)"""
+    monkeypatch.setattr(StreamWorker.__init__, "__defaults__", (64, 0.2))
     model, tokenizer = random_chat_model(style, stop_bias=stop_bias)
     engine = token_engine(model, tokenizer)
     sampling = SamplingParams(n=2, max_new_tokens=12, temperature=temperature, seed=3)
