@@ -5,7 +5,7 @@ arithmetic, so a token's logits do not depend on the batch size, its position in
 native engine's paged attention in exact mode, rlx/rollout/native/runner.py) whether a KV cache held its context:
 
 - every `F.linear` call (each projection, the MLP, the LM head) runs as `blocked_linear` (CUDA with triton:
-  `exact_linear`, rlx/kernels/exact_triton.py), through a torch function mode (no module's forward is replaced);
+  `exact_linear`, rlx/kernels/exact_triton.py), through a torch function mode (no Linear's forward is replaced);
 - every RMSNorm runs `rms_norm` instead of its own forward (CUDA with triton: `exact_rms_norm`, one kernel);
 - attention runs "rlx_exact" (registered with transformers' attention interface): padded batches (a 2D mask) and
   packed rows (cu_seqlens or restarting positions) alike, by `blocked_attention` over each sample's keys (CUDA with

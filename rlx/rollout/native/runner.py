@@ -548,4 +548,4 @@ class ExactCasts:
 
     def release(self) -> int:
         """Hand a releasable buffer's memory back; the bytes freed."""
-        return self.memory.release() if self.memory is not None and self.memory.mapped else 0
+        return self.memory.release() if self.memory is not None else 0
