@@ -179,3 +179,46 @@ def exact_rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLO
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     out = w * h.to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def exact_logprob_backward_kernel(
+    x_ptr, t_ptr, gp_ptr, ge_ptr, grad_ptr, stride_x, stride_g, V, inv_t,
+    BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+):  # fmt: skip
+    """The gradient of `exact_logprob_kernel`'s outputs with respect to the logits, one program per row of x [R, V]
+    (the logits before the temperature, any float dtype): z = x / T, p = softmax(z), and
+    dx = (gp * (onehot(t) - p) - ge * p * (log p + H)) / T for the row's upstream gradients gp (logprob) and ge
+    (entropy), written in grad's dtype. Two passes for the statistics and one to write: the gradient needs no batch
+    invariance, only the row's own float32 arithmetic."""
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_x
+    offs = tl.arange(0, BLOCK_V)
+    lane_max = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
+    for first in range(0, V, BLOCK_V):
+        z = tl.load(base + first + offs, mask=first + offs < V, other=float("-inf")).to(tl.float32) * inv_t
+        lane_max = tl.maximum(lane_max, z)
+    top = tl.max(lane_max, 0)
+    sums = tl.zeros([BLOCK_V], dtype=tl.float32)
+    weighted = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for first in range(0, V, BLOCK_V):
+        mask = first + offs < V
+        shifted = tl.load(base + first + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t - top
+        p = tl.exp(shifted)
+        sums += p
+        if WITH_ENTROPY:
+            weighted += p * tl.where(mask, shifted, 0.0)
+    total = tl.sum(sums, 0)
+    log_total = tl.log(total)
+    gp = tl.load(gp_ptr + row)
+    target = tl.load(t_ptr + row)
+    entropy = log_total - tl.sum(weighted, 0) / total
+    ge = tl.load(ge_ptr + row) if WITH_ENTROPY else 0.0
+    for first in range(0, V, BLOCK_V):
+        mask = first + offs < V
+        logp = tl.load(base + first + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t - top - log_total
+        p = tl.exp(logp)
+        g = tl.where(first + offs == target, gp, 0.0) - p * gp
+        if WITH_ENTROPY:
+            g -= p * tl.where(mask, logp + entropy, 0.0) * ge
+        tl.store(grad_ptr + row * stride_g + first + offs, (g * inv_t).to(grad_ptr.dtype.element_ty), mask=mask)

@@ -171,6 +171,11 @@ def check_logprob_gradients() -> None:
     assert (picked - want_picked).abs().max() < 1e-5 and (entropy - want_entropy).abs().max() < 1e-5
     want = torch.autograd.grad((want_picked * weights[0] + want_entropy * weights[1]).sum(), logits)[0]
     assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
+    picked, _ = exact_target_logprobs(logits, targets, 0.7, chunk_rows=4)  # the logprobs alone
+    got = torch.autograd.grad((picked * weights[0]).sum(), logits)[0]
+    want_picked = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None])[..., 0]
+    want = torch.autograd.grad((want_picked * weights[0]).sum(), logits)[0]
+    assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
 
 
 def check_rms_norm() -> None:
