@@ -28,6 +28,7 @@ import functools
 import importlib.util
 import math
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -176,9 +177,9 @@ def packed_positions(cu_seqlens: torch.Tensor, count: int) -> tuple[torch.Tensor
 
 class _ExactPackedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale):
+    def forward(ctx, q, k, v, cu_seqlens, scale, recompute):
         ctx.save_for_backward(q, k, v, cu_seqlens)
-        ctx.scale = scale
+        ctx.scale, ctx.recompute = scale, recompute
         starts, lengths = packed_positions(cu_seqlens, q.shape[0])
         return exact_attention(q, k, v, lengths, scale, starts=starts)
 
@@ -187,9 +188,10 @@ class _ExactPackedAttention(torch.autograd.Function):
         q, k, v, cu_seqlens = ctx.saved_tensors
         with torch.enable_grad():
             q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-            out = _padded_sdpa(q, k, v, cu_seqlens, ctx.scale)
+            recompute = ctx.recompute or functools.partial(_padded_sdpa, cu_seqlens=cu_seqlens, scale=ctx.scale)
+            out = recompute(q, k, v)
             grads = torch.autograd.grad(out, (q, k, v), grad)
-        return *grads, None, None
+        return *grads, None, None, None
 
 
 def _padded_sdpa(q, k, v, cu_seqlens, scale: float) -> torch.Tensor:
@@ -211,11 +213,14 @@ def _padded_sdpa(q, k, v, cu_seqlens, scale: float) -> torch.Tensor:
 
 
 def exact_packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+    recompute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Causal attention of N packed tokens q [N, H, D], k/v [N, Hkv, D] whose samples start at cu_seqlens [B + 1]
-    -> [N, H, D], with `exact_attention` (differentiable)."""
-    return _ExactPackedAttention.apply(q, k, v, cu_seqlens, scale)
+    -> [N, H, D], with `exact_attention`. Differentiable: the backward recomputes the same attention with
+    `recompute(q, k, v)` (a varlen kernel; default: SDPA over the samples padded to the longest) and takes its
+    gradients, which need not be batch-invariant."""
+    return _ExactPackedAttention.apply(q, k, v, cu_seqlens, scale, recompute)
 
 
 _VOCAB_BLOCK, _INTERPRETER_VOCAB_BLOCK = 1024, 64

@@ -32,7 +32,13 @@ from torch.utils.checkpoint import checkpoint
 from rlx.errors import UserError
 from rlx.kernels.exact import KEY_BLOCK, blocked_attention, blocked_linear, rms_norm
 from rlx.kernels.exact_triton import exact_linear, exact_packed_attention, exact_rms_norm, use_triton
-from rlx.models.attention import _segments, attention_implementation, packed_attention_mask, register_attention
+from rlx.models.attention import (
+    _segments,
+    attention_implementation,
+    packed_attention_mask,
+    register_attention,
+    varlen_attention,
+)
 
 EXACT_ATTENTION = "rlx_exact"
 EXACT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -171,7 +177,7 @@ def exact_attention_forward(
     batch, heads, length, _ = query.shape
     if key.shape[2] != length:
         raise ValueError(f"{EXACT_ATTENTION} attention needs as many keys as queries: call with use_cache=False")
-    kept, cu_seqlens, _ = _segments(
+    kept, cu_seqlens, max_len = _segments(
         attention_mask, position_ids, cu_seq_lens_q, max_length_q, batch, length, query.device
     )
     dtype = compute_dtype(query)
@@ -180,8 +186,9 @@ def exact_attention_forward(
     if kept is not None:
         q, k, v = q[kept], k[kept], v[kept]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if use_triton(q):
-        out = exact_packed_attention(q, k, v, cu_seqlens.to(query.device), scale)
+    if use_triton(q):  # the backward recomputes it with the varlen kernel of the default path
+        recompute = functools.partial(_varlen_recompute, cu_seqlens=cu_seqlens, max_len=max_len, scale=scale)
+        out = exact_packed_attention(q, k, v, cu_seqlens.to(query.device), scale, recompute)
         if kept is not None:
             out = out.new_zeros(batch * length, heads, out.shape[-1]).index_copy(0, kept, out)
         return out.view(batch, length, heads, -1), None
@@ -193,3 +200,9 @@ def exact_attention_forward(
     if kept is not None:
         out = out.new_zeros(batch * length, heads, out.shape[-1]).index_copy(0, kept, out)
     return out.view(batch, length, heads, -1), None
+
+
+def _varlen_recompute(q, k, v, *, cu_seqlens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """The packed causal attention exact mode's Triton kernel computes, by `varlen_attention` (differentiable, not
+    batch-invariant): what its backward takes the gradients of."""
+    return varlen_attention(q, k, v, cu_seqlens, max_len, scale=scale, is_causal=True)

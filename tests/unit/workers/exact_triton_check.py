@@ -7,10 +7,11 @@ mode's Triton matmul and attention in Triton's interpreter. Each check raises on
   (`blocked_attention`);
 - RMSNorm: each row's the same bits at batch 1, 3 and 17, close to the Llama-family RMSNorm, gradients too;
 - log-probabilities: each row's the same bits at batch 1, 3 and 17, close to log_softmax (entropy too);
-- the autograd paths: exact_linear's, exact_target_logprobs's and exact_packed_attention's gradients close to the
-  reference's.
+- the autograd paths: exact_linear's, exact_target_logprobs's and exact_packed_attention's gradients (recomputed by
+  SDPA and by the varlen attention exact mode's models use) close to the reference's.
 """
 
+import functools
 import sys
 
 import torch
@@ -26,6 +27,7 @@ from rlx.kernels.exact_triton import (
     exact_rms_norm,
     exact_target_logprobs,
 )
+from rlx.models.exact import _varlen_recompute
 
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}[sys.argv[1]]  # bfloat16: on CUDA only (see the test)
 TOL = 1e-5 if sys.argv[1] == "float32" else 2e-2
@@ -143,6 +145,10 @@ def check_gradients() -> None:
     slots = (cu[sample][:, None] + torch.arange(64)).clamp(max=q.shape[0] - 1)
     reference = blocked_attention(q, k, v, slots, position + 1, SCALE)
     want = torch.autograd.grad((reference * weights).sum(), (q, k, v))
+    assert all((a - e).abs().max() < 1e-4 for a, e in zip(got, want)), [(a - e).abs().max() for a, e in zip(got, want)]
+    # the backward exact mode's models run (rlx/models/exact.py): recomputed by the default path's varlen attention
+    recompute = functools.partial(_varlen_recompute, cu_seqlens=cu, max_len=max(LENGTHS[:4]), scale=SCALE)
+    got = torch.autograd.grad((exact_packed_attention(q, k, v, cu, SCALE, recompute) * weights).sum(), (q, k, v))
     assert all((a - e).abs().max() < 1e-4 for a, e in zip(got, want)), [(a - e).abs().max() for a, e in zip(got, want)]
 
 
