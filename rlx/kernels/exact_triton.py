@@ -81,6 +81,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def matmul_tiles(outputs: int) -> tuple[int, int, int, int, int]:
+    """The CUDA tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of `exact_matmul` for a weight of `outputs` rows:
+    weights whose tiles are equal may be stacked into one matmul and give each of their outputs the same bits."""
+    return MATMUL_TILES if outputs >= NARROW_N else NARROW_TILES
+
+
 def exact_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype, batch-invariantly (no autograd). x and
     weight share a dtype (bfloat16, float16 or float32: IEEE float32 dots, no TF32)."""
@@ -91,7 +97,7 @@ def exact_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     out = x.new_empty(rows, weight.shape[0])
     if rows == 0:
         return out
-    tiles = MATMUL_TILES if weight.shape[0] >= NARROW_N else NARROW_TILES
+    tiles = matmul_tiles(weight.shape[0])
     tile_m, tile_n, tile_k, warps, stages = tiles if x.device.type == "cuda" else _INTERPRETER_TILES
     grid = (_cdiv(rows, tile_m) * _cdiv(weight.shape[0], tile_n),)
     _kernels()[0][grid](

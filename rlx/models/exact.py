@@ -20,6 +20,7 @@ Supported: the text decoders of `EXACT_FAMILIES` without sliding-window attentio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -64,24 +65,50 @@ def check_exact_model(model, where: str = "exact mode") -> None:
         raise UserError(f"{where}: sliding-window attention is not supported in exact mode")
 
 
+@dataclasses.dataclass(frozen=True)
+class StackedLinear:
+    """Linear layers that read the same input (q/k/v, gate/up) stacked into one cast weight [sum N, K] (and bias):
+    `ids` the members' weight parameter ids in stacking order, `sizes` their output widths. Only weights with the
+    same `matmul_tiles` are stacked, so each output has the bits of the member's own matmul."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    ids: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
 class _BlockedLinear(TorchFunctionMode):
     """Every `F.linear` call inside as `blocked_linear` (fixed-shape GEMMs), on CUDA `exact_linear` (one Triton
     launch with fixed tiles). `casts`: weights and biases already cast to the compute dtype, by the id of the
-    parameter (the native engine's, rlx/rollout/native/runner.py): the same bits as `exact_linear`'s own cast."""
+    parameter (the native engine's, rlx/rollout/native/runner.py): the same bits as `exact_linear`'s own cast.
+    `stacks`: on CUDA, the first member of a `StackedLinear` called computes the whole stack once for that input;
+    the other members called with the same input tensor take their columns of it."""
 
-    def __init__(self, casts: dict[int, torch.Tensor] | None = None):
+    def __init__(self, casts: dict[int, torch.Tensor] | None = None, stacks: dict[int, StackedLinear] | None = None):
         super().__init__()
         self.casts = casts or {}
+        self.stacks = stacks or {}
+        self.pending_input: torch.Tensor | None = None
+        self.pending: dict[int, torch.Tensor] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             if use_triton(args[0]):
                 x, weight, bias = (*args, kwargs.get("bias"))[:3]
+                if id(weight) in self.stacks:
+                    return self._stacked(x, self.stacks[id(weight)], id(weight))
                 weight, bias = self.casts.get(id(weight), weight), self.casts.get(id(bias), bias)
                 return exact_linear(x, weight, bias)
             return blocked_linear(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def _stacked(self, x: torch.Tensor, stack: StackedLinear, weight_id: int) -> torch.Tensor:
+        if x is self.pending_input and weight_id in self.pending:
+            return self.pending.pop(weight_id)
+        outputs = exact_linear(x, stack.weight, stack.bias).split(stack.sizes, dim=-1)
+        self.pending_input, self.pending = x, dict(zip(stack.ids, outputs))
+        return self.pending.pop(weight_id)
 
 
 def _exact_norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -113,10 +140,14 @@ def _rms_norms(model) -> list[torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def exact_forward(model, attention: bool = True, casts: dict[int, torch.Tensor] | None = None) -> Iterator[None]:
+def exact_forward(
+    model, attention: bool = True, casts: dict[int, torch.Tensor] | None = None,
+    stacks: dict[int, StackedLinear] | None = None,
+) -> Iterator[None]:  # fmt: skip
     """Run `model` batch-invariantly inside the block (see the module doc). `attention`: switch its attention to
     "rlx_exact" (off where the caller runs its own exact attention: the native engine's paged one). `casts`:
-    linear weights already in the compute dtype, by parameter id (see `_BlockedLinear`)."""
+    linear weights already in the compute dtype, by parameter id; `stacks`: stacked projections by member weight id
+    (see `_BlockedLinear`)."""
     check_exact_model(model)
     threads = torch.get_num_threads()
     token = _ACTIVE.set(True)
@@ -128,7 +159,7 @@ def exact_forward(model, attention: bool = True, casts: dict[int, torch.Tensor] 
                 stack.enter_context(attention_implementation(model, EXACT_ATTENTION))
             if next(model.parameters()).device.type == "cpu":
                 torch.set_num_threads(1)
-            stack.enter_context(_BlockedLinear(casts))
+            stack.enter_context(_BlockedLinear(casts, stacks))
             yield
     finally:
         torch.set_num_threads(threads)

@@ -100,3 +100,57 @@ def test_exact_casts_hold_the_linear_weights_in_the_compute_dtype_at_fixed_addre
         exact_module.exact_linear = original
         exact_module.exact_rms_norm = exact_triton.exact_rms_norm
     assert any(w is casts.by_id[id(proj.weight)] for w in seen) and all(w.dtype == torch.bfloat16 for w in seen)
+
+
+def test_exact_casts_stack_projections_that_read_the_same_input(monkeypatch):
+    """The engine's q/k/v and gate/up copies are views into one stacked weight (refreshed through the views), and
+    exact_forward runs each stack as one linear call whose columns are the members' outputs: the logits equal the
+    unstacked forward's. A stack is made only where its tiles equal each member's (`matmul_tiles`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlx.kernels import exact_triton
+    from rlx.models import exact as exact_module
+    from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
+    from rlx.rollout.native.runner import ExactCasts
+
+    torch.manual_seed(0)
+    config = tiny_llama_config(len(build_char_tokenizer()), hidden_size=32, num_heads=4, num_kv_heads=2,
+                               intermediate_size=64, num_layers=2)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    casts = ExactCasts(model, torch.bfloat16, releasable=False)
+    attention, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    stack = casts.stacks[id(attention.q_proj.weight)]
+    assert stack is casts.stacks[id(attention.v_proj.weight)] and stack.sizes == (32, 16, 16)
+    assert casts.stacks[id(mlp.gate_proj.weight)].sizes == (64, 64) and id(mlp.down_proj.weight) not in casts.stacks
+    assert len(casts.stacks) == 2 * 5
+    for param, copy in zip(casts.params, casts.copies):
+        assert torch.equal(copy, param.to(torch.bfloat16))
+    with torch.no_grad():
+        attention.k_proj.weight.add_(1.0)
+    casts.refresh()
+    assert torch.equal(stack.weight[32:48], attention.k_proj.weight.to(torch.bfloat16))
+
+    calls = []
+    monkeypatch.setattr(exact_module, "use_triton", lambda tensor: True)
+    monkeypatch.setattr(exact_module, "exact_rms_norm", exact_module.rms_norm)
+    monkeypatch.setattr(
+        exact_module, "exact_linear", lambda x, w, b=None: calls.append(w) or torch.nn.functional.linear(x, w, b)
+    )
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        with exact_module.exact_forward(model, attention=False, casts=casts.by_id):
+            alone = model(input_ids=ids).logits
+        assert len(calls) == 2 * 7 + 1
+        calls.clear()
+        with exact_module.exact_forward(model, attention=False, casts=casts.by_id, stacks=casts.stacks):
+            stacked = model(input_ids=ids).logits
+    assert len(calls) == 2 * 4 + 1 and any(w is stack.weight for w in calls)
+    assert torch.allclose(stacked, alone, atol=1e-2), (stacked - alone).abs().max()
+
+    monkeypatch.setattr(exact_triton, "NARROW_N", 24)  # q (32) and the stack wide, k and v (16 each) narrow
+    monkeypatch.setattr(exact_triton, "MATMUL_TILES", (128, 128, 64, 8, 3))
+    narrow = ExactCasts(model, torch.bfloat16, releasable=False)
+    assert id(attention.q_proj.weight) not in narrow.stacks
+    assert id(mlp.gate_proj.weight) in narrow.stacks  # 64 + 64: wide like each
+    assert id(attention.k_proj.weight) not in narrow.stacks  # 16 + 16 = 32: wide, unlike k's and v's tiles

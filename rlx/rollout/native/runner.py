@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from rlx.kernels.exact import KEY_BLOCK, blocked_attention, key_slots
-from rlx.kernels.exact_triton import HAS_TRITON, exact_attention, use_triton
+from rlx.kernels.exact_triton import HAS_TRITON, exact_attention, matmul_tiles, use_triton
 from rlx.kernels.paged_attention import paged_decode_attention, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
-from rlx.models.exact import exact_forward
+from rlx.models.exact import StackedLinear, exact_forward
 from rlx.models.family import family_of
 from rlx.rollout.native.blocks import BlockManager, Sequence
 from rlx.rollout.native.fused import fused_head_step, fused_layer_step, merged_layers
@@ -322,8 +322,10 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [len(keep), V] (model dtype) of the kept positions of the row, and for an MoE model the experts
         each routed layer chose there ([len(keep), L, k] int16; else None)."""
-        casts = None if self.casts is None else self.casts.by_id
-        exact = exact_forward(self.model, attention=False, casts=casts) if self.exact else contextlib.nullcontext()
+        casts, stacks = (None, None) if self.casts is None else (self.casts.by_id, self.casts.stacks)
+        exact = contextlib.nullcontext()
+        if self.exact:
+            exact = exact_forward(self.model, attention=False, casts=casts, stacks=stacks)
         with attention_implementation(self.model, PAGED_ATTENTION), autocast(self.device, self.dtype), exact:
             if self.parts is None:
                 out = self.model(
@@ -514,11 +516,18 @@ class ModelRunner:
         return self._run(ids, pos, ctx, torch.arange(len(seqs), device=self.device))
 
 
+STACKED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Linear layers of one module that read the same input: exact mode's engine runs each set as one matmul."""
+
+
 class ExactCasts:
     """Exact mode's linear weights and biases in the compute dtype (the engine generates with the trainer's float32
     parameters under autocast, and `exact_linear` would cast each weight at every decode step): copies made once
     per rollout call (`refresh`) at fixed addresses, the same bits as the per-call cast. `releasable`: in a
-    VirtualBuffer whose memory goes with the KV cache's while the engine sleeps."""
+    VirtualBuffer whose memory goes with the KV cache's while the engine sleeps.
+
+    The copies of a module's q/k/v (and gate/up) projections are views into one stacked weight where their
+    `matmul_tiles` agree (`stacks`: one matmul a set instead of one a projection in the decode step)."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, releasable: bool):
         seen: dict[int, torch.Tensor] = {}
@@ -528,14 +537,34 @@ class ExactCasts:
                     if param is not None and param.dtype != dtype and param.is_floating_point():
                         seen.setdefault(id(param), param)
         self.params = list(seen.values())
-        shapes = [(tuple(p.shape), dtype) for p in self.params]
+        sets = _stackable(model, seen)
+        stacked = {id(p) for members in sets for m in members for p in (m.weight, m.bias) if p is not None}
+        # one buffer a stacked set's weights (and one its biases), one a parameter otherwise
+        shapes = [(tuple(p.shape), dtype) for p in self.params if id(p) not in stacked]
+        for members in sets:
+            rows = sum(m.out_features for m in members)
+            shapes.append(((rows, members[0].in_features), dtype))
+            if members[0].bias is not None:
+                shapes.append(((rows,), dtype))
         device = self.params[0].device if self.params else torch.device("cpu")
         self.memory: VirtualBuffer | None = None
         if releasable and self.params:
-            self.memory, self.copies = carve(shapes, device)
+            self.memory, buffers = carve(shapes, device)
         else:
-            self.copies = [torch.empty(shape, dtype=dtype, device=device) for shape, _ in shapes]
-        self.by_id = {id(p): c for p, c in zip(self.params, self.copies)}
+            buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, _ in shapes]
+        own = iter(buffers)
+        self.by_id = {id(p): next(own) for p in self.params if id(p) not in stacked}
+        self.stacks: dict[int, StackedLinear] = {}
+        for members in sets:
+            sizes = tuple(m.out_features for m in members)
+            weight = next(own)
+            bias = next(own) if members[0].bias is not None else None
+            self.by_id.update({id(m.weight): view for m, view in zip(members, weight.split(sizes))})
+            if bias is not None:
+                self.by_id.update({id(m.bias): view for m, view in zip(members, bias.split(sizes))})
+            stack = StackedLinear(weight, bias, tuple(id(m.weight) for m in members), sizes)
+            self.stacks.update(dict.fromkeys(stack.ids, stack))
+        self.copies = [self.by_id[id(p)] for p in self.params]
         self.refresh()
 
     def refresh(self) -> None:
@@ -549,3 +578,26 @@ class ExactCasts:
     def release(self) -> int:
         """Hand a releasable buffer's memory back; the bytes freed."""
         return self.memory.release() if self.memory is not None else 0
+
+
+def _stackable(model: torch.nn.Module, cast: dict[int, torch.Tensor]) -> list[list[torch.nn.Linear]]:
+    """The sets of `STACKED_PROJECTIONS` in `model` that `ExactCasts` stacks: plain Linear layers (no adapter
+    around them) over the same input width, whose parameters are all cast, with biases on all or none, and whose
+    stacked weight takes the same `matmul_tiles` as each member's own (for the 7B shape's q/k/v: k and v only)."""
+    sets = []
+    for module in model.modules():
+        for names in STACKED_PROJECTIONS:
+            members = [getattr(module, name, None) for name in names]
+            if not all(type(m) is torch.nn.Linear for m in members):
+                continue
+            if len({m.in_features for m in members}) > 1 or len({m.bias is None for m in members}) > 1:
+                continue
+            if not all(id(p) in cast for m in members for p in (m.weight, m.bias) if p is not None):
+                continue
+            by_tiles: dict[tuple, list[torch.nn.Linear]] = {}
+            for member in members:
+                by_tiles.setdefault(matmul_tiles(member.out_features), []).append(member)
+            for tiles, group in by_tiles.items():
+                if len(group) > 1 and matmul_tiles(sum(m.out_features for m in group)) == tiles:
+                    sets.append(group)
+    return sets
