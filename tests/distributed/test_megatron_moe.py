@@ -8,6 +8,7 @@ errors."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,12 +26,14 @@ from tests.conftest import (  # noqa: E402
     rollout_args,
     run_torchrun,
     torchrun,
+    write_jsonl,
     write_length_reward,
 )
 
 # one optimizer step: after two at lr 1e-2 one expert's down_proj differs by 1.1e-5 between FSDP's own micro-batch
 # sizes 1 and 2 (Adam on a near-zero gradient), and by 3.6e-5 between the backends
 TRAIN = ["--lr", "1e-2", "--mini-batch-size", "16", "--micro-batch-size", "2", "--use-packing"]
+REPLAY = [*TRAIN, "--router-replay", "rollout"]
 
 
 @pytest.mark.slow
@@ -55,7 +58,42 @@ def moe(tmp_path_factory, prompts_file):
     reward = write_length_reward(d)
     cli_ok(*rollout_args(d / "single", prompts_file, d / "r.jsonl", "--max-new-tokens", "4"))
     cli_ok("score", "--rollouts", d / "r.jsonl", "--actor", d / "single", "--reward", f"{reward}:score", "--out", d)
+    write_jsonl(d / "rerouted.jsonl", [_rerouted(line, seed) for seed, line in enumerate(read_jsonl(d / "r.jsonl"))])
+    cli_ok("score", "--rollouts", d / "rerouted.jsonl", "--actor", d / "single", "--reward", f"{reward}:score",
+           "--out", d / "rerouted")  # fmt: skip
     return d
+
+
+def _rerouted(line: dict, seed: int) -> dict:
+    """A rollout line whose recorded experts are drawn at random (k distinct of 4 per token and layer): routing the
+    model's own routers mostly disagree with, so replaying it changes the logprobs."""
+    from rlx.models.routing import decode_routes, encode_routes
+
+    shape = tuple(line["routed_experts_shape"])
+    draws = torch.rand(*shape[:2], 4, generator=torch.Generator().manual_seed(seed)).argsort(-1)[..., : shape[2]]
+    assert decode_routes(line["routed_experts"], shape).shape == draws.shape
+    return {**line, "routed_experts": encode_routes(draws)}
+
+
+@pytest.fixture(scope="module")
+def fsdp_replayed(moe, tmp_path_factory):
+    """One FSDP step in one process on the rerouted batch with train.router_replay = 'rollout' (and its metrics)."""
+    out = tmp_path_factory.mktemp("fsdp_replayed")
+    cli_ok("train-step", "--checkpoint", moe / "single", "--batch", moe / "rerouted" / "batch.safetensors", "--out",
+           out / "ckpt", *REPLAY, "--metrics", out / "metrics.jsonl")  # fmt: skip
+    return out
+
+
+def check_replayed(fsdp: Path, run: Path, metrics: Path, tolerance: float = 2e-5) -> None:
+    """A replayed megatron step equals `fsdp`'s (the fsdp_replayed fixture): weights, loss, grad norm, the routing
+    mismatch against the record and the expert load."""
+    assert max_diff(fsdp / "ckpt", run) < tolerance, run
+    want, got = read_jsonl(fsdp / "metrics.jsonl")[0], read_jsonl(metrics)[0]
+    assert want["actor/moe_routing_mismatch"] > 0.3  # the record is far from the routers' own choices
+    keys = ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/moe_routing_mismatch", "moe/expert_load_max",
+            "moe/expert_load_cv")  # fmt: skip
+    for key in keys:
+        assert abs(got[key] - want[key]) < 1e-5, (run, key, got[key], want[key])
 
 
 def test_shard_and_merge_round_trip_bit_exactly(moe, tmp_path):
@@ -113,19 +151,42 @@ def test_router_losses_give_fsdp_update(moe, tmp_path):
 
 
 def test_score_equals_the_hf_path(moe, tmp_path):
-    """`rlx score` on the megatron checkpoint (its stages, their own routing: the rollouts' routed_experts are kept
-    for the batch but not compared) gives the Hugging Face path's logprobs and advantages."""
-    from safetensors.torch import load_file
+    """`rlx score` on the megatron checkpoint gives the Hugging Face path's logprobs, advantages and routing mismatch;
+    with --router-replay rollout on rollouts whose recorded experts the routers disagree with, both force them alike
+    (logprobs equal, unlike the unforced ones)."""
+    from rlx.formats.batch import TrainBatch
 
     args = ["--rollouts", moe / "r.jsonl", "--reward", f"{moe / 'length_reward.py'}:score"]
     cli_ok("score", *args, "--actor", moe / "mg", "--ref", moe / "mg", "--out", tmp_path / "mg")
     cli_ok("score", *args, "--actor", moe / "single", "--ref", moe / "single", "--out", tmp_path / "hf")
-    want, got = load_file(tmp_path / "hf" / "batch.safetensors"), load_file(tmp_path / "mg" / "batch.safetensors")
-    for key in ("old_logprobs", "ref_logprobs", "advantages"):
-        assert (want[key] - got[key]).abs().max().item() < 1e-5, key
-    assert torch.equal(want["routed_experts"], got["routed_experts"])
-    result = cli("score", *args, "--actor", moe / "mg", "--out", tmp_path / "x", "--router-replay", "rollout")
-    assert result.exit_code == 1 and "this actor's backend cannot replay MoE routing" in result.stderr
+    args[1] = moe / "rerouted.jsonl"
+    for actor in ("mg", "single"):
+        cli_ok("score", *args, "--actor", moe / actor, "--out", tmp_path / f"{actor}_replay", "--router-replay",
+               "rollout")  # fmt: skip
+    pairs = {"hf": "mg", "single_replay": "mg_replay"}
+    for hf, mg in pairs.items():
+        want, got = (TrainBatch.load(tmp_path / run / "batch.safetensors") for run in (hf, mg))
+        for key in ("old_logprobs", "advantages", *(("ref_logprobs",) if hf == "hf" else ())):
+            assert (getattr(want, key) - getattr(got, key)).abs().max().item() < 1e-5, (mg, key)
+        assert torch.equal(want.routed_experts, got.routed_experts)
+        assert abs(want.meta.routing_mismatch - got.meta.routing_mismatch) < 1e-9, mg
+    replayed, own = (TrainBatch.load(d / "batch.safetensors") for d in (tmp_path / "mg_replay", moe / "rerouted"))
+    assert replayed.meta.routing_mismatch > 0.3 and (replayed.old_logprobs - own.old_logprobs).abs().max() > 1e-3
+
+
+def test_router_replay_train_step_equals_fsdp(moe, fsdp_replayed, tmp_path):
+    """train.router_replay = 'rollout' on the megatron stages (one process) forces the recorded experts as the FSDP
+    path does: the same update, loss, routing mismatch and expert load; without replay the loss differs."""
+    batch = moe / "rerouted" / "batch.safetensors"
+    cli_ok("train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "mg", *REPLAY, "--metrics",
+           tmp_path / "mg.jsonl")  # fmt: skip
+    check_replayed(fsdp_replayed, tmp_path / "mg", tmp_path / "mg.jsonl")
+    cli_ok("train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "own", *TRAIN, "--metrics",
+           tmp_path / "own.jsonl")  # fmt: skip
+    own, replayed = read_jsonl(tmp_path / "own.jsonl")[0], read_jsonl(tmp_path / "mg.jsonl")[0]
+    assert max_diff(tmp_path / "own", tmp_path / "mg") > 1e-3
+    assert own["actor/ppo_kl"] < 1e-6 < 1e-5 < replayed["actor/ppo_kl"]  # the batch's old logprobs are unreplayed
+    assert own["actor/moe_routing_mismatch"] == replayed["actor/moe_routing_mismatch"]  # compared before forcing
 
 
 def test_unsupported_settings_are_one_line_errors(moe, tmp_path):
@@ -134,10 +195,7 @@ def test_unsupported_settings_are_one_line_errors(moe, tmp_path):
         "train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "x", "--ep-degree", "2"
     )
     assert result.exit_code == 1 and "ep_degree 2 must divide the 1 tensor x data parallel process(es)" in result.stderr
-    result = cli("train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "y", "--router-replay",
-                 "rollout")  # fmt: skip
-    assert result.exit_code == 1 and "router_replay 'rollout' is not supported by the megatron backend" in result.stderr
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    assert not (tmp_path / "x").exists()
 
 
 def test_moe_compat_layer_targets_the_upstream_code():

@@ -21,6 +21,7 @@ from rlx.backends.megatron.parallel import MegatronContext
 from rlx.logprobs import PackedRows
 from rlx.models.attention import PackedBatch
 from rlx.models.megatron.model import packed_params, packed_rotary
+from rlx.models.megatron.routing import stage_routing
 from rlx.parallel.ulysses import padded_length
 from rlx.utils.device import autocast
 
@@ -36,6 +37,8 @@ class MicroBatch:
     is_filler: bool = False
     """A one-token row run only so that every rank of an expert-parallel group takes part in each MoE layer's
     all-to-all as often as the others (its output is dropped, its loss is zero)."""
+    routes: torch.Tensor | None = None
+    """An MoE model's recorded experts of the packed row's tokens [T, layers, k] (-1: no record), or None."""
 
 
 def sequence_parallel_row(packed: PackedBatch, tp_degree: int) -> PackedBatch:
@@ -63,6 +66,27 @@ def stage_tokens(model, rows: PackedRows) -> int:
         return rows.packed.total_len
     tp = config.tensor_model_parallel_size
     return padded_length(rows.packed.total_len, tp) // tp
+
+
+def prepare_routing(model, mb: MicroBatch, force: bool) -> None:
+    """Hand an MoE stage's routers this rank's part of the micro-batch's recorded experts (its slice of the
+    sequence-parallel row, the stage's layers; padding gets -1) and which of its tokens are real (not the
+    sequence-parallel padding, not a filler row); nothing for a dense stage."""
+    routing = stage_routing(model)
+    if routing is None:
+        return
+    config, total = model.config, mb.rows.packed.total_len
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    padded = padded_length(total, tp)
+    valid = torch.arange(padded, device=mb.rows.packed.input_ids.device) < (0 if mb.is_filler else total)
+    routes = None
+    if mb.routes is not None:
+        routes = mb.routes[:, routing.layers]  # [T, L_stage, k]
+        routes = torch.cat([routes, routes.new_full((padded - total, *routes.shape[1:]), -1)])
+    if tp > 1:
+        valid = valid.chunk(tp)[_tp_rank()]
+        routes = routes.chunk(tp)[_tp_rank()] if routes is not None else None
+    routing.prepare(routes, valid, force)
 
 
 def stage_forward(model, rows: PackedRows, input_tensor: torch.Tensor | None) -> torch.Tensor:
@@ -117,9 +141,9 @@ def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
 class _Pipeline:
     """One stage's part of a schedule: forward / backward of micro-batch i with its neighbours' traffic."""
 
-    def __init__(self, model, ctx: MegatronContext, micro_batches, head, dtype, forward_only: bool):
+    def __init__(self, model, ctx: MegatronContext, micro_batches, head, dtype, forward_only: bool, force_routes: bool):
         self.model, self.ctx, self.micro_batches, self.head = model, ctx, micro_batches, head
-        self.dtype, self.forward_only = dtype, forward_only
+        self.dtype, self.forward_only, self.force_routes = dtype, forward_only, force_routes
         self.prev, self.next = ctx.groups["prev"], ctx.groups["next"]
         self.stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
 
@@ -135,6 +159,7 @@ class _Pipeline:
         mb = self.micro_batches[i]
         if received is not None:
             received.requires_grad_(not self.forward_only)
+        prepare_routing(self.model, mb, self.force_routes)
         with torch.set_grad_enabled(not self.forward_only), autocast(self.ctx.device, self.dtype):
             out = stage_forward(self.model, mb.rows, received)
             if self.ctx.is_last_stage:
@@ -163,14 +188,16 @@ def run_pipeline(
     head: Callable[[torch.Tensor, MicroBatch], torch.Tensor | None],
     dtype: torch.dtype,
     forward_only: bool,
+    force_routes: bool = False,
 ) -> None:
     """Forward every micro-batch through the stages (and backward unless `forward_only`), 1F1B order:
     stage s runs (stages - s - 1) forwards ahead, then alternates one forward and one backward, so it
     keeps at most `stages` micro-batches' activations.
 
     On the last stage `head(hidden [T, 1, H], micro_batch)` runs after each forward; when training it
-    returns the (already weighted) loss to differentiate, else whatever it records itself."""
-    pipe = _Pipeline(model, ctx, micro_batches, head, dtype, forward_only)
+    returns the (already weighted) loss to differentiate, else whatever it records itself. An MoE stage's routers
+    see each micro-batch's recorded experts (`MicroBatch.routes`), forced with `force_routes` (routing replay)."""
+    pipe = _Pipeline(model, ctx, micro_batches, head, dtype, forward_only, force_routes)
     count = len(micro_batches)
     if forward_only:
         for i in range(count):

@@ -34,6 +34,7 @@ import torch
 from rlx.errors import UserError
 from rlx.models.attention import varlen_attention
 from rlx.models.megatron import compat
+from rlx.models.megatron.routing import attach_routing
 
 FAMILIES = ("llama", "qwen2", "qwen3_moe")
 """Hugging Face model types the megatron backend builds (as causal LMs, or value models)."""
@@ -311,6 +312,8 @@ def build_stage(hf_config, tp_degree: int, pp_degree: int, pp_rank: int, **moe):
     if critic and last:
         model.output_layer = None
         model.value_head = ValueHead(hf_config.hidden_size)
+    if is_moe(hf_config):  # routing replay, the routing mismatch and expert load (rlx/models/megatron/routing.py)
+        attach_routing(model)
     mark_tensor_parallel(model)
     # HF's Llama/Qwen2 embeddings take padding_idx = pad_token_id: that row gets no gradient from the
     # lookup (e.g. a sampled pad token in a response); kept so that both backends train alike
