@@ -21,7 +21,7 @@ from rlx.backends.megatron.parallel import MegatronContext
 from rlx.logprobs import PackedRows
 from rlx.models.attention import PackedBatch
 from rlx.models.megatron.model import packed_params, packed_rotary
-from rlx.models.megatron.routing import stage_routing
+from rlx.models.megatron.routing import set_aux_loss_scale, stage_routing
 from rlx.parallel.ulysses import padded_length
 from rlx.utils.device import autocast
 
@@ -39,6 +39,8 @@ class MicroBatch:
     all-to-all as often as the others (its output is dropped, its loss is zero)."""
     routes: torch.Tensor | None = None
     """An MoE model's recorded experts of the packed row's tokens [T, layers, k] (-1: no record), or None."""
+    aux_loss_scale: torch.Tensor | None = None
+    """The weight of an MoE model's router losses in this micro-batch's backward (its share of the loss)."""
 
 
 def sequence_parallel_row(packed: PackedBatch, tp_degree: int) -> PackedBatch:
@@ -68,13 +70,15 @@ def stage_tokens(model, rows: PackedRows) -> int:
     return padded_length(rows.packed.total_len, tp) // tp
 
 
-def prepare_routing(model, mb: MicroBatch, force: bool) -> None:
+def prepare_routing(model, mb: MicroBatch, force: bool) -> torch.Tensor | None:
     """Hand an MoE stage's routers this rank's part of the micro-batch's recorded experts (its slice of the
     sequence-parallel row, the stage's layers; padding gets -1) and which of its tokens are real (not the
-    sequence-parallel padding, not a filler row); nothing for a dense stage."""
+    sequence-parallel padding, not a filler row); nothing for a dense stage. Returns megatron's padding mask of this
+    rank's tokens ([1, T_local], True: padding) when the row has sequence-parallel padding, else None (a filler's
+    router losses are weighted 0 instead)."""
     routing = stage_routing(model)
     if routing is None:
-        return
+        return None
     config, total = model.config, mb.rows.packed.total_len
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
     padded = padded_length(total, tp)
@@ -86,12 +90,16 @@ def prepare_routing(model, mb: MicroBatch, force: bool) -> None:
     if tp > 1:
         valid = valid.chunk(tp)[_tp_rank()]
         routes = routes.chunk(tp)[_tp_rank()] if routes is not None else None
-    routing.prepare(routes, valid, force)
+    routing.prepare(routes, valid, 0 if mb.is_filler else total, force)
+    return None if mb.is_filler or padded == total else ~valid[None]
 
 
-def stage_forward(model, rows: PackedRows, input_tensor: torch.Tensor | None) -> torch.Tensor:
+def stage_forward(
+    model, rows: PackedRows, input_tensor: torch.Tensor | None, padding_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """This stage's layers on a packed row: [T, 1, H] (after the final norm on the last stage); under sequence
-    parallelism [T_pad / tp, 1, H] between stages, the last one gathering the whole row back."""
+    parallelism [T_pad / tp, 1, H] between stages, the last one gathering the whole row back. `padding_mask`: an MoE
+    stage's (`prepare_routing`), which keeps the padding out of megatron's load-balancing loss."""
     config = model.config
     sequence_parallel, tp = config.sequence_parallel, config.tensor_model_parallel_size
     packed = sequence_parallel_row(rows.packed, tp) if sequence_parallel else rows.packed
@@ -107,7 +115,10 @@ def stage_forward(model, rows: PackedRows, input_tensor: torch.Tensor | None) ->
         hidden = None
     rotary = packed_rotary(model, packed.position_ids, packed.max_len)  # applied by rlx's core attention
     params = packed_params(packed.cu_seqlens.to(torch.int32), packed.max_len, rotary)
-    out = model.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=None, packed_seq_params=params)
+    out = model.decoder(
+        hidden_states=hidden, attention_mask=None, rotary_pos_emb=None, packed_seq_params=params,
+        padding_mask=padding_mask,
+    )  # fmt: skip
     if sequence_parallel and model.post_process:
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -159,9 +170,9 @@ class _Pipeline:
         mb = self.micro_batches[i]
         if received is not None:
             received.requires_grad_(not self.forward_only)
-        prepare_routing(self.model, mb, self.force_routes)
+        padding_mask = prepare_routing(self.model, mb, self.force_routes)
         with torch.set_grad_enabled(not self.forward_only), autocast(self.ctx.device, self.dtype):
-            out = stage_forward(self.model, mb.rows, received)
+            out = stage_forward(self.model, mb.rows, received, padding_mask)
             if self.ctx.is_last_stage:
                 out = self.head(out, mb)
         if not self.forward_only:
@@ -171,6 +182,8 @@ class _Pipeline:
     def backward(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Backward of micro-batch i given the gradient of its output; returns the input's gradient."""
         received, out = self.stash.pop(i)
+        if self.micro_batches[i].aux_loss_scale is not None:  # every stage's routers, at their backward
+            set_aux_loss_scale(self.micro_batches[i].aux_loss_scale)
         if self.ctx.is_last_stage:
             out.backward()
         else:

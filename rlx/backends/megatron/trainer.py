@@ -80,21 +80,21 @@ class MegatronTraining:
             part = local.select(index)
             return {k: v.to(self.device) for k, v in part.tensors().items()}, part
 
-        micro = micro_batches(local.tensors(), self.micro_batches(local), self.device, batch_part)
+        micro = even_micro_batches(micro_batches(local.tensors(), self.micro_batches(local), self.device, batch_part),
+                                   self.ctx)  # fmt: skip
+        if self.is_moe:  # the routers' losses join each backward (every stage's), scaled by the tokens' share
+            for mb in micro:
+                share = mb.extra[0]["loss_mask"].sum().float() / norm.num_tokens if not mb.is_filler else 0.0
+                mb.aux_loss_scale = torch.as_tensor(share, dtype=torch.float32, device=self.device)
         self.model.train()
 
         def head(hidden, mb):
             if mb.is_filler:  # an expert-parallel filler: zero gradients, but its all-to-alls run
                 return hidden.sum() * 0.0
-            t = mb.extra[0]
-            if self.is_moe:  # megatron adds the routers' losses in the backward, scaled by the tokens' share
-                from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-                MoEAuxLossAutoScaler.set_loss_scale(t["loss_mask"].sum().float() / norm.num_tokens)
             return self.head_loss(hidden, mb.rows, *mb.extra, norm, sums)
 
         force = self.cfg.router_replay == "rollout"
-        run_pipeline(self.model, self.ctx, even_micro_batches(micro, self.ctx), head, self.dtype, False, force)
+        run_pipeline(self.model, self.ctx, micro, head, self.dtype, False, force)
 
     def _update(self, mini: TrainBatch, sums: dict[str, float]) -> float:
         self.accumulate_gradients(mini, sums)
@@ -294,10 +294,6 @@ def build_megatron_trainer(hf_config, train_cfg: TrainConfig, ctx: MegatronConte
     losses = {}
     if is_moe(hf_config) and not is_critic_config(hf_config):
         losses = {"aux_loss_coef": train_cfg.loss.moe_aux_loss_coef, "z_loss_coef": train_cfg.loss.router_z_loss_coef}
-        if any(losses.values()) and (ctx.pp_degree > 1 or ctx.tp_degree > 1):  # tp: the padding would be routed
-            raise UserError(
-                f"{where}: the MoE load-balancing and z-losses run on the megatron backend with tp 1 and pp 1 only"
-            )
     stage = load_stage(hf_config, state, ctx, where, **losses)
     trainer_cls = MegatronCriticTrainer if is_critic_config(hf_config) else MegatronActorTrainer
     trainer = trainer_cls(stage, hf_config, train_cfg, ctx, resolve_precision(train_cfg.precision, ctx.device))

@@ -1,5 +1,5 @@
-"""Routing of a megatron-core MoE stage as rlx drives it: rollout routing replay (R3), routing mismatch and expert
-load.
+"""Routing of a megatron-core MoE stage as rlx drives it: rollout routing replay (R3), routing mismatch, expert load,
+and a router z-loss that leaves padding tokens out.
 
 megatron-core 0.16.1's `TopKRouter` asks its `router_replay` object for each forward's top-k (`get_replay_topk`,
 upstream's own routing-replay hook, which replays whole layers only). `StageRouting` puts one `_LayerTopK` there per
@@ -12,7 +12,11 @@ Hugging Face replay (rlx.models.routing) computes. Tokens without a record (-1) 
 Each forward's recorded experts [N, L_stage, k] and real-token mask [N] (this rank's slice of the packed row, the
 stage's layers) are set with `prepare` before the forward (rlx/backends/megatron/schedule.py). Padding tokens (the
 sample that makes a sequence-parallel row a multiple of tp, expert-parallel filler rows) count in neither the
-mismatch nor the expert load.
+mismatch nor the expert load, and get no z-loss: the z-loss is rlx's (`z_loss_coef` per layer: the mean of
+logsumexp(logits)^2 over the row's real tokens, each rank adding its tokens' part), attached to the router's output
+with megatron's `MoEAuxLossAutoScaler`, so the sum over the tensor-parallel ranks is the one-process loss (megatron's
+own z-loss averages over each rank's tokens, then over the ranks). The load-balancing loss stays megatron's, given
+the padding mask by the schedule.
 """
 
 from __future__ import annotations
@@ -50,19 +54,23 @@ class _LayerTopK:
 class StageRouting:
     """The routing state of one MoE stage (one per stage, made by `attach_routing`; `stage_routing` finds it)."""
 
-    def __init__(self, model):
+    def __init__(self, model, z_loss_coef: float):
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
         self.num_experts = model.config.num_moe_experts
         self.layers = [r.layer_number - 1 for r in self.routers]
         """Global (0-based) layer index of each of the stage's routers, in order."""
+        self.z_loss_coef = z_loss_coef
+        """rlx's router z-loss coefficient per layer (0: none)."""
         self.routes: torch.Tensor | None = None
+        self.num_real = 1
         self.valid = torch.ones(0, dtype=torch.bool)
         self.force = False
         self.reset()
         for index, router in enumerate(self.routers):
             router.router_replay = _LayerTopK(self, index)
+            router.register_forward_hook(self._z_loss_hook)
 
     def reset(self) -> None:
         """Forget the counted mismatches and expert load (every forward counts: scoring's too)."""
@@ -70,10 +78,10 @@ class StageRouting:
         self.compared: torch.Tensor | int = 0
         self.load = torch.zeros(self.num_experts, dtype=torch.float64)
 
-    def prepare(self, routes: torch.Tensor | None, valid: torch.Tensor, force: bool) -> None:
+    def prepare(self, routes: torch.Tensor | None, valid: torch.Tensor, num_real: int, force: bool) -> None:
         """The next forward's recorded experts [N, L_stage, k] (None: none recorded), real-token mask [N] (this
-        rank's tokens) and whether recorded experts are forced."""
-        self.routes, self.valid, self.force = routes, valid, force
+        rank's tokens), number of real tokens in the whole row, and whether recorded experts are forced."""
+        self.routes, self.valid, self.num_real, self.force = routes, valid, max(num_real, 1), force
         self.load = self.load.to(valid.device)
 
     @property
@@ -83,10 +91,21 @@ class StageRouting:
             self.valid.device
         )
 
+    def _z_loss_hook(self, router, args, output):
+        if not self.z_loss_coef or not router.training or not torch.is_grad_enabled():
+            return None
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-def attach_routing(model) -> StageRouting:
-    """Give an MoE stage's routers rlx's routing (replay, counts)."""
-    routing = StageRouting(model)
+        probs, routing_map = output
+        logits = router.gating(args[0]).reshape(-1, self.num_experts)  # the router's own logits, recomputed
+        squares = torch.logsumexp(logits.float(), dim=-1).square() * self.valid.to(logits.device)
+        z_loss = self.z_loss_coef * squares.sum() / self.num_real
+        return MoEAuxLossAutoScaler.apply(probs, z_loss), routing_map
+
+
+def attach_routing(model, z_loss_coef: float = 0.0) -> StageRouting:
+    """Give an MoE stage's routers rlx's routing (replay, counts, a z-loss of `z_loss_coef` per layer)."""
+    routing = StageRouting(model, z_loss_coef)
     model.rlx_routing = routing
     return routing
 
