@@ -205,6 +205,11 @@ def test_moe_compat_layer_targets_the_upstream_code():
     assert "raise Exception" in inspect.getsource(random.CudaRNGStatesTracker.fork)
     with random.get_cuda_rng_tracker().fork():  # the inference tracker's: nothing seeded, nothing to fork
         pass
+    # routing replay and the padding mask (rlx/models/megatron/routing.py, schedule.py): the router asks its
+    # `router_replay` object for every top-k, and megatron's padding mask is True on padding
+    assert "router_replay=self.router_replay" in inspect.getsource(router.TopKRouter.routing)
+    assert "router_replay.get_replay_topk(" in inspect.getsource(moe_utils.topk_routing_with_score_function)
+    assert "valid_mask = (~padding_mask)" in inspect.getsource(moe_utils.compute_routing_scores_for_aux_loss)
     if not torch.cuda.is_available():
         assert router.torch.cuda.current_device() == torch.device("cpu")
 
