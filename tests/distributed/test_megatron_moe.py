@@ -41,12 +41,13 @@ LOSSES = [*TRAIN, "--moe-aux-loss-coef", "0.5", "--router-z-loss-coef", "0.1"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep,tp,world", [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)])
-def test_logprobs_equal_transformers(ep, tp, world):
+@pytest.mark.parametrize("world,degrees", [(1, ["1,1"]), (2, ["2,1", "1,2", "2,2"])])
+def test_logprobs_equal_transformers(world, degrees):
     """Logprobs, entropy, scoring, the gathered weights and the gradients of the megatron stages == transformers'
-    (tp 2: sequence parallel, the rows padded to an even length; tp 2 x ep 2 on 2 ranks: the expert-parallel group
-    is the tensor-parallel pair, each rank routing its half of the tokens to both ranks' experts)."""
-    out = run_torchrun(world, WORKERS / "megatron_moe.py", str(ep), str(tp), timeout=300)
+    at each `ep,tp` of `degrees` (one launch; tp 2: sequence parallel, the rows padded to an even length; tp 2 x ep 2
+    on 2 ranks: the expert-parallel group is the tensor-parallel pair, each rank routing its half of the tokens to
+    both ranks' experts)."""
+    out = run_torchrun(world, WORKERS / "megatron_moe.py", *degrees, timeout=300)
     assert out.stdout.count("ok") == world
 
 
