@@ -9,6 +9,7 @@ multi-rank train steps share one launch per world size (tests/distributed/worker
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -182,6 +183,20 @@ def test_unsupported_settings_are_one_line_errors(moe, tmp_path):
     )
     assert result.exit_code == 1 and "ep_degree 2 must divide the 1 tensor x data parallel process(es)" in result.stderr
     assert not (tmp_path / "x").exists()
+    # routing replay: a batch without recorded experts, or with another model's [layers, k]
+    from rlx.formats.batch import TrainBatch
+
+    full = TrainBatch.load(batch)
+    dataclasses.replace(full, routed_experts=None).save(tmp_path / "unrouted.safetensors")
+    dataclasses.replace(full, routed_experts=full.routed_experts[:, :, :1]).save(tmp_path / "one_layer.safetensors")
+    for name, message in (
+        ("unrouted", "router_replay = 'rollout' needs a batch with routed_experts"),
+        ("one_layer", "routed_experts are [layers, k] = [1, 2], but the model has 2 MoE layers"),
+    ):
+        result = cli("train-step", "--checkpoint", moe / "mg", "--batch", tmp_path / f"{name}.safetensors", "--out",
+                     tmp_path / name, *REPLAY)  # fmt: skip
+        assert result.exit_code == 1 and message in result.stderr, (name, result.stderr)
+        assert not (tmp_path / name).exists()
 
 
 def test_moe_compat_layer_targets_the_upstream_code():
