@@ -38,7 +38,9 @@ from tests.conftest import (  # noqa: E402
 # sizes 1 and 2 (Adam on a near-zero gradient), and by 3.6e-5 between the backends
 TRAIN = ["--lr", "1e-2", "--mini-batch-size", "16", "--micro-batch-size", "2", "--use-packing"]
 REPLAY = [*TRAIN, "--router-replay", "rollout"]
-LOSSES = [*TRAIN, "--moe-aux-loss-coef", "0.5", "--router-z-loss-coef", "0.1"]
+ODD = ["--lr", "1e-2", "--mini-batch-size", "16", "--micro-batch-size", "3", "--use-packing"]
+"""TRAIN with micro-batches of 3 rows: packed rows of odd lengths, which tp 2 pads with a sample of its own."""
+LOSSES = [*ODD, "--moe-aux-loss-coef", "0.5", "--router-z-loss-coef", "0.1"]
 
 
 @pytest.mark.slow
@@ -131,7 +133,7 @@ def test_router_losses_give_fsdp_update(moe, fsdp_losses, tmp_path):
     process."""
     cli_ok("train-step", "--checkpoint", moe / "mg", "--out", tmp_path / "mg", *LOSSES, "--batch",
            moe / "batch.safetensors", "--metrics", tmp_path / "mg.jsonl")  # fmt: skip
-    cli_ok("train-step", "--checkpoint", moe / "mg", "--out", tmp_path / "plain", *TRAIN, "--batch",
+    cli_ok("train-step", "--checkpoint", moe / "mg", "--out", tmp_path / "plain", *ODD, "--batch",
            moe / "batch.safetensors")  # fmt: skip
     check_equal(fsdp_losses, tmp_path / "mg", tmp_path / "mg.jsonl")  # 1.1e-5 seen (Adam's first step)
     assert max_diff(tmp_path / "plain", tmp_path / "mg") > 1e-3  # the losses do move the weights

@@ -119,4 +119,5 @@ def set_aux_loss_scale(scale: torch.Tensor) -> None:
     """The weight megatron's router losses get in the next backward (the micro-batch's share of the loss)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    MoEAuxLossAutoScaler.set_loss_scale(scale.detach().float().reshape(()))
+    # a copy: megatron keeps the first tensor it is given and copies later scales into it
+    MoEAuxLossAutoScaler.set_loss_scale(scale.detach().float().reshape(()).clone())
