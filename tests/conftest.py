@@ -235,12 +235,9 @@ def chat_ckpt(tiny_dir, tmp_path_factory) -> Path:
 # The slowest tests of the last full `make test` (seconds on one CI worker, 2 cores), by node id; refresh from
 # `pytest --durations=30` of a full run. A test missing here starts after these, in file order.
 SLOWEST = {
-    "tests/distributed/test_megatron_moe.py::test_tensor_parallel_train_step_equals_one_process": 128.4,
     "tests/stages/test_vision_stages.py::test_tiny_vlm_recipe_learns": 114.0,
     "tests/unit/test_vllm.py::test_torchrun_data_and_tensor_parallel_equal_one_process": 103.7,
-    "tests/distributed/test_megatron_moe.py::test_pipeline_and_expert_parallel_equal_one_process": 101.4,
     "tests/stages/test_ppo.py::test_shell_pipeline_equals_the_driver": 87.0,
-    "tests/distributed/test_megatron_moe.py::test_ep2_train_step_equals_one_process": 84.0,
     "tests/unit/test_vllm.py::test_ppo_with_vllm_learns_and_logs_the_sync": 81.7,
     "tests/stages/test_verifiers_client.py::test_vf_eval_rollouts_are_recorded_token_exact_one_record_each": 80.6,
     "tests/distributed/test_scale.py::test_sharded_background_checkpoints_resume_bit_exactly_and_two_nodes_equal_one": 78.1,  # noqa: E501

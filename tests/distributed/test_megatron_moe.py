@@ -1,13 +1,17 @@
 """A Qwen3-MoE on the megatron backend (megatron-core's MoE layer, gloo on CPU): logprobs equal transformers' at
 expert parallel 1 and 2, and under tensor parallelism 2 (sequence parallel) with either; `rlx shard --layout
-megatron` then `rlx merge` is byte-exact; a train step with the experts split over 2 ranks, or the model over 2
-tensor-parallel ranks (x 2 expert-parallel on 4), equals one process's (megatron and FSDP, FSDP's own expert
-parallelism too); the router's load-balancing and z-losses give FSDP's update; unsupported settings are one-line
-errors."""
+megatron` then `rlx merge` is byte-exact; a train step with the experts split over 2 ranks, the model over 2
+tensor-parallel ranks or 2 stages (x 2 expert-parallel on 4), equals one process's (megatron and FSDP, FSDP's own
+expert parallelism too); the router's load-balancing and z-losses give FSDP's update, also at tp 2 and pp 2 x tp 2;
+rollout routing replay (R3) forces the recorded experts as the FSDP/HF path does (scoring and training, one process,
+pp 2 x ep 2, tp 2 x ep 2, `rlx ppo`) with the same moe/* metrics; unsupported settings are one-line errors. The
+multi-rank train steps share one launch per world size (tests/distributed/workers/rlx_commands.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,21 +29,28 @@ from tests.conftest import (  # noqa: E402
     rollout_args,
     run_torchrun,
     torchrun,
+    torchrun_commands,
+    write_jsonl,
     write_length_reward,
 )
 
 # one optimizer step: after two at lr 1e-2 one expert's down_proj differs by 1.1e-5 between FSDP's own micro-batch
 # sizes 1 and 2 (Adam on a near-zero gradient), and by 3.6e-5 between the backends
 TRAIN = ["--lr", "1e-2", "--mini-batch-size", "16", "--micro-batch-size", "2", "--use-packing"]
+REPLAY = [*TRAIN, "--router-replay", "rollout"]
+ODD = ["--lr", "1e-2", "--mini-batch-size", "16", "--micro-batch-size", "3", "--use-packing"]
+"""TRAIN with micro-batches of 3 rows: packed rows of odd lengths, which tp 2 pads with a sample of its own."""
+LOSSES = [*ODD, "--moe-aux-loss-coef", "0.5", "--router-z-loss-coef", "0.1"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep,tp,world", [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)])
-def test_logprobs_equal_transformers(ep, tp, world):
+@pytest.mark.parametrize("world,degrees", [(1, ["1,1"]), (2, ["2,1", "1,2", "2,2"])])
+def test_logprobs_equal_transformers(world, degrees):
     """Logprobs, entropy, scoring, the gathered weights and the gradients of the megatron stages == transformers'
-    (tp 2: sequence parallel, the rows padded to an even length; tp 2 x ep 2 on 2 ranks: the expert-parallel group
-    is the tensor-parallel pair, each rank routing its half of the tokens to both ranks' experts)."""
-    out = run_torchrun(world, WORKERS / "megatron_moe.py", str(ep), str(tp), timeout=300)
+    at each `ep,tp` of `degrees` (one launch; tp 2: sequence parallel, the rows padded to an even length; tp 2 x ep 2
+    on 2 ranks: the expert-parallel group is the tensor-parallel pair, each rank routing its half of the tokens to
+    both ranks' experts)."""
+    out = run_torchrun(world, WORKERS / "megatron_moe.py", *degrees, timeout=300)
     assert out.stdout.count("ok") == world
 
 
@@ -55,7 +66,39 @@ def moe(tmp_path_factory, prompts_file):
     reward = write_length_reward(d)
     cli_ok(*rollout_args(d / "single", prompts_file, d / "r.jsonl", "--max-new-tokens", "4"))
     cli_ok("score", "--rollouts", d / "r.jsonl", "--actor", d / "single", "--reward", f"{reward}:score", "--out", d)
+    write_jsonl(d / "rerouted.jsonl", [_rerouted(line, seed) for seed, line in enumerate(read_jsonl(d / "r.jsonl"))])
+    cli_ok("score", "--rollouts", d / "rerouted.jsonl", "--actor", d / "single", "--reward", f"{reward}:score",
+           "--out", d / "rerouted")  # fmt: skip
     return d
+
+
+def _rerouted(line: dict, seed: int) -> dict:
+    """A rollout line whose recorded experts are drawn at random (k distinct of 4 per token and layer): routing the
+    model's own routers mostly disagree with, so replaying it changes the logprobs."""
+    from rlx.models.routing import decode_routes, encode_routes
+
+    shape = tuple(line["routed_experts_shape"])
+    draws = torch.rand(*shape[:2], 4, generator=torch.Generator().manual_seed(seed)).argsort(-1)[..., : shape[2]]
+    assert decode_routes(line["routed_experts"], shape).shape == draws.shape
+    return {**line, "routed_experts": encode_routes(draws)}
+
+
+@pytest.fixture(scope="module")
+def fsdp_replayed(moe, tmp_path_factory):
+    """One FSDP step in one process on the rerouted batch with train.router_replay = 'rollout' (and its metrics)."""
+    out = tmp_path_factory.mktemp("fsdp_replayed")
+    cli_ok("train-step", "--checkpoint", moe / "single", "--batch", moe / "rerouted" / "batch.safetensors", "--out",
+           out / "ckpt", *REPLAY, "--metrics", out / "metrics.jsonl")  # fmt: skip
+    return out
+
+
+def check_replayed(fsdp: Path, run: Path, metrics: Path) -> None:
+    """A replayed megatron step equals `fsdp`'s (the fsdp_replayed fixture): weights, loss, grad norm, the routing
+    mismatch against the record and the expert load."""
+    assert read_jsonl(fsdp / "metrics.jsonl")[0]["actor/moe_routing_mismatch"] > 0.3  # the record is far off
+    keys = ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/moe_routing_mismatch", "moe/expert_load_max",
+            "moe/expert_load_cv")  # fmt: skip
+    check_equal(fsdp, run, metrics, keys)
 
 
 def test_shard_and_merge_round_trip_bit_exactly(moe, tmp_path):
@@ -66,66 +109,73 @@ def test_shard_and_merge_round_trip_bit_exactly(moe, tmp_path):
     assert (tmp_path / "back" / "model.safetensors").read_bytes() == (moe / "hf" / "model.safetensors").read_bytes()
 
 
-@pytest.mark.slow
-def test_ep2_train_step_equals_one_process(moe, tmp_path):
-    """megatron at ep 2 (2 ranks, the experts split) == megatron in one process == FSDP in one process == FSDP's
-    expert parallelism at 2 ranks: loss and weights after the step (1e-5); the checkpoint holds every expert, and
-    the next step from it at ep 1 equals the one from the ep 1 checkpoint at ep 2 (and FSDP's)."""
-    batch, common = moe / "batch.safetensors", [*TRAIN, "--metrics"]
-    cli_ok("train-step", "--checkpoint", moe / "single", "--batch", batch, "--out", tmp_path / "fsdp1", *common,
-           tmp_path / "fsdp1.jsonl")  # fmt: skip
-    cli_ok("train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "mg1", *common,
-           tmp_path / "mg1.jsonl")  # fmt: skip
-    torchrun(2, "train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "mg2", *common,
-             tmp_path / "mg2.jsonl", "--ep-degree", "2")  # fmt: skip
-    torchrun(2, "train-step", "--checkpoint", moe / "single", "--batch", batch, "--out", tmp_path / "fsdp2", *common,
-             tmp_path / "fsdp2.jsonl", "--ep-degree", "2")  # fmt: skip
-    meta = json.loads((tmp_path / "mg2" / "rlx.json").read_text())
-    assert (meta["layout"], meta["tp_degree"], meta["pp_degree"]) == ("megatron", 1, 1)
-    want = read_jsonl(tmp_path / "fsdp1.jsonl")[0]
-    for run in ("mg1", "mg2", "fsdp2"):
-        assert max_diff(tmp_path / "fsdp1", tmp_path / run) < 1e-5, run
-        got = read_jsonl(tmp_path / f"{run}.jsonl")[0]
-        for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm"):
-            assert abs(got[key] - want[key]) < 1e-5, (run, key, got[key], want[key])
-    before, after = read_full_weights(moe / "mg"), read_full_weights(tmp_path / "mg2")
-    key = "model.layers.1.mlp.experts.down_proj"
-    assert after[key].shape == before[key].shape and not torch.equal(after[key][-1], before[key][-1])
-    # the next step resumes the AdamW state (experts keyed by global index) at the other ep_degree
-    cli_ok("train-step", "--checkpoint", tmp_path / "mg2", "--batch", batch, "--out", tmp_path / "mg2_1", *TRAIN)
-    torchrun(2, "train-step", "--checkpoint", tmp_path / "mg1", "--batch", batch, "--out", tmp_path / "mg1_2", *TRAIN,
-             "--ep-degree", "2")  # fmt: skip
-    cli_ok("train-step", "--checkpoint", tmp_path / "fsdp1", "--batch", batch, "--out", tmp_path / "fsdp1_1", *TRAIN)
-    assert max_diff(tmp_path / "mg2_1", tmp_path / "mg1_2") < 1e-5
-    assert max_diff(tmp_path / "fsdp1_1", tmp_path / "mg1_2") < 1e-5
+@pytest.fixture(scope="module")
+def fsdp_losses(moe, tmp_path_factory):
+    """One FSDP step in one process with the router's load-balancing and z-losses on (and its metrics)."""
+    out = tmp_path_factory.mktemp("fsdp_losses")
+    cli_ok("train-step", "--checkpoint", moe / "single", "--out", out / "ckpt", *LOSSES, "--batch",
+           moe / "batch.safetensors", "--metrics", out / "metrics.jsonl")  # fmt: skip
+    return out
 
 
-def test_router_losses_give_fsdp_update(moe, tmp_path):
-    """--moe-aux-loss-coef and --router-z-loss-coef map onto megatron's moe_aux_loss_coeff / moe_z_loss_coeff (per
-    layer, weighted per micro-batch as the FSDP path weights them): the same update in one process."""
-    losses = [*TRAIN, "--moe-aux-loss-coef", "0.5", "--router-z-loss-coef", "0.1", "--batch", moe / "batch.safetensors"]
-    cli_ok("train-step", "--checkpoint", moe / "single", "--out", tmp_path / "fsdp", *losses)
-    cli_ok("train-step", "--checkpoint", moe / "mg", "--out", tmp_path / "mg", *losses)
-    cli_ok("train-step", "--checkpoint", moe / "mg", "--out", tmp_path / "plain", *TRAIN, "--batch",
+def check_equal(want: Path, run: Path, metrics: Path, keys=("actor/loss", "actor/pg_loss", "actor/grad_norm")):
+    """A megatron step equals a fixture's one-process FSDP step `want`: weights to 2e-5 (1.6e-5 seen on one expert's
+    down_proj: Adam's first step on near-zero gradients), `keys` of the metrics line to 1e-5."""
+    assert max_diff(want / "ckpt", run) < 2e-5, run
+    expected, got = read_jsonl(want / "metrics.jsonl")[0], read_jsonl(metrics)[0]
+    for key in keys:
+        assert abs(got[key] - expected[key]) < 1e-5, (run, key, got[key], expected[key])
+
+
+def test_router_losses_give_fsdp_update(moe, fsdp_losses, tmp_path):
+    """--moe-aux-loss-coef and --router-z-loss-coef map onto megatron's moe_aux_loss_coeff (per layer) and rlx's
+    z-loss on the megatron routers (weighted per micro-batch as the FSDP path weights them): the same update in one
+    process."""
+    cli_ok("train-step", "--checkpoint", moe / "mg", "--out", tmp_path / "mg", *LOSSES, "--batch",
+           moe / "batch.safetensors", "--metrics", tmp_path / "mg.jsonl")  # fmt: skip
+    cli_ok("train-step", "--checkpoint", moe / "mg", "--out", tmp_path / "plain", *ODD, "--batch",
            moe / "batch.safetensors")  # fmt: skip
-    assert max_diff(tmp_path / "fsdp", tmp_path / "mg") < 2e-5  # 8e-6 seen (Adam's first step on small gradients)
+    check_equal(fsdp_losses, tmp_path / "mg", tmp_path / "mg.jsonl")  # 1.1e-5 seen (Adam's first step)
     assert max_diff(tmp_path / "plain", tmp_path / "mg") > 1e-3  # the losses do move the weights
 
 
 def test_score_equals_the_hf_path(moe, tmp_path):
-    """`rlx score` on the megatron checkpoint (its stages, their own routing: the rollouts' routed_experts are kept
-    for the batch but not compared) gives the Hugging Face path's logprobs and advantages."""
-    from safetensors.torch import load_file
+    """`rlx score` on the megatron checkpoint gives the Hugging Face path's logprobs, advantages and routing mismatch;
+    with --router-replay rollout on rollouts whose recorded experts the routers disagree with, both force them alike
+    (logprobs equal, unlike the unforced ones)."""
+    from rlx.formats.batch import TrainBatch
 
     args = ["--rollouts", moe / "r.jsonl", "--reward", f"{moe / 'length_reward.py'}:score"]
     cli_ok("score", *args, "--actor", moe / "mg", "--ref", moe / "mg", "--out", tmp_path / "mg")
     cli_ok("score", *args, "--actor", moe / "single", "--ref", moe / "single", "--out", tmp_path / "hf")
-    want, got = load_file(tmp_path / "hf" / "batch.safetensors"), load_file(tmp_path / "mg" / "batch.safetensors")
-    for key in ("old_logprobs", "ref_logprobs", "advantages"):
-        assert (want[key] - got[key]).abs().max().item() < 1e-5, key
-    assert torch.equal(want["routed_experts"], got["routed_experts"])
-    result = cli("score", *args, "--actor", moe / "mg", "--out", tmp_path / "x", "--router-replay", "rollout")
-    assert result.exit_code == 1 and "this actor's backend cannot replay MoE routing" in result.stderr
+    args[1] = moe / "rerouted.jsonl"
+    for actor in ("mg", "single"):
+        cli_ok("score", *args, "--actor", moe / actor, "--out", tmp_path / f"{actor}_replay", "--router-replay",
+               "rollout")  # fmt: skip
+    pairs = {"hf": "mg", "single_replay": "mg_replay"}
+    for hf, mg in pairs.items():
+        want, got = (TrainBatch.load(tmp_path / run / "batch.safetensors") for run in (hf, mg))
+        for key in ("old_logprobs", "advantages", *(("ref_logprobs",) if hf == "hf" else ())):
+            assert (getattr(want, key) - getattr(got, key)).abs().max().item() < 1e-5, (mg, key)
+        assert torch.equal(want.routed_experts, got.routed_experts)
+        assert abs(want.meta.routing_mismatch - got.meta.routing_mismatch) < 1e-9, mg
+    replayed, own = (TrainBatch.load(d / "batch.safetensors") for d in (tmp_path / "mg_replay", moe / "rerouted"))
+    assert replayed.meta.routing_mismatch > 0.3 and (replayed.old_logprobs - own.old_logprobs).abs().max() > 1e-3
+
+
+def test_router_replay_train_step_equals_fsdp(moe, fsdp_replayed, tmp_path):
+    """train.router_replay = 'rollout' on the megatron stages (one process) forces the recorded experts as the FSDP
+    path does: the same update, loss, routing mismatch and expert load; without replay the loss differs."""
+    batch = moe / "rerouted" / "batch.safetensors"
+    cli_ok("train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "mg", *REPLAY, "--metrics",
+           tmp_path / "mg.jsonl")  # fmt: skip
+    check_replayed(fsdp_replayed, tmp_path / "mg", tmp_path / "mg.jsonl")
+    cli_ok("train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "own", *TRAIN, "--metrics",
+           tmp_path / "own.jsonl")  # fmt: skip
+    own, replayed = read_jsonl(tmp_path / "own.jsonl")[0], read_jsonl(tmp_path / "mg.jsonl")[0]
+    assert max_diff(tmp_path / "own", tmp_path / "mg") > 1e-3
+    assert own["actor/ppo_kl"] < 1e-6 < 1e-5 < replayed["actor/ppo_kl"]  # the batch's old logprobs are unreplayed
+    assert own["actor/moe_routing_mismatch"] == replayed["actor/moe_routing_mismatch"]  # compared before forcing
 
 
 def test_unsupported_settings_are_one_line_errors(moe, tmp_path):
@@ -134,10 +184,21 @@ def test_unsupported_settings_are_one_line_errors(moe, tmp_path):
         "train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "x", "--ep-degree", "2"
     )
     assert result.exit_code == 1 and "ep_degree 2 must divide the 1 tensor x data parallel process(es)" in result.stderr
-    result = cli("train-step", "--checkpoint", moe / "mg", "--batch", batch, "--out", tmp_path / "y", "--router-replay",
-                 "rollout")  # fmt: skip
-    assert result.exit_code == 1 and "router_replay 'rollout' is not supported by the megatron backend" in result.stderr
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    assert not (tmp_path / "x").exists()
+    # routing replay: a batch without recorded experts, or with another model's [layers, k]
+    from rlx.formats.batch import TrainBatch
+
+    full = TrainBatch.load(batch)
+    dataclasses.replace(full, routed_experts=None).save(tmp_path / "unrouted.safetensors")
+    dataclasses.replace(full, routed_experts=full.routed_experts[:, :, :1]).save(tmp_path / "one_layer.safetensors")
+    for name, message in (
+        ("unrouted", "router_replay = 'rollout' needs a batch with routed_experts"),
+        ("one_layer", "routed_experts are [layers, k] = [1, 2], but the model has 2 MoE layers"),
+    ):
+        result = cli("train-step", "--checkpoint", moe / "mg", "--batch", tmp_path / f"{name}.safetensors", "--out",
+                     tmp_path / name, *REPLAY)  # fmt: skip
+        assert result.exit_code == 1 and message in result.stderr, (name, result.stderr)
+        assert not (tmp_path / name).exists()
 
 
 def test_moe_compat_layer_targets_the_upstream_code():
@@ -162,39 +223,29 @@ def test_moe_compat_layer_targets_the_upstream_code():
     assert "raise Exception" in inspect.getsource(random.CudaRNGStatesTracker.fork)
     with random.get_cuda_rng_tracker().fork():  # the inference tracker's: nothing seeded, nothing to fork
         pass
+    # routing replay and the padding mask (rlx/models/megatron/routing.py, schedule.py): the router asks its
+    # `router_replay` object for every top-k, and megatron's padding mask is True on padding
+    assert "router_replay=self.router_replay" in inspect.getsource(router.TopKRouter.routing)
+    assert "router_replay.get_replay_topk(" in inspect.getsource(moe_utils.topk_routing_with_score_function)
+    assert "valid_mask = (~padding_mask)" in inspect.getsource(moe_utils.compute_routing_scores_for_aux_loss)
     if not torch.cuda.is_available():
         assert router.torch.cuda.current_device() == torch.device("cpu")
 
 
 @pytest.mark.slow
-def test_pipeline_and_expert_parallel_equal_one_process(moe, tmp_path):
-    """pp 2 x ep 2 (4 ranks: each stage's experts split over 2 data-parallel ranks) and pp 2 x tp 2 (sequence
-    parallel: half of the padded row's tokens cross between the stages on each tensor-parallel rank) == FSDP in one
-    process."""
-    batch = ["--batch", moe / "batch.safetensors"]
-    cli_ok("shard", "--model", moe / "hf", "--out", tmp_path / "pp2", "--layout", "megatron", "--pp", "2")
-    cli_ok("shard", "--model", moe / "hf", "--out", tmp_path / "pp2tp2", "--layout", "megatron", "--pp", "2", "--tp",
-           "2")  # fmt: skip
-    cli_ok("train-step", "--checkpoint", moe / "single", "--out", tmp_path / "fsdp", *batch, *TRAIN)
-    torchrun(4, "train-step", "--checkpoint", tmp_path / "pp2", "--out", tmp_path / "mg", *batch, *TRAIN,
-             "--ep-degree", "2")  # fmt: skip
-    torchrun(4, "train-step", "--checkpoint", tmp_path / "pp2tp2", "--out", tmp_path / "mg_tp", *batch, *TRAIN)
-    assert max_diff(tmp_path / "fsdp", tmp_path / "mg") < 1e-5
-    assert max_diff(tmp_path / "fsdp", tmp_path / "mg_tp") < 2e-5  # 1.6e-5 seen, as at tp 2 (one expert's down_proj)
-
-
-@pytest.mark.slow
 def test_ppo_with_megatron_expert_and_tensor_parallelism_equals_one_process(tmp_path, prompts_file):
     """`rlx ppo` of the MoE quickstart with [megatron] on 2 ranks, at train.ep_degree = 2 and at megatron.tp_degree =
-    2 (reference stages, scoring and the rollout replica's weight sync under EP, or TP with sequence parallelism) ==
-    the one-process FSDP run (router losses off: they are computed per rank's tokens)."""
+    2 (reference stages, scoring and the rollout replica's weight sync under EP, or TP with sequence parallelism), with
+    routing replay in scoring and training, == the one-process FSDP run (router losses off: at ep 2 the two
+    data-parallel ranks compute them over their own tokens)."""
     from rlx.models.moe import write_tiny_moe_config_dir
 
     model = write_tiny_moe_config_dir(tmp_path / "tiny-moe")
     sets = [
         f"model.path={model}", f"data.prompts={prompts_file}", "data.prompts_per_step=4", "rollout.sampling.n=4",
         "train.mini_batch_size=8", "train.micro_batch_size=4", "score.micro_batch_size=8", "train.use_packing=true",
-        "steps=2", "save_every=2", "train.loss.moe_aux_loss_coef=0",
+        "steps=2", "save_every=2", "train.loss.moe_aux_loss_coef=0", "score.router_replay=rollout",
+        "train.router_replay=rollout",
     ]  # fmt: skip
     args = [a for s in sets for a in ("--set", s)]
     recipe = REPO / "recipes" / "moe_quickstart.toml"
@@ -210,35 +261,91 @@ def test_ppo_with_megatron_expert_and_tensor_parallelism_equals_one_process(tmp_
         assert meta["layout"] == "megatron" and meta["tp_degree"] == (2 if run == "tp2" else 1)
         assert max_diff(tmp_path / "one" / final, tmp_path / run / final) < 1e-5, run
         two = read_jsonl(tmp_path / run / "metrics.jsonl")
-        for key in ("reward/mean", "actor/loss", "actor/grad_norm"):
+        keys = ("reward/mean", "actor/loss", "actor/grad_norm", "moe/routing_mismatch", "actor/moe_routing_mismatch",
+                "moe/expert_load_max", "moe/expert_load_cv")  # fmt: skip
+        for key in keys:
             assert all(abs(a[key] - b[key]) < 1e-5 for a, b in zip(one, two)), (run, key)
 
 
 @pytest.mark.slow
-def test_tensor_parallel_train_step_equals_one_process(moe, tmp_path):
-    """tp 2 (2 ranks, sequence parallel: each rank routes half of the tokens through whole experts) and tp 2 x ep 2
-    (4 ranks) == FSDP in one process: loss and gradient norm (1e-5), weights after the step (2e-5); `rlx merge` of
-    the tp 2 x ep 2 checkpoint gives the same weights. The router losses stay refused under tp (the padding would
-    be routed)."""
-    batch, common = moe / "batch.safetensors", [*TRAIN, "--metrics"]
+def test_two_rank_train_steps_equal_one_process(moe, fsdp_losses, tmp_path):
+    """In one launch of 2 ranks: megatron at ep 2 (the experts split) == megatron in one process == FSDP in one process
+    == FSDP's expert parallelism (loss and weights after the step, 1e-5); the checkpoint holds every expert and the
+    next step from it at ep 1 equals the one from the ep 1 checkpoint at ep 2 (and FSDP's); tp 2 (sequence parallel:
+    each rank routes half of the tokens through whole experts) == FSDP; and tp 2 with the router losses on (the
+    padding sample left out of them) == FSDP's one process with them."""
+    batch, common = ["--batch", moe / "batch.safetensors"], [*TRAIN, "--metrics"]
     cli_ok("shard", "--model", moe / "hf", "--out", tmp_path / "tp2", "--layout", "megatron", "--tp", "2")
-    cli_ok("train-step", "--checkpoint", moe / "single", "--batch", batch, "--out", tmp_path / "fsdp", *common,
-           tmp_path / "fsdp.jsonl")  # fmt: skip
-    torchrun(2, "train-step", "--checkpoint", tmp_path / "tp2", "--batch", batch, "--out", tmp_path / "mg2", *common,
-             tmp_path / "mg2.jsonl")  # fmt: skip
-    torchrun(4, "train-step", "--checkpoint", tmp_path / "tp2", "--batch", batch, "--out", tmp_path / "mg4", *common,
-             tmp_path / "mg4.jsonl", "--ep-degree", "2")  # fmt: skip
-    meta = json.loads((tmp_path / "mg4" / "rlx.json").read_text())
-    assert (meta["layout"], meta["tp_degree"], meta["pp_degree"]) == ("megatron", 2, 1)
-    want = read_jsonl(tmp_path / "fsdp.jsonl")[0]
-    for run in ("mg2", "mg4"):  # 1.6e-5 seen: one expert's down_proj (Adam's first step on near-zero gradients)
-        assert max_diff(tmp_path / "fsdp", tmp_path / run) < 2e-5, run
+    for layout, run in (("single", "fsdp1"), ("mg", "mg1")):
+        cli_ok("train-step", "--checkpoint", moe / layout, *batch, "--out", tmp_path / run, *common,
+               tmp_path / f"{run}.jsonl")  # fmt: skip
+    ep2 = ["--ep-degree", "2"]
+    torchrun_commands(
+        2,
+        ["train-step", "--checkpoint", moe / "mg", *batch, "--out", tmp_path / "mg2", *common, tmp_path / "mg2.jsonl",
+         *ep2],
+        ["train-step", "--checkpoint", moe / "single", *batch, "--out", tmp_path / "fsdp2", *common,
+         tmp_path / "fsdp2.jsonl", *ep2],
+        ["train-step", "--checkpoint", tmp_path / "mg1", *batch, "--out", tmp_path / "mg1_2", *TRAIN, *ep2],
+        ["train-step", "--checkpoint", tmp_path / "tp2", *batch, "--out", tmp_path / "tp2_1", *common,
+         tmp_path / "tp2_1.jsonl"],
+        ["train-step", "--checkpoint", tmp_path / "tp2", *batch, "--out", tmp_path / "tp2_losses", *LOSSES,
+         "--metrics", tmp_path / "tp2_losses.jsonl"],
+    )  # fmt: skip
+    meta = json.loads((tmp_path / "mg2" / "rlx.json").read_text())
+    assert (meta["layout"], meta["tp_degree"], meta["pp_degree"]) == ("megatron", 1, 1)
+    want = read_jsonl(tmp_path / "fsdp1.jsonl")[0]
+    for run, tolerance in (("mg1", 1e-5), ("mg2", 1e-5), ("fsdp2", 1e-5), ("tp2_1", 2e-5)):
+        assert max_diff(tmp_path / "fsdp1", tmp_path / run) < tolerance, run
         got = read_jsonl(tmp_path / f"{run}.jsonl")[0]
-        for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm"):
+        for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "moe/expert_load_max", "moe/expert_load_cv"):
             assert abs(got[key] - want[key]) < 1e-5, (run, key, got[key], want[key])
-    cli_ok("merge", "--checkpoint", tmp_path / "mg4", "--out", tmp_path / "merged")
-    assert max_diff(tmp_path / "mg4", tmp_path / "merged") == 0
-    out = run_torchrun(2, "-m", "rlx", "train-step", "--checkpoint", tmp_path / "tp2", "--batch", batch, "--out",
-                       tmp_path / "x", *TRAIN, "--moe-aux-loss-coef", "0.5", check=False)  # fmt: skip
-    assert out.returncode != 0 and "z-losses run on the megatron backend with tp 1 and pp 1 only" in out.stderr
-    assert not (tmp_path / "x").exists()
+    check_equal(fsdp_losses, tmp_path / "tp2_losses", tmp_path / "tp2_losses.jsonl")
+    before, after = read_full_weights(moe / "mg"), read_full_weights(tmp_path / "mg2")
+    key = "model.layers.1.mlp.experts.down_proj"
+    assert after[key].shape == before[key].shape and not torch.equal(after[key][-1], before[key][-1])
+    # the next step resumes the AdamW state (experts keyed by global index) at the other ep_degree
+    cli_ok("train-step", "--checkpoint", tmp_path / "mg2", *batch, "--out", tmp_path / "mg2_1", *TRAIN)
+    cli_ok("train-step", "--checkpoint", tmp_path / "fsdp1", *batch, "--out", tmp_path / "fsdp1_1", *TRAIN)
+    assert max_diff(tmp_path / "mg2_1", tmp_path / "mg1_2") < 1e-5
+    assert max_diff(tmp_path / "fsdp1_1", tmp_path / "mg1_2") < 1e-5
+
+
+@pytest.mark.slow
+def test_four_rank_train_steps_equal_one_process(moe, fsdp_replayed, fsdp_losses, tmp_path):
+    """In one launch of 4 ranks, against one FSDP process: pp 2 x ep 2 (each stage's experts split over 2
+    data-parallel ranks) and tp 2 x ep 2 (sequence parallel, each rank's slice of the row) with routing replay on a
+    batch whose recorded experts differ from the routers' own (update, loss, routing mismatch and expert load equal
+    the FSDP replay's); pp 2 x tp 2 (half of the padded row crossing between the stages on each tensor-parallel rank)
+    with the router losses on (each stage's routers weighted at its own backward, the padding left out); `rlx score`
+    with replay at tp 2 x dp 2 equals the Hugging Face path's. `rlx merge` of the tp 2 x ep 2 checkpoint gives the
+    same weights."""
+    rerouted = ["--batch", moe / "rerouted" / "batch.safetensors"]
+    for tp, pp in ((2, 1), (1, 2), (2, 2)):
+        cli_ok("shard", "--model", moe / "hf", "--out", tmp_path / f"tp{tp}pp{pp}", "--layout", "megatron", "--tp",
+               str(tp), "--pp", str(pp))  # fmt: skip
+    score = ["score", "--rollouts", moe / "rerouted.jsonl", "--reward", f"{moe / 'length_reward.py'}:score",
+             "--router-replay", "rollout"]  # fmt: skip
+    cli_ok(*score, "--actor", moe / "single", "--out", tmp_path / "hf_score")
+    torchrun_commands(
+        4,
+        ["train-step", "--checkpoint", tmp_path / "tp1pp2", *rerouted, "--out", tmp_path / "pp2ep2", *REPLAY,
+         "--ep-degree", "2", "--metrics", tmp_path / "pp2ep2.jsonl"],
+        ["train-step", "--checkpoint", tmp_path / "tp2pp1", *rerouted, "--out", tmp_path / "tp2ep2", *REPLAY,
+         "--ep-degree", "2", "--metrics", tmp_path / "tp2ep2.jsonl"],
+        ["train-step", "--checkpoint", tmp_path / "tp2pp2", "--batch", moe / "batch.safetensors", "--out",
+         tmp_path / "pp2tp2", *LOSSES, "--metrics", tmp_path / "pp2tp2.jsonl"],
+        [*score, "--actor", tmp_path / "tp2pp1", "--out", tmp_path / "mg_score"],
+    )  # fmt: skip
+    for run in ("pp2ep2", "tp2ep2"):
+        check_replayed(fsdp_replayed, tmp_path / run, tmp_path / f"{run}.jsonl")
+    check_equal(fsdp_losses, tmp_path / "pp2tp2", tmp_path / "pp2tp2.jsonl")
+    meta = json.loads((tmp_path / "tp2ep2" / "rlx.json").read_text())
+    assert (meta["layout"], meta["tp_degree"], meta["pp_degree"]) == ("megatron", 2, 1)
+    cli_ok("merge", "--checkpoint", tmp_path / "tp2ep2", "--out", tmp_path / "merged")
+    assert max_diff(tmp_path / "tp2ep2", tmp_path / "merged") == 0
+    from rlx.formats.batch import TrainBatch
+
+    want, got = (TrainBatch.load(tmp_path / run / "batch.safetensors") for run in ("hf_score", "mg_score"))
+    assert (want.old_logprobs - got.old_logprobs).abs().max().item() < 1e-5
+    assert want.meta.routing_mismatch > 0.3 and abs(want.meta.routing_mismatch - got.meta.routing_mismatch) < 1e-9

@@ -21,6 +21,7 @@ from rlx.backends.megatron.parallel import MegatronContext
 from rlx.logprobs import PackedRows
 from rlx.models.attention import PackedBatch
 from rlx.models.megatron.model import packed_params, packed_rotary
+from rlx.models.megatron.routing import set_aux_loss_scale, stage_routing
 from rlx.parallel.ulysses import padded_length
 from rlx.utils.device import autocast
 
@@ -36,6 +37,10 @@ class MicroBatch:
     is_filler: bool = False
     """A one-token row run only so that every rank of an expert-parallel group takes part in each MoE layer's
     all-to-all as often as the others (its output is dropped, its loss is zero)."""
+    routes: torch.Tensor | None = None
+    """An MoE model's recorded experts of the packed row's tokens [T, layers, k] (-1: no record), or None."""
+    aux_loss_scale: torch.Tensor | None = None
+    """The weight of an MoE model's router losses in this micro-batch's backward (its share of the loss)."""
 
 
 def sequence_parallel_row(packed: PackedBatch, tp_degree: int) -> PackedBatch:
@@ -65,9 +70,36 @@ def stage_tokens(model, rows: PackedRows) -> int:
     return padded_length(rows.packed.total_len, tp) // tp
 
 
-def stage_forward(model, rows: PackedRows, input_tensor: torch.Tensor | None) -> torch.Tensor:
+def prepare_routing(model, mb: MicroBatch, force: bool) -> torch.Tensor | None:
+    """Hand an MoE stage's routers this rank's part of the micro-batch's recorded experts (its slice of the
+    sequence-parallel row, the stage's layers; padding gets -1) and which of its tokens are real (not the
+    sequence-parallel padding, not a filler row); nothing for a dense stage. Returns megatron's padding mask of this
+    rank's tokens ([1, T_local], True: padding) when the row has sequence-parallel padding, else None (a filler's
+    router losses are weighted 0 instead)."""
+    routing = stage_routing(model)
+    if routing is None:
+        return None
+    config, total = model.config, mb.rows.packed.total_len
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    padded = padded_length(total, tp)
+    valid = torch.arange(padded, device=mb.rows.packed.input_ids.device) < (0 if mb.is_filler else total)
+    routes = None
+    if mb.routes is not None:
+        routes = mb.routes[:, routing.layers]  # [T, L_stage, k]
+        routes = torch.cat([routes, routes.new_full((padded - total, *routes.shape[1:]), -1)])
+    if tp > 1:
+        valid = valid.chunk(tp)[_tp_rank()]
+        routes = routes.chunk(tp)[_tp_rank()] if routes is not None else None
+    routing.prepare(routes, valid, 0 if mb.is_filler else total, force)
+    return None if mb.is_filler or padded == total else ~valid[None]
+
+
+def stage_forward(
+    model, rows: PackedRows, input_tensor: torch.Tensor | None, padding_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """This stage's layers on a packed row: [T, 1, H] (after the final norm on the last stage); under sequence
-    parallelism [T_pad / tp, 1, H] between stages, the last one gathering the whole row back."""
+    parallelism [T_pad / tp, 1, H] between stages, the last one gathering the whole row back. `padding_mask`: an MoE
+    stage's (`prepare_routing`), which keeps the padding out of megatron's load-balancing loss."""
     config = model.config
     sequence_parallel, tp = config.sequence_parallel, config.tensor_model_parallel_size
     packed = sequence_parallel_row(rows.packed, tp) if sequence_parallel else rows.packed
@@ -83,7 +115,10 @@ def stage_forward(model, rows: PackedRows, input_tensor: torch.Tensor | None) ->
         hidden = None
     rotary = packed_rotary(model, packed.position_ids, packed.max_len)  # applied by rlx's core attention
     params = packed_params(packed.cu_seqlens.to(torch.int32), packed.max_len, rotary)
-    out = model.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=None, packed_seq_params=params)
+    out = model.decoder(
+        hidden_states=hidden, attention_mask=None, rotary_pos_emb=None, packed_seq_params=params,
+        padding_mask=padding_mask,
+    )  # fmt: skip
     if sequence_parallel and model.post_process:
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -117,9 +152,9 @@ def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
 class _Pipeline:
     """One stage's part of a schedule: forward / backward of micro-batch i with its neighbours' traffic."""
 
-    def __init__(self, model, ctx: MegatronContext, micro_batches, head, dtype, forward_only: bool):
+    def __init__(self, model, ctx: MegatronContext, micro_batches, head, dtype, forward_only: bool, force_routes: bool):
         self.model, self.ctx, self.micro_batches, self.head = model, ctx, micro_batches, head
-        self.dtype, self.forward_only = dtype, forward_only
+        self.dtype, self.forward_only, self.force_routes = dtype, forward_only, force_routes
         self.prev, self.next = ctx.groups["prev"], ctx.groups["next"]
         self.stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
 
@@ -135,8 +170,9 @@ class _Pipeline:
         mb = self.micro_batches[i]
         if received is not None:
             received.requires_grad_(not self.forward_only)
+        padding_mask = prepare_routing(self.model, mb, self.force_routes)
         with torch.set_grad_enabled(not self.forward_only), autocast(self.ctx.device, self.dtype):
-            out = stage_forward(self.model, mb.rows, received)
+            out = stage_forward(self.model, mb.rows, received, padding_mask)
             if self.ctx.is_last_stage:
                 out = self.head(out, mb)
         if not self.forward_only:
@@ -146,6 +182,8 @@ class _Pipeline:
     def backward(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Backward of micro-batch i given the gradient of its output; returns the input's gradient."""
         received, out = self.stash.pop(i)
+        if self.micro_batches[i].aux_loss_scale is not None:  # every stage's routers, at their backward
+            set_aux_loss_scale(self.micro_batches[i].aux_loss_scale)
         if self.ctx.is_last_stage:
             out.backward()
         else:
@@ -163,14 +201,16 @@ def run_pipeline(
     head: Callable[[torch.Tensor, MicroBatch], torch.Tensor | None],
     dtype: torch.dtype,
     forward_only: bool,
+    force_routes: bool = False,
 ) -> None:
     """Forward every micro-batch through the stages (and backward unless `forward_only`), 1F1B order:
     stage s runs (stages - s - 1) forwards ahead, then alternates one forward and one backward, so it
     keeps at most `stages` micro-batches' activations.
 
     On the last stage `head(hidden [T, 1, H], micro_batch)` runs after each forward; when training it
-    returns the (already weighted) loss to differentiate, else whatever it records itself."""
-    pipe = _Pipeline(model, ctx, micro_batches, head, dtype, forward_only)
+    returns the (already weighted) loss to differentiate, else whatever it records itself. An MoE stage's routers
+    see each micro-batch's recorded experts (`MicroBatch.routes`), forced with `force_routes` (routing replay)."""
+    pipe = _Pipeline(model, ctx, micro_batches, head, dtype, forward_only, force_routes)
     count = len(micro_batches)
     if forward_only:
         for i in range(count):

@@ -10,9 +10,10 @@ from rlx.backends.megatron.forward import head_logprobs, head_values
 from rlx.backends.megatron.parallel import MegatronContext
 from rlx.backends.megatron.schedule import MicroBatch, run_pipeline
 from rlx.errors import UserError
-from rlx.logprobs import MODEL_INPUTS, PackedRows
+from rlx.logprobs import MODEL_INPUTS, ROUTES, PackedRows, flat_routes
 from rlx.models.megatron.convert import local_experts
 from rlx.models.megatron.model import build_stage, is_critic_config, is_moe, move_stage
+from rlx.models.megatron.routing import stage_routing
 
 
 def load_stage(hf_config, state: dict[str, torch.Tensor], ctx: MegatronContext, where: str, **losses):
@@ -37,13 +38,27 @@ def load_stage(hf_config, state: dict[str, torch.Tensor], ctx: MegatronContext, 
     return move_stage(model, ctx.device)
 
 
+def check_routes_shape(shape: tuple[int, int], hf_config, where: str = "routed_experts") -> None:
+    """UserError unless recorded routes of [layers, k] `shape` fit the MoE model of `hf_config`."""
+    want = (hf_config.num_hidden_layers, hf_config.num_experts_per_tok)
+    if tuple(shape) != want:
+        raise UserError(
+            f"{where}: the recorded routed_experts are [layers, k] = {list(shape)}, but the model has {want[0]} MoE "
+            f"layers with {want[1]} experts per token (rollouts of another model?)"
+        )
+
+
 def micro_batches(tensors: dict[str, torch.Tensor], parts: list[list[int]], device: torch.device, extra=None):
-    """MicroBatch per list of row indices (packed on the CPU, then moved); its `extra` is `extra(index)`,
-    else the index list."""
+    """MicroBatch per list of row indices (packed on the CPU, then moved; with the rows' recorded experts when
+    `tensors` has routed_experts); its `extra` is `extra(index)`, else the index list."""
     out = []
     for index in parts:
-        rows = PackedRows.build(*(tensors[k][index] for k in MODEL_INPUTS)).to(device)
-        out.append(MicroBatch(rows=rows, extra=index if extra is None else extra(index)))
+        inputs = [tensors[k][index] for k in MODEL_INPUTS]
+        rows = PackedRows.build(*inputs).to(device)
+        routes = None
+        if ROUTES in tensors:  # [T, L, k] in the packed row's token order
+            routes = flat_routes(tensors[ROUTES][index], inputs[1], inputs[3], packed=True).to(device)
+        out.append(MicroBatch(rows=rows, extra=index if extra is None else extra(index), routes=routes))
     return out
 
 
@@ -72,11 +87,13 @@ def stage_forward_outputs(
     dtype: torch.dtype,
     impl: str = "auto",
     max_tokens: int = 0,
+    force_routes: bool = False,
 ) -> torch.Tensor:
     """Logprobs [B, R] (a causal LM) or values [B, R] (a critic) of every row of `tensors`, float32 on
     the CPU on every rank (computed by this rank's pipeline; the last stage broadcasts them). Micro-batches of
     `micro_batch_size` rows, or with `max_tokens` consecutive rows of at most that many prompt + response tokens
-    (the stages of a pipeline see the same rows, so they split them alike)."""
+    (the stages of a pipeline see the same rows, so they split them alike). With routed_experts in `tensors` an
+    MoE stage compares its routing with them, and forces them with `force_routes`."""
     from rlx.parallel.batching import count_micro_batches, token_budget_micro_batches
 
     shape = tensors["response_ids"].shape
@@ -102,7 +119,7 @@ def stage_forward_outputs(
 
     model.eval()
     micro = even_micro_batches(micro_batches(tensors, parts, ctx.device), ctx)
-    run_pipeline(model, ctx, micro, head, dtype, forward_only=True)
+    run_pipeline(model, ctx, micro, head, dtype, forward_only=True, force_routes=force_routes)
     if ctx.pp_degree > 1:
         moved = result.to(ctx.device)
         dist.broadcast(moved, src=ctx.groups["last"], group=ctx.pp_group)
@@ -125,23 +142,44 @@ class MegatronScoringModel:
         micro-batches of micro_batch_size rows, or of at most `max_tokens` tokens)."""
         return self._outputs(tensors, temperature, dtype, micro_batch_size, impl, max_tokens)
 
+    def replayed_logprobs(self, tensors: dict[str, torch.Tensor], router_replay: str, temperature: float,
+                          dtype: torch.dtype, micro_batch_size: int, impl: str = "auto", desc: str = "logprobs",
+                          max_tokens: int = 0) -> tuple[torch.Tensor, float]:  # fmt: skip
+        """As `logprobs` for an MoE model and a batch with routed_experts: with router_replay 'rollout' the recorded
+        experts are forced (rlx.models.megatron.routing); also the share of recorded (token, layer) pairs the
+        stages' own routers sent to another expert set (over every rank)."""
+        routing = stage_routing(self.model)
+        if routing is None:
+            raise UserError("routed_experts: this actor is not a mixture-of-experts model")
+        check_routes_shape(tuple(tensors[ROUTES].shape[2:]), self.config)
+        routing.reset()
+        logp = self._outputs(tensors, temperature, dtype, micro_batch_size, impl, max_tokens, router_replay)
+        counts = routing.mismatch_counts
+        if dist.is_initialized() and dist.get_world_size() > 1:  # each (token, layer) is routed on one rank
+            dist.all_reduce(counts)
+        return logp, float(counts[0]) / max(float(counts[1]), 1.0)
+
     def values(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, micro_batch_size: int,
                max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
         """[B, R] float32 on the CPU (zero at masked positions), identical on every rank."""
         return self._outputs(tensors, 1.0, dtype, micro_batch_size, max_tokens=max_tokens)
 
     def _outputs(self, tensors: dict[str, torch.Tensor], temperature: float, dtype: torch.dtype, micro_batch_size: int,
-                 impl: str = "auto", max_tokens: int = 0) -> torch.Tensor:  # fmt: skip
-        """[B, R] float32 on the CPU (zero at masked positions), identical on every rank."""
+                 impl: str = "auto", max_tokens: int = 0,
+                 router_replay: str | None = None) -> torch.Tensor:  # fmt: skip
+        """[B, R] float32 on the CPU (zero at masked positions), identical on every rank; `router_replay`: the
+        batch's routed_experts are compared ('off') or forced ('rollout'), None: not used."""
         from rlx.parallel.dist import shard_range
 
         ctx, size = self.ctx, tensors["response_ids"].shape[0]
         mine = list(shard_range(size, ctx.dp_rank, ctx.dp_size))
-        local = {k: tensors[k][mine] for k in MODEL_INPUTS}
+        keys = (*MODEL_INPUTS, ROUTES) if router_replay is not None else MODEL_INPUTS
+        local = {k: tensors[k][mine] for k in keys}
         was_training = self.model.training
         out = stage_forward_outputs(
-            self.model, self.config, ctx, local, micro_batch_size, temperature, dtype, impl, max_tokens
-        )
+            self.model, self.config, ctx, local, micro_batch_size, temperature, dtype, impl, max_tokens,
+            force_routes=router_replay == "rollout",
+        )  # fmt: skip
         self.model.train(was_training)
         if ctx.dp_size > 1:
             parts = [None] * ctx.dp_size

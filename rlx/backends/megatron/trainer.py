@@ -30,13 +30,14 @@ import torch.distributed as dist
 from rlx.backends.megatron.forward import head_logprobs, head_values
 from rlx.backends.megatron.parallel import MegatronContext
 from rlx.backends.megatron.schedule import run_pipeline
-from rlx.backends.megatron.stage import even_micro_batches, load_stage, micro_batches
+from rlx.backends.megatron.stage import check_routes_shape, even_micro_batches, load_stage, micro_batches
 from rlx.backends.megatron.weights import gather_hf_weights, stream_hf_weights, with_all_experts
 from rlx.checkpoints.base import LocalState
 from rlx.errors import UserError
 from rlx.formats.batch import TrainBatch
 from rlx.models.megatron.convert import local_experts
 from rlx.models.megatron.model import is_critic_config, is_moe, tensor_parallel_partial
+from rlx.models.megatron.routing import stage_routing
 from rlx.training.actor import ActorTrainer
 from rlx.training.config import TrainConfig
 from rlx.training.critic import CriticTrainer
@@ -57,13 +58,11 @@ class MegatronTraining:
         if cfg.sp_degree != 1:
             raise UserError(f"sp_degree {cfg.sp_degree}: the megatron backend uses tensor parallelism instead")
         self.cfg, self.ctx, self.device, self.hf_config = cfg, ctx, ctx.device, hf_config
-        if cfg.router_replay != "off":
-            raise UserError(f"router_replay {cfg.router_replay!r} is not supported by the megatron backend yet")
         self.model, self.dtype, self.gradient_scale, self.sp_group = model, dtype, 1.0, None
         self.optimizer = build_adamw(model, cfg)
 
     router_probe = None  # the FSDP path's hooks on transformers' routers; megatron's router computes its own losses
-    router_replay = None
+    router_replay = None  # the stages replay routing through rlx.models.megatron.routing instead
 
     @property
     def is_moe(self) -> bool:
@@ -81,20 +80,21 @@ class MegatronTraining:
             part = local.select(index)
             return {k: v.to(self.device) for k, v in part.tensors().items()}, part
 
-        micro = micro_batches(local.tensors(), self.micro_batches(local), self.device, batch_part)
+        micro = even_micro_batches(micro_batches(local.tensors(), self.micro_batches(local), self.device, batch_part),
+                                   self.ctx)  # fmt: skip
+        if self.is_moe:  # the routers' losses join each backward (every stage's), scaled by the tokens' share
+            for mb in micro:
+                share = mb.extra[0]["loss_mask"].sum().float() / norm.num_tokens if not mb.is_filler else 0.0
+                mb.aux_loss_scale = torch.as_tensor(share, dtype=torch.float32, device=self.device)
         self.model.train()
 
         def head(hidden, mb):
             if mb.is_filler:  # an expert-parallel filler: zero gradients, but its all-to-alls run
                 return hidden.sum() * 0.0
-            t = mb.extra[0]
-            if self.is_moe:  # megatron adds the routers' losses in the backward, scaled by the tokens' share
-                from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-                MoEAuxLossAutoScaler.set_loss_scale(t["loss_mask"].sum().float() / norm.num_tokens)
             return self.head_loss(hidden, mb.rows, *mb.extra, norm, sums)
 
-        run_pipeline(self.model, self.ctx, even_micro_batches(micro, self.ctx), head, self.dtype, forward_only=False)
+        force = self.cfg.router_replay == "rollout"
+        run_pipeline(self.model, self.ctx, micro, head, self.dtype, False, force)
 
     def _update(self, mini: TrainBatch, sums: dict[str, float]) -> float:
         self.accumulate_gradients(mini, sums)
@@ -242,7 +242,32 @@ def _all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
 
 
 class MegatronActorTrainer(MegatronTraining, ActorTrainer):
-    """The policy on megatron stages: vocab-parallel logprobs on the last stage, the actor's loss."""
+    """The policy on megatron stages: vocab-parallel logprobs on the last stage, the actor's loss; an MoE policy's
+    routing replayed from the batch's routed_experts with train.router_replay = 'rollout'."""
+
+    def check_batch(self, batch: TrainBatch, where: str) -> None:
+        super().check_batch(batch, where)
+        if batch.routed_experts is not None and self.is_moe:
+            check_routes_shape(tuple(batch.routed_experts.shape[2:]), self.hf_config, where)
+
+    def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
+        """ActorTrainer's step, with an MoE stage's moe/expert_load_* (and actor/moe_routing_mismatch when the batch
+        carries routing) as the FSDP path logs them: counted where each (token, layer) is routed, summed over every
+        rank (a collective)."""
+        routing = stage_routing(self.model)
+        if routing is not None:
+            routing.reset()
+        metrics = super().train_step(batch, step)
+        if routing is None:
+            return metrics
+        self.step_expert_load = routing.load
+        metrics.update(self.expert_load_metrics())
+        if batch.routed_experts is not None:
+            counts = routing.mismatch_counts
+            if self.ctx.distributed and self.ctx.world > 1:
+                dist.all_reduce(counts)
+            metrics["actor/moe_routing_mismatch"] = float(counts[0]) / max(float(counts[1]), 1.0)
+        return metrics
 
     def head_loss(self, hidden, rows, t, part, norm, sums) -> torch.Tensor:
         logp, entropy = head_logprobs(
@@ -269,10 +294,6 @@ def build_megatron_trainer(hf_config, train_cfg: TrainConfig, ctx: MegatronConte
     losses = {}
     if is_moe(hf_config) and not is_critic_config(hf_config):
         losses = {"aux_loss_coef": train_cfg.loss.moe_aux_loss_coef, "z_loss_coef": train_cfg.loss.router_z_loss_coef}
-        if any(losses.values()) and (ctx.pp_degree > 1 or ctx.tp_degree > 1):  # tp: the padding would be routed
-            raise UserError(
-                f"{where}: the MoE load-balancing and z-losses run on the megatron backend with tp 1 and pp 1 only"
-            )
     stage = load_stage(hf_config, state, ctx, where, **losses)
     trainer_cls = MegatronCriticTrainer if is_critic_config(hf_config) else MegatronActorTrainer
     trainer = trainer_cls(stage, hf_config, train_cfg, ctx, resolve_precision(train_cfg.precision, ctx.device))

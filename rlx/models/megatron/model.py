@@ -34,6 +34,7 @@ import torch
 from rlx.errors import UserError
 from rlx.models.attention import varlen_attention
 from rlx.models.megatron import compat
+from rlx.models.megatron.routing import attach_routing
 
 FAMILIES = ("llama", "qwen2", "qwen3_moe")
 """Hugging Face model types the megatron backend builds (as causal LMs, or value models)."""
@@ -115,11 +116,11 @@ def is_sequence_parallel(hf_config, tp_degree: int) -> bool:
     return is_moe(hf_config) and tp_degree > 1
 
 
-def moe_options(hf_config, ep_degree: int, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> dict:
+def moe_options(hf_config, ep_degree: int, aux_loss_coef: float = 0.0) -> dict:
     """TransformerConfig fields of an MoE config: megatron-core's MoE layer as transformers routes (float32 router
-    softmax), experts split over `ep_degree` ranks and not by tensor parallelism. rlx's load-balancing and z-loss
-    coefficients average over layers, megatron's losses add up per layer: they are divided by the number of
-    layers."""
+    softmax), experts split over `ep_degree` ranks and not by tensor parallelism. rlx's load-balancing coefficient
+    averages over layers, megatron's loss adds up per layer: it is divided by the number of layers. megatron's
+    z-loss stays off: rlx's (rlx/models/megatron/routing.py) leaves the sequence-parallel padding out."""
     if not is_moe(hf_config):
         return {}
     layers = hf_config.num_hidden_layers
@@ -134,7 +135,7 @@ def moe_options(hf_config, ep_degree: int, aux_loss_coef: float = 0.0, z_loss_co
         moe_permute_fusion=False,
         moe_router_load_balancing_type="aux_loss" if aux_loss_coef else "none",
         moe_aux_loss_coeff=aux_loss_coef / layers,
-        moe_z_loss_coeff=(z_loss_coef / layers) if z_loss_coef else None,
+        moe_z_loss_coeff=None,
         expert_model_parallel_size=ep_degree,
         expert_tensor_parallel_size=1,
         qk_layernorm=True,
@@ -143,7 +144,7 @@ def moe_options(hf_config, ep_degree: int, aux_loss_coef: float = 0.0, z_loss_co
 
 def transformer_config(hf_config, tp_degree: int, pp_degree: int, **moe):
     """megatron-core's TransformerConfig for an HF Llama/Qwen2/Qwen3-MoE config (float32 parameters: rlx
-    autocasts); `moe`: `moe_options`' arguments after the config (ep_degree, the loss coefficients)."""
+    autocasts); `moe`: `moe_options`' arguments after the config (ep_degree, the load-balancing coefficient)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -283,9 +284,10 @@ def is_critic_config(hf_config) -> bool:
     return (getattr(hf_config, "architectures", None) or [""])[0].endswith("ForTokenClassification")
 
 
-def build_stage(hf_config, tp_degree: int, pp_degree: int, pp_rank: int, **moe):
+def build_stage(hf_config, tp_degree: int, pp_degree: int, pp_rank: int, z_loss_coef: float = 0.0, **moe):
     """This rank's stage of the model (megatron's parallel state must already be initialised); `moe`:
-    `moe_options`' arguments after the config (ep_degree, the loss coefficients).
+    `moe_options`' arguments after the config (ep_degree, the load-balancing coefficient); `z_loss_coef`: rlx's
+    router z-loss (an MoE stage's routing, averaged over layers as on the FSDP backend).
 
     A critic config (`*ForTokenClassification`) gets `value_head` in place of the LM head."""
     if is_moe(hf_config):
@@ -311,6 +313,8 @@ def build_stage(hf_config, tp_degree: int, pp_degree: int, pp_rank: int, **moe):
     if critic and last:
         model.output_layer = None
         model.value_head = ValueHead(hf_config.hidden_size)
+    if is_moe(hf_config):  # routing replay, mismatch, expert load and the z-loss (rlx/models/megatron/routing.py)
+        attach_routing(model, z_loss_coef / hf_config.num_hidden_layers)
     mark_tensor_parallel(model)
     # HF's Llama/Qwen2 embeddings take padding_idx = pad_token_id: that row gets no gradient from the
     # lookup (e.g. a sampled pad token in a response); kept so that both backends train alike

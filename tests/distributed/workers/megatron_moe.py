@@ -1,4 +1,5 @@
-"""torchrun worker of tests/distributed/test_megatron_moe.py (argv: ep_degree [tp_degree], any world size they fit):
+"""torchrun worker of tests/distributed/test_megatron_moe.py (argv: one or more `ep_degree,tp_degree` pairs, run one
+after the other in the same launch, any world size they fit):
 a tiny Qwen3-MoE as megatron-core stages (its MoE layer, the experts split over ep_degree ranks; under tensor
 parallelism sequence parallel, the packed rows padded to a multiple of tp) gives transformers' logprobs and entropy,
 with the router normalising its top-k or not, scores the same on every rank however rows are split, and gathers
@@ -8,6 +9,7 @@ micro-batches (fillers keep the all-to-alls in step) equals transformers'."""
 import sys
 
 import torch
+from megatron.core import parallel_state
 from transformers import AutoModelForCausalLM
 
 from rlx.backends.megatron.forward import head_logprobs
@@ -22,9 +24,6 @@ from rlx.models.megatron.model import tensor_parallel_partial
 from rlx.models.moe import tiny_moe_config
 from rlx.parallel.dist import exit_process
 
-ep = int(sys.argv[1])
-tp = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-ctx = setup_megatron("cpu", tp, 1, ep)
 B, P, R = 5, 7, 6
 g = torch.Generator().manual_seed(1)
 prompt_mask = torch.ones(B, P, dtype=torch.long)
@@ -121,7 +120,11 @@ def check_gradients(hf, stage, config, ids: dict, local: dict, mine: list[int]) 
             assert err < 1e-5, (name, err)
 
 
-for norm in (False, True):
-    check(norm)
+for pair in sys.argv[1:]:
+    ep, tp = (int(d) for d in pair.split(","))
+    ctx = setup_megatron("cpu", tp, 1, ep)
+    for norm in (False, True):
+        check(norm)
+    parallel_state.destroy_model_parallel()  # the next pair's degrees (as tests/distributed/workers/rlx_commands.py)
 print("rank", ctx.rank, "ok")
 exit_process(0)
