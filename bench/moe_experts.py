@@ -6,8 +6,13 @@ expert MLP 768, 8 per token), in bf16 as FSDP's mixed precision computes them. E
 of random router scores, so every expert gets ~T*k/E rows. Reports the median and p90 of `--iters` timed
 forward+backward passes after a warm-up, and the achieved TFLOP/s (18 x rows x hidden x expert MLP per pass).
 
+impl 'hf' is what one GPU without FSDP runs at ep_degree 1: transformers' own experts forward
+(`experts_implementation = "grouped_mm"`, the tokens unsorted, its routing weights applied) on float32 weights
+under bf16 autocast, the trainer's precision there.
+
     python3 bench/moe_experts.py                         # 8,192 tokens, the 30B-A3B layer, both impls
     python3 bench/moe_experts.py --experts 64 --tokens 4096   # e.g. an EP rank's half of the experts
+    python3 bench/moe_experts.py --impls grouped,hf       # against one GPU's path without FSDP (float32 weights)
     python3 bench/moe_experts.py --small --cpu           # a check of the script
 """
 
@@ -45,15 +50,40 @@ def build(args, device: torch.device) -> tuple[Qwen3MoeExperts, torch.Tensor, to
     return experts, rows, sizes
 
 
-def time_impl(impl: str, experts, rows, sizes, args) -> dict:
-    """Forward + backward of `run_sorted_experts` with `impl`: seconds of each timed pass."""
-    grad = torch.randn_like(rows)
+def hf_pass(experts, args, device: torch.device):
+    """One forward + backward of transformers' experts forward on a float32 copy under bf16 autocast."""
+    fp32 = Qwen3MoeExperts(experts.config).to(device)
+    with torch.no_grad():
+        fp32.gate_up_proj.copy_(experts.gate_up_proj)
+        fp32.down_proj.copy_(experts.down_proj)
+    fp32.config._experts_implementation = "grouped_mm"
+    generator = torch.Generator(device=device).manual_seed(1)
+    scores = torch.rand(args.tokens, args.experts, generator=generator, device=device)
+    weights, chosen = scores.softmax(-1).topk(args.top_k, dim=-1)
+    hidden = torch.randn(args.tokens, args.hidden, generator=generator, device=device, requires_grad=True)
+    grad = torch.randn(args.tokens, args.hidden, generator=generator, device=device)
 
     def one_pass() -> None:
+        with torch.autocast(device.type, torch.bfloat16):
+            out = fp32(hidden, chosen, weights)
+        out.float().backward(grad)
+        fp32.zero_grad(set_to_none=True)
+        hidden.grad = None
+
+    return one_pass
+
+
+def time_impl(impl: str, experts, rows, sizes, args) -> dict:
+    """Forward + backward of `run_sorted_experts` with `impl` ('hf': see the module doc): seconds of each pass."""
+    grad = torch.randn_like(rows)
+
+    def sorted_pass() -> None:
         out = run_sorted_experts(experts, experts.gate_up_proj, experts.down_proj, rows, sizes, impl=impl)
         out.backward(grad)
         experts.zero_grad(set_to_none=True)
         rows.grad = None
+
+    one_pass = hf_pass(experts, args, rows.device) if impl == "hf" else sorted_pass
 
     for _ in range(args.warmup):
         one_pass()
@@ -83,7 +113,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--expert-mlp", type=int, default=768, help="each expert's intermediate size")
-    parser.add_argument("--impls", default="grouped,loop")
+    parser.add_argument("--impls", default="grouped,loop", help="comma-separated: grouped, loop, hf")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--small", action="store_true", help="a small layer (a check of the script)")
