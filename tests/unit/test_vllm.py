@@ -31,6 +31,7 @@ from tests.conftest import (
     read_jsonl,
     replayed_logprobs,
     run_torchrun,
+    torchrun_commands,
     write_jsonl,
 )
 
@@ -333,9 +334,11 @@ def test_torchrun_data_and_tensor_parallel_equal_one_process(tmp_path, model_dir
     common = ["--model", model_dir, "--prompts", prompts, "--max-new-tokens", "5", "--kv-cache-gib", "0.25"]
     common += ["--engine", "vllm", "--num-samples", "2", "--temperature", "1", "--seed", "7"]
     cli_ok("rollout", *common, "--out", tmp_path / "one.jsonl")
-    run_torchrun(2, "-m", "rlx", "rollout", *common, "--out", tmp_path / "dp.jsonl")
     shm = set(Path("/dev/shm").glob("*cpushm*"))
-    run_torchrun(2, "-m", "rlx", "rollout", *common, "--tp", "2", "--out", tmp_path / "tp.jsonl")
+    # both runs in one launch of 2 processes (start-up and the vLLM import paid once): each rank's own engine, then
+    # one engine over both ranks
+    dp, tp = ["rollout", *common, "--out", tmp_path / "dp.jsonl"], ["rollout", *common, "--tp", "2"]
+    torchrun_commands(2, dp, [*tp, "--out", tmp_path / "tp.jsonl"])
     # vLLM's CPU backend unlinks its shared memory at exit (a segment left behind fails the next --tp 2 run with
     # EEXIST): none is left, under the name vLLM gives its segments
     assert set(Path("/dev/shm").glob("*cpushm*")) == shm
