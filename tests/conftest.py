@@ -237,7 +237,6 @@ def chat_ckpt(tiny_dir, tmp_path_factory) -> Path:
 SLOWEST = {
     "tests/distributed/test_megatron_moe.py::test_tensor_parallel_train_step_equals_one_process": 128.4,
     "tests/stages/test_vision_stages.py::test_tiny_vlm_recipe_learns": 114.0,
-    "tests/unit/test_vllm.py::test_torchrun_data_and_tensor_parallel_equal_one_process": 103.7,
     "tests/distributed/test_megatron_moe.py::test_pipeline_and_expert_parallel_equal_one_process": 101.4,
     "tests/stages/test_ppo.py::test_shell_pipeline_equals_the_driver": 87.0,
     "tests/distributed/test_megatron_moe.py::test_ep2_train_step_equals_one_process": 84.0,
@@ -248,6 +247,7 @@ SLOWEST = {
     "tests/distributed/test_megatron_moe.py::test_ppo_with_megatron_expert_and_tensor_parallelism_equals_one_process": 72.3,  # noqa: E501
     "tests/distributed/test_async.py::test_eval_on_the_rollout_ranks": 70.2,
     "tests/distributed/test_megatron.py::test_pipeline_and_data_parallel_train_steps_equal_one_process": 69.9,
+    "tests/unit/test_vllm.py::test_torchrun_data_and_tensor_parallel_equal_one_process": 67.3,
     "tests/distributed/test_async.py::test_staleness_bound_and_resume_after_a_kill": 66.3,
     "tests/distributed/test_dynamic_multi_turn.py::test_dynamic_sampling_of_episodes_sync_and_async": 65.6,
     "tests/distributed/test_async.py::test_quickstart_learns_asynchronously": 64.9,
