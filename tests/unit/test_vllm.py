@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -321,13 +319,6 @@ def test_bad_tp(tmp_path, model_dir):
     assert result.exit_code != 0 and "tp" in result.stderr and "vllm" in result.stderr
 
 
-def _run(command: list, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
-
-
 @pytest.mark.slow
 def test_torchrun_data_and_tensor_parallel_equal_one_process(tmp_path, model_dir):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": f"{i}+{i}="} for i in range(5)])
@@ -359,7 +350,7 @@ def test_ppo_with_vllm_learns_and_logs_the_sync(tmp_path, model_dir):
     # 100 of the recipe's 150 steps: the reward's gain (steps 1-5 -> 96-100) was 0.55 at seed 0 (0.66 at 150)
     sets = [f"model.path={config_dir}", "rollout.engine=vllm", "rollout.kv_cache_gib=0.25", "steps=100"]
     args = [a for s in sets for a in ("--set", s)]
-    _run([sys.executable, "-m", "rlx", "ppo", str(REPO / "recipes" / "quickstart.toml"), "--out", str(run), *args])
+    cli_ok("ppo", REPO / "recipes" / "quickstart.toml", "--out", run, *args)  # in this process: vLLM imported once
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rewards = [m["reward/mean"] for m in lines]
     assert len(rewards) == 100 and sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 >= 0.3, rewards
