@@ -261,7 +261,6 @@ SLOWEST = {
     "tests/stages/test_vision_stages.py::test_ppo_equals_the_shell_pipeline": 49.1,
     "tests/distributed/test_megatron.py::test_logprobs_entropy_and_values_equal_hf[2-2]": 48.4,
     "tests/distributed/test_async_vllm.py::test_max_staleness_0_is_the_synchronous_vllm_run": 48.1,
-    "tests/distributed/test_moe_ep.py::test_ep_checkpoint_round_trips_to_the_hub_layout": 47.5,
     "tests/stages/test_verifiers_client.py::test_vf_eval_rollouts_are_recorded_token_exact_one_record_each": 45.4,
     "tests/distributed/test_distributed.py::test_four_ranks_with_token_budget_and_sequence_parallel": 45.1,
     "tests/distributed/test_native_tp.py::test_agent_episodes_at_tp_degree_2_equal_one_process": 43.6,
