@@ -233,7 +233,8 @@ def chat_ckpt(tiny_dir, tmp_path_factory) -> Path:
 
 
 # The slowest tests of the last full `make test` (seconds on one CI worker, 2 cores), by node id; refresh from
-# `pytest --durations=30` of a full run. A test missing here starts after these, in file order.
+# `pytest --durations=30` of a full run (less the `@group` suffix of xdist_group tests). A test missing here starts
+# after these, in file order.
 SLOWEST = {
     "tests/distributed/test_megatron_moe.py::test_tensor_parallel_train_step_equals_one_process": 128.4,
     "tests/stages/test_vision_stages.py::test_tiny_vlm_recipe_learns": 114.0,
@@ -281,7 +282,24 @@ SLOWEST = {
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests pinned to one worker (`xdist_group`, the vLLM tests) go first: under `-n 2 --dist loadgroup` that
-    worker starts on them while the other takes the rest, instead of running them alone at the end. The others
-    start longest first (SLOWEST), so the run does not end on one long test while the other worker idles."""
+    """Tests pinned to one worker (`xdist_group`: the vLLM tests; tests that share one launch of a module fixture)
+    go first: under `-n 2 --dist loadgroup` that worker starts on them while the other takes the rest, instead of
+    running them alone at the end. The others start longest first (SLOWEST), so the run does not end on one long
+    test while the other worker idles."""
     items.sort(key=lambda item: (item.get_closest_marker("xdist_group") is None, -SLOWEST.get(item.nodeid, 0.0)))
+    if getattr(config.option, "loadgroup", False):
+        name_groups(items)
+
+
+def name_groups(items) -> None:
+    """The `@group` suffix that --dist loadgroup schedules by, on the node ids of a test worker's items. pytest-xdist
+    3.8 writes it to `item._nodeid`, which pytest 9.2 no longer reads (its node id is `item._id`): without this, the
+    tests of a group were spread over the workers like any others."""
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        if mark is not None and "@" not in item.nodeid and hasattr(item, "_id"):
+            item._id = NodeId.parse(
+                f"{item.nodeid}@{mark.args[0] if mark.args else mark.kwargs.get('name', 'default')}"
+            )
