@@ -264,7 +264,6 @@ SLOWEST = {
     "tests/distributed/test_async_vllm.py::test_max_staleness_0_is_the_synchronous_vllm_run": 48.1,
     "tests/stages/test_verifiers_client.py::test_vf_eval_rollouts_are_recorded_token_exact_one_record_each": 45.4,
     "tests/distributed/test_distributed.py::test_four_ranks_with_token_budget_and_sequence_parallel": 45.1,
-    "tests/distributed/test_native_tp.py::test_agent_episodes_at_tp_degree_2_equal_one_process": 43.6,
     "tests/stages/test_verifiers_ppo.py::test_verifiers_agent_errors_name_the_problem": 42.7,
     "tests/stages/test_lora_stages.py::test_two_ranks_equal_one_for_train_step_and_ppo": 40.2,
     "tests/stages/test_family.py::test_ppo_gae_and_dapo_learn[quickstart_gae.toml]": 39.5,
