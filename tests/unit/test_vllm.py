@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,6 +29,7 @@ from tests.conftest import (
     read_jsonl,
     replayed_logprobs,
     run_torchrun,
+    torchrun_commands,
     write_jsonl,
 )
 
@@ -320,22 +319,17 @@ def test_bad_tp(tmp_path, model_dir):
     assert result.exit_code != 0 and "tp" in result.stderr and "vllm" in result.stderr
 
 
-def _run(command: list, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
-
-
 @pytest.mark.slow
 def test_torchrun_data_and_tensor_parallel_equal_one_process(tmp_path, model_dir):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": f"{i}+{i}="} for i in range(5)])
     common = ["--model", model_dir, "--prompts", prompts, "--max-new-tokens", "5", "--kv-cache-gib", "0.25"]
     common += ["--engine", "vllm", "--num-samples", "2", "--temperature", "1", "--seed", "7"]
     cli_ok("rollout", *common, "--out", tmp_path / "one.jsonl")
-    run_torchrun(2, "-m", "rlx", "rollout", *common, "--out", tmp_path / "dp.jsonl")
     shm = set(Path("/dev/shm").glob("*cpushm*"))
-    run_torchrun(2, "-m", "rlx", "rollout", *common, "--tp", "2", "--out", tmp_path / "tp.jsonl")
+    # both runs in one launch of 2 processes (start-up and the vLLM import paid once): each rank's own engine, then
+    # one engine over both ranks
+    dp, tp = ["rollout", *common, "--out", tmp_path / "dp.jsonl"], ["rollout", *common, "--tp", "2"]
+    torchrun_commands(2, dp, [*tp, "--out", tmp_path / "tp.jsonl"])
     # vLLM's CPU backend unlinks its shared memory at exit (a segment left behind fails the next --tp 2 run with
     # EEXIST): none is left, under the name vLLM gives its segments
     assert set(Path("/dev/shm").glob("*cpushm*")) == shm
@@ -356,7 +350,7 @@ def test_ppo_with_vllm_learns_and_logs_the_sync(tmp_path, model_dir):
     # 100 of the recipe's 150 steps: the reward's gain (steps 1-5 -> 96-100) was 0.55 at seed 0 (0.66 at 150)
     sets = [f"model.path={config_dir}", "rollout.engine=vllm", "rollout.kv_cache_gib=0.25", "steps=100"]
     args = [a for s in sets for a in ("--set", s)]
-    _run([sys.executable, "-m", "rlx", "ppo", str(REPO / "recipes" / "quickstart.toml"), "--out", str(run), *args])
+    cli_ok("ppo", REPO / "recipes" / "quickstart.toml", "--out", run, *args)  # in this process: vLLM imported once
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rewards = [m["reward/mean"] for m in lines]
     assert len(rewards) == 100 and sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 >= 0.3, rewards

@@ -1,6 +1,7 @@
-"""torchrun worker of tests/distributed/test_megatron.py (argv: tp pp): megatron stages built from tiny Qwen2/Llama
-weights give the Hugging Face model's logprobs, entropy and values, gather and stream back the HF weights, and score
-the same by rows or by a token budget."""
+"""torchrun worker of tests/distributed/test_megatron.py (argv: tp pp [tp pp ...]): megatron stages built from tiny
+Qwen2/Llama weights give the Hugging Face model's logprobs, entropy and values, gather and stream back the HF weights,
+and score the same by rows or by a token budget; each (tp, pp) in turn in this launch, megatron's groups rebuilt for
+each (one launch pays the start-up and the imports once), "ok" printed after each."""
 
 import sys
 
@@ -18,8 +19,6 @@ from rlx.models.megatron.convert import hf_to_megatron_shard
 from rlx.models.value import value_config
 from rlx.parallel.dist import exit_process
 
-tp, pp = int(sys.argv[1]), int(sys.argv[2])
-ctx = setup_megatron("cpu", tp, pp)
 common = dict(
     hidden_size=64,
     num_attention_heads=4,
@@ -37,7 +36,6 @@ configs = [  # Qwen2: QKV bias, tied, a vocabulary tp does not divide; Llama: un
         **{**common, "num_attention_heads": 8, "num_key_value_heads": 4},
     ),
 ]
-g = torch.Generator().manual_seed(1)
 B, P, R = 5, 7, 6
 prompt_mask = torch.ones(B, P, dtype=torch.long)
 prompt_mask[0, :3] = 0
@@ -47,7 +45,7 @@ response_mask[1, 4:] = 0
 response_mask[3, 2:] = 0
 
 
-def check(config, critic: bool, ids: dict, rows: PackedRows) -> None:
+def check(config, critic: bool, ids: dict, rows: PackedRows, ctx, tp: int, pp: int) -> None:
     """One model (policy or critic) of `config`: megatron stages == the Hugging Face model on this rank's slices."""
     torch.manual_seed(0)
     cfg = value_config(config) if critic else config
@@ -97,15 +95,30 @@ def check(config, critic: bool, ids: dict, rows: PackedRows) -> None:
     assert err < 2e-5, ("token budget", type(config).__name__, critic, tp, pp, err)
 
 
-for config in configs:
-    ids = dict(
-        prompt_ids=torch.randint(0, config.vocab_size, (B, P), generator=g),
-        prompt_mask=prompt_mask,
-        response_ids=torch.randint(0, config.vocab_size, (B, R), generator=g),
-        response_mask=response_mask,
-    )
-    rows = PackedRows.build(**ids)
-    for critic in (False, True):
-        check(config, critic, ids, rows)
-print("rank", ctx.rank, "ok")
+def check_degrees(tp: int, pp: int) -> None:
+    """Every config, policy and critic, at tp x pp (dp = the rest of the launch)."""
+    from megatron.core import parallel_state
+
+    ctx = setup_megatron("cpu", tp, pp)
+    g = torch.Generator().manual_seed(1)
+    for config in configs:
+        ids = dict(
+            prompt_ids=torch.randint(0, config.vocab_size, (B, P), generator=g),
+            prompt_mask=prompt_mask,
+            response_ids=torch.randint(0, config.vocab_size, (B, R), generator=g),
+            response_mask=response_mask,
+        )
+        rows = PackedRows.build(**ids)
+        for critic in (False, True):
+            check(config, critic, ids, rows, ctx, tp, pp)
+    print("rank", ctx.rank, "tp", tp, "pp", pp, "ok", flush=True)
+    parallel_state.destroy_model_parallel()  # the next degrees build their own groups (the process group stays)
+    # megatron-core 0.16's destroy keeps these rank lists (see tests/distributed/workers/rlx_commands.py)
+    parallel_state._EMBEDDING_GLOBAL_RANKS = None
+    parallel_state._POSITION_EMBEDDING_GLOBAL_RANKS = None
+
+
+degrees = [int(a) for a in sys.argv[1:]]
+for tp, pp in zip(degrees[::2], degrees[1::2]):
+    check_degrees(tp, pp)
 exit_process(0)
