@@ -90,14 +90,20 @@ def _logprobs(model, exact: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_exact_rollout_logprobs_equal_the_trainers_through_triton():
+def _sharp_model():
+    """The tiny Llama of the rollout-vs-trainer checks on CUDA, in eval mode (initializer range 0.2: peaked logits,
+    so sampled tokens are not ties)."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_llama_config(len(build_char_tokenizer()), hidden_size=256, num_heads=4, num_kv_heads=2,
                                intermediate_size=512)  # fmt: skip
     config.initializer_range = 0.2
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda().eval()
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda().eval()
+
+
+def test_exact_rollout_logprobs_equal_the_trainers_through_triton():
+    model = _sharp_model()
     exact = _logprobs(model, exact=True)
     reference = exact["rollout/1"]
     for name, logp in exact.items():
@@ -151,29 +157,15 @@ def test_exact_multi_turn_reads_cached_turns_alike_through_triton():
     """A second turn whose context begins with the first turn (its blocks cached in the stream) gets, bit for bit,
     the logprobs of the same context generated fresh and of the packed training forward over it, on CUDA in
     bfloat16 (the CPU test of tests/stages/test_exact.py, through the Triton kernels and the decode graphs)."""
-    from transformers import AutoModelForCausalLM
-
     from rlx.logprobs import packed_response_logprobs
     from rlx.models.exact import exact_forward
-    from rlx.rollout.requests import TokenRequest
-    from tests.stages.test_exact import NEW_TOKENS, PROBE, _run_turns, _tensors
+    from tests.stages.test_exact import NEW_TOKENS, _tensors, cached_second_turn
 
-    config = tiny_llama_config(len(build_char_tokenizer()), hidden_size=256, num_heads=4, num_kv_heads=2,
-                               intermediate_size=512)  # fmt: skip
-    config.initializer_range = 0.2
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda().eval()
+    model = _sharp_model()
     sampling = SamplingParams(max_new_tokens=NEW_TOKENS)
     cfg = RolloutConfig(engine="native", exact=True, precision="bfloat16", device="cuda", kv_cache_gib=0.05,
                         sampling=sampling, native=NativeConfig(block_size=4))  # fmt: skip
-    engine = make_engine(model, build_char_tokenizer(), cfg, device="cuda")
-    sampling = dataclasses.replace(cfg.sampling, seed=5)
-    (_, first), (context, second) = _run_turns(engine, sampling, [11, 12, 13, 14, 15])
-    assert len(context) > len(PROBE) + len(first.response_ids)
-    request = TokenRequest(key="t/1", prompt_ids=context, max_new_tokens=NEW_TOKENS)
-    fresh = engine.generate_tokens([request], sampling)[0]
-    assert fresh.response_ids == second.response_ids
-    assert torch.equal(torch.tensor(fresh.logprobs), torch.tensor(second.logprobs))
+    request, second = cached_second_turn(make_engine(model, build_char_tokenizer(), cfg, device="cuda"), sampling)
     tensors = {k: t.cuda() for k, t in _tensors([request], [second], [0]).items()}
     with torch.no_grad(), exact_forward(model):
         logp, _ = packed_response_logprobs(model, **tensors, temperature=1.0, dtype=torch.bfloat16)

@@ -19,7 +19,7 @@ from rlx.models.attention import enable_packed_attention
 from rlx.models.exact import exact_forward
 from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
 from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
-from rlx.rollout.requests import TokenRequest
+from rlx.rollout.requests import Generated, TokenRequest
 from tests.conftest import cli, cli_ok, make_engine, read_jsonl, write_length_reward
 
 NEW_TOKENS = 6
@@ -257,6 +257,19 @@ def _run_turns(engine, sampling, tool_reply: list[int]) -> list:
     return turns
 
 
+def cached_second_turn(engine, sampling: SamplingParams) -> tuple[TokenRequest, Generated]:
+    """(request, Generated) of a second turn whose context begins with the first turn (its blocks cached in the
+    stream), checked to equal the same context generated fresh, tokens and logprobs bit for bit."""
+    sampling = dataclasses.replace(sampling, seed=5)
+    (_, first), (context, second) = _run_turns(engine, sampling, [11, 12, 13, 14, 15])
+    assert len(context) > len(PROBE) + len(first.response_ids)
+    request = TokenRequest(key="t/1", prompt_ids=context, max_new_tokens=NEW_TOKENS)
+    fresh = engine.generate_tokens([request], sampling)[0]
+    assert fresh.response_ids == second.response_ids
+    assert torch.equal(torch.tensor(fresh.logprobs), torch.tensor(second.logprobs))
+    return request, second
+
+
 def test_exact_multi_turn_reads_cached_turns_alike(model):
     """A second turn whose context begins with the first turn (its blocks cached in the stream) gets the logprobs of
     the same context generated fresh and of the training forward over it."""
@@ -267,14 +280,7 @@ def test_exact_multi_turn_reads_cached_turns_alike(model):
         sampling=SamplingParams(max_new_tokens=NEW_TOKENS),
         native=NativeConfig(block_size=4),
     )
-    engine = make_engine(model, build_char_tokenizer(), cfg)
-    sampling = dataclasses.replace(cfg.sampling, seed=5)
-    (_, first), (context, second) = _run_turns(engine, sampling, [11, 12, 13, 14, 15])
-    assert len(context) > len(PROBE) + len(first.response_ids)
-    request = TokenRequest(key="t/1", prompt_ids=context, max_new_tokens=NEW_TOKENS)
-    fresh = engine.generate_tokens([request], sampling)[0]
-    assert fresh.response_ids == second.response_ids
-    assert torch.equal(torch.tensor(fresh.logprobs), torch.tensor(second.logprobs))
+    request, second = cached_second_turn(make_engine(model, build_char_tokenizer(), cfg), cfg.sampling)
     with exact_forward(model):
         trained = _trainer_logprobs(model, [request], [second], 0, 1, packed=True)
     assert torch.equal(trained, torch.tensor(second.logprobs, dtype=torch.float32))
