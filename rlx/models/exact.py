@@ -218,7 +218,7 @@ def exact_attention_forward(
         q, k, v = q[kept], k[kept], v[kept]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if use_triton(q):  # the backward recomputes it with the varlen kernel of the default path
-        recompute = functools.partial(_varlen_recompute, cu_seqlens=cu_seqlens, max_len=max_len, scale=scale)
+        recompute = functools.partial(varlen_attention, cu_seqlens=cu_seqlens, max_len=max_len, scale=scale)
         out = exact_packed_attention(q, k, v, cu_seqlens.to(query.device), scale, recompute)
         if kept is not None:
             out = out.new_zeros(batch * length, heads, out.shape[-1]).index_copy(0, kept, out)
@@ -231,9 +231,3 @@ def exact_attention_forward(
     if kept is not None:
         out = out.new_zeros(batch * length, heads, out.shape[-1]).index_copy(0, kept, out)
     return out.view(batch, length, heads, -1), None
-
-
-def _varlen_recompute(q, k, v, *, cu_seqlens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
-    """The packed causal attention exact mode's Triton kernel computes, by `varlen_attention` (differentiable, not
-    batch-invariant): what its backward takes the gradients of."""
-    return varlen_attention(q, k, v, cu_seqlens, max_len, scale=scale, is_causal=True)

@@ -27,7 +27,7 @@ from rlx.kernels.exact_triton import (
     exact_rms_norm,
     exact_target_logprobs,
 )
-from rlx.models.exact import _varlen_recompute
+from rlx.models.attention import varlen_attention
 
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}[sys.argv[1]]  # bfloat16: on CUDA only (see the test)
 TOL = 1e-5 if sys.argv[1] == "float32" else 2e-2
@@ -147,7 +147,7 @@ def check_gradients() -> None:
     want = torch.autograd.grad((reference * weights).sum(), (q, k, v))
     assert all((a - e).abs().max() < 1e-4 for a, e in zip(got, want)), [(a - e).abs().max() for a, e in zip(got, want)]
     # the backward exact mode's models run (rlx/models/exact.py): recomputed by the default path's varlen attention
-    recompute = functools.partial(_varlen_recompute, cu_seqlens=cu, max_len=max(LENGTHS[:4]), scale=SCALE)
+    recompute = functools.partial(varlen_attention, cu_seqlens=cu, max_len=max(LENGTHS[:4]), scale=SCALE)
     got = torch.autograd.grad((exact_packed_attention(q, k, v, cu, SCALE, recompute) * weights).sum(), (q, k, v))
     assert all((a - e).abs().max() < 1e-4 for a, e in zip(got, want)), [(a - e).abs().max() for a, e in zip(got, want)]
 
