@@ -24,13 +24,13 @@ def reporting(command: str, on_interrupt: str = "") -> Iterator[None]:
             yield
         finished = True
     except UserError as e:
-        print(f"rlx {command}: error: {e}", file=sys.stderr)
+        _say(f"rlx {command}: error: {e}")
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        print(f"rlx {command}: interrupted{on_interrupt}", file=sys.stderr)
+        _say(f"rlx {command}: interrupted{on_interrupt}")
         raise typer.Exit(130) from None
     except Terminated as e:
-        print(f"rlx {command}: {e}{on_interrupt}", file=sys.stderr)
+        _say(f"rlx {command}: {e}{on_interrupt}")
         raise typer.Exit(143) from None
     except BrokenPipeError:  # `rlx rollout --out - | head`: the reader went away
         sys.stderr.close()
@@ -39,13 +39,20 @@ def reporting(command: str, on_interrupt: str = "") -> Iterator[None]:
         message = _one_line(e)
         if message is None:
             raise
-        print(f"rlx {command}: error: {message}", file=sys.stderr)
+        _say(f"rlx {command}: error: {message}")
         raise typer.Exit(1) from None
     finally:
         if "torch.distributed" in sys.modules:  # only when a command used it: keeps --help free of torch
             from rlx.parallel.dist import teardown
 
             teardown(wait_for_others=finished)
+
+
+def _say(line: str) -> None:
+    """One line on stderr in one write: ranks sharing a terminal or pipe do not interleave mid-line (print writes the
+    text and its newline separately)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _one_line(e: BaseException) -> str | None:
