@@ -6,13 +6,15 @@ expert MLP 768, 8 per token), in bf16 as FSDP's mixed precision computes them. E
 of random router scores, so every expert gets ~T*k/E rows. Reports the median and p90 of `--iters` timed
 forward+backward passes after a warm-up, and the achieved TFLOP/s (18 x rows x hidden x expert MLP per pass).
 
-impl 'hf' is what one GPU without FSDP runs at ep_degree 1: transformers' own experts forward
+impl 'hf' is what one GPU without FSDP ran at ep_degree 1 before rlx's own forward: transformers' experts forward
 (`experts_implementation = "grouped_mm"`, the tokens unsorted, its routing weights applied) on float32 weights
-under bf16 autocast, the trainer's precision there.
+under bf16 autocast, the trainer's precision there (transformers casts the tokens to float32: float32 grouped GEMMs).
+impl 'autocast' is what runs there now (rlx.parallel.experts.autocast_experts_forward, set by apply_parallelism):
+the same float32 weights and autocast, the grouped GEMMs in bf16.
 
     python3 bench/moe_experts.py                         # 8,192 tokens, the 30B-A3B layer, both impls
     python3 bench/moe_experts.py --experts 64 --tokens 4096   # e.g. an EP rank's half of the experts
-    python3 bench/moe_experts.py --impls grouped,hf       # against one GPU's path without FSDP (float32 weights)
+    python3 bench/moe_experts.py --impls grouped,hf,autocast   # one GPU without FSDP (float32 weights): before, now
     python3 bench/moe_experts.py --small --cpu           # a check of the script
 """
 
@@ -50,13 +52,19 @@ def build(args, device: torch.device) -> tuple[Qwen3MoeExperts, torch.Tensor, to
     return experts, rows, sizes
 
 
-def hf_pass(experts, args, device: torch.device):
-    """One forward + backward of transformers' experts forward on a float32 copy under bf16 autocast."""
+def hf_pass(experts, args, device: torch.device, impl: str):
+    """One forward + backward of the experts forward of one process without FSDP on a float32 copy under bf16
+    autocast: transformers' grouped_mm ('hf') or rlx's ('autocast')."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from rlx.parallel.experts import AUTOCAST_IMPLEMENTATION, autocast_experts_forward
+
     fp32 = Qwen3MoeExperts(experts.config).to(device)
     with torch.no_grad():
         fp32.gate_up_proj.copy_(experts.gate_up_proj)
         fp32.down_proj.copy_(experts.down_proj)
-    fp32.config._experts_implementation = "grouped_mm"
+    ALL_EXPERTS_FUNCTIONS.register(AUTOCAST_IMPLEMENTATION, autocast_experts_forward)
+    fp32.config._experts_implementation = AUTOCAST_IMPLEMENTATION if impl == "autocast" else "grouped_mm"
     generator = torch.Generator(device=device).manual_seed(1)
     scores = torch.rand(args.tokens, args.experts, generator=generator, device=device)
     weights, chosen = scores.softmax(-1).topk(args.top_k, dim=-1)
@@ -74,7 +82,8 @@ def hf_pass(experts, args, device: torch.device):
 
 
 def time_impl(impl: str, experts, rows, sizes, args) -> dict:
-    """Forward + backward of `run_sorted_experts` with `impl` ('hf': see the module doc): seconds of each pass."""
+    """Forward + backward of `run_sorted_experts` with `impl` ('hf', 'autocast': see the module doc): seconds of each
+    pass."""
     grad = torch.randn_like(rows)
 
     def sorted_pass() -> None:
@@ -83,7 +92,7 @@ def time_impl(impl: str, experts, rows, sizes, args) -> dict:
         experts.zero_grad(set_to_none=True)
         rows.grad = None
 
-    one_pass = hf_pass(experts, args, rows.device) if impl == "hf" else sorted_pass
+    one_pass = hf_pass(experts, args, rows.device, impl) if impl in ("hf", "autocast") else sorted_pass
 
     for _ in range(args.warmup):
         one_pass()
@@ -113,7 +122,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--expert-mlp", type=int, default=768, help="each expert's intermediate size")
-    parser.add_argument("--impls", default="grouped,loop", help="comma-separated: grouped, loop, hf")
+    parser.add_argument("--impls", default="grouped,loop", help="comma-separated: grouped, loop, hf, autocast")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--small", action="store_true", help="a small layer (a check of the script)")

@@ -8,7 +8,8 @@ place and one order (models stay single-device code; this runs after they are bu
 3. activation checkpointing of each decoder layer (recomputed in the backward);
 4. FSDP2: `fully_shard` per decoder layer, then the root, with mixed precision and optional CPU offload
    (under a launcher only; a lone process keeps the plain module); with ep_degree > 1 each MoE layer's experts
-   are first split over expert-parallel groups and sharded as units of their own (rlx/parallel/experts.py).
+   are first split over expert-parallel groups and sharded as units of their own (rlx/parallel/experts.py);
+   a lone process instead runs an MoE model's experts in autocast's dtype, as autocast runs its linear layers.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ def apply_parallelism(model: torch.nn.Module, ctx: DistContext, plan: ParallelPl
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if shards_models(ctx, plan.offload):
         apply_fsdp(model, ctx, plan.param_dtype, plan.offload, plan.ep_degree)
+    elif family_of(model.config).routed_experts:  # float32 weights under autocast: experts in autocast's dtype
+        from rlx.parallel.experts import use_autocast_experts
+
+        use_autocast_experts(model)
     return model
 
 

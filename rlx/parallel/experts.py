@@ -119,6 +119,56 @@ def apply_expert_parallel(model: torch.nn.Module, ctx: DistContext, ep_degree: i
         fully_shard(experts, mesh=mesh["edp"], **fsdp_kwargs)
 
 
+AUTOCAST_IMPLEMENTATION = "rlx_autocast_experts"
+"""rlx's one-process experts forward (grouped GEMMs in autocast's dtype) in transformers' ExpertsInterface."""
+
+
+def use_autocast_experts(model: torch.nn.Module) -> None:
+    """Run `model`'s routed experts in autocast's dtype where autocast is on (a process training float32 weights
+    under bf16 autocast, without FSDP), as autocast runs every `nn.Linear`: transformers' grouped_mm experts cast
+    the tokens to the weights' float32 instead, and CUDA's grouped GEMM in float32 is torch's per-group loop without
+    tensor cores. Elsewhere (no autocast, or weights already in its dtype) the model's own experts forward runs
+    unchanged. Experts with biases or another weight layout keep transformers' forward."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    modules = family_of(model.config).expert_modules(model)
+    layouts = [(m.has_bias, m.is_transposed, m.is_concatenated, m.has_gate) for m in modules if hasattr(m, "has_bias")]
+    if not modules or len(layouts) != len(modules) or any(layout != (False, False, True, True) for layout in layouts):
+        return
+    ALL_EXPERTS_FUNCTIONS.register(AUTOCAST_IMPLEMENTATION, autocast_experts_forward)
+    own = {id(m.config): m.config._experts_implementation for m in modules}  # before any is set (configs are shared)
+    for experts in modules:  # a second model on the same config object: transformers' default
+        implementation = own[id(experts.config)]
+        unknown = implementation == AUTOCAST_IMPLEMENTATION
+        experts.own_experts_implementation = "grouped_mm" if unknown else implementation
+    for experts in modules:
+        experts.config._experts_implementation = AUTOCAST_IMPLEMENTATION
+
+
+def autocast_experts_forward(experts, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    """transformers' experts forward signature (see `expert_parallel_forward`) on one process: under autocast with
+    weights of another dtype, each (token, slot) pair sorted by expert and run as grouped GEMMs in autocast's dtype
+    (`run_sorted_experts`), the routing weights applied and summed per token in the hidden states' dtype; otherwise
+    the experts' own implementation."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    device = hidden_states.device.type
+    if not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) == experts.gate_up_proj.dtype:
+        own = getattr(experts, "own_experts_implementation", "grouped_mm")  # another model built from this config
+        forward = ALL_EXPERTS_FUNCTIONS.get_interface(own, type(experts).forward.__wrapped__)
+        return forward(experts, hidden_states, top_k_index, top_k_weights)
+    top_k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1)  # [N k]
+    order = flat.argsort(stable=True)
+    sizes = torch.zeros(experts.gate_up_proj.shape[0], dtype=torch.long, device=flat.device)
+    sizes.scatter_add_(0, flat, torch.ones_like(flat))  # [E]: a bincount of static size (no host sync)
+    rows = hidden_states[order // top_k]  # [N k, H] sorted by expert
+    outputs = run_sorted_experts(experts, experts.gate_up_proj, experts.down_proj, rows, sizes)
+    weights = top_k_weights.reshape(-1)[order, None]
+    final = torch.zeros_like(hidden_states)
+    return final.index_add_(0, order // top_k, (outputs * weights).to(final.dtype))
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single along dim 0 with uneven splits; the backward sends the gradients back the same way."""
 

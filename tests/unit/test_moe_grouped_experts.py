@@ -142,3 +142,44 @@ def test_one_process_moe_runs_transformers_grouped_gemms(monkeypatch):
     model(input_ids=ids).logits.square().mean().backward()
     assert len(calls) == 2 * model.config.num_hidden_layers
     assert all(layer.mlp.experts.down_proj.grad.any() for layer in model.model.layers)
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="torch < 2.10: no CPU grouped_mm")
+def test_one_process_autocast_runs_the_experts_in_autocasts_dtype(monkeypatch):
+    """A lone process trains float32 weights under autocast: after `apply_parallelism` its experts' grouped GEMMs
+    take bf16 operands (transformers' own forward casts the tokens to float32), the MoE output equals the per-expert
+    loop under the same autocast (F.linear in bf16) to bf16 rounding, gradients reach the float32 experts, and without
+    autocast the model's forward is bit for bit transformers' own."""
+    from rlx.models.loading import init_random_model
+    from rlx.models.moe import tiny_moe_config
+    from rlx.models.tiny import build_char_tokenizer
+    from rlx.parallel.apply import ParallelPlan, apply_parallelism
+    from rlx.parallel.dist import DistContext
+
+    model = init_random_model(tiny_moe_config(len(build_char_tokenizer()), hidden_size=64), seed=0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+    apply_parallelism(model, DistContext(device=torch.device("cpu")), ParallelPlan())
+    assert model.config._experts_implementation == "rlx_autocast_experts"
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, plain)  # no autocast: transformers' own grouped_mm forward
+    dtypes = []
+    grouped_mm = torch.nn.functional.grouped_mm
+    monkeypatch.setattr(
+        torch.nn.functional, "grouped_mm", lambda a, b, **k: dtypes.append((a.dtype, b.dtype)) or grouped_mm(a, b, **k)
+    )
+    experts = model.model.layers[0].mlp.experts
+    hidden = torch.randn(12, 64, generator=torch.Generator().manual_seed(2))
+    top_k_index = torch.randint(0, experts.gate_up_proj.shape[0], (12, 2), generator=torch.Generator().manual_seed(3))
+    top_k_index[:, 1] = (top_k_index[:, 0] + 1) % experts.gate_up_proj.shape[0]  # two different experts per token
+    top_k_weights = torch.rand(12, 2, generator=torch.Generator().manual_seed(4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = experts(hidden, top_k_index, top_k_weights)
+        loop = type(experts).forward.__wrapped__(experts, hidden, top_k_index, top_k_weights)
+    assert dtypes == [(torch.bfloat16, torch.bfloat16)] * 2
+    torch.testing.assert_close(ours.float(), loop.float(), rtol=2e-2, atol=2e-2)
+    float32 = experts(hidden, top_k_index, top_k_weights)  # outside autocast: transformers' float32 forward
+    assert (ours.float() - loop.float()).abs().max() < (ours.float() - float32).abs().max()
+    ours.float().square().sum().backward()
+    assert experts.gate_up_proj.grad.dtype == torch.float32 and experts.down_proj.grad.any()
