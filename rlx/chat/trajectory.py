@@ -22,11 +22,15 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rlx.chat.template_shapes import MAX_SHAPES, Frame, is_plain, probe_frame, shape_key, text_values
 from rlx.chat.token_cuts import TokenCuts
 from rlx.errors import UserError
 from rlx.rollout.prompts import has_chat_template
+
+if TYPE_CHECKING:
+    import torch
 
 _SYSTEM = {"role": "system", "content": "rlx"}
 _USER = {"role": "user", "content": "rlx"}
@@ -238,19 +242,46 @@ class Trajectory:
     """The sampler's logprob of each model token, 0 on inserted ones."""
     num_turns: int = 0
     """Assistant turns generated."""
+    route_parts: list = field(default_factory=list, repr=False)
+    """MoE models: the routing of the response tokens, in order: per model turn its Generated.routed_experts
+    ([n, L, k] int16, or None from an engine that records none), per run of inserted tokens their count (they were
+    not sampled: no record). `routed_experts()` assembles them."""
 
-    def add_model_turn(self, ids: list[int], logprobs: list[float]) -> None:
+    def add_model_turn(self, ids: list[int], logprobs: list[float], routes: torch.Tensor | None = None) -> None:
+        """A turn the model generated; `routes`: its Generated.routed_experts (an MoE model's engine that records)."""
         if len(ids) != len(logprobs):
             raise ValueError(f"a model turn has {len(ids)} tokens but {len(logprobs)} logprobs")
+        if routes is not None and routes.shape[0] != len(ids):
+            raise ValueError(f"a model turn has {len(ids)} tokens but {routes.shape[0]} rows of routed experts")
         self.response_ids += ids
         self.loss_mask += [1] * len(ids)
         self.rollout_logprobs += [float(x) for x in logprobs]
+        self.route_parts.append(routes)
         self.num_turns += 1
 
     def add_inserted(self, ids: list[int]) -> None:
         self.response_ids += ids
         self.loss_mask += [0] * len(ids)
         self.rollout_logprobs += [0.0] * len(ids)
+        if ids:
+            self.route_parts.append(len(ids))
+
+    def routed_experts(self) -> torch.Tensor | None:
+        """The experts of every response token's predicting position, int16 [len(response_ids), L, k]: each model
+        turn's rows as its engine recorded them, -1 on inserted tokens (the model did not sample them: replay routes
+        them normally). None when no model turn recorded routing, or some turn did not (then nothing is replayed
+        rather than part of the sample)."""
+        import torch
+
+        turns = [part for part in self.route_parts if not isinstance(part, int)]
+        if not turns or any(t is None for t in turns):
+            return None
+        layers, k = turns[0].shape[1:]
+        rows = [
+            torch.full((part, layers, k), -1, dtype=torch.int16) if isinstance(part, int) else part.to("cpu", torch.int16)
+            for part in self.route_parts
+        ]
+        return torch.cat(rows)
 
     @property
     def num_tokens(self) -> int:

@@ -212,6 +212,19 @@ def check_setup(rollouts: list[RolloutRecord], cfg: ScoreConfig, models: Scoring
             f"the rollouts contain greedy baselines (--remax-baseline) but the estimator is "
             f"{cfg.estimator!r}; use --estimator remax or sample without baselines"
         )
+    if cfg.router_replay != "off":
+        check_routes(rollouts)
+
+
+def check_routes(rollouts: list[RolloutRecord]) -> None:
+    """router_replay = 'rollout' replays every sample or none: a UserError naming the first rollout without
+    routed_experts when others have them (those would route freely, unnoticed)."""
+    missing = [r.id for r in rollouts if r.routed_experts is None]
+    if missing and len(missing) < len(rollouts):
+        raise UserError(
+            f"router_replay = 'rollout': {len(missing)} of {len(rollouts)} rollouts have no routed_experts (first: "
+            f"{missing[0]!r}); the others do. Score rollouts of one engine that records routing, or replay off"
+        )
 
 
 def score_rollouts(

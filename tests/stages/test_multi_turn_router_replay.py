@@ -1,0 +1,142 @@
+"""Rollout routing replay (R3) for multi-turn episodes of a tiny Qwen3-MoE, CPU: on the hf and native engines an
+episode's record carries routed_experts over its whole response (each model turn's rows as the engine routed them,
+-1 on the tool/user tokens in between), equal to the routing of one forward over the episode's tokens; replaying
+it reproduces the rollout logprobs; `rlx rollout --env` -> `rlx score --router-replay rollout` logs no routing
+mismatch, and refuses rollouts of which only some carry routing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlx.agent.driver import EnvRollout
+from rlx.chat.trajectory import Trajectory
+from rlx.formats.batch import collate
+from rlx.logprobs import ModuleScorer
+from rlx.models.moe import tiny_moe_config
+from rlx.models.routing import RouterRecorder
+from rlx.models.tiny import SPECIAL_TOKENS
+from rlx.models.tiny_chat import END_OF_TURN, MARKUP_TOKENS, build_chat_tokenizer
+from rlx.parallel.dist import DistContext
+from rlx.rollout.agent_config import AgentConfig
+from rlx.rollout.config import SamplingParams
+from tests.agent_helpers import ENVS, QUESTIONS, token_engine
+from tests.conftest import cli, cli_ok, read_jsonl, write_jsonl
+
+
+def moe_chat_model(seed: int = 0):
+    """(model, tokenizer): a random 2-layer Qwen3-MoE (4 experts, top 2) over the chat tokenizer whose sampled
+    turns end with <|im_end|> after a few tokens (a head bias read from a constant embedding dimension, as
+    tests.agent_helpers.random_chat_model does). Embeddings of unit scale, so tokens route to varied experts (the
+    default 0.02 leaves the constant dimension to decide every token's routing alike)."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_chat_tokenizer("qwen2.5")
+    end = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    config = tiny_moe_config(len(tokenizer), max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=end)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    banned = tokenizer.convert_tokens_to_ids([*SPECIAL_TOKENS, "<|im_start|>", *MARKUP_TOKENS])
+    with torch.no_grad():
+        embedding = model.model.embed_tokens.weight
+        embedding.copy_(torch.randn(embedding.shape, generator=torch.Generator().manual_seed(seed)))
+        embedding[:, 0] = 1.0
+        head = model.lm_head.weight
+        head[:, 0] = 0.0
+        head[banned, 0] = -10.0
+        head[end, 0] = 3.0
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def moe_chat():
+    return moe_chat_model()
+
+
+@pytest.fixture(scope="module")
+def envs_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("envs") / "envs.py"
+    path.write_text(ENVS)
+    return path
+
+
+def _full_forward_routes(model, record) -> torch.Tensor:
+    """The experts [R, L, k] one forward over the episode's tokens routes each response token's predicting
+    position to."""
+    with torch.no_grad(), RouterRecorder(model) as recorder:
+        model(input_ids=torch.tensor([record.prompt_ids + record.response_ids]))
+        return recorder.pop()[len(record.prompt_ids) - 1 : -1]
+
+
+@pytest.mark.parametrize("engine", ["hf", "native"])
+def test_episode_records_carry_every_turns_routing_and_replay_gives_the_rollout_logprobs(moe_chat, envs_file, engine):
+    model, tokenizer = moe_chat
+    settings = {"block_size": 4, "max_num_seqs": 4} if engine == "native" else {"batch_size": 4}
+    runner = EnvRollout(
+        token_engine(model, tokenizer, engine, **settings),
+        tokenizer,
+        SamplingParams(n=2, max_new_tokens=8, temperature=1.0, seed=5),
+        AgentConfig(env=f"{envs_file}:Echo", max_total_tokens=400),
+    )
+    records = runner.generate(QUESTIONS).records
+    assert sum(r.num_turns for r in records) > len(records)  # several turns, tool/user tokens between them
+    for record in records:
+        routes, model_token = record.routed_experts, torch.tensor(record.loss_mask, dtype=torch.bool)
+        assert routes.dtype == torch.int16 and tuple(routes.shape) == (len(record.response_ids), 2, 2), record.id
+        assert (routes[~model_token] == -1).all() and (routes[model_token] >= 0).all(), record.id
+        own = _full_forward_routes(model, record)[model_token]
+        assert torch.equal(routes[model_token].sort(-1).values, own.sort(-1).values), record.id
+    chosen = torch.cat([r.routed_experts[torch.tensor(r.loss_mask, dtype=torch.bool)] for r in records])
+    assert len(set(map(tuple, chosen.sort(-1).values.flatten(1).tolist()))) > 4  # tokens route differently
+    tensors = collate(records, tokenizer.pad_token_id)
+    mask = tensors["loss_mask"]
+    assert (tensors["response_mask"] & ~mask).any()  # inserted tokens: not replayed, not compared
+    scorer = ModuleScorer(model, DistContext(device=torch.device("cpu")))
+    logprobs, mismatch = scorer.replayed_logprobs(
+        tensors, "rollout", 1.0, torch.float32, micro_batch_size=2, impl="naive"
+    )
+    assert mismatch == 0.0
+    assert torch.allclose(logprobs[mask], tensors["rollout_logprobs"][mask], atol=1e-4)
+    late = dict(tensors, routed_experts=tensors["routed_experts"].roll(1, dims=1))  # one position off: detected
+    assert scorer.replayed_logprobs(late, "off", 1.0, torch.float32, micro_batch_size=2, impl="naive")[1] > 0
+
+
+def test_a_trajectory_records_routing_only_when_every_model_turn_has_it():
+    turn = torch.tensor([[[0, 1]], [[2, 3]]], dtype=torch.int16)  # 2 tokens, 1 layer, k = 2
+    traj = Trajectory([1, 2], [])
+    traj.add_model_turn([5, 6], [-1.0, -2.0], turn)
+    traj.add_inserted([7, 8, 9])
+    traj.add_model_turn([10, 11], [-1.0, -1.0], turn + 1)
+    routes = traj.routed_experts()
+    assert tuple(routes.shape) == (7, 1, 2) and routes[:, 0, 0].tolist() == [0, 2, -1, -1, -1, 1, 3]
+    traj.add_inserted([12])
+    traj.add_model_turn([13], [-1.0])  # a turn from an engine without routing: nothing is replayed
+    assert traj.routed_experts() is None
+    assert Trajectory([1], []).routed_experts() is None
+    with pytest.raises(ValueError, match="rows of routed experts"):
+        Trajectory([1], []).add_model_turn([5], [-1.0], turn)
+
+
+def test_rollout_env_score_router_replay_rollout(moe_chat, envs_file, tmp_path):
+    model, tokenizer = moe_chat
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"hi {i}"}) + "\n" for i in range(2)))
+    rollouts = tmp_path / "rollouts.jsonl"
+    cli_ok("rollout", "--model", tmp_path / "model", "--prompts", prompts, "--out", rollouts, "--env",
+           f"{envs_file}:Echo", "--n", "2", "--max-new-tokens", "8", "--temperature", "1.0", "--seed", "3",
+           "--max-total-tokens", "300")  # fmt: skip
+    lines = read_jsonl(rollouts)
+    assert all(r["routed_experts_shape"] == [len(r["response_ids"]), 2, 2] for r in lines)
+    score = ["score", "--actor", tmp_path / "model", "--reward", "env", "--router-replay", "rollout"]
+    cli_ok(*score, "--rollouts", rollouts, "--out", tmp_path / "s", "--metrics", tmp_path / "score.jsonl")
+    assert read_jsonl(tmp_path / "score.jsonl")[0]["moe/routing_mismatch"] == 0.0
+    partly = write_jsonl(tmp_path / "partly.jsonl", [
+        {k: v for k, v in r.items() if i or not k.startswith("routed_experts")} for i, r in enumerate(lines)
+    ])  # fmt: skip
+    result = cli(*score, "--rollouts", partly, "--out", tmp_path / "s2")
+    assert result.exit_code == 1 and "1 of 4 rollouts have no routed_experts" in result.stderr
