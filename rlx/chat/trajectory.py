@@ -277,8 +277,9 @@ class Trajectory:
         if not turns or any(t is None for t in turns):
             return None
         layers, k = turns[0].shape[1:]
+        unrecorded = torch.full((1, layers, k), -1, dtype=torch.int16)
         rows = [
-            torch.full((part, layers, k), -1, dtype=torch.int16) if isinstance(part, int) else part.to("cpu", torch.int16)
+            unrecorded.expand(part, -1, -1) if isinstance(part, int) else part.to("cpu", torch.int16)
             for part in self.route_parts
         ]
         return torch.cat(rows)

@@ -2,7 +2,7 @@
 episode's record carries routed_experts over its whole response (each model turn's rows as the engine routed them,
 -1 on the tool/user tokens in between), equal to the routing of one forward over the episode's tokens; replaying
 it reproduces the rollout logprobs; `rlx rollout --env` -> `rlx score --router-replay rollout` logs no routing
-mismatch, and refuses rollouts of which only some carry routing."""
+mismatch, and refuses rollouts of which only some carry routing. Agents over the served endpoint record it too."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from rlx.agent.agents import AgentRollout
 from rlx.agent.driver import EnvRollout
 from rlx.chat.trajectory import Trajectory
 from rlx.formats.batch import collate
@@ -24,6 +25,7 @@ from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import SamplingParams
 from tests.agent_helpers import ENVS, QUESTIONS, token_engine
 from tests.conftest import cli, cli_ok, read_jsonl, write_jsonl
+from tests.unit.test_serve import AGENT
 
 
 def moe_chat_model(seed: int = 0):
@@ -71,6 +73,19 @@ def _full_forward_routes(model, record) -> torch.Tensor:
         return recorder.pop()[len(record.prompt_ids) - 1 : -1]
 
 
+def check_episode_routes(model, records) -> None:
+    """Each record's routed_experts: [R, 2, 2] int16, -1 exactly on the inserted tokens, the model turns' rows those
+    of one forward over the episode's tokens, and varied (not every token sent to the same experts)."""
+    for record in records:
+        routes, model_token = record.routed_experts, torch.tensor(record.loss_mask, dtype=torch.bool)
+        assert routes.dtype == torch.int16 and tuple(routes.shape) == (len(record.response_ids), 2, 2), record.id
+        assert (routes[~model_token] == -1).all() and (routes[model_token] >= 0).all(), record.id
+        own = _full_forward_routes(model, record)[model_token]
+        assert torch.equal(routes[model_token].sort(-1).values, own.sort(-1).values), record.id
+    chosen = torch.cat([r.routed_experts[torch.tensor(r.loss_mask, dtype=torch.bool)] for r in records])
+    assert len(set(map(tuple, chosen.sort(-1).values.flatten(1).tolist()))) > 4  # tokens route differently
+
+
 @pytest.mark.parametrize("engine", ["hf", "native"])
 def test_episode_records_carry_every_turns_routing_and_replay_gives_the_rollout_logprobs(moe_chat, envs_file, engine):
     model, tokenizer = moe_chat
@@ -83,14 +98,7 @@ def test_episode_records_carry_every_turns_routing_and_replay_gives_the_rollout_
     )
     records = runner.generate(QUESTIONS).records
     assert sum(r.num_turns for r in records) > len(records)  # several turns, tool/user tokens between them
-    for record in records:
-        routes, model_token = record.routed_experts, torch.tensor(record.loss_mask, dtype=torch.bool)
-        assert routes.dtype == torch.int16 and tuple(routes.shape) == (len(record.response_ids), 2, 2), record.id
-        assert (routes[~model_token] == -1).all() and (routes[model_token] >= 0).all(), record.id
-        own = _full_forward_routes(model, record)[model_token]
-        assert torch.equal(routes[model_token].sort(-1).values, own.sort(-1).values), record.id
-    chosen = torch.cat([r.routed_experts[torch.tensor(r.loss_mask, dtype=torch.bool)] for r in records])
-    assert len(set(map(tuple, chosen.sort(-1).values.flatten(1).tolist()))) > 4  # tokens route differently
+    check_episode_routes(model, records)
     tensors = collate(records, tokenizer.pad_token_id)
     mask = tensors["loss_mask"]
     assert (tensors["response_mask"] & ~mask).any()  # inserted tokens: not replayed, not compared
@@ -102,6 +110,18 @@ def test_episode_records_carry_every_turns_routing_and_replay_gives_the_rollout_
     assert torch.allclose(logprobs[mask], tensors["rollout_logprobs"][mask], atol=1e-4)
     late = dict(tensors, routed_experts=tensors["routed_experts"].roll(1, dims=1))  # one position off: detected
     assert scorer.replayed_logprobs(late, "off", 1.0, torch.float32, micro_batch_size=2, impl="naive")[1] > 0
+
+
+def test_served_agent_records_carry_routing(moe_chat, tmp_path):
+    """An agent over the OpenAI-compatible endpoint (rlx serve's sessions): the same routing in its records."""
+    model, tokenizer = moe_chat
+    (tmp_path / "agent.py").write_text(AGENT)
+    sampling = SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=5)  # the agent asks for 12
+    cfg = AgentConfig(max_total_tokens=400)
+    rollout = AgentRollout(token_engine(model, tokenizer), tokenizer, sampling, cfg, f"{tmp_path}/agent.py:echo_agent")
+    records = rollout.generate(QUESTIONS).records
+    assert sum(r.num_turns for r in records) > len(records)
+    check_episode_routes(model, records)
 
 
 def test_a_trajectory_records_routing_only_when_every_model_turn_has_it():
