@@ -1,8 +1,9 @@
 """Rollout routing replay (R3) for multi-turn episodes of a tiny Qwen3-MoE, CPU: on the hf and native engines an
 episode's record carries routed_experts over its whole response (each model turn's rows as the engine routed them,
 -1 on the tool/user tokens in between), equal to the routing of one forward over the episode's tokens; replaying
-it reproduces the rollout logprobs; `rlx rollout --env` -> `rlx score --router-replay rollout` logs no routing
-mismatch, and refuses rollouts of which only some carry routing. Agents over the served endpoint record it too."""
+it reproduces the rollout logprobs; `rlx rollout --env` -> `rlx score` -> `rlx train-step`, both with
+--router-replay rollout, log no routing mismatch, and score refuses rollouts of which only some carry routing.
+Agents over the served endpoint record routing too."""
 
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ def test_a_trajectory_records_routing_only_when_every_model_turn_has_it():
         Trajectory([1], []).add_model_turn([5], [-1.0], turn)
 
 
-def test_rollout_env_score_router_replay_rollout(moe_chat, envs_file, tmp_path):
+def test_rollout_env_score_train_step_with_router_replay(moe_chat, envs_file, tmp_path):
     model, tokenizer = moe_chat
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
@@ -155,6 +156,11 @@ def test_rollout_env_score_router_replay_rollout(moe_chat, envs_file, tmp_path):
     score = ["score", "--actor", tmp_path / "model", "--reward", "env", "--router-replay", "rollout"]
     cli_ok(*score, "--rollouts", rollouts, "--out", tmp_path / "s", "--metrics", tmp_path / "score.jsonl")
     assert read_jsonl(tmp_path / "score.jsonl")[0]["moe/routing_mismatch"] == 0.0
+    cli_ok("shard", "--model", tmp_path / "model", "--out", tmp_path / "ck")
+    batch, metrics = tmp_path / "s" / "batch.safetensors", tmp_path / "train.jsonl"
+    cli_ok("train-step", "--checkpoint", tmp_path / "ck", "--batch", batch, "--out", tmp_path / "ck1", "--lr", "1e-2",
+           "--router-replay", "rollout", "--metrics", metrics)  # fmt: skip
+    assert read_jsonl(metrics)[0]["actor/moe_routing_mismatch"] == 0.0  # the training forward's
     partly = write_jsonl(tmp_path / "partly.jsonl", [
         {k: v for k, v in r.items() if i or not k.startswith("routed_experts")} for i, r in enumerate(lines)
     ])  # fmt: skip
