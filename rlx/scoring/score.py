@@ -212,7 +212,7 @@ def check_setup(rollouts: list[RolloutRecord], cfg: ScoreConfig, models: Scoring
             f"the rollouts contain greedy baselines (--remax-baseline) but the estimator is "
             f"{cfg.estimator!r}; use --estimator remax or sample without baselines"
         )
-    if cfg.router_replay != "off":
+    if cfg.router_replay != "off" and models.actor is not None:  # no actor: no forward to replay in
         check_routes(rollouts)
 
 
