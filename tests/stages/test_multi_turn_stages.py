@@ -185,6 +185,20 @@ def test_two_ranks_give_the_records_of_one(chat, tmp_path):
         assert a == b and len(la) == len(lb) and all(abs(x - y) < 1e-5 for x, y in zip(la, lb))
 
 
+def assert_same_records(ours: list[dict], theirs: list[dict], name: str) -> None:
+    """The same records: every field equal, but float lists (logprobs) to 1e-5. Episodes' turns are batched as their
+    environments answer, so the decode batches, and a CPU matmul's rounding with them, depend on timing."""
+    assert len(ours) == len(theirs), name
+    for a, b in zip(ours, theirs, strict=True):
+        assert sorted(a) == sorted(b), name
+        for key, value in a.items():
+            floats = isinstance(value, float) or (isinstance(value, list) and all(isinstance(x, float) for x in value))
+            if floats and value:
+                assert value == pytest.approx(b[key], abs=1e-5), (name, a["id"], key)
+            else:
+                assert value == b[key], (name, a["id"], key)
+
+
 @pytest.mark.slow
 def test_calculator_shell_pipeline_equals_ppo(tmp_path):
     """~55 s: recipes/calculator.sh (two [sft] steps, one RL step) gives the SFT metrics and step-0 weights, the
@@ -206,7 +220,7 @@ def test_calculator_shell_pipeline_equals_ppo(tmp_path):
         assert stable(read_jsonl(sh / name)) == stable(read_jsonl(ppo / name)), name
     assert len(read_jsonl(ppo / "sft_metrics.jsonl")) == 2
     for name in ("rollouts.jsonl", "scores.jsonl"):
-        assert (sh / "step_000001" / name).read_bytes() == (ppo / "step_000001" / name).read_bytes()
+        assert_same_records(read_jsonl(sh / "step_000001" / name), read_jsonl(ppo / "step_000001" / name), name)
     summary = cli_ok("report", ppo).stdout
     text = Path(summary.strip().splitlines()[-1]).read_text()
     assert "turns per sample" in text and "environment reward" in text
