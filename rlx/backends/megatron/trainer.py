@@ -36,7 +36,7 @@ from rlx.checkpoints.base import LocalState
 from rlx.errors import UserError
 from rlx.formats.batch import TrainBatch
 from rlx.models.megatron.convert import local_experts
-from rlx.models.megatron.model import is_critic_config, is_moe, tensor_parallel_partial
+from rlx.models.megatron.model import is_critic_config, is_moe, num_experts, tensor_parallel_partial
 from rlx.models.megatron.routing import stage_routing
 from rlx.training.actor import ActorTrainer
 from rlx.training.config import TrainConfig
@@ -187,7 +187,7 @@ class MegatronTraining:
 
     def load_optimizer_state(self, tensors: dict[str, torch.Tensor] | None, where: str) -> None:
         if tensors and self.is_moe:
-            tensors = local_experts(tensors, self.hf_config.num_experts, self.ctx.ep_degree, self.ctx.ep_rank)
+            tensors = local_experts(tensors, num_experts(self.hf_config), self.ctx.ep_degree, self.ctx.ep_rank)
         if tensors:
             load_optimizer_tensors(self.model, self.optimizer, tensors, where)
 
