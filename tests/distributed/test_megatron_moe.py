@@ -41,6 +41,9 @@ REPLAY = [*TRAIN, "--router-replay", "rollout"]
 ODD = ["--lr", "1e-2", "--mini-batch-size", "16", "--micro-batch-size", "3", "--use-packing"]
 """TRAIN with micro-batches of 3 rows: packed rows of odd lengths, which tp 2 pads with a sample of its own."""
 LOSSES = [*ODD, "--moe-aux-loss-coef", "0.5", "--router-z-loss-coef", "0.1"]
+ROUTER_METRICS = ("actor/moe_aux_loss", "actor/moe_router_z_loss", "actor/moe_max_expert_load")
+"""The FSDP actor's router-loss metrics, logged by the megatron actor too (coefficients on or off)."""
+LOSS_KEYS = ("actor/loss", "actor/pg_loss", "actor/grad_norm", *ROUTER_METRICS)
 
 
 @pytest.mark.slow
@@ -130,12 +133,12 @@ def check_equal(want: Path, run: Path, metrics: Path, keys=("actor/loss", "actor
 def test_router_losses_give_fsdp_update(moe, fsdp_losses, tmp_path):
     """--moe-aux-loss-coef and --router-z-loss-coef map onto megatron's moe_aux_loss_coeff (per layer) and rlx's
     z-loss on the megatron routers (weighted per micro-batch as the FSDP path weights them): the same update in one
-    process."""
+    process, and the same actor/moe_aux_loss, actor/moe_router_z_loss and actor/moe_max_expert_load."""
     cli_ok("train-step", "--checkpoint", moe / "mg", "--out", tmp_path / "mg", *LOSSES, "--batch",
            moe / "batch.safetensors", "--metrics", tmp_path / "mg.jsonl")  # fmt: skip
     cli_ok("train-step", "--checkpoint", moe / "mg", "--out", tmp_path / "plain", *ODD, "--batch",
            moe / "batch.safetensors")  # fmt: skip
-    check_equal(fsdp_losses, tmp_path / "mg", tmp_path / "mg.jsonl")  # 1.1e-5 seen (Adam's first step)
+    check_equal(fsdp_losses, tmp_path / "mg", tmp_path / "mg.jsonl", LOSS_KEYS)  # 1.1e-5 seen (Adam's first step)
     assert max_diff(tmp_path / "plain", tmp_path / "mg") > 1e-3  # the losses do move the weights
 
 
@@ -298,9 +301,10 @@ def test_two_rank_train_steps_equal_one_process(moe, fsdp_losses, tmp_path):
     for run, tolerance in (("mg1", 1e-5), ("mg2", 1e-5), ("fsdp2", 1e-5), ("tp2_1", 2e-5)):
         assert max_diff(tmp_path / "fsdp1", tmp_path / run) < tolerance, run
         got = read_jsonl(tmp_path / f"{run}.jsonl")[0]
-        for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "moe/expert_load_max", "moe/expert_load_cv"):
+        for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "moe/expert_load_max", "moe/expert_load_cv",
+                    *ROUTER_METRICS):  # fmt: skip
             assert abs(got[key] - want[key]) < 1e-5, (run, key, got[key], want[key])
-    check_equal(fsdp_losses, tmp_path / "tp2_losses", tmp_path / "tp2_losses.jsonl")
+    check_equal(fsdp_losses, tmp_path / "tp2_losses", tmp_path / "tp2_losses.jsonl", LOSS_KEYS)
     before, after = read_full_weights(moe / "mg"), read_full_weights(tmp_path / "mg2")
     key = "model.layers.1.mlp.experts.down_proj"
     assert after[key].shape == before[key].shape and not torch.equal(after[key][-1], before[key][-1])
@@ -339,7 +343,7 @@ def test_four_rank_train_steps_equal_one_process(moe, fsdp_replayed, fsdp_losses
     )  # fmt: skip
     for run in ("pp2ep2", "tp2ep2"):
         check_replayed(fsdp_replayed, tmp_path / run, tmp_path / f"{run}.jsonl")
-    check_equal(fsdp_losses, tmp_path / "pp2tp2", tmp_path / "pp2tp2.jsonl")
+    check_equal(fsdp_losses, tmp_path / "pp2tp2", tmp_path / "pp2tp2.jsonl", LOSS_KEYS)
     meta = json.loads((tmp_path / "tp2ep2" / "rlx.json").read_text())
     assert (meta["layout"], meta["tp_degree"], meta["pp_degree"]) == ("megatron", 2, 1)
     cli_ok("merge", "--checkpoint", tmp_path / "tp2ep2", "--out", tmp_path / "merged")
