@@ -4,7 +4,10 @@ megatron` then `rlx merge` is byte-exact; a train step with the experts split ov
 tensor-parallel ranks or 2 stages (x 2 expert-parallel on 4), equals one process's (megatron and FSDP, FSDP's own
 expert parallelism too); the router's load-balancing and z-losses give FSDP's update, also at tp 2 and pp 2 x tp 2;
 rollout routing replay (R3) forces the recorded experts as the FSDP/HF path does (scoring and training, one process,
-pp 2 x ep 2, tp 2 x ep 2, `rlx ppo`) with the same moe/* metrics; unsupported settings are one-line errors. The
+pp 2 x ep 2, tp 2 x ep 2, `rlx ppo`) with the same moe/* metrics; the router-loss metrics (actor/moe_aux_loss, ...)
+equal FSDP's; Qwen2-MoE and Mixtral: logprobs and gradients equal transformers' (the shared launch), shard/merge is
+byte-exact, a Qwen2-MoE step equals FSDP's (one process, tp 2); unsupported settings and families (OLMoE) are
+one-line errors. The
 multi-rank train steps share one launch per world size (tests/distributed/workers/rlx_commands.py)."""
 
 from __future__ import annotations
