@@ -46,7 +46,7 @@ MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 """The mixture-of-experts ones among them (megatron-core's MoE layer in every decoder layer)."""
 REFUSED = {
     "olmoe": "its q/k RMSNorm normalises the whole q and k projections, and megatron-core's qk-layernorm normalises "
-    "each head; train it with the FSDP backend (train.backend = 'fsdp', the 'single' or 'fsdp' layout)"
+    "each head; train it with the FSDP backend (the 'single' or 'fsdp' layout; backend = 'fsdp' in a recipe)"
 }
 """Families rlx runs elsewhere that the megatron backend cannot build exactly, and why."""
 
