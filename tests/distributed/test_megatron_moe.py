@@ -155,8 +155,8 @@ def qwen2(moe, tmp_path_factory):
 
 def test_qwen2_moe_and_mixtral_shard_merge_and_train_step(moe, qwen2, tmp_path):
     """Qwen2-MoE and Mixtral through megatron's layout at tp 2 x pp 2 (the shared expert split by tp) and back to the
-    hub's files: byte-identical; a Qwen2-MoE megatron step in one process with the router losses on equals FSDP's
-    (weights, loss, grad norm and the router-loss metrics)."""
+    hub's files: byte-identical; a Qwen2-MoE and a Mixtral megatron step in one process with the router losses on
+    equal FSDP's (weights, loss, grad norm and the router-loss metrics)."""
     from rlx.models.moe import write_tiny_moe_model_dir
 
     hubs = {"qwen2_moe": qwen2 / "hf", "mixtral": write_tiny_moe_model_dir(tmp_path / "mixtral", "mixtral", seed=2)}
@@ -166,9 +166,18 @@ def test_qwen2_moe_and_mixtral_shard_merge_and_train_step(moe, qwen2, tmp_path):
         cli_ok("merge", "--checkpoint", tmp_path / f"{name}_mg", "--out", tmp_path / f"{name}_back")
         back = (tmp_path / f"{name}_back" / "model.safetensors").read_bytes()
         assert back == (hub / "model.safetensors").read_bytes(), name
-    cli_ok("train-step", "--checkpoint", qwen2 / "mg", "--out", tmp_path / "step", *LOSSES, "--batch",
-           moe / "batch.safetensors", "--metrics", tmp_path / "step.jsonl")  # fmt: skip
+    batch = ["--batch", moe / "batch.safetensors", *LOSSES]
+    cli_ok("train-step", "--checkpoint", qwen2 / "mg", "--out", tmp_path / "step", *batch, "--metrics",
+           tmp_path / "step.jsonl")  # fmt: skip
     check_equal(qwen2 / "fsdp", tmp_path / "step", tmp_path / "step.jsonl", LOSS_KEYS)
+    mixtral = tmp_path / "mixtral_fsdp"
+    cli_ok("shard", "--model", hubs["mixtral"], "--out", tmp_path / "mixtral_single")
+    cli_ok("shard", "--model", hubs["mixtral"], "--out", tmp_path / "mixtral_mg1", "--layout", "megatron")
+    cli_ok("train-step", "--checkpoint", tmp_path / "mixtral_single", "--out", mixtral / "ckpt", *batch, "--metrics",
+           mixtral / "metrics.jsonl")  # fmt: skip
+    cli_ok("train-step", "--checkpoint", tmp_path / "mixtral_mg1", "--out", tmp_path / "mixtral_step", *batch,
+           "--metrics", tmp_path / "mixtral_step.jsonl")  # fmt: skip
+    check_equal(mixtral, tmp_path / "mixtral_step", tmp_path / "mixtral_step.jsonl", LOSS_KEYS)
 
 
 def test_families_megatron_cannot_express_are_one_line_errors(tmp_path):
