@@ -99,7 +99,7 @@ class StageRouting:
         the mini-batch's trained tokens (the weight of its router-loss metrics)."""
         self.routes, self.valid, self.num_real, self.force = routes, valid, max(num_real, 1), force
         self.load, self.share, self.chosen = self.load.to(valid.device), share, {}
-        self._current: torch.Tensor | None = None
+        self._current = None
 
     @property
     def mismatch_counts(self) -> torch.Tensor:
