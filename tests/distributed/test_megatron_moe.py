@@ -6,9 +6,9 @@ expert parallelism too); the router's load-balancing and z-losses give FSDP's up
 rollout routing replay (R3) forces the recorded experts as the FSDP/HF path does (scoring and training, one process,
 pp 2 x ep 2, tp 2 x ep 2, `rlx ppo`) with the same moe/* metrics; the router-loss metrics (actor/moe_aux_loss, ...)
 equal FSDP's; Qwen2-MoE and Mixtral: logprobs and gradients equal transformers' (the shared launch), shard/merge is
-byte-exact, a Qwen2-MoE step equals FSDP's (one process, tp 2); unsupported settings and families (OLMoE) are
-one-line errors. The
-multi-rank train steps share one launch per world size (tests/distributed/workers/rlx_commands.py)."""
+byte-exact, their steps equal FSDP's (Qwen2-MoE: one process, tp 2; Mixtral: one process, ep 2); unsupported
+settings and families (OLMoE) are one-line errors. The multi-rank train steps share one launch per world size
+(tests/distributed/workers/rlx_commands.py)."""
 
 from __future__ import annotations
 
@@ -153,13 +153,27 @@ def qwen2(moe, tmp_path_factory):
     return d
 
 
-def test_qwen2_moe_and_mixtral_shard_merge_and_train_step(moe, qwen2, tmp_path):
+@pytest.fixture(scope="module")
+def mixtral(moe, tmp_path_factory):
+    """A tiny Mixtral in the hub layout, its 'single' and 'megatron' checkpoints, and one FSDP step in one process with
+    the router losses on ('fsdp') and off ('fsdp_plain'), on the Qwen3-MoE's batch."""
+    from rlx.models.moe import write_tiny_moe_model_dir
+
+    d = tmp_path_factory.mktemp("megatron_mixtral")
+    hub = write_tiny_moe_model_dir(d / "hf", "mixtral", seed=2)
+    cli_ok("shard", "--model", hub, "--out", d / "single")
+    cli_ok("shard", "--model", hub, "--out", d / "mg", "--layout", "megatron")
+    for run, args in (("fsdp", LOSSES), ("fsdp_plain", TRAIN)):
+        cli_ok("train-step", "--checkpoint", d / "single", "--out", d / run / "ckpt", *args, "--batch",
+               moe / "batch.safetensors", "--metrics", d / run / "metrics.jsonl")  # fmt: skip
+    return d
+
+
+def test_qwen2_moe_and_mixtral_shard_merge_and_train_step(moe, qwen2, mixtral, tmp_path):
     """Qwen2-MoE and Mixtral through megatron's layout at tp 2 x pp 2 (the shared expert split by tp) and back to the
     hub's files: byte-identical; a Qwen2-MoE and a Mixtral megatron step in one process with the router losses on
     equal FSDP's (weights, loss, grad norm and the router-loss metrics)."""
-    from rlx.models.moe import write_tiny_moe_model_dir
-
-    hubs = {"qwen2_moe": qwen2 / "hf", "mixtral": write_tiny_moe_model_dir(tmp_path / "mixtral", "mixtral", seed=2)}
+    hubs = {"qwen2_moe": qwen2 / "hf", "mixtral": mixtral / "hf"}
     for name, hub in hubs.items():
         cli_ok("shard", "--model", hub, "--out", tmp_path / f"{name}_mg", "--layout", "megatron", "--tp", "2", "--pp",
                "2")  # fmt: skip
@@ -170,14 +184,9 @@ def test_qwen2_moe_and_mixtral_shard_merge_and_train_step(moe, qwen2, tmp_path):
     cli_ok("train-step", "--checkpoint", qwen2 / "mg", "--out", tmp_path / "step", *batch, "--metrics",
            tmp_path / "step.jsonl")  # fmt: skip
     check_equal(qwen2 / "fsdp", tmp_path / "step", tmp_path / "step.jsonl", LOSS_KEYS)
-    mixtral = tmp_path / "mixtral_fsdp"
-    cli_ok("shard", "--model", hubs["mixtral"], "--out", tmp_path / "mixtral_single")
-    cli_ok("shard", "--model", hubs["mixtral"], "--out", tmp_path / "mixtral_mg1", "--layout", "megatron")
-    cli_ok("train-step", "--checkpoint", tmp_path / "mixtral_single", "--out", mixtral / "ckpt", *batch, "--metrics",
-           mixtral / "metrics.jsonl")  # fmt: skip
-    cli_ok("train-step", "--checkpoint", tmp_path / "mixtral_mg1", "--out", tmp_path / "mixtral_step", *batch,
-           "--metrics", tmp_path / "mixtral_step.jsonl")  # fmt: skip
-    check_equal(mixtral, tmp_path / "mixtral_step", tmp_path / "mixtral_step.jsonl", LOSS_KEYS)
+    cli_ok("train-step", "--checkpoint", mixtral / "mg", "--out", tmp_path / "mixtral_step", *batch, "--metrics",
+           tmp_path / "mixtral_step.jsonl")  # fmt: skip
+    check_equal(mixtral / "fsdp", tmp_path / "mixtral_step", tmp_path / "mixtral_step.jsonl", LOSS_KEYS)
 
 
 def test_families_megatron_cannot_express_are_one_line_errors(tmp_path):
@@ -344,13 +353,14 @@ def test_ppo_with_megatron_expert_and_tensor_parallelism_equals_one_process(tmp_
 
 
 @pytest.mark.slow
-def test_two_rank_train_steps_equal_one_process(moe, fsdp_losses, qwen2, tmp_path):
+def test_two_rank_train_steps_equal_one_process(moe, fsdp_losses, qwen2, mixtral, tmp_path):
     """In one launch of 2 ranks: megatron at ep 2 (the experts split) == megatron in one process == FSDP in one process
     == FSDP's expert parallelism (loss and weights after the step, 1e-5); the checkpoint holds every expert and the
     next step from it at ep 1 equals the one from the ep 1 checkpoint at ep 2 (and FSDP's); tp 2 (sequence parallel:
     each rank routes half of the tokens through whole experts) == FSDP; and tp 2 with the router losses on (the
     padding sample left out of them) == FSDP's one process with them, as does a Qwen2-MoE at tp 2 (its shared expert
-    split by tp, its gate's gradient summed over the tp ranks); the router-loss metrics equal FSDP's in every run."""
+    split by tp, its gate's gradient summed over the tp ranks); a Mixtral at ep 2 == FSDP's one process; the
+    router-loss metrics equal FSDP's in every run."""
     batch, common = ["--batch", moe / "batch.safetensors"], [*TRAIN, "--metrics"]
     cli_ok("shard", "--model", moe / "hf", "--out", tmp_path / "tp2", "--layout", "megatron", "--tp", "2")
     for layout, run in (("single", "fsdp1"), ("mg", "mg1")):
@@ -370,6 +380,8 @@ def test_two_rank_train_steps_equal_one_process(moe, fsdp_losses, qwen2, tmp_pat
          "--metrics", tmp_path / "tp2_losses.jsonl"],
         ["train-step", "--checkpoint", qwen2 / "tp2", *batch, "--out", tmp_path / "qwen2_tp2", *LOSSES, "--metrics",
          tmp_path / "qwen2_tp2.jsonl"],
+        ["train-step", "--checkpoint", mixtral / "mg", *batch, "--out", tmp_path / "mixtral_ep2", *common,
+         tmp_path / "mixtral_ep2.jsonl", *ep2],
     )  # fmt: skip
     meta = json.loads((tmp_path / "mg2" / "rlx.json").read_text())
     assert (meta["layout"], meta["tp_degree"], meta["pp_degree"]) == ("megatron", 1, 1)
@@ -387,6 +399,7 @@ def test_two_rank_train_steps_equal_one_process(moe, fsdp_losses, qwen2, tmp_pat
             assert abs(got[key] - want[key]) < 1e-5, (run, key, got[key], want[key])
     check_equal(fsdp_losses, tmp_path / "tp2_losses", tmp_path / "tp2_losses.jsonl", LOSS_KEYS)
     check_equal(qwen2 / "fsdp", tmp_path / "qwen2_tp2", tmp_path / "qwen2_tp2.jsonl", LOSS_KEYS)
+    check_equal(mixtral / "fsdp_plain", tmp_path / "mixtral_ep2", tmp_path / "mixtral_ep2.jsonl")
     before, after = read_full_weights(moe / "mg"), read_full_weights(tmp_path / "mg2")
     key = "model.layers.1.mlp.experts.down_proj"
     assert after[key].shape == before[key].shape and not torch.equal(after[key][-1], before[key][-1])
