@@ -4,8 +4,11 @@ megatron` then `rlx merge` is byte-exact; a train step with the experts split ov
 tensor-parallel ranks or 2 stages (x 2 expert-parallel on 4), equals one process's (megatron and FSDP, FSDP's own
 expert parallelism too); the router's load-balancing and z-losses give FSDP's update, also at tp 2 and pp 2 x tp 2;
 rollout routing replay (R3) forces the recorded experts as the FSDP/HF path does (scoring and training, one process,
-pp 2 x ep 2, tp 2 x ep 2, `rlx ppo`) with the same moe/* metrics; unsupported settings are one-line errors. The
-multi-rank train steps share one launch per world size (tests/distributed/workers/rlx_commands.py)."""
+pp 2 x ep 2, tp 2 x ep 2, `rlx ppo`) with the same moe/* metrics; the router-loss metrics (actor/moe_aux_loss, ...)
+equal FSDP's; Qwen2-MoE and Mixtral: logprobs and gradients equal transformers' (the shared launch), shard/merge is
+byte-exact, their steps equal FSDP's (Qwen2-MoE: one process, tp 2; Mixtral: one process, ep 2); unsupported
+settings and families (OLMoE) are one-line errors. The multi-rank train steps share one launch per world size
+(tests/distributed/workers/rlx_commands.py)."""
 
 from __future__ import annotations
 
@@ -41,6 +44,9 @@ REPLAY = [*TRAIN, "--router-replay", "rollout"]
 ODD = ["--lr", "1e-2", "--mini-batch-size", "16", "--micro-batch-size", "3", "--use-packing"]
 """TRAIN with micro-batches of 3 rows: packed rows of odd lengths, which tp 2 pads with a sample of its own."""
 LOSSES = [*ODD, "--moe-aux-loss-coef", "0.5", "--router-z-loss-coef", "0.1"]
+ROUTER_METRICS = ("actor/moe_aux_loss", "actor/moe_router_z_loss", "actor/moe_max_expert_load")
+"""The FSDP actor's router-loss metrics, logged by the megatron actor too (coefficients on or off)."""
+LOSS_KEYS = ("actor/loss", "actor/pg_loss", "actor/grad_norm", *ROUTER_METRICS)
 
 
 @pytest.mark.slow
@@ -127,15 +133,94 @@ def check_equal(want: Path, run: Path, metrics: Path, keys=("actor/loss", "actor
         assert abs(got[key] - expected[key]) < 1e-5, (run, key, got[key], expected[key])
 
 
+@pytest.fixture(scope="module")
+def qwen2(moe, tmp_path_factory):
+    """A tiny Qwen2-MoE (q/k/v biases, a gated shared expert, norm_topk_prob off) in the hub layout, its 'single',
+    'megatron' and tp 2 checkpoints, and one FSDP step in one process with the router losses on (on the Qwen3-MoE's
+    batch: the same character vocabulary and [layers, k])."""
+    from rlx.models.moe import write_tiny_moe_model_dir
+
+    d = tmp_path_factory.mktemp("megatron_qwen2_moe")
+    hub = write_tiny_moe_model_dir(d / "hf", "qwen2_moe", seed=1, num_experts=4)
+    for out, layout in (
+        ("single", []),
+        ("mg", ["--layout", "megatron"]),
+        ("tp2", ["--layout", "megatron", "--tp", "2"]),
+    ):
+        cli_ok("shard", "--model", hub, "--out", d / out, *layout)
+    cli_ok("train-step", "--checkpoint", d / "single", "--out", d / "fsdp" / "ckpt", *LOSSES, "--batch",
+           moe / "batch.safetensors", "--metrics", d / "fsdp" / "metrics.jsonl")  # fmt: skip
+    return d
+
+
+@pytest.fixture(scope="module")
+def mixtral(moe, tmp_path_factory):
+    """A tiny Mixtral in the hub layout, its 'single' and 'megatron' checkpoints, and one FSDP step in one process with
+    the router losses on ('fsdp') and off ('fsdp_plain'), on the Qwen3-MoE's batch."""
+    from rlx.models.moe import write_tiny_moe_model_dir
+
+    d = tmp_path_factory.mktemp("megatron_mixtral")
+    hub = write_tiny_moe_model_dir(d / "hf", "mixtral", seed=2)
+    cli_ok("shard", "--model", hub, "--out", d / "single")
+    cli_ok("shard", "--model", hub, "--out", d / "mg", "--layout", "megatron")
+    for run, args in (("fsdp", LOSSES), ("fsdp_plain", TRAIN)):
+        cli_ok("train-step", "--checkpoint", d / "single", "--out", d / run / "ckpt", *args, "--batch",
+               moe / "batch.safetensors", "--metrics", d / run / "metrics.jsonl")  # fmt: skip
+    return d
+
+
+def test_qwen2_moe_and_mixtral_shard_merge_and_train_step(moe, qwen2, mixtral, tmp_path):
+    """Qwen2-MoE and Mixtral through megatron's layout at tp 2 x pp 2 (the shared expert split by tp) and back to the
+    hub's files: byte-identical; a Qwen2-MoE and a Mixtral megatron step in one process with the router losses on
+    equal FSDP's (weights, loss, grad norm and the router-loss metrics)."""
+    hubs = {"qwen2_moe": qwen2 / "hf", "mixtral": mixtral / "hf"}
+    for name, hub in hubs.items():
+        cli_ok("shard", "--model", hub, "--out", tmp_path / f"{name}_mg", "--layout", "megatron", "--tp", "2", "--pp",
+               "2")  # fmt: skip
+        cli_ok("merge", "--checkpoint", tmp_path / f"{name}_mg", "--out", tmp_path / f"{name}_back")
+        back = (tmp_path / f"{name}_back" / "model.safetensors").read_bytes()
+        assert back == (hub / "model.safetensors").read_bytes(), name
+    batch = ["--batch", moe / "batch.safetensors", *LOSSES]
+    cli_ok("train-step", "--checkpoint", qwen2 / "mg", "--out", tmp_path / "step", *batch, "--metrics",
+           tmp_path / "step.jsonl")  # fmt: skip
+    check_equal(qwen2 / "fsdp", tmp_path / "step", tmp_path / "step.jsonl", LOSS_KEYS)
+    cli_ok("train-step", "--checkpoint", mixtral / "mg", "--out", tmp_path / "mixtral_step", *batch, "--metrics",
+           tmp_path / "mixtral_step.jsonl")  # fmt: skip
+    check_equal(mixtral / "fsdp", tmp_path / "mixtral_step", tmp_path / "mixtral_step.jsonl", LOSS_KEYS)
+
+
+def test_families_megatron_cannot_express_are_one_line_errors(tmp_path):
+    """OLMoE (whole-projection q/k norm), a Qwen2-MoE with dense layers (decoder_sparse_step, mlp_only_layers) and a
+    sliding-window Mixtral: `rlx shard --layout megatron` exits 1 naming the field, and writes nothing."""
+    from rlx.models.moe import write_tiny_moe_model_dir
+
+    cases = {
+        "olmoe": (
+            "olmoe",
+            {},
+            "not supported by the megatron backend: its q/k RMSNorm normalises the whole q and k "
+            "projections, and megatron-core's qk-layernorm normalises each head; train it with the FSDP backend",
+        ),
+        "sparse_step": ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step 2: the megatron backend needs"),
+        "mlp_only": ("qwen2_moe", {"mlp_only_layers": [1]}, "mlp_only_layers [1]: the megatron backend needs"),
+        "sliding": ("mixtral", {"sliding_window": 16}, "sliding_window 16: the megatron backend attends"),
+    }
+    for name, (model_type, overrides, message) in cases.items():
+        hub = write_tiny_moe_model_dir(tmp_path / name, model_type, num_hidden_layers=2, **overrides)
+        result = cli("shard", "--model", hub, "--out", tmp_path / f"{name}_mg", "--layout", "megatron")
+        assert result.exit_code == 1 and message in result.stderr, (name, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / f"{name}_mg").exists(), name
+
+
 def test_router_losses_give_fsdp_update(moe, fsdp_losses, tmp_path):
     """--moe-aux-loss-coef and --router-z-loss-coef map onto megatron's moe_aux_loss_coeff (per layer) and rlx's
     z-loss on the megatron routers (weighted per micro-batch as the FSDP path weights them): the same update in one
-    process."""
+    process, and the same actor/moe_aux_loss, actor/moe_router_z_loss and actor/moe_max_expert_load."""
     cli_ok("train-step", "--checkpoint", moe / "mg", "--out", tmp_path / "mg", *LOSSES, "--batch",
            moe / "batch.safetensors", "--metrics", tmp_path / "mg.jsonl")  # fmt: skip
     cli_ok("train-step", "--checkpoint", moe / "mg", "--out", tmp_path / "plain", *ODD, "--batch",
            moe / "batch.safetensors")  # fmt: skip
-    check_equal(fsdp_losses, tmp_path / "mg", tmp_path / "mg.jsonl")  # 1.1e-5 seen (Adam's first step)
+    check_equal(fsdp_losses, tmp_path / "mg", tmp_path / "mg.jsonl", LOSS_KEYS)  # 1.1e-5 seen (Adam's first step)
     assert max_diff(tmp_path / "plain", tmp_path / "mg") > 1e-3  # the losses do move the weights
 
 
@@ -268,12 +353,14 @@ def test_ppo_with_megatron_expert_and_tensor_parallelism_equals_one_process(tmp_
 
 
 @pytest.mark.slow
-def test_two_rank_train_steps_equal_one_process(moe, fsdp_losses, tmp_path):
+def test_two_rank_train_steps_equal_one_process(moe, fsdp_losses, qwen2, mixtral, tmp_path):
     """In one launch of 2 ranks: megatron at ep 2 (the experts split) == megatron in one process == FSDP in one process
     == FSDP's expert parallelism (loss and weights after the step, 1e-5); the checkpoint holds every expert and the
     next step from it at ep 1 equals the one from the ep 1 checkpoint at ep 2 (and FSDP's); tp 2 (sequence parallel:
     each rank routes half of the tokens through whole experts) == FSDP; and tp 2 with the router losses on (the
-    padding sample left out of them) == FSDP's one process with them."""
+    padding sample left out of them) == FSDP's one process with them, as does a Qwen2-MoE at tp 2 (its shared expert
+    split by tp, its gate's gradient summed over the tp ranks); a Mixtral at ep 2 == FSDP's one process; the
+    router-loss metrics equal FSDP's in every run."""
     batch, common = ["--batch", moe / "batch.safetensors"], [*TRAIN, "--metrics"]
     cli_ok("shard", "--model", moe / "hf", "--out", tmp_path / "tp2", "--layout", "megatron", "--tp", "2")
     for layout, run in (("single", "fsdp1"), ("mg", "mg1")):
@@ -291,6 +378,10 @@ def test_two_rank_train_steps_equal_one_process(moe, fsdp_losses, tmp_path):
          tmp_path / "tp2_1.jsonl"],
         ["train-step", "--checkpoint", tmp_path / "tp2", *batch, "--out", tmp_path / "tp2_losses", *LOSSES,
          "--metrics", tmp_path / "tp2_losses.jsonl"],
+        ["train-step", "--checkpoint", qwen2 / "tp2", *batch, "--out", tmp_path / "qwen2_tp2", *LOSSES, "--metrics",
+         tmp_path / "qwen2_tp2.jsonl"],
+        ["train-step", "--checkpoint", mixtral / "mg", *batch, "--out", tmp_path / "mixtral_ep2", *common,
+         tmp_path / "mixtral_ep2.jsonl", *ep2],
     )  # fmt: skip
     meta = json.loads((tmp_path / "mg2" / "rlx.json").read_text())
     assert (meta["layout"], meta["tp_degree"], meta["pp_degree"]) == ("megatron", 1, 1)
@@ -300,7 +391,15 @@ def test_two_rank_train_steps_equal_one_process(moe, fsdp_losses, tmp_path):
         got = read_jsonl(tmp_path / f"{run}.jsonl")[0]
         for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "moe/expert_load_max", "moe/expert_load_cv"):
             assert abs(got[key] - want[key]) < 1e-5, (run, key, got[key], want[key])
-    check_equal(fsdp_losses, tmp_path / "tp2_losses", tmp_path / "tp2_losses.jsonl")
+    # the router-loss metrics are per micro-batch: at dp 2 (ep 2) each rank's rows make its own micro-batches, so
+    # megatron's equal FSDP's at 2 ranks; at tp 2 (one data-parallel rank) one process's
+    for run, want in (("mg1", "fsdp1"), ("tp2_1", "fsdp1"), ("mg2", "fsdp2")):
+        got, want = (read_jsonl(tmp_path / f"{name}.jsonl")[0] for name in (run, want))
+        for key in ROUTER_METRICS:
+            assert abs(got[key] - want[key]) < 1e-5, (run, key, got[key], want[key])
+    check_equal(fsdp_losses, tmp_path / "tp2_losses", tmp_path / "tp2_losses.jsonl", LOSS_KEYS)
+    check_equal(qwen2 / "fsdp", tmp_path / "qwen2_tp2", tmp_path / "qwen2_tp2.jsonl", LOSS_KEYS)
+    check_equal(mixtral / "fsdp_plain", tmp_path / "mixtral_ep2", tmp_path / "mixtral_ep2.jsonl")
     before, after = read_full_weights(moe / "mg"), read_full_weights(tmp_path / "mg2")
     key = "model.layers.1.mlp.experts.down_proj"
     assert after[key].shape == before[key].shape and not torch.equal(after[key][-1], before[key][-1])
@@ -339,7 +438,7 @@ def test_four_rank_train_steps_equal_one_process(moe, fsdp_replayed, fsdp_losses
     )  # fmt: skip
     for run in ("pp2ep2", "tp2ep2"):
         check_replayed(fsdp_replayed, tmp_path / run, tmp_path / f"{run}.jsonl")
-    check_equal(fsdp_losses, tmp_path / "pp2tp2", tmp_path / "pp2tp2.jsonl")
+    check_equal(fsdp_losses, tmp_path / "pp2tp2", tmp_path / "pp2tp2.jsonl", LOSS_KEYS)
     meta = json.loads((tmp_path / "tp2ep2" / "rlx.json").read_text())
     assert (meta["layout"], meta["tp_degree"], meta["pp_degree"]) == ("megatron", 2, 1)
     cli_ok("merge", "--checkpoint", tmp_path / "tp2ep2", "--out", tmp_path / "merged")

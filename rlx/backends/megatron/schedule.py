@@ -90,7 +90,8 @@ def prepare_routing(model, mb: MicroBatch, force: bool) -> torch.Tensor | None:
     if tp > 1:
         valid = valid.chunk(tp)[_tp_rank()]
         routes = routes.chunk(tp)[_tp_rank()] if routes is not None else None
-    routing.prepare(routes, valid, 0 if mb.is_filler else total, force)
+    share = mb.aux_loss_scale if mb.aux_loss_scale is not None else 0.0  # the weight of its router-loss metrics
+    routing.prepare(routes, valid, 0 if mb.is_filler else total, force, share)
     return None if mb.is_filler or padded == total else ~valid[None]
 
 

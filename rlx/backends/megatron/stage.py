@@ -12,7 +12,7 @@ from rlx.backends.megatron.schedule import MicroBatch, run_pipeline
 from rlx.errors import UserError
 from rlx.logprobs import MODEL_INPUTS, ROUTES, PackedRows, flat_routes
 from rlx.models.megatron.convert import local_experts
-from rlx.models.megatron.model import build_stage, is_critic_config, is_moe, move_stage
+from rlx.models.megatron.model import build_stage, is_critic_config, is_moe, move_stage, num_experts
 from rlx.models.megatron.routing import stage_routing
 
 
@@ -22,7 +22,7 @@ def load_stage(hf_config, state: dict[str, torch.Tensor], ctx: MegatronContext, 
     and z-loss coefficients (`moe_options`)."""
     model = build_stage(hf_config, ctx.tp_degree, ctx.pp_degree, ctx.pp_rank, ep_degree=ctx.ep_degree, **losses)
     if is_moe(hf_config):
-        state = local_experts(state, hf_config.num_experts, ctx.ep_degree, ctx.ep_rank)
+        state = local_experts(state, num_experts(hf_config), ctx.ep_degree, ctx.ep_rank)
     expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:

@@ -36,7 +36,7 @@ from rlx.checkpoints.base import LocalState
 from rlx.errors import UserError
 from rlx.formats.batch import TrainBatch
 from rlx.models.megatron.convert import local_experts
-from rlx.models.megatron.model import is_critic_config, is_moe, tensor_parallel_partial
+from rlx.models.megatron.model import is_critic_config, is_moe, num_experts, tensor_parallel_partial
 from rlx.models.megatron.routing import stage_routing
 from rlx.training.actor import ActorTrainer
 from rlx.training.config import TrainConfig
@@ -187,7 +187,7 @@ class MegatronTraining:
 
     def load_optimizer_state(self, tensors: dict[str, torch.Tensor] | None, where: str) -> None:
         if tensors and self.is_moe:
-            tensors = local_experts(tensors, self.hf_config.num_experts, self.ctx.ep_degree, self.ctx.ep_rank)
+            tensors = local_experts(tensors, num_experts(self.hf_config), self.ctx.ep_degree, self.ctx.ep_rank)
         if tensors:
             load_optimizer_tensors(self.model, self.optimizer, tensors, where)
 
@@ -262,12 +262,46 @@ class MegatronActorTrainer(MegatronTraining, ActorTrainer):
             return metrics
         self.step_expert_load = routing.load
         metrics.update(self.expert_load_metrics())
+        metrics.update(self.router_loss_metrics(routing, metrics[f"{self.role}/num_updates"]))
         if batch.routed_experts is not None:
             counts = routing.mismatch_counts
             if self.ctx.distributed and self.ctx.world > 1:
                 dist.all_reduce(counts)
             metrics["actor/moe_routing_mismatch"] = float(counts[0]) / max(float(counts[1]), 1.0)
         return metrics
+
+    def router_loss_metrics(self, routing, updates: float) -> dict[str, float]:
+        """The FSDP actor's actor/moe_aux_loss, actor/moe_router_z_loss and actor/moe_max_expert_load (docs/moe.md:
+        per micro-batch over its routed tokens, averaged over layers, weighted by its share of the trained tokens,
+        summed over micro-batches and data-parallel ranks, averaged over updates) from the stage's recorded router
+        statistics, whatever the loss coefficients: each micro-batch's counts and probabilities summed over the
+        tensor-parallel ranks (sequence parallel: each holds part of the row's tokens) before they are multiplied,
+        its expert load over the pipeline stages (each holds some of the layers) before its maximum is taken; then
+        summed over every rank (each (data-parallel rank, stage) counted once). A collective."""
+        ctx, experts = self.ctx, routing.num_experts
+        top_k, layers = self.hf_config.num_experts_per_tok, self.hf_config.num_hidden_layers
+        empty = torch.zeros(0, len(routing.routers), 2 * experts + 1, dtype=torch.float64, device=self.device)
+        table = torch.stack([stats for _, _, stats in routing.stats]).to(self.device) if routing.stats else empty
+        shares = torch.tensor([float(share) for share, _, _ in routing.stats], dtype=torch.float64, device=self.device)
+        tokens = torch.tensor([float(n) for _, n, _ in routing.stats], dtype=torch.float64, device=self.device)
+        if ctx.tp_degree > 1:
+            dist.all_reduce(table, group=ctx.tp_group)
+        probs, counts, squares = table[..., :experts], table[..., experts : 2 * experts], table[..., -1]  # [M, L_st, .]
+        n = tokens[:, None, None]
+        aux = experts * ((counts / (n * top_k)) * (probs / n)).sum(-1)  # [M, L_stage]
+        z_loss = squares / tokens[:, None]
+        load = counts.sum(1)  # [M, E]: this stage's layers
+        if ctx.pp_degree > 1:
+            dist.all_reduce(load, group=ctx.pp_group)
+        busiest = load.max(-1).values / load.mean(-1).clamp(min=1e-9) if len(load) else load.sum(-1)
+        counted = float(ctx.tp_rank == 0)
+        sums = torch.stack([(shares[:, None] * aux).sum() / layers * counted,
+                            (shares[:, None] * z_loss).sum() / layers * counted,
+                            (shares * busiest).sum() * counted * float(ctx.is_first_stage)])  # fmt: skip
+        if ctx.distributed and ctx.world > 1:
+            dist.all_reduce(sums)
+        names = ("moe_aux_loss", "moe_router_z_loss", "moe_max_expert_load")
+        return {f"{self.role}/{name}": float(value) / max(updates, 1.0) for name, value in zip(names, sums)}
 
     def head_loss(self, hidden, rows, t, part, norm, sums) -> torch.Tensor:
         logp, entropy = head_logprobs(

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from rlx.backends.megatron.parallel import MegatronContext
 from rlx.models.megatron.convert import global_experts, megatron_units, unit_of, unit_to_hf
-from rlx.models.megatron.model import is_moe
+from rlx.models.megatron.model import is_moe, num_experts
 
 EXPERTS = ".mlp.experts."
 """In the name of every expert's tensor (and of its optimizer state) in a stage's state dict."""
@@ -31,7 +31,7 @@ def with_all_experts(state: dict[str, torch.Tensor], hf_config, ctx: MegatronCon
     device = next(iter(state.values())).device if state else ctx.device
     out = {k: v for k, v in state.items() if EXPERTS not in k}
     for rank, part in parts:
-        out |= {k: v.to(device) for k, v in global_experts(part, hf_config.num_experts, ctx.ep_degree, rank).items()}
+        out |= {k: v.to(device) for k, v in global_experts(part, num_experts(hf_config), ctx.ep_degree, rank).items()}
     return out
 
 

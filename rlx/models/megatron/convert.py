@@ -12,12 +12,16 @@ to the pipeline stage. Per tensor-parallel rank:
     decoder.layers.i.mlp.linear_fc2.weight               [H, F/tp]      input columns split
     decoder.layers.i.{input_layernorm,pre_mlp_layernorm}.weight, decoder.final_layernorm.weight: replicated
     output_layer.weight                   [V_pad/tp, H]   last stage (also when tied and pp > 1: a copy)
-    A Qwen3-MoE layer has, in place of the dense MLP (replicated on every tensor-parallel rank: experts are not
-    split by tp):
-    decoder.layers.i.self_attention.{q,k}_layernorm.weight   [D]   HF self_attn.{q,k}_norm.weight
+    An MoE layer (Qwen3-MoE, Qwen2-MoE, Mixtral) has, in place of the dense MLP (replicated on every
+    tensor-parallel rank: experts are not split by tp):
+    decoder.layers.i.self_attention.{q,k}_layernorm.weight   [D]   HF self_attn.{q,k}_norm.weight (Qwen3-MoE)
     decoder.layers.i.mlp.router.weight                       [E, H]  HF mlp.gate.weight
     decoder.layers.i.mlp.experts.local_experts.e.linear_fc1.weight   [2*I, H]  HF mlp.experts.gate_up_proj[e]
     decoder.layers.i.mlp.experts.local_experts.e.linear_fc2.weight   [H, I]    HF mlp.experts.down_proj[e]
+    and a Qwen2-MoE layer's shared expert, split by tp like a dense MLP (its gate replicated):
+    decoder.layers.i.mlp.shared_experts.linear_fc1.weight   [2*S/tp, H]  HF mlp.shared_expert.{gate,up}_proj rows
+    decoder.layers.i.mlp.shared_experts.linear_fc2.weight   [H, S/tp]    HF mlp.shared_expert.down_proj columns
+    decoder.layers.i.mlp.shared_experts.gate_weight         [1, H]       HF mlp.shared_expert_gate.weight
     with e the global expert index in checkpoints and these maps; an expert-parallel rank's own stage numbers
     its experts from 0 (`local_experts` / `global_experts` renumber).
     value_head.score.{weight,bias}        [1, H], [1]     a critic's head, replicated
@@ -32,7 +36,16 @@ import re
 import torch
 
 from rlx.errors import UserError
-from rlx.models.megatron.model import check_supported, head_dim, is_critic_config, is_moe, padded_vocab_size
+from rlx.models.megatron.model import (
+    check_supported,
+    has_qk_norm,
+    head_dim,
+    is_critic_config,
+    is_moe,
+    num_experts,
+    padded_vocab_size,
+    shared_expert_size,
+)
 
 HF_LAYER = "model.layers.{i}."
 MG_LAYER = "decoder.layers.{i}."
@@ -72,21 +85,37 @@ def global_experts(state: dict, num_experts: int, ep_degree: int, ep_rank: int) 
 
 
 def _moe_to_megatron(weights: dict, config, hf: str, mg: str) -> dict[str, torch.Tensor]:
-    out = {mg + dst: _get(weights, hf + src) for src, dst in QK_NORMS.items()}
+    out = {mg + dst: _get(weights, hf + src) for src, dst in QK_NORMS.items()} if has_qk_norm(config) else {}
     out[mg + "mlp.router.weight"] = _get(weights, hf + "mlp.gate.weight")
     gate_up, down = _get(weights, hf + "mlp.experts.gate_up_proj"), _get(weights, hf + "mlp.experts.down_proj")
-    for e in range(config.num_experts):
+    for e in range(num_experts(config)):
         out[mg + EXPERT.format(e=e) + "linear_fc1.weight"] = gate_up[e]  # [2I, H]: gate rows, then up rows
         out[mg + EXPERT.format(e=e) + "linear_fc2.weight"] = down[e]  # [H, I]
     return out
 
 
 def _moe_to_hf(state: dict, config, hf: str, mg: str) -> dict[str, torch.Tensor]:
-    out = {hf + dst: _get(state, mg + src) for dst, src in QK_NORMS.items()}
+    out = {hf + dst: _get(state, mg + src) for dst, src in QK_NORMS.items()} if has_qk_norm(config) else {}
     out[hf + "mlp.gate.weight"] = _get(state, mg + "mlp.router.weight")
     for name, part in (("gate_up_proj", "linear_fc1"), ("down_proj", "linear_fc2")):
-        experts = [_get(state, f"{mg}{EXPERT.format(e=e)}{part}.weight") for e in range(config.num_experts)]
+        experts = [_get(state, f"{mg}{EXPERT.format(e=e)}{part}.weight") for e in range(num_experts(config))]
         out[f"{hf}mlp.experts.{name}"] = torch.stack(experts)
+    return out
+
+
+def _mlp_to_megatron(weights: dict, config, hf: str, mg: str, rows, cols) -> dict[str, torch.Tensor]:
+    """One layer's MLP: a dense one split by tp (`rows` / `cols` take this rank's slice), or the MoE layer (its
+    experts and router the same on every tp rank; a shared expert split like a dense MLP)."""
+    mlp_hf, mlp_mg, out = hf + "mlp.", mg + "mlp.", {}
+    if is_moe(config):
+        out = _moe_to_megatron(weights, config, hf, mg)
+        if shared_expert_size(config) is None:
+            return out
+        out[mg + "mlp.shared_experts.gate_weight"] = _get(weights, hf + "mlp.shared_expert_gate.weight")
+        mlp_hf, mlp_mg = hf + "mlp.shared_expert.", mg + "mlp.shared_experts."
+    gate, up = _get(weights, mlp_hf + "gate_proj.weight"), _get(weights, mlp_hf + "up_proj.weight")
+    out[mlp_mg + "linear_fc1.weight"] = torch.cat([rows(gate), rows(up)])
+    out[mlp_mg + "linear_fc2.weight"] = cols(_get(weights, mlp_hf + "down_proj.weight"))
     return out
 
 
@@ -157,12 +186,7 @@ def hf_to_megatron_shard(
             bias = [_get(weights, f"{attn}{p}_proj.bias") for p in "qkv"]
             out[mg + "self_attention.linear_qkv.bias"] = rows(_qkv(*bias, config))
         out[mg + "self_attention.linear_proj.weight"] = cols(_get(weights, attn + "o_proj.weight"))
-        if is_moe(config):  # the same on every tp rank
-            out |= _moe_to_megatron(weights, config, hf, mg)
-            continue
-        gate, up = _get(weights, hf + "mlp.gate_proj.weight"), _get(weights, hf + "mlp.up_proj.weight")
-        out[mg + "mlp.linear_fc1.weight"] = torch.cat([rows(gate), rows(up)])
-        out[mg + "mlp.linear_fc2.weight"] = cols(_get(weights, hf + "mlp.down_proj.weight"))
+        out |= _mlp_to_megatron(weights, config, hf, mg, rows, cols)
     if last:
         out["decoder.final_layernorm.weight"] = _get(weights, "model.norm.weight")
         if critic:
@@ -230,12 +254,17 @@ def unit_to_hf(shards: dict, config, tp_degree: int, pp_degree: int, pp_rank: in
         for proj, tensor in zip("qkv", (q, k, v)):
             out[f"{hf}self_attn.{proj}_proj.{kind}"] = tensor
     out[hf + "self_attn.o_proj.weight"] = cat(mg + "self_attention.linear_proj.weight", 1)
+    mlp_hf, mlp_mg = hf + "mlp.", mg + "mlp."
     if is_moe(config):  # replicated: tp rank 0's
-        return out | _moe_to_hf(shards[(0, p)], config, hf, mg)
-    halves = [_get(shards[(t, p)], mg + "mlp.linear_fc1.weight").chunk(2) for t in range(tp_degree)]
-    out[hf + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
-    out[hf + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])
-    out[hf + "mlp.down_proj.weight"] = cat(mg + "mlp.linear_fc2.weight", 1)
+        out |= _moe_to_hf(shards[(0, p)], config, hf, mg)
+        if shared_expert_size(config) is None:
+            return out
+        out[hf + "mlp.shared_expert_gate.weight"] = _get(shards[(0, p)], mg + "mlp.shared_experts.gate_weight")
+        mlp_hf, mlp_mg = hf + "mlp.shared_expert.", mg + "mlp.shared_experts."
+    halves = [_get(shards[(t, p)], mlp_mg + "linear_fc1.weight").chunk(2) for t in range(tp_degree)]
+    out[mlp_hf + "gate_proj.weight"] = torch.cat([h[0] for h in halves])
+    out[mlp_hf + "up_proj.weight"] = torch.cat([h[1] for h in halves])
+    out[mlp_hf + "down_proj.weight"] = cat(mlp_mg + "linear_fc2.weight", 1)
     return out
 
 

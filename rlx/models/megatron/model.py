@@ -1,4 +1,5 @@
-"""Build a Llama-family model (Llama, Qwen2 with QKV bias) or a Qwen3-MoE as a megatron-core `GPTModel` stage.
+"""Build a Llama-family model (Llama, Qwen2 with QKV bias) or an MoE (Qwen3-MoE, Qwen2-MoE, Mixtral) as a
+megatron-core `GPTModel` stage.
 
 Each rank builds its own pipeline stage (`pre_process` on the first: embedding; `post_process` on
 the last: final norm and the LM head or a critic's scalar value head) with its tensor-parallel slice
@@ -6,11 +7,14 @@ of every linear layer. Attention inside the layers is rlx's: `CoreAttention` att
 packed sequence (megatron's THD format, `cu_seqlens`) with the kernels of rlx/models/attention.py
 (flash-attn varlen when installed, torch's varlen, or exact SDPA per sequence).
 
-A Qwen3-MoE (`qwen3_moe`) gets megatron-core's MoE layer in every decoder layer: its top-k router (softmax
-over the top-k logits when the model normalises its top-k probabilities, else top-k of the softmax: both
+An MoE model gets megatron-core's MoE layer in every decoder layer: its top-k router (softmax over the top-k
+logits when the model normalises its top-k probabilities, as Mixtral always does, else top-k of the softmax: both
 are transformers' routing), SwiGLU experts run one after another (`SequentialMLP`, no grouped GEMM, so the
-CPU runs it), the all-to-all token dispatcher over `expert_model_parallel_size` ranks, and per-head RMSNorm on
-queries and keys (qk-layernorm); no shared expert. Under tensor parallelism an MoE model runs megatron-core's
+CPU runs it) and the all-to-all token dispatcher over `expert_model_parallel_size` ranks. Qwen3-MoE adds per-head
+RMSNorm on queries and keys (qk-layernorm); Qwen2-MoE adds q/k/v biases and its shared expert (megatron's
+`SharedExpertMLP`, split by tensor parallelism like a dense MLP, its output times sigmoid(gate . x) as in
+transformers). OLMoE is refused: its q/k norms normalise the whole projection, which megatron's per-head
+qk-layernorm cannot express. Under tensor parallelism an MoE model runs megatron-core's
 sequence parallelism (as its MoE layer requires): between the attention and MoE blocks each tensor-parallel rank
 holds 1/tp of the packed row's tokens (the norms and router run on those, the attention's linear layers gather and
 reduce-scatter them); the experts are not split by tensor parallelism (`expert_tensor_parallel_size` 1): each rank
@@ -36,14 +40,44 @@ from rlx.models.attention import varlen_attention
 from rlx.models.megatron import compat
 from rlx.models.megatron.routing import attach_routing
 
-FAMILIES = ("llama", "qwen2", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3_moe", "qwen2_moe", "mixtral")
 """Hugging Face model types the megatron backend builds (as causal LMs, or value models)."""
-MOE_FAMILIES = ("qwen3_moe",)
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 """The mixture-of-experts ones among them (megatron-core's MoE layer in every decoder layer)."""
+REFUSED = {
+    "olmoe": "its q/k RMSNorm normalises the whole q and k projections, and megatron-core's qk-layernorm normalises "
+    "each head; train it with the FSDP backend (the 'single' or 'fsdp' layout; backend = 'fsdp' in a recipe)"
+}
+"""Families rlx runs elsewhere that the megatron backend cannot build exactly, and why."""
 
 
 def is_moe(hf_config) -> bool:
     return getattr(hf_config, "model_type", None) in MOE_FAMILIES
+
+
+def num_experts(hf_config) -> int:
+    """Routed experts per layer of an MoE config (Mixtral: `num_local_experts`)."""
+    return hf_config.num_local_experts if hf_config.model_type == "mixtral" else hf_config.num_experts
+
+
+def has_qk_norm(hf_config) -> bool:
+    """Whether the model normalises each query and key head (Qwen3-MoE; megatron's qk-layernorm)."""
+    return hf_config.model_type == "qwen3_moe"
+
+
+def shared_expert_size(hf_config) -> int | None:
+    """The width of an MoE layer's shared expert (Qwen2-MoE), or None."""
+    return getattr(hf_config, "shared_expert_intermediate_size", None) if hf_config.model_type == "qwen2_moe" else None
+
+
+def expert_size(hf_config) -> int:
+    """The width of one routed expert (Mixtral's experts are `intermediate_size` wide)."""
+    return hf_config.intermediate_size if hf_config.model_type == "mixtral" else hf_config.moe_intermediate_size
+
+
+def norm_topk_prob(hf_config) -> bool:
+    """Whether the router renormalises its top-k probabilities (Mixtral always does)."""
+    return True if hf_config.model_type == "mixtral" else bool(hf_config.norm_topk_prob)
 
 
 def padded_vocab_size(vocab_size: int, tp_degree: int) -> int:
@@ -64,19 +98,34 @@ def check_moe(hf_config, tp_degree: int, ep_degree: int, where: str) -> None:
     """Raise a UserError naming what of an MoE config (or an expert-parallel degree) the megatron backend lacks."""
     if not is_moe(hf_config):
         if ep_degree != 1:
-            raise UserError(f"{where}: ep_degree {ep_degree} needs a mixture-of-experts model ({MOE_FAMILIES[0]})")
+            names = ", ".join(MOE_FAMILIES)
+            raise UserError(f"{where}: ep_degree {ep_degree} needs a mixture-of-experts model ({names})")
         return
-    if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
+    if getattr(hf_config, "decoder_sparse_step", 1) != 1:
         raise UserError(
-            f"{where}: the megatron backend needs every layer routed (decoder_sparse_step 1, no mlp_only_layers)"
+            f"{where}: decoder_sparse_step {hf_config.decoder_sparse_step}: the megatron backend needs every layer "
+            "routed (decoder_sparse_step 1)"
         )
-    if ep_degree < 1 or hf_config.num_experts % ep_degree:
-        raise UserError(f"{where}: ep_degree {ep_degree} must divide the {hf_config.num_experts} experts per layer")
+    if getattr(hf_config, "mlp_only_layers", None):
+        raise UserError(
+            f"{where}: mlp_only_layers {list(hf_config.mlp_only_layers)}: the megatron backend needs every layer "
+            "routed (mlp_only_layers empty)"
+        )
+    if getattr(hf_config, "router_jitter_noise", 0.0):
+        raise UserError(f"{where}: router_jitter_noise {hf_config.router_jitter_noise} is not supported (0 only)")
+    shared = shared_expert_size(hf_config)
+    if shared is not None and shared % tp_degree:
+        raise UserError(f"{where}: --tp {tp_degree} does not divide the shared expert's width {shared}")
+    experts = num_experts(hf_config)
+    if ep_degree < 1 or experts % ep_degree:
+        raise UserError(f"{where}: ep_degree {ep_degree} must divide the {experts} experts per layer")
 
 
 def check_supported(hf_config, tp_degree: int, pp_degree: int, where: str = "model", ep_degree: int = 1) -> None:
     """Raise a UserError naming what does not fit the megatron backend."""
     family = getattr(hf_config, "model_type", None)
+    if family in REFUSED:
+        raise UserError(f"{where}: model type {family!r} is not supported by the megatron backend: {REFUSED[family]}")
     if family not in FAMILIES:
         names = ", ".join(FAMILIES)
         raise UserError(f"{where}: model type {family!r} is not supported by the megatron backend ({names})")
@@ -94,15 +143,23 @@ def check_supported(hf_config, tp_degree: int, pp_degree: int, where: str = "mod
         raise UserError(f"{where}: --pp {pp_degree} does not divide the {hf_config.num_hidden_layers} layers")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise UserError(f"{where}: activation {hf_config.hidden_act!r} is not supported (SwiGLU/silu only)")
-    has_output_bias = family in ("llama", "qwen3_moe") and getattr(hf_config, "attention_bias", False)
+    has_output_bias = family in ("llama", "qwen3_moe", "mixtral") and getattr(hf_config, "attention_bias", False)
     if getattr(hf_config, "mlp_bias", False) or has_output_bias:
         raise UserError(f"{where}: biases on the MLP or attention output are not supported by the megatron backend")
-    if getattr(hf_config, "use_sliding_window", False):
+    sliding = "sliding_attention" in (getattr(hf_config, "layer_types", None) or [])
+    if getattr(hf_config, "use_sliding_window", False) or sliding:
         raise UserError(f"{where}: sliding-window attention is not supported by the megatron backend")
+    if family == "mixtral" and hf_config.sliding_window is not None:
+        raise UserError(
+            f"{where}: sliding_window {hf_config.sliding_window}: the megatron backend attends to the whole sequence "
+            "(sliding_window must be null)"
+        )
     rope_theta(hf_config)
 
 
 def has_qkv_bias(hf_config) -> bool:
+    if hf_config.model_type == "qwen2_moe":
+        return bool(getattr(hf_config, "qkv_bias", True))
     return hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
 
 
@@ -125,10 +182,13 @@ def moe_options(hf_config, ep_degree: int, aux_loss_coef: float = 0.0) -> dict:
         return {}
     layers = hf_config.num_hidden_layers
     return dict(
-        num_moe_experts=hf_config.num_experts,
+        num_moe_experts=num_experts(hf_config),
         moe_router_topk=hf_config.num_experts_per_tok,
-        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
-        moe_router_pre_softmax=not hf_config.norm_topk_prob,  # softmax over all, then top-k (not renormalised)
+        moe_ffn_hidden_size=expert_size(hf_config),
+        moe_router_pre_softmax=not norm_topk_prob(hf_config),  # softmax over all, then top-k (not renormalised)
+        moe_shared_expert_intermediate_size=shared_expert_size(hf_config),
+        moe_shared_expert_gate=shared_expert_size(hf_config) is not None,  # sigmoid(gate . x) times its output
+        moe_shared_expert_overlap=False,
         moe_router_dtype="fp32",
         moe_grouped_gemm=False,
         moe_token_dispatcher_type="alltoall",
@@ -138,12 +198,12 @@ def moe_options(hf_config, ep_degree: int, aux_loss_coef: float = 0.0) -> dict:
         moe_z_loss_coeff=None,
         expert_model_parallel_size=ep_degree,
         expert_tensor_parallel_size=1,
-        qk_layernorm=True,
+        qk_layernorm=has_qk_norm(hf_config),
     )
 
 
 def transformer_config(hf_config, tp_degree: int, pp_degree: int, **moe):
-    """megatron-core's TransformerConfig for an HF Llama/Qwen2/Qwen3-MoE config (float32 parameters: rlx
+    """megatron-core's TransformerConfig for an HF Llama/Qwen2/MoE config (float32 parameters: rlx
     autocasts); `moe`: `moe_options`' arguments after the config (ep_degree, the load-balancing coefficient)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -239,19 +299,19 @@ class RMSNorm:
 
 def layer_spec(hf_config=None, sequence_parallel: bool = False):
     """megatron-core's local (no Transformer Engine) GPT layer with RMSNorm and rlx's core attention; for an MoE
-    config its MoE layer (sequential experts) and qk-layernorm; rlx's `RMSNorm` in every norm under sequence
-    parallelism."""
+    config its MoE layer (sequential experts; a shared expert when the config sets one) and qk-layernorm (Qwen3-MoE);
+    rlx's `RMSNorm` in every norm under sequence parallelism."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     moe = {}
     if hf_config is not None and is_moe(hf_config):
-        moe = dict(num_experts=hf_config.num_experts, moe_grouped_gemm=False, qk_layernorm=True)
+        moe = dict(num_experts=num_experts(hf_config), moe_grouped_gemm=False, qk_layernorm=has_qk_norm(hf_config))
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", **moe))
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = CoreAttention
     if sequence_parallel:
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
-        if moe:
+        if moe.get("qk_layernorm"):
             attention.q_layernorm = attention.k_layernorm = RMSNorm
     return spec
 

@@ -1,5 +1,5 @@
 """Routing of a megatron-core MoE stage as rlx drives it: rollout routing replay (R3), routing mismatch, expert load,
-and a router z-loss that leaves padding tokens out.
+a router z-loss that leaves padding tokens out, and the statistics of the FSDP path's router-loss metrics.
 
 megatron-core 0.16.1's `TopKRouter` asks its `router_replay` object for each forward's top-k (`get_replay_topk`,
 upstream's own routing-replay hook, which replays whole layers only). `StageRouting` puts one `_LayerTopK` there per
@@ -17,9 +17,17 @@ logsumexp(logits)^2 over the row's real tokens, each rank adding its tokens' par
 with megatron's `MoEAuxLossAutoScaler`, so the sum over the tensor-parallel ranks is the one-process loss (megatron's
 own z-loss averages over each rank's tokens, then over the ranks). The load-balancing loss stays megatron's, given
 the padding mask by the schedule.
+
+Every training forward also records, per layer of the stage, the statistics the FSDP actor's `actor/moe_aux_loss`,
+`actor/moe_router_z_loss` and `actor/moe_max_expert_load` are made of (docs/moe.md), over the real tokens only and
+whatever the coefficients: the sum of the router's softmax probabilities [E], the routed (token, slot) counts [E]
+(the experts the tokens were sent to, replayed ones included, as the FSDP probe counts) and the sum of
+logsumexp(logits)^2. `router_loss_metrics` (rlx/backends/megatron/trainer.py) turns them into the metrics.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -48,6 +56,7 @@ class _LayerTopK:
         with torch.no_grad():
             picked = chosen[state.valid].flatten()
             state.load = state.load + torch.bincount(picked, minlength=state.num_experts).double()
+            state.chosen[self.index] = chosen
         return values, chosen
 
 
@@ -67,22 +76,30 @@ class StageRouting:
         self.num_real = 1
         self.valid = torch.ones(0, dtype=torch.bool)
         self.force = False
+        self.share: torch.Tensor | float = 0.0
+        self._current: torch.Tensor | None = None
+        self.chosen: dict[int, torch.Tensor] = {}
         self.reset()
         for index, router in enumerate(self.routers):
             router.router_replay = _LayerTopK(self, index)
-            router.register_forward_hook(self._z_loss_hook)
+            router.register_forward_hook(functools.partial(self._router_hook, index))
 
     def reset(self) -> None:
         """Forget the counted mismatches and expert load (every forward counts: scoring's too)."""
         self.mismatched: torch.Tensor | int = 0
         self.compared: torch.Tensor | int = 0
         self.load = torch.zeros(self.num_experts, dtype=torch.float64)
+        self.stats: list[tuple[torch.Tensor | float, int, torch.Tensor]] = []
+        """Per training forward: (its share of the trained tokens, its real tokens, [L_stage, 2E + 1] float64: each
+        layer's summed router probabilities, routed counts and summed logsumexp^2 over this rank's real tokens)."""
 
-    def prepare(self, routes: torch.Tensor | None, valid: torch.Tensor, num_real: int, force: bool) -> None:
+    def prepare(self, routes: torch.Tensor | None, valid: torch.Tensor, num_real: int, force: bool, share=0.0) -> None:
         """The next forward's recorded experts [N, L_stage, k] (None: none recorded), real-token mask [N] (this
-        rank's tokens), number of real tokens in the whole row, and whether recorded experts are forced."""
+        rank's tokens), number of real tokens in the whole row, whether recorded experts are forced, and its share of
+        the mini-batch's trained tokens (the weight of its router-loss metrics)."""
         self.routes, self.valid, self.num_real, self.force = routes, valid, max(num_real, 1), force
-        self.load = self.load.to(valid.device)
+        self.load, self.share, self.chosen = self.load.to(valid.device), share, {}
+        self._current = None
 
     @property
     def mismatch_counts(self) -> torch.Tensor:
@@ -91,16 +108,34 @@ class StageRouting:
             self.valid.device
         )
 
-    def _z_loss_hook(self, router, args, output):
-        if not self.z_loss_coef or not router.training or not torch.is_grad_enabled():
+    def _router_hook(self, index: int, router, args, output):
+        if not router.training or not torch.is_grad_enabled():  # a training forward (not scoring's)
             return None
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         probs, routing_map = output
-        logits = router.gating(args[0]).reshape(-1, self.num_experts)  # the router's own logits, recomputed
-        squares = torch.logsumexp(logits.float(), dim=-1).square() * self.valid.to(logits.device)
+        logits = router.gating(args[0]).reshape(-1, self.num_experts).float()  # the router's own logits, recomputed
+        valid = self.valid.to(logits.device)
+        squares = torch.logsumexp(logits, dim=-1).square() * valid  # [N]
+        self._record(index, logits.detach(), squares.detach(), valid)
+        if not self.z_loss_coef:
+            return None
         z_loss = self.z_loss_coef * squares.sum() / self.num_real
         return MoEAuxLossAutoScaler.apply(probs, z_loss), routing_map
+
+    @torch.no_grad()
+    def _record(self, index: int, logits: torch.Tensor, squares: torch.Tensor, valid: torch.Tensor) -> None:
+        """Layer `index`'s router statistics of this forward's real tokens (see the module doc)."""
+        if self._current is None:
+            self._current = torch.zeros(len(self.routers), 2 * self.num_experts + 1, dtype=torch.float64,
+                                        device=logits.device)  # fmt: skip
+            self.stats.append((self.share, self.num_real, self._current))
+        experts = self.num_experts
+        row = self._current[index]
+        row[:experts] = (torch.softmax(logits, dim=-1) * valid[:, None]).sum(0).double()
+        chosen = self.chosen[index][valid.to(self.chosen[index].device)].flatten()
+        row[experts : 2 * experts] = torch.bincount(chosen, minlength=experts).double()
+        row[-1] = squares.sum().double()
 
 
 def attach_routing(model, z_loss_coef: float = 0.0) -> StageRouting:

@@ -1,8 +1,9 @@
 """torchrun worker of tests/distributed/test_megatron_moe.py (argv: one or more `ep_degree,tp_degree` pairs, run one
 after the other in the same launch, any world size they fit):
-a tiny Qwen3-MoE as megatron-core stages (its MoE layer, the experts split over ep_degree ranks; under tensor
+a tiny Qwen3-MoE (router normalising its top-k or not), Qwen2-MoE (q/k/v biases, gated shared expert split by tp)
+and Mixtral as megatron-core stages (its MoE layer, the experts split over ep_degree ranks; under tensor
 parallelism sequence parallel, the packed rows padded to a multiple of tp) gives transformers' logprobs and entropy,
-with the router normalising its top-k or not, scores the same on every rank however rows are split, and gathers
+scores the same on every rank however rows are split, and gathers
 back the Hugging Face weights bit for bit; the gradient of a backward through ranks that run different numbers of
 micro-batches (fillers keep the all-to-alls in step) equals transformers'."""
 
@@ -32,21 +33,28 @@ response_mask = torch.ones(B, R, dtype=torch.long)
 response_mask[3, 2:] = 0
 
 
-def check(norm_topk_prob: bool) -> None:
-    config = tiny_moe_config(67, "qwen3_moe", num_experts=4, top_k=2, norm_topk_prob=norm_topk_prob)
-    config.architectures = ["Qwen3MoeForCausalLM"]
+FAMILIES = [("qwen3_moe", {"norm_topk_prob": False}), ("qwen3_moe", {"norm_topk_prob": True}), ("mixtral", {}),
+            ("qwen2_moe", {})]  # fmt: skip
+"""(model type, config overrides) checked at each layout; Qwen2-MoE's norm_topk_prob defaults to False."""
+ROUTED_PARTIAL = {"qwen3_moe": 5, "mixtral": 3, "qwen2_moe": 4}
+"""Parameters per layer whose gradient each tensor-parallel rank holds part of: the norms (Qwen3-MoE's q/k norms
+too), the router and Qwen2-MoE's shared-expert gate."""
+
+
+def check(model_type: str, overrides: dict) -> None:
+    config = tiny_moe_config(67, model_type, num_experts=4, top_k=2, **overrides)
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config).float()
-    with torch.no_grad():  # transformers initialises norms to 1: random ones check the qk-layernorm mapping
+    with torch.no_grad():  # transformers initialises norms to 1 and biases to 0: random ones check their mapping
         for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.uniform_(0.5, 1.5)
     enable_packed_attention(hf)
     weights = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied
     stage = load_stage(config, hf_to_megatron_shard(weights, config, tp, 1, ctx.tp_rank, 0), ctx, "test")
     assert stage.config.sequence_parallel == (tp > 1)
     experts = [n for n in stage.state_dict() if ".mlp.experts.local_experts." in n and n.endswith("fc1.weight")]
-    assert len(experts) == config.num_hidden_layers * config.num_experts // ep, experts
+    assert len(experts) == config.num_hidden_layers * 4 // ep, experts
     ids = dict(
         prompt_ids=torch.randint(3, 67, (B, P), generator=g),
         prompt_mask=prompt_mask,
@@ -66,7 +74,7 @@ def check(norm_topk_prob: bool) -> None:
     want = packed_response_logprobs(hf, **local, temperature=0.7, dtype=torch.float32, with_entropy=True)
     for a, b in zip(got[0], want):
         err = ((a - b) * local["response_mask"]).abs().max().item()
-        assert err < 1e-5, (norm_topk_prob, ep, tp, err)
+        assert err < 1e-5, (model_type, overrides, ep, tp, err)
     # scoring splits rows over the data-parallel ranks (uneven micro-batch counts: fillers keep the all-to-alls
     # in step) and gives every rank all rows
     scored = MegatronScoringModel(stage, config, ctx).logprobs(ids, 0.7, torch.float32, micro_batch_size=2)
@@ -99,7 +107,7 @@ def check_gradients(hf, stage, config, ids: dict, local: dict, mine: list[int]) 
 
     run_pipeline(stage, ctx, micro, head, torch.float32, forward_only=False)
     partial = {id(p) for p in tensor_parallel_partial(stage)}
-    assert len(partial) == (0 if tp == 1 else 5 * config.num_hidden_layers + 1)  # 4 norms and the router per layer
+    assert len(partial) == (0 if tp == 1 else ROUTED_PARTIAL[config.model_type] * config.num_hidden_layers + 1)
     grads = {}
     for name, p in stage.named_parameters():
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -123,8 +131,8 @@ def check_gradients(hf, stage, config, ids: dict, local: dict, mine: list[int]) 
 for pair in sys.argv[1:]:
     ep, tp = (int(d) for d in pair.split(","))
     ctx = setup_megatron("cpu", tp, 1, ep)
-    for norm in (False, True):
-        check(norm)
+    for model_type, overrides in FAMILIES:
+        check(model_type, overrides)
     parallel_state.destroy_model_parallel()  # the next pair's degrees (as tests/distributed/workers/rlx_commands.py)
 print("rank", ctx.rank, "ok")
 exit_process(0)
