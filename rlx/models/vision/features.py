@@ -38,7 +38,7 @@ def image_features(model: torch.nn.Module, vision: VisionInputs) -> ImageFeature
     backbone = getattr(model, model.base_model_prefix)
     vision = vision.to(next(backbone.parameters()).device)
     grids = vision.image_grid_thw
-    if len(grids) < 2 or _tower_takes_gradients(backbone):
+    if len(grids) < 2 or _tower_takes_gradients(model):
         return _concat(_tower(model, backbone, vision.pixel_values, grids))
     patches = vision.pixel_values.split(grids.prod(-1).tolist())
     first = _first_copies(patches, grids)
@@ -66,8 +66,9 @@ def _concat(images: list[ImageFeatures]) -> ImageFeatures:
     return ImageFeatures(torch.cat([f.embeds for f in images]), deepstack)
 
 
-def _tower_takes_gradients(backbone) -> bool:
-    return torch.is_grad_enabled() and any(p.requires_grad for p in backbone.visual.parameters())
+def _tower_takes_gradients(model: torch.nn.Module) -> bool:
+    tower = vision_family_of(model.config).vision_tower(model)
+    return torch.is_grad_enabled() and any(p.requires_grad for m in tower for p in m.parameters())
 
 
 def _first_copies(patches: tuple[torch.Tensor, ...], grids: torch.Tensor) -> list[int]:
