@@ -236,7 +236,7 @@ def chat_ckpt(tiny_dir, tmp_path_factory) -> Path:
 # `pytest --durations=30` of a full run (less the `@group` suffix of xdist_group tests). A test missing here starts
 # after these, in file order.
 SLOWEST = {
-    "tests/stages/test_vision_stages.py::test_tiny_vlm_recipe_learns": 109.0,
+    "tests/stages/test_vision_stages.py::test_tiny_vlm_recipe_learns": 96.0,
     "tests/distributed/test_distributed.py::test_ppo_on_two_ranks_equals_one_and_resumes": 47.3,
     "tests/distributed/test_async_vllm.py::test_drop_restarts_samples_under_the_new_weights": 40.8,
     "tests/distributed/test_ulysses.py::test_sequence_parallel_equals_one_rank[4]": 39.7,
@@ -262,7 +262,7 @@ SLOWEST = {
     "tests/distributed/test_async_vllm.py::test_multi_turn_episodes_at_max_staleness_0_are_the_synchronous_vllm_run": 34.8,  # noqa: E501
     "tests/distributed/test_moe_ep.py::test_ep2_equals_one_process": 51.9,
     "tests/stages/test_smollm2.py::test_smollm2_recipe_runs_a_step_on_cpu": 51.8,
-    "tests/stages/test_vision_stages.py::test_ppo_equals_the_shell_pipeline": 76.1,
+    "tests/stages/test_vision_stages.py::test_ppo_equals_the_shell_pipeline": 69.4,
     "tests/distributed/test_megatron.py::test_logprobs_entropy_and_values_equal_hf[2-2]": 48.4,
     "tests/distributed/test_async_vllm.py::test_max_staleness_0_is_the_synchronous_vllm_run": 33.4,
     "tests/stages/test_verifiers_client.py::test_vf_eval_rollouts_are_recorded_token_exact_one_record_each": 53.9,

@@ -288,6 +288,37 @@ def test_frozen_vision_tower_gets_no_gradient(name):
             assert len(tower_grads) == len(tower) and sum(g.abs().sum() for g in tower_grads) > 0
 
 
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl"])
+def test_repeated_images_go_through_a_frozen_tower_once(name, monkeypatch):
+    """A batch holding each image several times (a prompt's N samples) runs a frozen tower (or one under no_grad)
+    on each image once; every copy's rows (and Qwen3-VL's DeepStack rows) equal the tower's on the whole batch, bit
+    for bit. A tower that trains sees every copy."""
+    import rlx.models.vision.features as features
+
+    model, processor = build_tiny_vision_model(name)
+    prompts = [chat(image_part(16, 24, 2), "a"), chat("b", image_part(24, 32, 3), image_part(16, 16, 4))]
+    encoded = [processor.encode(p, prompt_id=str(i)).vision for i, p in enumerate(prompts)]
+    vision = VisionInputs.concat(encoded * 3 + [encoded[1]])  # 11 images, 3 unique
+    seen, tower = [], features._tower
+    monkeypatch.setattr(
+        features, "_tower", lambda m, b, pixels, grids: seen.append(len(grids)) or tower(m, b, pixels, grids)
+    )
+    backbone = getattr(model, model.base_model_prefix)
+    whole = features._concat(tower(model, backbone, vision.pixel_values, vision.image_grid_thw))
+    with torch.no_grad():
+        once = features.image_features(model, vision)
+    freeze_vision_tower(model, True)
+    frozen = features.image_features(model, vision)
+    assert seen == [3, 3]
+    for got in (once, frozen):
+        assert torch.equal(got.embeds, whole.embeds) and len(got.deepstack) == len(whole.deepstack)
+        assert all(torch.equal(a, b) for a, b in zip(got.deepstack, whole.deepstack))
+    assert len(whole.deepstack) == (name == "qwen3_vl")
+    freeze_vision_tower(model, False)
+    features.image_features(model, vision)
+    assert seen == [3, 3, 11]
+
+
 # --- the compact batch form ------------------------------------------------------------------------------
 
 

@@ -32,12 +32,52 @@ class ImageFeatures:
 
 def image_features(model: torch.nn.Module, vision: VisionInputs) -> ImageFeatures:
     """Run `model`'s vision tower on the images of `vision` (pixels moved to the model's device; gradients reach
-    the tower where it trains)."""
-    family = vision_family_of(model.config)
+    the tower where it trains). Where no gradient reaches the tower (frozen, or no autograd), an image repeated in
+    `vision` (the N samples of a prompt in one batch) goes through the tower once: the tower attends within each
+    image alone, so a copy's rows are its first copy's."""
     backbone = getattr(model, model.base_model_prefix)
-    device = next(backbone.parameters()).device
-    vision = vision.to(device)
-    out = backbone.get_image_features(vision.pixel_values, vision.image_grid_thw, return_dict=True)
-    embeds = torch.cat(list(out.pooler_output))
-    deepstack = tuple(out.deepstack_features) if family.deepstack else ()
-    return ImageFeatures(embeds, deepstack)
+    vision = vision.to(next(backbone.parameters()).device)
+    grids = vision.image_grid_thw
+    if len(grids) < 2 or _tower_takes_gradients(model):
+        return _concat(_tower(model, backbone, vision.pixel_values, grids))
+    patches = vision.pixel_values.split(grids.prod(-1).tolist())
+    first = _first_copies(patches, grids)
+    unique = sorted(set(first))
+    if len(unique) == len(patches):
+        return _concat(_tower(model, backbone, vision.pixel_values, grids))
+    once = _tower(model, backbone, torch.cat([patches[i] for i in unique]), grids[unique])
+    slot = {index: k for k, index in enumerate(unique)}
+    return _concat([once[slot[index]] for index in first])
+
+
+def _tower(model: torch.nn.Module, backbone, pixel_values: torch.Tensor, grids: torch.Tensor) -> list[ImageFeatures]:
+    """Each image's features: [rows of image k] per image, in order."""
+    out = backbone.get_image_features(pixel_values, grids, return_dict=True)
+    embeds = list(out.pooler_output)
+    if not vision_family_of(model.config).deepstack:
+        return [ImageFeatures(e) for e in embeds]
+    sizes = [e.shape[0] for e in embeds]
+    layers = [layer.split(sizes) for layer in out.deepstack_features]
+    return [ImageFeatures(e, tuple(layer[k] for layer in layers)) for k, e in enumerate(embeds)]
+
+
+def _concat(images: list[ImageFeatures]) -> ImageFeatures:
+    deepstack = tuple(torch.cat(rows) for rows in zip(*(f.deepstack for f in images)))
+    return ImageFeatures(torch.cat([f.embeds for f in images]), deepstack)
+
+
+def _tower_takes_gradients(model: torch.nn.Module) -> bool:
+    tower = vision_family_of(model.config).vision_tower(model)
+    return torch.is_grad_enabled() and any(p.requires_grad for m in tower for p in m.parameters())
+
+
+def _first_copies(patches: tuple[torch.Tensor, ...], grids: torch.Tensor) -> list[int]:
+    """For each image, the index of its first copy (same patch grid, equal pixels)."""
+    first, seen = [], {}
+    for i, pixels in enumerate(patches):
+        candidates = seen.setdefault(tuple(grids[i].tolist()), [])
+        match = next((j for j in candidates if torch.equal(patches[j], pixels)), None)
+        if match is None:
+            candidates.append(i)
+        first.append(i if match is None else match)
+    return first
