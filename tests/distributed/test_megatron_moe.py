@@ -38,10 +38,12 @@ from tests.conftest import (  # noqa: E402
 )
 
 # one optimizer step: after two at lr 1e-2 one expert's down_proj differs by 1.1e-5 between FSDP's own micro-batch
-# sizes 1 and 2 (Adam on a near-zero gradient), and by 3.6e-5 between the backends
-TRAIN = ["--lr", "1e-2", "--mini-batch-size", "16", "--micro-batch-size", "2", "--use-packing"]
+# sizes 1 and 2 (Adam on a near-zero gradient), and by 3.6e-5 between the backends. Adam's first update is
+# lr * g / (|g| + eps): a gradient near eps turns the backends' rounding of g into a visible weight difference (seen:
+# 3.6e-5 on a Mixtral step at eps 1e-8, varying with the thread count), so the steps use eps 1e-6
+TRAIN = ["--lr", "1e-2", "--eps", "1e-6", "--mini-batch-size", "16", "--micro-batch-size", "2", "--use-packing"]
 REPLAY = [*TRAIN, "--router-replay", "rollout"]
-ODD = ["--lr", "1e-2", "--mini-batch-size", "16", "--micro-batch-size", "3", "--use-packing"]
+ODD = ["--lr", "1e-2", "--eps", "1e-6", "--mini-batch-size", "16", "--micro-batch-size", "3", "--use-packing"]
 """TRAIN with micro-batches of 3 rows: packed rows of odd lengths, which tp 2 pads with a sample of its own."""
 LOSSES = [*ODD, "--moe-aux-loss-coef", "0.5", "--router-z-loss-coef", "0.1"]
 ROUTER_METRICS = ("actor/moe_aux_loss", "actor/moe_router_z_loss", "actor/moe_max_expert_load")
