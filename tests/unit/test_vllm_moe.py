@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from rlx.formats.records import PromptRecord
-from rlx.models.moe import tiny_moe_config, write_tiny_moe_model_dir
+from rlx.models.moe import router_layer_indices, tiny_moe_config, write_tiny_moe_model_dir
 from rlx.rollout.base import ModuleWeights
 from rlx.rollout.config import RolloutConfig, SamplingParams
-from rlx.rollout.vllm import moe_layer_indices, vllm_routes
+from rlx.rollout.vllm import vllm_routes
 from tests.conftest import cli_ok, generate, make_engine, read_jsonl, write_jsonl
 
 # one test worker runs every vLLM test (closing an in-process vLLM engine tears down vLLM's global state)
@@ -46,7 +46,7 @@ def test_moe_layers_are_the_routed_decoder_layers():
     from transformers import AutoModelForCausalLM
 
     config = tiny_moe_config(40, num_hidden_layers=3, mlp_only_layers=[1])
-    assert moe_layer_indices(AutoModelForCausalLM.from_config(config)) == [0, 2]
+    assert router_layer_indices(AutoModelForCausalLM.from_config(config)) == [0, 2]
 
 
 @pytest.fixture(scope="module")
