@@ -114,9 +114,10 @@ class StageRouting:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         probs, routing_map = output
-        logits = router.gating(args[0]).reshape(-1, self.num_experts).float()  # the router's own logits, recomputed
-        valid = self.valid.to(logits.device)
-        squares = torch.logsumexp(logits, dim=-1).square() * valid  # [N]
+        with torch.set_grad_enabled(bool(self.z_loss_coef)):  # no graph where only the metrics read them
+            logits = router.gating(args[0]).reshape(-1, self.num_experts).float()  # the router's own, recomputed
+            valid = self.valid.to(logits.device)
+            squares = torch.logsumexp(logits, dim=-1).square() * valid  # [N]
         self._record(index, logits.detach(), squares.detach(), valid)
         if not self.z_loss_coef:
             return None
