@@ -4,6 +4,7 @@ tcp:// address on a free port), bare or inside rlx's `own_rendezvous`; prints `r
     torchrun --nproc_per_node 1 vllm_rendezvous.py bare|hidden
 """
 
+import contextlib
 import datetime
 import os
 import socket
@@ -17,7 +18,7 @@ mode = sys.argv[1]
 with socket.socket() as s:  # vLLM's get_open_port
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-guard = own_rendezvous() if mode == "hidden" else open(os.devnull)
+guard = own_rendezvous() if mode == "hidden" else contextlib.nullcontext()
 try:
     with guard:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0,
