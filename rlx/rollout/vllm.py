@@ -181,7 +181,12 @@ class VLLMRolloutEngine(RolloutEngine):
         model.config.save_pretrained(self._config_dir.name)
         config_file = Path(self._config_dir.name) / "config.json"
         written = json.loads(config_file.read_text())
-        if written.pop("quantization_config", None) is not None:  # e.g. GGUF: rlx holds dequantised floats
+        changed = written.pop("quantization_config", None) is not None  # e.g. GGUF: rlx holds dequantised floats
+        if not written.get("architectures"):  # a config built in code: vLLM would take the base model (a pooler)
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            written["architectures"], changed = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]], True
+        if changed:
             config_file.write_text(json.dumps(written))
         if self.ctx is not None and cfg.tp_degree > 1:  # its first rank submits the turns of multi-turn episodes
             self.stream_group = tensor_parallel_group(cfg.tp_degree, self.ctx)

@@ -302,6 +302,29 @@ def test_a_process_of_its_own_on_another_gpu_than_the_first_is_refused(hf_model)
         make_engine(model, tokenizer, RolloutConfig(engine="vllm"), device="cuda:1")
 
 
+def test_a_model_built_in_code_generates_as_the_one_read_from_its_folder(hf_model):
+    """A config made in code names no architecture (save_pretrained of a model adds it), and vLLM would then build
+    the base model, a pooler: the engine names the causal LM's class, and greedy tokens match the folder's model."""
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = hf_model
+    config = type(model.config).from_dict({**model.config.to_dict(), "architectures": None})
+    built = AutoModelForCausalLM.from_config(config)
+    built.load_state_dict(model.state_dict())
+    assert not built.config.architectures
+    cfg = RolloutConfig(engine="vllm", kv_cache_gib=0.25, chat_template="off")
+    cfg.sampling = SamplingParams(n=1, max_new_tokens=8, temperature=0)
+    other = make_engine(built, tokenizer, cfg)
+    try:
+        written = json.loads((Path(other._config_dir.name) / "config.json").read_text())
+        assert written["architectures"] == ["LlamaForCausalLM"]
+        ours = generate(other, PROMPTS, cfg)
+    finally:
+        other.close()
+    theirs = generate(make_engine(model, tokenizer, dataclasses.replace(cfg, engine="hf")), PROMPTS, cfg)
+    assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
+
+
 def test_tensor_parallel_on_cuda_leaves_the_fused_allreduce_off_unless_asked():
     """At tp > 1 on CUDA vLLM would fuse each all-reduce with the next RMSNorm through FlashInfer, whose workspace
     lies outside the sleep-mode pool: off by default, on with rollout.vllm.allreduce_fusion; the option is one this
