@@ -110,6 +110,21 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+def write_engine_config(config, folder: Path) -> None:
+    """The model's config.json as vLLM builds the engine from it: without a quantization config (e.g. GGUF: rlx
+    holds dequantised floats), and naming the causal LM's class where a config made in code names none (vLLM
+    would build the base model, a pooler)."""
+    config.save_pretrained(folder)
+    path = folder / "config.json"
+    written = json.loads(path.read_text())
+    written.pop("quantization_config", None)
+    if not written.get("architectures"):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        written["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    path.write_text(json.dumps(written))
+
+
 @contextlib.contextmanager
 def own_rendezvous() -> Iterator[None]:
     """While vLLM starts in a process of its own inside a torchrun launch (an [async] run's rollout rank, which has no
@@ -178,16 +193,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.asleep, self.kv_asleep = False, False
         self._released: list[tuple[torch.UntypedStorage, int]] = []
         self._config_dir = tempfile.TemporaryDirectory(prefix="rlx-vllm-")
-        model.config.save_pretrained(self._config_dir.name)
-        config_file = Path(self._config_dir.name) / "config.json"
-        written = json.loads(config_file.read_text())
-        changed = written.pop("quantization_config", None) is not None  # e.g. GGUF: rlx holds dequantised floats
-        if not written.get("architectures"):  # a config built in code: vLLM would take the base model (a pooler)
-            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-            written["architectures"], changed = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]], True
-        if changed:
-            config_file.write_text(json.dumps(written))
+        write_engine_config(model.config, Path(self._config_dir.name))
         if self.ctx is not None and cfg.tp_degree > 1:  # its first rank submits the turns of multi-turn episodes
             self.stream_group = tensor_parallel_group(cfg.tp_degree, self.ctx)
         kwargs = {}
