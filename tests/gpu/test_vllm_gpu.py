@@ -123,3 +123,44 @@ def test_moe_rollouts_record_the_routing_the_trainer_replays():
     shifted = dict(tensors, routed_experts=tensors["routed_experts"].roll(1, dims=1))  # one position late
     _, late = scorer.replayed_logprobs(shifted, "rollout", 1.0, torch.float32, micro_batch_size=4, impl="naive")
     assert late > mismatch + 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with RLX_TEST_GPU=1)")
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl", "glm4v"])
+def test_vision_language_rollouts_equal_the_hf_engine(name):
+    """A tiny vision-language model on the vllm engine: vLLM processes the images rebuilt from the requests' pixels
+    and repeats each placeholder itself; greedy tokens equal the hf engine's on prompts with no image, one, two, and
+    equal words with other images, logprobs within float32 rounding, through generate and the token stream."""
+    pytest.importorskip("vllm")
+    from rlx.models.vision.tiny import tiny_vision_config, tiny_vision_processor
+    from rlx.parallel.dist import DistContext
+    from rlx.rollout.base import build_engine
+    from tests.stages.test_vision_stages import engine_prompts
+
+    processor = tiny_vision_processor(name)
+    config = tiny_vision_config(name, processor.tokenizer, hidden_size=128)  # decoder heads of 32
+    config.vision_config.num_heads = 1  # tower heads of 32 (vLLM's attention kernels)
+    torch.manual_seed(0)
+    model = processor.family.load_model_class()(config).float().eval().cuda()
+    prompts = engine_prompts()
+    records = {}
+    for engine_name in ("vllm", "hf"):
+        cfg = RolloutConfig(engine=engine_name, precision="float32", kv_cache_gib=0.25, gpu_memory_utilization=0.3,
+                            sleep=False, sampling=SamplingParams(n=1, max_new_tokens=8, temperature=0))  # fmt: skip
+        # sleep off: vLLM's sleep-mode allocator serves one engine per process, and the families run in one
+        engine = build_engine(cfg, model, processor.tokenizer, DistContext(device=CUDA), processor)
+        try:
+            records[engine_name] = generate(engine, prompts, cfg)
+            if engine_name == "vllm":
+                encoded = [processor.encode(p.prompt, prompt_id=p.id) for p in prompts]
+                requests = [TokenRequest(p.id, e.input_ids, 8, greedy=True, vision=e.vision if e.image_refs else None)
+                            for p, e in zip(prompts, encoded)]  # fmt: skip
+                streamed = engine.generate_tokens(requests, cfg.sampling)
+        finally:
+            engine.close()
+    for ours, theirs, stream in zip(records["vllm"], records["hf"], streamed):
+        assert ours.prompt_ids == theirs.prompt_ids  # rlx's own expansion in both records
+        assert ours.response_ids == theirs.response_ids == stream.response_ids, (name, ours.id)
+        torch.testing.assert_close(torch.tensor(ours.rollout_logprobs), torch.tensor(theirs.rollout_logprobs),
+                                   atol=5e-3, rtol=0)  # fmt: skip

@@ -248,7 +248,7 @@ def test_bad_images_and_image_settings(vlm, tmp_path, tiny_ckpt):
     assert "prompt 'shapes-0': 87 tokens with its images (image tokens [16]) exceed the limit of 30" in message
     assert "lower max_pixels (now 4096)" in message
     message = error_of(*rollout, "--prompts", vlm["prompts"], "--out", tmp_path / "r.jsonl", "--engine", "vllm")
-    assert "engine 'vllm' does not run vision-language models (qwen2_vl)" in message
+    assert "engine 'vllm' runs vision-language models (qwen2_vl) on CUDA only" in message
     score = ["score", "--rollouts", vlm["rollouts"], "--actor", vlm["ckpt"], "--reward", vlm["reward"]]
     message = error_of(*score, "--out", tmp_path / "s1", "--max-pixels", str(16 * 16))
     assert "sample 'shapes-0/0': its prompt holds [16] image tokens" in message and "--max-pixels" in message

@@ -196,6 +196,22 @@ def test_processor_expands_placeholders_per_image(name):
     assert f"a{one}{two}" in text
 
 
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_processed_pixels_give_back_images_that_process_to_the_same_pixels(name):
+    """`images_of` inverts processing up to the resize: the images it gives process to the very pixels and grids
+    they came from (what the vllm engine hands vLLM, which processes images itself)."""
+    processor = tiny_vision_processor(name)
+    rng = np.random.default_rng(0)
+    originals = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((21, 37), (64, 40))]
+    pixels, grids = processor.process_images(originals)
+    images = processor.images_of(pixels, grids)
+    assert [(i.height, i.width) for i in images] == [(h * 4, w * 4) for _, h, w in grids.tolist()]  # patch size 4
+    again, regrids = processor.process_images(images)
+    assert torch.equal(regrids, grids)
+    torch.testing.assert_close(again, pixels, atol=1e-6, rtol=0)
+    assert not torch.equal(processor.process_images(images[::-1])[0], pixels)  # the images' order matters
+
+
 def test_processor_resizes_large_images_and_limits_prompts():
     processor = tiny_vision_processor("qwen2_vl")  # at most 64 x 64 pixels per image
     big = chat(image_part(200, 400, 0), "size?")

@@ -325,6 +325,45 @@ def test_a_model_built_in_code_generates_as_the_one_read_from_its_folder(hf_mode
     assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
 
 
+def test_image_placeholders_reach_vllm_as_one_token_per_image_with_the_images():
+    """vLLM repeats an image's placeholder once per merged patch itself: the engine hands it each run cut to one
+    token, with the images rebuilt from the request's pixels; prompts without images go as they are."""
+    from types import SimpleNamespace as NS
+
+    from rlx.models.vision.inputs import VisionInputs
+    from rlx.models.vision.tiny import tiny_vision_processor
+    from rlx.rollout.vllm import VLLMRolloutEngine, collapse_runs
+
+    assert collapse_runs([5, 7, 7, 7, 6, 5, 7, 6, 7], 7) == [5, 7, 6, 5, 7, 6, 7]
+    processor = tiny_vision_processor("qwen2_vl")
+    encoded = processor.encode(
+        [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "image": _png(20, 36)},
+                                      {"type": "image", "image": _png(12, 12)}]}], prompt_id="p")  # fmt: skip
+    engine = NS(vision=processor)  # prompt_fields reads only the processor
+    request = TokenRequest("p/0", encoded.input_ids, 4, vision=encoded.vision)
+    fields = VLLMRolloutEngine.prompt_fields(engine, request)
+    pad = processor.image_token_id
+    assert fields["prompt_token_ids"] == collapse_runs(encoded.input_ids, pad)
+    assert fields["prompt_token_ids"].count(pad) == 2 < encoded.input_ids.count(pad)
+    again, grids = processor.process_images(fields["multi_modal_data"]["image"])
+    assert torch.equal(grids, encoded.vision.image_grid_thw) and torch.equal(again, encoded.vision.pixel_values)
+    assert VLLMRolloutEngine.prompt_fields(engine, TokenRequest("q", [1, 2], 4)) == {"prompt_token_ids": [1, 2]}
+    moved = VisionInputs(encoded.vision.pixel_values, encoded.vision.image_grid_thw, (2,), image_offsets=(1, 9))
+    with pytest.raises(UserError, match="one run of '<|image_pad|>' per image"):
+        VLLMRolloutEngine.prompt_fields(engine, TokenRequest("p/1", encoded.input_ids, 4, vision=moved))
+
+
+def _png(height: int, width: int) -> str:
+    """A random image as a data URI."""
+    import numpy as np
+    from PIL import Image
+
+    from rlx.models.vision.images import data_uri
+
+    pixels = np.random.default_rng(height * width).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return data_uri(Image.fromarray(pixels))
+
+
 def test_tensor_parallel_on_cuda_leaves_the_fused_allreduce_off_unless_asked():
     """At tp > 1 on CUDA vLLM would fuse each all-reduce with the next RMSNorm through FlashInfer, whose workspace
     lies outside the sleep-mode pool: off by default, on with rollout.vllm.allreduce_fusion; the option is one this

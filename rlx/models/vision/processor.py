@@ -95,6 +95,29 @@ class VisionProcessor:
         out = self.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"].float(), out["image_grid_thw"].long()
 
+    def images_of(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> list:
+        """The PIL images whose processing gives `pixel_values` and `grids` (each image's first frame): patches put
+        back in place, normalisation and rescaling undone, rounded to 8 bits. The images are already at their
+        resized size, so processing them again with the same settings gives the same grids and pixel values (the
+        resize keeps the size; the values were 8-bit before rescaling): how engines that process images themselves
+        (vLLM) get the images of requests that carry processed pixels."""
+        from PIL import Image
+
+        proc = self.image_processor
+        patch, merge = int(proc.patch_size), int(proc.merge_size)
+        mean = torch.tensor(proc.image_mean, dtype=torch.float64)[:, None, None]
+        std = torch.tensor(proc.image_std, dtype=torch.float64)[:, None, None]
+        images, start = [], 0
+        for t, h, w in grids.tolist():
+            rows = pixel_values[start : start + t * h * w].double()
+            start += t * h * w
+            channels = rows.shape[1] // (int(proc.temporal_patch_size) * patch * patch)
+            x = rows[: h * w].reshape(h // merge, w // merge, merge, merge, channels, -1, patch, patch)[..., 0, :, :]
+            x = x.permute(4, 0, 2, 5, 1, 3, 6).reshape(channels, h * patch, w * patch)
+            x = ((x * std + mean) / proc.rescale_factor).round().clamp(0, 255).to(torch.uint8)
+            images.append(Image.fromarray(x.permute(1, 2, 0).numpy()))
+        return images
+
     def vision_inputs(self, refs_per_sample: list[list[str]], sample_ids: list | None = None) -> VisionInputs:
         """The vision inputs of samples given their (resolved) image references, as rollout records keep them;
         an image shared by several samples (the n responses of a prompt) is loaded and processed once."""
