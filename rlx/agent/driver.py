@@ -178,6 +178,7 @@ class EnvRollout:
             max_new_tokens=min(self.sampling.max_new_tokens, room),
             greedy=self.sampling.is_greedy,
             vision=ep.images.vision(),
+            num_prompt_routes=traj.num_pending_inserted,  # their routing, as the engine reads them (MoE replay)
         )
         stream.submit(ep, request)
 
@@ -199,7 +200,7 @@ class EnvRollout:
             stepping[pool.start(lambda: ep.env.step(message), ep.env.where("step()"))] = ep
 
     def _add_turn(self, ep: Episode, gen: Generated) -> ParsedTurn:
-        ep.trajectory.add_model_turn(gen.response_ids, gen.logprobs, gen.routed_experts)
+        ep.trajectory.add_model_turn(gen.response_ids, gen.logprobs, gen.routed_experts, gen.prompt_routed_experts)
         ep.last_turn_ids = gen.response_ids
         text = self.tokenizer.decode(gen.response_ids, skip_special_tokens=True)
         if self.stops is not None and gen.finish_reason == "stop":  # the message ends before its stop string

@@ -2,8 +2,8 @@
 
 `prompt_ids` is the opening prompt and `response_ids` every later token (model and inserted, in
 order); `loss_mask`, `rollout_logprobs` (0 where the mask is 0), `messages`, `num_turns` and
-`env_reward` ride along (and an MoE model's `routed_experts` over the whole response: -1 on the inserted
-tokens), and `response` is the text of the last assistant turn (the final answer
+`env_reward` ride along (and an MoE model's `routed_experts` over the whole response, inserted tokens' rows as
+the next turn's engine read them), and `response` is the text of the last assistant turn (the final answer
 rule rewards grade). `finish_reason` is one of stop | length | max_turns | env_done.
 """
 

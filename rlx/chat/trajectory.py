@@ -244,15 +244,35 @@ class Trajectory:
     """Assistant turns generated."""
     route_parts: list = field(default_factory=list, repr=False)
     """MoE models: the routing of the response tokens, in order: per model turn its Generated.routed_experts
-    ([n, L, k] int16, or None from an engine that records none), per run of inserted tokens their count (they were
-    not sampled: no record). `routed_experts()` assembles them."""
+    ([n, L, k] int16, or None from an engine that records none), per run of inserted tokens the rows the next turn's
+    engine computed as it read them (its Generated.prompt_routed_experts) or, where it gave none, their count.
+    `routed_experts()` assembles them."""
 
-    def add_model_turn(self, ids: list[int], logprobs: list[float], routes: torch.Tensor | None = None) -> None:
-        """A turn the model generated; `routes`: its Generated.routed_experts (an MoE model's engine that records)."""
+    @property
+    def num_pending_inserted(self) -> int:
+        """The inserted tokens since the last model turn: the next turn's request asks the engine for the routing of
+        the positions that predicted them (TokenRequest.num_prompt_routes)."""
+        last = self.route_parts[-1] if self.route_parts else None
+        return last if isinstance(last, int) else 0
+
+    def add_model_turn(
+        self, ids: list[int], logprobs: list[float], routes: torch.Tensor | None = None,
+        inserted_routes: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """A turn the model generated; `routes`: its Generated.routed_experts (an MoE model's engine that records);
+        `inserted_routes`: its Generated.prompt_routed_experts, the rows of the `num_pending_inserted` tokens before
+        it (None: they have none)."""
         if len(ids) != len(logprobs):
             raise ValueError(f"a model turn has {len(ids)} tokens but {len(logprobs)} logprobs")
         if routes is not None and routes.shape[0] != len(ids):
             raise ValueError(f"a model turn has {len(ids)} tokens but {routes.shape[0]} rows of routed experts")
+        if inserted_routes is not None:
+            if inserted_routes.shape[0] != self.num_pending_inserted:
+                raise ValueError(
+                    f"{self.num_pending_inserted} inserted tokens before a model turn but {inserted_routes.shape[0]} "
+                    "rows of routed experts for them"
+                )
+            self.route_parts[-1] = inserted_routes
         self.response_ids += ids
         self.loss_mask += [1] * len(ids)
         self.rollout_logprobs += [float(x) for x in logprobs]
@@ -268,7 +288,8 @@ class Trajectory:
 
     def routed_experts(self) -> torch.Tensor | None:
         """The experts of every response token's predicting position, int16 [len(response_ids), L, k]: each model
-        turn's rows as its engine recorded them, -1 on inserted tokens (the model did not sample them: replay routes
+        turn's rows as its engine recorded them, inserted tokens' as the next turn's engine computed them when it
+        read them, -1 on inserted tokens without rows (no turn read them, or its engine cannot tell: replay routes
         them normally). None when no model turn recorded routing, or some turn did not (then nothing is replayed
         rather than part of the sample)."""
         import torch

@@ -83,11 +83,13 @@ class HFRolloutEngine(RolloutEngine):
         recorder = recorder if recorder is not None and recorder.routers else None
         num_top = max(r.num_top_logprobs for r in requests)
         top = (num_top, []) if num_top else None
+        num_prompt = [r.num_prompt_routes for r in requests]
         with recorder if recorder is not None else contextlib.nullcontext():
             tokens, logprobs, routes = self._decode(
-                ids, uniforms, greedy, limits, cfg, vision, rows, recorder, top, [r.constraint for r in requests]
-            )
-        generated = self._unpack(tokens, logprobs, limits.tolist(), routes)
+                ids, uniforms, greedy, limits, cfg, vision, rows, recorder, top, [r.constraint for r in requests],
+                max(num_prompt),
+            )  # fmt: skip
+        generated = self._unpack(tokens, logprobs, limits.tolist(), routes, num_prompt)
         if top is not None:
             _add_top_logprobs(generated, requests, top[1])
         if cfg.stop:  # drop the tokens after a stop string
@@ -127,9 +129,12 @@ class HFRolloutEngine(RolloutEngine):
         self, prompt_ids: list[list[int]], uniforms: torch.Tensor, greedy: torch.Tensor, limits: torch.Tensor,
         cfg: SamplingParams, vision: list | None = None, rows: BatchSampling | None = None,
         recorder: RouterRecorder | None = None, top: tuple[int, list] | None = None, constraints: list | None = None,
+        num_prompt_routes: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """Tokens and logprobs [b, steps] (CPU), and with an open `recorder` (an MoE model) the experts [b, steps,
-        L, k] int16 of the position that predicted each token (rlx.models.routing), else None.  uniforms: [b, width];
+        """Tokens and logprobs [b, steps] (CPU), and with an open `recorder` (an MoE model) the experts [b,
+        num_prompt_routes + steps, L, k] int16 of the positions that predicted the prompts' last num_prompt_routes
+        tokens (prompts are left-padded: a shorter prompt's first columns are padding) and then each sampled token
+        (rlx.models.routing), else None.  uniforms: [b, width];
         greedy: [b] bool rows that take the argmax; limits: [b] each row's max_new_tokens (a row past its limit is
         done); vision: each prompt's VisionInputs or None; rows: each row's temperature / top_k / top_p (None: the
         call's); top: (k, list) to append each step's k most likely (logprobs [b, k], ids [b, k]) to; constraints:
@@ -147,8 +152,9 @@ class HFRolloutEngine(RolloutEngine):
         images = vision_forward(self.model, row) if row is not None else contextlib.nullcontext()
         with images, autocast(self.device, self.dtype):
             out = self.model(**inputs, use_cache=True)
-        # [b, L, k]: the experts of each prompt's last token (every prompt ends at the last column)
-        routes = [recorder.pop().unflatten(0, (b, -1))[:, -1]] if recorder is not None else []
+        # [b, m + 1, L, k]: the experts of each prompt's last m + 1 columns (every prompt ends at the last column)
+        columns, m = inputs["input_ids"].shape[1], num_prompt_routes
+        routes = [recorder.pop().unflatten(0, (b, columns))[:, columns - 1 - m :]] if recorder is not None else []
         # the next token's position: one past the prompt's largest (an image's rows and columns may exceed its
         # last token's, mRoPE; text positions: the last + 1)
         positions = positions.amax(dim=-1, keepdim=True) + 1
@@ -189,8 +195,8 @@ class HFRolloutEngine(RolloutEngine):
                     use_cache=True,
                 )
             if recorder is not None:
-                routes.append(recorder.pop())  # [b, L, k]: the experts of the token just fed
-        routed = torch.stack(routes, 1).cpu() if routes else None
+                routes.append(recorder.pop().unsqueeze(1))  # [b, 1, L, k]: the experts of the token just fed
+        routed = torch.cat(routes, 1).cpu() if routes else None
         return torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).float().cpu(), routed
 
     def _stop_string_hits(self, stops: StopStrings, tokens: list[torch.Tensor], done: torch.Tensor) -> torch.Tensor:
@@ -205,18 +211,25 @@ class HFRolloutEngine(RolloutEngine):
         return bool(all_reduce(float(finished), "min", device=self.device)) if self.ctx else finished
 
     def _unpack(
-        self, tokens: torch.Tensor, logprobs: torch.Tensor, limits: list[int], routes: torch.Tensor | None = None
-    ) -> list[Generated]:
+        self, tokens: torch.Tensor, logprobs: torch.Tensor, limits: list[int], routes: torch.Tensor | None = None,
+        num_prompt: list[int] | None = None,
+    ) -> list[Generated]:  # fmt: skip
         """Cut each row at its limit, then after its first stop token.  tokens, logprobs: [b, steps]; routes:
-        [b, steps, L, k] or None."""
-        out = []
+        [b, m + steps, L, k] (`_decode`'s, m = max(num_prompt)) or None; num_prompt: each row's
+        TokenRequest.num_prompt_routes."""
+        num_prompt = num_prompt or [0] * len(limits)
+        m, out = max(num_prompt), []
         for i, (row_tokens, row_logprobs, limit) in enumerate(zip(tokens.tolist(), logprobs.tolist(), limits)):
             row_tokens = row_tokens[:limit]
             end = next((i + 1 for i, t in enumerate(row_tokens) if t in self.stop_ids), None)
             reason = "stop" if end is not None else "length"
             end = end or len(row_tokens)
-            routed = routes[i, :end] if routes is not None else None
-            out.append(Generated(row_tokens[:end], row_logprobs[:end], reason, routed_experts=routed))
+            routed, prompt_routed = None, None
+            if routes is not None:
+                routed = routes[i, m : m + end]
+                prompt_routed = routes[i, m - num_prompt[i] : m] if num_prompt[i] else None
+            out.append(Generated(row_tokens[:end], row_logprobs[:end], reason, routed_experts=routed,
+                                 prompt_routed_experts=prompt_routed))  # fmt: skip
         return out
 
 

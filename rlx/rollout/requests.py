@@ -67,8 +67,16 @@ class TokenRequest:
     num_top_logprobs: int = 0
     """Also return, at each sampled position, the most likely tokens and their logprobs (Generated.top_logprobs):
     how many (0 = none; engines hf and native)."""
+    num_prompt_routes: int = 0
+    """MoE models: also return the routing of the positions that predicted the prompt's last n tokens
+    (Generated.prompt_routed_experts): a multi-turn episode's next turn asks for its inserted tokens' (0 = none)."""
 
     def __post_init__(self):
+        most = max(len(self.prompt_ids) - 1, 0)  # the first prompt token has no predicting position
+        if not 0 <= self.num_prompt_routes <= most:
+            raise ValueError(
+                f"token request {self.key!r}: num_prompt_routes {self.num_prompt_routes} is not in [0, {most}]"
+            )
         ranges = {"temperature": lambda t: t >= 0, "top_p": lambda p: 0 < p <= 1, "top_k": lambda k: k >= -1}
         for name, valid in ranges.items():
             value = getattr(self, name)
@@ -93,6 +101,11 @@ class Generated:
     routed_experts: torch.Tensor | None = None
     """MoE models on engines that record routing: int16 [len(response_ids), layers, k], the experts of the
     position that predicted each token (rlx.models.routing); None otherwise."""
+    prompt_routed_experts: torch.Tensor | None = None
+    """With TokenRequest.num_prompt_routes = n on an engine that records routing: int16 [n, layers, k], the experts
+    of the positions that predicted the prompt's last n tokens (computed as the engine read the prompt), so that
+    `prompt_routed_experts` then `routed_experts` are the rows of the context's last n + len(response_ids) tokens;
+    None otherwise."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """With TokenRequest.num_top_logprobs = k: at each position, the k most likely (token id, logprob) pairs, most
     likely first, from the distribution `logprobs` are taken from (after temperature, before top-k/top-p)."""

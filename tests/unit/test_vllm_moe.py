@@ -16,7 +16,7 @@ from rlx.formats.records import PromptRecord
 from rlx.models.moe import router_layer_indices, tiny_moe_config, write_tiny_moe_model_dir
 from rlx.rollout.base import ModuleWeights
 from rlx.rollout.config import RolloutConfig, SamplingParams
-from rlx.rollout.vllm import vllm_routes
+from rlx.rollout.vllm import vllm_prompt_routes, vllm_routes
 from tests.conftest import cli_ok, generate, make_engine, read_jsonl, write_jsonl
 
 # one test worker runs every vLLM test (closing an in-process vLLM engine tears down vLLM's global state)
@@ -40,6 +40,20 @@ def test_vllm_routes_keep_the_positions_predicting_the_response_and_the_moe_laye
         vllm_routes(every[-2:], response_len, [1, 2])
     with pytest.raises(RuntimeError, match="none"):
         vllm_routes(None, response_len, [1, 2])
+
+
+def test_vllm_prompt_routes_are_the_rows_before_the_responses():
+    """A multi-turn request asking for its last 2 prompt tokens' rows starts vLLM's rows 2 positions earlier: those
+    2 rows come back apart from the response's; fewer rows than asked (a start vLLM cut short) give none."""
+    prompt_len, response_len, asked = 5, 3, 2
+    every = np.arange((prompt_len + response_len - 1) * 3 * 2, dtype=np.uint8).reshape(-1, 3, 2)
+    start = prompt_len - 1 - asked  # routed_experts_prompt_start
+    rows = vllm_prompt_routes(every[start:], response_len, asked, [1, 2])
+    want = torch.from_numpy(every[start : prompt_len - 1, [1, 2]].astype(np.int16))  # positions 2 and 3
+    assert rows.dtype == torch.int16 and torch.equal(rows, want)
+    assert torch.equal(vllm_routes(every[start:], response_len, [1, 2]), vllm_routes(every, response_len, [1, 2]))
+    assert vllm_prompt_routes(every[start + 1 :], response_len, asked, [1, 2]) is None
+    assert vllm_prompt_routes(every[start:], response_len, 0, [1, 2]) is None
 
 
 def test_moe_layers_are_the_routed_decoder_layers():

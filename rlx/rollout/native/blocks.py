@@ -39,6 +39,11 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     routed_experts: list = field(default_factory=list)
     """An MoE model's: per output token, the experts [L, k] (int16) of the position that predicted it."""
+    num_prompt_routes: int = 0
+    """An MoE model's: the last prompt tokens whose predicting positions' routing to record
+    (TokenRequest.num_prompt_routes)."""
+    prompt_routes: object | None = None
+    """Their experts [num_prompt_routes, L, k] (int16), recorded by the sequence's first prefill."""
     num_top_logprobs: int = 0
     """The most likely tokens to report at each position (TokenRequest.num_top_logprobs)."""
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -62,6 +67,19 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending_prompt_routes(self) -> int:
+        """The prompt tokens whose predicting positions' routing the next prefill records: num_prompt_routes until a
+        prefill recorded them, then 0 (a preempted sequence's recomputation keeps the first record)."""
+        return self.num_prompt_routes if self.prompt_routes is None else 0
+
+    @property
+    def first_to_compute(self) -> int:
+        """The first position a prefill computes whatever the cache holds: the last token's (its logits are needed),
+        or the first whose routing is still to be recorded (`pending_prompt_routes`)."""
+        pending = self.pending_prompt_routes
+        return len(self.prompt_ids) - 1 - pending if pending else len(self) - 1
 
 
 class BlockManager:
@@ -107,10 +125,11 @@ class BlockManager:
 
     def allocate(self, seq: Sequence) -> None:
         """Give a waiting sequence blocks for all its tokens; reuse cached full blocks of its prefix and mark
-        their tokens computed.  The last token is always left to compute (its logits are needed)."""
+        their tokens computed.  The last token, and the positions whose routing is to be recorded, are always left to
+        compute (`Sequence.first_to_compute`)."""
         assert not seq.block_table, "sequence already holds blocks"
         tokens, size = seq.token_ids, self.block_size
-        shareable = (len(tokens) - 1) // size  # full blocks before the last token
+        shareable = seq.first_to_compute // size  # full blocks before it
         previous, sharing = -1, True
         for b in range(-(-len(tokens) // size)):
             if b < shareable:

@@ -305,8 +305,10 @@ class NativeStream(TokenStream):
         greedy = request.greedy or own.is_greedy
         special = bool(request.num_top_logprobs) or request.constraint is not None
         row = self.sampler.add_rows(draws, own, special=special)
+        routes_prompt = request.num_prompt_routes if self.runner.routed_layers is not None else 0
         seq = Sequence(row, list(request.prompt_ids), request.max_new_tokens, greedy=greedy,
-                       num_top_logprobs=request.num_top_logprobs, constraint=request.constraint)  # fmt: skip
+                       num_top_logprobs=request.num_top_logprobs, constraint=request.constraint,
+                       num_prompt_routes=routes_prompt)  # fmt: skip
         if self.runner.images is not None:  # a vision-language model: mRoPE positions, the request's images
             self.runner.images.add(seq, request.prompt_ids, request.vision)
         elif request.vision is not None:
@@ -356,6 +358,12 @@ class NativeStream(TokenStream):
         """Append each sequence's sampled token; finish stopped sequences and return them."""
         tokens, logprobs = self.sampler.collect(step)
         stop_ids, finished = self.engine.stop_ids, []
+        if step.routes is not None and not step.decode:  # a prefill's rows past its sequences': prompt positions'
+            at = len(step.seqs)
+            for seq in step.seqs:
+                pending = seq.pending_prompt_routes
+                if pending:
+                    seq.prompt_routes, at = step.routes[at : at + pending], at + pending
         for row, (seq, token, logprob) in enumerate(zip(step.seqs, tokens, logprobs)):
             if seq.status is not Status.RUNNING:
                 continue  # it stopped at the step before: this token was computed ahead and is discarded
@@ -419,11 +427,12 @@ def _tensor_parallel(model, cfg, ctx) -> TensorParallelGroup | None:
 
 
 def _generated(seq: Sequence) -> Generated:
-    """A finished sequence's result (an MoE model's with its routing: [R, L, k] int16; the top logprobs a served
-    request asked for)."""
+    """A finished sequence's result (an MoE model's with its routing: [R, L, k] int16, and the prompt positions' it
+    was asked for; the top logprobs a served request asked for)."""
     routes = torch.stack(seq.routed_experts) if seq.routed_experts else None
     top = seq.top_logprobs if seq.num_top_logprobs else None
-    return Generated(seq.output_ids, seq.logprobs, seq.finish_reason, routed_experts=routes, top_logprobs=top)
+    return Generated(seq.output_ids, seq.logprobs, seq.finish_reason, routed_experts=routes, top_logprobs=top,
+                     prompt_routed_experts=seq.prompt_routes)  # fmt: skip
 
 
 def _param_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -318,10 +318,12 @@ class ModelRunner:
         return self.parts[2][: self.model.config.get_text_config().num_hidden_layers]
 
     def _run(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: PagedContext, keep: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: PagedContext, keep: torch.Tensor,
+        route_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """Logits [len(keep), V] (model dtype) of the kept positions of the row, and for an MoE model the experts
-        each routed layer chose there ([len(keep), L, k] int16; else None)."""
+        each routed layer chose at the `route_rows` positions (default: `keep`; [len(route_rows), L, k] int16; else
+        None)."""
         casts, stacks = (None, None) if self.casts is None else (self.casts.by_id, self.casts.stacks)
         exact = contextlib.nullcontext()
         if self.exact:
@@ -340,14 +342,14 @@ class ModelRunner:
             rope = rotary(hidden, position_ids=position_ids.expand(3, -1, -1) if self.is_mrope else position_ids)
             steps = _compiled() if ctx.decode and self.compiled else (_layer_step, _head_step)
             if self.routed_layers is not None:
-                return self._run_moe(hidden, position_ids, rope, ctx, keep, steps[1])
+                return self._run_moe(hidden, position_ids, rope, ctx, keep, steps[1], route_rows)
             for i, layer in enumerate(self._layers()):
                 hidden = steps[0](layer, hidden, position_ids, rope, ctx.for_layer(i))
             return steps[1](norm, head, hidden, keep), None
 
-    def _run_moe(self, hidden, position_ids, rope, ctx: PagedContext, keep: torch.Tensor, head_step):
-        """An MoE model's layers (moe.py): hidden [1, T, C] -> (logits [len(keep), V], experts [len(keep), L, k]
-        int16 of its L routed layers)."""
+    def _run_moe(self, hidden, position_ids, rope, ctx: PagedContext, keep: torch.Tensor, head_step, route_rows=None):
+        """An MoE model's layers (moe.py): hidden [1, T, C] -> (logits [len(keep), V], experts [len(route_rows), L,
+        k] int16 of its L routed layers; route_rows: default `keep`)."""
         step = _compiled_moe() if ctx.decode and self.compiled else moe_layer_step
         routes = []
         for i, (layer, routed) in enumerate(zip(self._layers(), self.routed_layers)):
@@ -355,7 +357,8 @@ class ModelRunner:
             if experts is not None:
                 routes.append(experts)
         _, _, _, norm, head = self.parts
-        return head_step(norm, head, hidden, keep), torch.stack(routes, 1)[keep].to(torch.int16)
+        rows = keep if route_rows is None else route_rows
+        return head_step(norm, head, hidden, keep), torch.stack(routes, 1)[rows].to(torch.int16)
 
     def _run_fused(self, hidden: torch.Tensor, rope, ctx: PagedContext, keep: torch.Tensor) -> torch.Tensor:
         """A decode step through the merged projections (fused.py): hidden [T, C] -> logits [len(keep), V]."""
@@ -425,15 +428,21 @@ class ModelRunner:
         self, seqs: list[Sequence], decode: bool, prev: tuple[torch.Tensor, list[int]] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [B, V] (model dtype) of each sequence's last token after running its uncomputed tokens, and for an
-        MoE model the experts its routed layers chose at that token ([B, L, k] int16, else None).
+        MoE model the experts its routed layers chose at that token ([B, L, k] int16, else None). A prefill's
+        experts go on with those of each sequence's positions predicting its last `pending_prompt_routes` prompt
+        tokens, sequence after sequence ([B + sum of them, L, k]).
 
         prev (decode only): (tokens [B'] on the device, row of each sequence in them): the step runs one token
         ahead, each sequence's input being its token sampled by the previous step, not yet on the host."""
         if decode:
             return self._decode(seqs, prev)
-        tokens, positions, slots, keep, q_rows, q_cols = [], [], [], [], [], []
+        tokens, positions, slots, keep, q_rows, q_cols, prompt_rows = [], [], [], [], [], [], []
         for row, seq in enumerate(seqs):
-            ids = seq.token_ids
+            ids, first, pending = seq.token_ids, len(tokens) - seq.num_computed, seq.pending_prompt_routes
+            if pending:  # the cache never holds these positions (BlockManager.allocate): this step computes them
+                start = len(seq.prompt_ids) - 1 - pending
+                assert start >= seq.num_computed, "prompt positions to route were taken from the cache"
+                prompt_rows += range(first + start, first + start + pending)
             for pos in range(seq.num_computed, len(ids)):
                 tokens.append(ids[pos])
                 positions.append(pos)
@@ -464,9 +473,10 @@ class ModelRunner:
         ctx.mask = mask.unsqueeze(1).to(self.device)
         input_ids = torch.tensor([tokens], dtype=torch.long).to(self.device)
         position_ids = torch.tensor([positions], dtype=torch.long).to(self.device)
+        keep_rows = torch.tensor(keep, device=self.device)
         if self.images is not None:
-            return self._prefill_with_images(seqs, input_ids, ctx, torch.tensor(keep, device=self.device))
-        return self._run(input_ids, position_ids, ctx, torch.tensor(keep, device=self.device))
+            return self._prefill_with_images(seqs, input_ids, ctx, keep_rows)
+        return self._run(input_ids, position_ids, ctx, keep_rows, torch.tensor(keep + prompt_rows, device=self.device))
 
     def _prefill_with_images(self, seqs: list[Sequence], input_ids, ctx: PagedContext, keep):
         """A vision-language model's prefill: its decoder's own forward on the row's embeddings with the image rows
