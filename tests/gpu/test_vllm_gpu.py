@@ -100,7 +100,8 @@ def test_moe_rollouts_record_the_routing_the_trainer_replays():
     model = AutoModelForCausalLM.from_config(config).eval()
     sampling = SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=3)
     cfg = RolloutConfig(engine="vllm", kv_cache_gib=0.25, chat_template="off", gpu_memory_utilization=0.3,
-                        precision="float32", sampling=sampling)  # fmt: skip
+                        precision="float32", sampling=sampling, sleep=False)  # fmt: skip
+    # sleep off: vLLM's sleep-mode allocator serves one engine per process (the direct-load test's)
     prompts = [PromptRecord(id=f"p{i}", prompt=text) for i, text in enumerate(["1+2=", "3*4=", "12+7=", "9-5="])]
     engine = make_engine(model.cuda(), tokenizer, cfg, CUDA)
     try:
