@@ -300,6 +300,10 @@ def main() -> None:
                         "train step (default 8192, recipes/qwen2_vl_2b_shapes.toml's)")  # fmt: skip
     parser.add_argument("--no-generate-baselines", action="store_true", help="skip the hf engine and transformers "
                         "generate rollouts (the slow part)")  # fmt: skip
+    parser.add_argument("--rollout-engines", default="native", help="comma-separated rlx engines whose rollouts "
+                        "are timed, each after a warm-up call: native, vllm, hf (default native)")  # fmt: skip
+    parser.add_argument("--rollout-only", action="store_true", help="stop after the rollouts (no baselines, no "
+                        "scoring or training)")  # fmt: skip
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
@@ -310,8 +314,14 @@ def main() -> None:
         model_dir = write_model_dir(root / "model", args.small)
         rlx("shard", "--model", model_dir, "--init", "random", "--seed", "0", "--out", root / "ckpt")
         prompts = write_prompts(root / "prompts.jsonl", args.prompts, 448)
-        native, records = rlx_rollout(root / "ckpt", prompts, args, device, "native")
-        report(results, "rollout_native", native)
+        records = None
+        for engine in args.rollout_engines.split(","):
+            timed, engine_records = rlx_rollout(root / "ckpt", prompts, args, device, engine)
+            report(results, f"rollout_{engine}", timed)
+            records = records or engine_records
+        if args.rollout_only:
+            finish(results, args)
+            return
         if not args.no_generate_baselines:
             report(results, "rollout_hf_engine", rlx_rollout(root / "ckpt", prompts, args, device, "hf")[0])
             report(results, "rollout_transformers_generate", hf_generate(root / "ckpt", prompts, args, device, dtype))
@@ -329,6 +339,10 @@ def main() -> None:
         if device.type == "cuda":
             report(results, "train_rlx_fast_path", rlx_train(root / "ckpt", batch, args, device, fast_path=True))
         report(results, "train_transformers_padded", hf_train(root / "ckpt", batch, args, device, dtype))
+    finish(results, args)
+
+
+def finish(results: dict, args) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 

