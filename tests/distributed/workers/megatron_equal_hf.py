@@ -111,7 +111,8 @@ def check_degrees(tp: int, pp: int) -> None:
         rows = PackedRows.build(**ids)
         for critic in (False, True):
             check(config, critic, ids, rows, ctx, tp, pp)
-    print("rank", ctx.rank, "tp", tp, "pp", pp, "ok", flush=True)
+    sys.stdout.write(f"rank {ctx.rank} tp {tp} pp {pp} ok\n")  # one write: ranks print at once
+    sys.stdout.flush()
     parallel_state.destroy_model_parallel()  # the next degrees build their own groups (the process group stays)
     # megatron-core 0.16's destroy keeps these rank lists (see tests/distributed/workers/rlx_commands.py)
     parallel_state._EMBEDDING_GLOBAL_RANKS = None

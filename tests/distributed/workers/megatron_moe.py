@@ -134,5 +134,6 @@ for pair in sys.argv[1:]:
     for model_type, overrides in FAMILIES:
         check(model_type, overrides)
     parallel_state.destroy_model_parallel()  # the next pair's degrees (as tests/distributed/workers/rlx_commands.py)
-print("rank", ctx.rank, "ok")
+sys.stdout.write(f"rank {ctx.rank} ok\n")  # one write: ranks print at once
+sys.stdout.flush()
 exit_process(0)
