@@ -355,6 +355,35 @@ def test_ppo_with_megatron_expert_and_tensor_parallelism_equals_one_process(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family, degree", [("qwen2_moe", "megatron.tp_degree=2"), ("mixtral", "train.ep_degree=2")])
+def test_ppo_of_qwen2_moe_and_mixtral_on_megatron_equals_one_process(tmp_path, prompts_file, family, degree):
+    """`rlx ppo` of the MoE quickstart's work on a tiny Qwen2-MoE (gated shared expert, q/k/v biases) at tp 2 and a
+    tiny Mixtral at ep 2 with [megatron] on 2 ranks, routing replay in scoring and training, == the one-process FSDP
+    run: weights after 2 steps and the step metrics (router losses off: each data-parallel rank would compute them
+    over its own tokens)."""
+    from rlx.models.moe import write_tiny_moe_config_dir
+
+    model = write_tiny_moe_config_dir(tmp_path / family, family)
+    sets = [
+        f"model.path={model}", f"data.prompts={prompts_file}", "data.prompts_per_step=4", "rollout.sampling.n=4",
+        "train.mini_batch_size=8", "train.micro_batch_size=4", "score.micro_batch_size=8", "train.use_packing=true",
+        "steps=2", "save_every=2", "train.loss.moe_aux_loss_coef=0", "score.router_replay=rollout",
+        "train.router_replay=rollout",
+    ]  # fmt: skip
+    args = [a for s in sets for a in ("--set", s)]
+    recipe = REPO / "recipes" / "moe_quickstart.toml"
+    cli_ok("ppo", recipe, "--out", tmp_path / "one", *args)
+    torchrun(2, "ppo", recipe, "--out", tmp_path / "two", *args, "--set", "megatron.pp_degree=1", "--set", degree)
+    final = "checkpoints/step_000002"
+    assert json.loads((tmp_path / "two" / final / "rlx.json").read_text())["layout"] == "megatron"
+    assert max_diff(tmp_path / "one" / final, tmp_path / "two" / final) < 1e-5
+    one, two = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("one", "two"))
+    assert one[0]["actor/grad_norm"] > 0
+    for key in ("reward/mean", "actor/loss", "actor/grad_norm", "moe/routing_mismatch", "moe/expert_load_max"):
+        assert all(abs(a[key] - b[key]) < 1e-5 for a, b in zip(one, two)), key
+
+
+@pytest.mark.slow
 def test_two_rank_train_steps_equal_one_process(moe, fsdp_losses, qwen2, mixtral, tmp_path):
     """In one launch of 2 ranks: megatron at ep 2 (the experts split) == megatron in one process == FSDP in one process
     == FSDP's expert parallelism (loss and weights after the step, 1e-5); the checkpoint holds every expert and the
