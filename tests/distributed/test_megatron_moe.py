@@ -384,6 +384,39 @@ def test_ppo_of_qwen2_moe_and_mixtral_on_megatron_equals_one_process(tmp_path, p
 
 
 @pytest.mark.slow
+def test_ppo_with_an_moe_critic_on_megatron_equals_one_process(tmp_path, prompts_file):
+    """GAE with a critic built from the tiny Qwen3-MoE's backbone: `rlx ppo` with [megatron] at train.ep_degree = 2
+    on 2 ranks == the one-process FSDP run, actor and critic weights after 2 steps and the critic's metrics."""
+    from rlx.models.moe import write_tiny_moe_config_dir
+
+    model = write_tiny_moe_config_dir(tmp_path / "tiny-moe")
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(
+        (REPO / "recipes" / "moe_quickstart.toml").read_text().replace('path = "tiny-moe-arith"', f'path = "{model}"')
+        + "\n[critic]\n\n[critic.train]\nmini_batch_size = 8\nmicro_batch_size = 4\n"
+        + "\n[critic.train.optim]\nlr = 1e-3\nweight_decay = 0.0\n"
+    )
+    sets = [
+        f"data.prompts={prompts_file}", "data.prompts_per_step=4", "rollout.sampling.n=4", "score.estimator=gae",
+        "train.mini_batch_size=8", "train.micro_batch_size=4", "score.micro_batch_size=8", "train.use_packing=true",
+        "steps=2", "save_every=2", "train.loss.moe_aux_loss_coef=0",
+    ]  # fmt: skip
+    args = [a for s in sets for a in ("--set", s)]
+    cli_ok("ppo", recipe, "--out", tmp_path / "one", *args)
+    torchrun(2, "ppo", recipe, "--out", tmp_path / "two", *args, "--set", "megatron.pp_degree=1", "--set",
+             "train.ep_degree=2")  # fmt: skip
+    final = tmp_path / "{}" / "checkpoints" / "step_000002"
+    one, two = (Path(str(final).format(run)) for run in ("one", "two"))
+    assert json.loads((two / "critic" / "rlx.json").read_text())["layout"] == "megatron"
+    assert max_diff(one, two) < 1e-5
+    assert max_diff(one / "critic", two / "critic") < 1e-5
+    a, b = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("one", "two"))
+    assert a[0]["critic/grad_norm"] > 0
+    for key in ("actor/loss", "critic/vf_loss", "critic/grad_norm", "critic/values_mean"):
+        assert all(abs(x[key] - y[key]) < 1e-5 for x, y in zip(a, b)), key
+
+
+@pytest.mark.slow
 def test_two_rank_train_steps_equal_one_process(moe, fsdp_losses, qwen2, mixtral, tmp_path):
     """In one launch of 2 ranks: megatron at ep 2 (the experts split) == megatron in one process == FSDP in one process
     == FSDP's expert parallelism (loss and weights after the step, 1e-5); the checkpoint holds every expert and the
