@@ -128,9 +128,13 @@ def write_engine_config(config, folder: Path) -> None:
     written = json.loads(path.read_text())
     written.pop("quantization_config", None)
     if not written.get("architectures"):
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.models.auto import modeling_auto as auto
 
-        written["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+        names = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        name = next((n[config.model_type] for n in names if config.model_type in n), None)
+        if name is None:
+            raise UserError(f"model type {config.model_type!r}: its config names no architecture for vLLM to build")
+        written["architectures"] = [name]
     path.write_text(json.dumps(written))
 
 
