@@ -319,6 +319,17 @@ def test_moe_compat_layer_targets_the_upstream_code():
         assert router.torch.cuda.current_device() == torch.device("cpu")
 
 
+def ppo_args(prompts_file, *extra: str) -> list[str]:
+    """`--set` flags of 2 small steps of the MoE quickstart (router losses off: each data-parallel rank would compute
+    them over its own tokens), plus `extra` settings."""
+    sets = [
+        f"data.prompts={prompts_file}", "data.prompts_per_step=4", "rollout.sampling.n=4", "train.mini_batch_size=8",
+        "train.micro_batch_size=4", "score.micro_batch_size=8", "train.use_packing=true", "steps=2", "save_every=2",
+        "train.loss.moe_aux_loss_coef=0", *extra,
+    ]  # fmt: skip
+    return [a for s in sets for a in ("--set", s)]
+
+
 @pytest.mark.slow
 def test_ppo_with_megatron_expert_and_tensor_parallelism_equals_one_process(tmp_path, prompts_file):
     """`rlx ppo` of the MoE quickstart with [megatron] on 2 ranks, at train.ep_degree = 2 and at megatron.tp_degree =
@@ -328,13 +339,7 @@ def test_ppo_with_megatron_expert_and_tensor_parallelism_equals_one_process(tmp_
     from rlx.models.moe import write_tiny_moe_config_dir
 
     model = write_tiny_moe_config_dir(tmp_path / "tiny-moe")
-    sets = [
-        f"model.path={model}", f"data.prompts={prompts_file}", "data.prompts_per_step=4", "rollout.sampling.n=4",
-        "train.mini_batch_size=8", "train.micro_batch_size=4", "score.micro_batch_size=8", "train.use_packing=true",
-        "steps=2", "save_every=2", "train.loss.moe_aux_loss_coef=0", "score.router_replay=rollout",
-        "train.router_replay=rollout",
-    ]  # fmt: skip
-    args = [a for s in sets for a in ("--set", s)]
+    args = ppo_args(prompts_file, f"model.path={model}", "score.router_replay=rollout", "train.router_replay=rollout")
     recipe = REPO / "recipes" / "moe_quickstart.toml"
     cli_ok("ppo", recipe, "--out", tmp_path / "one", *args)
     runs = {"ep2": "train.ep_degree=2", "tp2": "megatron.tp_degree=2"}
@@ -364,13 +369,7 @@ def test_ppo_of_qwen2_moe_and_mixtral_on_megatron_equals_one_process(tmp_path, p
     from rlx.models.moe import write_tiny_moe_config_dir
 
     model = write_tiny_moe_config_dir(tmp_path / family, family)
-    sets = [
-        f"model.path={model}", f"data.prompts={prompts_file}", "data.prompts_per_step=4", "rollout.sampling.n=4",
-        "train.mini_batch_size=8", "train.micro_batch_size=4", "score.micro_batch_size=8", "train.use_packing=true",
-        "steps=2", "save_every=2", "train.loss.moe_aux_loss_coef=0", "score.router_replay=rollout",
-        "train.router_replay=rollout",
-    ]  # fmt: skip
-    args = [a for s in sets for a in ("--set", s)]
+    args = ppo_args(prompts_file, f"model.path={model}", "score.router_replay=rollout", "train.router_replay=rollout")
     recipe = REPO / "recipes" / "moe_quickstart.toml"
     cli_ok("ppo", recipe, "--out", tmp_path / "one", *args)
     torchrun(2, "ppo", recipe, "--out", tmp_path / "two", *args, "--set", "megatron.pp_degree=1", "--set", degree)
@@ -396,12 +395,7 @@ def test_ppo_with_an_moe_critic_on_megatron_equals_one_process(tmp_path, prompts
         + "\n[critic]\n\n[critic.train]\nmini_batch_size = 8\nmicro_batch_size = 4\n"
         + "\n[critic.train.optim]\nlr = 1e-3\nweight_decay = 0.0\n"
     )
-    sets = [
-        f"data.prompts={prompts_file}", "data.prompts_per_step=4", "rollout.sampling.n=4", "score.estimator=gae",
-        "train.mini_batch_size=8", "train.micro_batch_size=4", "score.micro_batch_size=8", "train.use_packing=true",
-        "steps=2", "save_every=2", "train.loss.moe_aux_loss_coef=0",
-    ]  # fmt: skip
-    args = [a for s in sets for a in ("--set", s)]
+    args = ppo_args(prompts_file, "score.estimator=gae")
     cli_ok("ppo", recipe, "--out", tmp_path / "one", *args)
     torchrun(2, "ppo", recipe, "--out", tmp_path / "two", *args, "--set", "megatron.pp_degree=1", "--set",
              "train.ep_degree=2")  # fmt: skip
