@@ -94,6 +94,8 @@ VISION_WITHOUT_PROCESSOR = (
     "engine 'vllm' needs the image processor of vision-language model {model_type} (preprocessor_config.json in "
     "the model dir), which was not loaded"
 )
+_IMAGE_SETS_KEPT = 256
+"""Requests' rebuilt images a stream keeps for the requests that share them (their samples come together)."""
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM takes for max_lora_rank."""
 
@@ -402,39 +404,49 @@ class VLLMRolloutEngine(RolloutEngine):
             raise RuntimeError("the vllm engine is asleep: wake it and update its weights before generating")
         show = progress and (self.ctx is None or self.ctx.is_main) and sys.stderr.isatty()
         tokens = token_requests(requests, sampling)  # keyed by sample id, as the other engines' streams
+        images: dict = {}  # each prompt's images rebuilt once for its samples
         outputs = self.llm.generate(
-            [TokensPrompt(**self.prompt_fields(t)) for t in tokens],
+            [TokensPrompt(**self.prompt_fields(t, images)) for t in tokens],
             [self.params(t.key, t.max_new_tokens, t.greedy, sampling, len(t.prompt_ids)) for t in tokens],
             use_tqdm=show,
             lora_request=self.lora_request,
         )
         return LocalGeneration([self.generated(o.outputs[0]) for o in outputs])
 
-    def prompt_fields(self, request: TokenRequest) -> dict:
+    def prompt_fields(self, request: TokenRequest, images: dict | None = None) -> dict:
         """vLLM's prompt of a request: its token ids, and with images the images rebuilt from the request's pixels
         with each image's placeholder run cut to one token, as a chat template writes it (vLLM repeats it once per
         merged patch of the image again, as rlx did). A multi-turn context's images sit where its offsets say; a
-        placeholder token that is text there (sampled by the model) is refused: vLLM would take it for an image."""
+        placeholder token that is text there (sampled by the model) is refused: vLLM would take it for an image.
+        `images`: rebuilt images by request vision inputs, kept across the requests that share them (a prompt's N
+        samples share one object), so each is rebuilt once."""
         vision = request.vision
         if vision is None or not vision.num_images:
             return {"prompt_token_ids": list(request.prompt_ids)}
         token = self.vision.image_token_id
         ids = torch.tensor(request.prompt_ids, dtype=torch.long)
         try:
-            images = vision.image_mask(0, ids, token, self.vision.merge_size)
+            mask = vision.image_mask(0, ids, token, self.vision.merge_size)
         except ValueError as e:
             raise UserError(f"request {request.key}: its images do not sit on placeholder runs ({e})") from None
-        if int((ids == token).sum()) != int(images.sum()):
+        text = int((ids == token).sum() - mask.sum())
+        if text:
             raise UserError(
-                f"request {request.key}: {int((ids == token).sum() - images.sum())} {self.vision.family.image_token!r} "
-                f"tokens in its context are text, not images (sampled by the model?): the vllm engine cannot tell them "
-                f"from image placeholders; use engine 'hf' or 'native'"
+                f"request {request.key}: {text} {self.vision.family.image_token!r} tokens in its context are text, not "
+                f"images (sampled by the model?): the vllm engine cannot tell them from image placeholders; use engine "
+                f"'hf' or 'native'"
             )
         counts = [image_token_count(g, self.vision.merge_size) for g in vision.image_grid_thw.tolist()]
-        starts = find_image_offsets(ids, token, counts, images)
+        starts = find_image_offsets(ids, token, counts, mask)
         dropped = {i for start, count in zip(starts, counts) for i in range(start + 1, start + count)}
-        pixels = self.vision.images_of(vision.pixel_values, vision.image_grid_thw)
         kept = [t for i, t in enumerate(request.prompt_ids) if i not in dropped]
+        images = {} if images is None else images
+        held, pixels = images.get(id(vision), (None, None))
+        if held is not vision:  # the entry holds the inputs it was made from: an id is never taken for another's
+            pixels = self.vision.images_of(vision.pixel_values, vision.image_grid_thw)
+            images[id(vision)] = (vision, pixels)
+            if len(images) > _IMAGE_SETS_KEPT:  # a long stream's (an async rollout rank's): the oldest goes
+                images.pop(next(iter(images)))
         return {"prompt_token_ids": kept, "multi_modal_data": {"image": pixels}}
 
     def params(
@@ -505,6 +517,8 @@ class VLLMStream(TokenStream):
         """The token ids each request in flight has returned so far (vLLM's cumulative list, copied when read)."""
         self.num_prompt_routes: dict[str, int] = {}
         """Each request's TokenRequest.num_prompt_routes, where it asks for some."""
+        self.images: dict = {}
+        """Images rebuilt for the requests of this stream (prompt_fields), by their vision inputs."""
         self.step_all = False
 
     def submit(self, tag, request: TokenRequest) -> None:
@@ -527,7 +541,7 @@ class VLLMStream(TokenStream):
         if request.num_prompt_routes:
             self.num_prompt_routes[request_id] = request.num_prompt_routes
         salt = f"rlx-weights-{self.engine.weights_version}"
-        prompt = TokensPrompt(**self.engine.prompt_fields(request), cache_salt=salt)
+        prompt = TokensPrompt(**self.engine.prompt_fields(request, self.images), cache_salt=salt)
         self.internal[request_id] = self.core.add_request(
             request_id, prompt, params, lora_request=self.engine.lora_request
         )
@@ -587,6 +601,7 @@ class VLLMStream(TokenStream):
             self.core.abort_request(list(self.tags))
         self.engine.num_in_flight -= len(self.tags)
         self.tags, self.internal, self.num_generated, self.sampled, self.num_prompt_routes = {}, {}, {}, {}, {}
+        self.images = {}
 
 
 def _refuse_early(config, ctx, processor) -> None:

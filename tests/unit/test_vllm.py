@@ -350,6 +350,10 @@ def test_image_placeholders_reach_vllm_as_one_token_per_image_with_the_images():
     again, grids = processor.process_images(fields["multi_modal_data"]["image"])
     assert torch.equal(grids, encoded.vision.image_grid_thw) and torch.equal(again, encoded.vision.pixel_values)
     assert VLLMRolloutEngine.prompt_fields(engine, TokenRequest("q", [1, 2], 4)) == {"prompt_token_ids": [1, 2]}
+    kept: dict = {}  # a prompt's samples share its vision inputs: its images are rebuilt once
+    samples = [TokenRequest(f"p/{i}", ids, 4, vision=encoded.vision) for i in range(2)]
+    first, second = (VLLMRolloutEngine.prompt_fields(engine, sample, kept) for sample in samples)
+    assert first["multi_modal_data"]["image"] is second["multi_modal_data"]["image"] and len(kept) == 1
 
     def context(prefix: list[int]) -> TokenRequest:  # a multi-turn context: `prefix`, then the prompt
         offsets = tuple(len(prefix) + start for start in starts)

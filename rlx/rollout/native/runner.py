@@ -476,7 +476,8 @@ class ModelRunner:
         keep_rows = torch.tensor(keep, device=self.device)
         if self.images is not None:
             return self._prefill_with_images(seqs, input_ids, ctx, keep_rows)
-        return self._run(input_ids, position_ids, ctx, keep_rows, torch.tensor(keep + prompt_rows, device=self.device))
+        route_rows = torch.tensor(keep + prompt_rows, device=self.device) if prompt_rows else None  # None: keep's
+        return self._run(input_ids, position_ids, ctx, keep_rows, route_rows)
 
     def _prefill_with_images(self, seqs: list[Sequence], input_ids, ctx: PagedContext, keep):
         """A vision-language model's prefill: its decoder's own forward on the row's embeddings with the image rows
