@@ -17,6 +17,8 @@ One JSON line per measurement:
 - `routing_mismatch` (replay off, then rollout): the native rollouts scored by the trainer's forward (float32
   weights, bf16 compute on CUDA): the share of (response token, MoE layer) pairs routed to other experts than the
   rollout (`moe/routing_mismatch`), and the mean |logprob - rollout logprob| over response tokens;
+- `dense_mismatch`: the same measurement on the dense model of the same shape (Qwen3, the MoE's attention, an MLP as
+  wide as the active experts: 8 x 768), the level the MoE's mismatch with replay is compared with;
 - `grpo_step`: `rlx ppo` (engine native, router replay on) for `--steps` steps: median and p90 step seconds over the
   steps after the first, tokens/s per GPU (prompt + response tokens of the median step), MFU (perf/mfu: FLOPs of the
   active parameters, rlx/observe/flops.py), peak device memory.
@@ -57,13 +59,20 @@ def emit(line: dict) -> None:
     print(json.dumps(line), flush=True)
 
 
-def write_model_dir(folder: Path, args) -> Path:
-    """config.json of the shape with --layers layers + the character tokenizer (`init = "random"` starts here)."""
+def write_model_dir(folder: Path, args, dense: bool = False) -> Path:
+    """config.json of the shape with --layers layers + the character tokenizer (`init = "random"` starts here);
+    `dense`: the Qwen3 dense model with the same attention and an MLP as wide as the active experts."""
     from rlx.models.tiny import build_char_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     config = {**SHAPES[args.shape], "num_hidden_layers": args.layers, "bos_token_id": 1, "eos_token_id": 2,
               "pad_token_id": 0, "torch_dtype": "float32"}  # fmt: skip
+    if dense:
+        width = config["moe_intermediate_size"] * config["num_experts_per_tok"]
+        moe_keys = ("moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob",
+                    "decoder_sparse_step", "mlp_only_layers")  # fmt: skip
+        config = {k: v for k, v in config.items() if k not in moe_keys}
+        config.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], intermediate_size=width)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     build_char_tokenizer().save_pretrained(folder)
     return folder
@@ -84,8 +93,8 @@ def rollout_config(args, engine: str, max_new_tokens: int):
     return RolloutConfig(engine=engine, chat_template="off", sampling=sampling, kv_cache_gib=args.kv_cache_gib)
 
 
-def measure_rollouts(model, tokenizer, device, args) -> list:
-    """`rollout` lines for native then hf; returns the native records (for the mismatch measurement)."""
+def measure_rollouts(model, tokenizer, device, args, engines=("native", "hf")) -> list:
+    """`rollout` lines for `engines` (native first); returns the native records (for the mismatch measurement)."""
     import torch
 
     from rlx.formats.records import PromptRecord
@@ -95,7 +104,7 @@ def measure_rollouts(model, tokenizer, device, args) -> list:
     texts = prompt_texts(args.rollout_prompts, args.prompt_len - 1)
     prompts = [PromptRecord(id=f"p{i}", prompt=t) for i, t in enumerate(texts)]
     kept = None
-    for name in ("native", "hf"):
+    for name in engines:
         cfg = rollout_config(args, name, args.response_len)
         engine = build_engine(cfg, model, tokenizer, DistContext(device=device))
         warm = cfg if name == "native" else rollout_config(args, name, 2)  # native: capture its graphs
@@ -139,7 +148,7 @@ def collate(records) -> dict:
     return out, rollout
 
 
-def measure_mismatch(trainer_model, records, device, args) -> None:
+def measure_mismatch(trainer_model, records, device, args, replays=("off", "rollout"), name="routing_mismatch"):
     """`routing_mismatch` lines: the trainer's forward over the native rollouts, replay off and on."""
     import torch
 
@@ -150,10 +159,13 @@ def measure_mismatch(trainer_model, records, device, args) -> None:
     mask = tensors["response_mask"].bool()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     scorer = ModuleScorer(trainer_model, DistContext(device=device))
-    for replay in ("off", "rollout"):
-        logprobs, mismatch = scorer.replayed_logprobs(tensors, replay, 1.0, dtype, micro_batch_size=args.n)
+    for replay in replays:
+        if tensors["routed_experts"] is None:  # the dense baseline: no routers
+            logprobs, mismatch = scorer.logprobs(tensors, 1.0, dtype, micro_batch_size=args.n), 0.0
+        else:
+            logprobs, mismatch = scorer.replayed_logprobs(tensors, replay, 1.0, dtype, micro_batch_size=args.n)
         diff = (logprobs.float().cpu() - rollout).abs()[mask]
-        emit({"measurement": "routing_mismatch", "router_replay": replay, "routing_mismatch": round(mismatch, 5),
+        emit({"measurement": name, "router_replay": replay, "routing_mismatch": round(mismatch, 5),
               "logprob_abs_diff_mean": float(diff.mean()), "logprob_abs_diff_max": float(diff.max()),
               "tokens": int(mask.sum()), "device": device_name(device)})  # fmt: skip
 
@@ -246,7 +258,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--response-len", type=int, default=256)
     parser.add_argument("--kv-cache-gib", type=float, default=0.0, help="native KV cache (0: rlx's default)")
-    parser.add_argument("--skip", default="", help="comma-separated measurements to leave out: rollout, grpo_step")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated measurements to leave out: rollout, dense, grpo_step")  # fmt: skip
     parser.add_argument("--work", type=Path, default=None, help="keep the run folders here")
     args = parser.parse_args()
     if args.shape == "tiny":  # a CPU check: small work
@@ -270,6 +283,17 @@ def main() -> None:
         records = measure_rollouts(rollout_model.eval(), build_char_tokenizer(), device, args)
         measure_mismatch(rollout_model.float() if cuda else trainer, records, device, args)
         del trainer, rollout_model
+        if cuda:
+            torch.cuda.empty_cache()
+    if "dense" not in skip:
+        dense_dir = write_model_dir(work / "dense", args, dense=True)
+        torch.manual_seed(0)
+        with torch.device(device):
+            dense = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(dense_dir), dtype=torch.float32)
+        rollout_model = dense.to(torch.bfloat16) if cuda else dense
+        records = measure_rollouts(rollout_model.eval(), build_char_tokenizer(), device, args, engines=("native",))
+        measure_mismatch(rollout_model.float() if cuda else dense, records, device, args, ("off",), "dense_mismatch")
+        del dense, rollout_model
         if cuda:
             torch.cuda.empty_cache()
     if "grpo_step" not in skip:

@@ -267,6 +267,7 @@ def test_moe_bench_runs_on_the_tiny_shape(tmp_path):
 
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [(x["measurement"], x.get("engine") or x.get("router_replay")) for x in lines] == [
-        ("rollout", "native"), ("rollout", "hf"), ("routing_mismatch", "off"), ("routing_mismatch", "rollout")
+        ("rollout", "native"), ("rollout", "hf"), ("routing_mismatch", "off"), ("routing_mismatch", "rollout"),
+        ("rollout", "native"), ("dense_mismatch", "off"),
     ]  # fmt: skip
     assert all(x["tokens_per_s"] > 0 for x in lines[:2]) and lines[3]["routing_mismatch"] == 0.0
