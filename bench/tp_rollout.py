@@ -48,9 +48,8 @@ def main() -> None:
     from bench.scale import COMMON, SHAPES
     from rlx.formats.records import PromptRecord
     from rlx.models.tiny import build_char_tokenizer
-    from rlx.parallel.dist import all_gather_objects, exit_process, setup
-    from rlx.rollout.base import build_engine
-    from rlx.rollout.config import RolloutConfig, SamplingParams
+    from rlx.parallel.dist import exit_process, setup
+    from rlx.rollout.config import SamplingParams
 
     ctx = setup("cpu" if args.cpu else "cuda")
     cuda = ctx.device.type == "cuda"
@@ -79,38 +78,14 @@ def main() -> None:
                     print(json.dumps({"shape": shape, "tp_degree": tp, "skipped": "does not divide the GPUs or "
                                       f"the {config.num_key_value_heads} key/value heads"}), flush=True)  # fmt: skip
                 continue
-            cfg = RolloutConfig(engine="native", chat_template="off", tp_degree=tp, sampling=sampling)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(ctx.device)
-            engine = build_engine(cfg, model, tokenizer, ctx)
-            engine.generate(prompts, sampling, progress=False)  # warm-up: graph capture, compile
-            seconds, tokens = [], 0
-            for _ in range(args.repeat):
-                if cuda:
-                    torch.cuda.synchronize(ctx.device)
-                start = time.perf_counter()
-                records = engine.generate(prompts, sampling, progress=False).records
-                seconds.append(time.perf_counter() - start)
-                tokens = sum(len(r.response_ids) for r in records)
-            peak = torch.cuda.max_memory_allocated(ctx.device) / 2**30 if cuda else 0.0
-            peaks = all_gather_objects(peak)
-            median = statistics.median(seconds)
-            line = {"shape": shape, "gpus": ctx.world, "tp_degree": tp, "replicas": ctx.world // tp,
-                    "sequences": len(records), "response_tokens": tokens, "median_s": round(median, 3),
-                    "seconds": [round(s, 3) for s in seconds], "tokens_per_s": round(tokens / median, 1),
-                    "tokens_per_s_per_gpu": round(tokens / median / ctx.world, 1),
-                    "decode_step_ms": round(1000 * median / max(1, args.response_len), 2),
-                    "peak_gib_max_rank": round(max(peaks), 2)}  # fmt: skip
+            line = measure(model, tokenizer, prompts, sampling, tp, ctx, args)
+            line["shape"] = shape
+            median = line["median_s"]
             if best is None or median < best[1]:
                 best = (tp, median)
             if ctx.rank == 0:
                 print(json.dumps(line), flush=True)
             lines.append(line)
-            engine.close()
-            del engine
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
         if ctx.rank == 0 and best is not None:
             print(json.dumps({"shape": shape, "fastest_tp_degree": best[0]}), flush=True)
         del model
@@ -120,6 +95,42 @@ def main() -> None:
     if ctx.rank == 0 and args.json:
         args.json.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     exit_process(0)
+
+
+def measure(model, tokenizer, prompts, sampling, tp: int, ctx, args) -> dict:
+    """One engine of `tp` ranks per replica over `model`: the warm-up call, then --repeat timed calls; the line."""
+    import torch
+
+    from rlx.parallel.dist import all_gather_objects
+    from rlx.rollout.base import build_engine
+    from rlx.rollout.config import RolloutConfig
+
+    cuda = ctx.device.type == "cuda"
+    cfg = RolloutConfig(engine="native", chat_template="off", tp_degree=tp, sampling=sampling)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    engine = build_engine(cfg, model, tokenizer, ctx)
+    engine.generate(prompts, sampling, progress=False)  # warm-up: graph capture, compile
+    seconds, tokens, count = [], 0, 0
+    for _ in range(args.repeat):
+        if cuda:
+            torch.cuda.synchronize(ctx.device)
+        start = time.perf_counter()
+        records = engine.generate(prompts, sampling, progress=False).records
+        seconds.append(time.perf_counter() - start)
+        tokens, count = sum(len(r.response_ids) for r in records), len(records)
+    peaks = all_gather_objects(torch.cuda.max_memory_allocated(ctx.device) / 2**30 if cuda else 0.0)
+    engine.close()
+    del engine
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    median = statistics.median(seconds)
+    return {"gpus": ctx.world, "tp_degree": tp, "replicas": ctx.world // tp, "sequences": count,
+            "response_tokens": tokens, "median_s": round(median, 3), "seconds": [round(s, 3) for s in seconds],
+            "tokens_per_s": round(tokens / median, 1), "tokens_per_s_per_gpu": round(tokens / median / ctx.world, 1),
+            "decode_step_ms": round(1000 * median / max(1, args.response_len), 2),
+            "peak_gib_max_rank": round(max(peaks), 2)}  # fmt: skip
 
 
 if __name__ == "__main__":
