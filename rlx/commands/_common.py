@@ -92,8 +92,11 @@ def terminate_as_exception() -> Iterator[None]:
 
 
 LORA_OPTIONS = {
-    "metavars": {"target_modules": "NAME"},
-    "help_extra": {"target_modules": " Repeat the option for several names."},
+    "metavars": {"target_modules": "NAME", "target_parameters": "NAME"},
+    "help_extra": {
+        "target_modules": " Repeat the option for several names.",
+        "target_parameters": " Repeat the option for several names.",
+    },
 }
 """How `rlx shard` and `rlx train-step` show LoraConfig's fields as --lora-* options (`nested_config`)."""
 

@@ -8,7 +8,9 @@ head), the attention registry ("rlx_varlen" packed attention, Ulysses) and tied 
 and LM head are never wrapped, so `tied_keys` still finds them). A `PeftModel` would prefix every name with
 `base_model.model.` and hide those attributes behind forwarding. The one renaming PEFT does is inside each
 adapted layer: its weight moves to `<layer>.base_layer.weight`, next to `<layer>.lora_A.default.weight` and
-`<layer>.lora_B.default.weight`; `hf_name` maps such names back to the Hugging Face ones.
+`<layer>.lora_B.default.weight`; `hf_name` maps such names back to the Hugging Face ones. On a mixture-of-experts
+model `target_parameters` adapts the fused expert weights too (PEFT's ParamWrapper around the experts module:
+rlx.models.lora_experts); `all-linear` never covers them, as in PEFT.
 
 After `apply_lora` the base weights are frozen (requires_grad False) and cast to the compute dtype (bf16 on
 accelerators: no float32 master copy of them), the adapters are float32 and the only trainable parameters,
@@ -29,12 +31,19 @@ import torch
 
 from rlx.errors import UserError
 from rlx.models.lora_config import ALL_LINEAR, LoraConfig
+from rlx.models.lora_experts import (
+    compact_parameter_targets,
+    is_param_wrapper,
+    resolve_parameter_targets,
+    wrapped_module,
+)
 
 ADAPTER = "default"
 """The PEFT adapter name rlx uses (one adapter per model); it never appears in the names rlx writes."""
 PEFT_INIT = {"default": True, "gaussian": "gaussian", "random": False}
 """LoraConfig.init -> PEFT's init_lora_weights."""
 _ADAPTER_PART = re.compile(rf"\.(lora_[AB])\.{ADAPTER}\.")
+_BASE_LAYERS = re.compile(r"(?:\.base_layer)+\.")
 
 
 def import_peft():
@@ -53,9 +62,13 @@ def is_adapter_param(name: str) -> bool:
 
 def hf_name(name: str) -> str:
     """The name rlx writes for a parameter of a LoRA model: a base weight gets its Hugging Face name back
-    ('...q_proj.base_layer.weight' -> '...q_proj.weight'), an adapter loses PEFT's adapter name
-    ('...q_proj.lora_A.default.weight' -> '...q_proj.lora_A.weight'); other names are unchanged."""
-    return _ADAPTER_PART.sub(r".\1.", name.replace(".base_layer.", "."))
+    ('...q_proj.base_layer.weight' -> '...q_proj.weight', '...experts.base_layer.base_layer.down_proj' ->
+    '...experts.down_proj'), an adapter loses PEFT's adapter name only ('...q_proj.lora_A.default.weight' ->
+    '...q_proj.lora_A.weight'; nested expert adapters keep their 'base_layer', as in PEFT's files:
+    '...experts.base_layer.lora_A.weight'); other names are unchanged."""
+    if is_adapter_param(name):
+        return _ADAPTER_PART.sub(r".\1.", name)
+    return _BASE_LAYERS.sub(".", name)
 
 
 def backbone(model: torch.nn.Module) -> torch.nn.Module:
@@ -83,6 +96,23 @@ def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
+def adapted_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The frozen weight each LoRA layer adapts, by its `named_parameters` name -> the layer, in module order: a
+    linear layer's '<layer>.base_layer.weight', an expert weight's '<experts>.base_layer[.base_layer].<name>'."""
+    out = {}
+    for name, layer in lora_layers(model).items():
+        if is_param_wrapper(layer):
+            out[f"{wrapped_module(layer, name)[1]}.{layer.parameter_name}"] = layer
+        else:
+            out[f"{name}.base_layer.weight"] = layer
+    return out
+
+
+def has_expert_adapters(model: torch.nn.Module) -> bool:
+    """Whether `model` has adapters on fused expert weights (PEFT's ParamWrapper, `target_parameters`)."""
+    return any(is_param_wrapper(layer) for layer in lora_layers(model).values())
+
+
 def is_lora_model(model: torch.nn.Module) -> bool:
     """Whether `apply_lora` (or PEFT) put adapters into `model`."""
     return bool(lora_layers(model))
@@ -107,9 +137,11 @@ def vision_tower_names(model: torch.nn.Module) -> tuple[str, ...]:
 
 def resolve_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
     """Full names of the linear layers `targets` select (see LoraConfig.target_modules); a target that
-    matches nothing is a UserError listing the model's linear layer names. 'all-linear' on a vision-language
-    model means the language model's linear layers: the vision tower (frozen by default) gets adapters only
-    where its layers are named."""
+    matches nothing is a UserError listing the model's linear layer names; [] for no targets. 'all-linear' on a
+    vision-language model means the language model's linear layers: the vision tower (frozen by default) gets
+    adapters only where its layers are named."""
+    if not targets:  # expert weights only (target_parameters)
+        return []
     linear = linear_module_names(model)
     if targets == [ALL_LINEAR]:
         tower = vision_tower_names(model)
@@ -140,14 +172,16 @@ def compact_targets(model: torch.nn.Module, target_names: list[str]) -> list[str
     return short if matched == set(target_names) else sorted(target_names)
 
 
-def peft_lora_config(cfg: LoraConfig, target_modules: list[str]):
-    """PEFT's LoraConfig for `cfg` on the layers `target_modules` (names as PEFT matches them)."""
+def peft_lora_config(cfg: LoraConfig, target_modules: list[str], target_parameters: list[str] = ()):
+    """PEFT's LoraConfig for `cfg` on the layers `target_modules` and the expert weights `target_parameters` (names
+    as PEFT matches them)."""
     peft = import_peft()
     return peft.LoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=list(target_modules),
+        target_parameters=list(target_parameters) or None,
         init_lora_weights=PEFT_INIT[cfg.init],
         bias="none",
     )
@@ -160,10 +194,17 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, dtype: torch.dtype = tor
     if is_lora_model(model):
         raise ValueError(f"{type(model).__name__} already has LoRA adapters")
     peft = import_peft()
-    peft_cfg = peft_lora_config(cfg, compact_targets(model, resolve_targets(model, cfg.target_modules)))
+    modules = resolve_targets(model, cfg.target_modules)
+    params = resolve_parameter_targets(model, cfg.target_parameters)
+    short = compact_targets(model, modules) if modules else []
+    peft_cfg = peft_lora_config(cfg, short, compact_parameter_targets(model, params))
     with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
         torch.manual_seed(seed)
-        peft.inject_adapter_in_model(peft_cfg, model, adapter_name=ADAPTER)
+        try:
+            peft.inject_adapter_in_model(peft_cfg, model, adapter_name=ADAPTER)
+        except ValueError as e:  # e.g. PEFT's v4 -> v5 MoE renaming of gate_proj without up_proj (below)
+            raise UserError(f"LoRA on {type(model).__name__}: PEFT refused the targets {short}: {e}") from None
+    _check_adapted(model, [f"{n}.weight" for n in modules] + params, short)
     trained = set(trained_parameters(model))
     for name, param in model.named_parameters():
         trainable = name in trained
@@ -172,6 +213,22 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, dtype: torch.dtype = tor
             param.data = param.data.to(wanted)  # parameters only: buffers (rotary inv_freq) keep their dtype
         param.requires_grad_(trainable)
     return model
+
+
+def _check_adapted(model: torch.nn.Module, wanted: list[str], short: list[str]) -> None:
+    """UserError unless PEFT adapted exactly the weights rlx resolved (Hugging Face names). PEFT (0.21) reads the
+    transformers-v4 expert names of some MoE model types in target_modules ('gate_proj', 'up_proj', 'down_proj' on
+    Qwen3-MoE and OLMoE, 'w1'-'w3' on Mixtral, 'gate') as the fused expert weights, so a dense MLP layer of such a
+    model (Qwen3-MoE's mlp_only_layers) named that way would silently get no adapter and the experts one instead."""
+    adapted = {hf_name(name) for name in adapted_parameters(model)}
+    extra, missing = sorted(adapted - set(wanted)), sorted(set(wanted) - adapted)
+    if extra or missing:
+        raise UserError(
+            f"LoRA on {type(model).__name__}: PEFT did not adapt what target_modules {short} name "
+            f"({'also adapted ' + extra[0] if extra else 'left out ' + missing[0]}): PEFT reads "
+            f"{model.config.model_type}'s dense MLP names as its experts (transformers v4 names); target the "
+            f"experts with target_parameters and leave those layers out of target_modules"
+        )
 
 
 def trained_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

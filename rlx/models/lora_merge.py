@@ -1,8 +1,9 @@
 """A LoRA model's weights with the adapters merged (W + (alpha / rank) B A), and its adapters as a PEFT folder.
 
 - `iter_merged_weights` / `merged_weights`: full Hugging Face-named weights, computed from the live model
-  without changing it (the merge is done in float32 and cast to the base weight's dtype); what `rlx merge`
-  writes and what a rollout engine without adapter support runs.
+  without changing it (the merge is done in float32 and cast to the base weight's dtype; adapted expert weights
+  get each expert's delta, rlx.models.lora_experts); what `rlx merge` writes and what a rollout engine without
+  adapter support runs.
 - `refresh_merged_weights(target, model)`: the same weights copied in place into an existing plain model of
   the architecture (a rollout replica), layer by layer, without building the whole state first; after the
   first refresh only the changed tensors need copying (`include_frozen=False`).
@@ -20,7 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from rlx.models.lora import ADAPTER, hf_name, import_peft, is_adapter_param, lora_layers, trained_parameters
+from rlx.models.lora import ADAPTER, adapted_parameters, hf_name, import_peft, is_adapter_param, trained_parameters
+from rlx.models.lora_experts import is_param_wrapper, merged_expert_weight
 from rlx.models.lora_state import adapter_state, full
 
 PEFT_PREFIX = "base_model.model."
@@ -37,27 +39,33 @@ def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scalin
     return (weight.float() + delta.to(weight.device)).to(weight.dtype)
 
 
-def merged_layer_weight(layer: torch.nn.Module) -> torch.Tensor:
-    """One LoRA layer's base weight plus its adapter's delta, in the base weight's dtype (a new tensor)."""
-    weight = full(layer.get_base_layer().weight.detach())
-    a = full(layer.lora_A[ADAPTER].weight.detach())
-    b = full(layer.lora_B[ADAPTER].weight.detach())
+def merged_layer_weight(layer: torch.nn.Module, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The weight a LoRA layer adapts (`weight`, whole) plus its adapter's delta (a, b: its whole A and B weights),
+    in the weight's dtype (a new tensor): a linear layer's [out, in], or an expert weight's [E, out, in]."""
+    if is_param_wrapper(layer):
+        return merged_expert_weight(weight, a, b, layer, ADAPTER)
     return merged_weight(weight, a, b, layer.scaling[ADAPTER], layer.fan_in_fan_out)
 
 
 @torch.no_grad()
-def iter_merged_weights(model: torch.nn.Module, include_frozen: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_merged_weights(
+    model: torch.nn.Module, include_frozen: bool = True, tied: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, weight) of every parameter with the adapters merged in, in parameter order, tied
-    duplicates once (as Hugging Face saves). The model is not changed: adapted weights are new tensors, the
-    others are the model's own (read them, don't modify them). `include_frozen=False` yields only what
-    training changes: the adapted weights and a value model's head. Under FSDP every rank must iterate."""
-    layers = {f"{name}.base_layer.weight": layer for name, layer in lora_layers(model).items()}
+    duplicates once (as Hugging Face saves), or with `tied` under each of their names (as `state_dict` lists them:
+    what a weight push to an engine that loads a tied LM head by its own name needs, vLLM). The model is not
+    changed: adapted weights are new tensors, the others are the model's own (read them, don't modify them).
+    `include_frozen=False` yields only what training changes: the adapted weights and a value model's head. Under
+    FSDP every rank must iterate."""
+    layers = adapted_parameters(model)
     trained = trained_parameters(model)
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters(remove_duplicate=not tied):
         if is_adapter_param(name):
             continue
         if name in layers:
-            yield hf_name(name), merged_layer_weight(layers[name])
+            layer = layers[name]
+            a, b = (full(m[ADAPTER].weight.detach()) for m in (layer.lora_A, layer.lora_B))
+            yield hf_name(name), merged_layer_weight(layer, full(param.detach()), a, b)
         elif include_frozen or name in trained:
             yield hf_name(name), full(param.detach())
 
@@ -119,8 +127,9 @@ def save_peft_adapter(
     peft_adapter_config(model, base_model_name_or_path).save_pretrained(str(folder))
     config_path = folder / "adapter_config.json"  # PEFT writes its target set in hash order: sort it
     config = json.loads(config_path.read_text())
-    if isinstance(config.get("target_modules"), list):
-        config["target_modules"] = sorted(config["target_modules"])
+    for key in ("target_modules", "target_parameters"):
+        if isinstance(config.get(key), list):
+            config[key] = sorted(config[key])
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     write_peft_weights(folder, tensors)
     return folder

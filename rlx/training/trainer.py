@@ -82,6 +82,11 @@ class Trainer:
         self.ctx = ctx or DistContext(device=device)
         family_of(model.config).prepare(model, cfg.vision.freeze_vision_tower)  # before the optimizer and FSDP
         self.lora = lora
+        if lora is not None and cfg.ep_degree > 1:
+            raise UserError(
+                f"ep_degree {cfg.ep_degree}: expert parallelism does not train LoRA adapters yet (FSDP without it, "
+                f"ep_degree 1, trains them, those on the experts too)"
+            )
         if lora is not None and not is_lora_model(model):
             apply_lora(model, lora.config, dtype, seed=cfg.seed)
         plan = ParallelPlan(
@@ -92,8 +97,6 @@ class Trainer:
             offload=cfg.param_offload,
             ep_degree=cfg.ep_degree,
         )
-        if lora is not None and cfg.ep_degree > 1:
-            raise UserError("expert parallelism (ep_degree > 1) does not train LoRA adapters yet")
         self.model = apply_parallelism(model, self.ctx, plan, self.role)
         self.sp_group = self.ctx.sp_group if self.ctx.sp_degree > 1 else None
         # FSDP's mixed precision casts the parameters (no autocast on top) and averages gradients over ranks
@@ -175,9 +178,10 @@ class Trainer:
         return LocalState("dtensor", weights, sharded_optimizer_state(self.model, self.optimizer))
 
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights with Hugging Face names (with adapters: merged, one tensor gathered at a time)."""
+        """Full weights with Hugging Face names, tied ones under each name (with adapters: merged, one tensor gathered
+        at a time)."""
         if self.lora is not None:
-            return iter_merged_weights(self.model)
+            return iter_merged_weights(self.model, tied=True)
         return gathered_weights(self.model, bucket_bytes)
 
     def load_optimizer_state(self, tensors: dict[str, torch.Tensor] | None, where: str) -> None:

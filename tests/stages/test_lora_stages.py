@@ -327,6 +327,10 @@ def fails(*args, match: str) -> None:
         (["--lora-rank", "-2"], "--lora-rank: must be > 0, got -2"),
         (["--lora-target-modules", "qproj"], "'qproj' matches no linear layer of LlamaForCausalLM's backbone (its "
                                              "linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj"),
+        (["--lora-target-parameters", "all-experts"], "LlamaForCausalLM has no routed experts (target_parameters "
+                                                      "adapts a mixture-of-experts model's fused expert weights"),
+        (["--lora-target-parameters", "experts.down_proj", "--lora-dropout", "0.1"],
+         "--lora-dropout: must be 0 with target_parameters"),
         (["--lora-rank", "4", "--layout", "fsdp"], "--layout fsdp: the LoRA options make a checkpoint in the 'lora'"),
         (["--lora-rank", "4", "--dtype", "bfloat16"], "--dtype bfloat16: a LoRA checkpoint stores float32 adapters"),
     ],

@@ -152,6 +152,92 @@ def test_lora_on_attention_and_a_critic(tmp_path, moe_ckpt, moe_rollouts):
     )
 
 
+def test_lora_on_the_experts_through_the_stages(tmp_path, moe_dir, moe_ckpt, prompts_file):
+    """shard with --lora-target-parameters, rollout (routing recorded), score and train-step with router replay,
+    merge (the hub's per-expert layout) equal to PEFT's merge_and_unload of the --adapter-only folder, and the hf and
+    native engines' tokens with the adapters (seeded sampling) equal to the merged model's."""
+    import copy
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from rlx.checkpoints.loading import load_model
+    from rlx.models.loading import ModelSource, read_safetensors
+    from rlx.models.tiny import build_char_tokenizer
+    from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
+    from tests.conftest import generate, make_engine
+    from tests.stages.test_lora_stages import peft
+    from tests.unit.test_vllm_moe import PROMPTS
+
+    lora0, lora1 = tmp_path / "lora0", tmp_path / "lora1"
+    cli_ok("shard", "--model", moe_ckpt, "--out", lora0, "--lora-rank", "4", "--lora-init", "random",
+           "--lora-target-modules", "q_proj", "--lora-target-parameters", "all-experts")  # fmt: skip
+    assert json.loads((lora0 / "lora.json").read_text())["lora"]["target_parameters"] == ["all-experts"]
+    rollouts = tmp_path / "r.jsonl"
+    cli_ok(*rollout_args(lora0, prompts_file, rollouts, "--engine", "native"))
+    assert all(r["routed_experts"] for r in read_jsonl(rollouts))
+    reward = write_length_reward(tmp_path)
+    cli_ok("score", "--rollouts", rollouts, "--actor", lora0, "--reward", f"{reward}:score", "--out", tmp_path / "s",
+           "--router-replay", "rollout", "--metrics", tmp_path / "score.jsonl")  # fmt: skip
+    assert read_jsonl(tmp_path / "score.jsonl")[0]["moe/routing_mismatch"] == 0.0  # native rollout == trainer
+    metrics = tmp_path / "train.jsonl"
+    cli_ok("train-step", "--checkpoint", lora0, "--batch", tmp_path / "s" / "batch.safetensors", "--out", lora1,
+           "--lr", "1e-2", "--router-replay", "rollout", "--use-packing", "--metrics", metrics)  # fmt: skip
+    assert read_jsonl(metrics)[0]["actor/moe_routing_mismatch"] == 0.0
+    before, after = (read_safetensors(d / "adapter.safetensors") for d in (lora0, lora1))
+    expert = "model.layers.0.mlp.experts.base_layer.lora_B.weight"  # gate_up_proj's B [2I, r E]
+    assert after[expert].shape == (32, 16) and not torch.equal(before[expert], after[expert])
+    # continues the adapters and their AdamW state
+    cli_ok("train-step", "--checkpoint", lora1, "--batch", tmp_path / "s" / "batch.safetensors", "--out",
+           tmp_path / "lora2", "--lr", "1e-2", "--use-packing")  # fmt: skip
+    assert f"{expert}::exp_avg" in read_safetensors(lora1 / "optimizer.safetensors")
+    assert not torch.equal(read_safetensors(tmp_path / "lora2" / "adapter.safetensors")[expert], after[expert])
+
+    cli_ok("merge", "--checkpoint", lora1, "--out", tmp_path / "merged")
+    cli_ok("merge", "--checkpoint", lora1, "--out", tmp_path / "peft", "--adapter-only")
+    with safe_open(str(tmp_path / "merged" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names and not any("lora" in n for n in names)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "peft").merge_and_unload().state_dict()
+    assert max((t - theirs[k]).abs().max().item() for k, t in merged.state_dict().items()) < 1e-6
+
+    live = load_model(ModelSource(lora1), adapters=True).requires_grad_(False)  # base + adapters (PEFT layers)
+    tokenizer = build_char_tokenizer()
+    cfg = RolloutConfig(chat_template="off", sampling=SamplingParams(n=2, max_new_tokens=8, seed=3))  # sampled
+    want = generate(make_engine(merged, tokenizer, cfg), PROMPTS, cfg)
+    assert len({tuple(r.response_ids) for r in want}) > 4  # (greedy decoding of this tiny model repeats one token)
+    plain = generate(make_engine(base, tokenizer, cfg), PROMPTS, cfg)  # the adapters change the policy:
+    assert max(abs(a.rollout_logprobs[0] - b.rollout_logprobs[0]) for a, b in zip(want, plain)) > 0.05
+    for engine, mode in (("hf", "merged"), ("native", "merged"), ("native", "adapters")):
+        run = dataclasses.replace(cfg, engine=engine, kv_cache_gib=0.01, native=NativeConfig(lora_rollout=mode))
+        got = generate(make_engine(live, tokenizer, run), PROMPTS, run)
+        assert [r.response_ids for r in got] == [r.response_ids for r in want], (engine, mode)
+        for a, b in zip(got, want):
+            assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) < 1e-4, (engine, mode)
+            assert engine == "hf" or a.routed_experts is not None
+
+
+def test_ppo_with_lora_on_the_experts_native_rollouts_and_router_replay(tmp_path):
+    """`rlx ppo` with adapters on the experts: the native engine's merged replica (filled, then refreshed after the
+    update) samples what the trainer computes, routing replays without mismatch, and the reference (adapters off)
+    differs from the random-initialised adapters from step 1 on."""
+    from tests.conftest import REPO
+
+    cli_ok("ppo", REPO / "recipes" / "moe_quickstart.toml", "--out", tmp_path / "run", "--set", "steps=2",
+           "--set", "data.prompts_per_step=4", "--set", "rollout.sampling.n=2", "--set", "train.optim.lr=1e-2",
+           "--set", "lora.rank=4", "--set", "lora.init=random", "--set", 'lora.target_parameters=["all-experts"]',
+           "--set", "rollout.engine=native", "--set", "score.router_replay=rollout",
+           "--set", "train.router_replay=rollout", "--set", "train.use_packing=true")  # fmt: skip
+    steps = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert len(steps) == 2
+    for line in steps:
+        assert line["rollout_corr/logprob_abs_diff_max"] < 1e-4
+        assert line["moe/routing_mismatch"] == line["actor/moe_routing_mismatch"] == 0.0
+        assert abs(line["actor/ref_kl"]) > 1e-3
+
+
 @pytest.mark.parametrize("engine", ["hf", "native"])
 def test_rollout_logprobs_equal_transformers_forward(tmp_path, moe_dir, moe_ckpt, prompts_file, engine):
     from transformers import AutoModelForCausalLM

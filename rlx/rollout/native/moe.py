@@ -6,7 +6,8 @@ routed layer's MLP is the family's own router (`mlp.gate`, so top-k, softmax and
 transformers') followed by `rlx.kernels.grouped_experts.routed_experts_mlp` over the layer's fused expert weights:
 a fixed number of kernels whatever the routing, and every shape a function of the step's token count, so the layer
 compiles and replays in the decode CUDA graphs like a dense one. Qwen2-MoE's shared expert (sigmoid-gated) is the
-module's own.
+module's own. Experts with LoRA adapters (a replica decoding with the adapters, `lora_rollout = "adapters"`) run with
+each expert's weight plus its delta, computed every step as PEFT's forward computes it.
 
 `moe_layer_step` also returns the experts each token was routed to, so the engine records routing for
 `--router-replay rollout` (rlx.models.routing's format) without forward hooks (which a compiled graph cannot
@@ -24,12 +25,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlx.kernels.grouped_experts import ExpertsImpl, routed_experts_mlp
+from rlx.models.lora import ADAPTER
+from rlx.models.lora_experts import active_expert_weights, wrapped_module
 from rlx.models.moe import MOE_FAMILIES
 
 
 def is_routed(mlp: torch.nn.Module) -> bool:
-    """Whether `mlp` is a routed block the native path reproduces (see the module doc)."""
-    gate, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+    """Whether `mlp` is a routed block the native path reproduces (see the module doc); its experts may carry LoRA
+    adapters (PEFT's ParamWrappers, rlx.models.lora_experts)."""
+    gate, experts = getattr(mlp, "gate", None), wrapped_module(getattr(mlp, "experts", None), "")[0]
     return (
         type(mlp).__name__.endswith("SparseMoeBlock")
         and type(gate).__name__.endswith("TopKRouter")
@@ -61,8 +65,8 @@ def routed_mlp(
     expert at 1/T of its width, tensor_parallel.py): the routed output is summed over the group (the shared
     expert's down_proj sums itself, through its hook)."""
     _, weights, experts = mlp.gate(x)
-    out = routed_experts_mlp(x, experts, weights, mlp.experts.gate_up_proj, mlp.experts.down_proj,
-                             mlp.experts.act_fn, impl)  # fmt: skip
+    module, gate_up, down = active_expert_weights(mlp.experts, ADAPTER)  # LoRA on the experts: W + its delta
+    out = routed_experts_mlp(x, experts, weights, gate_up, down, module.act_fn, impl)
     if tp_group is not None:
         dist.all_reduce(out, group=tp_group)
     shared = getattr(mlp, "shared_expert", None)

@@ -8,8 +8,9 @@ by the engine's `sleep()` so the trainer gets the memory back. Peak extra memory
 gathered parameter in float32.
 
 A LoRA policy (PEFT layers, rlx.models.lora) gets either a plain replica holding the merged weights
-(W + alpha/r B A, computed in float32 and rounded once; after the first fill only the adapted weights and a
-trained head are refreshed) or, FSDP-sharded, a replica with the same adapters, filled tensor by tensor.
+(W + alpha/r B A, computed in float32 and rounded once, each expert's own delta on adapted expert weights; after the
+first fill only the adapted weights and a trained head are refreshed) or, FSDP-sharded, a replica with the same
+adapters, filled tensor by tensor.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from rlx.models.lora import ADAPTER, hf_name, import_peft, is_adapter_param, lora_layers, trained_parameters
-from rlx.models.lora_merge import merged_weight
+from rlx.models.lora import ADAPTER, adapted_parameters, hf_name, import_peft, is_adapter_param, trained_parameters
+from rlx.models.lora_merge import merged_layer_weight
 from rlx.rollout.native.fused import fusable, merge_projections, projection_groups
 from rlx.utils.vmm import VirtualBuffer, carve
 
@@ -126,7 +127,7 @@ def fill_merged_replica(
     `include_frozen` only what training changes (adapted weights, a critic's head). A collective when sharded.
     `take` as for `fill_replica`. Returns the number of tensors copied."""
     params = dict(replica.named_parameters())
-    layers = {f"{name}.base_layer.weight": layer for name, layer in lora_layers(model).items()}
+    layers = adapted_parameters(model)  # linear layers' and expert weights' (rlx.models.lora_experts)
     trained, count = trained_parameters(model), 0
     for name, param in model.named_parameters():
         if is_adapter_param(name):
@@ -137,7 +138,7 @@ def fill_merged_replica(
         if name in layers:
             layer = layers[name]
             a, b = (_gathered(m[ADAPTER].weight, target.device) for m in (layer.lora_A, layer.lora_B))
-            value = merged_weight(_gathered(param, target.device), a, b, layer.scaling[ADAPTER], layer.fan_in_fan_out)
+            value = merged_layer_weight(layer, _gathered(param, target.device), a, b)
         elif include_frozen or name in trained:
             value = _gathered(param, target.device)
         else:

@@ -1,5 +1,6 @@
 """torchrun worker of tests/unit/test_lora.py: LoRA actor and critic train steps under FSDP2 on 2 ranks equal one
-process; frozen base weights keep their dtype and values."""
+process; frozen base weights keep their dtype and values; so does an MoE actor with adapters on its experts
+(lora.target_parameters, tests/unit/test_lora_experts.py)."""
 
 import torch
 
@@ -14,6 +15,7 @@ from rlx.training.actor import ActorTrainer
 from rlx.training.config import OptimConfig, TrainConfig
 from rlx.training.critic import CriticTrainer
 from tests.unit.test_lora import inputs, make_batch, plain, with_lora
+from tests.unit.test_lora_experts import plain_moe, with_experts
 
 ctx = setup("cpu")
 cpu, targets = torch.device("cpu"), ["q_proj", "v_proj", "down_proj"]
@@ -38,8 +40,8 @@ def check_frozen(model, before, dtype):
         assert stored == dtype and torch.equal(value, before[name][1]), name
 
 
-def train_actor(dtype, distributed):
-    model = with_lora(plain(), dtype=dtype, target_modules=targets)
+def train_actor(dtype, distributed, build=lambda dtype: with_lora(plain(), dtype=dtype, target_modules=targets)):
+    model = build(dtype)
     before = frozen(model)
     cfg = TrainConfig(
         optim=OptimConfig(lr=1e-2), micro_batch_size=1, loss=LossConfig(kl_loss_coef=0.1), use_packing=True
@@ -67,11 +69,22 @@ assert diff <= 1e-6, diff
 _, bf16, _ = train_actor(torch.bfloat16, True)  # frozen bf16 shards beside float32 adapter shards
 assert all(torch.isfinite(t).all() and t.dtype == torch.float32 for t in bf16.values())
 
+# an MoE with adapters on q_proj and every expert weight (PEFT's ParamWrappers inside FSDP's layer units)
+moe = lambda dtype: with_experts(plain_moe(), dtype=dtype)  # noqa: E731
+ref, sharded, merged = train_actor(torch.float32, True, moe)
+ref1, single, merged1 = train_actor(torch.float32, False, moe)
+initial = adapter_state(moe(torch.float32))
+assert len(sharded) == 12 and all(not torch.equal(sharded[k], initial[k]) for k in sharded)  # experts' too
+moe_diff = max(max_diff(sharded, single), max_diff(merged, merged1), (ref - ref1).abs().max().item())
+assert moe_diff <= 1e-5, moe_diff
+_, bf16, _ = train_actor(torch.bfloat16, True, moe)
+assert all(torch.isfinite(t).all() and t.dtype == torch.float32 for t in bf16.values())
+
 critic = with_lora(build_value_model(plain(), seed=0), dtype=torch.bfloat16, target_modules=targets)
 before = frozen(critic)
 critic_cfg = TrainConfig(role="critic", optim=OptimConfig(lr=1e-2), micro_batch_size=1)
 CriticTrainer(critic, critic_cfg, cpu, torch.bfloat16, ctx).train_step(batch, 0)
 check_frozen(critic, before, torch.bfloat16)
 assert all(torch.isfinite(t).all() for t in adapter_state(critic).values())
-print(f"rank {ctx.rank}: 2 ranks == 1 rank within {diff:.2e}", flush=True)
+print(f"rank {ctx.rank}: 2 ranks == 1 rank within {diff:.2e} (MoE experts: {moe_diff:.2e})", flush=True)
 exit_process(0)
