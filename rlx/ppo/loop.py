@@ -44,6 +44,7 @@ from rlx.observe.memory import (
     process_age_s,
     reset_device_peak,
 )
+from rlx.observe.profile import profile_step, profiled_step
 from rlx.observe.tracking import Tracker, console, read_metrics, select_traces
 from rlx.parallel.dist import barrier, context
 from rlx.ppo.config import PPOConfig
@@ -131,6 +132,7 @@ class PPORun:
 
     def run(self) -> None:
         cfg = self.cfg
+        profiled_step()  # a bad RLX_PROFILE_STEP stops the run before its first step
         if self.start_step >= cfg.steps:
             if self.ctx.is_main:
                 console(f"{self.run_dir}: all {cfg.steps} steps are done")
@@ -152,7 +154,8 @@ class PPORun:
                 if cfg.eval is not None and cfg.eval.before_training and self.start_step == 0:
                     log(0, self._evaluate(0), [])
                 for step in range(self.start_step + 1, cfg.steps + 1):
-                    self.step(step, log)
+                    with profile_step(step, self.ctx.rank, self.device):
+                        self.step(step, log)
                     if step < cfg.steps and self.stop.agreed():
                         self._stop_after(step)
                 finished = True
