@@ -27,6 +27,7 @@ from rlx.models.attention import PACKED_ATTENTION, PackedBatch, enable_packed_at
 from rlx.models.exact import EXACT_ATTENTION, is_exact
 from rlx.models.family import family_of
 from rlx.models.vision.packing import VisionRow, vision_forward
+from rlx.parallel.fsdp import kept_gathered
 from rlx.parallel.ulysses import (
     ULYSSES_ATTENTION,
     gather_sequence,
@@ -442,8 +443,9 @@ class ModuleScorer:
     batch, split across the ranks of `ctx` and gathered back. The megatron backend's stages offer the same two
     methods (rlx/backends/megatron/stage.py)."""
 
-    def __init__(self, module: torch.nn.Module, ctx):
-        self.module, self.ctx = module, ctx
+    def __init__(self, module: torch.nn.Module, ctx, keep_gathered: bool = False):
+        """`keep_gathered`: an FSDP module's layers stay gathered over a call's micro-batches (train.keep_gathered)."""
+        self.module, self.ctx, self.keep_gathered = module, ctx, keep_gathered
 
     @property
     def config(self):
@@ -455,10 +457,11 @@ class ModuleScorer:
         """[B, R] float32 on the CPU, zero at masked positions, on every rank; with `max_tokens`, micro-batches
         are packed rows of at most that many tokens (`vision`: the rows' VisionInputs)."""
         max_tokens = self._packing(max_tokens)
-        return batched_response_logprobs(
-            self.module, tensors, temperature, self.ctx.device, dtype, micro_batch_size, desc, impl, self.ctx,
-            max_tokens, vision,
-        )  # fmt: skip
+        with kept_gathered(self.module, self.keep_gathered):
+            return batched_response_logprobs(
+                self.module, tensors, temperature, self.ctx.device, dtype, micro_batch_size, desc, impl, self.ctx,
+                max_tokens, vision,
+            )  # fmt: skip
 
     def replayed_logprobs(self, tensors: dict[str, torch.Tensor], router_replay: str, temperature: float,
                           dtype: torch.dtype, micro_batch_size: int, impl: str = "auto", desc: str = "logprobs",
@@ -471,7 +474,10 @@ class ModuleScorer:
         from rlx.parallel.dist import all_reduce
 
         max_tokens = self._packing(max_tokens)
-        with RouterReplay(self.module, force=router_replay == "rollout") as replay:
+        with (
+            RouterReplay(self.module, force=router_replay == "rollout") as replay,
+            kept_gathered(self.module, self.keep_gathered),
+        ):
             replay.check_shape(tuple(tensors[ROUTES].shape[2:]), (moe_sizes(self.module.config) or (0, 0))[1])
             logp = batched_response_logprobs(
                 self.module, tensors, temperature, self.ctx.device, dtype, micro_batch_size, desc, impl, self.ctx,
@@ -486,9 +492,10 @@ class ModuleScorer:
                max_tokens: int = 0, vision=None) -> torch.Tensor:  # fmt: skip
         """[B, R] float32 on the CPU, zero at masked positions, on every rank (`vision`: the rows' VisionInputs)."""
         max_tokens = self._packing(max_tokens)
-        return batched_response_values(
-            self.module, tensors, self.ctx.device, dtype, micro_batch_size, self.ctx, max_tokens, vision
-        )
+        with kept_gathered(self.module, self.keep_gathered):
+            return batched_response_values(
+                self.module, tensors, self.ctx.device, dtype, micro_batch_size, self.ctx, max_tokens, vision
+            )
 
     def _packing(self, max_tokens: int) -> int:
         """The token budget packed micro-batches may use here (0: padded ones, e.g. under sequence parallelism, whose

@@ -58,7 +58,7 @@ class FSDPBackend(TrainingBackend):
         return self.build_trainer(model, cfg, where, read_full_optimizer(source.path))
 
     def scorer(self, trainer) -> ModuleScorer:
-        return ModuleScorer(trainer.model, self.ctx)
+        return ModuleScorer(trainer.model, self.ctx, keep_gathered=trainer.cfg.keep_gathered)
 
     def base_reference(self, trainer) -> BaseModelScorer | None:
         """With adapters, the trainer's module with them off: the reference policy without a second copy."""

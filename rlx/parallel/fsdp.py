@@ -50,6 +50,27 @@ def apply_fsdp(
 
 
 @contextlib.contextmanager
+def kept_gathered(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """Within the block, an FSDP-sharded model's forwards keep their gathered parameters (the next forward and the
+    backward gather nothing); all of them are resharded at its end. Nothing for a plain model or `enabled` False.
+    A train step sets `reshard_after_backward` per micro-batch itself (`reshard_after_last_backward`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not enabled or not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        model.set_reshard_after_forward(True)
+        model.set_reshard_after_backward(True)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
+@contextlib.contextmanager
 def activation_offload(enabled: bool, device: torch.device) -> Iterator[None]:
     """Keep the tensors saved for backward on the CPU during the block (pinned when on CUDA)."""
     if not enabled:

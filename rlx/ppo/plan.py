@@ -235,6 +235,9 @@ class Settings:
     ep_degree: int = 1
     """train.ep_degree: a mixture of experts' experts split over this many ranks (gathered and accumulated
     gradients hold 1 / ep_degree of them)."""
+    keep_gathered: bool = False
+    """train.keep_gathered: FSDP keeps the whole model gathered in bfloat16 over a phase's micro-batches (one
+    all-gather per layer and phase)."""
 
 
 @dataclass
@@ -302,9 +305,14 @@ def _train_gib(shape: ModelShape, work: Workload, settings: Settings, world: int
     whole = shape.local_params(ep) + (shape.params if work.has_critic else 0)
     unsharded = settings.grad_accumulation == "unsharded"
     accumulated = whole * 4 if micro_batches > 1 and world > 1 and unsharded and not work.has_lora else 0
-    # FSDP: two layers gathered in bf16 and their fp32 gradients, the root for the whole pass; one process: autocast
-    # keeps a bfloat16 copy of every weight for the backward
-    gathered = shape.local_layer_params(ep) * 12 + shape.root_params * 6 if world > 1 else shape.params * 2
+    # FSDP: two layers gathered in bf16 and their fp32 gradients, the root for the whole pass (with keep_gathered
+    # every layer in bf16, one layer's fp32 gradient); one process: autocast keeps a bfloat16 copy of every weight
+    if world == 1:
+        gathered = shape.params * 2
+    elif settings.keep_gathered:
+        gathered = shape.local_params(ep) * 2 + shape.local_layer_params(ep) * 8 + shape.root_params * 4
+    else:
+        gathered = shape.local_layer_params(ep) * 12 + shape.root_params * 6
     tokens = min(settings.train_tokens, tokens_per_rank)
     activations = tokens * _activation_bytes_per_token(shape, settings.gradient_checkpointing, settings.compile)
     return {
@@ -323,7 +331,13 @@ def estimate(shape: ModelShape, work: Workload, settings: Settings, world: int, 
     rollout = _trained_gib(shape, work, settings, world, "rollout") + ref + engine + prefill
     score_tokens = settings.score_tokens
     forward = score_tokens * (16 * shape.hidden + 8 * shape.intermediate) / GIB
-    gathered = (shape.local_layer_params(settings.ep_degree) * 4 + shape.root_params * 2) / GIB if world > 1 else 0.0
+    ep = settings.ep_degree
+    if world == 1:
+        gathered = 0.0
+    elif settings.keep_gathered:
+        gathered = shape.local_params(ep) * 2 / GIB
+    else:
+        gathered = (shape.local_layer_params(ep) * 4 + shape.root_params * 2) / GIB
     score = _trained_gib(shape, work, settings, world, "score") + ref + resident_engine + forward + gathered
     train_parts = {
         "trained_state": _trained_gib(shape, work, settings, world, "train"),
@@ -351,8 +365,10 @@ _CHOICES = {  # dotted recipe key -> Settings field
     "rollout.kv_cache_gib": "kv_cache_gib",
     "train.ep_degree": "ep_degree",
     "rollout.tp_degree": "tp_degree",
+    "train.keep_gathered": "keep_gathered",
 }
 _LADDER = [  # in order of cost: the first that fits wins
+    {"keep_gathered": True},  # several ranks: the fewest collectives
     {},
     {"sleep": True},
     {"sleep": True, "grad_accumulation": "sharded"},
@@ -449,6 +465,7 @@ def _settings_of(tree: dict) -> Settings:
         kv_cache_gib=float(rollout.get("kv_cache_gib", 0.0)),
         ep_degree=int(train.get("ep_degree", 1)),
         tp_degree=int(rollout.get("tp_degree", 1)),
+        keep_gathered=bool(train.get("keep_gathered", False)),
     )
 
 
@@ -466,6 +483,8 @@ def _search(shape: ModelShape, work: Workload, base: Settings, user: dict, world
             # FSDP's CPU offload needs a launcher, and does not combine with expert parallelism
             if settings.param_offload and (world == 1 or settings.ep_degree > 1):
                 continue
+            if settings.keep_gathered and (world == 1 or settings.param_offload) and "train.keep_gathered" not in user:
+                continue  # nothing is sharded on one process; offloaded shards are gathered from the CPU
             budgets = [settings.train_tokens] if "train.max_tokens_per_micro_batch" in user else None
             for tokens in budgets or _budgets(base.train_tokens, max(minimum, floor), tokens_per_rank):
                 trial = _fit_score(shape, work, replace(settings, train_tokens=tokens), user, world, gpu_gib, floor)

@@ -119,6 +119,11 @@ class TrainConfig:
     and reduce-scatters it once after the last micro-batch (fewest collectives; 4 bytes per parameter more memory),
     'sharded' reduce-scatters after every micro-batch into the gradient shards (no whole copy; one collective per
     micro-batch, overlapped with the backward). `rlx ppo` on GPUs lets the memory plan choose when unset."""
+    keep_gathered: bool = False
+    """FSDP: keep every layer's gathered bf16 parameters from the first micro-batch's forward to the last one's
+    backward, and over the score phase's forwards of this model: one all-gather per layer and phase instead of one
+    or two per micro-batch (fewer collectives and less host work; 2 bytes per parameter more memory while the
+    phase runs). `rlx ppo` on GPUs lets the memory plan choose when unset."""
     param_offload: bool = False
     """FSDP: keep parameter shards, gradients and AdamW state on the CPU (needs a launcher, e.g. torchrun)."""
     activation_offload: bool = False

@@ -37,7 +37,7 @@ from rlx.parallel.apply import ParallelPlan, apply_parallelism, shards_models
 from rlx.parallel.batching import balanced_partition, count_micro_batches, token_budget_micro_batches
 from rlx.parallel.dist import DistContext, all_reduce
 from rlx.parallel.experts import clip_grad_norm
-from rlx.parallel.fsdp import activation_offload, full_tensor, gathered_weights, model_weights
+from rlx.parallel.fsdp import activation_offload, full_tensor, gathered_weights, kept_gathered, model_weights
 from rlx.training.config import TrainConfig
 from rlx.training.optim import (
     build_adamw,
@@ -321,19 +321,23 @@ class Trainer:
         count = len(parts)
         if self.ctx.distributed:
             count = int(all_reduce(count, "max", group=self.ctx.dp_group, device=self.ctx.device))
-        for i in range(count):
-            dummy = i >= len(parts)  # keeps FSDP's collectives in step with busier ranks; contributes nothing
-            if self.is_sharded:  # unsharded: FSDP accumulates whole float32 gradients, reduces after the last
-                self.model.set_requires_gradient_sync(i == count - 1 or self.cfg.grad_accumulation == "sharded")
-            part = local.select(parts[0] if dummy else parts[i])
-            with activation_offload(self.cfg.activation_offload, self.device):
-                self.micro_step(
-                    {k: v.to(self.device) for k, v in part.tensors().items()},
-                    part,
-                    norm,
-                    defaultdict(float) if dummy else sums,
-                    0.0 if dummy else self.gradient_scale,
-                )
+        keep = self.is_sharded and self.cfg.keep_gathered
+        with kept_gathered(self.model, keep):
+            for i in range(count):
+                dummy = i >= len(parts)  # keeps FSDP's collectives in step with busier ranks; contributes nothing
+                if self.is_sharded:  # unsharded: FSDP accumulates whole float32 gradients, reduces after the last
+                    self.model.set_requires_gradient_sync(i == count - 1 or self.cfg.grad_accumulation == "sharded")
+                if keep:  # the gathered parameters stay until the last micro-batch's backward
+                    self.model.set_reshard_after_backward(i == count - 1)
+                part = local.select(parts[0] if dummy else parts[i])
+                with activation_offload(self.cfg.activation_offload, self.device):
+                    self.micro_step(
+                        {k: v.to(self.device) for k, v in part.tensors().items()},
+                        part,
+                        norm,
+                        defaultdict(float) if dummy else sums,
+                        0.0 if dummy else self.gradient_scale,
+                    )
 
     def loss_norm(self, mini: TrainBatch) -> LossNorm:
         """Normalisers counted over the whole mini-batch (every rank computes the same), over the trained tokens."""

@@ -107,6 +107,15 @@ def test_what_the_plan_picks_as_memory_shrinks():
     assert rungs == sorted(rungs) and rungs[0] == 0 and rungs[-1] == 3
     assert plan_memory(QWEN25_7B, tree, {}, 4, 40.0).chosen["train.compile"] is False
     assert not plan_memory(QWEN25_7B, tree, {}, 1, 48.0).fits  # offload needs torchrun: not offered to one process
+    # keep_gathered (the whole model gathered over a phase) is the first rung to go, and never on one process
+    kept = [plan_memory(QWEN25_7B, tree, {}, 4, gib).chosen.get("train.keep_gathered") for gib in (1000.0, 80.0)]
+    assert kept == [True, None]
+    assert "train.keep_gathered" not in plan_memory(QWEN25_7B, tree, {}, 1, 1000.0).chosen
+    with_kept = plan_memory(QWEN25_7B, tree, {}, 4, 1000.0)
+    without = estimate(model_shape(QWEN25_7B), Workload.from_recipe(tree), replace(with_kept.settings,
+                       keep_gathered=False), 4, 1000.0)  # fmt: skip
+    extra = with_kept.estimate.phases["score"] - without.phases["score"]
+    assert 10.5 < extra < 12.0  # 7.6B parameters in bfloat16 (14.2 GiB), less a layer and the root gathered otherwise
 
 
 def test_the_recipe_s_own_keys_are_kept_and_the_message_names_what_fits():
