@@ -55,6 +55,13 @@ HEADROOM = 8
 """The native engine's KV cache gets 1/HEADROOM more blocks than a step needs (rlx/rollout/native/engine.py)."""
 ASSUMED_PROMPT_TOKENS = 512
 """Prompt length assumed when the recipe sets no rollout.max_prompt_length."""
+DECODE_STEP_OVERHEAD_MS = 1.7
+"""The native engine's decode step time that is not reading the weights (sampling, attention over the cache,
+launches), and what each doubling of rollout.tp_degree adds to it (two all-reduces a layer): fitted to the Qwen2-0.5B
+and Qwen2.5-7B shapes on 4 x H100 (bench/tp_rollout.py, 256 sequences of 128 + 256 tokens: 0.5B 2.05 / 2.91 ms at tp
+1 / 2, 7B 7.14 / 6.20 / 6.70 ms at tp 1 / 2 / 4)."""
+DECODE_WEIGHT_BYTES_PER_MS = 2.79e9
+"""Bytes of bfloat16 weights a decode step reads per millisecond on one GPU (the same fit: ~2.8 TB/s on an H100)."""
 MIN_GOOD_BUDGET = 4096
 """Micro-batches smaller than this spend more time gathering FSDP shards than computing on a 7B-class model: the
 plan prefers releasing the engine or checkpointing activations over going below it."""
@@ -394,6 +401,8 @@ class MemoryPlan:
     """Why nothing fits and what would (empty when it fits)."""
     shape: ModelShape | None = None
     """The model's sizes (a mixture of experts' line in the summary: total, active, in experts)."""
+    decode_ms: dict[int, float] = field(default_factory=dict)
+    """{rollout.tp_degree: predicted decode step ms} of the degrees the plan chose among (empty: no choice)."""
 
     def summary(self) -> str:
         """One compact block: the hardware, the chosen settings, the per-phase peaks against the usable memory."""
@@ -405,9 +414,17 @@ class MemoryPlan:
         return (
             f"{head}: {verdict}; peak GiB per rank {phases} of {usable_gib(self.gpu_memory_gib):.1f} usable\n"
             + self._moe_line()
+            + self._decode_line()
             + f"  train peak: {parts}\n"
             f"  chosen (keys the recipe leaves out): {settings}" + (f"\n  {self.message}" if self.message else "")
         )
+
+    def _decode_line(self) -> str:
+        """The rollout's tensor-parallel degree against the others it could have (empty when there was no choice)."""
+        if len(self.decode_ms) < 2:
+            return ""
+        options = ", ".join(f"tp {d} {ms:.1f}" for d, ms in sorted(self.decode_ms.items()))
+        return f"  rollout: tp_degree {self.settings.tp_degree} (predicted decode step ms: {options})\n"
 
     def _moe_line(self) -> str:
         """A mixture of experts' sizes and expert parallelism (empty for a dense model)."""
@@ -503,12 +520,22 @@ def _ep_degrees(shape: ModelShape, world: int, base: Settings, user: dict) -> li
 
 
 def _tp_degrees(shape: ModelShape, work: Workload, world: int, base: Settings, user: dict) -> list[int]:
-    """The rollout.tp_degree values to try, smallest first: the recipe's own (or 1 for another engine than the
-    native one, or multi-turn rollouts), else every divisor of the number of GPUs that divides the heads and the
-    key/value heads."""
+    """The rollout.tp_degree values to try, fastest decode first (`decode_step_ms`): the recipe's own (or 1 for
+    another engine than the native one, or multi-turn rollouts), else every divisor of the number of GPUs that
+    divides the heads and the key/value heads."""
     if "rollout.tp_degree" in user or work.engine != "native" or not work.prompt_known or not shape.kv_heads:
         return [base.tp_degree]
-    return [d for d in range(1, world + 1) if world % d == 0 and shape.heads % d == 0 and shape.kv_heads % d == 0]
+    degrees = [d for d in range(1, world + 1) if world % d == 0 and shape.heads % d == 0 and shape.kv_heads % d == 0]
+    return sorted(degrees, key=lambda d: (decode_step_ms(shape, d), d))
+
+
+def decode_step_ms(shape: ModelShape, tp_degree: int) -> float:
+    """The native engine's predicted decode step at this tensor-parallel degree: the per-step overhead (growing with
+    each doubling of the degree) plus reading a 1 / tp_degree share of the bfloat16 weights. Whatever the degree, a
+    GPU decodes the same share of the step's sequences and reads the same share of their cache (a replica of
+    tp_degree GPUs takes tp_degree times the sequences of one), so only these two terms differ."""
+    overhead = DECODE_STEP_OVERHEAD_MS * (1 + math.log2(tp_degree))
+    return overhead + shape.params * 2 / tp_degree / DECODE_WEIGHT_BYTES_PER_MS
 
 
 def _fit_score(shape: ModelShape, work: Workload, settings: Settings, user: dict, world: int, gpu_gib: float,
@@ -534,7 +561,9 @@ def _plan(world, gpu_gib, fits, settings, est, base, user, shape, work) -> Memor
             chosen[key] = value
     if "rollout.sleep" not in user and "rollout.sleep" not in chosen and work.engine == "native":
         chosen["rollout.sleep"] = settings.sleep
-    return MemoryPlan(world, gpu_gib, fits, chosen, est, settings, shape=shape)
+    options = _tp_degrees(shape, work, world, base, user)
+    decode = {d: decode_step_ms(shape, d) for d in options} if len(options) > 1 else {}
+    return MemoryPlan(world, gpu_gib, fits, chosen, est, settings, shape=shape, decode_ms=decode)
 
 
 def _what_fits(shape: ModelShape, work: Workload, base: Settings, user: dict, world: int, gpu_gib: float) -> str:

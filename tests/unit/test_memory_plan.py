@@ -141,9 +141,29 @@ def test_14b_needs_more_than_one_gpu():
     four = plan_memory(QWEN25_14B, tree, {}, 4, H100_GIB)
     assert four.fits
     # the native engine's whole bfloat16 replica (27.5 GiB) beside the trained state does not fit: the plan splits
-    # it over two GPUs (rollout.tp_degree) and checkpoints activations with sharded gradients, not CPU offload
-    assert four.chosen["rollout.tp_degree"] == 2 and four.chosen["train.grad_accumulation"] == "sharded"
+    # it over the GPUs (rollout.tp_degree: 4 decodes fastest, a quarter of the weights read per step) and
+    # checkpoints activations with sharded gradients, not CPU offload
+    assert four.chosen["rollout.tp_degree"] == 4 and four.chosen["train.grad_accumulation"] == "sharded"
     assert "train.param_offload" not in four.chosen
+    assert "rollout: tp_degree 4 (predicted decode step ms: tp 1 12.3, tp 2 8.7, tp 4 7.7)" in four.summary()
+
+
+def test_the_rollout_s_tensor_parallel_degree_is_the_fastest_predicted_decode():
+    """Data-parallel replicas for a small model (the per-step overhead rules), two GPUs per engine for 7B (half the
+    weights read per step; the all-reduces of four cost more than the next halving saves), as measured on 4 x H100
+    (bench/tp_rollout.py); the recipe's own degree, another engine or one GPU: no choice, no line."""
+    tree = with_fast_path(ISSUE_RECIPE)
+    qwen2_05b = dict(QWEN25_7B, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, vocab_size=151936, attention_bias=True, tie_word_embeddings=True)  # fmt: skip
+    small = plan_memory(qwen2_05b, tree, {}, 4, H100_GIB)
+    assert small.settings.tp_degree == 1 and "rollout: tp_degree 1 (predicted decode step ms: tp 1 2.1, tp 2 3.6)" in (
+        small.summary()
+    )
+    seven = plan_memory(QWEN25_7B, tree, {}, 4, H100_GIB)
+    assert seven.chosen["rollout.tp_degree"] == 2 and "tp 1 7.2, tp 2 6.1, tp 4 6.5" in seven.summary()
+    for plan in (plan_memory(QWEN25_7B, tree, {"rollout.tp_degree": 4}, 4, H100_GIB),
+                 plan_memory(QWEN25_7B, tree, {}, 1, 1000.0)):  # fmt: skip
+        assert "rollout.tp_degree" not in plan.chosen and "predicted decode step" not in plan.summary()
     kept = plan_memory(QWEN25_14B, tree, {"rollout.tp_degree": 1}, 4, H100_GIB)
     assert kept.fits and kept.chosen["train.param_offload"] is True  # the recipe's tp_degree 1 kept: offload then
 
