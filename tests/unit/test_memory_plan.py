@@ -153,8 +153,8 @@ def test_the_rollout_s_tensor_parallel_degree_is_the_fastest_predicted_decode():
     weights read per step; the all-reduces of four cost more than the next halving saves), as measured on 4 x H100
     (bench/tp_rollout.py); the recipe's own degree, another engine or one GPU: no choice, no line."""
     tree = with_fast_path(ISSUE_RECIPE)
-    qwen2_05b = dict(QWEN25_7B, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                     num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
+    qwen2_05b = dict(QWEN25_7B, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
     small = plan_memory(qwen2_05b, tree, {}, 4, H100_GIB)
     assert small.settings.tp_degree == 1 and "rollout: tp_degree 1 (predicted decode step ms: tp 1 2.1, tp 2 3.6)" in (
         small.summary()
