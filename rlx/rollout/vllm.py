@@ -339,10 +339,10 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.cfg.sleep is False or self.asleep:
             return 0.0
         keeps_base = self.lora_request is not None  # the base is pushed once: only adapters follow
-        if self.native_sleep:
-            before = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+        if self.native_sleep:  # vLLM unmaps its pool's memory: torch's counters still count it, the device does not
+            before = _device_free_bytes()
             self.llm.sleep(level=1 if keeps_base else 2)
-            freed = before - (torch.cuda.memory_reserved() if torch.cuda.is_available() else 0)
+            freed = _device_free_bytes() - before
         else:
             self._released = _release(self._engine_tensors(with_weights=not keeps_base))
             freed = sum(n for _, n in self._released)
@@ -706,6 +706,14 @@ def _release(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, in
     for storage, _ in released:
         storage.resize_(0)
     return released
+
+
+def _device_free_bytes() -> int:
+    """Free bytes of the current CUDA device as the driver counts them (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.synchronize()
+    return int(torch.cuda.mem_get_info()[0])
 
 
 def _return_cached_blocks() -> None:
