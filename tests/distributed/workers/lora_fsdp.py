@@ -40,11 +40,16 @@ def check_frozen(model, before, dtype):
         assert stored == dtype and torch.equal(value, before[name][1]), name
 
 
-def train_actor(dtype, distributed, build=lambda dtype: with_lora(plain(), dtype=dtype, target_modules=targets)):
+def train_actor(dtype, distributed, build=lambda dtype: with_lora(plain(), dtype=dtype, target_modules=targets),
+                keep_gathered=False):  # fmt: skip
     model = build(dtype)
     before = frozen(model)
     cfg = TrainConfig(
-        optim=OptimConfig(lr=1e-2), micro_batch_size=1, loss=LossConfig(kl_loss_coef=0.1), use_packing=True
+        optim=OptimConfig(lr=1e-2),
+        micro_batch_size=1,
+        loss=LossConfig(kl_loss_coef=0.1),
+        use_packing=True,
+        keep_gathered=keep_gathered,
     )
     trainer = ActorTrainer(model, cfg, cpu, dtype, ctx if distributed else None)
     with torch.no_grad(), adapters_disabled(model):  # the sharded model's first forward: the reference
@@ -66,6 +71,8 @@ initial = adapter_state(with_lora(plain(), target_modules=targets))
 assert len(sharded) == 12 and all(not torch.equal(sharded[k], initial[k]) for k in sharded)  # all trained
 diff = max(max_diff(sharded, single), max_diff(merged, merged1), (ref - ref1).abs().max().item())
 assert diff <= 1e-6, diff
+_, kept, _ = train_actor(torch.float32, True, keep_gathered=True)  # layers gathered over the micro-batches
+assert max_diff(kept, sharded) == 0.0
 _, bf16, _ = train_actor(torch.bfloat16, True)  # frozen bf16 shards beside float32 adapter shards
 assert all(torch.isfinite(t).all() and t.dtype == torch.float32 for t in bf16.values())
 
@@ -77,6 +84,8 @@ initial = adapter_state(moe(torch.float32))
 assert len(sharded) == 12 and all(not torch.equal(sharded[k], initial[k]) for k in sharded)  # experts' too
 moe_diff = max(max_diff(sharded, single), max_diff(merged, merged1), (ref - ref1).abs().max().item())
 assert moe_diff <= 1e-5, moe_diff
+_, kept, _ = train_actor(torch.float32, True, moe, keep_gathered=True)
+assert max_diff(kept, sharded) == 0.0
 _, bf16, _ = train_actor(torch.bfloat16, True, moe)
 assert all(torch.isfinite(t).all() and t.dtype == torch.float32 for t in bf16.values())
 
