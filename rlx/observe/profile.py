@@ -4,7 +4,8 @@ a diagnosis, not a setting of the run):
     RLX_PROFILE_STEP=3 RLX_PROFILE_DIR=prof torchrun --nproc_per_node 4 -m rlx ppo recipe.toml --out RUN
 
 Each rank writes `prof/rank{R}.txt`: the step's wall seconds, the device's busy seconds (the sum of its kernels'
-own times: what the GPU computed or waited in collectives), the host's share of it, and the operators with the
+own times: what the GPU computed or waited in collectives; kernels on concurrent streams can add up to more than the
+wall), the host operators' seconds, and the operators with the
 largest device time and the largest host time; with RLX_PROFILE_TRACE=1 also `prof/rank{R}.json` (a Chrome trace).
 A step whose wall time is far above its device time is bound by the host (Python, launches, synchronisations)."""
 
@@ -40,6 +41,7 @@ def profile_step(step: int, rank: int, device: torch.device, rows: int = 30) -> 
     if step != profiled_step():
         yield
         return
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -52,7 +54,9 @@ def profile_step(step: int, rank: int, device: torch.device, rows: int = 30) -> 
             torch.cuda.synchronize(device)
     wall = time.perf_counter() - start
     events = prof.key_averages()
-    device_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+    # the kernels alone: operators and annotations on the host also carry their kernels' time, counted once here
+    device_us = sum(e.self_device_time_total for e in events if e.device_type != DeviceType.CPU and
+                    not getattr(e, "is_user_annotation", False))  # fmt: skip
     host_us = sum(e.self_cpu_time_total for e in events)
     lines = [
         f"rank {rank}, step {step}: wall {wall:.3f} s, device busy {device_us / 1e6:.3f} s "

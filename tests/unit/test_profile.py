@@ -18,6 +18,7 @@ def test_the_named_step_writes_its_summary_and_the_others_nothing(tmp_path, monk
     assert [p.name for p in (tmp_path / "prof").iterdir()] == ["rank1.txt"]
     text = (tmp_path / "prof" / "rank1.txt").read_text()
     assert text.startswith("rank 1, step 2: wall ") and "aten::mm" in text and "by host time" in text
+    assert "device busy 0.000 s" in text  # no kernels on the CPU: operators' own fields are not counted as such
 
 
 def test_no_variable_no_profile_and_a_bad_value_is_refused(tmp_path, monkeypatch):
