@@ -53,7 +53,8 @@ def apply_fsdp(
 def kept_gathered(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
     """Within the block, an FSDP-sharded model's forwards keep their gathered parameters (the next forward and the
     backward gather nothing); all of them are resharded at its end. Nothing for a plain model or `enabled` False.
-    A train step sets `reshard_after_backward` per micro-batch itself (`reshard_after_last_backward`)."""
+    A train step in the block also sets `set_reshard_after_backward` per micro-batch (True on the last only), so the
+    backward keeps them for the next micro-batch's forward (Trainer.accumulate_gradients)."""
     from torch.distributed.fsdp import FSDPModule
 
     if not enabled or not isinstance(model, FSDPModule):
