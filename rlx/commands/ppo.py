@@ -70,7 +70,7 @@ def ppo(
             set_ = [*(set_ or []), *_planned(recipe, set_ or [], run_dir if resume else None)]
         cfg = load_recipe(recipe, set_ or [], device_type)
         if not print_config:
-            _announce_defaults(device_type, recipe, set_ or [])
+            _announce_defaults(device_type, recipe, set_ or [], {"score.old_logprobs": cfg.score.old_logprobs})
         if print_config:
             import json
 
@@ -108,15 +108,16 @@ def _train_device(recipe: Path, overrides: list[str]) -> str:
     return str(train.get("device", "auto"))
 
 
-def _announce_defaults(device_type: str, recipe: Path, overrides: list[str]) -> None:
-    """The fast path's keys and the asynchronous run's rollout correction, where the recipe leaves them out."""
+def _announce_defaults(device_type: str, recipe: Path, overrides: list[str], resolved: dict[str, str]) -> None:
+    """The fast path's keys and the asynchronous run's rollout correction, where the recipe leaves them out (an
+    'auto' value shown as `resolved` gives it)."""
     from rlx.observe.tracking import console
     from rlx.ppo.defaults import async_defaults, fast_path_defaults
 
     tree = _recipe_tree(recipe, overrides)
     chosen = fast_path_defaults(device_type, tree, Path(recipe).parent)
     if chosen:
-        settings = ", ".join(f"{k}={v}" for k, v in chosen.items())
+        settings = ", ".join(f"{k}={resolved.get(k, v) if v == 'auto' else v}" for k, v in chosen.items())
         console(f"rlx ppo: fast path on {device_type} (keys the recipe leaves out): {settings}")
     if async_defaults(tree):
         console('rlx ppo: [async] samples are off-policy: train.correction.rollout_is = "token" (set it to opt out)')

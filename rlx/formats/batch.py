@@ -9,7 +9,8 @@ Tensors (B samples, P prompt columns left-padded, R response columns right-padde
     loss_mask         [B, R] bool     True on the tokens that are trained: the model's own; a multi-turn sample's
                                       environment tokens are False (absent from older batches: = response_mask)
     rollout_logprobs  [B, R] float32  the sampler's logprobs (train/rollout mismatch)
-    old_logprobs      [B, R] float32  logprobs of the policy that sampled (PPO ratio denominator)
+    old_logprobs      [B, R] float32  logprobs of the policy that sampled (PPO ratio denominator; with the header's
+                                      old_logprobs = "train", the rollout's: the train step computes its own)
     ref_logprobs      [B, R] float32  reference-policy logprobs (only with --ref)
     values            [B, R] float32  critic values V(s_t) (only with --critic)
     token_rewards     [B, R] float32  per-token rewards (score on the last token, minus any KL penalty)
@@ -86,6 +87,9 @@ class BatchMeta:
     """MoE rollouts with routed_experts: moe/routing_mismatch of the scoring forward (the share of response tokens
     x MoE layers its routers sent to another expert set than the rollout's); train-step logs it again. None
     without routing."""
+    old_logprobs: str = "actor"
+    """Where old_logprobs come from: 'actor' (the scoring forward), 'rollout' (the sampler's), or 'train' (the train
+    step's own forward, detached: the tensor holds the rollout's logprobs in their place; score.old_logprobs)."""
 
 
 @dataclass(kw_only=True)

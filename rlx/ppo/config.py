@@ -218,21 +218,8 @@ class PPOConfig:
             "save_every",
             "must be 1 with rollout.weight_sync = 'disk' (the engine reloads each step's checkpoint)",
         )
-        check(
-            self.megatron is None or self.train.sp_degree == 1,
-            "train.sp_degree",
-            "must be 1 with [megatron] (tensor parallelism splits the model instead)",
-        )
-        check(
-            self.megatron is None or self.rollout.weight_sync != "disk",
-            "rollout.weight_sync",
-            "must be 'memory' with [megatron] (the replica is synced from the stages in memory)",
-        )
-        check(
-            self.megatron is None or self.backend in ("auto", "megatron"),
-            "backend",
-            f"a [megatron] table sets the megatron backend's degrees; backend {self.backend!r} does not use it",
-        )
+        if self.megatron is not None:
+            self._check_megatron()
         for key, train in (("train", self.train), ("critic.train", self.critic.train if self.critic else None)):
             optim = train.optim if train is not None else None
             decays_over_run = optim is not None and optim.lr_schedule != "constant" and not optim.lr_decay_steps
@@ -259,6 +246,59 @@ class PPOConfig:
         )
         if self.async_ is not None:
             self._check_async()
+        self._resolve_old_logprobs()
+
+    def old_logprobs_from_train_blockers(self) -> list[str]:
+        """Why the train step cannot take the old logprobs from its own forward (score.old_logprobs = 'train'):
+        it needs the policy unchanged between the rollout and the forward, one update per batch and no use of them
+        before the train step; [] when it can."""
+        rows = self.data.prompts_per_step * self.rollout.sampling.n
+        correction = self.train.correction
+        blockers = {
+            "[async] (its samples come from older policies)": self.async_ is not None,
+            f"train.epochs = {self.train.epochs}": self.train.epochs != 1,
+            f"train.mini_batch_size = {self.train.mini_batch_size} (< {rows} samples a step)": (
+                0 < self.train.mini_batch_size < rows
+            ),
+            "score.kl_coef > 0 (the in-reward KL reads them)": self.score.kl_coef > 0,
+            "rejection in train.correction": correction.rollout_rs != "none" or correction.rollout_veto_threshold > 0,
+            "exact = true (it takes the rollout's logprobs instead)": self.exact,
+            "the megatron backend": self.backend_name == "megatron",
+        }
+        return [name for name, present in blockers.items() if present]
+
+    def _resolve_old_logprobs(self) -> None:
+        """score.old_logprobs 'auto': 'train' where nothing blocks it, else 'actor'; 'train' set where something
+        does is an error naming it."""
+        if self.score.old_logprobs not in ("auto", "train"):
+            return
+        blockers = self.old_logprobs_from_train_blockers()
+        if self.score.old_logprobs == "auto":
+            self.score.old_logprobs = "actor" if blockers else "train"
+            return
+        check(
+            not blockers,
+            "score.old_logprobs",
+            f"'train' takes one update per batch on the policy that sampled; not with {', '.join(blockers)}",
+        )
+
+    def _check_megatron(self) -> None:
+        """What a [megatron] table needs of the others."""
+        check(
+            self.train.sp_degree == 1,
+            "train.sp_degree",
+            "must be 1 with [megatron] (tensor parallelism splits the model instead)",
+        )
+        check(
+            self.rollout.weight_sync != "disk",
+            "rollout.weight_sync",
+            "must be 'memory' with [megatron] (the replica is synced from the stages in memory)",
+        )
+        check(
+            self.backend in ("auto", "megatron"),
+            "backend",
+            f"a [megatron] table sets the megatron backend's degrees; backend {self.backend!r} does not use it",
+        )
 
     def _check_exact(self) -> None:
         """What exact = true needs of the stages' tables (the checks their own `exact` fields make)."""

@@ -16,6 +16,7 @@ _ALWAYS: dict[tuple[str, ...], Any] = {
     ("train", "max_tokens_per_micro_batch"): 32768,  # micro-batches by token budget
     ("score", "use_packing"): True,
     ("score", "max_tokens_per_micro_batch"): 32768,
+    ("score", "old_logprobs"): "auto",  # one update per batch: from the train step's forward, no score forward
 }
 _WITHOUT_MEGATRON: dict[tuple[str, ...], Any] = {
     ("train", "compile"): True,  # the decoder layers fused by torch.compile (cached under $RLX_CACHE)

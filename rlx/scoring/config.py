@@ -60,8 +60,12 @@ class ScoreConfig:
     max_reward_error_fraction: float = 0.1
     """With on_reward_error 'zero': stop (naming the first failing sample) when more than this fraction of a
     batch's samples fail; 1 never stops."""
-    old_logprobs: Literal["actor", "rollout"] = "actor"
-    """PPO's old logprobs: recomputed by the actor ('actor', as verl) or the sampler's ('rollout', no forward)."""
+    old_logprobs: Literal["actor", "rollout", "train", "auto"] = "actor"
+    """PPO's old logprobs: recomputed by the actor ('actor', as verl), the sampler's ('rollout', no forward), or the
+    train step's own forward ('train', as TRL with one update per batch: no score forward; the batch holds the
+    rollout's logprobs in their place and says so, and `rlx train-step` takes them from its forward, detached: it needs
+    train.epochs = 1, one mini-batch and no rejection in train.correction). 'auto' is 'train' where `rlx ppo` can take
+    it (the fast path on GPUs sets it), else 'actor'; `rlx score` reads it as 'actor'."""
     vision: VisionConfig = field(default_factory=VisionConfig)
     """Vision-language models: image sizes (as the rollout's) and whether batch.safetensors stores pixels (options
     --min-pixels, --max-pixels, --store-pixels; `rlx ppo` takes them from the recipe's [vision] table)."""
@@ -92,6 +96,11 @@ class ScoreConfig:
             self.reward = [self.reward]
         check_choices(self)
         check(self.kl_coef >= 0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
+        check(
+            self.old_logprobs != "train" or self.kl_coef == 0,
+            "old_logprobs",
+            "'train' leaves them to the train step, but kl_coef > 0 (the in-reward KL) reads them here: use 'actor'",
+        )
         check(
             0 <= self.max_reward_error_fraction <= 1,
             "max_reward_error_fraction",

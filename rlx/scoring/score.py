@@ -333,20 +333,12 @@ def build_batch(
     token_rewards = torch.zeros_like(old)
     last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)  # [B] each row's last trained token
     token_rewards[torch.arange(len(rollouts)), last] = rewards.scores
-    metrics = {**mismatch_metrics(old, tensors["rollout_logprobs"], mask), **routing}
+    from_train = cfg.old_logprobs == "train"  # the train step measures the mismatch on its own forward
+    metrics = {} if from_train else mismatch_metrics(old, tensors["rollout_logprobs"], mask)
+    metrics.update(routing)
     next_kl_coef = None
     if ref is not None:
-        kl = kl_estimate(old, ref, cfg.kl_estimator) * mask
-        current_kl = masked_mean(kl, mask).item()
-        metrics["actor/ref_kl"] = current_kl
-        if cfg.kl_coef > 0:
-            token_rewards = token_rewards - cfg.kl_coef * kl
-            next_kl_coef = (
-                cfg.kl_coef
-                if cfg.kl_ctrl == "fixed"
-                else adaptive_kl_coef(cfg.kl_coef, current_kl, cfg.kl_target, cfg.kl_horizon, len(rollouts))
-            )
-            metrics.update({"actor/kl_coef": cfg.kl_coef, "actor/kl_coef_next": next_kl_coef})
+        token_rewards, next_kl_coef = _reference_kl(old, ref, mask, cfg, token_rewards, metrics)
     group_ids = [r.prompt_id for r in rollouts]
     _warn_singletons(cfg, group_ids)
     inputs = AdvantageInputs(
@@ -369,6 +361,7 @@ def build_batch(
         pad_token_id=models.pad_token_id, temperature=temperature, settings=_settings(cfg),
         tokenizer=models.tokenizer or rollouts[0].tokenizer,  # the rollouts' own where the actor's is not known
         routing_mismatch=routing.get("moe/routing_mismatch"),
+        old_logprobs="train" if from_train else "actor" if models.actor is not None else "rollout",
     )  # fmt: skip
     batch = TrainBatch(
         meta=meta,
@@ -384,6 +377,31 @@ def build_batch(
     )
     metrics.update(batch_metrics(rollouts, batch))
     return batch, metrics, next_kl_coef
+
+
+def _reference_kl(
+    old: torch.Tensor,
+    ref: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: ScoreConfig,
+    token_rewards: torch.Tensor,
+    metrics: dict,
+) -> tuple[torch.Tensor, float | None]:
+    """actor/ref_kl into `metrics`; with an in-reward KL penalty the penalised token rewards and the coefficient the
+    next step uses (the controller's update), else the rewards as they are and None."""
+    kl = kl_estimate(old, ref, cfg.kl_estimator) * mask
+    current_kl = masked_mean(kl, mask).item()
+    metrics["actor/ref_kl"] = current_kl
+    if cfg.kl_coef <= 0:
+        return token_rewards, None
+    rows = old.shape[0]
+    next_kl_coef = (
+        cfg.kl_coef
+        if cfg.kl_ctrl == "fixed"
+        else adaptive_kl_coef(cfg.kl_coef, current_kl, cfg.kl_target, cfg.kl_horizon, rows)
+    )
+    metrics.update({"actor/kl_coef": cfg.kl_coef, "actor/kl_coef_next": next_kl_coef})
+    return token_rewards - cfg.kl_coef * kl, next_kl_coef
 
 
 def _warn_singletons(cfg: ScoreConfig, group_ids: list[str]) -> None:

@@ -85,7 +85,7 @@ def load_scoring_models(
         processor=load_processor(actor_source, cfg.vision, config),
         model_config=config,
     )
-    if cfg.old_logprobs == "actor":
+    if cfg.old_logprobs in ("actor", "auto"):  # 'auto' picks 'train' only inside `rlx ppo`
         models.actor = _load(actor_source, config, "actor", cfg, ctx.world)
     if ref:
         ref_source, ref_config = actor if _same_path(ref, actor_source) else resolve_model(ref, "reference model")

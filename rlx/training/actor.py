@@ -13,7 +13,7 @@ import torch.distributed as torch_dist
 from rlx.algorithms.core import masked_sum
 from rlx.algorithms.kl import kl_estimate
 from rlx.algorithms.losses import LossNorm, aggregate, compute_policy_loss
-from rlx.algorithms.rollout_correction import correct
+from rlx.algorithms.rollout_correction import correct, mismatch_metrics
 from rlx.errors import UserError
 from rlx.formats.batch import TrainBatch
 from rlx.logprobs import MODEL_INPUTS, ROUTES, flat_routes, packed_response_logprobs, response_logprobs
@@ -31,6 +31,10 @@ class ActorTrainer(Trainer):
         "loss", "pg_loss", "kl_loss", "entropy_loss", "moe_aux_loss", "moe_router_z_loss", "moe_max_expert_load"
     )  # fmt: skip
     step_expert_load: torch.Tensor = torch.zeros(())
+    _forward_old: torch.Tensor | None = None
+    """[B, R] during a train step whose batch takes its old logprobs from the forward (filled micro-batch by
+    micro-batch); None otherwise."""
+    _old_rows: dict[str, int] = {}
     """Routed (token, slot) pairs per expert [E] over the current train step (this rank's tokens)."""
 
     def check_batch(self, batch: TrainBatch, where: str) -> None:
@@ -42,6 +46,8 @@ class ActorTrainer(Trainer):
                 f"{where}: router_replay = 'rollout' needs a batch with routed_experts (MoE rollouts of engine hf or "
                 "native)"
             )
+        if batch.meta.old_logprobs == "train":
+            self._check_old_from_forward(batch, where)
         if batch.routed_experts is not None and self.router_replay is not None:
             if self.ctx.sp_degree > 1:
                 raise UserError(f"{where}: MoE routing replay does not run under sequence parallelism (sp_degree > 1)")
@@ -50,9 +56,41 @@ class ActorTrainer(Trainer):
             except UserError as e:
                 raise UserError(f"{where}: {e}") from None
 
+    def _check_old_from_forward(self, batch: TrainBatch, where: str) -> None:
+        """A batch whose old logprobs the train step takes from its own forward: one update, no rejection."""
+        cfg, correction = self.cfg, self.cfg.correction
+        problems = []
+        if cfg.epochs != 1:
+            problems.append(f"train.epochs = {cfg.epochs} (must be 1)")
+        if cfg.mini_batch_size and cfg.mini_batch_size < batch.size:
+            problems.append(f"train.mini_batch_size = {cfg.mini_batch_size} < the batch's {batch.size} samples")
+        if correction.rollout_rs != "none" or correction.rollout_veto_threshold > 0:
+            problems.append("rejection in train.correction (rollout_rs / rollout_veto_threshold)")
+        if len(set(batch.meta.sample_ids)) != batch.size:
+            problems.append("repeated sample ids")
+        if problems:
+            raise UserError(
+                f"{where}: the batch's old logprobs are to come from this step's forward (scored with "
+                f"old_logprobs = 'train'), which takes one update per batch; here: {'; '.join(problems)}. Score it "
+                f"with old_logprobs = 'actor' instead"
+            )
+
     def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
         self.step_expert_load = torch.zeros(())
-        metrics = super().train_step(batch, step)
+        from_forward = batch.meta.old_logprobs == "train"
+        if from_forward:  # each micro-batch's detached logprobs are the old ones, gathered here for the metrics
+            self._old_rows = {sample: i for i, sample in enumerate(batch.meta.sample_ids)}
+            self._forward_old = torch.zeros(batch.old_logprobs.shape, dtype=torch.float32, device=self.device)
+        try:
+            metrics = super().train_step(batch, step)
+        finally:
+            forward_old, self._forward_old = self._forward_old, None
+        if from_forward:
+            if self.ctx.distributed and self.ctx.dp_size > 1:  # each data-parallel rank filled its own rows
+                torch_dist.all_reduce(forward_old, group=self.ctx.dp_group)
+            batch.old_logprobs = forward_old.cpu()
+            metrics.update(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask))
+            metrics["actor/old_logprobs_from_train"] = 1.0
         if self.router_probe is not None:
             metrics.update(self.expert_load_metrics())
         mismatched, compared = metrics.pop("actor/routing_mismatched", None), metrics.pop("actor/routing_compared", 0)
@@ -102,6 +140,11 @@ class ActorTrainer(Trainer):
                 before = (replay.mismatched, replay.compared)
             with probe if probe is not None else contextlib.nullcontext():
                 logp, entropy = self.logprobs(t, part)
+            if self._forward_old is not None:  # the old logprobs are this forward's (one update per batch)
+                t["old_logprobs"] = logp.detach().float()
+                if weight:  # not a padding micro-batch (a repeat of the rank's first)
+                    rows = torch.tensor([self._old_rows[s] for s in part.meta.sample_ids], device=self.device)
+                    self._forward_old.index_copy_(0, rows, t["old_logprobs"] * t["loss_mask"])
             loss = self.micro_loss(t, logp, entropy, norm, sums)
             if probe is not None:
                 loss = loss + self.moe_loss(probe, t, norm, sums if weight else None)

@@ -11,6 +11,7 @@ from tests.conftest import (
     WORKERS,
     cli_ok,
     max_diff,
+    read_jsonl,
     rollout_args,
     run_torchrun,
     torchrun,
@@ -49,6 +50,22 @@ def single(tmp_path_factory, tiny_ckpt, batch):
     return out
 
 
+ONE_UPDATE = ["--lr", "1e-4", "--micro-batch-size", "3"]
+
+
+@pytest.fixture(scope="module")
+def from_train(tmp_path_factory, tiny_ckpt, batch):
+    """The batch's rollouts scored with old_logprobs = 'train', and one process's step on it (its metrics line)."""
+    d = tmp_path_factory.mktemp("from_train")
+    reward = write_length_reward(d)
+    rollouts = batch.parent / "r.jsonl"
+    cli_ok("score", "--rollouts", rollouts, "--actor", tiny_ckpt, "--reward", f"{reward}:score", "--out", d,
+           "--old-logprobs", "train")  # fmt: skip
+    cli_ok("train-step", "--checkpoint", tiny_ckpt, "--batch", d / "batch.safetensors", "--out", d / "c1", *ONE_UPDATE,
+           "--metrics", d / "m.jsonl")  # fmt: skip
+    return d
+
+
 def test_two_ranks_equal_one(tmp_path, tiny_ckpt, batch, single):
     """2-rank steps equal one process: plain FSDP; with parameter and activation offload and gradient checkpointing;
     Ulysses SP 2 (each rank of the group runs a slice of the packed row). One launch runs the three."""
@@ -84,20 +101,29 @@ def test_packing_and_token_budget_equal_padded_micro_batches(tmp_path, tiny_ckpt
     assert max_diff(single, tmp_path / "c") < 1e-6
 
 
-def test_four_ranks_with_token_budget_and_sequence_parallel(tmp_path, tiny_ckpt, batch, single):
+def test_four_ranks_with_token_budget_and_sequence_parallel(tmp_path, tiny_ckpt, batch, single, from_train):
     """4-rank steps equal one process: a token budget with every micro-batch reduce-scattered (two ranks above
-    accumulate unsharded); dp 2 x Ulysses SP 2, packed, with a token budget and chunked logprobs. One launch runs
-    both."""
+    accumulate unsharded); dp 2 x Ulysses SP 2, packed, with a token budget and chunked logprobs; kept gathered
+    layers; a batch whose old logprobs come from the step's forward (dp 2 x SP 2: each data-parallel rank's rows
+    gathered for the mismatch metrics). One launch runs them."""
     step = ["train-step", "--checkpoint", tiny_ckpt, "--batch", batch, "--kl-loss-coef", "0.1", *TRAIN]
+    own = ["train-step", "--checkpoint", tiny_ckpt, "--batch", from_train / "batch.safetensors", *ONE_UPDATE]
     torchrun_commands(
         4,
         [*step, "--out", tmp_path / "c", "--max-tokens-per-micro-batch", "25", "--grad-accumulation", "sharded"],
         [*step, "--out", tmp_path / "sp", "--use-packing", "--sp-degree", "2", "--max-tokens-per-micro-batch", "40",
          "--logprob-impl", "chunked"],
         [*step, "--out", tmp_path / "kept", "--max-tokens-per-micro-batch", "25", "--keep-gathered"],
+        [*own, "--out", tmp_path / "own", "--use-packing", "--sp-degree", "2", "--max-tokens-per-micro-batch", "40",
+         "--metrics", tmp_path / "own.jsonl"],
     )  # fmt: skip
     for name in ("c", "sp", "kept"):
         assert max_diff(single, tmp_path / name) < 1e-6, name
+    assert max_diff(from_train / "c1", tmp_path / "own") < 1e-6
+    one, four = read_jsonl(from_train / "m.jsonl")[-1], read_jsonl(tmp_path / "own.jsonl")[-1]
+    assert four["actor/old_logprobs_from_train"] == 1.0
+    for key in ("rollout_corr/logprob_abs_diff_mean", "rollout_corr/logprob_abs_diff_max", "rollout_corr/kl_k1"):
+        assert abs(four[key] - one[key]) < 1e-6, (key, one[key], four[key])
 
 
 def test_kept_gathered_layers_are_gathered_once_per_phase():

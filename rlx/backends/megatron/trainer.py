@@ -246,6 +246,11 @@ class MegatronActorTrainer(MegatronTraining, ActorTrainer):
     routing replayed from the batch's routed_experts with train.router_replay = 'rollout'."""
 
     def check_batch(self, batch: TrainBatch, where: str) -> None:
+        if batch.meta.old_logprobs == "train":
+            raise UserError(
+                f"{where}: the batch's old logprobs are to come from the train step's forward (old_logprobs = "
+                f"'train'), which the megatron backend does not take; score it with old_logprobs = 'actor'"
+            )
         super().check_batch(batch, where)
         if batch.routed_experts is not None and self.is_moe:
             check_routes_shape(tuple(batch.routed_experts.shape[2:]), self.hf_config, where)
