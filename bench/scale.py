@@ -42,6 +42,9 @@ SHAPES = {
     "14b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=5120, intermediate_size=13824,
                 num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
                 tie_word_embeddings=False),
+    "32b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=5120, intermediate_size=27648,
+                num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                tie_word_embeddings=False),  # Qwen2.5-32B-shaped
     "moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
                 moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
                 num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
@@ -269,7 +272,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="7b", help="comma-separated: 0.5b, 7b, 14b, moe (Qwen3-30B-A3B, 12 layers)")
+    parser.add_argument("--shapes", default="7b", help="comma-separated: 0.5b, 7b, 14b, 32b, moe (Qwen3-30B-A3B, 12 layers)")
     parser.add_argument("--gpus", default="1,2,4", help="comma-separated GPU counts")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts per step (per GPU with --weak)")
