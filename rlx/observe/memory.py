@@ -5,7 +5,9 @@
     metrics.update(phase)                     # timing/rollout_s, memory/rollout_device_peak_gb, ...
 
 Device peak memory is torch's `max_memory_allocated` since the phase began (the peak counter is
-reset on entry) for cuda and npu devices, and 0 on the CPU. Host RSS is the process's resident set
+reset on entry) for cuda and npu devices, less the bytes torch counts that hold no device memory
+through the phase (`unmapped_bytes`: a sleeping vLLM's pool, see `allocated_in_segments`), and 0 on
+the CPU. Host RSS is the process's resident set
 at the end of the phase (psutil when installed, else /proc/self/status VmRSS, else the lifetime
 peak from getrusage). Sizes are GiB (2**30 bytes). torch is imported only for cuda/npu devices.
 """
@@ -67,6 +69,21 @@ def device_peak_bytes(device: Any) -> int:
     return int(module.max_memory_allocated(device))
 
 
+def allocated_in_segments(segments: list[dict], addresses: set[int]) -> int:
+    """Bytes torch's allocator counts as allocated in the segments that start at `addresses`.
+
+    `segments`: torch.cuda.memory_snapshot()'s entries ({"address", "allocated_size", ...}). vLLM's sleep mode
+    allocates its weights and KV cache through a pluggable allocator (its CuMemAllocator), whose segments torch
+    counts as its own; vLLM's sleep unmaps their memory but the tensors stay alive, so torch's allocated bytes (and
+    every peak after) still hold them. This many bytes of a phase's peak are then not on the device."""
+    return sum(int(s["allocated_size"]) for s in segments if s["address"] in addresses)
+
+
+def phase_peak_bytes(torch_peak: int, unmapped: int) -> int:
+    """A phase's device peak: torch's peak less the `unmapped` bytes it counted all through the phase."""
+    return max(torch_peak - unmapped, 0)
+
+
 def host_rss_bytes() -> int:
     """Resident set size of this process now (psutil, else /proc/self/status; else getrusage's peak)."""
     try:
@@ -87,8 +104,10 @@ def host_rss_bytes() -> int:
 
 
 @contextlib.contextmanager
-def measure_phase(name: str, device: Any = "cpu") -> Iterator[dict[str, float]]:
+def measure_phase(name: str, device: Any = "cpu", unmapped_bytes: int = 0) -> Iterator[dict[str, float]]:
     """Measure the block as phase `name` on `device` (torch.device or 'cpu' / 'cuda:0' / 'npu:0').
+    `unmapped_bytes`: bytes torch counts as allocated all through the block that hold no device memory (a sleeping
+    rollout engine's, RolloutEngine.unmapped_bytes), left out of the peak.
 
     Yields a dict that is filled when the block ends (also when it raises) with
     {"timing/{name}_s", "memory/{name}_device_peak_gb", "memory/{name}_host_rss_gb"} (floats, GiB).
@@ -102,7 +121,7 @@ def measure_phase(name: str, device: Any = "cpu") -> Iterator[dict[str, float]]:
     try:
         yield metrics
     finally:
-        peak = device_peak_bytes(device)
+        peak = phase_peak_bytes(device_peak_bytes(device), unmapped_bytes)
         seconds = time.perf_counter() - start
         metrics.update(phase_metrics(name, seconds, peak, host_rss_bytes()))
         after = churn_counters(device)

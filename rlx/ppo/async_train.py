@@ -65,6 +65,9 @@ class RemoteRollouts:
     def wake(self) -> None:
         return None
 
+    def unmapped_bytes(self) -> int:
+        return 0  # no engine on this rank
+
     def close(self) -> None:
         return None
 

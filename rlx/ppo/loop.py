@@ -41,6 +41,7 @@ from rlx.observe.memory import (
     host_rss_bytes,
     measure_phase,
     phase_metrics,
+    phase_peak_bytes,
     process_age_s,
     reset_device_peak,
 )
@@ -217,7 +218,7 @@ class PPORun:
         metrics.update({f"rollout/{k}": float(v) for k, v in self.engine.counters().items()})
         released = self.engine.sleep()  # the trainer gets the memory until the next rollout
         metrics["memory/rollout_engine_released_gb"] = released / 2**30
-        with measure_phase("score", self.device) as phase:
+        with measure_phase("score", self.device, self.engine.unmapped_bytes()) as phase:
             score_cfg = dataclasses.replace(self.score_cfg, kl_coef=self.kl_coef, filter_groups=False)
             models = self.models.scoring
             from_rollout = self._old_logprobs_from_rollout(rollouts)
@@ -233,7 +234,7 @@ class PPORun:
             self.kl_coef = result.next_kl_coef
         if cfg.keep_artifacts and self.ctx.is_main:
             self.writer.submit(lambda: self._write_artifacts(out, rollouts, result, cfg.vision.store_pixels))
-        with measure_phase("train", self.device) as phase:
+        with measure_phase("train", self.device, self.engine.unmapped_bytes()) as phase:
             metrics.update(self._train(step, result))
         metrics.update(phase)
         if self._eval_due(step):
@@ -248,7 +249,9 @@ class PPORun:
                 self._reserve_snapshot_buffers()
         self.gc_pauses.between_steps(step)  # the collector runs here only, not inside a phase
         now = time.perf_counter()
-        metrics.update(phase_metrics("save", now - save_start, device_peak_bytes(self.device), host_rss_bytes()))
+        # the engine sleeps through the save unless an eval woke it (then it holds nothing unmapped)
+        save_peak = phase_peak_bytes(device_peak_bytes(self.device), self.engine.unmapped_bytes())
+        metrics.update(phase_metrics("save", now - save_start, save_peak, host_rss_bytes()))
         metrics["timing/step_s"] = now - step_start
         metrics.update(self.gc_pauses.take())
         metrics.update(self.setup_metrics)  # the first step of this process only

