@@ -272,7 +272,8 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="7b", help="comma-separated: 0.5b, 7b, 14b, 32b, moe (Qwen3-30B-A3B, 12 layers)")
+    parser.add_argument("--shapes", default="7b", help="comma-separated: 0.5b, 7b, 14b, 32b, moe (Qwen3-30B-A3B, "
+                        "12 layers)")  # fmt: skip
     parser.add_argument("--gpus", default="1,2,4", help="comma-separated GPU counts")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts per step (per GPU with --weak)")
