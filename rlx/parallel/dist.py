@@ -31,10 +31,11 @@ COLLECTIVES = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
 
 def limit_cpu_threads(device: torch.device) -> None:
-    """One intra-op CPU thread for a process that computes on an accelerator, as torchrun gives each of its processes,
-    unless OMP_NUM_THREADS is set. A plain process otherwise spins one thread per core in its small CPU ops: four
-    such processes on a 64-core, 4-GPU host each took 3x their time alone (bench/RESULTS.md, scale), and alone the
-    process was no faster than with one thread."""
+    """One intra-op CPU thread for a process that computes on an accelerator, as torchrun gives each of its processes
+    when it starts several, unless OMP_NUM_THREADS is set. A process otherwise spins one thread per core in its small
+    CPU ops: four plain processes on a 64-core, 4-GPU host each took 3x their time alone, and one process under
+    `torchrun --nproc_per_node 1` (no OMP_NUM_THREADS from torchrun) or srun (none ever) took 1.7x a plain one's step
+    (bench/RESULTS.md, scale); alone the process was no faster with all the cores."""
     if device.type != "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
 
@@ -126,6 +127,7 @@ def setup(device_name: str = "auto", sp_degree: int = 1, timeout_s: float | None
     if world % sp_degree:
         raise UserError(f"{world} processes cannot be split into sequence-parallel groups of {sp_degree}")
     device = rank_device(device_name, local_rank)
+    limit_cpu_threads(device)  # torchrun sets OMP_NUM_THREADS for several processes only, srun never
     collectives = COLLECTIVES[device.type]
     if not dist.is_initialized():
         dist.init_process_group(

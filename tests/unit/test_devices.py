@@ -137,6 +137,28 @@ def test_accelerator_process_gets_one_cpu_thread_unless_omp_is_set(monkeypatch):
     assert group_collectives(torch.device("cpu")) == "gloo"
 
 
+def test_a_launched_accelerator_process_gets_one_cpu_thread_too(tmp_path):
+    """Under a launcher that leaves OMP_NUM_THREADS unset (torchrun with one process, srun) the rank's intra-op
+    threads are limited as a plain process's are."""
+    code = """
+        import os
+        os.environ.pop("OMP_NUM_THREADS")
+        import torch
+        import torch.distributed as dist
+        import rlx.parallel.dist as rd
+        torch.set_num_threads(4)
+        dist.init_process_group = lambda backend, **kw: None
+        dist.is_initialized = lambda: True
+        dist.new_group = lambda ranks: tuple(ranks)
+        rd.setup("npu")
+        print(torch.get_num_threads())
+    """
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "1"}
+    out = run_python(code, tmp_path, env=env, fake_npu=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1"]
+
+
 def test_host_cpus_are_shared_by_the_launchers_processes(monkeypatch):
     """Random init draws in threads of its own: this process's share of the usable cores (torch's intra-op count
     is 1 on accelerators), never below one."""
