@@ -38,10 +38,16 @@ def test_collate_equals_the_row_by_row_layout():
         mask = [rng.randint(0, 1) for _ in range(n_r)] if i % 3 == 0 else None  # multi-turn: environment tokens
         rollouts.append(
             RolloutRecord(
-                id=f"s{i}", prompt_id=f"p{i // 4}", sample_index=i % 4, prompt="", response="",
+                id=f"s{i}",
+                prompt_id=f"p{i // 4}",
+                sample_index=i % 4,
+                prompt="",
+                response="",
                 prompt_ids=[rng.randrange(1, 500) for _ in range(n_p)],
                 response_ids=[rng.randrange(1, 500) for _ in range(n_r)],
-                rollout_logprobs=[-rng.random() * 5 for _ in range(n_r)], finish_reason="stop", temperature=1.0,
+                rollout_logprobs=[-rng.random() * 5 for _ in range(n_r)],
+                finish_reason="stop",
+                temperature=1.0,
                 loss_mask=mask,
             )  # fmt: skip
         )
