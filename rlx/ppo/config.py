@@ -264,6 +264,9 @@ class PPOConfig:
             "rejection in train.correction": correction.rollout_rs != "none" or correction.rollout_veto_threshold > 0,
             "exact = true (it takes the rollout's logprobs instead)": self.exact,
             "the megatron backend": self.backend_name == "megatron",
+            "score.router_replay without train.router_replay (the train forward would not replay)": (
+                self.score.router_replay != "off" and self.train.router_replay == "off"
+            ),
         }
         return [name for name, present in blockers.items() if present]
 

@@ -63,6 +63,7 @@ def test_auto_takes_train_only_where_one_update_sees_the_sampling_policy():
     assert resolved(*ONE_UPDATE, "train.correction.rollout_rs=token") == "actor"
     assert resolved(*ONE_UPDATE, "exact=true", "rollout.engine=native") == "actor"  # it takes the rollout's
     assert resolved(*ONE_UPDATE, "megatron={tp_degree=1}") == "actor"  # its stages have no detached-forward path
+    assert resolved(*ONE_UPDATE, "score.router_replay=rollout") == "actor"  # the old ones replayed, the new not
     assert resolved("train.mini_batch_size=0", "use_ref=true", "score.kl_coef=0.01") == "actor"
     assert load_recipe(QUICKSTART, ONE_UPDATE).score.old_logprobs == "actor"  # not on unless asked (CUDA fast path)
     with pytest.raises(UserError, match=r"score.old_logprobs.*train.epochs = 2"):
