@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,7 @@ COMMON = dict(max_position_embeddings=32768, rope_theta=1000000.0, bos_token_id=
 LENGTH_REWARD = (
     "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return float(len(solution_str))\n"
 )
+_FILES_WRITTEN = re.compile(r"files written in ([\d.]+) s")
 _PLAN_PEAK = re.compile(r"rollout ([\d.]+), score ([\d.]+), train ([\d.]+) of ([\d.]+) usable")
 
 
@@ -202,6 +204,18 @@ def summarize_stacks(raw: str, top: int = 45) -> str:
     return "\n".join(out) + "\n"
 
 
+def steady_step_s(metrics: list[dict]) -> float:
+    """The median step of the later half of the steps after the first, the last one without its final save: the
+    steady step, past the early steps that pin the checkpoint's host buffers (at 7B they took 6.8-9.7 s against
+    4.6-4.8 s later: bench/RESULTS.md, Scale)."""
+    steps = [m["timing/step_s"] for m in metrics]
+    if len(steps) < 2:
+        return steps[0] if steps else 0.0
+    steps[-1] -= metrics[-1].get("timing/save_s", 0.0)
+    later = steps[1:]
+    return statistics.median(later[len(later) // 2 :])
+
+
 def summarize(metrics: list[dict], arrivals: list[float], gpus: int) -> dict:
     """Step times, tokens/s per GPU and MFU of the median later step, rank 0's peak memory."""
     steps = [m["timing/step_s"] for m in metrics]
@@ -216,6 +230,7 @@ def summarize(metrics: list[dict], arrivals: list[float], gpus: int) -> dict:
         "steps": len(steps),
         "first_step_s": arrivals[0],
         "median_s": median,
+        "steady_s": steady_step_s(metrics),
         "p90_s": p90,
         "tokens_per_s_per_gpu": tokens / median / gpus if median else 0.0,
         "mfu": m.get("perf/mfu"),  # the step's FLOPs (all ranks' samples) over all the run's GPUs' peak
@@ -243,12 +258,15 @@ def measure(shape: str, gpus: int, work: Path, args, deadline: float) -> dict:
         row["error"] = tail
         return row
     row.update(summarize(metrics, arrivals, gpus))
+    written = _FILES_WRITTEN.findall(tail)  # the final checkpoint's files, written after the last metrics line
+    row["final_write_s"] = float(written[-1]) if written else None
     return row
 
 
 def print_table(rows: list[dict]) -> None:
     head = (
-        f"{'shape':<6}{'gpus':>5}{'first':>8}{'median':>8}{'p90':>7}{'tok/s/gpu':>11}{'MFU':>7}{'peak':>7}{'plan':>7}"
+        f"{'shape':<6}{'gpus':>5}{'first':>8}{'median':>8}{'steady':>8}{'p90':>7}{'tok/s/gpu':>11}{'MFU':>7}{'peak':>7}"
+        f"{'plan':>7}"
     )
     print("\n" + head + "  (seconds; GiB per rank: measured on rank 0, planned)")
     for r in rows:
@@ -266,7 +284,8 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['shape']:<6}{r['gpus']:>5}  {why}")
             continue
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
-        print(f"{r['shape']:<6}{r['gpus']:>5}{r['first_step_s']:>8.0f}{r['median_s']:>8.2f}{r['p90_s']:>7.2f}"
+        print(f"{r['shape']:<6}{r['gpus']:>5}{r['first_step_s']:>8.0f}{r['median_s']:>8.2f}{r['steady_s']:>8.2f}"
+              f"{r['p90_s']:>7.2f}"
               f"{r['tokens_per_s_per_gpu']:>11,.0f}{mfu:>7}{r['peak_gib_rank0']:>7.1f}{plan_peak:>7.1f}")  # fmt: skip
 
 
