@@ -50,26 +50,14 @@ class LoraConfig:
             "target_modules",
             f"expected at least one module name or '{ALL_LINEAR}' (or expert weights in target_parameters)",
         )
-        check(
-            all(isinstance(t, str) and t.strip() for t in self.target_modules),
-            "target_modules",
-            f"expected non-empty module names, got {self.target_modules}",
-        )
-        check(
-            ALL_LINEAR not in self.target_modules or len(self.target_modules) == 1,
-            "target_modules",
-            f"'{ALL_LINEAR}' already covers every linear layer: give it alone, got {self.target_modules}",
-        )
-        check(
-            all(isinstance(t, str) and t.strip() for t in self.target_parameters),
-            "target_parameters",
-            f"expected non-empty parameter names, got {self.target_parameters}",
-        )
-        check(
-            ALL_EXPERTS not in self.target_parameters or len(self.target_parameters) == 1,
-            "target_parameters",
-            f"'{ALL_EXPERTS}' already covers every expert weight: give it alone, got {self.target_parameters}",
-        )
+        for key, names, everything, what in (
+            ("target_modules", self.target_modules, ALL_LINEAR, ("module", "linear layer")),
+            ("target_parameters", self.target_parameters, ALL_EXPERTS, ("parameter", "expert weight")),
+        ):
+            check(all(isinstance(t, str) and t.strip() for t in names), key, f"expected non-empty {what[0]} "
+                  f"names, got {names}")  # fmt: skip
+            check(everything not in names or len(names) == 1, key,
+                  f"'{everything}' already covers every {what[1]}: give it alone, got {names}")  # fmt: skip
         check(
             not self.target_parameters or self.dropout == 0,
             "dropout",

@@ -256,10 +256,8 @@ class PPOConfig:
         correction = self.train.correction
         blockers = {
             "[async] (its samples come from older policies)": self.async_ is not None,
-            f"train.epochs = {self.train.epochs}": self.train.epochs != 1,
-            f"train.mini_batch_size = {self.train.mini_batch_size} (< {rows} samples a step)": (
-                0 < self.train.mini_batch_size < rows
-            ),
+            f"train.epochs = {self.train.epochs} or train.mini_batch_size = {self.train.mini_batch_size} (< {rows} "
+            "samples a step)": not self.train.updates_once(rows),
             "score.kl_coef > 0 (the in-reward KL reads them)": self.score.kl_coef > 0,
             "rejection in train.correction": correction.rollout_rs != "none" or correction.rollout_veto_threshold > 0,
             "exact = true (it takes the rollout's logprobs instead)": self.exact,

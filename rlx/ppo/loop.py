@@ -266,11 +266,9 @@ class PPORun:
         """Whether the score phase skips the actor's forward: in exact mode the rollout's logprobs are the actor's
         bit for bit, and with one update per batch (one epoch, one mini-batch) the policy has not changed since (not
         under [async]: its rollouts may come from an older policy)."""
-        train = self.cfg.train
         if self.cfg.async_ is not None:
             return False
-        rows = sum(not r.is_greedy_baseline for r in rollouts)
-        one_update = train.epochs == 1 and (train.mini_batch_size == 0 or train.mini_batch_size >= rows)
+        one_update = self.cfg.train.updates_once(sum(not r.is_greedy_baseline for r in rollouts))
         return self.cfg.exact and one_update and self.models.scoring.actor is not None
 
     @staticmethod

@@ -31,10 +31,9 @@ class ActorTrainer(Trainer):
         "loss", "pg_loss", "kl_loss", "entropy_loss", "moe_aux_loss", "moe_router_z_loss", "moe_max_expert_load"
     )  # fmt: skip
     step_expert_load: torch.Tensor = torch.zeros(())
-    _forward_old: torch.Tensor | None = None
-    """[B, R] during a train step whose batch takes its old logprobs from the forward (filled micro-batch by
-    micro-batch); None otherwise."""
-    _old_rows: dict[str, int] = {}
+    _forward_old: tuple[dict[str, int], torch.Tensor] | None = None
+    """During a train step whose batch takes its old logprobs from the forward: the batch's row of each sample id and
+    the [B, R] logprobs, filled micro-batch by micro-batch; None otherwise."""
     """Routed (token, slot) pairs per expert [E] over the current train step (this rank's tokens)."""
 
     def check_batch(self, batch: TrainBatch, where: str) -> None:
@@ -60,10 +59,11 @@ class ActorTrainer(Trainer):
         """A batch whose old logprobs the train step takes from its own forward: one update, no rejection."""
         cfg, correction = self.cfg, self.cfg.correction
         problems = []
-        if cfg.epochs != 1:
-            problems.append(f"train.epochs = {cfg.epochs} (must be 1)")
-        if cfg.mini_batch_size and cfg.mini_batch_size < batch.size:
-            problems.append(f"train.mini_batch_size = {cfg.mini_batch_size} < the batch's {batch.size} samples")
+        if not cfg.updates_once(batch.size):
+            problems.append(
+                f"train.epochs = {cfg.epochs} and train.mini_batch_size = {cfg.mini_batch_size} for {batch.size} "
+                "samples (must be 1, and 0 or at least the samples)"
+            )
         if correction.rollout_rs != "none" or correction.rollout_veto_threshold > 0:
             problems.append("rejection in train.correction (rollout_rs / rollout_veto_threshold)")
         if len(set(batch.meta.sample_ids)) != batch.size:
@@ -79,12 +79,13 @@ class ActorTrainer(Trainer):
         self.step_expert_load = torch.zeros(())
         from_forward = batch.meta.old_logprobs == "train"
         if from_forward:  # each micro-batch's detached logprobs are the old ones, gathered here for the metrics
-            self._old_rows = {sample: i for i, sample in enumerate(batch.meta.sample_ids)}
-            self._forward_old = torch.zeros(batch.old_logprobs.shape, dtype=torch.float32, device=self.device)
+            rows = {sample: i for i, sample in enumerate(batch.meta.sample_ids)}
+            forward_old = torch.zeros(batch.old_logprobs.shape, dtype=torch.float32, device=self.device)
+            self._forward_old = rows, forward_old
         try:
             metrics = super().train_step(batch, step)
         finally:
-            forward_old, self._forward_old = self._forward_old, None
+            self._forward_old = None
         if from_forward:
             if self.ctx.distributed and self.ctx.dp_size > 1:  # each data-parallel rank filled its own rows
                 torch_dist.all_reduce(forward_old, group=self.ctx.dp_group)
@@ -143,8 +144,9 @@ class ActorTrainer(Trainer):
             if self._forward_old is not None:  # the old logprobs are this forward's (one update per batch)
                 t["old_logprobs"] = logp.detach().float()
                 if weight:  # not a padding micro-batch (a repeat of the rank's first)
-                    rows = torch.tensor([self._old_rows[s] for s in part.meta.sample_ids], device=self.device)
-                    self._forward_old.index_copy_(0, rows, t["old_logprobs"] * t["loss_mask"])
+                    row_of, forward_old = self._forward_old
+                    rows = torch.tensor([row_of[s] for s in part.meta.sample_ids], device=self.device)
+                    forward_old.index_copy_(0, rows, t["old_logprobs"] * t["loss_mask"])
             loss = self.micro_loss(t, logp, entropy, norm, sums)
             if probe is not None:
                 loss = loss + self.moe_loss(probe, t, norm, sums if weight else None)

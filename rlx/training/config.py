@@ -167,6 +167,11 @@ class TrainConfig:
         check(not self.exact or self.sp_degree == 1, "exact", "runs with sp_degree = 1 only")
         check(not self.exact or not self.compile, "exact", "runs the layers eagerly: set compile = false")
 
+    def updates_once(self, samples: int) -> bool:
+        """Whether a batch of `samples` makes one optimizer step (one epoch, one mini-batch): the policy the forward
+        sees is the one that sampled, so the old logprobs need no forward of their own."""
+        return self.epochs == 1 and (self.mini_batch_size == 0 or self.mini_batch_size >= samples)
+
     def with_decay_length(self, steps: int) -> TrainConfig:
         """This config with optim.lr_decay_steps = `steps` where it is 0 (`rlx ppo`: the decay spans the run)."""
         optim = self.optim.with_decay_length(steps)

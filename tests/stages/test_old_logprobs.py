@@ -97,7 +97,7 @@ def test_train_step_on_a_batch_scored_for_the_train_forward(tmp_path, tiny_ckpt,
     twice = cli("train-step", "--checkpoint", tiny_ckpt, "--batch", batch, "--out", tmp_path / "e2", "--epochs", "2")
     assert twice.exit_code == 1, twice
     assert f"{batch}: the batch's old logprobs are to come from this step's forward" in twice.stderr
-    assert "train.epochs = 2 (must be 1)" in twice.stderr
+    assert "train.epochs = 2 and train.mini_batch_size = 0" in twice.stderr
     assert not (tmp_path / "e2").exists()
     kl = cli("score", "--rollouts", rollouts, "--out", tmp_path / "kl", "--actor", tiny_ckpt, "--ref", tiny_ckpt,
              "--kl-coef", "0.1", "--old-logprobs", "train")  # fmt: skip
