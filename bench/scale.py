@@ -297,7 +297,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts per step (per GPU with --weak)")
     parser.add_argument("--weak", action="store_true", help="weak scaling: --num-prompts per GPU, not in all")
-    parser.add_argument("--torchrun-one", action="store_true", help="launch one GPU under torchrun too (its overhead)")
+    parser.add_argument(
+        "--torchrun-one",
+        action="store_true",
+        help="launch the one-GPU runs under torchrun (its overhead: run again without it)",
+    )
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--response-len", type=int, default=256)
