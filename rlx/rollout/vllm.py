@@ -279,7 +279,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
         if self.device.type == "cuda" and self.dtype == torch.float32:
             raise UserError(
-                "engine 'vllm' with a LoRA policy on CUDA needs rollout.precision 'bfloat16' or 'float16': vLLM's "
+                "engine 'vllm' with a LoRA policy on CUDA needs rollout.precision 'auto' or 'bfloat16': vLLM's "
                 "LoRA kernels take no float32 (use engine 'native' or 'hf' for a float32 rollout)"
             )
         rank = model.peft_config[ADAPTER].r

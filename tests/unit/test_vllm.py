@@ -411,7 +411,7 @@ def test_a_lora_policy_in_float32_on_cuda_is_refused_before_vllm_starts():
     config = tiny_llama_config(len(build_char_tokenizer()), num_heads=2, num_kv_heads=1)
     model = apply_lora(AutoModelForCausalLM.from_config(config), LoraConfig(rank=8))
     cuda = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)
-    with pytest.raises(UserError, match=r"LoRA policy on CUDA needs rollout.precision 'bfloat16' or 'float16'"):
+    with pytest.raises(UserError, match=r"LoRA policy on CUDA needs rollout.precision 'auto' or 'bfloat16'"):
         VLLMRolloutEngine._lora_options(cuda, model, {})
     for device, dtype in ((CPU, torch.float32), (torch.device("cuda"), torch.bfloat16)):
         with tempfile.TemporaryDirectory() as folder:
