@@ -42,6 +42,14 @@ def ppo(
     gpu_memory_gib: Annotated[
         float | None, typer.Option(min=1.0, help="With --plan: GiB per GPU (H100 80GB: 79.1); default this GPU's.")
     ] = None,
+    host_memory_gib: Annotated[
+        float | None,
+        typer.Option(
+            min=1.0,
+            help="With --plan: GiB of memory per host (machine), for the ranks it holds ($LOCAL_WORLD_SIZE, else all "
+            "--gpus); default this machine's when planning for its own GPUs, else not checked.",
+        ),
+    ] = None,
 ) -> None:
     """Run PPO/GRPO: rollout -> score -> train-step for `steps` iterations, writing the same artifacts
     as the separate commands (step_NNNNNN/, checkpoints/, metrics.jsonl) to the run folder.
@@ -54,7 +62,8 @@ def ppo(
 
     On CUDA the memory plan (rlx/ppo/plan.py) chooses what the recipe leaves unset among rollout.sleep,
     train.gradient_checkpointing, the micro-batch token budgets, rollout.kv_cache_gib, train.compile and
-    train.param_offload so the run fits the GPUs, prints it, and stops before loading weights when nothing fits.
+    train.param_offload so the run fits the GPUs and the host's memory, prints it, and stops before loading weights
+    when nothing fits.
     """
     with reporting("ppo", on_interrupt="; continue the run with --resume"):
         from rlx.ppo.config import load_recipe
@@ -62,8 +71,8 @@ def ppo(
 
         if resume and overwrite:
             raise UserError("--resume continues the run in --out and --overwrite replaces it: give one of them")
-        if plan or gpus is not None or gpu_memory_gib is not None:
-            return _print_plan(recipe, set_ or [], plan, gpus, gpu_memory_gib)
+        if plan or gpus is not None or gpu_memory_gib is not None or host_memory_gib is not None:
+            return _print_plan(recipe, set_ or [], plan, gpus, gpu_memory_gib, host_memory_gib)
         device_type = resolve_device(_train_device(recipe, set_ or [])).type
         if device_type == "cuda":
             run_dir = Path(out) if out else Path("runs") / recipe.stem
@@ -123,12 +132,15 @@ def _announce_defaults(device_type: str, recipe: Path, overrides: list[str], res
         console('rlx ppo: [async] samples are off-policy: train.correction.rollout_is = "token" (set it to opt out)')
 
 
-def _print_plan(recipe: Path, overrides: list[str], plan: bool, gpus: int | None, gpu_memory_gib: float | None) -> None:
+def _print_plan(
+    recipe: Path, overrides: list[str], plan: bool, gpus: int | None, gpu_memory_gib: float | None,
+    host_memory_gib: float | None = None,
+) -> None:  # fmt: skip
     """`--plan`: the plan for the named hardware on stdout; exit 1 (UserError) when nothing fits."""
     import os
 
     if not plan:
-        raise UserError("--gpus and --gpu-memory-gib describe the hardware of --plan: add --plan")
+        raise UserError("--gpus, --gpu-memory-gib and --host-memory-gib describe the hardware of --plan: add --plan")
     from rlx.ppo.config import load_recipe
     from rlx.ppo.plan import plan_recipe
 
@@ -138,8 +150,12 @@ def _print_plan(recipe: Path, overrides: list[str], plan: bool, gpus: int | None
         gpu_memory_gib = _device_memory_gib()
         if gpu_memory_gib is None:
             raise UserError("--plan: no GPU here; name the hardware with --gpu-memory-gib (an H100 80GB: 79.1)")
-    result = plan_recipe(_recipe_tree(recipe, overrides), recipe.parent, world, gpu_memory_gib)
+        host_memory_gib = host_memory_gib or _host_memory_gib()  # this machine's GPUs: its own memory too
+    host = _host(host_memory_gib, world)
+    result = plan_recipe(_recipe_tree(recipe, overrides), recipe.parent, world, gpu_memory_gib, host)
     print(result.summary())
+    if host is None:
+        print("  host memory not checked (name it with --host-memory-gib)")
     if not result.fits:
         raise UserError(f"{recipe}: {result.message}")
 
@@ -158,7 +174,7 @@ def _planned(recipe: Path, overrides: list[str], resumed: Path | None = None) ->
         return saved_choices(resumed / "recipe.json", tree)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        result = plan_recipe(tree, recipe.parent, world, _device_memory_gib() or 0.0)
+        result = plan_recipe(tree, recipe.parent, world, _device_memory_gib() or 0.0, _host(_host_memory_gib(), world))
     except UserError as e:
         if os.environ.get("RANK", "0") == "0":
             console(f"rlx ppo: no memory plan ({e})")
@@ -168,6 +184,28 @@ def _planned(recipe: Path, overrides: list[str], resumed: Path | None = None) ->
     if not result.fits:
         raise UserError(f"{recipe}: {result.message} (see `rlx ppo --plan --help`)")
     return plan_overrides(result, tree)
+
+
+def _host(memory_gib: float | None, world: int):
+    """The plan's Host: `memory_gib` shared by this host's ranks ($LOCAL_WORLD_SIZE, else all `world`); None
+    without a memory size."""
+    import os
+
+    from rlx.ppo.plan import Host
+
+    if memory_gib is None:
+        return None
+    return Host(memory_gib, min(world, int(os.environ.get("LOCAL_WORLD_SIZE") or world)))
+
+
+def _host_memory_gib() -> float | None:
+    """This machine's memory in GiB (its total: every rank of a host plans alike), None where the OS does not say."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _device_memory_gib() -> float | None:

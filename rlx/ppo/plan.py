@@ -359,6 +359,40 @@ def estimate(shape: ModelShape, work: Workload, settings: Settings, world: int, 
     return Estimate({"rollout": rollout, "score": score, "train": train}, train_parts)
 
 
+HOST_RESERVED_SHARE = 0.1
+"""Share of a host's memory the plan leaves to the kernel, the page cache (data, checkpoint files) and other work."""
+HOST_GIB_PER_RANK = 4.0
+"""A rank's own host memory beside the model's: Python, torch and the CUDA libraries, the CUDA context's host side,
+torch.compile's workers."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """The memory of one host (machine) and how many of the run's ranks it holds."""
+
+    memory_gib: float
+    ranks: int
+
+    @property
+    def usable_gib(self) -> float:
+        return self.memory_gib * (1 - HOST_RESERVED_SHARE)
+
+
+def host_gib(shape: ModelShape, work: Workload, settings: Settings, world: int, ranks: int) -> dict[str, float]:
+    """Peak GiB of one host holding `ranks` of the `world` ranks, at the start and in steady steps:
+    - 'load': every rank builds the whole float32 policy on the host, with its reference and a new critic copied from
+      it, before the trainer shards them onto its GPU (rlx/ppo/models.py);
+    - 'steady': the checkpoints' host buffers, pinned for the run (float32 weights and AdamW's two moments, 12 bytes
+      per parameter, a 1 / world share on each rank: rlx/utils/host_copy.py; a LoRA policy's adapters are small),
+      and with train.param_offload the float32 parameter, gradient and optimizer shards (16 bytes / world)."""
+    copies = 1 + int(work.use_ref) + int(work.has_critic)
+    load = ranks * (shape.params * 4 * copies / GIB + HOST_GIB_PER_RANK)
+    per_param = (0.0 if work.has_lora else 12.0) + (16.0 if settings.param_offload else 0.0)
+    models = 2 if work.has_critic else 1
+    steady = ranks * (models * shape.params * per_param / world / GIB + HOST_GIB_PER_RANK)
+    return {"load": load, "steady": steady}
+
+
 # --- choosing the settings ------------------------------------------------------------------------------------
 
 _CHOICES = {  # dotted recipe key -> Settings field
@@ -403,6 +437,10 @@ class MemoryPlan:
     """The model's sizes (a mixture of experts' line in the summary: total, active, in experts)."""
     decode_ms: dict[int, float] = field(default_factory=dict)
     """{rollout.tp_degree: predicted decode step ms} of the degrees the plan chose among (empty: no choice)."""
+    host: Host | None = None
+    """The host's memory the plan checked the run against (None: not checked)."""
+    host_gib: dict[str, float] = field(default_factory=dict)
+    """host_gib() of the chosen settings (empty when the host was not checked)."""
 
     def summary(self) -> str:
         """One compact block: the hardware, the chosen settings, the per-phase peaks against the usable memory."""
@@ -415,6 +453,7 @@ class MemoryPlan:
             f"{head}: {verdict}; peak GiB per rank {phases} of {usable_gib(self.gpu_memory_gib):.1f} usable\n"
             + self._moe_line()
             + self._decode_line()
+            + self._host_line()
             + f"  train peak: {parts}\n"
             f"  chosen (keys the recipe leaves out): {settings}" + (f"\n  {self.message}" if self.message else "")
         )
@@ -425,6 +464,14 @@ class MemoryPlan:
             return ""
         options = ", ".join(f"tp {d} {ms:.1f}" for d, ms in sorted(self.decode_ms.items()))
         return f"  rollout: tp_degree {self.settings.tp_degree} (predicted decode step ms: {options})\n"
+
+    def _host_line(self) -> str:
+        """The host's peak against its usable memory (empty when the host was not checked)."""
+        if self.host is None or not self.host_gib:
+            return ""
+        peaks = ", ".join(f"{name} {gib:.0f}" for name, gib in self.host_gib.items())
+        usable = f"{self.host.usable_gib:.0f} usable of {self.host.memory_gib:.0f}"
+        return f"  host: peak GiB {peaks} of {usable} ({self.host.ranks} ranks per host)\n"
 
     def _moe_line(self) -> str:
         """A mixture of experts' sizes and expert parallelism (empty for a dense model)."""
@@ -456,15 +503,24 @@ def _fixed(user: dict[str, Any], settings: Settings) -> Settings:
     return replace(settings, **values)
 
 
-def plan_memory(config: dict, tree: dict, user: dict[str, Any], world: int, gpu_memory_gib: float) -> MemoryPlan:
-    """The plan for `world` GPUs of `gpu_memory_gib` each. `tree`: the recipe after --set with the fast path's keys
-    filled in; `user`: {dotted key: value} of the keys the recipe (or --set) itself gives, which the plan keeps."""
+def plan_memory(
+    config: dict, tree: dict, user: dict[str, Any], world: int, gpu_memory_gib: float, host: Host | None = None
+) -> MemoryPlan:
+    """The plan for `world` GPUs of `gpu_memory_gib` each, on hosts of `host` (None: the GPUs only). `tree`: the
+    recipe after --set with the fast path's keys filled in; `user`: {dotted key: value} of the keys the recipe (or
+    --set) itself gives, which the plan keeps."""
     shape, work = model_shape(config), Workload.from_recipe(tree)
     base = _fixed(user, _settings_of(tree))
-    plan = _search(shape, work, base, user, world, gpu_memory_gib)
+    plan = _search(shape, work, base, user, world, gpu_memory_gib, host)
     if plan.fits:
         return plan
-    plan.message = _what_fits(shape, work, base, user, world, gpu_memory_gib)
+    if host is not None and (gpus_only := _search(shape, work, base, user, world, gpu_memory_gib)).fits:
+        # the host is what does not hold it: the GPUs' plan, with the host's peaks and what host would hold it
+        gpus_only.fits, gpus_only.host = False, host
+        gpus_only.host_gib = host_gib(shape, work, gpus_only.settings, world, host.ranks)
+        gpus_only.message = _host_message(shape, work, gpus_only.settings, world, gpu_memory_gib, host)
+        return gpus_only
+    plan.message = _what_fits(shape, work, base, user, world, gpu_memory_gib, host)
     return plan
 
 
@@ -486,9 +542,10 @@ def _settings_of(tree: dict) -> Settings:
     )
 
 
-def _search(shape: ModelShape, work: Workload, base: Settings, user: dict, world: int, gpu_gib: float) -> MemoryPlan:
-    """The first rung of the ladder (then the largest micro-batch) that fits, with the recipe's own keys kept;
-    the last rung's estimate when none does."""
+def _search(shape: ModelShape, work: Workload, base: Settings, user: dict, world: int, gpu_gib: float,
+            host: Host | None = None) -> MemoryPlan:  # fmt: skip
+    """The first rung of the ladder (then the largest micro-batch) that fits the GPUs and the host, with the recipe's
+    own keys kept; the last rung's estimate when none does."""
     usable = usable_gib(gpu_gib)
     tokens_per_rank = math.ceil(work.sequences / work.optimizer_steps / world) * work.sample_tokens
     floor = math.ceil(work.sample_tokens / 1024) * 1024
@@ -506,9 +563,15 @@ def _search(shape: ModelShape, work: Workload, base: Settings, user: dict, world
             for tokens in budgets or _budgets(base.train_tokens, max(minimum, floor), tokens_per_rank):
                 trial = _fit_score(shape, work, replace(settings, train_tokens=tokens), user, world, gpu_gib, floor)
                 last = estimate(shape, work, trial, world, gpu_gib)
-                if last.peak <= usable:
-                    return _plan(world, gpu_gib, True, trial, last, base, user, shape, work)
-    return _plan(world, gpu_gib, False, trial, last, base, user, shape, work)
+                if last.peak <= usable and _host_fits(shape, work, trial, world, host):
+                    return _plan(world, gpu_gib, True, trial, last, base, user, shape, work, host)
+    return _plan(world, gpu_gib, False, trial, last, base, user, shape, work, host)
+
+
+def _host_fits(shape: ModelShape, work: Workload, settings: Settings, world: int, host: Host | None) -> bool:
+    if host is None:
+        return True
+    return max(host_gib(shape, work, settings, world, host.ranks).values()) <= host.usable_gib
 
 
 def _ep_degrees(shape: ModelShape, world: int, base: Settings, user: dict) -> list[int]:
@@ -550,7 +613,7 @@ def _fit_score(shape: ModelShape, work: Workload, settings: Settings, user: dict
     return settings
 
 
-def _plan(world, gpu_gib, fits, settings, est, base, user, shape, work) -> MemoryPlan:  # noqa: ANN001
+def _plan(world, gpu_gib, fits, settings, est, base, user, shape, work, host=None) -> MemoryPlan:  # noqa: ANN001
     """The MemoryPlan, the native engine's KV cache sized to what a step needs (when the recipe leaves it unset)."""
     if work.engine == "native" and work.prompt_known and "rollout.kv_cache_gib" not in user:
         settings = replace(settings, kv_cache_gib=math.ceil(kv_cache_need_gib(shape, work, world) * 4) / 4)
@@ -563,31 +626,57 @@ def _plan(world, gpu_gib, fits, settings, est, base, user, shape, work) -> Memor
         chosen["rollout.sleep"] = settings.sleep
     options = _tp_degrees(shape, work, world, base, user)
     decode = {d: decode_step_ms(shape, d) for d in options} if len(options) > 1 else {}
-    return MemoryPlan(world, gpu_gib, fits, chosen, est, settings, shape=shape, decode_ms=decode)
+    on_host = host_gib(shape, work, settings, world, host.ranks) if host is not None else {}
+    return MemoryPlan(world, gpu_gib, fits, chosen, est, settings, shape=shape, decode_ms=decode, host=host,
+                      host_gib=on_host)  # fmt: skip
 
 
-def _what_fits(shape: ModelShape, work: Workload, base: Settings, user: dict, world: int, gpu_gib: float) -> str:
-    """The sentence naming what would fit: the user's own settings left to the plan, fewer sequences, more GPUs."""
+def _what_fits(shape: ModelShape, work: Workload, base: Settings, user: dict, world: int, gpu_gib: float,
+               host: Host | None = None) -> str:  # fmt: skip
+    """The sentence naming what would fit: the user's own settings left to the plan, fewer sequences, more GPUs (as
+    many ranks per host)."""
     hints = []
-    if any(key in user for key in _CHOICES) and _search(shape, work, base, {}, world, gpu_gib).fits:
+    if any(key in user for key in _CHOICES) and _search(shape, work, base, {}, world, gpu_gib, host).fits:
         given = ", ".join(f"{k}={_literal(user[k])}" for k in _CHOICES if k in user)
         hints.append(f"leave out {given} (the plan would choose)")
-    if work.use_ref and _search(shape, replace(work, use_ref=False), base, user, world, gpu_gib).fits:
+    if work.use_ref and _search(shape, replace(work, use_ref=False), base, user, world, gpu_gib, host).fits:
         hints.append("use_ref=false (no KL terms: the reference's whole float32 copy per rank is gone)")
     for more in (2 * world, 4 * world, 8 * world, 16 * world):
-        if _search(shape, work, base, user, more, gpu_gib).fits:
+        if _search(shape, work, base, user, more, gpu_gib, host).fits:
             hints.append(f"{more} GPUs of {gpu_gib:.0f} GiB")
             break
     would = "; ".join(hints) if hints else "a larger device (nothing tried fits)"
     return f"nothing fits {world} x {gpu_gib:.0f} GiB; would fit: {would}"
 
 
+def _host_message(shape: ModelShape, work: Workload, settings: Settings, world: int, gpu_gib: float, host: Host) -> str:
+    """Why the host does not hold a run its GPUs would (with `settings`, the GPUs' plan): its peaks, and the host
+    memory or the ranks per host that would."""
+    peaks = host_gib(shape, work, settings, world, host.ranks)
+    copies = 1 + int(work.use_ref) + int(work.has_critic)
+    whole = shape.params * 4 * copies / GIB
+    what = "the policy" + (", its reference" if work.use_ref else "") + (", a critic" if work.has_critic else "")
+    need = max(peaks.values()) / (1 - HOST_RESERVED_SHARE)
+    fewer = [r for r in range(host.ranks - 1, 0, -1) if host.ranks % r == 0 and world % r == 0]
+    fits = [r for r in fewer if _host_fits(shape, work, settings, world, replace(host, ranks=r))]
+    hints = [f"hosts of {math.ceil(need)} GiB"]
+    if fits:
+        hints.append(f"{fits[0]} rank{'s' if fits[0] > 1 else ''} per host ({world // fits[0]} hosts)")
+    return (
+        f"{world} x {gpu_gib:.0f} GiB GPUs would hold the run but the host would not: peak GiB per host load "
+        f"{peaks['load']:.0f} (each of its {host.ranks} ranks builds {what} in float32 on the host before sharding: "
+        f"{whole:.0f} GiB), steady {peaks['steady']:.0f} (checkpoint buffers"
+        + (", offloaded shards" if settings.param_offload else "")
+        + f"), of {host.usable_gib:.0f} usable of {host.memory_gib:.0f}; would fit: {'; '.join(hints)}"
+    )
+
+
 # --- from a recipe ----------------------------------------------------------------------------------------------
 
 
-def plan_recipe(tree: dict, recipe_dir, world: int, gpu_memory_gib: float) -> MemoryPlan:
-    """The plan of a recipe tree (after --set) on `world` GPUs of `gpu_memory_gib`: the fast path's keys filled in
-    as `rlx ppo` does on CUDA, the recipe's own keys kept. UserError when the model's config.json cannot be read
+def plan_recipe(tree: dict, recipe_dir, world: int, gpu_memory_gib: float, host: Host | None = None) -> MemoryPlan:
+    """The plan of a recipe tree (after --set) on `world` GPUs of `gpu_memory_gib` (on hosts of `host`, None: not
+    checked): the fast path's keys filled in as `rlx ppo` does on CUDA, the recipe's own keys kept. UserError when the model's config.json cannot be read
     (a GGUF file, a package, a URL) or the recipe trains on megatron or asynchronously (not planned yet)."""
     from rlx.errors import UserError
     from rlx.ppo.defaults import apply_defaults, fast_path_defaults, model_config_of
@@ -602,7 +691,7 @@ def plan_recipe(tree: dict, recipe_dir, world: int, gpu_memory_gib: float) -> Me
     full = apply_defaults(tree, fast_path_defaults("cuda", tree, recipe_dir))
     user = {key: _lookup(tree, key) for key in _CHOICES if _lookup(tree, key) is not None}
     try:
-        return plan_memory(config, full, user, world, gpu_memory_gib)
+        return plan_memory(config, full, user, world, gpu_memory_gib, host)
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{where}/config.json: cannot size the model for the memory plan ({e!r})") from None
 

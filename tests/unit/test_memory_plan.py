@@ -13,7 +13,16 @@ import pytest
 
 from rlx.models.tiny import write_tiny_model_dir
 from rlx.ppo.defaults import apply_defaults, fast_path_defaults
-from rlx.ppo.plan import Settings, Workload, _activation_bytes_per_token, estimate, model_shape, plan_memory, usable_gib
+from rlx.ppo.plan import (
+    Host,
+    Settings,
+    Workload,
+    _activation_bytes_per_token,
+    estimate,
+    model_shape,
+    plan_memory,
+    usable_gib,
+)
 from tests.conftest import cli
 
 H100_GIB = 79.1
@@ -25,6 +34,12 @@ QWEN25_14B = dict(
     model_type="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
     num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False,
 )  # fmt: skip
+QWEN25_32B = dict(
+    model_type="qwen2", hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+    num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False,
+)  # fmt: skip
+X4_HOST_GIB = 468.0
+"""The lent 4 x H100 machine's memory (503 GB)."""
 ISSUE_RECIPE = {  # 32 prompts x 8, prompt 128 / response 256, no reference (as bench/grpo_step.py)
     "use_ref": False,
     "model": {"path": "model"},
@@ -237,6 +252,7 @@ def test_a_cuda_run_that_does_not_fit_stops_before_loading_weights(tmp_path, mon
 
     recipe = write_recipe(tmp_path, QWEN25_7B)
     monkeypatch.setattr(command, "_device_memory_gib", lambda: 24.0)
+    monkeypatch.setattr(command, "_host_memory_gib", lambda: X4_HOST_GIB)  # not this machine's 24 GiB
     monkeypatch.setattr("rlx.utils.device.resolve_device", lambda name: __import__("torch").device("cuda"))
     monkeypatch.setenv("WORLD_SIZE", "1")
     result = cli("ppo", recipe, "--out", tmp_path / "run")
@@ -267,6 +283,47 @@ def test_a_resumed_run_keeps_the_memory_settings_it_started_with(tmp_path, monke
     monkeypatch.setattr(command, "_device_memory_gib", lambda: 24.0)  # would not fit: not planned again
     overrides = command._planned(recipe, ["train.gradient_checkpointing=false"], run)
     assert overrides == ["rollout.sleep=false", "rollout.kv_cache_gib=2.0"]
+
+
+def test_the_host_s_memory_is_planned_too():
+    """Each rank builds the whole float32 policy on the host before sharding it, and pins its share of the
+    checkpoint buffers (with CPU offload, also its offloaded shards): a 32B model whose GPUs' plan fits 4 x H100 with
+    CPU offload does not fit the lent 4-GPU host (503 GB; it would have died loading, 4 x 122 GiB): refused, naming
+    the host's peaks and what would hold it, with the GPUs' plan shown. 7B and 14B fit it (they ran there)."""
+    tree = with_fast_path({**ISSUE_RECIPE, "model": {"path": "m"}})
+    x4 = Host(X4_HOST_GIB, 4)
+    fourteen = plan_memory(QWEN25_14B, tree, {}, 4, H100_GIB, x4)
+    assert fourteen.fits and fourteen.chosen == plan_memory(QWEN25_14B, tree, {}, 4, H100_GIB).chosen
+    assert "  host: peak GiB load 236, steady 181 of 421 usable of 468 (4 ranks per host)\n" in fourteen.summary()
+    gpus_only = plan_memory(QWEN25_32B, tree, {}, 4, H100_GIB)
+    assert gpus_only.fits and gpus_only.chosen["train.param_offload"] is True and gpus_only.host is None
+    on_x4 = plan_memory(QWEN25_32B, tree, {}, 4, H100_GIB, x4)
+    assert not on_x4.fits and on_x4.chosen == gpus_only.chosen  # the GPUs' plan, refused for the host
+    assert on_x4.message == (
+        "4 x 79 GiB GPUs would hold the run but the host would not: peak GiB per host load 504 (each of its 4 ranks "
+        "builds the policy in float32 on the host before sharding: 122 GiB), steady 870 (checkpoint buffers, "
+        "offloaded shards), of 421 usable of 468; would fit: hosts of 968 GiB; 1 rank per host (4 hosts)"
+    )
+    assert "DOES NOT FIT" in on_x4.summary() and "host: peak GiB load 504, steady 870" in on_x4.summary()
+    # the load fits a 600 GiB host, the offloaded steady state does not; 2 TiB holds both
+    assert not plan_memory(QWEN25_32B, tree, {}, 4, H100_GIB, Host(600.0, 4)).fits
+    assert plan_memory(QWEN25_32B, tree, {}, 4, H100_GIB, Host(2048.0, 4)).fits
+    # a reference and a critic are whole float32 copies at load too
+    both = with_fast_path({**ISSUE_RECIPE, "model": {"path": "m"}, "use_ref": True, "critic": {}})
+    loads = [plan_memory(QWEN25_7B, t, {}, 4, H100_GIB, x4).host_gib["load"] for t in (tree, both)]
+    assert loads[1] - loads[0] == pytest.approx(4 * 2 * model_shape(QWEN25_7B).params * 4 / 2**30)
+
+
+def test_plan_cli_checks_the_host_it_is_given(tmp_path, monkeypatch):
+    recipe = write_recipe(tmp_path, QWEN25_32B)
+    args = ("ppo", recipe, "--plan", "--gpus", "4", "--gpu-memory-gib", "79.1")
+    unchecked = cli(*args)
+    assert unchecked.exit_code == 0 and "host memory not checked (name it with --host-memory-gib)" in unchecked.stdout
+    refused = cli(*args, "--host-memory-gib", "468")
+    assert refused.exit_code == 1 and "would hold the run but the host would not" in refused.stderr
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two hosts of 2 GPUs: half the ranks each
+    halves = cli(*args, "--host-memory-gib", "500")
+    assert halves.exit_code == 0 and "(2 ranks per host)" in halves.stdout, halves
 
 
 def test_the_score_budget_shrinks_only_when_the_score_phase_is_over():
