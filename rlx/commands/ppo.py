@@ -16,6 +16,11 @@ _PLAN_HELP = (
     "naming what would fit when nothing does. Reads only the model's config.json."
 )
 
+_HOST_HELP = (
+    "With --plan: GiB of memory per host (machine), for the ranks it holds ($LOCAL_WORLD_SIZE, else all --gpus); "
+    "default this machine's when planning for its own GPUs, else not checked."
+)
+
 
 def ppo(
     recipe: Annotated[Path, typer.Argument(help="Recipe TOML (see recipes/quickstart.toml).")],
@@ -42,14 +47,7 @@ def ppo(
     gpu_memory_gib: Annotated[
         float | None, typer.Option(min=1.0, help="With --plan: GiB per GPU (H100 80GB: 79.1); default this GPU's.")
     ] = None,
-    host_memory_gib: Annotated[
-        float | None,
-        typer.Option(
-            min=1.0,
-            help="With --plan: GiB of memory per host (machine), for the ranks it holds ($LOCAL_WORLD_SIZE, else all "
-            "--gpus); default this machine's when planning for its own GPUs, else not checked.",
-        ),
-    ] = None,
+    host_memory_gib: Annotated[float | None, typer.Option(min=1.0, help=_HOST_HELP)] = None,
 ) -> None:
     """Run PPO/GRPO: rollout -> score -> train-step for `steps` iterations, writing the same artifacts
     as the separate commands (step_NNNNNN/, checkpoints/, metrics.jsonl) to the run folder.
