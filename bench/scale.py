@@ -61,6 +61,7 @@ LENGTH_REWARD = (
 )
 _FILES_WRITTEN = re.compile(r"files written in ([\d.]+) s")
 _PLAN_PEAK = re.compile(r"rollout ([\d.]+), score ([\d.]+), train ([\d.]+) of ([\d.]+) usable")
+_PLAN_HOST = re.compile(r"host: peak GiB load ([\d.]+), steady ([\d.]+) of .* \((\d+) ranks per host")
 
 
 def write_model_dir(folder: Path, shape: str) -> Path:
@@ -126,7 +127,17 @@ def plan(recipe: Path, gpus: int, args) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env())
     found = _PLAN_PEAK.search(done.stdout)
     peaks = dict(zip(("rollout", "score", "train", "usable"), map(float, found.groups()))) if found else {}
-    return {"fits": done.returncode == 0, "peaks_gib": peaks, "text": (done.stdout + done.stderr).strip()}
+    return {"fits": done.returncode == 0, "peaks_gib": peaks, "host_gib_per_rank": plan_host(done.stdout),
+            "text": (done.stdout + done.stderr).strip()}  # fmt: skip
+
+
+def plan_host(text: str) -> dict:
+    """The plan's host peaks per rank ({'load', 'steady'}, GiB; empty when the plan did not check the host)."""
+    found = _PLAN_HOST.search(text)
+    if not found:
+        return {}
+    load, steady, ranks = float(found[1]), float(found[2]), int(found[3])
+    return {"load": load / ranks, "steady": steady / ranks}
 
 
 def extra_sets(args) -> list[str]:
@@ -226,6 +237,7 @@ def summarize(metrics: list[dict], arrivals: list[float], gpus: int) -> dict:
     m = metrics[median_index]
     tokens = m.get("rollout/tokens", 0.0) + m.get("prompt_length/mean", 0.0) * m.get("batch/num_samples", 0.0)
     peaks = [v for row in metrics for k, v in row.items() if k.startswith("memory/") and k.endswith("device_peak_gb")]
+    host = [v for row in metrics for k, v in row.items() if k.startswith("memory/") and k.endswith("host_rss_gb")]
     return {
         "steps": len(steps),
         "first_step_s": arrivals[0],
@@ -235,6 +247,7 @@ def summarize(metrics: list[dict], arrivals: list[float], gpus: int) -> dict:
         "tokens_per_s_per_gpu": tokens / median / gpus if median else 0.0,
         "mfu": m.get("perf/mfu"),  # the step's FLOPs (all ranks' samples) over all the run's GPUs' peak
         "peak_gib_rank0": max(peaks, default=0.0),
+        "host_rss_gib_rank0": max(host, default=0.0),  # the steps' host memory (the load before step 1 is not seen)
         "phases_of_median_s": {k: m.get(f"timing/{k}_s") for k in ("weight_sync", "rollout", "score", "train", "save")},
         "final_save_s": metrics[-1].get("timing/save_s"),
     }
@@ -287,6 +300,13 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['shape']:<6}{r['gpus']:>5}{r['first_step_s']:>8.0f}{r['median_s']:>8.2f}{r['steady_s']:>8.2f}"
               f"{r['p90_s']:>7.2f}"
               f"{r['tokens_per_s_per_gpu']:>11,.0f}{mfu:>7}{r['peak_gib_rank0']:>7.1f}{plan_peak:>7.1f}")  # fmt: skip
+    for r in rows:  # the host's memory: rank 0's largest RSS over the steps against the plan's steady share a rank
+        host = r["plan"].get("host_gib_per_rank") or {}
+        if "host_rss_gib_rank0" in r and host:
+            print(
+                f"{r['shape']} on {r['gpus']}: host GiB rank 0 {r['host_rss_gib_rank0']:.1f}, plan steady a rank "
+                f"{host['steady']:.1f} (load {host['load']:.1f}, before step 1: not measured)"
+            )
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ the host. CPU tensors are cloned (they may be the live parameters themselves).
 The buffers hold one snapshot per tag: take the next snapshot only after the previous one is written. They are views
 into pinned chunks of one power-of-two size each (`_carve`): torch's pinned allocator rounds every allocation up to a
 power of two and pins all of it, so a buffer per tensor took up to twice the host memory, and the time to pin it (7B
-on 4 x H100: 43.3 GB of host memory a rank for 22.8 GB of shards).
+on 4 x H100: 43.3 GiB of host memory a rank for 22.8 GB of shards).
 """
 
 from __future__ import annotations

@@ -24,3 +24,13 @@ def test_the_steady_step_is_the_later_half_without_the_final_save():
     summary = scale.summarize(metrics, [95.0 + i for i in range(6)], gpus=4)
     assert summary["median_s"] == 6.75 and summary["steady_s"] == 4.61
     assert scale.steady_step_s(metrics[:1]) == 46.09
+
+
+def test_the_host_memory_against_the_plan_s_share_a_rank():
+    """Rank 0's largest host RSS over the steps, and the plan's host peaks per rank from its printed block."""
+    scale = _scale()
+    text = "rlx ppo: memory plan ...\n  host: peak GiB load 129, steady 101 of 421 usable of 468 (4 ranks per host)\n"
+    assert scale.plan_host(text) == {"load": 32.25, "steady": 25.25} and scale.plan_host("no host line") == {}
+    metrics = [{"timing/step_s": 5.0, "memory/train_host_rss_gb": rss, "memory/save_host_rss_gb": 1.0}
+               for rss in (2.8, 28.5, 43.3)]  # fmt: skip
+    assert scale.summarize(metrics, [1.0, 2.0, 3.0], gpus=4)["host_rss_gib_rank0"] == 43.3

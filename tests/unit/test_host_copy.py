@@ -1,5 +1,5 @@
 """Snapshot host buffers carved out of pinned chunks of one power-of-two size (rlx/utils/host_copy.py): torch's pinned
-allocator rounds each allocation up to a power of two and pins all of it (a 7B rank's 22.8 GB of shards took 43.3 GB).
+allocator rounds each allocation up to a power of two and pins all of it (a 7B rank's 22.8 GB of shards took 43.3 GiB).
 On the CPU the chunks are plain tensors (pinning needs CUDA); the GPU test in test_config.py pins them."""
 
 from __future__ import annotations
