@@ -676,8 +676,9 @@ def _host_message(shape: ModelShape, work: Workload, settings: Settings, world: 
 
 def plan_recipe(tree: dict, recipe_dir, world: int, gpu_memory_gib: float, host: Host | None = None) -> MemoryPlan:
     """The plan of a recipe tree (after --set) on `world` GPUs of `gpu_memory_gib` (on hosts of `host`, None: not
-    checked): the fast path's keys filled in as `rlx ppo` does on CUDA, the recipe's own keys kept. UserError when the model's config.json cannot be read
-    (a GGUF file, a package, a URL) or the recipe trains on megatron or asynchronously (not planned yet)."""
+    checked): the fast path's keys filled in as `rlx ppo` does on CUDA, the recipe's own keys kept. UserError when
+    the model's config.json cannot be read (a GGUF file, a package, a URL) or the recipe trains on megatron or
+    asynchronously (not planned yet)."""
     from rlx.errors import UserError
     from rlx.ppo.defaults import apply_defaults, fast_path_defaults, model_config_of
 

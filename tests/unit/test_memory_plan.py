@@ -253,6 +253,7 @@ def test_a_cuda_run_that_does_not_fit_stops_before_loading_weights(tmp_path, mon
     recipe = write_recipe(tmp_path, QWEN25_7B)
     monkeypatch.setattr(command, "_device_memory_gib", lambda: 24.0)
     monkeypatch.setattr(command, "_host_memory_gib", lambda: X4_HOST_GIB)  # not this machine's 24 GiB
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr("rlx.utils.device.resolve_device", lambda name: __import__("torch").device("cuda"))
     monkeypatch.setenv("WORLD_SIZE", "1")
     result = cli("ppo", recipe, "--out", tmp_path / "run")
@@ -315,6 +316,7 @@ def test_the_host_s_memory_is_planned_too():
 
 
 def test_plan_cli_checks_the_host_it_is_given(tmp_path, monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # every rank on one host (an earlier test may leave it)
     recipe = write_recipe(tmp_path, QWEN25_32B)
     args = ("ppo", recipe, "--plan", "--gpus", "4", "--gpu-memory-gib", "79.1")
     unchecked = cli(*args)
