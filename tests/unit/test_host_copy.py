@@ -49,3 +49,33 @@ def test_a_tensor_larger_than_the_smallest_chunk_sets_the_chunk_size(monkeypatch
     assert made == [16384]  # 12,000 bytes rounded up to a power of two; the small one fits beside it
     assert carved["big"].untyped_storage().data_ptr() == carved["small"].untyped_storage().data_ptr()
     assert host_copy._carve({}) == {} and made == [16384]
+
+
+def test_the_writers_take_carved_views_as_whole_tensors(monkeypatch, tmp_path):
+    """What a checkpoint writes from the carved buffers: safetensors (its own save_file and rlx's paced writer) and
+    DCP's threaded FileSystemWriter read back each view's values alone, not its chunk (views of one storage that do
+    not overlap are not 'shared tensors'; DCP copies a view out before it serializes it)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from rlx.utils.tensor_files import save_tensors, write_safetensors
+
+    monkeypatch.setattr(host_copy, "_new_chunk", lambda n: torch.zeros(n, dtype=torch.uint8))
+    shapes = {"a": (torch.Size([64, 8]), torch.float32), "b": (torch.Size([5]), torch.bfloat16),
+              "c": (torch.Size([3, 3]), torch.float32)}  # fmt: skip
+    views = host_copy._carve(shapes)
+    assert len({v.untyped_storage().data_ptr() for v in views.values()}) == 1  # one chunk
+    for i, view in enumerate(views.values()):
+        view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(i)).to(view.dtype))
+    expected = {k: v.clone() for k, v in views.items()}
+    save_tensors(views, tmp_path / "a.safetensors")
+    write_safetensors(tmp_path / "b.safetensors", views)
+    for name in ("a", "b"):
+        read = load_file(tmp_path / f"{name}.safetensors")
+        assert read.keys() == expected.keys() and all(read[k].equal(expected[k]) for k in expected)
+    dcp.save(dict(views), storage_writer=dcp.FileSystemWriter(tmp_path / "dcp", thread_count=2), no_dist=True)
+    loaded = {k: torch.zeros_like(v) for k, v in expected.items()}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert all(loaded[k].equal(expected[k]) for k in expected)
+    sizes = sum(p.stat().st_size for p in (tmp_path / "dcp").glob("*.distcp"))
+    assert sizes < host_copy.CHUNK_MIN_BYTES  # the views' bytes, not their 256 MiB chunk
