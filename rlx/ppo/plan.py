@@ -385,12 +385,16 @@ def host_gib(shape: ModelShape, work: Workload, settings: Settings, world: int, 
     - 'steady': the checkpoints' host buffers, pinned for the run (float32 weights and AdamW's two moments, 12 bytes
       per parameter, a 1 / world share on each rank: rlx/utils/host_copy.py; a LoRA policy's adapters are small),
       and with train.param_offload the float32 parameter, gradient and optimizer shards (16 bytes / world)."""
-    copies = 1 + int(work.use_ref) + int(work.has_critic)
-    load = ranks * (shape.params * 4 * copies / GIB + HOST_GIB_PER_RANK)
+    load = ranks * (_loaded_gib(shape, work) + HOST_GIB_PER_RANK)
     per_param = (0.0 if work.has_lora else 12.0) + (16.0 if settings.param_offload else 0.0)
     models = 2 if work.has_critic else 1
     steady = ranks * (models * shape.params * per_param / world / GIB + HOST_GIB_PER_RANK)
     return {"load": load, "steady": steady}
+
+
+def _loaded_gib(shape: ModelShape, work: Workload) -> float:
+    """What one rank builds on the host before sharding: the float32 policy, its reference and a critic copied."""
+    return shape.params * 4 * (1 + int(work.use_ref) + int(work.has_critic)) / GIB
 
 
 # --- choosing the settings ------------------------------------------------------------------------------------
@@ -653,8 +657,6 @@ def _host_message(shape: ModelShape, work: Workload, settings: Settings, world: 
     """Why the host does not hold a run its GPUs would (with `settings`, the GPUs' plan): its peaks, and the host
     memory or the ranks per host that would."""
     peaks = host_gib(shape, work, settings, world, host.ranks)
-    copies = 1 + int(work.use_ref) + int(work.has_critic)
-    whole = shape.params * 4 * copies / GIB
     what = "the policy" + (", its reference" if work.use_ref else "") + (", a critic" if work.has_critic else "")
     need = max(peaks.values()) / (1 - HOST_RESERVED_SHARE)
     fewer = [r for r in range(host.ranks - 1, 0, -1) if host.ranks % r == 0 and world % r == 0]
@@ -665,7 +667,7 @@ def _host_message(shape: ModelShape, work: Workload, settings: Settings, world: 
     return (
         f"{world} x {gpu_gib:.0f} GiB GPUs would hold the run but the host would not: peak GiB per host load "
         f"{peaks['load']:.0f} (each of its {host.ranks} ranks builds {what} in float32 on the host before sharding: "
-        f"{whole:.0f} GiB), steady {peaks['steady']:.0f} (checkpoint buffers"
+        f"{_loaded_gib(shape, work):.0f} GiB), steady {peaks['steady']:.0f} (checkpoint buffers"
         + (", offloaded shards" if settings.param_offload else "")
         + f"), of {host.usable_gib:.0f} usable of {host.memory_gib:.0f}; would fit: {'; '.join(hints)}"
     )
