@@ -1,24 +1,32 @@
 """--resume at scale: `rlx ppo` run N steps at once against K steps, stopped, then resumed to N, on the same GPUs.
 
-The final checkpoints' float32 weights and AdamW state are compared tensor by tensor, and the steps' rewards. On
-GPUs two uninterrupted runs may already differ (kernels whose reductions are not ordered, e.g. attention backward
-atomics): --control runs the uninterrupted run twice, so a difference is put beside the run-to-run one.
+The final checkpoints' float32 weights and AdamW state are compared tensor by tensor (a digest of each tensor's bytes,
+so that only one run's checkpoints are on disk at a time: at 7B a checkpoint is 91 GB, and a run keeps two while it
+writes its last), and the steps' rewards. On GPUs two uninterrupted runs may already differ (kernels whose
+reductions are not ordered, e.g. attention backward atomics): --control runs the uninterrupted run twice, so a
+difference is put beside the run-to-run one.
 
     python3 bench/resume_check.py --shape 7b --gpus 4 --steps 4 --split 2 --control --json $OUT/resume.json
     python3 bench/resume_check.py --shape small --cpu --gpus 1 --steps 2 --split 1      # a check of the script
 
-Each run's folder and log stay under --work (a temporary folder by default); at 7B a checkpoint is 91 GB.
+--phase full, then --phase split with the same --work (and arguments), does the same in two commands (e.g. two
+device calls of at most 10 minutes each). Each run's log and metrics.jsonl stay under --work; its checkpoints are
+removed once digested (--keep-checkpoints keeps them).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -40,24 +48,39 @@ def ppo(recipe: Path, gpus: int, out: Path, args, *extra: str) -> float:
     return time.time() - start
 
 
-def compare(a: Path, b: Path) -> dict:
-    """The final checkpoints of runs `a` and `b`: tensors compared, how many differ, the largest difference."""
+def digests(run: Path, keep: bool) -> dict:
+    """{'checkpoint', 'tensors': {name: [dtype, shape, blake2b of the bytes, float64 sum]}, 'rewards'} of the final
+    checkpoint of `run` (weights, then AdamW state; hashed on threads); its checkpoints removed unless `keep`."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from rlx.checkpoints.registry import read_full_optimizer, read_full_weights
 
-    final = max(p.name for p in (a / "checkpoints").glob("step_*"))
-    out = {"checkpoint": final, "tensors": 0, "differ": 0, "max_abs_diff": 0.0}
-    for read in (read_full_weights, read_full_optimizer):
-        left, right = read(a / "checkpoints" / final), read(b / "checkpoints" / final)
-        if left.keys() != right.keys():
-            raise SystemExit(f"{a.name} / {b.name}: the checkpoints hold other tensors")
-        for key in list(left):
-            x, y = left.pop(key), right.pop(key)  # each pair freed once compared (91 GB at 7B)
-            out["tensors"] += 1
-            if not x.equal(y):
-                out["differ"] += 1
-                out["max_abs_diff"] = max(out["max_abs_diff"], float((x.double() - y.double()).abs().max()))
-    out["rewards_equal"] = rewards(a) == rewards(b)
-    return out
+    final = max(p.name for p in (run / "checkpoints").glob("step_*"))
+    tensors: dict[str, list] = {}
+
+    def one(item: tuple[str, torch.Tensor]) -> tuple[str, list]:
+        name, t = item
+        flat = t.contiguous().reshape(-1)  # a 0-d tensor (AdamW's step) cannot be viewed as bytes
+        digest = hashlib.blake2b(flat.view(torch.uint8).numpy(), digest_size=16).hexdigest()
+        return name, [str(t.dtype), list(t.shape), digest, float(flat.double().sum())]
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        for prefix, read in (("weights/", read_full_weights), ("optimizer/", read_full_optimizer)):
+            found = read(run / "checkpoints" / final) or {}
+            tensors.update((prefix + name, row) for name, row in pool.map(one, found.items()))
+            del found
+    if not keep:
+        shutil.rmtree(run / "checkpoints")
+    return {"checkpoint": final, "tensors": tensors, "rewards": rewards(run)}
+
+
+def compare(a: dict, b: dict) -> dict:
+    """Two runs' `digests`: how many tensors differ, the first few names, whether the rewards are equal."""
+    if a["tensors"].keys() != b["tensors"].keys():
+        raise SystemExit("the checkpoints hold other tensors")
+    differ = [name for name in a["tensors"] if a["tensors"][name] != b["tensors"][name]]
+    return {"checkpoint": b["checkpoint"], "tensors": len(a["tensors"]), "differ": len(differ),
+            "first_differing": differ[:5], "rewards_equal": a["rewards"] == b["rewards"]}  # fmt: skip
 
 
 def rewards(run: Path) -> list[float]:
@@ -80,7 +103,12 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=560.0, help="longest one `rlx ppo` may run")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--phase", choices=("all", "full", "split"), default="all", help="full: the uninterrupted "
+                        "run(s) only; split: the stopped and resumed run against what full left in --work")  # fmt: skip
+    parser.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoints once digested")
     args = parser.parse_args()
+    if args.phase != "all" and args.work is None:
+        parser.error("--phase full / split need --work (the folder the two share)")
     if not 0 < args.split < args.steps:
         parser.error("--split must be between 0 and --steps")
     args.weak, args.torchrun_one, args.py_spy = False, False, ""  # what scale.write_recipe and extra_sets read
@@ -88,21 +116,27 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="rlx-resume-"))
     work.mkdir(parents=True, exist_ok=True)
     recipe = write_recipe(work, args.shape, args, args.gpus)
-    seconds = {"full": ppo(recipe, args.gpus, work / "full", args)}
-    seconds["split"] = ppo(recipe, args.gpus, work / "split", args, "--set", f"steps={args.split}")
-    seconds["resumed"] = ppo(recipe, args.gpus, work / "split", args, "--resume")
-    result = {"shape": args.shape, "gpus": args.gpus, "steps": args.steps, "split": args.split, "seconds": seconds,
-              "resumed_vs_full": compare(work / "full", work / "split")}  # fmt: skip
-    if args.control:
-        seconds["again"] = ppo(recipe, args.gpus, work / "again", args)
-        result["full_vs_again"] = compare(work / "full", work / "again")
+    state = work / "resume_state.json"  # what --phase full leaves for --phase split
+    result = json.loads(state.read_text()) if args.phase == "split" else {}
+    if args.phase in ("full", "all"):
+        result = {"shape": args.shape, "gpus": args.gpus, "steps": args.steps, "split": args.split, "seconds": {}}
+        result["seconds"]["full"] = ppo(recipe, args.gpus, work / "full", args)
+        result["full"] = digests(work / "full", args.keep_checkpoints)
+        if args.control:
+            result["seconds"]["again"] = ppo(recipe, args.gpus, work / "again", args)
+            result["full_vs_again"] = compare(result["full"], digests(work / "again", args.keep_checkpoints))
+        state.write_text(json.dumps(result))
+    if args.phase in ("split", "all"):
+        result["seconds"]["split"] = ppo(recipe, args.gpus, work / "split", args, "--set", f"steps={args.split}")
+        result["seconds"]["resumed"] = ppo(recipe, args.gpus, work / "split", args, "--resume")
+        result["resumed_vs_full"] = compare(result["full"], digests(work / "split", args.keep_checkpoints))
     for name in ("resumed_vs_full", "full_vs_again"):
         if name in result:
             r = result[name]
-            print(f"{name}: {r['differ']} of {r['tensors']} tensors differ (max |diff| {r['max_abs_diff']:.3g}), "
+            print(f"{name}: {r['differ']} of {r['tensors']} tensors differ {r['first_differing']}, "
                   f"rewards {'equal' if r['rewards_equal'] else 'differ'}")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        args.json.write_text(json.dumps({k: v for k, v in result.items() if k != "full"}, indent=2))
 
 
 if __name__ == "__main__":
