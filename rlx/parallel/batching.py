@@ -5,6 +5,9 @@
   size must divide). Deterministic for the same inputs.
 - `token_budget_micro_batches`: consecutive groups of samples whose token count stays within a budget
   (a sample longer than the budget gets a micro-batch of its own), in the order given.
+- `even_token_micro_batches`: exactly `count` groups of near-equal token totals within the budget: every
+  data-parallel rank then runs the same number of micro-batches (the collectives stay in step) without a rank
+  running a whole micro-batch for nothing, and no micro-batch is a sliver left over by the consecutive packing.
 - Callers keep the index lists, so per-sample results are put back in the original order.
 """
 
@@ -78,6 +81,18 @@ def token_budget_micro_batches(lengths: list[int], max_tokens: int) -> list[list
     if current:
         batches.append(current)
     return batches
+
+
+def even_token_micro_batches(lengths: list[int], max_tokens: int, count: int) -> list[list[int]] | None:
+    """`count` index groups of near-equal token totals (`balanced_partition`), each within `max_tokens` and none
+    empty; None where there are fewer samples than groups or a group would pass the budget (a caller then keeps
+    `token_budget_micro_batches`' groups)."""
+    if count < 1 or len(lengths) < count:
+        return None
+    parts = balanced_partition(lengths, count)
+    if any(sum(lengths[i] for i in part) > max_tokens for part in parts):
+        return None
+    return parts
 
 
 def count_micro_batches(size: int, micro_batch_size: int) -> list[list[int]]:

@@ -34,7 +34,12 @@ from rlx.models.lora import apply_lora, is_lora_model
 from rlx.models.lora_merge import iter_merged_weights, merged_weights
 from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.parallel.apply import ParallelPlan, apply_parallelism, shards_models
-from rlx.parallel.batching import balanced_partition, count_micro_batches, token_budget_micro_batches
+from rlx.parallel.batching import (
+    balanced_partition,
+    count_micro_batches,
+    even_token_micro_batches,
+    token_budget_micro_batches,
+)
 from rlx.parallel.dist import DistContext, all_reduce
 from rlx.parallel.experts import clip_grad_norm
 from rlx.parallel.fsdp import activation_offload, full_tensor, gathered_weights, kept_gathered, model_weights
@@ -321,6 +326,12 @@ class Trainer:
         count = len(parts)
         if self.ctx.distributed:
             count = int(all_reduce(count, "max", group=self.ctx.dp_group, device=self.ctx.device))
+        if self.cfg.max_tokens_per_micro_batch:  # `count` even parts: no rank runs a whole micro-batch for nothing
+            tokens = row_tokens(local)
+            parts = even_token_micro_batches(tokens, self.cfg.max_tokens_per_micro_batch, count) or parts
+            filler = [min(range(local.size), key=tokens.__getitem__)]  # where one is still short: the least work
+        else:
+            filler = parts[0]
         keep = self.is_sharded and self.cfg.keep_gathered
         with kept_gathered(self.model, keep):
             for i in range(count):
@@ -329,7 +340,7 @@ class Trainer:
                     self.model.set_requires_gradient_sync(i == count - 1 or self.cfg.grad_accumulation == "sharded")
                 if keep:  # the gathered parameters stay until the last micro-batch's backward
                     self.model.set_reshard_after_backward(i == count - 1)
-                part = local.select(parts[0] if dummy else parts[i])
+                part = local.select(filler if dummy else parts[i])
                 with activation_offload(self.cfg.activation_offload, self.device):
                     self.micro_step(
                         {k: v.to(self.device) for k, v in part.tensors().items()},

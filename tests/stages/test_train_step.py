@@ -58,6 +58,22 @@ def test_micro_batching_does_not_change_the_gradient(tiny_ckpt, batch_path):
     assert_close_grads(one_big, gradients(tiny_ckpt, batch, micro_batch_size=3))
 
 
+def test_token_budget_micro_batches_are_even_and_keep_the_gradient(tiny_ckpt, batch_path, monkeypatch):
+    """Packed micro-batches by token budget: the consecutive packing's count, re-split into parts of near-equal work
+    (no one-sample sliver at the end), the gradient that of one big micro-batch."""
+    batch = TrainBatch.load(batch_path)
+    one_big = gradients(tiny_ckpt, batch, micro_batch_size=8)
+    tokens = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()
+    budget = sum(sorted(tokens)[:7])  # the consecutive packing: 7 samples (or fewer), then the rest
+    seen = []
+    original = ActorTrainer.micro_step
+    monkeypatch.setattr(ActorTrainer, "micro_step", lambda self, t, part, *a: seen.append(part.size) or original(
+        self, t, part, *a))  # fmt: skip
+    packed = gradients(tiny_ckpt, batch, use_packing=True, max_tokens_per_micro_batch=budget)
+    assert len(seen) == 2 and sum(seen) == 8 and max(seen) - min(seen) <= 2, seen
+    assert_close_grads(one_big, packed)
+
+
 def test_padding_does_not_change_the_gradient(tiny_ckpt, batch_path):
     batch = TrainBatch.load(batch_path)
     pad = lambda t, left, right, value: torch.nn.functional.pad(t, (left, right), value=value)  # noqa: E731

@@ -6,7 +6,12 @@ import random
 
 import pytest
 
-from rlx.parallel.batching import balanced_partition, count_micro_batches, token_budget_micro_batches
+from rlx.parallel.batching import (
+    balanced_partition,
+    count_micro_batches,
+    even_token_micro_batches,
+    token_budget_micro_batches,
+)
 from rlx.parallel.dist import shard_range
 
 
@@ -40,6 +45,19 @@ def test_token_budget_micro_batches():
     batches = token_budget_micro_batches([7] * 10, 21)
     assert batches == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
     assert count_micro_batches(7, 3) == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_even_token_micro_batches_split_the_work_evenly_within_the_budget():
+    lengths = [384] * 256  # the consecutive packing leaves a one-sample sliver: 85, 85, 85, 1
+    assert [len(p) for p in token_budget_micro_batches(lengths, 32768)] == [85, 85, 85, 1]
+    parts = even_token_micro_batches(lengths, 32768, 4)
+    assert sorted(i for p in parts for i in p) == list(range(256)) and [len(p) for p in parts] == [64] * 4
+    # another rank's 3 parts' worth, asked for the busiest rank's 4: four near-equal parts, no idle micro-batch
+    parts = even_token_micro_batches([300, 100, 250, 384, 384, 200, 150], 800, 4)
+    sums = [sum([300, 100, 250, 384, 384, 200, 150][i] for i in p) for p in parts]
+    assert len(parts) == 4 and all(p for p in parts) and max(sums) <= 800 and max(sums) - min(sums) <= 200
+    assert even_token_micro_batches([10, 10], 100, 3) is None  # fewer samples than micro-batches
+    assert even_token_micro_batches([900, 10, 10], 500, 2) is None  # a sample over the budget: keep the packing
 
 
 def test_shard_range_covers_everything_once():
