@@ -14,7 +14,8 @@ rlx/rollout/native/engine.py):
 - the reference policy (use_ref, no LoRA): a whole float32 copy on every rank (not sharded);
 - the native engine's bfloat16 replica (a whole copy) and its KV cache, sized for this rank's share of the step's
   sequences at their longest plus 1/8; both released between rollouts with rollout.sleep;
-- activations of a train micro-batch: per token and layer about 20*hidden + 8*kv_width + 8*intermediate bytes in
+- activations of a train micro-batch (a rank's rows split into the fewest micro-batches the token budget allows,
+  of even size): per token and layer about 20*hidden + 8*kv_width + 8*intermediate bytes in
   bfloat16 (norm inputs in float32, q/k/v, attention output, the gated MLP's intermediates: 4*intermediate when
   train.compile fuses the layers, since Inductor keeps only the two projections); with gradient checkpointing only
   the layer inputs (2*hidden bytes) stay, plus one layer recomputed at a time.
@@ -320,7 +321,7 @@ def _train_gib(shape: ModelShape, work: Workload, settings: Settings, world: int
         gathered = shape.local_params(ep) * 2 + shape.local_layer_params(ep) * 8 + shape.root_params * 4
     else:
         gathered = shape.local_layer_params(ep) * 12 + shape.root_params * 6
-    tokens = min(settings.train_tokens, tokens_per_rank)
+    tokens = math.ceil(tokens_per_rank / micro_batches)  # the trainer splits a rank's rows into even parts
     activations = tokens * _activation_bytes_per_token(shape, settings.gradient_checkpointing, settings.compile)
     return {
         "activations": activations / GIB,

@@ -366,3 +366,14 @@ def test_moe_sizes_and_the_plan_suggests_expert_parallelism():
     kept = plan_memory(QWEN3_30B_A3B, with_fast_path(ISSUE_RECIPE), {**user, "train.ep_degree": 1}, 8, 139.0)
     assert "train.ep_degree" not in kept.chosen and kept.settings.ep_degree == 1
     assert plan_memory(QWEN25_7B, with_fast_path(ISSUE_RECIPE), {}, 4, H100_GIB).settings.ep_degree == 1  # dense
+
+
+def test_activations_are_those_of_the_trainer_s_even_micro_batches():
+    """A rank's rows split into the fewest micro-batches the budget allows, of even size (rlx/training/trainer.py):
+    98,304 tokens a rank at a 65,536-token budget are two micro-batches of 49,152, not one of 65,536."""
+    shape, work = model_shape(QWEN25_7B), Workload.from_recipe(ISSUE_RECIPE)  # 256 x 384 tokens
+    per_token = _activation_bytes_per_token(shape, True) / 2**30
+    for budget, tokens in ((65536, 49152), (98304, 98304), (16384, 16384), (40000, 32768)):
+        settings = Settings(sleep=True, gradient_checkpointing=True, train_tokens=budget)
+        parts = estimate(shape, work, settings, 1, H100_GIB).parts
+        assert parts["activations"] == pytest.approx(tokens * per_token), budget
