@@ -111,7 +111,9 @@ class TrainConfig:
     use_packing: bool = False
     """Concatenate each micro-batch's samples into one row (no padding, attention kept per sample)."""
     max_tokens_per_micro_batch: int = 0
-    """Micro-batches by token budget (prompt + response tokens) instead of micro_batch_size (0 = off)."""
+    """Micro-batches by token budget (prompt + response tokens) instead of micro_batch_size (0 = off): a rank's
+    samples in the fewest micro-batches of at most this many tokens (the same count on every data-parallel rank),
+    split evenly."""
     gradient_checkpointing: bool = False
     """Recompute decoder-layer activations in the backward pass instead of storing them."""
     grad_accumulation: Literal["unsharded", "sharded"] = "unsharded"
