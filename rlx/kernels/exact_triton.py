@@ -233,21 +233,27 @@ _VOCAB_BLOCK, _INTERPRETER_VOCAB_BLOCK = 1024, 64
 
 
 def exact_logprobs(
-    scaled: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False
+    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log-probability of each target [R], entropy [R] or None), float32, of scaled [R, V] (float32 logits already
-    divided by the temperature) and targets [R], batch-invariantly (no autograd)."""
-    scaled = scaled if scaled.stride(-1) == 1 else scaled.contiguous()
-    rows, vocab = scaled.shape
-    picked = scaled.new_empty(rows)
-    entropy = scaled.new_empty(rows) if with_entropy else None
+    """(log-probability of each target [R], entropy [R] or None), float32, of logits [R, V] (any float dtype) divided
+    by `temperature` inside the kernel (times its float32 reciprocal, as PyTorch's CUDA `logits.float() /
+    temperature`: no float32 copy of the logits) and targets [R], batch-invariantly (no autograd)."""
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    rows, vocab = logits.shape
+    picked = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(picked) if with_entropy else None
     if rows:
-        block = _VOCAB_BLOCK if scaled.device.type == "cuda" else _INTERPRETER_VOCAB_BLOCK
+        block = _VOCAB_BLOCK if logits.device.type == "cuda" else _INTERPRETER_VOCAB_BLOCK
         _kernels()[2][(rows,)](
-            scaled, targets.long().contiguous(), picked, picked if entropy is None else entropy, scaled.stride(0),
-            vocab, BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=4,
+            logits, targets.long().contiguous(), picked, picked if entropy is None else entropy, logits.stride(0),
+            vocab, inverse_temperature(temperature), BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=4,
         )  # fmt: skip
     return picked, entropy
+
+
+def inverse_temperature(temperature: float) -> float:
+    """1 / temperature rounded to float32, the factor PyTorch's CUDA division by a scalar multiplies by."""
+    return float(torch.tensor(1.0) / torch.tensor(float(temperature)))
 
 
 class _ExactTargetLogprobs(torch.autograd.Function):
@@ -255,7 +261,7 @@ class _ExactTargetLogprobs(torch.autograd.Function):
     def forward(ctx, rows, targets, temperature, with_entropy):
         ctx.save_for_backward(rows, targets)
         ctx.temperature = temperature
-        picked, entropy = exact_logprobs(rows.float() / temperature, targets, with_entropy)
+        picked, entropy = exact_logprobs(rows, targets, with_entropy, temperature)
         return picked, entropy if entropy is not None else picked.new_zeros(0)
 
     @staticmethod
@@ -270,7 +276,8 @@ class _ExactTargetLogprobs(torch.autograd.Function):
             block = _VOCAB_BLOCK if rows.device.type == "cuda" else _INTERPRETER_VOCAB_BLOCK
             _kernels()[4][(rows.shape[0],)](
                 rows, targets.long().contiguous(), picked, entropy, grad, rows.stride(0), grad.stride(0),
-                rows.shape[1], 1.0 / ctx.temperature, BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=4,
+                rows.shape[1], inverse_temperature(ctx.temperature), BLOCK_V=block, WITH_ENTROPY=with_entropy,
+                num_warps=4,
             )  # fmt: skip
         return grad, None, None, None
 

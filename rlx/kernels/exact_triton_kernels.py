@@ -134,31 +134,33 @@ def exact_attention_kernel(
 
 @triton.jit
 def exact_logprob_kernel(
-    x_ptr, t_ptr, logp_ptr, ent_ptr, stride_x, V, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr
+    x_ptr, t_ptr, logp_ptr, ent_ptr, stride_x, V, inv_t, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr
 ):  # fmt: skip
-    """One program per row of x [R, V] (float32, already divided by the temperature): the log-probability of the
-    row's target t [R] and (WITH_ENTROPY) the row's entropy. Two passes over the row in BLOCK_V chunks taken in
-    order: the max, then per-lane sums of exp(x - max) (and of exp(x - max) * (x - max)), reduced by one tl.sum at
-    the end; logprob = (x[t] - max) - log(sum). The same arithmetic for a row whatever the other rows are."""
+    """One program per row of x [R, V] (the logits, any float dtype): the log-probability of the row's target t [R]
+    and (WITH_ENTROPY) the row's entropy, of z = float32(x) * inv_t (inv_t the float32 reciprocal of the
+    temperature: what PyTorch's CUDA `x.float() / t` computes). Two passes over the row in BLOCK_V chunks taken in
+    order: the max, then per-lane sums of exp(z - max) (and of exp(z - max) * (z - max)), reduced by one tl.sum at
+    the end; logprob = (z[t] - max) - log(sum). The same arithmetic for a row whatever the other rows are."""
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_x
     offs = tl.arange(0, BLOCK_V)
     lane_max = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
     for first in range(0, V, BLOCK_V):
-        lane_max = tl.maximum(lane_max, tl.load(base + first + offs, mask=first + offs < V, other=float("-inf")))
+        z = tl.load(base + first + offs, mask=first + offs < V, other=float("-inf")).to(tl.float32) * inv_t
+        lane_max = tl.maximum(lane_max, z)
     top = tl.max(lane_max, 0)
     sums = tl.zeros([BLOCK_V], dtype=tl.float32)
     weighted = tl.zeros([BLOCK_V], dtype=tl.float32)
     for first in range(0, V, BLOCK_V):
         mask = first + offs < V
-        shifted = tl.load(base + first + offs, mask=mask, other=float("-inf")) - top
+        shifted = tl.load(base + first + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t - top
         p = tl.exp(shifted)
         sums += p
         if WITH_ENTROPY:
             weighted += p * tl.where(mask, shifted, 0.0)  # masked lanes: 0 * 0, not 0 * -inf
     total = tl.sum(sums, 0)
     log_total = tl.log(total)
-    picked = tl.load(base + tl.load(t_ptr + row))
+    picked = tl.load(base + tl.load(t_ptr + row)).to(tl.float32) * inv_t
     tl.store(logp_ptr + row, (picked - top) - log_total)
     if WITH_ENTROPY:
         tl.store(ent_ptr + row, log_total - tl.sum(weighted, 0) / total)

@@ -79,12 +79,12 @@ def _requests(batch: int, at: int) -> list[TokenRequest]:
     return out
 
 
-def _generate(model, exact: bool, batch: int, at: int):
+def _generate(model, exact: bool, batch: int, at: int, temperature: float = 1.0):
     cfg = RolloutConfig(
         engine="native",
         exact=exact,
         kv_cache_gib=0.01,
-        sampling=SamplingParams(max_new_tokens=NEW_TOKENS),
+        sampling=SamplingParams(max_new_tokens=NEW_TOKENS, temperature=temperature),
         native=NativeConfig(block_size=4),
     )
     engine = make_engine(model, build_char_tokenizer(), cfg)
@@ -108,13 +108,16 @@ def _tensors(requests, generated, rows: list[int]):
     return out
 
 
-def _trainer_logprobs(model, requests, generated, probe: int, batch: int, packed: bool) -> torch.Tensor:
+def _trainer_logprobs(
+    model, requests, generated, probe: int, batch: int, packed: bool, temperature: float = 1.0
+) -> torch.Tensor:
     """The training forward's logprobs of the probe's response, in a micro-batch of `batch` rows."""
     others = [i for i in range(len(requests)) if i != probe][: batch - 1]
     rows = others[: len(others) // 2] + [probe] + others[len(others) // 2 :]
     compute = packed_response_logprobs if packed else response_logprobs
     with torch.no_grad():
-        logp, _ = compute(model, **_tensors(requests, generated, rows), temperature=1.0, dtype=torch.float32)
+        tensors = _tensors(requests, generated, rows)
+        logp, _ = compute(model, **tensors, temperature=temperature, dtype=torch.float32)
     return logp[rows.index(probe), : len(generated[probe].response_ids)]
 
 

@@ -38,12 +38,13 @@ def build_model():
 
 model = build_model()
 at = 1
-requests, generated = _generate(model, True, 3, at)
-reference = torch.tensor(generated[at].logprobs, dtype=torch.float32)
-for packed in (False, True):
-    with exact_forward(model):
-        trained = _trainer_logprobs(model, requests, generated, at, 3, packed)
-    assert torch.equal(trained, reference), ("trainer", packed, (trained - reference).abs().max())
+for temperature in (1.0, 0.7):  # the kernels divide by the temperature themselves (no float32 copy of the logits)
+    requests, generated = _generate(model, True, 3, at, temperature)
+    reference = torch.tensor(generated[at].logprobs, dtype=torch.float32)
+    for packed in (False, True):
+        with exact_forward(model):
+            trained = _trainer_logprobs(model, requests, generated, at, 3, packed, temperature)
+        assert torch.equal(trained, reference), ("trainer", temperature, packed, (trained - reference).abs().max())
 assert calls, "the engine did not attend through the Triton kernel"
 
 ids = torch.randint(3, model.config.vocab_size, (2, 20))
