@@ -88,13 +88,14 @@ def matmul_tiles(outputs: int) -> tuple[int, int, int, int, int]:
 
 
 def exact_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype, batch-invariantly (no autograd). x and
-    weight share a dtype (bfloat16, float16 or float32: IEEE float32 dots, no TF32)."""
-    if x.dtype != weight.dtype:
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in weight's dtype, batch-invariantly (no autograd). x in
+    weight's dtype (bfloat16, float16 or float32: IEEE float32 dots, no TF32), or float32 for a bfloat16 / float16
+    weight: the kernel rounds x as it loads it, the bits of `x.to(weight.dtype)` without that copy."""
+    if x.dtype != weight.dtype and x.dtype != torch.float32:
         raise ValueError(f"exact_matmul: x is {x.dtype}, weight {weight.dtype}")
     x, weight = x.contiguous(), weight.contiguous()
     rows, depth = x.shape
-    out = x.new_empty(rows, weight.shape[0])
+    out = x.new_empty(rows, weight.shape[0], dtype=weight.dtype)
     if rows == 0:
         return out
     tiles = matmul_tiles(weight.shape[0])
@@ -128,8 +129,11 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """`F.linear(x, weight, bias)` over the flattened rows of x [..., K] with `exact_matmul` -> [..., N]; under
     autocast the inputs are cast to autocast's dtype first (the dtype `F.linear` would compute in)."""
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    rows = x.reshape(-1, x.shape[-1]).to(dtype)
-    out = _ExactLinear.apply(rows, weight.to(dtype), None if bias is None else bias.to(dtype))
+    rows, weight, bias = x.reshape(-1, x.shape[-1]), weight.to(dtype), None if bias is None else bias.to(dtype)
+    if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
+        out = _ExactLinear.apply(rows.to(dtype), weight, bias)  # the backward's matmuls take x in the dtype
+    else:  # generation: a float32 input is rounded inside the kernel (no copy)
+        out = exact_matmul(rows if rows.dtype == torch.float32 else rows.to(dtype), weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -17,7 +17,8 @@ def exact_matmul_kernel(
     GROUP_M: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """out [M, N] = x [M, K] @ w[N, K].T (+ b [N]): one BLOCK_M x BLOCK_N tile per program, the K slices taken in
-    order into a float32 accumulator (no split-K), the bias added in float32, one rounding to out's dtype. M is not
+    order into a float32 accumulator (no split-K), the bias added in float32, one rounding to out's dtype. x in w's
+    dtype, or float32 for a lower-precision w (each element rounded to w's dtype as it is loaded). M is not
     specialised on (a call of 1 row and one of 4,096 compile the same code); tiles grouped GROUP_M along M so the
     programs sharing a weight tile run together (the order of programs changes no value)."""
     pid = tl.program_id(0)
@@ -40,7 +41,7 @@ def exact_matmul_kernel(
             x_ptr + offs_m[:, None] * stride_xm + (k + offs_k)[None, :],
             mask=m_mask[:, None] & k_mask[None, :],
             other=0.0,
-        )
+        ).to(w_ptr.dtype.element_ty)  # float32 x for bf16 weights: rounded to nearest even, as `x.to(bfloat16)`
         b = tl.load(
             w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k + offs_k)[:, None],
             mask=k_mask[:, None] & n_mask[None, :],

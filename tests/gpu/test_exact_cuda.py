@@ -35,6 +35,9 @@ def test_triton_kernels_are_batch_invariant_in_bfloat16():
             assert torch.equal(exact_matmul(x[first : first + count], w, bias), full[first : first + count]), count
         want = torch.nn.functional.linear(x, w, bias).float()
         torch.testing.assert_close(full.float(), want, atol=0.5, rtol=2e-2)
+        # a float32 input rounded inside the kernel (the engine's generation) is the trainer's cast, bit for bit
+        wide = torch.randn(300, 896, device="cuda")
+        assert torch.equal(exact_matmul(wide, w, bias), exact_matmul(wide.bfloat16(), w, bias))
     # attention: 17 sequences packed, then the last 3 alone and from a paged cache (decode of each last token)
     lengths = torch.tensor([1, 31, 32, 33, 64, 65, 100, 7, 2, 250, 9, 40, 3, 128, 5, 77, 300])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).cuda()
@@ -87,6 +90,12 @@ def _logprobs(model, exact: bool) -> dict[str, torch.Tensor]:
             with torch.no_grad(), exact_forward(model) if exact else torch.no_grad():
                 logp, _ = compute(model, **tensors, temperature=1.0, dtype=torch.bfloat16)
             out[f"{compute.__name__}/{batch}"] = logp[rows.index(at), : len(generated[at].response_ids)].float().cpu()
+            if batch == 3 and exact:  # the train step's forward: autograd on (its inputs cast, not the kernel)
+                with torch.enable_grad(), exact_forward(model):
+                    logp, _ = compute(model, **tensors, temperature=1.0, dtype=torch.bfloat16)
+                assert logp.requires_grad
+                trained = logp[rows.index(at), : len(generated[at].response_ids)]
+                out[f"{compute.__name__}/grad"] = trained.detach().float().cpu()
     return out
 
 
