@@ -13,7 +13,9 @@ decode), so the rollout's and the trainer's logprobs stay equal bit for bit:
   sampler's and the trainer's alike (the trainer's differentiable, its backward one kernel too: three passes over
   the row, where the PyTorch formula made about ten over a float32 copy).
 - `exact_rms_norm`: the Llama-family RMSNorm, one program per row (one kernel where the PyTorch scheme's
-  `tree_sum` takes about twenty); differentiable (the backward is the plain PyTorch formula).
+  `tree_sum` takes about twenty); differentiable, its backward one kernel too (`exact_rms_norm_backward_kernel`:
+  programs of consecutive rows, each writing dx and its share of the weight's gradient, where the PyTorch formula made
+  about ten passes over a float32 copy).
 - `exact_attention`: per (query token, kv head), the token's keys in KEY_BLOCK blocks from position 0, from a paged
   KV cache (block tables) or from contiguous rows (a training forward's packed or padded samples); sequence
   lengths stay on the device (no host sync: CUDA-graph capturable). `exact_packed_attention` is the trainer's,
@@ -64,12 +66,13 @@ def _kernels():
         exact_logprob_backward_kernel,
         exact_logprob_kernel,
         exact_matmul_kernel,
+        exact_rms_norm_backward_kernel,
         exact_rms_norm_kernel,
     )
 
     return (
         exact_matmul_kernel, exact_attention_kernel, exact_logprob_kernel, exact_rms_norm_kernel,
-        exact_logprob_backward_kernel,
+        exact_logprob_backward_kernel, exact_rms_norm_backward_kernel,
     )  # fmt: skip
 
 
@@ -294,7 +297,8 @@ def exact_target_logprobs(
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The Llama-family RMSNorm in plain PyTorch (the gradients' formula: they need no batch invariance)."""
+    """The Llama-family RMSNorm in plain PyTorch: what `exact_rms_norm` computes, and (through autograd) the
+    gradients its backward kernel is tested against."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -318,12 +322,49 @@ class _ExactRmsNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            x, weight = x.detach().requires_grad_(ctx.needs_input_grad[0]), weight.detach().requires_grad_()
-            out = _rms_norm_reference(x, weight, ctx.eps)
-            wanted = [t for t, need in zip((x, weight), ctx.needs_input_grad[:2]) if need]
-            grads = iter(torch.autograd.grad(out, wanted, grad))
-        return *(next(grads) if need else None for need in ctx.needs_input_grad[:2]), None
+        return *rms_norm_backward(x, weight, grad, ctx.eps, *ctx.needs_input_grad[:2]), None
+
+
+_RMS_BACKWARD_PROGRAMS_PER_SM, _INTERPRETER_RMS_BACKWARD_PROGRAMS = 4, 4
+
+
+def rms_norm_backward_grid(rows: int, device: torch.device) -> tuple[int, int]:
+    """(programs, rows per program) of the RMSNorm backward for `rows` rows: at most a few programs per SM (on the
+    CPU, `_INTERPRETER_RMS_BACKWARD_PROGRAMS`), so the weight's float32 partials stay [programs, N] whatever the
+    number of rows; the last program may hold fewer rows."""
+    if rows == 0:
+        return 0, 1
+    if device.type == "cuda":
+        limit = torch.cuda.get_device_properties(device).multi_processor_count * _RMS_BACKWARD_PROGRAMS_PER_SM
+    else:
+        limit = _INTERPRETER_RMS_BACKWARD_PROGRAMS
+    per_program = _cdiv(rows, min(rows, limit))
+    return _cdiv(rows, per_program), per_program
+
+
+def rms_norm_backward(
+    x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, eps: float, need_x: bool = True, need_w: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(grad of x in x's dtype or None, grad of weight in its dtype or None) of `exact_rms_norm(x, weight, eps)` for
+    the upstream grad (out's shape [..., N]) with `exact_rms_norm_backward_kernel`: dx per row, the weight's
+    gradient as float32 partials per program summed here in a fixed order (deterministic, not batch-invariant)."""
+    rows = x.reshape(-1, x.shape[-1])
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    grads = grad.reshape(rows.shape)
+    grads = grads if grads.stride(-1) == 1 else grads.contiguous()
+    count, width = rows.shape
+    programs, per_program = rms_norm_backward_grid(count, x.device)
+    grad_x = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if need_x else None
+    partials = torch.empty(programs, width, dtype=torch.float32, device=x.device) if need_w else None
+    if programs and (need_x or need_w):
+        _kernels()[5][(programs,)](
+            rows, weight.contiguous(), grads, rows if grad_x is None else grad_x,
+            rows if partials is None else partials, rows.stride(0), grads.stride(0),
+            width if grad_x is None else grad_x.stride(0), count, width, per_program, eps,
+            BLOCK=_next_pow2(width), WANT_DX=need_x, WANT_DW=need_w, num_warps=4 if width <= 4096 else 8,
+        )  # fmt: skip
+    grad_w = partials.sum(0).to(weight.dtype) if need_w else None
+    return (grad_x.view(x.shape) if need_x else None), grad_w
 
 
 def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

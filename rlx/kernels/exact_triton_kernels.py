@@ -181,6 +181,42 @@ def exact_rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLO
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["R", "rows_per_program"])
+def exact_rms_norm_backward_kernel(
+    x_ptr, w_ptr, g_ptr, dx_ptr, dw_ptr, stride_x, stride_g, stride_dx, R, N, rows_per_program, eps,
+    BLOCK: tl.constexpr, WANT_DX: tl.constexpr, WANT_DW: tl.constexpr,
+):  # fmt: skip
+    """The gradients of `exact_rms_norm_kernel`'s out = w * round(h), h = x * rstd, rstd = rsqrt(mean(x^2) + eps),
+    for the upstream gradient g [R, N] (out's dtype), all in float32 (the rounding to x's dtype taken as the
+    identity, as autograd takes `.to`). Program p walks rows p * rows_per_program onwards, in order:
+
+    - WANT_DX: dx = rstd * (gh - h * mean(gh * h)) with gh = g * w, written per row in dx's dtype (x's);
+    - WANT_DW: the sum over its rows of g * round(h), written to row p of the float32 partials dw [programs, N]
+      (the host sums them: a fixed order, no atomics, so the same bits run to run).
+
+    The rows past R are masked (x and g read as 0, nothing written); gradients need no batch invariance."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, rows_per_program):
+        row = pid * rows_per_program + i
+        row_mask = offs < tl.where(row < R, N, 0)  # (not mask & (row < R): the interpreter refuses that mask)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=row_mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_g + offs, mask=row_mask, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x * x, 0) / N + eps)
+        h = x * rstd
+        if WANT_DW:
+            dw += g * h.to(x_ptr.dtype.element_ty).to(tl.float32)
+        if WANT_DX:
+            gh = g * w
+            dx = rstd * (gh - h * (tl.sum(gh * h, 0) / N))
+            tl.store(dx_ptr + row * stride_dx + offs, dx.to(dx_ptr.dtype.element_ty), mask=row_mask)
+    if WANT_DW:
+        tl.store(dw_ptr + pid * N + offs, dw, mask=mask)
+
+
 @triton.jit
 def exact_logprob_backward_kernel(
     x_ptr, t_ptr, gp_ptr, ge_ptr, grad_ptr, stride_x, stride_g, V, inv_t,

@@ -1,9 +1,9 @@
 """Exact mode's Triton kernels (rlx/kernels/exact_triton.py), run by Triton's interpreter on the CPU: per-row
 results bit-identical at batch 1, 3 and 17, from packed rows, padded rows and a paged cache (prefill and decode),
-close to the PyTorch reference; gradients close to the reference's; and the attention kernel compiled for an H100
-(no GPU needed): its paged and contiguous variants the same floating-point instructions. The interpreter runs
-float32 only (its bfloat16 dots are wrong); tests/gpu/test_exact_cuda.py checks bfloat16 and the engine against
-the trainer on CUDA."""
+close to the PyTorch reference; gradients close to the reference's (the RMSNorm backward kernel's in bfloat16 too);
+and the attention kernel compiled for an H100 (no GPU needed): its paged and contiguous variants the same
+floating-point instructions. The interpreter runs float32 only where there are dots (its bfloat16 dots are wrong);
+tests/gpu/test_exact_cuda.py checks bfloat16 and the engine against the trainer on CUDA."""
 
 from __future__ import annotations
 
@@ -22,6 +22,31 @@ def test_exact_triton_kernels_in_the_interpreter():
     out = run_script(Path(__file__).parent / "workers" / "exact_triton_check.py", {"TRITON_INTERPRET": "1"}, "float32")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "ok"
+
+
+RMS_NORM_BACKWARD_CASES = [
+    "x float32, weight float32",
+    "x bfloat16, weight float32",
+    "x bfloat16, weight bfloat16",
+    "x float32, weight bfloat16",
+    "3-D x, a non-contiguous upstream gradient",
+    "an upstream gradient of stride 0 (a sum's)",
+    "x's gradient alone",
+    "weight's gradient alone",
+    "rows not a multiple of the rows per program",
+    "no rows",
+]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_exact_rms_norm_backward_kernel_in_the_interpreter():
+    """`exact_rms_norm`'s gradients of x and of the weight from its Triton backward close to autograd's through the
+    PyTorch formula, in x's and the weight's dtypes (float32 and bfloat16 each), for 3-D inputs, non-contiguous
+    upstream gradients, one gradient wanted of the two, a last program short of rows, and no rows; the same bits
+    when run again. Every case must report in."""
+    out = run_script(Path(__file__).parent / "workers" / "exact_rms_backward_check.py", {"TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines() == [*RMS_NORM_BACKWARD_CASES, "ok"], out.stdout
 
 
 def test_exact_mode_uses_triton_on_cuda_only():
