@@ -7,6 +7,13 @@ native engine's paged attention in exact mode, rlx/rollout/native/runner.py) whe
 - every `F.linear` call (each projection, the MLP, the LM head) runs as `blocked_linear` (CUDA with triton:
   `exact_linear`, rlx/kernels/exact_triton.py), through a torch function mode (no Linear's forward is replaced);
 - every RMSNorm runs `rms_norm` instead of its own forward (CUDA with triton: `exact_rms_norm`, one kernel);
+- CUDA with triton only (rlx/kernels/exact_fused.py; the CPU runs the model's own code): every SiLU MLP's
+  `act_fn(gate_proj(x)) * up_proj(x)` runs as `silu_mul` (its forward replaced, the projections still `F.linear`
+  calls), and rotary as `rotary`: the modeling module of the attention layers (transformers' modeling_llama,
+  modeling_qwen2, modeling_qwen3, modeling_mistral) gets an `_ExactRotary` as its `apply_rotary_pos_emb` global
+  while any exact block is open (counted, so nested blocks restore it when the last one closes), which runs the
+  kernel inside an exact block and the upstream function elsewhere. Both kernels compute each element from its own
+  inputs, so a token's bits stay the same in the engine's steps and the trainer's forward;
 - attention runs "rlx_exact" (registered with transformers' attention interface): padded batches (a 2D mask) and
   packed rows (cu_seqlens or restarting positions) alike, by `blocked_attention` over each sample's keys (CUDA with
   triton: `exact_packed_attention`, the same Triton kernel as the native engine's exact paged attention);
@@ -22,7 +29,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 
 import torch
@@ -32,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlx.errors import UserError
 from rlx.kernels.exact import KEY_BLOCK, blocked_attention, blocked_linear, rms_norm
+from rlx.kernels.exact_fused import fits_rotary, rotary, silu_mul
 from rlx.kernels.exact_triton import exact_linear, exact_packed_attention, exact_rms_norm, use_triton
 from rlx.models.attention import (
     _segments,
@@ -117,26 +128,105 @@ def _exact_norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.T
     return norm(hidden_states, module.weight, module.variance_epsilon)
 
 
+def _exact_mlp(module: torch.nn.Module, fallback: Callable, x: torch.Tensor) -> torch.Tensor:
+    """A SiLU MLP's forward in exact mode where the Triton kernels run: `silu_mul` between its projections (still
+    `F.linear` calls, so `_BlockedLinear` and its stacks apply); elsewhere its own forward."""
+    if use_triton(x):
+        return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))
+    return fallback(x)
+
+
 @contextlib.contextmanager
-def _exact_norms(model) -> Iterator[None]:
-    """Every RMSNorm of `model` runs `_exact_norm` instead of its own forward inside the block (an instance
-    attribute over the class's forward, removed on exit)."""
-    norms = _rms_norms(model)
-    own = [m.__dict__.get("forward") for m in norms]
-    for module in norms:
-        module.forward = functools.partial(_exact_norm, module)
+def _replaced_forwards(replacements: Iterable[tuple[torch.nn.Module, Callable]]) -> Iterator[None]:
+    """Each module runs its replacement instead of its own forward inside the block (an instance attribute over the
+    class's forward; the module's earlier instance attribute, if any, restored on exit)."""
+    replacements = list(replacements)
+    own = [module.__dict__.get("forward") for module, _ in replacements]
+    for module, forward in replacements:
+        module.forward = forward
     try:
         yield
     finally:
-        for module, forward in zip(norms, own):
+        for (module, _), forward in zip(replacements, own):
             if forward is None:
                 del module.forward
             else:
                 module.forward = forward
 
 
+def _exact_norms(model) -> contextlib.AbstractContextManager:
+    """Every RMSNorm of `model` runs `_exact_norm` inside the block."""
+    return _replaced_forwards((m, functools.partial(_exact_norm, m)) for m in _rms_norms(model))
+
+
 def _rms_norms(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon")]
+
+
+def _exact_mlps(model) -> contextlib.AbstractContextManager:
+    """Every SiLU MLP of `model` runs `_exact_mlp` inside the block."""
+    return _replaced_forwards((m, functools.partial(_exact_mlp, m, m.forward)) for m in silu_mlps(model))
+
+
+def silu_mlps(model) -> list[torch.nn.Module]:
+    """The gated MLPs of `model` whose activation is SiLU (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, the
+    config's hidden_act "silu" or "swish"): those `exact_forward` runs with `silu_mul` on CUDA."""
+    return [
+        m for m in model.modules()
+        if type(m).__name__.endswith("MLP") and all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj"))
+        and getattr(getattr(m, "config", model.config), "hidden_act", None) in ("silu", "swish")
+        and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+    ]  # fmt: skip
+
+
+class _ExactRotary:
+    """A transformers modeling module's `apply_rotary_pos_emb` while exact blocks are open: `rotary` (one Triton
+    kernel each way) inside an exact block where the Triton kernels run and the shapes fit; else the upstream
+    function. `users`: the exact blocks open on the module (the upstream function comes back when the last closes,
+    whatever the order in which nested or concurrent blocks close)."""
+
+    def __init__(self, upstream: Callable):
+        self.upstream, self.users = upstream, 0
+
+    def __call__(self, q, k, cos, sin, *args, **kwargs):
+        plain = not args and set(kwargs) <= {"unsqueeze_dim"} and kwargs.get("unsqueeze_dim", 1) == 1
+        if plain and is_exact() and use_triton(q) and fits_rotary(q, k, cos, sin):
+            return rotary(q, k, cos, sin)
+        return self.upstream(q, k, cos, sin, *args, **kwargs)
+
+
+_ROTARY_LOCK = threading.Lock()
+
+
+def rotary_modules(model) -> list[types.ModuleType]:
+    """The modeling modules whose `apply_rotary_pos_emb` global `model`'s attention layers call (the Llama
+    family's: transformers' modeling_llama, modeling_qwen2, ...): those `exact_forward` patches on CUDA. Written
+    against transformers 5.17, whose attention forwards call the module global; tests/unit/test_exact_fused.py
+    fails when a family's module stops defining it, computes it otherwise, or its layers stop calling it."""
+    names = {type(m).__module__ for m in model.modules() if type(m).__name__.endswith("Attention")}
+    return [sys.modules[n] for n in sorted(names) if hasattr(sys.modules.get(n), "apply_rotary_pos_emb")]
+
+
+@contextlib.contextmanager
+def _exact_rotary(model) -> Iterator[None]:
+    """`model`'s attention modules call an `_ExactRotary` as `apply_rotary_pos_emb` inside the block (the modeling
+    module's global, the upstream function restored when the module's last exact block closes)."""
+    modules = rotary_modules(model)
+    with _ROTARY_LOCK:
+        for module in modules:
+            if not isinstance(module.apply_rotary_pos_emb, _ExactRotary):
+                module.apply_rotary_pos_emb = _ExactRotary(module.apply_rotary_pos_emb)
+            module.apply_rotary_pos_emb.users += 1
+    try:
+        yield
+    finally:
+        with _ROTARY_LOCK:
+            for module in modules:
+                patched = module.apply_rotary_pos_emb
+                if isinstance(patched, _ExactRotary):  # else replaced since by someone else: theirs stays
+                    patched.users -= 1
+                    if patched.users == 0:
+                        module.apply_rotary_pos_emb = patched.upstream
 
 
 @contextlib.contextmanager
@@ -154,6 +244,9 @@ def exact_forward(
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_exact_norms(model))
+            if use_triton(next(model.parameters())):  # the fused elementwise kernels (rlx/kernels/exact_fused.py)
+                stack.enter_context(_exact_mlps(model))
+                stack.enter_context(_exact_rotary(model))
             if attention:
                 register_attention(EXACT_ATTENTION, exact_attention_forward, packed_attention_mask)
                 stack.enter_context(attention_implementation(model, EXACT_ATTENTION))

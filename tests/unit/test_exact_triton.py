@@ -89,7 +89,7 @@ def test_exact_casts_hold_the_linear_weights_in_the_compute_dtype_at_fixed_addre
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlx.kernels import exact_triton
+    from rlx.kernels import exact_fused, exact_triton
     from rlx.models import exact as exact_module
     from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
     from rlx.rollout.native.runner import ExactCasts
@@ -118,12 +118,14 @@ def test_exact_casts_hold_the_linear_weights_in_the_compute_dtype_at_fixed_addre
         exact_module.use_triton = lambda tensor: True
         exact_module.exact_linear = lambda x, w, b=None: seen.append(w) or torch.nn.functional.linear(x, w.float(), b)
         exact_module.exact_rms_norm = exact_module.rms_norm
+        exact_module.silu_mul, exact_module.rotary = exact_fused.silu_mul_reference, exact_fused.rotary_reference
         with torch.no_grad(), exact_module.exact_forward(model, attention=False, casts=casts.by_id):
             model(input_ids=torch.tensor([[3, 4, 5]]))
     finally:
         exact_module.use_triton = exact_triton.use_triton
         exact_module.exact_linear = original
         exact_module.exact_rms_norm = exact_triton.exact_rms_norm
+        exact_module.silu_mul, exact_module.rotary = exact_fused.silu_mul, exact_fused.rotary
     assert any(w is casts.by_id[id(proj.weight)] for w in seen) and all(w.dtype == torch.bfloat16 for w in seen)
 
 
@@ -134,7 +136,7 @@ def test_exact_casts_stack_projections_that_read_the_same_input(monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlx.kernels import exact_triton
+    from rlx.kernels import exact_fused, exact_triton
     from rlx.models import exact as exact_module
     from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
     from rlx.rollout.native.runner import ExactCasts
@@ -159,6 +161,8 @@ def test_exact_casts_stack_projections_that_read_the_same_input(monkeypatch):
     calls = []
     monkeypatch.setattr(exact_module, "use_triton", lambda tensor: True)
     monkeypatch.setattr(exact_module, "exact_rms_norm", exact_module.rms_norm)
+    monkeypatch.setattr(exact_module, "silu_mul", exact_fused.silu_mul_reference)
+    monkeypatch.setattr(exact_module, "rotary", exact_fused.rotary_reference)
     monkeypatch.setattr(
         exact_module, "exact_linear", lambda x, w, b=None: calls.append(w) or torch.nn.functional.linear(x, w, b)
     )
