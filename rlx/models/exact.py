@@ -56,12 +56,13 @@ EXACT_ATTENTION = "rlx_exact"
 EXACT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 """model_type values exact mode supports (Llama-family decoders: plain linear layers, RMSNorm, rotary)."""
 
-_ACTIVE: ContextVar[bool] = ContextVar("rlx_exact", default=False)
+_ACTIVE: ContextVar[tuple | None] = ContextVar("rlx_exact", default=None)
+"""The open `exact_forward` block's arguments (model, attention, casts, stacks), or None."""
 
 
 def is_exact() -> bool:
     """Whether an `exact_forward` block is open in this context."""
-    return _ACTIVE.get()
+    return _ACTIVE.get() is not None
 
 
 def check_exact_model(model, where: str = "exact mode") -> None:
@@ -240,7 +241,7 @@ def exact_forward(
     (see `_BlockedLinear`)."""
     check_exact_model(model)
     threads = torch.get_num_threads()
-    token = _ACTIVE.set(True)
+    token = _ACTIVE.set((model, attention, casts, stacks))
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_exact_norms(model))
@@ -257,6 +258,19 @@ def exact_forward(
     finally:
         torch.set_num_threads(threads)
         _ACTIVE.reset(token)
+
+
+def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """torch.utils.checkpoint's `context_fn` for activation checkpointing (rlx/parallel/apply.py): a layer
+    checkpointed inside an `exact_forward` block is recomputed in the backward inside the same kind of block (the
+    backward runs after the block has closed), so the recomputation runs the forward's kernels and saves the same
+    tensors (else torch.utils.checkpoint stops: "a different number of tensors was saved"). Outside exact mode: no
+    context either way."""
+    active = _ACTIVE.get()
+    if active is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    model, attention, casts, stacks = active
+    return contextlib.nullcontext(), exact_forward(model, attention=attention, casts=casts, stacks=stacks)
 
 
 def compute_dtype(tensor: torch.Tensor) -> torch.dtype:

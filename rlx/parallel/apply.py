@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from rlx.errors import UserError
+from rlx.models.exact import checkpoint_contexts
 from rlx.models.family import family_of
 from rlx.parallel.dist import DistContext
 from rlx.parallel.fsdp import apply_fsdp, decoder_layers
@@ -62,7 +63,10 @@ def apply_parallelism(model: torch.nn.Module, ctx: DistContext, plan: ParallelPl
         for layer in decoder_layers(model):
             layer.forward = torch.compile(layer.forward, dynamic=True)
     if plan.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # exact mode's layers recomputed inside exact mode (checkpoint_contexts)
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts}
+        )
     if shards_models(ctx, plan.offload):
         apply_fsdp(model, ctx, plan.param_dtype, plan.offload, plan.ep_degree)
     elif family_of(model.config).routed_experts:  # float32 weights under autocast: experts in autocast's dtype

@@ -235,6 +235,10 @@ def test_exact_commands_by_hand(tmp_path, tiny_ckpt, prompts_file):
     cli_ok("train-step", "--checkpoint", tiny_ckpt, "--batch", scored / "batch.safetensors", "--out",
            tmp_path / "step1", "--exact", "--lr", "1e-3", "--metrics", metrics)  # fmt: skip
     assert read_jsonl(metrics)[-1]["actor/ppo_kl"] == 0.0  # one update: the new logprobs are the old ones exactly
+    cli_ok("train-step", "--checkpoint", tiny_ckpt, "--batch", scored / "batch.safetensors", "--out",
+           tmp_path / "step1c", "--exact", "--lr", "1e-3", "--gradient-checkpointing",
+           "--metrics", metrics)  # fmt: skip
+    assert read_jsonl(metrics)[-1]["actor/ppo_kl"] == 0.0  # layers recomputed in exact mode (checkpoint_contexts)
     cli_ok("eval", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "eval", "--engine", "native",
            "--exact", "--max-new-tokens", "3")  # fmt: skip
     result = cli("eval", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", tmp_path / "eval2", "--exact")
@@ -325,3 +329,36 @@ def test_exact_mode_refuses_unsupported_models():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=20, n_positions=16))
     with pytest.raises(UserError, match="model type 'gpt2' is not supported"), exact_forward(model):
         pass
+
+
+def test_exact_mode_trains_with_activation_checkpointing():
+    """Layers checkpointed inside exact mode are recomputed inside it (the backward runs after the block closed):
+    the gradients equal those of the same exact step without checkpointing; without the recompute context the
+    checkpoint stops with a count mismatch of saved tensors."""
+    from transformers import AutoModelForCausalLM
+
+    from rlx.models.exact import checkpoint_contexts
+
+    config = tiny_llama_config(len(build_char_tokenizer()), hidden_size=64, num_heads=4, num_kv_heads=2,
+                               intermediate_size=64, num_layers=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    ids = torch.randint(3, config.vocab_size, (2, 12))
+
+    def grads(checkpointing: dict | None) -> list[torch.Tensor]:
+        model.zero_grad()
+        if checkpointing is None:
+            model.gradient_checkpointing_disable()
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, **checkpointing})
+        with exact_forward(model):
+            logits = model(input_ids=ids).logits
+            loss = target_logprobs(logits[:, :-1], ids[:, 1:], 1.0)[0].sum()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads(None)
+    recomputed = grads({"context_fn": checkpoint_contexts})
+    assert all(torch.equal(a, b) for a, b in zip(plain, recomputed))
+    with pytest.raises(Exception, match="different number of tensors"):
+        grads({})
