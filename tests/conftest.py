@@ -49,6 +49,12 @@ def cli_ok(*args: str | Path, input: str | None = None) -> Result:
     return result
 
 
+def repo_first_path() -> str:
+    """PYTHONPATH for a test's subprocess: this checkout first, then the caller's own entries (on the GPU machine,
+    the folder vLLM was installed into with --target: a subprocess without it cannot import vllm)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def run_torchrun(
     n: int, *args: str | Path, timeout: int = 600, env: dict | None = None, check: bool = True
 ) -> subprocess.CompletedProcess:
@@ -57,7 +63,7 @@ def run_torchrun(
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": repo_first_path(),
         "OMP_NUM_THREADS": "1",
         **(env or {}),
     }
@@ -71,7 +77,7 @@ def run_torchrun(
 
 def run_script(script: Path, env: dict | None = None, *args: str) -> subprocess.CompletedProcess:
     """`python SCRIPT ARGS` in a fresh interpreter (rlx and tests importable); `env`: extra environment variables."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    env = {**os.environ, "PYTHONPATH": repo_first_path(), **(env or {})}
     command = [sys.executable, str(script), *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO, timeout=600)
 

@@ -4,7 +4,10 @@ The engine is built from the model's config with placeholder weights (vLLM's loa
 and then receives the model's tensors through vLLM's in-place reload, so every source rlx reads
 (HF dir, rlx checkpoint in either layout, GGUF) and the trainer's live, possibly FSDP-sharded,
 parameters go in the same way. Weights are gathered and pushed a bucket at a time, so the extra
-memory is bounded by `sync_bucket_mib`.
+memory is bounded by `sync_bucket_mib`. A LoRA policy's frozen base goes in once, as safetensors files in the
+engine's temporary folder that vLLM loads when it starts (vLLM 0.26 on CUDA cannot reload weights in place once its
+LoRA wrappers renamed the layers' parameters: "no module or parameter named 'embed_tokens.weight'"); its adapters
+are pushed at every update.
 
 Contract, as the hf engine: N samples per prompt, temperature / top-p / top-k, one seeded random
 stream per sample derived from (seed, prompt id, sample index) -- reproducible, but not the hf
@@ -242,8 +245,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm = self._start(vllm, self.dtype, kwargs)
         if self.lora_request is None:
             self.update_weights(ModuleWeights(model))
-        else:  # the frozen base once; the adapters were written by _lora_options
-            self._reload(((hf_name(n), t) for n, t in self._bucketed(model) if not is_adapter_param(n)))
+        else:  # vLLM loaded the frozen base from the folder; the adapters were written there by _lora_options
             self._load_adapters(None)
         self.model = None  # vLLM holds its own copy of the weights
 
@@ -256,7 +258,7 @@ class VLLMRolloutEngine(RolloutEngine):
         with own_rendezvous():
             return vllm.LLM(
                 model=self._config_dir.name,
-                load_format="dummy",
+                load_format="dummy" if self.lora_request is None else "safetensors",  # LoRA: its base, written
                 skip_tokenizer_init=self.vision is None,  # vLLM's image processing reads the tokenizer
                 dtype=dtype,
                 seed=0,
@@ -289,7 +291,26 @@ class VLLMRolloutEngine(RolloutEngine):
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=fits[0])
         folder = Path(self._config_dir.name) / "adapter"
         save_peft_adapter(model, folder)  # under FSDP every rank gathers the adapters (and writes its own copy)
+        self._write_base(model)
         return LoRARequest("rlx", 1, str(folder))
+
+    def _write_base(self, model, file_bytes: int = 2 << 30) -> None:
+        """The LoRA policy's frozen base weights (Hugging Face names, the engine's dtype) as safetensors files of
+        about `file_bytes` in the engine's folder, which vLLM loads when it starts (under FSDP every rank gathers them
+        and writes its own copy)."""
+        from safetensors.torch import save_file
+
+        folder, part, size, count = Path(self._config_dir.name), {}, 0, 0
+        for name, tensor in self._bucketed(model):
+            if is_adapter_param(name):
+                continue
+            part[hf_name(name)] = tensor.detach().to("cpu", self.dtype, copy=True).contiguous()
+            size += part[hf_name(name)].nbytes
+            if size >= file_bytes:
+                save_file(part, folder / f"model-{count:05d}.safetensors")
+                part, size, count = {}, 0, count + 1
+        if part or not count:
+            save_file(part, folder / f"model-{count:05d}.safetensors")
 
     def _bucketed(self, model):
         return gathered_weights(model, self.cfg.sync_bucket_mib << 20)

@@ -19,7 +19,17 @@ import torch
 from rlx.formats.records import PromptRecord
 from rlx.models.tiny import build_char_tokenizer, tiny_llama_config, write_tiny_model_dir
 from rlx.rollout.config import RolloutConfig, SamplingParams
-from tests.conftest import REPO, cli_ok, flat_config, generate, make_engine, read_jsonl, run_torchrun, write_jsonl
+from tests.conftest import (
+    REPO,
+    cli_ok,
+    flat_config,
+    generate,
+    make_engine,
+    read_jsonl,
+    repo_first_path,
+    run_torchrun,
+    write_jsonl,
+)
 
 CUDA = torch.device("cuda")
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with RLX_TEST_GPU=1)")
@@ -30,7 +40,7 @@ ENGINE = dict(kv_cache_gib=0.25, gpu_memory_utilization=0.3, precision="float32"
 
 def rlx_process(*args, timeout: int = 300) -> subprocess.CompletedProcess:
     """`python -m rlx ARGS` in a process of its own (vLLM's sleep mode there); fails the test with the output tail."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": repo_first_path()}
     command = [sys.executable, "-m", "rlx", *[str(a) for a in args]]
     out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])

@@ -415,10 +415,37 @@ def test_a_lora_policy_in_float32_on_cuda_is_refused_before_vllm_starts():
         VLLMRolloutEngine._lora_options(cuda, model, {})
     for device, dtype in ((CPU, torch.float32), (torch.device("cuda"), torch.bfloat16)):
         with tempfile.TemporaryDirectory() as folder:
-            stub = SimpleNamespace(device=device, dtype=dtype, _config_dir=SimpleNamespace(name=folder))
+            stub = SimpleNamespace(device=device, dtype=dtype, _config_dir=SimpleNamespace(name=folder),
+                                   _write_base=lambda model: None)  # fmt: skip
             kwargs: dict = {}
             assert VLLMRolloutEngine._lora_options(stub, model, kwargs).lora_path == f"{folder}/adapter"
             assert kwargs == {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
+
+
+def test_a_lora_policy_s_frozen_base_is_written_for_vllm_to_load():
+    """vLLM loads a LoRA policy's base from the engine's folder when it starts (vLLM 0.26 on CUDA cannot reload a
+    LoRA-wrapped model in place): safetensors files of about the size asked, the base's weights under Hugging Face
+    names in the engine's dtype, no adapter."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlx.models.lora import apply_lora, hf_name, is_adapter_param
+    from rlx.models.lora_config import LoraConfig
+    from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
+    from rlx.rollout.vllm import VLLMRolloutEngine
+
+    config = tiny_llama_config(len(build_char_tokenizer()), num_heads=2, num_kv_heads=1)
+    model = apply_lora(AutoModelForCausalLM.from_config(config), LoraConfig(rank=8))
+    want = {hf_name(n): p.detach().to(torch.bfloat16) for n, p in model.named_parameters() if not is_adapter_param(n)}
+    with tempfile.TemporaryDirectory() as folder:
+        stub = SimpleNamespace(dtype=torch.bfloat16, _config_dir=SimpleNamespace(name=folder),
+                               cfg=SimpleNamespace(sync_bucket_mib=1))  # fmt: skip
+        stub._bucketed = lambda m: VLLMRolloutEngine._bucketed(stub, m)
+        VLLMRolloutEngine._write_base(stub, model, file_bytes=sum(t.nbytes for t in want.values()) // 3)
+        files = sorted(Path(folder).glob("*.safetensors"))
+        got = {k: v for f in files for k, v in load_file(f).items()}
+    assert len(files) >= 3 and set(got) - set(want) <= {"lm_head.weight"} and "model.embed_tokens.weight" in got
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_missing_vllm_says_how_to_install(monkeypatch, tmp_path, model_dir):
