@@ -34,7 +34,7 @@ from rlx.checkpoints.meta import CheckpointMeta
 from rlx.errors import UserError
 from rlx.observe.tracking import console
 from rlx.parallel.dist import barrier, broadcast_object
-from rlx.utils.host_copy import layout, snapshot, wait_copied
+from rlx.utils.host_copy import exact_storage, layout, snapshot, wait_copied
 from rlx.utils.io import atomic_dir, is_remote
 
 DCP_DIR = "dcp"
@@ -127,7 +127,7 @@ def _host_copy(tensors: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Te
     global checkpoint from it); CUDA shards are still being copied when this returns."""
     from torch.distributed.tensor import DTensor
 
-    copies = snapshot(_local_tensors(tensors), tag)
+    copies = {k: exact_storage(v) for k, v in snapshot(_local_tensors(tensors), tag).items()}  # DCP: no copy-out
     return {
         k: DTensor(copies[k], v._spec, requires_grad=False) if isinstance(v, DTensor) else copies[k]
         for k, v in tensors.items()

@@ -79,3 +79,26 @@ def test_the_writers_take_carved_views_as_whole_tensors(monkeypatch, tmp_path):
     assert all(loaded[k].equal(expected[k]) for k in expected)
     sizes = sum(p.stat().st_size for p in (tmp_path / "dcp").glob("*.distcp"))
     assert sizes < host_copy.CHUNK_MIN_BYTES  # the views' bytes, not their 256 MiB chunk
+
+
+def test_exact_storage_aliases_a_view_so_dcp_writes_it_without_a_copy(monkeypatch, tmp_path):
+    """`exact_storage`: the same memory over a storage of exactly the tensor's bytes (DCP's writer copies out every
+    tensor whose storage is larger: `untyped_storage().size() != nbytes`), read back equal; a tensor already whole is
+    returned as it is."""
+    import torch.distributed.checkpoint as dcp
+
+    monkeypatch.setattr(host_copy, "_new_chunk", lambda n: torch.zeros(n, dtype=torch.uint8))
+    views = host_copy._carve({"a": (torch.Size([64, 8]), torch.float32), "b": (torch.Size([5]), torch.bfloat16)})
+    aliases = {k: host_copy.exact_storage(v) for k, v in views.items()}
+    for key, view in views.items():
+        alias = aliases[key]
+        assert view.untyped_storage().size() > view.nbytes and alias.untyped_storage().size() == alias.nbytes
+        assert alias.data_ptr() == view.data_ptr() and alias.shape == view.shape and alias.dtype == view.dtype
+        view.copy_(torch.arange(view.numel()).view(view.shape).to(view.dtype))  # written through the view ...
+        assert alias.equal(view)  # ... read through the alias
+    whole = torch.ones(3)
+    assert host_copy.exact_storage(whole) is whole
+    dcp.save(dict(aliases), storage_writer=dcp.FileSystemWriter(tmp_path / "dcp", thread_count=2), no_dist=True)
+    loaded = {k: torch.zeros_like(v) for k, v in views.items()}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert all(loaded[k].equal(views[k]) for k in views)
