@@ -5,6 +5,8 @@
 #   PYTHONPATH=/root/keep/site:$PWD bash bench/device/gpu_tests.sh [SECONDS_PER_TEST] FILE_OR_NODE...
 # LANES=N (a machine of N GPUs): N tests at a time, lane i on GPU i alone; a test a lane skipped for want of
 # devices ("needs 2 CUDA devices") runs again afterwards on all of them.
+# $OUT/00-gpu-tests-summary.txt gathers each test's status line and the last 60 lines of every failure's report: the
+# device tool brings back only the first few files of $OUT (by name), and it sorts first.
 set -uo pipefail
 limit=${1:-150}
 shift || true
@@ -28,8 +30,21 @@ run_node() {  # NODE: one pytest process, its report kept, a line with its exit 
   echo "rc=$rc $(( $(date +%s) - start ))s${CUDA_VISIBLE_DEVICES:+ gpu $CUDA_VISIBLE_DEVICES} $1"
 }
 
+summarize() {  # every test's last line; a failure's report tail
+  local summary=${OUT:-/tmp}/00-gpu-tests-summary.txt file
+  : > "$summary"
+  for node in "${nodes[@]}"; do
+    file=$(report "$node")
+    echo "$node: $(tail -1 "$file")" >> "$summary"
+    if grep -qE "(failed|error)" <(tail -1 "$file"); then
+      { echo "----- $node"; tail -60 "$file"; } >> "$summary"
+    fi
+  done
+}
+
 if [ "$lanes" -le 1 ]; then
   for node in "${nodes[@]}"; do run_node "$node"; done
+  summarize
   exit 0
 fi
 for ((lane = 0; lane < lanes; lane++)); do
@@ -42,3 +57,4 @@ wait
 for node in "${nodes[@]}"; do  # what a lane of one GPU could not run
   if grep -q "SKIPPED.*needs [0-9]* CUDA devices" "$(report "$node")"; then run_node "$node"; fi
 done
+summarize
