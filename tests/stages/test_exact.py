@@ -63,6 +63,18 @@ def model():
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
 
+def wiring_model():
+    """The one-layer tiny Llama of the interpreter's end-to-end checks (tests/unit/workers/exact_*_wiring.py), in
+    eval mode, initializer range 0.2 (peaked logits: sampled tokens are not ties)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_llama_config(len(build_char_tokenizer()), hidden_size=64, num_heads=4, num_kv_heads=2,
+                               intermediate_size=64, num_layers=1)  # fmt: skip
+    config.initializer_range = 0.2
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
 def _requests(batch: int, at: int) -> list[TokenRequest]:
     """`batch` requests with the probe at index `at`; the others random prompts, two of them the probe's prompt
     (so the probe may read its prompt's keys from blocks cached by another sequence)."""

@@ -15,7 +15,7 @@ import rlx.rollout.native.runner
 import rlx.rollout.sampling
 from rlx.logprobs import logprobs_from_logits
 from rlx.models.exact import exact_forward
-from tests.stages.test_exact import _generate, _trainer_logprobs
+from tests.stages.test_exact import _generate, _trainer_logprobs, wiring_model
 
 for module in (rlx.logprobs, rlx.models.exact, rlx.rollout.native.runner, rlx.rollout.sampling):
     module.use_triton = lambda tensor: True
@@ -37,18 +37,6 @@ for name in calls:
     setattr(rlx.models.exact, name, counted(name))
 
 
-def build_model():
-    from transformers import AutoModelForCausalLM
-
-    from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
-
-    config = tiny_llama_config(len(build_char_tokenizer()), hidden_size=64, num_heads=4, num_kv_heads=2,
-                               intermediate_size=64, num_layers=1)  # fmt: skip
-    config.initializer_range = 0.2
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-
-
 def take_calls() -> dict[str, list[int]]:
     taken = {name: list(tokens) for name, tokens in calls.items()}
     for tokens in calls.values():
@@ -56,7 +44,7 @@ def take_calls() -> dict[str, list[int]]:
     return taken
 
 
-model = build_model()
+model = wiring_model()
 layers = model.config.num_hidden_layers
 at = 1
 requests, generated = _generate(model, True, 3, at)

@@ -14,7 +14,7 @@ import rlx.rollout.native.runner
 import rlx.rollout.sampling
 from rlx.logprobs import logprobs_from_logits
 from rlx.models.exact import exact_forward
-from tests.stages.test_exact import _generate, _trainer_logprobs
+from tests.stages.test_exact import _generate, _trainer_logprobs, wiring_model
 
 for module in (rlx.logprobs, rlx.models.exact, rlx.rollout.native.runner, rlx.rollout.sampling):
     module.use_triton = lambda tensor: True
@@ -24,19 +24,7 @@ _attention = rlx.rollout.native.runner.exact_attention
 rlx.rollout.native.runner.exact_attention = lambda *a, **k: calls.append(1) or _attention(*a, **k)
 
 
-def build_model():
-    from transformers import AutoModelForCausalLM
-
-    from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
-
-    config = tiny_llama_config(len(build_char_tokenizer()), hidden_size=64, num_heads=4, num_kv_heads=2,
-                               intermediate_size=64, num_layers=1)  # fmt: skip
-    config.initializer_range = 0.2
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-
-
-model = build_model()
+model = wiring_model()
 at = 1
 for temperature in (1.0, 0.7):  # the kernels divide by the temperature themselves (no float32 copy of the logits)
     requests, generated = _generate(model, True, 3, at, temperature)
