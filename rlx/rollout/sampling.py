@@ -154,37 +154,26 @@ def sample_next(
     the logprobs from the fixed-order log-softmax of exact mode (rlx/kernels/exact.py; CUDA: exact_triton.py's
     kernel), as the trainer computes them."""
     per_row = isinstance(temperature, torch.Tensor)
-    if exact and not per_row and use_triton(logits):  # the trainer's kernel reads the logits as they are
-        return _sample_exact(logits, uniforms, greedy, temperature, top_k, top_p)
-    fusable = not exact and not per_row and logits.is_cuda and triton_available() and top_k <= 0 and top_p >= 1.0
-    if uniforms is not None and fusable:
+    kernel = exact and not per_row and use_triton(logits)  # the trainer's kernel, on the logits as they are
+    fused_draw = (kernel or not exact and logits.is_cuda and triton_available()) and not per_row
+    if uniforms is not None and fused_draw and top_k <= 0 and top_p >= 1.0:  # one program a row: batch-invariant
         # PyTorch's CUDA division by a scalar multiplies by its float32 reciprocal
-        tokens, _, lse = draw_tokens_triton(logits, uniforms, inverse_temperature(temperature))
+        inverse = inverse_temperature(temperature)
+        tokens, _, lse = draw_tokens_triton(logits, uniforms, inverse)
         if greedy is not None:
             tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-        chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float() * inverse_temperature(temperature)
+        if kernel:
+            return tokens, exact_logprobs(logits, tokens, temperature=temperature)[0]
+        chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float() * inverse
         return tokens, chosen - lse
-    scaled = scale_logits(logits, temperature)
     tokens = logits.argmax(dim=-1)
+    scaled = None if kernel and uniforms is None else scale_logits(logits, temperature)
     if uniforms is not None:
         sampled = draw_tokens(filter_logits(scaled, top_k, top_p), uniforms)
         tokens = sampled if greedy is None else torch.where(greedy, tokens, sampled)
+    if kernel:  # the temperature applied inside the kernel: no float32 copy of the logits for the logprobs
+        return tokens, exact_logprobs(logits, tokens, temperature=temperature)[0]
     if exact and use_triton(scaled):  # each row's temperature: the kernel on the scaled logits
         return tokens, exact_logprobs(scaled, tokens)[0]
     log_probs = exact_log_softmax(scaled) if exact else torch.log_softmax(scaled, dim=-1)
     return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def _sample_exact(logits, uniforms, greedy, temperature: float, top_k, top_p) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample_next` in exact mode with triton: the logprobs from the logits as they are (bf16 on GPUs) by the
-    trainer's kernel (`exact_logprobs`, the temperature applied inside, no float32 copy); without top-k / top-p
-    the draw is `draw_tokens_triton`'s (one program per row: batch-invariant), reading them once too."""
-    if uniforms is not None and top_k <= 0 and top_p >= 1.0:
-        drawn, top, _ = draw_tokens_triton(logits, uniforms, inverse_temperature(temperature))
-        tokens = drawn if greedy is None else torch.where(greedy, top, drawn)
-    else:
-        tokens = logits.argmax(dim=-1)
-        if uniforms is not None:
-            sampled = draw_tokens(filter_logits(scale_logits(logits, temperature), top_k, top_p), uniforms)
-            tokens = sampled if greedy is None else torch.where(greedy, tokens, sampled)
-    return tokens, exact_logprobs(logits, tokens, temperature=temperature)[0]

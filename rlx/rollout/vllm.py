@@ -304,8 +304,8 @@ class VLLMRolloutEngine(RolloutEngine):
         for name, tensor in self._bucketed(model):
             if is_adapter_param(name):
                 continue
-            part[hf_name(name)] = tensor.detach().to("cpu", self.dtype, copy=True).contiguous()
-            size += part[hf_name(name)].nbytes
+            copy = part[hf_name(name)] = tensor.detach().to("cpu", self.dtype, copy=True).contiguous()
+            size += copy.nbytes
             if size >= file_bytes:
                 save_file(part, folder / f"model-{count:05d}.safetensors")
                 part, size, count = {}, 0, count + 1
