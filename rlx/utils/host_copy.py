@@ -99,8 +99,9 @@ def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` (contiguous) over a storage of exactly its bytes: a carved buffer's memory, aliased. DCP's writer
     copies out every tensor whose storage is larger than it before it serializes it (torch.save writes whole
     storages): with views of 256 MiB+ chunks the 7B final save's files (22.8 GB a rank) took 42 s to write, 25 s with
-    buffers of their own (two runs on H100 hosts, not profiled; on a 2-core CPU, DCP wrote 2 GiB of views in about
-    twice the time of whole tensors). The CUDA copies keep writing into the view; the writer reads the alias."""
+    buffers of their own; on the write alone (4 ranks x 4 GB, an H100 host: bench/checkpoint_write.py --buffers),
+    views 2.3-3.4 s, these aliases 1.2-1.3 s. The CUDA copies keep writing into the view; the writer reads the
+    alias."""
     nbytes = tensor.numel() * tensor.element_size()
     if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() == nbytes:
         return tensor
