@@ -90,10 +90,13 @@ def matmul_tiles(outputs: int) -> tuple[int, int, int, int, int]:
     return MATMUL_TILES if outputs >= NARROW_N else NARROW_TILES
 
 
-def exact_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def exact_matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: tuple | None = None
+) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in weight's dtype, batch-invariantly (no autograd). x in
     weight's dtype (bfloat16, float16 or float32: IEEE float32 dots, no TF32), or float32 for a bfloat16 / float16
-    weight: the kernel rounds x as it loads it, the bits of `x.to(weight.dtype)` without that copy."""
+    weight: the kernel rounds x as it loads it, the bits of `x.to(weight.dtype)` without that copy. `tiles`: other
+    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) than `matmul_tiles`' on CUDA (bench/exact_matmul.py)."""
     if x.dtype != weight.dtype and x.dtype != torch.float32:
         raise ValueError(f"exact_matmul: x is {x.dtype}, weight {weight.dtype}")
     x, weight = x.contiguous(), weight.contiguous()
@@ -101,8 +104,9 @@ def exact_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     out = x.new_empty(rows, weight.shape[0], dtype=weight.dtype)
     if rows == 0:
         return out
-    tiles = matmul_tiles(weight.shape[0])
-    tile_m, tile_n, tile_k, warps, stages = tiles if x.device.type == "cuda" else _INTERPRETER_TILES
+    if tiles is None:
+        tiles = matmul_tiles(weight.shape[0]) if x.device.type == "cuda" else _INTERPRETER_TILES
+    tile_m, tile_n, tile_k, warps, stages = tiles
     grid = (_cdiv(rows, tile_m) * _cdiv(weight.shape[0], tile_n),)
     _kernels()[0][grid](
         x, weight, out if bias is None else bias.contiguous(), out, rows, weight.shape[0], depth, x.stride(0),

@@ -1,0 +1,115 @@
+"""Exact mode's Triton matmul: which tiles give the same bits as the ones in use, and how fast each is against cuBLAS.
+
+    python bench/exact_matmul.py --json out.json            # CUDA only: the 0.5B and 7B shapes' weights
+    python bench/exact_matmul.py --shapes 0.5b --rows 64,256
+
+For every weight shape of the model (the attention projections, the MLP's, the LM head) and every row count in
+--rows (a decode step's few hundred rows, a train micro-batch's thousands), each candidate tile set
+(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) runs the same bfloat16 inputs as the tiles `matmul_tiles` picks today.
+"same bits" says whether its output equals theirs bit for bit: exact mode may choose tiles by the number of rows only
+among tiles that do (BLOCK_K fixed: a different K slice changes the order of the float32 sums, so BLOCK_K=32 and 128
+are timed for comparison only). Times are the median of --reps calls, CUDA events, after two warm-up calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlx.kernels.exact_triton import exact_matmul, matmul_tiles  # noqa: E402
+
+SHAPES = {  # (outputs N, inputs K) of each distinct weight
+    "0.5b": {
+        "q/o": (896, 896),
+        "k/v": (128, 896),
+        "gate/up": (4864, 896),
+        "down": (896, 4864),
+        "lm_head": (151936, 896),
+    },
+    "7b": {"q/o": (3584, 3584), "k/v": (512, 3584), "gate/up": (18944, 3584), "down": (3584, 18944)},
+}
+CANDIDATES = [
+    (16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (32, 128, 64, 4, 4), (64, 32, 64, 4, 4), (64, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3),
+    (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+    (128, 128, 32, 8, 4), (128, 128, 128, 8, 3), (64, 64, 128, 4, 3),
+]  # fmt: skip
+
+
+def timed(fn, reps: int) -> float:
+    fn(), fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def run_shape(name: str, n: int, k: int, m: int, reps: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    reference = exact_matmul(x, weight)
+    cublas_ms = timed(lambda: F.linear(x, weight), reps)
+    now = matmul_tiles(n)
+    row = {"weight": name, "n": n, "k": k, "rows": m, "cublas_ms": cublas_ms, "tiles_now": list(now)}
+    row["now_ms"] = timed(lambda: exact_matmul(x, weight), reps)
+    results = []
+    for tiles in CANDIDATES:
+        try:
+            got = exact_matmul(x, weight, tiles=tiles)
+            ms = timed(lambda: exact_matmul(x, weight, tiles=tiles), reps)  # noqa: B023
+        except Exception as e:  # a tile set the compiler refuses (shared memory): say so, go on
+            results.append({"tiles": list(tiles), "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            continue
+        results.append({"tiles": list(tiles), "ms": ms, "same_bits": bool(torch.equal(got, reference))})
+    row["candidates"] = results
+    same = [r for r in results if r.get("same_bits")]
+    best = min(same, key=lambda r: r["ms"]) if same else None
+    row["best_same_bits"] = best
+    print(
+        f"{name:8s} N={n:6d} K={k:5d} M={m:6d}: cuBLAS {cublas_ms:.4f} ms, now {row['now_ms']:.4f} ms {now}, "
+        f"best same-bits {best['ms']:.4f} ms {tuple(best['tiles'])}"
+        if best
+        else "no same-bits candidate",
+        flush=True,
+    )
+    differ = [tuple(r["tiles"]) for r in results if r.get("same_bits") is False]
+    if differ:
+        print(f"    different bits: {differ}", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="0.5b,7b")
+    parser.add_argument("--rows", default="1,64,256,4096,16384")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/exact_matmul.py needs CUDA (the Triton kernels)")
+    rows = [int(r) for r in args.rows.split(",")]
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
+    for shape in args.shapes.split(","):
+        for name, (n, k) in SHAPES[shape].items():
+            for m in rows:
+                report["results"].append(run_shape(f"{shape}:{name}", n, k, m, args.reps))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
