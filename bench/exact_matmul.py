@@ -5,7 +5,7 @@
 
 For every weight shape of the model (the attention projections, the MLP's, the LM head) and every row count in
 --rows (a decode step's few hundred rows, a train micro-batch's thousands), each candidate tile set
-(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) runs the same bfloat16 inputs as the tiles `matmul_tiles` picks today.
+(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) runs the same bfloat16 inputs as the tiles `matmul_tiles` picks for them.
 "same bits" says whether its output equals theirs bit for bit: exact mode may choose tiles by the number of rows only
 among tiles that do (BLOCK_K fixed: a different K slice changes the order of the float32 sums, so BLOCK_K=32 and 128
 are timed for comparison only). Times are the median of --reps calls, CUDA events, after two warm-up calls.
@@ -63,7 +63,7 @@ def run_shape(name: str, n: int, k: int, m: int, reps: int) -> dict:
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
     reference = exact_matmul(x, weight)
     cublas_ms = timed(lambda: F.linear(x, weight), reps)
-    now = matmul_tiles(n)
+    now = matmul_tiles(n, k, m)
     row = {"weight": name, "n": n, "k": k, "rows": m, "cublas_ms": cublas_ms, "tiles_now": list(now)}
     row["now_ms"] = timed(lambda: exact_matmul(x, weight), reps)
     results = []

@@ -4,7 +4,7 @@ rlx/kernels/exact.py keeps the plain-PyTorch scheme (the CPU's, pinned by the CP
 triton, exact mode runs these instead (`use_triton`), in every path alike (trainer forward, engine prefill and
 decode), so the rollout's and the trainer's logprobs stay equal bit for bit:
 
-- `exact_linear`: `F.linear` as one launch for any number of rows, BLOCK_M/N/K tiles fixed per weight shape, K in
+- `exact_linear`: `F.linear` as one launch for any number of rows, tiles chosen by the shapes (`matmul_tiles`), K in
   order, float32 accumulation, in autocast's dtype where autocast is on (as `F.linear` under autocast). It replaces
   the 64-row cuBLAS calls of `blocked_linear`. Differentiable (the backward is two ordinary matmuls: gradients need no
   batch invariance).
@@ -38,12 +38,17 @@ import torch.nn.functional as F
 from rlx.kernels.exact import KEY_BLOCK
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-MATMUL_TILES = (128, 128, 64, 8, 3)
-"""BLOCK_M, BLOCK_N, BLOCK_K, warps, stages of the matmul on CUDA for weights of NARROW_N outputs or more."""
-NARROW_TILES, NARROW_N = (64, 64, 64, 4, 4), 2048
-"""The tiles for narrower weights (attention projections, a small model's MLP down projection): a decode step's few
-hundred rows then still spread over enough programs. The tiles depend on the weight's shape only, never on the
-number of rows, so a row's arithmetic stays the same in every call with that weight."""
+SMALL_TILES = (64, 64, 64, 4, 4)
+"""BLOCK_M, BLOCK_N, BLOCK_K, warps, stages of the matmul on CUDA for a call's few rows (decode steps), and for up to
+DECODE_ROWS rows against a weight narrower than WIDE_N outputs: enough programs to fill the device."""
+MEDIUM_TILES, LARGE_TILES = (128, 128, 64, 8, 3), (256, 128, 64, 8, 3)
+"""More rows: 128 x 128 tiles; 256 x 128 where the weight has LARGE_WEIGHT elements or more (the 7B shape's
+projections, an LM head), where they were fastest (bench/exact_matmul.py on an H100, bench/RESULTS.md, "Exact")."""
+DECODE_ROWS, FEW_ROWS, WIDE_N, LARGE_WEIGHT, IEEE_WIDE_N = 512, 64, 8192, 12 * 2**20, 2048
+"""The tiles change no bit of the result: each program's K loop chains its float32 accumulator through `tl.dot` in
+order, 16 columns an MMA step, whatever the tile sizes (every candidate of bench/exact_matmul.py gave the bits of
+every other on an H100, and tests/gpu/test_exact_cuda.py checks the sets in use), so a call picks them by its number
+of rows, and a row still gets the same bits in a call of 1 row or 30,000."""
 # the interpreter: one row a tile (NumPy's matmul, the interpreter's tl.dot, rounds a row by its position in the tile)
 _INTERPRETER_TILES = (1, 64, 64, 1, 1)
 _GROUP_M = 8
@@ -84,10 +89,17 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def matmul_tiles(outputs: int) -> tuple[int, int, int, int, int]:
-    """The CUDA tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of `exact_matmul` for a weight of `outputs` rows:
-    weights whose tiles are equal may be stacked into one matmul and give each of their outputs the same bits."""
-    return MATMUL_TILES if outputs >= NARROW_N else NARROW_TILES
+def matmul_tiles(outputs: int, depth: int, rows: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
+    """The CUDA tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of `exact_matmul` for `rows` x [depth] inputs and a
+    weight [outputs, depth] of `dtype` (the fastest measured; any of them gives the same bits: DECODE_ROWS' note). A
+    float32 weight (IEEE float32 dots, not measured by rows) takes tiles by its width alone."""
+    if dtype == torch.float32:
+        return MEDIUM_TILES if outputs >= IEEE_WIDE_N else SMALL_TILES
+    if rows <= FEW_ROWS or (rows <= DECODE_ROWS and outputs < WIDE_N):
+        return SMALL_TILES
+    if rows <= DECODE_ROWS or outputs * depth < LARGE_WEIGHT:
+        return MEDIUM_TILES
+    return LARGE_TILES
 
 
 def exact_matmul(
@@ -104,8 +116,9 @@ def exact_matmul(
     out = x.new_empty(rows, weight.shape[0], dtype=weight.dtype)
     if rows == 0:
         return out
-    if tiles is None:
-        tiles = matmul_tiles(weight.shape[0]) if x.device.type == "cuda" else _INTERPRETER_TILES
+    if tiles is None and x.device.type == "cuda":
+        tiles = matmul_tiles(weight.shape[0], depth, rows, weight.dtype)
+    tiles = tiles or _INTERPRETER_TILES
     tile_m, tile_n, tile_k, warps, stages = tiles
     grid = (_cdiv(rows, tile_m) * _cdiv(weight.shape[0], tile_n),)
     _kernels()[0][grid](

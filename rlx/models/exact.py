@@ -80,8 +80,8 @@ def check_exact_model(model, where: str = "exact mode") -> None:
 @dataclasses.dataclass(frozen=True)
 class StackedLinear:
     """Linear layers that read the same input (q/k/v, gate/up) stacked into one cast weight [sum N, K] (and bias):
-    `ids` the members' weight parameter ids in stacking order, `sizes` their output widths. Only weights with the
-    same `matmul_tiles` are stacked, so each output has the bits of the member's own matmul."""
+    `ids` the members' weight parameter ids in stacking order, `sizes` their output widths. Each output has the bits
+    of the member's own matmul (a row's bits depend on no tile size: `matmul_tiles`)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None

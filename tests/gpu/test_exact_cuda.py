@@ -22,6 +22,24 @@ pytestmark = [
 ]
 
 
+def test_every_matmul_tile_set_gives_the_same_bits():
+    """`matmul_tiles` picks tiles by the call's rows: a row must get the same bits from each of its tile sets (and
+    the bench's other candidates), so a 1-row decode call and a 20,000-row train call agree."""
+    from rlx.kernels import exact_triton as et
+
+    torch.manual_seed(0)
+    sets = [et.SMALL_TILES, et.MEDIUM_TILES, et.LARGE_TILES, (16, 64, 64, 4, 4), (128, 128, 128, 8, 3)]
+    for outputs, depth in ((4864, 896), (896, 4864), (128, 896), (14336, 1024)):
+        x = torch.randn(20000, depth, device="cuda").bfloat16()
+        w = (torch.randn(outputs, depth, device="cuda") / depth**0.5).bfloat16()
+        full = et.exact_matmul(x, w)  # the rule's tiles for 20,000 rows
+        for tiles in sets:
+            assert torch.equal(et.exact_matmul(x, w, tiles=tiles), full), (outputs, depth, tiles)
+        for count in (1, 64, 300, 3000):  # the rule's tiles for these counts
+            assert torch.equal(et.exact_matmul(x[-count:], w), full[-count:]), (outputs, depth, count)
+    assert et.matmul_tiles(14336, 1024, 20000) == et.LARGE_TILES and et.matmul_tiles(896, 4864, 300) == et.SMALL_TILES
+
+
 def test_triton_kernels_are_batch_invariant_in_bfloat16():
     from rlx.kernels.exact import KEY_BLOCK
     from rlx.kernels.exact_triton import exact_attention, exact_matmul, packed_positions

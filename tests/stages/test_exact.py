@@ -207,13 +207,13 @@ lr = 1e-2
 
 
 def test_gpu_fast_path_leaves_compile_off_in_exact_mode():
-    from rlx.ppo.defaults import EXACT_BUDGET_TOKENS, fast_path_defaults
+    from rlx.ppo.defaults import fast_path_defaults
 
     assert fast_path_defaults("cuda", {})["train.compile"] is True
     exact = fast_path_defaults("cuda", {"exact": True})
     assert "train.compile" not in exact and exact["rollout.engine"] == "native"
-    assert EXACT_BUDGET_TOKENS == 16384 < fast_path_defaults("cuda", {})["train.max_tokens_per_micro_batch"]
-    assert exact["train.max_tokens_per_micro_batch"] == exact["score.max_tokens_per_micro_batch"] == 16384
+    budget = fast_path_defaults("cuda", {})["train.max_tokens_per_micro_batch"]
+    assert exact["train.max_tokens_per_micro_batch"] == exact["score.max_tokens_per_micro_batch"] == budget == 32768
 
 
 @pytest.mark.parametrize("mini_batch,packing", [(3, "true"), (0, "false")])

@@ -132,11 +132,11 @@ def test_exact_casts_hold_the_linear_weights_in_the_compute_dtype_at_fixed_addre
 def test_exact_casts_stack_projections_that_read_the_same_input(monkeypatch):
     """The engine's q/k/v and gate/up copies are views into one stacked weight (refreshed through the views), and
     exact_forward runs each stack as one linear call whose columns are the members' outputs: the logits equal the
-    unstacked forward's. A stack is made only where its tiles equal each member's (`matmul_tiles`)."""
+    unstacked forward's. A projection behind an adapter (not a plain Linear) stays alone."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlx.kernels import exact_fused, exact_triton
+    from rlx.kernels import exact_fused
     from rlx.models import exact as exact_module
     from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
     from rlx.rollout.native.runner import ExactCasts
@@ -177,9 +177,26 @@ def test_exact_casts_stack_projections_that_read_the_same_input(monkeypatch):
     assert len(calls) == 2 * 4 + 1 and any(w is stack.weight for w in calls)
     assert torch.allclose(stacked, alone, atol=1e-2), (stacked - alone).abs().max()
 
-    monkeypatch.setattr(exact_triton, "NARROW_N", 24)  # q (32) and the stack wide, k and v (16 each) narrow
-    monkeypatch.setattr(exact_triton, "MATMUL_TILES", (128, 128, 64, 8, 3))
-    narrow = ExactCasts(model, torch.bfloat16, releasable=False)
-    assert id(attention.q_proj.weight) not in narrow.stacks
-    assert id(mlp.gate_proj.weight) in narrow.stacks  # 64 + 64: wide like each
-    assert id(attention.k_proj.weight) not in narrow.stacks  # 16 + 16 = 32: wide, unlike k's and v's tiles
+    class Adapted(torch.nn.Linear):  # e.g. a LoRA-wrapped projection: its own forward, so no stack
+        pass
+
+    adapted = Adapted(32, 32, bias=attention.q_proj.bias is not None)
+    adapted.load_state_dict(attention.q_proj.state_dict())
+    attention.q_proj = adapted
+    fewer = ExactCasts(model, torch.bfloat16, releasable=False)
+    assert id(adapted.weight) not in fewer.stacks and id(attention.k_proj.weight) not in fewer.stacks
+    assert id(model.model.layers[0].self_attn.q_proj.weight) in fewer.stacks  # the other layer's set
+    assert id(mlp.gate_proj.weight) in fewer.stacks
+
+
+def test_matmul_tiles_follow_the_rows_in_bfloat16_and_the_width_alone_in_float32():
+    import torch
+
+    from rlx.kernels import exact_triton as et
+
+    assert et.matmul_tiles(151936, 896, 1) == et.matmul_tiles(3584, 18944, 64) == et.SMALL_TILES  # decode steps
+    assert et.matmul_tiles(896, 4864, 256) == et.SMALL_TILES and et.matmul_tiles(18944, 3584, 256) == et.MEDIUM_TILES
+    assert et.matmul_tiles(4864, 896, 16384) == et.MEDIUM_TILES and et.matmul_tiles(3584, 3584, 4096) == et.LARGE_TILES
+    for rows in (1, 256, 30000):  # float32 (IEEE dots): the tiles of the weight's width, whatever the rows
+        assert et.matmul_tiles(4864, 896, rows, torch.float32) == et.MEDIUM_TILES
+        assert et.matmul_tiles(896, 896, rows, torch.float32) == et.SMALL_TILES

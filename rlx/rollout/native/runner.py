@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from rlx.kernels.exact import KEY_BLOCK, blocked_attention, key_slots
-from rlx.kernels.exact_triton import HAS_TRITON, exact_attention, matmul_tiles, use_triton
+from rlx.kernels.exact_triton import HAS_TRITON, exact_attention, use_triton
 from rlx.kernels.paged_attention import paged_decode_attention, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
 from rlx.models.exact import StackedLinear, exact_forward
@@ -537,8 +537,8 @@ class ExactCasts:
     per rollout call (`refresh`) at fixed addresses, the same bits as the per-call cast. `releasable`: in a
     VirtualBuffer whose memory goes with the KV cache's while the engine sleeps.
 
-    The copies of a module's q/k/v (and gate/up) projections are views into one stacked weight where their
-    `matmul_tiles` agree (`stacks`: one matmul a set instead of one a projection in the decode step)."""
+    The copies of a module's q/k/v (and gate/up) projections are views into one stacked weight (`stacks`: one matmul
+    a set instead of one a projection in the decode step; its columns are the bits of each member's own matmul)."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, releasable: bool):
         seen: dict[int, torch.Tensor] = {}
@@ -592,9 +592,9 @@ class ExactCasts:
 
 
 def _stackable(model: torch.nn.Module, cast: dict[int, torch.Tensor]) -> list[list[torch.nn.Linear]]:
-    """The sets of `STACKED_PROJECTIONS` in `model` that `ExactCasts` stacks: plain Linear layers (no adapter
-    around them) over the same input width, whose parameters are all cast, with biases on all or none, and whose
-    stacked weight takes the same `matmul_tiles` as each member's own (for the 7B shape's q/k/v: k and v only)."""
+    """The sets of `STACKED_PROJECTIONS` in `model` that `ExactCasts` stacks: plain Linear layers (no adapter around
+    them) over the same input width, whose parameters are all cast, with biases on all or none. A stack's matmul
+    takes other tiles than its members' own may, which changes no bit (`matmul_tiles`)."""
     sets = []
     for module in model.modules():
         for names in STACKED_PROJECTIONS:
@@ -603,12 +603,6 @@ def _stackable(model: torch.nn.Module, cast: dict[int, torch.Tensor]) -> list[li
                 continue
             if len({m.in_features for m in members}) > 1 or len({m.bias is None for m in members}) > 1:
                 continue
-            if not all(id(p) in cast for m in members for p in (m.weight, m.bias) if p is not None):
-                continue
-            by_tiles: dict[tuple, list[torch.nn.Linear]] = {}
-            for member in members:
-                by_tiles.setdefault(matmul_tiles(member.out_features), []).append(member)
-            for tiles, group in by_tiles.items():
-                if len(group) > 1 and matmul_tiles(sum(m.out_features for m in group)) == tiles:
-                    sets.append(group)
+            if all(id(p) in cast for m in members for p in (m.weight, m.bias) if p is not None):
+                sets.append(members)
     return sets
