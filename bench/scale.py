@@ -3,6 +3,7 @@
     python bench/scale.py                                      # 7B on 4, 2, 1 GPUs (4 x H100): < 8 minutes
     python bench/scale.py --shapes 0.5b,7b,14b --deadline-s 3600 --json scale.json   # the whole table
     python bench/scale.py --small --cpu --gpus 1,2 --steps 2   # a quick check of the script, on the CPU
+    python bench/scale.py --shapes 0.5b --weak --gpus 4,1 --independent 4 --steps 6   # where weak scaling loses
 
 The work per step (issue 34): a config-only model dir of the shape (random init, no download), 32 prompts of 128
 tokens x 8 samples, responses of up to 256 tokens (a random model rarely stops), a length reward, no reference model,
@@ -147,15 +148,19 @@ def extra_sets(args) -> list[str]:
     return [a for s in sets for a in ("--set", s)]
 
 
-def env() -> dict:
-    """The runs' environment: this checkout first on the path, the caller's PYTHONPATH after it."""
+def env(device: int | None = None) -> dict:
+    """The runs' environment: this checkout first on the path, the caller's PYTHONPATH after it; `device`: the one
+    GPU a run sees (CUDA_VISIBLE_DEVICES), for --independent."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "TQDM_DISABLE": "1"}
+    visible = {} if device is None else {"CUDA_VISIBLE_DEVICES": str(device)}
+    return {**os.environ, "PYTHONPATH": path, "TQDM_DISABLE": "1", **visible}
 
 
-def run(recipe: Path, gpus: int, run_dir: Path, args, limit_s: float) -> tuple[list[dict], list[float], str]:
+def run(
+    recipe: Path, gpus: int, run_dir: Path, args, limit_s: float, device: int | None = None
+) -> tuple[list[dict], list[float], str]:
     """`rlx ppo` on `gpus` processes (torchrun; a plain process for 1), noting when each metrics line appears;
-    stopped (SIGTERM) after `limit_s`. Returns (metrics, arrival seconds, log tail)."""
+    stopped (SIGTERM) after `limit_s`; `device`: the one GPU it sees. Returns (metrics, arrival seconds, log tail)."""
     launched = gpus > 1 or args.torchrun_one
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if launched else []
     cmd = [sys.executable, *launcher, "-m", "rlx", "ppo", str(recipe), "--out", str(run_dir), *extra_sets(args)]
@@ -166,7 +171,7 @@ def run(recipe: Path, gpus: int, run_dir: Path, args, limit_s: float) -> tuple[l
                "--output", str(stacks), "--", *cmd]  # fmt: skip
     metrics_file, start, arrivals = run_dir / "metrics.jsonl", time.time(), []
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env())
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env(device))
         while proc.poll() is None and time.time() - start < limit_s:
             time.sleep(0.5)
             if metrics_file.exists():
@@ -253,7 +258,8 @@ def summarize(metrics: list[dict], arrivals: list[float], gpus: int) -> dict:
     }
 
 
-def measure(shape: str, gpus: int, work: Path, args, deadline: float) -> dict:
+def measure(shape: str, gpus: int, work: Path, args, deadline: float, device: int | None = None) -> dict:
+    """One run of `shape` on `gpus` GPUs (`device`: the one GPU of an --independent copy) and its summary row."""
     recipe = write_recipe(work, shape, args, gpus)
     row = {
         "shape": shape,
@@ -261,12 +267,16 @@ def measure(shape: str, gpus: int, work: Path, args, deadline: float) -> dict:
         "prompts_per_step": prompts_per_step(args, gpus),
         "plan": plan(recipe, gpus, args),
     }
-    print(row["plan"]["text"], flush=True)
+    if device is not None:
+        row["independent_on"] = device
+    else:
+        print(row["plan"]["text"], flush=True)
     left = deadline - time.time()
     if not row["plan"]["fits"] or left < 60:
         row["error"] = "" if not row["plan"]["fits"] else "skipped: --deadline-s reached"
         return row
-    metrics, arrivals, tail = run(recipe, gpus, work / f"run-{shape}-{gpus}", args, min(args.timeout_s, left))
+    limit = min(args.timeout_s, left)
+    metrics, arrivals, tail = run(recipe, gpus, work / f"run-{shape}-{gpus}", args, limit, device)
     if not metrics:
         row["error"] = tail
         return row
@@ -274,6 +284,16 @@ def measure(shape: str, gpus: int, work: Path, args, deadline: float) -> dict:
     written = _FILES_WRITTEN.findall(tail)  # the final checkpoint's files, written after the last metrics line
     row["final_write_s"] = float(written[-1]) if written else None
     return row
+
+
+def measure_independent(shape: str, copies: int, work: Path, args, deadline: float) -> list[dict]:
+    """`copies` one-GPU runs of `shape` at once, GPU i for copy i (the CPU with --cpu), no launcher: what sharing
+    the host alone costs a rank, against one run alone and against the launcher's run of as many ranks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=copies) as pool:
+        jobs = [pool.submit(measure, shape, 1, work / f"independent-{i}", args, deadline, i) for i in range(copies)]
+        return [job.result() for job in jobs]
 
 
 def print_table(rows: list[dict]) -> None:
@@ -294,12 +314,18 @@ def print_table(rows: list[dict]) -> None:
                 if error.startswith("skipped")
                 else ("failed: " + error[-200:])
             )
-            print(f"{r['shape']:<6}{r['gpus']:>5}  {why}")
+            print(f"{r['shape']:<6}{_gpus_label(r):>5}  {why}")
             continue
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
-        print(f"{r['shape']:<6}{r['gpus']:>5}{r['first_step_s']:>8.0f}{r['median_s']:>8.2f}{r['steady_s']:>8.2f}"
+        print(f"{r['shape']:<6}{_gpus_label(r):>5}{r['first_step_s']:>8.0f}{r['median_s']:>8.2f}{r['steady_s']:>8.2f}"
               f"{r['p90_s']:>7.2f}"
               f"{r['tokens_per_s_per_gpu']:>11,.0f}{mfu:>7}{r['peak_gib_rank0']:>7.1f}{plan_peak:>7.1f}")  # fmt: skip
+    for r in rows:  # where the median step went
+        if "median_s" in r:
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_of_median_s"].items() if v is not None)
+            print(f"{r['shape']} on {_gpus_label(r)}: median step's phases (s): {phases}")
+    if any("independent_on" in r for r in rows):
+        print("1@g: one of the --independent one-GPU runs that ran at once, on GPU g, no launcher")
     for r in rows:  # the host's memory: rank 0's largest RSS over the steps against the plan's steady share a rank
         host = r["plan"].get("host_gib_per_rank") or {}
         if "host_rss_gib_rank0" in r and host:
@@ -307,6 +333,10 @@ def print_table(rows: list[dict]) -> None:
                 f"{r['shape']} on {r['gpus']}: host GiB rank 0 {r['host_rss_gib_rank0']:.1f}, plan steady a rank "
                 f"{host['steady']:.1f} (load {host['load']:.1f}, before step 1: not measured)"
             )
+
+
+def _gpus_label(row: dict) -> str:
+    return f"1@{row['independent_on']}" if "independent_on" in row else str(row["gpus"])
 
 
 def main() -> None:
@@ -322,6 +352,8 @@ def main() -> None:
         action="store_true",
         help="launch the one-GPU runs under torchrun (its overhead: run again without it)",
     )
+    parser.add_argument("--independent", type=int, default=0, metavar="N", help="then N one-GPU runs at once, one "
+                        "a GPU (CUDA_VISIBLE_DEVICES), no launcher: the shared host's cost alone")  # fmt: skip
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--response-len", type=int, default=256)
@@ -345,6 +377,8 @@ def main() -> None:
     deadline = time.time() + args.deadline_s
     counts = sorted({int(g) for g in args.gpus.split(",")}, reverse=True)
     rows = [measure(shape, gpus, work, args, deadline) for shape in shapes for gpus in counts]
+    if args.independent:
+        rows += [r for shape in shapes for r in measure_independent(shape, args.independent, work, args, deadline)]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     print_table(rows)

@@ -34,3 +34,12 @@ def test_the_host_memory_against_the_plan_s_share_a_rank():
     metrics = [{"timing/step_s": 5.0, "memory/train_host_rss_gb": rss, "memory/save_host_rss_gb": 1.0}
                for rss in (2.8, 28.5, 43.3)]  # fmt: skip
     assert scale.summarize(metrics, [1.0, 2.0, 3.0], gpus=4)["host_rss_gib_rank0"] == 43.3
+
+
+def test_independent_runs_each_see_one_gpu_and_are_labelled_by_it(monkeypatch):
+    """--independent N: copy i runs with CUDA_VISIBLE_DEVICES=i (a run of its own, no launcher), and its table row
+    names the GPU; the launcher's runs keep the caller's devices."""
+    scale = _scale()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert scale.env(2)["CUDA_VISIBLE_DEVICES"] == "2" and scale.env()["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert scale._gpus_label({"gpus": 1, "independent_on": 3}) == "1@3" and scale._gpus_label({"gpus": 4}) == "4"
