@@ -7,6 +7,7 @@ rows: with exact mode every logprob is torch.equal; without it some differ (so t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 
@@ -73,6 +74,22 @@ def wiring_model():
     config.initializer_range = 0.2
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def wiring_loss_and_grads(model, ids, mask, exact: bool, temperature: float = 1.0, entropy_coef: float = 0.0):
+    """(loss, every parameter's gradient) of a masked policy-gradient-shaped loss, -(logprob + entropy_coef *
+    entropy) over the unmasked targets, with the model in exact mode or not (the wiring workers' gradient check)."""
+    from rlx.logprobs import logprobs_from_logits
+
+    model.zero_grad()
+    with exact_forward(model) if exact else contextlib.nullcontext():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        logp, entropy = logprobs_from_logits(logits[:, :-1], ids[:, 1:], temperature, with_entropy=entropy_coef != 0)
+        weights = mask[:, 1:].float()
+        bonus = entropy_coef * entropy if entropy_coef else 0.0
+        loss = -((logp + bonus) * weights).sum() / weights.sum()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
 def _requests(batch: int, at: int) -> list[TokenRequest]:

@@ -4,17 +4,14 @@ engine's logprobs of a probe sequence in a rollout batch of 3 equal the training
 bit (batch invariance itself: exact_triton_check.py); and a training loss's gradients through the kernels follow
 the default forward's. Prints 'ok'."""
 
-import contextlib
-
 import torch
 
 import rlx.logprobs
 import rlx.models.exact
 import rlx.rollout.native.runner
 import rlx.rollout.sampling
-from rlx.logprobs import logprobs_from_logits
 from rlx.models.exact import exact_forward
-from tests.stages.test_exact import _generate, _trainer_logprobs, wiring_model
+from tests.stages.test_exact import _generate, _trainer_logprobs, wiring_loss_and_grads, wiring_model
 
 for module in (rlx.logprobs, rlx.models.exact, rlx.rollout.native.runner, rlx.rollout.sampling):
     module.use_triton = lambda tensor: True
@@ -41,14 +38,7 @@ mask[1, :5] = 0
 
 
 def loss_and_grads(exact: bool):
-    model.zero_grad()
-    with exact_forward(model) if exact else contextlib.nullcontext():
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        logp, entropy = logprobs_from_logits(logits[:, :-1], ids[:, 1:], 0.9, with_entropy=True)
-        weights = mask[:, 1:].float()
-        loss = -((logp + 0.1 * entropy) * weights).sum() / weights.sum()
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+    return wiring_loss_and_grads(model, ids, mask, exact, temperature=0.9, entropy_coef=0.1)
 
 
 exact_loss, exact_grads = loss_and_grads(True)
