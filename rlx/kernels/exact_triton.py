@@ -92,8 +92,9 @@ def _cdiv(a: int, b: int) -> int:
 def matmul_tiles(outputs: int, depth: int, rows: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
     """The CUDA tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of `exact_matmul` for `rows` x [depth] inputs and a
     weight [outputs, depth] of `dtype` (the fastest measured; any of them gives the same bits: DECODE_ROWS' note). A
-    float32 weight (IEEE float32 dots, not measured by rows) takes tiles by its width alone."""
-    if dtype == torch.float32:
+    weight in another dtype than bfloat16 (float32's IEEE dots, float16: not measured by rows) takes tiles by its width
+    alone."""
+    if dtype != torch.bfloat16:
         return MEDIUM_TILES if outputs >= IEEE_WIDE_N else SMALL_TILES
     if rows <= FEW_ROWS or (rows <= DECODE_ROWS and outputs < WIDE_N):
         return SMALL_TILES

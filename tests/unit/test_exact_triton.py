@@ -189,7 +189,7 @@ def test_exact_casts_stack_projections_that_read_the_same_input(monkeypatch):
     assert id(mlp.gate_proj.weight) in fewer.stacks
 
 
-def test_matmul_tiles_follow_the_rows_in_bfloat16_and_the_width_alone_in_float32():
+def test_matmul_tiles_follow_the_rows_in_bfloat16_and_the_width_alone_otherwise():
     import torch
 
     from rlx.kernels import exact_triton as et
@@ -200,3 +200,4 @@ def test_matmul_tiles_follow_the_rows_in_bfloat16_and_the_width_alone_in_float32
     for rows in (1, 256, 30000):  # float32 (IEEE dots): the tiles of the weight's width, whatever the rows
         assert et.matmul_tiles(4864, 896, rows, torch.float32) == et.MEDIUM_TILES
         assert et.matmul_tiles(896, 896, rows, torch.float32) == et.SMALL_TILES
+        assert et.matmul_tiles(4864, 896, rows, torch.float16) == et.MEDIUM_TILES
