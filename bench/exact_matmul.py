@@ -7,8 +7,10 @@ For every weight shape of the model (the attention projections, the MLP's, the L
 --rows (a decode step's few hundred rows, a train micro-batch's thousands), each candidate tile set
 (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) runs the same bfloat16 inputs as the tiles `matmul_tiles` picks for them.
 "same bits" says whether its output equals theirs bit for bit: exact mode may choose tiles by the number of rows only
-among tiles that do (BLOCK_K fixed: a different K slice changes the order of the float32 sums, so BLOCK_K=32 and 128
-are timed for comparison only). Times are the median of --reps calls, CUDA events, after two warm-up calls.
+among tiles that do (on an H100 every candidate has, BLOCK_K 32 and 128 included: the kernel's accumulator goes
+through the MMA 16 columns at a time in order, whatever the tile). Times are device times: --reps calls captured in
+one CUDA graph, the median of 5 replays divided by --reps (a decode step replays its matmuls from a graph; timing
+single calls measured the host's launch, about 30 us, not the kernel).
 """
 
 from __future__ import annotations
@@ -41,19 +43,28 @@ CANDIDATES = [
     (64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3),
     (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
     (128, 128, 32, 8, 4), (128, 128, 128, 8, 3), (64, 64, 128, 4, 3),
+    (16, 32, 64, 4, 4), (32, 32, 64, 4, 4), (16, 64, 64, 2, 4), (16, 32, 128, 2, 3), (32, 64, 128, 4, 3),
+    (16, 128, 64, 4, 4), (64, 32, 128, 4, 3), (16, 64, 128, 4, 3),
 ]  # fmt: skip
 
 
 def timed(fn, reps: int) -> float:
+    """Device milliseconds a call: `reps` calls captured in one CUDA graph, the median of 5 replays divided by reps
+    (a decode step replays its matmuls from a graph: timing single launches measures the host's launch instead)."""
     fn(), fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
     times = []
-    for _ in range(reps):
+    for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / reps)
     return statistics.median(times)
 
 

@@ -125,7 +125,8 @@ def exact_matmul(
     _kernels()[0][grid](
         x, weight, out if bias is None else bias.contiguous(), out, rows, weight.shape[0], depth, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=tile_m, BLOCK_N=tile_n, BLOCK_K=tile_k,
-        GROUP_M=_GROUP_M, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        GROUP_M=_GROUP_M, IEEE=x.dtype == torch.float32, EVEN_K=depth % tile_k == 0, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -335,23 +336,26 @@ def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> to
 
 class _ExactRmsNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, low_dtype):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
         rows = x.reshape(-1, x.shape[-1])
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+        low = torch.empty(rows.shape, dtype=low_dtype, device=x.device) if low_dtype is not None else out
         if rows.shape[0]:
             _kernels()[3][(rows.shape[0],)](
-                rows, weight.contiguous(), out, rows.stride(0), out.stride(0), rows.shape[1], eps,
-                BLOCK=_next_pow2(rows.shape[1]), num_warps=4 if rows.shape[1] <= 4096 else 8,
+                rows, weight.contiguous(), out, low, rows.stride(0), out.stride(0), low.stride(0), rows.shape[1], eps,
+                BLOCK=_next_pow2(rows.shape[1]), LOW=low_dtype is not None,
+                num_warps=4 if rows.shape[1] <= 4096 else 8,
             )  # fmt: skip
-        return out.view(*x.shape[:-1], x.shape[-1])
+        ctx.mark_non_differentiable(low)
+        return out.view(*x.shape[:-1], x.shape[-1]), low.view(*x.shape[:-1], x.shape[-1])
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _grad_low):
         x, weight = ctx.saved_tensors
-        return *rms_norm_backward(x, weight, grad, ctx.eps, *ctx.needs_input_grad[:2]), None
+        return *rms_norm_backward(x, weight, grad, ctx.eps, *ctx.needs_input_grad[:2]), None, None
 
 
 _RMS_BACKWARD_PROGRAMS_PER_SM, _INTERPRETER_RMS_BACKWARD_PROGRAMS = 4, 4
@@ -399,4 +403,14 @@ def rms_norm_backward(
 def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * (x.float() * rsqrt(mean(x.float() ** 2) + eps)).to(x.dtype)` over the last dimension of x, one
     program per row (batch-invariant), in torch's promotion of the two dtypes; differentiable."""
-    return _ExactRmsNorm.apply(x, weight, eps)
+    return _ExactRmsNorm.apply(x, weight, eps, None)[0]
+
+
+def exact_rms_norm_pair(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, low_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`exact_rms_norm`'s result, the same rounded to `low_dtype`: the bits of `.to(low_dtype)` on the first, from
+    one kernel): the first differentiable, the second not. The first may differ in rare last bits from
+    `exact_rms_norm`'s (another compilation of the kernel; see `exact_rms_norm_kernel`): use one function or the other
+    for a given norm everywhere."""
+    return _ExactRmsNorm.apply(x, weight, eps, low_dtype)

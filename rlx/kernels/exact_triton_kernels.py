@@ -14,13 +14,14 @@ import triton.language as tl
 def exact_matmul_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     """out [M, N] = x [M, K] @ w[N, K].T (+ b [N]): one BLOCK_M x BLOCK_N tile per program, the K slices taken in
     order into a float32 accumulator (no split-K), the bias added in float32, one rounding to out's dtype. x in w's
     dtype, or float32 for a lower-precision w (each element rounded to w's dtype as it is loaded). M is not
     specialised on (a call of 1 row and one of 4,096 compile the same code); tiles grouped GROUP_M along M so the
-    programs sharing a weight tile run together (the order of programs changes no value)."""
+    programs sharing a weight tile run together (the order of programs changes no value). EVEN_K: K is a multiple of
+    BLOCK_K, so the loads need no mask along K (the values are the same either way)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -36,17 +37,15 @@ def exact_matmul_kernel(
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        k_mask = (k + offs_k) < K
-        a = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + (k + offs_k)[None, :],
-            mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        ).to(w_ptr.dtype.element_ty)  # float32 x for bf16 weights: rounded to nearest even, as `x.to(bfloat16)`
-        b = tl.load(
-            w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k + offs_k)[:, None],
-            mask=k_mask[:, None] & n_mask[None, :],
-            other=0.0,
-        )
+        if EVEN_K:
+            a_mask, b_mask = m_mask[:, None], n_mask[None, :]
+        else:
+            k_mask = (k + offs_k) < K
+            a_mask, b_mask = m_mask[:, None] & k_mask[None, :], k_mask[:, None] & n_mask[None, :]
+        a_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k + offs_k)[None, :]
+        # float32 x for bf16 weights: rounded to nearest even, as `x.to(bfloat16)`
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(w_ptr.dtype.element_ty)
+        b = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k + offs_k)[:, None], mask=b_mask, other=0.0)
         acc = tl.dot(a, b, acc, input_precision="ieee") if IEEE else tl.dot(a, b, acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -168,11 +167,16 @@ def exact_logprob_kernel(
 
 
 @triton.jit
-def exact_rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):
+def exact_rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, low_ptr, stride_x, stride_o, stride_l, N, eps, BLOCK: tl.constexpr, LOW: tl.constexpr
+):  # fmt: skip
     """One program per row of x [R, N]: the Llama-family RMSNorm. The float32 mean of the row's squares is one
     tl.sum over BLOCK >= N lanes (the padding lanes zero), h = x * rsqrt(mean + eps) is rounded to x's dtype, then
     multiplied by the weight in out's dtype (torch's promotion of the weight's and x's dtypes), the product computed
-    in float32. A row's arithmetic does not depend on the other rows."""
+    in float32. A row's arithmetic does not depend on the other rows. LOW: the result is also written rounded to
+    low's dtype (to nearest even: the bits of `out.to(low dtype)`) from the same registers. The compiler may lay the
+    reduction out differently for other stores, so a caller that needs low's bits equal across calls runs this
+    variant in every one of them (rlx/models/exact.py)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -180,8 +184,10 @@ def exact_rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLO
     mean = tl.sum(x * x, 0) / N
     h = (x * tl.math.rsqrt(mean + eps)).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    out = w * h.to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (w * h.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+    if LOW:
+        tl.store(low_ptr + row * stride_l + offs, out.to(low_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["R", "rows_per_program"])

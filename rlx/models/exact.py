@@ -43,7 +43,13 @@ from torch.utils.checkpoint import checkpoint
 from rlx.errors import UserError
 from rlx.kernels.exact import KEY_BLOCK, blocked_attention, blocked_linear, rms_norm
 from rlx.kernels.exact_fused import fits_rotary, rotary, silu_mul
-from rlx.kernels.exact_triton import exact_linear, exact_packed_attention, exact_rms_norm, use_triton
+from rlx.kernels.exact_triton import (
+    exact_linear,
+    exact_packed_attention,
+    exact_rms_norm,
+    exact_rms_norm_pair,
+    use_triton,
+)
 from rlx.models.attention import (
     _segments,
     attention_implementation,
@@ -55,6 +61,8 @@ from rlx.models.attention import (
 EXACT_ATTENTION = "rlx_exact"
 EXACT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 """model_type values exact mode supports (Llama-family decoders: plain linear layers, RMSNorm, rotary)."""
+LINEAR_INPUT_NORMS = ("input_layernorm", "post_attention_layernorm")
+"""A decoder layer's norms, whose outputs go to linear layers alone (q/k/v, gate/up) in `EXACT_FAMILIES`."""
 
 _ACTIVE: ContextVar[tuple | None] = ContextVar("rlx_exact", default=None)
 """The open `exact_forward` block's arguments (model, attention, casts, stacks), or None."""
@@ -123,10 +131,23 @@ class _BlockedLinear(TorchFunctionMode):
         return self.pending.pop(weight_id)
 
 
-def _exact_norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """An RMSNorm module's forward in exact mode."""
-    norm = exact_rms_norm if use_triton(hidden_states) else rms_norm
-    return norm(hidden_states, module.weight, module.variance_epsilon)
+def _exact_norm(module: torch.nn.Module, feeds_linears: bool, hidden_states: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm module's forward in exact mode. `feeds_linears`: its output goes to linear layers alone (a
+    decoder layer's two norms). Under a 16-bit autocast on CUDA such a norm runs `exact_rms_norm_pair` in every
+    forward (the engine's and the trainer's: one compiled kernel, so the same bits), and without gradients returns
+    its 16-bit result: the bits each `F.linear` after it would have cast it to, so the matmuls read half the bytes and
+    do not round inside (measured: the engine's decode step). With gradients the float32 result stays, so autograd
+    sums its consumers' gradients in float32, as on the default path."""
+    weight, eps = module.weight, module.variance_epsilon
+    if not use_triton(hidden_states):
+        return rms_norm(hidden_states, weight, eps)
+    device = hidden_states.device.type
+    if feeds_linears and torch.is_autocast_enabled(device):
+        low = torch.get_autocast_dtype(device)
+        if low != torch.promote_types(weight.dtype, hidden_states.dtype):
+            out, low_out = exact_rms_norm_pair(hidden_states, weight, eps, low)
+            return out if torch.is_grad_enabled() else low_out
+    return exact_rms_norm(hidden_states, weight, eps)
 
 
 def _exact_mlp(module: torch.nn.Module, fallback: Callable, x: torch.Tensor) -> torch.Tensor:
@@ -157,7 +178,8 @@ def _replaced_forwards(replacements: Iterable[tuple[torch.nn.Module, Callable]])
 
 def _exact_norms(model) -> contextlib.AbstractContextManager:
     """Every RMSNorm of `model` runs `_exact_norm` inside the block."""
-    return _replaced_forwards((m, functools.partial(_exact_norm, m)) for m in _rms_norms(model))
+    feeding = {id(getattr(m, name)) for m in model.modules() for name in LINEAR_INPUT_NORMS if hasattr(m, name)}
+    return _replaced_forwards((m, functools.partial(_exact_norm, m, id(m) in feeding)) for m in _rms_norms(model))
 
 
 def _rms_norms(model) -> list[torch.nn.Module]:

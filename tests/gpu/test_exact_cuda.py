@@ -42,7 +42,7 @@ def test_every_matmul_tile_set_gives_the_same_bits():
 
 def test_triton_kernels_are_batch_invariant_in_bfloat16():
     from rlx.kernels.exact import KEY_BLOCK
-    from rlx.kernels.exact_triton import exact_attention, exact_matmul, packed_positions
+    from rlx.kernels.exact_triton import exact_attention, exact_matmul, exact_rms_norm_pair, packed_positions
 
     torch.manual_seed(0)
     x = torch.randn(300, 896, device="cuda").bfloat16()
@@ -56,6 +56,9 @@ def test_triton_kernels_are_batch_invariant_in_bfloat16():
         # a float32 input rounded inside the kernel (the engine's generation) is the trainer's cast, bit for bit
         wide = torch.randn(300, 896, device="cuda")
         assert torch.equal(exact_matmul(wide, w, bias), exact_matmul(wide.bfloat16(), w, bias))
+    # RMSNorm also written in bfloat16 (a decoder layer's norms feeding linears) is its float32 result's cast
+    norm, low = exact_rms_norm_pair(wide, torch.randn(896, device="cuda"), 1e-6, torch.bfloat16)
+    assert low.dtype == torch.bfloat16 and torch.equal(low, norm.bfloat16())
     # attention: 17 sequences packed, then the last 3 alone and from a paged cache (decode of each last token)
     lengths = torch.tensor([1, 31, 32, 33, 64, 65, 100, 7, 2, 250, 9, 40, 3, 128, 5, 77, 300])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).cuda()

@@ -25,6 +25,7 @@ from rlx.kernels.exact_triton import (
     exact_matmul,
     exact_packed_attention,
     exact_rms_norm,
+    exact_rms_norm_pair,
     exact_target_logprobs,
 )
 from rlx.models.attention import varlen_attention
@@ -195,6 +196,11 @@ def check_rms_norm() -> None:
     h = x.float()
     want = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
     assert (full - want).abs().max() < TOL * 10, (full - want).abs().max()
+    # also written in a 16-bit dtype (a decoder layer's norms feeding linears under autocast): the cast's bits
+    # (float16 here: the interpreter does not round to bfloat16 to nearest even; tests/gpu/test_exact_cuda.py does)
+    pair, low = exact_rms_norm_pair(x, weight, 1e-6, torch.float16)
+    assert low.dtype == torch.float16 and torch.equal(low, pair.to(torch.float16))
+    assert (pair - want).abs().max() < TOL * 10, (pair - want).abs().max()
     if sys.argv[1] == "float32":
         x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
         upstream = torch.randn(17, 48, generator=g)
