@@ -129,6 +129,13 @@ def test_exact_casts_hold_the_linear_weights_in_the_compute_dtype_at_fixed_addre
     assert any(w is casts.by_id[id(proj.weight)] for w in seen) and all(w.dtype == torch.bfloat16 for w in seen)
 
 
+def _rms_norm_pair_reference(x, weight, eps, low_dtype):
+    from rlx.kernels.exact import rms_norm
+
+    out = rms_norm(x, weight, eps)
+    return out, out.to(low_dtype)
+
+
 def test_exact_casts_stack_projections_that_read_the_same_input(monkeypatch):
     """The engine's q/k/v and gate/up copies are views into one stacked weight (refreshed through the views), and
     exact_forward runs each stack as one linear call whose columns are the members' outputs: the logits equal the
@@ -161,6 +168,7 @@ def test_exact_casts_stack_projections_that_read_the_same_input(monkeypatch):
     calls = []
     monkeypatch.setattr(exact_module, "use_triton", lambda tensor: True)
     monkeypatch.setattr(exact_module, "exact_rms_norm", exact_module.rms_norm)
+    monkeypatch.setattr(exact_module, "exact_rms_norm_pair", _rms_norm_pair_reference)
     monkeypatch.setattr(exact_module, "silu_mul", exact_fused.silu_mul_reference)
     monkeypatch.setattr(exact_module, "rotary", exact_fused.rotary_reference)
     monkeypatch.setattr(
