@@ -342,15 +342,17 @@ class _ExactRmsNorm(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-        low = torch.empty(rows.shape, dtype=low_dtype, device=x.device) if low_dtype is not None else out
+        # without low_dtype: an empty second output (never an alias of the first, which must stay differentiable)
+        low = torch.empty(rows.shape if low_dtype else (0,), dtype=low_dtype or out.dtype, device=x.device)
         if rows.shape[0]:
             _kernels()[3][(rows.shape[0],)](
-                rows, weight.contiguous(), out, low, rows.stride(0), out.stride(0), low.stride(0), rows.shape[1], eps,
+                rows, weight.contiguous(), out, low if low_dtype else out, rows.stride(0), out.stride(0),
+                (low if low_dtype else out).stride(0), rows.shape[1], eps,
                 BLOCK=_next_pow2(rows.shape[1]), LOW=low_dtype is not None,
                 num_warps=4 if rows.shape[1] <= 4096 else 8,
             )  # fmt: skip
         ctx.mark_non_differentiable(low)
-        return out.view(*x.shape[:-1], x.shape[-1]), low.view(*x.shape[:-1], x.shape[-1])
+        return out.view(*x.shape[:-1], x.shape[-1]), low.view(*x.shape[:-1], x.shape[-1]) if low_dtype else low
 
     @staticmethod
     def backward(ctx, grad, _grad_low):
