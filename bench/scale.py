@@ -254,6 +254,16 @@ def summarize(metrics: list[dict], arrivals: list[float], gpus: int) -> dict:
         "peak_gib_rank0": max(peaks, default=0.0),
         "host_rss_gib_rank0": max(host, default=0.0),  # the steps' host memory (the load before step 1 is not seen)
         "phases_of_median_s": {k: m.get(f"timing/{k}_s") for k in ("weight_sync", "rollout", "score", "train", "save")},
+        # under a launcher, the rollout's parts: the rank's own share (its replica's fill inside) and the gather
+        "rollout_parts_of_median_s": {
+            k: m.get(key)
+            for k, key in (
+                ("own share", "timing/generate_local_s"),
+                ("replica fill", "rollout/replica_fill_s"),
+                ("gather and wait", "timing/generate_gather_s"),
+            )
+            if m.get(key) is not None
+        },
         "final_save_s": metrics[-1].get("timing/save_s"),
     }
 
@@ -323,7 +333,11 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:  # where the median step went
         if "median_s" in r:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_of_median_s"].items() if v is not None)
-            print(f"{r['shape']} on {_gpus_label(r)}: median step's phases (s): {phases}")
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in r.get("rollout_parts_of_median_s", {}).items())
+            print(
+                f"{r['shape']} on {_gpus_label(r)}: median step's phases (s): {phases}"
+                + (f" (rollout: {parts})" if parts else "")
+            )
     if any("independent_on" in r for r in rows):
         print("1@g: one of the --independent one-GPU runs that ran at once, on GPU g, no launcher")
     for r in rows:  # the host's memory: rank 0's largest RSS over the steps against the plan's steady share a rank

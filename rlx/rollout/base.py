@@ -73,6 +73,10 @@ class RolloutStats:
     """Decode steps queued before the previous one's tokens were read (engines that overlap host and device)."""
     episodes: EpisodeStats | None = None
     """Multi-turn rollouts: what the episodes did (turns, environment reward and time, ...)."""
+    local_seconds: float | None = None
+    """Under a launcher: this process's own share (generation, a replica's fill included), before the gather."""
+    gather_seconds: float | None = None
+    """Under a launcher: the gather of every process's samples, the wait for the slowest process included."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,6 +93,10 @@ class RolloutStats:
             out["rollout/preemptions"] = float(self.preemptions)
         if self.steps_ahead is not None:
             out["rollout/steps_ahead"] = float(self.steps_ahead)
+        if self.local_seconds is not None:
+            out["timing/generate_local_s"] = self.local_seconds
+        if self.gather_seconds is not None:
+            out["timing/generate_gather_s"] = self.gather_seconds
         return {**(self.episodes.metrics() if self.episodes is not None else {}), **out}
 
     def __add__(self, other: RolloutStats) -> RolloutStats:
@@ -107,6 +115,8 @@ class RolloutStats:
             add(self.preemptions, other.preemptions),
             add(self.steps_ahead, other.steps_ahead),
             episodes,
+            add(self.local_seconds, other.local_seconds),
+            add(self.gather_seconds, other.gather_seconds),
         )
 
 
@@ -272,15 +282,19 @@ class RolloutEngine(ABC):
         start = time.perf_counter()
         local = self.generate_local([requests[i] for i in mine], sampling, progress)
         finished = finish_generated(local.generated, self.tokenizer, sampling.stop)  # this share's texts, here
+        local_end = time.perf_counter()
         results: list[tuple[Generated, str] | None] = [None] * len(requests)
         for indices, part in all_gather_objects((mine, finished)) if self.ctx else [(mine, finished)]:
             for i, item in zip(indices, part):
                 results[i] = item
+        end = time.perf_counter()
         stats = RolloutStats(
             sum(len(g.response_ids) for g, _ in results),
-            time.perf_counter() - start,
+            end - start,
             local.preemptions,
             local.steps_ahead,
+            local_seconds=local_end - start if self.ctx else None,
+            gather_seconds=end - local_end if self.ctx else None,
         )
         fingerprint = tokenizer_fingerprint(self.tokenizer)
         records = [

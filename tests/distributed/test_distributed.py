@@ -171,11 +171,11 @@ def test_ppo_on_two_ranks_equals_one_and_resumes(tmp_path):
         line["reward/mean"]
         for line in map(__import__("json").loads, (tmp_path / "one" / "metrics.jsonl").read_text().splitlines())
     ]
-    two = [
-        line["reward/mean"]
-        for line in map(__import__("json").loads, (tmp_path / "two" / "metrics.jsonl").read_text().splitlines())
-    ]
-    assert one == two  # same samples, same rewards, step by step
+    two_lines = list(map(__import__("json").loads, (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()))
+    assert one == [line["reward/mean"] for line in two_lines]  # same samples, same rewards, step by step
+    for line in two_lines:  # under the launcher the rollout phase's parts: the rank's own share and the gather
+        assert line["timing/generate_local_s"] > 0 and line["timing/generate_gather_s"] >= 0
+        assert line["timing/generate_local_s"] + line["timing/generate_gather_s"] <= line["timing/rollout_s"]
 
 
 def test_fsdp_layout_writes_shards_per_rank_and_reloads_at_another_world_size(tmp_path, tiny_ckpt, batch, single):

@@ -62,3 +62,7 @@ def test_episode_stats_merge_and_add_as_their_metrics_say():
     total = RolloutStats(5, 1.0, episodes=a) + RolloutStats(7, 2.0, episodes=b)
     assert (total.tokens, total.seconds, total.episodes) == (12, 3.0, both)
     assert RolloutStats(1, 1.0).metrics().keys() == {"rollout/tokens", "timing/generate_s", "perf/rollout_tokens_per_s"}
+    launched = RolloutStats(1, 1.0, local_seconds=0.7, gather_seconds=0.3)
+    launched += RolloutStats(1, 2.0, local_seconds=1.5, gather_seconds=0.5)
+    parts = launched.metrics()  # under a launcher: the rank's own share and the gather (the wait inside)
+    assert (parts["timing/generate_local_s"], parts["timing/generate_gather_s"]) == (2.2, 0.8)
