@@ -5,7 +5,9 @@ arithmetic, so a token's logits do not depend on the batch size, its position in
 native engine's paged attention in exact mode, rlx/rollout/native/runner.py) whether a KV cache held its context:
 
 - every `F.linear` call (each projection, the MLP, the LM head) runs as `blocked_linear` (CUDA with triton:
-  `exact_linear`, rlx/kernels/exact_triton.py), through a torch function mode (no Linear's forward is replaced);
+  `exact_linear`, rlx/kernels/exact_triton.py), through a torch function mode (no Linear's forward is replaced); on
+  CUDA a module's q/k/v and its gate/up run as one matmul a set (`projection_sets`: the engine's weights stacked
+  once when cast, the trainer's concatenated as the module runs), each output column the bits of its own matmul;
 - every RMSNorm runs `rms_norm` instead of its own forward (CUDA with triton: `exact_rms_norm`, one kernel);
 - CUDA with triton only (rlx/kernels/exact_fused.py; the CPU runs the model's own code): every SiLU MLP's
   `act_fn(gate_proj(x)) * up_proj(x)` runs as `silu_mul` (its forward replaced, the projections still `F.linear`
@@ -102,12 +104,18 @@ class _BlockedLinear(TorchFunctionMode):
     launch with fixed tiles). `casts`: weights and biases already cast to the compute dtype, by the id of the
     parameter (the native engine's, rlx/rollout/native/runner.py): the same bits as `exact_linear`'s own cast.
     `stacks`: on CUDA, the first member of a `StackedLinear` called computes the whole stack once for that input;
-    the other members called with the same input tensor take their columns of it."""
+    the other members called with the same input tensor take their columns of it. `sets`: the same for projections
+    stacked at call time (the trainer's: `_projection_sets`, filled by `_stacked_projections`' hooks), their
+    weights concatenated (differentiably) in every call."""
 
-    def __init__(self, casts: dict[int, torch.Tensor] | None = None, stacks: dict[int, StackedLinear] | None = None):
+    def __init__(
+        self, casts: dict[int, torch.Tensor] | None = None, stacks: dict[int, StackedLinear] | None = None,
+        sets: dict[int, tuple[torch.nn.Linear, ...]] | None = None,
+    ):  # fmt: skip
         super().__init__()
         self.casts = casts or {}
         self.stacks = stacks or {}
+        self.sets = sets if sets is not None else {}
         self.pending_input: torch.Tensor | None = None
         self.pending: dict[int, torch.Tensor] = {}
 
@@ -118,17 +126,71 @@ class _BlockedLinear(TorchFunctionMode):
                 x, weight, bias = (*args, kwargs.get("bias"))[:3]
                 if id(weight) in self.stacks:
                     return self._stacked(x, self.stacks[id(weight)], id(weight))
+                members = self.sets.get(id(weight))
+                if members is not None and any(m.weight is weight for m in members):
+                    return self._stacked(x, self._stack_now(members), id(weight))
                 weight, bias = self.casts.get(id(weight), weight), self.casts.get(id(bias), bias)
                 return exact_linear(x, weight, bias)
             return blocked_linear(*args, **kwargs)
         return func(*args, **kwargs)
 
-    def _stacked(self, x: torch.Tensor, stack: StackedLinear, weight_id: int) -> torch.Tensor:
+    def _stacked(self, x: torch.Tensor, stack: StackedLinear | Callable[[], StackedLinear], weight_id: int):
         if x is self.pending_input and weight_id in self.pending:
             return self.pending.pop(weight_id)
+        stack = stack() if callable(stack) else stack
         outputs = exact_linear(x, stack.weight, stack.bias).split(stack.sizes, dim=-1)
         self.pending_input, self.pending = x, dict(zip(stack.ids, outputs))
         return self.pending.pop(weight_id)
+
+    @staticmethod
+    def _stack_now(members: tuple[torch.nn.Linear, ...]) -> Callable[[], StackedLinear]:
+        """The members' current weights (and biases) concatenated, built only where the stack is computed."""
+
+        def build() -> StackedLinear:
+            bias = torch.cat([m.bias for m in members]) if members[0].bias is not None else None
+            ids, sizes = tuple(id(m.weight) for m in members), tuple(m.out_features for m in members)
+            return StackedLinear(torch.cat([m.weight for m in members]), bias, ids, sizes)
+
+        return build
+
+
+STACKED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Linear layers of one module that read the same input: exact mode runs each set as one matmul on CUDA."""
+
+
+def projection_sets(model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[torch.nn.Linear]]]:
+    """(module, members) for each set of `STACKED_PROJECTIONS` in `model` that can run as one matmul: plain Linear
+    layers (no adapter around them) over the same input width, with biases on all or none. A stack's matmul takes
+    other tiles than its members' own may, which changes no bit (`matmul_tiles`)."""
+    sets = []
+    for module in model.modules():
+        for names in STACKED_PROJECTIONS:
+            members = [getattr(module, name, None) for name in names]
+            if not all(type(m) is torch.nn.Linear for m in members):
+                continue
+            if len({m.in_features for m in members}) > 1 or len({m.bias is None for m in members}) > 1:
+                continue
+            sets.append((module, members))
+    return sets
+
+
+@contextlib.contextmanager
+def _stacked_projections(model, sets: dict[int, tuple[torch.nn.Linear, ...]]) -> Iterator[None]:
+    """Inside the block, each module holding a `projection_sets` set records, as its forward starts, its members by
+    the ids of their weights then (a sharded model's unsharded parameters are in place by that time) into `sets`."""
+
+    def record(members: tuple[torch.nn.Linear, ...], module, args) -> None:
+        sets.update({id(m.weight): members for m in members})
+
+    handles = [
+        module.register_forward_pre_hook(functools.partial(record, tuple(members)))
+        for module, members in projection_sets(model)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _exact_norm(module: torch.nn.Module, feeds_linears: bool, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -260,22 +322,25 @@ def exact_forward(
     """Run `model` batch-invariantly inside the block (see the module doc). `attention`: switch its attention to
     "rlx_exact" (off where the caller runs its own exact attention: the native engine's paged one). `casts`:
     linear weights already in the compute dtype, by parameter id; `stacks`: stacked projections by member weight id
-    (see `_BlockedLinear`)."""
+    (see `_BlockedLinear`). Given neither (a trainer's forward), the projections are stacked as each module runs."""
     check_exact_model(model)
     threads = torch.get_num_threads()
     token = _ACTIVE.set((model, attention, casts, stacks))
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_exact_norms(model))
+            sets: dict[int, tuple[torch.nn.Linear, ...]] = {}
             if use_triton(next(model.parameters())):  # the fused elementwise kernels (rlx/kernels/exact_fused.py)
                 stack.enter_context(_exact_mlps(model))
                 stack.enter_context(_exact_rotary(model))
+                if casts is None and stacks is None:  # the trainer's: stacked at call time (the engine's come cast)
+                    stack.enter_context(_stacked_projections(model, sets))
             if attention:
                 register_attention(EXACT_ATTENTION, exact_attention_forward, packed_attention_mask)
                 stack.enter_context(attention_implementation(model, EXACT_ATTENTION))
             if next(model.parameters()).device.type == "cpu":
                 torch.set_num_threads(1)
-            stack.enter_context(_BlockedLinear(casts, stacks))
+            stack.enter_context(_BlockedLinear(casts, stacks, sets))
             yield
     finally:
         torch.set_num_threads(threads)

@@ -197,6 +197,57 @@ def test_exact_casts_stack_projections_that_read_the_same_input(monkeypatch):
     assert id(mlp.gate_proj.weight) in fewer.stacks
 
 
+def test_the_trainers_projections_are_stacked_at_call_time(monkeypatch):
+    """Without the engine's cast stacks (a train step's forward), exact mode on CUDA concatenates each module's
+    q/k/v and gate/up weights as the module runs and makes one linear call of them (one matmul and one cast of the
+    input a set instead of one a projection); the logits and every parameter's gradient are the unstacked
+    forward's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlx.kernels import exact_fused
+    from rlx.models import exact as exact_module
+    from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
+
+    torch.manual_seed(0)
+    config = tiny_llama_config(len(build_char_tokenizer()), hidden_size=32, num_heads=4, num_kv_heads=2,
+                               intermediate_size=64, num_layers=2)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    calls = []
+    monkeypatch.setattr(exact_module, "use_triton", lambda tensor: True)
+    monkeypatch.setattr(exact_module, "exact_rms_norm", exact_module.rms_norm)
+    monkeypatch.setattr(exact_module, "silu_mul", exact_fused.silu_mul_reference)
+    monkeypatch.setattr(exact_module, "rotary", exact_fused.rotary_reference)
+    monkeypatch.setattr(
+        exact_module, "exact_linear", lambda x, w, b=None: calls.append(w) or torch.nn.functional.linear(x, w, b)
+    )
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+
+    def forward_and_grads():
+        model.zero_grad()
+        calls.clear()
+        with exact_module.exact_forward(model, attention=False):
+            logits = model(input_ids=ids).logits
+        logits.square().mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()], len(calls)
+
+    stacked, stacked_grads, stacked_calls = forward_and_grads()
+    model.train()  # checkpointed layers, as rlx/parallel/apply.py sets them: recomputed stacked in the backward too
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": exact_module.checkpoint_contexts}
+    )
+    recomputed, recomputed_grads, recomputed_calls = forward_and_grads()
+    model.gradient_checkpointing_disable()
+    model.eval()
+    monkeypatch.setattr(exact_module, "projection_sets", lambda model: [])
+    alone, alone_grads, alone_calls = forward_and_grads()
+    assert (stacked_calls, recomputed_calls, alone_calls) == (2 * 4 + 1, 2 * (2 * 4) + 1, 2 * 7 + 1)
+    for logits, grads in ((stacked, stacked_grads), (recomputed, recomputed_grads)):
+        torch.testing.assert_close(logits, alone, rtol=1e-5, atol=1e-6)
+        for got, want in zip(grads, alone_grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_matmul_tiles_follow_the_rows_in_bfloat16_and_the_width_alone_otherwise():
     import torch
 

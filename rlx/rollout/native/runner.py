@@ -29,7 +29,7 @@ from rlx.kernels.exact import KEY_BLOCK, blocked_attention, key_slots
 from rlx.kernels.exact_triton import HAS_TRITON, exact_attention, use_triton
 from rlx.kernels.paged_attention import paged_decode_attention, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
-from rlx.models.exact import StackedLinear, exact_forward
+from rlx.models.exact import StackedLinear, exact_forward, projection_sets
 from rlx.models.family import family_of
 from rlx.rollout.native.blocks import BlockManager, Sequence
 from rlx.rollout.native.fused import fused_head_step, fused_layer_step, merged_layers
@@ -527,10 +527,6 @@ class ModelRunner:
         return self._run(ids, pos, ctx, torch.arange(len(seqs), device=self.device))
 
 
-STACKED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-"""Linear layers of one module that read the same input: exact mode's engine runs each set as one matmul."""
-
-
 class ExactCasts:
     """Exact mode's linear weights and biases in the compute dtype (the engine generates with the trainer's float32
     parameters under autocast, and `exact_linear` would cast each weight at every decode step): copies made once
@@ -592,17 +588,8 @@ class ExactCasts:
 
 
 def _stackable(model: torch.nn.Module, cast: dict[int, torch.Tensor]) -> list[list[torch.nn.Linear]]:
-    """The sets of `STACKED_PROJECTIONS` in `model` that `ExactCasts` stacks: plain Linear layers (no adapter around
-    them) over the same input width, whose parameters are all cast, with biases on all or none. A stack's matmul
-    takes other tiles than its members' own may, which changes no bit (`matmul_tiles`)."""
-    sets = []
-    for module in model.modules():
-        for names in STACKED_PROJECTIONS:
-            members = [getattr(module, name, None) for name in names]
-            if not all(type(m) is torch.nn.Linear for m in members):
-                continue
-            if len({m.in_features for m in members}) > 1 or len({m.bias is None for m in members}) > 1:
-                continue
-            if all(id(p) in cast for m in members for p in (m.weight, m.bias) if p is not None):
-                sets.append(members)
-    return sets
+    """The sets of `projection_sets` in `model` that `ExactCasts` stacks: those whose parameters are all cast."""
+    return [
+        members for _, members in projection_sets(model)
+        if all(id(p) in cast for m in members for p in (m.weight, m.bias) if p is not None)
+    ]  # fmt: skip
