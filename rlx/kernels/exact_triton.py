@@ -41,6 +41,12 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 SMALL_TILES = (64, 64, 64, 4, 4)
 """BLOCK_M, BLOCK_N, BLOCK_K, warps, stages of the matmul on CUDA for a call's few rows (decode steps), and for up to
 DECODE_ROWS rows against a weight narrower than WIDE_N outputs: enough programs to fill the device."""
+NARROW_TILES = (64, 32, 128, 4, 3)
+"""For a call of few rows whose 64 x 32 tiles number no more than the device's SMs (a decode step's o and down
+projections, its k/v): narrower tiles, more programs, a longer K slice. bench/exact_matmul.py on an H100 (device time
+in a CUDA graph, bench/RESULTS.md "Exact", fifteenth session): the 0.5B down projection at 256 rows 12.7 us against
+SMALL_TILES' 14.8, the 7B one at 64 rows 73.7 against 89.9, each with the same bits as every other set; slower where
+the tiles outnumber the SMs (the 0.5B gate/up at 64 rows, 5.6 against 4.7 us)."""
 MEDIUM_TILES, LARGE_TILES = (128, 128, 64, 8, 3), (256, 128, 64, 8, 3)
 """More rows: 128 x 128 tiles; 256 x 128 where the weight has LARGE_WEIGHT elements or more (the 7B shape's
 projections, an LM head), where they were fastest (bench/exact_matmul.py on an H100, bench/RESULTS.md, "Exact")."""
@@ -89,13 +95,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def matmul_tiles(outputs: int, depth: int, rows: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def matmul_tiles(
+    outputs: int, depth: int, rows: int, dtype: torch.dtype = torch.bfloat16, sms: int = 132
+) -> tuple[int, ...]:
     """The CUDA tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of `exact_matmul` for `rows` x [depth] inputs and a
-    weight [outputs, depth] of `dtype` (the fastest measured; any of them gives the same bits: DECODE_ROWS' note). A
-    weight in another dtype than bfloat16 (float32's IEEE dots, float16: not measured by rows) takes tiles by its width
-    alone."""
+    weight [outputs, depth] of `dtype` on a device of `sms` multiprocessors (the fastest measured; any of them gives
+    the same bits: DECODE_ROWS' note). A weight in another dtype than bfloat16 (float32's IEEE dots, float16: not
+    measured by rows) takes tiles by its width alone."""
     if dtype != torch.bfloat16:
         return MEDIUM_TILES if outputs >= IEEE_WIDE_N else SMALL_TILES
+    if rows <= DECODE_ROWS and _cdiv(rows, NARROW_TILES[0]) * _cdiv(outputs, NARROW_TILES[1]) <= sms:
+        return NARROW_TILES
     if rows <= FEW_ROWS or (rows <= DECODE_ROWS and outputs < WIDE_N):
         return SMALL_TILES
     if rows <= DECODE_ROWS or outputs * depth < LARGE_WEIGHT:
@@ -118,7 +133,7 @@ def exact_matmul(
     if rows == 0:
         return out
     if tiles is None and x.device.type == "cuda":
-        tiles = matmul_tiles(weight.shape[0], depth, rows, weight.dtype)
+        tiles = matmul_tiles(weight.shape[0], depth, rows, weight.dtype, _multiprocessors(x.device))
     tiles = tiles or _INTERPRETER_TILES
     tile_m, tile_n, tile_k, warps, stages = tiles
     grid = (_cdiv(rows, tile_m) * _cdiv(weight.shape[0], tile_n),)

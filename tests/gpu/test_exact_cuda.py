@@ -28,7 +28,7 @@ def test_every_matmul_tile_set_gives_the_same_bits():
     from rlx.kernels import exact_triton as et
 
     torch.manual_seed(0)
-    sets = [et.SMALL_TILES, et.MEDIUM_TILES, et.LARGE_TILES, (16, 64, 64, 4, 4), (128, 128, 128, 8, 3)]
+    sets = [et.NARROW_TILES, et.SMALL_TILES, et.MEDIUM_TILES, et.LARGE_TILES, (16, 64, 64, 4, 4), (128, 128, 128, 8, 3)]
     for outputs, depth in ((4864, 896), (896, 4864), (128, 896), (14336, 1024)):
         x = torch.randn(20000, depth, device="cuda").bfloat16()
         w = (torch.randn(outputs, depth, device="cuda") / depth**0.5).bfloat16()
@@ -38,6 +38,7 @@ def test_every_matmul_tile_set_gives_the_same_bits():
         for count in (1, 64, 300, 3000):  # the rule's tiles for these counts
             assert torch.equal(et.exact_matmul(x[-count:], w), full[-count:]), (outputs, depth, count)
     assert et.matmul_tiles(14336, 1024, 20000) == et.LARGE_TILES and et.matmul_tiles(896, 4864, 300) == et.SMALL_TILES
+    assert et.matmul_tiles(896, 4864, 64) == et.NARROW_TILES  # the counts above take the narrow tiles too
 
 
 def test_triton_kernels_are_batch_invariant_in_bfloat16():

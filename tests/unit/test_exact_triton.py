@@ -253,8 +253,11 @@ def test_matmul_tiles_follow_the_rows_in_bfloat16_and_the_width_alone_otherwise(
 
     from rlx.kernels import exact_triton as et
 
-    assert et.matmul_tiles(151936, 896, 1) == et.matmul_tiles(3584, 18944, 64) == et.SMALL_TILES  # decode steps
-    assert et.matmul_tiles(896, 4864, 256) == et.SMALL_TILES and et.matmul_tiles(18944, 3584, 256) == et.MEDIUM_TILES
+    assert et.matmul_tiles(151936, 896, 1) == et.matmul_tiles(4864, 896, 64) == et.SMALL_TILES  # decode steps
+    # few rows whose narrow tiles fit the device's SMs (132 on an H100): the narrow tiles
+    assert et.matmul_tiles(3584, 18944, 64) == et.matmul_tiles(896, 4864, 256) == et.NARROW_TILES
+    assert et.matmul_tiles(3584, 18944, 64, sms=100) == et.SMALL_TILES  # 112 programs on a smaller device
+    assert et.matmul_tiles(3584, 3584, 256) == et.SMALL_TILES and et.matmul_tiles(18944, 3584, 256) == et.MEDIUM_TILES
     assert et.matmul_tiles(4864, 896, 16384) == et.MEDIUM_TILES and et.matmul_tiles(3584, 3584, 4096) == et.LARGE_TILES
     for rows in (1, 256, 30000):  # float32 (IEEE dots): the tiles of the weight's width, whatever the rows
         assert et.matmul_tiles(4864, 896, rows, torch.float32) == et.MEDIUM_TILES
