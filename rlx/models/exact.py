@@ -105,7 +105,7 @@ class _BlockedLinear(TorchFunctionMode):
     parameter (the native engine's, rlx/rollout/native/runner.py): the same bits as `exact_linear`'s own cast.
     `stacks`: on CUDA, the first member of a `StackedLinear` called computes the whole stack once for that input;
     the other members called with the same input tensor take their columns of it. `sets`: the same for projections
-    stacked at call time (the trainer's: `_projection_sets`, filled by `_stacked_projections`' hooks), their
+    stacked at call time (the trainer's `projection_sets`, found by `_stacked_projections`' hooks), their
     weights concatenated (differentiably) in every call."""
 
     def __init__(
@@ -198,8 +198,8 @@ def _exact_norm(module: torch.nn.Module, feeds_linears: bool, hidden_states: tor
     decoder layer's two norms). Under a 16-bit autocast on CUDA such a norm runs `exact_rms_norm_pair` in every
     forward (the engine's and the trainer's: one compiled kernel, so the same bits), and without gradients returns
     its 16-bit result: the bits each `F.linear` after it would have cast it to, so the matmuls read half the bytes and
-    do not round inside (measured: the engine's decode step). With gradients the float32 result stays, so autograd
-    sums its consumers' gradients in float32, as on the default path."""
+    do not round inside. With gradients the float32 result stays (autograd sums the gradients of several consumers
+    in float32, as on the default path)."""
     weight, eps = module.weight, module.variance_epsilon
     if not use_triton(hidden_states):
         return rms_norm(hidden_states, weight, eps)
