@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -102,9 +102,17 @@ def model_weights(model: torch.nn.Module, offload: bool = True) -> dict[str, tor
 def gathered_weights(model: torch.nn.Module, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's full (name, tensor) pairs on its device, sharded ones all-gathered a bucket of about
     `bucket_bytes` at a time (every rank must drain the iterator in step); tied names appear under each name."""
+    return gathered_in_buckets(model.state_dict().items(), bucket_bytes)
+
+
+def gathered_in_buckets(
+    pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for each (name, tensor, sharded or not) pair, the sharded ones all-gathered a bucket of
+    about `bucket_bytes` at a time (a collective: every rank drains the iterator in step, with the same pairs)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, tensor in model.state_dict().items():
+    for name, tensor in pairs:
         bucket.append((name, tensor))
         size += tensor.numel() * tensor.element_size()
         if size >= bucket_bytes:

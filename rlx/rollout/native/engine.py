@@ -200,7 +200,7 @@ class NativeRolloutEngine(RolloutEngine):
             if self.merges:
                 fill_merged_replica(self._replica, self.model, include_frozen=not self._replica_filled, **take)
             else:
-                fill_replica(self._replica, self.model, **take)
+                fill_replica(self._replica, self.model, bucket_bytes=self.cfg.sync_bucket_mib << 20, **take)
             if self.device.type == "cuda":  # the copies' (and a sharded model's gathers') device time
                 torch.cuda.synchronize(self.device)
             self.replica_fill_s = time.perf_counter() - start

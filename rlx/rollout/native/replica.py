@@ -110,12 +110,23 @@ def _whole(name: str, value: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def fill_replica(replica: torch.nn.Module, model: torch.nn.Module, take=_whole) -> None:
+def fill_replica(replica: torch.nn.Module, model: torch.nn.Module, take=_whole, bucket_bytes: int = 0) -> None:
     """Copy `model`'s current weights into `replica` (a collective: every rank of the shards' mesh calls it,
     with the same model). `take(name, full value)`: the part of each gathered parameter the replica holds (a
-    tensor-parallel rank's slice); the parameters are gathered one at a time."""
+    tensor-parallel rank's slice). FSDP shards on the replica's device are gathered `bucket_bytes` at a time, one
+    all-gather a bucket (`gathered_in_buckets`; 0, or shards elsewhere such as offloaded to the host: one parameter
+    at a time, each its own collective)."""
     params = dict(replica.named_parameters())
-    for name, param in model.named_parameters():
+    named = list(model.named_parameters())
+    device = next(iter(params.values())).device if params else None
+    local = [p.to_local() for _, p in named if isinstance(p, DTensor)]
+    if bucket_bytes and local and all(t.device == device for t in local):
+        from rlx.parallel.fsdp import gathered_in_buckets
+
+        for name, value in gathered_in_buckets(((n, p.detach()) for n, p in named), bucket_bytes):
+            params[name].copy_(take(name, value))
+        return
+    for name, param in named:
         params[name].copy_(take(name, _gathered(param, params[name].device)))
 
 

@@ -1,11 +1,13 @@
 """torchrun worker of tests/distributed/test_distributed.py: the weights an FSDP2-sharded model hands a rollout engine
-(bucketed all-gathers, rows split unevenly over 3 ranks) equal the unsharded model's state dict, name for name."""
+(bucketed all-gathers, rows split unevenly over 3 ranks) equal the unsharded model's state dict, name for name; and
+the native engine's replica filled from the shards by bucket equals the unsharded model, as filled one by one."""
 
 import torch
 
 from rlx.models.tiny import tiny_llama_config
 from rlx.parallel.dist import exit_process, setup
 from rlx.parallel.fsdp import apply_fsdp, gathered_weights
+from rlx.rollout.native.replica import build_replica, fill_replica
 
 ctx = setup("cpu")
 torch.manual_seed(0)
@@ -20,6 +22,11 @@ for bucket_bytes in (1, 4096, 1 << 30):  # a tensor per bucket, a few, all in on
     assert [n for n, _ in got] == list(expected), [n for n, _ in got]
     for name, tensor in got:
         assert tensor.shape == expected[name].shape and torch.equal(tensor, expected[name]), name
+for bucket_bytes in (0, 1, 4096, 1 << 30):  # one parameter at a time (0), then by bucket
+    replica, _ = build_replica(model, torch.device("cpu"), torch.bfloat16, False)
+    fill_replica(replica, model, bucket_bytes=bucket_bytes)
+    for name, param in replica.named_parameters():
+        assert param.dtype == torch.bfloat16 and torch.equal(param, expected[name].bfloat16()), (bucket_bytes, name)
 if ctx.is_main:
     print("gathered weights equal", flush=True)
 exit_process()
