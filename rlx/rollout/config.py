@@ -155,7 +155,8 @@ class RolloutConfig:
     """vllm in `rlx ppo`: refresh its weights from the trainer's tensors in memory (in buckets), or reload
     them from the step's checkpoint on disk."""
     sync_bucket_mib: int = 512
-    """In `rlx ppo`: most weight bytes gathered at once while pushing the trainer's weights to the engine."""
+    """In `rlx ppo`: most weight bytes gathered at once while pushing the trainer's weights to the engine (vllm), or
+    while filling the native engine's replica from the trainer's FSDP shards."""
     sleep: bool | None = None
     """In `rlx ppo`: release the engine's memory while the trainer works and take it back for the next rollout
     (vllm: its weights and KV cache; native: its KV cache and rollout-dtype replica, mapped again at the same
