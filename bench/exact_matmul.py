@@ -3,14 +3,16 @@
     python bench/exact_matmul.py --json out.json            # CUDA only: the 0.5B and 7B shapes' weights
     python bench/exact_matmul.py --shapes 0.5b --rows 64,256
 
-For every weight shape of the model (the attention projections, the MLP's, the LM head) and every row count in
+For every weight shape of the model (the attention projections and their q/k/v stack, the MLP's and its gate/up
+stack, the LM head) and every row count in
 --rows (a decode step's few hundred rows, a train micro-batch's thousands), each candidate tile set
 (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) runs the same bfloat16 inputs as the tiles `matmul_tiles` picks for them.
 "same bits" says whether its output equals theirs bit for bit: exact mode may choose tiles by the number of rows only
 among tiles that do (on an H100 every candidate has, BLOCK_K 32 and 128 included: the kernel's accumulator goes
 through the MMA 16 columns at a time in order, whatever the tile). Times are device times: --reps calls captured in
 one CUDA graph, the median of 5 replays divided by --reps (a decode step replays its matmuls from a graph; timing
-single calls measured the host's launch, about 30 us, not the kernel).
+single calls measured the host's launch, about 30 us, not the kernel). "float32 input" times the tiles in use on
+the same values held in float32, rounded inside the kernel's loads (what a linear after a float32 activation pays).
 """
 
 from __future__ import annotations
@@ -28,15 +30,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlx.kernels.exact_triton import exact_matmul, matmul_tiles  # noqa: E402
 
-SHAPES = {  # (outputs N, inputs K) of each distinct weight
+SHAPES = {  # (outputs N, inputs K) of each distinct weight, and of the stacks exact mode runs (q/k/v, gate/up)
     "0.5b": {
         "q/o": (896, 896),
         "k/v": (128, 896),
+        "qkv stack": (1152, 896),
         "gate/up": (4864, 896),
+        "gate+up stack": (9728, 896),
         "down": (896, 4864),
         "lm_head": (151936, 896),
     },
-    "7b": {"q/o": (3584, 3584), "k/v": (512, 3584), "gate/up": (18944, 3584), "down": (3584, 18944)},
+    "7b": {
+        "q/o": (3584, 3584),
+        "k/v": (512, 3584),
+        "qkv stack": (4608, 3584),
+        "gate/up": (18944, 3584),
+        "gate+up stack": (37888, 3584),
+        "down": (3584, 18944),
+    },
 }
 CANDIDATES = [
     (16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (32, 128, 64, 4, 4), (64, 32, 64, 4, 4), (64, 64, 64, 4, 4),
@@ -77,6 +88,8 @@ def run_shape(name: str, n: int, k: int, m: int, reps: int) -> dict:
     now = matmul_tiles(n, k, m)
     row = {"weight": name, "n": n, "k": k, "rows": m, "cublas_ms": cublas_ms, "tiles_now": list(now)}
     row["now_ms"] = timed(lambda: exact_matmul(x, weight), reps)
+    wide = x.float()  # a float32 input rounded inside the kernel's loads (the bits of x: x is bfloat16 already)
+    row["now_float32_input_ms"] = timed(lambda: exact_matmul(wide, weight), reps)
     results = []
     for tiles in CANDIDATES:
         try:
@@ -91,7 +104,8 @@ def run_shape(name: str, n: int, k: int, m: int, reps: int) -> dict:
     best = min(same, key=lambda r: r["ms"]) if same else None
     row["best_same_bits"] = best
     print(
-        f"{name:8s} N={n:6d} K={k:5d} M={m:6d}: cuBLAS {cublas_ms:.4f} ms, now {row['now_ms']:.4f} ms {now}, "
+        f"{name:8s} N={n:6d} K={k:5d} M={m:6d}: cuBLAS {cublas_ms:.4f} ms, now {row['now_ms']:.4f} ms {now} "
+        f"(float32 input {row['now_float32_input_ms']:.4f}), "
         f"best same-bits {best['ms']:.4f} ms {tuple(best['tiles'])}"
         if best
         else "no same-bits candidate",
