@@ -265,6 +265,13 @@ def test_ppo_stops_when_one_rank_fails(tmp_path):
     assert "reward server unreachable" in out.stdout + out.stderr, out.stderr[-3000:]
 
 
+def test_exact_trainer_stacks_find_fsdp_unsharded_parameters():
+    """Exact mode's trainer-side projection stacks on an FSDP2-sharded model (2 ranks): one linear call a set, the
+    loss and gradients the unstacked model's."""
+    done = run_torchrun(2, "tests/distributed/workers/exact_stacks_fsdp.py", timeout=300)
+    assert "stacks equal" in done.stdout
+
+
 def test_sharded_weights_gathered_by_bucket_equal_the_plain_model():
     """What a rollout engine is handed from FSDP2 shards (rows split unevenly over 3 ranks, one all-gather a bucket)."""
     done = run_torchrun(3, "tests/distributed/workers/gathered_weights.py", timeout=300)
