@@ -30,25 +30,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlx.kernels.exact_triton import exact_matmul, matmul_tiles  # noqa: E402
 
-SHAPES = {  # (outputs N, inputs K) of each distinct weight, and of the stacks exact mode runs (q/k/v, gate/up)
-    "0.5b": {
-        "q/o": (896, 896),
-        "k/v": (128, 896),
-        "qkv stack": (1152, 896),
-        "gate/up": (4864, 896),
-        "gate+up stack": (9728, 896),
-        "down": (896, 4864),
-        "lm_head": (151936, 896),
-    },
-    "7b": {
-        "q/o": (3584, 3584),
-        "k/v": (512, 3584),
-        "qkv stack": (4608, 3584),
-        "gate/up": (18944, 3584),
-        "gate+up stack": (37888, 3584),
-        "down": (3584, 18944),
-    },
-}
+
+def _with_stacks(shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """The weights' (outputs N, inputs K), plus the stacks exact mode runs as one matmul (q/k/v, gate/up)."""
+    (q, k), kv, gate = shapes["q/o"], shapes["k/v"][0], shapes["gate/up"][0]
+    return {**shapes, "qkv stack": (q + 2 * kv, k), "gate+up stack": (2 * gate, k)}
+
+
+SHAPES = {  # (outputs N, inputs K) of each distinct weight
+    "0.5b": _with_stacks({
+        "q/o": (896, 896), "k/v": (128, 896), "gate/up": (4864, 896), "down": (896, 4864), "lm_head": (151936, 896),
+    }),
+    "7b": _with_stacks({"q/o": (3584, 3584), "k/v": (512, 3584), "gate/up": (18944, 3584), "down": (3584, 18944)}),
+}  # fmt: skip
 CANDIDATES = [
     (16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (32, 128, 64, 4, 4), (64, 32, 64, 4, 4), (64, 64, 64, 4, 4),
     (64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3),

@@ -359,11 +359,11 @@ class _ExactRmsNorm(torch.autograd.Function):
         out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
         # without low_dtype: an empty second output (never an alias of the first, which must stay differentiable)
         low = torch.empty(rows.shape if low_dtype else (0,), dtype=low_dtype or out.dtype, device=x.device)
+        low_arg = low if low_dtype else out  # the kernel writes no low copy without LOW: any pointer of out's rows
         if rows.shape[0]:
             _kernels()[3][(rows.shape[0],)](
-                rows, weight.contiguous(), out, low if low_dtype else out, rows.stride(0), out.stride(0),
-                (low if low_dtype else out).stride(0), rows.shape[1], eps,
-                BLOCK=_next_pow2(rows.shape[1]), LOW=low_dtype is not None,
+                rows, weight.contiguous(), out, low_arg, rows.stride(0), out.stride(0), low_arg.stride(0),
+                rows.shape[1], eps, BLOCK=_next_pow2(rows.shape[1]), LOW=low_dtype is not None,
                 num_warps=4 if rows.shape[1] <= 4096 else 8,
             )  # fmt: skip
         ctx.mark_non_differentiable(low)
