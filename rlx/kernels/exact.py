@@ -27,8 +27,11 @@ from torch.utils.checkpoint import checkpoint
 
 ROW_BLOCK = 64
 """Rows per GEMM call (every call has exactly this many rows)."""
-KEY_BLOCK = 32
-"""Keys per attention block (blocks aligned at position 0)."""
+KEY_BLOCK = 64
+"""Keys per attention block (blocks aligned at position 0). 64 on every device: the trainer's forward and the engine
+must sum in the same blocks. bench/exact_attention.py on an H200 (bench/RESULTS.md, "Exact", sixteenth session):
+a 0.5B decode step's attention 16.0 us against 18.7 with blocks of 32, a 32,768-token micro-batch 0.72 ms against
+0.83."""
 _CPU_VECTOR = 64  # elements: a multiple of every CPU vector loop's stride (two AVX-512 float32 vectors and more)
 
 

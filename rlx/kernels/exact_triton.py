@@ -40,7 +40,8 @@ from rlx.kernels.exact import KEY_BLOCK
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SMALL_TILES = (64, 64, 64, 4, 4)
 """BLOCK_M, BLOCK_N, BLOCK_K, warps, stages of the matmul on CUDA for a call's few rows (decode steps), and for up to
-DECODE_ROWS rows against a weight narrower than WIDE_N outputs: enough programs to fill the device."""
+DECODE_ROWS rows against a weight narrower than WIDE_N outputs: enough programs to fill the device (the 0.5B shape's
+gate/up stack, 9,728 outputs, at 256 rows: 13.8 us against MEDIUM_TILES' 14.9 on an H200, sixteenth session)."""
 NARROW_TILES = (64, 32, 128, 4, 3)
 """For a call of few rows whose 64 x 32 tiles number no more than the device's SMs (a decode step's o and down
 projections, its k/v): narrower tiles, more programs, a longer K slice. bench/exact_matmul.py on an H100 (device time
@@ -50,7 +51,7 @@ the tiles outnumber the SMs (the 0.5B gate/up at 64 rows, 5.6 against 4.7 us).""
 MEDIUM_TILES, LARGE_TILES = (128, 128, 64, 8, 3), (256, 128, 64, 8, 3)
 """More rows: 128 x 128 tiles; 256 x 128 where the weight has LARGE_WEIGHT elements or more (the 7B shape's
 projections, an LM head), where they were fastest (bench/exact_matmul.py on an H100, bench/RESULTS.md, "Exact")."""
-DECODE_ROWS, FEW_ROWS, WIDE_N, LARGE_WEIGHT, IEEE_WIDE_N = 512, 64, 8192, 12 * 2**20, 2048
+DECODE_ROWS, FEW_ROWS, WIDE_N, LARGE_WEIGHT, IEEE_WIDE_N = 512, 64, 16384, 12 * 2**20, 2048
 """The tiles change no bit of the result: each program's K loop chains its float32 accumulator through `tl.dot` in
 order, 16 columns an MMA step, whatever the tile sizes (every candidate of bench/exact_matmul.py gave the bits of
 every other on an H100, and tests/gpu/test_exact_cuda.py checks the sets in use), so a call picks them by its number
@@ -59,6 +60,7 @@ of rows, and a row still gets the same bits in a call of 1 row or 30,000."""
 _INTERPRETER_TILES = (1, 64, 64, 1, 1)
 _GROUP_M = 8
 _ATTENTION_WARPS = 4
+_ATTENTION_STAGES = 2  # with KEY_BLOCK 64: bench/exact_attention.py (3, Triton's default, 16.7 us against 16.0)
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
@@ -177,13 +179,17 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def exact_attention(
     q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, lengths: torch.Tensor, scale: float, *,
     starts: torch.Tensor | None = None, rows: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of each query token over its own keys, batch-invariantly (no autograd).
 
     q [N, H, D]; lengths [N]: keys each query sees (its position + 1). Keys and values either contiguous, k_store
     [S, Hkv, D] / v_store [S, Hkv, D] with `starts` [N] (the store row of each query's position 0), or a paged
     cache, k_store [num_blocks, block_size, Hkv, D] with `block_tables` [B, max_blocks] and `rows` [N] (each query's
-    row of the tables). q and the stores share a dtype. -> [N, H, D] in q's dtype."""
+    row of the tables). q and the stores share a dtype. -> [N, H, D] in q's dtype. `config`: other (key block, warps,
+    stages) than exact mode's (bench/exact_attention.py; another key block sums in another order: other bits than
+    the trainer's)."""
+    key_block, warps, stages = config or (KEY_BLOCK, _ATTENTION_WARPS, _ATTENTION_STAGES)
     paged = block_tables is not None
     if paged == (starts is not None):
         raise ValueError("exact_attention: give either starts (contiguous keys) or block_tables and rows (paged)")
@@ -206,9 +212,9 @@ def exact_attention(
         q, k_store, v_store, out, lengths, token_rows, token_starts, tables, scale * math.log2(math.e),
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1), tables.stride(0),
         PAGED=paged, BLOCK_SIZE=block_size, GROUP=heads // kv_heads, HEAD_DIM=dim,
-        GROUP_PAD=max(16, _next_pow2(heads // kv_heads)), DIM_PAD=max(16, _next_pow2(dim)), KEY_BLOCK=KEY_BLOCK,
-        IEEE=q.dtype == torch.float32, INTERPRET_KEYS=-(-bound // KEY_BLOCK) * KEY_BLOCK if _interpreting() else 0,
-        num_warps=_ATTENTION_WARPS,
+        GROUP_PAD=max(16, _next_pow2(heads // kv_heads)), DIM_PAD=max(16, _next_pow2(dim)), KEY_BLOCK=key_block,
+        IEEE=q.dtype == torch.float32, INTERPRET_KEYS=-(-bound // key_block) * key_block if _interpreting() else 0,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

@@ -10,6 +10,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from rlx.kernels.exact import KEY_BLOCK
+from rlx.kernels.exact_triton import _ATTENTION_STAGES, _ATTENTION_WARPS
 from rlx.kernels.exact_triton_kernels import exact_attention_kernel
 
 _FLOAT_OP = re.compile(r"\s*(?:@!?%p\d+\s+)?((?:mma|wgmma|fma|mul|add|sub|ex2|max|min|div|rcp|lg2|cvt|shfl|neg)[\w.]*)")
@@ -24,11 +26,12 @@ def compile_attention(dtype: str, paged: bool) -> str:
     names = exact_attention_kernel.arg_names
     pointers = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     pointers.update(len_ptr="*i32", row_ptr="*i64", start_ptr="*i64", bt_ptr="*i32", scale_log2="fp32")
-    constexprs = dict(PAGED=paged, BLOCK_SIZE=16, GROUP=7, HEAD_DIM=64, GROUP_PAD=16, DIM_PAD=64, KEY_BLOCK=32,
+    constexprs = dict(PAGED=paged, BLOCK_SIZE=16, GROUP=7, HEAD_DIM=64, GROUP_PAD=16, DIM_PAD=64, KEY_BLOCK=KEY_BLOCK,
                       IEEE=dtype == "fp32", INTERPRET_KEYS=0)  # fmt: skip
     signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
     source = ASTSource(exact_attention_kernel, signature, {(names.index(k),): v for k, v in constexprs.items()})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    options = {"num_warps": _ATTENTION_WARPS, "num_stages": _ATTENTION_STAGES}
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     return kernel.asm["ptx"]
 
 
