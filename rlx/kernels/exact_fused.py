@@ -134,13 +134,20 @@ class _Rotary(torch.autograd.Function):
         return *_rotate(grad_q, grad_k, cos, sin, ctx.dtypes, backward=True), None, None
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_embed, k_embed) of transformers' `apply_rotary_pos_emb(q, k, cos, sin)` for q [B, H, T, D], k [B, Hkv, T,
     D] (any strides) and cos/sin [B or 1, T, D]: x * cos + rotate_half(x) * sin per element in float32, one rounding
     of each sine product and one fused multiply-add, in torch's promotion of x's and cos's dtypes (as eager).
-    Differentiable in q and k (cos and sin come from positions: no gradient)."""
+    Differentiable in q and k (cos and sin come from positions: no gradient). `out_dtype` (no autograd: generation):
+    the results rounded to it in the kernel, the bits of the eager result's `.to(out_dtype)` without that copy."""
     if not fits_rotary(q, k, cos, sin):
         raise ValueError(f"rotary: q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} do not fit")
+    if out_dtype is not None:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            raise ValueError("rotary: out_dtype is for generation (no autograd)")
+        return _rotate(q, k, cos, sin, (out_dtype, out_dtype), backward=False)
     return _Rotary.apply(q, k, cos, sin)
 
 
@@ -163,8 +170,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_reference(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' `apply_rotary_pos_emb(q, k, cos, sin)` (unsqueeze_dim 1) in PyTorch, op by op."""
+    """transformers' `apply_rotary_pos_emb(q, k, cos, sin)` (unsqueeze_dim 1) in PyTorch, op by op (cast to
+    `out_dtype` if given, as `rotary`'s)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    out = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return out if out_dtype is None else tuple(t.to(out_dtype) for t in out)

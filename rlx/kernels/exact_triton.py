@@ -179,16 +179,19 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def exact_attention(
     q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, lengths: torch.Tensor, scale: float, *,
     starts: torch.Tensor | None = None, rows: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int] | None = None, new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of each query token over its own keys, batch-invariantly (no autograd).
 
     q [N, H, D]; lengths [N]: keys each query sees (its position + 1). Keys and values either contiguous, k_store
     [S, Hkv, D] / v_store [S, Hkv, D] with `starts` [N] (the store row of each query's position 0), or a paged
     cache, k_store [num_blocks, block_size, Hkv, D] with `block_tables` [B, max_blocks] and `rows` [N] (each query's
-    row of the tables). q and the stores share a dtype. -> [N, H, D] in q's dtype. `config`: other (key block, warps,
-    stages) than exact mode's (bench/exact_attention.py; another key block sums in another order: other bits than
-    the trainer's)."""
+    row of the tables). q and the stores share a dtype. -> [N, H, D] in q's dtype. `lengths` in int32 are taken as
+    they are (each at least 1: a decode step's, prepared once for all its layers); others are converted and clamped
+    to 1. `config`: other (key block, warps, stages) than exact mode's (bench/exact_attention.py; another key block
+    sums in another order: other bits than the trainer's). `new_kv` (paged decode only: each query its sequence's
+    last token): (k [N, Hkv, D], v, slots [N]) written into the cache by the kernel itself before it reads (what
+    `write_kv` does in two launches)."""
     key_block, warps, stages = config or (KEY_BLOCK, _ATTENTION_WARPS, _ATTENTION_STAGES)
     paged = block_tables is not None
     if paged == (starts is not None):
@@ -199,7 +202,14 @@ def exact_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if n == 0:
         return out
-    lengths = lengths.to(torch.int32).clamp(min=1).contiguous()
+    if lengths.dtype != torch.int32:
+        lengths = lengths.to(torch.int32).clamp(min=1)
+    lengths = lengths.contiguous()
+    if new_kv is not None and not paged:
+        raise ValueError("exact_attention: new_kv writes into a paged cache (give block_tables and rows)")
+    new_k, new_v, slots = new_kv if new_kv is not None else (q, q, lengths)
+    new_k, new_v = (t.to(k_store.dtype) for t in (new_k, new_v))
+    new_k, new_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (new_k, new_v))
     if paged:
         tables, token_rows, token_starts = block_tables.to(torch.int32).contiguous(), rows.long().contiguous(), out
         block_size, strides = k_store.shape[1], (*k_store.stride()[:3], *v_store.stride()[:3])
@@ -209,12 +219,13 @@ def exact_attention(
         block_size, strides = 1, (0, *k_store.stride()[:2], 0, *v_store.stride()[:2])
         bound = int(lengths.max()) if _interpreting() else 0  # a host sync only under the interpreter
     _kernels()[1][(n, kv_heads)](
-        q, k_store, v_store, out, lengths, token_rows, token_starts, tables, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1), tables.stride(0),
+        q, k_store, v_store, out, lengths, token_rows, token_starts, tables, new_k, new_v, slots,
+        scale * math.log2(math.e), q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1), tables.stride(0),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         PAGED=paged, BLOCK_SIZE=block_size, GROUP=heads // kv_heads, HEAD_DIM=dim,
         GROUP_PAD=max(16, _next_pow2(heads // kv_heads)), DIM_PAD=max(16, _next_pow2(dim)), KEY_BLOCK=key_block,
         IEEE=q.dtype == torch.float32, INTERPRET_KEYS=-(-bound // key_block) * key_block if _interpreting() else 0,
-        num_warps=warps, num_stages=stages,
+        WRITE_KV=new_kv is not None, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

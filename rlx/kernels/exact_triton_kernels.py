@@ -58,12 +58,12 @@ def exact_matmul_kernel(
 
 @triton.jit
 def exact_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, len_ptr, row_ptr, start_ptr, bt_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, out_ptr, len_ptr, row_ptr, start_ptr, bt_ptr, kn_ptr, vn_ptr, slot_ptr, scale_log2,
     stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_on, stride_oh,
-    stride_btb,
+    stride_btb, stride_knn, stride_knh, stride_vnn, stride_vnh,
     PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr, KEY_BLOCK: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET_KEYS: tl.constexpr,
+    INTERPRET_KEYS: tl.constexpr, WRITE_KV: tl.constexpr,
 ):  # fmt: skip
     """One program per (query token, kv head): the token's GROUP query heads against its keys 0..length-1, taken in
     blocks of KEY_BLOCK from position 0 in order, merged with an online softmax (base 2, float32 statistics).
@@ -74,7 +74,11 @@ def exact_attention_kernel(
     dtype, float32 accumulation; IEEE float32 dots for float32 inputs); P @ V: float32 IEEE dots, or (16-bit
     values) the probabilities split into a 16-bit head and tail, two dots summed (about 16 bits of the
     probabilities kept). Under the interpreter the constexpr INTERPRET_KEYS bounds the loop instead of the loaded
-    length (NumPy refuses a 1-element array as a bound); the extra blocks are fully masked and change no bit."""
+    length (NumPy refuses a 1-element array as a bound); the extra blocks are fully masked and change no bit.
+
+    WRITE_KV (paged decode: one query a sequence, its last position): the program first stores its token's new key
+    and value for its kv head (kn, vn [N, Hkv, D], already in the cache's dtype) at the token's cache slot, then
+    reads them back with the others: the separate write's two launches a layer folded in, the same bits."""
     token = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     length = tl.load(len_ptr + token)
@@ -89,6 +93,15 @@ def exact_attention_kernel(
         q = q.to(tl.float32)
     if PAGED:
         table = bt_ptr + tl.load(row_ptr + token).to(tl.int64) * stride_btb
+        if WRITE_KV:
+            slot = tl.load(slot_ptr + token).to(tl.int64)
+            k_at = k_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kvh * stride_kh
+            v_at = v_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt + kvh * stride_vh
+            new_k = tl.load(kn_ptr + token * stride_knn + kvh * stride_knh + offs_d, mask=d_mask)
+            new_v = tl.load(vn_ptr + token * stride_vnn + kvh * stride_vnh + offs_d, mask=d_mask)
+            tl.store(k_at + offs_d, new_k, mask=d_mask)
+            tl.store(v_at + offs_d, new_v, mask=d_mask)
+            tl.debug_barrier()  # the program's own writes are visible to its loads below
     else:
         start = tl.load(start_ptr + token).to(tl.int64)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)

@@ -268,7 +268,9 @@ class _ExactRotary:
     """A transformers modeling module's `apply_rotary_pos_emb` while exact blocks are open: `rotary` (one Triton
     kernel each way) inside an exact block where the Triton kernels run and the shapes fit; else the upstream
     function. `users`: the exact blocks open on the module (the upstream function comes back when the last closes,
-    whatever the order in which nested or concurrent blocks close)."""
+    whatever the order in which nested or concurrent blocks close). Without gradients under a 16-bit autocast
+    (generation, scoring), the kernel writes q and k in autocast's dtype: the attention after it (the engine's paged
+    one, "rlx_exact") casts them to that dtype first, so the bits are the same and the copy is saved."""
 
     def __init__(self, upstream: Callable):
         self.upstream, self.users = upstream, 0
@@ -276,6 +278,9 @@ class _ExactRotary:
     def __call__(self, q, k, cos, sin, *args, **kwargs):
         plain = not args and set(kwargs) <= {"unsqueeze_dim"} and kwargs.get("unsqueeze_dim", 1) == 1
         if plain and is_exact() and use_triton(q) and fits_rotary(q, k, cos, sin):
+            device = q.device.type
+            if not torch.is_grad_enabled() and torch.is_autocast_enabled(device):
+                return rotary(q, k, cos, sin, out_dtype=torch.get_autocast_dtype(device))
             return rotary(q, k, cos, sin)
         return self.upstream(q, k, cos, sin, *args, **kwargs)
 

@@ -83,6 +83,15 @@ def test_triton_kernels_are_batch_invariant_in_bfloat16():
     decode = exact_attention(q[last], k_cache, v_cache, lengths[14:].cuda(), 0.125, rows=torch.arange(3, device="cuda"),
                              block_tables=tables)  # fmt: skip
     assert torch.equal(decode, out[last])
+    # the decode kernel writing the step's keys itself (their slots emptied first), int32 lengths as prepared
+    slots = torch.stack([tables[row].long()[(int(lengths[seq]) - 1) // block_size] * block_size
+                         + (int(lengths[seq]) - 1) % block_size for row, seq in enumerate(range(14, 17))])  # fmt: skip
+    k_gap, v_gap = k_cache.clone(), v_cache.clone()
+    k_gap.view(-1, 2, 64)[slots] = v_gap.view(-1, 2, 64)[slots] = 0
+    written = exact_attention(q[last], k_gap, v_gap, lengths[14:].cuda().int(), 0.125,
+                              rows=torch.arange(3, device="cuda"), block_tables=tables,
+                              new_kv=(k[last], v[last], slots))  # fmt: skip
+    assert torch.equal(written, decode) and torch.equal(k_gap, k_cache) and torch.equal(v_gap, v_cache)
     assert KEY_BLOCK == 64  # the lengths above straddle its blocks (63/64/65, 128/129)
 
 

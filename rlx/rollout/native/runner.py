@@ -72,6 +72,17 @@ class PagedContext:
     """Exact mode: decode and prefill both attend through `blocked_attention` (rlx/kernels/exact.py)."""
     positions: torch.Tensor | None = None
     """Exact prefill: [T] each token's position in its sequence."""
+    exact_keys: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Exact mode: (rows [T], lengths [T] int32) of `exact_attention`, made once a forward (`with_exact_keys`)."""
+
+    def with_exact_keys(self) -> PagedContext:
+        """This context with `exact_keys` set: each token's row of the block tables and the keys it sees (a decode
+        step's context lengths, at least 1 for a graph's padded rows; a prefill token's position + 1), computed
+        once for all the layers instead of in each one."""
+        if self.decode:
+            rows = torch.arange(self.context_lens.shape[0], device=self.context_lens.device)
+            return dataclasses.replace(self, exact_keys=(rows, self.context_lens.to(torch.int32).clamp(min=1)))
+        return dataclasses.replace(self, exact_keys=(self.q_rows, (self.positions + 1).to(torch.int32)))
 
     def for_layer(self, index: int) -> PagedContext:
         return dataclasses.replace(self, k_cache=self.kv[index][0], v_cache=self.kv[index][1])
@@ -114,8 +125,7 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1).to(k_cache.dtype)
     k, v = (t[0].transpose(0, 1).to(k_cache.dtype) for t in (key, value))
     if paged.exact:
-        write_kv(k_cache, v_cache, paged.slot_mapping, k, v)
-        return _exact_attention(q, k_cache, v_cache, paged, scaling).unsqueeze(0), None
+        return _exact_attention(q, k, v, k_cache, v_cache, paged, scaling).unsqueeze(0), None
     if paged.decode:
         out = paged_decode(
             q,
@@ -150,17 +160,20 @@ def _prefill_attention(q, k_cache, v_cache, ctx: PagedContext, scale: float | No
     return out.transpose(1, 2)[ctx.q_rows, ctx.q_cols]
 
 
-def _exact_attention(q, k_cache, v_cache, ctx: PagedContext, scale: float | None) -> torch.Tensor:
-    """q [T, H, D] -> [T, H, D]: exact mode's attention over the cache (the step's keys written first), the same
-    arithmetic as the trainer's "rlx_exact" forward (rlx/models/exact.py) for a token at the same position (on CUDA
-    the Triton kernel both use, reading the cache through the block tables)."""
-    if ctx.decode:  # one token per sequence, its last
-        rows, lengths = torch.arange(q.shape[0], device=q.device), ctx.context_lens.long()
-    else:
-        rows, lengths = ctx.q_rows, ctx.positions + 1
+def _exact_attention(q, k, v, k_cache, v_cache, ctx: PagedContext, scale: float | None) -> torch.Tensor:
+    """q [T, H, D], the step's k and v [T, Hkv, D] -> [T, H, D]: exact mode's attention over the cache (the step's
+    keys written first), the same arithmetic as the trainer's "rlx_exact" forward (rlx/models/exact.py) for a token
+    at the same position (on CUDA the Triton kernel both use, reading the cache through the block tables; a decode
+    step's kernel writes its keys itself)."""
+    rows, lengths = (ctx if ctx.exact_keys is not None else ctx.with_exact_keys()).exact_keys
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     if use_triton(q):
-        return exact_attention(q, k_cache, v_cache, lengths, scale, rows=rows, block_tables=ctx.block_tables)
+        if not ctx.decode:
+            write_kv(k_cache, v_cache, ctx.slot_mapping, k, v)
+        new_kv = (k, v, ctx.slot_mapping) if ctx.decode else None
+        return exact_attention(q, k_cache, v_cache, lengths, scale, rows=rows, block_tables=ctx.block_tables,
+                               new_kv=new_kv)  # fmt: skip
+    write_kv(k_cache, v_cache, ctx.slot_mapping, k, v)
     block_size = k_cache.shape[1]
     width = ctx.block_tables.shape[1] * block_size
     slots = key_slots(rows, ctx.block_tables, block_size, -(-width // KEY_BLOCK) * KEY_BLOCK)
@@ -328,6 +341,7 @@ class ModelRunner:
         exact = contextlib.nullcontext()
         if self.exact:
             exact = exact_forward(self.model, attention=False, casts=casts, stacks=stacks)
+            ctx = ctx.with_exact_keys()
         with attention_implementation(self.model, PAGED_ATTENTION), autocast(self.device, self.dtype), exact:
             if self.parts is None:
                 out = self.model(

@@ -85,6 +85,23 @@ def check_rotary(dtype: torch.dtype, angle_dtype: torch.dtype) -> None:
     check_rotary_gradients(q[:4], k[:4], cos[:4], sin[:4], dtype)
 
 
+def check_rotary_written_low() -> None:
+    """Generation's rotary (no autograd, float32 angles under a 16-bit autocast): written in the 16-bit dtype by the
+    kernel, the bits of the float32 result cast (float16 here: the interpreter rounds it as torch does)."""
+    q, k, cos, sin = padded_tokens(torch.float16, torch.float32, 5, 7)
+    full_q, full_k = rotary(q, k, cos, sin)
+    with torch.no_grad():
+        low_q, low_k = rotary(q, k, cos, sin, out_dtype=torch.float16)
+    assert low_q.dtype == low_k.dtype == torch.float16 and low_q.stride() == full_q.stride()
+    assert torch.equal(low_q, full_q.to(torch.float16)) and torch.equal(low_k, full_k.to(torch.float16))
+    try:
+        rotary(q.clone().requires_grad_(), k, cos, sin, out_dtype=torch.float16)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("rotary: out_dtype under autograd was accepted")
+
+
 def check_rotary_gradients(q, k, cos, sin, dtype: torch.dtype) -> None:
     leaves = [t.clone().requires_grad_() for t in (q, k)]
     out_q, out_k = rotary(*leaves, cos, sin)
@@ -103,4 +120,5 @@ for dtype in (torch.float32, torch.bfloat16):
 check_rotary(torch.float32, torch.float32)
 check_rotary(torch.bfloat16, torch.float32)  # autocast: bfloat16 projections, float32 angles -> float32 (as eager)
 check_rotary(torch.bfloat16, torch.bfloat16)
+check_rotary_written_low()
 print("ok")

@@ -106,6 +106,21 @@ def paged(order: list[int], prefill: bool, block_size: int = 4) -> dict[tuple[in
     for b, i in enumerate(order):
         found[(i, LENGTHS[i] - 1)] = found.get((i, LENGTHS[i] - 1), decode[b])
         assert torch.equal(decode[b], found[(i, LENGTHS[i] - 1)]), ("decode", i)
+    # a decode step whose kernel writes each sequence's new key and value itself (the slots emptied first), its
+    # lengths prepared in int32 once for all layers: the same outputs, the same cache
+    slots = torch.stack(
+        [key_slots(torch.tensor([b]), tables, block_size, LENGTHS[i])[0][-1] for b, i in enumerate(order)]
+    )
+    k_gap, v_gap = k_cache.clone(), v_cache.clone()
+    k_gap.view(-1, KV_HEADS, DIM)[slots] = v_gap.view(-1, KV_HEADS, DIM)[slots] = float("nan")
+    new_k, new_v = (torch.stack([SEQS[i][j][-1] for i in order]) for j in (1, 2))
+    written = exact_attention(
+        last, k_gap, v_gap, torch.tensor([LENGTHS[i] for i in order], dtype=torch.int32), SCALE,
+        rows=torch.arange(len(order)), block_tables=tables, new_kv=(new_k, new_v, slots),
+    )  # fmt: skip
+    assert torch.equal(written, decode), "decode writing its keys"
+    for gap, cache in ((k_gap, k_cache), (v_gap, v_cache)):
+        assert torch.equal(gap.nan_to_num(7.0), cache.nan_to_num(7.0)), "the keys written"
     return found
 
 

@@ -2,7 +2,8 @@
 (sm_90, no GPU needed) with paged and with contiguous keys, bfloat16 and float32. The two variants differ only in
 how they address the keys; their floating-point instructions (dots, exp2, max, adds, fused multiply-adds, warp
 shuffles of the reductions) must be the same sequence, else a token's output could differ between the engine's
-paged cache and the trainer's forward. Prints one line per dtype: dtype, instruction count, 'same' or 'differ'."""
+paged cache and the trainer's forward; the paged variant that writes a decode step's keys first (WRITE_KV) too.
+Prints one line per dtype: dtype, instruction count, 'same' or 'differ'."""
 
 import re
 
@@ -22,12 +23,13 @@ def float_ops(ptx: str) -> list[str]:
     return [op for op in ops if "mma" in op or "shfl" in op or ".f" in op or ".bf16" in op]
 
 
-def compile_attention(dtype: str, paged: bool) -> str:
+def compile_attention(dtype: str, paged: bool, write_kv: bool = False) -> str:
     names = exact_attention_kernel.arg_names
-    pointers = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
-    pointers.update(len_ptr="*i32", row_ptr="*i64", start_ptr="*i64", bt_ptr="*i32", scale_log2="fp32")
+    pointers = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
+    pointers.update(len_ptr="*i32", row_ptr="*i64", start_ptr="*i64", bt_ptr="*i32", slot_ptr="*i64")
+    pointers.update(scale_log2="fp32")
     constexprs = dict(PAGED=paged, BLOCK_SIZE=16, GROUP=7, HEAD_DIM=64, GROUP_PAD=16, DIM_PAD=64, KEY_BLOCK=KEY_BLOCK,
-                      IEEE=dtype == "fp32", INTERPRET_KEYS=0)  # fmt: skip
+                      IEEE=dtype == "fp32", INTERPRET_KEYS=0, WRITE_KV=write_kv)  # fmt: skip
     signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
     source = ASTSource(exact_attention_kernel, signature, {(names.index(k),): v for k, v in constexprs.items()})
     options = {"num_warps": _ATTENTION_WARPS, "num_stages": _ATTENTION_STAGES}
@@ -37,4 +39,5 @@ def compile_attention(dtype: str, paged: bool) -> str:
 
 for dtype in ("bf16", "fp32"):
     paged, contiguous = (float_ops(compile_attention(dtype, p)) for p in (True, False))
-    print(dtype, len(paged), "same" if paged == contiguous else "differ")
+    writing = float_ops(compile_attention(dtype, True, write_kv=True))  # a decode step's: its new keys written first
+    print(dtype, len(paged), "same" if paged == contiguous == writing else "differ")
