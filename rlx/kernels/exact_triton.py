@@ -121,17 +121,25 @@ def matmul_tiles(
 
 
 def exact_matmul(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: tuple | None = None
-) -> torch.Tensor:
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: tuple | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in weight's dtype, batch-invariantly (no autograd). x in
     weight's dtype (bfloat16, float16 or float32: IEEE float32 dots, no TF32), or float32 for a bfloat16 / float16
     weight: the kernel rounds x as it loads it, the bits of `x.to(weight.dtype)` without that copy. `tiles`: other
-    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) than `matmul_tiles`' on CUDA (bench/exact_matmul.py)."""
+    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) than `matmul_tiles`' on CUDA (bench/exact_matmul.py). `residual` [M,
+    N]: returns `residual + product` in their promoted dtype, the bits of that eager add (one kernel, no product
+    written)."""
     if x.dtype != weight.dtype and x.dtype != torch.float32:
         raise ValueError(f"exact_matmul: x is {x.dtype}, weight {weight.dtype}")
     x, weight = x.contiguous(), weight.contiguous()
     rows, depth = x.shape
-    out = x.new_empty(rows, weight.shape[0], dtype=weight.dtype)
+    if residual is not None:
+        if residual.shape != (rows, weight.shape[0]):
+            raise ValueError(f"exact_matmul: residual {tuple(residual.shape)}, product {(rows, weight.shape[0])}")
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    dtype = weight.dtype if residual is None else torch.promote_types(residual.dtype, weight.dtype)
+    out = x.new_empty(rows, weight.shape[0], dtype=dtype)
     if rows == 0:
         return out
     if tiles is None and x.device.type == "cuda":
@@ -139,40 +147,49 @@ def exact_matmul(
     tiles = tiles or _INTERPRETER_TILES
     tile_m, tile_n, tile_k, warps, stages = tiles
     grid = (_cdiv(rows, tile_m) * _cdiv(weight.shape[0], tile_n),)
+    residual_rows = out if residual is None else residual
     _kernels()[0][grid](
-        x, weight, out if bias is None else bias.contiguous(), out, rows, weight.shape[0], depth, x.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=tile_m, BLOCK_N=tile_n, BLOCK_K=tile_k,
-        GROUP_M=_GROUP_M, IEEE=x.dtype == torch.float32, EVEN_K=depth % tile_k == 0, num_warps=warps,
-        num_stages=stages,
+        x, weight, out if bias is None else bias.contiguous(), residual_rows, out, rows, weight.shape[0], depth,
+        x.stride(0), weight.stride(0), residual_rows.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_M=tile_m, BLOCK_N=tile_n, BLOCK_K=tile_k, GROUP_M=_GROUP_M, IEEE=x.dtype == torch.float32,
+        EVEN_K=depth % tile_k == 0, HAS_RESIDUAL=residual is not None, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
 
 class _ExactLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, residual):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return exact_matmul(x, weight, bias)
+        ctx.has_bias, ctx.residual_dtype = bias is not None, None if residual is None else residual.dtype
+        return exact_matmul(x, weight, bias, residual=residual)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        grad_r = None if ctx.residual_dtype is None else grad.to(ctx.residual_dtype)
+        grad = grad.to(weight.dtype)  # with a residual: the product's cast to the sum's dtype, transposed
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
         grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None
         grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, grad_r
 
 
-def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def exact_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """`F.linear(x, weight, bias)` over the flattened rows of x [..., K] with `exact_matmul` -> [..., N]; under
-    autocast the inputs are cast to autocast's dtype first (the dtype `F.linear` would compute in)."""
+    autocast the inputs are cast to autocast's dtype first (the dtype `F.linear` would compute in). `residual`
+    [..., N]: `residual + F.linear(...)` instead, in one kernel with the same bits."""
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     rows, weight, bias = x.reshape(-1, x.shape[-1]), weight.to(dtype), None if bias is None else bias.to(dtype)
-    if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
-        out = _ExactLinear.apply(rows.to(dtype), weight, bias)  # the backward's matmuls take x in the dtype
+    residual_rows = None if residual is None else residual.reshape(-1, weight.shape[0])
+    if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad or residual is not None
+                                    and residual.requires_grad):  # fmt: skip
+        out = _ExactLinear.apply(rows.to(dtype), weight, bias, residual_rows)  # the backward's matmuls take x in dtype
     else:  # generation: a float32 input is rounded inside the kernel (no copy)
-        out = exact_matmul(rows if rows.dtype == torch.float32 else rows.to(dtype), weight, bias)
+        rows = rows if rows.dtype == torch.float32 else rows.to(dtype)
+        out = exact_matmul(rows, weight, bias, residual=residual_rows)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

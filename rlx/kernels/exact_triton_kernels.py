@@ -12,16 +12,19 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["M"])
 def exact_matmul_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     """out [M, N] = x [M, K] @ w[N, K].T (+ b [N]): one BLOCK_M x BLOCK_N tile per program, the K slices taken in
     order into a float32 accumulator (no split-K), the bias added in float32, one rounding to out's dtype. x in w's
     dtype, or float32 for a lower-precision w (each element rounded to w's dtype as it is loaded). M is not
     specialised on (a call of 1 row and one of 4,096 compile the same code); tiles grouped GROUP_M along M so the
     programs sharing a weight tile run together (the order of programs changes no value). EVEN_K: K is a multiple of
-    BLOCK_K, so the loads need no mask along K (the values are the same either way)."""
+    BLOCK_K, so the loads need no mask along K (the values are the same either way). HAS_RESIDUAL: out = r [M, N] +
+    the product rounded to w's dtype, added in float32 and rounded once to out's dtype (the bits of eager
+    `residual + F.linear(...)` under autocast: a decoder layer's residual add folded into its o / down projection;
+    the K loop is the same instructions either way)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -49,11 +52,11 @@ def exact_matmul_kernel(
         acc = tl.dot(a, b, acc, input_precision="ieee") if IEEE else tl.dot(a, b, acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_RESIDUAL:
+        residual = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_mask, other=0.0)
+        acc = residual.to(tl.float32) + acc.to(w_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mn_mask)
 
 
 @triton.jit

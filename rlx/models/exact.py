@@ -106,16 +106,19 @@ class _BlockedLinear(TorchFunctionMode):
     `stacks`: on CUDA, the first member of a `StackedLinear` called computes the whole stack once for that input;
     the other members called with the same input tensor take their columns of it. `sets`: the same for projections
     stacked at call time (the trainer's `projection_sets`, found by `_stacked_projections`' hooks), their
-    weights concatenated (differentiably) in every call."""
+    weights concatenated (differentiably) in every call. `residuals`: tensors to add to a linear layer's output, by
+    the id of its weight (`_exact_layer`'s: a decoder layer's residual stream), taken by the first call of that
+    weight: `exact_linear` adds them in its kernel."""
 
     def __init__(
         self, casts: dict[int, torch.Tensor] | None = None, stacks: dict[int, StackedLinear] | None = None,
-        sets: dict[int, tuple[torch.nn.Linear, ...]] | None = None,
+        sets: dict[int, tuple[torch.nn.Linear, ...]] | None = None, residuals: dict[int, torch.Tensor] | None = None,
     ):  # fmt: skip
         super().__init__()
         self.casts = casts or {}
         self.stacks = stacks or {}
         self.sets = sets if sets is not None else {}
+        self.residuals = residuals if residuals is not None else {}
         self.pending_input: torch.Tensor | None = None
         self.pending: dict[int, torch.Tensor] = {}
 
@@ -129,7 +132,10 @@ class _BlockedLinear(TorchFunctionMode):
                 members = self.sets.get(id(weight))
                 if members is not None and any(m.weight is weight for m in members):
                     return self._stacked(x, self._stack_now(members), id(weight))
+                residual = self.residuals.pop(id(weight), None)
                 weight, bias = self.casts.get(id(weight), weight), self.casts.get(id(bias), bias)
+                if residual is not None:
+                    return exact_linear(x, weight, bias, residual=residual)
                 return exact_linear(x, weight, bias)
             return blocked_linear(*args, **kwargs)
         return func(*args, **kwargs)
@@ -210,6 +216,49 @@ def _exact_norm(module: torch.nn.Module, feeds_linears: bool, hidden_states: tor
             out, low_out = exact_rms_norm_pair(hidden_states, weight, eps, low)
             return out if torch.is_grad_enabled() else low_out
     return exact_rms_norm(hidden_states, weight, eps)
+
+
+def _exact_layer(
+    layer: torch.nn.Module, residuals: dict[int, torch.Tensor], hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, past_key_values=None,
+    use_cache: bool | None = False, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs,
+) -> torch.Tensor:  # fmt: skip
+    """A Llama-family decoder layer's forward (transformers 5.17's, the same in every `EXACT_FAMILIES` model) with its
+    two residual adds folded into the o and down projections' matmuls (`residuals`, taken by `_BlockedLinear`): the
+    same arithmetic, two elementwise kernels a layer fewer on the engine's and the trainer's side alike."""
+    o_proj, down_proj = layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight
+    residual = hidden_states
+    hidden_states = layer.input_layernorm(hidden_states)
+    residuals[id(o_proj)] = residual
+    hidden_states, _ = layer.self_attn(
+        hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+    )  # fmt: skip
+    hidden_states = _summed(residuals, o_proj, residual, hidden_states)
+    residual = hidden_states
+    hidden_states = layer.post_attention_layernorm(hidden_states)
+    residuals[id(down_proj)] = residual
+    return _summed(residuals, down_proj, residual, layer.mlp(hidden_states))
+
+
+def _summed(residuals: dict[int, torch.Tensor], weight: torch.Tensor, residual: torch.Tensor, out: torch.Tensor):
+    """`residual + out`, unless the projection of `weight` has added it already (its matmul took it from
+    `residuals`); else the eager add (the projection ran some other way, e.g. behind an adapter)."""
+    if residuals.pop(id(weight), None) is None:
+        return out
+    return residual + out
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The decoder layers of `model` whose forward `exact_forward` replaces with `_exact_layer` on CUDA: those with a
+    plain Linear o projection and MLP down projection."""
+    parts = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+    return [
+        m for m in model.modules()
+        if type(m).__name__.endswith("DecoderLayer") and all(hasattr(m, n) for n in parts)
+        and type(getattr(m.self_attn, "o_proj", None)) is torch.nn.Linear
+        and type(getattr(m.mlp, "down_proj", None)) is torch.nn.Linear
+    ]  # fmt: skip
 
 
 def _exact_mlp(module: torch.nn.Module, fallback: Callable, x: torch.Tensor) -> torch.Tensor:
@@ -335,9 +384,12 @@ def exact_forward(
         with contextlib.ExitStack() as stack:
             stack.enter_context(_exact_norms(model))
             sets: dict[int, tuple[torch.nn.Linear, ...]] = {}
+            residuals: dict[int, torch.Tensor] = {}
             if use_triton(next(model.parameters())):  # the fused elementwise kernels (rlx/kernels/exact_fused.py)
                 stack.enter_context(_exact_mlps(model))
                 stack.enter_context(_exact_rotary(model))
+                layers = [(m, functools.partial(_exact_layer, m, residuals)) for m in decoder_layers(model)]
+                stack.enter_context(_replaced_forwards(layers))  # the residual adds in the o / down matmuls
                 if casts is None and stacks is None:  # the trainer's: stacked at call time (the engine's come cast)
                     stack.enter_context(_stacked_projections(model, sets))
             if attention:
@@ -345,7 +397,7 @@ def exact_forward(
                 stack.enter_context(attention_implementation(model, EXACT_ATTENTION))
             if next(model.parameters()).device.type == "cpu":
                 torch.set_num_threads(1)
-            stack.enter_context(_BlockedLinear(casts, stacks, sets))
+            stack.enter_context(_BlockedLinear(casts, stacks, sets, residuals))
             yield
     finally:
         torch.set_num_threads(threads)

@@ -57,6 +57,14 @@ def test_triton_kernels_are_batch_invariant_in_bfloat16():
         # a float32 input rounded inside the kernel (the engine's generation) is the trainer's cast, bit for bit
         wide = torch.randn(300, 896, device="cuda")
         assert torch.equal(exact_matmul(wide, w, bias), exact_matmul(wide.bfloat16(), w, bias))
+        # a float32 residual added in the kernel (a decoder layer's o / down projection) is the eager add, bit for
+        # bit, whatever the rows (and so the tiles)
+        residual = torch.randn(300, outputs, device="cuda")
+        summed = exact_matmul(x, w, bias, residual=residual)
+        assert summed.dtype == torch.float32 and torch.equal(summed, residual + full)
+        for count, first in ((1, 0), (17, 130), (129, 171)):
+            rows = slice(first, first + count)
+            assert torch.equal(exact_matmul(x[rows], w, bias, residual=residual[rows]), summed[rows]), count
     # RMSNorm also written in bfloat16 (a decoder layer's norms feeding linears) is its float32 result's cast
     norm, low = exact_rms_norm_pair(wide, torch.randn(896, device="cuda"), 1e-6, torch.bfloat16)
     assert low.dtype == torch.bfloat16 and torch.equal(low, norm.bfloat16())

@@ -73,7 +73,7 @@ def _cuda_dispatch(monkeypatch) -> list[str]:
 
     calls = []
     monkeypatch.setattr(exact_module, "use_triton", lambda tensor: True)
-    monkeypatch.setattr(exact_module, "exact_linear", torch.nn.functional.linear)
+    monkeypatch.setattr(exact_module, "exact_linear", _linear)
     monkeypatch.setattr(exact_module, "exact_rms_norm", exact_module.rms_norm)
     monkeypatch.setattr(
         exact_module, "silu_mul", lambda *a: calls.append("silu_mul") or exact_fused.silu_mul_reference(*a)
@@ -120,6 +120,55 @@ def test_exact_forward_plugs_the_fused_ops_in_and_restores_them(family, monkeypa
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_exact_layers_fold_their_residual_adds_into_the_o_and_down_projections(family, monkeypatch):
+    """On CUDA's dispatch each decoder layer runs `_exact_layer`: its o and down projections are handed the residual
+    stream (one linear call each takes it) and the logits and gradients are those of the model's own layer forward
+    in the same exact block, bit for bit (fails when transformers changes the layer's forward). A layer whose o
+    projection is not a plain Linear (an adapter's) keeps its own forward."""
+    from rlx.models import exact as exact_module
+
+    model = _family_model(family)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    _cuda_dispatch(monkeypatch)
+    folded = []
+
+    def linear(x, weight, bias=None, residual=None):
+        folded.append(residual is not None)
+        return _linear(x, weight, bias, residual)
+
+    monkeypatch.setattr(exact_module, "exact_linear", linear)
+
+    def run(layers_replaced: bool):
+        model.zero_grad()
+        if not layers_replaced:
+            monkeypatch.setattr(exact_module, "decoder_layers", lambda m: [])
+        with exact_module.exact_forward(model, attention=False):
+            logits = model(input_ids=ids).logits
+        logits.pow(2).mean().backward()
+        monkeypatch.setattr(exact_module, "decoder_layers", decoder_layers)
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    decoder_layers = exact_module.decoder_layers
+    assert decoder_layers(model) == list(model.model.layers)
+    want, want_grads = run(layers_replaced=False)
+    assert not any(folded)
+    got, got_grads = run(layers_replaced=True)
+    assert folded.count(True) == 2 * model.config.num_hidden_layers
+    assert torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert not any("forward" in layer.__dict__ for layer in model.model.layers)  # restored on exit
+
+    class Adapted(torch.nn.Linear):  # e.g. a LoRA-wrapped projection: the layer keeps its own forward
+        pass
+
+    first = model.model.layers[0]
+    adapted = Adapted(first.self_attn.o_proj.in_features, first.self_attn.o_proj.out_features, bias=False)
+    first.self_attn.o_proj = adapted
+    assert decoder_layers(model) == list(model.model.layers)[1:]
+
+
 def test_exact_forward_leaves_other_activations_alone(monkeypatch):
     """An MLP whose activation is not SiLU keeps its own forward on CUDA's dispatch (rotary is still replaced)."""
     from rlx.models import exact as exact_module
@@ -130,3 +179,11 @@ def test_exact_forward_leaves_other_activations_alone(monkeypatch):
     with torch.no_grad(), exact_module.exact_forward(model, attention=False):
         model(input_ids=torch.tensor([[3, 4, 5]]))
     assert calls == ["rotary"] * model.config.num_hidden_layers
+
+
+def _linear(x, weight, bias=None, residual=None):
+    """`exact_linear`'s contract in PyTorch (the residual added after the product, as eager)."""
+    import torch
+
+    out = torch.nn.functional.linear(x, weight, bias)
+    return out if residual is None else residual + out

@@ -116,7 +116,9 @@ def test_exact_casts_hold_the_linear_weights_in_the_compute_dtype_at_fixed_addre
     original = exact_module.exact_linear
     try:  # the CUDA dispatch on the CPU: record which weight each linear call gets
         exact_module.use_triton = lambda tensor: True
-        exact_module.exact_linear = lambda x, w, b=None: seen.append(w) or torch.nn.functional.linear(x, w.float(), b)
+        exact_module.exact_linear = lambda x, w, b=None, residual=None: (
+            seen.append(w) or _linear(x, w.float(), b, residual)
+        )
         exact_module.exact_rms_norm = exact_module.rms_norm
         exact_module.silu_mul, exact_module.rotary = exact_fused.silu_mul_reference, exact_fused.rotary_reference
         with torch.no_grad(), exact_module.exact_forward(model, attention=False, casts=casts.by_id):
@@ -172,7 +174,7 @@ def test_exact_casts_stack_projections_that_read_the_same_input(monkeypatch):
     monkeypatch.setattr(exact_module, "silu_mul", exact_fused.silu_mul_reference)
     monkeypatch.setattr(exact_module, "rotary", exact_fused.rotary_reference)
     monkeypatch.setattr(
-        exact_module, "exact_linear", lambda x, w, b=None: calls.append(w) or torch.nn.functional.linear(x, w, b)
+        exact_module, "exact_linear", lambda x, w, b=None, residual=None: calls.append(w) or _linear(x, w, b, residual)
     )
     ids = torch.tensor([[3, 4, 5, 6]])
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
@@ -219,7 +221,7 @@ def test_the_trainers_projections_are_stacked_at_call_time(monkeypatch):
     monkeypatch.setattr(exact_module, "silu_mul", exact_fused.silu_mul_reference)
     monkeypatch.setattr(exact_module, "rotary", exact_fused.rotary_reference)
     monkeypatch.setattr(
-        exact_module, "exact_linear", lambda x, w, b=None: calls.append(w) or torch.nn.functional.linear(x, w, b)
+        exact_module, "exact_linear", lambda x, w, b=None, residual=None: calls.append(w) or _linear(x, w, b, residual)
     )
     ids = torch.tensor([[3, 4, 5, 6, 7]])
 
@@ -263,3 +265,11 @@ def test_matmul_tiles_follow_the_rows_in_bfloat16_and_the_width_alone_otherwise(
         assert et.matmul_tiles(4864, 896, rows, torch.float32) == et.MEDIUM_TILES
         assert et.matmul_tiles(896, 896, rows, torch.float32) == et.SMALL_TILES
         assert et.matmul_tiles(4864, 896, rows, torch.float16) == et.MEDIUM_TILES
+
+
+def _linear(x, weight, bias=None, residual=None):
+    """`exact_linear`'s contract in PyTorch (the residual added after the product, as eager)."""
+    import torch
+
+    out = torch.nn.functional.linear(x, weight, bias)
+    return out if residual is None else residual + out

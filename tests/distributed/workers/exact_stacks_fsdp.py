@@ -1,7 +1,8 @@
 """torchrun worker of tests/distributed/test_distributed.py: exact mode's trainer-side q/k/v and gate/up stacks
 (rlx/models/exact.py) on an FSDP2-sharded model, the CUDA dispatch patched on over gloo (plain F.linear in place of
 the Triton matmul): each module's forward pre-hook finds the unsharded parameters FSDP put in place, so every set runs
-as one linear call, and the loss and gradients equal those of the same model unstacked. Prints 'stacks equal'."""
+as one linear call (and each layer's o and down projections find theirs to take the residual stream), and the loss
+and gradients equal those of the same model unstacked. Prints 'stacks equal'."""
 
 import torch
 
@@ -23,16 +24,28 @@ calls = []
 exact_module.use_triton = lambda tensor: True
 exact_module.exact_rms_norm = exact_module.rms_norm
 exact_module.silu_mul, exact_module.rotary = exact_fused.silu_mul_reference, exact_fused.rotary_reference
-exact_module.exact_linear = lambda x, w, b=None: calls.append(w) or torch.nn.functional.linear(x, w, b)
+folded = []
+
+
+def linear(x, w, b=None, residual=None):
+    calls.append(w)
+    folded.append(residual is not None)
+    out = torch.nn.functional.linear(x, w, b)
+    return out if residual is None else residual + out
+
+
+exact_module.exact_linear = linear
 ids = torch.tensor([[3, 4, 5, 6, 7, 8]]) + ctx.rank
 
 
 def loss_and_grads():
     model.zero_grad()
     calls.clear()
+    folded.clear()
     with exact_module.exact_forward(model, attention=False):
         loss = model(input_ids=ids).logits.square().mean()
     loss.backward()
+    assert folded.count(True) == 2 * model.config.num_hidden_layers  # each layer's o and down take the residual
     return loss.detach(), [p.grad.full_tensor().clone() for p in model.parameters()], len(calls)
 
 

@@ -2,6 +2,7 @@
 mode's Triton matmul and attention in Triton's interpreter. Each check raises on failure; prints 'ok' at the end.
 
 - matmul: each row's result the same bits at batch 1, 3 and 17 (and at any position in the batch), close to F.linear;
+  with a residual added in the kernel, the eager add's bits;
 - attention: each (sequence, position)'s output the same bits from packed rows (batches of 1, 3 and 17 samples, in
   any order), padded rows, a paged cache's prefill and its decode; close to the PyTorch reference
   (`blocked_attention`);
@@ -46,6 +47,14 @@ def check_matmul() -> None:
     assert torch.equal(exact_matmul(x[shuffled], w, b), full[shuffled])
     want = F.linear(x.float(), w.float(), b.float())
     assert (full.float() - want).abs().max() < TOL * 10, (full.float() - want).abs().max()
+    # a float32 residual added in the kernel (a decoder layer's o / down projection): the bits of the eager add of
+    # the product (float16 here: the interpreter does not round to bfloat16 to nearest even), at any batch size
+    r = torch.randn(17, 24, generator=g)
+    for dtype in (torch.float16, torch.float32):
+        xs, ws, bs = x.to(dtype), w.to(dtype), b.to(dtype)
+        summed = exact_matmul(xs, ws, bs, residual=r)
+        assert summed.dtype == torch.float32 and torch.equal(summed, r + exact_matmul(xs, ws, bs)), dtype
+        assert torch.equal(exact_matmul(xs[4:7], ws, bs, residual=r[4:7]), summed[4:7]), dtype
 
 
 LENGTHS = [5, 33, 1, 2, 7, 3, 1, 2, 9, 2, 4, 1, 6, 3, 2, 1, 8]  # 17 sequences, one of 2 key blocks
@@ -151,6 +160,10 @@ def check_gradients() -> None:
     weights = torch.randn(7, 24, generator=g)
     got = torch.autograd.grad((exact_linear(x, w, b) * weights).sum(), (x, w, b))
     want = torch.autograd.grad((F.linear(x, w, b) * weights).sum(), (x, w, b))
+    assert all((a - e).abs().max() < 1e-4 for a, e in zip(got, want))
+    r = torch.randn(7, 24, generator=g, requires_grad=True)  # with a residual: its gradient too
+    got = torch.autograd.grad((exact_linear(x, w, b, residual=r) * weights).sum(), (x, w, b, r))
+    want = torch.autograd.grad(((r + F.linear(x, w, b)) * weights).sum(), (x, w, b, r))
     assert all((a - e).abs().max() < 1e-4 for a, e in zip(got, want))
     q, k, v = (torch.cat([s[j] for s in SEQS[:4]]).float().requires_grad_() for j in range(3))
     cu = torch.tensor([0, *torch.tensor(LENGTHS[:4]).cumsum(0).tolist()])
