@@ -11,14 +11,18 @@ stack, the LM head) and every row count in
 among tiles that do (on an H100 every candidate has, BLOCK_K 32 and 128 included: the kernel's accumulator goes
 through the MMA 16 columns at a time in order, whatever the tile). Times are device times: --reps calls captured in
 one CUDA graph, the median of 5 replays divided by --reps (a decode step replays its matmuls from a graph; timing
-single calls measured the host's launch, about 30 us, not the kernel). "float32 input" times the tiles in use on
+single calls measured the host's launch, about 30 us, not the kernel). With --cold the calls cycle through enough
+copies of the weight to fill twice the L2, so each reads its weight from memory (a decode step's case: in the plain
+timing 20 calls of one weight find it in the L2). "float32 input" times the tiles in use on
 the same values held in float32, rounded inside the kernel's loads (what a linear after a float32 activation pays).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -75,22 +79,34 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def run_shape(name: str, n: int, k: int, m: int, reps: int) -> dict:
+def weight_copies(weight: torch.Tensor, cold: bool) -> int:
+    """How many copies of `weight` the timed calls cycle through: 1, or with `cold` enough to fill twice the device's
+    L2 cache, so each call reads its weight from memory as a decode step does (one layer's weights after another's;
+    20 calls of one weight otherwise find it in the L2: 50 MB on an H200, a 0.5B layer's matmuls 2-17 MB)."""
+    if not cold:
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 50 << 20)
+    return max(1, math.ceil(2 * l2 / (weight.numel() * weight.element_size())))
+
+
+def run_shape(name: str, n: int, k: int, m: int, reps: int, cold: bool = False) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     weight = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
     reference = exact_matmul(x, weight)
-    cublas_ms = timed(lambda: F.linear(x, weight), reps)
+    copies = weight_copies(weight, cold)
+    cycle = itertools.cycle([weight] + [weight.clone() for _ in range(copies - 1)])  # each call: the next copy
+    cublas_ms = timed(lambda: F.linear(x, next(cycle)), reps)
     now = matmul_tiles(n, k, m)
-    row = {"weight": name, "n": n, "k": k, "rows": m, "cublas_ms": cublas_ms, "tiles_now": list(now)}
-    row["now_ms"] = timed(lambda: exact_matmul(x, weight), reps)
+    row = {"weight": name, "n": n, "k": k, "rows": m, "cublas_ms": cublas_ms, "tiles_now": list(now), "copies": copies}
+    row["now_ms"] = timed(lambda: exact_matmul(x, next(cycle)), reps)
     wide = x.float()  # a float32 input rounded inside the kernel's loads (the bits of x: x is bfloat16 already)
-    row["now_float32_input_ms"] = timed(lambda: exact_matmul(wide, weight), reps)
+    row["now_float32_input_ms"] = timed(lambda: exact_matmul(wide, next(cycle)), reps)
     results = []
     for tiles in CANDIDATES:
         try:
             got = exact_matmul(x, weight, tiles=tiles)
-            ms = timed(lambda: exact_matmul(x, weight, tiles=tiles), reps)  # noqa: B023
+            ms = timed(lambda: exact_matmul(x, next(cycle), tiles=tiles), reps)  # noqa: B023
         except Exception as e:  # a tile set the compiler refuses (shared memory): say so, go on
             results.append({"tiles": list(tiles), "error": f"{type(e).__name__}: {str(e)[:120]}"})
             continue
@@ -100,7 +116,8 @@ def run_shape(name: str, n: int, k: int, m: int, reps: int) -> dict:
     best = min(same, key=lambda r: r["ms"]) if same else None
     row["best_same_bits"] = best
     print(
-        f"{name:8s} N={n:6d} K={k:5d} M={m:6d}: cuBLAS {cublas_ms:.4f} ms, now {row['now_ms']:.4f} ms {now} "
+        f"{name:8s} N={n:6d} K={k:5d} M={m:6d}{f' ({copies} copies)' if copies > 1 else ''}: "
+        f"cuBLAS {cublas_ms:.4f} ms, now {row['now_ms']:.4f} ms {now} "
         f"(float32 input {row['now_float32_input_ms']:.4f}), "
         f"best same-bits {best['ms']:.4f} ms {tuple(best['tiles'])}"
         if best
@@ -118,6 +135,10 @@ def main() -> None:
     parser.add_argument("--shapes", default="0.5b,7b")
     parser.add_argument("--rows", default="1,64,256,4096,16384")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument(
+        "--cold", action="store_true", help="cycle through copies of each weight filling twice the L2 (weights read "
+        "from memory, as in a decode step; without it 20 calls of one weight find it in the L2)"
+    )  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -127,7 +148,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         for name, (n, k) in SHAPES[shape].items():
             for m in rows:
-                report["results"].append(run_shape(f"{shape}:{name}", n, k, m, args.reps))
+                report["results"].append(run_shape(f"{shape}:{name}", n, k, m, args.reps, args.cold))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 
