@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from exact_matmul import timed  # noqa: E402
+from exact_matmul import l2_bytes, timed  # noqa: E402
 
 from rlx.kernels.exact import KEY_BLOCK  # noqa: E402
 from rlx.kernels.exact_triton import _ATTENTION_STAGES, _ATTENTION_WARPS, exact_attention  # noqa: E402
@@ -83,10 +83,6 @@ def packed(heads: int, kv_heads: int, dim: int, tokens: int, sample: int) -> dic
     }  # fmt: skip
 
 
-def _l2_bytes() -> int:
-    return getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
-
-
 def run_shape(name: str, args) -> list[dict]:
     heads, kv_heads, dim = SHAPES[name]
     scale = dim**-0.5
@@ -107,7 +103,8 @@ def run_shape(name: str, args) -> list[dict]:
 
     reference = decode(None)
     if args.cold:  # the timed decode calls cycle through copies of the cache (each layer's own, as in a step)
-        copies = max(1, math.ceil(2 * _l2_bytes() / (2 * w["k_cache"].numel() * w["k_cache"].element_size())))
+        cache_bytes = 2 * w["k_cache"].numel() * w["k_cache"].element_size()
+        copies = max(1, math.ceil(2 * l2_bytes(w["q"].device) / cache_bytes))
         caches = itertools.cycle([(w["k_cache"], w["v_cache"])] + [
             (w["k_cache"].clone(), w["v_cache"].clone()) for _ in range(copies - 1)
         ])  # fmt: skip

@@ -85,8 +85,12 @@ def weight_copies(weight: torch.Tensor, cold: bool) -> int:
     20 calls of one weight otherwise find it in the L2: 50 MB on an H200, a 0.5B layer's matmuls 2-17 MB)."""
     if not cold:
         return 1
-    l2 = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 50 << 20)
-    return max(1, math.ceil(2 * l2 / (weight.numel() * weight.element_size())))
+    return max(1, math.ceil(2 * l2_bytes(weight.device) / (weight.numel() * weight.element_size())))
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The device's L2 cache (50 MB on an H200)."""
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
 
 
 def run_shape(name: str, n: int, k: int, m: int, reps: int, cold: bool = False) -> dict:
