@@ -160,6 +160,26 @@ def test_exact_rollout_logprobs_equal_the_trainers_through_triton():
     assert any(not torch.equal(logp, plain["rollout/17"]) for logp in plain.values()), "the test could not fail"
 
 
+def test_exact_multi_turn_cached_turns_equal_the_trainers_through_triton():
+    """A second turn reading its first turn's blocks from the engine's cache (a multi-turn episode's stream) gets the
+    logprobs of the same context generated fresh (checked inside `cached_second_turn`) and of the trainer's packed
+    forward over it, bit for bit, in bfloat16 through the Triton kernels."""
+    from rlx.logprobs import packed_response_logprobs
+    from rlx.models.exact import exact_forward
+    from tests.stages.test_exact import NEW_TOKENS, _tensors, cached_second_turn
+
+    model = _sharp_model()
+    sampling = SamplingParams(max_new_tokens=NEW_TOKENS)
+    cfg = RolloutConfig(engine="native", exact=True, precision="bfloat16", device="cuda", kv_cache_gib=0.05,
+                        sampling=sampling, native=NativeConfig(block_size=4))  # fmt: skip
+    request, second = cached_second_turn(make_engine(model, build_char_tokenizer(), cfg, device="cuda"), cfg.sampling)
+    tensors = {k: t.cuda() for k, t in _tensors([request], [second], [0]).items()}
+    with torch.no_grad(), exact_forward(model):
+        logp, _ = packed_response_logprobs(model, **tensors, temperature=1.0, dtype=torch.bfloat16)
+    trained = logp[0, : len(second.response_ids)].float().cpu()
+    assert torch.equal(trained, torch.tensor(second.logprobs, dtype=torch.float32))
+
+
 def test_exact_training_gradients_follow_the_float32_forward():
     """A training loss through exact mode's Triton path (matmul, attention and log-probabilities, each with its own
     backward) on a left-padded batch under bfloat16 autocast: its value and gradients those of the default forward in
