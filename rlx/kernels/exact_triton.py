@@ -7,7 +7,7 @@ decode), so the rollout's and the trainer's logprobs stay equal bit for bit:
 - `exact_linear`: `F.linear` as one launch for any number of rows, tiles chosen by the shapes (`matmul_tiles`), K in
   order, float32 accumulation, in autocast's dtype where autocast is on (as `F.linear` under autocast). It replaces
   the 64-row cuBLAS calls of `blocked_linear`. Differentiable (the backward is two ordinary matmuls: gradients need no
-  batch invariance).
+  batch invariance). With a residual it returns `residual + F.linear(...)` from the same kernel (the eager add's bits).
 - `exact_logprobs` / `exact_target_logprobs`: the log-probability of each row's target (and the row's entropy)
   from float32 logits divided by the temperature, one program per row walking the vocabulary in fixed chunks: the
   sampler's and the trainer's alike (the trainer's differentiable, its backward one kernel too: three passes over
@@ -18,7 +18,8 @@ decode), so the rollout's and the trainer's logprobs stay equal bit for bit:
   about ten passes over a float32 copy).
 - `exact_attention`: per (query token, kv head), the token's keys in KEY_BLOCK blocks from position 0, from a paged
   KV cache (block tables) or from contiguous rows (a training forward's packed or padded samples); sequence
-  lengths stay on the device (no host sync: CUDA-graph capturable). `exact_packed_attention` is the trainer's,
+  lengths stay on the device (no host sync: CUDA-graph capturable); at a decode step it writes the step's keys and
+  values into the paged cache itself. `exact_packed_attention` is the trainer's,
   differentiable (the backward recomputes the attention with SDPA on a padded layout).
 
 Both also run on the CPU under TRITON_INTERPRET=1 (the tests), with small tiles.

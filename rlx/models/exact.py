@@ -8,6 +8,8 @@ native engine's paged attention in exact mode, rlx/rollout/native/runner.py) whe
   `exact_linear`, rlx/kernels/exact_triton.py), through a torch function mode (no Linear's forward is replaced); on
   CUDA a module's q/k/v and its gate/up run as one matmul a set (`projection_sets`: the engine's weights stacked
   once when cast, the trainer's concatenated as the module runs), each output column the bits of its own matmul;
+  on CUDA each decoder layer runs `_exact_layer`, whose two residual adds happen inside the o and down projections'
+  matmuls (the eager add's bits);
 - every RMSNorm runs `rms_norm` instead of its own forward (CUDA with triton: `exact_rms_norm`, one kernel);
 - CUDA with triton only (rlx/kernels/exact_fused.py; the CPU runs the model's own code): every SiLU MLP's
   `act_fn(gate_proj(x)) * up_proj(x)` runs as `silu_mul` (its forward replaced, the projections still `F.linear`
