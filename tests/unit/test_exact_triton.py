@@ -199,6 +199,52 @@ def test_exact_casts_stack_projections_that_read_the_same_input(monkeypatch):
     assert id(mlp.gate_proj.weight) in fewer.stacks
 
 
+def test_a_bfloat16_models_merged_projections_are_stacked_without_copies(monkeypatch):
+    """A model already in the compute dtype (`rlx rollout --exact` on bfloat16 weights) has nothing to cast; once the
+    engine lays its q/k/v and gate/up out as rows of merged tensors (`merge_projections`, a model nothing trains),
+    ExactCasts stacks each set as that tensor (no copy), and each set runs as one linear call with the logits of the
+    unstacked forward. Without the merged layout nothing is stacked."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlx.kernels import exact_fused
+    from rlx.models import exact as exact_module
+    from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
+    from rlx.rollout.native.fused import merge_projections
+    from rlx.rollout.native.runner import ExactCasts
+
+    torch.manual_seed(0)
+    config = tiny_llama_config(len(build_char_tokenizer()), hidden_size=32, num_heads=4, num_kv_heads=2,
+                               intermediate_size=64, num_layers=2)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).requires_grad_(False)
+    assert ExactCasts(model, torch.bfloat16, releasable=False).stacks == {}
+    calls = []
+    monkeypatch.setattr(exact_module, "use_triton", lambda tensor: True)
+    monkeypatch.setattr(exact_module, "exact_rms_norm", exact_module.rms_norm)
+    monkeypatch.setattr(exact_module, "exact_rms_norm_pair", _rms_norm_pair_reference)
+    monkeypatch.setattr(exact_module, "silu_mul", exact_fused.silu_mul_reference)
+    monkeypatch.setattr(exact_module, "rotary", exact_fused.rotary_reference)
+    monkeypatch.setattr(
+        exact_module, "exact_linear", lambda x, w, b=None, residual=None: calls.append(w) or _linear(x, w, b, residual)
+    )
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad(), exact_module.exact_forward(model, attention=False, casts={}):
+        alone = model(input_ids=ids).logits
+    assert len(calls) == 2 * 7 + 1
+    assert merge_projections(model)
+    casts = ExactCasts(model, torch.bfloat16, releasable=False)
+    attention = model.model.layers[1].self_attn
+    stack = casts.stacks[id(attention.k_proj.weight)]
+    assert casts.params == [] and len(casts.stacks) == 2 * 5 and stack.sizes == (32, 16, 16)
+    assert stack.weight.data_ptr() == attention.q_proj.weight.data_ptr()  # the merged tensor itself
+    assert torch.equal(stack.weight[32:48], attention.k_proj.weight)
+    calls.clear()
+    with torch.no_grad(), exact_module.exact_forward(model, attention=False, casts=casts.by_id, stacks=casts.stacks):
+        stacked = model(input_ids=ids).logits
+    assert len(calls) == 2 * 4 + 1
+    assert torch.equal(stacked, alone)
+
+
 def test_the_trainers_projections_are_stacked_at_call_time(monkeypatch):
     """Without the engine's cast stacks (a train step's forward), exact mode on CUDA concatenates each module's
     q/k/v and gate/up weights as the module runs and makes one linear call of them (one matmul and one cast of the

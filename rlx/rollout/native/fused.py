@@ -116,7 +116,7 @@ def merged_layers(model) -> list[FusedLayer] | None:
         for name, modules in (("qkv", [getattr(attn, n) for n in _ATTN]), ("gate_up", [getattr(mlp, n) for n in _MLP])):
             for attr in ("weight", "bias"):
                 values = [getattr(m, attr) for m in modules]
-                merged[name, attr] = None if values[0] is None else _rows_of(values)
+                merged[name, attr] = None if values[0] is None else merged_rows(values)
                 if values[0] is not None and merged[name, attr] is None:
                     return None  # not laid out by merge_projections
         out.append(
@@ -138,7 +138,7 @@ def merged_layers(model) -> list[FusedLayer] | None:
     return out
 
 
-def _rows_of(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+def merged_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The one tensor whose consecutive rows `tensors` are (contiguous views of one storage), or None."""
     first = tensors[0]
     if any(not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()

@@ -32,7 +32,7 @@ from rlx.models.attention import attention_implementation, packed_attention_mask
 from rlx.models.exact import StackedLinear, exact_forward, projection_sets
 from rlx.models.family import family_of
 from rlx.rollout.native.blocks import BlockManager, Sequence
-from rlx.rollout.native.fused import fused_head_step, fused_layer_step, merged_layers
+from rlx.rollout.native.fused import fused_head_step, fused_layer_step, merged_layers, merged_rows
 from rlx.rollout.native.inputs import DecodeStaging, last_token
 from rlx.rollout.native.moe import moe_layer_step, native_moe_layers
 from rlx.rollout.native.vision import NativeImages
@@ -548,7 +548,9 @@ class ExactCasts:
     VirtualBuffer whose memory goes with the KV cache's while the engine sleeps.
 
     The copies of a module's q/k/v (and gate/up) projections are views into one stacked weight (`stacks`: one matmul
-    a set instead of one a projection in the decode step; its columns are the bits of each member's own matmul)."""
+    a set instead of one a projection in the decode step; its columns are the bits of each member's own matmul). A
+    set already in the compute dtype (a bfloat16 model) is stacked where its parameters are rows of one tensor (as
+    `merge_projections` lays out a model nothing trains): that tensor, no copy."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, releasable: bool):
         seen: dict[int, torch.Tensor] = {}
@@ -585,6 +587,8 @@ class ExactCasts:
                 self.by_id.update({id(m.bias): view for m, view in zip(members, bias.split(sizes))})
             stack = StackedLinear(weight, bias, tuple(id(m.weight) for m in members), sizes)
             self.stacks.update(dict.fromkeys(stack.ids, stack))
+        for stack in _merged_stacks(model, dtype):
+            self.stacks.update(dict.fromkeys(stack.ids, stack))
         self.copies = [self.by_id[id(p)] for p in self.params]
         self.refresh()
 
@@ -599,6 +603,22 @@ class ExactCasts:
     def release(self) -> int:
         """Hand a releasable buffer's memory back; the bytes freed."""
         return self.memory.release() if self.memory is not None else 0
+
+
+def _merged_stacks(model: torch.nn.Module, dtype: torch.dtype) -> list[StackedLinear]:
+    """The `projection_sets` of `model` already in `dtype` whose weights (and biases) are consecutive rows of one
+    tensor each, stacked as those tensors."""
+    stacks = []
+    for _, members in projection_sets(model):
+        weights, biases = [m.weight for m in members], [m.bias for m in members]
+        if any(w.dtype != dtype for w in weights):
+            continue
+        weight, bias = merged_rows(weights), None if biases[0] is None else merged_rows(biases)
+        if weight is None or (biases[0] is not None and bias is None):
+            continue
+        sizes = tuple(m.out_features for m in members)
+        stacks.append(StackedLinear(weight, bias, tuple(id(w) for w in weights), sizes))
+    return stacks
 
 
 def _stackable(model: torch.nn.Module, cast: dict[int, torch.Tensor]) -> list[list[torch.nn.Linear]]:
