@@ -265,6 +265,22 @@ def test_ppo_stops_when_one_rank_fails(tmp_path):
     assert "reward server unreachable" in out.stdout + out.stderr, out.stderr[-3000:]
 
 
+@pytest.mark.parametrize("mini_batch", [0, 12])
+def test_exact_ppo_on_two_ranks_has_no_rollout_mismatch(tmp_path, mini_batch):
+    """exact = true under the launcher (the trainer FSDP-sharded, the native engine generating from its replica of the
+    shards): the rollout's logprobs equal the trainer's at every step, with the rollout's as the old logprobs (one
+    mini-batch) and with the score phase's exact forward (two)."""
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.toml"
+    args = ["--set", "steps=2", "--set", "data.prompts_per_step=6", "--set", "rollout.sampling.n=4", "--set",
+            "exact=true", "--set", "rollout.engine=native", "--set", f"train.mini_batch_size={mini_batch}"]  # fmt: skip
+    torchrun(2, "ppo", recipe, "--out", tmp_path / "run", *args)
+    lines = list(map(__import__("json").loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()))
+    assert len(lines) == 2
+    for line in lines:
+        assert line["score/old_logprobs_from_rollout"] == float(mini_batch == 0)
+        assert line["rollout_corr/logprob_abs_diff_max"] == 0.0 and line["rollout_corr/kl_k1"] == 0.0, line
+
+
 def test_exact_trainer_stacks_find_fsdp_unsharded_parameters():
     """Exact mode's trainer-side projection stacks on an FSDP2-sharded model (2 ranks): one linear call a set, the
     loss and gradients the unstacked model's."""
