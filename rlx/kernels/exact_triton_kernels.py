@@ -60,6 +60,12 @@ def exact_matmul_kernel(
 
 
 @triton.jit
+def _copy_row(src, dst, offs, mask):
+    """One head's row of a new key or value into its cache slot (no arithmetic: the bits as given)."""
+    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
 def exact_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, len_ptr, row_ptr, start_ptr, bt_ptr, kn_ptr, vn_ptr, slot_ptr, scale_log2,
     stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_on, stride_oh,
@@ -78,10 +84,8 @@ def exact_attention_kernel(
     values) the probabilities split into a 16-bit head and tail, two dots summed (about 16 bits of the
     probabilities kept). Under the interpreter the constexpr INTERPRET_KEYS bounds the loop instead of the loaded
     length (NumPy refuses a 1-element array as a bound); the extra blocks are fully masked and change no bit.
-
-    WRITE_KV (paged decode: one query a sequence, its last position): the program first stores its token's new key
-    and value for its kv head (kn, vn [N, Hkv, D], already in the cache's dtype) at the token's cache slot, then
-    reads them back with the others: the separate write's two launches a layer folded in, the same bits."""
+    WRITE_KV (paged decode: each query its sequence's last token): the program first stores its token's new key and
+    value (kn, vn [N, Hkv, D], in the cache's dtype) at the token's slot, then reads them back with the others."""
     token = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     length = tl.load(len_ptr + token)
@@ -98,12 +102,10 @@ def exact_attention_kernel(
         table = bt_ptr + tl.load(row_ptr + token).to(tl.int64) * stride_btb
         if WRITE_KV:
             slot = tl.load(slot_ptr + token).to(tl.int64)
-            k_at = k_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kvh * stride_kh
-            v_at = v_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt + kvh * stride_vh
-            new_k = tl.load(kn_ptr + token * stride_knn + kvh * stride_knh + offs_d, mask=d_mask)
-            new_v = tl.load(vn_ptr + token * stride_vnn + kvh * stride_vnh + offs_d, mask=d_mask)
-            tl.store(k_at + offs_d, new_k, mask=d_mask)
-            tl.store(v_at + offs_d, new_v, mask=d_mask)
+            _copy_row(kn_ptr + token * stride_knn + kvh * stride_knh, k_ptr + (slot // BLOCK_SIZE) * stride_kb
+                      + (slot % BLOCK_SIZE) * stride_kt + kvh * stride_kh, offs_d, d_mask)  # fmt: skip
+            _copy_row(vn_ptr + token * stride_vnn + kvh * stride_vnh, v_ptr + (slot // BLOCK_SIZE) * stride_vb
+                      + (slot % BLOCK_SIZE) * stride_vt + kvh * stride_vh, offs_d, d_mask)  # fmt: skip
             tl.debug_barrier()  # the program's own writes are visible to its loads below
     else:
         start = tl.load(start_ptr + token).to(tl.int64)
