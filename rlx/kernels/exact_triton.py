@@ -225,7 +225,7 @@ def exact_attention(
     lengths = lengths.contiguous()
     if new_kv is not None and not paged:
         raise ValueError("exact_attention: new_kv writes into a paged cache (give block_tables and rows)")
-    new_k, new_v, slots = new_kv if new_kv is not None else (q, q, lengths)
+    new_k, new_v, slots = new_kv if new_kv is not None else (q, q, lengths)  # without it: unread placeholders
     new_k, new_v = (t.to(k_store.dtype) for t in (new_k, new_v))
     new_k, new_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (new_k, new_v))
     if paged:

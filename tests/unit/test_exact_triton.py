@@ -145,7 +145,6 @@ def test_exact_casts_stack_projections_that_read_the_same_input(monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlx.kernels import exact_fused
     from rlx.models import exact as exact_module
     from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
     from rlx.rollout.native.runner import ExactCasts
@@ -167,15 +166,7 @@ def test_exact_casts_stack_projections_that_read_the_same_input(monkeypatch):
     casts.refresh()
     assert torch.equal(stack.weight[32:48], attention.k_proj.weight.to(torch.bfloat16))
 
-    calls = []
-    monkeypatch.setattr(exact_module, "use_triton", lambda tensor: True)
-    monkeypatch.setattr(exact_module, "exact_rms_norm", exact_module.rms_norm)
-    monkeypatch.setattr(exact_module, "exact_rms_norm_pair", _rms_norm_pair_reference)
-    monkeypatch.setattr(exact_module, "silu_mul", exact_fused.silu_mul_reference)
-    monkeypatch.setattr(exact_module, "rotary", exact_fused.rotary_reference)
-    monkeypatch.setattr(
-        exact_module, "exact_linear", lambda x, w, b=None, residual=None: calls.append(w) or _linear(x, w, b, residual)
-    )
+    calls = _cuda_dispatch(monkeypatch)
     ids = torch.tensor([[3, 4, 5, 6]])
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         with exact_module.exact_forward(model, attention=False, casts=casts.by_id):
@@ -207,7 +198,6 @@ def test_a_bfloat16_models_merged_projections_are_stacked_without_copies(monkeyp
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlx.kernels import exact_fused
     from rlx.models import exact as exact_module
     from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
     from rlx.rollout.native.fused import merge_projections
@@ -218,15 +208,7 @@ def test_a_bfloat16_models_merged_projections_are_stacked_without_copies(monkeyp
                                intermediate_size=64, num_layers=2)  # fmt: skip
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).requires_grad_(False)
     assert ExactCasts(model, torch.bfloat16, releasable=False).stacks == {}
-    calls = []
-    monkeypatch.setattr(exact_module, "use_triton", lambda tensor: True)
-    monkeypatch.setattr(exact_module, "exact_rms_norm", exact_module.rms_norm)
-    monkeypatch.setattr(exact_module, "exact_rms_norm_pair", _rms_norm_pair_reference)
-    monkeypatch.setattr(exact_module, "silu_mul", exact_fused.silu_mul_reference)
-    monkeypatch.setattr(exact_module, "rotary", exact_fused.rotary_reference)
-    monkeypatch.setattr(
-        exact_module, "exact_linear", lambda x, w, b=None, residual=None: calls.append(w) or _linear(x, w, b, residual)
-    )
+    calls = _cuda_dispatch(monkeypatch)
     ids = torch.tensor([[3, 4, 5, 6]])
     with torch.no_grad(), exact_module.exact_forward(model, attention=False, casts={}):
         alone = model(input_ids=ids).logits
@@ -253,7 +235,6 @@ def test_the_trainers_projections_are_stacked_at_call_time(monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlx.kernels import exact_fused
     from rlx.models import exact as exact_module
     from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
 
@@ -261,14 +242,7 @@ def test_the_trainers_projections_are_stacked_at_call_time(monkeypatch):
     config = tiny_llama_config(len(build_char_tokenizer()), hidden_size=32, num_heads=4, num_kv_heads=2,
                                intermediate_size=64, num_layers=2)  # fmt: skip
     model = AutoModelForCausalLM.from_config(config)
-    calls = []
-    monkeypatch.setattr(exact_module, "use_triton", lambda tensor: True)
-    monkeypatch.setattr(exact_module, "exact_rms_norm", exact_module.rms_norm)
-    monkeypatch.setattr(exact_module, "silu_mul", exact_fused.silu_mul_reference)
-    monkeypatch.setattr(exact_module, "rotary", exact_fused.rotary_reference)
-    monkeypatch.setattr(
-        exact_module, "exact_linear", lambda x, w, b=None, residual=None: calls.append(w) or _linear(x, w, b, residual)
-    )
+    calls = _cuda_dispatch(monkeypatch)
     ids = torch.tensor([[3, 4, 5, 6, 7]])
 
     def forward_and_grads():
@@ -319,3 +293,21 @@ def _linear(x, weight, bias=None, residual=None):
 
     out = torch.nn.functional.linear(x, weight, bias)
     return out if residual is None else residual + out
+
+
+def _cuda_dispatch(monkeypatch) -> list:
+    """exact_forward as on CUDA (`use_triton` says yes) with the kernels' PyTorch formulas in their place; the weight
+    of each linear call recorded in the returned list."""
+    from rlx.kernels import exact_fused
+    from rlx.models import exact as exact_module
+
+    calls = []
+    monkeypatch.setattr(exact_module, "use_triton", lambda tensor: True)
+    monkeypatch.setattr(exact_module, "exact_rms_norm", exact_module.rms_norm)
+    monkeypatch.setattr(exact_module, "exact_rms_norm_pair", _rms_norm_pair_reference)
+    monkeypatch.setattr(exact_module, "silu_mul", exact_fused.silu_mul_reference)
+    monkeypatch.setattr(exact_module, "rotary", exact_fused.rotary_reference)
+    monkeypatch.setattr(
+        exact_module, "exact_linear", lambda x, w, b=None, residual=None: calls.append(w) or _linear(x, w, b, residual)
+    )
+    return calls

@@ -167,13 +167,13 @@ def _exact_attention(q, k, v, k_cache, v_cache, ctx: PagedContext, scale: float 
     step's kernel writes its keys itself)."""
     rows, lengths = (ctx if ctx.exact_keys is not None else ctx.with_exact_keys()).exact_keys
     scale = scale if scale is not None else q.shape[-1] ** -0.5
+    kernel_writes = use_triton(q) and ctx.decode  # one query a sequence: the kernel writes its keys itself
+    if not kernel_writes:
+        write_kv(k_cache, v_cache, ctx.slot_mapping, k, v)
     if use_triton(q):
-        if not ctx.decode:
-            write_kv(k_cache, v_cache, ctx.slot_mapping, k, v)
-        new_kv = (k, v, ctx.slot_mapping) if ctx.decode else None
+        new_kv = (k, v, ctx.slot_mapping) if kernel_writes else None
         return exact_attention(q, k_cache, v_cache, lengths, scale, rows=rows, block_tables=ctx.block_tables,
                                new_kv=new_kv)  # fmt: skip
-    write_kv(k_cache, v_cache, ctx.slot_mapping, k, v)
     block_size = k_cache.shape[1]
     width = ctx.block_tables.shape[1] * block_size
     slots = key_slots(rows, ctx.block_tables, block_size, -(-width // KEY_BLOCK) * KEY_BLOCK)
