@@ -242,7 +242,8 @@ def packed_response_logprobs(
             hidden[0, keep].to(compute), weight.to(compute), local[keep], temperature, impl=impl
         )
     else:
-        picked, picked_entropy = logprobs_from_logits(logits[0], local[keep], temperature, with_entropy)
+        # squeeze, not [0]: a view both ways (select's backward writes a zeroed [1, keep, vocab] copy)
+        picked, picked_entropy = logprobs_from_logits(logits.squeeze(0), local[keep], temperature, with_entropy)
     logp = picked.float().new_zeros(local.shape).index_put((keep,), picked.float())
     if with_entropy:
         entropy = picked_entropy.float().new_zeros(local.shape).index_put((keep,), picked_entropy.float())

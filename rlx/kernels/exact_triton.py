@@ -9,9 +9,10 @@ decode), so the rollout's and the trainer's logprobs stay equal bit for bit:
   the 64-row cuBLAS calls of `blocked_linear`. Differentiable (the backward is two ordinary matmuls: gradients need no
   batch invariance). With a residual it returns `residual + F.linear(...)` from the same kernel (the eager add's bits).
 - `exact_logprobs` / `exact_target_logprobs`: the log-probability of each row's target (and the row's entropy)
-  from float32 logits divided by the temperature, one program per row walking the vocabulary in fixed chunks: the
-  sampler's and the trainer's alike (the trainer's differentiable, its backward one kernel too: three passes over
-  the row, where the PyTorch formula made about ten over a float32 copy).
+  from float32 logits divided by the temperature: the native engine's sampler's own (its draw kernels' fixed
+  vocabulary slices, rlx/kernels/sampling.py), so a sampled token costs no second pass for its logprob and the
+  trainer runs the same kernels; the trainer's differentiable, its backward one kernel (three passes over the row,
+  where the PyTorch formula made about ten over a float32 copy).
 - `exact_rms_norm`: the Llama-family RMSNorm, one program per row (one kernel where the PyTorch scheme's
   `tree_sum` takes about twenty); differentiable, its backward one kernel too (`exact_rms_norm_backward_kernel`:
   programs of consecutive rows, each writing dx and its share of the weight's gradient, where the PyTorch formula made
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from rlx.kernels.exact import KEY_BLOCK
+from rlx.kernels.sampling import draw_tokens_triton, picked_logprobs
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SMALL_TILES = (64, 64, 64, 4, 4)
@@ -312,18 +314,28 @@ def exact_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probability of each target [R], entropy [R] or None), float32, of logits [R, V] (any float dtype) divided
-    by `temperature` inside the kernel (times its float32 reciprocal, as PyTorch's CUDA `logits.float() /
-    temperature`: no float32 copy of the logits) and targets [R], batch-invariantly (no autograd)."""
+    by `temperature` inside the kernels (times its float32 reciprocal, as PyTorch's CUDA `logits.float() /
+    temperature`: no float32 copy of the logits) and targets [R], batch-invariantly (no autograd). The logprob is the
+    sampler's own (`picked_logprobs` of the draw kernels' log-normaliser: rlx/kernels/sampling.py), so the engine
+    that drew a token and the trainer get its bits from the same kernels; the entropy (need not match) from
+    `exact_logprob_kernel`."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     rows, vocab = logits.shape
-    picked = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    entropy = torch.empty_like(picked) if with_entropy else None
-    if rows:
-        block = _VOCAB_BLOCK if logits.device.type == "cuda" else _INTERPRETER_VOCAB_BLOCK
-        _kernels()[2][(rows,)](
-            logits, targets.long().contiguous(), picked, picked if entropy is None else entropy, logits.stride(0),
-            vocab, inverse_temperature(temperature), BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=4,
-        )  # fmt: skip
+    inverse = inverse_temperature(temperature)
+    if not rows:
+        return logits.new_zeros(0, dtype=torch.float32), logits.new_zeros(
+            0, dtype=torch.float32
+        ) if with_entropy else None
+    lse = draw_tokens_triton(logits, torch.zeros(rows, device=logits.device), inverse)[2]
+    picked = picked_logprobs(logits, targets, inverse, lse)
+    if not with_entropy:
+        return picked, None
+    entropy = torch.empty_like(picked)
+    block = _VOCAB_BLOCK if logits.device.type == "cuda" else _INTERPRETER_VOCAB_BLOCK
+    _kernels()[2][(rows,)](
+        logits, targets.long().contiguous(), torch.empty_like(picked), entropy, logits.stride(0), vocab, inverse,
+        BLOCK_V=block, WITH_ENTROPY=True, num_warps=4,
+    )  # fmt: skip
     return picked, entropy
 
 
@@ -359,21 +371,14 @@ class _ExactTargetLogprobs(torch.autograd.Function):
 
 
 def exact_target_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = False, chunk_rows: int = 1024
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprob of each target, entropy or None) float32 for logits [..., V] and targets [...] at `temperature`:
-    `exact_logprobs` of `logits.float() / temperature` (the sampler's scaling), `chunk_rows` rows at a time,
-    differentiable (the backward recomputes each chunk's softmax, nothing [rows, V] is kept)."""
-    flat, picks = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-    parts = [
-        _ExactTargetLogprobs.apply(rows, wanted, temperature, with_entropy)
-        for rows, wanted in zip(flat.split(chunk_rows), picks.split(chunk_rows))
-    ]
-    picked = torch.cat([p[0] for p in parts]).view(targets.shape) if parts else flat.new_zeros(targets.shape).float()
-    if not with_entropy:
-        return picked, None
-    entropy = torch.cat([p[1] for p in parts]).view(targets.shape) if parts else picked.clone()
-    return picked, entropy
+    `exact_logprobs` of `logits.float() / temperature` (the sampler's scaling), differentiable (the backward
+    recomputes each row's softmax in one kernel, writing the logits' gradient alone: nothing else [rows, V] is made)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    picked, entropy = _ExactTargetLogprobs.apply(flat, targets.reshape(-1), temperature, with_entropy)
+    return picked.view(targets.shape), entropy.view(targets.shape) if with_entropy else None
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

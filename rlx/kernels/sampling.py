@@ -114,3 +114,10 @@ def draw_tokens_triton(
             SLICE=SLICE, CHUNK=CHUNK, PAD=pad, num_warps=4,
         )  # fmt: skip
     return out[0], out[1], lse
+
+
+def picked_logprobs(logits: torch.Tensor, tokens: torch.Tensor, scale: float, lse: torch.Tensor) -> torch.Tensor:
+    """The logprob [B] float32 of each row's token under float32(logits) * scale, given the row's logsumexp `lse`
+    from `draw_tokens_triton` (the native engine's sampler and exact mode's trainer alike: the same ops, the same
+    bits)."""
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float() * scale - lse

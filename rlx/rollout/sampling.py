@@ -18,7 +18,7 @@ import torch
 from rlx.kernels.exact import log_softmax as exact_log_softmax
 from rlx.kernels.exact_triton import exact_logprobs, inverse_temperature, use_triton
 from rlx.kernels.paged_attention import triton_available
-from rlx.kernels.sampling import draw_tokens_triton
+from rlx.kernels.sampling import draw_tokens_triton, picked_logprobs
 from rlx.rollout.config import SamplingParams
 from rlx.utils.device import derive_seed
 
@@ -151,8 +151,8 @@ def sample_next(
     temperature, top_k, top_p: scalars, or each row's [B] (BatchSampling: no fused kernel then).
     The tokens of `draw_tokens(filter_logits(logits.float() / temperature, ...), uniforms)`; on CUDA without
     filters one kernel reads the logits (twice) for the draw and the log-normaliser, with no float32 copy. `exact`:
-    the logprobs from the fixed-order log-softmax of exact mode (rlx/kernels/exact.py; CUDA: exact_triton.py's
-    kernel), as the trainer computes them."""
+    the logprobs from the fixed-order log-softmax of exact mode (rlx/kernels/exact.py; CUDA: the draw kernels'
+    log-normaliser, `exact_logprobs`), as the trainer computes them."""
     per_row = isinstance(temperature, torch.Tensor)
     kernel = exact and not per_row and use_triton(logits)  # the trainer's kernel, on the logits as they are
     fused_draw = (kernel or not exact and logits.is_cuda and triton_available()) and not per_row
@@ -162,10 +162,7 @@ def sample_next(
         tokens, _, lse = draw_tokens_triton(logits, uniforms, inverse)
         if greedy is not None:
             tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-        if kernel:
-            return tokens, exact_logprobs(logits, tokens, temperature=temperature)[0]
-        chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float() * inverse
-        return tokens, chosen - lse
+        return tokens, picked_logprobs(logits, tokens, inverse, lse)  # exact mode's too (`exact_logprobs`)
     tokens = logits.argmax(dim=-1)
     scaled = None if kernel and uniforms is None else scale_logits(logits, temperature)
     if uniforms is not None:

@@ -28,7 +28,9 @@ from rlx.kernels.exact_triton import (
     exact_rms_norm,
     exact_rms_norm_pair,
     exact_target_logprobs,
+    inverse_temperature,
 )
+from rlx.kernels.sampling import draw_tokens_triton, picked_logprobs
 from rlx.models.attention import varlen_attention
 
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}[sys.argv[1]]  # bfloat16: on CUDA only (see the test)
@@ -189,6 +191,12 @@ def check_logprobs() -> None:
         assert torch.equal(part[0], full[first : first + size]) and torch.equal(part[1], entropy[first : first + size])
     log_probs = torch.log_softmax(scaled, -1)
     assert (full - log_probs.gather(-1, targets[:, None])[:, 0]).abs().max() < 1e-5
+    # the native engine's sampler: its drawn tokens' logprobs from the draw kernels' log-normaliser, the trainer's bits
+    logits, inverse = scaled.half(), inverse_temperature(0.7)
+    tokens, _, lse = draw_tokens_triton(logits, torch.rand(17, generator=g), inverse)
+    drawn = picked_logprobs(logits, tokens, inverse, lse)
+    assert torch.equal(drawn, exact_logprobs(logits, tokens, temperature=0.7)[0])
+    assert torch.equal(drawn[5:8], exact_target_logprobs(logits[5:8], tokens[5:8], 0.7)[0])
     assert (entropy + (log_probs.exp() * log_probs).sum(-1)).abs().max() < 1e-5
 
 
@@ -198,7 +206,7 @@ def check_logprob_gradients() -> None:
         torch.randint(0, 150, (2, 9), generator=g),
     )
     weights = torch.randn(2, 2, 9, generator=g)
-    picked, entropy = exact_target_logprobs(logits, targets, 0.7, with_entropy=True, chunk_rows=4)
+    picked, entropy = exact_target_logprobs(logits, targets, 0.7, with_entropy=True)
     got = torch.autograd.grad((picked * weights[0] + entropy * weights[1]).sum(), logits)[0]
     log_probs = torch.log_softmax(logits / 0.7, -1)
     want_picked = log_probs.gather(-1, targets[..., None])[..., 0]
@@ -206,7 +214,7 @@ def check_logprob_gradients() -> None:
     assert (picked - want_picked).abs().max() < 1e-5 and (entropy - want_entropy).abs().max() < 1e-5
     want = torch.autograd.grad((want_picked * weights[0] + want_entropy * weights[1]).sum(), logits)[0]
     assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
-    picked, _ = exact_target_logprobs(logits, targets, 0.7, chunk_rows=4)  # the logprobs alone
+    picked, _ = exact_target_logprobs(logits, targets, 0.7)  # the logprobs alone
     got = torch.autograd.grad((picked * weights[0]).sum(), logits)[0]
     want_picked = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None])[..., 0]
     want = torch.autograd.grad((want_picked * weights[0]).sum(), logits)[0]
