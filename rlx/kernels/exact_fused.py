@@ -51,19 +51,23 @@ def _silu_grid(rows: torch.Tensor) -> tuple[tuple[int, int], int]:
     return (rows.shape[0], -(-rows.shape[1] // block)), block
 
 
+def _silu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    gates, ups = _rows(gate), _rows(up)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel():
+        grid, block = _silu_grid(gates)
+        flat = out.view(-1, out.shape[-1])
+        _kernels()[0][grid](
+            gates, ups, flat, gates.shape[1], gates.stride(0), ups.stride(0), flat.stride(0), BLOCK=block
+        )
+    return out
+
+
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        gates, ups = _rows(gate), _rows(up)
-        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        if out.numel():
-            grid, block = _silu_grid(gates)
-            flat = out.view(-1, out.shape[-1])
-            _kernels()[0][grid](
-                gates, ups, flat, gates.shape[1], gates.stride(0), ups.stride(0), flat.stride(0), BLOCK=block
-            )
-        return out
+        return _silu_forward(gate, up)
 
     @staticmethod
     def backward(ctx, grad):
@@ -81,12 +85,64 @@ class _SiluMul(torch.autograd.Function):
         return d_gate, d_up
 
 
+class _SiluMulHalves(torch.autograd.Function):
+    """`_SiluMul` of the two halves of rows [R, 2N] (gate, then up), the gradient written as one [R, 2N] tensor."""
+
+    @staticmethod
+    def forward(ctx, rows):
+        ctx.save_for_backward(rows)
+        half = rows.shape[1] // 2
+        return _silu_forward(rows[:, :half], rows[:, half:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        half, grads = rows.shape[1] // 2, _rows(grad)
+        d_rows = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+        if d_rows.numel():
+            grid, block = _silu_grid(grads)
+            _kernels()[1][grid](
+                grads, rows, rows[:, half:], d_rows, d_rows[:, half:], half, grads.stride(0), rows.stride(0),
+                rows.stride(0), d_rows.stride(0), BLOCK=block,
+            )  # fmt: skip
+        return d_rows
+
+
+def _halves_of(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """The rows [R, 2N] whose two halves gate and up [..., N] are (a stacked gate/up projection's output split),
+    else None."""
+    base = gate._base
+    if base is None or up._base is not base or base.dim() != 2 or not base.is_contiguous():
+        return None
+    half = gate.shape[-1]
+    if base.shape[1] != 2 * half or base.shape[0] != gate.numel() // max(half, 1):
+        return None
+    rows = base.stride(0)
+    if gate.storage_offset() != base.storage_offset() or up.storage_offset() != base.storage_offset() + half:
+        return None
+    expected = tuple(rows * n for n in _row_counts(gate.shape[:-1])) + (1,)
+    return base if gate.stride() == up.stride() == expected else None
+
+
+def _row_counts(dims: tuple[int, ...]) -> list[int]:
+    """The row strides, in rows, of a [..., N] view over consecutive rows: for dims (B, T), [T, 1]."""
+    counts, size = [], 1
+    for dim in reversed(dims):
+        counts.append(size)
+        size *= dim
+    return counts[::-1]
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate and up [..., N] of one dtype and shape (any row strides), in that dtype: per element
     silu in float32 rounded to the dtype, the product in float32 rounded again (as eager `F.silu(gate) * up`).
-    Differentiable."""
+    Differentiable. Where gate and up are the two halves of one stacked projection's output (rlx/models/exact.py),
+    the backward writes their gradients as that output's (no concatenation of the two)."""
     if gate.dtype != up.dtype or gate.shape != up.shape:
         raise ValueError(f"silu_mul: gate {gate.dtype} {tuple(gate.shape)}, up {up.dtype} {tuple(up.shape)}")
+    rows = _halves_of(gate, up)
+    if rows is not None:
+        return _SiluMulHalves.apply(rows).view(gate.shape)
     return _SiluMul.apply(gate, up)
 
 

@@ -42,6 +42,15 @@ def check_silu_mul(dtype: torch.dtype) -> None:
     want = torch.autograd.grad(silu_mul_reference(*floats), floats, upstream.float())
     for name, a, b in zip(("d_gate", "d_up"), got, want):
         close(a, b.to(dtype), dtype, name)
+    # the halves of a stacked projection's output rows [R, 2N], split and viewed [B, T, N] as the MLP gets them: the
+    # same bits, the gradient one [R, 2N] tensor (no split's backward concatenating the two)
+    stacked = torch.cat([gate, up], dim=-1).requires_grad_()
+    halves = stacked.view(1, 17, 300).split((150, 150), dim=-1)
+    out = silu_mul(*halves)
+    kernel = out.grad_fn.next_functions[0][0]  # under the [B, T, N] view
+    assert torch.equal(out[0], full) and kernel.name().startswith("_SiluMulHalves"), kernel
+    (grad,) = torch.autograd.grad(out, stacked, upstream[None])
+    assert torch.equal(grad[:, :150], got[0]) and torch.equal(grad[:, 150:], got[1])
 
 
 def padded_tokens(dtype: torch.dtype, angle_dtype: torch.dtype, batch: int, length: int):
