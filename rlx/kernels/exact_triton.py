@@ -394,6 +394,7 @@ class _ExactRmsNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps, low_dtype):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
+        ctx.set_materialize_grads(False)
         rows = x.reshape(-1, x.shape[-1])
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
@@ -406,12 +407,17 @@ class _ExactRmsNorm(torch.autograd.Function):
                 rows.shape[1], eps, BLOCK=_next_pow2(rows.shape[1]), LOW=low_dtype is not None,
                 num_warps=4 if rows.shape[1] <= 4096 else 8,
             )  # fmt: skip
-        ctx.mark_non_differentiable(low)
+        ctx.out_dtype = out.dtype
         return out.view(*x.shape[:-1], x.shape[-1]), low.view(*x.shape[:-1], x.shape[-1]) if low_dtype else low
 
     @staticmethod
-    def backward(ctx, grad, _grad_low):
+    def backward(ctx, grad, grad_low):
         x, weight = ctx.saved_tensors
+        if grad_low is not None and grad_low.numel():  # low = out.to(low dtype): its gradient cast back, as `.to`'s
+            grad_low = grad_low.to(ctx.out_dtype)
+            grad = grad_low if grad is None else grad + grad_low
+        if grad is None:
+            return None, None, None, None
         return *rms_norm_backward(x, weight, grad, ctx.eps, *ctx.needs_input_grad[:2]), None, None
 
 
@@ -467,7 +473,7 @@ def exact_rms_norm_pair(
     x: torch.Tensor, weight: torch.Tensor, eps: float, low_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(`exact_rms_norm`'s result, the same rounded to `low_dtype`: the bits of `.to(low_dtype)` on the first, from
-    one kernel): the first differentiable, the second not. The first may differ in rare last bits from
-    `exact_rms_norm`'s (another compilation of the kernel; see `exact_rms_norm_kernel`): use one function or the other
-    for a given norm everywhere."""
+    one kernel), both differentiable (the second's gradient as that `.to`'s: cast back and added). The first may
+    differ in rare last bits from `exact_rms_norm`'s (another compilation of the kernel; see `exact_rms_norm_kernel`):
+    use one function or the other for a given norm everywhere."""
     return _ExactRmsNorm.apply(x, weight, eps, low_dtype)

@@ -201,13 +201,16 @@ def _stacked_projections(model, sets: dict[int, tuple[torch.nn.Linear, ...]]) ->
             handle.remove()
 
 
-def _exact_norm(module: torch.nn.Module, feeds_linears: bool, hidden_states: torch.Tensor) -> torch.Tensor:
+def _exact_norm(
+    module: torch.nn.Module, feeds_linears: bool, stacked: bool, hidden_states: torch.Tensor
+) -> torch.Tensor:
     """An RMSNorm module's forward in exact mode. `feeds_linears`: its output goes to linear layers alone (a
     decoder layer's two norms). Under a 16-bit autocast on CUDA such a norm runs `exact_rms_norm_pair` in every
     forward (the engine's and the trainer's: one compiled kernel, so the same bits), and without gradients returns
     its 16-bit result: the bits each `F.linear` after it would have cast it to, so the matmuls read half the bytes and
-    do not round inside. With gradients the float32 result stays (autograd sums the gradients of several consumers
-    in float32, as on the default path)."""
+    do not round inside. With gradients the same where `stacked`: one stacked matmul alone reads it (the trainer's
+    projection set: its gradient the cast's, as before); else the float32 result (several consumers: autograd sums
+    their gradients in float32, as on the default path)."""
     weight, eps = module.weight, module.variance_epsilon
     if not use_triton(hidden_states):
         return rms_norm(hidden_states, weight, eps)
@@ -216,7 +219,7 @@ def _exact_norm(module: torch.nn.Module, feeds_linears: bool, hidden_states: tor
         low = torch.get_autocast_dtype(device)
         if low != torch.promote_types(weight.dtype, hidden_states.dtype):
             out, low_out = exact_rms_norm_pair(hidden_states, weight, eps, low)
-            return out if torch.is_grad_enabled() else low_out
+            return out if torch.is_grad_enabled() and not stacked else low_out
     return exact_rms_norm(hidden_states, weight, eps)
 
 
@@ -289,10 +292,24 @@ def _replaced_forwards(replacements: Iterable[tuple[torch.nn.Module, Callable]])
                 module.forward = forward
 
 
-def _exact_norms(model) -> contextlib.AbstractContextManager:
-    """Every RMSNorm of `model` runs `_exact_norm` inside the block."""
+def _exact_norms(model, stacked: frozenset[int] = frozenset()) -> contextlib.AbstractContextManager:
+    """Every RMSNorm of `model` runs `_exact_norm` inside the block; those whose ids are in `stacked` feed one
+    stacked matmul (`stacked_norms`)."""
     feeding = {id(getattr(m, name)) for m in model.modules() for name in LINEAR_INPUT_NORMS if hasattr(m, name)}
-    return _replaced_forwards((m, functools.partial(_exact_norm, m, id(m) in feeding)) for m in _rms_norms(model))
+    return _replaced_forwards(
+        (m, functools.partial(_exact_norm, m, id(m) in feeding, id(m) in stacked)) for m in _rms_norms(model)
+    )
+
+
+def stacked_norms(model) -> frozenset[int]:
+    """The ids of the decoder layers' norms whose output one stacked matmul alone reads: the input norm of a layer
+    whose attention's q/k/v are a `projection_sets` set, the post-attention norm of one whose MLP's gate/up are."""
+    modules = {id(module) for module, _ in projection_sets(model)}
+    return frozenset(
+        id(getattr(layer, norm)) for layer in decoder_layers(model)
+        for norm, reader in (("input_layernorm", layer.self_attn), ("post_attention_layernorm", layer.mlp))
+        if id(reader) in modules
+    )  # fmt: skip
 
 
 def _rms_norms(model) -> list[torch.nn.Module]:
@@ -384,15 +401,17 @@ def exact_forward(
     token = _ACTIVE.set((model, attention, casts, stacks))
     try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_exact_norms(model))
             sets: dict[int, tuple[torch.nn.Linear, ...]] = {}
+            triton = use_triton(next(model.parameters()))
+            trainer = casts is None and stacks is None  # the engine's come cast and stacked
+            stack.enter_context(_exact_norms(model, stacked_norms(model) if triton and trainer else frozenset()))
             residuals: dict[int, torch.Tensor] = {}
-            if use_triton(next(model.parameters())):  # the fused elementwise kernels (rlx/kernels/exact_fused.py)
+            if triton:  # the fused elementwise kernels (rlx/kernels/exact_fused.py)
                 stack.enter_context(_exact_mlps(model))
                 stack.enter_context(_exact_rotary(model))
                 layers = [(m, functools.partial(_exact_layer, m, residuals)) for m in decoder_layers(model)]
                 stack.enter_context(_replaced_forwards(layers))  # the residual adds in the o / down matmuls
-                if casts is None and stacks is None:  # the trainer's: stacked at call time (the engine's come cast)
+                if trainer:  # stacked at call time
                     stack.enter_context(_stacked_projections(model, sets))
             if attention:
                 register_attention(EXACT_ATTENTION, exact_attention_forward, packed_attention_mask)

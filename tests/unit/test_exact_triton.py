@@ -270,6 +270,46 @@ def test_the_trainers_projections_are_stacked_at_call_time(monkeypatch):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
+def test_a_norm_read_by_one_stacked_matmul_hands_it_the_16_bit_copy_under_gradients(monkeypatch):
+    """In a train step's forward under a 16-bit autocast (CUDA's dispatch), a decoder layer's norm whose output one
+    stacked matmul alone reads hands it the norm kernel's 16-bit copy (no cast of a float32 output in the matmul), and
+    the gradients are those of the cast; a norm read by unstacked projections keeps its float32 output."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlx.models import exact as exact_module
+    from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
+
+    torch.manual_seed(0)
+    config = tiny_llama_config(len(build_char_tokenizer()), hidden_size=32, num_heads=4, num_kv_heads=2,
+                               intermediate_size=64, num_layers=2)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    layers = model.model.layers
+    norms = {id(m) for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)}
+    assert exact_module.stacked_norms(model) == norms
+    _cuda_dispatch(monkeypatch)
+    seen = []
+    for layer in layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+
+    def grads():
+        model.zero_grad()
+        seen.clear()
+        with exact_module.exact_forward(model, attention=False), torch.autocast("cpu", torch.bfloat16):
+            model(input_ids=ids).logits.float().square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()], list(seen)
+
+    stacked, stacked_dtypes = grads()
+    monkeypatch.setattr(exact_module, "projection_sets", lambda model: [])
+    assert exact_module.stacked_norms(model) == frozenset()
+    alone, alone_dtypes = grads()
+    assert stacked_dtypes == [torch.bfloat16] * 4 and alone_dtypes == [torch.float32] * 4
+    for got, want in zip(stacked, alone):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-4)
+
+
 def test_matmul_tiles_follow_the_rows_in_bfloat16_and_the_width_alone_otherwise():
     import torch
 

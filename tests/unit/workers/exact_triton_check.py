@@ -245,6 +245,20 @@ def check_rms_norm() -> None:
         expected = torch.autograd.grad(((weight * h) * upstream).sum(), (x, weight))
         for a, b in zip(got, expected):
             assert (a - b).abs().max() < 1e-4, (a - b).abs().max()
+        # the pair's 16-bit output (one stacked matmul reading it): the gradients of the cast of the first; both used:
+        # their sum
+        low_up = upstream.half()
+        via_cast = torch.autograd.grad((exact_rms_norm_pair(x, weight, 1e-6, torch.float16)[0].half() * low_up).sum(),
+                                       (x, weight))  # fmt: skip
+        via_low = torch.autograd.grad(
+            (exact_rms_norm_pair(x, weight, 1e-6, torch.float16)[1] * low_up).sum(), (x, weight)
+        )
+        assert all(torch.equal(a, b) for a, b in zip(via_low, via_cast))
+        pair, low = exact_rms_norm_pair(x, weight, 1e-6, torch.float16)
+        both = torch.autograd.grad((pair * upstream).sum() + (low * low_up).sum(), (x, weight))
+        pair = exact_rms_norm_pair(x, weight, 1e-6, torch.float16)[0]
+        want = torch.autograd.grad((pair * upstream).sum() + (pair.half() * low_up).sum(), (x, weight))
+        assert all((a - b).abs().max() < 1e-5 for a, b in zip(both, want))
 
 
 check_matmul()
