@@ -13,7 +13,8 @@ through the MMA 16 columns at a time in order, whatever the tile). Times are dev
 one CUDA graph, the median of 5 replays divided by --reps (a decode step replays its matmuls from a graph; timing
 single calls measured the host's launch, about 30 us, not the kernel). With --cold the calls cycle through enough
 copies of the weight to fill twice the L2, so each reads its weight from memory (a decode step's case: in the plain
-timing 20 calls of one weight find it in the L2). "float32 input" times the tiles in use on
+timing 20 calls of one weight find it in the L2). A weight whose K `split_k` cuts into chunks is also timed unsplit
+("unsplit": K in one piece, other bits). "float32 input" times the tiles in use on
 the same values held in float32, rounded inside the kernel's loads (what a linear after a float32 activation pays).
 """
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlx.kernels.exact_triton import exact_matmul, matmul_tiles  # noqa: E402
+from rlx.kernels.exact_triton import exact_matmul, matmul_tiles, split_k  # noqa: E402
 
 
 def _with_stacks(shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
@@ -104,6 +105,9 @@ def run_shape(name: str, n: int, k: int, m: int, reps: int, cold: bool = False) 
     now = matmul_tiles(n, k, m)
     row = {"weight": name, "n": n, "k": k, "rows": m, "cublas_ms": cublas_ms, "tiles_now": list(now), "copies": copies}
     row["now_ms"] = timed(lambda: exact_matmul(x, next(cycle)), reps)
+    row["split"] = split_k(k)
+    if row["split"] > 1:  # what the chunks are worth: K walked in one piece (other bits)
+        row["unsplit_ms"] = timed(lambda: exact_matmul(x, next(cycle), split=1), reps)
     wide = x.float()  # a float32 input rounded inside the kernel's loads (the bits of x: x is bfloat16 already)
     row["now_float32_input_ms"] = timed(lambda: exact_matmul(wide, next(cycle)), reps)
     results = []
@@ -119,13 +123,12 @@ def run_shape(name: str, n: int, k: int, m: int, reps: int, cold: bool = False) 
     same = [r for r in results if r.get("same_bits")]
     best = min(same, key=lambda r: r["ms"]) if same else None
     row["best_same_bits"] = best
+    chunks = f"K in {row['split']} chunks (unsplit {row['unsplit_ms']:.4f}) " if row["split"] > 1 else ""
+    best_text = f"best same-bits {best['ms']:.4f} ms {tuple(best['tiles'])}" if best else "no same-bits candidate"
     print(
         f"{name:8s} N={n:6d} K={k:5d} M={m:6d}{f' ({copies} copies)' if copies > 1 else ''}: "
-        f"cuBLAS {cublas_ms:.4f} ms, now {row['now_ms']:.4f} ms {now} "
-        f"(float32 input {row['now_float32_input_ms']:.4f}), "
-        f"best same-bits {best['ms']:.4f} ms {tuple(best['tiles'])}"
-        if best
-        else "no same-bits candidate",
+        f"cuBLAS {cublas_ms:.4f} ms, now {row['now_ms']:.4f} ms {now} {chunks}"
+        f"(float32 input {row['now_float32_input_ms']:.4f}), {best_text}",
         flush=True,
     )
     differ = [tuple(r["tiles"]) for r in results if r.get("same_bits") is False]

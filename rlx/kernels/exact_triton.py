@@ -84,11 +84,12 @@ def _kernels():
         exact_matmul_kernel,
         exact_rms_norm_backward_kernel,
         exact_rms_norm_kernel,
+        exact_split_sum_kernel,
     )
 
     return (
         exact_matmul_kernel, exact_attention_kernel, exact_logprob_kernel, exact_rms_norm_kernel,
-        exact_logprob_backward_kernel, exact_rms_norm_backward_kernel,
+        exact_logprob_backward_kernel, exact_rms_norm_backward_kernel, exact_split_sum_kernel,
     )  # fmt: skip
 
 
@@ -123,16 +124,36 @@ def matmul_tiles(
     return LARGE_TILES
 
 
+SPLIT_CHUNK, SPLIT_MIN_CHUNK, SPLITS = 128, 1024, (4, 2)
+"""`split_k`: K is cut into the most of SPLITS chunks that are multiples of SPLIT_CHUNK (so of every tile's BLOCK_K)
+and at least SPLIT_MIN_CHUNK long. The 0.5B down projection (K 4,864) in 2, the 7B shape's projections (K 3,584) in
+2 and its down projection (18,944) in 4; K 896 (the 0.5B shape's other weights) not at all."""
+_SUM_TILES = (32, 128)
+
+
+def split_k(depth: int) -> int:
+    """How many chunks of K `exact_matmul` sums separately for a weight of `depth` inputs: a function of the weight
+    alone, so a row's bits stay the same in a call of 1 row or 30,000. A decode step's few rows give few tiles, each
+    walking the whole K in order: chunks run as separate programs there (`exact_matmul_kernel`'s GRID_SPLIT)."""
+    for split in SPLITS:
+        chunk = depth // split
+        if depth % (split * SPLIT_CHUNK) == 0 and chunk >= SPLIT_MIN_CHUNK:
+            return split
+    return 1
+
+
 def exact_matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: tuple | None = None,
-    residual: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None, split: int | None = None, grid_split: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in weight's dtype, batch-invariantly (no autograd). x in
     weight's dtype (bfloat16, float16 or float32: IEEE float32 dots, no TF32), or float32 for a bfloat16 / float16
     weight: the kernel rounds x as it loads it, the bits of `x.to(weight.dtype)` without that copy. `tiles`: other
     (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) than `matmul_tiles`' on CUDA (bench/exact_matmul.py). `residual` [M,
     N]: returns `residual + product` in their promoted dtype, the bits of that eager add (one kernel, no product
-    written)."""
+    written). `split`: K's chunks (default `split_k`'s; tests and benchmarks); `grid_split`: the chunks as separate
+    programs and a second kernel summing them (default: for up to DECODE_ROWS rows), else each program walks them all
+    (the same bits either way)."""
     if x.dtype != weight.dtype and x.dtype != torch.float32:
         raise ValueError(f"exact_matmul: x is {x.dtype}, weight {weight.dtype}")
     x, weight = x.contiguous(), weight.contiguous()
@@ -149,14 +170,27 @@ def exact_matmul(
         tiles = matmul_tiles(weight.shape[0], depth, rows, weight.dtype, _multiprocessors(x.device))
     tiles = tiles or _INTERPRETER_TILES
     tile_m, tile_n, tile_k, warps, stages = tiles
-    grid = (_cdiv(rows, tile_m) * _cdiv(weight.shape[0], tile_n),)
-    residual_rows = out if residual is None else residual
-    _kernels()[0][grid](
-        x, weight, out if bias is None else bias.contiguous(), residual_rows, out, rows, weight.shape[0], depth,
-        x.stride(0), weight.stride(0), residual_rows.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_M=tile_m, BLOCK_N=tile_n, BLOCK_K=tile_k, GROUP_M=_GROUP_M, IEEE=x.dtype == torch.float32,
-        EVEN_K=depth % tile_k == 0, HAS_RESIDUAL=residual is not None, num_warps=warps, num_stages=stages,
+    split = split or split_k(depth)
+    chunk = depth // split
+    if depth % split or (split > 1 and chunk % tile_k):
+        raise ValueError(f"exact_matmul: K {depth} does not cut into {split} chunks of whole {tile_k}-column tiles")
+    grid_split = split > 1 and (rows <= DECODE_ROWS if grid_split is None else grid_split)
+    tiles_count, outputs = _cdiv(rows, tile_m) * _cdiv(weight.shape[0], tile_n), weight.shape[0]
+    partials = x.new_empty(split, rows, outputs, dtype=torch.float32) if grid_split else out
+    bias_arg, residual_rows = out if bias is None else bias.contiguous(), out if residual is None else residual
+    flags = {"HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None}
+    _kernels()[0][(tiles_count, split if grid_split else 1)](
+        x, weight, bias_arg, residual_rows, out, partials, rows, outputs, depth, chunk, x.stride(0), weight.stride(0),
+        residual_rows.stride(0), out.stride(0), BLOCK_M=tile_m, BLOCK_N=tile_n, BLOCK_K=tile_k, GROUP_M=_GROUP_M,
+        IEEE=x.dtype == torch.float32, EVEN_K=chunk % tile_k == 0, SPLIT=split, GRID_SPLIT=grid_split,
+        num_warps=warps, num_stages=stages, **flags,
     )  # fmt: skip
+    if grid_split:
+        sum_m, sum_n = (1, 64) if _interpreting() else _SUM_TILES
+        _kernels()[6][(_cdiv(rows, sum_m), _cdiv(outputs, sum_n))](
+            partials, weight, bias_arg, residual_rows, out, rows, outputs, residual_rows.stride(0), out.stride(0),
+            SPLIT=split, BLOCK_M=sum_m, BLOCK_N=sum_n, num_warps=4, **flags,
+        )  # fmt: skip
     return out
 
 

@@ -29,7 +29,8 @@ def test_every_matmul_tile_set_gives_the_same_bits():
 
     torch.manual_seed(0)
     sets = [et.NARROW_TILES, et.SMALL_TILES, et.MEDIUM_TILES, et.LARGE_TILES, (16, 64, 64, 4, 4), (128, 128, 128, 8, 3)]
-    for outputs, depth in ((4864, 896), (896, 4864), (128, 896), (14336, 1024)):
+    # K 4,864 and 3,584 cut into 2 chunks, 18,944 into 4 (`split_k`): 300 rows or fewer sum them in a second kernel
+    for outputs, depth in ((4864, 896), (896, 4864), (128, 896), (14336, 1024), (3584, 3584), (3584, 18944)):
         x = torch.randn(20000, depth, device="cuda").bfloat16()
         w = (torch.randn(outputs, depth, device="cuda") / depth**0.5).bfloat16()
         full = et.exact_matmul(x, w)  # the rule's tiles for 20,000 rows
@@ -39,6 +40,12 @@ def test_every_matmul_tile_set_gives_the_same_bits():
             assert torch.equal(et.exact_matmul(x[-count:], w), full[-count:]), (outputs, depth, count)
     assert et.matmul_tiles(14336, 1024, 20000) == et.LARGE_TILES and et.matmul_tiles(896, 4864, 300) == et.SMALL_TILES
     assert et.matmul_tiles(896, 4864, 64) == et.NARROW_TILES  # the counts above take the narrow tiles too
+    x, bias, residual = torch.randn(3000, 4864, device="cuda"), torch.randn(896, device="cuda"), torch.randn(3000, 896)
+    w = (torch.randn(896, 4864, device="cuda") / 4864**0.5).bfloat16()
+    full = et.exact_matmul(x, w, bias.bfloat16(), residual=residual.cuda())  # float32 x rounded in the loads
+    for count in (1, 64, 300):
+        part = et.exact_matmul(x[-count:], w, bias.bfloat16(), residual=residual[-count:].cuda())
+        assert torch.equal(part, full[-count:]), count
 
 
 def test_triton_kernels_are_batch_invariant_in_bfloat16():

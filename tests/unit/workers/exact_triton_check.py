@@ -29,6 +29,7 @@ from rlx.kernels.exact_triton import (
     exact_rms_norm_pair,
     exact_target_logprobs,
     inverse_temperature,
+    split_k,
 )
 from rlx.kernels.sampling import draw_tokens_triton, picked_logprobs
 from rlx.models.attention import varlen_attention
@@ -57,6 +58,26 @@ def check_matmul() -> None:
         summed = exact_matmul(xs, ws, bs, residual=r)
         assert summed.dtype == torch.float32 and torch.equal(summed, r + exact_matmul(xs, ws, bs)), dtype
         assert torch.equal(exact_matmul(xs[4:7], ws, bs, residual=r[4:7]), summed[4:7]), dtype
+    check_split_matmul()
+
+
+def check_split_matmul() -> None:
+    """K cut into chunks summed in order: a program walking every chunk (many rows) gives the bits of the chunks'
+    programs and the summing kernel (a decode step's few rows), with the bias and the residual alike."""
+    assert (split_k(896), split_k(4864), split_k(3584), split_k(18944), split_k(1000)) == (1, 2, 2, 4, 1)
+    x = torch.randn(9, 256, generator=g).to(DTYPE)
+    w, b = torch.randn(24, 256, generator=g).to(DTYPE), torch.randn(24, generator=g).to(DTYPE)
+    r = torch.randn(9, 24, generator=g)
+    unsplit = exact_matmul(x, w, b)
+    assert not all(torch.equal(exact_matmul(x, w, b, split=n), unsplit) for n in (2, 4))  # the chunks: other bits
+    for split in (2, 4):
+        for extra in ({}, {"residual": r}):
+            walked = exact_matmul(x, w, b, split=split, grid_split=False, **extra)
+            assert torch.equal(exact_matmul(x, w, b, split=split, grid_split=True, **extra), walked), (split, extra)
+            part = {k: v[3:5] for k, v in extra.items()}
+            assert torch.equal(exact_matmul(x[3:5], w, b, split=split, **part), walked[3:5]), (split, extra)
+            whole = F.linear(x.float(), w.float(), b.float()) + extra.get("residual", 0)
+            assert (walked.float() - whole).abs().max() < TOL * 20, (walked.float() - whole).abs().max()
 
 
 LENGTHS = [5, 33, 1, 2, 7, 3, 1, 2, 9, 2, 4, 1, 6, 3, 2, 1, 8]  # 17 sequences, one of 2 key blocks
