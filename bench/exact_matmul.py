@@ -6,7 +6,7 @@
 For every weight shape of the model (the attention projections and their q/k/v stack, the MLP's and its gate/up
 stack, the LM head) and every row count in
 --rows (a decode step's few hundred rows, a train micro-batch's thousands), each candidate tile set
-(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) runs the same bfloat16 inputs as the tiles `matmul_tiles` picks for them.
+(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) runs the same bfloat16 inputs as the tiles `matmul_plan` picks for them.
 "same bits" says whether its output equals theirs bit for bit: exact mode may choose tiles by the number of rows only
 among tiles that do (on an H100 every candidate has, BLOCK_K 32 and 128 included: the kernel's accumulator goes
 through the MMA 16 columns at a time in order, whatever the tile). Times are device times: --reps calls captured in
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlx.kernels.exact_triton import exact_matmul, matmul_tiles, split_k  # noqa: E402
+from rlx.kernels.exact_triton import exact_matmul, matmul_plan, split_k  # noqa: E402
 
 
 def _with_stacks(shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
@@ -102,7 +102,7 @@ def run_shape(name: str, n: int, k: int, m: int, reps: int, cold: bool = False) 
     copies = weight_copies(weight, cold)
     cycle = itertools.cycle([weight] + [weight.clone() for _ in range(copies - 1)])  # each call: the next copy
     cublas_ms = timed(lambda: F.linear(x, next(cycle)), reps)
-    now = matmul_tiles(n, k, m)
+    now, _, grid = matmul_plan(n, k, m)
     row = {"weight": name, "n": n, "k": k, "rows": m, "cublas_ms": cublas_ms, "tiles_now": list(now), "copies": copies}
     row["now_ms"] = timed(lambda: exact_matmul(x, next(cycle)), reps)
     row["split"] = split_k(k)
@@ -123,7 +123,8 @@ def run_shape(name: str, n: int, k: int, m: int, reps: int, cold: bool = False) 
     same = [r for r in results if r.get("same_bits")]
     best = min(same, key=lambda r: r["ms"]) if same else None
     row["best_same_bits"] = best
-    chunks = f"K in {row['split']} chunks (unsplit {row['unsplit_ms']:.4f}) " if row["split"] > 1 else ""
+    ways = "separate programs" if grid else "walked"
+    chunks = f"K in {row['split']} chunks, {ways} (unsplit {row['unsplit_ms']:.4f}) " if row["split"] > 1 else ""
     best_text = f"best same-bits {best['ms']:.4f} ms {tuple(best['tiles'])}" if best else "no same-bits candidate"
     print(
         f"{name:8s} N={n:6d} K={k:5d} M={m:6d}{f' ({copies} copies)' if copies > 1 else ''}: "

@@ -106,24 +106,6 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def matmul_tiles(
-    outputs: int, depth: int, rows: int, dtype: torch.dtype = torch.bfloat16, sms: int = 132
-) -> tuple[int, ...]:
-    """The CUDA tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of `exact_matmul` for `rows` x [depth] inputs and a
-    weight [outputs, depth] of `dtype` on a device of `sms` multiprocessors (the fastest measured; any of them gives
-    the same bits: DECODE_ROWS' note). A weight in another dtype than bfloat16 (float32's IEEE dots, float16: not
-    measured by rows) takes tiles by its width alone."""
-    if dtype != torch.bfloat16:
-        return MEDIUM_TILES if outputs >= IEEE_WIDE_N else SMALL_TILES
-    if rows <= DECODE_ROWS and _cdiv(rows, NARROW_TILES[0]) * _cdiv(outputs, NARROW_TILES[1]) <= sms:
-        return NARROW_TILES
-    if rows <= FEW_ROWS or (rows <= DECODE_ROWS and outputs < WIDE_N):
-        return SMALL_TILES
-    if rows <= DECODE_ROWS or outputs * depth < LARGE_WEIGHT:
-        return MEDIUM_TILES
-    return LARGE_TILES
-
-
 SPLIT_CHUNK, SPLIT_MIN_CHUNK, SPLITS = 128, 1024, (4, 2)
 """`split_k`: K is cut into the most of SPLITS chunks that are multiples of SPLIT_CHUNK (so of every tile's BLOCK_K)
 and at least SPLIT_MIN_CHUNK long. The 0.5B down projection (K 4,864) in 2, the 7B shape's projections (K 3,584) in
@@ -142,6 +124,58 @@ def split_k(depth: int) -> int:
     return 1
 
 
+SPLIT_SMALL_TILES, SPLIT_WIDE_TILES, SPLIT_WIDE_CHUNK = (64, 64, 64, 4, 5), (128, 256, 64, 8, 3), 4096
+"""A decode step's matmul of a weight whose K `split_k` cuts (bench/exact_matmul.py --cold, one H200, seventeenth
+session): the chunks run as separate programs with the tiles of NARROW_TILES, SPLIT_SMALL_TILES or (more than
+FEW_ROWS rows, chunks of SPLIT_WIDE_CHUNK or more) SPLIT_WIDE_TILES whose programs, tiles times chunks, number most
+within twice the SMs: the 0.5B down projection at 256 rows 14.1 us against 18.5 unsplit, the 7B one at 64 rows 42.6
+against 69.7 and at 256 rows 70.1 against 94.7, the 7B q/o at 64 rows 13.8 against 15.8. Where none fits (the wide
+gate/up), a program walks the chunks in turn: no partials, the unsplit call's programs."""
+SPLIT_LARGE_TILES = (128, 128, 128, 8, 3)
+"""Tiles for a call of more than DECODE_ROWS rows against a weight whose K is cut: a program walking the chunks keeps
+two float32 accumulators, which LARGE_TILES' 256 x 128 cannot hold in registers (the 0.5B down projection at 16,384
+rows 0.272 ms against MEDIUM_TILES' 0.297)."""
+
+
+def matmul_plan(
+    outputs: int, depth: int, rows: int, dtype: torch.dtype = torch.bfloat16, sms: int = 132
+) -> tuple[tuple[int, ...], int, bool]:
+    """(tiles, K's chunks, whether the chunks run as separate programs) of `exact_matmul` on CUDA for `rows` x [depth]
+    inputs and a weight [outputs, depth] of `dtype` on a device of `sms` multiprocessors: `split_k`'s chunks (the
+    weight's alone), tiles and grid by speed (none of those changes a bit: DECODE_ROWS' and `split_k`'s notes)."""
+    split = split_k(depth)
+    if split > 1 and dtype == torch.bfloat16 and rows <= DECODE_ROWS:
+        candidates = [NARROW_TILES, SPLIT_SMALL_TILES]
+        if rows > FEW_ROWS and depth // split >= SPLIT_WIDE_CHUNK:
+            candidates.append(SPLIT_WIDE_TILES)
+        programs = {t: _cdiv(rows, t[0]) * _cdiv(outputs, t[1]) * split for t in candidates}
+        fitting = [t for t in candidates if programs[t] <= 2 * sms]
+        if fitting:
+            return max(fitting, key=programs.get), split, True
+    tiles = matmul_tiles(outputs, depth, rows, dtype, sms)
+    if split > 1 and (tiles == LARGE_TILES or tiles == MEDIUM_TILES and rows > DECODE_ROWS):
+        tiles = SPLIT_LARGE_TILES
+    return tiles, split, False
+
+
+def matmul_tiles(
+    outputs: int, depth: int, rows: int, dtype: torch.dtype = torch.bfloat16, sms: int = 132
+) -> tuple[int, ...]:
+    """The CUDA tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of `exact_matmul` for `rows` x [depth] inputs and a
+    weight [outputs, depth] of `dtype` on a device of `sms` multiprocessors, K in one piece (the fastest measured;
+    any of them gives the same bits: DECODE_ROWS' note; `matmul_plan` for a K cut in chunks). A weight in another
+    dtype than bfloat16 (float32's IEEE dots, float16: not measured by rows) takes tiles by its width alone."""
+    if dtype != torch.bfloat16:
+        return MEDIUM_TILES if outputs >= IEEE_WIDE_N else SMALL_TILES
+    if rows <= DECODE_ROWS and _cdiv(rows, NARROW_TILES[0]) * _cdiv(outputs, NARROW_TILES[1]) <= sms:
+        return NARROW_TILES
+    if rows <= FEW_ROWS or (rows <= DECODE_ROWS and outputs < WIDE_N):
+        return SMALL_TILES
+    if rows <= DECODE_ROWS or outputs * depth < LARGE_WEIGHT:
+        return MEDIUM_TILES
+    return LARGE_TILES
+
+
 def exact_matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: tuple | None = None,
     residual: torch.Tensor | None = None, split: int | None = None, grid_split: bool | None = None,
@@ -149,11 +183,11 @@ def exact_matmul(
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in weight's dtype, batch-invariantly (no autograd). x in
     weight's dtype (bfloat16, float16 or float32: IEEE float32 dots, no TF32), or float32 for a bfloat16 / float16
     weight: the kernel rounds x as it loads it, the bits of `x.to(weight.dtype)` without that copy. `tiles`: other
-    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) than `matmul_tiles`' on CUDA (bench/exact_matmul.py). `residual` [M,
+    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) than `matmul_plan`'s on CUDA (bench/exact_matmul.py). `residual` [M,
     N]: returns `residual + product` in their promoted dtype, the bits of that eager add (one kernel, no product
     written). `split`: K's chunks (default `split_k`'s; tests and benchmarks); `grid_split`: the chunks as separate
-    programs and a second kernel summing them (default: for up to DECODE_ROWS rows), else each program walks them all
-    (the same bits either way)."""
+    programs and a second kernel summing them, else each program walks them all (the same bits either way; default:
+    `matmul_plan`'s, with given tiles where the programs number at most twice the SMs at up to DECODE_ROWS rows)."""
     if x.dtype != weight.dtype and x.dtype != torch.float32:
         raise ValueError(f"exact_matmul: x is {x.dtype}, weight {weight.dtype}")
     x, weight = x.contiguous(), weight.contiguous()
@@ -166,16 +200,20 @@ def exact_matmul(
     out = x.new_empty(rows, weight.shape[0], dtype=dtype)
     if rows == 0:
         return out
-    if tiles is None and x.device.type == "cuda":
-        tiles = matmul_tiles(weight.shape[0], depth, rows, weight.dtype, _multiprocessors(x.device))
-    tiles = tiles or _INTERPRETER_TILES
-    tile_m, tile_n, tile_k, warps, stages = tiles
+    sms, outputs = _multiprocessors(x.device) if x.device.type == "cuda" else 132, weight.shape[0]
+    if tiles is None and x.device.type == "cuda" and split is None:
+        tiles, split, planned = matmul_plan(outputs, depth, rows, weight.dtype, sms)
+        grid_split = planned if grid_split is None else grid_split
+    tiles = tiles or matmul_tiles(outputs, depth, rows, weight.dtype, sms) if x.device.type == "cuda" else tiles
+    tile_m, tile_n, tile_k, warps, stages = tiles or _INTERPRETER_TILES
     split = split or split_k(depth)
     chunk = depth // split
     if depth % split or (split > 1 and chunk % tile_k):
         raise ValueError(f"exact_matmul: K {depth} does not cut into {split} chunks of whole {tile_k}-column tiles")
-    grid_split = split > 1 and (rows <= DECODE_ROWS if grid_split is None else grid_split)
-    tiles_count, outputs = _cdiv(rows, tile_m) * _cdiv(weight.shape[0], tile_n), weight.shape[0]
+    tiles_count = _cdiv(rows, tile_m) * _cdiv(outputs, tile_n)
+    if grid_split is None:
+        grid_split = rows <= DECODE_ROWS and tiles_count * split <= 2 * sms
+    grid_split = grid_split and split > 1
     partials = x.new_empty(split, rows, outputs, dtype=torch.float32) if grid_split else out
     bias_arg, residual_rows = out if bias is None else bias.contiguous(), out if residual is None else residual
     flags = {"HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None}

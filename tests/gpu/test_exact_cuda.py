@@ -28,7 +28,8 @@ def test_every_matmul_tile_set_gives_the_same_bits():
     from rlx.kernels import exact_triton as et
 
     torch.manual_seed(0)
-    sets = [et.NARROW_TILES, et.SMALL_TILES, et.MEDIUM_TILES, et.LARGE_TILES, (16, 64, 64, 4, 4), (128, 128, 128, 8, 3)]
+    sets = [et.NARROW_TILES, et.SMALL_TILES, et.MEDIUM_TILES, et.LARGE_TILES, (16, 64, 64, 4, 4), et.SPLIT_LARGE_TILES,
+            et.SPLIT_SMALL_TILES, et.SPLIT_WIDE_TILES]  # fmt: skip
     # K 4,864 and 3,584 cut into 2 chunks, 18,944 into 4 (`split_k`): 300 rows or fewer sum them in a second kernel
     for outputs, depth in ((4864, 896), (896, 4864), (128, 896), (14336, 1024), (3584, 3584), (3584, 18944)):
         x = torch.randn(20000, depth, device="cuda").bfloat16()

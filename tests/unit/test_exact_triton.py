@@ -327,6 +327,25 @@ def test_matmul_tiles_follow_the_rows_in_bfloat16_and_the_width_alone_otherwise(
         assert et.matmul_tiles(4864, 896, rows, torch.float16) == et.MEDIUM_TILES
 
 
+def test_matmul_plan_splits_long_k_at_decode_rows_into_programs_that_fit_the_device():
+    """A weight whose K `split_k` cuts: at a decode step's rows the chunks run as separate programs where some tile
+    set's programs fit twice the SMs (the one with the most), else (and at train rows) a program walks them, with
+    tiles that hold two accumulators; K 896 is never cut."""
+    import torch
+
+    from rlx.kernels import exact_triton as et
+
+    assert et.matmul_plan(896, 4864, 256) == (et.NARROW_TILES, 2, True)  # 4 x 28 tiles x 2 chunks = 224 programs
+    assert et.matmul_plan(3584, 18944, 64) == (et.SPLIT_SMALL_TILES, 4, True)  # narrow: 448 programs, too many
+    assert et.matmul_plan(3584, 18944, 256) == (et.SPLIT_WIDE_TILES, 4, True)
+    assert et.matmul_plan(3584, 3584, 256) == (et.SMALL_TILES, 2, False)  # none fits: walked
+    assert et.matmul_plan(18944, 3584, 64) == (et.SMALL_TILES, 2, False)
+    assert et.matmul_plan(896, 4864, 16384) == (et.SPLIT_LARGE_TILES, 2, False)
+    assert et.matmul_plan(3584, 3584, 16384) == (et.SPLIT_LARGE_TILES, 2, False)
+    assert et.matmul_plan(4864, 896, 256) == (et.matmul_tiles(4864, 896, 256), 1, False)
+    assert et.matmul_plan(896, 4864, 256, torch.float32) == (et.SMALL_TILES, 2, False)
+
+
 def _linear(x, weight, bias=None, residual=None):
     """`exact_linear`'s contract in PyTorch (the residual added after the product, as eager)."""
     import torch
