@@ -51,6 +51,10 @@ projections, its k/v): narrower tiles, more programs, a longer K slice. bench/ex
 in a CUDA graph, bench/RESULTS.md "Exact", fifteenth session): the 0.5B down projection at 256 rows 12.7 us against
 SMALL_TILES' 14.8, the 7B one at 64 rows 73.7 against 89.9, each with the same bits as every other set; slower where
 the tiles outnumber the SMs (the 0.5B gate/up at 64 rows, 5.6 against 4.7 us)."""
+DECODE_WIDE_TILES, DECODE_WIDE_N = (64, 128, 64, 4, 3), 8192
+"""More than FEW_ROWS rows, up to DECODE_ROWS, against DECODE_WIDE_N to WIDE_N outputs: the 0.5B shape's gate/up
+stack at 256 rows 13.7-13.9 us against SMALL_TILES' 15.6 (bench/exact_matmul.py --cold, one H200, seventeenth
+session, two calls)."""
 MEDIUM_TILES, LARGE_TILES = (128, 128, 64, 8, 3), (256, 128, 64, 8, 3)
 """More rows: 128 x 128 tiles; 256 x 128 where the weight has LARGE_WEIGHT elements or more (the 7B shape's
 projections, an LM head), where they were fastest (bench/exact_matmul.py on an H100, bench/RESULTS.md, "Exact")."""
@@ -113,6 +117,20 @@ and at least SPLIT_MIN_CHUNK long. The 0.5B down projection (K 4,864) in 2, the 
 _SUM_TILES = (32, 128)
 
 
+_COUNTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _tile_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """int32 zeros counting each tile's finished chunks in a fused-sum grid split (each call leaves them zero: its
+    last program resets its tile's count), grown where a call has more tiles: one buffer a stream (the calls on one
+    stream run one after another; an engine's CUDA graphs keep their capture stream's, which no other work uses)."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    counts = _COUNTS.get(key)
+    if counts is None or counts.numel() < tiles:
+        counts = _COUNTS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return counts
+
+
 def split_k(depth: int) -> int:
     """How many chunks of K `exact_matmul` sums separately for a weight of `depth` inputs: a function of the weight
     alone, so a row's bits stay the same in a call of 1 row or 30,000. A decode step's few rows give few tiles, each
@@ -132,9 +150,9 @@ within twice the SMs: the 0.5B down projection at 256 rows 14.1 us against 18.5 
 against 69.7 and at 256 rows 70.1 against 94.7, the 7B q/o at 64 rows 13.8 against 15.8. Where none fits (the wide
 gate/up), a program walks the chunks in turn: no partials, the unsplit call's programs."""
 SPLIT_LARGE_TILES = (128, 128, 128, 8, 3)
-"""Tiles for a call of more than DECODE_ROWS rows against a weight whose K is cut: a program walking the chunks keeps
+"""Tiles for MEDIUM_TILES' and LARGE_TILES' calls against a weight whose K is cut, its chunks walked: a program keeps
 two float32 accumulators, which LARGE_TILES' 256 x 128 cannot hold in registers (the 0.5B down projection at 16,384
-rows 0.272 ms against MEDIUM_TILES' 0.297)."""
+rows 0.272 ms against MEDIUM_TILES' 0.297; the 7B gate/up stack at 256 rows 0.149 against 0.176)."""
 
 
 def matmul_plan(
@@ -153,7 +171,7 @@ def matmul_plan(
         if fitting:
             return max(fitting, key=programs.get), split, True
     tiles = matmul_tiles(outputs, depth, rows, dtype, sms)
-    if split > 1 and (tiles == LARGE_TILES or tiles == MEDIUM_TILES and rows > DECODE_ROWS):
+    if split > 1 and tiles in (LARGE_TILES, MEDIUM_TILES):
         tiles = SPLIT_LARGE_TILES
     return tiles, split, False
 
@@ -169,6 +187,8 @@ def matmul_tiles(
         return MEDIUM_TILES if outputs >= IEEE_WIDE_N else SMALL_TILES
     if rows <= DECODE_ROWS and _cdiv(rows, NARROW_TILES[0]) * _cdiv(outputs, NARROW_TILES[1]) <= sms:
         return NARROW_TILES
+    if FEW_ROWS < rows <= DECODE_ROWS and DECODE_WIDE_N <= outputs < WIDE_N:
+        return DECODE_WIDE_TILES
     if rows <= FEW_ROWS or (rows <= DECODE_ROWS and outputs < WIDE_N):
         return SMALL_TILES
     if rows <= DECODE_ROWS or outputs * depth < LARGE_WEIGHT:
@@ -179,6 +199,7 @@ def matmul_tiles(
 def exact_matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: tuple | None = None,
     residual: torch.Tensor | None = None, split: int | None = None, grid_split: bool | None = None,
+    fused_sum: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in weight's dtype, batch-invariantly (no autograd). x in
     weight's dtype (bfloat16, float16 or float32: IEEE float32 dots, no TF32), or float32 for a bfloat16 / float16
@@ -187,7 +208,8 @@ def exact_matmul(
     N]: returns `residual + product` in their promoted dtype, the bits of that eager add (one kernel, no product
     written). `split`: K's chunks (default `split_k`'s; tests and benchmarks); `grid_split`: the chunks as separate
     programs and a second kernel summing them, else each program walks them all (the same bits either way; default:
-    `matmul_plan`'s, with given tiles where the programs number at most twice the SMs at up to DECODE_ROWS rows)."""
+    `matmul_plan`'s, with given tiles where the programs number at most twice the SMs at up to DECODE_ROWS rows);
+    `fused_sum`: a tile's last chunk program sums them (else a second kernel; the same bits)."""
     if x.dtype != weight.dtype and x.dtype != torch.float32:
         raise ValueError(f"exact_matmul: x is {x.dtype}, weight {weight.dtype}")
     x, weight = x.contiguous(), weight.contiguous()
@@ -215,15 +237,17 @@ def exact_matmul(
         grid_split = rows <= DECODE_ROWS and tiles_count * split <= 2 * sms
     grid_split = grid_split and split > 1
     partials = x.new_empty(split, rows, outputs, dtype=torch.float32) if grid_split else out
+    fused = grid_split and fused_sum
+    counts = _tile_counts(x.device, tiles_count) if fused else partials
     bias_arg, residual_rows = out if bias is None else bias.contiguous(), out if residual is None else residual
     flags = {"HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None}
     _kernels()[0][(tiles_count, split if grid_split else 1)](
-        x, weight, bias_arg, residual_rows, out, partials, rows, outputs, depth, chunk, x.stride(0), weight.stride(0),
-        residual_rows.stride(0), out.stride(0), BLOCK_M=tile_m, BLOCK_N=tile_n, BLOCK_K=tile_k, GROUP_M=_GROUP_M,
-        IEEE=x.dtype == torch.float32, EVEN_K=chunk % tile_k == 0, SPLIT=split, GRID_SPLIT=grid_split,
-        num_warps=warps, num_stages=stages, **flags,
+        x, weight, bias_arg, residual_rows, out, partials, counts, rows, outputs, depth, chunk, x.stride(0),
+        weight.stride(0), residual_rows.stride(0), out.stride(0), BLOCK_M=tile_m, BLOCK_N=tile_n, BLOCK_K=tile_k,
+        GROUP_M=_GROUP_M, IEEE=x.dtype == torch.float32, EVEN_K=chunk % tile_k == 0, SPLIT=split,
+        GRID_SPLIT=grid_split, FUSED_SUM=fused, num_warps=warps, num_stages=stages, **flags,
     )  # fmt: skip
-    if grid_split:
+    if grid_split and not fused:
         sum_m, sum_n = (1, 64) if _interpreting() else _SUM_TILES
         _kernels()[6][(_cdiv(rows, sum_m), _cdiv(outputs, sum_n))](
             partials, weight, bias_arg, residual_rows, out, rows, outputs, residual_rows.stride(0), out.stride(0),

@@ -12,17 +12,19 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["M"])
 def exact_matmul_kernel(
-    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, p_ptr, M, N, K, chunk_k, stride_xm, stride_wn, stride_rm, stride_om,
+    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, p_ptr, c_ptr, M, N, K, chunk_k, stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    SPLIT: tl.constexpr, GRID_SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, GRID_SPLIT: tl.constexpr, FUSED_SUM: tl.constexpr,
 ):  # fmt: skip
     """out [M, N] = x [M, K] @ w[N, K].T (+ b [N]): one BLOCK_M x BLOCK_N tile per program. K is cut into SPLIT
     chunks of chunk_k (SPLIT fixed by the weight's K alone, never by M); each chunk's K slices are taken in order
     into a float32 accumulator starting at zero, and the chunks' sums are added in order, chunk 0 first. Either the
     program walks all the chunks (SPLIT 1: the whole K in order, no split) or (GRID_SPLIT: few rows, more programs
     than the tiles alone) program (tile, c) writes chunk c's sum to the float32 partials p [SPLIT, M, N] and
-    `exact_split_sum_kernel` adds them in the same order: the same float32 additions, the same bits. Then the bias
+    `exact_split_sum_kernel` adds them in the same order: the same float32 additions, the same bits (FUSED_SUM: the
+    tile's last program to count itself done in c [tiles], int32 zeros, adds them instead, and zeroes its count:
+    no second kernel). Then the bias
     added in float32, one rounding to out's dtype (`_matmul_epilogue`). x in w's dtype, or float32 for a
     lower-precision w (each element rounded to w's dtype as it is loaded). M is not specialised on (a call of 1 row
     and one of 4,096 compile the same code); tiles grouped GROUP_M along M so the programs sharing a weight tile run
@@ -46,8 +48,19 @@ def exact_matmul_kernel(
         part = tl.program_id(1)
         acc = _k_chunk(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, part * chunk_k, part * chunk_k + chunk_k, K,
                        stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, EVEN_K)  # fmt: skip
-        rows = part.to(tl.int64) * M + offs_m
-        tl.store(p_ptr + rows[:, None] * N + offs_n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
+        mask = m_mask[:, None] & n_mask[None, :]
+        tl.store(p_ptr + (part * M + offs_m)[:, None] * N + offs_n[None, :], acc, mask=mask)
+        if FUSED_SUM:  # the tile's last chunk to finish sums them all (in chunk order, whichever came last)
+            tl.debug_barrier()  # every thread's partial stored before the count
+            done = tl.atomic_add(c_ptr + pid, 1, sem="acq_rel")
+            if done == SPLIT - 1:
+                acc = tl.load(p_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+                for other in tl.static_range(1, SPLIT):
+                    acc += tl.load(p_ptr + (other * M + offs_m)[:, None] * N + offs_n[None, :], mask=mask, other=0.0,
+                                   cache_modifier=".cg")  # fmt: skip
+                _matmul_epilogue(acc, w_ptr, b_ptr, r_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_rm,
+                                 stride_om, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
+                tl.atomic_xchg(c_ptr + pid, 0)  # the counter back to zero for the next call
     else:
         acc = _k_chunk(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, 0, chunk_k, K, stride_xm, stride_wn, BLOCK_M,
                        BLOCK_N, BLOCK_K, IEEE, EVEN_K)  # fmt: skip

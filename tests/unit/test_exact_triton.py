@@ -343,6 +343,8 @@ def test_matmul_plan_splits_long_k_at_decode_rows_into_programs_that_fit_the_dev
     assert et.matmul_plan(896, 4864, 16384) == (et.SPLIT_LARGE_TILES, 2, False)
     assert et.matmul_plan(3584, 3584, 16384) == (et.SPLIT_LARGE_TILES, 2, False)
     assert et.matmul_plan(4864, 896, 256) == (et.matmul_tiles(4864, 896, 256), 1, False)
+    assert et.matmul_plan(18944, 3584, 256) == (et.SPLIT_LARGE_TILES, 2, False)  # medium tiles, walked
+    assert et.matmul_tiles(9728, 896, 256) == et.DECODE_WIDE_TILES and et.matmul_tiles(9728, 896, 64) == et.SMALL_TILES
     assert et.matmul_plan(896, 4864, 256, torch.float32) == (et.SMALL_TILES, 2, False)
 
 

@@ -18,6 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from rlx.kernels import exact_triton
 from rlx.kernels.exact import blocked_attention, key_slots
 from rlx.kernels.exact_triton import (
     exact_attention,
@@ -70,12 +71,16 @@ def check_split_matmul() -> None:
     r = torch.randn(9, 24, generator=g)
     unsplit = exact_matmul(x, w, b)
     assert not all(torch.equal(exact_matmul(x, w, b, split=n), unsplit) for n in (2, 4))  # the chunks: other bits
+    counts = exact_triton._COUNTS
     for split in (2, 4):
         for extra in ({}, {"residual": r}):
             walked = exact_matmul(x, w, b, split=split, grid_split=False, **extra)
             assert torch.equal(exact_matmul(x, w, b, split=split, grid_split=True, **extra), walked), (split, extra)
+            summed = exact_matmul(x, w, b, split=split, grid_split=True, fused_sum=False, **extra)  # a second kernel
+            assert torch.equal(summed, walked), (split, extra)
             part = {k: v[3:5] for k, v in extra.items()}
             assert torch.equal(exact_matmul(x[3:5], w, b, split=split, **part), walked[3:5]), (split, extra)
+            assert counts and not any(c.any() for c in counts.values())  # every tile's count back to zero
             whole = F.linear(x.float(), w.float(), b.float()) + extra.get("residual", 0)
             assert (walked.float() - whole).abs().max() < TOL * 20, (walked.float() - whole).abs().max()
 
