@@ -32,6 +32,7 @@ import functools
 import importlib.util
 import math
 import os
+import types
 from collections.abc import Callable
 
 import torch
@@ -80,21 +81,11 @@ def _interpreting() -> bool:
 
 
 @functools.cache
-def _kernels():
-    from rlx.kernels.exact_triton_kernels import (
-        exact_attention_kernel,
-        exact_logprob_backward_kernel,
-        exact_logprob_kernel,
-        exact_matmul_kernel,
-        exact_rms_norm_backward_kernel,
-        exact_rms_norm_kernel,
-        exact_split_sum_kernel,
-    )
+def _kernels() -> types.ModuleType:
+    """rlx/kernels/exact_triton_kernels.py, imported on first use."""
+    from rlx.kernels import exact_triton_kernels
 
-    return (
-        exact_matmul_kernel, exact_attention_kernel, exact_logprob_kernel, exact_rms_norm_kernel,
-        exact_logprob_backward_kernel, exact_rms_norm_backward_kernel, exact_split_sum_kernel,
-    )  # fmt: skip
+    return exact_triton_kernels
 
 
 def _next_pow2(n: int) -> int:
@@ -241,7 +232,7 @@ def exact_matmul(
     counts = _tile_counts(x.device, tiles_count) if fused else partials
     bias_arg, residual_rows = out if bias is None else bias.contiguous(), out if residual is None else residual
     flags = {"HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None}
-    _kernels()[0][(tiles_count, split if grid_split else 1)](
+    _kernels().exact_matmul_kernel[(tiles_count, split if grid_split else 1)](
         x, weight, bias_arg, residual_rows, out, partials, counts, rows, outputs, depth, chunk, x.stride(0),
         weight.stride(0), residual_rows.stride(0), out.stride(0), BLOCK_M=tile_m, BLOCK_N=tile_n, BLOCK_K=tile_k,
         GROUP_M=_GROUP_M, IEEE=x.dtype == torch.float32, EVEN_K=chunk % tile_k == 0, SPLIT=split,
@@ -249,7 +240,7 @@ def exact_matmul(
     )  # fmt: skip
     if grid_split and not fused:
         sum_m, sum_n = (1, 64) if _interpreting() else _SUM_TILES
-        _kernels()[6][(_cdiv(rows, sum_m), _cdiv(outputs, sum_n))](
+        _kernels().exact_split_sum_kernel[(_cdiv(rows, sum_m), _cdiv(outputs, sum_n))](
             partials, weight, bias_arg, residual_rows, out, rows, outputs, residual_rows.stride(0), out.stride(0),
             SPLIT=split, BLOCK_M=sum_m, BLOCK_N=sum_n, num_warps=4, **flags,
         )  # fmt: skip
@@ -334,7 +325,7 @@ def exact_attention(
         tables, token_rows, token_starts = lengths, lengths, starts.long().contiguous()
         block_size, strides = 1, (0, *k_store.stride()[:2], 0, *v_store.stride()[:2])
         bound = int(lengths.max()) if _interpreting() else 0  # a host sync only under the interpreter
-    _kernels()[1][(n, kv_heads)](
+    _kernels().exact_attention_kernel[(n, kv_heads)](
         q, k_store, v_store, out, lengths, token_rows, token_starts, tables, new_k, new_v, slots,
         scale * math.log2(math.e), q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1), tables.stride(0),
         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
@@ -411,28 +402,14 @@ def exact_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probability of each target [R], entropy [R] or None), float32, of logits [R, V] (any float dtype) divided
     by `temperature` inside the kernels (times its float32 reciprocal, as PyTorch's CUDA `logits.float() /
-    temperature`: no float32 copy of the logits) and targets [R], batch-invariantly (no autograd). The logprob is the
-    sampler's own (`picked_logprobs` of the draw kernels' log-normaliser: rlx/kernels/sampling.py), so the engine
-    that drew a token and the trainer get its bits from the same kernels; the entropy (need not match) from
-    `exact_logprob_kernel`."""
+    temperature`: no float32 copy of the logits) and targets [R], batch-invariantly (no autograd): the sampler's own
+    (`picked_logprobs` of the draw kernels' log-normaliser, rlx/kernels/sampling.py), so the engine that drew a
+    token and the trainer get its bits from the same kernels, and the entropy from the same pass."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    rows, vocab = logits.shape
+    rows = logits.shape[0]
     inverse = inverse_temperature(temperature)
-    if not rows:
-        return logits.new_zeros(0, dtype=torch.float32), logits.new_zeros(
-            0, dtype=torch.float32
-        ) if with_entropy else None
-    lse = draw_tokens_triton(logits, torch.zeros(rows, device=logits.device), inverse)[2]
-    picked = picked_logprobs(logits, targets, inverse, lse)
-    if not with_entropy:
-        return picked, None
-    entropy = torch.empty_like(picked)
-    block = _VOCAB_BLOCK if logits.device.type == "cuda" else _INTERPRETER_VOCAB_BLOCK
-    _kernels()[2][(rows,)](
-        logits, targets.long().contiguous(), torch.empty_like(picked), entropy, logits.stride(0), vocab, inverse,
-        BLOCK_V=block, WITH_ENTROPY=True, num_warps=4,
-    )  # fmt: skip
-    return picked, entropy
+    _, _, lse, entropy = draw_tokens_triton(logits, torch.zeros(rows, device=logits.device), inverse)
+    return picked_logprobs(logits, targets, inverse, lse), entropy if with_entropy else None
 
 
 def inverse_temperature(temperature: float) -> float:
@@ -458,7 +435,7 @@ class _ExactTargetLogprobs(torch.autograd.Function):
             picked = grad_picked.float().contiguous()
             entropy = grad_entropy.float().contiguous() if with_entropy else picked
             block = _VOCAB_BLOCK if rows.device.type == "cuda" else _INTERPRETER_VOCAB_BLOCK
-            _kernels()[4][(rows.shape[0],)](
+            _kernels().exact_logprob_backward_kernel[(rows.shape[0],)](
                 rows, targets.long().contiguous(), picked, entropy, grad, rows.stride(0), grad.stride(0),
                 rows.shape[1], inverse_temperature(ctx.temperature), BLOCK_V=block, WITH_ENTROPY=with_entropy,
                 num_warps=4,
@@ -498,7 +475,7 @@ class _ExactRmsNorm(torch.autograd.Function):
         low = torch.empty(rows.shape if low_dtype else (0,), dtype=low_dtype or out.dtype, device=x.device)
         low_arg = low if low_dtype else out  # the kernel writes no low copy without LOW: any pointer of out's rows
         if rows.shape[0]:
-            _kernels()[3][(rows.shape[0],)](
+            _kernels().exact_rms_norm_kernel[(rows.shape[0],)](
                 rows, weight.contiguous(), out, low_arg, rows.stride(0), out.stride(0), low_arg.stride(0),
                 rows.shape[1], eps, BLOCK=_next_pow2(rows.shape[1]), LOW=low_dtype is not None,
                 num_warps=4 if rows.shape[1] <= 4096 else 8,
@@ -549,7 +526,7 @@ def rms_norm_backward(
     grad_x = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if need_x else None
     partials = torch.empty(programs, width, dtype=torch.float32, device=x.device) if need_w else None
     if programs and (need_x or need_w):
-        _kernels()[5][(programs,)](
+        _kernels().exact_rms_norm_backward_kernel[(programs,)](
             rows, weight.contiguous(), grads, rows if grad_x is None else grad_x,
             rows if partials is None else partials, rows.stride(0), grads.stride(0),
             width if grad_x is None else grad_x.stride(0), count, width, per_program, eps,

@@ -220,40 +220,6 @@ def exact_attention_kernel(
 
 
 @triton.jit
-def exact_logprob_kernel(
-    x_ptr, t_ptr, logp_ptr, ent_ptr, stride_x, V, inv_t, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr
-):  # fmt: skip
-    """One program per row of x [R, V] (the logits, any float dtype): the log-probability of the row's target t [R]
-    and (WITH_ENTROPY) the row's entropy, of z = float32(x) * inv_t (inv_t the float32 reciprocal of the
-    temperature: what PyTorch's CUDA `x.float() / t` computes). Two passes over the row in BLOCK_V chunks taken in
-    order: the max, then per-lane sums of exp(z - max) (and of exp(z - max) * (z - max)), reduced by one tl.sum at
-    the end; logprob = (z[t] - max) - log(sum). The same arithmetic for a row whatever the other rows are."""
-    row = tl.program_id(0).to(tl.int64)
-    base = x_ptr + row * stride_x
-    offs = tl.arange(0, BLOCK_V)
-    lane_max = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
-    for first in range(0, V, BLOCK_V):
-        z = tl.load(base + first + offs, mask=first + offs < V, other=float("-inf")).to(tl.float32) * inv_t
-        lane_max = tl.maximum(lane_max, z)
-    top = tl.max(lane_max, 0)
-    sums = tl.zeros([BLOCK_V], dtype=tl.float32)
-    weighted = tl.zeros([BLOCK_V], dtype=tl.float32)
-    for first in range(0, V, BLOCK_V):
-        mask = first + offs < V
-        shifted = tl.load(base + first + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t - top
-        p = tl.exp(shifted)
-        sums += p
-        if WITH_ENTROPY:
-            weighted += p * tl.where(mask, shifted, 0.0)  # masked lanes: 0 * 0, not 0 * -inf
-    total = tl.sum(sums, 0)
-    log_total = tl.log(total)
-    picked = tl.load(base + tl.load(t_ptr + row)).to(tl.float32) * inv_t
-    tl.store(logp_ptr + row, (picked - top) - log_total)
-    if WITH_ENTROPY:
-        tl.store(ent_ptr + row, log_total - tl.sum(weighted, 0) / total)
-
-
-@triton.jit
 def exact_rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, low_ptr, stride_x, stride_o, stride_l, N, eps, BLOCK: tl.constexpr, LOW: tl.constexpr
 ):  # fmt: skip
@@ -318,8 +284,9 @@ def exact_logprob_backward_kernel(
     x_ptr, t_ptr, gp_ptr, ge_ptr, grad_ptr, stride_x, stride_g, V, inv_t,
     BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
 ):  # fmt: skip
-    """The gradient of `exact_logprob_kernel`'s outputs with respect to the logits, one program per row of x [R, V]
-    (the logits before the temperature, any float dtype): z = x / T, p = softmax(z), and
+    """The gradient of exact mode's logprobs and entropy (rlx/kernels/sampling.py's draw kernels) with respect to the
+    logits, one program per row of x [R, V] (the logits before the temperature, any float dtype): z = x / T,
+    p = softmax(z), and
     dx = (gp * (onehot(t) - p) - ge * p * (log p + H)) / T for the row's upstream gradients gp (logprob) and ge
     (entropy), written in grad's dtype. Two passes for the statistics and one to write: the gradient needs no batch
     invariance, only the row's own float32 arithmetic."""

@@ -5,9 +5,9 @@ the first token t with cumsum(exp(x - max))[t] > u * sum(exp(x - max)) (the floa
 `searchsorted(cdf, u * cdf[-1], right=True)`), the row's first argmax, and its logsumexp, in float32:
 
 - `_slice_kernel`, a program per row and vocabulary slice of SLICE tokens: the slice's max, its sum of
-  exp(x - max) and its first argmax;
-- `_pick_kernel`, a program per row: the row's max, argmax and normaliser from its slices; the slice in which the
-  cumulative sum passes the target; then a scan of that slice alone for the token.
+  exp(x - max) and of exp(x - max) * (x - max), and its first argmax;
+- `_pick_kernel`, a program per row: the row's max, argmax, normaliser and entropy from its slices; the slice in
+  which the cumulative sum passes the target; then a scan of that slice alone for the token.
 
 So a decode step reads its logits about once, spread over every multiprocessor, where one program per row read
 them twice (at 16 rows: 16 programs over 151,936 tokens each). A row's result depends on that row only (the
@@ -34,7 +34,9 @@ def _kernels() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def _slice_kernel(x_ptr, m_ptr, s_ptr, a_ptr, scale, vocab, stride_x, SLICE: tl.constexpr, PAD: tl.constexpr):
+    def _slice_kernel(
+        x_ptr, m_ptr, s_ptr, a_ptr, w_ptr, scale, vocab, stride_x, SLICE: tl.constexpr, PAD: tl.constexpr
+    ):  # fmt: skip
         row, part = tl.program_id(0), tl.program_id(1)
         offs = part * SLICE + tl.arange(0, SLICE)
         x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < vocab, other=float("-inf"))
@@ -42,13 +44,15 @@ def _kernels() -> Any:
         m = tl.max(x, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         out = row * PAD + part
+        p = tl.exp(x - m_safe)
         tl.store(m_ptr + out, m)
-        tl.store(s_ptr + out, tl.sum(tl.exp(x - m_safe), 0))
+        tl.store(s_ptr + out, tl.sum(p, 0))
         tl.store(a_ptr + out, tl.min(tl.where(x == m, offs, 2147483647), 0))
+        tl.store(w_ptr + out, tl.sum(tl.where(p > 0, p * (x - m_safe), 0.0), 0))  # for the entropy
 
     @triton.jit
     def _pick_kernel(
-        x_ptr, u_ptr, m_ptr, s_ptr, a_ptr, tok_ptr, arg_ptr, lse_ptr, scale, vocab, stride_x, slices,
+        x_ptr, u_ptr, m_ptr, s_ptr, a_ptr, w_ptr, tok_ptr, arg_ptr, lse_ptr, ent_ptr, scale, vocab, stride_x, slices,
         SLICE: tl.constexpr, CHUNK: tl.constexpr, PAD: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
@@ -82,14 +86,21 @@ def _kernels() -> Any:
         tl.store(tok_ptr + row, token.to(tl.int64))
         tl.store(arg_ptr + row, best.to(tl.int64))
         tl.store(lse_ptr + row, top + tl.log(total))
+        # entropy = log(total) - sum(p * (x - top)) / total, each slice's sum of p * (x - m) moved to the row's max
+        scaled = tl.exp(m - top_safe)
+        moved = tl.load(w_ptr + row * PAD + j, mask=valid, other=0.0) + (m - top_safe) * tl.load(
+            s_ptr + row * PAD + j, mask=valid, other=0.0)  # fmt: skip
+        spread = tl.sum(tl.where(valid & (scaled > 0), moved * scaled, 0.0), 0)
+        tl.store(ent_ptr + row, tl.log(total) - spread / total)
 
     return _slice_kernel, _pick_kernel
 
 
 def draw_tokens_triton(
     logits: torch.Tensor, uniforms: torch.Tensor, scale: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(draws [B] int64, argmax [B] int64, logsumexp [B] float32) of x = float32(logits) * float32(scale),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(draws [B] int64, argmax [B] int64, logsumexp [B] float32, entropy [B] float32 of softmax(x)) of
+    x = float32(logits) * float32(scale),
     logits [B, V] any float dtype on CUDA (or the CPU under TRITON_INTERPRET=1), uniforms [B] in [0, 1) (any
     device / float dtype); no host sync.
 
@@ -101,19 +112,23 @@ def draw_tokens_triton(
     batch, vocab = logits.shape
     u = uniforms.to(logits.device, torch.float32, non_blocking=True).contiguous()
     out = torch.empty(2, batch, dtype=torch.int64, device=logits.device)  # draws, argmax
-    lse = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    stats = torch.empty(2, batch, dtype=torch.float32, device=logits.device)  # logsumexp, entropy
     if batch:
         slices = -(-vocab // SLICE)
         pad = 1 << max(0, slices - 1).bit_length()
-        parts = torch.empty(3, batch, pad, dtype=torch.float32, device=logits.device)  # max, sum, argmax (bits)
-        part_m, part_s, part_a = parts[0], parts[1], parts[2].view(torch.int32)
+        parts = torch.empty(
+            4, batch, pad, dtype=torch.float32, device=logits.device
+        )  # max, sum, argmax (bits), sum p*x
+        part_m, part_s, part_a, part_w = parts[0], parts[1], parts[2].view(torch.int32), parts[3]
         first, second = _kernels()
-        first[(batch, slices)](logits, part_m, part_s, part_a, scale, vocab, logits.stride(0), SLICE=SLICE, PAD=pad)
-        second[(batch,)](
-            logits, u, part_m, part_s, part_a, out[0], out[1], lse, scale, vocab, logits.stride(0), slices,
-            SLICE=SLICE, CHUNK=CHUNK, PAD=pad, num_warps=4,
+        first[(batch, slices)](
+            logits, part_m, part_s, part_a, part_w, scale, vocab, logits.stride(0), SLICE=SLICE, PAD=pad
         )  # fmt: skip
-    return out[0], out[1], lse
+        second[(batch,)](
+            logits, u, part_m, part_s, part_a, part_w, out[0], out[1], stats[0], stats[1], scale, vocab,
+            logits.stride(0), slices, SLICE=SLICE, CHUNK=CHUNK, PAD=pad, num_warps=4,
+        )  # fmt: skip
+    return out[0], out[1], stats[0], stats[1]
 
 
 def picked_logprobs(logits: torch.Tensor, tokens: torch.Tensor, scale: float, lse: torch.Tensor) -> torch.Tensor:

@@ -159,7 +159,7 @@ def sample_next(
     if uniforms is not None and fused_draw and top_k <= 0 and top_p >= 1.0:  # one program a row: batch-invariant
         # PyTorch's CUDA division by a scalar multiplies by its float32 reciprocal
         inverse = inverse_temperature(temperature)
-        tokens, _, lse = draw_tokens_triton(logits, uniforms, inverse)
+        tokens, _, lse, _ = draw_tokens_triton(logits, uniforms, inverse)
         if greedy is not None:
             tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         return tokens, picked_logprobs(logits, tokens, inverse, lse)  # exact mode's too (`exact_logprobs`)

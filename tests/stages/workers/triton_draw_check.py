@@ -17,10 +17,13 @@ x[4, SLICE - 1] = 30.0
 x[4, SLICE] = 30.0  # two tokens hold (almost) all the mass, across a slice boundary
 u = torch.tensor([0.0, 0.3, 0.7, 0.999999, 0.49999, 0.5, 0.9, 0.12], dtype=torch.float64)
 scale = float(torch.tensor(1.0) / torch.tensor(0.7))
-tokens, argmax, lse = draw_tokens_triton(x.bfloat16(), u, scale)
+tokens, argmax, lse, entropy = draw_tokens_triton(x.bfloat16(), u, scale)
 scaled = x.bfloat16().float() * scale
 assert tokens.tolist() == draw_tokens_torch(scaled, u).tolist(), (tokens, draw_tokens_torch(scaled, u))
 assert argmax.tolist() == scaled.argmax(-1).tolist() and argmax[3] == 7
 assert torch.allclose(lse, torch.logsumexp(scaled, -1), rtol=1e-5)
+log_p = torch.log_softmax(scaled, -1)
+want = -(log_p.exp() * torch.where(log_p.isinf(), 0.0, log_p)).sum(-1)  # filtered tokens: 0 * log 0 = 0
+assert torch.allclose(entropy, want, rtol=1e-4, atol=1e-5), (entropy, want)
 assert tokens[4] in (SLICE - 1, SLICE) and tokens[2] == 5
 print("ok")

@@ -219,7 +219,7 @@ def check_logprobs() -> None:
     assert (full - log_probs.gather(-1, targets[:, None])[:, 0]).abs().max() < 1e-5
     # the native engine's sampler: its drawn tokens' logprobs from the draw kernels' log-normaliser, the trainer's bits
     logits, inverse = scaled.half(), inverse_temperature(0.7)
-    tokens, _, lse = draw_tokens_triton(logits, torch.rand(17, generator=g), inverse)
+    tokens, _, lse, _ = draw_tokens_triton(logits, torch.rand(17, generator=g), inverse)
     drawn = picked_logprobs(logits, tokens, inverse, lse)
     assert torch.equal(drawn, exact_logprobs(logits, tokens, temperature=0.7)[0])
     assert torch.equal(drawn[5:8], exact_target_logprobs(logits[5:8], tokens[5:8], 0.7)[0])
