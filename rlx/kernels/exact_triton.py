@@ -4,8 +4,9 @@ rlx/kernels/exact.py keeps the plain-PyTorch scheme (the CPU's, pinned by the CP
 triton, exact mode runs these instead (`use_triton`), in every path alike (trainer forward, engine prefill and
 decode), so the rollout's and the trainer's logprobs stay equal bit for bit:
 
-- `exact_linear`: `F.linear` as one launch for any number of rows, tiles chosen by the shapes (`matmul_tiles`), K in
-  order, float32 accumulation, in autocast's dtype where autocast is on (as `F.linear` under autocast). It replaces
+- `exact_linear`: `F.linear` as one launch for any number of rows, tiles chosen by the shapes (`matmul_plan`), K in
+  order (in chunks fixed by K alone, `split_k`, added in order), float32 accumulation, in autocast's dtype where
+  autocast is on (as `F.linear` under autocast). It replaces
   the 64-row cuBLAS calls of `blocked_linear`. Differentiable (the backward is two ordinary matmuls: gradients need no
   batch invariance). With a residual it returns `residual + F.linear(...)` from the same kernel (the eager add's bits).
 - `exact_logprobs` / `exact_target_logprobs`: the log-probability of each row's target (and the row's entropy)
