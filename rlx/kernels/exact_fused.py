@@ -111,26 +111,14 @@ class _SiluMulHalves(torch.autograd.Function):
 def _halves_of(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """The rows [R, 2N] whose two halves gate and up [..., N] are (a stacked gate/up projection's output split),
     else None."""
-    base = gate._base
-    if base is None or up._base is not base or base.dim() != 2 or not base.is_contiguous():
+    base, half = gate._base, gate.shape[-1]
+    if base is None or up._base is not base or base.dim() != 2 or base.shape[1] != 2 * half:
         return None
-    half = gate.shape[-1]
-    if base.shape[1] != 2 * half or base.shape[0] != gate.numel() // max(half, 1):
+    if not base.is_contiguous() or base.shape[0] * half != gate.numel():
         return None
-    rows = base.stride(0)
-    if gate.storage_offset() != base.storage_offset() or up.storage_offset() != base.storage_offset() + half:
-        return None
-    expected = tuple(rows * n for n in _row_counts(gate.shape[:-1])) + (1,)
-    return base if gate.stride() == up.stride() == expected else None
-
-
-def _row_counts(dims: tuple[int, ...]) -> list[int]:
-    """The row strides, in rows, of a [..., N] view over consecutive rows: for dims (B, T), [T, 1]."""
-    counts, size = [], 1
-    for dim in reversed(dims):
-        counts.append(size)
-        size *= dim
-    return counts[::-1]
+    halves = base[:, :half].view(gate.shape), base[:, half:].view(up.shape)
+    same = all(t.data_ptr() == h.data_ptr() and t.stride() == h.stride() for t, h in zip((gate, up), halves))
+    return base if same else None
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

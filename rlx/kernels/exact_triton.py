@@ -106,14 +106,13 @@ SPLIT_CHUNK, SPLIT_MIN_CHUNK, SPLITS = 128, 1024, (4, 2)
 """`split_k`: K is cut into the most of SPLITS chunks that are multiples of SPLIT_CHUNK (so of every tile's BLOCK_K)
 and at least SPLIT_MIN_CHUNK long. The 0.5B down projection (K 4,864) in 2, the 7B shape's projections (K 3,584) in
 2 and its down projection (18,944) in 4; K 896 (the 0.5B shape's other weights) not at all."""
-_SUM_TILES = (32, 128)
 
 
 _COUNTS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def _tile_counts(device: torch.device, tiles: int) -> torch.Tensor:
-    """int32 zeros counting each tile's finished chunks in a fused-sum grid split (each call leaves them zero: its
+    """int32 zeros counting each tile's finished chunks in a grid split (each call leaves them zero: its
     last program resets its tile's count), grown where a call has more tiles: one buffer a stream (the calls on one
     stream run one after another; an engine's CUDA graphs keep their capture stream's, which no other work uses)."""
     key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
@@ -191,7 +190,6 @@ def matmul_tiles(
 def exact_matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: tuple | None = None,
     residual: torch.Tensor | None = None, split: int | None = None, grid_split: bool | None = None,
-    fused_sum: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in weight's dtype, batch-invariantly (no autograd). x in
     weight's dtype (bfloat16, float16 or float32: IEEE float32 dots, no TF32), or float32 for a bfloat16 / float16
@@ -199,26 +197,27 @@ def exact_matmul(
     (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) than `matmul_plan`'s on CUDA (bench/exact_matmul.py). `residual` [M,
     N]: returns `residual + product` in their promoted dtype, the bits of that eager add (one kernel, no product
     written). `split`: K's chunks (default `split_k`'s; tests and benchmarks); `grid_split`: the chunks as separate
-    programs and a second kernel summing them, else each program walks them all (the same bits either way; default:
-    `matmul_plan`'s, with given tiles where the programs number at most twice the SMs at up to DECODE_ROWS rows);
-    `fused_sum`: a tile's last chunk program sums them (else a second kernel; the same bits)."""
+    programs, the tile's last one adding them, else each program walks them all (the same bits either way; default:
+    `matmul_plan`'s, with given tiles where the programs number at most twice the SMs at up to DECODE_ROWS rows)."""
     if x.dtype != weight.dtype and x.dtype != torch.float32:
         raise ValueError(f"exact_matmul: x is {x.dtype}, weight {weight.dtype}")
     x, weight = x.contiguous(), weight.contiguous()
-    rows, depth = x.shape
+    (rows, depth), outputs = x.shape, weight.shape[0]
     if residual is not None:
-        if residual.shape != (rows, weight.shape[0]):
-            raise ValueError(f"exact_matmul: residual {tuple(residual.shape)}, product {(rows, weight.shape[0])}")
+        if residual.shape != (rows, outputs):
+            raise ValueError(f"exact_matmul: residual {tuple(residual.shape)}, product {(rows, outputs)}")
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     dtype = weight.dtype if residual is None else torch.promote_types(residual.dtype, weight.dtype)
-    out = x.new_empty(rows, weight.shape[0], dtype=dtype)
+    out = x.new_empty(rows, outputs, dtype=dtype)
     if rows == 0:
         return out
-    sms, outputs = _multiprocessors(x.device) if x.device.type == "cuda" else 132, weight.shape[0]
-    if tiles is None and x.device.type == "cuda" and split is None:
+    cuda = x.device.type == "cuda"
+    sms = _multiprocessors(x.device) if cuda else 132
+    if cuda and tiles is None and split is None:
         tiles, split, planned = matmul_plan(outputs, depth, rows, weight.dtype, sms)
         grid_split = planned if grid_split is None else grid_split
-    tiles = tiles or matmul_tiles(outputs, depth, rows, weight.dtype, sms) if x.device.type == "cuda" else tiles
+    elif cuda and tiles is None:
+        tiles = matmul_tiles(outputs, depth, rows, weight.dtype, sms)
     tile_m, tile_n, tile_k, warps, stages = tiles or _INTERPRETER_TILES
     split = split or split_k(depth)
     chunk = depth // split
@@ -229,22 +228,14 @@ def exact_matmul(
         grid_split = rows <= DECODE_ROWS and tiles_count * split <= 2 * sms
     grid_split = grid_split and split > 1
     partials = x.new_empty(split, rows, outputs, dtype=torch.float32) if grid_split else out
-    fused = grid_split and fused_sum
-    counts = _tile_counts(x.device, tiles_count) if fused else partials
+    counts = _tile_counts(x.device, tiles_count) if grid_split else partials
     bias_arg, residual_rows = out if bias is None else bias.contiguous(), out if residual is None else residual
-    flags = {"HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None}
     _kernels().exact_matmul_kernel[(tiles_count, split if grid_split else 1)](
         x, weight, bias_arg, residual_rows, out, partials, counts, rows, outputs, depth, chunk, x.stride(0),
-        weight.stride(0), residual_rows.stride(0), out.stride(0), BLOCK_M=tile_m, BLOCK_N=tile_n, BLOCK_K=tile_k,
-        GROUP_M=_GROUP_M, IEEE=x.dtype == torch.float32, EVEN_K=chunk % tile_k == 0, SPLIT=split,
-        GRID_SPLIT=grid_split, FUSED_SUM=fused, num_warps=warps, num_stages=stages, **flags,
+        weight.stride(0), residual_rows.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=tile_m,
+        BLOCK_N=tile_n, BLOCK_K=tile_k, GROUP_M=_GROUP_M, IEEE=x.dtype == torch.float32, EVEN_K=chunk % tile_k == 0,
+        HAS_RESIDUAL=residual is not None, SPLIT=split, GRID_SPLIT=grid_split, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    if grid_split and not fused:
-        sum_m, sum_n = (1, 64) if _interpreting() else _SUM_TILES
-        _kernels().exact_split_sum_kernel[(_cdiv(rows, sum_m), _cdiv(outputs, sum_n))](
-            partials, weight, bias_arg, residual_rows, out, rows, outputs, residual_rows.stride(0), out.stride(0),
-            SPLIT=split, BLOCK_M=sum_m, BLOCK_N=sum_n, num_warps=4, **flags,
-        )  # fmt: skip
     return out
 
 

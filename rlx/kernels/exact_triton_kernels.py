@@ -15,23 +15,22 @@ def exact_matmul_kernel(
     x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, p_ptr, c_ptr, M, N, K, chunk_k, stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    SPLIT: tl.constexpr, GRID_SPLIT: tl.constexpr, FUSED_SUM: tl.constexpr,
+    SPLIT: tl.constexpr, GRID_SPLIT: tl.constexpr,
 ):  # fmt: skip
     """out [M, N] = x [M, K] @ w[N, K].T (+ b [N]): one BLOCK_M x BLOCK_N tile per program. K is cut into SPLIT
     chunks of chunk_k (SPLIT fixed by the weight's K alone, never by M); each chunk's K slices are taken in order
     into a float32 accumulator starting at zero, and the chunks' sums are added in order, chunk 0 first. Either the
     program walks all the chunks (SPLIT 1: the whole K in order, no split) or (GRID_SPLIT: few rows, more programs
-    than the tiles alone) program (tile, c) writes chunk c's sum to the float32 partials p [SPLIT, M, N] and
-    `exact_split_sum_kernel` adds them in the same order: the same float32 additions, the same bits (FUSED_SUM: the
-    tile's last program to count itself done in c [tiles], int32 zeros, adds them instead, and zeroes its count:
-    no second kernel). Then the bias
-    added in float32, one rounding to out's dtype (`_matmul_epilogue`). x in w's dtype, or float32 for a
-    lower-precision w (each element rounded to w's dtype as it is loaded). M is not specialised on (a call of 1 row
-    and one of 4,096 compile the same code); tiles grouped GROUP_M along M so the programs sharing a weight tile run
-    together (the order of programs changes no value). EVEN_K: chunk_k is a multiple of BLOCK_K, so the loads need no
-    mask along K (the values are the same either way). HAS_RESIDUAL: out = r [M, N] + the product rounded to w's
-    dtype, added in float32 and rounded once to out's dtype (the bits of eager `residual + F.linear(...)` under
-    autocast: a decoder layer's residual add folded into its o / down projection)."""
+    than the tiles alone) program (tile, c) writes chunk c's sum to the float32 partials p [SPLIT, M, N] and counts
+    itself done in c [tiles] (int32 zeros); the tile's last program adds the partials in the same order (the same
+    float32 additions, the same bits) and zeroes the count. Then the bias added in float32, one rounding to out's
+    dtype (`_matmul_epilogue`). x in w's dtype, or float32 for a lower-precision w (each element rounded to w's dtype
+    as it is loaded). M is not specialised on (a call of 1 row and one of 4,096 compile the same code); tiles grouped
+    GROUP_M along M so the programs sharing a weight tile run together (the order of programs changes no value).
+    EVEN_K: chunk_k is a multiple of BLOCK_K, so the loads need no mask along K (the values are the same either way).
+    HAS_RESIDUAL: out = r [M, N] + the product rounded to w's dtype, added in float32 and rounded once to out's dtype
+    (the bits of eager `residual + F.linear(...)` under autocast: a decoder layer's residual add folded into its o /
+    down projection)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -50,17 +49,17 @@ def exact_matmul_kernel(
                        stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, EVEN_K)  # fmt: skip
         mask = m_mask[:, None] & n_mask[None, :]
         tl.store(p_ptr + (part * M + offs_m)[:, None] * N + offs_n[None, :], acc, mask=mask)
-        if FUSED_SUM:  # the tile's last chunk to finish sums them all (in chunk order, whichever came last)
-            tl.debug_barrier()  # every thread's partial stored before the count
-            done = tl.atomic_add(c_ptr + pid, 1, sem="acq_rel")
-            if done == SPLIT - 1:
-                acc = tl.load(p_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-                for other in tl.static_range(1, SPLIT):
-                    acc += tl.load(p_ptr + (other * M + offs_m)[:, None] * N + offs_n[None, :], mask=mask, other=0.0,
-                                   cache_modifier=".cg")  # fmt: skip
-                _matmul_epilogue(acc, w_ptr, b_ptr, r_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_rm,
-                                 stride_om, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
-                tl.atomic_xchg(c_ptr + pid, 0)  # the counter back to zero for the next call
+        # the tile's last chunk to finish sums them all (in chunk order, whichever came last)
+        tl.debug_barrier()  # every thread's partial stored before the count
+        done = tl.atomic_add(c_ptr + pid, 1, sem="acq_rel")
+        if done == SPLIT - 1:
+            acc = tl.load(p_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+            for other in tl.static_range(1, SPLIT):
+                acc += tl.load(p_ptr + (other * M + offs_m)[:, None] * N + offs_n[None, :], mask=mask, other=0.0,
+                               cache_modifier=".cg")  # fmt: skip
+            _matmul_epilogue(acc, w_ptr, b_ptr, r_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_rm, stride_om,
+                             HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
+            tl.atomic_xchg(c_ptr + pid, 0)  # the counter back to zero for the next call
     else:
         acc = _k_chunk(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, 0, chunk_k, K, stride_xm, stride_wn, BLOCK_M,
                        BLOCK_N, BLOCK_K, IEEE, EVEN_K)  # fmt: skip
@@ -100,7 +99,7 @@ def _matmul_epilogue(
     HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     """The bias (float32), the residual (added to the product rounded to w's dtype) and the one rounding to out's
-    dtype, stored: the same instructions after the matmul's own K loop and after `exact_split_sum_kernel`'s sum."""
+    dtype, stored: the same instructions after a walked K and after a grid split's sum."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     mn_mask = m_mask[:, None] & n_mask[None, :]
@@ -108,24 +107,6 @@ def _matmul_epilogue(
         residual = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_mask, other=0.0)
         acc = residual.to(tl.float32) + acc.to(w_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mn_mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def exact_split_sum_kernel(
-    p_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, stride_rm, stride_om, HAS_BIAS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """A grid-split `exact_matmul_kernel`'s partials p [SPLIT, M, N] summed in order (chunk 0 first, as its
-    programs walking every chunk add them), then its epilogue, for one BLOCK_M x BLOCK_N tile of out."""
-    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask, n_mask = offs_m < M, offs_n < N
-    mask = m_mask[:, None] & n_mask[None, :]
-    acc = tl.load(p_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
-    for part in tl.static_range(1, SPLIT):
-        acc += tl.load(p_ptr + (offs_m + part * M)[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
-    _matmul_epilogue(acc, w_ptr, b_ptr, r_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_rm, stride_om,
-                     HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
 
 
 @triton.jit
