@@ -11,6 +11,7 @@ import torch
 from rlx.formats.records import PromptRecord
 from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 from rlx.rollout.native.blocks import BlockManager, Sequence, Status
+from rlx.rollout.native.inputs import prefill_rows
 from rlx.rollout.native.scheduler import Scheduler
 from tests.conftest import cli_ok, flat_config, generate, make_engine, read_jsonl, rollout_args
 
@@ -68,6 +69,28 @@ def test_block_aligned_prompt_leaves_its_last_token_to_compute():
     assert b.num_computed == 4 and a.block_table[0] == b.block_table[0] and a.block_table[1] != b.block_table[1]
     b.output_ids.append(1)
     assert blocks.ensure_slot(b) and len(b.block_table) == 3
+
+
+def test_prefill_rows_follow_each_token_s_block_and_skip_the_cached_prefix():
+    blocks = BlockManager(num_blocks=40, block_size=4)
+    seqs = [Sequence(0, list(range(10)), 2), Sequence(1, list(range(100, 109)), 2), Sequence(2, [5, 6, 7], 2)]
+    seqs[2].output_ids += [8, 9]  # a preempted sequence recomputes its outputs too
+    seqs.append(Sequence(3, list(range(13)), 2))  # shares seq 0's first two full blocks: computed from position 8
+    for seq in seqs:
+        blocks.allocate(seq)
+    assert seqs[3].num_computed == 8 and seqs[0].num_computed == 0
+    width = max(len(s.block_table) for s in seqs)
+    tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
+    rows = prefill_rows(seqs, tables, blocks.block_size)
+    expect = [
+        (row, pos, seq.token_ids[pos]) for row, seq in enumerate(seqs) for pos in range(seq.num_computed, len(seq))
+    ]
+    assert rows.q_rows.tolist() == [row for row, _, _ in expect]
+    assert rows.positions.tolist() == [pos for _, pos, _ in expect]
+    assert rows.tokens.tolist() == [token for _, _, token in expect]
+    assert rows.slots.tolist() == [blocks.slot(seqs[row], pos) for row, pos, _ in expect]
+    assert rows.q_cols.tolist() == [pos - seqs[row].num_computed for row, pos, _ in expect]
+    assert rows.keep.tolist() == [9, 18, 23, 28] and rows.query_lens.tolist() == [10, 9, 5, 5]
 
 
 def run_to_end(scheduler: Scheduler, new_tokens: int) -> list[str]:

@@ -8,6 +8,9 @@ buffer after it has read the results of the step that used it, which come after 
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 import torch
 
 from rlx.rollout.native.blocks import Sequence
@@ -16,6 +19,40 @@ from rlx.rollout.native.blocks import Sequence
 def last_token(seq: Sequence) -> int:
     """The newest token the host holds of a sequence (the input of its next synchronous decode step)."""
     return seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
+
+
+@dataclass
+class PrefillRows:
+    """A prefill's packed row on the host: every sequence's uncomputed tokens one after another."""
+
+    tokens: torch.Tensor
+    """[T] int64 token ids."""
+    positions: torch.Tensor
+    """[T] int64 position of each token in its sequence."""
+    slots: torch.Tensor
+    """[T] int64 KV-cache slot of each token (its block's first slot + the position within the block)."""
+    q_rows: torch.Tensor
+    """[T] int64 sequence (row of the batch) of each token."""
+    q_cols: torch.Tensor
+    """[T] int64 index of each token among its sequence's uncomputed ones."""
+    keep: torch.Tensor
+    """[B] int64 index in the row of each sequence's last token (whose logits are sampled)."""
+    query_lens: torch.Tensor
+    """[B] int64 uncomputed tokens of each sequence."""
+
+
+def prefill_rows(seqs: list[Sequence], tables: torch.Tensor, block_size: int) -> PrefillRows:
+    """The packed prefill row of `seqs` (block tables `tables` [B, W], zero-padded), built with tensor ops over all
+    the tokens at once (a loop over 32,768 prompt tokens took about 20 ms of host time a prefill)."""
+    starts = torch.tensor([seq.num_computed for seq in seqs])
+    query_lens = torch.tensor([len(seq) for seq in seqs]) - starts
+    q_rows = torch.repeat_interleave(torch.arange(len(seqs)), query_lens)
+    ends = query_lens.cumsum(0)
+    q_cols = torch.arange(int(ends[-1])) - (ends - query_lens)[q_rows]
+    positions = starts[q_rows] + q_cols
+    slots = tables[q_rows, positions // block_size].long() * block_size + positions % block_size
+    tokens = torch.tensor(list(itertools.chain.from_iterable(seq.token_ids[seq.num_computed :] for seq in seqs)))
+    return PrefillRows(tokens, positions, slots, q_rows, q_cols, ends - 1, query_lens)
 
 
 class PinnedPair:

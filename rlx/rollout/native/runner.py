@@ -33,7 +33,7 @@ from rlx.models.exact import StackedLinear, exact_forward, projection_sets
 from rlx.models.family import family_of
 from rlx.rollout.native.blocks import BlockManager, Sequence
 from rlx.rollout.native.fused import fused_head_step, fused_layer_step, merged_layers, merged_rows
-from rlx.rollout.native.inputs import DecodeStaging, last_token
+from rlx.rollout.native.inputs import DecodeStaging, last_token, prefill_rows
 from rlx.rollout.native.moe import moe_layer_step, native_moe_layers
 from rlx.rollout.native.vision import NativeImages
 from rlx.utils.device import autocast
@@ -450,47 +450,42 @@ class ModelRunner:
         ahead, each sequence's input being its token sampled by the previous step, not yet on the host."""
         if decode:
             return self._decode(seqs, prev)
-        tokens, positions, slots, keep, q_rows, q_cols, prompt_rows = [], [], [], [], [], [], []
-        for row, seq in enumerate(seqs):
-            ids, first, pending = seq.token_ids, len(tokens) - seq.num_computed, seq.pending_prompt_routes
+        prompt_rows, first = [], 0
+        for seq in seqs:
+            pending = seq.pending_prompt_routes
             if pending:  # the cache never holds these positions (BlockManager.allocate): this step computes them
                 start = len(seq.prompt_ids) - 1 - pending
                 assert start >= seq.num_computed, "prompt positions to route were taken from the cache"
-                prompt_rows += range(first + start, first + start + pending)
-            for pos in range(seq.num_computed, len(ids)):
-                tokens.append(ids[pos])
-                positions.append(pos)
-                slots.append(self.blocks.slot(seq, pos))
-                q_rows.append(row)
-                q_cols.append(pos - seq.num_computed)
-            keep.append(len(tokens) - 1)
+                prompt_rows += range(first + start - seq.num_computed, first + start - seq.num_computed + pending)
+            first += len(seq) - seq.num_computed
         width = max(len(s.block_table) for s in seqs)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
         context = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
-        query_lens = torch.tensor([len(s) - s.num_computed for s in seqs])
+        rows = prefill_rows(seqs, tables, self.blocks.block_size)
+        query_lens = rows.query_lens
         ctx = PagedContext(
             kv=self.kv,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(self.device),
+            slot_mapping=rows.slots.to(self.device),
             block_tables=tables.to(self.device),
             context_lens=context.to(self.device),
             decode=False,
-            q_rows=torch.tensor(q_rows).to(self.device),
-            q_cols=torch.tensor(q_cols).to(self.device),
+            q_rows=rows.q_rows.to(self.device),
+            q_cols=rows.q_cols.to(self.device),
             max_query_len=int(query_lens.max()),
             impl=self.attention,
             exact=self.exact,
-            positions=torch.tensor(positions).to(self.device) if self.exact else None,
+            positions=rows.positions.to(self.device) if self.exact else None,
         )
         key_pos = torch.arange(width * self.blocks.block_size)
         query_pos = (context - query_lens).unsqueeze(1) + torch.arange(ctx.max_query_len)  # [B, Qmax]
         mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < context[:, None, None])
         ctx.mask = mask.unsqueeze(1).to(self.device)
-        input_ids = torch.tensor([tokens], dtype=torch.long).to(self.device)
-        position_ids = torch.tensor([positions], dtype=torch.long).to(self.device)
-        keep_rows = torch.tensor(keep, device=self.device)
+        input_ids = rows.tokens.unsqueeze(0).to(self.device)
+        position_ids = rows.positions.unsqueeze(0).to(self.device)
+        keep_rows = rows.keep.to(self.device)
         if self.images is not None:
             return self._prefill_with_images(seqs, input_ids, ctx, keep_rows)
-        route_rows = torch.tensor(keep + prompt_rows, device=self.device) if prompt_rows else None  # None: keep's
+        route_rows = torch.cat([rows.keep, torch.tensor(prompt_rows)]).to(self.device) if prompt_rows else None
         return self._run(input_ids, position_ids, ctx, keep_rows, route_rows)
 
     def _prefill_with_images(self, seqs: list[Sequence], input_ids, ctx: PagedContext, keep):
