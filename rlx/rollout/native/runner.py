@@ -180,6 +180,17 @@ def _exact_attention(q, k, v, k_cache, v_cache, ctx: PagedContext, scale: float 
     return blocked_attention(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), slots, lengths, scale)
 
 
+def prefill_mask(context_lens: torch.Tensor, starts: torch.Tensor, num_keys: int, max_query_len: int) -> torch.Tensor:
+    """[B, 1, Qmax, K] bool: query j of sequence b (at position starts[b] + j) sees the keys at positions up to its own
+    and below the sequence's length; built where the lengths are (on the device: the host built 12.6 M elements for
+    256 x 128 prompt tokens and copied them)."""
+    device = context_lens.device
+    key_pos = torch.arange(num_keys, device=device)
+    query_pos = starts.unsqueeze(1) + torch.arange(max_query_len, device=device)  # [B, Qmax]
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < context_lens[:, None, None])
+    return mask.unsqueeze(1)
+
+
 def _decoder_parts(model):
     """(embed_tokens, rotary_emb, layers, norm, lm_head) of a Llama-family causal LM (a vision-language model's
     language model), or None for others."""
@@ -476,10 +487,8 @@ class ModelRunner:
             exact=self.exact,
             positions=rows.positions.to(self.device) if self.exact else None,
         )
-        key_pos = torch.arange(width * self.blocks.block_size)
-        query_pos = (context - query_lens).unsqueeze(1) + torch.arange(ctx.max_query_len)  # [B, Qmax]
-        mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < context[:, None, None])
-        ctx.mask = mask.unsqueeze(1).to(self.device)
+        starts = (context - query_lens).to(self.device)  # each sequence's first uncomputed position
+        ctx.mask = prefill_mask(ctx.context_lens, starts, width * self.blocks.block_size, ctx.max_query_len)
         input_ids = rows.tokens.unsqueeze(0).to(self.device)
         position_ids = rows.positions.unsqueeze(0).to(self.device)
         keep_rows = rows.keep.to(self.device)
