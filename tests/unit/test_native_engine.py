@@ -91,6 +91,7 @@ def test_prefill_rows_follow_each_token_s_block_and_skip_the_cached_prefix():
     assert rows.slots.tolist() == [blocks.slot(seqs[row], pos) for row, pos, _ in expect]
     assert rows.q_cols.tolist() == [pos - seqs[row].num_computed for row, pos, _ in expect]
     assert rows.keep.tolist() == [9, 18, 23, 28] and rows.query_lens.tolist() == [10, 9, 5, 5]
+    assert rows.starts.tolist() == [seq.num_computed for seq in seqs] == [0, 0, 0, 8]
 
 
 def run_to_end(scheduler: Scheduler, new_tokens: int) -> list[str]:

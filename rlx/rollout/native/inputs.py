@@ -37,6 +37,8 @@ class PrefillRows:
     """[T] int64 index of each token among its sequence's uncomputed ones."""
     keep: torch.Tensor
     """[B] int64 index in the row of each sequence's last token (whose logits are sampled)."""
+    starts: torch.Tensor
+    """[B] int64 first uncomputed position of each sequence (its cached or computed prefix's length)."""
     query_lens: torch.Tensor
     """[B] int64 uncomputed tokens of each sequence."""
 
@@ -52,7 +54,7 @@ def prefill_rows(seqs: list[Sequence], tables: torch.Tensor, block_size: int) ->
     positions = starts[q_rows] + q_cols
     slots = tables[q_rows, positions // block_size].long() * block_size + positions % block_size
     tokens = torch.tensor(list(itertools.chain.from_iterable(seq.token_ids[seq.num_computed :] for seq in seqs)))
-    return PrefillRows(tokens, positions, slots, q_rows, q_cols, ends - 1, query_lens)
+    return PrefillRows(tokens, positions, slots, q_rows, q_cols, ends - 1, starts, query_lens)
 
 
 class PinnedPair:

@@ -33,7 +33,7 @@ from rlx.models.exact import StackedLinear, exact_forward, projection_sets
 from rlx.models.family import family_of
 from rlx.rollout.native.blocks import BlockManager, Sequence
 from rlx.rollout.native.fused import fused_head_step, fused_layer_step, merged_layers, merged_rows
-from rlx.rollout.native.inputs import DecodeStaging, last_token, prefill_rows
+from rlx.rollout.native.inputs import DecodeStaging, PrefillRows, last_token, prefill_rows
 from rlx.rollout.native.moe import moe_layer_step, native_moe_layers
 from rlx.rollout.native.vision import NativeImages
 from rlx.utils.device import autocast
@@ -461,19 +461,10 @@ class ModelRunner:
         ahead, each sequence's input being its token sampled by the previous step, not yet on the host."""
         if decode:
             return self._decode(seqs, prev)
-        prompt_rows, first = [], 0
-        for seq in seqs:
-            pending = seq.pending_prompt_routes
-            if pending:  # the cache never holds these positions (BlockManager.allocate): this step computes them
-                start = len(seq.prompt_ids) - 1 - pending
-                assert start >= seq.num_computed, "prompt positions to route were taken from the cache"
-                prompt_rows += range(first + start - seq.num_computed, first + start - seq.num_computed + pending)
-            first += len(seq) - seq.num_computed
         width = max(len(s.block_table) for s in seqs)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
         context = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
         rows = prefill_rows(seqs, tables, self.blocks.block_size)
-        query_lens = rows.query_lens
         ctx = PagedContext(
             kv=self.kv,
             slot_mapping=rows.slots.to(self.device),
@@ -482,20 +473,33 @@ class ModelRunner:
             decode=False,
             q_rows=rows.q_rows.to(self.device),
             q_cols=rows.q_cols.to(self.device),
-            max_query_len=int(query_lens.max()),
+            max_query_len=int(rows.query_lens.max()),
             impl=self.attention,
             exact=self.exact,
             positions=rows.positions.to(self.device) if self.exact else None,
         )
-        starts = (context - query_lens).to(self.device)  # each sequence's first uncomputed position
-        ctx.mask = prefill_mask(ctx.context_lens, starts, width * self.blocks.block_size, ctx.max_query_len)
+        ctx.mask = prefill_mask(ctx.context_lens, rows.starts.to(self.device), width * self.blocks.block_size,
+                                ctx.max_query_len)  # fmt: skip
         input_ids = rows.tokens.unsqueeze(0).to(self.device)
         position_ids = rows.positions.unsqueeze(0).to(self.device)
         keep_rows = rows.keep.to(self.device)
         if self.images is not None:
             return self._prefill_with_images(seqs, input_ids, ctx, keep_rows)
-        route_rows = torch.cat([rows.keep, torch.tensor(prompt_rows)]).to(self.device) if prompt_rows else None
+        route_rows = self._prompt_route_rows(seqs, rows)
         return self._run(input_ids, position_ids, ctx, keep_rows, route_rows)
+
+    def _prompt_route_rows(self, seqs: list[Sequence], rows: PrefillRows) -> torch.Tensor | None:
+        """The rows whose experts a prefill returns (None: `rows.keep`'s): each sequence's last token's, then the
+        positions predicting its last `pending_prompt_routes` prompt tokens, sequence after sequence."""
+        prompt_rows = []
+        for row, seq in enumerate(seqs):
+            pending = seq.pending_prompt_routes
+            if pending:  # the cache never holds these positions (BlockManager.allocate): this step computes them
+                start = len(seq.prompt_ids) - 1 - pending
+                assert start >= seq.num_computed, "prompt positions to route were taken from the cache"
+                at = int(rows.keep[row]) + 1 - int(rows.query_lens[row]) + start - seq.num_computed  # in the row
+                prompt_rows += range(at, at + pending)
+        return torch.cat([rows.keep, torch.tensor(prompt_rows)]).to(self.device) if prompt_rows else None
 
     def _prefill_with_images(self, seqs: list[Sequence], input_ids, ctx: PagedContext, keep):
         """A vision-language model's prefill: its decoder's own forward on the row's embeddings with the image rows
