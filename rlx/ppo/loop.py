@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ from rlx.config import to_dict
 from rlx.errors import Terminated, UserError
 from rlx.evaluation.evaluate import EVAL_FILE, eval_due, evaluate
 from rlx.formats.data import take_prompts
-from rlx.formats.records import RolloutRecord, write_records
+from rlx.formats.records import RolloutRecord
 from rlx.observe.flops import count_flops, count_generate_flops, device_peak_flops, mfu
 from rlx.observe.memory import (
     GcPauses,
@@ -47,14 +48,14 @@ from rlx.observe.memory import (
 )
 from rlx.observe.profile import profile_step, profiled_step
 from rlx.observe.tracking import Tracker, console, read_metrics, select_traces
-from rlx.parallel.dist import barrier, context
+from rlx.parallel.dist import barrier, broadcast_object, context
 from rlx.ppo.config import PPOConfig
 from rlx.ppo.dynamic_sampling import GroupFilter, sampling_metrics
 from rlx.ppo.models import CRITIC_DIR, build_run_models
 from rlx.ppo.rundir import checkpoint_dir, drop_old_checkpoints, prepare_run_dir, step_dir
 from rlx.ppo.start import RunInputs, RunLock, StopRequest, check_run_inputs
 from rlx.ppo.warm_start import warm_start
-from rlx.ppo.writer import BackgroundWriter
+from rlx.ppo.writer import BackgroundWriter, write_jsonl_shared
 from rlx.rollout.base import RolloutStats, build_engine
 from rlx.scoring.score import Rewards, ScoreResult, compute_rewards, score_rollouts
 from rlx.utils.device import resolve_device
@@ -119,6 +120,7 @@ class PPORun:
         }
         self.engine_stale = False  # whether the trainer changed the weights since the engine last got them
         self.writer = BackgroundWriter(enabled=cfg.background_writes, mib_per_s=cfg.write_mib_per_s)
+        self.parts_tag = broadcast_object(uuid.uuid4().hex[:12] if self.ctx.is_main else None)
         self.gc_pauses = GcPauses()
         self.prompts, self.eval_prompts = inputs.prompts, inputs.eval_prompts
         self.score_cfg = dataclasses.replace(
@@ -232,7 +234,7 @@ class PPORun:
         metrics.update(phase)
         if result.next_kl_coef is not None:
             self.kl_coef = result.next_kl_coef
-        if cfg.keep_artifacts and self.ctx.is_main:
+        if cfg.keep_artifacts:  # every rank writes its share of the records (rank 0 alone: 2-4 x the 1-GPU work)
             self.writer.submit(lambda: self._write_artifacts(out, rollouts, result, cfg.vision.store_pixels))
         with measure_phase("train", self.device, self.engine.unmapped_bytes()) as phase:
             metrics.update(self._train(step, result))
@@ -271,11 +273,17 @@ class PPORun:
         one_update = self.cfg.train.updates_once(sum(not r.is_greedy_baseline for r in rollouts))
         return self.cfg.exact and one_update and self.models.scoring.actor is not None
 
-    @staticmethod
-    def _write_artifacts(out: Path, rollouts: list[RolloutRecord], result: ScoreResult, store_pixels: bool) -> None:
-        write_records(out / "rollouts.jsonl", rollouts)
-        write_records(out / "scores.jsonl", result.scores)
-        result.batch.save(out / "batch.safetensors", store_pixels=store_pixels)
+    def _write_artifacts(self, out: Path, rollouts: list[RolloutRecord], result: ScoreResult, store_pixels: bool):
+        """The step's rollouts.jsonl and scores.jsonl (each rank encodes its share: write_jsonl_shared) and, from
+        rank 0, batch.safetensors; on the writer thread of every rank."""
+        rank, world = self.ctx.rank, self.ctx.world
+        parts = out / f".parts-{self.parts_tag}"  # this launch's: a killed one's shares are never read
+        write_jsonl_shared(out / "rollouts.jsonl", rollouts, rank, world, parts)
+        write_jsonl_shared(out / "scores.jsonl", result.scores, rank, world, parts)
+        if rank == 0:
+            result.batch.save(out / "batch.safetensors", store_pixels=store_pixels)
+            with contextlib.suppress(OSError):
+                parts.rmdir()  # every share was read: none is written after it
 
     def _flops_metrics(self, rollouts: list[RolloutRecord], metrics: dict) -> dict:
         """Model FLOPs of the step (generation, scoring forwards, training: every rank's samples) and MFU against the

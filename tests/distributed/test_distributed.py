@@ -173,6 +173,14 @@ def test_ppo_on_two_ranks_equals_one_and_resumes(tmp_path):
     ]
     two_lines = list(map(__import__("json").loads, (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()))
     assert one == [line["reward/mean"] for line in two_lines]  # same samples, same rewards, step by step
+    for step in ("step_000001", "step_000002", "step_000003"):  # each rank wrote its share of the records
+        runs = [read_jsonl(tmp_path / run / step / "rollouts.jsonl") for run in ("one", "two")]
+        assert [[(r["id"], r["response_ids"]) for r in rows] for rows in runs] == [
+            [(r["id"], r["response_ids"]) for r in runs[0]]
+        ] * 2
+        scores = [read_jsonl(tmp_path / run / step / "scores.jsonl") for run in ("one", "two")]
+        assert [s["reward"] for s in scores[0]] == [s["reward"] for s in scores[1]]
+        assert not list((tmp_path / "two" / step).glob(".parts-*"))
     for line in two_lines:  # under the launcher the rollout phase's parts: the rank's own share and the gather
         assert line["timing/generate_local_s"] > 0 and line["timing/generate_gather_s"] >= 0
         assert line["timing/generate_local_s"] + line["timing/generate_gather_s"] <= line["timing/rollout_s"]

@@ -11,7 +11,7 @@ import torch
 from rlx.formats.records import PromptRecord
 from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 from rlx.rollout.native.blocks import BlockManager, Sequence, Status
-from rlx.rollout.native.inputs import prefill_rows
+from rlx.rollout.native.inputs import bucketed, prefill_rows
 from rlx.rollout.native.scheduler import Scheduler
 from tests.conftest import cli_ok, flat_config, generate, make_engine, read_jsonl, rollout_args
 
@@ -92,6 +92,28 @@ def test_prefill_rows_follow_each_token_s_block_and_skip_the_cached_prefix():
     assert rows.q_cols.tolist() == [pos - seqs[row].num_computed for row, pos, _ in expect]
     assert rows.keep.tolist() == [9, 18, 23, 28] and rows.query_lens.tolist() == [10, 9, 5, 5]
     assert rows.starts.tolist() == [seq.num_computed for seq in seqs] == [0, 0, 0, 8]
+
+
+def test_prefill_shapes_come_in_four_buckets_a_doubling(tiny, monkeypatch):
+    """A prefill's padded attention shapes (longest new-token run, block-table width) are rounded up to 4, 5, 6 or 7
+    times a power of two (at most 25% more), so they repeat across steps; the padding changes no token."""
+    sizes = [bucketed(n) for n in range(1, 2049)]
+    assert sizes[:8] == list(range(1, 9)) and [bucketed(n) for n in (9, 51, 57, 129, 1000)] == [10, 56, 64, 160, 1024]
+    assert all(n <= b <= 1.25 * n and bucketed(b) == b for n, b in zip(range(1, 2049), sizes))
+    assert len(set(sizes[64:128])) == 4  # 65..128: 80, 96, 112, 128
+    model, tokenizer = tiny
+    cfg = flat_config(RolloutConfig, engine="native", chat_template="off", n=3, max_new_tokens=10, temperature=0,
+                      block_size=2)  # fmt: skip
+    texts = ["12+7=19, 3*4=12, 5+6", "9-5=4, 20+13="]  # 21 tokens: padded to 24 (11 blocks of 2: 12)
+    prompts = [PromptRecord(id=f"q{i}", prompt=text) for i, text in enumerate(texts)]
+    padded = generate(make_engine(model, tokenizer, cfg), prompts, cfg)
+    seen = []
+    monkeypatch.setattr("rlx.rollout.native.runner.bucketed", lambda n: seen.append(n) or n)
+    exact_shapes = generate(make_engine(model, tokenizer, cfg), prompts, cfg)
+    assert any(bucketed(n) != n for n in seen), seen  # the padded run did pad
+    assert [r.response_ids for r in padded] == [r.response_ids for r in exact_shapes]
+    for a, b in zip(padded, exact_shapes):
+        assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
 
 
 def run_to_end(scheduler: Scheduler, new_tokens: int) -> list[str]:

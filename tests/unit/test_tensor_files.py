@@ -108,3 +108,30 @@ def test_a_failed_paced_write_is_raised_by_flush(tmp_path):
     with pytest.raises(FileNotFoundError):
         writer.flush()
     writer.close()
+
+
+def test_every_rank_writes_its_share_of_a_step_s_records_and_rank_0_joins_them(tmp_path):
+    """Three ranks (threads here, each its own writer) encode their contiguous shares of the same 10 records; rank 0
+    publishes the file equal to one process's write, the shares' folder empty; a share that never comes is an
+    error naming it."""
+    from rlx.formats.records import ScoreRecord, write_records
+    from rlx.ppo.writer import write_jsonl_shared
+
+    records = [ScoreRecord(id=f"p{i // 2}/{i % 2}", prompt_id=f"p{i // 2}", reward=i / 3, rewards={}, advantage=-i,
+                           response_length=i) for i in range(10)]  # fmt: skip
+    write_records(tmp_path / "one.jsonl", records)
+    parts = tmp_path / ".parts-x"
+    ranks = [
+        threading.Thread(target=write_jsonl_shared, args=(tmp_path / "scores.jsonl", records, r, 3, parts))
+        for r in (0, 2, 1)  # rank 0 first: it waits for the others' shares
+    ]
+    for t in ranks:
+        t.start()
+        time.sleep(0.05)
+    for t in ranks:
+        t.join()
+    assert (tmp_path / "scores.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
+    assert list(parts.iterdir()) == []
+    with pytest.raises(RuntimeError, match=r"scores.jsonl.00001: another rank's share"):
+        write_jsonl_shared(tmp_path / "scores.jsonl", records, 0, 2, parts, wait_s=0.1)
+    assert (tmp_path / "scores.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()  # the old file stays

@@ -33,7 +33,7 @@ from rlx.models.exact import StackedLinear, exact_forward, projection_sets
 from rlx.models.family import family_of
 from rlx.rollout.native.blocks import BlockManager, Sequence
 from rlx.rollout.native.fused import fused_head_step, fused_layer_step, merged_layers, merged_rows
-from rlx.rollout.native.inputs import DecodeStaging, PrefillRows, last_token, prefill_rows
+from rlx.rollout.native.inputs import DecodeStaging, PrefillRows, bucketed, last_token, prefill_rows
 from rlx.rollout.native.moe import moe_layer_step, native_moe_layers
 from rlx.rollout.native.vision import NativeImages
 from rlx.utils.device import autocast
@@ -461,7 +461,9 @@ class ModelRunner:
         ahead, each sequence's input being its token sampled by the previous step, not yet on the host."""
         if decode:
             return self._decode(seqs, prev)
-        width = max(len(s.block_table) for s in seqs)
+        # the attention's padded shapes in buckets (not in exact mode: its kernel reads each sequence's own length)
+        pad = (lambda n: n) if self.exact else bucketed
+        width = pad(max(len(s.block_table) for s in seqs))
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
         context = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
         rows = prefill_rows(seqs, tables, self.blocks.block_size)
@@ -473,7 +475,7 @@ class ModelRunner:
             decode=False,
             q_rows=rows.q_rows.to(self.device),
             q_cols=rows.q_cols.to(self.device),
-            max_query_len=int(rows.query_lens.max()),
+            max_query_len=pad(int(rows.query_lens.max())),
             impl=self.attention,
             exact=self.exact,
             positions=rows.positions.to(self.device) if self.exact else None,
