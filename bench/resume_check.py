@@ -10,7 +10,9 @@ difference is put beside the run-to-run one.
     python3 bench/resume_check.py --shape small --cpu --gpus 1 --steps 2 --split 1      # a check of the script
 
 --phase full, then --phase split with the same --work (and arguments), does the same in two commands (e.g. two
-device calls of at most 10 minutes each). Each run's log and metrics.jsonl stay under --work; its checkpoints are
+device calls of at most 10 minutes each); at 7B on 4 x H200 split's two runs took over 590 s together, so
+--phase stop, then --phase resume run them one at a time (two more calls on the same, still warm machine: the
+stopped run's checkpoint is in --work). Each run's log and metrics.jsonl stay under --work; its checkpoints are
 removed once digested (--keep-checkpoints keeps them).
 """
 
@@ -103,12 +105,14 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=560.0, help="longest one `rlx ppo` may run")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--phase", choices=("all", "full", "split"), default="all", help="full: the uninterrupted "
-                        "run(s) only; split: the stopped and resumed run against what full left in --work")  # fmt: skip
+    parser.add_argument("--phase", choices=("all", "full", "split", "stop", "resume"), default="all",
+                        help="full: the uninterrupted run(s) only; split: the stopped and resumed run against what "
+                        "full left in --work; stop, then resume: split's two runs one at a time (each fits a "
+                        "10-minute call at 7B; the stopped run's checkpoint stays in --work between them)")  # fmt: skip
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoints once digested")
     args = parser.parse_args()
     if args.phase != "all" and args.work is None:
-        parser.error("--phase full / split need --work (the folder the two share)")
+        parser.error("--phase full / split / stop / resume need --work (the folder they share)")
     if not 0 < args.split < args.steps:
         parser.error("--split must be between 0 and --steps")
     args.weak, args.torchrun_one, args.py_spy = False, False, ""  # what scale.write_recipe and extra_sets read
@@ -117,7 +121,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     recipe = write_recipe(work, args.shape, args, args.gpus)
     state = work / "resume_state.json"  # what --phase full leaves for --phase split
-    result = json.loads(state.read_text()) if args.phase == "split" else {}
+    result = json.loads(state.read_text()) if args.phase in ("split", "stop", "resume") else {}
     if args.phase in ("full", "all"):
         result = {"shape": args.shape, "gpus": args.gpus, "steps": args.steps, "split": args.split, "seconds": {}}
         result["seconds"]["full"] = ppo(recipe, args.gpus, work / "full", args)
@@ -126,9 +130,13 @@ def main() -> None:
             result["seconds"]["again"] = ppo(recipe, args.gpus, work / "again", args)
             result["full_vs_again"] = compare(result["full"], digests(work / "again", args.keep_checkpoints))
         state.write_text(json.dumps(result))
-    if args.phase in ("split", "all"):
+    if args.phase in ("split", "all", "stop"):
         result["seconds"]["split"] = ppo(recipe, args.gpus, work / "split", args, "--set", f"steps={args.split}")
+        print(f"stopped run: {result['seconds']['split']:.0f} s", flush=True)
+        state.write_text(json.dumps(result))
+    if args.phase in ("split", "all", "resume"):
         result["seconds"]["resumed"] = ppo(recipe, args.gpus, work / "split", args, "--resume")
+        print(f"resumed run: {result['seconds']['resumed']:.0f} s", flush=True)
         result["resumed_vs_full"] = compare(result["full"], digests(work / "split", args.keep_checkpoints))
     for name in ("resumed_vs_full", "full_vs_again"):
         if name in result:
