@@ -92,6 +92,9 @@ def _wait_for(path: Path, wait_s: float) -> Path:
     deadline = time.monotonic() + wait_s
     while not path.exists():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{path}: another rank's share of the step's records did not appear in {wait_s:.0f} s")
+            raise RuntimeError(
+                f"{path}: another rank's share of the step's records did not appear in {wait_s:.0f} s (every rank "
+                "writes its share into the run folder: on several nodes it must be on storage they all share)"
+            )
         time.sleep(0.01)
     return path
