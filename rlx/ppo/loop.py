@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -282,8 +283,8 @@ class PPORun:
         write_jsonl_shared(out / "scores.jsonl", result.scores, rank, world, parts)
         if rank == 0:
             result.batch.save(out / "batch.safetensors", store_pixels=store_pixels)
-            with contextlib.suppress(OSError):
-                parts.rmdir()  # every share was read: none is written after it
+            for folder in out.glob(".parts-*"):  # this launch's (every share was read) and a killed one's
+                shutil.rmtree(folder, ignore_errors=True)
 
     def _flops_metrics(self, rollouts: list[RolloutRecord], metrics: dict) -> dict:
         """Model FLOPs of the step (generation, scoring forwards, training: every rank's samples) and MFU against the

@@ -164,6 +164,9 @@ def test_ppo_on_two_ranks_equals_one_and_resumes(tmp_path):
     small = ["--set", "data.prompts_per_step=6", "--set", "rollout.sampling.n=4", "--set", "save_every=1"]
     cli_ok("ppo", recipe, "--out", tmp_path / "one", "--set", "steps=3", *small)
     torchrun(2, "ppo", recipe, "--out", tmp_path / "two", "--set", "steps=2", *small)
+    stale = tmp_path / "two" / "step_000003" / ".parts-killed"  # a killed launch's share: never read, removed
+    stale.mkdir(parents=True)
+    (stale / "rollouts.jsonl.00001").write_text("{}\n")
     torchrun(2, "ppo", recipe, "--out", tmp_path / "two", "--set", "steps=3", *small, "--resume")
     final = Path("checkpoints") / "step_000003"
     assert max_diff(tmp_path / "one" / final, tmp_path / "two" / final) < 1e-5

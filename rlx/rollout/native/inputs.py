@@ -43,6 +43,11 @@ class PrefillRows:
     """[B] int64 uncomputed tokens of each sequence."""
 
 
+def block_tables(seqs: list[Sequence], width: int) -> torch.Tensor:
+    """[B, width] int32: each sequence's block table, zero-padded."""
+    return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
+
+
 def bucketed(n: int) -> int:
     """`n` rounded up to one of four sizes a doubling (4, 5, 6 or 7 times a power of two; at most 25% more): a
     prefill's padded attention shapes (its longest new-token run, its block-table width) then repeat from step to

@@ -33,7 +33,14 @@ from rlx.models.exact import StackedLinear, exact_forward, projection_sets
 from rlx.models.family import family_of
 from rlx.rollout.native.blocks import BlockManager, Sequence
 from rlx.rollout.native.fused import fused_head_step, fused_layer_step, merged_layers, merged_rows
-from rlx.rollout.native.inputs import DecodeStaging, PrefillRows, bucketed, last_token, prefill_rows
+from rlx.rollout.native.inputs import (
+    DecodeStaging,
+    PrefillRows,
+    block_tables,
+    bucketed,
+    last_token,
+    prefill_rows,
+)
 from rlx.rollout.native.moe import moe_layer_step, native_moe_layers
 from rlx.rollout.native.vision import NativeImages
 from rlx.utils.device import autocast
@@ -464,7 +471,7 @@ class ModelRunner:
         # the attention's padded shapes in buckets (not in exact mode: its kernel reads each sequence's own length)
         pad = (lambda n: n) if self.exact else bucketed
         width = pad(max(len(s.block_table) for s in seqs))
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
+        tables = block_tables(seqs, width)
         context = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
         rows = prefill_rows(seqs, tables, self.blocks.block_size)
         ctx = PagedContext(
@@ -533,7 +540,7 @@ class ModelRunner:
         size, lag = self.blocks.block_size, 0 if prev is None else 1
         positions = [len(s) - 1 + lag for s in seqs]
         width = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
+        tables = block_tables(seqs, width)
         ctx = PagedContext(
             self.kv,
             torch.tensor([s.block_table[p // size] * size + p % size for s, p in zip(seqs, positions)]).to(self.device),
