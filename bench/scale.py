@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -163,6 +164,7 @@ def run(
     stopped (SIGTERM) after `limit_s`; `device`: the one GPU it sees. Returns (metrics, arrival seconds, log tail)."""
     launched = gpus > 1 or args.torchrun_one
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if launched else []
+    launcher += shlex.split(args.launcher_args) if launched else []
     cmd = [sys.executable, *launcher, "-m", "rlx", "ppo", str(recipe), "--out", str(run_dir), *extra_sets(args)]
     log_path = run_dir.parent / f"{run_dir.name}.log"
     stacks = run_dir.parent / f"{run_dir.name}.stacks"
@@ -379,6 +381,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a tiny model (a check of the script)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (with --small; plan for --gpu-memory-gib)")
     parser.add_argument("--work", type=Path, default=None, help="keep run folders and logs here")
+    parser.add_argument("--launcher-args", default="", help="more torchrun options, e.g. '--numa-binding exclusive'")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--py-spy", default="", help="a py-spy binary: sample every process's Python stacks and "
                         "print each rank's hottest rlx/torch functions (RUN.profile.txt beside the run)")  # fmt: skip

@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
 import pytest
 import torch
 
 from rlx.formats.records import PromptRecord
 from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 from rlx.rollout.native.blocks import BlockManager, Sequence, Status
-from rlx.rollout.native.inputs import bucketed, prefill_rows
+from rlx.rollout.native.cohort import Cohort
+from rlx.rollout.native.inputs import DecodeStaging, bucketed, prefill_rows
 from rlx.rollout.native.scheduler import Scheduler
 from tests.conftest import cli_ok, flat_config, generate, make_engine, read_jsonl, rollout_args
 
@@ -177,6 +179,55 @@ def test_schedule_ahead_plans_the_next_decode_from_lengths_or_leaves_it_to_the_s
     blocks.free.clear()
     blocks.evictable.clear()  # b's cached prompt block too
     assert scheduler.schedule_ahead([a]) is None
+
+
+def _decoding_batch():
+    """Six sequences one decode step in (the host holds its tokens but one step ahead is pending): lengths across
+    block boundaries, one at its last token, one finished, one with an mRoPE offset."""
+    blocks = BlockManager(num_blocks=40, block_size=4)
+    scheduler = Scheduler(blocks, max_num_seqs=8, max_prefill_tokens=1000)
+    seqs = [Sequence(i, list(range(10 * i, 10 * i + n)), m) for i, (n, m) in enumerate(
+        [(3, 9), (7, 9), (5, 3), (8, 9), (2, 2), (6, 9)])]  # fmt: skip
+    seqs[5].position_offset = 11
+    for s in seqs:
+        scheduler.add(s)
+    assert scheduler.schedule().kind == "prefill"
+    for s in seqs:
+        s.num_computed = len(s)
+        s.output_ids.append(1)
+    step = scheduler.schedule()
+    for s in step.seqs:
+        s.num_computed = len(s)
+        s.output_ids.append(2)
+    scheduler.finish(seqs[4], "length")  # read back at its last token; seqs[2] is at its last (3 of 3 pending)
+    return scheduler, step.seqs
+
+
+def test_a_cohort_plans_and_stages_the_step_ahead_as_the_sequences_do():
+    """The decode step run ahead from a cohort's arrays (cohort.py): the sequences, blocks and the CUDA graph's staged
+    inputs (positions, slots, context lengths, source rows, block tables) that schedule_ahead and fill give."""
+    by_seqs, by_arrays = _decoding_batch(), _decoding_batch()
+    held = [len(s.block_table) for s in by_seqs[1]]
+    ahead = by_seqs[0].schedule_ahead(by_seqs[1])
+    cohort = Cohort(by_arrays[1], block_size=4, max_blocks=6)
+    keep = cohort.continuing()
+    planned = cohort.take(np.flatnonzero(keep))
+    assert planned.reserve_next(by_arrays[0].blocks)
+    assert [s.index for s in planned.seqs] == [s.index for s in ahead.seqs] == [0, 1, 3, 5]
+    assert [s.block_table for s in planned.seqs] == [s.block_table for s in ahead.seqs]
+    assert [len(s.block_table) for s in by_seqs[1]] != held  # blocks taken for the step ahead
+    staged = DecodeStaging(top=8, max_blocks=6, pinned=False), DecodeStaging(top=8, max_blocks=6, pinned=False)
+    rows = [by_seqs[1].index(s) for s in ahead.seqs]
+    staged[0].fill(ahead.seqs, 8, 4, rows)
+    staged[1].fill_ahead(planned, 8, np.flatnonzero(keep))
+    assert torch.equal(staged[0].meta, staged[1].meta) and torch.equal(staged[0].tables, staged[1].tables)
+    # the step read back: the planned cohort takes its sequences' new lengths from the step it ran ahead of
+    stop_ids = np.array([2])
+    finished = cohort.read_back(np.array([5, 2, 6, 7, 8, 9]), np.linspace(-1, 0, 6), stop_ids)
+    assert finished == [(1, True), (2, False)]  # a stop token; the last token (row 4 had finished already)
+    planned.pull()
+    assert planned.lengths.tolist() == [len(s) for s in planned.seqs] and planned.live.tolist() == [1, 0, 1, 1]
+    assert by_arrays[1][4].output_ids == [1, 2] and by_arrays[1][3].output_ids == [1, 2, 7]
 
 
 def test_a_sequence_larger_than_the_cache_is_refused():

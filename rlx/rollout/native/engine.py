@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import time
 
+import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -46,6 +47,7 @@ from rlx.rollout.base import RolloutEngine, TokenStream, WeightSource, copy_weig
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.mirror import open_mirrored
 from rlx.rollout.native.blocks import BlockManager, Sequence, Status
+from rlx.rollout.native.cohort import Cohort
 from rlx.rollout.native.fused import merge_projections
 from rlx.rollout.native.replica import build_replica, fill_merged_replica, fill_replica, is_sharded
 from rlx.rollout.native.runner import ModelRunner
@@ -297,6 +299,7 @@ class NativeStream(TokenStream):
         self.num_constrained = 0
         """Submitted sequences with a grammar that have not finished."""
         self.stops = StopStrings(engine.tokenizer, sampling.stop) if sampling.stop else None
+        self.stop_array = np.array(sorted(engine.stop_ids), dtype=np.int64)
 
     def submit(self, tag, request: TokenRequest) -> None:
         self.check(request)
@@ -332,11 +335,11 @@ class NativeStream(TokenStream):
         ahead_ok = self.engine.cfg.native.overlap and not self.num_constrained
         if inflight is not None and inflight.decode and ahead_ok:
             with record_function("rlx/schedule"):
-                ahead = scheduler.schedule_ahead(inflight.seqs)
+                ahead = self._plan_ahead(inflight)
             if ahead is not None:
                 self.num_ahead += 1
-                row_of = {seq: row for row, seq in enumerate(inflight.seqs)}
-                launched = self._launch(ahead.seqs, True, (inflight.tokens, [row_of[seq] for seq in ahead.seqs]))
+                cohort, rows = ahead
+                launched = self._launch(cohort.seqs, True, (inflight.tokens, rows), cohort)
         elif inflight is None and not scheduler.done:
             with record_function("rlx/schedule"):
                 step = scheduler.schedule()
@@ -345,17 +348,41 @@ class NativeStream(TokenStream):
         if inflight is not None:
             with record_function("rlx/finish"):
                 finished = self._finish(inflight)
+            if launched is not None and launched.cohort is not None and launched.cohort.parent is inflight.cohort:
+                launched.cohort.pull()  # its rows' lengths, now that the step before it was read back
         self.inflight = launched
         return [(self.tags.pop(s), _generated(s)) for s in finished]
 
-    def _launch(self, seqs: list[Sequence], decode: bool, prev) -> Launched:
+    def _plan_ahead(self, inflight: Launched) -> tuple[Cohort, np.ndarray] | None:
+        """The decode step run one token ahead of `inflight` (scheduler.schedule_ahead's plan, from the cohort's
+        arrays): its cohort and the row of each of its sequences in `inflight`. None where the synchronous path
+        must decide: a prefill is due, nothing is left, or a block is missing (preemption)."""
+        if self.scheduler.prefill_due():
+            return None
+        cohort = inflight.cohort
+        if cohort is None:  # a step of the synchronous path: its arrays, once
+            cohort = inflight.cohort = Cohort(inflight.seqs, self.runner.blocks.block_size, self.runner.max_blocks)
+        keep = cohort.continuing()
+        if not keep.any():
+            return None
+        if keep.all():
+            rows, ahead = np.arange(len(keep)), cohort
+        else:
+            rows = np.flatnonzero(keep)
+            ahead = cohort.take(rows)
+        return (ahead, rows) if ahead.reserve_next(self.runner.blocks) else None
+
+    def _launch(self, seqs: list[Sequence], decode: bool, prev, cohort: Cohort | None = None) -> Launched:
         with record_function("rlx/decode" if decode else "rlx/prefill"):
-            logits, routes = self.runner.forward(seqs, decode=decode, prev=prev)
+            logits, routes = self.runner.forward(seqs, decode=decode, prev=prev, cohort=cohort)
         with record_function("rlx/sample"):
-            return self.sampler.launch(seqs, logits, decode, ahead=prev is not None, routes=routes)
+            return self.sampler.launch(seqs, logits, decode, ahead=prev is not None, routes=routes, cohort=cohort)
 
     def _finish(self, step: Launched) -> list[Sequence]:
         """Append each sequence's sampled token; finish stopped sequences and return them."""
+        cohort = step.cohort
+        if cohort is not None and step.routes is None and step.top is None and self.stops is None:
+            return self._finish_cohort(step, cohort)
         tokens, logprobs = self.sampler.collect(step)
         stop_ids, finished = self.engine.stop_ids, []
         if step.routes is not None and not step.decode:  # a prefill's rows past its sequences': prompt positions'
@@ -364,9 +391,11 @@ class NativeStream(TokenStream):
                 pending = seq.pending_prompt_routes
                 if pending:
                     seq.prompt_routes, at = step.routes[at : at + pending], at + pending
+        read, done = np.zeros(len(step.seqs), bool), np.zeros(len(step.seqs), bool)
         for row, (seq, token, logprob) in enumerate(zip(step.seqs, tokens, logprobs)):
             if seq.status is not Status.RUNNING:
                 continue  # it stopped at the step before: this token was computed ahead and is discarded
+            read[row] = True
             seq.num_computed = len(seq)
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
@@ -380,7 +409,19 @@ class NativeStream(TokenStream):
             if stopped or len(seq.output_ids) >= seq.max_tokens:
                 self.scheduler.finish(seq, "stop" if stopped else "length")
                 finished.append(seq)
+                done[row] = True
                 self.num_constrained -= seq.constraint is not None
+        if cohort is not None:
+            cohort.advance(read, done)
+        return finished
+
+    def _finish_cohort(self, step: Launched, cohort: Cohort) -> list[Sequence]:
+        """`_finish` for a plain step (no experts, top logprobs or stop strings to record) through its cohort."""
+        tokens, logprobs = self.sampler.collect_arrays(step)
+        finished = []
+        for row, stopped in cohort.read_back(tokens, logprobs, self.stop_array):
+            self.scheduler.finish(cohort.seqs[row], "stop" if stopped else "length")
+            finished.append(cohort.seqs[row])
         return finished
 
     def stats(self) -> dict[str, int]:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rlx.rollout.native.blocks import Sequence
+from rlx.rollout.native.cohort import Cohort
 
 
 def last_token(seq: Sequence) -> int:
@@ -97,9 +99,9 @@ class DecodeStaging:
     graph's batch size) are token 0 at position 0 written to slot 0 (scratch). tables [top, max_blocks]
     int32: block tables; a row is rewritten only when its sequence's table changed."""
 
-    def __init__(self, top: int, max_blocks: int):
-        self.meta = torch.zeros(5, top, dtype=torch.long, pin_memory=True)
-        self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, pin_memory=True)
+    def __init__(self, top: int, max_blocks: int, pinned: bool = True):
+        self.meta = torch.zeros(5, top, dtype=torch.long, pin_memory=pinned)
+        self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, pin_memory=pinned)
         self.meta_np, self.tables_np = self.meta.numpy(), self.tables.numpy()
         self.rows: list[tuple[list, int] | None] = [None] * top  # (block table, length) of each host row
 
@@ -118,6 +120,24 @@ class DecodeStaging:
         meta[:, b:graph_size] = 0
         meta[3, b:graph_size] = 1
         self._fill_tables(seqs, graph_size)
+
+    def fill_ahead(self, cohort: Cohort, graph_size: int, src_rows) -> None:
+        """`fill` for a step run ahead over `cohort`'s sequences (one token further than the host holds), from its
+        arrays: no Python a sequence."""
+        b, meta, size = len(cohort.seqs), self.meta_np, cohort.block_size
+        positions = cohort.lengths  # the pending token's successor: position len(seq)
+        meta[0, :b] = 0
+        meta[1, :b] = positions + cohort.offsets
+        meta[2, :b] = cohort.tables[np.arange(b), positions // size].astype(np.int64) * size + positions % size
+        meta[3, :b] = positions + 1
+        meta[4, :b] = src_rows
+        meta[:, b:graph_size] = 0
+        meta[3, b:graph_size] = 1
+        width = cohort.tables.shape[1]
+        self.tables_np[:b, :width] = cohort.tables
+        self.tables_np[:b, width:] = 0
+        self.tables_np[b:graph_size] = 0
+        self.rows = [None] * len(self.rows)  # `fill`'s record of the rows no longer holds: it writes each again
 
     def _fill_tables(self, seqs: list[Sequence], graph_size: int) -> None:
         rows, tables = self.rows, self.tables_np

@@ -32,6 +32,7 @@ from rlx.models.attention import attention_implementation, packed_attention_mask
 from rlx.models.exact import StackedLinear, exact_forward, projection_sets
 from rlx.models.family import family_of
 from rlx.rollout.native.blocks import BlockManager, Sequence
+from rlx.rollout.native.cohort import Cohort
 from rlx.rollout.native.fused import fused_head_step, fused_layer_step, merged_layers, merged_rows
 from rlx.rollout.native.inputs import (
     DecodeStaging,
@@ -457,17 +458,19 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(
-        self, seqs: list[Sequence], decode: bool, prev: tuple[torch.Tensor, list[int]] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, seqs: list[Sequence], decode: bool, prev: tuple[torch.Tensor, list[int]] | None = None,
+        cohort: Cohort | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """Logits [B, V] (model dtype) of each sequence's last token after running its uncomputed tokens, and for an
         MoE model the experts its routed layers chose at that token ([B, L, k] int16, else None). A prefill's
         experts go on with those of each sequence's positions predicting its last `pending_prompt_routes` prompt
         tokens, sequence after sequence ([B + sum of them, L, k]).
 
         prev (decode only): (tokens [B'] on the device, row of each sequence in them): the step runs one token
-        ahead, each sequence's input being its token sampled by the previous step, not yet on the host."""
+        ahead, each sequence's input being its token sampled by the previous step, not yet on the host. `cohort`
+        (with prev): `seqs` as arrays (cohort.py), the graph's inputs written from them."""
         if decode:
-            return self._decode(seqs, prev)
+            return self._decode(seqs, prev, cohort)
         # the attention's padded shapes in buckets (not in exact mode: its kernel reads each sequence's own length)
         pad = (lambda n: n) if self.exact else bucketed
         width = pad(max(len(s.block_table) for s in seqs))
@@ -520,14 +523,17 @@ class ModelRunner:
             hidden = decoder(**inputs, paged=ctx, use_cache=False).last_hidden_state
             return head(hidden[:, keep])[0], None
 
-    def _decode(self, seqs: list[Sequence], prev: tuple[torch.Tensor, list[int]] | None):
+    def _decode(self, seqs: list[Sequence], prev: tuple[torch.Tensor, list[int]] | None, cohort: Cohort | None):
         b = len(seqs)
         graph_size = next((g for g in self.sizes if g >= b), None) if self.graphs else None
         if graph_size is None:
             return self._decode_eager(seqs, prev)
         self.staging.reverse()  # the other buffer: the device may still be copying from this one
         staged = self.staging[0]
-        staged.fill(seqs, graph_size, self.blocks.block_size, None if prev is None else prev[1])
+        if cohort is not None and prev is not None:
+            staged.fill_ahead(cohort, graph_size, prev[1])
+        else:
+            staged.fill(seqs, graph_size, self.blocks.block_size, None if prev is None else prev[1])
         self.g_meta.copy_(staged.meta, non_blocking=True)
         self.g_tables[:graph_size].copy_(staged.tables[:graph_size], non_blocking=True)
         if prev is not None:  # [b] input tokens gathered from the previous step's, on the device

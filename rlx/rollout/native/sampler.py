@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.constraints import mask_constrained
 from rlx.rollout.native.blocks import Sequence
+from rlx.rollout.native.cohort import Cohort
 from rlx.rollout.native.inputs import PinnedPair
 from rlx.rollout.sampling import batch_sampling, sample_next, samples_alike, top_logprobs
 
@@ -38,6 +40,8 @@ class Launched:
     """An MoE model's step: [B, L, k] int16 on the host (once `ready`), the experts of each sequence's position."""
     top: list[list[tuple[int, float]]] | None = None
     """Each sequence's most likely (token id, logprob) pairs, for steps with a sequence that asks for them."""
+    cohort: Cohort | None = None
+    """A decode step's sequences as arrays (cohort.py): set for steps run ahead, and for the step they run ahead of."""
 
 
 class StepSampler:
@@ -74,22 +78,27 @@ class StepSampler:
         return first
 
     def launch(
-        self, seqs: list[Sequence], logits: torch.Tensor, decode: bool, ahead: bool, routes: torch.Tensor | None = None
-    ) -> Launched:
+        self, seqs: list[Sequence], logits: torch.Tensor, decode: bool, ahead: bool,
+        routes: torch.Tensor | None = None, cohort: Cohort | None = None,
+    ) -> Launched:  # fmt: skip
         """Queue the draw of each sequence's next token (`ahead`: the token after one still on the device) and, for an
         MoE model, the copy of the step's `routes` [B, L, k] to the host (queued before the next step can overwrite
-        a graph's output buffer)."""
-        b, greedy = len(seqs), [s.greedy for s in seqs]
+        a graph's output buffer). `cohort`: `seqs` as arrays (their rows read from it)."""
+        b = len(seqs)
+        greedy = cohort.greedy if cohort is not None else np.fromiter((s.greedy for s in seqs), bool, b)
         draws, mask = None, None
-        if not all(greedy):
+        if not greedy.all():
             staged = self.inputs.next(3 * b).view(3, b)
             rows = staged.numpy()
-            rows[0] = [s.index for s in seqs]
-            rows[1] = [len(s.output_ids) + ahead for s in seqs]  # the drawn token's index in its response
+            if cohort is not None:
+                rows[0], rows[1] = cohort.indices, cohort.outputs + ahead
+            else:
+                rows[0] = [s.index for s in seqs]
+                rows[1] = [len(s.output_ids) + ahead for s in seqs]  # the drawn token's index in its response
             rows[2] = greedy
             staged = staged.to(self.device, non_blocking=True)
             draws = self.uniforms[staged[0], staged[1]]
-            if any(greedy):
+            if greedy.any():
                 mask = staged[2].bool()
         # per-row work only where such rows exist: a plain step's host time is what bounds a small model's decode
         own = [self.own.get(s.index, self.cfg) for s in seqs] if self.own else []  # []: the stream's scalars
@@ -111,7 +120,7 @@ class StepSampler:
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return Launched(seqs, decode, tokens, host, ready, routes=routes, top=top)
+        return Launched(seqs, decode, tokens, host, ready, routes=routes, top=top, cohort=cohort)
 
     @staticmethod
     def collect(step: Launched) -> tuple[list[int], list[float]]:
@@ -120,3 +129,11 @@ class StepSampler:
             step.ready.synchronize()
         values, b = step.host.tolist(), len(step.seqs)
         return [int(v) for v in values[:b]], values[b:]
+
+    @staticmethod
+    def collect_arrays(step: Launched) -> tuple[np.ndarray, np.ndarray]:
+        """`collect` as arrays: tokens (int64) and logprobs (float64)."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        values, b = step.host.numpy(), len(step.seqs)
+        return values[:b].astype(np.int64), values[b:]

@@ -79,14 +79,19 @@ class Scheduler:
         ahead: its sequences that are still running and not at their last token, with a cache slot for the
         token after the pending one. None where the synchronous path must decide: a prefill is due (one would
         be scheduled now), nothing is left, or a block is missing (preemption)."""
-        waiting, blocks = self.waiting, self.blocks
-        if waiting and len(self.running) < self.max_num_seqs and blocks.blocks_needed(waiting[0]) <= blocks.num_free:
+        if self.prefill_due():
             return None
         # a sequence at its last token finishes at the pending step ('length'): nothing to run ahead for it
         ahead = [s for s in seqs if s.status is Status.RUNNING and len(s.output_ids) + 1 < s.max_tokens]
         if not ahead or not all(self.blocks.ensure_slot(s, lookahead=1) for s in ahead):
             return None  # blocks taken for some sequences stay theirs: they need them one step later anyway
         return Step("decode", ahead)
+
+    def prefill_due(self) -> bool:
+        """Whether `schedule` would prefill now (a waiting sequence, room in the batch and blocks for it)."""
+        waiting, blocks = self.waiting, self.blocks
+        room = len(self.running) < self.max_num_seqs
+        return bool(waiting) and room and blocks.blocks_needed(waiting[0]) <= blocks.num_free
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason
