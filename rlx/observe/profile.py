@@ -6,7 +6,9 @@ a diagnosis, not a setting of the run):
 Each rank writes `prof/rank{R}.txt`: the step's wall seconds, the device's busy seconds (the sum of its kernels'
 own times: what the GPU computed or waited in collectives; kernels on concurrent streams can add up to more than the
 wall), the host operators' seconds, and the operators with the
-largest device time and the largest host time; with RLX_PROFILE_TRACE=1 also `prof/rank{R}.json` (a Chrome trace).
+largest device time and the largest host time; with RLX_PROFILE_TRACE=1 also `prof/rank{R}.json` (a Chrome trace);
+RLX_PROFILE_STACKS=1 records each operator's input shapes and Python stack too (slower: for finding which line a
+long host operator or a device idle comes from).
 A step whose wall time is far above its device time is bound by the host (Python, launches, synchronisations)."""
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def profile_step(step: int, rank: int, device: torch.device, rows: int = 30) -> 
     out = Path(os.environ.get(DIR_VARIABLE) or "rlx-profile")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with profile(activities=activities, record_shapes=False) as prof:
+    stacks = os.environ.get("RLX_PROFILE_STACKS") == "1"
+    with profile(activities=activities, record_shapes=stacks, with_stack=stacks) as prof:
         yield
         if device.type == "cuda":
             torch.cuda.synchronize(device)

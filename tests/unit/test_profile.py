@@ -31,3 +31,18 @@ def test_no_variable_no_profile_and_a_bad_value_is_refused(tmp_path, monkeypatch
     monkeypatch.setenv("RLX_PROFILE_STEP", "three")
     with pytest.raises(UserError, match="RLX_PROFILE_STEP='three': expected a step number"):
         profiled_step()
+
+
+def test_stacks_put_shapes_and_the_python_line_in_the_trace(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("RLX_PROFILE_STEP", "1")
+    monkeypatch.setenv("RLX_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setenv("RLX_PROFILE_TRACE", "1")
+    monkeypatch.setenv("RLX_PROFILE_STACKS", "1")
+    with profile_step(1, rank=0, device=torch.device("cpu")):
+        torch.randn(48, 40) @ torch.randn(40, 24)
+    events = json.loads((tmp_path / "rank0.json").read_text())["traceEvents"]
+    mm = next(e for e in events if e.get("name") == "aten::mm")
+    assert mm["args"]["Input Dims"] == [[48, 40], [40, 24]]
+    assert any(e.get("cat") == "python_function" and "test_profile.py" in e["name"] for e in events)
