@@ -298,6 +298,18 @@ def measure(shape: str, gpus: int, work: Path, args, deadline: float, device: in
     return row
 
 
+def warm_up(shape: str, work: Path, args) -> None:
+    """Two steps of `shape` on one GPU, not measured: a fresh machine's first run compiles into empty Inductor and
+    Triton caches and reads every file from disk, and it ran 25-35% slower a step than the same run after it
+    (bench/RESULTS.md, twentieth session), which the first measured run would otherwise pay."""
+    warm = argparse.Namespace(**{**vars(args), "steps": 2})
+    start = time.time()
+    recipe = write_recipe(work / "warm-up", shape, warm, 1)
+    metrics, _, tail = run(recipe, 1, work / "warm-up" / "run", warm, min(args.timeout_s, 300.0))
+    print(f"warm-up ({shape}, 1 GPU, 2 steps): {time.time() - start:.0f} s" + ("" if metrics else f", failed:\n{tail}"),
+          flush=True)  # fmt: skip
+
+
 def measure_independent(shape: str, copies: int, work: Path, args, deadline: float) -> list[dict]:
     """`copies` one-GPU runs of `shape` at once, GPU i for copy i (the CPU with --cpu), no launcher: what sharing
     the host alone costs a rank, against one run alone and against the launcher's run of as many ranks."""
@@ -324,7 +336,7 @@ def print_table(rows: list[dict]) -> None:
                 if not r["plan"]["fits"]
                 else error
                 if error.startswith("skipped")
-                else ("failed: " + error[-200:])
+                else "failed: its log's end below the table"
             )
             print(f"{r['shape']:<6}{_gpus_label(r):>5}  {why}")
             continue
@@ -349,6 +361,9 @@ def print_table(rows: list[dict]) -> None:
                 f"{r['shape']} on {r['gpus']}: host GiB rank 0 {r['host_rss_gib_rank0']:.1f}, plan steady a rank "
                 f"{host['steady']:.1f} (load {host['load']:.1f}, before step 1: not measured)"
             )
+    for r in rows:
+        if "median_s" not in r and r["plan"]["fits"] and not r.get("error", "").startswith("skipped"):
+            print(f"\n{r['shape']} on {_gpus_label(r)} failed; the end of its log:\n{r.get('error', '')[-1500:]}")
 
 
 def _gpus_label(row: dict) -> str:
@@ -381,6 +396,11 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a tiny model (a check of the script)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (with --small; plan for --gpu-memory-gib)")
     parser.add_argument("--work", type=Path, default=None, help="keep run folders and logs here")
+    parser.add_argument(
+        "--warm-up",
+        action="store_true",
+        help="first run two unmeasured steps on one GPU (a fresh machine's first run is slower: cold compile caches)",
+    )
     parser.add_argument("--launcher-args", default="", help="more torchrun options, e.g. '--numa-binding exclusive'")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--py-spy", default="", help="a py-spy binary: sample every process's Python stacks and "
@@ -393,6 +413,8 @@ def main() -> None:
     shapes = ["small"] if args.small else args.shapes.split(",")
     deadline = time.time() + args.deadline_s
     counts = sorted({int(g) for g in args.gpus.split(",")}, reverse=True)
+    if args.warm_up:
+        warm_up(shapes[0], work, args)
     rows = [measure(shape, gpus, work, args, deadline) for shape in shapes for gpus in counts]
     if args.independent:
         rows += [r for shape in shapes for r in measure_independent(shape, args.independent, work, args, deadline)]

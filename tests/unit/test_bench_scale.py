@@ -43,3 +43,25 @@ def test_independent_runs_each_see_one_gpu_and_are_labelled_by_it(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     assert scale.env(2)["CUDA_VISIBLE_DEVICES"] == "2" and scale.env()["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     assert scale._gpus_label({"gpus": 1, "independent_on": 3}) == "1@3" and scale._gpus_label({"gpus": 4}) == "4"
+
+
+def test_the_warm_up_runs_two_steps_on_one_gpu_and_a_failed_run_shows_its_log(tmp_path, monkeypatch, capsys):
+    """--warm-up: two unmeasured steps of the first shape on one GPU before the measured runs; a failed run's row says
+    so and its log's end follows the table (the 2-GPU run's one line of it did not tell why it failed)."""
+    scale = _scale()
+    calls = []
+
+    def fake_run(recipe, gpus, run_dir, args, limit_s, device=None):
+        calls.append((gpus, args.steps, run_dir.name))
+        return [], [], "Traceback ...\nRuntimeError: the reason"
+
+    monkeypatch.setattr(scale, "run", fake_run)
+    monkeypatch.setattr(scale, "write_recipe", lambda work, shape, args, gpus: work / "recipe.toml")
+    args = scale.argparse.Namespace(steps=6, timeout_s=420.0)
+    scale.warm_up("0.5b", tmp_path, args)
+    assert calls == [(1, 2, "run")] and args.steps == 6
+    assert "warm-up (0.5b, 1 GPU, 2 steps)" in capsys.readouterr().out
+    plan = {"fits": True, "peaks_gib": {"train": 10.0}}
+    scale.print_table([{"shape": "0.5b", "gpus": 2, "plan": plan, "error": "Traceback ...\nRuntimeError: the reason"}])
+    out = capsys.readouterr().out
+    assert "failed: its log's end below the table" in out and out.rstrip().endswith("RuntimeError: the reason")
