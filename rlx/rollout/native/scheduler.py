@@ -6,7 +6,8 @@ first, so finished sequences are replaced at once. When a decode needs a block a
 newest running sequence is preempted: its blocks are returned and it waits to be prefilled again with
 the tokens it has (recomputation; its samples stay the same, as draws are indexed by token position).
 `schedule_ahead` plans a decode step before the previous one's tokens are known (the engine's overlap
-of host and device) where that step is sure to be a decode that needs no preemption.
+of host and device) where that step is sure to be a decode that needs no preemption: the definition, sequence by
+sequence; the engine makes the same plan from arrays (cohort.py), tested against it.
 """
 
 from __future__ import annotations
