@@ -7,11 +7,7 @@ set -uo pipefail
 n=${1:-2}
 out=${OUT:-/tmp/host-out}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-if [ -d .carry/http ]; then
-  mkdir -p /root/keep/http && python3 -m pip install -q --no-index --no-deps --target /root/keep/http .carry/http/*.whl
-  export PYTHONPATH=/root/keep/http:$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
+source bench/device/http_env.sh
 lscpu | grep -E "^(Model name|Thread|Core|Socket|CPU\(s\)|NUMA)" 
 weak() { python3 bench/scale.py --shapes 0.5b --weak --steps 6 --deadline-s 200 "$@" 2>&1 | grep -v WARN | tail -7; }
 echo "== as is"; weak --gpus "$n,1" --work "$out/w_asis" --json "$out/asis.json"

@@ -12,11 +12,7 @@ set -uo pipefail
 n=${1:-4}
 out=${OUT:-/tmp/scale-out}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-if [ -d .carry/http ]; then
-  mkdir -p /root/keep/http && python3 -m pip install -q --no-index --no-deps --target /root/keep/http .carry/http/*.whl
-  export PYTHONPATH=/root/keep/http:$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
+source bench/device/http_env.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
 nvidia-smi topo -m 2>&1 | head -8  # how the GPUs are linked
 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT timeout 90 python3 -m torch.distributed.run --standalone --nproc_per_node "$n" \

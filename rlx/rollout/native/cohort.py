@@ -85,10 +85,8 @@ class Cohort:
         live = self.live
         stopped = live & np.isin(tokens, stop_ids)
         done = stopped | (live & (self.outputs + 1 >= self.max_tokens))
-        rows = zip(self.seqs, tokens.tolist(), logprobs.tolist(), self.lengths.tolist())
-        if not live.all():
-            rows = (rows_of for rows_of, keep in zip(rows, live.tolist()) if keep)
-        for seq, token, logprob, length in rows:
+        rows = zip(self.seqs, tokens.tolist(), logprobs.tolist(), self.lengths.tolist(), live.tolist())
+        for seq, token, logprob, length, _ in rows if live.all() else (row for row in rows if row[4]):
             seq.num_computed = length
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)

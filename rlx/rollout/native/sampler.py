@@ -125,14 +125,12 @@ class StepSampler:
     @staticmethod
     def collect(step: Launched) -> tuple[list[int], list[float]]:
         """Wait for a launched step; its (tokens, logprobs) in the order of its sequences."""
-        if step.ready is not None:
-            step.ready.synchronize()
-        values, b = step.host.tolist(), len(step.seqs)
-        return [int(v) for v in values[:b]], values[b:]
+        tokens, logprobs = StepSampler.collect_arrays(step)
+        return tokens.tolist(), logprobs.tolist()
 
     @staticmethod
     def collect_arrays(step: Launched) -> tuple[np.ndarray, np.ndarray]:
-        """`collect` as arrays: tokens (int64) and logprobs (float64)."""
+        """Wait for a launched step; its tokens (int64; exact in the float64 buffer) and logprobs (float64)."""
         if step.ready is not None:
             step.ready.synchronize()
         values, b = step.host.numpy(), len(step.seqs)
