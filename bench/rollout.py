@@ -180,6 +180,15 @@ def run_engine(name: str, model, tokenizer, prompts, args) -> dict:
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
     records, stats = result.records, result.stats.metrics()
+    if name.startswith("native") and args.host_split:
+        from bench.host_split import host_split, report
+
+        with host_split({}) as totals:
+            start = time.perf_counter()
+            engine.generate(prompts, cfg.sampling, progress=False)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            print(report(totals, time.perf_counter() - start), flush=True)
     if name.startswith("native") and args.profile:
         profile_call(engine, prompts, cfg, args.profile.with_name(f"{args.profile.stem}-{name}{args.profile.suffix}"))
     sync = time_weight_sync(engine, model, args.sync) if args.sync else {}
@@ -243,6 +252,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
         "--profile", type=Path, help="profile one more call of each native engine; write the tables to PATH-ENGINE"
+    )
+    parser.add_argument(
+        "--host-split",
+        action="store_true",
+        help="one more call of each native engine with the decode loop's parts timed on the host (bench/host_split.py)",
     )
     args = parser.parse_args()
     if args.small:

@@ -35,12 +35,17 @@ def _kernels() -> Any:
 
     @triton.jit
     def _slice_kernel(
-        x_ptr, m_ptr, s_ptr, a_ptr, w_ptr, scale, vocab, stride_x, SLICE: tl.constexpr, PAD: tl.constexpr
+        x_ptr, m_ptr, s_ptr, a_ptr, w_ptr, scale, vocab, stride_x, SLICE: tl.constexpr, PAD: tl.constexpr,
+        SCALE_PTR: tl.constexpr,
     ):  # fmt: skip
         row, part = tl.program_id(0), tl.program_id(1)
+        if SCALE_PTR:  # noqa: SIM108 (the factor in device memory: a CUDA graph's input; else the argument itself)
+            factor = tl.load(scale)
+        else:
+            factor = scale
         offs = part * SLICE + tl.arange(0, SLICE)
         x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < vocab, other=float("-inf"))
-        x = x.to(tl.float32) * scale
+        x = x.to(tl.float32) * factor
         m = tl.max(x, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         out = row * PAD + part
@@ -53,9 +58,13 @@ def _kernels() -> Any:
     @triton.jit
     def _pick_kernel(
         x_ptr, u_ptr, m_ptr, s_ptr, a_ptr, w_ptr, tok_ptr, arg_ptr, lse_ptr, ent_ptr, scale, vocab, stride_x, slices,
-        SLICE: tl.constexpr, CHUNK: tl.constexpr, PAD: tl.constexpr,
+        SLICE: tl.constexpr, CHUNK: tl.constexpr, PAD: tl.constexpr, SCALE_PTR: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
+        if SCALE_PTR:  # noqa: SIM108 (a constexpr branch: Triton compiles the one taken)
+            factor = tl.load(scale)
+        else:
+            factor = scale
         j = tl.arange(0, PAD)
         valid = j < slices
         m = tl.load(m_ptr + row * PAD + j, mask=valid, other=float("-inf"))
@@ -76,7 +85,7 @@ def _kernels() -> Any:
         for start in range(0, SLICE, CHUNK):
             offs = first + start + tl.arange(0, CHUNK)
             inside = offs < vocab
-            p = tl.exp(tl.load(base + offs, mask=inside, other=float("-inf")).to(tl.float32) * scale - top_safe)
+            p = tl.exp(tl.load(base + offs, mask=inside, other=float("-inf")).to(tl.float32) * factor - top_safe)
             cdf = run + tl.cumsum(p, 0)
             token = tl.minimum(token, tl.min(tl.where(inside & (cdf > target), offs, 2147483647), 0))
             last = tl.maximum(last, tl.max(tl.where(inside & (p > 0), offs, -1), 0))
@@ -97,12 +106,14 @@ def _kernels() -> Any:
 
 
 def draw_tokens_triton(
-    logits: torch.Tensor, uniforms: torch.Tensor, scale: float = 1.0
+    logits: torch.Tensor, uniforms: torch.Tensor, scale: float | torch.Tensor = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(draws [B] int64, argmax [B] int64, logsumexp [B] float32, entropy [B] float32 of softmax(x)) of
     x = float32(logits) * float32(scale),
     logits [B, V] any float dtype on CUDA (or the CPU under TRITON_INTERPRET=1), uniforms [B] in [0, 1) (any
-    device / float dtype); no host sync.
+    device / float dtype); no host sync. `scale`: a float, or a float32 tensor of one element on the logits'
+    device, read by the kernels (so a CUDA graph captured with it draws at whatever temperature it holds when
+    replayed; the same bits as the float).
 
     x is what PyTorch's CUDA `logits.float() / t` gives for scale = 1 / t (it multiplies by the float32
     reciprocal), so the native engine passes its bf16 logits and 1 / temperature and reads them once, not
@@ -121,18 +132,22 @@ def draw_tokens_triton(
         )  # max, sum, argmax (bits), sum p*x
         part_m, part_s, part_a, part_w = parts[0], parts[1], parts[2].view(torch.int32), parts[3]
         first, second = _kernels()
+        from_ptr = isinstance(scale, torch.Tensor)
         first[(batch, slices)](
-            logits, part_m, part_s, part_a, part_w, scale, vocab, logits.stride(0), SLICE=SLICE, PAD=pad
+            logits, part_m, part_s, part_a, part_w, scale, vocab, logits.stride(0), SLICE=SLICE, PAD=pad,
+            SCALE_PTR=from_ptr,
         )  # fmt: skip
         second[(batch,)](
             logits, u, part_m, part_s, part_a, part_w, out[0], out[1], stats[0], stats[1], scale, vocab,
-            logits.stride(0), slices, SLICE=SLICE, CHUNK=CHUNK, PAD=pad, num_warps=4,
+            logits.stride(0), slices, SLICE=SLICE, CHUNK=CHUNK, PAD=pad, SCALE_PTR=from_ptr, num_warps=4,
         )  # fmt: skip
     return out[0], out[1], stats[0], stats[1]
 
 
-def picked_logprobs(logits: torch.Tensor, tokens: torch.Tensor, scale: float, lse: torch.Tensor) -> torch.Tensor:
+def picked_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, scale: float | torch.Tensor, lse: torch.Tensor
+) -> torch.Tensor:
     """The logprob [B] float32 of each row's token under float32(logits) * scale, given the row's logsumexp `lse`
     from `draw_tokens_triton` (the native engine's sampler and exact mode's trainer alike: the same ops, the same
-    bits)."""
+    bits; `scale` a float or a float32 tensor of one element, as there)."""
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float() * scale - lse

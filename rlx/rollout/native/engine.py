@@ -289,7 +289,7 @@ class NativeStream(TokenStream):
         self.engine, self.runner = engine, runner
         cfg = engine.cfg.native
         self.scheduler = Scheduler(runner.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens)
-        self.sampler = StepSampler(sampling, cfg.max_num_seqs, engine.device, exact=engine.cfg.exact)
+        self.sampler = StepSampler(sampling, cfg.max_num_seqs, engine.device, engine.cfg.exact, runner.sampling)
         self.module = runner.model
         self.was_training = self.module.training
         self.module.eval()
@@ -375,8 +375,9 @@ class NativeStream(TokenStream):
     def _launch(self, seqs: list[Sequence], decode: bool, prev, cohort: Cohort | None = None) -> Launched:
         with record_function("rlx/decode" if decode else "rlx/prefill"):
             logits, routes = self.runner.forward(seqs, decode=decode, prev=prev, cohort=cohort)
+        graph_size = self.runner.graph_size(len(seqs)) if decode else None
         with record_function("rlx/sample"):
-            return self.sampler.launch(seqs, logits, decode, ahead=prev is not None, routes=routes, cohort=cohort)
+            return self.sampler.launch(seqs, logits, decode, prev is not None, routes, cohort, graph_size)
 
     def _finish(self, step: Launched) -> list[Sequence]:
         """Append each sequence's sampled token; finish stopped sequences and return them."""

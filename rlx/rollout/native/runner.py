@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from rlx.kernels.exact import KEY_BLOCK, blocked_attention, key_slots
 from rlx.kernels.exact_triton import HAS_TRITON, exact_attention, use_triton
-from rlx.kernels.paged_attention import paged_decode_attention, write_kv
+from rlx.kernels.paged_attention import paged_decode_attention, triton_available, write_kv
 from rlx.models.attention import attention_implementation, packed_attention_mask, register_attention
 from rlx.models.exact import StackedLinear, exact_forward, projection_sets
 from rlx.models.family import family_of
@@ -43,6 +43,7 @@ from rlx.rollout.native.inputs import (
     prefill_rows,
 )
 from rlx.rollout.native.moe import moe_layer_step, native_moe_layers
+from rlx.rollout.native.sampler import SamplingGraphs
 from rlx.rollout.native.vision import NativeImages
 from rlx.utils.device import autocast
 from rlx.utils.vmm import VirtualBuffer, carve
@@ -316,6 +317,8 @@ class ModelRunner:
         self.casts = ExactCasts(model, dtype, releasable) if exact and use_triton(next(model.parameters())) else None
         """Exact mode on CUDA: the linear weights in the compute dtype, cast once per call rather than every step."""
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        self.sampling: SamplingGraphs | None = None
+        """The plain decode step's draw captured for each graph's batch size (sampler.py), where triton runs it."""
         self.sizes: list[int] = []
         self.compiled = False
         if max_batch and device.type == "cuda" and self.parts is not None and (HAS_TRITON or not exact):
@@ -431,6 +434,7 @@ class ModelRunner:
         self.g_keep = torch.arange(top, device=dev)
         self.compiled = self.use_compile
         pool = None
+        self.sampling = SamplingGraphs(self.sizes, dev) if triton_available() else None
         for b in reversed(self.sizes):
             self._warm_up(b)
             graph = torch.cuda.CUDAGraph()
@@ -438,6 +442,12 @@ class ModelRunner:
                 outputs = self._run(*self._graph_args(b))
             pool = graph.pool()
             self.graphs[b] = (graph, outputs)
+            if self.sampling is not None:
+                self.sampling.capture(b, outputs[0], pool)
+
+    def graph_size(self, b: int) -> int | None:
+        """The batch size of the decode graph that runs a decode step of b sequences (None: it runs eagerly)."""
+        return next((g for g in self.sizes if g >= b), None) if self.graphs else None
 
     def _warm_up(self, b: int) -> None:
         """Run batch size b once outside the graph (compilation, kernel selection, lazy inits); where
@@ -525,7 +535,7 @@ class ModelRunner:
 
     def _decode(self, seqs: list[Sequence], prev: tuple[torch.Tensor, list[int]] | None, cohort: Cohort | None):
         b = len(seqs)
-        graph_size = next((g for g in self.sizes if g >= b), None) if self.graphs else None
+        graph_size = self.graph_size(b)
         if graph_size is None:
             return self._decode_eager(seqs, prev)
         self.staging.reverse()  # the other buffer: the device may still be copying from this one

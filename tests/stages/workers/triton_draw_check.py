@@ -1,5 +1,5 @@
 """Subprocess of tests/stages/test_rollout.py (TRITON_INTERPRET=1 must be set before triton is imported): the GPU's draw
-kernels against the float64 reference; prints ok."""
+kernels against the float64 reference, with the factor as an argument and read from memory; prints ok."""
 
 import torch
 
@@ -26,4 +26,7 @@ log_p = torch.log_softmax(scaled, -1)
 want = -(log_p.exp() * torch.where(log_p.isinf(), 0.0, log_p)).sum(-1)  # filtered tokens: 0 * log 0 = 0
 assert torch.allclose(entropy, want, rtol=1e-4, atol=1e-5), (entropy, want)
 assert tokens[4] in (SLICE - 1, SLICE) and tokens[2] == 5
+# the factor read from memory (the native engine's captured draw) gives the same bits as the argument
+from_memory = draw_tokens_triton(x.bfloat16(), u, torch.tensor([scale], dtype=torch.float32))
+assert all(torch.equal(a, b) for a, b in zip(from_memory, (tokens, argmax, lse, entropy)))
 print("ok")
