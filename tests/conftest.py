@@ -55,24 +55,63 @@ def repo_first_path() -> str:
     return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a subprocess that runs `rlx` commands by name (a recipe's shell pipeline): this
+    interpreter's `rlx` first on PATH, or with the test zygotes (tests/zygote.py) a shim that runs each command as a
+    zygote's child, skipping the ~8 s of imports a command otherwise starts with."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **extra}
+    zygotes = _zygotes(_torchrun_env())
+    return zygotes.shim_env(env) if zygotes is not None else env
+
+
+def _torchrun_env(extra: dict | None = None) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONPATH": repo_first_path(),
+        "OMP_NUM_THREADS": "1",
+        **(extra or {}),
+    }
+
+
 def run_torchrun(
     n: int, *args: str | Path, timeout: int = 600, env: dict | None = None, check: bool = True
 ) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node n ARGS` (a script, or '-m', 'rlx', ...) with gloo on CPU, one thread per rank;
     with `check`, fails the test with the output tail on error. `env`: extra environment variables."""
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "PYTHONPATH": repo_first_path(),
-        "OMP_NUM_THREADS": "1",
-        **(env or {}),
-    }
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--rdzv-endpoint=localhost:0"]
-    command += ["--rdzv-backend=c10d", *[str(a) for a in args]]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    env = _torchrun_env(env)
+    args = [str(a) for a in args]
+    target = args[:2] if args[:1] == ["-m"] else args[:1]
+    zygotes = _zygotes(env) if target and not target[0].startswith("--") else None
+    if zygotes is not None and zygotes.usable_for(env):  # the ranks forked after the imports (tests/zygote.py)
+        out = zygotes.run(n, target, args[len(target) :], env, REPO, timeout)
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}"]
+        command += ["--rdzv-endpoint=localhost:0", "--rdzv-backend=c10d", *args]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     if check:
         assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
     return out
+
+
+_ZYGOTES = []
+
+
+def _zygotes(env: dict[str, str]):
+    """This pytest process's test zygotes (tests/zygote.py), started with the first torchrun run's environment; None
+    with RLX_TEST_ZYGOTE=0."""
+    if os.environ.get("RLX_TEST_ZYGOTE") == "0":
+        return None
+    if not _ZYGOTES:
+        from tests.zygote import Zygotes
+
+        _ZYGOTES.append(Zygotes(env, REPO))
+    return _ZYGOTES[0]
+
+
+def pytest_unconfigure(config):
+    for zygotes in _ZYGOTES:
+        zygotes.close()
 
 
 def run_script(script: Path, env: dict | None = None, *args: str) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ from rlx.algorithms.advantages import ESTIMATORS
 from rlx.algorithms.losses import POLICY_LOSSES
 from rlx.models.loading import read_weights
 from tests.agent_helpers import random_chat_model
-from tests.conftest import REPO, cli, cli_ok, read_jsonl, torchrun
+from tests.conftest import REPO, cli, cli_env, cli_ok, read_jsonl, torchrun
 from tests.stages.test_ppo import assert_same_weights, stable
 
 TURNS_ENV = '''
@@ -204,8 +204,7 @@ def test_calculator_shell_pipeline_equals_ppo(tmp_path):
     """~55 s: recipes/calculator.sh (two [sft] steps, one RL step) gives the SFT metrics and step-0 weights, the
     rollouts, scores, metrics and weights of `rlx ppo`; then `rlx report` shows the turns per sample and the
     environment reward."""
-    env = {**os.environ, "STEPS": "1", "SEED": "2", "PROMPTS_PER_STEP": "4", "N": "2", "OMP_NUM_THREADS": "1",
-           "SFT_MAX_STEPS": "2", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # fmt: skip
+    env = cli_env(STEPS="1", SEED="2", PROMPTS_PER_STEP="4", N="2", OMP_NUM_THREADS="1", SFT_MAX_STEPS="2")
     script = REPO / "recipes" / "calculator.sh"
     done = subprocess.run(["bash", str(script), str(tmp_path / "sh")], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -17,7 +17,7 @@ from rlx.models.loading import read_weights
 from rlx.observe.tracking import VOLATILE_PREFIXES
 from rlx.ppo.config import load_recipe
 from rlx.ppo.loop import run_ppo
-from tests.conftest import REPO, cli, cli_ok, read_jsonl
+from tests.conftest import REPO, cli, cli_env, cli_ok, read_jsonl
 
 QUICKSTART = REPO / "recipes" / "quickstart.toml"
 SMALL = ["--set", "data.prompts_per_step=8", "--set", "rollout.sampling.n=4", "--set", "save_every=1"]
@@ -116,7 +116,7 @@ def test_resume_after_kill_gives_the_same_weights(tmp_path):
 
 def test_shell_pipeline_equals_the_driver(tmp_path):
     """recipes/quickstart.sh, stage by stage, gives the metrics and weights of `rlx ppo` on the same recipe."""
-    env = {**os.environ, "STEPS": "2", "SEED": "3", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = cli_env(STEPS="2", SEED="3")
     subprocess.run(
         ["bash", str(REPO / "recipes" / "quickstart.sh"), str(tmp_path / "sh")],
         env=env,

@@ -7,10 +7,8 @@ files, `rlx ppo` == the shell pipeline, the tiny recipe learns, and every bad in
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +26,7 @@ from rlx.parallel.dist import DistContext
 from rlx.rollout.base import build_engine
 from rlx.rollout.config import NativeConfig, RolloutConfig, SamplingParams
 from rlx.tasks.shapes import generate_shapes, write_shapes
-from tests.conftest import REPO, cli, cli_ok, read_jsonl, torchrun_commands, write_jsonl, write_length_reward
+from tests.conftest import REPO, cli, cli_env, cli_ok, read_jsonl, torchrun_commands, write_jsonl, write_length_reward
 from tests.unit.test_vision import chat, image_part, random_image
 
 FAMILY_NAMES = [f.name for f in FAMILIES.values()]
@@ -209,7 +207,7 @@ def test_shard_merge_carries_the_processor_files(tmp_path):
 def test_ppo_equals_the_shell_pipeline(tmp_path):
     """recipes/tiny_vlm_shapes.sh, stage by stage, gives the rollouts, scores and weights of `rlx ppo` on its recipe
     (one step: the seeds and data positions of later steps are the quickstart's, tests/stages/test_ppo.py)."""
-    env = {**os.environ, "STEPS": "1", "SEED": "3", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = cli_env(STEPS="1", SEED="3")
     script = REPO / "recipes" / "tiny_vlm_shapes.sh"
     subprocess.run(["bash", str(script), str(tmp_path / "sh")], env=env, check=True, capture_output=True)
     cli_ok("ppo", RECIPE, "--out", tmp_path / "ppo", "--set", "steps=1", "--set", "seed=3")
