@@ -59,15 +59,17 @@ def cli_env(**extra: str) -> dict[str, str]:
     """The environment of a subprocess that runs `rlx` commands by name (a recipe's shell pipeline): this
     interpreter's `rlx` first on PATH, or with the test zygotes (tests/zygote.py) a shim that runs each command as a
     zygote's child, skipping the ~8 s of imports a command otherwise starts with."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **extra}
-    zygotes = _zygotes(_torchrun_env())
+    env = {**os.environ, "PATH": _torchrun_env()["PATH"], **extra}
+    zygotes = _zygotes()
     return zygotes.shim_env(env) if zygotes is not None else env
 
 
 def _torchrun_env(extra: dict | None = None) -> dict[str, str]:
+    """A torchrun run's environment: this interpreter's scripts first on PATH, the checkout first on PYTHONPATH, one
+    thread a rank, then `extra`."""
     return {
         **os.environ,
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "PYTHONPATH": repo_first_path(),
         "OMP_NUM_THREADS": "1",
         **(extra or {}),
@@ -82,7 +84,7 @@ def run_torchrun(
     env = _torchrun_env(env)
     args = [str(a) for a in args]
     target = args[:2] if args[:1] == ["-m"] else args[:1]
-    zygotes = _zygotes(env) if target and not target[0].startswith("--") else None
+    zygotes = _zygotes() if target and not target[0].startswith("--") else None
     if zygotes is not None and zygotes.usable_for(env):  # the ranks forked after the imports (tests/zygote.py)
         out = zygotes.run(n, target, args[len(target) :], env, REPO, timeout)
     else:
@@ -97,15 +99,15 @@ def run_torchrun(
 _ZYGOTES = []
 
 
-def _zygotes(env: dict[str, str]):
-    """This pytest process's test zygotes (tests/zygote.py), started with the first torchrun run's environment; None
-    with RLX_TEST_ZYGOTE=0."""
+def _zygotes():
+    """This pytest process's test zygotes (tests/zygote.py), started on first use in a plain torchrun run's environment
+    (no test's extra variables); None with RLX_TEST_ZYGOTE=0."""
     if os.environ.get("RLX_TEST_ZYGOTE") == "0":
         return None
     if not _ZYGOTES:
         from tests.zygote import Zygotes
 
-        _ZYGOTES.append(Zygotes(env, REPO))
+        _ZYGOTES.append(Zygotes(_torchrun_env(), REPO))
     return _ZYGOTES[0]
 
 

@@ -61,7 +61,6 @@ class SamplingGraphs:
 
     def __init__(self, sizes: list[int], device: torch.device):
         top = max(sizes)
-        self.sizes = sizes
         self.draws = torch.zeros(top, dtype=torch.float64, device=device)
         self.inverse = torch.ones(1, dtype=torch.float32, device=device)
         """1 / temperature in float32 (`inverse_temperature`), read by the draw kernels."""
