@@ -27,7 +27,9 @@ from typing import Any
 
 from rlx.errors import UserError
 
-MODES = {"forward": 1.0, "train": 3.0}
+MODES = {"forward": 1.0, "train": 3.0, "train_frozen": 2.0}
+"""x a forward: 'train' adds the backward's input and weight gradients; 'train_frozen' (a LoRA policy, whose frozen
+base computes no weight gradients; its small adapters are not counted) only the input gradients."""
 # families whose MLP has no gate (up -> activation -> down)
 UNGATED_MLP_FAMILIES = ("apertus",)
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")

@@ -53,7 +53,15 @@ from rlx.parallel.dist import barrier, broadcast_object, context
 from rlx.ppo.config import PPOConfig
 from rlx.ppo.dynamic_sampling import GroupFilter, sampling_metrics
 from rlx.ppo.models import CRITIC_DIR, build_run_models
-from rlx.ppo.rundir import checkpoint_dir, drop_old_checkpoints, prepare_run_dir, step_dir
+from rlx.ppo.rundir import (
+    check_checkpoint_space,
+    checkpoint_bytes,
+    checkpoint_dir,
+    checkpoint_write_error,
+    drop_old_checkpoints,
+    prepare_run_dir,
+    step_dir,
+)
 from rlx.ppo.start import RunInputs, RunLock, StopRequest, check_run_inputs
 from rlx.ppo.warm_start import warm_start
 from rlx.ppo.writer import BackgroundWriter, write_jsonl_shared
@@ -110,6 +118,7 @@ class PPORun:
         policy = (inputs.source, inputs.config) if fresh else None
         self.models = build_run_models(initial, self.backend, start_ckpt, policy)
         self.trainer, self.critic = self.models.actor, self.models.critic
+        self._check_checkpoint_space()
         models_built = time.perf_counter()
         self.engine = self._build_engine()
         self.rollout = build_rollout(self.cfg.rollout, self.engine)  # the engine, or episodes on it (multi-turn)
@@ -128,6 +137,17 @@ class PPORun:
             cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.sampling.max_new_tokens
         )
         self.stop = StopRequest()
+
+    def _check_checkpoint_space(self) -> None:
+        """Stop before the first step when the run folder cannot hold a checkpoint; warn when it cannot hold what
+        keep_checkpoints and save_every will put there (rundir.check_checkpoint_space)."""
+        cfg = self.cfg
+        saves = [s for s in range(self.start_step + 1, cfg.steps + 1) if s % cfg.save_every == 0 or s == cfg.steps]
+        trained = [t.module for t in (self.trainer, self.critic) if t is not None]
+        self.checkpoint_bytes = checkpoint_bytes(m for m in trained if isinstance(m, torch.nn.Module))
+        warning = check_checkpoint_space(self.run_dir, self.checkpoint_bytes, saves, cfg.keep_checkpoints)
+        if warning and self.ctx.is_main:
+            console(f"rlx ppo: warning: {warning}")
 
     def _build_engine(self):
         """The rollout engine the steps generate with (an asynchronous run's trainers have none: async_train.py)."""
@@ -295,11 +315,16 @@ class PPORun:
         lengths = [p + r for p, r in zip(prompt_lens, response_lens)]
         scoring = self.models.scoring
         forwards = sum(m is not None for m in (scoring.actor, scoring.ref, scoring.critic))
-        train_passes = self.cfg.train.epochs + (self.cfg.critic.train.epochs if self.cfg.critic else 0)
+        trained = [(self.trainer, self.cfg.train.epochs)]
+        if self.critic is not None:
+            trained.append((self.critic, self.cfg.critic.train.epochs))
+        # a LoRA model's frozen base computes no weight gradients
+        train = sum(epochs * count_flops(config, lengths, "train_frozen" if getattr(t, "lora", None) else "train")
+                    for t, epochs in trained)  # fmt: skip
         phases = {
             "rollout": count_generate_flops(config, prompt_lens, response_lens),
             "score": forwards * count_flops(config, lengths, "forward"),
-            "train": train_passes * count_flops(config, lengths, "train"),
+            "train": train,
         }
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
         peak = device_peak_flops(name) * context().world
@@ -405,7 +430,10 @@ class PPORun:
         write = prepare_save(out, self.trainer.state(), self.models.aux, meta, overwrite=True, nested=nested)
 
         def commit() -> None:
-            write()
+            try:
+                write()
+            except Exception as e:  # noqa: BLE001 - an I/O failure gets the checkpoint's name; others go on as they are
+                raise checkpoint_write_error(out, self.checkpoint_bytes, e) from e
             if self.ctx.is_main:
                 drop_old_checkpoints(self.run_dir, self.cfg.keep_checkpoints)
 

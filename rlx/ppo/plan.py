@@ -314,9 +314,10 @@ def _train_gib(shape: ModelShape, work: Workload, settings: Settings, world: int
     unsharded = settings.grad_accumulation == "unsharded"
     accumulated = whole * 4 if micro_batches > 1 and world > 1 and unsharded and not work.has_lora else 0
     # FSDP: two layers gathered in bf16 and their fp32 gradients, the root for the whole pass (with keep_gathered
-    # every layer in bf16, one layer's fp32 gradient); one process: autocast keeps a bfloat16 copy of every weight
+    # every layer in bf16, one layer's fp32 gradient); one process: autocast keeps a bfloat16 copy of every float32
+    # weight (none of a LoRA policy's base, already bfloat16: 65.6 GiB measured at 7B on one H200, 78.7 planned with it)
     if world == 1:
-        gathered = shape.params * 2
+        gathered = 0 if work.has_lora else shape.params * 2
     elif settings.keep_gathered:
         gathered = shape.local_params(ep) * 2 + shape.local_layer_params(ep) * 8 + shape.root_params * 4
     else:
@@ -446,6 +447,8 @@ class MemoryPlan:
     """The host's memory the plan checked the run against (None: not checked)."""
     host_gib: dict[str, float] = field(default_factory=dict)
     """host_gib() of the chosen settings (empty when the host was not checked)."""
+    checkpoint_bytes: int = 0
+    """One checkpoint's size (checkpoint_bytes(); 0: not known)."""
 
     def summary(self) -> str:
         """One compact block: the hardware, the chosen settings, the per-phase peaks against the usable memory."""
@@ -459,6 +462,7 @@ class MemoryPlan:
             + self._moe_line()
             + self._decode_line()
             + self._host_line()
+            + self._checkpoint_line()
             + f"  train peak: {parts}\n"
             f"  chosen (keys the recipe leaves out): {settings}" + (f"\n  {self.message}" if self.message else "")
         )
@@ -477,6 +481,14 @@ class MemoryPlan:
         peaks = ", ".join(f"{name} {gib:.0f}" for name, gib in self.host_gib.items())
         usable = f"{self.host.usable_gib:.0f} usable of {self.host.memory_gib:.0f}"
         return f"  host: peak GiB {peaks} of {usable} ({self.host.ranks} ranks per host)\n"
+
+    def _checkpoint_line(self) -> str:
+        """What one checkpoint writes (the run folder needs room for it; `rlx ppo` checks before step 1)."""
+        if not self.checkpoint_bytes:
+            return ""
+        return (
+            f"  checkpoint: about {self.checkpoint_bytes / 1e9:.1f} GB each (float32 weights and AdamW's two moments)\n"
+        )
 
     def _moe_line(self) -> str:
         """A mixture of experts' sizes and expert parallelism (empty for a dense model)."""
@@ -633,7 +645,13 @@ def _plan(world, gpu_gib, fits, settings, est, base, user, shape, work, host=Non
     decode = {d: decode_step_ms(shape, d) for d in options} if len(options) > 1 else {}
     on_host = host_gib(shape, work, settings, world, host.ranks) if host is not None else {}
     return MemoryPlan(world, gpu_gib, fits, chosen, est, settings, shape=shape, decode_ms=decode, host=host,
-                      host_gib=on_host)  # fmt: skip
+                      host_gib=on_host, checkpoint_bytes=checkpoint_bytes(shape, work))  # fmt: skip
+
+
+def checkpoint_bytes(shape: ModelShape, work: Workload) -> int:
+    """One checkpoint of the trained models: float32 weights and AdamW's two moments, 12 bytes a parameter, for the
+    actor and a critic like it (0 with LoRA: its adapters are small)."""
+    return 0 if work.has_lora else 12 * shape.params * (2 if work.has_critic else 1)
 
 
 def _what_fits(shape: ModelShape, work: Workload, base: Settings, user: dict, world: int, gpu_gib: float,
@@ -646,6 +664,9 @@ def _what_fits(shape: ModelShape, work: Workload, base: Settings, user: dict, wo
         hints.append(f"leave out {given} (the plan would choose)")
     if work.use_ref and _search(shape, replace(work, use_ref=False), base, user, world, gpu_gib, host).fits:
         hints.append("use_ref=false (no KL terms: the reference's whole float32 copy per rank is gone)")
+    lora = replace(work, has_lora=True, use_ref=False)
+    if not work.has_lora and _search(shape, lora, base, user, world, gpu_gib, host).fits:
+        hints.append("a [lora] table (adapters trained on a frozen bfloat16 base, docs/lora.md)")
     for more in (2 * world, 4 * world, 8 * world, 16 * world):
         if _search(shape, work, base, user, more, gpu_gib, host).fits:
             hints.append(f"{more} GPUs of {gpu_gib:.0f} GiB")

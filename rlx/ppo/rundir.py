@@ -15,6 +15,7 @@ from rlx.errors import UserError
 from rlx.observe.tracking import console, truncate_metrics
 from rlx.parallel.dist import barrier
 from rlx.ppo.config import MOVED_KEYS
+from rlx.utils.files import describe_io_error
 from rlx.utils.io import write_json
 
 RECIPE_NAME = "recipe.json"
@@ -124,3 +125,78 @@ def _add_unused_new_tables(saved: dict, recipe: dict) -> None:
             saved[key] = None
         elif isinstance(value, dict) and isinstance(saved.get(key), dict):
             _add_unused_new_tables(saved[key], value)
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system of `path` (of its nearest existing folder when it does not exist yet)."""
+    folder = path
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def checkpoint_bytes(modules) -> int:
+    """About the bytes of one checkpoint of these trained modules: every trained parameter's weights and AdamW's two
+    moments in its dtype (a DTensor counted whole). A backend that holds only its own shard (megatron) makes it a
+    lower bound."""
+    total = 0
+    for module in modules:
+        for param in module.parameters():
+            if param.requires_grad:
+                total += 3 * param.numel() * param.element_size()
+    return total
+
+
+def checkpoints_on_disk_at_most(existing: int, new: int, keep: int) -> int:
+    """The most rotated checkpoints a run folder holds at once while `new` more are written after `existing`: each
+    is published before the oldest beyond the newest `keep` are removed (0: all kept)."""
+    if new == 0 or keep == 0:
+        return existing + new
+    return max(existing + 1, min(existing + new, keep + 1))
+
+
+def check_checkpoint_space(run_dir: Path, each: int, saves: list[int], keep: int) -> str | None:
+    """Before the first step: a UserError when the run folder's file system cannot hold one more checkpoint of
+    `each` bytes; a warning (returned) when it cannot hold what `saves` (the steps this run checkpoints) and
+    `keep` (keep_checkpoints) will put there at once; None when it can. Checkpoints already there count as written."""
+    if not saves or each <= 0:
+        return None
+    free = free_bytes(run_dir)
+    existing = sum(1 for p in (run_dir / "checkpoints").glob("step_*") if p != checkpoint_dir(run_dir, 0))
+    size = f"about {_size(each)} (the trained weights and AdamW's two moments)"
+    if free < each:
+        raise UserError(
+            f"{run_dir}: a checkpoint of this run takes {size}, and its file system has {_size(free)} free: "
+            f"the first one (step {saves[0]}) would fail. Free space there or choose an --out on a larger disk"
+        )
+    peak = checkpoints_on_disk_at_most(existing, len(saves), keep)
+    room = existing + int(free // each)
+    if peak <= room:
+        return None
+    return (
+        f"{run_dir}: a checkpoint takes {size}; {_size(free)} free holds {room - existing} more, and this "
+        f"run keeps up to {peak} at once (keep_checkpoints = {keep}): the checkpoint of step {saves[room - existing]} "
+        "would fail. Lower keep_checkpoints, raise save_every or free space"
+    )
+
+
+def checkpoint_write_error(out: Path, each: int, error: Exception) -> Exception:
+    """A failed checkpoint write as the user needs it: a full disk or a forbidden folder (describe_io_error) names
+    the checkpoint, the free space and the checkpoint's size; any other error is returned as it is."""
+    reason = describe_io_error(error)
+    if reason is None:
+        return error
+    free = free_bytes(out)
+    return UserError(
+        f"{out}: the checkpoint was not written ({reason}); {_size(free)} free on its file system, a checkpoint of "
+        f"this run takes about {_size(each)}. Resume with --resume once there is room: the run goes on "
+        "from its last complete checkpoint"
+    )
+
+
+def _size(n: float) -> str:
+    """Bytes as a person reads them: 91.2 GB, 3.4 MB, 512 B."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"

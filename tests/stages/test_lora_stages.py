@@ -285,9 +285,21 @@ def test_critic_with_lora_trains_adapters_and_head_and_resumes(tmp_path):
 def test_quickstart_with_lora_learns(tmp_path):
     out = tmp_path / "run"
     run_ppo(load_recipe(RECIPE, ["steps=30", "seed=1"]), out)
-    rewards = [m["reward/mean"] for m in read_jsonl(out / "metrics.jsonl")]
+    metrics = read_jsonl(out / "metrics.jsonl")
+    rewards = [m["reward/mean"] for m in metrics]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last >= first + 0.3, (first, last)
+    # the step's model FLOPs count the frozen base's backward without weight gradients (x2 a forward, not x3)
+    from rlx.observe.flops import count_flops, count_generate_flops
+
+    config = json.loads((RECIPE.parent / "tiny-arith-lora" / "config.json").read_text())
+    rollouts = read_jsonl(out / "step_000030" / "rollouts.jsonl")
+    prompts, responses = [len(r["prompt_ids"]) for r in rollouts], [len(r["response_ids"]) for r in rollouts]
+    lengths = [p + r for p, r in zip(prompts, responses)]
+    forward = count_flops(config, lengths, "forward")
+    # scoring: the actor's and the reference's (adapters off) forwards; training: x2
+    expected = count_generate_flops(config, prompts, responses) + 4 * forward
+    assert metrics[-1]["perf/flops"] == pytest.approx(expected, rel=1e-9)
 
 
 @pytest.mark.slow

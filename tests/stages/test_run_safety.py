@@ -107,6 +107,50 @@ def test_a_second_run_on_a_locked_folder_names_the_holder(tmp_path):
     assert (out / ".rlx-lock").read_text() == ""  # released at the end
 
 
+def test_checkpoints_that_do_not_fit_the_disk_are_named_before_step_1_and_when_a_write_fails(tmp_path, monkeypatch):
+    """No room for one checkpoint: refused before step 1; room for fewer than keep_checkpoints keeps at once: a
+    warning naming the step that would fail; a full disk during a write: one line naming the checkpoint, and
+    --resume then finishes the run."""
+    import errno
+
+    from rlx.ppo import loop, rundir
+
+    sizes = []
+    real_bytes, real_prepare = loop.checkpoint_bytes, loop.prepare_save
+    monkeypatch.setattr(loop, "checkpoint_bytes", lambda modules: sizes.append(real_bytes(modules)) or sizes[-1])
+    monkeypatch.setattr(rundir, "free_bytes", lambda path: 500)
+    out = tmp_path / "run"
+    refused = ppo(out)
+    assert refused.exit_code == 1 and "a checkpoint of this run takes about" in refused.stderr, refused
+    assert "500 B free" in refused.stderr and "(step 2) would fail" in refused.stderr
+    assert sizes[0] > 100_000 and not (out / "metrics.jsonl").exists() and not list(out.glob("step_*"))
+
+    monkeypatch.setattr(rundir, "free_bytes", lambda path: int(1.5 * sizes[-1]))
+    warned = ppo(out, "--set", "keep_checkpoints=2", "--set", "save_every=1")
+    assert warned.exit_code == 0 and "warning" in warned.stderr and "step 2 would fail" in warned.stderr, warned
+
+    def full_at_step_2(out_dir, *args, **kwargs):
+        write = real_prepare(out_dir, *args, **kwargs)
+        if out_dir.name != "step_000002":
+            return write
+
+        def fail():
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        return fail
+
+    monkeypatch.setattr(loop, "prepare_save", full_at_step_2)
+    monkeypatch.setattr(rundir, "free_bytes", lambda path: 10 * sizes[-1])
+    failed = ppo(out, "--overwrite", "--set", "save_every=1")
+    assert failed.exit_code == 1 and "Traceback" not in failed.stderr, failed
+    assert "checkpoints/step_000002: the checkpoint was not written (no space left on device)" in failed.stderr
+    assert "--resume" in failed.stderr and not (out / "checkpoints" / "step_000002").exists()
+    monkeypatch.setattr(loop, "prepare_save", real_prepare)
+    resumed = ppo(out, "--resume", "--set", "save_every=1")
+    assert resumed.exit_code == 0 and "after step 1" in resumed.stderr, resumed
+    assert (out / "checkpoints" / "step_000002").is_dir()
+
+
 def test_random_init_from_a_trained_checkpoint_is_refused(tmp_path, tiny_ckpt):
     trained = tmp_path / "trained"
     shutil.copytree(tiny_ckpt, trained)
@@ -179,3 +223,14 @@ def test_sigterm_stops_after_a_checkpoint_and_resume_finishes(tmp_path):
     resumed = cli_ok("ppo", QUICKSTART, "--out", out, *args, "--resume")
     assert f"after step {step}" in resumed.stderr
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == list(range(1, 41))
+
+
+@pytest.mark.parametrize(
+    "existing, new, keep, most",
+    [(0, 5, 2, 3), (0, 1, 2, 1), (2, 3, 2, 3), (0, 4, 0, 4), (3, 2, 1, 4), (1, 0, 2, 1), (0, 3, 1, 2)],
+)
+def test_checkpoints_on_disk_at_most(existing, new, keep, most):
+    """Each new checkpoint is published before the oldest beyond `keep` go: keep + 1 at once, or all with keep 0."""
+    from rlx.ppo.rundir import checkpoints_on_disk_at_most
+
+    assert checkpoints_on_disk_at_most(existing, new, keep) == most

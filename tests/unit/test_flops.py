@@ -51,6 +51,7 @@ def test_forward_of_one_sequence_by_hand():
     assert LAYERS == 147456 and attention(6) == 3072
     assert count_flops(TINY, [3], "forward") == 3 * (LAYERS + HEAD) + attention(6)
     assert count_flops(TINY, [3], "train") == 3 * count_flops(TINY, [3], "forward")
+    assert count_flops(TINY, [3], "train_frozen") == 2 * count_flops(TINY, [3], "forward")  # LoRA: no weight grads
 
 
 def test_variable_lengths_add_up_per_sequence():

@@ -153,6 +153,13 @@ def test_14b_needs_more_than_one_gpu():
     tree = with_fast_path({**ISSUE_RECIPE, "model": {"path": "m"}})
     one = plan_memory(QWEN25_14B, tree, {}, 1, H100_GIB)
     assert not one.fits and "GPUs of 79 GiB" in one.message
+    assert "checkpoint: about 177.2 GB each" in one.summary()  # 14.8B parameters x 12 bytes
+    # 7B on one 80 GB card: full weights do not fit; adapters on a frozen bfloat16 base do
+    seven = plan_memory(QWEN25_7B, tree, {}, 1, H100_GIB)
+    assert not seven.fits and "would fit: a [lora] table" in seven.message and "2 GPUs of 79 GiB" in seven.message
+    lora = plan_memory(QWEN25_7B, {**tree, "lora": {"rank": 16}}, {}, 1, H100_GIB)
+    assert lora.fits and "checkpoint:" not in lora.summary()
+    assert "gathered" not in lora.summary()  # one process: the bfloat16 base is not cast again under autocast
     four = plan_memory(QWEN25_14B, tree, {}, 4, H100_GIB)
     assert four.fits
     # the native engine's whole bfloat16 replica (27.5 GiB) beside the trained state does not fit: the plan splits
@@ -208,6 +215,7 @@ def test_plan_cli_fits_and_does_not_fit(tmp_path):
     assert fits.exit_code == 0, fits
     assert "memory plan for 4 x 79 GiB: fits" in fits.stdout
     assert "train.grad_accumulation=sharded" in fits.stdout
+    assert "checkpoint: about 91.4 GB each (float32 weights and AdamW's two moments)" in fits.stdout
     assert not (tmp_path / "runs").exists()
     small = cli("ppo", recipe, "--plan", "--gpus", "1", "--gpu-memory-gib", "24")
     assert small.exit_code == 1
