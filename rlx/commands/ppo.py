@@ -172,7 +172,9 @@ def _planned(recipe: Path, overrides: list[str], resumed: Path | None = None) ->
         return saved_choices(resumed / "recipe.json", tree)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        result = plan_recipe(tree, recipe.parent, world, _device_memory_gib() or 0.0, _host(_host_memory_gib(), world))
+        host = _host(_host_memory_gib(), world)
+        launched = "LOCAL_RANK" in os.environ  # torchrun: FSDP even on one process (CPU offload possible)
+        result = plan_recipe(tree, recipe.parent, world, _device_memory_gib() or 0.0, host, launched)
     except UserError as e:
         if os.environ.get("RANK", "0") == "0":
             console(f"rlx ppo: no memory plan ({e})")

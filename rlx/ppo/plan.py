@@ -182,6 +182,8 @@ class Workload:
     prompt_known: bool = True
     """Whether rollout.max_prompt_length bounds every context (else ASSUMED_PROMPT_TOKENS is a guess, and the KV
     cache is left to the engine's own sizing)."""
+    launched: bool = False
+    """Run under a launcher (torchrun): FSDP shards the models even on one process, so CPU offload is possible."""
 
     @property
     def sample_tokens(self) -> int:
@@ -316,7 +318,7 @@ def _train_gib(shape: ModelShape, work: Workload, settings: Settings, world: int
     # FSDP: two layers gathered in bf16 and their fp32 gradients, the root for the whole pass (with keep_gathered
     # every layer in bf16, one layer's fp32 gradient); one process: autocast keeps a bfloat16 copy of every float32
     # weight (none of a LoRA policy's base, already bfloat16: 65.6 GiB measured at 7B on one H200, 78.7 planned with it)
-    if world == 1:
+    if world == 1 and not settings.param_offload:  # offload: FSDP over the one rank (under torchrun)
         gathered = 0 if work.has_lora else shape.params * 2
     elif settings.keep_gathered:
         gathered = shape.local_params(ep) * 2 + shape.local_layer_params(ep) * 8 + shape.root_params * 4
@@ -341,7 +343,7 @@ def estimate(shape: ModelShape, work: Workload, settings: Settings, world: int, 
     score_tokens = settings.score_tokens
     forward = score_tokens * (16 * shape.hidden + 8 * shape.intermediate) / GIB
     ep = settings.ep_degree
-    if world == 1:
+    if world == 1 and not settings.param_offload:
         gathered = 0.0
     elif settings.keep_gathered:
         gathered = shape.local_params(ep) * 2 / GIB
@@ -521,12 +523,13 @@ def _fixed(user: dict[str, Any], settings: Settings) -> Settings:
 
 
 def plan_memory(
-    config: dict, tree: dict, user: dict[str, Any], world: int, gpu_memory_gib: float, host: Host | None = None
-) -> MemoryPlan:
+    config: dict, tree: dict, user: dict[str, Any], world: int, gpu_memory_gib: float, host: Host | None = None,
+    launched: bool = False,
+) -> MemoryPlan:  # fmt: skip
     """The plan for `world` GPUs of `gpu_memory_gib` each, on hosts of `host` (None: the GPUs only). `tree`: the
     recipe after --set with the fast path's keys filled in; `user`: {dotted key: value} of the keys the recipe (or
-    --set) itself gives, which the plan keeps."""
-    shape, work = model_shape(config), Workload.from_recipe(tree)
+    --set) itself gives, which the plan keeps. `launched`: one process under torchrun (several always are)."""
+    shape, work = model_shape(config), replace(Workload.from_recipe(tree), launched=launched or world > 1)
     base = _fixed(user, _settings_of(tree))
     plan = _search(shape, work, base, user, world, gpu_memory_gib, host)
     if plan.fits:
@@ -571,8 +574,10 @@ def _search(shape: ModelShape, work: Workload, base: Settings, user: dict, world
         tps = _tp_degrees(shape, work, world, base, user)
         for rung, ep, tp in ((r, e, t) for r in _LADDER for e in _ep_degrees(shape, world, base, user) for t in tps):
             settings = _fixed(user, replace(base, **rung, ep_degree=ep, tp_degree=tp))
-            # FSDP's CPU offload needs a launcher, and does not combine with expert parallelism
-            if settings.param_offload and (world == 1 or settings.ep_degree > 1):
+            # FSDP's CPU offload needs a launcher (a recipe that sets it is taken to be launched: a plain process
+            # then stops with that message), and does not combine with expert parallelism
+            launched = work.launched or "train.param_offload" in user
+            if settings.param_offload and (not launched or settings.ep_degree > 1):
                 continue
             if settings.keep_gathered and (world == 1 or settings.param_offload) and "train.keep_gathered" not in user:
                 continue  # nothing is sharded on one process; offloaded shards are gathered from the CPU
@@ -667,6 +672,11 @@ def _what_fits(shape: ModelShape, work: Workload, base: Settings, user: dict, wo
     lora = replace(work, has_lora=True, use_ref=False)
     if not work.has_lora and _search(shape, lora, base, user, world, gpu_gib, host).fits:
         hints.append("a [lora] table (adapters trained on a frozen bfloat16 base, docs/lora.md)")
+    if not work.launched and _search(shape, replace(work, launched=True), base, user, world, gpu_gib, host).fits:
+        hints.append(
+            "`torchrun --nproc_per_node 1 -m rlx ppo ...` with train.param_offload = true (FSDP keeps the float32 "
+            "weights, gradients and AdamW on the CPU: slower steps)"
+        )
     for more in (2 * world, 4 * world, 8 * world, 16 * world):
         if _search(shape, work, base, user, more, gpu_gib, host).fits:
             hints.append(f"{more} GPUs of {gpu_gib:.0f} GiB")
@@ -698,9 +708,12 @@ def _host_message(shape: ModelShape, work: Workload, settings: Settings, world: 
 # --- from a recipe ----------------------------------------------------------------------------------------------
 
 
-def plan_recipe(tree: dict, recipe_dir, world: int, gpu_memory_gib: float, host: Host | None = None) -> MemoryPlan:
+def plan_recipe(
+    tree: dict, recipe_dir, world: int, gpu_memory_gib: float, host: Host | None = None, launched: bool = False
+) -> MemoryPlan:
     """The plan of a recipe tree (after --set) on `world` GPUs of `gpu_memory_gib` (on hosts of `host`, None: not
-    checked): the fast path's keys filled in as `rlx ppo` does on CUDA, the recipe's own keys kept. UserError when
+    checked; `launched`: under torchrun, which lets one process offload): the fast path's keys filled in as `rlx ppo`
+    does on CUDA, the recipe's own keys kept. UserError when
     the model's config.json cannot be read (a GGUF file, a package, a URL) or the recipe trains on megatron or
     asynchronously (not planned yet)."""
     from rlx.errors import UserError
@@ -716,7 +729,7 @@ def plan_recipe(tree: dict, recipe_dir, world: int, gpu_memory_gib: float, host:
     full = apply_defaults(tree, fast_path_defaults("cuda", tree, recipe_dir))
     user = {key: _lookup(tree, key) for key in _CHOICES if _lookup(tree, key) is not None}
     try:
-        return plan_memory(config, full, user, world, gpu_memory_gib, host)
+        return plan_memory(config, full, user, world, gpu_memory_gib, host, launched)
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{where}/config.json: cannot size the model for the memory plan ({e!r})") from None
 

@@ -82,6 +82,14 @@ def test_two_ranks_equal_one(tmp_path, tiny_ckpt, batch, single):
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 1  # rank 0 alone writes
 
 
+def test_one_launched_rank_with_cpu_offload_equals_one_process(tmp_path, tiny_ckpt, batch, single):
+    """torchrun with one process can offload (FSDP over one rank: what the memory plan offers a model whose float32
+    state does not fit one GPU)."""
+    step = ["train-step", "--checkpoint", tiny_ckpt, "--batch", batch, "--kl-loss-coef", "0.1", *TRAIN]
+    torchrun_commands(1, [*step, "--out", tmp_path / "offload", "--param-offload"])
+    assert max_diff(single, tmp_path / "offload") < 1e-6
+
+
 def test_packing_and_token_budget_equal_padded_micro_batches(tmp_path, tiny_ckpt, batch, single):
     cli_ok(
         "train-step",

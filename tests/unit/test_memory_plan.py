@@ -157,6 +157,10 @@ def test_14b_needs_more_than_one_gpu():
     # 7B on one 80 GB card: full weights do not fit; adapters on a frozen bfloat16 base do
     seven = plan_memory(QWEN25_7B, tree, {}, 1, H100_GIB)
     assert not seven.fits and "would fit: a [lora] table" in seven.message and "2 GPUs of 79 GiB" in seven.message
+    assert "`torchrun --nproc_per_node 1 -m rlx ppo ...` with train.param_offload = true" in seven.message
+    launched = plan_memory(QWEN25_7B, tree, {}, 1, H100_GIB, launched=True)  # FSDP over one rank: CPU offload
+    assert launched.fits and launched.chosen["train.param_offload"] is True
+    assert "trained_state" not in launched.summary() and "gathered 8.7" in launched.summary()  # two layers + root
     lora = plan_memory(QWEN25_7B, {**tree, "lora": {"rank": 16}}, {}, 1, H100_GIB)
     assert lora.fits and "checkpoint:" not in lora.summary()
     assert "gathered" not in lora.summary()  # one process: the bfloat16 base is not cast again under autocast
@@ -268,6 +272,12 @@ def test_a_cuda_run_that_does_not_fit_stops_before_loading_weights(tmp_path, mon
     assert result.exit_code == 1, result
     assert "nothing fits 1 x 24 GiB" in result.stderr
     assert not (tmp_path / "run").exists()
+    monkeypatch.setattr(command, "_device_memory_gib", lambda: 79.1)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert "`torchrun --nproc_per_node 1" in cli("ppo", recipe, "--out", tmp_path / "run").stderr  # a plain process
+    monkeypatch.setenv("LOCAL_RANK", "0")  # one process under torchrun: FSDP, so CPU offload
+    assert "train.param_offload=true" in command._planned(recipe, [])
+    monkeypatch.delenv("LOCAL_RANK")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setattr(command, "_device_memory_gib", lambda: 79.1)
     overrides = command._planned(recipe, [])
