@@ -251,6 +251,24 @@ def tiny(tmp_path_factory):
     return model, tokenizer
 
 
+def test_the_engine_leaves_a_sharded_model_where_it_is(tiny, monkeypatch):
+    """A sharded model (FSDP; with CPU offload its shards live on the CPU) is not moved to the rollout device: the
+    engine's replica is gathered from the shards. A plain model is moved (tests/gpu/test_offload_cuda.py runs the
+    offloaded case on a GPU, where moving it made FSDP refuse the model at its first forward)."""
+    import copy
+
+    import rlx.rollout.native.engine as native
+
+    cfg = RolloutConfig(engine="native")
+    for sharded in (True, False):
+        model, moved = copy.deepcopy(tiny[0]), []
+        real_to = model.to
+        model.to = lambda *args, moved=moved, real_to=real_to, **kwargs: moved.append(args) or real_to(*args, **kwargs)
+        monkeypatch.setattr(native, "is_sharded", lambda m, sharded=sharded: sharded)
+        engine = make_engine(model, tiny[1], cfg)
+        assert (moved == []) is sharded and engine.use_replica is sharded
+
+
 @pytest.mark.parametrize(
     "settings",
     [

@@ -76,10 +76,12 @@ class NativeRolloutEngine(RolloutEngine):
     takes_images = True
 
     def __init__(self, model, tokenizer, cfg, ctx, processor=None):
-        # tensor parallel: the full model stays where it is (each rank's replica takes its slice from it)
+        # tensor parallel: the full model stays where it is (each rank's replica takes its slice from it); so does an
+        # FSDP-sharded one (its replica is gathered from the shards, which CPU offload keeps on the CPU)
         self.tp = _tensor_parallel(model, cfg, ctx)
         self.stream_group = self.tp  # multi-turn episodes: the group's first rank submits, the others mirror it
-        super().__init__(model if self.tp is not None else model.to(ctx.device), tokenizer, cfg, ctx, processor)
+        stays = self.tp is not None or is_sharded(model)
+        super().__init__(model if stays else model.to(ctx.device), tokenizer, cfg, ctx, processor)
         self.rank_config = self.model.config if self.tp is None else sliced_config(self.model.config, self.tp.degree)
         """The config of the decoder this rank runs (a tensor-parallel rank's: its share of the heads and MLP)."""
         self.sharded = is_sharded(self.model)
