@@ -11,7 +11,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from rlx.formats.records import write_records
 from rlx.parallel.dist import shard_range
 from rlx.utils.io import atomic_path, dumps_line
 from rlx.utils.tensor_files import Pace, paced
@@ -72,18 +71,23 @@ def write_jsonl_shared(path: Path, records: list, rank: int, world: int, parts: 
     when whole), rank 0 writes its own and appends the others' in rank order, then publishes `path` atomically.
     A rank's writes run on its own writer thread, so rank 0 no longer encodes the whole world's samples on its own
     (1,024 rollouts take it 0.2-0.4 s of the interpreter, which the rollout's host loop then waits for). Rank 0
-    waits up to `wait_s` for a share; a share that does not come is an error naming it."""
+    waits up to `wait_s` for a share; a share that does not come is an error naming it.
+
+    The encoding hands the interpreter to the other threads after each record: JSON holds it while it encodes, and
+    the step's own thread, back from waiting for the device, would otherwise wait for it up to the 5 ms switch
+    interval each time. On two CPU cores a loop of 1.3 ms iterations (0.6 ms of Python, 0.6 ms of waiting) beside
+    768 records being written took 50-75% longer than alone; with the hand-over 22-24%."""
     share = [records[i] for i in shard_range(len(records), rank, world)]
+    target = path if rank == 0 else parts / f"{path.name}.{rank:05d}"
     if rank > 0:
         parts.mkdir(parents=True, exist_ok=True)
-        write_records(parts / f"{path.name}.{rank:05d}", share)
-        return
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(target) as tmp, open(tmp, "wb") as f:
         for record in share:
-            f.write(dumps_line(record.to_json()) + "\n")
-        for r in range(1, world):
+            f.write((dumps_line(record.to_json()) + "\n").encode())
+            time.sleep(0)  # the hand-over
+        for r in range(1, world) if rank == 0 else ():
             part = _wait_for(parts / f"{path.name}.{r:05d}", wait_s)
-            with open(part, encoding="utf-8") as source:
+            with open(part, "rb") as source:
                 shutil.copyfileobj(source, f)
             part.unlink()
 

@@ -135,3 +135,17 @@ def test_every_rank_writes_its_share_of_a_step_s_records_and_rank_0_joins_them(t
     with pytest.raises(RuntimeError, match=r"scores.jsonl.00001: another rank's share"):
         write_jsonl_shared(tmp_path / "scores.jsonl", records, 0, 2, parts, wait_s=0.1)
     assert (tmp_path / "scores.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()  # the old file stays
+
+
+def test_the_records_writer_hands_the_interpreter_over_after_every_record(tmp_path, monkeypatch):
+    """JSON encoding holds the interpreter: the writer thread yields it (a zero sleep) after each record, so the
+    step's thread never waits a whole switch interval for it (bench/gil_handover.py times the difference)."""
+    import rlx.ppo.writer as writer
+    from rlx.formats.records import ScoreRecord
+
+    records = [ScoreRecord(id=f"p{i}/0", prompt_id=f"p{i}", reward=0.0, rewards={}, advantage=0.0, response_length=1)
+               for i in range(7)]  # fmt: skip
+    sleeps = []
+    monkeypatch.setattr(writer.time, "sleep", sleeps.append)
+    writer.write_jsonl_shared(tmp_path / "s.jsonl", records, 1, 2, tmp_path / "parts")  # rank 1: records 4-6
+    assert sleeps == [0, 0, 0] and len((tmp_path / "parts" / "s.jsonl.00001").read_text().splitlines()) == 3
