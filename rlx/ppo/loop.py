@@ -432,8 +432,11 @@ class PPORun:
         def commit() -> None:
             try:
                 write()
-            except Exception as e:  # noqa: BLE001 - an I/O failure gets the checkpoint's name; others go on as they are
-                raise checkpoint_write_error(out, self.checkpoint_bytes, e) from e
+            except Exception as e:  # an I/O failure gets the checkpoint's name; others go on as they are
+                described = checkpoint_write_error(out, self.checkpoint_bytes, e)
+                if described is None:
+                    raise
+                raise described from e
             if self.ctx.is_main:
                 drop_old_checkpoints(self.run_dir, self.cfg.keep_checkpoints)
 

@@ -450,7 +450,7 @@ class MemoryPlan:
     host_gib: dict[str, float] = field(default_factory=dict)
     """host_gib() of the chosen settings (empty when the host was not checked)."""
     checkpoint_bytes: int = 0
-    """One checkpoint's size (checkpoint_bytes(); 0: not known)."""
+    """One checkpoint's size (planned_checkpoint_bytes(); 0: not known)."""
 
     def summary(self) -> str:
         """One compact block: the hardware, the chosen settings, the per-phase peaks against the usable memory."""
@@ -528,8 +528,10 @@ def plan_memory(
 ) -> MemoryPlan:  # fmt: skip
     """The plan for `world` GPUs of `gpu_memory_gib` each, on hosts of `host` (None: the GPUs only). `tree`: the
     recipe after --set with the fast path's keys filled in; `user`: {dotted key: value} of the keys the recipe (or
-    --set) itself gives, which the plan keeps. `launched`: one process under torchrun (several always are)."""
-    shape, work = model_shape(config), replace(Workload.from_recipe(tree), launched=launched or world > 1)
+    --set) itself gives, which the plan keeps. `launched`: one process under torchrun (several always are; a recipe
+    that sets train.param_offload is taken to be launched: a plain process then stops saying it needs torchrun)."""
+    launched = launched or world > 1 or "train.param_offload" in user
+    shape, work = model_shape(config), replace(Workload.from_recipe(tree), launched=launched)
     base = _fixed(user, _settings_of(tree))
     plan = _search(shape, work, base, user, world, gpu_memory_gib, host)
     if plan.fits:
@@ -574,10 +576,8 @@ def _search(shape: ModelShape, work: Workload, base: Settings, user: dict, world
         tps = _tp_degrees(shape, work, world, base, user)
         for rung, ep, tp in ((r, e, t) for r in _LADDER for e in _ep_degrees(shape, world, base, user) for t in tps):
             settings = _fixed(user, replace(base, **rung, ep_degree=ep, tp_degree=tp))
-            # FSDP's CPU offload needs a launcher (a recipe that sets it is taken to be launched: a plain process
-            # then stops with that message), and does not combine with expert parallelism
-            launched = work.launched or "train.param_offload" in user
-            if settings.param_offload and (not launched or settings.ep_degree > 1):
+            # FSDP's CPU offload needs a launcher, and does not combine with expert parallelism
+            if settings.param_offload and (not work.launched or settings.ep_degree > 1):
                 continue
             if settings.keep_gathered and (world == 1 or settings.param_offload) and "train.keep_gathered" not in user:
                 continue  # nothing is sharded on one process; offloaded shards are gathered from the CPU
@@ -650,12 +650,13 @@ def _plan(world, gpu_gib, fits, settings, est, base, user, shape, work, host=Non
     decode = {d: decode_step_ms(shape, d) for d in options} if len(options) > 1 else {}
     on_host = host_gib(shape, work, settings, world, host.ranks) if host is not None else {}
     return MemoryPlan(world, gpu_gib, fits, chosen, est, settings, shape=shape, decode_ms=decode, host=host,
-                      host_gib=on_host, checkpoint_bytes=checkpoint_bytes(shape, work))  # fmt: skip
+                      host_gib=on_host, checkpoint_bytes=planned_checkpoint_bytes(shape, work))  # fmt: skip
 
 
-def checkpoint_bytes(shape: ModelShape, work: Workload) -> int:
+def planned_checkpoint_bytes(shape: ModelShape, work: Workload) -> int:
     """One checkpoint of the trained models: float32 weights and AdamW's two moments, 12 bytes a parameter, for the
-    actor and a critic like it (0 with LoRA: its adapters are small)."""
+    actor and a critic like it (0 with LoRA: its adapters are small). `rlx ppo` counts the built models' parameters
+    (rundir.checkpoint_bytes) before step 1."""
     return 0 if work.has_lora else 12 * shape.params * (2 if work.has_critic else 1)
 
 

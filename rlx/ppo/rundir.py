@@ -15,7 +15,7 @@ from rlx.errors import UserError
 from rlx.observe.tracking import console, truncate_metrics
 from rlx.parallel.dist import barrier
 from rlx.ppo.config import MOVED_KEYS
-from rlx.utils.files import describe_io_error
+from rlx.utils.files import describe_io_error, existing_ancestor
 from rlx.utils.io import write_json
 
 RECIPE_NAME = "recipe.json"
@@ -129,10 +129,7 @@ def _add_unused_new_tables(saved: dict, recipe: dict) -> None:
 
 def free_bytes(path: Path) -> int:
     """Free bytes on the file system of `path` (of its nearest existing folder when it does not exist yet)."""
-    folder = path
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    return shutil.disk_usage(folder).free
+    return shutil.disk_usage(existing_ancestor(path)).free
 
 
 def checkpoint_bytes(modules) -> int:
@@ -180,12 +177,12 @@ def check_checkpoint_space(run_dir: Path, each: int, saves: list[int], keep: int
     )
 
 
-def checkpoint_write_error(out: Path, each: int, error: Exception) -> Exception:
+def checkpoint_write_error(out: Path, each: int, error: Exception) -> UserError | None:
     """A failed checkpoint write as the user needs it: a full disk or a forbidden folder (describe_io_error) names
-    the checkpoint, the free space and the checkpoint's size; any other error is returned as it is."""
+    the checkpoint, the free space and the checkpoint's size; None for any other error (raised as it is)."""
     reason = describe_io_error(error)
     if reason is None:
-        return error
+        return None
     free = free_bytes(out)
     return UserError(
         f"{out}: the checkpoint was not written ({reason}); {_size(free)} free on its file system, a checkpoint of "

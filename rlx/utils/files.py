@@ -126,14 +126,19 @@ def check_writable(path: str | Path, what: str = "output") -> None:
     a file). Checked before expensive work; the write itself still reports whatever else goes wrong."""
     if is_remote(path):
         return
-    parent = local(path).absolute().parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    parent = existing_ancestor(local(path).absolute().parent)
     if not parent.is_dir():
         raise UserError(f"{path}: cannot create the {what}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         reason = "read-only file system" if _read_only_fs(parent) else "permission denied"
         raise UserError(f"{path}: cannot write the {what} in {parent} ({reason})")
+
+
+def existing_ancestor(path: Path) -> Path:
+    """`path` itself if it exists, else its nearest existing ancestor (what a new file or folder there lands in)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def _read_only_fs(folder: Path) -> bool:
