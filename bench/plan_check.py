@@ -70,10 +70,11 @@ def planned(config: dict, n: int, tokens: int, compile: bool, ckpt: bool, gpu_gi
 
 
 def one_run(spec: str, args, device: torch.device) -> dict:
-    from rlx.training.actor import ActorTrainer
-    from rlx.training.config import OptimConfig, TrainConfig
     from scale import COMMON, SHAPES
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlx.training.actor import ActorTrainer
+    from rlx.training.config import OptimConfig, TrainConfig
 
     shape, layers, tokens, mode = spec.split(":")
     layers, tokens = int(layers), int(tokens)
