@@ -87,7 +87,9 @@ def write_recipe(work: Path, shape: str, args, gpus: int = 1) -> Path:
 
     model = write_model_dir(work / f"model-{shape}", shape)
     rng = random.Random(0)
-    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789+-*= "
+    # digits: one token each both by the character tokenizer and by the byte-level BPE that transformers 5 builds
+    # from it for a qwen2 model dir (which drops letters and spaces): every prompt is --prompt-len tokens
+    alphabet = "0123456789"
     per_step = prompts_per_step(args, gpus)
     count = per_step * args.steps
     lines = [json.dumps({"id": f"p{i}", "prompt": "".join(rng.choice(alphabet) for _ in range(args.prompt_len - 1))})

@@ -15,10 +15,10 @@ rlx/rollout/native/engine.py):
 - the native engine's bfloat16 replica (a whole copy) and its KV cache, sized for this rank's share of the step's
   sequences at their longest plus 1/8; both released between rollouts with rollout.sleep;
 - activations of a train micro-batch (a rank's rows split into the fewest micro-batches the token budget allows,
-  of even size): per token and layer about 20*hidden + 8*kv_width + 8*intermediate bytes in
-  bfloat16 (norm inputs in float32, q/k/v, attention output, the gated MLP's intermediates: 4*intermediate when
+  of even size): per token and layer about 28*hidden + 8*kv_width + 9*intermediate bytes (the residual stream
+  and norm inputs in float32, q/k/v, attention output, the gated MLP's intermediates: 4*intermediate when
   train.compile fuses the layers, since Inductor keeps only the two projections); with gradient checkpointing only
-  the layer inputs (2*hidden bytes) stay, plus one layer recomputed at a time.
+  the layer inputs (4.5*hidden bytes) stay, plus one layer recomputed at a time (`_activation_bytes_per_token`).
 - a mixture of experts with train.ep_degree (rlx/parallel/experts.py): a rank gathers, and accumulates unsharded
   gradients for, 1 / ep_degree of each layer's experts; its sharded state is the same (FSDP shards the experts over
   the other ranks). When the recipe leaves ep_degree out, the plan tries each degree dividing the GPUs and the
@@ -32,6 +32,11 @@ checkpointing) ran out of memory at 74.7 GiB allocated in the first train step (
 rollout.sleep and gradient checkpointing it ran (estimated: 71 GiB of 72.9 usable). Checked against the measured peaks
 of the Qwen2-0.5B shape (bench/scale.py, 1 and 2 x H100, fast path with compile): 45.6 and 38.1 GiB measured; the
 estimates were 56.4 and 54.0 GiB before the compiled MLP term (8*intermediate), 42.2 and 39.7 with it (-7%, +4%).
+The activation terms were refitted on one H200 (bench/plan_check.py, the trainer alone at 12k-98k tokens, eager,
+compiled and checkpointed, 0.5B and 7B widths: bench/results/plan_check_h200.json): the old 20*hidden per layer
+under-counted by 18-28% (the residual stream stays float32 under autocast), which the compile margin and the
+runs' short prompts had hidden; the plan is now at or above each of those 14 peaks (+1% to +20% for the eager and
+large ones; tests/unit/test_memory_plan.py).
 """
 
 from __future__ import annotations
@@ -110,6 +115,12 @@ class ModelShape:
     def local_layer_params(self, ep_degree: int) -> int:
         """One decoder layer's parameters as a rank gathers them (its share of the experts)."""
         return self.layer_params - self.layer_expert_params + self.layer_expert_params // ep_degree
+
+    @property
+    def input_embedding_params(self) -> int:
+        """An untied model's input embeddings (0 when the LM head shares them): no autocast copy of them is made
+        (an embedding lookup runs in the weights' dtype)."""
+        return max(self.root_params - self.hidden - self.vocab * self.hidden, 0)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -296,14 +307,18 @@ def _trained_gib(shape: ModelShape, work: Workload, settings: Settings, world: i
 
 
 def _activation_bytes_per_token(shape: ModelShape, checkpointing: bool, compiled: bool = False) -> float:
-    """Bytes a train micro-batch keeps per token for the backward (bfloat16, norms' inputs float32). Compiled
-    layers keep only the gated MLP's two projections (Inductor recomputes the activation and the product)."""
-    per_layer = 20 * shape.hidden + 8 * shape.kv_width + (4 if compiled else 8) * shape.intermediate
+    """Bytes a train micro-batch keeps per token for the backward. Per layer 28*hidden (the residual stream and
+    the norms' inputs in float32, q/k/v and attention's output and statistics) + 8*kv_width + 9*intermediate (the
+    gated MLP's gate, up, activation and product); compiled layers keep 4*intermediate (Inductor keeps only the two
+    projections). With gradient checkpointing each layer keeps its input (float32: 4.5*hidden with the rotary
+    tables) and one layer at a time is recomputed. Fitted on one H200 by bench/plan_check.py (0.5B shape at 24 and
+    12 layers, 12k-98k tokens; 7B shape at 4 layers): within 6% of every measured slope."""
+    per_layer = 28 * shape.hidden + 8 * shape.kv_width + (4 if compiled else 9) * shape.intermediate
     # a mixture of experts keeps each token's hidden state once per routed expert: gathered in, out, weighted
     per_layer += 6 * shape.experts_per_token * shape.hidden
     head = 16 * shape.hidden  # final norm, hidden-state gradients around the fused logprobs
     if checkpointing:
-        return shape.layers * 2 * shape.hidden + per_layer + head
+        return shape.layers * 9 * shape.hidden / 2 + per_layer + head
     return shape.layers * per_layer + head
 
 
@@ -317,9 +332,10 @@ def _train_gib(shape: ModelShape, work: Workload, settings: Settings, world: int
     accumulated = whole * 4 if micro_batches > 1 and world > 1 and unsharded and not work.has_lora else 0
     # FSDP: two layers gathered in bf16 and their fp32 gradients, the root for the whole pass (with keep_gathered
     # every layer in bf16, one layer's fp32 gradient); one process: autocast keeps a bfloat16 copy of every float32
-    # weight (none of a LoRA policy's base, already bfloat16: 65.6 GiB measured at 7B on one H200, 78.7 planned with it)
+    # weight but the input embeddings (none of a LoRA policy's base, already bfloat16: 65.6 GiB measured at 7B on one
+    # H200, 78.7 planned with it)
     if world == 1 and not settings.param_offload:  # offload: FSDP over the one rank (under torchrun)
-        gathered = 0 if work.has_lora else shape.params * 2
+        gathered = 0 if work.has_lora else (shape.params - shape.input_embedding_params) * 2
     elif settings.keep_gathered:
         gathered = shape.local_params(ep) * 2 + shape.local_layer_params(ep) * 8 + shape.root_params * 4
     else:

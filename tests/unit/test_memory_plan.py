@@ -395,3 +395,37 @@ def test_activations_are_those_of_the_trainer_s_even_micro_batches():
         settings = Settings(sleep=True, gradient_checkpointing=True, train_tokens=budget)
         parts = estimate(shape, work, settings, 1, H100_GIB).parts
         assert parts["activations"] == pytest.approx(tokens * per_token), budget
+
+
+def test_the_train_phase_is_planned_at_or_above_every_measured_peak():
+    """bench/plan_check.py on one H200 (bench/results/plan_check_h200.json): the train phase's peak of `rlx ppo`'s
+    trainer on one process, at 12k-98k tokens, eager, compiled and checkpointed, 0.5B and 7B widths. The plan must
+    not under-predict any of them (a run it lets through would run out of memory), should stay near the large ones,
+    and its activations per token must match the measured growth between two token counts of one configuration."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from plan_check import planned
+    from scale import COMMON, SHAPES
+
+    measured = json.loads((Path(__file__).resolve().parents[2] / "bench/results/plan_check_h200.json").read_text())
+    ratios, by_config = {}, {}
+    for run in measured["results"]:
+        shape, layers, _, mode = run["run"].split(":")
+        config = {**SHAPES[shape], **COMMON, "num_hidden_layers": int(layers)}
+        plan = planned(config, run["sequences"], run["tokens"], "compile" in mode, "ckpt" in mode, 140.4)
+        ratios[run["run"]] = plan["train_gib"] / run["peak_gib"]
+        by_config.setdefault((shape, layers, mode), []).append((run, plan["activation_bytes_per_token"]))
+    assert min(ratios.values()) >= 1.0, ratios
+    assert max(r for k, r in ratios.items() if "eager" in k or k.endswith("98304:compile")) <= 1.2, ratios
+    slopes = 0
+    for runs in by_config.values():
+        for (a, _), (b, per_token) in zip(runs, runs[1:]):
+            slope = (
+                (b["peak_gib"] - b["before_gib"] - a["peak_gib"] + a["before_gib"])
+                * 2**30
+                / (b["tokens"] - a["tokens"])
+            )
+            assert per_token == pytest.approx(slope, rel=0.06), (a["run"], b["run"], per_token, slope)
+            slopes += 1
+    assert slopes >= 4
