@@ -1,4 +1,5 @@
-"""bench/scale.py's step summary: the steady step leaves out the early steps and the final save."""
+"""bench/scale.py: the steady step leaves out the early steps and the final save; the recipe's prompts are the
+issue's length in tokens as `rlx ppo` loads the tokenizer."""
 
 from __future__ import annotations
 
@@ -65,3 +66,22 @@ def test_the_warm_up_runs_two_steps_on_one_gpu_and_a_failed_run_shows_its_log(tm
     scale.print_table([{"shape": "0.5b", "gpus": 2, "plan": plan, "error": "Traceback ...\nRuntimeError: the reason"}])
     out = capsys.readouterr().out
     assert "failed: its log's end below the table" in out and out.rstrip().endswith("RuntimeError: the reason")
+
+
+def test_every_prompt_is_prompt_len_tokens_as_rlx_loads_the_tokenizer(tmp_path):
+    """For a qwen2 model dir transformers 5 loads the character tokenizer as Qwen2's byte-level BPE, which drops
+    letters and spaces: the 0.5B runs' 127-character prompts were ~44 tokens, not 128. Digits are one token each."""
+    import argparse
+    import json
+
+    from rlx.models.loading import load_tokenizer, resolve_source
+
+    scale = _scale()
+    args = argparse.Namespace(num_prompts=4, weak=False, steps=2, prompt_len=128, response_len=256, num_generations=8)
+    for shape in ("0.5b", "7b"):
+        scale.write_recipe(tmp_path / shape, shape, args)
+        tokenizer = load_tokenizer(resolve_source(tmp_path / shape / f"model-{shape}"))
+        lines = (tmp_path / shape / "prompts.jsonl").read_text().splitlines()
+        assert len(lines) == 8
+        for line in lines:
+            assert len(tokenizer(json.loads(line)["prompt"])["input_ids"]) == 128, (shape, line)
