@@ -95,7 +95,16 @@ def ppo(
             )
         if cfg.async_ is not None:  # rollout ranks and trainers (under torchrun)
             from rlx.ppo.async_train import run_async_ppo as run_ppo
-        run_ppo(cfg, Path(out) if out else Path("runs") / recipe.stem, resume=resume, overwrite=overwrite)
+        if cfg.deterministic:
+            from rlx.utils.determinism import determinism_error, enable_determinism
+
+            enable_determinism()
+        try:
+            run_ppo(cfg, Path(out) if out else Path("runs") / recipe.stem, resume=resume, overwrite=overwrite)
+        except RuntimeError as e:
+            if cfg.deterministic and (message := determinism_error(e)) is not None:
+                raise message from e
+            raise
 
 
 def _recipe_tree(recipe: Path, overrides: list[str]) -> dict:

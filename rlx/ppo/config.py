@@ -157,6 +157,10 @@ class PPOConfig:
     """Batch-invariant mode for the whole loop (rollout.exact, score.exact and train.exact): the native engine's
     logprobs equal the trainer's bit for bit, and with one update per batch (train.epochs = 1, one mini-batch) the
     score phase takes the rollout's logprobs as the old ones without a forward (docs/exact.md)."""
+    deterministic: bool = False
+    """Deterministic kernels in every stage (torch's deterministic algorithms, cuDNN without autotuning, a fixed
+    cuBLAS workspace): two runs, or a run and its --resume, give the same weights bit for bit on a GPU too, at some
+    cost in speed; an op without a deterministic kernel stops the run naming this key (rlx/utils/determinism.py)."""
     model: ModelConfig
     """The policy."""
     sft: SFTConfig | None = None
