@@ -158,9 +158,10 @@ class PPOConfig:
     logprobs equal the trainer's bit for bit, and with one update per batch (train.epochs = 1, one mini-batch) the
     score phase takes the rollout's logprobs as the old ones without a forward (docs/exact.md)."""
     deterministic: bool = False
-    """Deterministic kernels in every stage (torch's deterministic algorithms, cuDNN without autotuning, a fixed
-    cuBLAS workspace): two runs, or a run and its --resume, give the same weights bit for bit on a GPU too, at some
-    cost in speed; an op without a deterministic kernel stops the run naming this key (rlx/utils/determinism.py)."""
+    """Deterministic kernels in the run's own processes (torch's deterministic algorithms, cuDNN without autotuning, a
+    fixed cuBLAS workspace; not a vllm engine's workers): two runs, or a run and its --resume, give the same weights
+    bit for bit on a GPU too, at some cost in speed; an op without a deterministic kernel stops the run naming this
+    key (rlx/utils/determinism.py). Not yet measured on a GPU."""
     model: ModelConfig
     """The policy."""
     sft: SFTConfig | None = None
