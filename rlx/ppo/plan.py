@@ -404,9 +404,11 @@ def host_gib(shape: ModelShape, work: Workload, settings: Settings, world: int, 
       it, before the trainer shards them onto its GPU (rlx/ppo/models.py);
     - 'steady': the checkpoints' host buffers, pinned for the run (float32 weights and AdamW's two moments, 12 bytes
       per parameter, a 1 / world share on each rank: rlx/utils/host_copy.py; a LoRA policy's adapters are small),
-      and with train.param_offload the float32 parameter, gradient and optimizer shards (16 bytes / world)."""
+      and with train.param_offload the float32 parameter, gradient and optimizer shards and the temporary AdamW's
+      step on the CPU makes of the second moment's square root (20 bytes / world: the 0.5B offloaded run on one H200
+      held 18.9 GiB, 17.0 planned without that term)."""
     load = ranks * (_loaded_gib(shape, work) + HOST_GIB_PER_RANK)
-    per_param = (0.0 if work.has_lora else 12.0) + (16.0 if settings.param_offload else 0.0)
+    per_param = (0.0 if work.has_lora else 12.0) + (20.0 if settings.param_offload else 0.0)
     models = 2 if work.has_critic else 1
     steady = ranks * (models * shape.params * per_param / world / GIB + HOST_GIB_PER_RANK)
     return {"load": load, "steady": steady}

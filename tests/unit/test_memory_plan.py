@@ -320,10 +320,10 @@ def test_the_host_s_memory_is_planned_too():
     assert not on_x4.fits and on_x4.chosen == gpus_only.chosen  # the GPUs' plan, refused for the host
     assert on_x4.message == (
         "4 x 79 GiB GPUs would hold the run but the host would not: peak GiB per host load 504 (each of its 4 ranks "
-        "builds the policy in float32 on the host before sharding: 122 GiB), steady 870 (checkpoint buffers, "
-        "offloaded shards), of 421 usable of 468; would fit: hosts of 968 GiB; 1 rank per host (4 hosts)"
+        "builds the policy in float32 on the host before sharding: 122 GiB), steady 992 (checkpoint buffers, "
+        "offloaded shards), of 421 usable of 468; would fit: hosts of 1103 GiB; 1 rank per host (4 hosts)"
     )
-    assert "DOES NOT FIT" in on_x4.summary() and "host: peak GiB load 504, steady 870" in on_x4.summary()
+    assert "DOES NOT FIT" in on_x4.summary() and "host: peak GiB load 504, steady 992" in on_x4.summary()
     # the load fits a 600 GiB host, the offloaded steady state does not; 2 TiB holds both
     assert not plan_memory(QWEN25_32B, tree, {}, 4, H100_GIB, Host(600.0, 4)).fits
     assert plan_memory(QWEN25_32B, tree, {}, 4, H100_GIB, Host(2048.0, 4)).fits
@@ -342,7 +342,7 @@ def test_plan_cli_checks_the_host_it_is_given(tmp_path, monkeypatch):
     refused = cli(*args, "--host-memory-gib", "468")
     assert refused.exit_code == 1 and "would hold the run but the host would not" in refused.stderr
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two hosts of 2 GPUs: half the ranks each
-    halves = cli(*args, "--host-memory-gib", "500")
+    halves = cli(*args, "--host-memory-gib", "600")
     assert halves.exit_code == 0 and "(2 ranks per host)" in halves.stdout, halves
 
 
