@@ -203,7 +203,35 @@ def load_tokenizer(source: ModelSource):
     if source.is_gguf:
         _fix_gguf_special_tokens(tokenizer, load_config(source))
         _gguf_cache(source)["tokenizer"] = copy.deepcopy(tokenizer)
+    else:
+        _warn_if_rebuilt(source.folder / "tokenizer.json", tokenizer)
     return tokenizer
+
+
+_WARNED: set[Path] = set()
+
+
+def _warn_if_rebuilt(file: Path, tokenizer) -> None:
+    """Warn (once per file) when transformers tokenizes with another model than the folder's tokenizer.json holds.
+    transformers 5 picks the tokenizer class by the config's model type and may rebuild the pipeline from the
+    file's vocabulary alone: a character (WordLevel) tokenizer in a `qwen2` folder becomes Qwen2's byte-level BPE,
+    which drops every character it has no byte token for (bench/RESULTS.md, Scale, twenty-third session)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if file in _WARNED or backend is None or not file.is_file():
+        return
+    _WARNED.add(file)
+    try:
+        saved = json.loads(file.read_text(encoding="utf-8")).get("model", {}).get("type")
+    except (OSError, ValueError, AttributeError):
+        return
+    loaded = type(backend.model).__name__
+    if saved and saved != loaded:
+        from rlx.observe.tracking import console
+
+        console(
+            f"warning: {file} holds a {saved} tokenizer, but transformers loads it as {type(tokenizer).__name__} "
+            f"({loaded}) for this model type: text is tokenized by the {loaded} pipeline, not by the file"
+        )
 
 
 def _fix_gguf_special_tokens(tokenizer, config) -> None:

@@ -55,3 +55,23 @@ def test_score_and_train_step_refuse_another_tokenizer(tmp_path, tiny_ckpt, othe
     cli_ok("score", "--rollouts", tmp_path / "old.jsonl", "--reward", "arith", "--actor", other_ckpt,
            "--out", tmp_path / "s_old")  # fmt: skip
     assert TrainBatch.load(tmp_path / "s_old" / "batch.safetensors").meta.tokenizer == theirs
+
+
+def test_a_tokenizer_transformers_rebuilds_for_the_model_type_is_warned_about(tmp_path, capsys):
+    """transformers 5 loads a character (WordLevel) tokenizer.json in a `qwen2` folder as Qwen2's byte-level BPE,
+    which drops the letters and spaces: the load says so (once per file); a llama folder loads the file as it is."""
+    import json
+
+    from transformers import Qwen2Config
+
+    qwen2, llama = tmp_path / "qwen2", write_tiny_model_dir(tmp_path / "llama")
+    build_char_tokenizer().save_pretrained(qwen2)
+    Qwen2Config(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=1).save_pretrained(qwen2)
+    assert json.loads((qwen2 / "tokenizer.json").read_text())["model"]["type"] == "WordLevel"
+    rebuilt = load_tokenizer(ModelSource(qwen2))
+    assert len(rebuilt("1 + 2")["input_ids"]) < len(build_char_tokenizer()("1 + 2")["input_ids"])  # spaces dropped
+    load_tokenizer(ModelSource(qwen2))
+    load_tokenizer(ModelSource(llama))
+    err = capsys.readouterr().err
+    assert err.count("holds a WordLevel tokenizer, but transformers loads it as Qwen2Tokenizer (BPE)") == 1, err
+    assert str(llama) not in err
