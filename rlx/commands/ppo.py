@@ -85,7 +85,6 @@ def ppo(
 
             print(json.dumps(to_dict(cfg), indent=2))
             return
-        from rlx.ppo.loop import run_ppo
         from rlx.utils.io import is_remote
 
         if out and is_remote(out):
@@ -93,18 +92,25 @@ def ppo(
                 f"--out {out}: the run folder must be local (model.path and data.prompts may be URLs; "
                 f"copy checkpoints out with `rlx merge --out URL`)"
             )
-        if cfg.async_ is not None:  # rollout ranks and trainers (under torchrun)
-            from rlx.ppo.async_train import run_async_ppo as run_ppo
-        if cfg.deterministic:
-            from rlx.utils.determinism import determinism_error, enable_determinism
+        _run(cfg, Path(out) if out else Path("runs") / recipe.stem, resume, overwrite)
 
-            enable_determinism()
-        try:
-            run_ppo(cfg, Path(out) if out else Path("runs") / recipe.stem, resume=resume, overwrite=overwrite)
-        except RuntimeError as e:
-            if cfg.deterministic and (message := determinism_error(e)) is not None:
-                raise message from e
-            raise
+
+def _run(cfg, run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """The loop (the asynchronous one with [async]), with deterministic kernels when the recipe asks for them."""
+    from rlx.ppo.loop import run_ppo
+
+    if cfg.async_ is not None:  # rollout ranks and trainers (under torchrun)
+        from rlx.ppo.async_train import run_async_ppo as run_ppo
+    if cfg.deterministic:
+        from rlx.utils.determinism import determinism_error, enable_determinism
+
+        enable_determinism()
+    try:
+        run_ppo(cfg, run_dir, resume=resume, overwrite=overwrite)
+    except RuntimeError as e:
+        if cfg.deterministic and (message := determinism_error(e)) is not None:
+            raise message from e
+        raise
 
 
 def _recipe_tree(recipe: Path, overrides: list[str]) -> dict:

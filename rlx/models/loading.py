@@ -14,6 +14,7 @@ import contextlib
 import copy
 import json
 import logging
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,12 +226,12 @@ def _warn_if_rebuilt(file: Path, tokenizer) -> None:
     except (OSError, ValueError, AttributeError):
         return
     loaded = type(backend.model).__name__
-    if saved and saved != loaded:
-        from rlx.observe.tracking import console
-
-        console(
+    if saved and saved != loaded:  # on stderr, as rlx.observe's console (a floor above this one) prints
+        print(
             f"warning: {file} holds a {saved} tokenizer, but transformers loads it as {type(tokenizer).__name__} "
-            f"({loaded}) for this model type: text is tokenized by the {loaded} pipeline, not by the file"
+            f"({loaded}) for this model type: text is tokenized by the {loaded} pipeline, not by the file",
+            file=sys.stderr,
+            flush=True,
         )
 
 
