@@ -218,8 +218,8 @@ def _warn_if_rebuilt(file: Path, tokenizer) -> None:
     file's vocabulary alone: a character (WordLevel) tokenizer in a `qwen2` folder becomes Qwen2's byte-level BPE,
     which drops every character it has no byte token for (bench/RESULTS.md, Scale, twenty-third session)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if file in _WARNED or backend is None or not file.is_file():
-        return
+    if file in _WARNED or backend is None or not file.is_file() or _saved_class(file) == type(tokenizer).__name__:
+        return  # the class the folder names was loaded: its tokenizer.json (megabytes) need not be read
     _WARNED.add(file)
     try:
         saved = json.loads(file.read_text(encoding="utf-8")).get("model", {}).get("type")
@@ -233,6 +233,15 @@ def _warn_if_rebuilt(file: Path, tokenizer) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def _saved_class(file: Path) -> str | None:
+    """The tokenizer class tokenizer_config.json beside `file` names, without a 'Fast' suffix (None: none named)."""
+    try:
+        named = json.loads((file.parent / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return named.removesuffix("Fast") if isinstance(named, str) else None
 
 
 def _fix_gguf_special_tokens(tokenizer, config) -> None:
