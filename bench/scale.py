@@ -167,13 +167,17 @@ def run(
     launched = gpus > 1 or args.torchrun_one
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if launched else []
     launcher += shlex.split(args.launcher_args) if launched else []
-    cmd = [sys.executable, *launcher, "-m", "rlx", "ppo", str(recipe), "--out", str(run_dir), *extra_sets(args)]
+    # --overwrite: a --work used before holds this run's folder; without it rlx ppo refuses, and the old run's
+    # metrics.jsonl would be read as this run's
+    cmd = [sys.executable, *launcher, "-m", "rlx", "ppo", str(recipe), "--out", str(run_dir), "--overwrite"]
+    cmd += extra_sets(args)
     log_path = run_dir.parent / f"{run_dir.name}.log"
     stacks = run_dir.parent / f"{run_dir.name}.stacks"
     if args.py_spy:  # every process's Python stacks sampled (idle threads left out), summarized after the run
         cmd = [args.py_spy, "record", "--subprocesses", "--nonblocking", "--format", "raw", "--rate", "50",
                "--output", str(stacks), "--", *cmd]  # fmt: skip
     metrics_file, start, arrivals = run_dir / "metrics.jsonl", time.time(), []
+    metrics_file.unlink(missing_ok=True)  # an earlier run's, counted as this one's steps before rlx clears it
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env(device))
         while proc.poll() is None and time.time() - start < limit_s:

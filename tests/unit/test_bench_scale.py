@@ -85,3 +85,28 @@ def test_every_prompt_is_prompt_len_tokens_as_rlx_loads_the_tokenizer(tmp_path):
         assert len(lines) == 8
         for line in lines:
             assert len(tokenizer(json.loads(line)["prompt"])["input_ids"]) == 128, (shape, line)
+
+
+def test_a_run_in_a_used_work_folder_replaces_the_old_run_and_never_reads_its_metrics(tmp_path, monkeypatch):
+    """A second call with the same --work printed the first call's figures (rlx ppo refused the used --out and the
+    old metrics.jsonl was read): the run is started with --overwrite and the old metrics are gone before it starts."""
+    scale = _scale()
+    run_dir = tmp_path / "run-0.5b-1"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"timing/step_s": 9.0}\n')
+    seen = {}
+
+    class FakeProcess:
+        def __init__(self, cmd, **kwargs):
+            seen["cmd"], seen["old_metrics"] = cmd, (run_dir / "metrics.jsonl").exists()
+            (run_dir / "metrics.jsonl").write_text('{"timing/step_s": 1.5}\n')
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(scale.subprocess, "Popen", FakeProcess)
+    args = scale.argparse.Namespace(torchrun_one=False, launcher_args="", py_spy=None, cpu=False, set=[])
+    monkeypatch.setattr(scale, "extra_sets", lambda args: [])
+    metrics, arrivals, _ = scale.run(tmp_path / "recipe.toml", 1, run_dir, args, 10.0)
+    assert "--overwrite" in seen["cmd"] and not seen["old_metrics"]
+    assert metrics == [{"timing/step_s": 1.5}] and len(arrivals) == 1
