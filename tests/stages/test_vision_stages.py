@@ -339,19 +339,19 @@ def test_fsdp_and_sequence_parallel_train_steps_equal_one_process(vlm, tmp_path)
     assert_same_weights(tmp_path / "one", tmp_path / "sp", atol=1e-4)
 
 
-@pytest.mark.slow  # 100 steps: 2/3 of the 150-step run (168 s in CI)
+@pytest.mark.slow  # 75 steps: half the 150-step run (~70 s in CI)
 def test_tiny_vlm_recipe_learns(tmp_path):
     from rlx.ppo.config import load_recipe
     from rlx.ppo.loop import run_ppo
 
-    # the recipe's first 100 of its 150 steps (constant lr: the full run's first 100). Mean reward of steps 1-5 ->
-    # 96-100, measured at seeds 0 / 1 / 2: 0.01 -> 0.80, 0.02 -> 0.64, 0.02 -> 0.81 (seed 1 at 150: 0.63)
-    run_ppo(load_recipe(RECIPE, ["steps=100"]), tmp_path / "run")
+    # the recipe's first 75 of its 150 steps (constant lr: the full run's first 75). Mean reward of steps 1-5 ->
+    # 71-75 at seed 0: 0.01 -> 0.71 (-> 0.80 at 96-100; seeds 1 / 2 at 96-100: 0.64 / 0.81, seed 1 the slowest)
+    run_ppo(load_recipe(RECIPE, ["steps=75"]), tmp_path / "run")
     rewards = [m["reward/mean"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
-    assert len(rewards) == 100
+    assert len(rewards) == 75
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     # every prompt has the same text and answers 1-3 are equally likely: above 1/3 the model reads the image
-    assert last >= first + 0.4 and last >= 0.6, (first, last, rewards)
+    assert last >= first + 0.35 and last >= 0.45, (first, last, rewards)
 
 
 def test_recipe_data_matches_the_generator(tmp_path):
