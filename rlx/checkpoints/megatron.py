@@ -38,7 +38,7 @@ from rlx.models.loading import (
     check_weights_match,
     load_config,
     read_safetensors,
-    read_weights,
+    read_stored_weights,
 )
 from rlx.models.megatron.convert import hf_to_megatron, hf_to_megatron_shard, megatron_to_hf
 from rlx.models.megatron.model import check_supported
@@ -88,7 +88,7 @@ def _stored_rank_weights(folder: Path, meta: CheckpointMeta, tp_rank: int, pp_ra
         raise UserError(
             f"{sub / WEIGHTS_NAME}: missing (checkpoint written with tp {meta.tp_degree}, pp {meta.pp_degree})"
         )
-    return read_weights(sub)
+    return read_stored_weights(sub)  # megatron's own names, never converted
 
 
 def read_rank_state(

@@ -52,14 +52,6 @@ class ModelFamily:
             )
         return layers
 
-    def module_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Weights as stored in a Hugging Face dir, renamed and reshaped to the module's parameters (as is here)."""
-        return weights
-
-    def hub_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The module's weights in the layout the hub's files (and `save_pretrained`) use (as is here)."""
-        return weights
-
     def tower_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """Blocks outside the decoder that are FSDP units of their own (a vision tower's); none here."""
         return []

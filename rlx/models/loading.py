@@ -293,17 +293,32 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All weight tensors of an HF-layout folder with the model's parameter names, values exactly as stored (dtype
-    kept); a mixture-of-experts model's per-expert tensors are stacked into its fused expert parameters as
-    transformers loads them (rlx.models.moe)."""
-    from rlx.models.moe import moe_family_of_folder
-
+def read_stored_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All weight tensors of a folder's safetensors files, names and values exactly as stored."""
     state = {}
     for path in weight_files(folder):
         state.update(read_safetensors(path))
-    family = moe_family_of_folder(folder)
-    return family.module_weights(state) if family is not None else state
+    return state
+
+
+def read_weights(folder: Path, config=None) -> dict[str, torch.Tensor]:
+    """All weight tensors of an HF-layout folder with the model's parameter names, values exactly as stored (dtype
+    kept), converted as transformers loads them (rlx.models.hub_layout: a mixture-of-experts model's per-expert
+    tensors stacked into its fused parameters, Qwen2-VL's legacy names renamed); `config`: the folder's, where the
+    caller has it (else read from its config.json when its family converts)."""
+    from rlx.models.hub_layout import folder_config, module_weights
+
+    state = read_stored_weights(folder)
+    return module_weights(state, hub_model(config if config is not None else folder_config(folder)), str(folder))
+
+
+def hub_model(config):
+    """The model of `config` on the meta device where transformers converts its weights between the files and the
+    module (rlx.models.hub_layout), else None."""
+    from rlx.models.hub_layout import converting_config
+
+    config = converting_config(config)
+    return build_empty_model(config) if config is not None else None
 
 
 def tied_keys(model) -> set[str]:

@@ -1,19 +1,13 @@
-"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): their weight layout on disk and in memory.
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): what rlx knows of their routed experts.
 
 transformers 5.17 keeps each MoE layer's experts as fused parameters (`mlp.experts.gate_up_proj` [E, 2I, H] and
-`mlp.experts.down_proj` [E, H, I]) but the hub's files (and `save_pretrained`) hold one tensor per expert
-(`mlp.experts.N.{gate,up,down}_proj.weight`; Mixtral's `block_sparse_moe.experts.N.w{1,2,3}.weight`).
-transformers converts between the two with its per-model-type conversion mapping (`WeightConverter` /
-`WeightRenaming` in `transformers.core_model_loading`); `MoeFamily` applies that same mapping to plain
-state dicts, so rlx holds the module's (fused) names everywhere inside (checkpoints, training, scoring) and
-writes the hub's per-expert layout back on `rlx merge`. Both directions only stack / split tensors, so
-shard -> merge is bit-exact.
+`mlp.experts.down_proj` [E, H, I]); the hub's files (and `save_pretrained`) hold one tensor per expert, which
+rlx.models.hub_layout converts with transformers' own mapping, so rlx holds the module's (fused) names everywhere
+inside (checkpoints, training, scoring) and writes the hub's per-expert layout back on `rlx merge`.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -31,13 +25,6 @@ class MoeFamily(ModelFamily):
     model_type: str
     """config.model_type of the family."""
 
-    def _transforms(self, reverse: bool) -> list:
-        """transformers' conversion mapping of this model type (hub -> module), reversed for module -> hub."""
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-        transforms = get_checkpoint_conversion_mapping(self.model_type) or []
-        return [t.reverse_transform() for t in transforms[::-1]] if reverse else transforms
-
     def expert_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The routed-experts modules of `model`'s MoE layers, in layer order: transformers' `*Experts` modules
         holding the fused `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] (a shared expert is not one)."""
@@ -46,38 +33,6 @@ class MoeFamily(ModelFamily):
             for m in model.modules()
             if type(m).__name__.endswith("Experts") and all(hasattr(m, n) for n in ("gate_up_proj", "down_proj"))
         ]
-
-    def module_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`weights` with the module's (fused) names and shapes; a dict already in that layout comes back as is."""
-        return _apply(weights, self._transforms(reverse=False), reverse=False)
-
-    def hub_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`weights` (module names) in the hub's per-expert layout, as `save_pretrained` writes it."""
-        return _apply(weights, self._transforms(reverse=True), reverse=True)
-
-
-def _apply(weights: dict[str, torch.Tensor], transforms: list, reverse: bool) -> dict[str, torch.Tensor]:
-    """Run transformers' weight transforms over a flat state dict: rename each key, gather the keys one converter
-    merges (experts in natural order: 0, 1, ..., 10), and convert each group. Keys no transform matches pass."""
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
-
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    if not converters and not renamings:
-        return dict(weights)
-    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
-    groups, out = {}, {}
-    for key in sorted(weights, key=dot_natural_key):
-        target, pattern = rename_source_key(key, renamings, converters, reverse=reverse)
-        if pattern is None:
-            out[target] = weights[key]
-            continue
-        group = groups.setdefault(target, copy.deepcopy(by_pattern[pattern]))
-        group.add_tensor(target, key, pattern, weights[key])
-    for target, converter in groups.items():
-        for name, tensor in converter.convert(target).items():
-            out[name] = tensor[0] if isinstance(tensor, list) else tensor
-    return out
 
 
 MOE_FAMILIES: dict[str, MoeFamily] = {
@@ -90,16 +45,6 @@ MOE_FAMILIES: dict[str, MoeFamily] = {
     )
 }
 """The MoE families rlx drives (transformers' fused experts with a per-expert hub layout)."""
-
-
-def moe_family_of_folder(folder: Path) -> MoeFamily | None:
-    """The MoE family named by `folder`'s config.json (model_type), or None (no config, another family)."""
-    path = Path(folder) / "config.json"
-    try:
-        model_type = json.loads(path.read_text()).get("model_type") if path.is_file() else None
-    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
-        return None
-    return MOE_FAMILIES.get(model_type)
 
 
 def tiny_moe_config(vocab_size: int, model_type: str = "qwen3_moe", num_experts: int = 4, top_k: int = 2, **sizes):

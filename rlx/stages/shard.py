@@ -19,8 +19,15 @@ from rlx.checkpoints.loading import build_critic_files, load_initial_policy, loa
 from rlx.checkpoints.meta import META_NAME, CheckpointMeta, is_checkpoint, provenance
 from rlx.checkpoints.registry import get_layout, layout_names, read_full_weights, read_lora, read_meta
 from rlx.errors import UserError
-from rlx.models.family import family_of
-from rlx.models.loading import ModelSource, build_empty_model, check_weights_match, resolve_model, resolve_source
+from rlx.models.hub_layout import hub_weights
+from rlx.models.loading import (
+    ModelSource,
+    build_empty_model,
+    check_weights_match,
+    hub_model,
+    resolve_model,
+    resolve_source,
+)
 from rlx.models.lora_config import LoraConfig
 from rlx.models.value import is_value_config
 from rlx.observe.tracking import console
@@ -188,7 +195,7 @@ def merge_checkpoint(
     if adapter_only:
         return _merge_adapters(folder, meta, out, dtype, overwrite)
     config = resolve_model(folder, "checkpoint")[1]  # a remote checkpoint: its local copy
-    weights = family_of(config).hub_weights(_cast(read_full_weights(folder, config), dtype))  # e.g. MoE experts
+    weights = hub_weights(_cast(read_full_weights(folder, config), dtype), hub_model(config))  # as save_pretrained
     aux = _set_config_dtype(aux_files(folder), dtype)
     with atomic_dir(out, overwrite=overwrite, marker="config.json") as tmp:
         write_aux(tmp, aux)

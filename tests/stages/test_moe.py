@@ -5,6 +5,7 @@ train-step that moves the experts, hf rollout, LoRA on attention and a critic.""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -57,6 +58,22 @@ def test_hub_layout_round_trip_is_bit_exact(tmp_path, model_type):
     model = AutoModelForCausalLM.from_pretrained(hub)
     expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     assert fused.keys() == expected.keys() and all(torch.equal(fused[k], expected[k]) for k in expected)
+
+
+def test_a_missing_expert_tensor_is_named_not_a_traceback(tmp_path, moe_dir):
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import cli
+
+    hub = tmp_path / "hf"
+    shutil.copytree(moe_dir, hub)
+    weights = load_file(str(hub / "model.safetensors"))
+    del weights["model.layers.0.mlp.experts.2.up_proj.weight"]
+    save_file(weights, str(hub / "model.safetensors"), metadata={"format": "pt"})
+    result = cli("shard", "--model", hub, "--out", tmp_path / "ckpt")
+    assert result.exit_code == 1 and not (tmp_path / "ckpt").exists()
+    assert f"{hub}: model.layers.0.mlp.experts.gate_up_proj: cannot make it from the stored" in result.stderr
+    assert "mlp.experts.*.up_proj.weight" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_moe_configs_get_the_moe_family(moe_dir):

@@ -389,10 +389,35 @@ def save_like_transformers_processor(processor, out: Path) -> None:
     (out / "processor_config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_weights_saved_by_transformers_shard_and_merge_back_bit_exactly(tmp_path, family):
+    """A folder as `save_pretrained` of transformers 5.17 writes it (Qwen2-VL and Qwen2.5-VL under their legacy
+    names `model.layers.*` / `visual.*`, as the hub's files are; GLM-4.5V's experts one tensor each): `rlx shard`
+    reads the weights as transformers loads them, and `rlx merge` writes the same file back byte for byte."""
+    from transformers import AutoModelForImageTextToText
+
+    hub = write_tiny_vision_model_dir(tmp_path / "hf", family)
+    model = build_tiny_vision_model(family, seed=1)[0]
+    model.save_pretrained(hub)
+    with safe_open(str(hub / "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        assert any(k.startswith("visual.") for k in stored) and any(k.startswith("model.layers.") for k in stored)
+    if family == "glm4v_moe":
+        assert any(".experts.0." in k for k in stored)
+    cli_ok("shard", "--model", hub, "--out", tmp_path / "ckpt")
+    cli_ok("merge", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "merged")
+    assert (tmp_path / "merged" / "model.safetensors").read_bytes() == (hub / "model.safetensors").read_bytes()
+    loaded = AutoModelForImageTextToText.from_pretrained(hub).state_dict()
+    sharded = read_weights(tmp_path / "ckpt")  # the module's names, as transformers loads them
+    expected = {k: v for k, v in loaded.items() if k in sharded or k != "lm_head.weight"}
+    assert sharded.keys() == expected.keys() and all(torch.equal(sharded[k], expected[k]) for k in expected)
+
+
 def test_a_processor_saved_by_transformers_is_read_and_round_trips(tmp_path):
     """A Qwen2-VL dir whose processor files are what transformers 5.17 writes: rlx reads its image processor, and
-    shard then merge give the processor and tokenizer files back byte for byte. (Its weights are rlx's: shard
-    --init random. transformers 5.17 saves Qwen2-VL weights under their legacy names, which rlx does not map.)"""
+    shard then merge give the processor and tokenizer files back byte for byte (its weights: rlx's random ones;
+    weights as transformers saves them: the test above)."""
     from rlx.models.vision.processor import load_vision_processor
     from rlx.models.vision.tiny import tiny_vision_config, tiny_vision_processor
 
