@@ -4,8 +4,8 @@ close to the PyTorch formulas, gradients too, each row's bits the same in any ba
 rounding instructions however Triton specialises them: workers/exact_fused_ptx.py); exact_forward replaces each
 supported family's MLP forward and its modeling module's `apply_rotary_pos_emb` where the Triton kernels run, and
 only there, and restores them (nested blocks included); the engine and the trainer both run them and still agree
-bit for bit (workers/exact_fused_wiring.py). tests/gpu/test_exact_cuda.py checks the engine against the trainer on
-CUDA, where these kernels run in bfloat16."""
+bit for bit (workers/exact_triton_wiring.py, run by tests/unit/test_exact_triton.py). tests/gpu/test_exact_cuda.py
+checks the engine against the trainer on CUDA, where these kernels run in bfloat16."""
 
 from __future__ import annotations
 
@@ -42,16 +42,6 @@ def test_fused_kernels_round_alike_however_triton_specialises_them():
     lines = [line.split() for line in out.stdout.strip().splitlines()]
     assert len(lines) == 10 and all(verdict == "same" for *_, verdict in lines), out.stdout
     assert all(int(count) >= 48 for _, _, count, _ in lines)  # the multiplies, fmas and conversions were found
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-def test_engine_and_trainer_run_the_fused_kernels_and_agree_in_the_interpreter():
-    """The CUDA wiring on the CPU: the engine's prefill and decode and the trainer's padded and packed forwards call
-    both kernels in every layer, and their logprobs stay equal bit for bit; gradients follow the default forward's."""
-    out = run_script(Path(__file__).parent / "workers" / "exact_fused_wiring.py", {"TRITON_INTERPRET": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "ok"
 
 
 def _family_model(family: str, **overrides):

@@ -74,9 +74,10 @@ def test_paged_and_contiguous_attention_compile_to_the_same_arithmetic():
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_exact_mode_end_to_end_through_the_triton_kernels_in_the_interpreter():
-    """The CUDA wiring on the CPU (`use_triton` patched on, the interpreter running the kernels): the native engine's
-    logprobs equal the trainer's padded and packed forwards bit for bit, and training gradients follow the default
-    forward's."""
+    """The CUDA wiring on the CPU (`use_triton` patched on, the interpreter running the kernels): the engine attends
+    through the Triton kernel, the engine's prefill and decode and the trainer's padded and packed forwards call the
+    fused elementwise kernels in every layer, the native engine's logprobs equal the trainer's padded and packed
+    forwards bit for bit, and training gradients follow the default forward's."""
     out = run_script(Path(__file__).parent / "workers" / "exact_triton_wiring.py", {"TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "ok"
