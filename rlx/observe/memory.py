@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rlx.observe.tracking import heartbeat
+
 GIB = float(2**30)
 
 
@@ -104,10 +106,13 @@ def host_rss_bytes() -> int:
 
 
 @contextlib.contextmanager
-def measure_phase(name: str, device: Any = "cpu", unmapped_bytes: int = 0) -> Iterator[dict[str, float]]:
+def measure_phase(
+    name: str, device: Any = "cpu", unmapped_bytes: int = 0, progress: str | None = None
+) -> Iterator[dict[str, float]]:
     """Measure the block as phase `name` on `device` (torch.device or 'cpu' / 'cuda:0' / 'npu:0').
     `unmapped_bytes`: bytes torch counts as allocated all through the block that hold no device memory (a sleeping
-    rollout engine's, RolloutEngine.unmapped_bytes), left out of the peak.
+    rollout engine's, RolloutEngine.unmapped_bytes), left out of the peak. `progress`: e.g. 'step 1/3', to say
+    '<progress>: <name>: still running (N s)' while a long block runs (rlx.observe.tracking.heartbeat).
 
     Yields a dict that is filled when the block ends (also when it raises) with
     {"timing/{name}_s", "memory/{name}_device_peak_gb", "memory/{name}_host_rss_gb"} (floats, GiB).
@@ -119,7 +124,8 @@ def measure_phase(name: str, device: Any = "cpu", unmapped_bytes: int = 0) -> It
     before = churn_counters(device)
     start = time.perf_counter()
     try:
-        yield metrics
+        with heartbeat(f"{progress}: {name}" if progress else None):
+            yield metrics
     finally:
         peak = phase_peak_bytes(device_peak_bytes(device), unmapped_bytes)
         seconds = time.perf_counter() - start

@@ -11,10 +11,14 @@ imports no torch and no tracker library.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +114,36 @@ def step_line(step: int, total: int, m: dict) -> str:
 def console(text: str) -> None:
     """Progress to stderr, so stdout stays clean for pipelines."""
     print(text, file=sys.stderr, flush=True)
+
+
+HEARTBEAT_S = (30.0, 60.0)
+"""A long block's first 'still running' line after 30 s, then one a minute (a 14B run's first step on one GPU:
+~50 s building the model, ~100 s compiling the train step, with no other line)."""
+
+
+@contextlib.contextmanager
+def heartbeat(label: str | None, first_s: float | None = None, every_s: float | None = None) -> Iterator[None]:
+    """Say '<label>: still running (N s)' on the console while the block runs past `first_s`, then every `every_s`
+    (HEARTBEAT_S by default); nothing for a block that ends sooner, or with no label (e.g. not the main rank)."""
+    if label is None:
+        yield
+        return
+    first_s, every_s = first_s or HEARTBEAT_S[0], every_s or HEARTBEAT_S[1]
+    done, start = threading.Event(), time.perf_counter()
+
+    def beat() -> None:
+        wait = first_s
+        while not done.wait(wait):
+            console(f"{label}: still running ({time.perf_counter() - start:.0f} s)")
+            wait = every_s
+
+    thread = threading.Thread(target=beat, name="rlx-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from rlx.observe.memory import (
     reset_device_peak,
 )
 from rlx.observe.profile import profile_step, profiled_step
-from rlx.observe.tracking import Tracker, console, read_metrics, select_traces
+from rlx.observe.tracking import Tracker, console, heartbeat, read_metrics, select_traces
 from rlx.parallel.dist import barrier, broadcast_object, context
 from rlx.ppo.config import PPOConfig
 from rlx.ppo.dynamic_sampling import GroupFilter, sampling_metrics
@@ -116,7 +116,8 @@ class PPORun:
         self.setup_metrics["timing/setup_inputs_s"] = started - self.setup_t0  # data checks, run folder, warm start
         fresh = start_ckpt is None and initial is cfg  # starts from the recipe's model, resolved by the checks
         policy = (inputs.source, inputs.config) if fresh else None
-        self.models = build_run_models(initial, self.backend, start_ckpt, policy)
+        with heartbeat("rlx ppo: building the models" if self.ctx.is_main else None):
+            self.models = build_run_models(initial, self.backend, start_ckpt, policy)
         self.trainer, self.critic = self.models.actor, self.models.critic
         self._check_checkpoint_space()
         models_built = time.perf_counter()
@@ -232,16 +233,17 @@ class PPORun:
         published (the files are written in the background while the next step runs): a run killed in between
         resumes from an earlier checkpoint and writes the line again."""
         cfg, out, step_start = self.cfg, step_dir(self.run_dir, step), time.perf_counter()
-        with measure_phase("weight_sync", self.device) as sync:
+        progress = f"step {step}/{cfg.steps}" if self.ctx.is_main else None  # 'still running' lines of a long phase
+        with measure_phase("weight_sync", self.device, progress=progress) as sync:
             self._refresh_engine(step)
-        with measure_phase("rollout", self.device) as phase:
+        with measure_phase("rollout", self.device, progress=progress) as phase:
             rollouts, rewards, metrics = self._sample(step)
         metrics.update(phase)
         metrics.update(sync)
         metrics.update({f"rollout/{k}": float(v) for k, v in self.engine.counters().items()})
         released = self.engine.sleep()  # the trainer gets the memory until the next rollout
         metrics["memory/rollout_engine_released_gb"] = released / 2**30
-        with measure_phase("score", self.device, self.engine.unmapped_bytes()) as phase:
+        with measure_phase("score", self.device, self.engine.unmapped_bytes(), progress) as phase:
             score_cfg = dataclasses.replace(self.score_cfg, kl_coef=self.kl_coef, filter_groups=False)
             models = self.models.scoring
             from_rollout = self._old_logprobs_from_rollout(rollouts)
@@ -257,7 +259,7 @@ class PPORun:
             self.kl_coef = result.next_kl_coef
         if cfg.keep_artifacts:  # every rank writes its share of the records (rank 0 alone: 2-4 x the 1-GPU work)
             self.writer.submit(lambda: self._write_artifacts(out, rollouts, result, cfg.vision.store_pixels))
-        with measure_phase("train", self.device, self.engine.unmapped_bytes()) as phase:
+        with measure_phase("train", self.device, self.engine.unmapped_bytes(), progress) as phase:
             metrics.update(self._train(step, result))
         metrics.update(phase)
         if self._eval_due(step):

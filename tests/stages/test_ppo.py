@@ -226,3 +226,34 @@ def test_the_device_is_read_before_the_fast_path_fills_the_engine(monkeypatch):
     assert load_recipe(recipe, overrides, "cuda").rollout.engine == "native"
     with pytest.raises(Exception, match="tensor parallel rollout needs engine"):
         load_recipe(recipe, overrides, "cpu")
+
+
+def test_a_long_phase_says_it_is_still_running(tmp_path, monkeypatch):
+    """A phase that runs past the heartbeat's first wait prints '<step>: <phase>: still running (N s)' (a 14B step on
+    one GPU was minutes of silence: model building, the first compile); short phases print nothing."""
+    import rlx.observe.tracking as tracking
+
+    monkeypatch.setattr(tracking, "HEARTBEAT_S", (0.2, 0.2))
+    slow = tmp_path / "slow_reward.py"
+    slow.write_text(
+        "import time\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    time.sleep(0.05)\n    return 0.0\n"
+    )  # 8 x 4 samples: ~1.6 s of scoring
+    result = cli_ok("ppo", QUICKSTART, "--out", tmp_path / "run", "--set", "steps=1", "--set",
+                    f"score.reward=['{slow}:score']", *SMALL)  # fmt: skip
+    lines = [line for line in result.stderr.splitlines() if "still running" in line]
+    assert all(line.startswith(("step 1/1: ", "rlx ppo: building the models: ")) for line in lines), lines
+    assert any(line.startswith("step 1/1: score: still running (") for line in lines), lines  # the rewards
+
+
+def test_the_heartbeat_is_silent_for_a_short_block_and_without_a_label(capsys):
+    from rlx.observe.tracking import heartbeat
+
+    with heartbeat("quick", first_s=5.0):
+        pass
+    with heartbeat(None, first_s=0.01):
+        time.sleep(0.05)
+    with heartbeat("long", first_s=0.02, every_s=0.05):
+        time.sleep(0.16)
+    lines = capsys.readouterr().err.splitlines()
+    assert 2 <= len(lines) <= 4 and all(line.startswith("long: still running (") for line in lines), lines
