@@ -33,6 +33,15 @@ from rlx.serve.config import ServeConfig
         "batch_size",
         "remax_baseline",
         "chat_template",
+        # the prompts' own limits and filter (a client's context is checked against --max-total-tokens), the
+        # training side of vision models, and tensor parallelism (rlx serve is one process)
+        "max_prompt_length",
+        "on_long_prompt",
+        "max_prompt_tokens",
+        "freeze_vision_tower",
+        "store_pixels",
+        "tp_degree",
+        "tp",
     ),  # fmt: skip
     metavars={"engine": "NAME"},
 )

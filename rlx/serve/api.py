@@ -63,6 +63,8 @@ class Limits:
     """Whether the engine reports the most likely alternatives of each token (top_logprobs)."""
     has_grammars: bool = True
     """Whether the engine samples within a grammar (response_format json_*); the library is checked per request."""
+    vocab_size: int = 0
+    """The model's vocabulary: token ids a client sends must be below it (0: not checked)."""
 
 
 @dataclass
@@ -70,6 +72,9 @@ class Settings:
     """What one request asks of the generation (both endpoints)."""
 
     max_tokens: int
+    max_tokens_given: bool = False
+    """Whether the client sent max_tokens (or max_completion_tokens): a context too full for them is then 400, as
+    vLLM answers, where the server's default is cut to the room left."""
     n: int = 1
     """Choices: choice i > 0 is recorded as sample `<sample_id>~i` (server.py)."""
     seed: int | None = None
@@ -231,7 +236,8 @@ def _settings(body: dict, limits: Limits, max_key: str) -> Settings:
     if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise refuse("stream_options", "only {'include_usage': bool} with stream=true is supported")
     settings = Settings(
-        max_tokens=asked[0][1] if asked else limit, n=n, seed=seed, stop=stop, stream=stream, **own,
+        max_tokens=asked[0][1] if asked else limit, max_tokens_given=bool(asked), n=n, seed=seed, stop=stop,
+        stream=stream, **own,
         include_usage=bool((options or {}).get("include_usage")), return_token_ids=_bool(body, "return_token_ids"),
     )  # fmt: skip
     settings.recorded = {
@@ -317,6 +323,10 @@ def read_chat(body: dict, limits: Limits) -> ChatCall:
         raise RequestError(400, "'messages' must be a non-empty list", param="messages")
     if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise RequestError(400, "every message must be an object with a 'role' string", param="messages")
+    for i, message in enumerate(messages):  # as OpenAI's API: only an assistant turn with tool calls may lack content
+        if message.get("content") is None and not (message["role"] == "assistant" and message.get("tool_calls")):
+            raise RequestError(400, f"messages[{i}] ({message['role']!r:.40}) has no 'content'",
+                               param=f"messages[{i}].content")  # fmt: skip
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise RequestError(400, "'tools' must be a list of function schemas", param="tools")
     choice = body.get("tool_choice")
@@ -347,7 +357,21 @@ def read_completion(body: dict, limits: Limits) -> CompletionCall:
     if not (isinstance(prompt, str) and prompt) and not (is_ids and prompt):
         raise RequestError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt)",
                            param="prompt")  # fmt: skip
+    if is_ids:
+        _check_ids(prompt, limits, "prompt")
     echo = _bool(body, "echo")
     if echo and settings.stream:
         raise refuse("echo", "echo with stream=true is not supported")
+    if echo and settings.logprobs:  # OpenAI's reply would hold the prompt tokens' logprobs too: not computed here
+        raise refuse("echo", "echo with logprobs is not supported (the prompt's own logprobs are not computed)")
     return CompletionCall(prompt, settings, echo)
+
+
+def _check_ids(ids: list[int], limits: Limits, param: str) -> None:
+    """Token ids a client sent, each in [0, vocab_size) (RequestError naming the first that is not)."""
+    most = limits.vocab_size or None
+    for i, token in enumerate(ids):
+        if token < 0 or (most is not None and token >= most):
+            bound = f"[0, {most})" if most else ">= 0"
+            raise RequestError(400, f"'{param}'[{i}]: token id {token} is out of vocabulary (ids must be in {bound})",
+                               param=param)  # fmt: skip

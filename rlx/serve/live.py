@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 
 from starlette.concurrency import run_in_threadpool
 
 from rlx.serve.api import ChatCall
 from rlx.serve.deltas import TOOL_CALL_OPEN, TextDeltas
-from rlx.serve.replies import chat_chunks, completion_chunks
+from rlx.serve.replies import ID_PREFIX, chat_chunks, completion_chunks
 from rlx.serve.responses import message_opening, numbered, output_events, response_object, start_events, text_delta
 from rlx.serve.turns import run_turns
 
@@ -42,7 +43,9 @@ class LiveReply:
         """Each choice's newest tokens not yet decoded (older ones are skipped: the newest include them)."""
         self.queue: asyncio.Queue = asyncio.Queue()
         kind = "chat.completion.chunk" if self.is_chat else "text_completion"
-        self.head = {"id": f"rlx-{time.monotonic_ns()}", "object": kind, "created": int(time.time()),
+        self.rid = secrets.token_hex(12)
+        """The reply's own id (Turn.id): its chunks carry it with their kind's prefix."""
+        self.head = {"id": f"{ID_PREFIX[kind]}{self.rid}", "object": kind, "created": int(time.time()),
                      "model": server.model_name}  # fmt: skip
         self.job = asyncio.ensure_future(self._generate(prepared))
 
@@ -96,7 +99,7 @@ class LiveReply:
                 break
             turns = item[1]
             for turn in turns:  # the chunks of one reply share its id
-                turn.id, turn.created = self.head["id"], self.head["created"]
+                turn.id, turn.created = self.rid, self.head["created"]
             last = chat_chunks if self.is_chat else completion_chunks
             for chunk in last(turns, self.server.model_name, [d.sent for d in self.deltas]):
                 yield _event(chunk)
@@ -119,7 +122,7 @@ class LiveResponse(LiveReply):
         return "".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n" for e in out)
 
     async def events(self):
-        rid, created = self.head["id"], self.head["created"]
+        rid, created = self.rid, self.head["created"]
         item_id = f"msg_{rid}"
         skeleton = {"id": f"resp_{rid}", "object": "response", "created_at": created, "model": self.server.model_name,
                     "status": "in_progress", "incomplete_details": None, "output": [],
@@ -144,7 +147,7 @@ class LiveResponse(LiveReply):
     def _finished(self, turn, opened: bool) -> dict:
         """The response object of the generated turn (kept for previous_response_id unless store is false); a
         message whose text was streamed stays its first output item."""
-        turn.id, turn.created = self.head["id"], self.head["created"]
+        turn.id, turn.created = self.rid, self.head["created"]
         reply = response_object(turn, self.server.model_name, self.previous)
         if opened and reply["output"][0]["type"] != "message":
             text = {"type": "output_text", "text": self.deltas[0].sent, "annotations": []}

@@ -10,6 +10,7 @@ trajectory is recorded exactly as for the same request without `stream`.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,12 +35,16 @@ class Turn:
     """Each sampled token decoded alone (for logprobs and stream pieces)."""
     top_logprobs: list[list[tuple[str, float]]] = field(default_factory=list)
     """At each position, the most likely tokens (decoded alone) and their logprobs, when the request asked."""
-    id: str = field(default_factory=lambda: f"rlx-{time.monotonic_ns()}")
+    id: str = field(default_factory=lambda: secrets.token_hex(12))
+    """Unique: a reply's id is it with its kind's prefix (`chatcmpl-`, `cmpl-`, `resp_`, as OpenAI's)."""
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+ID_PREFIX = {"chat.completion": "chatcmpl-", "chat.completion.chunk": "chatcmpl-", "text_completion": "cmpl-"}
+
+
 def _head(turn: Turn, kind: str, model: str) -> dict:
-    return {"id": turn.id, "object": kind, "created": turn.created, "model": model}
+    return {"id": f"{ID_PREFIX[kind]}{turn.id}", "object": kind, "created": turn.created, "model": model}
 
 
 def _chat_logprobs(turn: Turn) -> dict | None:
@@ -60,9 +65,9 @@ def _chat_logprobs(turn: Turn) -> dict | None:
 def _completion_logprobs(turn: Turn) -> dict | None:
     if not turn.settings.logprobs:
         return None
-    offsets, at = [], len(turn.text) - len("".join(turn.token_texts))
-    for text in turn.token_texts:
-        offsets.append(max(at, 0))
+    offsets, at = [], 0  # into the reply's text (echo with logprobs is refused: api.py); a stop string's tokens
+    for text in turn.token_texts:  # are listed past the text's end
+        offsets.append(at)
         at += len(text)
     top = [dict(pairs) for pairs in turn.top_logprobs] if turn.settings.top_logprobs else None
     return {"tokens": turn.token_texts, "token_logprobs": turn.logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -91,7 +96,10 @@ def chat_reply(turns: list[Turn], model: str) -> dict:
     """A chat.completion object with one choice per turn (the request's n)."""
     reply = {**_head(turns[0], "chat.completion", model), "choices": [], "usage": _usage(turns)}
     for index, turn in enumerate(turns):
-        choice = {"index": index, "message": turn.message, "finish_reason": chat_finish_reason(turn),
+        message = turn.message
+        if message.get("tool_calls") and not message.get("content"):  # OpenAI's: no text beside the calls is null
+            message = {**message, "content": None}
+        choice = {"index": index, "message": message, "finish_reason": chat_finish_reason(turn),
                   "logprobs": _chat_logprobs(turn)}  # fmt: skip
         _with_token_ids(turn, reply, choice)
         reply["choices"].append(choice)

@@ -22,11 +22,14 @@ capped at `max_total_tokens` (and the model's context): past it, HTTP 400 'conte
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections import Counter, OrderedDict
 from urllib.parse import quote
 
@@ -49,10 +52,12 @@ from rlx.serve.replies import Turn, chat_reply, completion_reply
 from rlx.serve.request_images import ImagePolicy, RequestImages
 from rlx.serve.responses import ResponseStore, response_object, to_chat
 from rlx.serve.sessions import SampleSession
-from rlx.serve.stream import StreamWorker
+from rlx.serve.stream import EngineFailed, StreamWorker
 from rlx.serve.turns import generate_turns, prepare_turns
 
 DEFAULT_SAMPLE = "default"
+MAX_UNNAMED = 1024
+"""Most requests naming no sample answered at once (samples 'default', 'default@2', ...)."""
 SESSION_HEADER = "x-session-id"
 
 
@@ -71,7 +76,9 @@ class AgentServer:
         self.endpoint = endpoint or EndpointConfig()
         engine = worker.engine
         self.limits = Limits(sampling, model_name, strict, getattr(engine, "gives_top_logprobs", False),
-                             getattr(engine, "takes_constraints", False))  # fmt: skip
+                             getattr(engine, "takes_constraints", False), worker.vocab_size)  # fmt: skip
+        self.created = int(time.time())
+        """When the server was made (the `created` of /v1/models)."""
         self.grammars: Grammars | None = None
         """Compiles response_format grammars (made on the first request with one)."""
         policy = ImagePolicy.of(self.endpoint.image_root, self.endpoint.max_image_bytes, known_image_refs)
@@ -166,8 +173,7 @@ class AgentServer:
         """`compile_one(Grammars)` under the tokenizer lock, the Grammars of this server's tokenizer made once."""
         with self.tokenizer_lock:
             if self.grammars is None:
-                vocab_size = self.worker.engine.model.config.get_text_config().vocab_size
-                self.grammars = Grammars(self.tokenizer, vocab_size, self.stop_ids)
+                self.grammars = Grammars(self.tokenizer, self.worker.vocab_size, self.stop_ids)
             return compile_one(self.grammars)
 
     def session(self, sample_id: str) -> SampleSession:
@@ -176,7 +182,8 @@ class AgentServer:
             session = self.sessions.get(sample_id)
             if session is None:
                 stops = StopStrings(self.tokenizer, self.sampling.stop) if self.sampling.stop else None
-                session = SampleSession(sample_id, self.tokenizer, self.stop_ids, self.cfg, stops, self.images)
+                session = SampleSession(sample_id, self.tokenizer, self.stop_ids, self.cfg, stops, self.images,
+                                        unique_call_ids=not self.limits.strict)  # fmt: skip
                 self.sessions[sample_id] = session
             self.sessions.move_to_end(sample_id)
             session.last_used = time.monotonic()
@@ -217,8 +224,9 @@ class AgentServer:
                 call = read_generate(body, self.limits, self.stop_ids)
             else:
                 call = (read_completion if endpoint == "completion" else read_chat)(body, self.limits)
-            names = [sample] + [f"{sample}~{i}" for i in range(1, call.settings.n)]
-            sessions = self._hold([self.session(name) for name in names], label)
+            named = previous is not None or request.path_params.get("sample") or SESSION_HEADER in request.headers
+            sessions = self._hold(self._choices(sample, call), label) if named else self._hold_unnamed(call.settings.n)
+            sample = sessions[0].sample_id
             is_live = False
             try:
                 if call.settings.stream or endpoint == "responses" and streams:  # sent as the tokens come (live.py)
@@ -240,8 +248,12 @@ class AgentServer:
             return _error(e.status, str(e), e.code, e.param)
         except UserError as e:  # e.g. a template that cannot render the messages, an image that cannot be read
             return _error(400, str(e), "invalid_request")
-        except Exception as e:  # the template, the engine: reported to the client, the server keeps serving
-            return _error(500, f"the server failed on this request ({type(e).__name__})", "server_error")
+        except EngineFailed as e:  # closing, or the engine failed on an earlier request: nothing more is generated
+            return _error(503, str(e), "service_unavailable")
+        except Exception as e:  # the template, the engine: reported to the client and logged; the server keeps serving
+            print(f"rlx serve: a {endpoint} request failed:\n{''.join(traceback.format_exception(e))}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            return _error(500, f"the server failed on this request ({type(e).__name__}: {e})"[:300], "server_error")
         if endpoint == "generate":
             return JSONResponse(generate_reply(turns[0]))
         if endpoint == "responses":
@@ -255,6 +267,24 @@ class AgentServer:
         if store:
             self.responses.put(reply["id"], sample, [*call.messages, turn.message])
         return JSONResponse(reply)
+
+    def _choices(self, sample: str, call) -> list[SampleSession]:
+        """The sessions of a request's choices: `sample`, then `<sample>~i` for choice i > 0."""
+        return [self.session(name) for name in [sample] + [f"{sample}~{i}" for i in range(1, call.settings.n)]]
+
+    def _hold_unnamed(self, n: int) -> list[SampleSession]:
+        """The sessions of a request that names no sample, held: 'default' where it is free, else the first free of
+        'default@2', 'default@3', ... (concurrent clients that send no X-Session-ID are answered side by side, as
+        vLLM answers them; their trajectories are then split between those samples by arrival, not by conversation)."""
+        for lane in range(1, MAX_UNNAMED + 1):
+            sample = DEFAULT_SAMPLE if lane == 1 else f"{DEFAULT_SAMPLE}@{lane}"
+            names = [sample] + [f"{sample}~{i}" for i in range(1, n)]
+            sessions = [self.session(name) for name in names]
+            if all(not s.lock.locked() for s in sessions):
+                with contextlib.suppress(RequestError):  # taken between the look and the hold: the next lane
+                    return self._hold(sessions)
+        raise RequestError(429, f"{MAX_UNNAMED} requests without an X-Session-ID are being answered; wait for one",
+                           "too_many_requests")  # fmt: skip
 
     @staticmethod
     def _hold(sessions: list[SampleSession], label: str | None = None) -> list[SampleSession]:
@@ -280,9 +310,17 @@ class AgentServer:
         name = self.model_name
         return JSONResponse(chat_reply(turns, name) if endpoint == "chat" else completion_reply(turns, name))
 
+    def health(self) -> Response:
+        """vLLM's probe: 200 while requests are generated, 503 once the engine failed or the server is closing."""
+        if self.worker.is_alive:
+            return Response(status_code=200)
+        failed = self.worker.failed
+        why = f"the engine failed ({type(failed).__name__}); restart the server" if failed else "the server is closing"
+        return _error(503, why, "service_unavailable")
+
     def models(self, request: Request) -> Response:
         wanted = request.path_params.get("model_id")
-        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rlx"}
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rlx"}
         if wanted is None:
             return JSONResponse({"object": "list", "data": [card]})
         if wanted != self.model_name:
@@ -324,8 +362,10 @@ async def _read_body(request: Request, limit: int) -> dict:
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
-    kind = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error"}.get(status)
-    body = {"error": {"message": message, "type": kind or "invalid_request_error", "code": code, "param": param}}
+    kinds = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error",
+             500: "server_error", 503: "server_error"}  # fmt: skip
+    body = {"error": {"message": message, "type": kinds.get(status, "invalid_request_error"), "code": code,
+                      "param": param}}  # fmt: skip
     # OpenAI's clients retry a 409 unless told not to: a retry would only land in the busy sample later
     headers = {"x-should-retry": "false"} if status == 409 else None
     return JSONResponse(body, status_code=status, headers=headers)
@@ -354,7 +394,10 @@ def _app(server: AgentServer) -> Starlette:
     async def models(request: Request) -> Response:
         return server.models(request)
 
-    routes = []
+    async def health(request: Request) -> Response:
+        return server.health()
+
+    routes = [Route("/health", health, methods=["GET"])]  # unguarded, as vLLM's: probes carry no key
     for prefix in ("", "/s/{sample:path}"):
         routes += [
             Route(f"{prefix}/v1/chat/completions", guarded(answering("chat")), methods=["POST"]),

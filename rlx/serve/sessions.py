@@ -18,6 +18,7 @@ replaced by the digest of its pixels (request_images.py), so a changed image rew
 
 from __future__ import annotations
 
+import secrets
 import threading
 from dataclasses import dataclass, field
 from functools import partial
@@ -125,9 +126,12 @@ class SampleSession:
 
     def __init__(
         self, sample_id: str, tokenizer, stop_ids: set[int], cfg: AgentConfig, stops: StopStrings | None = None,
-        images: RequestImages | None = None,
+        images: RequestImages | None = None, unique_call_ids: bool = False,
     ):  # fmt: skip
+        """`unique_call_ids`: tool calls get random ids, as OpenAI's and vLLM's (`rlx serve`); else `call_<turn>_<i>`,
+        the ids a Python environment's rollout gives (`rlx rollout --agent`: the same trajectory either way)."""
         self.sample_id, self.tokenizer, self.stop_ids, self.cfg = sample_id, tokenizer, set(stop_ids), cfg
+        self.unique_call_ids = unique_call_ids
         self.images = images or RequestImages(None, "?", False, "the server was started without image support")
         """What the engine makes of image parts (request_images.py)."""
         self.stops = stops
@@ -248,6 +252,9 @@ class SampleSession:
         parse = self.parse if parse_tools else parse_plain
         parsed = parse(seg.last_turn_text, traj.num_turns - 1)
         message = parsed.message if not parsed.errors else {"role": "assistant", "content": seg.last_turn_text}
+        if self.unique_call_ids:
+            for call in message.get("tool_calls", ()):
+                call["id"] = f"call_{secrets.token_hex(12)}"
         reply = normalize_message(message)
         traj.messages += plan.new_messages + [reply]
         seg.keys += plan.new_keys + [reply]

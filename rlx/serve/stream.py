@@ -15,8 +15,10 @@ the hf engine decodes a batch to its end, so its requests hear nothing before th
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -47,6 +49,10 @@ class StreamWorker:
         self._closing = threading.Event()
         self._opened = threading.Event()
         self._failure: BaseException | None = None
+        self.failed: BaseException | None = None
+        """The error that stopped the engine's stream (every later request is refused: EngineFailed), else None."""
+        self.vocab_size = _vocab_size(engine)
+        """Token ids at or past it are refused per request before they reach the engine (0: unknown)."""
         self._listeners: dict[Future, tuple[Callable[[list[int]], None], list[int]]] = {}
         """Requests that hear their tokens as they come: the callback and how many it has heard (worker only)."""
         self._thread = threading.Thread(target=self._run, name="rlx-serve-worker", daemon=True)
@@ -59,11 +65,19 @@ class StreamWorker:
         """Queue `request`; its future gives the Generated. `on_tokens(ids)`, called on the worker thread (it must
         be quick), gets the tokens sampled so far each time there are more, before the future is set."""
         future: Future = Future()
-        if self._closing.is_set():
-            future.set_exception(RuntimeError("the server is shutting down"))
+        if self.failed is not None:
+            future.set_exception(EngineFailed(f"the engine failed earlier ({type(self.failed).__name__}: "
+                                              f"{self.failed}"[:300] + "); restart the server"))  # fmt: skip
+        elif self._closing.is_set():
+            future.set_exception(EngineFailed("the server is shutting down"))
         else:
             self._queue.put((request, future, on_tokens))
         return future
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the worker still takes requests (not failed, not closing)."""
+        return self.failed is None and not self._closing.is_set() and self._thread.is_alive()
 
     def generate(self, request: TokenRequest) -> Generated:
         """Block until `request` has been generated."""
@@ -73,7 +87,7 @@ class StreamWorker:
         """Finish the requests in the stream, then fail whatever is still queued (its callers get an error)."""
         self._closing.set()
         self._thread.join()
-        self._fail_queued(RuntimeError("the server is shutting down"))
+        self._fail_queued(EngineFailed("the server is shutting down"))
 
     def _fail_queued(self, error: BaseException) -> None:
         while True:
@@ -105,12 +119,24 @@ class StreamWorker:
                     self._listeners.pop(future, None)
                     future.set_result(generated)
         except BaseException as e:  # the engine failed: every waiting request hears it; nothing more is served
+            self.failed = e
+            print(f"rlx serve: the engine failed; every later request is refused (HTTP 503):\n"
+                  f"{''.join(traceback.format_exception(e))}", file=sys.stderr, flush=True)  # fmt: skip
             self._closing.set()
+            failure = EngineFailed(f"the engine failed ({type(e).__name__}: {e}"[:300] + "); restart the server")
+            failure.__cause__ = e
             for future in in_flight:
-                future.set_exception(e)
-            self._fail_queued(e)
+                future.set_exception(failure)
+            self._fail_queued(failure)
         finally:
             stream.close()
+
+    def _check_ids(self, request: TokenRequest) -> None:
+        """A token id outside the vocabulary fails this request here: inside the engine it would fail the stream."""
+        if self.vocab_size and any(not 0 <= t < self.vocab_size for t in request.prompt_ids):
+            bad = next(t for t in request.prompt_ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"token request {request.key!r}: token id {bad} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")  # fmt: skip
 
     def _tell(self, stream: TokenStream) -> None:
         """Hand each listening request its tokens so far, where it has more than it heard."""
@@ -142,6 +168,7 @@ class StreamWorker:
             first = False
             request, future, on_tokens = item
             try:
+                self._check_ids(request)
                 stream.submit(future, request)
             except Exception as e:  # this request cannot run (e.g. too long for the cache): its caller hears why
                 future.set_exception(e)
@@ -151,3 +178,14 @@ class StreamWorker:
                 self._listeners[future] = (on_tokens, [0])
             self.num_requests += 1
             self.largest_batch = max(self.largest_batch, len(in_flight))
+
+
+class EngineFailed(RuntimeError):
+    """The stream no longer generates: the engine failed, or the server is closing (HTTP 503)."""
+
+
+def _vocab_size(engine: RolloutEngine) -> int:
+    """The engine model's vocabulary size (0 where the engine does not say)."""
+    config = getattr(getattr(engine, "model", None), "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(getattr(text, "vocab_size", 0) or 0)

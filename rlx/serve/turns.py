@@ -12,6 +12,7 @@ import contextlib
 
 from starlette.concurrency import run_in_threadpool
 
+from rlx.errors import UserError
 from rlx.rollout.requests import Generated, TokenRequest
 from rlx.rollout.stops import StopStrings
 from rlx.serve.api import ChatCall, CompletionCall, RequestError
@@ -52,26 +53,38 @@ def _plan(server, session: SampleSession, call: ChatCall | CompletionCall) -> Pl
         raise RequestError(400, f"a message could not be read: {type(e).__name__}: {e}"[:300]) from None
 
 
-def _token_request(server, session: SampleSession, plan: Plan, call) -> TokenRequest:
-    context_ids = plan.context_ids
+def _token_request(server, session: SampleSession, plan: Plan, call, choice: int = 0) -> TokenRequest:
+    context_ids, settings = plan.context_ids, call.settings
     max_context = min(server.cfg.max_total_tokens, server.worker.max_context)
     room = max_context - len(context_ids)
+    param = "messages" if isinstance(call, ChatCall) else "prompt"
     if room < 1:
         session.hit_token_limit = True
         raise RequestError(
-            400,
-            f"sample {session.sample_id!r}: the context is {len(context_ids)} tokens, at the limit "
-            f"max_total_tokens = {max_context}",
-            "context_length_exceeded",
-            "messages" if isinstance(call, ChatCall) else "prompt",
-        )
-    limit = min(call.settings.max_tokens, room)
-    key = f"{session.sample_id}/{session.num_requests}"
-    settings = call.settings  # its own temperature / top_p / top_k / seed (None: the server's); temperature 0: greedy
+            400, f"sample {session.sample_id!r}: the context is {len(context_ids)} tokens, leaving no room under the "
+            f"limit of {_limit_named(server, max_context)}", "context_length_exceeded", param,
+        )  # fmt: skip
+    if settings.max_tokens_given and settings.max_tokens > room and not server.limits.strict:
+        raise RequestError(  # vLLM's answer; under `rlx rollout --agent` the turn stops with 'length' instead
+            400, f"sample {session.sample_id!r}: {len(context_ids)} tokens of context + {settings.max_tokens} asked "
+            f"(max_tokens) exceed the limit of {_limit_named(server, max_context)}; ask at most {room}",
+            "context_length_exceeded", param,
+        )  # fmt: skip
+    # a client's own seed makes the draws its alone (the same request and seed, the same reply, on any sample);
+    # otherwise each sample's turn draws from its own stream, as a rollout's samples do
+    own_seed = settings.seed is not None and not server.limits.strict
+    key = f"seed/{choice}" if own_seed else f"{session.sample_id}/{session.num_requests}"
     own = {"temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k}
-    return TokenRequest(key, context_ids, limit, vision=plan.vision, seed=settings.seed,
+    return TokenRequest(key, context_ids, min(settings.max_tokens, room), vision=plan.vision, seed=settings.seed,
                         num_top_logprobs=settings.top_logprobs, num_prompt_routes=len(plan.inserted_ids),
                         **own)  # fmt: skip
+
+
+def _limit_named(server, max_context: int) -> str:
+    """The context limit and the setting that sets it (the server's --max-total-tokens, or the model's context)."""
+    if max_context == server.cfg.max_total_tokens:
+        return f"{max_context} tokens (--max-total-tokens)"
+    return f"{max_context} tokens (the model's context length)"
 
 
 def _commit(server, session: SampleSession, plan: Plan, gen: Generated, call) -> Turn:
@@ -100,15 +113,26 @@ async def prepare_turns(server, sessions: list[SampleSession], call) -> list[tup
     """Plan `call` in each of `sessions` (one per choice) and the token request of each (a RequestError for one
     the server refuses: nothing is generated or recorded then)."""
     plans = [await run_in_threadpool(_plan, server, session, call) for session in sessions]
-    prepared = [(plan, _token_request(server, session, plan, call)) for session, plan in zip(sessions, plans)]
+    prepared = [
+        (plan, _token_request(server, session, plan, call, choice))
+        for choice, (session, plan) in enumerate(zip(sessions, plans))
+    ]
     if call.settings.json_schema is not None:  # response_format: each choice samples within its own grammar
         for _, request in prepared:
-            request.constraint = await run_in_threadpool(server.grammar_for, call.settings.json_schema)
+            request.constraint = await _compiled("response_format", server.grammar_for, call.settings.json_schema)
     if call.settings.required_tools is not None:  # tool_choice 'required' or a named function
         for (_, request), session in zip(prepared, sessions):
-            request.constraint = await run_in_threadpool(server.tool_grammar_for, call.settings.required_tools,
-                                                         session.parser_name)  # fmt: skip
+            request.constraint = await _compiled("tool_choice", server.tool_grammar_for, call.settings.required_tools,
+                                                 session.parser_name)  # fmt: skip
     return prepared
+
+
+async def _compiled(param: str, compile_one, *args):
+    """A grammar compiled off the event loop; one that cannot be is HTTP 400 naming the field that asked for it."""
+    try:
+        return await run_in_threadpool(compile_one, *args)
+    except UserError as e:
+        raise RequestError(400, str(e), "invalid_request", param) from None
 
 
 async def run_turns(

@@ -12,6 +12,7 @@ rlx training data.
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 
 from rlx.chat.records import trajectory_record
@@ -38,6 +39,9 @@ def run_serve(
         raise UserError("rlx serve takes no --env or --agent: clients drive the conversation")
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {port}")
+    if max_requests < 0:
+        raise UserError(f"--max-requests must be >= 0 (0 = until interrupted), got {max_requests}")
+    _check_port(cfg.endpoint.host, port)  # before the model loads: a taken port is known in a second, not after it
     source, config = resolve_model(model_path)
     tokenizer = load_tokenizer(source)
     processor = load_processor(source, cfg.vision, config)  # a vision-language model's images (None for a text model)
@@ -74,6 +78,16 @@ def run_serve(
     if terminated:
         raise Terminated("terminated by SIGTERM")
     return records
+
+
+def _check_port(host: str, port: int) -> None:
+    """UserError when `host`:`port` cannot be listened on now (taken, or an address this machine lacks)."""
+    if port == 0:
+        return
+    try:
+        socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def max_context(cfg: ServeConfig, model) -> int:
