@@ -8,6 +8,7 @@ validates itself in `__post_init__` with `check()`. A recipe TOML maps 1:1 onto 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import sys
 import types
@@ -123,7 +124,9 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
         key = f"{prefix}.{name}" if prefix else name
         if name not in fields:
             valid = ", ".join(sorted(fields))
-            raise ConfigError(key, f"unknown key (valid keys here: {valid})")
+            close = difflib.get_close_matches(name, list(fields), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(key, f"unknown key ({hint}valid keys here: {valid})")
         kwargs[name] = _coerce(_over_default(fields[name], value), hints[name], key)
     for name, f in fields.items():
         if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:

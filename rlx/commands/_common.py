@@ -6,7 +6,7 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import typer
 
@@ -15,9 +15,10 @@ from rlx.utils.files import describe_io_error
 
 
 @contextlib.contextmanager
-def reporting(command: str, on_interrupt: str = "") -> Iterator[None]:
+def reporting(command: str, on_interrupt: str | Callable[[], str] = "") -> Iterator[None]:
     """Turn UserErrors and I/O failures (full disk, read-only folder...) into one line on stderr and exit code 1;
-    Ctrl-C into exit code 130 and SIGTERM into 143, after the outputs' temporaries are removed."""
+    Ctrl-C into exit code 130 and SIGTERM into 143, after the outputs' temporaries are removed (`on_interrupt`, or
+    what it returns then, ends that line: e.g. how to continue)."""
     finished = False
     try:
         with terminate_as_exception():
@@ -27,10 +28,10 @@ def reporting(command: str, on_interrupt: str = "") -> Iterator[None]:
         _say(f"rlx {command}: error: {e}")
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        _say(f"rlx {command}: interrupted{on_interrupt}")
+        _say(f"rlx {command}: interrupted{_hint(on_interrupt)}")
         raise typer.Exit(130) from None
     except Terminated as e:
-        _say(f"rlx {command}: {e}{on_interrupt}")
+        _say(f"rlx {command}: {e}{_hint(on_interrupt)}")
         raise typer.Exit(143) from None
     except BrokenPipeError:  # `rlx rollout --out - | head`: the reader went away
         sys.stderr.close()
@@ -46,6 +47,10 @@ def reporting(command: str, on_interrupt: str = "") -> Iterator[None]:
             from rlx.parallel.dist import teardown
 
             teardown(wait_for_others=finished)
+
+
+def _hint(on_interrupt: str | Callable[[], str]) -> str:
+    return on_interrupt() if callable(on_interrupt) else on_interrupt
 
 
 def _say(line: str) -> None:

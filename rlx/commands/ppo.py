@@ -63,7 +63,8 @@ def ppo(
     train.param_offload so the run fits the GPUs and the host's memory, prints it, and stops before loading weights
     when nothing fits.
     """
-    with reporting("ppo", on_interrupt="; continue the run with --resume"):
+    run_dir = Path(out) if out else Path("runs") / recipe.stem
+    with reporting("ppo", on_interrupt=lambda: _resume_hint(run_dir)):
         from rlx.ppo.config import load_recipe
         from rlx.utils.device import resolve_device
 
@@ -73,7 +74,6 @@ def ppo(
             return _print_plan(recipe, set_ or [], plan, gpus, gpu_memory_gib, host_memory_gib)
         device_type = resolve_device(_train_device(recipe, set_ or [])).type
         if device_type == "cuda":
-            run_dir = Path(out) if out else Path("runs") / recipe.stem
             set_ = [*(set_ or []), *_planned(recipe, set_ or [], run_dir if resume else None)]
         cfg = load_recipe(recipe, set_ or [], device_type)
         if not print_config:
@@ -92,7 +92,19 @@ def ppo(
                 f"--out {out}: the run folder must be local (model.path and data.prompts may be URLs; "
                 f"copy checkpoints out with `rlx merge --out URL`)"
             )
-        _run(cfg, Path(out) if out else Path("runs") / recipe.stem, resume, overwrite)
+        _run(cfg, run_dir, resume, overwrite)
+
+
+def _resume_hint(run_dir: Path) -> str:
+    """What an interrupted run's last line adds: the checkpoint --resume continues from, or that there is none."""
+    from rlx.ppo.rundir import RECIPE_NAME, checkpoint_dir, last_checkpoint
+
+    if not (run_dir / RECIPE_NAME).is_file():
+        return ""
+    found = last_checkpoint(run_dir)
+    if found is None:
+        return "; no checkpoint was written yet, so --resume starts the run again at step 1 (the [sft] warm start too)"
+    return f"; its last checkpoint is {checkpoint_dir(run_dir, found[0])}: continue with the same command plus --resume"
 
 
 def _run(cfg, run_dir: Path, resume: bool, overwrite: bool) -> None:

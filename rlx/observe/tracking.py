@@ -94,7 +94,10 @@ def step_line(step: int, total: int, m: dict) -> str:
 
     def get(key, fmt="{:.3f}"):
         value = m.get(key)
-        return fmt.format(value) if isinstance(value, (int, float)) else "-"
+        if not isinstance(value, (int, float)):
+            return "-"
+        text = fmt.format(value)
+        return text[1:] if text.startswith("-") and float(text) == 0 else text  # -0.0000 reads as 0.0000
 
     errors = m.get("reward/num_errors")
     extra = f"  REWARD ERRORS {errors:.0f}" if isinstance(errors, (int, float)) and errors > 0 else ""
@@ -109,6 +112,16 @@ def step_line(step: int, total: int, m: dict) -> str:
         f"rollout {get('timing/rollout_s', '{:.2f}')}s  score {get('timing/score_s', '{:.2f}')}s  "
         f"train {get('timing/actor_train_s', '{:.2f}')}s"
     )
+
+
+def reward_summary(rewards: list[float]) -> str:
+    """A run's mean reward: its first steps against its last (up to 5 each, never overlapping), or its only one."""
+    window = min(5, len(rewards) // 2)
+    if not window:
+        return f"reward {rewards[0]:.3f} (1 step)" if rewards else "no reward recorded"
+    first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
+    steps = "step" if window == 1 else f"{window} steps"
+    return f"reward {first:.3f} (first {steps}) -> {last:.3f} (last {steps})"
 
 
 def console(text: str) -> None:

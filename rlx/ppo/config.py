@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from rlx.config import (
     load_toml,
     move_keys,
     moved_override,
+    parse_override,
 )
 from rlx.errors import UserError
 from rlx.evaluation.evaluate import EvalConfig
@@ -436,4 +438,15 @@ def load_recipe(path: str | Path, overrides: list[str] = (), device_type: str | 
     try:
         return from_dict(PPOConfig, data)
     except ConfigError as e:
-        raise UserError(f"{path}: {str(e).replace('async_', 'async')}") from None
+        raise UserError(f"{_source(e.key, path, overrides)}: {str(e).replace('async_', 'async')}") from None
+
+
+def _source(key: str, path: Path, overrides: list[str]) -> str:
+    """Where a bad key came from: '--set' when an override set it (or a table holding it), else the recipe file."""
+    key = key.replace("async_", "async")
+    for text in overrides:
+        with contextlib.suppress(UserError):
+            given = ".".join(parse_override(text)[0])
+            if key == given or key.startswith(given + ".") or given.startswith(key + "."):
+                return "--set"
+    return str(path)

@@ -48,7 +48,7 @@ from rlx.observe.memory import (
     reset_device_peak,
 )
 from rlx.observe.profile import profile_step, profiled_step
-from rlx.observe.tracking import Tracker, console, heartbeat, read_metrics, select_traces
+from rlx.observe.tracking import Tracker, console, heartbeat, read_metrics, reward_summary, select_traces
 from rlx.parallel.dist import barrier, broadcast_object, context
 from rlx.ppo.config import PPOConfig
 from rlx.ppo.dynamic_sampling import GroupFilter, sampling_metrics
@@ -194,22 +194,14 @@ class PPORun:
                     self.gc_pauses.close()
         if self.ctx.is_main:
             rewards = [m["reward/mean"] for m in read_metrics(self.run_dir / "metrics.jsonl") if "reward/mean" in m]
-            window = min(5, len(rewards))
-            console(
-                f"done: reward {sum(rewards[:window]) / window:.3f} (first {window} steps) -> "
-                f"{sum(rewards[-window:]) / window:.3f} (last {window}); "
-                f"final checkpoint {checkpoint_dir(self.run_dir, cfg.steps)}"
-            )
+            console(f"done: {reward_summary(rewards)}; final checkpoint {checkpoint_dir(self.run_dir, cfg.steps)}")
 
     def _stop_after(self, step: int) -> None:
         """SIGTERM arrived: make sure `step` has a checkpoint, then stop (exit 143) saying how to resume."""
         if step % self.cfg.save_every != 0:
             self.writer.submit(self._prepare_save(step))
         self.writer.flush()  # the checkpoint's files are complete before the message names it
-        raise Terminated(
-            f"stopped by SIGTERM after step {step}/{self.cfg.steps}; its checkpoint is "
-            f"{checkpoint_dir(self.run_dir, step)}. Continue with the same command plus --resume"
-        )
+        raise Terminated(f"stopped by SIGTERM after step {step}/{self.cfg.steps}")  # `rlx ppo` says how to continue
 
     def _evaluate(self, step: int) -> dict:
         """[eval] on the held-out prompts with the current weights (the engine is refreshed now if a train step

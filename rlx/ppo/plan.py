@@ -469,6 +469,8 @@ class MemoryPlan:
     """host_gib() of the chosen settings (empty when the host was not checked)."""
     checkpoint_bytes: int = 0
     """One checkpoint's size (planned_checkpoint_bytes(); 0: not known)."""
+    kv_note: str = ""
+    """A line on a KV cache smaller than the step's need, where only that fits (empty otherwise)."""
 
     def summary(self) -> str:
         """One compact block: the hardware, the chosen settings, the per-phase peaks against the usable memory."""
@@ -481,6 +483,7 @@ class MemoryPlan:
             f"{head}: {verdict}; peak GiB per rank {phases} of {usable_gib(self.gpu_memory_gib):.1f} usable\n"
             + self._moe_line()
             + self._decode_line()
+            + self.kv_note
             + self._host_line()
             + self._checkpoint_line()
             + f"  train peak: {parts}\n"
@@ -554,6 +557,8 @@ def plan_memory(
     plan = _search(shape, work, base, user, world, gpu_memory_gib, host)
     if plan.fits:
         return plan
+    if (smaller := _smaller_cache(shape, work, base, user, world, gpu_memory_gib, host)) is not None:
+        return smaller
     if host is not None and (gpus_only := _search(shape, work, base, user, world, gpu_memory_gib)).fits:
         # the host is what does not hold it: the GPUs' plan, with the host's peaks and what host would hold it
         gpus_only.fits, gpus_only.host = False, host
@@ -562,6 +567,29 @@ def plan_memory(
         return gpus_only
     plan.message = _what_fits(shape, work, base, user, world, gpu_memory_gib, host)
     return plan
+
+
+def _smaller_cache(shape: ModelShape, work: Workload, base: Settings, user: dict, world: int, gpu_gib: float,
+                   host: Host | None) -> MemoryPlan | None:  # fmt: skip
+    """The plan with the native engine's KV cache at 1/2, 1/4, ... 1/16 of the step's need (not below one sequence
+    at its longest) where the whole cache does not fit but a smaller one does: the cache is a pool, so fewer of the
+    step's sequences decode at once (the rest wait, or are preempted and recomputed) and the rollout is slower."""
+    if work.engine != "native" or not work.prompt_known or "rollout.kv_cache_gib" in user:
+        return None
+    need = kv_cache_need_gib(shape, work, world)
+    one = work.sample_tokens * shape.kv_bytes_per_token / GIB
+    for share in (2, 4, 8, 16):
+        kv = math.ceil(need / share * 4) / 4
+        if kv < one:
+            return None
+        plan = _search(shape, work, replace(base, kv_cache_gib=kv), user, world, gpu_gib, host)
+        if plan.fits:
+            plan.kv_note = (
+                f"  rollout: kv_cache_gib {kv:g} holds about 1/{share} of the step's sequences at their longest "
+                f"(all of them: {need:.1f} GiB, which does not fit): more of them wait to decode, a slower rollout\n"
+            )
+            return plan
+    return None
 
 
 def _settings_of(tree: dict) -> Settings:
@@ -655,7 +683,7 @@ def _fit_score(shape: ModelShape, work: Workload, settings: Settings, user: dict
 
 def _plan(world, gpu_gib, fits, settings, est, base, user, shape, work, host=None) -> MemoryPlan:  # noqa: ANN001
     """The MemoryPlan, the native engine's KV cache sized to what a step needs (when the recipe leaves it unset)."""
-    if work.engine == "native" and work.prompt_known and "rollout.kv_cache_gib" not in user:
+    if work.engine == "native" and work.prompt_known and "rollout.kv_cache_gib" not in user and not base.kv_cache_gib:
         settings = replace(settings, kv_cache_gib=math.ceil(kv_cache_need_gib(shape, work, world) * 4) / 4)
     chosen = {}
     for key, name in _CHOICES.items():
@@ -680,28 +708,36 @@ def planned_checkpoint_bytes(shape: ModelShape, work: Workload) -> int:
 
 def _what_fits(shape: ModelShape, work: Workload, base: Settings, user: dict, world: int, gpu_gib: float,
                host: Host | None = None) -> str:  # fmt: skip
-    """The sentence naming what would fit: the user's own settings left to the plan, fewer sequences, more GPUs (as
-    many ranks per host)."""
+    """The sentence naming what would fit: the user's own settings left to the plan, no reference, LoRA, CPU offload,
+    more GPUs (as many ranks per host)."""
     hints = []
-    if any(key in user for key in _CHOICES) and _search(shape, work, base, {}, world, gpu_gib, host).fits:
+    if any(key in user for key in _CHOICES) and plan_fits(shape, work, base, {}, world, gpu_gib, host):
         given = ", ".join(f"{k}={_literal(user[k])}" for k in _CHOICES if k in user)
         hints.append(f"leave out {given} (the plan would choose)")
-    if work.use_ref and _search(shape, replace(work, use_ref=False), base, user, world, gpu_gib, host).fits:
+    if work.use_ref and plan_fits(shape, replace(work, use_ref=False), base, user, world, gpu_gib, host):
         hints.append("use_ref=false (no KL terms: the reference's whole float32 copy per rank is gone)")
     lora = replace(work, has_lora=True, use_ref=False)
-    if not work.has_lora and _search(shape, lora, base, user, world, gpu_gib, host).fits:
+    if not work.has_lora and plan_fits(shape, lora, base, user, world, gpu_gib, host):
         hints.append("a [lora] table (adapters trained on a frozen bfloat16 base, docs/lora.md)")
-    if not work.launched and _search(shape, replace(work, launched=True), base, user, world, gpu_gib, host).fits:
+    if not work.launched and plan_fits(shape, replace(work, launched=True), base, user, world, gpu_gib, host):
         hints.append(
             "`torchrun --nproc_per_node 1 -m rlx ppo ...` with train.param_offload = true (FSDP keeps the float32 "
             "weights, gradients and AdamW on the CPU: slower steps)"
         )
-    for more in (2 * world, 4 * world, 8 * world, 16 * world):
-        if _search(shape, work, base, user, more, gpu_gib, host).fits:
+    for more in (2 * world, 4 * world, 8 * world, 16 * world):  # several GPUs always run under a launcher
+        if plan_fits(shape, replace(work, launched=True), base, user, more, gpu_gib, host):
             hints.append(f"{more} GPUs of {gpu_gib:.0f} GiB")
             break
     would = "; ".join(hints) if hints else "a larger device (nothing tried fits)"
     return f"nothing fits {world} x {gpu_gib:.0f} GiB; would fit: {would}"
+
+
+def plan_fits(shape: ModelShape, work: Workload, base: Settings, user: dict, world: int, gpu_gib: float,
+              host: Host | None) -> bool:  # fmt: skip
+    """Whether some plan fits: the ladder, then a smaller KV cache."""
+    if _search(shape, work, base, user, world, gpu_gib, host).fits:
+        return True
+    return _smaller_cache(shape, work, base, user, world, gpu_gib, host) is not None
 
 
 def _host_message(shape: ModelShape, work: Workload, settings: Settings, world: int, gpu_gib: float, host: Host) -> str:

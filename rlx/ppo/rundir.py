@@ -12,7 +12,7 @@ from pathlib import Path
 from rlx.checkpoints.meta import is_checkpoint
 from rlx.config import move_keys
 from rlx.errors import UserError
-from rlx.observe.tracking import console, truncate_metrics
+from rlx.observe.tracking import console, read_metrics_tolerant, truncate_metrics
 from rlx.parallel.dist import barrier
 from rlx.ppo.config import MOVED_KEYS
 from rlx.utils.files import describe_io_error, existing_ancestor
@@ -63,6 +63,13 @@ def prepare_run_dir(
     recipe_path = run_dir / RECIPE_NAME
     found = last_checkpoint(run_dir) if recipe_path.exists() else None
     restart = recipe_path.exists() and (overwrite or found is None)
+    lost = steps_recorded(run_dir) if restart and not overwrite else 0
+    if lost and not resume:  # steps ran, none saved: never thrown away unasked
+        raise UserError(
+            f"{run_dir}: holds a run that completed {lost} step(s) but wrote no checkpoint (the first is due at step "
+            f"{recipe.get('save_every')}, save_every); --resume or --overwrite starts it again at step 1 (nothing "
+            f"can be continued), or choose another --out"
+        )
     if recipe_path.exists() and not restart and not resume:
         raise UserError(
             f"{run_dir}: already holds a run (last checkpoint: step {found[0]}); pass --resume to continue it, "
@@ -88,6 +95,8 @@ def prepare_run_dir(
         if restart:
             clear_run(run_dir)
             why = "replacing its run (--overwrite)" if overwrite else "its earlier start completed no step"
+            if lost:
+                why = f"its earlier start completed {lost} step(s) but wrote no checkpoint: nothing to continue"
             console(f"{run_dir}: {why}; starting at step 1")
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json(recipe_path, recipe)
@@ -98,6 +107,14 @@ def prepare_run_dir(
     if resume and is_main and not restart:
         console(f"resuming {run_dir} after step {last}" if found else f"no checkpoint in {run_dir}; starting at step 1")
     return last, found[1] if found else None
+
+
+def steps_recorded(run_dir: Path) -> int:
+    """How many steps a run folder's metrics.jsonl records (0 without one)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return len({m["step"] for m in read_metrics_tolerant(path) if isinstance(m.get("step"), int) and m["step"] > 0})
 
 
 def drop_old_checkpoints(run_dir: Path, keep: int) -> None:

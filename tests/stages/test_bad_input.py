@@ -154,6 +154,10 @@ def test_unknown_recipe_key(tmp_path):
     assert_user_error(cli("ppo", recipe, "--out", tmp_path / "run"), "r.toml", "rollout.num_samples", "unknown key")
     assert not (tmp_path / "run").exists()
     assert_user_error(cli("ppo", recipe, "--set", "train.lrr=1", "--out", tmp_path / "run"), "rollout.num_samples")
+    recipe.write_text('[model]\npath = "m"\n[data]\nprompts = "p"\n')  # a key of --set is --set's, not the file's
+    bad = cli("ppo", recipe, "--set", "train.optim.lrr=1", "--out", tmp_path / "run")
+    assert_user_error(bad, "--set: train.optim.lrr: unknown key (did you mean 'lr'?")
+    assert "r.toml" not in bad.stderr
 
 
 def test_non_finite_numbers_are_named_and_nothing_is_written(tmp_path):

@@ -87,6 +87,25 @@ def test_a_start_that_completed_no_step_can_be_started_again(tmp_path):
     assert ppo(out, "--resume", "--overwrite").exit_code == 1
 
 
+def test_steps_that_ran_without_a_checkpoint_are_not_thrown_away_unasked(tmp_path):
+    """A run killed before its first checkpoint (here: its checkpoints removed) still completed steps: a new start
+    without --resume or --overwrite is refused naming them; --resume says nothing can be continued and starts
+    again. An interrupted run's last line says what --resume will do."""
+    from rlx.commands.ppo import _resume_hint
+
+    out = tmp_path / "run"
+    cli_ok("ppo", QUICKSTART, "--out", out, *TINY)
+    assert "continue with the same command plus --resume" in _resume_hint(out)
+    shutil.rmtree(out / "checkpoints")
+    assert "no checkpoint was written yet, so --resume starts the run again at step 1" in _resume_hint(out)
+    refused = ppo(out, "--set", "seed=5")
+    assert refused.exit_code == 1 and "completed 2 step(s) but wrote no checkpoint" in refused.stderr
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]  # untouched
+    again = ppo(out, "--resume")
+    assert again.exit_code == 0 and "completed 2 step(s) but wrote no checkpoint: nothing to continue" in again.stderr
+    assert _resume_hint(tmp_path / "elsewhere") == ""
+
+
 def test_a_second_run_on_a_locked_folder_names_the_holder(tmp_path):
     out = tmp_path / "run"
     script = Path(__file__).parent / "workers" / "hold_lock.py"

@@ -174,6 +174,24 @@ def test_14b_needs_more_than_one_gpu():
     assert "rollout: tp_degree 4 (predicted decode step ms: tp 1 12.3, tp 2 8.7, tp 4 7.7)" in four.summary()
 
 
+def test_a_smaller_kv_cache_where_only_it_fits_and_the_fewest_gpus_named():
+    """The native engine's cache is a pool: where the whole step's sequences at their longest do not fit beside the
+    rest, the plan takes a half (a quarter, ...) of that and says so; the recipe's own cache size is kept. The
+    number of GPUs a message names is the fewest that fit, planned under a launcher (CPU offload allowed)."""
+    long = {**ISSUE_RECIPE, "data": {**ISSUE_RECIPE["data"], "prompts_per_step": 64},
+            "rollout": {"n": 8, "max_prompt_length": 512, "max_new_tokens": 1024}}  # fmt: skip
+    tree = with_fast_path({**long, "lora": {"rank": 16}})
+    plan = plan_memory(QWEN25_7B, tree, {}, 1, H100_GIB)
+    assert plan.fits and plan.chosen["rollout.kv_cache_gib"] == 23.75  # half of 47.2
+    assert "kv_cache_gib 23.75 holds about 1/2 of the step's sequences" in plan.summary()
+    kept = plan_memory(QWEN25_7B, tree, {"rollout.kv_cache_gib": 47.25}, 1, H100_GIB)
+    assert not kept.fits and "leave out rollout.kv_cache_gib=47.25" in kept.message
+    full = plan_memory(QWEN25_7B, with_fast_path(long), {}, 1, H100_GIB)
+    assert not full.fits and "; 2 GPUs of 79 GiB" in full.message  # with CPU offload there: not 4
+    roomy = plan_memory(QWEN25_7B, tree, {}, 1, 140.0)
+    assert roomy.chosen["rollout.kv_cache_gib"] == 47.25 and "holds about" not in roomy.summary()
+
+
 def test_the_rollout_s_tensor_parallel_degree_is_the_fastest_predicted_decode():
     """Data-parallel replicas for a small model (the per-step overhead rules), two GPUs per engine for 7B (half the
     weights read per step; the all-reduces of four cost more than the next halving saves), as measured on 4 x H100

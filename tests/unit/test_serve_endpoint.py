@@ -7,8 +7,8 @@ from __future__ import annotations
 import base64
 import http.server
 import json
-import re
 import os
+import re
 import signal
 import socket
 import threading
@@ -257,11 +257,7 @@ def test_streaming_equals_non_streamed(endpoint):
     try:
         clients = [openai.OpenAI(base_url=s.base_url("x/0"), api_key="k", max_retries=0) for s in servers]
         if endpoint == "completions":
-            plain = (
-                clients[0]
-                .completions.create(model="rlx", prompt="12+3=", max_tokens=6, echo=True)
-                .choices[0]
-            )
+            plain = clients[0].completions.create(model="rlx", prompt="12+3=", max_tokens=6, echo=True).choices[0]
             stream = clients[1].completions.create(model="rlx", prompt="12+3=", max_tokens=6, stream=True,
                                                    stream_options={"include_usage": True})  # fmt: skip
             assert plain.text.startswith("12+3=")  # echo

@@ -14,7 +14,7 @@ import pytest
 
 from rlx.config import ConfigError, from_dict
 from rlx.errors import UserError
-from rlx.observe.tracking import Tracker, TrackingConfig, select_traces
+from rlx.observe.tracking import Tracker, TrackingConfig, reward_summary, select_traces
 from tests.conftest import read_jsonl
 
 RECIPE = {"seed": 0, "steps": 3, "train": {"optim": {"lr": 0.001}, "mini_batch_size": 8}, "model": {"path": "tiny"}}
@@ -76,8 +76,13 @@ def test_config_from_a_recipe_table_names_the_key():
 def test_console_tracker_writes_metrics_jsonl_and_a_step_line(tmp_path, capsys):
     with Tracker(TrackingConfig(), tmp_path, RECIPE) as tracker:
         tracker.log(1, {**STEP_METRICS[1], "actor/ref_kl": math.nan})
-    assert "step 1/3  reward 0.250 ±0.500" in capsys.readouterr().err
-    (line,) = read_jsonl(tmp_path / "metrics.jsonl")
+        tracker.log(2, {**STEP_METRICS[1], "actor/ref_kl": -1e-7})
+    err = capsys.readouterr().err
+    assert "step 1/3  reward 0.250 ±0.500" in err and "kl nan" in err and "kl 0.0000" in err  # not -0.0000
+    assert reward_summary([0.1, 0.2, 0.3]) == "reward 0.100 (first step) -> 0.300 (last step)"
+    assert reward_summary([0.5]) == "reward 0.500 (1 step)"
+    assert reward_summary(list(range(12))).endswith("(first 5 steps) -> 9.000 (last 5 steps)")
+    line = read_jsonl(tmp_path / "metrics.jsonl")[0]
     assert line["step"] == 1 and line["reward/mean"] == 0.25 and line["actor/ref_kl"] is None
 
 
