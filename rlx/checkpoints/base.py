@@ -119,6 +119,11 @@ class Layout(ABC):
         """Raise a UserError when a file of the checkpoint is missing (before any collective starts)."""
         return None  # nothing to check by default
 
+    def check_optimizer(self, folder: Path, meta: CheckpointMeta) -> None:
+        """Raise a UserError when rlx.json says optimizer state is stored (meta.optimizer) and it is not there: a
+        train step would otherwise start AdamW over without a word (e.g. a copy that skipped the largest file)."""
+        return None  # nothing to check by default
+
     # --- reading ----------------------------------------------------------------------------------
 
     @abstractmethod

@@ -82,7 +82,9 @@ def is_hf_dir(folder: str | Path) -> bool:
 def check_complete(folder: str | Path) -> CheckpointMeta:
     """The checkpoint's meta after checking every file is there (call before any collective)."""
     meta = read_meta(folder)
-    get_layout(meta.layout).check_complete(Path(folder))
+    layout = get_layout(meta.layout)
+    layout.check_complete(Path(folder))
+    layout.check_optimizer(Path(folder), meta)
     return meta
 
 

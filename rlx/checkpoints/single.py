@@ -17,8 +17,15 @@ from pathlib import Path
 import torch
 
 from rlx.checkpoints.base import CheckpointPart, Layout
-from rlx.checkpoints.files import read_optimizer_state, write_aux, write_optimizer_state, write_weights
+from rlx.checkpoints.files import (
+    OPTIMIZER_NAME,
+    read_optimizer_state,
+    write_aux,
+    write_optimizer_state,
+    write_weights,
+)
 from rlx.checkpoints.meta import META_NAME, CheckpointMeta
+from rlx.errors import UserError
 from rlx.models.loading import read_weights
 from rlx.utils.host_copy import snapshot, wait_copied
 from rlx.utils.io import atomic_dir
@@ -74,6 +81,14 @@ class SingleLayout(Layout):
 
     def read_full_optimizer(self, folder: Path) -> dict[str, torch.Tensor] | None:
         return read_optimizer_state(folder)
+
+    def check_optimizer(self, folder: Path, meta: CheckpointMeta) -> None:
+        if meta.optimizer is not None and not (Path(folder) / OPTIMIZER_NAME).is_file():
+            raise UserError(
+                f"{folder}: rlx.json records {meta.optimizer.get('name', 'optimizer')} state at step {meta.step} but "
+                f"{OPTIMIZER_NAME} is missing (an incomplete copy?); copy it too, or train from the weights alone "
+                f"with a fresh optimizer: rlx shard --model {folder} --out NEW"
+            )
 
     def write_full(self, out, weights, aux, meta, config, overwrite) -> None:
         with atomic_dir(out, overwrite=overwrite, marker=META_NAME) as tmp:

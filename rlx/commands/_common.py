@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -15,13 +16,14 @@ from rlx.utils.files import describe_io_error
 
 
 @contextlib.contextmanager
-def reporting(command: str, on_interrupt: str | Callable[[], str] = "") -> Iterator[None]:
+def reporting(command: str, on_interrupt: str | Callable[[], str] = "", beats: bool = False) -> Iterator[None]:
     """Turn UserErrors and I/O failures (full disk, read-only folder...) into one line on stderr and exit code 1;
     Ctrl-C into exit code 130 and SIGTERM into 143, after the outputs' temporaries are removed (`on_interrupt`, or
-    what it returns then, ends that line: e.g. how to continue)."""
+    what it returns then, ends that line: e.g. how to continue). `beats`: a command that may work for long says
+    'rlx COMMAND: still running (N s)' after 30 s and then every minute (the first process of a launcher only)."""
     finished = False
     try:
-        with terminate_as_exception():
+        with terminate_as_exception(), _heartbeat(command if beats else None):
             yield
         finished = True
     except UserError as e:
@@ -47,6 +49,17 @@ def reporting(command: str, on_interrupt: str | Callable[[], str] = "") -> Itera
             from rlx.parallel.dist import teardown
 
             teardown(wait_for_others=finished)
+
+
+@contextlib.contextmanager
+def _heartbeat(command: str | None) -> Iterator[None]:
+    if command is None or os.environ.get("RANK", "0") != "0":
+        yield
+        return
+    from rlx.observe.tracking import heartbeat  # no torch
+
+    with heartbeat(f"rlx {command}"):
+        yield
 
 
 def _hint(on_interrupt: str | Callable[[], str]) -> str:

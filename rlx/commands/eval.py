@@ -58,7 +58,7 @@ def eval_(
     Writes DIR/eval.jsonl (id, prompt_id, response, reward, is_correct, ...) and, with --metrics, one line
     of val/reward_mean, val/pass@k, val/mean@n (per data_source too when there are several).
     """
-    with reporting("eval"):
+    with reporting("eval", beats=True):
         from rlx.stages.eval import run_eval
 
         run_eval(cfg, model, out, engine_settings, metrics_path=metrics, overwrite=overwrite)

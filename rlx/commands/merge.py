@@ -34,7 +34,7 @@ def merge(
 ) -> None:
     """Gather a checkpoint into a Hugging Face model dir (safetensors, config, tokenizer) any tool loads; a LoRA
     checkpoint's adapters are merged into its base (W + alpha/r B A), or written alone with --adapter-only."""
-    with reporting("merge"):
+    with reporting("merge", beats=True):
         from rlx.stages.shard import merge_checkpoint
 
         merge_checkpoint(checkpoint, out, dtype=dtype, overwrite=overwrite, adapter_only=adapter_only)

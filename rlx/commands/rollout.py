@@ -51,7 +51,7 @@ def rollout(
     the prompt id and the sample index. With --env or --agent each sample is a multi-turn episode
     (tool calls, environment replies) recorded token-exactly, with a loss_mask over its tokens.
     """
-    with reporting("rollout"):
+    with reporting("rollout", beats=True):
         from rlx.stages.rollout import run_rollout
 
         run_rollout(

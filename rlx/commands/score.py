@@ -61,7 +61,7 @@ def score(
     OUT/batch.safetensors (the padded training batch `rlx train-step` reads). Rollouts with
     greedy baselines (`rlx rollout --remax-baseline`) go with --estimator remax.
     """
-    with reporting("score"):
+    with reporting("score", beats=True):
         from rlx.stages.score import run_score
 
         run_score(

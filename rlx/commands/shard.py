@@ -78,7 +78,7 @@ def shard(
     With --lora-* options (or --layout lora) it makes a LoRA checkpoint instead: adapters initialised with
     --seed and a pointer to the model as their frozen base (train-step then trains the adapters only).
     """
-    with reporting("shard"):
+    with reporting("shard", beats=True):
         if init not in ("pretrained", "random"):
             raise UserError(f"--init {init!r}: expected 'pretrained' or 'random'")
         from rlx.stages.shard import shard_model

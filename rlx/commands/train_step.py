@@ -44,7 +44,7 @@ def train_step(
     A LoRA checkpoint (`rlx shard --lora-rank N`) trains its adapters only and writes the next LoRA checkpoint;
     --lora-* options on a checkpoint of full weights add fresh adapters to it (its weights become the base).
     """
-    with reporting("train-step"):
+    with reporting("train-step", beats=True):
         from rlx.stages.train_step import run_train_step
 
         run_train_step(cfg, checkpoint, batch, out, overwrite=overwrite, metrics_path=metrics, lora=lora)

@@ -89,6 +89,10 @@ class BatchMeta:
     """MoE rollouts with routed_experts: moe/routing_mismatch of the scoring forward (the share of response tokens
     x MoE layers its routers sent to another expert set than the rollout's); train-step logs it again. None
     without routing."""
+    actor: dict | None = None
+    """The policy whose scoring forward gave old_logprobs: {"path", "step" (None: not an rlx checkpoint), "model"
+    (model_signature: architecture and sizes)}; train-step refuses another model and says when it trains another
+    checkpoint (an off-policy ratio). None in batches of older rlx versions and of `rlx ppo` (not checked)."""
     old_logprobs: str = "actor"
     """Where old_logprobs come from: 'actor' (the scoring forward), 'rollout' (the sampler's), or 'train' (the train
     step's own forward, detached: the tensor holds the rollout's logprobs in their place; score.old_logprobs)."""

@@ -52,3 +52,15 @@ def check_fingerprint(found: str | None, where_found: str, expected: str, where_
             f"{where_found} was made with tokenizer {found}, but {where_expected} has tokenizer {expected}; "
             f"token ids of one tokenizer mean other tokens under the other (use the model that made them)"
         )
+
+
+def model_signature(config) -> str:
+    """A model's architecture and sizes in one line ('llama 4x64 vocab 19'): what decides whether another
+    checkpoint's logprobs could be this one's (weights aside)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
+    return (
+        f"{getattr(text, 'model_type', '?')} {getattr(text, 'num_hidden_layers', '?')}x"
+        f"{getattr(text, 'hidden_size', '?')} vocab {getattr(text, 'vocab_size', '?')}"
+        + (f" experts {experts}" if experts else "")
+    )

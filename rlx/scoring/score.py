@@ -59,6 +59,8 @@ class ScoringModels:
     tokenizer: str | None = None
     """The fingerprint of the policy's tokenizer (rlx.models.fingerprint), written into the batch; None takes the
     rollouts' own."""
+    actor_id: dict | None = None
+    """BatchMeta.actor: which checkpoint scored old_logprobs (`rlx score`; None inside `rlx ppo`)."""
 
 
 @dataclass
@@ -362,6 +364,7 @@ def build_batch(
         tokenizer=models.tokenizer or rollouts[0].tokenizer,  # the rollouts' own where the actor's is not known
         routing_mismatch=routing.get("moe/routing_mismatch"),
         old_logprobs="train" if from_train else "actor" if models.actor is not None else "rollout",
+        actor=models.actor_id if models.actor is not None and not from_train else None,
     )  # fmt: skip
     batch = TrainBatch(
         meta=meta,

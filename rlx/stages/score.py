@@ -11,7 +11,7 @@ from rlx.checkpoints.meta import CheckpointMeta
 from rlx.checkpoints.registry import read_meta_or_default
 from rlx.errors import UserError
 from rlx.formats.records import read_rollouts
-from rlx.models.fingerprint import check_fingerprint, tokenizer_fingerprint
+from rlx.models.fingerprint import check_fingerprint, model_signature, tokenizer_fingerprint
 from rlx.models.loading import PACKAGE_SCHEME, ModelSource, load_tokenizer, resolve_model
 from rlx.observe.tracking import console, log_metrics
 from rlx.parallel.dist import context, setup
@@ -84,6 +84,7 @@ def load_scoring_models(
         tokenizer=tokenizer_fingerprint(tokenizer),
         processor=load_processor(actor_source, cfg.vision, config),
         model_config=config,
+        actor_id=actor_identity(actor_source.path, config),
     )
     if cfg.old_logprobs in ("actor", "auto"):  # 'auto' picks 'train' only inside `rlx ppo`
         models.actor = _load(actor_source, config, "actor", cfg, ctx.world)
@@ -99,6 +100,12 @@ def load_scoring_models(
     if cfg.reward_model:
         models.reward_model = RewardModel(*resolve_model(cfg.reward_model, "reward model"), ctx.device, models.dtype)
     return models
+
+
+def actor_identity(path: Path, config) -> dict:
+    """BatchMeta.actor of a batch scored by the model at `path`: its folder, checkpoint step, and model signature."""
+    step = read_meta_or_default(path).step if path.is_dir() else None
+    return {"path": str(path.resolve()), "step": step, "model": model_signature(config)}
 
 
 def _same_path(path: str, source: ModelSource) -> bool:

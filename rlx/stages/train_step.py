@@ -16,7 +16,7 @@ from rlx.checkpoints.meta import CheckpointMeta, is_checkpoint, provenance
 from rlx.checkpoints.registry import check_complete, save, trained_layout
 from rlx.errors import UserError
 from rlx.formats.batch import TrainBatch
-from rlx.models.fingerprint import check_fingerprint, tokenizer_fingerprint
+from rlx.models.fingerprint import check_fingerprint, model_signature, tokenizer_fingerprint
 from rlx.models.loading import load_config, load_tokenizer, resolve_source
 from rlx.models.lora_config import LoraConfig
 from rlx.models.value import check_value_config, is_value_config
@@ -37,6 +37,29 @@ def check_batch_tokenizer(batch: TrainBatch, batch_path: str, source, checkpoint
     except UserError:
         return
     check_fingerprint(batch.meta.tokenizer, str(batch_path), expected, f"the checkpoint {checkpoint}")
+
+
+def check_batch_actor(
+    batch: TrainBatch, batch_path: str, source, meta: CheckpointMeta, config, say: bool = True
+) -> None:
+    """The policy that scored the batch's old logprobs (where the batch says) against the trained checkpoint: a
+    model of another shape is a UserError; another checkpoint of the same model is said (PPO's ratio is then
+    against that policy: an asynchronous run's choice, a pipeline's slip otherwise)."""
+    actor = batch.meta.actor
+    if not actor:
+        return
+    here = model_signature(config)
+    if actor.get("model") != here:
+        raise UserError(
+            f"{batch_path}: its old logprobs come from {actor.get('path')} ({actor.get('model')}), a model of another "
+            f"shape than {source.path} ({here}); score the rollouts with the checkpoint you train"
+        )
+    elsewhere = actor.get("path") != str(Path(source.path).resolve()) or actor.get("step") not in (None, meta.step)
+    if say and elsewhere:
+        console(
+            f"rlx train-step: note: {batch_path} was scored by {actor.get('path')} (step {actor.get('step')}); "
+            f"training {source.path} (step {meta.step}): the PPO ratio is against that policy's logprobs"
+        )
 
 
 def run_train_step(
@@ -73,6 +96,7 @@ def run_train_step(
     trainer = backend.load_trainer(cfg, source, config, **backend.lora_options(lora, "--lora-rank"))
     trainer.check_batch(batch, batch_path)  # the vocabulary size first: the plainer message where it differs
     check_batch_tokenizer(batch, batch_path, source, checkpoint)
+    check_batch_actor(batch, batch_path, source, meta, config, say=trainer.is_main)
     metrics = trainer.train_step(batch, meta.step)
     next_meta = CheckpointMeta(
         step=meta.step + 1,

@@ -132,6 +132,12 @@ def check_writable(path: str | Path, what: str = "output") -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         reason = "read-only file system" if _read_only_fs(parent) else "permission denied"
         raise UserError(f"{path}: cannot write the {what} in {parent} ({reason})")
+    try:  # os.access passes for root everywhere, and says nothing of /proc, /sys or a full quota: try it
+        fd, probe = tempfile.mkstemp(prefix=".rlx-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"{path}: cannot write the {what} in {parent} ({e.strerror or e})") from None
 
 
 def existing_ancestor(path: Path) -> Path:
@@ -158,6 +164,7 @@ IO_ERRNOS = {
     errno.EISDIR: "is a folder",
     errno.ENOTDIR: "not a folder",
     errno.EIO: "input/output error",
+    errno.ENOENT: "no such file or folder",
 }
 
 

@@ -98,6 +98,30 @@ def test_damaged_batch(tmp_path, tiny_ckpt, scored, mode):
     assert not out.exists()
 
 
+def test_a_checkpoint_missing_its_optimizer_state_is_refused(tmp_path, tiny_ckpt, scored):
+    """rlx.json records AdamW state; optimizer.safetensors is gone (a copy that skipped the largest file): refused,
+    not trained on with fresh moments."""
+    batch = scored / "batch.safetensors"
+    cli_ok("train-step", "--checkpoint", tiny_ckpt, "--batch", batch, "--out", tmp_path / "one")
+    # the batch's old logprobs are tiny_ckpt's: training another checkpoint of the model is said, not refused
+    noted = cli_ok("train-step", "--checkpoint", tmp_path / "one", "--batch", batch, "--out", tmp_path / "noted")
+    assert f"was scored by {tiny_ckpt.resolve()} (step 0); training {tmp_path / 'one'} (step 1)" in noted.stderr
+    (tmp_path / "one" / "optimizer.safetensors").unlink()
+    out = tmp_path / "two"
+    result = cli("train-step", "--checkpoint", tmp_path / "one", "--batch", batch, "--out", out)
+    assert_user_error(result, "optimizer.safetensors is missing", "at step 1")
+    assert not out.exists()
+
+
+def test_a_batch_scored_by_a_model_of_another_shape_is_refused(tmp_path, scored):
+    other = write_tiny_model_dir(tmp_path / "other", num_layers=3)
+    cli_ok("shard", "--model", other, "--init", "random", "--out", tmp_path / "ck")
+    out = tmp_path / "next"
+    result = cli("train-step", "--checkpoint", tmp_path / "ck", "--batch", scored / "batch.safetensors", "--out", out)
+    assert_user_error(result, "batch.safetensors", "a model of another shape", "llama 3x")
+    assert not out.exists()
+
+
 def test_vocab_size_mismatch(tmp_path, scored):
     other = write_tiny_model_dir(tmp_path / "other", chars="0123456789+-*= abc")
     cli_ok("shard", "--model", other, "--init", "random", "--out", tmp_path / "ck")

@@ -71,6 +71,17 @@ def test_outputs_of_the_wrong_kind_fail_before_any_work(tmp_path, tiny_ckpt, pro
     assert result.exit_code == 1 and "is a file, not a folder" in result.stderr
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_folder_no_one_can_create_files_in_is_named_before_any_work(tmp_path, tiny_ckpt, prompts_file):
+    """/proc takes no new file, for root too (whose os.access says yes): refused before generating or training,
+    in one line naming --out."""
+    for command in (rollout_args(tiny_ckpt, prompts_file, "/proc/r.jsonl"),
+                    ["merge", "--checkpoint", tiny_ckpt, "--out", "/proc/m"]):  # fmt: skip
+        result = cli(*command)
+        assert result.exit_code == 1 and "cannot write the output in /proc" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_output_folder_is_one_line(tmp_path, tiny_ckpt, prompts_file):
     folder = tmp_path / "ro"

@@ -17,7 +17,7 @@ from rlx.models.loading import read_weights
 from rlx.observe.tracking import VOLATILE_PREFIXES
 from rlx.ppo.config import load_recipe
 from rlx.ppo.loop import run_ppo
-from tests.conftest import REPO, cli, cli_env, cli_ok, read_jsonl
+from tests.conftest import REPO, cli, cli_env, cli_ok, read_jsonl, rollout_args
 
 QUICKSTART = REPO / "recipes" / "quickstart.toml"
 SMALL = ["--set", "data.prompts_per_step=8", "--set", "rollout.sampling.n=4", "--set", "save_every=1"]
@@ -244,6 +244,20 @@ def test_a_long_phase_says_it_is_still_running(tmp_path, monkeypatch):
     lines = [line for line in result.stderr.splitlines() if "still running" in line]
     assert all(line.startswith(("step 1/1: ", "rlx ppo: building the models: ")) for line in lines), lines
     assert any(line.startswith("step 1/1: score: still running (") for line in lines), lines  # the rewards
+
+
+def test_a_long_stage_command_says_it_is_still_running(tmp_path, monkeypatch, tiny_ckpt, prompts_file):
+    """`rlx score` (as rollout, train-step, eval, shard and merge) past the heartbeat's first wait says so."""
+    import rlx.observe.tracking as tracking
+
+    monkeypatch.setattr(tracking, "HEARTBEAT_S", (0.1, 0.1))
+    slow = tmp_path / "slow_reward.py"
+    slow.write_text("import time\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    time.sleep(0.05)\n    return 0.0\n")  # fmt: skip
+    cli_ok(*rollout_args(tiny_ckpt, prompts_file, tmp_path / "r.jsonl"))
+    result = cli_ok("score", "--rollouts", tmp_path / "r.jsonl", "--actor", tiny_ckpt, "--reward", f"{slow}:score",
+                    "--out", tmp_path / "s")  # fmt: skip
+    assert "rlx score: still running (" in result.stderr
 
 
 def test_the_heartbeat_is_silent_for_a_short_block_and_without_a_label(capsys):
