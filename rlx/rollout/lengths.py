@@ -71,7 +71,7 @@ def limit_prompts(
     if cfg.on_long_prompt == "error":
         raise UserError(
             f"{where}: {count} are too long (first: prompt {first.id!r}, {reason}); shorten them, raise the "
-            f"limit, or set on_long_prompt = 'filter' to leave them out"
+            f"limit, or leave them out: on_long_prompt = 'filter' (--on-long-prompt filter)"
         )
     if not kept:
         raise UserError(f"{where}: all {len(records)} prompts are too long (first: prompt {first.id!r}, {reason})")

@@ -188,7 +188,7 @@ def tokenize_demonstrations(
             if on_long == "error":
                 raise UserError(
                     f"{demo.where}: {sample.num_tokens} tokens, longer than {what} {max_length} (raise it, or "
-                    f"skip such demonstrations with on_long_sample 'skip')"
+                    f"skip such demonstrations: on_long_sample = 'skip', --on-long-sample skip)"
                 )
             skipped += 1
             continue

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlx.errors import UserError
-from rlx.observe.tracking import METRICS_FILE, metrics_by_step, read_metrics_tolerant
+from rlx.observe.tracking import METRICS_FILE, metrics_by_step
 from rlx.utils.files import check_writable
 from rlx.utils.io import atomic_path
 
@@ -105,7 +105,7 @@ def load_run(run_dir: Path) -> tuple[dict[int, dict], int | None]:
     metrics_path = run_dir / METRICS_FILE
     if not metrics_path.is_file():
         raise UserError(f"{metrics_path}: no such file (is {run_dir} an `rlx ppo` run folder?)")
-    steps = metrics_by_step(read_metrics_tolerant(metrics_path))
+    steps = metrics_by_step(_read_metrics(metrics_path))
     if not steps:
         raise UserError(f"{metrics_path}: no complete metrics line yet")
     total = None
@@ -117,6 +117,27 @@ def load_run(run_dir: Path) -> tuple[dict[int, dict], int | None]:
             raise UserError(f"{recipe}: not a JSON object") from None
         total = value if isinstance(value, int) and not isinstance(value, bool) else None
     return steps, total
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    """A metrics file's lines: the last may be cut short by a run still writing (skipped); any other line that is
+    not a JSON object with an integer 'step' is a UserError naming it."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    out = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                continue  # a line being written
+            raise UserError(f"{path}:{number}: not JSON ({e.msg}); only the last line may be cut short") from None
+        step = obj.get("step") if isinstance(obj, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise UserError(f"{path}:{number}: expected a JSON object with an integer 'step', got {line[:80]!r}")
+        out.append(obj)
+    return out
 
 
 def draw_plot(plt, spec: PlotSpec, steps: dict[int, dict], path: Path) -> bool:

@@ -3,6 +3,7 @@ episodes or agents instead of single responses."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rlx.agent.generate import build_rollout, refuse_images
@@ -46,6 +47,10 @@ def run_rollout(
     overwrite: bool = False,
 ) -> None:
     check_output_file(out, overwrite)
+    sampling = cfg.sampling
+    if sampling.n > 1 and sampling.temperature == 0 and os.environ.get("RANK", "0") == "0":
+        console(f"rlx rollout: warning: --n {sampling.n} at --temperature 0 gives {sampling.n} identical greedy "
+                f"responses per prompt (a GRPO group of them has no advantage to learn from)")  # fmt: skip
     records = read_prompts(prompts_path)
     if num_prompts < 0 or data_position < 0:
         raise UserError("--num-prompts and --data-position must be >= 0")

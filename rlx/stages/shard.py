@@ -177,7 +177,8 @@ def _check_options(options: ShardOptions, target) -> None:
     if given:
         takers = [name for name in layout_names() if set(given) <= set(get_layout(name).shard_options)]
         flags = " and ".join(f"--{name.removesuffix('_degree')}" for name in given)
-        raise UserError(f"{flags} apply to --layout {' / '.join(takers)} only (got --layout {target.name})")
+        verb = "apply" if len(given) > 1 else "applies"
+        raise UserError(f"{flags} {verb} to --layout {' / '.join(takers)} only (got --layout {target.name})")
 
 
 def merge_checkpoint(
