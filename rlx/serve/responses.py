@@ -87,8 +87,8 @@ def _items_to_messages(items, messages: list[dict]) -> None:
     if isinstance(items, str):
         messages.append({"role": "user", "content": items})
         return
-    if not isinstance(items, list):
-        raise RequestError(400, "'input' must be a string or a list of items", param="input")
+    if not isinstance(items, list) or not items and not messages:
+        raise RequestError(400, "'input' must be a string or a non-empty list of items", param="input")
     for i, item in enumerate(items):
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message" and item.get("role") in ("user", "assistant", "system", "developer"):
@@ -145,15 +145,15 @@ def to_chat(body: dict, store: ResponseStore) -> tuple[dict, str | None]:
 def response_object(turn: Turn, model: str, previous: str | None) -> dict:
     """The `response` object of a chat turn."""
     message, output = turn.message, []
-    if message.get("content") or not message.get("tool_calls"):
+    cut = turn.finish_reason == "length"
+    if message.get("content") or not message.get("tool_calls"):  # a message cut at the limit is 'incomplete'
         text = {"type": "output_text", "text": message.get("content") or "", "annotations": []}
-        output.append({"type": "message", "id": f"msg_{turn.id}", "role": "assistant", "status": "completed",
-                       "content": [text]})  # fmt: skip
+        output.append({"type": "message", "id": f"msg_{turn.id}", "role": "assistant",
+                       "status": "incomplete" if cut else "completed", "content": [text]})  # fmt: skip
     for call in message.get("tool_calls") or []:
         output.append({"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"],
                        "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                        "status": "completed"})  # fmt: skip
-    cut = turn.finish_reason == "length"
     return {
         "id": f"resp_{turn.id}", "object": "response", "created_at": turn.created, "model": model,
         "status": "incomplete" if cut else "completed",

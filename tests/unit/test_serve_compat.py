@@ -112,6 +112,11 @@ def test_vllm_shaped_refusals_ids_and_fields():
                                 ([*HI, {"role": "assistant", "content": None}], "messages[1].content")):  # fmt: skip
             status, reply = post(f"{url}/chat/completions", {"messages": messages})
             assert status == 400 and reply["error"]["param"] == param, reply
+        status, reply = post(f"{url}/responses", {"input": []})
+        assert status == 400 and reply["error"]["param"] == "input"
+        status, reply = post(f"{url}/responses", {"input": "hi", "max_output_tokens": 1})
+        if reply["status"] == "incomplete":  # cut at the limit (unless the one token ended the turn)
+            assert reply["output"][0]["status"] == "incomplete"
         status, reply = post(f"{url}/completions", {"prompt": "12", "echo": True, "logprobs": 1})
         assert status == 400 and reply["error"]["param"] == "echo"
         reply = client.completions.create(model="rlx", prompt="12+3=", max_tokens=6, logprobs=0, stop=["a", "b"])
