@@ -329,7 +329,9 @@ def _train_gib(shape: ModelShape, work: Workload, settings: Settings, world: int
     ep = settings.ep_degree  # the actor's experts; a critic (its own module) is not expert-parallel
     whole = shape.local_params(ep) + (shape.params if work.has_critic else 0)
     unsharded = settings.grad_accumulation == "unsharded"
-    accumulated = whole * 4 if micro_batches > 1 and world > 1 and unsharded and not work.has_lora else 0
+    # unsharded accumulation: FSDP2 keeps each parameter's whole gradient in the compute dtype (bfloat16) across
+    # the micro-batches until the last one reduces it (7B on 2 x H200: 14.1 GiB over sharded accumulation)
+    accumulated = whole * 2 if micro_batches > 1 and world > 1 and unsharded and not work.has_lora else 0
     # FSDP: two layers gathered in bf16 and their fp32 gradients, the root for the whole pass (with keep_gathered
     # every layer in bf16, one layer's fp32 gradient); one process: autocast keeps a bfloat16 copy of every float32
     # weight but the input embeddings (none of a LoRA policy's base, already bfloat16: 65.6 GiB measured at 7B on one

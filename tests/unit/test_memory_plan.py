@@ -254,7 +254,7 @@ def test_plan_cli_fits_and_does_not_fit(tmp_path):
         "--set",
         'train.grad_accumulation="unsharded"',
     )
-    user_set = cli("ppo", recipe, "--plan", "--gpus", "4", "--gpu-memory-gib", "79.1", *kept)
+    user_set = cli("ppo", recipe, "--plan", "--gpus", "4", "--gpu-memory-gib", "64", *kept)
     assert user_set.exit_code == 1
     assert "leave out rollout.sleep=false, train.gradient_checkpointing=false, train.param_offload=false, " in (
         user_set.stderr
@@ -391,7 +391,7 @@ def test_moe_sizes_and_the_plan_suggests_expert_parallelism():
     work = Workload.from_recipe(with_fast_path(ISSUE_RECIPE))
     one, eight = (estimate(shape, work, Settings(train_tokens=4096, ep_degree=ep), 8, 139.0) for ep in (1, 8))
     experts_gib = shape.expert_params * 7 / 8 / 2**30  # what a rank no longer holds whole
-    assert one.parts["accumulated_grads"] - eight.parts["accumulated_grads"] == pytest.approx(4 * experts_gib)
+    assert one.parts["accumulated_grads"] - eight.parts["accumulated_grads"] == pytest.approx(2 * experts_gib)
     assert one.parts["trained_state"] == eight.parts["trained_state"]  # FSDP shards the experts either way
     # small micro-batches accumulate float32 gradients of every expert: 8 x H200 fit only with the experts split
     user = {"train.max_tokens_per_micro_batch": 4096, "train.gradient_checkpointing": False}
