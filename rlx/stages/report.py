@@ -15,7 +15,7 @@ from pathlib import Path
 from rlx.errors import UserError
 from rlx.observe.tracking import METRICS_FILE, metrics_by_step
 from rlx.utils.files import check_writable
-from rlx.utils.io import atomic_path
+from rlx.utils.io import atomic_path, read_jsonl
 
 REPORT_DIR = "report"
 SUMMARY_NAME = "summary.md"
@@ -122,20 +122,11 @@ def load_run(run_dir: Path) -> tuple[dict[int, dict], int | None]:
 def _read_metrics(path: Path) -> list[dict]:
     """A metrics file's lines: the last may be cut short by a run still writing (skipped); any other line that is
     not a JSON object with an integer 'step' is a UserError naming it."""
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     out = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            if number == len(lines):
-                continue  # a line being written
-            raise UserError(f"{path}:{number}: not JSON ({e.msg}); only the last line may be cut short") from None
-        step = obj.get("step") if isinstance(obj, dict) else None
+    for number, obj in read_jsonl(path, cut_end=True):
+        step = obj.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
-            raise UserError(f"{path}:{number}: expected a JSON object with an integer 'step', got {line[:80]!r}")
+            raise UserError(f"{path}:{number}: expected a metrics object with an integer 'step', got {step!r:.40}")
         out.append(obj)
     return out
 

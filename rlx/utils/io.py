@@ -113,10 +113,11 @@ def append_jsonl(path: str | Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
-def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
+def read_jsonl(path: str | Path, cut_end: bool = False) -> list[tuple[int, dict]]:
     """Read JSONL from `path` (or stdin for '-') as (line number, object) pairs; blank lines skipped.
 
-    Raises UserError naming the file and line for unreadable files, bad JSON and non-object lines.
+    Raises UserError naming the file and line for unreadable files, bad JSON and non-object lines. `cut_end`: a last
+    line that is not JSON is skipped (a file another process is still writing).
     """
     name = "<stdin>" if str(path) == STDIO else str(path)
     if str(path) == STDIO:
@@ -138,6 +139,8 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
+            if cut_end and number == len(lines):
+                break
             raise UserError(f"{name}:{number}: malformed JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
             raise UserError(f"{name}:{number}: expected a JSON object, got {type(obj).__name__}")

@@ -96,9 +96,9 @@ def test_bad_run_folders_exit_1_with_one_line(tmp_path):
     cut = cli("report", tmp_path / "cut")
     assert cut.exit_code == 1 and "no complete metrics line yet" in cut.stderr
     assert len(cut.stderr.strip().splitlines()) == 1 and not (tmp_path / "cut" / "report").exists()
-    for lines, message in (('{"step": 1}\n{"step": 2, "re\n{"step": 3}\n', "metrics.jsonl:2: not JSON"),
-                           ('{"step": 1}\n{"step": "x"}\n', "metrics.jsonl:2: expected a JSON object with an "
-                                                              "integer 'step'")):  # fmt: skip
+    for lines, message in (('{"step": 1}\n{"step": 2, "re\n{"step": 3}\n', "metrics.jsonl:2: malformed JSON"),
+                           ('{"step": 1}\n{"step": "x"}\n', "metrics.jsonl:2: expected a metrics object with "
+                                                              "an integer 'step'")):  # fmt: skip
         (tmp_path / "cut" / "metrics.jsonl").write_text(lines)
         bad = cli("report", tmp_path / "cut")
         assert bad.exit_code == 1 and message in bad.stderr, bad.stderr
