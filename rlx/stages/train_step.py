@@ -42,20 +42,21 @@ def check_batch_tokenizer(batch: TrainBatch, batch_path: str, source, checkpoint
 def check_batch_actor(
     batch: TrainBatch, batch_path: str, source, meta: CheckpointMeta, config, say: bool = True
 ) -> None:
-    """The policy that scored the batch's old logprobs (where the batch says) against the trained checkpoint: a
-    model of another shape is a UserError; another checkpoint of the same model is said (PPO's ratio is then
-    against that policy: an asynchronous run's choice, a pipeline's slip otherwise)."""
+    """Say where the policy that scored the batch's old logprobs (where the batch records it) is not the trained
+    checkpoint: PPO's ratio is then against that policy. A warning for a model of another shape (its logprobs are
+    another model's: a pipeline's slip, unless an off-policy experiment means it), a note for another checkpoint of
+    the same model (an asynchronous run's staleness, or a stale --batch)."""
     actor = batch.meta.actor
-    if not actor:
+    if not actor or not say:
         return
     here = model_signature(config)
     if actor.get("model") != here:
-        raise UserError(
-            f"{batch_path}: its old logprobs come from {actor.get('path')} ({actor.get('model')}), a model of another "
-            f"shape than {source.path} ({here}); score the rollouts with the checkpoint you train"
+        console(
+            f"rlx train-step: warning: {batch_path}'s old logprobs come from {actor.get('path')} "
+            f"({actor.get('model')}), a model of another shape than {source.path} ({here}): the PPO ratio compares "
+            f"two different models (score the rollouts with the checkpoint you train)"
         )
-    elsewhere = actor.get("path") != str(Path(source.path).resolve()) or actor.get("step") not in (None, meta.step)
-    if say and elsewhere:
+    elif actor.get("path") != str(Path(source.path).resolve()) or actor.get("step") not in (None, meta.step):
         console(
             f"rlx train-step: note: {batch_path} was scored by {actor.get('path')} (step {actor.get('step')}); "
             f"training {source.path} (step {meta.step}): the PPO ratio is against that policy's logprobs"
