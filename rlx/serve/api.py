@@ -367,11 +367,15 @@ def read_completion(body: dict, limits: Limits) -> CompletionCall:
     return CompletionCall(prompt, settings, echo)
 
 
+def out_of_vocabulary(ids: list[int], vocab_size: int) -> int | None:
+    """The index of the first id outside [0, vocab_size) (vocab_size 0: unknown, only negatives count), else None."""
+    return next((i for i, t in enumerate(ids) if t < 0 or (vocab_size and t >= vocab_size)), None)
+
+
 def _check_ids(ids: list[int], limits: Limits, param: str) -> None:
     """Token ids a client sent, each in [0, vocab_size) (RequestError naming the first that is not)."""
-    most = limits.vocab_size or None
-    for i, token in enumerate(ids):
-        if token < 0 or (most is not None and token >= most):
-            bound = f"[0, {most})" if most else ">= 0"
-            raise RequestError(400, f"'{param}'[{i}]: token id {token} is out of vocabulary (ids must be in {bound})",
-                               param=param)  # fmt: skip
+    i = out_of_vocabulary(ids, limits.vocab_size)
+    if i is not None:
+        bound = f"[0, {limits.vocab_size})" if limits.vocab_size else ">= 0"
+        raise RequestError(400, f"'{param}'[{i}]: token id {ids[i]} is out of vocabulary (ids must be in {bound})",
+                           param=param)  # fmt: skip

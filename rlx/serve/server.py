@@ -315,8 +315,7 @@ class AgentServer:
         if self.worker.is_alive:
             return Response(status_code=200)
         failed = self.worker.failed
-        why = f"the engine failed ({type(failed).__name__}); restart the server" if failed else "the server is closing"
-        return _error(503, why, "service_unavailable")
+        return _error(503, str(failed) if failed else "the server is closing", "service_unavailable")
 
     def models(self, request: Request) -> Response:
         wanted = request.path_params.get("model_id")

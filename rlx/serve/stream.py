@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from rlx.rollout.base import RolloutEngine, TokenStream
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.requests import Generated, TokenRequest
+from rlx.serve.api import out_of_vocabulary
 
 _POLL_S = 0.01
 """How often an idle worker looks again where it may not block (lockstep engines, closing)."""
@@ -49,8 +50,8 @@ class StreamWorker:
         self._closing = threading.Event()
         self._opened = threading.Event()
         self._failure: BaseException | None = None
-        self.failed: BaseException | None = None
-        """The error that stopped the engine's stream (every later request is refused: EngineFailed), else None."""
+        self.failed: EngineFailed | None = None
+        """Why the engine's stream stopped (its cause: the engine's error); every later request gets it, else None."""
         self.vocab_size = _vocab_size(engine)
         """Token ids at or past it are refused per request before they reach the engine (0: unknown)."""
         self._listeners: dict[Future, tuple[Callable[[list[int]], None], list[int]]] = {}
@@ -65,9 +66,8 @@ class StreamWorker:
         """Queue `request`; its future gives the Generated. `on_tokens(ids)`, called on the worker thread (it must
         be quick), gets the tokens sampled so far each time there are more, before the future is set."""
         future: Future = Future()
-        if self.failed is not None:
-            future.set_exception(EngineFailed(f"the engine failed earlier ({type(self.failed).__name__}: "
-                                              f"{self.failed}"[:300] + "); restart the server"))  # fmt: skip
+        if self.failed is not None:  # a fresh exception a request: one raised in many threads grows its traceback
+            future.set_exception(EngineFailed(str(self.failed)))
         elif self._closing.is_set():
             future.set_exception(EngineFailed("the server is shutting down"))
         else:
@@ -119,24 +119,23 @@ class StreamWorker:
                     self._listeners.pop(future, None)
                     future.set_result(generated)
         except BaseException as e:  # the engine failed: every waiting request hears it; nothing more is served
-            self.failed = e
             print(f"rlx serve: the engine failed; every later request is refused (HTTP 503):\n"
                   f"{''.join(traceback.format_exception(e))}", file=sys.stderr, flush=True)  # fmt: skip
+            self.failed = EngineFailed(f"the engine failed ({type(e).__name__}: {e}"[:300] + "); restart the server")
+            self.failed.__cause__ = e
             self._closing.set()
-            failure = EngineFailed(f"the engine failed ({type(e).__name__}: {e}"[:300] + "); restart the server")
-            failure.__cause__ = e
             for future in in_flight:
-                future.set_exception(failure)
-            self._fail_queued(failure)
+                future.set_exception(self.failed)
+            self._fail_queued(self.failed)
         finally:
             stream.close()
 
     def _check_ids(self, request: TokenRequest) -> None:
         """A token id outside the vocabulary fails this request here: inside the engine it would fail the stream."""
-        if self.vocab_size and any(not 0 <= t < self.vocab_size for t in request.prompt_ids):
-            bad = next(t for t in request.prompt_ids if not 0 <= t < self.vocab_size)
-            raise ValueError(f"token request {request.key!r}: token id {bad} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")  # fmt: skip
+        i = out_of_vocabulary(request.prompt_ids, self.vocab_size)
+        if i is not None:
+            raise ValueError(f"token request {request.key!r}: token id {request.prompt_ids[i]} is outside the "
+                             f"vocabulary [0, {self.vocab_size})")  # fmt: skip
 
     def _tell(self, stream: TokenStream) -> None:
         """Hand each listening request its tokens so far, where it has more than it heard."""

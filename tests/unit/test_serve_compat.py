@@ -66,7 +66,7 @@ def test_an_engine_failure_is_logged_then_every_request_is_503_and_health_says_s
         status, reply = post(f"{server.url}/v1/chat/completions", {"messages": HI})
         assert status == 503 and reply["error"]["type"] == "server_error", reply
         status, reply = post(f"{server.url}/v1/chat/completions", {"messages": HI})
-        assert status == 503 and "the engine failed earlier (RuntimeError: the device fell over)" in str(reply)
+        assert status == 503 and "the engine failed (RuntimeError: the device fell over); restart" in str(reply)
         assert get(f"{server.url}/health") == 503
         assert "the device fell over" in capsys.readouterr().err  # the traceback is on the server's stderr
     finally:
