@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 from dataclasses import dataclass, field
@@ -444,9 +443,8 @@ def load_recipe(path: str | Path, overrides: list[str] = (), device_type: str | 
 def _source(key: str, path: Path, overrides: list[str]) -> str:
     """Where a bad key came from: '--set' when an override set it (or a table holding it), else the recipe file."""
     key = key.replace("async_", "async")
-    for text in overrides:
-        with contextlib.suppress(UserError):
-            given = ".".join(parse_override(text)[0])
-            if key == given or key.startswith(given + ".") or given.startswith(key + "."):
-                return "--set"
+    for text in overrides:  # every one parsed already (apply_overrides)
+        given = ".".join(parse_override(text)[0])
+        if key == given or key.startswith(given + ".") or given.startswith(key + "."):
+            return "--set"
     return str(path)
