@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -189,10 +189,11 @@ class TokenStream(ABC):
         finish whole batches within one `step` (nothing is ever partly generated between steps)."""
         return {}
 
-    def partial(self) -> dict[Any, list[int]]:
-        """The tokens sampled so far (read back to the host) by each submitted request that has not finished, by
-        tag, for callers that show a reply as it is generated (rlx serve's token streaming); a request absent has
-        none yet. The default suits streams that finish whole batches within one `step`."""
+    def partial(self, tags: Collection[Any]) -> dict[Any, Generated]:
+        """What each of `tags` (submitted requests that have not finished) sampled so far, read back to the host:
+        its tokens, their logprobs and, where it asked, each position's alternatives (`finish_reason` ''), for
+        callers that show a reply as it is generated (rlx serve's token streaming); a request absent has none yet.
+        The default suits streams that finish whole batches within one `step`."""
         return {}
 
     def weights_changed(self) -> None:

@@ -19,7 +19,7 @@ submitted last, so every copy aborts the same requests.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,8 +96,8 @@ class LeaderStream(TokenStream):
     def progress(self) -> dict[Any, int]:
         return self.stream.progress()
 
-    def partial(self) -> dict[Any, list[int]]:
-        return self.stream.partial()
+    def partial(self, tags: Collection[Any]) -> dict[Any, Generated]:
+        return self.stream.partial(tags)
 
     def weights_changed(self) -> None:
         self.stream.weights_changed()

@@ -67,7 +67,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import torch
@@ -563,8 +563,9 @@ class VLLMStream(TokenStream):
         """vLLM's own id of each request in flight (its scheduler's key)."""
         self.num_generated: dict[str, int] = {}
         """Tokens each request in flight has returned so far."""
-        self.sampled: dict[str, list[int]] = {}
-        """The token ids each request in flight has returned so far (vLLM's cumulative list, copied when read)."""
+        self.sampled: dict[str, object] = {}
+        """What each request in flight has returned so far: vLLM's cumulative CompletionOutput (its token ids and
+        logprobs, copied when read)."""
         self.num_prompt_routes: dict[str, int] = {}
         """Each request's TokenRequest.num_prompt_routes, where it asks for some."""
         self.images: dict = {}
@@ -623,7 +624,7 @@ class VLLMStream(TokenStream):
                 finished.append((self.tags.pop(output.request_id), generated))
             elif output.request_id in self.num_generated:  # cumulative outputs: every token so far
                 self.num_generated[output.request_id] = len(output.outputs[0].token_ids)
-                self.sampled[output.request_id] = output.outputs[0].token_ids
+                self.sampled[output.request_id] = output.outputs[0]
         return finished
 
     def progress(self) -> dict[object, int]:
@@ -636,8 +637,14 @@ class VLLMStream(TokenStream):
             for request_id, tag in self.tags.items()
         }
 
-    def partial(self) -> dict[object, list[int]]:
-        return {self.tags[request_id]: list(ids) for request_id, ids in self.sampled.items() if ids}
+    def partial(self, tags: Collection[object]) -> dict[object, Generated]:
+        partial = {}
+        for request_id, output in self.sampled.items():
+            ids = list(output.token_ids) if self.tags[request_id] in tags else []
+            if ids:  # logprobs=0 in every request's params: the sampled token's own logprob at each position
+                logprobs = [float(entry[token].logprob) for token, entry in zip(ids, output.logprobs or [])]
+                partial[self.tags[request_id]] = Generated(ids[: len(logprobs)], logprobs, "")
+        return partial
 
     def weights_changed(self) -> None:
         """Nothing to do: `update_weights` reloaded vLLM's weights in place (requests in flight go on under them

@@ -5,7 +5,8 @@ a field the server cannot honour is a `RequestError` (HTTP 400) naming it, so a 
 silently ignored what it asked for. How each field is treated is in docs/serve.md; in short:
 
 - honoured: messages/prompt, model (must be the served name: 404 otherwise), max_tokens/max_completion_tokens (at
-  most the server's --max-new-tokens), seed, stop, stream (+ stream_options.include_usage), tools, tool_choice
+  most the server's --max-new-tokens), seed, stop, stream (+ stream_options include_usage and vLLM's
+  continuous_usage_stats), tools, tool_choice
   'none'/'auto' (tool calls are read only where tools are offered and tool_choice is not 'none'), logprobs and
   top_logprobs (chat: at most MAX_TOP_LOGPROBS; completions: logprobs = how many alternatives, at most
   MAX_COMPLETION_LOGPROBS; engines hf and native), echo, return_token_ids (vLLM's extension),
@@ -85,6 +86,9 @@ class Settings:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    """stream_options.include_usage: a last chunk with the request's usage."""
+    continuous_usage: bool = False
+    """stream_options.continuous_usage_stats (vLLM's): every chunk has its choice's usage so far."""
     logprobs: bool = False
     top_logprobs: int = 0
     """Alternatives per position to report with the logprobs (chat top_logprobs, completions logprobs = k)."""
@@ -94,6 +98,8 @@ class Settings:
     required_tools: list[dict] | None = None
     """tool_choice 'required' (every offered tool) or a named function (that one): the turn samples one call of
     these within the tool-call grammar; None: the model chooses."""
+    is_named_tool: bool = False
+    """tool_choice named a function: the reply's finish_reason is then 'stop', as OpenAI's and vLLM's."""
     recorded: dict = field(default_factory=dict)
     """What the turn used, as the record keeps it (sampling and the request's metadata)."""
 
@@ -232,13 +238,11 @@ def _settings(body: dict, limits: Limits, max_key: str) -> Settings:
     if n > MAX_CHOICES:
         raise refuse("n", f"at most {MAX_CHOICES} choices per request, got {n}")
     stream = _bool(body, "stream")
-    options = body.get("stream_options")
-    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise refuse("stream_options", "only {'include_usage': bool} with stream=true is supported")
+    include_usage, continuous_usage = _stream_options(body, stream)
     settings = Settings(
         max_tokens=asked[0][1] if asked else limit, max_tokens_given=bool(asked), n=n, seed=seed, stop=stop,
-        stream=stream, **own,
-        include_usage=bool((options or {}).get("include_usage")), return_token_ids=_bool(body, "return_token_ids"),
+        stream=stream, **own, include_usage=include_usage, continuous_usage=continuous_usage,
+        return_token_ids=_bool(body, "return_token_ids"),
     )  # fmt: skip
     settings.recorded = {
         "max_tokens": settings.max_tokens,
@@ -250,6 +254,32 @@ def _settings(body: dict, limits: Limits, max_key: str) -> Settings:
         **{k: body[k] for k in METADATA_FIELDS if body.get(k) is not None},
     }
     return settings
+
+
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+"""The stream_options honoured (vLLM's StreamOptions); any other is refused by name."""
+
+
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of stream_options, which only a streamed request may send (as vLLM
+    answers; `{}` and null pass)."""
+    options = body.get("stream_options")
+    if options is None or options == {}:
+        return False, False
+    if not stream:
+        raise refuse("stream_options", "only with stream: true")
+    if not isinstance(options, dict):
+        raise RequestError(400, f"'stream_options' must be an object, got {options!r:.80}", param="stream_options")
+    for key, value in options.items():
+        name = f"stream_options.{key}"
+        if key not in STREAM_OPTIONS:
+            raise refuse(name, f"not an option this server honours ({', '.join(STREAM_OPTIONS)} are)")
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(400, f"'{name}' must be true or false, got {value!r:.80}", param=name)
+    include, continuous = bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
+    if continuous and not include:  # vLLM then sends no usage at all: asked for, it would be ignored
+        raise refuse("stream_options.continuous_usage_stats", "needs include_usage: true")
+    return include, continuous
 
 
 def _top(limits: Limits, name: str, count: int, most: int) -> int:
@@ -331,6 +361,7 @@ def read_chat(body: dict, limits: Limits) -> ChatCall:
         raise RequestError(400, "'tools' must be a list of function schemas", param="tools")
     choice = body.get("tool_choice")
     settings.required_tools = _required_tools(choice, tools, limits)
+    settings.is_named_tool = isinstance(choice, dict)
     settings.json_schema = _json_schema(body.get("response_format"), limits)
     if settings.json_schema is not None:
         settings.recorded["response_format"] = body["response_format"]

@@ -7,9 +7,14 @@ may be the start of one, and an incomplete UTF-8 character. Where tool calls are
 (a reply with tool calls has its content stripped), and a reply that begins with whitespace is sent only once
 finished (stripped or not depends on calls not yet sampled). When the turn finishes, the rest of its content
 follows, so the pieces always add up to the reply's content exactly.
+
+`covered` says which of the sampled tokens a sent text was written with (a streamed chunk carries their logprobs);
+`token_pieces` cuts a finished reply's content where its tokens' texts end.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 TOOL_CALL_OPEN = "<tool_call>"
 """Where a tool-call block begins in the text (every parser of rlx.chat.tool_calls reads such blocks)."""
@@ -57,3 +62,39 @@ class TextDeltas:
                     text = text[:-size]
                     break
         return text.rstrip() if self.hold_whitespace else text
+
+
+def covered(decode: Callable[[list[int]], str], ids: list[int], start: int, text: str) -> int:
+    """How many of `ids` (at least `start`, which must decode to a start of `text`) decode to a start of `text`: the
+    tokens a text sent so far was written with. A binary search over the prefixes (their text grows with them;
+    an incomplete UTF-8 character decodes as U+FFFD, and the token that completes it belongs with it)."""
+
+    def fits(k: int) -> bool:
+        return text.startswith(decode(ids[:k]).rstrip("\ufffd"))
+
+    low, high = start, len(ids)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    while low > start and not text.startswith(decode(ids[:low])):  # a character not complete in the text
+        low -= 1
+    return low
+
+
+def token_pieces(content: str, token_texts: list[str]) -> list[tuple[str, int, int]] | None:
+    """`content` cut where its tokens' texts (each decoded alone) end, each piece with the tokens [start, end) that
+    wrote it (a token of no text goes with the next piece), when it is their texts' start; else None."""
+    if not "".join(token_texts).startswith(content):
+        return None
+    pieces, at, start = [], 0, 0
+    for i, text in enumerate(token_texts):
+        if at >= len(content):
+            break
+        piece, at = content[at : at + len(text)], at + len(text)
+        if piece:
+            pieces.append((piece, start, i + 1))
+            start = i + 1
+    return pieces

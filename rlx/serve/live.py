@@ -1,31 +1,43 @@
 """A streamed reply sent as the engine samples its tokens (chat and completions with `stream: true`).
 
 The request is planned before the reply starts (a refused request is an HTTP error, not a stream). Its generation
-then runs as a task of its own: the engine worker hands each choice's tokens so far to the event loop as they are
-sampled (stream.py), the reply decodes them and sends what of the text is final (deltas.py), and once the turn is
-generated it is recorded exactly as without `stream` (sessions.py), the sample's lock released, and the last chunks
-sent (replies.py: the rest of the content, tool calls, finish_reason, logprobs, usage; then `data: [DONE]`). A
-client that goes away mid-stream does not stop the turn: it is generated and recorded all the same.
+then runs as a task of its own: the engine worker hands each choice's tokens so far, with their logprobs, to the
+event loop as they are sampled (stream.py); the reply decodes them, sends what of the text is final (deltas.py) with
+the logprobs and ids of the tokens that wrote it, and once the turn is generated it is recorded exactly as without
+`stream` (sessions.py), the sample's lock released, and the last chunks sent (replies.StreamedReply: the rest of the
+content, tool calls, the finish_reason with the remaining tokens, usage; then `data: [DONE]`). A client that goes
+away mid-stream does not stop the turn: it is generated and recorded all the same. A failure mid-stream is one
+`data: {"error": ...}` event before `[DONE]`, as vLLM sends it (its traceback on the server's stderr).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
-import time
+import sys
+import traceback
 
 from starlette.concurrency import run_in_threadpool
 
+from rlx.rollout.requests import Generated
 from rlx.serve.api import ChatCall
-from rlx.serve.deltas import TOOL_CALL_OPEN, TextDeltas
-from rlx.serve.replies import ID_PREFIX, chat_chunks, completion_chunks
+from rlx.serve.deltas import TOOL_CALL_OPEN, TextDeltas, covered, token_pieces
+from rlx.serve.replies import Span, StreamedReply, Turn
 from rlx.serve.responses import message_opening, numbered, output_events, response_object, start_events, text_delta
-from rlx.serve.turns import run_turns
+from rlx.serve.stream import EngineFailed
+from rlx.serve.turns import decoded_span, run_turns
 
 
 def _event(chunk: dict) -> str:
     return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+def _error(e: BaseException) -> dict:
+    """What a client hears of a failure mid-stream: the engine's (503 before a stream) or this request's (500)."""
+    if isinstance(e, EngineFailed):
+        return {"message": str(e), "type": "server_error", "code": "service_unavailable", "param": None}
+    message = f"the server failed on this request ({type(e).__name__}: {e})"[:300]
+    return {"message": message, "type": "server_error", "code": "server_error", "param": None}
 
 
 class LiveReply:
@@ -39,14 +51,15 @@ class LiveReply:
         reads_tools = self.is_chat and call.parse_tools
         stops = (*call.settings.stop, *server.sampling.stop, *((TOOL_CALL_OPEN,) if reads_tools else ()))
         self.deltas = [TextDeltas(stops, hold_whitespace=reads_tools) for _ in sessions]
-        self.latest: dict[int, list[int]] = {}
-        """Each choice's newest tokens not yet decoded (older ones are skipped: the newest include them)."""
+        settings = call.settings
+        self.wants_tokens = settings.logprobs or settings.return_token_ids or settings.continuous_usage
+        """Whether chunks carry their tokens (logprobs, ids, usage so far): else which tokens wrote a piece is moot."""
+        self.latest: dict[int, Generated] = {}
+        """What each choice sampled so far, not yet decoded (older updates are skipped: the newest include them)."""
         self.queue: asyncio.Queue = asyncio.Queue()
-        kind = "chat.completion.chunk" if self.is_chat else "text_completion"
-        self.rid = secrets.token_hex(12)
-        """The reply's own id (Turn.id): its chunks carry it with their kind's prefix."""
-        self.head = {"id": f"{ID_PREFIX[kind]}{self.rid}", "object": kind, "created": int(time.time()),
-                     "model": server.model_name}  # fmt: skip
+        self.chunks = StreamedReply(settings, [plan.context_ids for plan, _ in prepared], server.model_name,
+                                    self.is_chat)  # fmt: skip
+        self.rid, self.head = self.chunks.rid, self.chunks.head
         self.job = asyncio.ensure_future(self._generate(prepared))
 
     async def _generate(self, prepared: list) -> None:
@@ -54,54 +67,75 @@ class LiveReply:
             turns = await run_turns(self.server, self.sessions, self.call, prepared, self._heard)
             self.queue.put_nowait(("done", turns))
         except Exception as e:  # noqa: BLE001 - reported in the stream; the server keeps serving
+            if not isinstance(e, EngineFailed):  # the worker logged the engine's own failure
+                print(f"rlx serve: a streamed request failed:\n{''.join(traceback.format_exception(e))}",
+                      file=sys.stderr, flush=True)  # fmt: skip
             self.queue.put_nowait(("error", e))
         finally:
             for session in self.sessions:
                 session.lock.release()
 
-    def _heard(self, index: int, ids: list[int]) -> None:
-        self.latest[index] = ids
+    def _heard(self, index: int, sampled: Generated) -> None:
+        self.latest[index] = sampled
         self.queue.put_nowait(("tokens", index))
 
     def _decode(self, ids: list[int]) -> str:
         with self.server.tokenizer_lock:
             return self.server.tokenizer.decode(ids, skip_special_tokens=True)
 
-    async def _piece(self, index: int) -> str:
-        """What of choice `index`'s text may be sent now that it has new tokens ('' when nothing)."""
-        ids = self.latest.pop(index, None)
-        if ids is None or self.deltas[index].is_closed:
-            return ""
-        return self.deltas[index].feed(await run_in_threadpool(self._decode, ids))
+    async def _next(self, index: int) -> tuple[str, Span | None]:
+        """What of choice `index`'s text may be sent now that it has new tokens ('' when nothing), with the tokens
+        that wrote it (None where the reply does not carry tokens)."""
+        sampled = self.latest.pop(index, None)
+        if sampled is None or self.deltas[index].is_closed:
+            return "", None
+        return await run_in_threadpool(self._advance, index, sampled)
 
-    def _chunk(self, index: int, piece: str) -> dict:
-        choice = {"index": index, "delta": {"content": piece}} if self.is_chat else {"index": index, "text": piece}
-        return {**self.head, "choices": [{**choice, "finish_reason": None, "logprobs": None}]}
+    def _advance(self, index: int, sampled: Generated) -> tuple[str, Span | None]:
+        ids = sampled.response_ids
+        text = self._decode(ids)
+        piece = self.deltas[index].feed(text)
+        if not piece or not self.wants_tokens:
+            return piece, None
+        start, sent = self.chunks.num_tokens[index], self.deltas[index].sent
+        end = len(ids) if text == sent else covered(self._decode, ids, start, sent)
+        with self.server.tokenizer_lock:
+            return piece, decoded_span(self.server.tokenizer, sampled, start, end, self.call.settings.logprobs)
+
+    def _rest(self, index: int, turn: Turn) -> list[tuple[str, int, int]]:
+        """The pieces of choice `index`'s finished content still to send, each with its tokens [start, end): a
+        piece per token where nothing was sent (and the tokens' texts make the content), else the rest whole."""
+        content = (turn.message.get("content") or "") if self.is_chat else turn.text
+        sent, start = self.deltas[index].sent, self.chunks.num_tokens[index]
+        rest = content[len(sent) :] if content.startswith(sent) else ""
+        if not rest:
+            return []
+        pieces = token_pieces(content, turn.token_texts) if not sent and not start else None
+        if pieces is not None:
+            return pieces
+        end = covered(self._decode, turn.response_ids, start, content) if self.wants_tokens else start
+        return [(rest, start, end)]
 
     async def events(self):
         """The reply's server-sent events, ending with `data: [DONE]`."""
         if self.is_chat:
             for index in range(len(self.sessions)):
-                role = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                        "logprobs": None}  # fmt: skip
-                yield _event({**self.head, "choices": [role]})
+                yield _event(self.chunks.role(index))
         while True:
-            item = await self.queue.get()
-            if item[0] == "tokens":
-                piece = await self._piece(item[1])
+            kind, value = await self.queue.get()
+            if kind == "tokens":
+                piece, span = await self._next(value)
                 if piece:
-                    yield _event(self._chunk(item[1], piece))
+                    yield _event(self.chunks.text(value, piece, span))
                 continue
-            if item[0] == "error":
-                error = {"message": f"the server failed on this request ({type(item[1]).__name__})",
-                         "type": "server_error", "code": "server_error", "param": None}  # fmt: skip
-                yield _event({"error": error})
+            if kind == "error":
+                yield _event({"error": _error(value)})
                 break
-            turns = item[1]
-            for turn in turns:  # the chunks of one reply share its id
-                turn.id, turn.created = self.rid, self.head["created"]
-            last = chat_chunks if self.is_chat else completion_chunks
-            for chunk in last(turns, self.server.model_name, [d.sent for d in self.deltas]):
+            for index, turn in enumerate(value):
+                pieces = await run_in_threadpool(self._rest, index, turn)
+                for chunk in self.chunks.finished(index, turn, pieces):
+                    yield _event(chunk)
+            for chunk in self.chunks.usage(value):
                 yield _event(chunk)
             break
         yield "data: [DONE]\n\n"
@@ -132,14 +166,14 @@ class LiveResponse(LiveReply):
         while True:
             kind, value = await self.queue.get()
             if kind == "tokens":
-                piece = await self._piece(value)
+                piece, _ = await self._next(value)
                 if piece:
                     yield self._sse([*([] if opened else message_opening(0, item_id)), text_delta(0, item_id, piece)])
                     opened = True
                 continue
             if kind == "error":
-                message = f"the server failed on this request ({type(value).__name__})"
-                yield self._sse([("error", {"code": "server_error", "message": message, "param": None})])
+                error = _error(value)
+                yield self._sse([("error", {"code": error["code"], "message": error["message"], "param": None})])
                 return
             yield self._sse(output_events(self._finished(value[0], opened), opened, self.deltas[0].sent))
             return

@@ -8,7 +8,8 @@ arriving meanwhile joins the next batch). When the stream is idle the worker wai
 `gather_s` more for others to join it.
 
 A request submitted with `on_tokens` hears its tokens as they are sampled: after each engine step the worker hands
-it every token so far whenever there are more (engines whose stream reads tokens back step by step: native, vllm;
+it what it sampled so far (every token, with its logprob and, where asked, the alternatives: a Generated whose
+finish_reason is '') whenever there are more (engines whose stream reads tokens back step by step: native, vllm;
 the hf engine decodes a batch to its end, so its requests hear nothing before they finish).
 """
 
@@ -54,7 +55,7 @@ class StreamWorker:
         """Why the engine's stream stopped (its cause: the engine's error); every later request gets it, else None."""
         self.vocab_size = _vocab_size(engine)
         """Token ids at or past it are refused per request before they reach the engine (0: unknown)."""
-        self._listeners: dict[Future, tuple[Callable[[list[int]], None], list[int]]] = {}
+        self._listeners: dict[Future, tuple[Callable[[Generated], None], list[int]]] = {}
         """Requests that hear their tokens as they come: the callback and how many it has heard (worker only)."""
         self._thread = threading.Thread(target=self._run, name="rlx-serve-worker", daemon=True)
         self._thread.start()
@@ -62,9 +63,10 @@ class StreamWorker:
         if self._failure is not None:
             raise self._failure
 
-    def submit(self, request: TokenRequest, on_tokens: Callable[[list[int]], None] | None = None) -> Future:
-        """Queue `request`; its future gives the Generated. `on_tokens(ids)`, called on the worker thread (it must
-        be quick), gets the tokens sampled so far each time there are more, before the future is set."""
+    def submit(self, request: TokenRequest, on_tokens: Callable[[Generated], None] | None = None) -> Future:
+        """Queue `request`; its future gives the Generated. `on_tokens(sampled)`, called on the worker thread (it must
+        be quick), gets what was sampled so far (tokens, logprobs, alternatives) each time there are more tokens,
+        before the future is set."""
         future: Future = Future()
         if self.failed is not None:  # a fresh exception a request: one raised in many threads grows its traceback
             future.set_exception(EngineFailed(str(self.failed)))
@@ -141,11 +143,11 @@ class StreamWorker:
         """Hand each listening request its tokens so far, where it has more than it heard."""
         if not self._listeners:
             return
-        for future, ids in stream.partial().items():
+        for future, sampled in stream.partial(self._listeners.keys()).items():
             listener = self._listeners.get(future)
-            if listener is not None and len(ids) > listener[1][0]:
-                listener[1][0] = len(ids)
-                listener[0](ids)
+            if listener is not None and len(sampled.response_ids) > listener[1][0]:
+                listener[1][0] = len(sampled.response_ids)
+                listener[0](sampled)
 
     def _take(self, stream: TokenStream, in_flight: set[Future]) -> None:
         """Move queued requests into the stream: without waiting while it works, else wait for one (a short poll

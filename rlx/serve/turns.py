@@ -16,7 +16,7 @@ from rlx.errors import UserError
 from rlx.rollout.requests import Generated, TokenRequest
 from rlx.rollout.stops import StopStrings
 from rlx.serve.api import ChatCall, CompletionCall, RequestError
-from rlx.serve.replies import Turn
+from rlx.serve.replies import Span, Turn
 from rlx.serve.sessions import Plan, SampleSession
 
 
@@ -94,19 +94,26 @@ def _commit(server, session: SampleSession, plan: Plan, gen: Generated, call) ->
             gen = StopStrings(server.tokenizer, settings.stop).cut(gen)
         parse = call.parse_tools if isinstance(call, ChatCall) else True
         reply, _ = session.commit(plan, gen, parse_tools=parse, settings=settings.recorded)
-        wants_pieces = settings.stream or settings.logprobs
-        texts = [server.tokenizer.decode([t]) for t in gen.response_ids] if wants_pieces else []
-        top = [[(server.tokenizer.decode([t]), lp) for t, lp in pairs] for pairs in gen.top_logprobs or []]
+        span = decoded_span(server.tokenizer, gen, 0, len(gen.response_ids), settings.stream or settings.logprobs)
         echoed = ""
         if isinstance(call, CompletionCall) and call.echo:
             echoed = call.prompt if isinstance(call.prompt, str) else server.tokenizer.decode(call.prompt)
-    turn = Turn(settings, plan.context_ids, gen.response_ids, gen.logprobs, gen.finish_reason, token_texts=texts,
-                top_logprobs=top)  # fmt: skip
+    turn = Turn(settings, plan.context_ids, gen.response_ids, gen.logprobs, gen.finish_reason,
+                token_texts=span.texts, top_logprobs=span.top)  # fmt: skip
     if isinstance(call, ChatCall):
         turn.message = reply
     else:
         turn.text = echoed + reply
     return turn
+
+
+def decoded_span(tokenizer, gen: Generated, start: int, end: int, with_texts: bool) -> Span:
+    """The tokens [start, end) of `gen` with their logprobs and alternatives, each token decoded alone (as OpenAI's
+    logprobs show them; `with_texts` false: no texts); under the server's tokenizer lock."""
+    ids = gen.response_ids[start:end]
+    texts = [tokenizer.decode([t]) for t in ids] if with_texts else []
+    top = [[(tokenizer.decode([t]), lp) for t, lp in pairs] for pairs in (gen.top_logprobs or [])[start:end]]
+    return Span(ids, gen.logprobs[start:end], texts, top)
 
 
 async def prepare_turns(server, sessions: list[SampleSession], call) -> list[tuple[Plan, TokenRequest]]:
@@ -139,14 +146,15 @@ async def run_turns(
     server, sessions: list[SampleSession], call, prepared: list[tuple[Plan, TokenRequest]], on_tokens=None
 ) -> list[Turn]:
     """Generate the prepared requests together on the engine stream and record each in its session; the turns to
-    reply with, in choice order. `on_tokens(index, ids)`: choice `index`'s tokens so far, each time there are
-    more (called on the event loop; streamed replies)."""
+    reply with, in choice order. `on_tokens(index, sampled)`: what choice `index` sampled so far (a Generated of
+    its tokens, logprobs and alternatives), each time there are more tokens (called on the event loop; streamed
+    replies)."""
     loop = asyncio.get_running_loop()
 
     def listener(index: int):
-        def heard(ids: list[int]) -> None:  # on the engine worker's thread
+        def heard(sampled: Generated) -> None:  # on the engine worker's thread
             with contextlib.suppress(RuntimeError):  # a closed loop: the server is shutting down
-                loop.call_soon_threadsafe(on_tokens, index, ids)
+                loop.call_soon_threadsafe(on_tokens, index, sampled)
 
         return heard if on_tokens is not None else None
 

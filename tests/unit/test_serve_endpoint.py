@@ -241,10 +241,13 @@ def _stream_text(stream) -> tuple[str, list, dict | None, str | None]:
         for choice in chunk.choices:
             delta = getattr(choice, "delta", None)
             text += (delta.content or "") if delta is not None else choice.text
-            for call in (delta.tool_calls or []) if delta is not None else []:
-                calls[call.index] = (call.id, call.function.name, call.function.arguments)
+            for call in (delta.tool_calls or []) if delta is not None else []:  # as clients add up the deltas
+                known = calls.setdefault(call.index, ["", "", ""])
+                known[0] += call.id or ""
+                known[1] += call.function.name or ""
+                known[2] += call.function.arguments or ""
             finish = choice.finish_reason or finish
-    return text, [calls[i] for i in sorted(calls)], usage, finish
+    return text, [tuple(calls[i]) for i in sorted(calls)], usage, finish
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions", "tools"])

@@ -14,7 +14,7 @@ import pytest
 
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import SamplingParams
-from rlx.rollout.requests import TokenRequest
+from rlx.rollout.requests import Generated, TokenRequest
 from rlx.serve.deltas import TOOL_CALL_OPEN, TextDeltas
 from rlx.serve.server import AgentServer
 from rlx.serve.stream import StreamWorker
@@ -65,13 +65,13 @@ def test_worker_hands_each_request_its_tokens_as_they_are_sampled():
     model, tokenizer = random_chat_model(stop_bias=-10.0)
     engine = token_engine(model, tokenizer, "native", kv_cache_gib=0.01)
     worker = StreamWorker(engine, SAMPLING, 200)
-    heard: list[tuple[list[int], bool]] = []
+    heard: list[tuple[Generated, bool]] = []
     try:
         request = TokenRequest("s/0", tokenizer("hello")["input_ids"], 8)
         future = None
 
-        def on_tokens(ids: list[int]) -> None:
-            heard.append((ids, future is not None and future.done()))
+        def on_tokens(sampled: Generated) -> None:
+            heard.append((sampled, future is not None and future.done()))
 
         future = worker.submit(request, on_tokens)
         generated = future.result(timeout=120)
@@ -79,8 +79,11 @@ def test_worker_hands_each_request_its_tokens_as_they_are_sampled():
         worker.close()
     assert len(generated.response_ids) == 8
     assert len(heard) >= 2  # several updates before the turn finished
-    assert all(ids == generated.response_ids[: len(ids)] and not done for ids, done in heard)
-    assert [len(ids) for ids, _ in heard] == sorted({len(ids) for ids, _ in heard})
+    for sampled, done in heard:  # each a start of the finished turn, its logprobs those the turn keeps
+        size = len(sampled.response_ids)
+        assert sampled.response_ids == generated.response_ids[:size] and not done
+        assert sampled.logprobs == generated.logprobs[:size]
+    assert [len(s.response_ids) for s, _ in heard] == sorted({len(s.response_ids) for s, _ in heard})
 
 
 def test_openai_stream_arrives_while_the_turn_is_generated_and_is_recorded_token_exactly():
@@ -95,8 +98,12 @@ def test_openai_stream_arrives_while_the_turn_is_generated_and_is_recorded_token
             model="rlx", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=10, logprobs=True,
             tool_choice="none", stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
         )  # fmt: skip
-        pieces, usage, last = [], None, None
+        pieces, usage, last, ids, logprobs = [], None, None, [], []
         for chunk in stream:
+            if chunk.choices:  # each chunk's own tokens
+                ids += chunk.choices[0].model_extra.get("token_ids") or []
+                own = chunk.choices[0].logprobs
+                logprobs += [t.logprob for t in own.content] if own else []
             if chunk.choices and chunk.choices[0].delta.content:
                 if not pieces:  # the turn is still being generated: nothing recorded yet
                     assert not release.is_set() and server.sessions["live/0"].num_requests == 0
@@ -113,8 +120,8 @@ def test_openai_stream_arrives_while_the_turn_is_generated_and_is_recorded_token
     trajectory = session.current.trajectory
     assert len(pieces) > 1 and "".join(pieces) == trajectory.messages[-1]["content"]
     assert usage.completion_tokens == len(trajectory.response_ids) == 10
-    assert last.model_extra["token_ids"] == trajectory.response_ids[-10:]
-    assert [t.logprob for t in last.logprobs.content] == pytest.approx(trajectory.rollout_logprobs[-10:])
+    assert ids == trajectory.response_ids[-10:] and logprobs == pytest.approx(trajectory.rollout_logprobs[-10:])
+    assert last.finish_reason == "length"
 
 
 def test_responses_stream_arrives_while_the_turn_is_generated():
@@ -324,9 +331,10 @@ def test_tool_choice_required_or_named_samples_one_call_within_the_tools_grammar
         other = openai.OpenAI(base_url=server.base_url("named"), api_key="k", max_retries=0)
         stream = other.chat.completions.create(model="rlx", messages=messages, tools=[FLIP, PICK], tool_choice=named,
                                                stream=True)  # fmt: skip
-        calls = [c.choices[0].delta.tool_calls for c in stream if c.choices and c.choices[0].delta.tool_calls]
-        [[streamed]] = calls
-        assert streamed.function.name == "pick" and json.loads(streamed.function.arguments)["side"] in ("x", "y")
+        chunks = [c.choices[0] for c in stream if c.choices]
+        [[named], [arguments]] = [c.delta.tool_calls for c in chunks if c.delta.tool_calls]
+        assert named.function.name == "pick" and json.loads(arguments.function.arguments)["side"] in ("x", "y")
+        assert chunks[-1].finish_reason == "stop"  # a named function: 'stop', as OpenAI's and vLLM's
         trajectory = server.sessions["named"].current.trajectory
         assert trajectory.messages[-1]["tool_calls"][0]["function"]["name"] == "pick"
         assert all(math.isfinite(lp) for lp in trajectory.rollout_logprobs)

@@ -211,6 +211,58 @@ def test_stop_strings_cut_as_the_hf_engine_does(engine, hf_model):
     assert all("1" not in r.response and "+" not in r.response for r in ours)
 
 
+def test_partial_gives_each_unfinished_requests_tokens_and_logprobs_so_far(engine, hf_model):
+    """What `rlx serve` streams: between steps, each unfinished request's tokens so far with their logprobs, each a
+    start of the finished request's."""
+    _, tokenizer = hf_model
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
+    stream = engine.open_stream(sampling, 64, 2)
+    finished, heard = {}, []
+    try:
+        for key, prompt in (("a", "1+2="), ("b", "3*4=")):
+            stream.submit(key, TokenRequest(key, tokenizer(prompt)["input_ids"], 8))
+        while stream.has_work:
+            finished.update(stream.step())
+            heard += stream.partial({"a", "b"}).items()
+    finally:
+        stream.close()
+    assert heard and {key for key, _ in heard} <= set(finished)
+    for key, sampled in heard:
+        size = len(sampled.response_ids)
+        assert 0 < size < len(finished[key].response_ids) and sampled.finish_reason == ""
+        assert sampled.response_ids == finished[key].response_ids[:size]
+        assert sampled.logprobs == finished[key].logprobs[:size]
+
+
+def test_served_stream_sends_each_chunks_logprobs_as_vllm_samples_them(engine, hf_model):
+    """`rlx serve` on this engine: a streamed completion's chunks come as the tokens are sampled, each with its own
+    tokens' logprobs and ids, which add up to the same seeded request's without `stream`."""
+    import httpx
+
+    from rlx.rollout.agent_config import AgentConfig
+    from rlx.serve.server import AgentServer
+    from rlx.serve.stream import StreamWorker
+
+    _, tokenizer = hf_model
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
+    worker = StreamWorker(engine, sampling, 64)
+    server = AgentServer(worker, tokenizer, engine.stop_ids, sampling, AgentConfig(max_total_tokens=64)).start()
+    body = {"prompt": "1+2=", "max_tokens": 8, "seed": 4, "logprobs": 0, "return_token_ids": True}
+    try:
+        plain = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+        with httpx.stream("POST", f"{server.base_url('s')}/completions", json={**body, "stream": True}) as reply:
+            chunks = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+    finally:
+        server.close()
+        worker.close()
+    choices = [c["choices"][0] for c in chunks]
+    assert [t for c in choices for t in c["token_ids"]] == plain["token_ids"]
+    logprobs = [lp for c in choices if c["logprobs"] for lp in c["logprobs"]["token_logprobs"]]
+    assert logprobs == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-5)
+    assert "".join(c["text"] for c in choices) == plain["text"]
+    assert len([c for c in choices if c["text"] and c["logprobs"]]) > 1  # sent as sampled, with their tokens
+
+
 def test_weights_pushed_mid_stream_reach_the_requests_in_flight(engine, hf_model):
     """An asynchronous run's rollout rank takes new weights while its stream has requests in flight: they go on
     under the new weights from their next token, keeping the keys and values computed so far (their logprobs

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Collection
 
 import numpy as np
 import torch
@@ -439,8 +440,8 @@ class NativeStream(TokenStream):
         ahead = set(self.inflight.seqs) if self.inflight is not None else set()
         return {tag: len(seq.output_ids) + (seq in ahead) for seq, tag in self.tags.items()}
 
-    def partial(self) -> dict[object, list[int]]:
-        return {tag: list(seq.output_ids) for seq, tag in self.tags.items() if seq.output_ids}
+    def partial(self, tags: Collection[object]) -> dict[object, Generated]:
+        return {tag: _sampled_so_far(seq) for seq, tag in self.tags.items() if seq.output_ids and tag in tags}
 
     def weights_changed(self) -> None:
         """Refill the replica in place (the captured graphs read its storage) and stop reusing cached prefixes."""
@@ -477,6 +478,13 @@ def _generated(seq: Sequence) -> Generated:
     top = seq.top_logprobs if seq.num_top_logprobs else None
     return Generated(seq.output_ids, seq.logprobs, seq.finish_reason, routed_experts=routes, top_logprobs=top,
                      prompt_routed_experts=seq.prompt_routes)  # fmt: skip
+
+
+def _sampled_so_far(seq: Sequence) -> Generated:
+    """An unfinished sequence's tokens so far with their logprobs (and alternatives, where asked): copies, as the
+    sequence grows on."""
+    top = list(seq.top_logprobs) if seq.num_top_logprobs else None
+    return Generated(list(seq.output_ids), list(seq.logprobs), "", top_logprobs=top)
 
 
 def _param_dtype(model: torch.nn.Module) -> torch.dtype:
