@@ -252,6 +252,7 @@ class PPOConfig:
         )
         if self.async_ is not None:
             self._check_async()
+        self._check_mini_batches()
         self._resolve_old_logprobs()
 
     def old_logprobs_from_train_blockers(self) -> list[str]:
@@ -288,6 +289,17 @@ class PPOConfig:
             "score.old_logprobs",
             f"'train' takes one update per batch on the policy that sampled; not with {', '.join(blockers)}",
         )
+
+    def _check_mini_batches(self) -> None:
+        """train.mini_batch_size (and the critic's) must cut a step's samples into equal mini-batches, as verl asserts:
+        else the last optimizer step of each epoch takes fewer samples, a noisier update at the same learning rate.
+        Dynamic sampling that does not fill a step (score.filter_groups, data.max_gen_batches) trains fewer samples,
+        which a size dividing a full step may not divide: the loop says so once (loop.py)."""
+        pps, n = self.data.prompts_per_step, self.rollout.sampling.n
+        what = f" of a step (data.prompts_per_step {pps} x rollout.sampling.n {n})"
+        for key, train in (("train", self.train), ("critic.train", self.critic.train if self.critic else None)):
+            problem = train.uneven_mini_batches(pps * n, what) if train is not None else None
+            check(problem is None, f"{key}.mini_batch_size", str(problem))
 
     def _check_megatron(self) -> None:
         """What a [megatron] table needs of the others."""

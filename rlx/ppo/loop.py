@@ -67,6 +67,7 @@ from rlx.ppo.warm_start import warm_start
 from rlx.ppo.writer import BackgroundWriter, write_jsonl_shared
 from rlx.rollout.base import RolloutStats, build_engine
 from rlx.scoring.score import Rewards, ScoreResult, compute_rewards, score_rollouts
+from rlx.training.config import describe_sizes
 from rlx.utils.device import resolve_device
 from rlx.utils.host_copy import reserve
 from rlx.utils.io import write_jsonl
@@ -138,6 +139,7 @@ class PPORun:
             cfg.score, max_response_length=cfg.score.max_response_length or cfg.rollout.sampling.max_new_tokens
         )
         self.stop = StopRequest()
+        self.said_uneven = False  # a short step's unequal mini-batches (dynamic sampling) are said once
 
     def _check_checkpoint_space(self) -> None:
         """Stop before the first step when the run folder cannot hold a checkpoint; warn when it cannot hold what
@@ -365,6 +367,7 @@ class PPORun:
         return records, rewards, {**stats.metrics(), **sampling_metrics(step, records, groups.num_batches)}
 
     def _train(self, step: int, result: ScoreResult) -> dict:
+        self._say_uneven_mini_batches(step, result.batch.size, len(set(result.batch.meta.group_ids)))
         metrics = {}
         warmup = self.cfg.critic.warmup_steps if self.cfg.critic else 0
         if self.critic is not None:
@@ -373,6 +376,25 @@ class PPORun:
             metrics.update(self.trainer.train_step(result.batch, step - 1 - warmup))
             self.engine_stale = True
         return metrics
+
+    def _say_uneven_mini_batches(self, step: int, samples: int, groups: int) -> None:
+        """Dynamic sampling that did not fill its step trains fewer samples than the config check saw (it refuses a
+        mini_batch_size that does not divide a full step), which mini_batch_size may not divide: the last optimizer
+        step then takes fewer samples. Said once a run, on the main process."""
+        cfg = self.cfg
+        if self.said_uneven or not self.ctx.is_main:
+            return
+        for key, train in (("train", cfg.train), ("critic.train", cfg.critic.train if cfg.critic else None)):
+            sizes = train.mini_batch_sizes(samples) if train is not None else []
+            if len(set(sizes)) > 1:
+                self.said_uneven = True
+                console(
+                    f"rlx ppo: warning: step {step} trains {samples} samples (dynamic sampling found {groups} of the "
+                    f"{cfg.data.prompts_per_step} groups informative within data.max_gen_batches = "
+                    f"{cfg.data.max_gen_batches}): {key}.mini_batch_size {train.mini_batch_size} cuts them into "
+                    f"{describe_sizes(sizes)}, the last on fewer samples; every short step the size does not divide "
+                    "is cut so (said once)"
+                )
 
     def _reserve_snapshot_buffers(self) -> None:
         """Pin the host buffers of the first checkpoint's snapshots on the writer thread while the next steps run (that

@@ -417,7 +417,8 @@ def _warn_singletons(cfg: ScoreConfig, group_ids: list[str]) -> None:
 
 
 def _settings(cfg: ScoreConfig) -> dict:
-    keys = ("estimator", "norm_adv_by_std", "gamma", "lam", "kl_coef", "kl_estimator", "reward", "reward_model")
+    keys = ("estimator", "norm_adv_by_std", "gamma", "lam", "kl_coef", "kl_estimator", "reward", "reward_model",
+            "filter_groups")  # fmt: skip
     return {k: getattr(cfg, k) for k in keys}
 
 

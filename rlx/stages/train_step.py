@@ -63,6 +63,16 @@ def check_batch_actor(
         )
 
 
+def uneven_mini_batches(cfg: TrainConfig, batch: TrainBatch, batch_path: str) -> str | None:
+    """--mini-batch-size must cut the batch into equal mini-batches, as `rlx ppo` checks a recipe (else the last
+    optimizer step takes fewer samples): a UserError naming the nearest sizes that do. A batch left by dynamic sampling
+    (`rlx score --filter-groups`) varies in size from step to step: the same words are returned, for a warning."""
+    problem = cfg.uneven_mini_batches(batch.size, f" of {batch_path}")
+    if problem is None or batch.meta.settings.get("filter_groups"):
+        return problem
+    raise UserError(f"--mini-batch-size: {problem}")
+
+
 def run_train_step(
     cfg: TrainConfig,
     checkpoint: str,
@@ -93,11 +103,14 @@ def run_train_step(
         raise UserError(f"{source.path}: --role actor but the checkpoint holds a value model")
     # a vision-language model's processor reloads the batch's images (unless it stores their pixels)
     batch = TrainBatch.load(batch_path, load_processor(source, cfg.vision, config))
+    uneven = uneven_mini_batches(cfg, batch, batch_path)
     backend = backend_for_checkpoint(meta).setup(cfg.device, checkpoint_degrees(meta, cfg.sp_degree, cfg.ep_degree))
     trainer = backend.load_trainer(cfg, source, config, **backend.lora_options(lora, "--lora-rank"))
     trainer.check_batch(batch, batch_path)  # the vocabulary size first: the plainer message where it differs
     check_batch_tokenizer(batch, batch_path, source, checkpoint)
     check_batch_actor(batch, batch_path, source, meta, config, say=trainer.is_main)
+    if uneven and trainer.is_main:
+        console(f"rlx train-step: warning: --mini-batch-size {uneven} (a batch of dynamic sampling: its size varies)")
     metrics = trainer.train_step(batch, meta.step)
     next_meta = CheckpointMeta(
         step=meta.step + 1,

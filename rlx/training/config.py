@@ -96,7 +96,9 @@ class TrainConfig:
     epochs: int = 1
     """Passes over the batch per train step (PPO epochs)."""
     mini_batch_size: int = 0
-    """Samples per optimizer step; 0 = the whole batch in one optimizer step."""
+    """Samples per optimizer step; 0 = the whole batch in one optimizer step. It must divide the batch (`rlx ppo`:
+    data.prompts_per_step x rollout.sampling.n), else the last optimizer step of each epoch would take fewer
+    samples; a size of the batch or more is one optimizer step."""
     micro_batch_size: int = 8
     """Samples per forward/backward pass; gradients accumulate over a mini-batch."""
     shuffle: bool = False
@@ -174,7 +176,35 @@ class TrainConfig:
         sees is the one that sampled, so the old logprobs need no forward of their own."""
         return self.epochs == 1 and (self.mini_batch_size == 0 or self.mini_batch_size >= samples)
 
+    def mini_batch_sizes(self, samples: int) -> list[int]:
+        """The samples of each optimizer step in an epoch over a batch of `samples` (Trainer.train_step): the batch
+        cut into mini_batch_size at a time (0: all of it), the last taking what is left."""
+        mini = self.mini_batch_size or samples
+        return [min(mini, samples - lo) for lo in range(0, samples, mini)]
+
+    def uneven_mini_batches(self, samples: int, what: str = "") -> str | None:
+        """Why a batch of `samples` (`what`: where they come from) cuts into unequal mini-batches, the last optimizer
+        step of each epoch on fewer samples (a noisier step at the same learning rate), with the nearest sizes that
+        divide it; None when the mini-batches are equal."""
+        sizes = self.mini_batch_sizes(samples)
+        if len(set(sizes)) <= 1:
+            return None
+        mini = self.mini_batch_size
+        divisors = [d for d in range(1, samples + 1) if samples % d == 0]
+        below, above = max(d for d in divisors if d < mini), min(d for d in divisors if d > mini)
+        whole = f" ({above} or 0: the whole batch in one optimizer step)" if above == samples else ""
+        return (
+            f"{mini} does not divide the {samples} samples{what}: {describe_sizes(sizes)} each epoch; nearest sizes "
+            f"that divide it: {below} or {above}{whole}"
+        )
+
     def with_decay_length(self, steps: int) -> TrainConfig:
         """This config with optim.lr_decay_steps = `steps` where it is 0 (`rlx ppo`: the decay spans the run)."""
         optim = self.optim.with_decay_length(steps)
         return self if optim is self.optim else dataclasses.replace(self, optim=optim)
+
+
+def describe_sizes(sizes: list[int]) -> str:
+    """Unequal mini-batch sizes (TrainConfig.mini_batch_sizes) in words: '2 optimizer steps of 20 and one of 8'."""
+    many = len(sizes) - 1
+    return f"{many} optimizer step{'s' if many > 1 else ''} of {sizes[0]} and one of {sizes[-1]}"

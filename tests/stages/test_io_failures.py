@@ -213,7 +213,8 @@ def test_a_step_never_takes_a_prompt_twice():
 def test_more_prompts_per_step_than_the_file_holds_is_an_error(tmp_path, tiny_ckpt, prompts_file):
     result = cli(*rollout_args(tiny_ckpt, prompts_file, tmp_path / "r.jsonl")[:-2], "--num-prompts", "65")
     assert result.exit_code == 1 and "holds 64 prompts" in result.stderr
-    result = cli("ppo", QUICKSTART, "--out", tmp_path / "run", "--set", "data.prompts_per_step=1001")
+    sets = ["--set", "data.prompts_per_step=1001", "--set", "train.mini_batch_size=0"]  # 128 does not divide 1001 x 8
+    result = cli("ppo", QUICKSTART, "--out", tmp_path / "run", *sets)
     assert result.exit_code == 1 and "data.prompts_per_step = 1001" in result.stderr
 
 

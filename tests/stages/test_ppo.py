@@ -272,3 +272,31 @@ def test_the_heartbeat_is_silent_for_a_short_block_and_without_a_label(capsys):
     lines = capsys.readouterr().err.splitlines()
     # beats at ~0.02, 0.07, 0.12 s (more if the machine is slow to wake the sleeper): it repeats, and stops at the end
     assert len(lines) >= 2 and all(line.startswith("long: still running (") for line in lines), lines
+
+
+def test_a_mini_batch_size_that_does_not_divide_a_step_is_refused_and_a_short_step_is_said_once(tmp_path):
+    """~15 s: train.mini_batch_size must divide a step's prompts_per_step x n samples (refused before the run folder
+    is written, naming the nearest sizes). Dynamic sampling that does not fill a step (data.max_gen_batches 1) trains
+    fewer samples, which a size dividing a full step may not divide: here a reward informative for odd answers only
+    keeps 3, 4, 4, 3 of 6 groups of 2 at steps 1-4, so steps 1 and 4 cut 6 samples into mini-batches of 4 and 2 (two
+    updates). The warning says so once, naming the sizes."""
+    reward = tmp_path / "odd.py"  # informative (the samples' scores differ) for prompts with an odd answer only
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(int(ground_truth) % 2 == 1 and extra_info['sample_index'] == 0)\n")  # fmt: skip
+    recipe, run = REPO / "recipes" / "dapo_quickstart.toml", tmp_path / "run"
+    sets = ["steps=4", "save_every=4", "data.prompts_per_step=6", "rollout.sampling.n=2", "data.max_gen_batches=1",
+            f'score.reward="{reward}:score"', "train.micro_batch_size=8"]  # fmt: skip
+    args = [a for s in sets for a in ("--set", s)]
+    refused = cli("ppo", recipe, "--out", run, *args, "--set", "train.mini_batch_size=5")
+    assert refused.exit_code == 1 and not run.exists()
+    assert (
+        "--set: train.mini_batch_size: 5 does not divide the 12 samples of a step (data.prompts_per_step 6 x "
+        "rollout.sampling.n 2): 2 optimizer steps of 5 and one of 2 each epoch; nearest sizes that divide it: 4 or 6"
+    ) in refused.stderr
+    done = cli_ok("ppo", recipe, "--out", run, *args, "--set", "train.mini_batch_size=4")
+    said = [line for line in done.stderr.splitlines() if "warning: step" in line]
+    assert len(said) == 1 and said[0].startswith("rlx ppo: warning: step 1 trains 6 samples (dynamic sampling found 3")
+    assert "train.mini_batch_size 4 cuts them into 1 optimizer step of 4 and one of 2" in said[0]
+    metrics = {m["step"]: m for m in read_jsonl(run / "metrics.jsonl")}
+    assert [metrics[s]["dynamic_sampling/kept_groups"] for s in (1, 2, 3, 4)] == [3, 4, 4, 3]
+    assert [metrics[s]["actor/num_updates"] for s in (1, 2, 3, 4)] == [2, 2, 2, 2]

@@ -45,7 +45,7 @@ def failing_reward(folder: Path, fail_when: str = "True") -> str:
         ("model.path='/nonexistent/model'", "model not found"),
         ("data.prompts='/nonexistent/prompts.jsonl'", "no such file"),
         ("score.reward='no_such_reward'", "no_such_reward"),
-        ("data.prompts_per_step=5000", "prompts per step"),
+        ("data.prompts_per_step=4096", "prompts per step"),  # x 2 samples: the recipe's mini-batch of 128 divides it
     ],
 )
 def test_a_bad_start_writes_nothing(tmp_path, override, message):

@@ -233,3 +233,28 @@ def test_a_checkpoint_prepared_before_an_update_holds_the_weights_of_before(tmp_
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     optimizer = read_full_optimizer(tmp_path / "ckpt")
     assert optimizer.keys() == moments.keys() and all(torch.equal(optimizer[k], moments[k]) for k in moments)
+
+
+def test_a_mini_batch_size_that_does_not_divide_the_batch(tmp_path, tiny_ckpt, batch_path):
+    """--mini-batch-size 3 on a batch of 8 would make optimizer steps of 3, 3 and 2: refused before any model is
+    loaded, naming the sizes and the nearest that divide 8, nothing written. A batch of dynamic sampling (`rlx score
+    --filter-groups`, recorded in the batch) varies in size from step to step: the same words as a warning, and the
+    step trains (three updates)."""
+    common = ["train-step", "--checkpoint", tiny_ckpt, "--mini-batch-size", "3"]
+    refused = cli(*common, "--batch", batch_path, "--out", tmp_path / "c1")
+    assert refused.exit_code == 1 and not (tmp_path / "c1").exists()
+    assert (
+        f"--mini-batch-size: 3 does not divide the 8 samples of {batch_path}: 2 optimizer steps of 3 and one of 2 "
+        "each epoch; nearest sizes that divide it: 2 or 4"
+    ) in refused.stderr
+    folder = batch_path.parent
+    cli_ok("score", "--rollouts", folder / "r.jsonl", "--actor", tiny_ckpt, "--reward",
+           f"{folder / 'length_reward.py'}:score", "--filter-groups", "--out", tmp_path / "filtered")  # fmt: skip
+    filtered = tmp_path / "filtered" / "batch.safetensors"
+    assert TrainBatch.load(filtered).meta.settings["filter_groups"] is True
+    metrics = tmp_path / "m.jsonl"
+    kept = cli_ok(*common, "--batch", filtered, "--out", tmp_path / "c2", "--metrics", metrics)
+    assert "rlx train-step: warning: --mini-batch-size 3 does not divide the 8 samples" in kept.stderr
+    assert "(a batch of dynamic sampling: its size varies)" in kept.stderr
+    assert json.loads(metrics.read_text().splitlines()[-1])["actor/num_updates"] == 3
+    cli_ok(*common[:-1], "4", "--batch", batch_path, "--out", tmp_path / "c3")  # 4 divides 8

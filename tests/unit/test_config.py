@@ -85,6 +85,33 @@ def test_shipped_recipes_load():
         assert cfg.steps >= 1, recipe
 
 
+def test_a_mini_batch_size_must_divide_the_samples_of_a_step(tmp_path):
+    """train.mini_batch_size (and critic.train's) that does not cut prompts_per_step x n samples into equal mini-batches
+    is refused naming the key, the sizes and the nearest that divide them; 0, a divisor or the whole batch and more
+    (one optimizer step) are kept, with dynamic sampling too (a short step is said at run time: tests/stages)."""
+    quickstart, gae = REPO / "recipes" / "quickstart.toml", REPO / "recipes" / "quickstart_gae.toml"  # 32 x 8 = 256
+    with pytest.raises(UserError) as e:
+        load_recipe(quickstart, ["train.mini_batch_size=100"])
+    assert str(e.value) == (
+        "--set: train.mini_batch_size: 100 does not divide the 256 samples of a step (data.prompts_per_step 32 x "
+        "rollout.sampling.n 8): 2 optimizer steps of 100 and one of 56 each epoch; nearest sizes that divide it: 64 "
+        "or 128"
+    )
+    critic = r"critic\.train\.mini_batch_size: 200 does not divide the 256 samples .* 1 optimizer step of 200 and one"
+    with pytest.raises(UserError, match=critic + r" of 56 .*: 128 or 256 \(256 or 0: the whole batch in one optimizer"):
+        load_recipe(gae, ["critic.train.mini_batch_size=200"])
+    with pytest.raises(UserError, match=r"quickstart\.toml: train\.mini_batch_size: 128 does not divide the 192"):
+        load_recipe(quickstart, ["rollout.sampling.n=6"])  # the recipe's 128 no longer divides 32 x 6
+    for mini in (0, 32, 256, 512):
+        assert load_recipe(quickstart, [f"train.mini_batch_size={mini}"]).train.mini_batch_size == mini
+    assert load_recipe(REPO / "recipes" / "dapo_quickstart.toml", ["train.mini_batch_size=64"]).score.filter_groups
+    from tests.conftest import cli
+
+    refused = cli("ppo", quickstart, "--out", tmp_path / "run", "--set", "train.mini_batch_size=100")
+    assert refused.exit_code == 1 and "nearest sizes that divide it: 64 or 128" in refused.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_every_config_field_has_a_docstring():
     from rlx.ppo.config import DataConfig, ModelConfig
     from rlx.scoring.config import ScoreConfig
