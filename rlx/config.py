@@ -142,11 +142,12 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
 
 def _over_default(f: dataclasses.Field, value: Any) -> Any:
     """A table given for a field whose default is a config built by its factory (`OptimConfig(lr=1e-5)`): the keys
-    it leaves out keep that default's values, not its class's."""
+    it leaves out keep that default's values, not its class's. A factory that is the class itself adds nothing: the
+    keys stay left out, so its `__post_init__` still tells them from given ones (RolloutConfig's tp_degree)."""
     if not isinstance(value, dict) or f.default_factory is dataclasses.MISSING:
         return value
     default = f.default_factory()
-    if not dataclasses.is_dataclass(default):
+    if not dataclasses.is_dataclass(default) or f.default_factory is type(default):
         return value
     kept = {g.name: getattr(default, g.name) for g in dataclasses.fields(default) if g.init and g.name not in value}
     return {**kept, **value}

@@ -779,6 +779,7 @@ def plan_recipe(
     for table in ("megatron", "async"):
         if table in tree:
             raise UserError(f"the memory plan does not cover a recipe with [{table}] yet")
+    tree = _old_tp_as_tp_degree(tree)
     config = model_config_of(tree, recipe_dir)
     where = (tree.get("model") or {}).get("path")
     if config is None:
@@ -789,6 +790,17 @@ def plan_recipe(
         return plan_memory(config, full, user, world, gpu_memory_gib, host, launched)
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{where}/config.json: cannot size the model for the memory plan ({e!r})") from None
+
+
+def _old_tp_as_tp_degree(tree: dict) -> dict:
+    """The tree with the deprecated rollout.tp as the rollout.tp_degree the recipe sets (RolloutConfig._take_old_tp):
+    the plan keeps it, and chooses no degree that would conflict with it. Both given: as it is (the recipe's check
+    refuses different values)."""
+    rollout = tree.get("rollout")
+    if not isinstance(rollout, dict) or not rollout.get("tp") or "tp_degree" in rollout:
+        return tree
+    moved = {k: v for k, v in rollout.items() if k != "tp"}
+    return {**tree, "rollout": {**moved, "tp_degree": rollout["tp"]}}
 
 
 def _lookup(tree: dict, dotted: str) -> Any:

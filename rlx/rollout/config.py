@@ -139,12 +139,14 @@ class RolloutConfig:
     """Where to run: auto picks cuda, then cpu."""
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute precision: auto is bfloat16 autocast on accelerators, float32 on CPU."""
-    tp_degree: int = 1
+    tp_degree: int | None = None
     """vllm, native: tensor-parallel degree, the ranks that hold one engine between them (each a slice of every
     layer's heads and MLP); under torchrun it must divide the world size, and the world size / tp_degree groups each
-    generate their share of the prompts (multi-turn episodes too: a group's first rank runs them)."""
+    generate their share of the prompts (multi-turn episodes too: a group's first rank runs them). Unset: 1 (or the
+    deprecated tp's value)."""
     tp: int = 0
-    """Deprecated: the old name of tp_degree, still accepted for one release (0 = not given)."""
+    """Deprecated: the old name of tp_degree, still accepted for one release (0 = not given); giving both with
+    different values is an error."""
     gpu_memory_utilization: float = 0.5
     """vllm: fraction of accelerator memory its weights and KV cache may take (keep room for training when
     colocated in `rlx ppo`); native: the fraction of free accelerator memory its KV cache takes."""
@@ -207,14 +209,18 @@ class RolloutConfig:
         check(self.sync_bucket_mib >= 1, "sync_bucket_mib", f"must be at least 1, got {self.sync_bucket_mib}")
 
     def _take_old_tp(self) -> None:
-        """`tp` (the old name) sets tp_degree, with a one-line notice; it is then cleared."""
+        """`tp` (the old name) sets tp_degree, with a one-line notice; it is then cleared. tp_degree unset (None) is 1,
+        so one given explicitly, even as 1, is told from the default: giving both with different values is an error
+        naming both, whatever they are."""
         if not self.tp:
+            self.tp_degree = 1 if self.tp_degree is None else self.tp_degree
             return
         check(self.tp >= 1, "tp", f"must be at least 1, got {self.tp}")
         check(
-            self.tp_degree in (1, self.tp),
+            self.tp_degree in (None, self.tp),
             "tp",
-            f"is the old name of tp_degree: give one of them (tp {self.tp}, tp_degree {self.tp_degree})",
+            f"is the old name of tp_degree: give one of them (both given, with different values: tp {self.tp}, "
+            f"tp_degree {self.tp_degree})",
         )
         print("rlx: rollout.tp (--tp) is now rollout.tp_degree (--tp-degree); the old name goes in the next release",
               file=sys.stderr)  # fmt: skip

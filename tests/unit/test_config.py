@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.config import ConfigError, apply_overrides, field_docs, from_dict, parse_override
+from rlx.config import ConfigError, apply_overrides, field_docs, from_dict, parse_override, to_dict
 from rlx.errors import UserError
 from rlx.ppo.config import PPOConfig, load_recipe
 from rlx.rollout.config import RolloutConfig
@@ -110,6 +110,35 @@ def test_a_mini_batch_size_must_divide_the_samples_of_a_step(tmp_path):
     refused = cli("ppo", quickstart, "--out", tmp_path / "run", "--set", "train.mini_batch_size=100")
     assert refused.exit_code == 1 and "nearest sizes that divide it: 64 or 128" in refused.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_old_name_rollout_tp_conflicting_with_tp_degree_is_refused_whatever_the_values(tmp_path, capsys):
+    """tp_degree unset is told from tp_degree 1 given: `tp = 2` with `tp_degree = 1` (a recipe, --set or the flags) is
+    an error naming both, no longer tp 2 silently; tp alone still works with a one-line notice, and equal values too."""
+    with pytest.raises(ConfigError, match=r"^tp: is the old name of tp_degree: give one of them \(both given, with "
+                       r"different values: tp 2, tp_degree 1\)"):  # fmt: skip
+        RolloutConfig(engine="vllm", tp=2, tp_degree=1)
+    assert RolloutConfig().tp_degree == 1 and RolloutConfig(engine="vllm", tp_degree=1).tp_degree == 1
+    assert RolloutConfig(engine="vllm", tp=2).tp_degree == 2
+    assert RolloutConfig(engine="vllm", tp=2, tp_degree=2).tp_degree == 2
+    assert capsys.readouterr().err.count("rollout.tp (--tp) is now rollout.tp_degree (--tp-degree)") == 2
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[model]\npath = "m"\n[data]\nprompts = "p"\n[rollout]\nengine = "vllm"\ntp = 2\n')
+    assert load_recipe(recipe).rollout.tp_degree == 2
+    both = tmp_path / "both.toml"
+    both.write_text(recipe.read_text() + "tp_degree = 1\n")
+    with pytest.raises(UserError, match=r"both\.toml: rollout\.tp: .*tp 2, tp_degree 1\)"):
+        load_recipe(both)
+    with pytest.raises(UserError, match=r"rollout\.tp: .*tp 2, tp_degree 1\)"):
+        load_recipe(recipe, ["rollout.tp_degree=1"])
+    resumed = from_dict(PPOConfig, to_dict(load_recipe(recipe)))  # a run folder's recipe.json: tp cleared, 2 kept
+    assert (resumed.rollout.tp, resumed.rollout.tp_degree) == (0, 2)
+    from tests.conftest import cli
+
+    flags = cli("rollout", "--model", "m", "--prompts", "p.jsonl", "--out", tmp_path / "o.jsonl", "--engine", "vllm",
+                "--tp", "2", "--tp-degree", "1")  # fmt: skip
+    assert flags.exit_code == 1 and "--tp: is the old name of tp_degree" in flags.stderr
+    assert "tp 2, tp_degree 1" in flags.stderr
 
 
 def test_every_config_field_has_a_docstring():

@@ -261,6 +261,22 @@ def test_plan_cli_fits_and_does_not_fit(tmp_path):
     )
 
 
+def test_the_old_name_rollout_tp_is_the_recipe_s_own_degree(tmp_path, monkeypatch):
+    """A recipe giving the deprecated rollout.tp keeps that degree: the plan chooses none of its own (4 x H100 would
+    pick tp_degree 2 for 7B), which RolloutConfig would refuse beside tp as two different values."""
+    import rlx.commands.ppo as command
+
+    recipe = write_recipe(tmp_path, QWEN25_7B)
+    monkeypatch.setattr(command, "_device_memory_gib", lambda: 79.1)
+    monkeypatch.setattr(command, "_host_memory_gib", lambda: X4_HOST_GIB)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert "rollout.tp_degree=2" in command._planned(recipe, [])
+    recipe.write_text(recipe.read_text().replace("[rollout]\n", '[rollout]\nengine = "native"\ntp = 4\n'))
+    assert not [o for o in command._planned(recipe, []) if o.startswith("rollout.tp_degree")]
+    assert "predicted decode step" not in cli("ppo", recipe, "--plan", "--gpus", "4", "--gpu-memory-gib", "79.1").stdout
+
+
 def test_plan_cli_bad_input(tmp_path):
     recipe = write_recipe(tmp_path, QWEN25_7B)
     no_plan = cli("ppo", recipe, "--gpus", "4")
