@@ -103,8 +103,21 @@ def _resume_hint(run_dir: Path) -> str:
         return ""
     found = last_checkpoint(run_dir)
     if found is None:
-        return "; no checkpoint was written yet, so --resume starts the run again at step 1 (the [sft] warm start too)"
+        again = "; no checkpoint was written yet, so --resume starts the run again at step 1"
+        if _has_warm_start(run_dir / RECIPE_NAME):
+            return f"{again}, and its [sft] warm start again from its first step (it saves no checkpoint part-way)"
+        return again
     return f"; its last checkpoint is {checkpoint_dir(run_dir, found[0])}: continue with the same command plus --resume"
+
+
+def _has_warm_start(recipe_json: Path) -> bool:
+    """Whether a run folder's recipe.json has an [sft] table (False where it cannot be read)."""
+    import json
+
+    try:
+        return json.loads(recipe_json.read_text()).get("sft") is not None
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _run(cfg, run_dir: Path, resume: bool, overwrite: bool) -> None:

@@ -93,11 +93,12 @@ def prepare_run_dir(
     barrier()  # every rank has read the run dir before rank 0 changes it
     if is_main:
         if restart:
+            sft = "" if overwrite else warm_start_restart(run_dir, recipe)  # before the folder is cleared
             clear_run(run_dir)
             why = "replacing its run (--overwrite)" if overwrite else "its earlier start completed no step"
             if lost:
                 why = f"its earlier start completed {lost} step(s) but wrote no checkpoint: nothing to continue"
-            console(f"{run_dir}: {why}; starting at step 1")
+            console(f"{run_dir}: {why}; starting at step 1{sft}")
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json(recipe_path, recipe)
         for stale in (run_dir / "checkpoints").glob(".step_*"):  # temporaries of a killed save
@@ -107,6 +108,24 @@ def prepare_run_dir(
     if resume and is_main and not restart:
         console(f"resuming {run_dir} after step {last}" if found else f"no checkpoint in {run_dir}; starting at step 1")
     return last, found[1] if found else None
+
+
+def warm_start_restart(run_dir: Path, recipe: dict) -> str:
+    """What starting a run folder again (no RL step checkpointed) does to the recipe's [sft] warm start, to end the
+    line that says so: it runs again from its first step, as `rlx sft` saves no checkpoint part-way (its one
+    checkpoint, step_000000, is written when it ends); '' without [sft] or when no warm start ran yet."""
+    if recipe.get("sft") is None:
+        return ""
+    if is_checkpoint(checkpoint_dir(run_dir, 0)):
+        return "; the [sft] warm start, which had finished, runs again from its first step (its checkpoint goes too)"
+    path = run_dir / SFT_METRICS
+    done = len(read_metrics_tolerant(path)) if path.is_file() else 0
+    if not done:
+        return ""
+    return (
+        f"; the [sft] warm start, stopped after {done} step(s), runs again from its first step (it saves no "
+        "checkpoint part-way)"
+    )
 
 
 def steps_recorded(run_dir: Path) -> int:

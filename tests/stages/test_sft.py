@@ -267,3 +267,39 @@ def test_a_template_that_drops_tool_calls_is_refused_naming_the_demonstration(tm
     assert result.exit_code == 1, result
     assert "demos.jsonl:1: message 1: the chat template does not write tool calls" in result.stderr
     assert "'content'" in result.stderr and not (tmp_path / "o").exists()
+
+
+def test_a_warm_start_stopped_part_way_runs_again_from_its_first_step(tmp_path, monkeypatch):
+    """~20 s: a run stopped during its [sft] warm start (SIGTERM's exception raised after the 2nd of 4 optimizer steps,
+    as the command's handler raises it) exits 143 saying --resume fine-tunes again from the first step (`rlx sft`
+    saves no checkpoint part-way), with no step-0 checkpoint or temporary left; --resume says so again and runs the
+    whole warm start (its first step's loss is the stopped one's, 4 metrics lines), then the RL step."""
+    from rlx.errors import Terminated
+    from rlx.sft.trainer import SFTTrainer
+
+    real, stop_at = SFTTrainer.train_step, [1]
+
+    def step_then_stop(self, batch, step):
+        metrics = real(self, batch, step)
+        if step in stop_at:
+            raise Terminated("terminated by SIGTERM")
+        return metrics
+
+    monkeypatch.setattr(SFTTrainer, "train_step", step_then_stop)
+    run, recipe = tmp_path / "run", REPO / "recipes" / "calculator.toml"
+    small = ["--set", "data.prompts_per_step=2", "--set", "rollout.sampling.n=2", "--set", "steps=1",
+             "--set", "rollout.sampling.max_new_tokens=4", "--set", "sft.max_steps=4"]  # fmt: skip
+    stopped = cli("ppo", recipe, "--out", run, *small)
+    assert stopped.exit_code == 143, stopped.stderr[-2000:]
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert "--resume starts the run again at step 1, and its [sft] warm start again from its first step" in last
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+    first = read_jsonl(run / "sft_metrics.jsonl")
+    assert len(first) == 1  # the step stopped in is not logged
+    stop_at.clear()
+    resumed = cli("ppo", recipe, "--out", run, "--resume", *small)
+    assert resumed.exit_code == 0, resumed.stderr[-2000:]
+    assert "the [sft] warm start, stopped after 1 step(s), runs again from its first step" in resumed.stderr
+    again = read_jsonl(run / "sft_metrics.jsonl")
+    assert len(again) == 4 and again[0]["sft/loss"] == first[0]["sft/loss"]
+    assert read_meta(run / "checkpoints" / "step_000000").step == 0 and len(read_jsonl(run / "metrics.jsonl")) == 1
