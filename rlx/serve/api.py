@@ -9,7 +9,8 @@ silently ignored what it asked for. How each field is treated is in docs/serve.m
   continuous_usage_stats), tools, tool_choice
   'none'/'auto' (tool calls are read only where tools are offered and tool_choice is not 'none'), logprobs and
   top_logprobs (chat: at most MAX_TOP_LOGPROBS; completions: logprobs = how many alternatives, at most
-  MAX_COMPLETION_LOGPROBS; engines hf and native), echo, return_token_ids (vLLM's extension),
+  MAX_COMPLETION_LOGPROBS; engines hf and native), echo (streamed too; not with logprobs: the prompt tokens' own
+  are not computed), return_token_ids (vLLM's extension),
   and metadata that changes no token (user, metadata, store, service_tier, ...: recorded with the turn);
 - temperature (0: greedy), top_p and top_k: the request's own where it sends them (the server's flags otherwise);
 - n > 1 in `rlx serve`: choice i > 0 is recorded as its own sample, `<sample_id>~i` (at most MAX_CHOICES);
@@ -391,10 +392,9 @@ def read_completion(body: dict, limits: Limits) -> CompletionCall:
     if is_ids:
         _check_ids(prompt, limits, "prompt")
     echo = _bool(body, "echo")
-    if echo and settings.stream:
-        raise refuse("echo", "echo with stream=true is not supported")
-    if echo and settings.logprobs:  # OpenAI's reply would hold the prompt tokens' logprobs too: not computed here
-        raise refuse("echo", "echo with logprobs is not supported (the prompt's own logprobs are not computed)")
+    if echo and settings.logprobs:  # vLLM's reply then lists the prompt tokens' logprobs before the sampled ones'
+        why = "the prompt tokens' own logprobs, which vLLM's reply then lists first, are not computed by rlx's engines"
+        raise refuse("echo", f"echo with logprobs is not supported: {why}; ask for logprobs without echo")
     return CompletionCall(prompt, settings, echo)
 
 

@@ -8,6 +8,7 @@ may be the start of one, and an incomplete UTF-8 character. Where tool calls are
 finished (stripped or not depends on calls not yet sampled). When the turn finishes, the rest of its content
 follows, so the pieces always add up to the reply's content exactly.
 
+`held_back` is the start of a text that more tokens cannot change (tool calls are read from it too: tool_stream.py);
 `covered` says which of the sampled tokens a sent text was written with (a streamed chunk carries their logprobs);
 `token_pieces` cuts a finished reply's content where its tokens' texts end.
 """
@@ -50,18 +51,26 @@ class TextDeltas:
         if self.hold_whitespace and text[:1].isspace():
             self.is_closed = True
             return self.sent
-        end = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes as U+FFFD until its last byte
-        for marker in self.markers:
-            at = text.find(marker)
-            if at >= 0:
-                self.is_closed, end = True, min(end, at)
-        text = text[:end]
-        for marker in self.markers:  # a tail that may become a marker waits
-            for size in range(min(len(marker) - 1, len(text)), 0, -1):
-                if text.endswith(marker[:size]):
-                    text = text[:-size]
-                    break
+        text, found = held_back(text, self.markers)
+        self.is_closed = found
         return text.rstrip() if self.hold_whitespace else text
+
+
+def held_back(text: str, markers: tuple[str, ...]) -> tuple[str, bool]:
+    """The start of `text` that more tokens cannot change: up to the first of `markers` (and whether one was found),
+    less a tail that may become one and an incomplete UTF-8 character (it decodes as U+FFFD until its last byte)."""
+    end, found = len(text.rstrip("\ufffd")), False
+    for marker in markers:
+        at = text.find(marker)
+        if at >= 0:
+            found, end = True, min(end, at)
+    text = text[:end]
+    for marker in markers:  # a tail that may become a marker waits
+        for size in range(min(len(marker) - 1, len(text)), 0, -1):
+            if text.endswith(marker[:size]):
+                text = text[:-size]
+                break
+    return text, found
 
 
 def covered(decode: Callable[[list[int]], str], ids: list[int], start: int, text: str) -> int:

@@ -2,10 +2,10 @@
 
 verifiers' training client (0.4, through the `renderers` package) renders the conversation to token ids itself and
 sends `{"model", "token_ids": [...], "sampling_params": {...}}`; the reply's first choice carries the sampled
-`token_ids`, their `logprobs` as `{"content": [{"token": "token_id:<id>", "logprob": x}, ...]}` and the
-`finish_reason`, and `prompt_token_ids` echoes the context. The request is a /v1/completions call whose prompt is
-those token ids (the same sample, segment and record rules: sessions.py), so the client's own trajectory and rlx's
-record hold the same tokens.
+`token_ids`, their `logprobs` as `{"content": [{"token": "token_id:<id>", "logprob": x}, ...]}`, the `finish_reason`
+and vLLM's `stop_reason`, and `prompt_token_ids` echoes the context. The request is a /v1/completions call whose
+prompt is those token ids (the same sample, segment and record rules: sessions.py), so the client's own trajectory
+and rlx's record hold the same tokens.
 
 sampling_params: temperature, top_p, top_k, max_tokens, seed and stop are honoured as on /v1/completions;
 `stop_token_ids` must be among the tokens the server stops at (the model's end tokens); logprobs (the sampled
@@ -58,7 +58,7 @@ def generate_reply(turn: Turn) -> dict:
     """The route's reply: the sampled token ids with their logprobs, the finish reason, the prompt's token ids."""
     logprobs = [{"token": f"token_id:{t}", "logprob": lp} for t, lp in zip(turn.response_ids, turn.logprobs)]
     choice = {"index": 0, "token_ids": turn.response_ids, "logprobs": {"content": logprobs},
-              "finish_reason": turn.finish_reason}  # fmt: skip
+              "finish_reason": turn.finish_reason, "stop_reason": turn.stop_reason}  # fmt: skip
     usage = {"prompt_tokens": len(turn.prompt_ids), "completion_tokens": len(turn.response_ids),
              "total_tokens": len(turn.prompt_ids) + len(turn.response_ids)}  # fmt: skip
     return {"request_id": turn.id, "choices": [choice], "prompt_token_ids": turn.prompt_ids, "usage": usage}

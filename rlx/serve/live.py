@@ -2,12 +2,15 @@
 
 The request is planned before the reply starts (a refused request is an HTTP error, not a stream). Its generation
 then runs as a task of its own: the engine worker hands each choice's tokens so far, with their logprobs, to the
-event loop as they are sampled (stream.py); the reply decodes them, sends what of the text is final (deltas.py) with
+event loop as they are sampled (stream.py); the reply decodes them, sends what of the text is final (deltas.py) and
+each tool call's name and arguments as they come (tool_stream.py, with the id its record gives the call), each with
 the logprobs and ids of the tokens that wrote it, and once the turn is generated it is recorded exactly as without
 `stream` (sessions.py), the sample's lock released, and the last chunks sent (replies.StreamedReply: the rest of the
-content, tool calls, the finish_reason with the remaining tokens, usage; then `data: [DONE]`). A client that goes
-away mid-stream does not stop the turn: it is generated and recorded all the same. A failure mid-stream is one
-`data: {"error": ...}` event before `[DONE]`, as vLLM sends it (its traceback on the server's stderr).
+content, what of the tool calls was not sent, the finish_reason with the remaining tokens, usage; then
+`data: [DONE]`). A completion with `echo` sends the prompt's text at the start of each choice's first chunk. A
+client that goes away mid-stream does not stop the turn: it is generated and recorded all the same. A failure
+mid-stream is one `data: {"error": ...}` event before `[DONE]`, as vLLM sends it (its traceback on the server's
+stderr).
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from starlette.concurrency import run_in_threadpool
 
 from rlx.rollout.requests import Generated
 from rlx.serve.api import ChatCall
-from rlx.serve.deltas import TOOL_CALL_OPEN, TextDeltas, covered, token_pieces
+from rlx.serve.deltas import TOOL_CALL_OPEN, TextDeltas, covered, held_back, token_pieces
 from rlx.serve.replies import Span, StreamedReply, Turn
 from rlx.serve.responses import message_opening, numbered, output_events, response_object, start_events, text_delta
 from rlx.serve.stream import EngineFailed
-from rlx.serve.turns import decoded_span, run_turns
+from rlx.serve.tool_stream import STREAMED_PARSERS, CallDelta, CallStream
+from rlx.serve.turns import decoded_span, echo_text, run_turns
 
 
 def _event(chunk: dict) -> str:
@@ -43,14 +47,24 @@ def _error(e: BaseException) -> dict:
 class LiveReply:
     """One streamed request: its generation task and the server-sent events of its reply."""
 
+    streams_calls = True
+    """Whether tool calls are sent as they are sampled (chat; the Responses API sends each once generated)."""
+
     def __init__(self, server, sessions: list, call, prepared: list):
         """`sessions` are held (their locks taken) and released once the turns are recorded; `prepared`: the plans
         and token requests of turns.prepare_turns."""
         self.server, self.sessions, self.call = server, sessions, call
+        self.plans = [plan for plan, _ in prepared]
         self.is_chat = isinstance(call, ChatCall)
         reads_tools = self.is_chat and call.parse_tools
-        stops = (*call.settings.stop, *server.sampling.stop, *((TOOL_CALL_OPEN,) if reads_tools else ()))
-        self.deltas = [TextDeltas(stops, hold_whitespace=reads_tools) for _ in sessions]
+        self.stops = tuple(s for s in (*call.settings.stop, *server.sampling.stop) if s)
+        markers = (*self.stops, *((TOOL_CALL_OPEN,) if reads_tools else ()))
+        self.deltas = [TextDeltas(markers, hold_whitespace=reads_tools) for _ in sessions]
+        self.calls = [
+            CallStream() if reads_tools and self.streams_calls and session.parser_name in STREAMED_PARSERS else None
+            for session in sessions
+        ]
+        """Each choice's tool calls read as they are sampled (None where its parser's calls are sent once generated)."""
         settings = call.settings
         self.wants_tokens = settings.logprobs or settings.return_token_ids or settings.continuous_usage
         """Whether chunks carry their tokens (logprobs, ids, usage so far): else which tokens wrote a piece is moot."""
@@ -83,33 +97,57 @@ class LiveReply:
         with self.server.tokenizer_lock:
             return self.server.tokenizer.decode(ids, skip_special_tokens=True)
 
-    async def _next(self, index: int) -> tuple[str, Span | None]:
-        """What of choice `index`'s text may be sent now that it has new tokens ('' when nothing), with the tokens
-        that wrote it (None where the reply does not carry tokens)."""
-        sampled = self.latest.pop(index, None)
-        if sampled is None or self.deltas[index].is_closed:
-            return "", None
+    def _echo(self) -> str:
+        with self.server.tokenizer_lock:
+            return echo_text(self.server.tokenizer, self.call)
+
+    async def _next(self, index: int) -> list[dict]:
+        """The chunks choice `index`'s new tokens let send (none while nothing more is final)."""
+        sampled, calls = self.latest.pop(index, None), self.calls[index]
+        if sampled is None or (self.deltas[index].is_closed and (calls is None or calls.is_stopped)):
+            return []
         return await run_in_threadpool(self._advance, index, sampled)
 
-    def _advance(self, index: int, sampled: Generated) -> tuple[str, Span | None]:
+    def _advance(self, index: int, sampled: Generated) -> list[dict]:
+        """The chunks of what choice `index`'s text so far lets send: a piece of its content, its tool calls' deltas;
+        each with the tokens that wrote it (where the reply carries tokens)."""
         ids = sampled.response_ids
         text = self._decode(ids)
+        found: list[tuple[str | CallDelta, int]] = []  # what to send, and how much of the text it was read from
         piece = self.deltas[index].feed(text)
-        if not piece or not self.wants_tokens:
-            return piece, None
-        start, sent = self.chunks.num_tokens[index], self.deltas[index].sent
-        end = len(ids) if text == sent else covered(self._decode, ids, start, sent)
-        with self.server.tokenizer_lock:
-            return piece, decoded_span(self.server.tokenizer, sampled, start, end, self.call.settings.logprobs)
+        if piece:
+            found.append((piece, len(self.deltas[index].sent)))
+        if self.calls[index] is not None:
+            found += [(delta, delta.end) for delta in self.calls[index].feed(held_back(text, self.stops)[0])]
+        chunks = []
+        for what, read in found:
+            span, start = None, self.chunks.num_tokens[index]
+            if self.wants_tokens:
+                end = len(ids) if read == len(text) else covered(self._decode, ids, start, text[:read])
+                with self.server.tokenizer_lock:
+                    span = decoded_span(self.server.tokenizer, sampled, start, end, self.call.settings.logprobs)
+            chunks.append(self._chunk(index, what, span))
+        return chunks
+
+    def _chunk(self, index: int, what: str | CallDelta, span: Span | None) -> dict:
+        """The chunk of choice `index` that sends a piece of its text or a tool call's delta."""
+        if isinstance(what, str):
+            return self.chunks.text(index, what, span)
+        if what.name is not None:  # the id the turn's record gives the call too
+            call_id = self.sessions[index].call_id_for(self.plans[index], what.number)
+            return self.chunks.call_named(index, what.number, call_id, what.name, span)
+        return self.chunks.call_arguments(index, what.number, what.arguments, span)
 
     def _rest(self, index: int, turn: Turn) -> list[tuple[str, int, int]]:
         """The pieces of choice `index`'s finished content still to send, each with its tokens [start, end): a
         piece per token where nothing was sent (and the tokens' texts make the content), else the rest whole."""
-        content = (turn.message.get("content") or "") if self.is_chat else turn.text
+        content = (turn.message.get("content") or "") if self.is_chat else turn.text[len(turn.echo) :]
         sent, start = self.deltas[index].sent, self.chunks.num_tokens[index]
         rest = content[len(sent) :] if content.startswith(sent) else ""
         if not rest:
             return []
+        if self.chunks.calls[index]:  # tool calls were streamed with the tokens so far: the rest's go with the finish
+            return [(rest, start, start)]
         pieces = token_pieces(content, turn.token_texts) if not sent and not start else None
         if pieces is not None:
             return pieces
@@ -121,12 +159,13 @@ class LiveReply:
         if self.is_chat:
             for index in range(len(self.sessions)):
                 yield _event(self.chunks.role(index))
+        elif self.call.echo:  # each choice's first chunk begins with the prompt (vLLM's)
+            self.chunks.echo = [await run_in_threadpool(self._echo)] * len(self.sessions)
         while True:
             kind, value = await self.queue.get()
             if kind == "tokens":
-                piece, span = await self._next(value)
-                if piece:
-                    yield _event(self.chunks.text(value, piece, span))
+                for chunk in await self._next(value):
+                    yield _event(chunk)
                 continue
             if kind == "error":
                 yield _event({"error": _error(value)})
@@ -144,6 +183,8 @@ class LiveReply:
 class LiveResponse(LiveReply):
     """A streamed Responses API reply (/v1/responses with `stream: true`): the message's text as it is sampled, then
     the function calls, the done events and the finished response (responses.py builds the events)."""
+
+    streams_calls = False
 
     def __init__(self, server, sessions: list, call, prepared: list, previous: str | None, store: bool, sample: str):
         super().__init__(server, sessions, call, prepared)
@@ -166,7 +207,7 @@ class LiveResponse(LiveReply):
         while True:
             kind, value = await self.queue.get()
             if kind == "tokens":
-                piece, _ = await self._next(value)
+                piece = await self._piece(value)
                 if piece:
                     yield self._sse([*([] if opened else message_opening(0, item_id)), text_delta(0, item_id, piece)])
                     opened = True
@@ -177,6 +218,14 @@ class LiveResponse(LiveReply):
                 return
             yield self._sse(output_events(self._finished(value[0], opened), opened, self.deltas[0].sent))
             return
+
+    async def _piece(self, index: int) -> str:
+        """What of the message's text may be sent now that it has new tokens ('' when nothing)."""
+        sampled = self.latest.pop(index, None)
+        if sampled is None or self.deltas[index].is_closed:
+            return ""
+        text = await run_in_threadpool(self._decode, sampled.response_ids)
+        return self.deltas[index].feed(text)
 
     def _finished(self, turn, opened: bool) -> dict:
         """The response object of the generated turn (kept for previous_response_id unless store is false); a

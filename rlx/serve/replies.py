@@ -1,14 +1,20 @@
 """Finished turns as OpenAI's replies: a chat.completion or text_completion object (one choice per turn: the
 request's n), or the chunks of its stream.
 
+Each choice has vLLM's `stop_reason` (the stop string or the non-EOS stop token that ended it, else null); with
+`return_token_ids`, its `token_ids`, and the prompt's: beside the choices of a chat reply, in each choice of a
+completion (where vLLM puts them).
+
 A streamed reply (live.py) is built by `StreamedReply`, as vLLM's OpenAI server streams: every chunk has the reply's
 id, created and model; a chat choice opens with its role delta (`content: ""`, and the prompt's token ids with
-`return_token_ids`); each piece of text carries the logprobs (and, with `return_token_ids`, the ids) of the tokens it
-was written with, so the pieces' logprobs add up to the non-streamed reply's; each tool call is a delta of its id,
-type and name, then one of its arguments; the last chunk has the finish_reason and the tokens no text took (a
-tool-call block's go with the first call's delta). With `stream_options.continuous_usage_stats` every chunk has the
-usage so far; with `include_usage` a last chunk with no choices has the request's usage. The trajectory is recorded
-exactly as for the same request without `stream`.
+`return_token_ids`); a completion choice's first chunk begins with the prompt's text where the request asked for
+`echo`; each piece of text carries the logprobs (and, with `return_token_ids`, the ids) of the tokens it was written
+with, so the pieces' logprobs add up to the non-streamed reply's; each tool call is a delta of its id, type and name,
+then its arguments (in pieces as they are sampled, tool_stream.py, or whole once generated); the last chunk has the
+finish_reason, the stop_reason (a completion's chunks all have one: null before) and the tokens no chunk took (with
+the first tool-call delta sent once the turn is generated, if any). With `stream_options.continuous_usage_stats`
+every chunk has the usage so far; with `include_usage` a last chunk with no choices has the request's usage. The
+trajectory is recorded exactly as for the same request without `stream`.
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ class Turn:
     """chat: the assistant message (content, tool_calls)."""
     text: str = ""
     """completions: the reply's text (the prompt first, with echo)."""
+    echo: str = ""
+    """completions with echo: the prompt's text, which `text` begins with."""
+    stop_reason: int | str | None = None
+    """vLLM's: the stop string, or the stop token other than the tokenizer's EOS, that ended the turn; else None."""
     token_texts: list[str] = field(default_factory=list)
     """Each sampled token decoded alone (for logprobs and stream pieces)."""
     top_logprobs: list[list[tuple[str, float]]] = field(default_factory=list)
@@ -59,6 +69,9 @@ class Turn:
         return Span(self.response_ids[start:end], self.logprobs[start:end], self.token_texts[start:end],
                     self.top_logprobs[start:end])  # fmt: skip
 
+
+Finish = tuple[str, int | str | None]
+"""A choice's finish_reason and vLLM's stop_reason (on its last chunk)."""
 
 ID_PREFIX = {"chat.completion": "chatcmpl-", "chat.completion.chunk": "chatcmpl-", "text_completion": "cmpl-"}
 
@@ -104,10 +117,11 @@ def _usage(turns: list[Turn]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _with_token_ids(turn: Turn, reply: dict, choice: dict) -> None:
-    """vLLM's `return_token_ids`: the prompt's and the choice's token ids."""
+def _with_token_ids(turn: Turn, reply: dict, choice: dict, is_chat: bool) -> None:
+    """vLLM's `return_token_ids`: the choice's token ids and the prompt's (chat: beside the choices; completions: in
+    each choice, as vLLM places them)."""
     if turn.settings.return_token_ids:
-        reply["prompt_token_ids"] = turn.prompt_ids
+        (reply if is_chat else choice)["prompt_token_ids"] = turn.prompt_ids
         choice["token_ids"] = turn.response_ids
 
 
@@ -119,8 +133,9 @@ def chat_reply(turns: list[Turn], model: str) -> dict:
         if message.get("tool_calls") and not message.get("content"):  # OpenAI's: no text beside the calls is null
             message = {**message, "content": None}
         logprobs = _chat_logprobs(turn.span()) if turn.settings.logprobs else None
-        choice = {"index": index, "message": message, "finish_reason": chat_finish_reason(turn), "logprobs": logprobs}
-        _with_token_ids(turn, reply, choice)
+        choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": chat_finish_reason(turn),
+                  "stop_reason": turn.stop_reason}  # fmt: skip
+        _with_token_ids(turn, reply, choice, is_chat=True)
         reply["choices"].append(choice)
     return reply
 
@@ -130,8 +145,9 @@ def completion_reply(turns: list[Turn], model: str) -> dict:
     reply = {**_head(turns[0], "text_completion", model), "choices": [], "usage": _usage(turns)}
     for index, turn in enumerate(turns):
         logprobs = _completion_logprobs(turn.span(), turn.settings) if turn.settings.logprobs else None
-        choice = {"index": index, "text": turn.text, "finish_reason": turn.finish_reason, "logprobs": logprobs}
-        _with_token_ids(turn, reply, choice)
+        choice = {"index": index, "text": turn.text, "logprobs": logprobs, "finish_reason": turn.finish_reason,
+                  "stop_reason": turn.stop_reason}  # fmt: skip
+        _with_token_ids(turn, reply, choice, is_chat=False)
         reply["choices"].append(choice)
     return reply
 
@@ -156,6 +172,10 @@ class StreamedReply:
         """Where each choice's next token's text begins (completions' text_offset)."""
         self.is_open = [False] * len(prompt_ids)
         """Whether the choice has sent a chunk (a completion choice's first carries the prompt's ids)."""
+        self.echo = [""] * len(prompt_ids)
+        """Completions with echo: each choice's prompt text, which its first chunk's text begins with (vLLM's)."""
+        self.calls: list[list[dict]] = [[] for _ in prompt_ids]
+        """Each chat choice's tool calls streamed as they were sampled: their id, name and the arguments sent."""
 
     def role(self, index: int) -> dict:
         """A chat choice's first chunk: the role (and `content: ""`, as vLLM sends before it knows the reply)."""
@@ -168,14 +188,30 @@ class StreamedReply:
         self.is_open[index] = True
         return chunk
 
-    def text(self, index: int, text: str, span: Span | None, finish_reason: str | None = None) -> dict:
-        """A chunk of choice `index` with a piece of its text (chat: its content) written by the tokens of `span`."""
-        fields = ({"delta": {"content": text} if text else {}}) if self.is_chat else {"text": text}
-        return self.chunk(index, fields, span, finish_reason)
+    def text(self, index: int, text: str, span: Span | None, finish: Finish | None = None) -> dict:
+        """A chunk of choice `index` with a piece of its text (chat: its content) written by the tokens of `span`
+        (a completion choice's first begins with the echoed prompt); `finish`: the choice's finish_reason and
+        stop_reason, on its last chunk."""
+        if self.is_chat:
+            fields = {"delta": {"content": text} if text else {}}
+        else:
+            fields = {"text": text if self.is_open[index] else self.echo[index] + text}
+        return self.chunk(index, fields, span, finish)
 
-    def chunk(self, index: int, fields: dict, span: Span | None, finish_reason: str | None = None) -> dict:
+    def call_named(self, index: int, number: int, call_id: str, name: str, span: Span | None) -> dict:
+        """The chunk that opens choice `index`'s tool call `number`: its id, type and name (vLLM's first delta)."""
+        self.calls[index].append({"id": call_id, "name": name, "arguments": ""})
+        named = {"index": number, "id": call_id, "type": "function", "function": {"name": name}}
+        return self.chunk(index, {"delta": {"tool_calls": [named]}}, span)
+
+    def call_arguments(self, index: int, number: int, piece: str, span: Span | None) -> dict:
+        """A chunk with a piece of the arguments of choice `index`'s tool call `number`."""
+        self.calls[index][number]["arguments"] += piece
+        return self.chunk(index, {"delta": {"tool_calls": [{"index": number, "function": {"arguments": piece}}]}}, span)
+
+    def chunk(self, index: int, fields: dict, span: Span | None, finish: Finish | None = None) -> dict:
         """A chunk of choice `index`: `fields` (chat: the delta; completions: the text), the logprobs and ids of the
-        tokens of `span`, the usage so far where the request asked for it."""
+        tokens of `span`, the usage so far where the request asked for it; `finish`: (finish_reason, stop_reason)."""
         span = span or Span()
         settings, logprobs = self.settings, None
         if settings.logprobs and span.ids:
@@ -184,7 +220,9 @@ class StreamedReply:
             else:
                 logprobs = _completion_logprobs(span, settings, self.text_at[index])
                 self.text_at[index] += sum(len(t) for t in span.texts)
-        choice = {"index": index, **fields, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, **fields, "logprobs": logprobs, "finish_reason": finish and finish[0]}
+        if finish or not self.is_chat:  # vLLM's: a chat choice's with its finish_reason, a completion's in every chunk
+            choice["stop_reason"] = finish and finish[1]
         if settings.return_token_ids:
             choice["token_ids"] = span.ids
             if not self.is_open[index]:  # vLLM's: a completion choice's first chunk carries the prompt's ids
@@ -198,22 +236,35 @@ class StreamedReply:
 
     def finished(self, index: int, turn: Turn, pieces: list[tuple[str, int, int]]) -> Iterator[dict]:
         """Choice `index`'s last chunks once its turn is generated: `pieces` of its text still to send, each with
-        its tokens [start, end) (contiguous from the tokens sent so far), its tool calls (the id, type and name, then
-        the arguments), and the finish_reason with the tokens no piece took (a tool-call block's go with the first
-        call's delta)."""
+        its tokens [start, end) (contiguous from the tokens sent so far), what of its tool calls was not streamed
+        (a call's id, type and name, then its arguments or the rest of them), and the finish_reason and stop_reason;
+        the tokens no chunk took go with the first tool-call delta here, else with the finish_reason."""
         turn.id, turn.created = self.rid, self.head["created"]
         for text, start, end in pieces:
             yield self.text(index, text, turn.span(start, end))
         rest = turn.span(self.num_tokens[index])
-        calls = (turn.message.get("tool_calls") or []) if self.is_chat else []
-        for number, call in enumerate(calls):
-            function = call["function"]
-            named = {"index": number, "id": call["id"], "type": "function", "function": {"name": function["name"]}}
-            yield self.chunk(index, {"delta": {"tool_calls": [named]}}, rest if number == 0 else None)
-            arguments = {"index": number, "function": {"arguments": function["arguments"]}}
-            yield self.chunk(index, {"delta": {"tool_calls": [arguments]}}, None)
+        deltas = self._unsent_calls(index, turn)
+        for number, delta in enumerate(deltas):
+            yield self.chunk(index, {"delta": {"tool_calls": [delta]}}, rest if number == 0 else None)
         finish = chat_finish_reason(turn) if self.is_chat else turn.finish_reason
-        yield self.text(index, "", None if calls else rest, finish)
+        yield self.text(index, "", None if deltas else rest, (finish, turn.stop_reason))
+
+    def _unsent_calls(self, index: int, turn: Turn) -> list[dict]:
+        """The deltas of choice `index`'s tool calls not streamed yet: a whole call (its name, then its arguments),
+        or the rest of a streamed call's arguments."""
+        deltas, streamed = [], self.calls[index]
+        for number, call in enumerate((turn.message.get("tool_calls") or []) if self.is_chat else []):
+            function = call["function"]
+            if number >= len(streamed):
+                named = {"name": function["name"]}
+                deltas.append({"index": number, "id": call["id"], "type": "function", "function": named})
+                more = function["arguments"]
+            else:  # the rest of a streamed call's arguments (none where a key given twice changed what was sent)
+                sent = streamed[number]["arguments"]
+                more = function["arguments"][len(sent) :] if function["arguments"].startswith(sent) else ""
+            if more:
+                deltas.append({"index": number, "function": {"arguments": more}})
+        return deltas
 
     def usage(self, turns: list[Turn]) -> Iterator[dict]:
         """The usage chunk (no choices) where the request asked for it (stream_options.include_usage)."""

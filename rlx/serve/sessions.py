@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from rlx.chat.images import EpisodeImages, RenderedImages
-from rlx.chat.tool_calls import get_tool_call_parser, parse_plain, parser_for_template
+from rlx.chat.tool_calls import call_id, get_tool_call_parser, parse_plain, parser_for_template
 from rlx.chat.trajectory import ChatRenderer, Trajectory
 from rlx.errors import UserError
 from rlx.models.vision.inputs import VisionInputs
@@ -34,6 +34,7 @@ from rlx.rollout.stops import StopStrings
 from rlx.serve.request_images import ImagePolicy, RequestImages, has_images, read_content
 
 _SOURCE = "the request's"
+_CALL_IDS_LOCK = threading.Lock()
 
 
 def normalize_message(message: dict, where: str = "a message", policy: ImagePolicy | None = None) -> dict:
@@ -119,6 +120,14 @@ class Plan:
     image_start: int = 0
     vision: VisionInputs | None = None
     """Every image of the context (the segment's and the new ones) with their offsets; None without images."""
+    call_ids: list[str] = field(default_factory=list)
+    """The ids of the turn's tool calls so far (SampleSession.call_id_for): a streamed call's first delta carries its
+    id before the turn is committed, and commit gives the call the same."""
+    turn: int = field(init=False)
+    """The turn's number in its segment (its tool calls are `call_<turn>_<i>` under `rlx rollout --agent`)."""
+
+    def __post_init__(self):
+        self.turn = self.segment.trajectory.num_turns
 
 
 class SampleSession:
@@ -206,6 +215,16 @@ class SampleSession:
         segment = Segment("completion", reason, Trajectory(prompt_ids, []), text=text)
         return Plan(segment, True, list(prompt_ids))
 
+    def call_id_for(self, plan: Plan, number: int) -> str:
+        """The id of tool call `number` of the turn `plan` generates, the same whether a stream asks for it before the
+        turn is committed or `commit` does: random (`call_<24 hex>`) with `unique_call_ids`, else `call_<turn>_<i>`."""
+        with _CALL_IDS_LOCK:  # the stream's thread and the commit's may ask at once
+            while len(plan.call_ids) <= number:
+                at = len(plan.call_ids)
+                own = f"call_{secrets.token_hex(12)}" if self.unique_call_ids else call_id(plan.turn, at)
+                plan.call_ids.append(own)
+            return plan.call_ids[number]
+
     def _break_reason(self, seg: Segment | None, kind: str, tools, request) -> str | None:
         """None when the request continues `seg`, else why a new segment begins."""
         if seg is None:
@@ -252,9 +271,8 @@ class SampleSession:
         parse = self.parse if parse_tools else parse_plain
         parsed = parse(seg.last_turn_text, traj.num_turns - 1)
         message = parsed.message if not parsed.errors else {"role": "assistant", "content": seg.last_turn_text}
-        if self.unique_call_ids:
-            for call in message.get("tool_calls", ()):
-                call["id"] = f"call_{secrets.token_hex(12)}"
+        for number, call in enumerate(message.get("tool_calls", ())):
+            call["id"] = self.call_id_for(plan, number)
         reply = normalize_message(message)
         traj.messages += plan.new_messages + [reply]
         seg.keys += plan.new_keys + [reply]

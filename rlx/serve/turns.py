@@ -95,16 +95,36 @@ def _commit(server, session: SampleSession, plan: Plan, gen: Generated, call) ->
         parse = call.parse_tools if isinstance(call, ChatCall) else True
         reply, _ = session.commit(plan, gen, parse_tools=parse, settings=settings.recorded)
         span = decoded_span(server.tokenizer, gen, 0, len(gen.response_ids), settings.stream or settings.logprobs)
-        echoed = ""
-        if isinstance(call, CompletionCall) and call.echo:
-            echoed = call.prompt if isinstance(call.prompt, str) else server.tokenizer.decode(call.prompt)
+        echoed, stop_reason = echo_text(server.tokenizer, call), _stop_reason(server, session, gen)
     turn = Turn(settings, plan.context_ids, gen.response_ids, gen.logprobs, gen.finish_reason,
-                token_texts=span.texts, top_logprobs=span.top)  # fmt: skip
+                token_texts=span.texts, top_logprobs=span.top, stop_reason=stop_reason)  # fmt: skip
     if isinstance(call, ChatCall):
         turn.message = reply
     else:
-        turn.text = echoed + reply
+        turn.text, turn.echo = echoed + reply, echoed
     return turn
+
+
+def echo_text(tokenizer, call) -> str:
+    """The prompt's text a completion with `echo` begins with ('' without echo); under the server's tokenizer lock."""
+    if not (isinstance(call, CompletionCall) and call.echo):
+        return ""
+    return call.prompt if isinstance(call.prompt, str) else tokenizer.decode(call.prompt)
+
+
+def _stop_reason(server, session: SampleSession, gen: Generated) -> int | str | None:
+    """vLLM's stop_reason: the stop string that ended the turn, or the stop token that did unless it is the
+    tokenizer's EOS (vLLM stops there as its model's end: None, as for a turn cut at max_tokens)."""
+    if gen.finish_reason != "stop" or not gen.response_ids:
+        return None
+    if gen.stop_string:
+        return gen.stop_string
+    if session.stops is not None:  # the server's --stop, which the engine stopped at
+        found = session.stops.first(server.tokenizer.decode(gen.response_ids, skip_special_tokens=True))
+        if found:
+            return found
+    last = gen.response_ids[-1]
+    return last if last in server.stop_ids and last != server.tokenizer.eos_token_id else None
 
 
 def decoded_span(tokenizer, gen: Generated, start: int, end: int, with_texts: bool) -> Span:

@@ -4,6 +4,7 @@ clients that name no sample are answered side by side, ids and error types are O
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import urllib.error
@@ -17,9 +18,10 @@ from rlx.rollout.config import RolloutConfig, SamplingParams
 from rlx.rollout.requests import TokenRequest
 from rlx.serve.server import AgentServer
 from rlx.serve.stream import StreamWorker
-from tests.agent_helpers import random_chat_model, token_engine
+from tests.agent_helpers import bigram_chat_model, random_chat_model, token_engine
 from tests.conftest import cli
 from tests.unit.test_serve_endpoint import HI, SAMPLING, post, start, stop
+from tests.unit.test_serve_stream import events
 
 
 def get(url: str) -> int:
@@ -134,3 +136,63 @@ def test_the_command_refuses_bad_flags_before_loading_the_model(tmp_path):
         assert out.exit_code == 1 and re.search(r"cannot listen on 127\.0\.0\.1:\d+", out.stderr), out.stderr
     out = cli("serve", "--model", "nowhere", "--max-prompt-length", "10")  # a rollout's flag, not the server's
     assert out.exit_code == 2 and "No such option" in out.stderr
+
+
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice_as_vllm_does():
+    """vLLM's `stop_reason` in every choice: the stop string that ended it (the request's or the server's --stop), the
+    stop token that did unless it is the tokenizer's EOS, else null (EOS, max_tokens). Streamed: a chat choice's with
+    its finish_reason only, a completion choice's in every chunk (null until the last); the token-in/token-out route
+    has it too."""
+    model, tokenizer = bigram_chat_model("\nok</tool_response>")  # any other token is followed by EOS
+    extra = tokenizer.convert_tokens_to_ids("</tool_response>")
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, extra]  # a second end token (Qwen's <|endoftext|>)
+    server = start((model, tokenizer))
+    stopping = start((model, tokenizer), RolloutConfig(sampling=SamplingParams(max_new_tokens=6, stop=["k"])))
+    url = f"{server.url}/v1"
+    try:
+        assert extra in server.stop_ids and extra != tokenizer.eos_token_id
+        for body, finish, reason in [
+            ({"messages": HI}, "stop", extra),
+            ({"messages": HI, "stop": ["k<", "k"]}, "stop", "k"),
+            ({"messages": HI, "max_tokens": 1}, "length", None),
+            ({"messages": [{"role": "user", "content": "x"}], "stop": ["x"]}, "stop", extra),
+        ]:
+            status, reply = post(f"{url}/chat/completions", body, {"X-Session-ID": json.dumps(body)})
+            assert status == 200 and reply["choices"][0]["finish_reason"] == finish, reply
+            assert reply["choices"][0]["stop_reason"] == reason, (body, reply)
+        status, reply = post(f"{url}/completions", {"prompt": "x", "max_tokens": 3}, {"X-Session-ID": "c"})
+        assert reply["choices"][0]["text"] == "" and reply["choices"][0]["stop_reason"] is None  # x: then EOS
+        status, reply = post(f"{stopping.url}/v1/chat/completions", {"messages": HI})
+        assert reply["choices"][0]["message"]["content"] == "o" and reply["choices"][0]["stop_reason"] == "k"
+        status, reply = post(f"{server.url}/inference/v1/generate", {"token_ids": tokenizer("\n")["input_ids"]})
+        assert reply["choices"][0]["stop_reason"] == extra, reply
+        chat = [c["choices"][0] for c in events(f"{url}/chat/completions", {"messages": HI, "stream": True})[:-1]]
+        assert [c.get("stop_reason", "absent") for c in chat] == ["absent"] * (len(chat) - 1) + [extra]
+        text = [c["choices"][0] for c in events(f"{url}/completions", {"prompt": "\n", "stream": True})[:-1]]
+        assert [c["stop_reason"] for c in text] == [None] * (len(text) - 1) + [extra] and len(text) > 1
+    finally:
+        stop(server)
+        stop(stopping)
+
+
+def test_prompt_token_ids_go_where_vllm_puts_them_and_echo_streams_through_the_openai_client():
+    """return_token_ids: a completion's prompt ids are in each of its choices, a chat reply's beside its choices, as
+    vLLM places them. echo streams (the openai client's pieces begin with the prompt's text); echo with logprobs is
+    refused by name, streamed or not (the prompt tokens' own logprobs, which vLLM then lists, are not computed)."""
+    server = start()
+    url = f"{server.url}/v1"
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    try:
+        status, reply = post(f"{url}/completions", {"prompt": "12+3=", "n": 2, "return_token_ids": True})
+        assert status == 200 and "prompt_token_ids" not in reply
+        assert [c["prompt_token_ids"] for c in reply["choices"]] == [server.tokenizer("12+3=")["input_ids"]] * 2
+        status, reply = post(f"{url}/chat/completions", {"messages": HI, "return_token_ids": True})
+        assert reply["prompt_token_ids"] and "prompt_token_ids" not in reply["choices"][0]
+        pieces = client.completions.create(model="rlx", prompt=[5, 6, 7], max_tokens=3, echo=True, stream=True)
+        assert "".join(p.choices[0].text for p in pieces).startswith(server.tokenizer.decode([5, 6, 7]))
+        for stream in (False, True):
+            status, reply = post(f"{url}/completions", {"prompt": "1", "echo": True, "logprobs": 0, "stream": stream})
+            assert status == 400 and reply["error"]["param"] == "echo", reply
+            assert "prompt tokens' own logprobs" in reply["error"]["message"]
+    finally:
+        stop(server)

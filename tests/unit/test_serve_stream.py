@@ -12,12 +12,14 @@ import httpx
 import openai
 import pytest
 
+from rlx.chat.tool_calls import parse_qwen
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import SamplingParams
 from rlx.serve.deltas import covered, token_pieces
 from rlx.serve.server import AgentServer
 from rlx.serve.sessions import SampleSession
 from rlx.serve.stream import StreamWorker
+from rlx.serve.tool_stream import CallStream
 from rlx.tasks.calculator import CALCULATOR_TOOL
 from tests.agent_helpers import CALC_PIECES, CALC_SCRIPT, bigram_chat_model, random_chat_model, token_engine
 
@@ -124,7 +126,9 @@ def test_each_chunk_carries_its_tokens_logprobs_and_they_add_up_to_the_non_strea
             assert "".join(c["text"] for c in choices) == expected["text"]
             assert joined_completion_logprobs(choices) == expected["logprobs"]
             prompt_ids = [c["prompt_token_ids"] for c in choices if "prompt_token_ids" in c]
-        assert prompt_ids == [plain["prompt_token_ids"]]  # once, on the choice's first chunk (vLLM's)
+        # once, on the choice's first chunk; non-streamed, vLLM has a chat reply's beside its choices, a completion's in
+        # each choice
+        assert prompt_ids == [plain["prompt_token_ids"] if endpoint == "chat" else expected["prompt_token_ids"]]
 
 
 @pytest.mark.parametrize("engine", ["hf", "native"])
@@ -163,9 +167,12 @@ def test_text_held_back_before_a_stop_string_sends_its_tokens_later_and_none_is_
 
 @pytest.mark.parametrize("engine", ["hf", "native"])
 def test_a_tool_call_streams_as_vllm_streams_it(engine):
-    """The role delta, then per call a delta of its index, id, type and name and one of its arguments (no content
-    beside them), then the finish_reason 'tool_calls'; the call's tokens' logprobs go with its first delta, and all
-    of them add up to the non-streamed reply's; the openai client rebuilds the same call."""
+    """The role delta, then a delta of the call's index, id, type and name, then its arguments: in pieces as they are
+    sampled on the native engine (whole once the turn is generated on hf), adding up to the non-streamed arguments
+    exactly; no content beside them; then the finish_reason 'tool_calls' and stop_reason null (the turn ended at the
+    tokenizer's EOS). Each delta has the logprobs and ids of the tokens that wrote it, and all of them add up to the
+    non-streamed reply's; the openai client rebuilds the same call, with the id the record holds, so the conversation
+    continued with it extends the same segment."""
     model = bigram_chat_model(CALC_SCRIPT, extra_tokens=CALC_PIECES)
     servers = [serve(model, engine), serve(model, engine)]
     body = {"messages": HI, "tools": [CALCULATOR_TOOL], "logprobs": True, "return_token_ids": True}
@@ -175,21 +182,130 @@ def test_a_tool_call_streams_as_vllm_streams_it(engine):
         client = openai.OpenAI(base_url=servers[1].base_url("sdk"), api_key="k", max_retries=0)
         with client.chat.completions.stream(model="rlx", messages=HI, tools=[CALCULATOR_TOOL]) as stream:
             final = stream.get_final_completion().choices[0]
+        rebuilt = final.message.model_dump(include={"role", "content", "tool_calls"}, exclude_none=True)
+        result = {"role": "tool", "tool_call_id": final.message.tool_calls[0].id, "content": "408"}
+        client.chat.completions.create(model="rlx", messages=[*HI, rebuilt, result], tools=[CALCULATOR_TOOL])
     finally:
         stop(*servers)
     expected, choices = plain["choices"][0], by_choice(streamed[:-1])[0]
     [call] = expected["message"]["tool_calls"]
     assert expected["message"]["content"] is None and expected["finish_reason"] == "tool_calls"
+    assert expected["stop_reason"] is None
     deltas = [c["delta"] for c in choices]
-    named = {"index": 0, "id": deltas[1]["tool_calls"][0]["id"], "type": "function", "function": {"name": "calculator"}}
-    arguments = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
-    opening = {"role": "assistant", "content": ""}
-    assert deltas == [opening, {"tool_calls": [named]}, {"tool_calls": [arguments]}, {}]
+    assert deltas[0] == {"role": "assistant", "content": ""} and deltas[-1] == {}
+    [named] = deltas[1]["tool_calls"]
+    assert named == {"index": 0, "id": named["id"], "type": "function", "function": {"name": "calculator"}}
     assert named["id"].startswith("call_") and named["id"] != call["id"]  # each server's own random ids
-    assert [c["finish_reason"] for c in choices] == [None, None, None, "tool_calls"]
-    assert choices[1]["token_ids"] == expected["token_ids"] and choices[1]["logprobs"] == expected["logprobs"]
+    pieces = [delta["tool_calls"] for delta in deltas[2:-1]]
+    arguments = [piece[0]["function"]["arguments"] for piece in pieces]
+    assert pieces == [[{"index": 0, "function": {"arguments": piece}}] for piece in arguments]
+    assert "".join(arguments) == call["function"]["arguments"] == '{"expression": "12*34"}'
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["tool_calls"]
+    assert "stop_reason" not in choices[-2] and choices[-1]["stop_reason"] is None  # vLLM's: with the finish_reason
+    assert [t for c in choices for t in c.get("token_ids", [])] == expected["token_ids"]
+    logprobs = [e for c in choices for e in (c["logprobs"] or {}).get("content", [])]
+    assert logprobs == expected["logprobs"]["content"]
+    if engine == "native":  # as sampled: the name with the tokens that wrote it, then the arguments token by token
+        assert [e["token"] for e in choices[1]["logprobs"]["content"]] == ["<tool_call>", '{"name": ', '"calculator"']
+        assert len(arguments) > 1 and arguments[-1].endswith("}")
+    else:
+        assert len(arguments) == 1 and choices[1]["token_ids"] == expected["token_ids"]
     assert final.finish_reason == "tool_calls" and final.message.tool_calls[0].function.name == "calculator"
-    assert json.loads(final.message.tool_calls[0].function.arguments) == {"expression": "12*34"}
+    assert final.message.tool_calls[0].function.arguments == call["function"]["arguments"]
+    session = servers[1].sessions["sdk"]
+    assert final.message.tool_calls[0].id == session.segments[0].trajectory.messages[1]["tool_calls"][0]["id"]
+    assert len(session.segments) == 1 and session.num_requests == 2  # the rebuilt call continued the segment
+
+
+@pytest.mark.parametrize("engine", ["hf", "native"])
+def test_echo_streams_the_prompt_first_then_the_completion(engine):
+    """A completion with echo streams as vLLM's: each choice's first chunk begins with the prompt's text (with the
+    prompt's ids, and only the sampled ids as its `token_ids`), the pieces add up to the non-streamed text (the prompt,
+    then the completion), and every chunk has a stop_reason (null until the choice's last)."""
+    model = random_chat_model(stop_bias=-10.0)  # every turn runs to max_tokens
+    servers = [serve(model, engine), serve(model, engine)]
+    body = {"prompt": "12+3=", "echo": True, "n": 2, "seed": 7, "max_tokens": 6, "return_token_ids": True}
+    try:
+        plain = httpx.post(servers[0].url + "/v1/completions", json=body, timeout=120).json()
+        streamed = events(servers[1].url + "/v1/completions", {**body, "stream": True})
+    finally:
+        stop(*servers)
+    for index, choices in by_choice(streamed[:-1]).items():
+        expected = plain["choices"][index]
+        assert expected["text"].startswith("12+3=") and len(expected["text"]) > len("12+3=")
+        assert choices[0]["text"].startswith("12+3=") and not any(c["text"].startswith("12+3=") for c in choices[1:])
+        assert "".join(c["text"] for c in choices) == expected["text"]
+        assert [t for c in choices for t in c["token_ids"]] == expected["token_ids"]
+        assert [c.get("prompt_token_ids") for c in choices] == [expected["prompt_token_ids"]] + [None] * (
+            len(choices) - 1
+        )
+        assert [c["stop_reason"] for c in choices] == [None] * len(choices)  # cut at max_tokens: null throughout
+        if engine == "native":  # the prompt went with the first tokens sampled, not once the turn was generated
+            assert len([c for c in choices if c["text"]]) > 2
+
+
+def test_tool_call_ids_are_the_records_and_a_call_the_turn_does_not_read_still_gives_its_text():
+    """Streamed calls carry the id their turn's record gives them (under `rlx rollout --agent`, `call_<turn>_<i>`
+    as an environment's rollout names them). A call whose block the turn does not finish (cut at max_tokens) was
+    streamed as it was sampled, as vLLM streams it, and cannot be taken back: the reply then has the block's text as
+    its content too, as the non-streamed reply has it (no tool calls there), and its finish_reason."""
+    model = bigram_chat_model(CALC_SCRIPT, extra_tokens=CALC_PIECES)
+    tokenizer, sampling = model[1], SamplingParams(max_new_tokens=16, temperature=1.0, seed=3)
+    worker = StreamWorker(token_engine(*model, "native", kv_cache_gib=0.01), sampling, 500)
+    strict = AgentServer(worker, tokenizer, worker.engine.stop_ids, sampling, AgentConfig(), strict=True).start()
+    servers = [serve(model, "native"), serve(model, "native")]
+    body = {"messages": HI, "tools": [CALCULATOR_TOOL], "max_tokens": 5}
+    try:
+        agent = by_choice(events(f"{strict.url}/v1/chat/completions", {**body, "max_tokens": 16, "stream": True})[:-1])
+        plain = httpx.post(f"{servers[0].url}/v1/chat/completions", json=body, timeout=120).json()
+        streamed = by_choice(events(f"{servers[1].url}/v1/chat/completions", {**body, "stream": True})[:-1])[0]
+    finally:
+        stop(strict, *servers)
+    assert agent[0][1]["delta"]["tool_calls"][0]["id"] == "call_0_0"
+    assert strict.sessions["default"].current.trajectory.messages[-1]["tool_calls"][0]["id"] == "call_0_0"
+    message = plain["choices"][0]["message"]
+    assert "tool_calls" not in message and plain["choices"][0]["finish_reason"] == "length"
+    assert message["content"] == '<tool_call>{"name": "calculator", "arguments": {"expression": '
+    deltas = [c["delta"] for c in streamed]
+    assert deltas[1]["tool_calls"][0]["function"] == {"name": "calculator"}
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    assert streamed[-1]["finish_reason"] == plain["choices"][0]["finish_reason"] == "length"
+
+
+def test_call_stream_pieces_add_up_to_the_finished_arguments():
+    """Fed the text as it grows (here a character at a time), the pieces of each call's arguments are the parser's
+    json.dumps of them exactly, whatever the sampled spacing, escapes (split anywhere, a surrogate pair included) and
+    numbers, with the arguments before the name or other keys beside them; the name comes once known, first; a block
+    that stops being a call's JSON stops the stream (nothing more is sent); a key given twice is sent twice (as
+    sampled: the same object as the parser's)."""
+    blocks = [
+        '{"name":"f","arguments":{"a":1.50,"b" : [true,null, -0, 1E3],"s": "x\\u00e9\\n\\ud83d\\ude00\\"\\/é","c":{}}}',
+        '{ "arguments" : {"k": "v"}, "id": 3, "name": "g" }',  # the arguments before the name: sent once it is known
+        '{"name": "h", "arguments": "{\\"a\\": 1}"}',  # arguments as a string of JSON: read once finished
+    ]
+    text = "Sure. " + "".join(f"<tool_call>\n{block}\n</tool_call>" for block in blocks)
+    calls = parse_qwen(text, 0).message["tool_calls"]
+    stream, names, pieces = CallStream(), {}, {}
+    for end in range(len(text) + 1):
+        for delta in stream.feed(text[:end]):
+            if delta.name is not None:
+                assert delta.number not in names and delta.arguments == ""
+                names[delta.number] = delta.name
+                continue
+            assert delta.number in names and delta.end <= end
+            pieces.setdefault(delta.number, []).append(delta.arguments)
+    assert names == {0: "f", 1: "g", 2: "h"} and not stream.is_stopped
+    assert "".join(pieces[0]) == calls[0]["function"]["arguments"] and len(pieces[0]) > 10
+    assert calls[0]["function"]["arguments"] == '{"a": 1.5, "b": [true, null, 0, 1000.0], "s": "xé\\n😀\\"/é", "c": {}}'
+    assert pieces[1] == [calls[1]["function"]["arguments"]] and 2 not in pieces  # h's: once the turn is generated
+    twice = '<tool_call>{"name": "f", "arguments": {"a": 1, "b": 2, "a": 3}}</tool_call>'
+    [call] = parse_qwen(twice, 0).message["tool_calls"]
+    stream = CallStream()
+    sent = "".join(d.arguments for end in range(len(twice) + 1) for d in stream.feed(twice[:end]))
+    assert sent == '{"a": 1, "b": 2, "a": 3}' and json.loads(sent) == json.loads(call["function"]["arguments"])
+    broken = CallStream()
+    assert [d.name for d in broken.feed('<tool_call>{"name": "f", "arguments": {"a": 1')] == ["f", None]
+    assert broken.feed('<tool_call>{"name": "f", "arguments": {"a": 1 2}') == [] and broken.is_stopped
 
 
 def test_stream_options_are_honoured_or_refused_by_name():
