@@ -97,6 +97,7 @@ def ppo(
 
 def _resume_hint(run_dir: Path) -> str:
     """What an interrupted run's last line adds: the checkpoint --resume continues from, or that there is none."""
+    from rlx.checkpoints.meta import is_checkpoint
     from rlx.ppo.rundir import RECIPE_NAME, checkpoint_dir, last_checkpoint
 
     if not (run_dir / RECIPE_NAME).is_file():
@@ -104,9 +105,11 @@ def _resume_hint(run_dir: Path) -> str:
     found = last_checkpoint(run_dir)
     if found is None:
         again = "; no checkpoint was written yet, so --resume starts the run again at step 1"
-        if _has_warm_start(run_dir / RECIPE_NAME):
-            return f"{again}, and its [sft] warm start again from its first step (it saves no checkpoint part-way)"
-        return again
+        if not _has_warm_start(run_dir / RECIPE_NAME):
+            return again
+        if is_checkpoint(checkpoint_dir(run_dir, 0)):
+            return f"{again}, reusing its finished [sft] warm start unless something it depends on changed"
+        return f"{again}, and its [sft] warm start again from its first step (it saves no checkpoint part-way)"
     return f"; its last checkpoint is {checkpoint_dir(run_dir, found[0])}: continue with the same command plus --resume"
 
 

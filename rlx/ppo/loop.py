@@ -63,7 +63,7 @@ from rlx.ppo.rundir import (
     step_dir,
 )
 from rlx.ppo.start import RunInputs, RunLock, StopRequest, check_run_inputs
-from rlx.ppo.warm_start import warm_start
+from rlx.ppo.warm_start import warm_start, warm_start_record
 from rlx.ppo.writer import BackgroundWriter, write_jsonl_shared
 from rlx.rollout.base import RolloutStats, build_engine
 from rlx.scoring.score import Rewards, ScoreResult, compute_rewards, score_rollouts
@@ -106,13 +106,13 @@ class PPORun:
 
     def _start(self, inputs: RunInputs, resume: bool, overwrite: bool) -> None:
         cfg = self.cfg
-        self.start_step, start_ckpt = prepare_run_dir(
-            self.run_dir, to_dict(cfg), resume, self.ctx.is_main, overwrite=overwrite
-        )
+        record = warm_start_record(cfg, self.device)  # a finished [sft] warm start is reused only if it is the same
+        start = prepare_run_dir(self.run_dir, to_dict(cfg), resume, self.ctx.is_main, overwrite, record)
+        self.start_step, start_ckpt = start.step, start.checkpoint
         meta = read_meta(start_ckpt) if start_ckpt else CheckpointMeta()
         self.data_position = meta.data_position or 0
         self.kl_coef = meta.kl_coef if meta.kl_coef is not None else cfg.score.kl_coef
-        initial = warm_start(cfg, self.run_dir, self.start_step, self.ctx)  # [sft]: the step-0 checkpoint
+        initial = warm_start(cfg, self.run_dir, self.start_step, self.ctx, start.warm_start_kept)  # [sft]: step 0
         started = time.perf_counter()
         self.setup_metrics["timing/setup_inputs_s"] = started - self.setup_t0  # data checks, run folder, warm start
         fresh = start_ckpt is None and initial is cfg  # starts from the recipe's model, resolved by the checks

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
-from rlx.checkpoints.meta import is_checkpoint
-from rlx.config import move_keys
+from rlx.checkpoints.meta import CheckpointMeta, is_checkpoint
+from rlx.config import ConfigError, move_keys
 from rlx.errors import UserError
 from rlx.observe.tracking import console, read_metrics_tolerant, truncate_metrics
 from rlx.parallel.dist import barrier
@@ -45,21 +46,45 @@ RUN_FILES = (RECIPE_NAME, "metrics.jsonl", "traces.jsonl", SFT_METRICS)
 RUN_FOLDERS = ("checkpoints", "report", "tensorboard", "wandb", "mlflow")
 
 
-def clear_run(run_dir: Path) -> None:
-    """Remove what `rlx ppo` and `rlx report` wrote in a run folder; other files in it stay."""
+def clear_run(run_dir: Path, keep_warm_start: bool = False) -> None:
+    """Remove what `rlx ppo` and `rlx report` wrote in a run folder; other files in it stay. `keep_warm_start`: a
+    finished [sft] warm start (checkpoints/step_000000 and sft_metrics.jsonl) stays too."""
+    kept = {checkpoint_dir(run_dir, 0), run_dir / SFT_METRICS} if keep_warm_start else set()
     for name in RUN_FILES:
-        (run_dir / name).unlink(missing_ok=True)
+        if run_dir / name not in kept:
+            (run_dir / name).unlink(missing_ok=True)
     for path in [*(run_dir / name for name in RUN_FOLDERS), *run_dir.glob("step_*")]:
-        if path.is_dir():
+        if path.is_dir() and path == run_dir / "checkpoints" and kept:
+            for inner in path.iterdir():
+                if inner in kept:
+                    continue
+                if inner.is_dir():
+                    shutil.rmtree(inner)
+                else:
+                    inner.unlink()
+        elif path.is_dir():
             shutil.rmtree(path)
 
 
+@dataclass(frozen=True)
+class RunStart:
+    """Where a run folder's run starts (prepare_run_dir)."""
+
+    step: int
+    """The last completed step (0: the run starts at step 1)."""
+    checkpoint: Path | None
+    """That step's checkpoint (None at step 0)."""
+    warm_start_kept: bool = False
+    """Whether the finished [sft] warm start of an earlier start (checkpoints/step_000000) is reused, not run again."""
+
+
 def prepare_run_dir(
-    run_dir: Path, recipe: dict, resume: bool, is_main: bool, overwrite: bool = False
-) -> tuple[int, Path | None]:
-    """Check the run dir against the recipe (every rank), write it and clear a killed save's leftovers (rank 0);
-    return (last completed step, its checkpoint). A folder whose run completed no step (no checkpoint: its start
-    failed) is started again, as is any run with `overwrite`."""
+    run_dir: Path, recipe: dict, resume: bool, is_main: bool, overwrite: bool = False, warm_start: dict | None = None
+) -> RunStart:
+    """Check the run dir against the recipe (every rank), write it and clear a killed save's leftovers (rank 0).
+    A folder whose run completed no step (no checkpoint: its start failed) is started again, as is any run with
+    `overwrite`; with `resume`, such a restart keeps a finished [sft] warm start whose inputs are unchanged
+    (`warm_start`: what warm_start.warm_start_record gives for this run)."""
     recipe_path = run_dir / RECIPE_NAME
     found = last_checkpoint(run_dir) if recipe_path.exists() else None
     restart = recipe_path.exists() and (overwrite or found is None)
@@ -76,25 +101,17 @@ def prepare_run_dir(
             f"--overwrite to replace it, or choose another --out"
         )
     if recipe_path.exists() and not restart:
-        saved = json.loads(recipe_path.read_text())
-        move_keys(saved, MOVED_KEYS)  # a run started before the config sections ([train.optim], ...)
-        saved["steps"] = recipe["steps"]  # a resumed run may be extended
-        saved["tracking"] = recipe["tracking"]  # and logged elsewhere
-        _add_unused_new_tables(saved, recipe)
-        if saved != recipe:
-            key = _first_difference(saved, recipe)
-            raise UserError(
-                f"{run_dir}: the recipe differs from the run's at '{key}'; "
-                "resume with the same recipe or start a new --out"
-            )
+        _check_same_recipe(run_dir, recipe)
+    kept, sft = False, ""
+    if restart and not overwrite:  # read by every rank before rank 0 clears the folder
+        kept, sft = warm_start_restart(run_dir, recipe, resume, warm_start)
     if restart:
         found = None
     last = found[0] if found else 0
     barrier()  # every rank has read the run dir before rank 0 changes it
     if is_main:
         if restart:
-            sft = "" if overwrite else warm_start_restart(run_dir, recipe)  # before the folder is cleared
-            clear_run(run_dir)
+            clear_run(run_dir, keep_warm_start=kept)
             why = "replacing its run (--overwrite)" if overwrite else "its earlier start completed no step"
             if lost:
                 why = f"its earlier start completed {lost} step(s) but wrote no checkpoint: nothing to continue"
@@ -107,25 +124,118 @@ def prepare_run_dir(
     barrier()
     if resume and is_main and not restart:
         console(f"resuming {run_dir} after step {last}" if found else f"no checkpoint in {run_dir}; starting at step 1")
-    return last, found[1] if found else None
+    return RunStart(last, found[1] if found else None, kept)
 
 
-def warm_start_restart(run_dir: Path, recipe: dict) -> str:
-    """What starting a run folder again (no RL step checkpointed) does to the recipe's [sft] warm start, to end the
-    line that says so: it runs again from its first step, as `rlx sft` saves no checkpoint part-way (its one
-    checkpoint, step_000000, is written when it ends); '' without [sft] or when no warm start ran yet."""
+def _saved_recipe(run_dir: Path, recipe: dict) -> dict:
+    """The run folder's recipe.json as this rlx reads it: old keys moved to their sections, optional tables it
+    predates added as unused."""
+    saved = json.loads((run_dir / RECIPE_NAME).read_text())
+    move_keys(saved, MOVED_KEYS)  # a run started before the config sections ([train.optim], ...)
+    _add_unused_new_tables(saved, recipe)
+    return saved
+
+
+def _check_same_recipe(run_dir: Path, recipe: dict) -> None:
+    """A resumed run's recipe is the one it ran with, but for `steps` (it may be extended) and `tracking`."""
+    saved = _saved_recipe(run_dir, recipe)
+    saved["steps"] = recipe["steps"]  # a resumed run may be extended
+    saved["tracking"] = recipe["tracking"]  # and logged elsewhere
+    if saved != recipe:
+        key = _first_difference(saved, recipe)
+        raise UserError(
+            f"{run_dir}: the recipe differs from the run's at '{key}'; resume with the same recipe or start a new --out"
+        )
+
+
+def warm_start_restart(run_dir: Path, recipe: dict, resume: bool, record: dict | None) -> tuple[bool, str]:
+    """What starting a run folder again (no RL step checkpointed) does to the recipe's [sft] warm start: whether its
+    finished result (checkpoints/step_000000) is kept, and the words that end the line saying so. With `resume` a
+    finished warm start is kept when nothing it depends on changed (`record`: warm_start_record of this run), else it
+    runs again, as one stopped part-way does (`rlx sft` saves no checkpoint part-way); '' without [sft] or when no
+    warm start ran yet."""
     if recipe.get("sft") is None:
-        return ""
-    if is_checkpoint(checkpoint_dir(run_dir, 0)):
-        return "; the [sft] warm start, which had finished, runs again from its first step (its checkpoint goes too)"
+        return False, ""
+    step0 = checkpoint_dir(run_dir, 0)
+    if is_checkpoint(step0):
+        if not resume:
+            return False, (
+                "; the [sft] warm start, which had finished, runs again from its first step (its checkpoint goes too; "
+                "--resume keeps it when nothing it depends on changed)"
+            )
+        change = warm_start_change(run_dir, recipe, record)
+        if change is None:
+            return True, f"; its finished [sft] warm start is reused ({step0}: {_WARM_START_INPUTS} unchanged)"
+        return False, f"; the [sft] warm start, which had finished, runs again from its first step: {change}"
     path = run_dir / SFT_METRICS
     done = len(read_metrics_tolerant(path)) if path.is_file() else 0
     if not done:
-        return ""
-    return (
+        return False, ""
+    return False, (
         f"; the [sft] warm start, stopped after {done} step(s), runs again from its first step (it saves no "
         "checkpoint part-way)"
     )
+
+
+_WARM_START_INPUTS = "its [sft] table, model, seed, demonstrations, chat template variables and device"
+
+
+def warm_start_change(run_dir: Path, recipe: dict, record: dict | None) -> str | None:
+    """What changed, of what a run folder's finished warm start depends on, between it and `recipe` (None: nothing):
+    the recipe keys (recipe.json against `recipe`), then what its checkpoint's rlx.json records beyond them (the
+    demonstrations' sha256 and the device type: `record`, warm_start.warm_start_record, holds this run's)."""
+    try:
+        saved = _saved_recipe(run_dir, recipe)
+    except (OSError, ValueError, ConfigError) as e:
+        return f"its {RECIPE_NAME} cannot be read ({e})"
+    before, now = _warm_start_keys(saved), _warm_start_keys(recipe)
+    if before != now:
+        old, new = _leaves(before), _leaves(now)
+        changed = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
+        if not changed:  # an empty table against none
+            return f"{_first_difference(before, now)} changed"
+        return f"{changed[0]} changed ({old.get(changed[0])!r} -> {new.get(changed[0])!r})"
+    try:
+        recorded = CheckpointMeta.read(checkpoint_dir(run_dir, 0)).provenance
+    except UserError as e:
+        return f"its checkpoint's metadata cannot be read ({e})"
+    current = record or {}
+    if recorded.get("data_sha256") is None or recorded.get("device") is None:
+        return "its checkpoint does not record the demonstrations and device it trained on (written by an older rlx)"
+    if recorded["data_sha256"] != current.get("data_sha256"):
+        return f"the demonstrations in {recipe['sft'].get('data')} changed (their sha256 is not the checkpoint's)"
+    if recorded["device"] != current.get("device"):
+        return f"the device changed ({recorded['device']} -> {current.get('device')})"
+    return None
+
+
+def _warm_start_keys(recipe: dict) -> dict:
+    """The recipe keys a warm start's weights depend on (rlx/ppo/warm_start.py): [sft], [model], the seed, the device it
+    trains on and, when [sft] gives none, the chat template variables of [rollout.agent] it renders with."""
+    sft = recipe.get("sft") or {}
+    keys = {
+        "sft": sft,
+        "model": recipe.get("model"),
+        "seed": recipe.get("seed"),
+        "train.device": (recipe.get("train") or {}).get("device"),
+    }
+    if not sft.get("chat_template_kwargs"):
+        agent = (recipe.get("rollout") or {}).get("agent") or {}
+        keys["rollout.agent.chat_template_kwargs"] = agent.get("chat_template_kwargs")
+    return keys
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    """A nested dict's values by dotted key ({"sft": {"optim": {"lr": 1}}} -> {"sft.optim.lr": 1}; an empty table
+    gives none)."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict):
+            out.update(_leaves(value, name))
+        else:
+            out[name] = value
+    return out
 
 
 def steps_recorded(run_dir: Path) -> int:

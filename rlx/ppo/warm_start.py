@@ -9,12 +9,19 @@ Under torchrun a synchronous FSDP run fine-tunes on every process (FSDP, each ba
 as `rlx sft` under torchrun: the weights of one process); otherwise (async ranks, sequence parallelism, megatron)
 the main process fine-tunes alone while the others wait. Every process then loads the checkpoint. A shell pipeline
 does the same with `rlx shard`, then `rlx sft`, then the stage loop.
+
+The checkpoint's rlx.json records what its weights depend on beyond the recipe's keys (`warm_start_record`: the
+demonstrations' sha256, the device type), so a run stopped before its first RL checkpoint and started again with
+`--resume` reuses a finished warm start when neither those nor its recipe keys changed (rlx/ppo/rundir.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
+
+import torch
 
 from rlx.checkpoints import catalog
 from rlx.checkpoints.loading import load_initial_policy
@@ -28,15 +35,16 @@ from rlx.ppo.rundir import SFT_METRICS, checkpoint_dir
 from rlx.rollout.prompts import stop_token_ids
 from rlx.sft.config import SFTConfig
 from rlx.stages.sft import fine_tune, load_samples
+from rlx.utils import storage
 
 
-def warm_start(cfg: PPOConfig, run_dir: Path, start_step: int, ctx: DistContext) -> PPOConfig:
+def warm_start(cfg: PPOConfig, run_dir: Path, start_step: int, ctx: DistContext, kept: bool = False) -> PPOConfig:
     """`cfg` with the run's step-0 checkpoint as its model when the recipe has `[sft]` (fine-tuned now on a fresh
-    start); `cfg` itself without it."""
+    start, unless `kept`: an earlier start's finished warm start is reused); `cfg` itself without it."""
     if cfg.sft is None:
         return cfg
     out = checkpoint_dir(run_dir, 0)
-    if start_step == 0:
+    if start_step == 0 and not kept:
         if _data_parallel(cfg, ctx):
             _fine_tune(cfg, run_dir, out, ctx)
         elif ctx.is_main:
@@ -48,6 +56,14 @@ def warm_start(cfg: PPOConfig, run_dir: Path, start_step: int, ctx: DistContext)
             f"continue (start it again with --overwrite)"
         )
     return dataclasses.replace(cfg, model=ModelConfig(path=str(out), init="pretrained"))
+
+
+def warm_start_record(cfg: PPOConfig, device: torch.device) -> dict | None:
+    """What the warm start's weights depend on beyond the recipe's keys, written into its checkpoint's provenance:
+    the sha256 of the demonstrations file and the device type it trains on; None without [sft]."""
+    if cfg.sft is None:
+        return None
+    return {"data_sha256": hashlib.sha256(storage.read_bytes(cfg.sft.data)).hexdigest(), "device": device.type}
 
 
 def _data_parallel(cfg: PPOConfig, ctx: DistContext) -> bool:
@@ -73,5 +89,6 @@ def _fine_tune(cfg: PPOConfig, run_dir: Path, out: Path, ctx: DistContext) -> No
         where = f"{ctx.world} processes" if ctx.distributed else "1 process"
         console(f"[sft] fine-tuning the initial policy on {len(samples)} demonstrations ({sft.data}), {where}")
     trainer, metrics = fine_tune(model, tokenizer, samples, sft, ctx, run_dir / SFT_METRICS)
-    origin = provenance("rlx ppo [sft]", cfg.model.path, data=sft.data, init=cfg.model.init, seed=cfg.seed)
+    record = warm_start_record(cfg, ctx.device)
+    origin = provenance("rlx ppo [sft]", cfg.model.path, data=sft.data, init=cfg.model.init, seed=cfg.seed, **record)
     save(out, trainer.state(), aux, CheckpointMeta(step=0, layout=catalog.DEFAULT, provenance=origin), overwrite=True)

@@ -303,3 +303,107 @@ def test_a_warm_start_stopped_part_way_runs_again_from_its_first_step(tmp_path, 
     again = read_jsonl(run / "sft_metrics.jsonl")
     assert len(again) == 4 and again[0]["sft/loss"] == first[0]["sft/loss"]
     assert read_meta(run / "checkpoints" / "step_000000").step == 0 and len(read_jsonl(run / "metrics.jsonl")) == 1
+
+
+def test_resume_reuses_a_finished_warm_start_when_nothing_it_depends_on_changed(tmp_path, capsys):
+    """A run folder whose [sft] warm start finished (checkpoints/step_000000) but whose run checkpointed no RL step:
+    --resume keeps the warm start when its recipe keys ([sft], [model], seed, train.device, the chat template's
+    variables), its demonstrations' sha256 and its device are those recorded, in one line; any of them changed runs it
+    again, naming what changed. Without --resume the folder starts again (the warm start too), and steps that ran are
+    never thrown away unasked: refused, the warm start left in place. --overwrite clears it all."""
+    from rlx.checkpoints.meta import CheckpointMeta
+    from rlx.config import to_dict
+    from rlx.errors import UserError
+    from rlx.ppo.config import load_recipe
+    from rlx.ppo.rundir import prepare_run_dir
+    from rlx.ppo.warm_start import warm_start_record
+
+    recipe = REPO / "recipes" / "calculator.toml"
+    cfg = load_recipe(recipe)
+    record = warm_start_record(cfg, torch.device("cpu"))
+    assert len(record["data_sha256"]) == 64 and record["device"] == "cpu"
+
+    def stopped_run(name: str, steps_done: int = 0, recorded: dict | None = record) -> Path:
+        """A folder as a run leaves it when it stops before its first RL checkpoint, its warm start finished."""
+        run = tmp_path / name
+        step0 = run / "checkpoints" / "step_000000"
+        step0.mkdir(parents=True)
+        CheckpointMeta(step=0, provenance={"created_by": "rlx ppo [sft]", **(recorded or {})}).write(step0)
+        (run / "recipe.json").write_text(json.dumps(to_dict(cfg)))
+        (run / "sft_metrics.jsonl").write_text('{"step": 1, "sft/loss": 1.5}\n')
+        (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, steps_done + 1)))
+        return run
+
+    def start(run: Path, overrides=(), resume=True, overwrite=False, now=record) -> tuple[bool, str]:
+        new = to_dict(load_recipe(recipe, list(overrides)))
+        kept = prepare_run_dir(run, new, resume, True, overwrite, now).warm_start_kept
+        said = capsys.readouterr().err.strip().splitlines()
+        assert len(said) == 1, said
+        assert kept == (run / "checkpoints" / "step_000000" / "rlx.json").is_file() == (run / SFT).is_file()
+        return kept, said[0]
+
+    SFT = "sft_metrics.jsonl"
+    kept, said = start(stopped_run("same", steps_done=1), ["rollout.sampling.temperature=1.0"])  # not an [sft] input
+    assert kept and "completed 1 step(s) but wrote no checkpoint" in said and "starting at step 1" in said
+    assert "its finished [sft] warm start is reused" in said and "model, seed, demonstrations" in said
+    assert not (tmp_path / "same" / "metrics.jsonl").exists()  # the RL steps go, the warm start stays
+    for overrides, now, change in [
+        (["sft.optim.lr=1e-3"], record, "sft.optim.lr changed (0.003 -> 0.001)"),
+        (["seed=2"], record, "seed changed (1 -> 2)"),
+        (["model.init='pretrained'"], record, "model.init changed ('random' -> 'pretrained')"),
+        (["rollout.agent.chat_template_kwargs={enable_thinking = false}"], record,
+         "rollout.agent.chat_template_kwargs.enable_thinking changed (None -> False)"),
+        ([], {**record, "data_sha256": "0" * 64}, "the demonstrations in "),
+        ([], {**record, "device": "cuda"}, "the device changed (cpu -> cuda)"),
+    ]:  # fmt: skip
+        kept, said = start(stopped_run(change[:20].replace(" ", "_")), overrides, now=now)
+        assert not kept and f"which had finished, runs again from its first step: {change}" in said
+    kept, said = start(stopped_run("old", recorded=None))
+    assert not kept and "does not record the demonstrations and device it trained on" in said
+    kept, said = start(stopped_run("plain"), resume=False)
+    assert not kept and "completed no step" in said
+    assert "the [sft] warm start, which had finished, runs again from its first step (its checkpoint goes too" in said
+    refused = stopped_run("refused", steps_done=2)
+    with pytest.raises(UserError, match="completed 2 step"):
+        prepare_run_dir(refused, to_dict(cfg), False, True, False, record)
+    assert (refused / "checkpoints" / "step_000000" / "rlx.json").is_file() and (refused / SFT).is_file()
+    kept, said = start(refused, resume=False, overwrite=True)
+    assert not kept and said.endswith("replacing its run (--overwrite); starting at step 1")
+
+
+def test_a_run_stopped_before_its_first_checkpoint_resumes_on_its_finished_warm_start(tmp_path, monkeypatch):
+    """~30 s: a run killed in step 2 (save_every 2: no RL checkpoint yet) after its warm start finished says --resume
+    reuses the warm start; --resume then starts at step 1 on the same step-0 checkpoint (not fine-tuned again: its files
+    and sft_metrics.jsonl untouched) and ends with the weights of a run never stopped."""
+    from rlx.errors import Terminated
+    from rlx.ppo.loop import PPORun
+
+    real, stop_at = PPORun.step, [2]
+
+    def step_or_stop(self, step, log):
+        if step in stop_at:
+            raise Terminated("terminated by a second SIGTERM")
+        return real(self, step, log)
+
+    monkeypatch.setattr(PPORun, "step", step_or_stop)
+    recipe = REPO / "recipes" / "calculator.toml"
+    small = ["--set", "data.prompts_per_step=2", "--set", "rollout.sampling.n=2", "--set", "steps=2", "--set",
+             "save_every=2", "--set", "rollout.sampling.max_new_tokens=4", "--set", "sft.max_steps=2"]  # fmt: skip
+    run, step0 = tmp_path / "run", Path("checkpoints") / "step_000000"
+    stopped = cli("ppo", recipe, "--out", run, *small)
+    assert stopped.exit_code == 143, stopped.stderr[-2000:]
+    assert "--resume starts the run again at step 1, reusing its finished [sft] warm start" in stopped.stderr
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1]
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in (run / step0).iterdir()}
+    sft_lines = (run / "sft_metrics.jsonl").read_text()
+    stop_at.clear()
+    resumed = cli("ppo", recipe, "--out", run, "--resume", *small)
+    assert resumed.exit_code == 0, resumed.stderr[-2000:]
+    assert "completed 1 step(s) but wrote no checkpoint" in resumed.stderr
+    assert "its finished [sft] warm start is reused" in resumed.stderr and "[sft] fine-tuning" not in resumed.stderr
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in (run / step0).iterdir()} == before
+    assert (run / "sft_metrics.jsonl").read_text() == sft_lines
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2]
+    cli_ok("ppo", recipe, "--out", tmp_path / "whole", *small)
+    last = Path("checkpoints") / "step_000002"
+    assert max_diff(run / last, tmp_path / "whole" / last) == 0
