@@ -27,17 +27,24 @@ T = TypeVar("T")
 
 
 class ConfigError(UserError):
-    """A config value is invalid; `key` is the field name, prefixed with its section path on the way up."""
+    """A config value is invalid; `key` is the field name, prefixed with its section path on the way up. `others`: the
+    other fields of the same table that the error is about (two keys that conflict), prefixed alike, so a caller that
+    knows where each value came from (a recipe file, --set) can say so for each."""
 
-    def __init__(self, key: str, message: str):
-        self.key, self.message = key, message
+    def __init__(self, key: str, message: str, others: tuple[str, ...] = ()):
+        self.key, self.message, self.others = key, message, tuple(others)
         super().__init__(f"{key}: {message}")
 
+    def under(self, prefix: str) -> ConfigError:
+        """This error with its keys under the table `prefix` (`tp` -> `rollout.tp`)."""
+        return ConfigError(f"{prefix}.{self.key}", self.message, tuple(f"{prefix}.{k}" for k in self.others))
 
-def check(condition: bool, key: str, message: str) -> None:
-    """Raise a ConfigError for `key` unless `condition` holds (use in `__post_init__`)."""
+
+def check(condition: bool, key: str, message: str, others: tuple[str, ...] = ()) -> None:
+    """Raise a ConfigError for `key` unless `condition` holds (use in `__post_init__`); `others`: the other keys of the
+    same table that it is about."""
     if not condition:
-        raise ConfigError(key, message)
+        raise ConfigError(key, message, others)
 
 
 def check_choices(obj: Any) -> None:
@@ -136,7 +143,7 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
         return cls(**kwargs)
     except ConfigError as e:
         if prefix and not e.key.startswith(prefix + "."):
-            raise ConfigError(f"{prefix}.{e.key}", e.message) from None
+            raise e.under(prefix) from None
         raise
 
 

@@ -449,7 +449,17 @@ def load_recipe(path: str | Path, overrides: list[str] = (), device_type: str | 
     try:
         return from_dict(PPOConfig, data)
     except ConfigError as e:
-        raise UserError(f"{_source(e.key, path, overrides)}: {str(e).replace('async_', 'async')}") from None
+        raise UserError(f"{_sources(e, path, overrides)}: {str(e).replace('async_', 'async')}") from None
+
+
+def _sources(error: ConfigError, path: Path, overrides: list[str]) -> str:
+    """Where the keys of a bad value came from: one place ('--set' or the recipe file), or each key's when they differ
+    (`r.toml (rollout.tp) and --set (rollout.tp_degree)`: a recipe key that conflicts with an override)."""
+    keys = [error.key, *error.others]
+    where = {key: _source(key, path, overrides) for key in keys}
+    if len(set(where.values())) == 1:
+        return where[error.key]
+    return " and ".join(f"{where[key]} ({key.replace('async_', 'async')})" for key in keys)
 
 
 def _source(key: str, path: Path, overrides: list[str]) -> str:

@@ -221,6 +221,7 @@ class RolloutConfig:
             "tp",
             f"is the old name of tp_degree: give one of them (both given, with different values: tp {self.tp}, "
             f"tp_degree {self.tp_degree})",
+            others=("tp_degree",),
         )
         print("rlx: rollout.tp (--tp) is now rollout.tp_degree (--tp-degree); the old name goes in the next release",
               file=sys.stderr)  # fmt: skip

@@ -129,8 +129,19 @@ def test_the_old_name_rollout_tp_conflicting_with_tp_degree_is_refused_whatever_
     both.write_text(recipe.read_text() + "tp_degree = 1\n")
     with pytest.raises(UserError, match=r"both\.toml: rollout\.tp: .*tp 2, tp_degree 1\)"):
         load_recipe(both)
-    with pytest.raises(UserError, match=r"rollout\.tp: .*tp 2, tp_degree 1\)"):
+    with pytest.raises(UserError) as e:  # each value named where it came from, not both blamed on the recipe
         load_recipe(recipe, ["rollout.tp_degree=1"])
+    assert str(e.value) == (
+        f"{recipe} (rollout.tp) and --set (rollout.tp_degree): rollout.tp: is the old name of tp_degree: give one of "
+        "them (both given, with different values: tp 2, tp_degree 1)"
+    )
+    degree = tmp_path / "degree.toml"
+    degree.write_text(recipe.read_text().replace("tp = 2", "tp_degree = 1"))
+    with pytest.raises(UserError) as e:
+        load_recipe(degree, ["rollout.tp=2"])
+    assert str(e.value).startswith(f"--set (rollout.tp) and {degree} (rollout.tp_degree): rollout.tp: ")
+    with pytest.raises(UserError, match=r"^--set: rollout\.tp: .*tp 2, tp_degree 1\)"):  # both from --set: one place
+        load_recipe(degree, ["rollout.tp=2", "rollout.tp_degree=1"])
     resumed = from_dict(PPOConfig, to_dict(load_recipe(recipe)))  # a run folder's recipe.json: tp cleared, 2 kept
     assert (resumed.rollout.tp, resumed.rollout.tp_degree) == (0, 2)
     from tests.conftest import cli
@@ -139,6 +150,9 @@ def test_the_old_name_rollout_tp_conflicting_with_tp_degree_is_refused_whatever_
                 "--tp", "2", "--tp-degree", "1")  # fmt: skip
     assert flags.exit_code == 1 and "--tp: is the old name of tp_degree" in flags.stderr
     assert "tp 2, tp_degree 1" in flags.stderr
+    ppo = cli("ppo", recipe, "--out", tmp_path / "run", "--set", "rollout.tp_degree=1")
+    assert ppo.exit_code == 1 and f"rlx ppo: error: {recipe} (rollout.tp) and --set (rollout.tp_degree): " in ppo.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_every_config_field_has_a_docstring():
