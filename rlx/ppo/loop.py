@@ -62,7 +62,7 @@ from rlx.ppo.rundir import (
     prepare_run_dir,
     step_dir,
 )
-from rlx.ppo.start import RunInputs, RunLock, StopRequest, check_run_inputs
+from rlx.ppo.start import RunInputs, RunLock, StopRequest, check_data_parallel_batches, check_run_inputs
 from rlx.ppo.warm_start import warm_start, warm_start_record
 from rlx.ppo.writer import BackgroundWriter, write_jsonl_shared
 from rlx.rollout.base import RolloutStats, build_engine
@@ -90,6 +90,7 @@ class PPORun:
         self.backend = backend_class(cfg.backend_name).setup(cfg.train.device, degrees)
         self.ctx = self.backend.ctx
         self.device = self.ctx.device
+        check_data_parallel_batches(cfg, self.ctx.dp_size, self.ctx.world)  # the ranks are known from here
         if resolve_device(cfg.rollout.device).type != self.device.type:
             raise UserError(
                 "rollout.device and train.device must agree in `rlx ppo` (the rollout uses the trained model)"

@@ -1,11 +1,12 @@
 """What `rlx ppo` checks and takes before it writes anything to its run folder.
 
-`check_run_inputs` reads and validates everything a run needs up front (the run folder's place, the model, every
-[sft] demonstration, every prompt line, the prompt lengths, the reward functions, the eval prompts), so a bad input
-stops the start with one line and leaves the folder as it was. `RunLock` then makes the folder this process's: an
-exclusive lock (flock) on RUN_DIR/.rlx-lock that names the holder's pid and host; the kernel drops it when the holder
-dies, so a killed run's lock is simply taken over. `StopRequest` turns SIGTERM (SLURM preemption) into a stop after
-the current step and its checkpoint.
+`check_data_parallel_batches` checks, once the ranks are known, that each optimizer step's mini-batch feeds every
+data-parallel rank. `check_run_inputs` reads and validates everything a run needs up front (the run folder's place,
+the model, every [sft] demonstration, every prompt line, the prompt lengths, the reward functions, the eval prompts),
+so a bad input stops the start with one line and leaves the folder as it was. `RunLock` then makes the folder this
+process's: an exclusive lock (flock) on RUN_DIR/.rlx-lock that names the holder's pid and host; the kernel drops it
+when the holder dies, so a killed run's lock is simply taken over. `StopRequest` turns SIGTERM (SLURM preemption)
+into a stop after the current step and its checkpoint.
 """
 
 from __future__ import annotations
@@ -82,6 +83,36 @@ def check_run_inputs(cfg: PPOConfig, run_dir: Path) -> RunInputs:
         )  # fmt: skip
         check_rewards(cfg.eval.reward, eval_prompts, None)
     return RunInputs(prompts, eval_prompts, source, config)
+
+
+def check_data_parallel_batches(cfg: PPOConfig, dp_size: int, world: int) -> None:
+    """Under a launcher, each optimizer step splits its mini-batch over the `dp_size` data-parallel ranks (a
+    work-balanced share each, Trainer.local_rows; `world`: the training processes): a mini-batch smaller than the ranks
+    leaves one without a sample, which the train step would find only after step 1's rollout. Refused before anything
+    is written, naming the key, its value, the ranks and the sizes that work. A mini-batch that does not split into
+    equal counts is fine: the shares are balanced by tokens, not counts."""
+    if dp_size <= 1:
+        return
+    pps, n = cfg.data.prompts_per_step, cfg.rollout.sampling.n
+    samples = pps * n
+    ranks = f"the {dp_size} data-parallel ranks ({world} training processes"
+    ranks += f", {world // dp_size} to a model replica)" if world != dp_size else ")"
+    if samples < dp_size:
+        raise UserError(
+            f"data.prompts_per_step: a step's {samples} samples (data.prompts_per_step {pps} x rollout.sampling.n {n}) "
+            f"are fewer than {ranks}: each optimizer step needs a sample or more per rank; data.prompts_per_step "
+            f"{-(-dp_size // n)} or more"
+        )
+    for key, train in (("train", cfg.train), ("critic.train", cfg.critic.train if cfg.critic else None)):
+        if train is None or min(train.mini_batch_size or samples, samples) >= dp_size:
+            continue
+        fits = [size for size in range(dp_size, samples + 1) if samples % size == 0]
+        shown = ", ".join(map(str, fits[:4])) + (", ..." if len(fits) > 4 else "")
+        raise UserError(
+            f"{key}.mini_batch_size: {train.mini_batch_size} is fewer samples than {ranks}: each optimizer step splits "
+            f"its mini-batch over them, a sample or more each; sizes that work (dividing a step's {samples} samples, "
+            f"{dp_size} or more): {shown}, or 0 (the whole step in one optimizer step)"
+        )
 
 
 def check_rewards(specs: list[str], prompts: list[PromptRecord], reward_model: str | None) -> None:

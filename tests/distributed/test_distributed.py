@@ -286,6 +286,20 @@ def test_ppo_stops_when_one_rank_fails(tmp_path):
     assert "reward server unreachable" in out.stdout + out.stderr, out.stderr[-3000:]
 
 
+def test_a_mini_batch_smaller_than_the_ranks_is_refused_before_the_run_starts(tmp_path):
+    """~15 s: train.mini_batch_size 1 under 2 ranks leaves a rank without a sample each optimizer step: refused as
+    `rlx ppo` starts (not after step 1's rollout, at its train phase), naming the key, the ranks and the sizes that
+    work, with nothing written."""
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.toml"
+    args = ["--set", "steps=1", "--set", "data.prompts_per_step=2", "--set", "rollout.sampling.n=2",
+            "--set", "rollout.sampling.max_new_tokens=4", "--set", "train.mini_batch_size=1"]  # fmt: skip
+    out = run_torchrun(2, "-m", "rlx", "ppo", recipe, "--out", tmp_path / "run", *args, timeout=300, check=False)
+    assert out.returncode == 1, out.stderr[-3000:]
+    said = "train.mini_batch_size: 1 is fewer samples than the 2 data-parallel ranks (2 training processes)"
+    assert said in out.stderr and "sizes that work (dividing a step's 4 samples, 2 or more): 2, 4, or 0" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("mini_batch", [0, 12])
 def test_exact_ppo_on_two_ranks_has_no_rollout_mismatch(tmp_path, mini_batch):
     """exact = true under the launcher (the trainer FSDP-sharded, the native engine generating from its replica of the

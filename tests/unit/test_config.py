@@ -112,6 +112,38 @@ def test_a_mini_batch_size_must_divide_the_samples_of_a_step(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_mini_batch_smaller_than_the_data_parallel_ranks_is_refused_at_the_start():
+    """Each optimizer step splits its mini-batch over the data-parallel ranks, a sample or more each: a mini-batch size
+    (the actor's or the critic's) or a whole step smaller than the ranks is refused naming the key, the value, the
+    ranks and the sizes that work; counts that do not split equally (4 over 3 ranks) are fine (shares balance tokens),
+    and one process checks nothing."""
+    from rlx.ppo.start import check_data_parallel_batches
+
+    quickstart, gae = REPO / "recipes" / "quickstart.toml", REPO / "recipes" / "quickstart_gae.toml"
+    small = ["data.prompts_per_step=2", "rollout.sampling.n=4"]  # 8 samples a step
+    with pytest.raises(UserError) as e:
+        check_data_parallel_batches(load_recipe(quickstart, [*small, "train.mini_batch_size=1"]), 2, 2)
+    assert str(e.value) == (
+        "train.mini_batch_size: 1 is fewer samples than the 2 data-parallel ranks (2 training processes): each "
+        "optimizer step splits its mini-batch over them, a sample or more each; sizes that work (dividing a step's 8 "
+        "samples, 2 or more): 2, 4, 8, or 0 (the whole step in one optimizer step)"
+    )
+    with pytest.raises(UserError, match=r"^train\.mini_batch_size: 2 is fewer samples than the 4 data-parallel ranks "
+                       r"\(8 training processes, 2 to a model replica\): .*: 4, 8, or 0"):  # fmt: skip
+        check_data_parallel_batches(load_recipe(quickstart, [*small, "train.mini_batch_size=2"]), 4, 8)
+    critic = load_recipe(gae, [*small, "train.mini_batch_size=4", "critic.train.mini_batch_size=2"])
+    with pytest.raises(UserError, match=r"^critic\.train\.mini_batch_size: 2 is fewer samples than the 3 "):
+        check_data_parallel_batches(critic, 3, 3)
+    whole = load_recipe(quickstart, ["data.prompts_per_step=1", "rollout.sampling.n=2", "train.mini_batch_size=0"])
+    with pytest.raises(UserError) as e:
+        check_data_parallel_batches(whole, 4, 4)
+    assert str(e.value).startswith("data.prompts_per_step: a step's 2 samples (data.prompts_per_step 1 x rollout")
+    assert str(e.value).endswith("needs a sample or more per rank; data.prompts_per_step 2 or more")
+    check_data_parallel_batches(load_recipe(quickstart, [*small, "train.mini_batch_size=4"]), 3, 3)  # 2 + 1 + 1: fine
+    check_data_parallel_batches(load_recipe(quickstart, [*small, "train.mini_batch_size=1"]), 1, 1)
+    check_data_parallel_batches(whole, 2, 2)
+
+
 def test_the_old_name_rollout_tp_conflicting_with_tp_degree_is_refused_whatever_the_values(tmp_path, capsys):
     """tp_degree unset is told from tp_degree 1 given: `tp = 2` with `tp_degree = 1` (a recipe, --set or the flags) is
     an error naming both, no longer tp 2 silently; tp alone still works with a one-line notice, and equal values too."""
