@@ -64,7 +64,21 @@ def load_model(
     check_weights_match(model, weights, source.path)
     model.load_state_dict(weights, strict=False)
     model.tie_weights()
+    load_generation_config(model, source.path)
     return model.to(dtype) if dtype is not None else model
+
+
+def load_generation_config(model, folder: Path) -> None:
+    """Give a model built from its config the folder's generation_config.json, as `from_pretrained` does: its EOS
+    ids (a list such as Llama 3's [<|end_of_text|>, <|eot_id|>]) end responses, where config.json may name one."""
+    from transformers import GenerationConfig
+
+    if not (Path(folder) / "generation_config.json").is_file():
+        return
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(str(folder))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{Path(folder) / 'generation_config.json'}: cannot be read ({e})") from None
 
 
 def load_processor(source: ModelSource, options=None, config=None):
@@ -91,6 +105,7 @@ def load_initial_policy(path: str | Path | ModelSource, init: str = "pretrained"
     tokenizer = load_tokenizer(source)
     if init == "random":
         model = init_random_model(copy.deepcopy(config) if config is not None else load_config(source), seed)
+        load_generation_config(model, source.folder)
         return model, tokenizer, aux_files(source.folder)
     if init != "pretrained":
         raise UserError(f"unknown init {init!r} (expected 'pretrained' or 'random')")

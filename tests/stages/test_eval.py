@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from rlx.evaluation.evaluate import EvalSample, eval_metrics, group_metrics, k_values, pass_at_k
 from rlx.scoring.rules import arith
@@ -135,3 +136,51 @@ def test_bad_input(tmp_path, tiny_ckpt, prompts_file):
     result = cli(*base, "--out", tmp_path / "done")
     assert result.exit_code == 1 and "already exists" in result.stderr and "Traceback" not in result.stderr
     assert json.loads((tmp_path / "done" / "eval.jsonl").read_text()) == {}
+
+
+def save_model_that_answers_token_5(out, eos_ids: list[int]):
+    """A tiny untied Llama whose greedy answer to any prompt is token 5 (every weight 0 but the final norm, the last
+    MLP's output bias along dimension 0 and lm_head row 5 there), saved with a generation_config.json naming
+    `eos_ids` as its EOS tokens while config.json names one (2), as Llama 3 and Qwen2.5 instruct models ship."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
+
+    tokenizer = build_char_tokenizer()
+    config = tiny_llama_config(len(tokenizer))
+    config.tie_word_embeddings, config.mlp_bias = False, True
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.model.norm.weight.fill_(1.0)
+        model.model.layers[-1].mlp.down_proj.bias[0] = 1.0
+        model.lm_head.weight[5, 0] = 1.0
+    model.generation_config = GenerationConfig(bos_token_id=1, pad_token_id=0, eos_token_id=eos_ids)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["single", "fsdp", "lora"])
+def test_eval_stops_at_the_eos_ids_of_generation_config_in_every_layout(tmp_path, prompts_file, layout):
+    """generation_config.json's EOS list ends responses whether the model is the HF dir or a checkpoint of any
+    layout (those built from config.json alone stopped at its one EOS id and ran on to --max-new-tokens)."""
+    hf = save_model_that_answers_token_5(tmp_path / "hf", [2, 5])
+    cli_ok("shard", "--model", hf, "--out", tmp_path / "ckpt", "--layout", layout)
+    prompts = write_jsonl(tmp_path / "p.jsonl", read_jsonl(prompts_file)[:3])
+    for name, model in (("hf", hf), ("ckpt", tmp_path / "ckpt")):
+        cli_ok("eval", "--model", model, "--prompts", prompts, "--reward", "arith", "--out", tmp_path / f"eval_{name}",
+               "--max-new-tokens", "4")  # fmt: skip
+        samples = read_jsonl(tmp_path / f"eval_{name}" / "eval.jsonl")
+        assert [(s["finish_reason"], s["response_length"]) for s in samples] == [("stop", 1)] * 3, name
+
+
+def test_a_random_start_keeps_the_eos_ids_of_generation_config(tmp_path):
+    """`rlx ppo` / `rlx sft` with init 'random' on a model dir stop their rollouts where the dir's model stops."""
+    from rlx.checkpoints.loading import load_initial_policy
+    from rlx.rollout.prompts import stop_token_ids
+
+    hf = save_model_that_answers_token_5(tmp_path / "hf", [2, 5])
+    model, tokenizer, _ = load_initial_policy(str(hf), "random", seed=0)
+    assert stop_token_ids(model, tokenizer) == {2, 5}
