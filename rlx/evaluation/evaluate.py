@@ -125,6 +125,31 @@ def _metrics_of(samples: list[EvalSample], prefix: str) -> dict[str, float]:
     return group_metrics(rewards, correct, prefix)
 
 
+def sampling_note(generation_config, sampling: SamplingParams) -> str | None:
+    """A line saying where `sampling` departs from the sampling the model's generation_config.json asks for (its
+    do_sample with temperature / top_p / top_k, as Qwen and Llama instruct models ship them), or None: rlx eval never
+    takes those settings from the model, so a user who expects them is told instead of silently overruled."""
+    given = generation_config.to_diff_dict() if generation_config is not None else {}
+    if not given.get("do_sample"):
+        return None  # the model decodes greedily by default, as rlx eval does
+    wanted = {k: given[k] for k in ("temperature", "top_p", "top_k") if given.get(k) is not None}
+    if sampling.is_greedy:
+        found = ", ".join(f"{k} {v}" for k, v in wanted.items()) or "do_sample"
+        return (
+            f"the model's generation_config.json samples ({found}); rlx eval decodes greedily unless told: "
+            f"give --temperature, --top-p, --top-k (and --n for pass@k) to sample as it does"
+        )
+    used = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": max(sampling.top_k, 0)}
+    differ = [k for k, v in wanted.items() if float(v) != float(used[k])]
+    if not differ:
+        return None
+    return (
+        f"sampling with {', '.join(f'{k} {used[k]}' for k in differ)} where the model's generation_config.json "
+        f"gives {', '.join(f'{k} {wanted[k]}' for k in differ)} (rlx eval takes only its own options: "
+        f"{', '.join('--' + k.replace('_', '-') for k in differ)})"
+    )
+
+
 # ---- records and the stage ----
 
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from rlx.errors import UserError
-from rlx.evaluation.evaluate import EVAL_FILE, EvalConfig, grade, graded_metrics
+from rlx.evaluation.evaluate import EVAL_FILE, EvalConfig, grade, graded_metrics, sampling_note
 
 
 def generate(cfg: EvalConfig, rollout_cfg, model, tokenizer, prompts: list, ctx=None, processor=None) -> list:
@@ -58,6 +58,9 @@ def run_eval(
     prompts = limit_prompts(prompts, tokenizer, rollout_cfg, model_context(config), cfg.prompts, **limits)
     ctx = setup(rollout_cfg.device)
     model = load_model(source, config=config).requires_grad_(False)
+    note = sampling_note(getattr(model, "generation_config", None), cfg.sampling)
+    if note and ctx.is_main:
+        console(f"rlx eval: note: {note}")
     rollouts = generate(cfg, rollout_cfg, model, tokenizer, prompts, ctx, processor)
     samples = grade(rollouts, cfg, ctx)  # every process holds every record: each grades a share
     if not ctx.is_main:

@@ -138,10 +138,11 @@ def test_bad_input(tmp_path, tiny_ckpt, prompts_file):
     assert json.loads((tmp_path / "done" / "eval.jsonl").read_text()) == {}
 
 
-def save_model_that_answers_token_5(out, eos_ids: list[int]):
+def save_model_that_answers_token_5(out, eos_ids: list[int], **sampling):
     """A tiny untied Llama whose greedy answer to any prompt is token 5 (every weight 0 but the final norm, the last
     MLP's output bias along dimension 0 and lm_head row 5 there), saved with a generation_config.json naming
-    `eos_ids` as its EOS tokens while config.json names one (2), as Llama 3 and Qwen2.5 instruct models ship."""
+    `eos_ids` as its EOS tokens while config.json names one (2), as Llama 3 and Qwen2.5 instruct models ship, and
+    the `sampling` settings given (do_sample, temperature, ...)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from rlx.models.tiny import build_char_tokenizer, tiny_llama_config
@@ -156,7 +157,7 @@ def save_model_that_answers_token_5(out, eos_ids: list[int]):
         model.model.norm.weight.fill_(1.0)
         model.model.layers[-1].mlp.down_proj.bias[0] = 1.0
         model.lm_head.weight[5, 0] = 1.0
-    model.generation_config = GenerationConfig(bos_token_id=1, pad_token_id=0, eos_token_id=eos_ids)
+    model.generation_config = GenerationConfig(bos_token_id=1, pad_token_id=0, eos_token_id=eos_ids, **sampling)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -184,3 +185,22 @@ def test_a_random_start_keeps_the_eos_ids_of_generation_config(tmp_path):
     hf = save_model_that_answers_token_5(tmp_path / "hf", [2, 5])
     model, tokenizer, _ = load_initial_policy(str(hf), "random", seed=0)
     assert stop_token_ids(model, tokenizer) == {2, 5}
+
+
+def test_eval_says_where_it_departs_from_the_sampling_of_generation_config(tmp_path, prompts_file):
+    """A model whose generation_config.json samples (temperature 0.7, top_p 0.8, top_k 20, as Qwen2.5 instruct ships)
+    is evaluated greedily, or with only the options given: one line says so rather than overruling it silently."""
+    hf = save_model_that_answers_token_5(tmp_path / "hf", [2], do_sample=True, temperature=0.7, top_p=0.8, top_k=20)
+    prompts = write_jsonl(tmp_path / "p.jsonl", read_jsonl(prompts_file)[:2])
+    base = ["eval", "--model", hf, "--prompts", prompts, "--reward", "arith", "--max-new-tokens", "2"]
+    greedy = cli_ok(*base, "--out", tmp_path / "greedy").stderr
+    assert "generation_config.json samples (temperature 0.7, top_p 0.8, top_k 20)" in greedy
+    assert "decodes greedily" in greedy
+    sampled = cli_ok(*base, "--out", tmp_path / "sampled", "--n", "2", "--temperature", "0.7").stderr
+    assert "sampling with top_p 1.0, top_k 0 where the model's generation_config.json gives top_p 0.8, top_k 20" in (
+        sampled
+    )
+    matched = ["--n", "2", "--temperature", "0.7", "--top-p", "0.8", "--top-k", "20"]
+    assert "generation_config" not in cli_ok(*base, "--out", tmp_path / "matched", *matched).stderr
+    plain = save_model_that_answers_token_5(tmp_path / "plain", [2])  # no sampling settings: nothing to say
+    assert "generation_config" not in cli_ok(*base[:2], plain, *base[3:], "--out", tmp_path / "plain_eval").stderr
