@@ -24,6 +24,14 @@ from rlx.utils.tensor_files import save_tensors
 OPTIMIZER_NAME = "optimizer.safetensors"
 MAX_SHARD_SIZE = "5GB"
 _NOT_AUX = {META_NAME, OPTIMIZER_NAME, WEIGHTS_INDEX_NAME, "lora.json"}  # lora.json: a LoRA checkpoint's own
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack", ".onnx", ".ckpt")
+"""Weight files of any format a hub model dir may hold (PyTorch, TensorFlow, Flax, ONNX...): never copied as aux, so
+a checkpoint never carries the source's weights in another format (stale once trained) or an index naming them."""
+
+
+def is_weight_file(name: str) -> bool:
+    """Whether a file name is weights or a weight index (`pytorch_model.bin.index.json`, `tf_model.h5.index.json`)."""
+    return Path(name.removesuffix(".index.json")).suffix in WEIGHT_SUFFIXES
 
 
 def aux_files(folder: Path) -> dict[str, bytes]:
@@ -34,7 +42,7 @@ def aux_files(folder: Path) -> dict[str, bytes]:
             path.is_file()
             and path.name not in _NOT_AUX
             and not path.name.startswith(".")
-            and path.suffix not in (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+            and not is_weight_file(path.name)
         ):
             out[path.name] = path.read_bytes()
     return out

@@ -152,3 +152,25 @@ def test_gguf_shard_matches_transformers_and_runs(tmp_path):
         torch.tensor([record["prompt_ids"]]), max_new_tokens=12, do_sample=False, eos_token_id=2, pad_token_id=2
     )[0, len(record["prompt_ids"]) :].tolist()
     assert record["response_ids"] == expected[: len(record["response_ids"])]
+
+
+def test_weights_of_other_formats_are_not_carried_into_the_checkpoint(tmp_path):
+    """A hub dir that also ships PyTorch .bin shards with their index, TensorFlow and Flax weights: the checkpoint and
+    the merged dir hold only the safetensors rlx wrote (no index naming missing .bin files, no stale copies of the
+    untrained weights in another format); the other files (README.md) are still copied byte for byte."""
+    from transformers import AutoModelForCausalLM
+
+    hf = save_tiny_hf(tmp_path / "hf")
+    others = ["pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack", "model.onnx"]
+    (hf / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"model.norm.weight": "pytorch_model-00001-of-00002.bin"}})
+    )
+    for name in others[1:]:
+        (hf / name).write_bytes(b"\0" * 64)
+    (hf / "README.md").write_text("# tiny\n")
+    cli_ok("shard", "--model", hf, "--out", tmp_path / "ckpt", "--layout", "fsdp")
+    cli_ok("merge", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "back")
+    for folder in (tmp_path / "ckpt", tmp_path / "back"):
+        assert not [name for name in others if (folder / name).exists()], folder
+        assert (folder / "README.md").read_text() == "# tiny\n"
+    AutoModelForCausalLM.from_pretrained(tmp_path / "back", use_safetensors=True)
