@@ -47,7 +47,7 @@ def load_samples(cfg: SFTConfig, tokenizer, config, stop_ids: set[int], quiet: b
 def run_sft(cfg: SFTConfig, model: str, out: str, init: str = "pretrained", overwrite: bool = False,
             metrics_path: str | None = None) -> dict:  # fmt: skip
     """`rlx sft`: fine-tune `model` on `cfg.data` and write the result to `out`; returns the last step's metrics."""
-    check_new_output(out, overwrite)
+    check_new_output(out, overwrite, model)
     source, config = resolve_model(model)
     check_init(source, init)
     ctx = setup(cfg.device)

@@ -36,8 +36,16 @@ from rlx.utils.files import check_writable
 from rlx.utils.io import atomic_dir, exists, is_remote
 
 
-def check_new_output(out: str, overwrite: bool) -> None:
-    """Refuse an existing output folder (without --overwrite) or one that cannot be written, before any work."""
+def check_new_output(out: str, overwrite: bool, source: str | Path | None = None) -> None:
+    """Refuse an existing output folder (without --overwrite), one that cannot be written, or one that is the
+    input `source` or a folder holding it (replacing it would delete what it is made from), before any work."""
+    if source is not None and not is_remote(out) and not is_remote(source):
+        target, given = Path(out).resolve(), Path(source).resolve()
+        if target == given or target in given.parents:
+            raise UserError(
+                f"--out {out}: it holds the input {source}, which writing it would delete (--overwrite replaces the "
+                "whole folder); choose another --out"
+            )
     if exists(out) and not overwrite:
         raise UserError(f"{out}: already exists (choose another --out or pass --overwrite)")
     check_writable(out)
@@ -115,7 +123,7 @@ def shard_model(
         _check_options(ShardOptions(tp_degree, pp_degree), get_layout(catalog.LORA))
         return _shard_lora(path, out, lora or LoraConfig(), init, seed, dtype, overwrite, role)
     target = get_layout(layout)
-    check_new_output(out, overwrite)
+    check_new_output(out, overwrite, path)
     target.check_output(out)
     options = ShardOptions(tp_degree, pp_degree)
     _check_options(options, target)
@@ -153,6 +161,7 @@ def _shard_lora(path: str, out: str, lora: LoraConfig, init: str, seed: int, dty
 
     if dtype != "keep":
         raise UserError(f"--dtype {dtype}: a LoRA checkpoint stores float32 adapters (the base stays where it is)")
+    check_new_output(out, overwrite, path)  # the checkpoint points at `path` as its base
     source, config = resolve_model(path)
     from_value_model = not source.is_gguf and is_value_config(config)
     if role == "actor" and from_value_model:
@@ -192,7 +201,7 @@ def merge_checkpoint(
     if not is_checkpoint(folder):
         raise UserError(f"{folder}: not an rlx checkpoint (no rlx.json); make one with `rlx shard`")
     meta = read_meta(folder)  # validates format and layout
-    check_new_output(out, overwrite)
+    check_new_output(out, overwrite, folder)
     if adapter_only:
         return _merge_adapters(folder, meta, out, dtype, overwrite)
     config = resolve_model(folder, "checkpoint")[1]  # a remote checkpoint: its local copy

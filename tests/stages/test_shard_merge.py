@@ -95,6 +95,24 @@ def test_failed_shard_leaves_nothing(tmp_path, tiny_dir):
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary left behind
 
 
+def test_an_output_that_holds_the_input_is_refused_even_with_overwrite(tmp_path):
+    """--out on the input itself, or on a folder above it, would delete what the command reads: refused before any
+    work, the input left as it was (shard of an HF dir, its LoRA shard, merge of a checkpoint inside a run folder)."""
+    hf = save_tiny_hf(tmp_path / "hf")
+    before = sorted(p.name for p in hf.iterdir())
+    for out, extra in ((hf, []), (tmp_path, []), (hf, ["--layout", "lora"])):
+        result = cli("shard", "--model", hf, "--out", out, "--overwrite", *extra)
+        assert result.exit_code == 1 and "holds the input" in result.stderr, result
+    assert sorted(p.name for p in hf.iterdir()) == before
+    run = tmp_path / "run"
+    cli_ok("shard", "--model", hf, "--out", run / "checkpoints" / "step_000000")
+    for out in (run / "checkpoints" / "step_000000", run):
+        result = cli("merge", "--checkpoint", run / "checkpoints" / "step_000000", "--out", out, "--overwrite")
+        assert result.exit_code == 1 and f"--out {out}: it holds the input" in result.stderr, result
+    assert (run / "checkpoints" / "step_000000" / "rlx.json").is_file()
+    cli_ok("merge", "--checkpoint", run / "checkpoints" / "step_000000", "--out", run / "hf")  # beside it: fine
+
+
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf not installed")
 def test_gguf_loads_import_what_gguf_parsed_once_replaces():
     """transformers takes GGUFReader and get_tensor_name_map from the gguf module at each load, so the ones that
