@@ -256,6 +256,15 @@ def _check_known_family(source: ModelSource) -> None:
             raise UserError(f"{source.path}: {e}") from None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
+"""Files one of which a model folder's tokenizer is read from (fast, slow and sentencepiece tokenizers)."""
+
+
+def has_tokenizer_files(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(source: ModelSource):
     """The model's tokenizer (fast tokenizer; chat template when the model has one)."""
     from transformers import AutoTokenizer
@@ -267,6 +276,11 @@ def load_tokenizer(source: ModelSource):
         with gguf_parsed_once(source):
             tokenizer = AutoTokenizer.from_pretrained(source.folder, **source.hf_kwargs())
     except (OSError, ValueError, KeyError, TypeError) as e:
+        if not source.is_gguf and not has_tokenizer_files(source.folder):
+            raise UserError(
+                f"{source.path}: no tokenizer in it (none of {', '.join(TOKENIZER_FILES[:3])}, ...): copy the "
+                "tokenizer files of the model it was made from into it"
+            ) from None
         raise UserError(f"{source.path}: cannot load a tokenizer ({_first_line(e)})") from None
     if source.is_gguf:
         _fix_gguf_special_tokens(tokenizer, load_config(source))

@@ -24,6 +24,7 @@ from rlx.models.loading import (
     ModelSource,
     build_empty_model,
     check_weights_match,
+    has_tokenizer_files,
     hub_model,
     resolve_model,
     resolve_source,
@@ -130,6 +131,7 @@ def shard_model(
     fields = target.shard_fields(options)
     source, config = resolve_model(path)  # a GGUF file's config is converted once and kept for its loaders
     target.check_model(config, fields, str(path))  # fail before the weights are read
+    _note_missing_tokenizer(source)
     weights, aux, config = _source_files(source, config, init, seed, role)
     config, aux = target.prepare_files(config, aux)
     meta = CheckpointMeta(
@@ -188,6 +190,14 @@ def _check_options(options: ShardOptions, target) -> None:
         flags = " and ".join(f"--{name.removesuffix('_degree')}" for name in given)
         verb = "apply" if len(given) > 1 else "applies"
         raise UserError(f"{flags} {verb} to --layout {' / '.join(takers)} only (got --layout {target.name})")
+
+
+def _note_missing_tokenizer(source) -> None:
+    """A model folder without tokenizer files shards (a value model's weights may come alone), but every command
+    that reads text from the checkpoint will need them: say so now."""
+    if not source.is_gguf and not has_tokenizer_files(source.folder):
+        console(f"rlx shard: note: {source.path} has no tokenizer files; rollout, score, eval and ppo of the "
+                "checkpoint will need them (copy them in from the model it was made from)")  # fmt: skip
 
 
 def merge_checkpoint(

@@ -113,6 +113,17 @@ def test_an_output_that_holds_the_input_is_refused_even_with_overwrite(tmp_path)
     cli_ok("merge", "--checkpoint", run / "checkpoints" / "step_000000", "--out", run / "hf")  # beside it: fine
 
 
+def test_a_model_without_a_tokenizer_shards_with_a_note_and_later_commands_say_what_is_missing(tmp_path, prompts_file):
+    hf = save_tiny_hf(tmp_path / "hf")
+    for path in hf.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            path.unlink()
+    result = cli_ok("shard", "--model", hf, "--out", tmp_path / "ckpt")
+    assert "has no tokenizer files" in result.stderr
+    result = cli("rollout", "--model", tmp_path / "ckpt", "--prompts", prompts_file, "--out", tmp_path / "r.jsonl")
+    assert result.exit_code == 1 and "no tokenizer in it (none of tokenizer.json" in result.stderr, result
+
+
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf not installed")
 def test_gguf_loads_import_what_gguf_parsed_once_replaces():
     """transformers takes GGUFReader and get_tensor_name_map from the gguf module at each load, so the ones that
