@@ -55,7 +55,13 @@ def serve(
         str | None,
         typer.Option(metavar="FILE", help="On exit, write every sample's token-exact trajectory as rollouts.jsonl."),
     ] = None,
-    max_requests: Annotated[int, typer.Option(help="Stop after this many requests (0 = run until interrupted).")] = 0,
+    max_requests: Annotated[
+        int,
+        typer.Option(
+            help="Stop after this many answered generation requests (0 = run until "
+            "interrupted); health checks, /v1/models and refused (4xx) requests do not count."
+        ),
+    ] = 0,
     served_name: Annotated[str, typer.Option(help="The model name /v1/models reports and replies carry.")] = "rlx",
 ) -> None:
     """Serve a model over HTTP as OpenAI's API does, with continuous batching over concurrent requests.
