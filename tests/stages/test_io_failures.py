@@ -44,8 +44,8 @@ def test_every_command_refuses_to_replace_an_output_without_overwrite(tmp_path, 
     cli_ok(*score, "--overwrite")
     for command in (
         ["train-step", "--checkpoint", tiny_ckpt, "--batch", scored / "batch.safetensors", "--out", tiny_ckpt],
-        ["merge", "--checkpoint", tiny_ckpt, "--out", tiny_ckpt],
-        ["shard", "--model", tiny_ckpt, "--out", tiny_ckpt],
+        ["merge", "--checkpoint", tiny_ckpt, "--out", scored],  # (an --out holding the input: test_shard_merge.py)
+        ["shard", "--model", tiny_ckpt, "--out", scored],
         ["eval", "--model", tiny_ckpt, "--prompts", prompts_file, "--out", scored, "--max-new-tokens", "2"],
     ):
         if command[0] == "eval":
