@@ -177,9 +177,9 @@ class TrainConfig:
         return self.epochs == 1 and (self.mini_batch_size == 0 or self.mini_batch_size >= samples)
 
     def mini_batch_sizes(self, samples: int) -> list[int]:
-        """The samples of each optimizer step in an epoch over a batch of `samples` (Trainer.train_step): the batch
-        cut into mini_batch_size at a time (0: all of it), the last taking what is left."""
-        mini = self.mini_batch_size or samples
+        """The samples of each optimizer step in an epoch over a batch of `samples`, as Trainer.train_step cuts it:
+        mini_batch_size at a time (0: all of it), the last taking what is left."""
+        mini = self.mini_batch_size or samples or 1
         return [min(mini, samples - lo) for lo in range(0, samples, mini)]
 
     def uneven_mini_batches(self, samples: int, what: str = "") -> str | None:

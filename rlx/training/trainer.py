@@ -234,9 +234,10 @@ class Trainer:
         self.model.train()
         sums: dict[str, float] = defaultdict(float)
         grad_norms, skipped = [], 0
-        mini = cfg.mini_batch_size or batch.size
+        sizes = cfg.mini_batch_sizes(batch.size)  # each optimizer step's samples in an epoch
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
         bar = tqdm(
-            total=cfg.epochs * math.ceil(batch.size / mini),
+            total=cfg.epochs * len(sizes),
             desc=f"train {self.role}",
             unit="update",
             leave=False,
@@ -244,8 +245,8 @@ class Trainer:
         )
         for epoch in range(cfg.epochs):
             order = self._order(batch.size, step, epoch)
-            for lo in range(0, batch.size, mini):
-                norm = self._update(batch.select(order[lo : lo + mini]), sums)
+            for lo, size in zip(starts, sizes):
+                norm = self._update(batch.select(order[lo : lo + size]), sums)
                 grad_norms.append(norm)
                 skipped += not math.isfinite(norm)
                 bar.update(1)
