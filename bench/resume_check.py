@@ -118,7 +118,8 @@ def main() -> None:
     if not 0 < args.split < args.steps:
         parser.error("--split must be between 0 and --steps")
     args.weak, args.torchrun_one, args.py_spy = False, False, ""  # what scale.write_recipe and extra_sets read
-    args.set = [*args.set, f"save_every={args.split}"]
+    stop_at = ("--set", f"save_every={args.split}")  # the split runs save at the stop (and the end); the full runs
+    # save only at the end (the recipe's save_every = steps): a 7B checkpoint is 91 GB and takes 40 s to write
     work = args.work or Path(tempfile.mkdtemp(prefix="rlx-resume-"))
     work.mkdir(parents=True, exist_ok=True)
     recipe = write_recipe(work, args.shape, args, args.gpus)
@@ -133,11 +134,13 @@ def main() -> None:
             result["full_vs_again"] = compare(result["full"], digests(work / "again", args.keep_checkpoints))
         state.write_text(json.dumps(result))
     if args.phase in ("split", "all", "stop"):
-        result["seconds"]["split"] = ppo(recipe, args.gpus, work / "split", args, "--set", f"steps={args.split}")
+        result["seconds"]["split"] = ppo(
+            recipe, args.gpus, work / "split", args, *stop_at, "--set", f"steps={args.split}"
+        )
         print(f"stopped run: {result['seconds']['split']:.0f} s", flush=True)
         state.write_text(json.dumps(result))
     if args.phase in ("split", "all", "resume"):
-        result["seconds"]["resumed"] = ppo(recipe, args.gpus, work / "split", args, "--resume")
+        result["seconds"]["resumed"] = ppo(recipe, args.gpus, work / "split", args, *stop_at, "--resume")
         print(f"resumed run: {result['seconds']['resumed']:.0f} s", flush=True)
         result["resumed_vs_full"] = compare(result["full"], digests(work / "split", args.keep_checkpoints))
     for name in ("resumed_vs_full", "full_vs_again"):
