@@ -2,7 +2,8 @@
 scoring and training.
 
 Both `rlx score` (old / ref logprobs) and `rlx train-step` (new logprobs) call `response_logprobs`,
-so the two sides compute the ratio's numerator and denominator the same way. Logits are upcast to
+so the two sides compute the ratio's numerator and denominator the same way; `sequence_logprobs` scores one
+sequence's own tokens (a served prompt's logprobs, rlx serve's prompt_logprobs and echo). Logits are upcast to
 float32 and divided by the rollout temperature before the softmax.
 
 `impl` picks how logits become logprobs: 'naive' runs the model's own head and softmax over
@@ -146,6 +147,40 @@ def hidden_states(model, keep: torch.Tensor | None = None, **inputs) -> tuple[to
     finally:
         handle.remove()
     return captured[0], logits
+
+
+@torch.no_grad()
+def sequence_logprobs(
+    model, ids: torch.Tensor, temperature: float, num_top: int, dtype: torch.dtype, chunk: int = 512
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sequence's own tokens scored teacher-forced (a served prompt's logprobs): ids [T] on the model's device ->
+    (logprobs [T-1] of tokens 1..T-1, each given the tokens before it (`logprobs_from_logits`: float32, divided by
+    `temperature`); their ranks [T-1] int64 (1: the most likely; tokens as likely count as ahead, as vLLM ranks);
+    the `num_top` most likely tokens' logprobs [T-1, k] and ids [T-1, k]), on the CPU. One forward of the whole
+    sequence; where the head is a plain linear map (`lm_head_weight`) it runs `chunk` positions at a time on the
+    hidden states, so no [T, V] logits are held at once."""
+    weight = lm_head_weight(model)
+    with autocast(ids.device, dtype):
+        if weight is None:  # a head of its own (bias, soft-capping): the model's logits, whole
+            rows_of = model(input_ids=ids[None], use_cache=False).logits[0, :-1]  # [T-1, V]: t predicts t + 1
+        else:
+            rows_of = hidden_states(model, input_ids=ids[None], use_cache=False)[0][0, :-1]  # [T-1, H]
+    targets = ids[1:]
+    k = min(num_top, weight.shape[0] if weight is not None else rows_of.shape[-1])
+    parts = [(torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, k), torch.zeros(0, k, dtype=torch.long))]
+    for start in range(0, targets.numel(), chunk):
+        rows, wanted = rows_of[start : start + chunk], targets[start : start + chunk]
+        if weight is not None:
+            with autocast(ids.device, dtype):
+                rows = torch.nn.functional.linear(rows, weight)  # [c, V]
+        picked, _ = logprobs_from_logits(rows, wanted, temperature)
+        scaled = rows.float() / temperature
+        ranks = (scaled >= scaled.gather(-1, wanted[:, None])).sum(-1)
+        top = scaled.topk(k, dim=-1)
+        top_logprobs = top.values - torch.logsumexp(scaled, -1, keepdim=True)
+        parts.append(tuple(t.cpu() for t in (picked.float(), ranks, top_logprobs, top.indices)))
+    logprobs, ranks, top_logprobs, top_ids = (torch.cat(column) for column in zip(*parts))
+    return logprobs, ranks, top_logprobs, top_ids
 
 
 @dataclass(frozen=True)

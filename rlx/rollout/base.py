@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from rlx.errors import UserError
 from rlx.formats.records import PromptRecord, RolloutRecord
+from rlx.logprobs import sequence_logprobs
 from rlx.models.fingerprint import tokenizer_fingerprint
 from rlx.models.lora import is_lora_model
 from rlx.models.lora_merge import iter_merged_weights
@@ -47,6 +48,7 @@ from rlx.rollout.lengths import limit_reason, model_context
 from rlx.rollout.prompts import PromptEncoder, context_limit, stop_token_ids
 from rlx.rollout.requests import (
     Generated,
+    PromptLogprobs,
     Request,
     TokenRequest,
     build_requests,
@@ -196,6 +198,13 @@ class TokenStream(ABC):
         The default suits streams that finish whole batches within one `step`."""
         return {}
 
+    def prompt_logprobs(self, request: TokenRequest, num_top: int) -> PromptLogprobs:
+        """`request`'s prompt tokens scored by the model this stream generates with, teacher-forced (each token given
+        the tokens before it, under the request's temperature as its sampled tokens' logprobs are), with the `num_top`
+        most likely tokens at each position; called between steps (rlx serve's prompt_logprobs and echo). The
+        default: an engine whose stream cannot (RolloutEngine.gives_prompt_logprobs false)."""
+        raise UserError("this rollout engine does not compute the logprobs of a prompt's own tokens (hf and native do)")
+
     def weights_changed(self) -> None:
         """The engine's weights were updated while this stream is open (async.partial_rollouts = 'continue'):
         generate with the new ones from the next step on; keys and values computed with the old ones are not
@@ -248,6 +257,8 @@ class RolloutEngine(ABC):
     """Whether the engine fills Generated.top_logprobs for token requests that ask (TokenRequest.num_top_logprobs)."""
     takes_constraints: ClassVar[bool] = False
     """Whether the engine samples a token request within its grammar (TokenRequest.constraint)."""
+    gives_prompt_logprobs: ClassVar[bool] = False
+    """Whether the engine's streams score a request's prompt tokens (TokenStream.prompt_logprobs)."""
     stream_group: TensorParallelGroup | None = None
     """The tensor-parallel group whose ranks hold one engine between them (vllm, native with tp_degree > 1): its first
     rank submits the requests of the group's streams, the others mirror them (mirror.py); None: each process runs its
@@ -413,6 +424,17 @@ class RolloutEngine(ABC):
     def close(self) -> None:
         """Shut the engine down (after every collective of the command)."""
         return None
+
+
+def teacher_forced(module: torch.nn.Module, request: TokenRequest, stream: SamplingParams, num_top: int,
+                   device: torch.device, dtype: torch.dtype) -> PromptLogprobs:  # fmt: skip
+    """`request`'s prompt tokens scored by `module` (a Hugging Face causal LM) in one forward: the engines' shared
+    TokenStream.prompt_logprobs, under the request's own temperature where it has one (1 for greedy)."""
+    ids = torch.tensor(request.prompt_ids, dtype=torch.long, device=device)
+    temperature = request.sampling_of(stream).train_temperature
+    logprobs, ranks, top_logprobs, top_ids = sequence_logprobs(module, ids, temperature, num_top, dtype)
+    top = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_logprobs.tolist())]
+    return PromptLogprobs(logprobs.tolist(), ranks.tolist(), top)
 
 
 def finish_generated(generated: list[Generated], tokenizer, stop: tuple[str, ...]) -> list[tuple[Generated, str]]:

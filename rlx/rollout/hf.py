@@ -17,6 +17,7 @@ from collections import deque
 
 import torch
 
+from rlx.errors import UserError
 from rlx.models.attention import PACKED_ATTENTION, attention_implementation
 from rlx.models.family import family_of
 from rlx.models.routing import RouterRecorder
@@ -25,11 +26,11 @@ from rlx.models.vision.packing import VisionRow, vision_forward
 from rlx.models.vision.positions import left_padded_positions
 from rlx.parallel.dist import all_reduce
 from rlx.parallel.ulysses import ULYSSES_ATTENTION
-from rlx.rollout.base import RolloutEngine, TokenStream
+from rlx.rollout.base import RolloutEngine, TokenStream, teacher_forced
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.constraints import mask_constrained
 from rlx.rollout.prompts import pad_token_id
-from rlx.rollout.requests import Generated, TokenRequest
+from rlx.rollout.requests import Generated, PromptLogprobs, TokenRequest
 from rlx.rollout.sampling import (
     BatchSampling,
     batch_sampling,
@@ -47,6 +48,7 @@ class HFRolloutEngine(RolloutEngine):
 
     name = "hf"
     gives_top_logprobs = True
+    gives_prompt_logprobs = True
     takes_constraints = True
     takes_images = True
 
@@ -273,6 +275,12 @@ class HFStream(TokenStream):
             return []
         generated = self.engine.generate_batch([r for _, r in batch], self.sampling)
         return [(tag, g) for (tag, _), g in zip(batch, generated)]
+
+    def prompt_logprobs(self, request: TokenRequest, num_top: int) -> PromptLogprobs:
+        if self.lockstep:  # one process's forward of a sharded model would wait for the others forever
+            raise UserError("the hf engine scores prompts in one process only (not under a launcher)")
+        engine = self.engine
+        return teacher_forced(engine.model, request, self.sampling, num_top, engine.device, engine.dtype)
 
     def close(self) -> None:
         self._decoding.close()

@@ -111,6 +111,20 @@ class Generated:
     likely first, from the distribution `logprobs` are taken from (after temperature, before top-k/top-p)."""
 
 
+@dataclass
+class PromptLogprobs:
+    """A prompt's own tokens scored by the model teacher-forced (TokenStream.prompt_logprobs): entry i is about
+    prompt token i + 1 given the tokens before it (the first token has no predicting position)."""
+
+    logprobs: list[float]
+    """Each token's logprob, from the distribution its sampled tokens' would come from (after the request's
+    temperature, 1 for greedy; before top-k/top-p)."""
+    ranks: list[int]
+    """Each token's rank in that distribution (1: the most likely; tokens as likely count as ahead of it)."""
+    top: list[list[tuple[int, float]]]
+    """At each position the k most likely (token id, logprob) pairs, most likely first (k = the call's num_top)."""
+
+
 def build_requests(prompts: list[PromptRecord], encoder: PromptEncoder, sampling: SamplingParams) -> list[Request]:
     """N requests per prompt, in prompt order then sample order (plus ReMax's greedy one when asked)."""
     requests = []

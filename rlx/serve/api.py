@@ -9,9 +9,11 @@ silently ignored what it asked for. How each field is treated is in docs/serve.m
   continuous_usage_stats), tools, tool_choice
   'none'/'auto' (tool calls are read only where tools are offered and tool_choice is not 'none'), logprobs and
   top_logprobs (chat: at most MAX_TOP_LOGPROBS; completions: logprobs = how many alternatives, at most
-  MAX_COMPLETION_LOGPROBS; engines hf and native), echo (streamed too; not with logprobs: the prompt tokens' own
-  are not computed), return_token_ids (vLLM's extension),
-  and metadata that changes no token (user, metadata, store, service_tier, ...: recorded with the turn);
+  MAX_COMPLETION_LOGPROBS; engines hf and native), echo (streamed too; with logprobs, the prompt's tokens are listed
+  first, the first one's logprob null, as vLLM lists them: engines hf and native), vLLM's extensions return_token_ids
+  and prompt_logprobs (each prompt token's logprob, rank and at most MAX_PROMPT_LOGPROBS alternatives, scored by the
+  served model teacher-forced; not in a stream; engines hf and native), and metadata that changes no token (user,
+  metadata, store, service_tier, ...: recorded with the turn);
 - temperature (0: greedy), top_p and top_k: the request's own where it sends them (the server's flags otherwise);
 - n > 1 in `rlx serve`: choice i > 0 is recorded as its own sample, `<sample_id>~i` (at most MAX_CHOICES);
 - response_format json_object / json_schema: sampled within the JSON grammar (rlx.rollout.constraints: llguidance,
@@ -40,6 +42,8 @@ MAX_TOP_LOGPROBS = 20
 """Most alternatives per position a chat request may ask for (top_logprobs), as OpenAI's API allows."""
 MAX_COMPLETION_LOGPROBS = 5
 """Most alternatives per position a completions request may ask for (logprobs), as OpenAI's API allows."""
+MAX_PROMPT_LOGPROBS = 20
+"""Most alternatives per prompt token a request may ask for (vLLM's prompt_logprobs; vLLM's default max_logprobs)."""
 
 
 class RequestError(Exception):
@@ -67,6 +71,10 @@ class Limits:
     """Whether the engine samples within a grammar (response_format json_*); the library is checked per request."""
     vocab_size: int = 0
     """The model's vocabulary: token ids a client sends must be below it (0: not checked)."""
+    has_prompt_logprobs: bool = False
+    """Whether the engine scores a prompt's own tokens (vLLM's prompt_logprobs, completions' echo with logprobs)."""
+    engine: str = ""
+    """The engine's name, for refusals of what it cannot do."""
 
 
 @dataclass
@@ -94,6 +102,11 @@ class Settings:
     top_logprobs: int = 0
     """Alternatives per position to report with the logprobs (chat top_logprobs, completions logprobs = k)."""
     return_token_ids: bool = False
+    prompt_logprobs: int | None = None
+    """vLLM's prompt_logprobs: the reply lists each prompt token's logprob with this many alternatives (None: not
+    asked; a completion with echo and logprobs asks for it as vLLM does, with its logprobs' count)."""
+    echo_logprobs: bool = False
+    """Completions with echo and logprobs: the choice's logprobs list the prompt's tokens before the sampled ones."""
     json_schema: dict | None = None
     """response_format json_schema's schema ({} for json_object: any JSON object); None: free text."""
     required_tools: list[dict] | None = None
@@ -103,6 +116,13 @@ class Settings:
     """tool_choice named a function: the reply's finish_reason is then 'stop', as OpenAI's and vLLM's."""
     recorded: dict = field(default_factory=dict)
     """What the turn used, as the record keeps it (sampling and the request's metadata)."""
+
+    @property
+    def prompt_top(self) -> int | None:
+        """Alternatives to compute per prompt token (the most either list shows), None where no prompt is scored."""
+        if self.prompt_logprobs is None and not self.echo_logprobs:
+            return None
+        return max(self.prompt_logprobs or 0, self.top_logprobs if self.echo_logprobs else 0)
 
 
 @dataclass
@@ -143,7 +163,7 @@ _OFF = {
 """Fields honoured only at their neutral value (any other is refused by name)."""
 _COMMON = {
     "model", "max_tokens", "seed", "stop", "stream", "stream_options", "temperature", "top_p", "top_k", "logprobs",
-    "return_token_ids", "n", "frequency_penalty", "presence_penalty", "logit_bias", *METADATA_FIELDS,
+    "return_token_ids", "prompt_logprobs", "n", "frequency_penalty", "presence_penalty", "logit_bias", *METADATA_FIELDS,
 }  # fmt: skip
 CHAT_FIELDS = _COMMON | {
     "messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs",
@@ -156,7 +176,9 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 def _check_known(body: dict, known: set[str]) -> None:
     for name in body:
         if name not in known:
-            raise refuse(name, "not a field this endpoint knows (OpenAI's API or vLLM's return_token_ids)")
+            raise refuse(
+                name, "not a field this endpoint knows (OpenAI's API, or vLLM's return_token_ids and prompt_logprobs)"
+            )
     for name, allowed in _OFF.items():
         value = body.get(name)
         if name in body and not any(value == a and type(value) is type(a) or value is a for a in allowed):
@@ -291,6 +313,25 @@ def _top(limits: Limits, name: str, count: int, most: int) -> int:
     return count
 
 
+def _prompt_logprobs(body: dict, limits: Limits, stream: bool) -> int | None:
+    """vLLM's prompt_logprobs: how many alternatives to list per prompt token (None: not asked)."""
+    count = _int(body, "prompt_logprobs")
+    if count is None:
+        return None
+    if count > MAX_PROMPT_LOGPROBS:
+        raise refuse("prompt_logprobs", f"at most {MAX_PROMPT_LOGPROBS} alternatives per token, got {count}")
+    if stream:  # a chunk has no place for them: vLLM refuses them in a stream too
+        raise refuse("prompt_logprobs", "not with stream: true (a streamed reply does not carry them, as on vLLM)")
+    _check_prompt_logprobs("prompt_logprobs", limits)
+    return count
+
+
+def _check_prompt_logprobs(name: str, limits: Limits) -> None:
+    if not limits.has_prompt_logprobs:
+        why = "does not compute the logprobs of the prompt's own tokens (engines hf and native do)"
+        raise refuse(name, f"this server's engine ({limits.engine or 'unknown'}) {why}")
+
+
 def _json_schema(response_format, limits: Limits) -> dict | None:
     """The schema a response_format asks the reply to follow ({}: any JSON object), None for text."""
     kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -347,6 +388,7 @@ def read_chat(body: dict, limits: Limits) -> ChatCall:
     settings = _settings(body, limits, "max_completion_tokens")
     settings.logprobs = _bool(body, "logprobs")
     settings.top_logprobs = _top(limits, "top_logprobs", _int(body, "top_logprobs") or 0, MAX_TOP_LOGPROBS)
+    settings.prompt_logprobs = _prompt_logprobs(body, limits, settings.stream)
     if settings.top_logprobs and not settings.logprobs:
         raise refuse("top_logprobs", "needs logprobs: true")
     messages, tools = body.get("messages"), body.get("tools") or None
@@ -391,10 +433,13 @@ def read_completion(body: dict, limits: Limits) -> CompletionCall:
                            param="prompt")  # fmt: skip
     if is_ids:
         _check_ids(prompt, limits, "prompt")
+    settings.prompt_logprobs = _prompt_logprobs(body, limits, settings.stream)
     echo = _bool(body, "echo")
     if echo and settings.logprobs:  # vLLM's reply then lists the prompt tokens' logprobs before the sampled ones'
-        why = "the prompt tokens' own logprobs, which vLLM's reply then lists first, are not computed by rlx's engines"
-        raise refuse("echo", f"echo with logprobs is not supported: {why}; ask for logprobs without echo")
+        _check_prompt_logprobs("echo", limits)
+        settings.echo_logprobs = True
+        if settings.prompt_logprobs is None and not settings.stream:  # vLLM's choice then has them as prompt_logprobs
+            settings.prompt_logprobs = settings.top_logprobs
     return CompletionCall(prompt, settings, echo)
 
 

@@ -7,7 +7,8 @@ each tool call's name and arguments as they come (tool_stream.py, with the id it
 the logprobs and ids of the tokens that wrote it, and once the turn is generated it is recorded exactly as without
 `stream` (sessions.py), the sample's lock released, and the last chunks sent (replies.StreamedReply: the rest of the
 content, what of the tool calls was not sent, the finish_reason with the remaining tokens, usage; then
-`data: [DONE]`). A completion with `echo` sends the prompt's text at the start of each choice's first chunk. A
+`data: [DONE]`). A completion with `echo` sends the prompt's text at the start of each choice's first chunk (with
+logprobs, the prompt's tokens' logprobs first in it, scored before the stream starts: turns.prepare_turns). A
 client that goes away mid-stream does not stop the turn: it is generated and recorded all the same. A failure
 mid-stream is one `data: {"error": ...}` event before `[DONE]`, as vLLM sends it (its traceback on the server's
 stderr).
@@ -72,7 +73,7 @@ class LiveReply:
         """What each choice sampled so far, not yet decoded (older updates are skipped: the newest include them)."""
         self.queue: asyncio.Queue = asyncio.Queue()
         self.chunks = StreamedReply(settings, [plan.context_ids for plan, _ in prepared], server.model_name,
-                                    self.is_chat)  # fmt: skip
+                                    self.is_chat, [plan.prompt for plan, _ in prepared])  # fmt: skip
         self.rid, self.head = self.chunks.rid, self.chunks.head
         self.job = asyncio.ensure_future(self._generate(prepared))
 

@@ -1,20 +1,25 @@
 """Finished turns as OpenAI's replies: a chat.completion or text_completion object (one choice per turn: the
 request's n), or the chunks of its stream.
 
-Each choice has vLLM's `stop_reason` (the stop string or the non-EOS stop token that ended it, else null); with
-`return_token_ids`, its `token_ids`, and the prompt's: beside the choices of a chat reply, in each choice of a
-completion (where vLLM puts them).
+A reply has every key vLLM's OpenAI server writes (it serializes its response models whole), null where rlx has
+nothing to say (service_tier, system_fingerprint, kv_transfer_params, a message's refusal, ...), so a client that
+indexes them finds them. Each choice has vLLM's `stop_reason` (the stop string or the non-EOS stop token that ended it,
+else null); with `return_token_ids`, its `token_ids`, and the prompt's; with vLLM's `prompt_logprobs`, each prompt
+token's logprob, rank and alternatives (null for the first token): both beside the choices of a chat reply and in each
+choice of a completion (where vLLM puts them). A completion with `echo` and `logprobs` lists the prompt's tokens
+before the sampled ones in its logprobs, the first with a null logprob, as vLLM does.
 
 A streamed reply (live.py) is built by `StreamedReply`, as vLLM's OpenAI server streams: every chunk has the reply's
 id, created and model; a chat choice opens with its role delta (`content: ""`, and the prompt's token ids with
 `return_token_ids`); a completion choice's first chunk begins with the prompt's text where the request asked for
-`echo`; each piece of text carries the logprobs (and, with `return_token_ids`, the ids) of the tokens it was written
-with, so the pieces' logprobs add up to the non-streamed reply's; each tool call is a delta of its id, type and name,
-then its arguments (in pieces as they are sampled, tool_stream.py, or whole once generated); the last chunk has the
-finish_reason, the stop_reason (a completion's chunks all have one: null before) and the tokens no chunk took (with
-the first tool-call delta sent once the turn is generated, if any). With `stream_options.continuous_usage_stats`
-every chunk has the usage so far; with `include_usage` a last chunk with no choices has the request's usage. The
-trajectory is recorded exactly as for the same request without `stream`.
+`echo` (and, with logprobs, lists the prompt's tokens first); each piece of text carries the logprobs (and, with
+`return_token_ids`, the ids) of the tokens it was written with, so the pieces' logprobs add up to the non-streamed
+reply's; each tool call is a delta of its id, type and name, then its arguments (in pieces as they are sampled,
+tool_stream.py, or whole once generated); the last chunk has the finish_reason, the stop_reason (a completion's
+chunks all have one: null before) and the tokens no chunk took (with the first tool-call delta sent once the turn is
+generated, if any). With `stream_options.continuous_usage_stats` every chunk has the usage so far; with
+`include_usage` a last chunk with no choices has the request's usage. The trajectory is recorded exactly as for the
+same request without `stream`.
 """
 
 from __future__ import annotations
@@ -40,6 +45,23 @@ class Span:
 
 
 @dataclass
+class PromptTokens:
+    """A prompt's tokens as the served model scores them teacher-forced (vLLM's prompt_logprobs; a completion's echo
+    with logprobs): position 0 is the first token, which nothing predicts (its logprob and rank None, no
+    alternatives)."""
+
+    ids: list[int]
+    texts: list[str]
+    """Each token decoded alone."""
+    logprobs: list[float | None]
+    """Each token's logprob given the tokens before it (at least -9999.0, as vLLM clamps -inf for JSON)."""
+    ranks: list[int | None]
+    """Its rank there (1: the most likely)."""
+    top: list[list[tuple[int, str, float]]]
+    """At each position the most likely tokens: (id, text decoded alone, logprob)."""
+
+
+@dataclass
 class Turn:
     """One answered request: what it asked, the context and what was sampled, and the reply's text or message."""
 
@@ -60,6 +82,8 @@ class Turn:
     """Each sampled token decoded alone (for logprobs and stream pieces)."""
     top_logprobs: list[list[tuple[str, float]]] = field(default_factory=list)
     """At each position, the most likely tokens (decoded alone) and their logprobs, when the request asked."""
+    prompt: PromptTokens | None = None
+    """The context's tokens scored, where the request asked (Settings.prompt_top)."""
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     """Unique: a reply's id is it with its kind's prefix (`chatcmpl-`, `cmpl-`, `resp_`, as OpenAI's)."""
     created: int = field(default_factory=lambda: int(time.time()))
@@ -92,15 +116,35 @@ def _chat_logprobs(span: Span) -> dict:
     return {"content": content, "refusal": None}
 
 
-def _completion_logprobs(span: Span, settings: Settings, text_offset: int = 0) -> dict:
-    """`text_offset`: where the span's first token's text begins in the reply's (its tokens' texts laid end to end:
-    echo with logprobs is refused, api.py; a stop string's tokens are listed past the text's end)."""
+def _completion_logprobs(
+    span: Span, settings: Settings, text_offset: int = 0, prompt: PromptTokens | None = None
+) -> dict:
+    """`text_offset`: where the first listed token's text begins in the reply's (the tokens' texts laid end to end, as
+    vLLM counts them; a stop string's tokens are listed past the text's end). `prompt` (echo with logprobs): its
+    tokens are listed first, the first one's logprob and alternatives null, as vLLM lists them."""
+    k = settings.top_logprobs
+    texts, logprobs, top = list(span.texts), list(span.logprobs), [dict(pairs) for pairs in span.top]
+    if prompt is not None:
+        texts, logprobs = prompt.texts + texts, prompt.logprobs + logprobs
+        top = [None] + [{text: logprob for _, text, logprob in pairs[:k]} for pairs in prompt.top[1:]] + top
     offsets, at = [], text_offset
-    for text in span.texts:
+    for text in texts:
         offsets.append(at)
         at += len(text)
-    top = [dict(pairs) for pairs in span.top] if settings.top_logprobs else None
-    return {"tokens": span.texts, "token_logprobs": span.logprobs, "top_logprobs": top, "text_offset": offsets}
+    return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": top if k else None, "text_offset": offsets}
+
+
+def prompt_logprobs(prompt: PromptTokens, k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then for each token {token id: {logprob, rank,
+    decoded_token}} of the token itself and the k most likely there (ids are JSON keys: strings)."""
+    out: list[dict | None] = [None]
+    for i in range(1, len(prompt.ids)):
+        entry = {str(prompt.ids[i]): {"logprob": prompt.logprobs[i], "rank": prompt.ranks[i],
+                                      "decoded_token": prompt.texts[i]}}  # fmt: skip
+        for rank, (token, text, logprob) in enumerate(prompt.top[i][:k], 1):
+            entry.setdefault(str(token), {"logprob": logprob, "rank": rank, "decoded_token": text})
+        out.append(entry)
+    return out
 
 
 def chat_finish_reason(turn: Turn) -> str:
@@ -117,39 +161,61 @@ def _usage(turns: list[Turn]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _with_token_ids(turn: Turn, reply: dict, choice: dict, is_chat: bool) -> None:
-    """vLLM's `return_token_ids`: the choice's token ids and the prompt's (chat: beside the choices; completions: in
-    each choice, as vLLM places them)."""
-    if turn.settings.return_token_ids:
-        (reply if is_chat else choice)["prompt_token_ids"] = turn.prompt_ids
-        choice["token_ids"] = turn.response_ids
+_MESSAGE = {"role": "assistant", "content": None, "refusal": None, "annotations": None, "audio": None,
+            "function_call": None, "reasoning": None, "reasoning_content": None}  # fmt: skip
+"""The keys of a reply's message as vLLM's ChatMessage writes them where rlx has nothing to say: null `refusal`,
+`annotations`, `audio`, `function_call`, and `reasoning` (vLLM's name) and `reasoning_content` (its earlier one, which
+clients written for older vLLM read): rlx parses no reasoning out of the text. `tool_calls` only where there are some,
+as vLLM (and OpenAI) leave an empty list out."""
+
+
+def _prompt_field(turn: Turn) -> list[dict | None] | None:
+    """The turn's vLLM `prompt_logprobs` where the request asked for them, else None."""
+    k = turn.settings.prompt_logprobs
+    return prompt_logprobs(turn.prompt, k) if k is not None and turn.prompt is not None else None
+
+
+def _ids(turn: Turn) -> tuple[list[int] | None, list[int] | None]:
+    """vLLM's `return_token_ids`: (the prompt's token ids, the choice's), each None where the request did not ask."""
+    return (turn.prompt_ids, turn.response_ids) if turn.settings.return_token_ids else (None, None)
 
 
 def chat_reply(turns: list[Turn], model: str) -> dict:
-    """A chat.completion object with one choice per turn (the request's n)."""
-    reply = {**_head(turns[0], "chat.completion", model), "choices": [], "usage": _usage(turns)}
+    """A chat.completion object with one choice per turn (the request's n), with every key of vLLM's (null where rlx
+    has nothing: service_tier, system_fingerprint, kv_transfer_params, ...; the prompt's token ids and
+    prompt_logprobs beside the choices, as vLLM places them)."""
+    choices = []
     for index, turn in enumerate(turns):
-        message = turn.message
-        if message.get("tool_calls") and not message.get("content"):  # OpenAI's: no text beside the calls is null
-            message = {**message, "content": None}
+        message = {**_MESSAGE, **turn.message}
+        if message.get("tool_calls") and not message["content"]:  # OpenAI's: no text beside the calls is null
+            message["content"] = None
         logprobs = _chat_logprobs(turn.span()) if turn.settings.logprobs else None
-        choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": chat_finish_reason(turn),
-                  "stop_reason": turn.stop_reason}  # fmt: skip
-        _with_token_ids(turn, reply, choice, is_chat=True)
-        reply["choices"].append(choice)
-    return reply
+        choices.append({"index": index, "message": message, "logprobs": logprobs,
+                        "finish_reason": chat_finish_reason(turn), "stop_reason": turn.stop_reason,
+                        "token_ids": _ids(turn)[1], "routed_experts": None})  # fmt: skip
+    return {**_head(turns[0], "chat.completion", model), "choices": choices, "service_tier": None,
+            "system_fingerprint": None, "usage": {**_usage(turns), "prompt_tokens_details": None},
+            "prompt_logprobs": _prompt_field(turns[0]), "prompt_token_ids": _ids(turns[0])[0], "prompt_text": None,
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}  # fmt: skip
 
 
 def completion_reply(turns: list[Turn], model: str) -> dict:
-    """A text_completion object with one choice per turn (the request's n)."""
-    reply = {**_head(turns[0], "text_completion", model), "choices": [], "usage": _usage(turns)}
+    """A text_completion object with one choice per turn (the request's n), with every key of vLLM's (the prompt's
+    token ids and prompt_logprobs in each choice, as vLLM places them; null where rlx has nothing)."""
+    choices = []
     for index, turn in enumerate(turns):
-        logprobs = _completion_logprobs(turn.span(), turn.settings) if turn.settings.logprobs else None
-        choice = {"index": index, "text": turn.text, "logprobs": logprobs, "finish_reason": turn.finish_reason,
-                  "stop_reason": turn.stop_reason}  # fmt: skip
-        _with_token_ids(turn, reply, choice, is_chat=False)
-        reply["choices"].append(choice)
-    return reply
+        settings, logprobs = turn.settings, None
+        if settings.logprobs:
+            logprobs = _completion_logprobs(
+                turn.span(), settings, prompt=turn.prompt if settings.echo_logprobs else None
+            )
+        prompt_ids, ids = _ids(turn)
+        choices.append({"index": index, "text": turn.text, "logprobs": logprobs, "finish_reason": turn.finish_reason,
+                        "stop_reason": turn.stop_reason, "token_ids": ids, "prompt_logprobs": _prompt_field(turn),
+                        "prompt_token_ids": prompt_ids, "routed_experts": None})  # fmt: skip
+    return {**_head(turns[0], "text_completion", model), "choices": choices, "service_tier": None,
+            "system_fingerprint": None, "usage": {**_usage(turns), "prompt_tokens_details": None},
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}  # fmt: skip
 
 
 def _usage_so_far(prompt: int, completion: int) -> dict:
@@ -159,9 +225,12 @@ def _usage_so_far(prompt: int, completion: int) -> dict:
 class StreamedReply:
     """The chunks of one streamed reply, every choice's: what each choice has sent, and each next chunk."""
 
-    def __init__(self, settings: Settings, prompt_ids: list[list[int]], model: str, is_chat: bool):
-        """`prompt_ids`: each choice's context (its prompt's token ids)."""
+    def __init__(self, settings: Settings, prompt_ids: list[list[int]], model: str, is_chat: bool,
+                 prompts: list[PromptTokens | None] | None = None):  # fmt: skip
+        """`prompt_ids`: each choice's context (its prompt's token ids); `prompts`: each choice's context scored
+        (a completion with echo and logprobs lists them in its first chunk)."""
         self.settings, self.prompt_ids, self.is_chat = settings, prompt_ids, is_chat
+        self.prompts = prompts or [None] * len(prompt_ids)
         kind = "chat.completion.chunk" if is_chat else "text_completion"
         self.rid = secrets.token_hex(12)
         """The reply's own id (its turns' Turn.id once they are generated)."""
@@ -214,12 +283,13 @@ class StreamedReply:
         tokens of `span`, the usage so far where the request asked for it; `finish`: (finish_reason, stop_reason)."""
         span = span or Span()
         settings, logprobs = self.settings, None
-        if settings.logprobs and span.ids:
+        prompt = self.prompts[index] if settings.echo_logprobs and not self.is_open[index] else None
+        if settings.logprobs and (span.ids or prompt is not None):
             if self.is_chat:
                 logprobs = _chat_logprobs(span)
             else:
-                logprobs = _completion_logprobs(span, settings, self.text_at[index])
-                self.text_at[index] += sum(len(t) for t in span.texts)
+                logprobs = _completion_logprobs(span, settings, self.text_at[index], prompt)
+                self.text_at[index] += sum(len(t) for t in logprobs["tokens"])
         choice = {"index": index, **fields, "logprobs": logprobs, "finish_reason": finish and finish[0]}
         if finish or not self.is_chat:  # vLLM's: a chat choice's with its finish_reason, a completion's in every chunk
             choice["stop_reason"] = finish and finish[1]

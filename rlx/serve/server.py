@@ -76,7 +76,8 @@ class AgentServer:
         self.endpoint = endpoint or EndpointConfig()
         engine = worker.engine
         self.limits = Limits(sampling, model_name, strict, getattr(engine, "gives_top_logprobs", False),
-                             getattr(engine, "takes_constraints", False), worker.vocab_size)  # fmt: skip
+                             getattr(engine, "takes_constraints", False), worker.vocab_size,
+                             getattr(engine, "gives_prompt_logprobs", False), getattr(engine, "name", ""))  # fmt: skip
         self.created = int(time.time())
         """When the server was made (the `created` of /v1/models)."""
         self.grammars: Grammars | None = None

@@ -31,6 +31,7 @@ from rlx.models.vision.inputs import VisionInputs
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.requests import Generated, cut_response
 from rlx.rollout.stops import StopStrings
+from rlx.serve.replies import PromptTokens
 from rlx.serve.request_images import ImagePolicy, RequestImages, has_images, read_content
 
 _SOURCE = "the request's"
@@ -120,6 +121,9 @@ class Plan:
     image_start: int = 0
     vision: VisionInputs | None = None
     """Every image of the context (the segment's and the new ones) with their offsets; None without images."""
+    prompt: PromptTokens | None = None
+    """The context's tokens scored by the model, where the request asked (vLLM's prompt_logprobs, echo with
+    logprobs: turns.prepare_turns)."""
     call_ids: list[str] = field(default_factory=list)
     """The ids of the turn's tool calls so far (SampleSession.call_id_for): a streamed call's first delta carries its
     id before the turn is committed, and commit gives the call the same."""

@@ -11,6 +11,9 @@ A request submitted with `on_tokens` hears its tokens as they are sampled: after
 it what it sampled so far (every token, with its logprob and, where asked, the alternatives: a Generated whose
 finish_reason is '') whenever there are more (engines whose stream reads tokens back step by step: native, vllm;
 the hf engine decodes a batch to its end, so its requests hear nothing before they finish).
+
+`score_prompt` queues the scoring of a request's prompt tokens (the logprobs a reply lists for vLLM's prompt_logprobs
+and for echo with logprobs): the worker runs it on the stream's model as it takes requests, between engine steps.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from rlx.rollout.base import RolloutEngine, TokenStream
 from rlx.rollout.config import SamplingParams
@@ -67,13 +71,23 @@ class StreamWorker:
         """Queue `request`; its future gives the Generated. `on_tokens(sampled)`, called on the worker thread (it must
         be quick), gets what was sampled so far (tokens, logprobs, alternatives) each time there are more tokens,
         before the future is set."""
+        return self._put(request, on_tokens)
+
+    def score_prompt(self, request: TokenRequest, num_top: int) -> Future:
+        """Queue the scoring of `request`'s prompt tokens (TokenStream.prompt_logprobs, with the `num_top` most likely
+        tokens at each position); its future gives the PromptLogprobs. It runs on the worker thread between engine
+        steps, as requests are taken into the stream (the model is never run from two threads), and is not counted
+        as a generated request."""
+        return self._put(_Scoring(request, num_top), None)
+
+    def _put(self, item: TokenRequest | _Scoring, on_tokens) -> Future:
         future: Future = Future()
         if self.failed is not None:  # a fresh exception a request: one raised in many threads grows its traceback
             future.set_exception(EngineFailed(str(self.failed)))
         elif self._closing.is_set():
             future.set_exception(EngineFailed("the server is shutting down"))
         else:
-            self._queue.put((request, future, on_tokens))
+            self._queue.put((item, future, on_tokens))
         return future
 
     @property
@@ -168,6 +182,9 @@ class StreamWorker:
                 return
             first = False
             request, future, on_tokens = item
+            if isinstance(request, _Scoring):
+                _score(stream, request, future, self._check_ids)
+                continue
             try:
                 self._check_ids(request)
                 stream.submit(future, request)
@@ -179,6 +196,24 @@ class StreamWorker:
                 self._listeners[future] = (on_tokens, [0])
             self.num_requests += 1
             self.largest_batch = max(self.largest_batch, len(in_flight))
+
+
+@dataclass(frozen=True)
+class _Scoring:
+    """A queued StreamWorker.score_prompt: the request whose prompt to score, and how many alternatives per token."""
+
+    request: TokenRequest
+    num_top: int
+
+
+def _score(stream: TokenStream, job: _Scoring, future: Future, check_ids: Callable[[TokenRequest], None]) -> None:
+    """Run `job` on the stream's model and settle `future` with the PromptLogprobs (or why it could not: the failure
+    is this request's, the stream goes on)."""
+    try:
+        check_ids(job.request)
+        future.set_result(stream.prompt_logprobs(job.request, job.num_top))
+    except Exception as e:  # noqa: BLE001 - handed to the request that asked
+        future.set_exception(e)
 
 
 class EngineFailed(RuntimeError):

@@ -1,4 +1,5 @@
-"""One request of a sample, from its typed call to its recorded turn: plan, generate, cut at stops, commit.
+"""One request of a sample, from its typed call to its recorded turn: plan, score the prompt (where asked), generate,
+cut at stops, commit.
 
 The tokenizer and image work runs in starlette's thread pool (under the server's tokenizer lock: a fast
 tokenizer's core takes one thread at a time); the generation is a future of the engine stream awaited on the
@@ -13,10 +14,10 @@ import contextlib
 from starlette.concurrency import run_in_threadpool
 
 from rlx.errors import UserError
-from rlx.rollout.requests import Generated, TokenRequest
+from rlx.rollout.requests import Generated, PromptLogprobs, TokenRequest
 from rlx.rollout.stops import StopStrings
-from rlx.serve.api import ChatCall, CompletionCall, RequestError
-from rlx.serve.replies import Span, Turn
+from rlx.serve.api import ChatCall, CompletionCall, RequestError, refuse
+from rlx.serve.replies import PromptTokens, Span, Turn
 from rlx.serve.sessions import Plan, SampleSession
 
 
@@ -97,7 +98,7 @@ def _commit(server, session: SampleSession, plan: Plan, gen: Generated, call) ->
         span = decoded_span(server.tokenizer, gen, 0, len(gen.response_ids), settings.stream or settings.logprobs)
         echoed, stop_reason = echo_text(server.tokenizer, call), _stop_reason(server, session, gen)
     turn = Turn(settings, plan.context_ids, gen.response_ids, gen.logprobs, gen.finish_reason,
-                token_texts=span.texts, top_logprobs=span.top, stop_reason=stop_reason)  # fmt: skip
+                token_texts=span.texts, top_logprobs=span.top, stop_reason=stop_reason, prompt=plan.prompt)  # fmt: skip
     if isinstance(call, ChatCall):
         turn.message = reply
     else:
@@ -151,7 +152,33 @@ async def prepare_turns(server, sessions: list[SampleSession], call) -> list[tup
         for (_, request), session in zip(prepared, sessions):
             request.constraint = await _compiled("tool_choice", server.tool_grammar_for, call.settings.required_tools,
                                                  session.parser_name)  # fmt: skip
+    if call.settings.prompt_top is not None:  # prompt_logprobs, echo with logprobs: before a stream's first chunk
+        await _score_prompts(server, prepared, call.settings.prompt_top)
     return prepared
+
+
+async def _score_prompts(server, prepared: list[tuple[Plan, TokenRequest]], num_top: int) -> None:
+    """Give each plan its context's tokens scored by the served model (teacher-forced, on the engine's worker between
+    its steps), each distinct context once."""
+    scored: dict[tuple[int, ...], PromptTokens] = {}
+    for plan, request in prepared:
+        if plan.vision is not None:
+            raise refuse("prompt_logprobs", "the prompt's own logprobs are not computed for prompts with images")
+        key = tuple(plan.context_ids)
+        if key not in scored:
+            got = await asyncio.wrap_future(server.worker.score_prompt(request, num_top))
+            scored[key] = await run_in_threadpool(_prompt_tokens, server, plan.context_ids, got)
+        plan.prompt = scored[key]
+
+
+def _prompt_tokens(server, ids: list[int], scored: PromptLogprobs) -> PromptTokens:
+    """The scored prompt with its tokens decoded alone (under the server's tokenizer lock); -inf clamped to -9999.0,
+    as vLLM clamps it (JSON has no infinity)."""
+    with server.tokenizer_lock:
+        texts = [server.tokenizer.decode([t]) for t in ids]
+        top = [[(t, server.tokenizer.decode([t]), max(lp, -9999.0)) for t, lp in pairs] for pairs in scored.top]
+    logprobs = [max(lp, -9999.0) for lp in scored.logprobs]
+    return PromptTokens(ids, texts, [None, *logprobs], [None, *scored.ranks], [[], *top])
 
 
 async def _compiled(param: str, compile_one, *args):

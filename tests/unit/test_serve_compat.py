@@ -119,8 +119,6 @@ def test_vllm_shaped_refusals_ids_and_fields():
         status, reply = post(f"{url}/responses", {"input": "hi", "max_output_tokens": 1})
         assert status == 200 and reply["output"][0]["status"] == reply["status"]  # a message cut at the limit is
         # 'incomplete' as its response is (or both 'completed' where the one token ended the turn)
-        status, reply = post(f"{url}/completions", {"prompt": "12", "echo": True, "logprobs": 1})
-        assert status == 400 and reply["error"]["param"] == "echo"
         reply = client.completions.create(model="rlx", prompt="12+3=", max_tokens=6, logprobs=0, stop=["a", "b"])
         offsets, texts = reply.choices[0].logprobs.text_offset, reply.choices[0].logprobs.tokens
         assert offsets == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
@@ -177,8 +175,8 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice_as_vllm_
 
 def test_prompt_token_ids_go_where_vllm_puts_them_and_echo_streams_through_the_openai_client():
     """return_token_ids: a completion's prompt ids are in each of its choices, a chat reply's beside its choices, as
-    vLLM places them. echo streams (the openai client's pieces begin with the prompt's text); echo with logprobs is
-    refused by name, streamed or not (the prompt tokens' own logprobs, which vLLM then lists, are not computed)."""
+    vLLM places them. echo streams (the openai client's pieces begin with the prompt's text; echo with logprobs:
+    test_serve_prompt_logprobs.py)."""
     server = start()
     url = f"{server.url}/v1"
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
@@ -190,9 +188,5 @@ def test_prompt_token_ids_go_where_vllm_puts_them_and_echo_streams_through_the_o
         assert reply["prompt_token_ids"] and "prompt_token_ids" not in reply["choices"][0]
         pieces = client.completions.create(model="rlx", prompt=[5, 6, 7], max_tokens=3, echo=True, stream=True)
         assert "".join(p.choices[0].text for p in pieces).startswith(server.tokenizer.decode([5, 6, 7]))
-        for stream in (False, True):
-            status, reply = post(f"{url}/completions", {"prompt": "1", "echo": True, "logprobs": 0, "stream": stream})
-            assert status == 400 and reply["error"]["param"] == "echo", reply
-            assert "prompt tokens' own logprobs" in reply["error"]["message"]
     finally:
         stop(server)

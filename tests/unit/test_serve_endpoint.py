@@ -319,7 +319,7 @@ HONOURED = {
     "tool_choice": "none", "user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
     "safety_identifier": "s", "prompt_cache_key": "p", "prompt_cache_retention": "24h", "parallel_tool_calls": True,
     "response_format": {"type": "text"}, "modalities": ["text"], "frequency_penalty": 0, "presence_penalty": 0.0,
-    "logit_bias": {}, "top_logprobs": 0, "tools": [CALCULATOR_TOOL],
+    "logit_bias": {}, "top_logprobs": 0, "tools": [CALCULATOR_TOOL], "prompt_logprobs": 1,
 }  # fmt: skip
 REFUSED = {
     "temperature": -0.5, "top_p": 1.5, "top_k": 2.5, "max_tokens": 10_000, "max_completion_tokens": 10_000, "n": 17,
@@ -329,7 +329,7 @@ REFUSED = {
     "verbosity": "low", "web_search_options": {}, "functions": [{"name": "f"}], "function_call": {"name": "f"},
     "parallel_tool_calls": False, "stream_options": {"include_usage": True}, "messages": [], "tools": "x",
     "stop": [1], "seed": -1, "logprobs": "yes", "stream": "yes", "return_token_ids": 1, "model": "other",
-    "unknown_field": 1,
+    "unknown_field": 1, "prompt_logprobs": 21,
 }  # fmt: skip
 
 
@@ -380,6 +380,7 @@ def test_every_chat_completions_field_is_honoured_or_refused_by_name():
         assert len(choice["token_ids"]) <= 2
         assert reply["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in reply["choices"])
         assert len(choice["logprobs"]["content"]) == len(choice["token_ids"]) and reply["prompt_token_ids"]
+        assert len(reply["prompt_logprobs"]) == len(reply["prompt_token_ids"])
         assert [c["index"] for c in reply["choices"]] == [0, 1]  # n = 2: choice 1 is sample 'all~1'
         assert server.sessions["all~1"].num_requests == server.sessions["all"].num_requests == 1
         assert reply["choices"][1]["token_ids"] == server.sessions["all~1"].current.trajectory.response_ids

@@ -44,7 +44,7 @@ from rlx.errors import UserError
 from rlx.models.family import family_of
 from rlx.models.lora import is_lora_model
 from rlx.parallel.dist import TensorParallelGroup, all_reduce, shard_range, tensor_parallel_group
-from rlx.rollout.base import RolloutEngine, TokenStream, WeightSource, copy_weights
+from rlx.rollout.base import RolloutEngine, TokenStream, WeightSource, copy_weights, teacher_forced
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.mirror import open_mirrored
 from rlx.rollout.native.blocks import BlockManager, Sequence, Status
@@ -56,7 +56,7 @@ from rlx.rollout.native.sampler import Launched, StepSampler
 from rlx.rollout.native.scheduler import Scheduler
 from rlx.rollout.native.tensor_parallel import add_row_parallel_reduce, check_splittable, rank_slice, sliced_config
 from rlx.rollout.native.vision import NativeImages
-from rlx.rollout.requests import Generated, TokenRequest
+from rlx.rollout.requests import Generated, PromptLogprobs, TokenRequest
 from rlx.rollout.sampling import request_uniforms
 from rlx.rollout.stops import StopStrings
 from rlx.utils import vmm
@@ -73,6 +73,7 @@ class NativeRolloutEngine(RolloutEngine):
 
     name = "native"
     gives_top_logprobs = True
+    gives_prompt_logprobs = True
     takes_constraints = True
     takes_images = True
 
@@ -442,6 +443,14 @@ class NativeStream(TokenStream):
 
     def partial(self, tags: Collection[object]) -> dict[object, Generated]:
         return {tag: _sampled_so_far(seq) for seq, tag in self.tags.items() if seq.output_ids and tag in tags}
+
+    def prompt_logprobs(self, request: TokenRequest, num_top: int) -> PromptLogprobs:
+        """Through the Hugging Face layers of the module the stream decodes with (the model or its replica; the paged
+        attention is the runner's within its own steps only)."""
+        if self.engine.tp is not None:  # each rank holds a slice of every layer: one rank's forward is no model's
+            raise UserError("the native engine scores prompts without tensor parallelism only (tp_degree 1)")
+        engine = self.engine
+        return teacher_forced(self.module, request, self.sampling, num_top, engine.device, engine.dtype)
 
     def weights_changed(self) -> None:
         """Refill the replica in place (the captured graphs read its storage) and stop reusing cached prefixes."""
