@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -62,6 +63,42 @@ def write_aux(folder: Path, aux: dict[str, bytes]) -> None:
     """Write config, tokenizer and other non-weight files byte for byte."""
     for name, data in aux.items():
         (folder / name).write_bytes(data)
+
+
+CONFIG_DTYPE_KEYS = ("dtype", "torch_dtype")
+"""Where config.json records the weights' dtype: transformers 5 writes 'dtype', older versions 'torch_dtype'."""
+
+
+def stored_dtype(tensors) -> torch.dtype | None:
+    """The floating-point dtype holding most elements of `tensors` (a dict of tensors or DTensors; other values, such
+    as megatron's extra states, are skipped): the one dtype config.json records, as save_pretrained records the
+    model's; None without floating-point tensors."""
+    counts = Counter()
+    for tensor in tensors.values():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            counts[tensor.dtype] += tensor.numel()
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def with_config_dtype(aux: dict[str, bytes], tensors, add: bool = False) -> dict[str, bytes]:
+    """`aux` with config.json saying the dtype the weights `tensors` are written in (a trainer's float32 master
+    weights of a bfloat16 model, a cast), under each key of CONFIG_DTYPE_KEYS it has, in its sub-configs too
+    (text_config, ...); with `add`, under 'dtype' where the top level has neither. The bytes are kept where it already
+    agrees or records no dtype (loaders then take the weights')."""
+    dtype = stored_dtype(tensors)
+    if dtype is None or "config.json" not in aux:
+        return aux
+    config = json.loads(aux["config.json"])
+    name = str(dtype).removeprefix("torch.")
+    if add and not any(key in config for key in CONFIG_DTYPE_KEYS):
+        config["dtype"] = None
+    tables = [config, *(value for value in config.values() if isinstance(value, dict))]
+    found = [(table, key) for table in tables for key in CONFIG_DTYPE_KEYS if key in table]
+    if all(table[key] == name for table, key in found):
+        return aux
+    for table, key in found:
+        table[key] = name
+    return {**aux, "config.json": (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()}
 
 
 def write_weights(folder: Path, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from rlx.checkpoints.base import CheckpointPart, Layout
-from rlx.checkpoints.files import write_aux
+from rlx.checkpoints.files import with_config_dtype, write_aux
 from rlx.checkpoints.meta import CheckpointMeta
 from rlx.errors import UserError
 from rlx.observe.tracking import console
@@ -100,7 +100,7 @@ def save_dcp(out: str | Path, weights: dict, optimizer: dict | None, aux: dict[s
             dcp.save(state, checkpoint_id=str(tmp / DCP_DIR), no_dist=not dist.is_initialized())
         barrier()
         if is_main:
-            write_aux(tmp, aux)
+            write_aux(tmp, with_config_dtype(aux, weights))  # the dtype of the shards written
             meta.write(tmp)
             if before_publish is not None:
                 before_publish()
@@ -205,7 +205,7 @@ def prepare_dcp_write(out: str, parts: dict[str, CheckpointPart], overwrite: boo
                 for name, part in parts.items():
                     folder = tmp / name if name else tmp
                     folder.mkdir(exist_ok=True)
-                    write_aux(folder, part.aux)
+                    write_aux(folder, with_config_dtype(part.aux, states[name]["model"]))  # the shards' dtype
                     part.meta.write(folder)
                 if before_publish is not None:
                     before_publish()

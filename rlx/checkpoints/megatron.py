@@ -27,7 +27,13 @@ from pathlib import Path
 import torch
 
 from rlx.checkpoints.base import CheckpointPart, Layout, LocalState, ShardOptions
-from rlx.checkpoints.files import OPTIMIZER_NAME, write_aux, write_optimizer_state, write_weights
+from rlx.checkpoints.files import (
+    OPTIMIZER_NAME,
+    with_config_dtype,
+    write_aux,
+    write_optimizer_state,
+    write_weights,
+)
 from rlx.checkpoints.meta import META_NAME, CheckpointMeta
 from rlx.errors import UserError
 from rlx.models.loading import (
@@ -216,7 +222,7 @@ def save_megatron_checkpoint(
     with atomic_dir(out, overwrite=overwrite, marker=META_NAME) as tmp:
         for (t, p), state in sorted(rank_states.items()):
             write_rank(tmp, t, p, state, (optimizer_states or {}).get((t, p)))
-        write_aux(tmp, aux)
+        write_aux(tmp, with_config_dtype(aux, rank_states[0, 0]))  # the dtype the shards are written in
         meta.write(tmp)
 
 
@@ -271,7 +277,7 @@ def save_megatron_rank_checkpoint(
         barrier()
         if ctx.is_main:
             for name, content in contents.items():
-                write_aux(tmp / name, content.aux)
+                write_aux(tmp / name, with_config_dtype(content.aux, content.state))  # rank 0's shards' dtype
                 content.meta.write(tmp / name)
             if before_publish is not None:
                 before_publish()

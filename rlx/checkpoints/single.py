@@ -20,6 +20,7 @@ from rlx.checkpoints.base import CheckpointPart, Layout
 from rlx.checkpoints.files import (
     OPTIMIZER_NAME,
     read_optimizer_state,
+    with_config_dtype,
     write_aux,
     write_optimizer_state,
     write_weights,
@@ -32,8 +33,9 @@ from rlx.utils.io import atomic_dir
 
 
 def write_files(folder: Path, weights: dict, aux: dict[str, bytes], meta: CheckpointMeta, optimizer=None) -> None:
-    """A 'single' checkpoint's files into an existing (temporary) folder, rlx.json last."""
-    write_aux(folder, aux)
+    """A 'single' checkpoint's files into an existing (temporary) folder, rlx.json last; config.json records the
+    dtype the weights are written in (a trainer's float32 master weights of a bfloat16 model: float32)."""
+    write_aux(folder, with_config_dtype(aux, weights))
     write_weights(folder, weights)
     if optimizer is not None:
         write_optimizer_state(folder, optimizer)

@@ -2,19 +2,19 @@
 
 Weights of an HF dir are copied tensor by tensor as stored (dtype kept; a sharded layout cuts them into its
 shards), so shard followed by merge gives back bit-identical tensors and byte-identical config and tokenizer
-files.
+files. config.json's dtype is rewritten only where the weights are written in another one (a cast, a random init, a
+trained checkpoint's float32 master weights): it always names the dtype of the weights beside it.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from rlx.checkpoints import catalog
 from rlx.checkpoints.base import ShardOptions
-from rlx.checkpoints.files import aux_files, write_aux, write_weights
+from rlx.checkpoints.files import aux_files, with_config_dtype, write_aux, write_weights
 from rlx.checkpoints.loading import build_critic_files, load_initial_policy, load_model
 from rlx.checkpoints.meta import META_NAME, CheckpointMeta, is_checkpoint, provenance
 from rlx.checkpoints.registry import get_layout, layout_names, read_full_weights, read_lora, read_meta
@@ -62,16 +62,6 @@ def _cast(weights: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tenso
     if target is None:
         return weights
     return {k: v.to(target) if v.is_floating_point() else v for k, v in weights.items()}
-
-
-def _set_config_dtype(aux: dict[str, bytes], dtype: str) -> dict[str, bytes]:
-    """Record a cast in config.json so loaders pick the stored dtype."""
-    if DTYPES.get(dtype) is None or "config.json" not in aux:
-        return aux
-    config = json.loads(aux["config.json"])
-    config["dtype"] = dtype
-    config.pop("torch_dtype", None)
-    return {**aux, "config.json": (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()}
 
 
 def _source_files(source: ModelSource, config, init: str, seed: int, role: str):
@@ -146,7 +136,8 @@ def shard_model(
             **({"seed": seed} if init == "random" or role == "critic" else {}),
         ),
     )
-    weights, aux = _cast(weights, dtype), _set_config_dtype(aux, dtype)
+    weights = _cast(weights, dtype)
+    aux = with_config_dtype(aux, weights, add=dtype != "keep")  # a cast is recorded so that loaders pick it
     target.write_full(out, weights, aux, meta, config, overwrite)
     grid = " x ".join(f"{k.removesuffix('_degree')} {v}" for k, v in fields.items())
     grid = f", {grid}" if grid else ""
@@ -216,7 +207,7 @@ def merge_checkpoint(
         return _merge_adapters(folder, meta, out, dtype, overwrite)
     config = resolve_model(folder, "checkpoint")[1]  # a remote checkpoint: its local copy
     weights = hub_weights(_cast(read_full_weights(folder, config), dtype), hub_model(config))  # as save_pretrained
-    aux = _set_config_dtype(aux_files(folder), dtype)
+    aux = with_config_dtype(aux_files(folder), weights, add=dtype != "keep")  # also mends an older rlx's checkpoint
     with atomic_dir(out, overwrite=overwrite, marker="config.json") as tmp:
         write_aux(tmp, aux)
         write_weights(tmp, weights)

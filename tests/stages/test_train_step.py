@@ -258,3 +258,42 @@ def test_a_mini_batch_size_that_does_not_divide_the_batch(tmp_path, tiny_ckpt, b
     assert "(a batch of dynamic sampling: its size varies)" in kept.stderr
     assert json.loads(metrics.read_text().splitlines()[-1])["actor/num_updates"] == 3
     cli_ok(*common[:-1], "4", "--batch", batch_path, "--out", tmp_path / "c3")  # 4 divides 8
+
+
+def test_config_dtype_names_the_dtype_of_the_stored_weights(tmp_path, batch_path):
+    """A bfloat16 model trains on float32 master weights, which is what `rlx sft` and train-step write: their
+    config.json then says float32 (as save_pretrained records the weights it saved), in each layout, so that a loader
+    taking the config's dtype gets the trained weights unrounded; `rlx merge` keeps it so (mending a checkpoint whose
+    config still names another dtype) and records a cast; `rlx shard` keeps a source's config byte for byte. A config
+    of an older transformers keeps its key, torch_dtype, in its sub-configs too."""
+    from transformers import AutoModelForCausalLM
+
+    from rlx.checkpoints.files import with_config_dtype
+    from rlx.checkpoints.registry import read_full_weights
+    from tests.conftest import save_tiny_hf, write_jsonl
+
+    def dtypes(folder) -> tuple[str, set]:
+        config = json.loads((folder / "config.json").read_text())
+        return config["dtype"], {str(t.dtype) for t in read_full_weights(folder).values()}
+
+    hf = save_tiny_hf(tmp_path / "hf", dtype=torch.bfloat16)
+    assert dtypes(hf) == ("bfloat16", {"torch.bfloat16"})
+    demos = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+2=", "response": "3"}])
+    cli_ok("sft", "--model", hf, "--data", demos, "--out", tmp_path / "sft")
+    assert dtypes(tmp_path / "sft") == ("float32", {"torch.float32"})
+    for layout in ("single", "fsdp"):
+        step0, step1 = tmp_path / f"{layout}0", tmp_path / f"{layout}1"
+        cli_ok("shard", "--model", hf, "--layout", layout, "--out", step0)
+        assert (step0 / "config.json").read_bytes() == (hf / "config.json").read_bytes()
+        cli_ok("train-step", "--checkpoint", step0, "--batch", batch_path, "--out", step1)
+        assert dtypes(step1) == ("float32", {"torch.float32"}), layout
+    stale = tmp_path / "single1" / "config.json"  # as an older rlx wrote it
+    stale.write_text(stale.read_text().replace('"float32"', '"bfloat16"'))
+    cli_ok("merge", "--checkpoint", tmp_path / "single1", "--out", tmp_path / "merged")
+    assert dtypes(tmp_path / "merged") == ("float32", {"torch.float32"})
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "merged").dtype == torch.float32
+    cli_ok("merge", "--checkpoint", tmp_path / "fsdp1", "--out", tmp_path / "cast", "--dtype", "bfloat16")
+    assert dtypes(tmp_path / "cast") == ("bfloat16", {"torch.bfloat16"})
+    older = {"torch_dtype": "bfloat16", "text_config": {"torch_dtype": "bfloat16"}}  # older transformers' key, kept
+    aux = with_config_dtype({"config.json": json.dumps(older).encode()}, read_full_weights(tmp_path / "single1"))
+    assert json.loads(aux["config.json"]) == {"torch_dtype": "float32", "text_config": {"torch_dtype": "float32"}}
