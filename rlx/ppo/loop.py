@@ -107,13 +107,13 @@ class PPORun:
 
     def _start(self, inputs: RunInputs, resume: bool, overwrite: bool) -> None:
         cfg = self.cfg
-        record = warm_start_record(cfg, self.device)  # a finished [sft] warm start is reused only if it is the same
+        record = warm_start_record(cfg, self.device, inputs.source)  # a finished [sft] warm start: reused if the same
         start = prepare_run_dir(self.run_dir, to_dict(cfg), resume, self.ctx.is_main, overwrite, record)
         self.start_step, start_ckpt = start.step, start.checkpoint
         meta = read_meta(start_ckpt) if start_ckpt else CheckpointMeta()
         self.data_position = meta.data_position or 0
         self.kl_coef = meta.kl_coef if meta.kl_coef is not None else cfg.score.kl_coef
-        initial = warm_start(cfg, self.run_dir, self.start_step, self.ctx, start.warm_start_kept)  # [sft]: step 0
+        initial = warm_start(cfg, self.run_dir, self.start_step, self.ctx, record, start.warm_start_kept)  # [sft]
         started = time.perf_counter()
         self.setup_metrics["timing/setup_inputs_s"] = started - self.setup_t0  # data checks, run folder, warm start
         fresh = start_ckpt is None and initial is cfg  # starts from the recipe's model, resolved by the checks

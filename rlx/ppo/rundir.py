@@ -10,6 +10,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlx.checkpoints.files import is_weight_file
 from rlx.checkpoints.meta import CheckpointMeta, is_checkpoint
 from rlx.config import ConfigError, move_keys
 from rlx.errors import UserError
@@ -177,13 +178,14 @@ def warm_start_restart(run_dir: Path, recipe: dict, resume: bool, record: dict |
     )
 
 
-_WARM_START_INPUTS = "its [sft] table, model, seed, demonstrations, chat template variables and device"
+_WARM_START_INPUTS = "its [sft] table, model and its files, seed, demonstrations, chat template variables and device"
 
 
 def warm_start_change(run_dir: Path, recipe: dict, record: dict | None) -> str | None:
     """What changed, of what a run folder's finished warm start depends on, between it and `recipe` (None: nothing):
     the recipe keys (recipe.json against `recipe`), then what its checkpoint's rlx.json records beyond them (the
-    demonstrations' sha256 and the device type: `record`, warm_start.warm_start_record, holds this run's)."""
+    demonstrations' sha256, the device type and the model's files: `record`, warm_start.warm_start_record, holds this
+    run's)."""
     try:
         saved = _saved_recipe(run_dir, recipe)
     except (OSError, ValueError, ConfigError) as e:
@@ -206,6 +208,21 @@ def warm_start_change(run_dir: Path, recipe: dict, record: dict | None) -> str |
         return f"the demonstrations in {recipe['sft'].get('data')} changed (their sha256 is not the checkpoint's)"
     if recorded["device"] != current.get("device"):
         return f"the device changed ({recorded['device']} -> {current.get('device')})"
+    if recorded.get("model_files") is None:
+        return "its checkpoint predates the check of the model's files (written by an older rlx): they may have changed"
+    return _model_files_change(recorded["model_files"], current.get("model_files") or {})
+
+
+def _model_files_change(before: dict, now: dict) -> str | None:
+    """Which of the model's files changed between two warm_start.model_files records ({path: [size, mtime_ns]}), in
+    words: the weights (a weight file, or any file in a sub-folder: a checkpoint's shards) or its other files (config,
+    tokenizer); None when none did."""
+    for name in sorted(before.keys() | now.keys()):
+        if before.get(name) == now.get(name):
+            continue
+        what = "weights" if "/" in name or is_weight_file(name) else "files"
+        how = "appeared" if name not in before else "was removed" if name not in now else "was rewritten"
+        return f"the model's {what} changed ({name} {how} since the warm start, by its size and modification time)"
     return None
 
 

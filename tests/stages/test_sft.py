@@ -308,8 +308,9 @@ def test_a_warm_start_stopped_part_way_runs_again_from_its_first_step(tmp_path, 
 def test_resume_reuses_a_finished_warm_start_when_nothing_it_depends_on_changed(tmp_path, capsys):
     """A run folder whose [sft] warm start finished (checkpoints/step_000000) but whose run checkpointed no RL step:
     --resume keeps the warm start when its recipe keys ([sft], [model], seed, train.device, the chat template's
-    variables), its demonstrations' sha256 and its device are those recorded, in one line; any of them changed runs it
-    again, naming what changed. Without --resume the folder starts again (the warm start too), and steps that ran are
+    variables), its demonstrations' sha256, its device and its model's files (sizes and times) are those recorded, in
+    one line; any of them changed runs it again, naming what changed, as does a record from before the model's files
+    were recorded. Without --resume the folder starts again (the warm start too), and steps that ran are
     never thrown away unasked: refused, the warm start left in place. --overwrite clears it all."""
     from rlx.checkpoints.meta import CheckpointMeta
     from rlx.config import to_dict
@@ -320,8 +321,14 @@ def test_resume_reuses_a_finished_warm_start_when_nothing_it_depends_on_changed(
 
     recipe = REPO / "recipes" / "calculator.toml"
     cfg = load_recipe(recipe)
-    record = warm_start_record(cfg, torch.device("cpu"))
-    assert len(record["data_sha256"]) == 64 and record["device"] == "cpu"
+    record = warm_start_record(cfg, torch.device("cpu"), ModelSource(TINY_CHAT))
+    assert len(record["data_sha256"]) == 64 and record["device"] == "cpu" and "config.json" in record["model_files"]
+    model = shutil.copytree(TINY_CHAT, tmp_path / "model")  # the same files (and times) as the recipe's model
+    (model / "model.safetensors").write_bytes(b"{}")
+    weights_added = warm_start_record(cfg, torch.device("cpu"), ModelSource(model))
+    (model / "model.safetensors").unlink()
+    (model / "config.json").write_text((model / "config.json").read_text())  # the same bytes, written again
+    config_rewritten = warm_start_record(cfg, torch.device("cpu"), ModelSource(model))
 
     def stopped_run(name: str, steps_done: int = 0, recorded: dict | None = record) -> Path:
         """A folder as a run leaves it when it stops before its first RL checkpoint, its warm start finished."""
@@ -345,7 +352,7 @@ def test_resume_reuses_a_finished_warm_start_when_nothing_it_depends_on_changed(
     SFT = "sft_metrics.jsonl"
     kept, said = start(stopped_run("same", steps_done=1), ["rollout.sampling.temperature=1.0"])  # not an [sft] input
     assert kept and "completed 1 step(s) but wrote no checkpoint" in said and "starting at step 1" in said
-    assert "its finished [sft] warm start is reused" in said and "model, seed, demonstrations" in said
+    assert "its finished [sft] warm start is reused" in said and "model and its files, seed, demonstrations" in said
     assert not (tmp_path / "same" / "metrics.jsonl").exists()  # the RL steps go, the warm start stays
     for overrides, now, change in [
         (["sft.optim.lr=1e-3"], record, "sft.optim.lr changed (0.003 -> 0.001)"),
@@ -355,11 +362,15 @@ def test_resume_reuses_a_finished_warm_start_when_nothing_it_depends_on_changed(
          "rollout.agent.chat_template_kwargs.enable_thinking changed (None -> False)"),
         ([], {**record, "data_sha256": "0" * 64}, "the demonstrations in "),
         ([], {**record, "device": "cuda"}, "the device changed (cpu -> cuda)"),
+        ([], weights_added, "the model's weights changed (model.safetensors appeared since the warm start, by its "),
+        ([], config_rewritten, "the model's files changed (config.json was rewritten since the warm start"),
     ]:  # fmt: skip
         kept, said = start(stopped_run(change[:20].replace(" ", "_")), overrides, now=now)
         assert not kept and f"which had finished, runs again from its first step: {change}" in said
     kept, said = start(stopped_run("old", recorded=None))
     assert not kept and "does not record the demonstrations and device it trained on" in said
+    kept, said = start(stopped_run("older", recorded={k: v for k, v in record.items() if k != "model_files"}))
+    assert not kept and "predates the check of the model's files (written by an older rlx)" in said
     kept, said = start(stopped_run("plain"), resume=False)
     assert not kept and "completed no step" in said
     assert "the [sft] warm start, which had finished, runs again from its first step (its checkpoint goes too" in said
