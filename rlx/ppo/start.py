@@ -34,6 +34,7 @@ from rlx.ppo.config import PPOConfig
 from rlx.rollout.lengths import limit_prompts, model_context
 from rlx.scoring.rewards import RewardFunctions
 from rlx.stages.sft import load_samples
+from rlx.training.config import describe_ranks, sizes_for_ranks
 from rlx.utils.files import check_writable
 
 LOCK_NAME = ".rlx-lock"
@@ -95,8 +96,7 @@ def check_data_parallel_batches(cfg: PPOConfig, dp_size: int, world: int) -> Non
         return
     pps, n = cfg.data.prompts_per_step, cfg.rollout.sampling.n
     samples = pps * n
-    ranks = f"the {dp_size} data-parallel ranks ({world} training processes"
-    ranks += f", {world // dp_size} to a model replica)" if world != dp_size else ")"
+    ranks = describe_ranks(dp_size, world)
     if samples < dp_size:
         raise UserError(
             f"data.prompts_per_step: a step's {samples} samples (data.prompts_per_step {pps} x rollout.sampling.n {n}) "
@@ -106,12 +106,10 @@ def check_data_parallel_batches(cfg: PPOConfig, dp_size: int, world: int) -> Non
     for key, train in (("train", cfg.train), ("critic.train", cfg.critic.train if cfg.critic else None)):
         if train is None or min(train.mini_batch_size or samples, samples) >= dp_size:
             continue
-        fits = [size for size in range(dp_size, samples + 1) if samples % size == 0]
-        shown = ", ".join(map(str, fits[:4])) + (", ..." if len(fits) > 4 else "")
         raise UserError(
             f"{key}.mini_batch_size: {train.mini_batch_size} is fewer samples than {ranks}: each optimizer step splits "
             f"its mini-batch over them, a sample or more each; sizes that work (dividing a step's {samples} samples, "
-            f"{dp_size} or more): {shown}, or 0 (the whole step in one optimizer step)"
+            f"{dp_size} or more): {sizes_for_ranks(samples, dp_size)}, or 0 (the whole step in one optimizer step)"
         )
 
 

@@ -22,7 +22,7 @@ from rlx.models.lora_config import LoraConfig
 from rlx.models.value import check_value_config, is_value_config
 from rlx.observe.tracking import console, log_metrics
 from rlx.parallel.dist import barrier
-from rlx.training.config import TrainConfig
+from rlx.training.config import TrainConfig, describe_ranks, sizes_for_ranks
 from rlx.utils.files import check_writable
 from rlx.utils.io import exists
 
@@ -73,6 +73,30 @@ def uneven_mini_batches(cfg: TrainConfig, batch: TrainBatch, batch_path: str) ->
     raise UserError(f"--mini-batch-size: {problem}")
 
 
+def check_data_parallel_batch(cfg: TrainConfig, samples: int, batch_path: str, dp_size: int, world: int) -> None:
+    """Under a launcher each optimizer step splits its mini-batch over the `dp_size` data-parallel ranks (`world`: the
+    processes), a sample or more each, as `rlx ppo` checks a recipe at its start (rlx/ppo/start.py): a batch or a
+    mini-batch (the last one of an uneven cut too) of fewer `samples` is refused before the model is loaded, naming
+    the flag, the ranks and the sizes that work."""
+    if dp_size <= 1:
+        return
+    ranks = describe_ranks(dp_size, world)
+    if samples < dp_size:
+        raise UserError(
+            f"--batch: the {samples} samples of {batch_path} are fewer than {ranks}: each optimizer step needs a "
+            f"sample or more per rank; score {dp_size} or more samples, or launch fewer processes"
+        )
+    smallest, mini = min(cfg.mini_batch_sizes(samples)), cfg.mini_batch_size
+    if smallest >= dp_size:
+        return
+    given = f"{mini} is fewer samples" if smallest == mini else f"{mini} leaves a last mini-batch of {smallest}, fewer"
+    raise UserError(
+        f"--mini-batch-size: {given} than {ranks}: each optimizer step splits its mini-batch over them, "
+        f"a sample or more each; sizes that work (dividing the {samples} samples of {batch_path}, {dp_size} or more): "
+        f"{sizes_for_ranks(samples, dp_size)}, or 0 (the whole batch in one optimizer step)"
+    )
+
+
 def run_train_step(
     cfg: TrainConfig,
     checkpoint: str,
@@ -105,6 +129,7 @@ def run_train_step(
     batch = TrainBatch.load(batch_path, load_processor(source, cfg.vision, config))
     uneven = uneven_mini_batches(cfg, batch, batch_path)
     backend = backend_for_checkpoint(meta).setup(cfg.device, checkpoint_degrees(meta, cfg.sp_degree, cfg.ep_degree))
+    check_data_parallel_batch(cfg, batch.size, batch_path, backend.ctx.dp_size, backend.ctx.world)  # ranks known now
     trainer = backend.load_trainer(cfg, source, config, **backend.lora_options(lora, "--lora-rank"))
     trainer.check_batch(batch, batch_path)  # the vocabulary size first: the plainer message where it differs
     check_batch_tokenizer(batch, batch_path, source, checkpoint)

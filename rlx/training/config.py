@@ -204,6 +204,20 @@ class TrainConfig:
         return self if optim is self.optim else dataclasses.replace(self, optim=optim)
 
 
+def describe_ranks(dp_size: int, world: int) -> str:
+    """The data-parallel ranks a mini-batch is split over, in words: 'the 4 data-parallel ranks (8 training processes,
+    2 to a model replica)' (`world`: the training processes)."""
+    ranks = f"the {dp_size} data-parallel ranks ({world} training processes"
+    return ranks + (f", {world // dp_size} to a model replica)" if world != dp_size else ")")
+
+
+def sizes_for_ranks(samples: int, dp_size: int) -> str:
+    """The mini-batch sizes that cut `samples` into equal mini-batches of a sample or more per data-parallel rank, in
+    words: '2, 4, 8' ('...' past four)."""
+    fits = [size for size in range(dp_size, samples + 1) if samples % size == 0]
+    return ", ".join(map(str, fits[:4])) + (", ..." if len(fits) > 4 else "")
+
+
 def describe_sizes(sizes: list[int]) -> str:
     """Unequal mini-batch sizes (TrainConfig.mini_batch_sizes) in words: '2 optimizer steps of 20 and one of 8'."""
     many = len(sizes) - 1

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlx.checkpoints.loading import load_model
+from rlx.errors import UserError
 from rlx.formats.batch import TrainBatch
 from rlx.models.loading import read_weights, resolve_source
 from rlx.training.actor import ActorTrainer
@@ -258,6 +259,39 @@ def test_a_mini_batch_size_that_does_not_divide_the_batch(tmp_path, tiny_ckpt, b
     assert "(a batch of dynamic sampling: its size varies)" in kept.stderr
     assert json.loads(metrics.read_text().splitlines()[-1])["actor/num_updates"] == 3
     cli_ok(*common[:-1], "4", "--batch", batch_path, "--out", tmp_path / "c3")  # 4 divides 8
+
+
+def test_a_mini_batch_smaller_than_the_data_parallel_ranks_is_refused_before_the_model_loads(
+    tmp_path, tiny_ckpt, batch_path, monkeypatch
+):
+    """Under a launcher each optimizer step splits its mini-batch over the data-parallel ranks, a sample or more each:
+    --mini-batch-size 2 over 4 ranks (the launch faked: a process group of 4 as the backend sees it) is refused as
+    `rlx ppo` refuses a recipe, before the model is loaded and with nothing written, naming the flag, the ranks and the
+    sizes that work; so are a batch smaller than the ranks and an uneven cut whose last mini-batch is."""
+    from rlx.backends.fsdp import FSDPBackend
+    from rlx.parallel.dist import DistContext
+    from rlx.stages.train_step import check_data_parallel_batch
+
+    world = [4]
+    monkeypatch.setattr("rlx.backends.fsdp.setup", lambda device, sp_degree: DistContext(world=world[0]))
+    monkeypatch.setattr(FSDPBackend, "load_trainer", lambda *a, **k: pytest.fail("the model was loaded"))
+    args = ["train-step", "--checkpoint", tiny_ckpt, "--batch", batch_path, "--out", tmp_path / "c"]
+    refused = cli(*args, "--mini-batch-size", "2")
+    assert refused.exit_code == 1 and not (tmp_path / "c").exists()
+    assert (
+        "--mini-batch-size: 2 is fewer samples than the 4 data-parallel ranks (4 training processes): each optimizer "
+        f"step splits its mini-batch over them, a sample or more each; sizes that work (dividing the 8 samples of "
+        f"{batch_path}, 4 or more): 4, 8, or 0 (the whole batch in one optimizer step)"
+    ) in refused.stderr
+    world[0] = 16
+    refused = cli(*args)
+    assert refused.exit_code == 1
+    assert f"--batch: the 8 samples of {batch_path} are fewer than the 16 data-parallel ranks" in refused.stderr
+    with pytest.raises(UserError, match="^--mini-batch-size: 3 leaves a last mini-batch of 2, fewer than the 3 "
+                       r"data-parallel ranks \(6 training processes, 2 to a model replica\)"):  # fmt: skip
+        check_data_parallel_batch(TrainConfig(mini_batch_size=3), 8, "b", 3, 6)
+    for mini, dp_size in ((0, 8), (4, 4), (3, 3), (1, 1)):  # 3 over 3: counts that do not divide are fine
+        check_data_parallel_batch(TrainConfig(mini_batch_size=mini), 9 if mini == 3 else 8, "b", dp_size, dp_size)
 
 
 def test_config_dtype_names_the_dtype_of_the_stored_weights(tmp_path, batch_path):
