@@ -10,7 +10,7 @@ import torch
 from rlx.backends.base import Degrees, TrainingBackend
 from rlx.checkpoints.loading import load_model
 from rlx.checkpoints.lora_base import LoraSpec, check_same_config, lora_spec
-from rlx.checkpoints.registry import read_full_optimizer, read_lora
+from rlx.checkpoints.registry import read_full_optimizer, read_lora, read_optimizer_shards
 from rlx.errors import UserError
 from rlx.logprobs import ModuleScorer
 from rlx.models.loading import ModelSource
@@ -55,7 +55,11 @@ class FSDPBackend(TrainingBackend):
         if lora is not None:  # the full checkpoint's optimizer state belongs to its full weights: not carried over
             spec = lora_spec(lora, source.path, "pretrained", cfg.seed, model, cfg.role)
             return self.build_trainer(model, cfg, where, lora=spec)
-        return self.build_trainer(model, cfg, where, read_full_optimizer(source.path))
+        trainer = self.build_trainer(model, cfg, where)
+        state = trainer.state()
+        if state.world == 1 or not read_optimizer_shards(source.path, state.optimizer_shards):  # each rank its own
+            state.load_optimizer_state(read_full_optimizer(source.path), where)
+        return trainer
 
     def scorer(self, trainer) -> ModuleScorer:
         return ModuleScorer(trainer.model, self.ctx, keep_gathered=trainer.cfg.keep_gathered)

@@ -135,6 +135,12 @@ class Layout(ABC):
         """Unsharded optimizer tensors keyed '<param>::<state key>' (Hugging Face names), or None."""
         return None
 
+    def read_optimizer_shards(self, folder: Path, shards: Callable[[], dict[str, torch.Tensor]]) -> bool:
+        """Fill a sharded trainer's optimizer state from the checkpoint, each rank reading only its own shards:
+        `shards()` gives this rank's (initialized) state tensors keyed '<param>::<state key>', filled in place. False
+        where the layout stores no shards a rank can read alone (the caller reads the full tensors instead)."""
+        return False
+
     def read_lora(self, folder: Path):
         """The adapters a checkpoint holds on a base model it points to (a LoraCheckpoint, lora.py), or None for a
         checkpoint of full weights."""

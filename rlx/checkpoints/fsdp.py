@@ -88,6 +88,29 @@ def read_full_optimizer(folder: str | Path) -> dict[str, torch.Tensor] | None:
     return _read_full(Path(folder), "optim.") or None
 
 
+def read_optimizer_shards(folder: Path, shards: Callable[[], dict[str, torch.Tensor]]) -> None:
+    """Fill this rank's optimizer state (`shards()`: DTensors of the running sharding, keyed as `save_dcp` wrote
+    them) in place from the checkpoint; collective. Each rank reads only the bytes of its own shards (DCP reshards
+    when the ranks differ), where the full tensors on every rank take 8 bytes a parameter on each rank's host (61 GB a
+    rank at 7B: four ranks resuming one host read 244 GB). A checkpoint without optimizer state (`rlx shard`'s) leaves
+    the optimizer as it is; a parameter on one side only is an error."""
+    prefix = "optim."
+    stored = {key[len(prefix) :] for key in _metadata(folder).state_dict_metadata if key.startswith(prefix)}
+    if not stored:
+        return
+    state = shards()
+    params = {key.rpartition("::")[0] for key in state}
+    one_side = sorted({key.rpartition("::")[0] for key in stored} ^ params)
+    if one_side:
+        side = "for unknown parameter" if one_side[0] not in params else "missing for parameter"
+        raise UserError(f"{folder}: optimizer state {side} {one_side[0]!r}")
+    if stored != state.keys():
+        extra = sorted(stored ^ state.keys())[0]
+        raise UserError(f"{folder}: the optimizer state holds other entries than this optimizer's (e.g. {extra!r})")
+    with _quiet():
+        dcp.load({"optim": state}, checkpoint_id=str(folder / DCP_DIR))
+
+
 def save_dcp(out: str | Path, weights: dict, optimizer: dict | None, aux: dict[str, bytes], meta: CheckpointMeta,
              is_main: bool, overwrite: bool = False, before_publish: Callable | None = None) -> None:  # fmt: skip
     """Write an 'fsdp' checkpoint; collective when a process group exists: every rank passes its own shards
@@ -236,6 +259,10 @@ class FsdpLayout(Layout):
 
     def read_full_optimizer(self, folder: Path) -> dict[str, torch.Tensor] | None:
         return read_full_optimizer(folder)
+
+    def read_optimizer_shards(self, folder: Path, shards: Callable[[], dict[str, torch.Tensor]]) -> bool:
+        read_optimizer_shards(folder, shards)
+        return True
 
     def write_full(self, out, weights, aux, meta, config, overwrite) -> None:
         save_dcp(out, weights, None, aux, meta, is_main=True, overwrite=overwrite)

@@ -104,6 +104,13 @@ def read_full_optimizer(folder: str | Path) -> dict[str, torch.Tensor] | None:
     return layout_of(folder).read_full_optimizer(folder) if is_checkpoint(folder) else None
 
 
+def read_optimizer_shards(folder: str | Path, shards) -> bool:
+    """Fill a sharded trainer's optimizer state from a checkpoint, each rank reading its own shards (`shards()`: its
+    state tensors keyed '<param>::<state key>'); False where the folder's layout cannot (read the full tensors)."""
+    folder = Path(folder)
+    return is_checkpoint(folder) and layout_of(folder).read_optimizer_shards(folder, shards)
+
+
 def read_lora(folder: str | Path):
     """The adapters of a LoRA checkpoint (a LoraCheckpoint: settings, base, tensors), or None for a model dir, a
     GGUF file or a checkpoint of full weights."""

@@ -182,6 +182,11 @@ class Trainer:
         weights = {k: v for k, v in sharded_model_state(self.model).items() if k not in tied}
         return LocalState("dtensor", weights, sharded_optimizer_state(self.model, self.optimizer))
 
+    def optimizer_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's optimizer state tensors, keyed '<param>::<state key>' as checkpoints store them, initialized
+        (a zero step at learning rate 0) when no step has run: what a checkpoint's shards are read into, in place."""
+        return sharded_optimizer_state(self.model, self.optimizer)
+
     def named_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Full weights with Hugging Face names, tied ones under each name (with adapters: merged, one tensor gathered
         at a time)."""

@@ -67,6 +67,10 @@ class TrainerState:
         """(full weights, full optimizer state) as host copies later updates leave alone (rlx.utils.host_copy)."""
         return self._trainer.snapshot_state()
 
+    def optimizer_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's optimizer state tensors, initialized, to read a checkpoint's shards into (in place)."""
+        return self._trainer.optimizer_shards()
+
     def load_optimizer_state(self, tensors: dict[str, torch.Tensor] | None, where: str) -> None:
         """Restore the optimizer from a checkpoint's tensors (`where` names the checkpoint in errors)."""
         self._trainer.load_optimizer_state(tensors, where)
