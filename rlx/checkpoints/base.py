@@ -91,6 +91,9 @@ class Layout(ABC):
     """Whether the folder is also a loadable Hugging Face model dir (weights in model.safetensors)."""
     writes_shards: ClassVar[bool] = False
     """Whether every rank writes its own shards (no gather onto one rank): what `rlx ppo` saves under a launcher."""
+    reads_shards: ClassVar[bool] = False
+    """Whether a sharded trainer's ranks can each read their own shards of the weights and optimizer state
+    (`read_shards`), so that no rank reads the whole checkpoint on `--resume`."""
 
     # --- metadata and options ---------------------------------------------------------------------
 
@@ -135,10 +138,10 @@ class Layout(ABC):
         """Unsharded optimizer tensors keyed '<param>::<state key>' (Hugging Face names), or None."""
         return None
 
-    def read_optimizer_shards(self, folder: Path, shards: Callable[[], dict[str, torch.Tensor]]) -> bool:
-        """Fill a sharded trainer's optimizer state from the checkpoint, each rank reading only its own shards:
-        `shards()` gives this rank's (initialized) state tensors keyed '<param>::<state key>', filled in place. False
-        where the layout stores no shards a rank can read alone (the caller reads the full tensors instead)."""
+    def read_shards(self, folder: Path, part: str, shards: Callable[[], dict[str, torch.Tensor]]) -> bool:
+        """Fill a sharded trainer's tensors of `part` ('model': weights, 'optim': AdamW state keyed '<param>::<state
+        key>') from the checkpoint, each rank reading only its own shards: `shards()` gives this rank's tensors, filled
+        in place. False where the layout stores no shards a rank can read alone (`reads_shards`): read the full ones."""
         return False
 
     def read_lora(self, folder: Path):

@@ -68,6 +68,23 @@ def load_model(
     return model.to(dtype) if dtype is not None else model
 
 
+def unfilled_model(source: ModelSource, role: str, config) -> torch.nn.Module:
+    """The model of a checkpoint's config (float32, CPU) with its weights neither read nor drawn (the memory as
+    allocated; buffers computed as usual): for a sharded trainer whose ranks each read their own shards of the
+    weights into it afterwards (rlx.checkpoints.registry.read_shards)."""
+    from transformers.initialization import no_init_weights
+
+    if role == "critic":
+        check_value_config(config, source.path)
+    quiet_transformers()
+    config = copy.deepcopy(config)  # the model keeps (and may change) its own
+    with no_init_weights():
+        model = model_class(config, role).from_config(config, dtype=torch.float32)
+    model.tie_weights()
+    load_generation_config(model, source.path)
+    return model
+
+
 def load_generation_config(model, folder: Path) -> None:
     """Give a model built from its config the folder's generation_config.json, as `from_pretrained` does: its EOS
     ids (a list such as Llama 3's [<|end_of_text|>, <|eot_id|>]) end responses, where config.json may name one."""

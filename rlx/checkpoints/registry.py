@@ -104,11 +104,18 @@ def read_full_optimizer(folder: str | Path) -> dict[str, torch.Tensor] | None:
     return layout_of(folder).read_full_optimizer(folder) if is_checkpoint(folder) else None
 
 
-def read_optimizer_shards(folder: str | Path, shards) -> bool:
-    """Fill a sharded trainer's optimizer state from a checkpoint, each rank reading its own shards (`shards()`: its
-    state tensors keyed '<param>::<state key>'); False where the folder's layout cannot (read the full tensors)."""
+def reads_shards(folder: str | Path) -> bool:
+    """Whether `folder` is a checkpoint whose layout lets each rank of a sharded trainer read its own shards."""
     folder = Path(folder)
-    return is_checkpoint(folder) and layout_of(folder).read_optimizer_shards(folder, shards)
+    return folder.is_dir() and is_checkpoint(folder) and layout_of(folder).reads_shards
+
+
+def read_shards(folder: str | Path, part: str, shards) -> None:
+    """Fill a sharded trainer's tensors of `part` ('model' or 'optim') from a checkpoint whose layout `reads_shards`,
+    each rank reading its own shards (`shards()`: its tensors, filled in place); collective."""
+    folder = Path(folder)
+    if not layout_of(folder).read_shards(folder, part, shards):
+        raise UserError(f"{folder}: the '{layout_of(folder).name}' layout stores no shards a rank reads alone")
 
 
 def read_lora(folder: str | Path):

@@ -178,9 +178,13 @@ class Trainer:
 
     def local_state(self) -> LocalState:
         """This rank's shards: DTensors under FSDP (whole tensors in a lone process)."""
+        return LocalState("dtensor", self.model_shards(), sharded_optimizer_state(self.model, self.optimizer))
+
+    def model_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's weights as checkpoints store them (tied ones once): the live parameters, so a checkpoint's
+        shards can be read into them in place."""
         tied = tied_keys(self.model)
-        weights = {k: v for k, v in sharded_model_state(self.model).items() if k not in tied}
-        return LocalState("dtensor", weights, sharded_optimizer_state(self.model, self.optimizer))
+        return {k: v for k, v in sharded_model_state(self.model).items() if k not in tied}
 
     def optimizer_shards(self) -> dict[str, torch.Tensor]:
         """This rank's optimizer state tensors, keyed '<param>::<state key>' as checkpoints store them, initialized

@@ -67,6 +67,10 @@ class TrainerState:
         """(full weights, full optimizer state) as host copies later updates leave alone (rlx.utils.host_copy)."""
         return self._trainer.snapshot_state()
 
+    def model_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's live weights (tied ones once), to read a checkpoint's shards into (in place)."""
+        return self._trainer.model_shards()
+
     def optimizer_shards(self) -> dict[str, torch.Tensor]:
         """This rank's optimizer state tensors, initialized, to read a checkpoint's shards into (in place)."""
         return self._trainer.optimizer_shards()
