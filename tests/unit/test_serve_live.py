@@ -20,6 +20,7 @@ from rlx.serve.server import AgentServer
 from rlx.serve.stream import StreamWorker
 from tests.agent_helpers import random_chat_model, token_engine
 from tests.unit.test_serve_endpoint import post, start
+from tests.unit.test_serve_stream import paced
 
 SAMPLING = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
 
@@ -309,7 +310,7 @@ FLIP, PICK = _tool("flip", "up", {"type": "boolean"}), _tool("pick", "side", {"e
 
 
 @pytest.mark.parametrize("engine", ["hf", "native"])
-def test_tool_choice_required_or_named_samples_one_call_within_the_tools_grammar(engine):
+def test_tool_choice_required_or_named_samples_one_call_within_the_tools_grammar(engine, monkeypatch):
     """A random model (left alone it writes no call) answers tool_choice 'required' with a call of an offered tool
     and a named function with that function, arguments following its schema, streamed or not, recorded with finite
     logprobs; no tools, an unknown name or an RL run's agents are refused naming tool_choice."""
@@ -319,6 +320,7 @@ def test_tool_choice_required_or_named_samples_one_call_within_the_tools_grammar
     cfg = AgentConfig(max_total_tokens=500)
     worker = StreamWorker(built, sampling, cfg.max_total_tokens)
     server = AgentServer(worker, tokenizer, built.stop_ids, sampling, cfg).start()
+    paced(server, monkeypatch)  # the arguments streamed as sampled (native), whatever the machine's load
     messages = [{"role": "user", "content": "go"}]
     try:
         client = openai.OpenAI(base_url=server.base_url("req"), api_key="k", max_retries=0)

@@ -6,7 +6,9 @@ error event before `[DONE]`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 
 import httpx
 import openai
@@ -16,6 +18,7 @@ from rlx.chat.tool_calls import parse_qwen
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import SamplingParams
 from rlx.serve.deltas import covered, token_pieces
+from rlx.serve.live import LiveReply
 from rlx.serve.server import AgentServer
 from rlx.serve.sessions import SampleSession
 from rlx.serve.stream import StreamWorker
@@ -34,6 +37,57 @@ def serve(model_and_tokenizer, engine: str, max_new_tokens: int = 16) -> AgentSe
     cfg = AgentConfig(max_total_tokens=500)
     worker = StreamWorker(built, sampling, cfg.max_total_tokens)
     return AgentServer(worker, tokenizer, built.stop_ids, sampling, cfg).start()
+
+
+def paced(server: AgentServer, monkeypatch) -> list[dict]:
+    """Keep `server`'s chat and completion streams in step with its engine: after handing a streamed reply a choice's
+    tokens so far, the engine's worker waits (up to 10 s) until the reply has read them, so each update is read alone
+    and a stream is cut where its tokens were sampled. Unpaced, a reply behind the engine (a loaded machine) reads
+    several updates at once, as it should, and which chunks a stream is cut into depends on timing (`read_late`: all
+    at once). Returns the chunks the replies made from updates (each before the engine's next step: while the turn
+    was generated), as sent."""
+    read, live = threading.Semaphore(0), []
+    submit, next_chunks = server.worker.submit, LiveReply._next
+
+    def submit_paced(request, on_tokens=None):
+        def heard(sampled):
+            on_tokens(sampled)
+            read.acquire(timeout=10)
+
+        return submit(request, heard if on_tokens is not None else None)
+
+    async def next_paced(reply: LiveReply, index: int) -> list[dict]:
+        if reply.server is not server:
+            return await next_chunks(reply, index)
+        try:
+            chunks = await next_chunks(reply, index)
+            live.extend(json.loads(json.dumps(chunk)) for chunk in chunks)
+            return chunks
+        finally:
+            read.release()
+
+    monkeypatch.setattr(server.worker, "submit", submit_paced)
+    monkeypatch.setattr(LiveReply, "_next", next_paced)
+    return live
+
+
+def read_late(server: AgentServer, monkeypatch) -> None:
+    """Make `server`'s chat and completion streams fall as far behind its engine as they can: a reply reads the
+    tokens handed to it only once the engine has generated every turn submitted so far, so all of them in one update
+    (the last before the turn finished)."""
+    submitted, submit, next_chunks = [], server.worker.submit, LiveReply._next
+
+    def submit_noted(request, on_tokens=None):
+        submitted.append(submit(request, on_tokens))
+        return submitted[-1]
+
+    async def next_late(reply: LiveReply, index: int) -> list[dict]:
+        if reply.server is server:
+            await asyncio.wait([asyncio.wrap_future(f) for f in submitted])
+        return await next_chunks(reply, index)
+
+    monkeypatch.setattr(server.worker, "submit", submit_noted)
+    monkeypatch.setattr(LiveReply, "_next", next_late)
 
 
 def stop(*servers: AgentServer) -> None:
@@ -169,18 +223,22 @@ def test_text_held_back_before_a_stop_string_sends_its_tokens_later_and_none_is_
 
 
 @pytest.mark.parametrize("engine", ["hf", "native"])
-def test_a_tool_call_streams_as_vllm_streams_it(engine):
+def test_a_tool_call_streams_as_vllm_streams_it(engine, monkeypatch):
     """The role delta, then a delta of the call's index, id, type and name, then its arguments: in pieces as they are
-    sampled on the native engine (whole once the turn is generated on hf), adding up to the non-streamed arguments
-    exactly; no content beside them; then the finish_reason 'tool_calls' and stop_reason null (the turn ended at the
-    tokenizer's EOS). Each delta has the logprobs and ids of the tokens that wrote it, and all of them add up to the
+    sampled on the native engine (a token a piece: `paced`; whole where the reply reads its tokens late), whole once
+    the turn is generated on hf, adding up to the non-streamed arguments exactly; no content beside them; then the
+    finish_reason 'tool_calls' and stop_reason null (the turn ended at the tokenizer's EOS). Each delta has the
+    logprobs and ids of the tokens that wrote it (read late too: the name its own), and all of them add up to the
     non-streamed reply's; the openai client rebuilds the same call, with the id the record holds, so the conversation
     continued with it extends the same segment."""
     model = bigram_chat_model(CALC_SCRIPT, extra_tokens=CALC_PIECES)
     servers = [serve(model, engine), serve(model, engine)]
+    live = paced(servers[1], monkeypatch)
+    read_late(servers[0], monkeypatch)
     body = {"messages": HI, "tools": [CALCULATOR_TOOL], "logprobs": True, "return_token_ids": True}
     try:
         plain = httpx.post(f"{servers[0].url}/v1/chat/completions", json=body, timeout=120).json()
+        late = events(f"{servers[0].url}/s/late/v1/chat/completions", {**body, "stream": True})
         streamed = events(f"{servers[1].url}/v1/chat/completions", {**body, "stream": True})
         client = openai.OpenAI(base_url=servers[1].base_url("sdk"), api_key="k", max_retries=0)
         with client.chat.completions.stream(model="rlx", messages=HI, tools=[CALCULATOR_TOOL]) as stream:
@@ -208,9 +266,21 @@ def test_a_tool_call_streams_as_vllm_streams_it(engine):
     assert [t for c in choices for t in c.get("token_ids", [])] == expected["token_ids"]
     logprobs = [e for c in choices for e in (c["logprobs"] or {}).get("content", [])]
     assert logprobs == expected["logprobs"]["content"]
-    if engine == "native":  # as sampled: the name with the tokens that wrote it, then the arguments token by token
-        assert [e["token"] for e in choices[1]["logprobs"]["content"]] == ["<tool_call>", '{"name": ', '"calculator"']
-        assert len(arguments) > 1 and arguments[-1].endswith("}")
+    late = by_choice(late[:-1])[0]  # the stream of a reply reading its tokens late: the same tokens
+    assert [e for c in late for e in (c["logprobs"] or {}).get("content", [])] == logprobs
+    if engine == "native":  # as sampled (paced): the name with the tokens that wrote it, then the arguments a token
+        # at a time, each piece with its tokens, while the turn was generated; the call's end with the finish_reason
+        assert [[e["token"] for e in c["logprobs"]["content"]] for c in choices[1:]] == [
+            ["<tool_call>", '{"name": ', '"calculator"'], [', "arguments": ', '{"expression": '], ['"12*34"'], ["}}"],
+            ["</tool_call>", "<|im_end|>"],
+        ]  # fmt: skip
+        assert arguments == ['{"expression": ', '"12*34"', "}"] and live[:4] == streamed[1:5]
+        # read late, all at once (a reply behind the engine): the name still with its own tokens, the arguments whole
+        assert [[e["token"] for e in c["logprobs"]["content"]] for c in late[1:]] == [
+            ["<tool_call>", '{"name": ', '"calculator"'], [', "arguments": ', '{"expression": ', '"12*34"', "}}"],
+            ["</tool_call>", "<|im_end|>"],
+        ]  # fmt: skip
+        assert late[2]["delta"]["tool_calls"][0]["function"]["arguments"] == call["function"]["arguments"]
     else:
         assert len(arguments) == 1 and choices[1]["token_ids"] == expected["token_ids"]
     assert final.finish_reason == "tool_calls" and final.message.tool_calls[0].function.name == "calculator"
@@ -221,12 +291,14 @@ def test_a_tool_call_streams_as_vllm_streams_it(engine):
 
 
 @pytest.mark.parametrize("engine", ["hf", "native"])
-def test_echo_streams_the_prompt_first_then_the_completion(engine):
+def test_echo_streams_the_prompt_first_then_the_completion(engine, monkeypatch):
     """A completion with echo streams as vLLM's: each choice's first chunk begins with the prompt's text (with the
     prompt's ids, and only the sampled ids as its `token_ids`), the pieces add up to the non-streamed text (the prompt,
-    then the completion), and every chunk has a stop_reason (null until the choice's last)."""
+    then the completion), a token a chunk (on the native engine as sampled: `paced`), and every chunk has a
+    stop_reason (null until the choice's last)."""
     model = random_chat_model(stop_bias=-10.0)  # every turn runs to max_tokens
     servers = [serve(model, engine), serve(model, engine)]
+    live = paced(servers[1], monkeypatch)
     body = {"prompt": "12+3=", "echo": True, "n": 2, "seed": 7, "max_tokens": 6, "return_token_ids": True}
     try:
         plain = httpx.post(servers[0].url + "/v1/completions", json=body, timeout=120).json()
@@ -238,13 +310,14 @@ def test_echo_streams_the_prompt_first_then_the_completion(engine):
         assert expected["text"].startswith("12+3=") and len(expected["text"]) > len("12+3=")
         assert choices[0]["text"].startswith("12+3=") and not any(c["text"].startswith("12+3=") for c in choices[1:])
         assert "".join(c["text"] for c in choices) == expected["text"]
-        assert [t for c in choices for t in c["token_ids"]] == expected["token_ids"]
+        # a token a chunk: on the native engine as sampled (paced), on hf cut where the tokens' texts end
+        assert [c["token_ids"] for c in choices] == [[t] for t in expected["token_ids"]] + [[]]
         assert [c.get("prompt_token_ids") for c in choices] == [expected["prompt_token_ids"]] + [None] * (
             len(choices) - 1
         )
         assert [c["stop_reason"] for c in choices] == [None] * len(choices)  # cut at max_tokens: null throughout
-        if engine == "native":  # the prompt went with the first tokens sampled, not once the turn was generated
-            assert len([c for c in choices if c["text"]]) > 2
+        if engine == "native":  # the prompt went with the first token sampled, while the turn was generated
+            assert by_choice(live)[index] == choices[:-2]  # all but the last token's (it ended the turn) and finish's
 
 
 def test_tool_call_ids_are_the_records_and_a_call_the_turn_does_not_read_still_gives_its_text():
