@@ -22,13 +22,13 @@ is a UserError naming it.
 from __future__ import annotations
 
 import hashlib
-import os
 import uuid
 from pathlib import Path
 
 import fsspec
 
 from rlx.errors import UserError
+from rlx.utils.cache import cache_root
 from rlx.utils.files import atomic_local_dir, atomic_local_path, is_remote, local
 
 # file systems whose folder rename is one atomic operation
@@ -242,8 +242,9 @@ def local_path(path: str | Path, cache: str | Path) -> Path:
 
 
 def ensure_cache(cache: str | Path | None = None) -> Path:
-    """The download cache folder: `cache`, else $RLX_CACHE, else ~/.cache/rlx/remote (created)."""
-    folder = Path(cache or os.environ.get("RLX_CACHE") or Path.home() / ".cache" / "rlx" / "remote")
+    """The download cache folder: `cache`, else remote/ under rlx's cache root ($RLX_CACHE, else ~/.cache/rlx), beside
+    the compile caches' compile/ (rlx.utils.cache) (created)."""
+    folder = Path(cache) if cache else cache_root() / "remote"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 

@@ -89,6 +89,8 @@ def test_a_whole_step_through_memory_urls(tmp_path, tiny_dir, prompts_file, memf
     )
     cli_ok("merge", "--checkpoint", "memory://ckpt/step1", "--out", str(tmp_path / "hf2"))
     assert any(not torch.equal(trained[k], read_weights(tmp_path / "hf2")[k]) for k in trained)
+    downloads = tmp_path / "cache" / "remote"  # under $RLX_CACHE as the compile caches are (compile/), not at its top
+    assert any(downloads.iterdir()) and {p.name for p in (tmp_path / "cache").iterdir()} <= {"remote", "compile"}
 
 
 def test_remote_errors_and_no_partial_outputs(tmp_path, tiny_ckpt, memfs, monkeypatch):
