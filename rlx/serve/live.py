@@ -27,7 +27,16 @@ from rlx.rollout.requests import Generated
 from rlx.serve.api import ChatCall
 from rlx.serve.deltas import TOOL_CALL_OPEN, TextDeltas, covered, held_back, token_pieces
 from rlx.serve.replies import Span, StreamedReply, Turn
-from rlx.serve.responses import message_opening, numbered, output_events, response_object, start_events, text_delta
+from rlx.serve.responses import (
+    arguments_delta,
+    call_opening,
+    message_opening,
+    numbered,
+    output_events,
+    response_object,
+    start_events,
+    text_delta,
+)
 from rlx.serve.stream import EngineFailed
 from rlx.serve.tool_stream import STREAMED_PARSERS, CallDelta, CallStream
 from rlx.serve.turns import decoded_span, echo_text, run_turns
@@ -48,9 +57,6 @@ def _error(e: BaseException) -> dict:
 class LiveReply:
     """One streamed request: its generation task and the server-sent events of its reply."""
 
-    streams_calls = True
-    """Whether tool calls are sent as they are sampled (chat; the Responses API sends each once generated)."""
-
     def __init__(self, server, sessions: list, call, prepared: list):
         """`sessions` are held (their locks taken) and released once the turns are recorded; `prepared`: the plans
         and token requests of turns.prepare_turns."""
@@ -62,8 +68,7 @@ class LiveReply:
         markers = (*self.stops, *((TOOL_CALL_OPEN,) if reads_tools else ()))
         self.deltas = [TextDeltas(markers, hold_whitespace=reads_tools) for _ in sessions]
         self.calls = [
-            CallStream() if reads_tools and self.streams_calls and session.parser_name in STREAMED_PARSERS else None
-            for session in sessions
+            CallStream() if reads_tools and session.parser_name in STREAMED_PARSERS else None for session in sessions
         ]
         """Each choice's tool calls read as they are sampled (None where its parser's calls are sent once generated)."""
         settings = call.settings
@@ -182,15 +187,20 @@ class LiveReply:
 
 
 class LiveResponse(LiveReply):
-    """A streamed Responses API reply (/v1/responses with `stream: true`): the message's text as it is sampled, then
-    the function calls, the done events and the finished response (responses.py builds the events)."""
-
-    streams_calls = False
+    """A streamed Responses API reply (/v1/responses with `stream: true`): the message's text and the function calls
+    as they are sampled (the chat stream's reading: `_next`, each item added at the next output index as it first
+    has something to send), then the rest, the done events and the finished response (responses.py builds the
+    events). Its output lists the items in the order they were added, then those the finished turn adds; a call
+    streamed that the finished turn does not read (cut before `</tool_call>`) stays in it as 'incomplete'."""
 
     def __init__(self, server, sessions: list, call, prepared: list, previous: str | None, store: bool, sample: str):
         super().__init__(server, sessions, call, prepared)
         self.previous, self.store, self.sample = previous, store, sample
         self.sequence = 0
+        self.streamed: dict[str, str] = {}
+        """Each output item added so far (its id, in the order added) -> its text or arguments sent so far."""
+        self.added_calls: dict[int, dict] = {}
+        """Each streamed call's item as added (by the call's number in the reply)."""
 
     def _sse(self, events: list[tuple[str, dict]]) -> str:
         out = numbered(events, self.sequence)
@@ -199,44 +209,57 @@ class LiveResponse(LiveReply):
 
     async def events(self):
         rid, created = self.rid, self.head["created"]
-        item_id = f"msg_{rid}"
         skeleton = {"id": f"resp_{rid}", "object": "response", "created_at": created, "model": self.server.model_name,
                     "status": "in_progress", "incomplete_details": None, "output": [],
                     "previous_response_id": self.previous, "error": None, "usage": None}  # fmt: skip
         yield self._sse(start_events(skeleton))
-        opened = False
         while True:
             kind, value = await self.queue.get()
             if kind == "tokens":
-                piece = await self._piece(value)
-                if piece:
-                    yield self._sse([*([] if opened else message_opening(0, item_id)), text_delta(0, item_id, piece)])
-                    opened = True
+                events = [event for events in await self._next(value) for event in events]
+                if events:
+                    yield self._sse(events)
                 continue
             if kind == "error":
                 error = _error(value)
                 yield self._sse([("error", {"code": error["code"], "message": error["message"], "param": None})])
                 return
-            yield self._sse(output_events(self._finished(value[0], opened), opened, self.deltas[0].sent))
+            yield self._sse(output_events(self._finished(value[0]), self.streamed))
             return
 
-    async def _piece(self, index: int) -> str:
-        """What of the message's text may be sent now that it has new tokens ('' when nothing)."""
-        sampled = self.latest.pop(index, None)
-        if sampled is None or self.deltas[index].is_closed:
-            return ""
-        text = await run_in_threadpool(self._decode, sampled.response_ids)
-        return self.deltas[index].feed(text)
+    def _chunk(self, index: int, what: str | CallDelta, span: Span | None) -> list[tuple[str, dict]]:
+        """The events that send a piece of the message's text or a function call's delta (its item once named)."""
+        if isinstance(what, str):
+            item_id = f"msg_{self.rid}"
+            opening = [] if item_id in self.streamed else message_opening(len(self.streamed), item_id)
+            self.streamed[item_id] = self.streamed.get(item_id, "") + what
+            return [*opening, text_delta(list(self.streamed).index(item_id), item_id, what)]
+        if what.name is not None:  # the id the turn's record gives the call too
+            call_id = self.sessions[index].call_id_for(self.plans[index], what.number)
+            item = {"type": "function_call", "id": f"fc_{call_id}", "call_id": call_id, "name": what.name,
+                    "arguments": "", "status": "in_progress"}  # fmt: skip
+            self.added_calls[what.number], self.streamed[item["id"]] = item, ""
+            return [call_opening(len(self.streamed) - 1, item)]
+        item_id = self.added_calls[what.number]["id"]
+        self.streamed[item_id] += what.arguments
+        return [arguments_delta(list(self.streamed).index(item_id), item_id, what.arguments)]
 
-    def _finished(self, turn, opened: bool) -> dict:
-        """The response object of the generated turn (kept for previous_response_id unless store is false); a
-        message whose text was streamed stays its first output item."""
+    def _finished(self, turn) -> dict:
+        """The response object of the generated turn (kept for previous_response_id unless store is false), its
+        output in the order the stream added the items."""
         turn.id, turn.created = self.rid, self.head["created"]
         reply = response_object(turn, self.server.model_name, self.previous)
-        if opened and reply["output"][0]["type"] != "message":
-            text = {"type": "output_text", "text": self.deltas[0].sent, "annotations": []}
-            reply["output"].insert(0, {"type": "message", "id": f"msg_{turn.id}", "role": "assistant",
-                                       "status": "completed", "content": [text]})  # fmt: skip
+        by_id = {item["id"]: item for item in reply["output"]}
+        for item_id, sent in self.streamed.items():  # an item sent that the finished turn does not hold
+            if item_id == f"msg_{turn.id}" and item_id not in by_id:
+                text = {"type": "output_text", "text": sent, "annotations": []}
+                by_id[item_id] = {"type": "message", "id": item_id, "role": "assistant", "status": "completed",
+                                  "content": [text]}  # fmt: skip
+            elif item_id not in by_id:
+                added = next(item for item in self.added_calls.values() if item["id"] == item_id)
+                by_id[item_id] = {**added, "arguments": sent, "status": "incomplete"}
+        rest = [item for item in reply["output"] if item["id"] not in self.streamed]
+        reply["output"] = [*(by_id[item_id] for item_id in self.streamed), *rest]
         if self.store:
             self.server.responses.put(reply["id"], self.sample, [*self.call.messages, turn.message])
         return reply

@@ -9,9 +9,10 @@ the request continues the same sample. The chat request then runs as any other (
 conversation continued either way extends its trajectory token-exactly) and its reply becomes a `response`
 object whose output holds a message item and one `function_call` item per tool call.
 With `stream: true` the reply is the Responses API's server-sent events: created, in progress, the message's text
-as the engine samples it (live.py, as chat completions stream), then each function call with its arguments, the
-done events and `response.completed` (or `response.incomplete` when cut at max_output_tokens); the turn is recorded
-as without `stream`.
+and each function call (its item, then its arguments in pieces) as the engine samples them (live.py, as chat
+completions stream them: tool_stream.py reads the calls), then what was not streamed, the done events and
+`response.completed` (or `response.incomplete` when cut at max_output_tokens); the turn is recorded as without
+`stream`.
 Refused with HTTP 400 naming the field: non-function tools, structured text formats, reasoning, truncation other
 than 'disabled', and every field the Responses API does not define.
 """
@@ -189,27 +190,40 @@ def text_delta(index: int, item_id: str, piece: str) -> tuple[str, dict]:
     return "response.output_text.delta", {**ids, "delta": piece, "logprobs": []}
 
 
-def output_events(response: dict, opened: bool = False, sent: str = "") -> list[tuple[str, dict]]:
-    """The rest of a response's events once it is finished: each output item's text (after `sent`, the text a
-    message already streamed, its item `opened`) or arguments and their done events, then `response.completed`
-    (`response.incomplete` when cut)."""
+def call_opening(index: int, item: dict) -> tuple[str, dict]:
+    """A function call's output item, added (with no arguments yet) before its arguments."""
+    opening = {**item, "arguments": "", "status": "in_progress"}
+    return "response.output_item.added", {"output_index": index, "item": opening}
+
+
+def arguments_delta(index: int, item_id: str, piece: str) -> tuple[str, dict]:
+    return "response.function_call_arguments.delta", {"item_id": item_id, "output_index": index, "delta": piece}
+
+
+def output_events(response: dict, streamed: dict[str, str] | None = None) -> list[tuple[str, dict]]:
+    """The rest of a response's events once it is finished: each output item's text or arguments after what was
+    `streamed` of them (item id -> text or arguments sent; an item in it was added already), their done events,
+    then `response.completed` (`response.incomplete` when cut)."""
     events: list[tuple[str, dict]] = []
+    streamed = streamed or {}
     for index, item in enumerate(response["output"]):
+        sent, is_added = streamed.get(item["id"], ""), item["id"] in streamed
         if item["type"] == "message":
             text = item["content"][0]["text"]
-            events += [] if opened else message_opening(index, item["id"])
+            events += [] if is_added else message_opening(index, item["id"])
             rest = text[len(sent) :] if text.startswith(sent) else ""
             events += [text_delta(index, item["id"], rest)] if rest else []
             ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
             events += [("response.output_text.done", {**ids, "text": text, "logprobs": []}),
                        ("response.content_part.done", {**ids, "part": item["content"][0]})]  # fmt: skip
         else:
+            events += [] if is_added else [call_opening(index, item)]
+            arguments = item["arguments"]
+            rest = arguments[len(sent) :] if arguments.startswith(sent) else ""
+            events += [arguments_delta(index, item["id"], rest)] if rest else []
             ids = {"item_id": item["id"], "output_index": index}
-            opening = {**item, "arguments": "", "status": "in_progress"}
-            events += [("response.output_item.added", {"output_index": index, "item": opening}),
-                       ("response.function_call_arguments.delta", {**ids, "delta": item["arguments"]}),
-                       ("response.function_call_arguments.done", {**ids, "name": item["name"],
-                                                                   "arguments": item["arguments"]})]  # fmt: skip
+            events.append(("response.function_call_arguments.done", {**ids, "name": item["name"],
+                                                                     "arguments": arguments}))  # fmt: skip
         events.append(("response.output_item.done", {"output_index": index, "item": item}))
     done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
     return [*events, (done, {"response": response})]

@@ -9,6 +9,7 @@ import math
 import sys
 import threading
 
+import httpx
 import openai
 import pytest
 
@@ -16,11 +17,13 @@ from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import SamplingParams
 from rlx.rollout.requests import Generated, TokenRequest
 from rlx.serve.deltas import TOOL_CALL_OPEN, TextDeltas
+from rlx.serve.responses import output_events
 from rlx.serve.server import AgentServer
 from rlx.serve.stream import StreamWorker
-from tests.agent_helpers import random_chat_model, token_engine
+from rlx.tasks.calculator import CALCULATOR_TOOL
+from tests.agent_helpers import CALC_PIECES, CALC_SCRIPT, bigram_chat_model, random_chat_model, token_engine
 from tests.unit.test_serve_endpoint import post, start
-from tests.unit.test_serve_stream import paced
+from tests.unit.test_serve_stream import paced, serve, stop
 
 SAMPLING = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
 
@@ -156,6 +159,64 @@ def test_responses_stream_arrives_while_the_turn_is_generated():
     assert "".join(pieces) == final.output[0].content[0].text == session.current.trajectory.messages[1]["content"]
     assert final.usage.output_tokens == 10 and follow.status == "incomplete"
     assert len(session.segments) == 1 and session.current.trajectory.num_turns == 2  # continued the same sample
+
+
+def test_a_responses_function_call_streams_its_arguments_as_sampled(monkeypatch):
+    """/v1/responses with stream and a function tool (native engine): the call's item (name, call_id, no arguments),
+    its arguments in pieces as they are sampled (a token a piece: `paced`, made while the turn was generated), their
+    done event and the item's, numbered in order; the pieces add up to the done arguments and the non-streamed
+    response's exactly, and the SDK's stream helper rebuilds the call with the id the record holds."""
+    model = bigram_chat_model(CALC_SCRIPT, extra_tokens=CALC_PIECES)
+    servers = [serve(model, "native"), serve(model, "native")]
+    live = paced(servers[1], monkeypatch)
+    tool = {"type": "function", **CALCULATOR_TOOL["function"]}
+    body = {"model": "rlx", "input": "hi", "tools": [tool]}
+    try:
+        plain = post(f"{servers[0].url}/v1/responses", body)[1]
+        with httpx.stream("POST", f"{servers[1].url}/v1/responses", json={**body, "stream": True}) as response:
+            sent = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+        client = openai.OpenAI(base_url=servers[1].base_url("sdk"), api_key="k", max_retries=0)
+        with client.responses.stream(**body) as stream:
+            final = stream.get_final_response()
+    finally:
+        stop(*servers)
+    [expected] = plain["output"]
+    assert expected["type"] == "function_call" and expected["arguments"] == '{"expression": "12*34"}'
+    kinds = [event["type"] for event in sent]
+    deltas = [event for event in sent if event["type"] == "response.function_call_arguments.delta"]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     *[d["type"] for d in deltas], "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]  # fmt: skip
+    assert [event["sequence_number"] for event in sent] == list(range(len(sent)))
+    added, done, finished = sent[2]["item"], sent[-3], sent[-1]["response"]["output"]
+    assert added == {**finished[0], "arguments": "", "status": "in_progress"} and added["name"] == "calculator"
+    assert all(d["item_id"] == added["id"] == done["item_id"] and d["output_index"] == 0 for d in deltas)
+    arguments = "".join(d["delta"] for d in deltas)
+    assert arguments == done["arguments"] == finished[0]["arguments"] == expected["arguments"]
+    # sent as sampled, before the turn was finished (in both streams: this one, the SDK's)
+    made = [e[1]["delta"] for chunk in live for e in chunk if e[0] == "response.function_call_arguments.delta"]
+    assert made == [d["delta"] for d in deltas] * 2 and len(deltas) == 3
+    [call] = final.output
+    record = servers[1].sessions["sdk"].current.trajectory.messages[-1]["tool_calls"][0]
+    assert call.type == "function_call" and call.arguments == expected["arguments"] and call.call_id == record["id"]
+
+
+def test_responses_finish_sends_what_of_each_item_was_not_streamed():
+    """Once the turn is generated, an item not yet added is added and sent whole (the hf engine's calls: their
+    arguments in one delta); an item streamed sends only the rest of its arguments; either way the done event has
+    them all."""
+    call = {"type": "function_call", "id": "fc_call_0_0", "call_id": "call_0_0", "name": "calculator",
+            "arguments": '{"expression": "12*34"}', "status": "completed"}  # fmt: skip
+    response = {"status": "completed", "output": [call]}
+    whole = output_events(response)
+    assert [kind for kind, _ in whole] == ["response.output_item.added", "response.function_call_arguments.delta",
+                                           "response.function_call_arguments.done", "response.output_item.done",
+                                           "response.completed"]  # fmt: skip
+    assert whole[0][1]["item"]["arguments"] == "" and whole[1][1]["delta"] == whole[2][1]["arguments"]
+    rest = output_events(response, {call["id"]: '{"expression": '})
+    assert rest[0] == ("response.function_call_arguments.delta", {"item_id": call["id"], "output_index": 0,
+                                                                  "delta": '"12*34"}'})  # fmt: skip
+    assert rest[1][1]["arguments"] == call["arguments"] and len(rest) == 4
 
 
 def test_generate_route_is_token_in_token_out_as_verifiers_calls_it():

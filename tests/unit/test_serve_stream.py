@@ -40,12 +40,12 @@ def serve(model_and_tokenizer, engine: str, max_new_tokens: int = 16) -> AgentSe
 
 
 def paced(server: AgentServer, monkeypatch) -> list[dict]:
-    """Keep `server`'s chat and completion streams in step with its engine: after handing a streamed reply a choice's
-    tokens so far, the engine's worker waits (up to 10 s) until the reply has read them, so each update is read alone
-    and a stream is cut where its tokens were sampled. Unpaced, a reply behind the engine (a loaded machine) reads
-    several updates at once, as it should, and which chunks a stream is cut into depends on timing (`read_late`: all
-    at once). Returns the chunks the replies made from updates (each before the engine's next step: while the turn
-    was generated), as sent."""
+    """Keep `server`'s chat, completion and Responses streams in step with its engine: after handing a streamed reply
+    a choice's tokens so far, the engine's worker waits (up to 10 s) until the reply has read them, so each update is
+    read alone and a stream is cut where its tokens were sampled. Unpaced, a reply behind the engine (a loaded
+    machine) reads several updates at once, as it should, and which chunks a stream is cut into depends on timing
+    (`read_late`: all at once). Returns the chunks the replies made from updates (each before the engine's next step:
+    while the turn was generated), as sent (a Responses stream's: each a list of its events)."""
     read, live = threading.Semaphore(0), []
     submit, next_chunks = server.worker.submit, LiveReply._next
 
