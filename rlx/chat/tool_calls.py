@@ -30,7 +30,9 @@ class ParsedTurn:
 
 
 def call_id(turn: int, index: int) -> str:
-    """The id of a turn's index-th tool call: the same in an environment rollout and behind `rlx serve`."""
+    """The id of a turn's index-th tool call: the same in an environment rollout and behind `rlx serve`. `index`
+    counts every call the turn wrote, read or not, so a malformed call does not shift the ids of those after it (the
+    index `rlx serve` streams a call under before the turn is read: rlx.serve.tool_stream)."""
     return f"call_{turn}_{index}"
 
 
@@ -60,7 +62,7 @@ def parse_qwen(text: str, turn: int) -> ParsedTurn:
             errors.append(error)
             continue
         function = {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}
-        calls.append({"id": call_id(turn, len(calls)), "type": "function", "function": function})
+        calls.append({"id": call_id(turn, number - 1), "type": "function", "function": function})
     rest = _QWEN_BLOCK.sub("", text)
     if "<tool_call>" in rest:
         errors.append("a <tool_call> block is not closed with </tool_call>")
@@ -91,7 +93,7 @@ def parse_json_list(text: str, turn: int) -> ParsedTurn:
                 errors.append(error)
                 continue
             function = {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}
-            calls.append({"id": call_id(turn, len(calls)), "type": "function", "function": function})
+            calls.append({"id": call_id(turn, number - 1), "type": "function", "function": function})
     rest = _QWEN_BLOCK.sub("", text)
     if "<tool_call>" in rest:
         errors.append("a <tool_call> block is not closed with </tool_call>")

@@ -275,7 +275,7 @@ class SampleSession:
         parse = self.parse if parse_tools else parse_plain
         parsed = parse(seg.last_turn_text, traj.num_turns - 1)
         message = parsed.message if not parsed.errors else {"role": "assistant", "content": seg.last_turn_text}
-        for number, call in enumerate(message.get("tool_calls", ())):
+        for number, call in enumerate(message.get("tool_calls", ())):  # every block read: its place among them
             call["id"] = self.call_id_for(plan, number)
         reply = normalize_message(message)
         traj.messages += plan.new_messages + [reply]

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from rlx.chat.tool_calls import parse_qwen
+from rlx.chat.tool_calls import call_id, parse_qwen
 from rlx.rollout.agent_config import AgentConfig
 from rlx.rollout.config import SamplingParams
 from rlx.serve.deltas import covered, token_pieces
@@ -382,6 +382,19 @@ def test_call_stream_pieces_add_up_to_the_finished_arguments():
     broken = CallStream()
     assert [d.name for d in broken.feed('<tool_call>{"name": "f", "arguments": {"a": 1')] == ["f", None]
     assert broken.feed('<tool_call>{"name": "f", "arguments": {"a": 1 2}') == [] and broken.is_stopped
+
+
+def test_a_call_after_a_malformed_one_has_the_id_it_was_streamed_under():
+    """A call's id counts every block of its turn, read or not: a block the parser cannot read (here one of JSON but
+    not a call's shape, which the stream reads past) does not shift the id of a readable call after it from the one
+    its stream sent (`call_<turn>_<number>`, as under `rlx rollout --agent`)."""
+    good = '<tool_call>\n{"name": "g", "arguments": {"x": 1}}\n</tool_call>'
+    for bad in ('{"tool": "f"}', '{"name": "f", "arguments": [1]}'):
+        text = f"<tool_call>\n{bad}\n</tool_call>\n{good}"
+        named = [d for d in CallStream().feed(text) if d.name == "g"]
+        parsed = parse_qwen(text, 2)
+        assert len(parsed.errors) == 1 and [c["function"]["name"] for c in parsed.message["tool_calls"]] == ["g"]
+        assert len(named) == 1 and parsed.message["tool_calls"][0]["id"] == call_id(2, named[0].number) == "call_2_1"
 
 
 def test_stream_options_are_honoured_or_refused_by_name():
