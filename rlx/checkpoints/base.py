@@ -138,11 +138,11 @@ class Layout(ABC):
         """Unsharded optimizer tensors keyed '<param>::<state key>' (Hugging Face names), or None."""
         return None
 
-    def read_shards(self, folder: Path, part: str, shards: Callable[[], dict[str, torch.Tensor]]) -> bool:
+    def read_shards(self, folder: Path, part: str, shards: Callable[[], dict[str, torch.Tensor]]) -> None:
         """Fill a sharded trainer's tensors of `part` ('model': weights, 'optim': AdamW state keyed '<param>::<state
         key>') from the checkpoint, each rank reading only its own shards: `shards()` gives this rank's tensors, filled
-        in place. False where the layout stores no shards a rank can read alone (`reads_shards`): read the full ones."""
-        return False
+        in place. Only layouts that `reads_shards` can; the others are read whole (read_full_*)."""
+        raise UserError(f"{folder}: the '{self.name}' layout stores no shards a rank reads alone")
 
     def read_lora(self, folder: Path):
         """The adapters a checkpoint holds on a base model it points to (a LoraCheckpoint, lora.py), or None for a

@@ -283,9 +283,8 @@ class FsdpLayout(Layout):
     def read_full_optimizer(self, folder: Path) -> dict[str, torch.Tensor] | None:
         return read_full_optimizer(folder)
 
-    def read_shards(self, folder: Path, part: str, shards: Callable[[], dict[str, torch.Tensor]]) -> bool:
+    def read_shards(self, folder: Path, part: str, shards: Callable[[], dict[str, torch.Tensor]]) -> None:
         read_shards(folder, part, shards)
-        return True
 
     def write_full(self, out, weights, aux, meta, config, overwrite) -> None:
         save_dcp(out, weights, None, aux, meta, is_main=True, overwrite=overwrite)

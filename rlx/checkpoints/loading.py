@@ -57,21 +57,18 @@ def load_model(
         if role == "critic":
             return load_value_model(source, config, dtype)
         return load_causal_lm(source, config, dtype)
-    quiet_transformers()
-    config = copy.deepcopy(config)  # the model keeps (and may change) its own
-    model = model_class(config, role).from_config(config, dtype=torch.float32)
+    model = unfilled_model(source, role, config)  # not drawn: every tensor is read below (check_weights_match)
     weights = read_full_weights(source.path, config)
     check_weights_match(model, weights, source.path)
     model.load_state_dict(weights, strict=False)
     model.tie_weights()
-    load_generation_config(model, source.path)
     return model.to(dtype) if dtype is not None else model
 
 
 def unfilled_model(source: ModelSource, role: str, config) -> torch.nn.Module:
     """The model of a checkpoint's config (float32, CPU) with its weights neither read nor drawn (the memory as
     allocated; buffers computed as usual): for a sharded trainer whose ranks each read their own shards of the
-    weights into it afterwards (rlx.checkpoints.registry.read_shards)."""
+    weights into it afterwards (rlx.checkpoints.registry.read_shards), or `load_model` the whole of them."""
     from transformers.initialization import no_init_weights
 
     if role == "critic":

@@ -114,8 +114,7 @@ def read_shards(folder: str | Path, part: str, shards) -> None:
     """Fill a sharded trainer's tensors of `part` ('model' or 'optim') from a checkpoint whose layout `reads_shards`,
     each rank reading its own shards (`shards()`: its tensors, filled in place); collective."""
     folder = Path(folder)
-    if not layout_of(folder).read_shards(folder, part, shards):
-        raise UserError(f"{folder}: the '{layout_of(folder).name}' layout stores no shards a rank reads alone")
+    layout_of(folder).read_shards(folder, part, shards)
 
 
 def read_lora(folder: str | Path):

@@ -16,6 +16,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from itertools import accumulate
 
 import torch
 import torch.distributed as torch_dist
@@ -178,7 +179,7 @@ class Trainer:
 
     def local_state(self) -> LocalState:
         """This rank's shards: DTensors under FSDP (whole tensors in a lone process)."""
-        return LocalState("dtensor", self.model_shards(), sharded_optimizer_state(self.model, self.optimizer))
+        return LocalState("dtensor", self.model_shards(), self.optimizer_shards())
 
     def model_shards(self) -> dict[str, torch.Tensor]:
         """This rank's weights as checkpoints store them (tied ones once): the live parameters, so a checkpoint's
@@ -244,7 +245,7 @@ class Trainer:
         sums: dict[str, float] = defaultdict(float)
         grad_norms, skipped = [], 0
         sizes = cfg.mini_batch_sizes(batch.size)  # each optimizer step's samples in an epoch
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        starts = list(accumulate(sizes, initial=0))
         bar = tqdm(
             total=cfg.epochs * len(sizes),
             desc=f"train {self.role}",
