@@ -55,8 +55,14 @@ FRAGMENTATION = 0.06
 RESERVED_GIB = 1.5
 """CUDA context, cuBLAS workspaces and NCCL buffers: outside torch's allocated count."""
 COMPILE_MARGIN = 0.04
-"""Share of the device's memory torch.compile's fused kernels and their workspaces may add at the peak: the plan
-turns train.compile off when the run fits only without it."""
+"""At most this share of the device's memory is held for what a compiled run's peak adds beyond the counted parts
+(torch.compile's fused kernels and workspaces, the engine's captured graphs beside the trainer): the plan turns
+train.compile off when the run fits only without it."""
+COMPILE_MARGIN_BYTES_PER_PARAM = 0.8
+"""The margin grows with the model up to COMPILE_MARGIN of the device: `rlx ppo`'s train peaks on H200s
+(bench/scale.py; tests/unit/test_memory_plan.py) went up to 3.0 GiB beyond the counted parts at 7B (full weights
+on 4 GPUs; 2.1 with LoRA on one) and none at 0.5B, where a margin of 4% of the card (5.6 GiB) put the plan 23%
+over the 4-GPU fixed work's 28.9 GiB peak. 0.8 bytes a parameter: 5.7 GiB at 7B (the cap on an H200), 0.4 at 0.5B."""
 HEADROOM = 8
 """The native engine's KV cache gets 1/HEADROOM more blocks than a step needs (rlx/rollout/native/engine.py)."""
 ASSUMED_PROMPT_TOKENS = 512
@@ -376,9 +382,15 @@ def estimate(shape: ModelShape, work: Workload, settings: Settings, world: int, 
     }
     train = sum(train_parts.values())
     if settings.compile:
-        train += COMPILE_MARGIN * gpu_gib
-        train_parts["compile"] = COMPILE_MARGIN * gpu_gib
+        margin = compile_margin_gib(shape, gpu_gib)
+        train += margin
+        train_parts["compile"] = margin
     return Estimate({"rollout": rollout, "score": score, "train": train}, train_parts)
+
+
+def compile_margin_gib(shape: ModelShape, gpu_gib: float) -> float:
+    """GiB the plan holds beside a compiled train phase's counted parts (COMPILE_MARGIN_BYTES_PER_PARAM)."""
+    return min(COMPILE_MARGIN * gpu_gib, COMPILE_MARGIN_BYTES_PER_PARAM * shape.params / GIB)
 
 
 HOST_RESERVED_SHARE = 0.1

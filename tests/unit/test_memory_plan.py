@@ -463,3 +463,47 @@ def test_the_train_phase_is_planned_at_or_above_every_measured_peak():
             assert per_token == pytest.approx(slope, rel=0.06), (a["run"], b["run"], per_token, slope)
             slopes += 1
     assert slopes >= 4
+
+
+MEASURED_PPO_PEAKS = [  # (shape, GPUs, --weak, extra --set, rank 0's train-phase peak GiB; bench/RESULTS.md, § Scale)
+    ("0.5b", 1, True, {}, 111.5),  # twenty-fifth to twenty-seventh sessions, one H200
+    ("0.5b", 2, True, {}, 104.7),  # twenty-fifth and twenty-sixth, two H200
+    ("0.5b", 4, True, {}, 103.3),  # twenty-seventh, four H200
+    ("0.5b", 2, False, {}, 55.0),  # twenty-sixth
+    ("0.5b", 4, False, {}, 28.9),  # twenty-seventh: 23% under the plan of 4% of the card as the compile margin
+    ("0.5b", 1, False, {"train.param_offload": True}, 101.3),  # one process under torchrun
+    ("7b", 1, False, {}, 129.9),  # twenty-second
+    ("7b", 2, False, {}, 121.3),  # twenty-sixth
+    ("7b", 4, False, {}, 103.3),  # twenty-seventh
+    ("7b", 1, False, {"lora.rank": 16}, 65.6),  # twenty-fourth
+    ("14b", 1, False, {"lora.rank": 16}, 108.3),  # twenty-fourth
+]
+
+
+def test_the_plan_is_within_15_percent_of_every_measured_ppo_peak(tmp_path):
+    """The issue's target, on the `bench/scale.py` runs of one H200 (140.4 GiB) to four: the plan of each run's
+    recipe and GPU count at or above its measured train-phase peak (a run it lets through must not run out of
+    memory) and at most 15% over it. The margin for compiled runs grows with the model: a share of the card alone
+    (5.6 GiB on an H200) put the plan 23% over the 0.5B fixed work on four GPUs."""
+    import sys
+    from argparse import Namespace
+
+    import tomllib
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from scale import write_recipe
+
+    from rlx.ppo.plan import plan_recipe
+
+    ratios = {}
+    for i, (shape, gpus, weak, sets, peak) in enumerate(MEASURED_PPO_PEAKS):
+        args = Namespace(num_prompts=32, weak=weak, steps=4, prompt_len=128, response_len=256, num_generations=8)
+        recipe = write_recipe(tmp_path / str(i), shape, args, gpus)
+        tree = tomllib.loads(recipe.read_text())
+        for key, value in sets.items():
+            table, name = key.split(".")
+            tree.setdefault(table, {})[name] = value
+        plan = plan_recipe(tree, recipe.parent, gpus, 140.4, launched=gpus > 1 or "train.param_offload" in sets)
+        assert plan.fits, plan.summary()
+        ratios[shape, gpus, weak, tuple(sets)] = plan.estimate.phases["train"] / peak
+    assert all(1.0 <= r <= 1.15 for r in ratios.values()), ratios
