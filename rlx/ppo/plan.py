@@ -417,15 +417,30 @@ def host_gib(shape: ModelShape, work: Workload, settings: Settings, world: int, 
     - 'load': every rank builds the whole float32 policy on the host, with its reference and a new critic copied from
       it, before the trainer shards them onto its GPU (rlx/ppo/models.py);
     - 'steady': the checkpoints' host buffers, pinned for the run (float32 weights and AdamW's two moments, 12 bytes
-      per parameter, a 1 / world share on each rank: rlx/utils/host_copy.py; a LoRA policy's adapters are small),
+      per parameter, a 1 / world share on each rank, in whole pinned chunks: `_pinned_gib`; a LoRA policy's adapters
+      are small),
       and with train.param_offload the float32 parameter, gradient and optimizer shards and the temporary AdamW's
       step on the CPU makes of the second moment's square root (20 bytes / world: the 0.5B offloaded run on one H200
       held 18.9 GiB, 17.0 planned without that term)."""
     load = ranks * (_loaded_gib(shape, work) + HOST_GIB_PER_RANK)
-    per_param = (0.0 if work.has_lora else 12.0) + (20.0 if settings.param_offload else 0.0)
     models = 2 if work.has_critic else 1
-    steady = ranks * (models * shape.params * per_param / world / GIB + HOST_GIB_PER_RANK)
+    pinned = 0.0 if work.has_lora else _pinned_gib(shape, 4, world) + _pinned_gib(shape, 8, world)
+    offloaded = shape.params * 20.0 / world / GIB if settings.param_offload else 0.0
+    steady = ranks * (models * (pinned + offloaded) + HOST_GIB_PER_RANK)
     return {"load": load, "steady": steady}
+
+
+def _pinned_gib(shape: ModelShape, bytes_per_param: int, world: int) -> float:
+    """The pinned host buffers of one checkpoint tag of a rank (its float32 weights: 4 bytes a parameter; AdamW's
+    moments: 8), in whole chunks: rlx/utils/host_copy.py carves them out of chunks of one power-of-two size, at least
+    the largest tensor's shard (the embedding's rows over the ranks; FSDP shards dimension 0). Without the rounding
+    the plan was 5 GiB under rank 0's host memory at 7B on one H200 (94.0 GiB measured; 2.0 on two, 0.6 on four)."""
+    from rlx.utils.host_copy import CHUNK_MIN_BYTES
+
+    rows = max(shape.vocab, shape.intermediate)
+    largest = math.ceil(rows / world) * shape.hidden * 4
+    chunk = max(CHUNK_MIN_BYTES, 1 << max(0, largest - 1).bit_length())
+    return math.ceil(shape.params * bytes_per_param / world / chunk) * chunk / GIB
 
 
 def _loaded_gib(shape: ModelShape, work: Workload) -> float:
