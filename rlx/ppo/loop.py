@@ -55,6 +55,7 @@ from rlx.ppo.dynamic_sampling import GroupFilter, sampling_metrics
 from rlx.ppo.models import CRITIC_DIR, build_run_models
 from rlx.ppo.rundir import (
     check_checkpoint_space,
+    check_space_before_loading,
     checkpoint_bytes,
     checkpoint_dir,
     checkpoint_write_error,
@@ -113,6 +114,8 @@ class PPORun:
         meta = read_meta(start_ckpt) if start_ckpt else CheckpointMeta()
         self.data_position = meta.data_position or 0
         self.kl_coef = meta.kl_coef if meta.kl_coef is not None else cfg.score.kl_coef
+        if cfg.lora is None:  # a run that cannot write its first checkpoint stops before loading the models
+            check_space_before_loading(self.run_dir, inputs.config, self._saves(), cfg.keep_checkpoints)
         initial = warm_start(cfg, self.run_dir, self.start_step, self.ctx, record, start.warm_start_kept)  # [sft]
         started = time.perf_counter()
         self.setup_metrics["timing/setup_inputs_s"] = started - self.setup_t0  # data checks, run folder, warm start
@@ -146,12 +149,17 @@ class PPORun:
         """Stop before the first step when the run folder cannot hold a checkpoint; warn when it cannot hold what
         keep_checkpoints and save_every will put there (rundir.check_checkpoint_space)."""
         cfg = self.cfg
-        saves = [s for s in range(self.start_step + 1, cfg.steps + 1) if s % cfg.save_every == 0 or s == cfg.steps]
+        saves = self._saves()
         trained = [t.module for t in (self.trainer, self.critic) if t is not None]
         self.checkpoint_bytes = checkpoint_bytes(m for m in trained if isinstance(m, torch.nn.Module))
         warning = check_checkpoint_space(self.run_dir, self.checkpoint_bytes, saves, cfg.keep_checkpoints)
         if warning and self.ctx.is_main:
             console(f"rlx ppo: warning: {warning}")
+
+    def _saves(self) -> list[int]:
+        """The steps this run (from its start step) writes a checkpoint at."""
+        cfg = self.cfg
+        return [s for s in range(self.start_step + 1, cfg.steps + 1) if s % cfg.save_every == 0 or s == cfg.steps]
 
     def _build_engine(self):
         """The rollout engine the steps generate with (an asynchronous run's trainers have none: async_train.py)."""

@@ -340,6 +340,22 @@ def check_checkpoint_space(run_dir: Path, each: int, saves: list[int], keep: int
     )
 
 
+def check_space_before_loading(run_dir: Path, config, saves: list[int], keep: int) -> None:
+    """check_checkpoint_space's refusal before the models are built, on the policy's size as its config gives it
+    (the memory plan's parameter count; float32 weights and AdamW's two moments, 12 bytes a parameter; counted 2%
+    low, and a critic not at all, so that it refuses no run the built models' count lets through): a run that cannot
+    write its first checkpoint stops before loading (7B resumed on two H200: 30-60 s of loading before the check on
+    the built models refused it). A config the plan cannot size is left to that later check, which also warns. Not
+    for a LoRA policy (its adapters are small)."""
+    from rlx.ppo.plan import model_shape
+
+    try:
+        params = model_shape(config.to_dict() if hasattr(config, "to_dict") else dict(config)).params
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return
+    check_checkpoint_space(run_dir, int(0.98 * 12 * params), saves, keep)
+
+
 def checkpoint_write_error(out: Path, each: int, error: Exception) -> UserError | None:
     """A failed checkpoint write as the user needs it: a full disk or a forbidden folder (describe_io_error) names
     the checkpoint, the free space and the checkpoint's size; None for any other error (raised as it is)."""

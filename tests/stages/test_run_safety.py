@@ -127,22 +127,27 @@ def test_a_second_run_on_a_locked_folder_names_the_holder(tmp_path):
 
 
 def test_checkpoints_that_do_not_fit_the_disk_are_named_before_step_1_and_when_a_write_fails(tmp_path, monkeypatch):
-    """No room for one checkpoint: refused before step 1; room for fewer than keep_checkpoints keeps at once: a
-    warning naming the step that would fail; a full disk during a write: one line naming the checkpoint, and
-    --resume then finishes the run."""
+    """No room for one checkpoint: refused before the models are built (the policy's size from its config);
+    room for fewer than keep_checkpoints keeps at once: a warning naming the step that would fail; a full disk during
+    a write: one line naming the checkpoint, and --resume then finishes the run."""
     import errno
 
     from rlx.ppo import loop, rundir
 
-    sizes = []
-    real_bytes, real_prepare = loop.checkpoint_bytes, loop.prepare_save
+    sizes, built = [], []
+    real_bytes, real_prepare, real_build = loop.checkpoint_bytes, loop.prepare_save, loop.build_run_models
     monkeypatch.setattr(loop, "checkpoint_bytes", lambda modules: sizes.append(real_bytes(modules)) or sizes[-1])
+    monkeypatch.setattr(loop, "build_run_models", lambda *a, **k: built.append(1) or real_build(*a, **k))
     monkeypatch.setattr(rundir, "free_bytes", lambda path: 500)
     out = tmp_path / "run"
     refused = ppo(out)
     assert refused.exit_code == 1 and "a checkpoint of this run takes about" in refused.stderr, refused
     assert "500 B free" in refused.stderr and "(step 2) would fail" in refused.stderr
-    assert sizes[0] > 100_000 and not (out / "metrics.jsonl").exists() and not list(out.glob("step_*"))
+    assert not built and not (out / "metrics.jsonl").exists() and not list(out.glob("step_*"))
+    # just over the config's count (2% under the built models'): the check on the built models refuses it
+    monkeypatch.setattr(rundir, "free_bytes", lambda path: 900_000)
+    refused = ppo(out, "--overwrite")
+    assert refused.exit_code == 1 and built and sizes == [903_168] and "(step 2) would fail" in refused.stderr
 
     monkeypatch.setattr(rundir, "free_bytes", lambda path: int(1.5 * sizes[-1]))
     warned = ppo(out, "--set", "keep_checkpoints=2", "--set", "save_every=1")
