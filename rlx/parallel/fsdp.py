@@ -165,3 +165,36 @@ def _all_gather_rows(tensors: list) -> list[torch.Tensor]:
         parts = [pieces[r, : rows[r] * width] for r in range(ranks)]
         full.append(torch.cat(parts).view(t.shape))
     return full
+
+
+@torch.no_grad()
+def fill_from_rank0(shards: dict[str, torch.Tensor], full: dict[str, torch.Tensor] | None, device) -> None:
+    """Fill every rank's live `shards` ({name: DTensor shard or whole tensor}: a trainer's model_shards) from rank
+    0's `full` weights ({name: whole tensor}, None on the other ranks), one tensor at a time: rank 0 scatters each
+    sharded one (every rank keeps its rows) and broadcasts the rest. What lets the other ranks of a fresh start
+    build their models unfilled instead of each loading the whole float32 policy on the host (a collective: every
+    rank calls it with the same names)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, live in shards.items():
+        if full is not None and name not in full:
+            raise KeyError(f"{name}: not among the weights of the model rank 0 loaded")
+        shape = live.shape
+        source = full[name].to(device, live.dtype) if full is not None else torch.empty(shape, dtype=live.dtype,
+                                                                                      device=device)  # fmt: skip
+        if isinstance(live, DTensor):
+            scattered = distribute_tensor(source, live.device_mesh, live.placements, src_data_rank=0)
+            live.to_local().copy_(scattered.to_local())
+        else:
+            dist.broadcast(source, src=0)
+            live.copy_(source)
+
+
+@torch.no_grad()
+def broadcast_module(module: torch.nn.Module) -> None:
+    """Every parameter and buffer of `module` (whole on every rank, e.g. a reference model) as rank 0 holds them."""
+    import torch.distributed as dist
+
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, src=0)

@@ -16,7 +16,14 @@ import torch
 
 from rlx.backends.base import Trainer, TrainingBackend
 from rlx.checkpoints.files import aux_files
-from rlx.checkpoints.loading import build_critic_files, load_initial_policy, load_model, load_processor
+from rlx.checkpoints.loading import (
+    build_critic_files,
+    check_init,
+    load_initial_policy,
+    load_model,
+    load_processor,
+    unfilled_model,
+)
 from rlx.checkpoints.lora_base import lora_spec
 from rlx.models.loading import ModelSource, load_tokenizer, resolve_model
 from rlx.ppo.config import PPOConfig
@@ -54,7 +61,10 @@ def build_run_models(
     train_cfg = dataclasses.replace(cfg.train, seed=cfg.seed).with_decay_length(cfg.steps)
     copy_ref = cfg.use_ref and cfg.lora is None  # with LoRA the reference is the actor's base: no copy
     source, config = policy or resolve_model(start_ckpt if start_ckpt is not None else cfg.model.path)  # once
-    if start_ckpt is None:
+    if start_ckpt is None and _filled_from_rank0(cfg, backend, source, config):
+        actor, ref, tokenizer, aux = _initial_from_rank0(cfg, backend, train_cfg, source, config, copy_ref)
+        critic, critic_aux, model = None, {}, None
+    elif start_ckpt is None:
         model, tokenizer, aux = load_initial_policy(source, cfg.model.init, cfg.seed, config)
         spec = lora_spec(cfg.lora, cfg.model.path, cfg.model.init, cfg.seed, model)  # before adapters and shards
         ref = copy.deepcopy(model) if copy_ref else None
@@ -85,6 +95,47 @@ def build_run_models(
         model_config=actor.config,
     )
     return RunModels(actor, critic, tokenizer, aux, critic_aux, scoring, rollout_model, processor)
+
+
+def _filled_from_rank0(cfg: PPOConfig, backend: TrainingBackend, source: ModelSource, config) -> bool:
+    """Whether a fresh start's ranks other than 0 build the policy unfilled and take its weights from rank 0's
+    (`_initial_from_rank0`): FSDP under a launcher, full weights from a model folder (or drawn), experts not split,
+    no critic (built from the policy's copy)."""
+    return (
+        backend.name == "fsdp"
+        and backend.ctx.world > 1
+        and cfg.lora is None
+        and cfg.critic is None
+        and cfg.train.ep_degree == 1
+        and config is not None
+        and not source.is_gguf
+    )
+
+
+def _initial_from_rank0(cfg: PPOConfig, backend: TrainingBackend, train_cfg, source: ModelSource, config,
+                        copy_ref: bool):  # fmt: skip
+    """(actor trainer, reference model on the device or None, tokenizer, aux) of a fresh start where only rank 0
+    loads (or draws) the float32 policy: the other ranks build it unfilled (memory allocated, not touched: no host
+    memory until written), the trainer shards it, and rank 0's weights fill every rank's shards, the reference's
+    whole copy broadcast. Each rank loading the whole policy held ranks x 4 bytes a parameter on a host at the start
+    (7B on four GPUs: 113 GiB; 32B on eight: 976 GiB), twice that with a reference."""
+    from rlx.parallel.fsdp import broadcast_module, fill_from_rank0
+
+    device = backend.ctx.device
+    if backend.ctx.is_main:
+        model, tokenizer, aux = load_initial_policy(source, cfg.model.init, cfg.seed, config)
+        full = dict(model.state_dict())  # kept whole on rank 0 while the trainer shards the model
+    else:
+        check_init(source, cfg.model.init)
+        model, full = unfilled_model(source, "actor", config), None
+        tokenizer, aux = load_tokenizer(source), aux_files(source.folder)  # as load_initial_policy gives them
+    ref = None
+    if copy_ref:
+        ref = copy.deepcopy(model) if full is not None else unfilled_model(source, "actor", config)
+        broadcast_module(ref.requires_grad_(False).to(device))
+    actor = backend.build_trainer(model, train_cfg, "the initial policy")
+    fill_from_rank0(actor.state().model_shards(), full, device)
+    return actor, ref, tokenizer, aux
 
 
 def _critic(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None, policy, tokenizer, policy_aux=None):

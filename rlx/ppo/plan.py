@@ -414,15 +414,19 @@ class Host:
 
 def host_gib(shape: ModelShape, work: Workload, settings: Settings, world: int, ranks: int) -> dict[str, float]:
     """Peak GiB of one host holding `ranks` of the `world` ranks, at the start and in steady steps:
-    - 'load': every rank builds the whole float32 policy on the host, with its reference and a new critic copied from
-      it, before the trainer shards them onto its GPU (rlx/ppo/models.py);
+    - 'load': the whole float32 policy on the host, with its reference and a new critic copied from it, before the
+      trainer shards them onto its GPU (rlx/ppo/models.py): on rank 0 alone under a launcher (the host holding it),
+      on every rank with a critic, LoRA or experts split over ranks;
     - 'steady': the checkpoints' host buffers, pinned for the run (float32 weights and AdamW's two moments, 12 bytes
       per parameter, a 1 / world share on each rank, in whole pinned chunks: `_pinned_gib`; a LoRA policy's adapters
       are small),
       and with train.param_offload the float32 parameter, gradient and optimizer shards and the temporary AdamW's
       step on the CPU makes of the second moment's square root (20 bytes / world: the 0.5B offloaded run on one H200
       held 18.9 GiB, 17.0 planned without that term)."""
-    load = ranks * (_loaded_gib(shape, work) + HOST_GIB_PER_RANK)
+    # a fresh start under a launcher: rank 0 alone loads the policy, the others take their shards from it
+    # (rlx/ppo/models.py `_filled_from_rank0`); with a critic, LoRA or split experts every rank loads it
+    loading = 1 if _rank0_loads(work, settings, world) else ranks
+    load = loading * _loaded_gib(shape, work) + ranks * HOST_GIB_PER_RANK
     models = 2 if work.has_critic else 1
     pinned = 0.0 if work.has_lora else _pinned_gib(shape, 4, world) + _pinned_gib(shape, 8, world)
     offloaded = shape.params * 20.0 / world / GIB if settings.param_offload else 0.0
@@ -441,6 +445,11 @@ def _pinned_gib(shape: ModelShape, bytes_per_param: int, world: int) -> float:
     largest = math.ceil(rows / world) * shape.hidden * 4
     chunk = max(CHUNK_MIN_BYTES, 1 << max(0, largest - 1).bit_length())
     return math.ceil(shape.params * bytes_per_param / world / chunk) * chunk / GIB
+
+
+def _rank0_loads(work: Workload, settings: Settings, world: int) -> bool:
+    """Whether a fresh start's rank 0 alone loads the policy on its host (rlx/ppo/models.py `_filled_from_rank0`)."""
+    return world > 1 and not work.has_lora and not work.has_critic and settings.ep_degree == 1
 
 
 def _loaded_gib(shape: ModelShape, work: Workload) -> float:
@@ -775,6 +784,7 @@ def _host_message(shape: ModelShape, work: Workload, settings: Settings, world: 
     peaks = host_gib(shape, work, settings, world, host.ranks)
     what = "the policy" + (", its reference" if work.use_ref else "") + (", a critic" if work.has_critic else "")
     need = max(peaks.values()) / (1 - HOST_RESERVED_SHARE)
+    who = "rank 0 builds" if _rank0_loads(work, settings, world) else f"each of its {host.ranks} ranks builds"
     fewer = [r for r in range(host.ranks - 1, 0, -1) if host.ranks % r == 0 and world % r == 0]
     fits = [r for r in fewer if _host_fits(shape, work, settings, world, replace(host, ranks=r))]
     hints = [f"hosts of {math.ceil(need)} GiB"]
@@ -782,7 +792,7 @@ def _host_message(shape: ModelShape, work: Workload, settings: Settings, world: 
         hints.append(f"{fits[0]} rank{'s' if fits[0] > 1 else ''} per host ({world // fits[0]} hosts)")
     return (
         f"{world} x {gpu_gib:.0f} GiB GPUs would hold the run but the host would not: peak GiB per host load "
-        f"{peaks['load']:.0f} (each of its {host.ranks} ranks builds {what} in float32 on the host before sharding: "
+        f"{peaks['load']:.0f} ({who} {what} in float32 on the host before sharding: "
         f"{_loaded_gib(shape, work):.0f} GiB), steady {peaks['steady']:.0f} (checkpoint buffers"
         + (", offloaded shards" if settings.param_offload else "")
         + f"), of {host.usable_gib:.0f} usable of {host.memory_gib:.0f}; would fit: {'; '.join(hints)}"

@@ -340,32 +340,35 @@ def test_a_resumed_run_keeps_the_memory_settings_it_started_with(tmp_path, monke
 
 
 def test_the_host_s_memory_is_planned_too():
-    """Each rank builds the whole float32 policy on the host before sharding it, and pins its share of the
-    checkpoint buffers (with CPU offload, also its offloaded shards): a 32B model whose GPUs' plan fits 4 x H100 with
-    CPU offload does not fit the lent 4-GPU host (503 GB; it would have died loading, 4 x 122 GiB): refused, naming
-    the host's peaks and what would hold it, with the GPUs' plan shown. 7B and 14B fit it (they ran there)."""
+    """Rank 0 builds the whole float32 policy on the host before sharding it (every rank with a critic), and each
+    rank pins its share of the checkpoint buffers (with CPU offload, also its offloaded shards): a 32B model whose
+    GPUs' plan fits 4 x H100 with CPU offload does not fit the lent 4-GPU host (503 GB; 998 GiB of offloaded steady
+    state): refused, naming the host's peaks and what would hold it, with the GPUs' plan shown. 7B and 14B fit it
+    (they ran there)."""
     tree = with_fast_path({**ISSUE_RECIPE, "model": {"path": "m"}})
     x4 = Host(X4_HOST_GIB, 4)
     fourteen = plan_memory(QWEN25_14B, tree, {}, 4, H100_GIB, x4)
     assert fourteen.fits and fourteen.chosen == plan_memory(QWEN25_14B, tree, {}, 4, H100_GIB).chosen
-    assert "  host: peak GiB load 236, steady 184 of 421 usable of 468 (4 ranks per host)\n" in fourteen.summary()
+    assert "  host: peak GiB load 71, steady 184 of 421 usable of 468 (4 ranks per host)\n" in fourteen.summary()
     gpus_only = plan_memory(QWEN25_32B, tree, {}, 4, H100_GIB)
     assert gpus_only.fits and gpus_only.chosen["train.param_offload"] is True and gpus_only.host is None
     on_x4 = plan_memory(QWEN25_32B, tree, {}, 4, H100_GIB, x4)
     assert not on_x4.fits and on_x4.chosen == gpus_only.chosen  # the GPUs' plan, refused for the host
     assert on_x4.message == (
-        "4 x 79 GiB GPUs would hold the run but the host would not: peak GiB per host load 504 (each of its 4 ranks "
-        "builds the policy in float32 on the host before sharding: 122 GiB), steady 998 (checkpoint buffers, "
+        "4 x 79 GiB GPUs would hold the run but the host would not: peak GiB per host load 138 (rank 0 builds the "
+        "policy in float32 on the host before sharding: 122 GiB), steady 998 (checkpoint buffers, "
         "offloaded shards), of 421 usable of 468; would fit: hosts of 1110 GiB; 1 rank per host (4 hosts)"
     )
-    assert "DOES NOT FIT" in on_x4.summary() and "host: peak GiB load 504, steady 998" in on_x4.summary()
+    assert "DOES NOT FIT" in on_x4.summary() and "host: peak GiB load 138, steady 998" in on_x4.summary()
     # the load fits a 600 GiB host, the offloaded steady state does not; 2 TiB holds both
     assert not plan_memory(QWEN25_32B, tree, {}, 4, H100_GIB, Host(600.0, 4)).fits
     assert plan_memory(QWEN25_32B, tree, {}, 4, H100_GIB, Host(2048.0, 4)).fits
-    # a reference and a critic are whole float32 copies at load too
+    # rank 0 alone loads the policy (and its reference, a whole float32 copy); with a critic every rank loads all three
+    ref = with_fast_path({**ISSUE_RECIPE, "model": {"path": "m"}, "use_ref": True})
     both = with_fast_path({**ISSUE_RECIPE, "model": {"path": "m"}, "use_ref": True, "critic": {}})
-    loads = [plan_memory(QWEN25_7B, t, {}, 4, H100_GIB, x4).host_gib["load"] for t in (tree, both)]
-    assert loads[1] - loads[0] == pytest.approx(4 * 2 * model_shape(QWEN25_7B).params * 4 / 2**30)
+    loads = [plan_memory(QWEN25_7B, t, {}, 4, H100_GIB, x4).host_gib["load"] for t in (tree, ref, both)]
+    policy = model_shape(QWEN25_7B).params * 4 / 2**30
+    assert [load - loads[0] for load in loads[1:]] == pytest.approx([policy, 11 * policy])
 
 
 def test_plan_cli_checks_the_host_it_is_given(tmp_path, monkeypatch):
