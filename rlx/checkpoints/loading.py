@@ -145,12 +145,13 @@ def check_init(source: ModelSource, init: str) -> None:
 
 
 def build_critic_files(
-    policy, tokenizer, seed: int, policy_aux: dict[str, bytes] | None = None
+    policy, tokenizer, seed: int, policy_aux: dict[str, bytes] | None = None, unfilled: bool = False
 ) -> tuple[torch.nn.Module, dict[str, bytes]]:
-    """A value model from `policy` (backbone copied, head seeded) and its config/tokenizer files; a vision-language
-    critic keeps the policy's own files (`policy_aux`: tokenizer, chat template, image processor) byte for byte
-    with its config.json in place of the policy's, so its checkpoints read their batches' images as the policy's do."""
-    critic = build_value_model(policy, seed)
+    """A value model from `policy` (backbone copied, head seeded; `unfilled`: neither, see build_value_model) and its
+    config/tokenizer files; a vision-language critic keeps the policy's own files (`policy_aux`: tokenizer, chat
+    template, image processor) byte for byte with its config.json in place of the policy's, so its checkpoints read
+    their batches' images as the policy's do."""
+    critic = build_value_model(policy, seed, unfilled)
     aux = generated_aux(critic, tokenizer)
     if family_of(critic.config).takes_images and policy_aux:
         aux = {**{k: v for k, v in policy_aux.items() if k not in _MODEL_FILES}, "config.json": aux["config.json"]}

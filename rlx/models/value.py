@@ -9,6 +9,7 @@ its values see the images; `rlx.models.loading.model_class(config, 'critic')` pi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -38,13 +39,16 @@ def is_value_config(config) -> bool:
     return any(a.endswith("ForTokenClassification") for a in archs) and getattr(config, "num_labels", 0) == 1
 
 
-def build_value_model(policy: torch.nn.Module, seed: int) -> torch.nn.Module:
+def build_value_model(policy: torch.nn.Module, seed: int, unfilled: bool = False) -> torch.nn.Module:
     """A value model whose backbone is a copy of `policy`'s (a vision-language policy's: its vision tower and
-    decoder) and whose head is freshly initialised."""
+    decoder) and whose head is freshly initialised; `unfilled`: its weights neither copied nor drawn (the memory as
+    allocated), for a rank whose shards are filled from another's afterwards (rlx/ppo/models.py)."""
+    from transformers.initialization import no_init_weights
+
     quiet_transformers()
     config = value_config(policy.config)
     cls = model_class(config, "critic")
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), no_init_weights() if unfilled else contextlib.nullcontext():
         torch.manual_seed(seed)
         try:
             model = cls.from_config(config, dtype=torch.float32)
@@ -53,8 +57,9 @@ def build_value_model(policy: torch.nn.Module, seed: int) -> torch.nn.Module:
                 f"{type(policy).__name__}: transformers has no token-classification head for this "
                 f"model family, so it cannot be a critic ({e})"
             ) from None
-    backbone = getattr(model, model.base_model_prefix)
-    backbone.load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
+    if not unfilled:
+        backbone = getattr(model, model.base_model_prefix)
+        backbone.load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
     return model
 
 

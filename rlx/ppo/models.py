@@ -62,8 +62,8 @@ def build_run_models(
     copy_ref = cfg.use_ref and cfg.lora is None  # with LoRA the reference is the actor's base: no copy
     source, config = policy or resolve_model(start_ckpt if start_ckpt is not None else cfg.model.path)  # once
     if start_ckpt is None and _filled_from_rank0(cfg, backend, source, config):
-        actor, ref, tokenizer, aux = _initial_from_rank0(cfg, backend, train_cfg, source, config, copy_ref)
-        critic, critic_aux, model = None, {}, None
+        actor, ref, critic, tokenizer, aux, critic_aux = _initial_from_rank0(cfg, backend, train_cfg, source, config)
+        model = None
     elif start_ckpt is None:
         model, tokenizer, aux = load_initial_policy(source, cfg.model.init, cfg.seed, config)
         spec = lora_spec(cfg.lora, cfg.model.path, cfg.model.init, cfg.seed, model)  # before adapters and shards
@@ -100,42 +100,51 @@ def build_run_models(
 def _filled_from_rank0(cfg: PPOConfig, backend: TrainingBackend, source: ModelSource, config) -> bool:
     """Whether a fresh start's ranks other than 0 build the policy unfilled and take its weights from rank 0's
     (`_initial_from_rank0`): FSDP under a launcher, full weights from a model folder (or drawn), experts not split,
-    no critic (built from the policy's copy)."""
+    and a critic, if any, built from the policy (not its own folder, no adapters)."""
+    critic = cfg.critic
     return (
         backend.name == "fsdp"
         and backend.ctx.world > 1
         and cfg.lora is None
-        and cfg.critic is None
+        and (critic is None or (not critic.path and critic.lora is None))
         and cfg.train.ep_degree == 1
         and config is not None
         and not source.is_gguf
     )
 
 
-def _initial_from_rank0(cfg: PPOConfig, backend: TrainingBackend, train_cfg, source: ModelSource, config,
-                        copy_ref: bool):  # fmt: skip
-    """(actor trainer, reference model on the device or None, tokenizer, aux) of a fresh start where only rank 0
-    loads (or draws) the float32 policy: the other ranks build it unfilled (memory allocated, not touched: no host
-    memory until written), the trainer shards it, and rank 0's weights fill every rank's shards, the reference's
-    whole copy broadcast. Each rank loading the whole policy held ranks x 4 bytes a parameter on a host at the start
-    (7B on four GPUs: 113 GiB; 32B on eight: 976 GiB), twice that with a reference."""
+def _initial_from_rank0(cfg: PPOConfig, backend: TrainingBackend, train_cfg, source: ModelSource, config):
+    """(actor trainer, reference model on the device or None, critic trainer or None, tokenizer, aux, critic aux)
+    of a fresh start where only rank 0 loads (or draws) the float32 policy and builds the reference and critic from
+    it: the other ranks build them unfilled (memory allocated, not touched: no host memory until written), the
+    trainers shard them, and rank 0's weights fill every rank's shards, the reference's whole copy broadcast. Each
+    rank loading the whole policy held ranks x 4 bytes a parameter on a host at the start (7B on four GPUs: 113 GiB;
+    32B on eight: 976 GiB), up to three times that with a reference and a critic."""
     from rlx.parallel.fsdp import broadcast_module, fill_from_rank0
 
-    device = backend.ctx.device
-    if backend.ctx.is_main:
+    device, main = backend.ctx.device, backend.ctx.is_main
+    if main:
         model, tokenizer, aux = load_initial_policy(source, cfg.model.init, cfg.seed, config)
-        full = dict(model.state_dict())  # kept whole on rank 0 while the trainer shards the model
     else:
         check_init(source, cfg.model.init)
-        model, full = unfilled_model(source, "actor", config), None
+        model = unfilled_model(source, "actor", config)
         tokenizer, aux = load_tokenizer(source), aux_files(source.folder)  # as load_initial_policy gives them
+    full = dict(model.state_dict()) if main else None  # kept whole on rank 0 while the trainer shards the model
     ref = None
-    if copy_ref:
-        ref = copy.deepcopy(model) if full is not None else unfilled_model(source, "actor", config)
+    if cfg.use_ref:
+        ref = copy.deepcopy(model) if main else unfilled_model(source, "actor", config)
         broadcast_module(ref.requires_grad_(False).to(device))
+    critic, critic_aux, critic_full = None, {}, None
+    if cfg.critic is not None:  # from the whole policy, before the actor shards it
+        critic, critic_aux = build_critic_files(model, tokenizer, cfg.seed, aux, unfilled=not main)
+        critic_full = dict(critic.state_dict()) if main else None
     actor = backend.build_trainer(model, train_cfg, "the initial policy")
     fill_from_rank0(actor.state().model_shards(), full, device)
-    return actor, ref, tokenizer, aux
+    if critic is not None:
+        critic_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed).with_decay_length(cfg.steps)
+        critic = backend.build_trainer(critic, critic_cfg, "the new critic")
+        fill_from_rank0(critic.state().model_shards(), critic_full, device)
+    return actor, ref, critic, tokenizer, aux, critic_aux
 
 
 def _critic(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None, policy, tokenizer, policy_aux=None):

@@ -201,6 +201,8 @@ class Workload:
     cache is left to the engine's own sizing)."""
     launched: bool = False
     """Run under a launcher (torchrun): FSDP shards the models even on one process, so CPU offload is possible."""
+    critic_own_model: bool = False
+    """The critic starts from its own folder (critic.path) or trains adapters, not from a copy of the policy."""
 
     @property
     def sample_tokens(self) -> int:
@@ -234,6 +236,7 @@ class Workload:
             vllm_memory_fraction=float(rollout.get("gpu_memory_utilization", 0.5)),
             # an episode's context (earlier turns, tool output) can outgrow prompt + response: not bounded then
             prompt_known=bool(rollout.get("max_prompt_length")) and not (agent.get("env") or agent.get("agent")),
+            critic_own_model=bool(table("critic").get("path")) or "lora" in table("critic"),
         )
 
 
@@ -416,7 +419,7 @@ def host_gib(shape: ModelShape, work: Workload, settings: Settings, world: int, 
     """Peak GiB of one host holding `ranks` of the `world` ranks, at the start and in steady steps:
     - 'load': the whole float32 policy on the host, with its reference and a new critic copied from it, before the
       trainer shards them onto its GPU (rlx/ppo/models.py): on rank 0 alone under a launcher (the host holding it),
-      on every rank with a critic, LoRA or experts split over ranks;
+      on every rank with LoRA, a critic of its own folder or adapters, or experts split over ranks;
     - 'steady': the checkpoints' host buffers, pinned for the run (float32 weights and AdamW's two moments, 12 bytes
       per parameter, a 1 / world share on each rank, in whole pinned chunks: `_pinned_gib`; a LoRA policy's adapters
       are small),
@@ -448,8 +451,9 @@ def _pinned_gib(shape: ModelShape, bytes_per_param: int, world: int) -> float:
 
 
 def _rank0_loads(work: Workload, settings: Settings, world: int) -> bool:
-    """Whether a fresh start's rank 0 alone loads the policy on its host (rlx/ppo/models.py `_filled_from_rank0`)."""
-    return world > 1 and not work.has_lora and not work.has_critic and settings.ep_degree == 1
+    """Whether a fresh start's rank 0 alone loads the policy (and the reference and critic copied from it) on its
+    host (rlx/ppo/models.py `_filled_from_rank0`)."""
+    return world > 1 and not work.has_lora and not work.critic_own_model and settings.ep_degree == 1
 
 
 def _loaded_gib(shape: ModelShape, work: Workload) -> float:

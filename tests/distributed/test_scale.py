@@ -91,22 +91,27 @@ def test_checkpoint_layout_in_one_process_and_a_bad_one(tmp_path):
 
 @pytest.mark.slow
 def test_a_fresh_start_fills_every_rank_from_rank_0_s_weights(tmp_path):
-    """Under a launcher only rank 0 loads the policy; the other ranks build it unfilled and take their shards (and
-    the reference's whole copy) from rank 0's weights. At learning rate 0 the run's checkpoint after one step holds
-    exactly the model folder's weights, in every shard of both ranks, and the reference equals the policy (KL 0)."""
+    """Under a launcher only rank 0 loads the policy; the other ranks build it (and the critic made from it)
+    unfilled and take their shards (and the reference's whole copy) from rank 0's weights. At learning rate 0 the
+    run's checkpoint after one step holds exactly the model folder's weights, in every shard of both ranks, the
+    critic's backbone too, and the reference equals the policy (KL 0)."""
     from tests.conftest import save_tiny_hf
 
     model = save_tiny_hf(tmp_path / "hf", tie=False, seed=3)
     out = tmp_path / "run"
     torchrun(2, "ppo", RECIPE, "--out", out, "--set", "steps=1", *SMALL, "--set", f'model.path="{model}"',
              "--set", 'model.init="pretrained"', "--set", "use_ref=true", "--set", "train.optim.lr=0.0",
-             "--set", "train.optim.weight_decay=0.0")  # fmt: skip
+             "--set", "train.optim.weight_decay=0.0", "--set", "critic.train.optim.lr=0.0",
+             "--set", "critic.train.optim.weight_decay=0.0")  # fmt: skip
     saved = read_full_weights(out / "checkpoints" / "step_000001")
+    critic = read_full_weights(out / "checkpoints" / "step_000001" / "critic")
     from safetensors.torch import load_file
 
     original = load_file(model / "model.safetensors")
     assert saved.keys() == original.keys()
     for key, value in original.items():
         assert saved[key].equal(value), key
+        assert key.startswith("lm_head") or critic[key].equal(value), key
+    assert critic["score.weight"].abs().sum() > 0  # the seeded head, not zeros
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert abs(metrics["actor/ref_kl"]) < 1e-6, metrics["actor/ref_kl"]

@@ -340,11 +340,11 @@ def test_a_resumed_run_keeps_the_memory_settings_it_started_with(tmp_path, monke
 
 
 def test_the_host_s_memory_is_planned_too():
-    """Rank 0 builds the whole float32 policy on the host before sharding it (every rank with a critic), and each
-    rank pins its share of the checkpoint buffers (with CPU offload, also its offloaded shards): a 32B model whose
-    GPUs' plan fits 4 x H100 with CPU offload does not fit the lent 4-GPU host (503 GB; 998 GiB of offloaded steady
-    state): refused, naming the host's peaks and what would hold it, with the GPUs' plan shown. 7B and 14B fit it
-    (they ran there)."""
+    """Rank 0 builds the whole float32 policy on the host before sharding it (every rank with LoRA or a critic of
+    its own folder), and each rank pins its share of the checkpoint buffers (with CPU offload, also its offloaded
+    shards): a 32B model whose GPUs' plan fits 4 x H100 with CPU offload does not fit the lent 4-GPU host (503 GB;
+    998 GiB of offloaded steady state): refused, naming the host's peaks and what would hold it, with the GPUs' plan
+    shown. 7B and 14B fit it (they ran there)."""
     tree = with_fast_path({**ISSUE_RECIPE, "model": {"path": "m"}})
     x4 = Host(X4_HOST_GIB, 4)
     fourteen = plan_memory(QWEN25_14B, tree, {}, 4, H100_GIB, x4)
@@ -363,12 +363,14 @@ def test_the_host_s_memory_is_planned_too():
     # the load fits a 600 GiB host, the offloaded steady state does not; 2 TiB holds both
     assert not plan_memory(QWEN25_32B, tree, {}, 4, H100_GIB, Host(600.0, 4)).fits
     assert plan_memory(QWEN25_32B, tree, {}, 4, H100_GIB, Host(2048.0, 4)).fits
-    # rank 0 alone loads the policy (and its reference, a whole float32 copy); with a critic every rank loads all three
+    # rank 0 alone loads the policy and the reference and critic copied from it (whole float32 copies); a critic of
+    # its own folder is loaded on every rank, with the policy and reference
     ref = with_fast_path({**ISSUE_RECIPE, "model": {"path": "m"}, "use_ref": True})
     both = with_fast_path({**ISSUE_RECIPE, "model": {"path": "m"}, "use_ref": True, "critic": {}})
-    loads = [plan_memory(QWEN25_7B, t, {}, 4, H100_GIB, x4).host_gib["load"] for t in (tree, ref, both)]
+    own = with_fast_path({**ISSUE_RECIPE, "model": {"path": "m"}, "use_ref": True, "critic": {"path": "c"}})
+    loads = [plan_memory(QWEN25_7B, t, {}, 4, H100_GIB, x4).host_gib["load"] for t in (tree, ref, both, own)]
     policy = model_shape(QWEN25_7B).params * 4 / 2**30
-    assert [load - loads[0] for load in loads[1:]] == pytest.approx([policy, 11 * policy])
+    assert [load - loads[0] for load in loads[1:]] == pytest.approx([policy, 2 * policy, 11 * policy])
 
 
 def test_plan_cli_checks_the_host_it_is_given(tmp_path, monkeypatch):
