@@ -130,10 +130,9 @@ def _initial_from_rank0(cfg: PPOConfig, backend: TrainingBackend, train_cfg, sou
         model = unfilled_model(source, "actor", config)
         tokenizer, aux = load_tokenizer(source), aux_files(source.folder)  # as load_initial_policy gives them
     full = dict(model.state_dict()) if main else None  # kept whole on rank 0 while the trainer shards the model
-    ref = None
+    ref = None  # on the host until the trainers are built (the GPU's peak as without this path)
     if cfg.use_ref:
         ref = copy.deepcopy(model) if main else unfilled_model(source, "actor", config)
-        broadcast_module(ref.requires_grad_(False).to(device))
     critic, critic_aux, critic_full = None, {}, None
     if cfg.critic is not None:  # from the whole policy, before the actor shards it
         critic, critic_aux = build_critic_files(model, tokenizer, cfg.seed, aux, unfilled=not main)
@@ -144,6 +143,8 @@ def _initial_from_rank0(cfg: PPOConfig, backend: TrainingBackend, train_cfg, sou
         critic_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed).with_decay_length(cfg.steps)
         critic = backend.build_trainer(critic, critic_cfg, "the new critic")
         fill_from_rank0(critic.state().model_shards(), critic_full, device)
+    if ref is not None:
+        broadcast_module(ref.requires_grad_(False).to(device))
     return actor, ref, critic, tokenizer, aux, critic_aux
 
 
