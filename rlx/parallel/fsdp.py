@@ -180,9 +180,10 @@ def fill_from_rank0(shards: dict[str, torch.Tensor], full: dict[str, torch.Tenso
     for name, live in shards.items():
         if full is not None and name not in full:
             raise KeyError(f"{name}: not among the weights of the model rank 0 loaded")
-        shape = live.shape
-        source = full[name].to(device, live.dtype) if full is not None else torch.empty(shape, dtype=live.dtype,
-                                                                                      device=device)  # fmt: skip
+        if full is not None:
+            source = full[name].to(device, live.dtype)
+        else:  # what rank 0 sends lands here (a scatter ignores it)
+            source = torch.empty(live.shape, dtype=live.dtype, device=device)
         if isinstance(live, DTensor):
             scattered = distribute_tensor(source, live.device_mesh, live.placements, src_data_rank=0)
             live.to_local().copy_(scattered.to_local())

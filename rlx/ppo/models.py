@@ -140,12 +140,16 @@ def _initial_from_rank0(cfg: PPOConfig, backend: TrainingBackend, train_cfg, sou
     actor = backend.build_trainer(model, train_cfg, "the initial policy")
     fill_from_rank0(actor.state().model_shards(), full, device)
     if critic is not None:
-        critic_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed).with_decay_length(cfg.steps)
-        critic = backend.build_trainer(critic, critic_cfg, "the new critic")
+        critic = backend.build_trainer(critic, _critic_train_cfg(cfg), "the new critic")
         fill_from_rank0(critic.state().model_shards(), critic_full, device)
     if ref is not None:
         broadcast_module(ref.requires_grad_(False).to(device))
     return actor, ref, critic, tokenizer, aux, critic_aux
+
+
+def _critic_train_cfg(cfg: PPOConfig):
+    """The critic trainer's config: [critic.train] with the run's seed and learning-rate decay length."""
+    return dataclasses.replace(cfg.critic.train, seed=cfg.seed).with_decay_length(cfg.steps)
 
 
 def _critic(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None, policy, tokenizer, policy_aux=None):
@@ -153,7 +157,7 @@ def _critic(cfg: PPOConfig, backend: TrainingBackend, start_ckpt: Path | None, p
     from the policy's backbone with a seeded head (with the policy's processor files, `policy_aux`)."""
     if cfg.critic is None:
         return None, {}
-    train_cfg = dataclasses.replace(cfg.critic.train, seed=cfg.seed).with_decay_length(cfg.steps)
+    train_cfg = _critic_train_cfg(cfg)
     lora = cfg.critic.lora
     if start_ckpt is not None:
         source, config = resolve_model(start_ckpt / CRITIC_DIR)

@@ -74,6 +74,8 @@ and Qwen2.5-7B shapes on 4 x H100 (bench/tp_rollout.py, 256 sequences of 128 + 2
 1 / 2, 7B 7.14 / 6.20 / 6.70 ms at tp 1 / 2 / 4)."""
 DECODE_WEIGHT_BYTES_PER_MS = 2.79e9
 """Bytes of bfloat16 weights a decode step reads per millisecond on one GPU (the same fit: ~2.8 TB/s on an H100)."""
+CHECKPOINT_BYTES_PER_PARAM = 12
+"""A trained parameter in a checkpoint: its float32 weight and AdamW's two float32 moments."""
 MIN_GOOD_BUDGET = 4096
 """Micro-batches smaller than this spend more time gathering FSDP shards than computing on a 7B-class model: the
 plan prefers releasing the engine or checkpointing activations over going below it."""
@@ -442,11 +444,9 @@ def _pinned_gib(shape: ModelShape, bytes_per_param: int, world: int) -> float:
     moments: 8), in whole chunks: rlx/utils/host_copy.py carves them out of chunks of one power-of-two size, at least
     the largest tensor's shard (the embedding's rows over the ranks; FSDP shards dimension 0). Without the rounding
     the plan was 5 GiB under rank 0's host memory at 7B on one H200 (94.0 GiB measured; 2.0 on two, 0.6 on four)."""
-    from rlx.utils.host_copy import CHUNK_MIN_BYTES
+    from rlx.utils.host_copy import pinned_chunk_bytes
 
-    rows = max(shape.vocab, shape.intermediate)
-    largest = math.ceil(rows / world) * shape.hidden * 4
-    chunk = max(CHUNK_MIN_BYTES, 1 << max(0, largest - 1).bit_length())
+    chunk = pinned_chunk_bytes(math.ceil(max(shape.vocab, shape.intermediate) / world) * shape.hidden * 4)
     return math.ceil(shape.params * bytes_per_param / world / chunk) * chunk / GIB
 
 
@@ -745,7 +745,7 @@ def planned_checkpoint_bytes(shape: ModelShape, work: Workload) -> int:
     """One checkpoint of the trained models: float32 weights and AdamW's two moments, 12 bytes a parameter, for the
     actor and a critic like it (0 with LoRA: its adapters are small). `rlx ppo` counts the built models' parameters
     (rundir.checkpoint_bytes) before step 1."""
-    return 0 if work.has_lora else 12 * shape.params * (2 if work.has_critic else 1)
+    return 0 if work.has_lora else CHECKPOINT_BYTES_PER_PARAM * shape.params * (2 if work.has_critic else 1)
 
 
 def _what_fits(shape: ModelShape, work: Workload, base: Settings, user: dict, world: int, gpu_gib: float,

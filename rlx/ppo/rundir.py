@@ -347,13 +347,13 @@ def check_space_before_loading(run_dir: Path, config, saves: list[int], keep: in
     write its first checkpoint stops before loading (7B resumed on two H200: 30-60 s of loading before the check on
     the built models refused it). A config the plan cannot size is left to that later check, which also warns. Not
     for a LoRA policy (its adapters are small)."""
-    from rlx.ppo.plan import model_shape
+    from rlx.ppo.plan import CHECKPOINT_BYTES_PER_PARAM, model_shape
 
     try:
         params = model_shape(config.to_dict() if hasattr(config, "to_dict") else dict(config)).params
     except (KeyError, TypeError, ValueError, AttributeError):
         return
-    check_checkpoint_space(run_dir, int(0.98 * 12 * params), saves, keep)
+    check_checkpoint_space(run_dir, int(0.98 * CHECKPOINT_BYTES_PER_PARAM * params), saves, keep)
 
 
 def checkpoint_write_error(out: Path, each: int, error: Exception) -> UserError | None:

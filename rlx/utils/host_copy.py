@@ -72,6 +72,12 @@ def _ensure(tag: str, shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> int:
     return sum(shape.numel() * dtype.itemsize for shape, dtype in missing.values())
 
 
+def pinned_chunk_bytes(largest: int) -> int:
+    """The size of the pinned chunks a snapshot whose largest tensor is `largest` bytes is carved out of: a power of
+    two, at least CHUNK_MIN_BYTES (the memory plan counts whole chunks: rlx/ppo/plan.py)."""
+    return max(CHUNK_MIN_BYTES, 1 << max(0, largest - 1).bit_length())
+
+
 def _carve(shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
     """Host tensors of these shapes and dtypes, packed largest first into pinned chunks of one power-of-two size (at
     least CHUNK_MIN_BYTES, at least the largest tensor), each tensor a view of one chunk at a 512-byte offset. (DCP's
@@ -80,7 +86,7 @@ def _carve(shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch
     sizes = {key: shape.numel() * dtype.itemsize for key, (shape, dtype) in shapes.items()}
     if not sizes:
         return {}
-    chunk_bytes = max(CHUNK_MIN_BYTES, 1 << max(0, max(sizes.values()) - 1).bit_length())
+    chunk_bytes = pinned_chunk_bytes(max(sizes.values()))
     chunks: list[list] = []  # [chunk, bytes used]
     out = {}
     for key in sorted(sizes, key=lambda k: -sizes[k]):
